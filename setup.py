@@ -1,0 +1,49 @@
+"""Stacx: reinforcement learning and distillation post-training for LLMs on megatron-core.
+
+Why each dependency is here (docs/dependencies.md has the long form):
+- torch: tensors, autograd, torch.distributed (gloo on CPU, NCCL on GPU).
+- megatron-core: the GPT model, tensor/context-parallel layers and distributed optimizer.
+- ray: role workers, placement groups and multi-node scheduling.
+- transformers / safetensors: Hugging Face configs, tokenizers and checkpoint files.
+- datasets: JSONL and Parquet prompt / SFT / DPO datasets.
+- pyyaml: `--config run.yaml`.
+- tensorboard / matplotlib / tqdm: metrics, plots and the driver's progress bar.
+- requests: HTTP client for inference and teacher servers.
+
+torch is deliberately left without an upper bound but is never resolved here on its own:
+the install scripts pin `torch==2.13.0` (the CPU wheel) before installing Stacx.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="stacx",
+    version="0.1.0",
+    description="Post-train LLMs with RL and distillation on megatron-core, from a laptop CPU to a cluster.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["stacx", "stacx.*"]),
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1,<0.17",
+        "ray[default]>=2.40",
+        "transformers>=4.51",
+        "safetensors>=0.4",
+        "datasets>=3.0",
+        "pyyaml>=6.0",
+        "tensorboard>=2.15",
+        "matplotlib>=3.8",
+        "tqdm>=4.66",
+        "requests>=2.31",
+        "einops>=0.8",
+    ],
+    extras_require={
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
+        # apex is an optional source build (fused kernels); it is detected at run time.
+        "gpu": ["transformer-engine[pytorch]>=2.0"],
+        "sglang": ["sglang>=0.5"],
+    },
+    entry_points={"console_scripts": ["stacx=stacx.launch.cli:main"]},
+)

@@ -1,0 +1,5 @@
+import sys
+
+from stacx.launch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,133 @@
+"""Lets megatron-core's GPT model, tensor-parallel layers, DDP and optimizer run on CPU over gloo.
+
+megatron-core assumes CUDA in a handful of places that have nothing to do with the math:
+buffers are allocated on `torch.cuda.current_device()`, the RNG tracker saves CUDA generator
+states, and the optimizer builder asks for CUDA-only fused kernels. On a machine without CUDA
+Stacx applies the patches below, once, before any model is built. Each is a no-op when CUDA is
+present: `apply_if_needed()` returns without touching anything then.
+
+Patches (each covered by tests/parallel/test_megatron_cpu_compat.py):
+
+1. `torch.cuda.current_device()` -> the CPU device. Used for allocation targets in
+   tensor-parallel mappings (all-gather outputs), rotary embeddings (`inv_freq`) and the global
+   memory buffer. On a CPU-only build the original raises, so nothing that works is changed.
+2. `torch` as seen by three megatron modules -> a view of torch whose tensor factories map
+   `device="cuda"` to the CPU. `megatron.core.optimizer.optimizer` (loss-scale and found-inf
+   scalars), `megatron.core.optimizer.clip_grads` (grad-norm buffers) and `megatron.core.utils`
+   (the local multi-tensor l2-norm fallback) allocate with a literal `device='cuda'`. The view
+   is installed in those modules' namespaces only, so `get_megatron_optimizer` builds, clips
+   and steps on CPU and no other code sees it.
+3. `clip_grad_by_total_norm_fp32` -> the same scaling without its assertion that gradients
+   are `torch.cuda.FloatTensor`. Installed where the optimizer looks it up.
+4. `get_pos_emb_on_this_cp_rank` -> the same index_select of chunks r and 2*cp-1-r, without the
+   pinned-memory index tensor and `.cuda()` copy (used by RoPE under CP for unpacked batches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+
+import torch
+
+_applied = False
+
+
+def cuda_is_present() -> bool:
+    return torch.cuda.is_available()
+
+
+def apply_if_needed() -> bool:
+    """Apply every patch when CUDA is absent. Returns True if patches are (now) active."""
+    global _applied
+    if cuda_is_present():
+        return False
+    if _applied:
+        return True
+    _patch_current_device()
+    _patch_optimizer_tensor_factories()
+    _patch_grad_clipping()
+    _patch_cp_rope_slicing()
+    _applied = True
+    return True
+
+
+def is_applied() -> bool:
+    return _applied
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _patch_current_device() -> None:
+    torch.cuda.current_device = _cpu_current_device
+
+
+class _CpuTensorFactories:
+    """Forwards every attribute to `torch`, except factories that are told `device="cuda"`."""
+
+    _FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange")
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        if name in self._FACTORIES:
+            return functools.partial(_on_cpu, value)
+        return value
+
+
+def _on_cpu(factory, *args, **kwargs):
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cuda":
+        kwargs["device"] = "cpu"
+    return factory(*args, **kwargs)
+
+
+MODULES_ALLOCATING_ON_CUDA = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.utils",
+)
+
+
+def _patch_optimizer_tensor_factories() -> None:
+    for module_name in MODULES_ALLOCATING_ON_CUDA:
+        importlib.import_module(module_name).torch = _CpuTensorFactories()
+
+
+def clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron's `clip_grad_by_total_norm_fp32` for CPU fp32 gradients (scales grads in place)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attribute = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attribute) for p in parameters if getattr(p, attribute, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_([g.detach() for g in grads], clip_coeff)
+
+
+def _patch_grad_clipping() -> None:
+    from megatron.core.optimizer import clip_grads as mcore_clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    mcore_clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_cpu
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_cpu
+
+
+def get_pos_emb_on_this_cp_rank_cpu(pos_emb, seq_dim, cp_group):
+    """Rotary table rows of this CP rank's two load-balanced chunks (r and 2*cp-1-r)."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    chunk_ids = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
+    pos_emb = pos_emb.index_select(seq_dim, chunk_ids)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+
+
+def _patch_cp_rope_slicing() -> None:
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    rope_utils.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank_cpu
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank_cpu

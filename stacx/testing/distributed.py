@@ -1,0 +1,129 @@
+"""Run a function on N spawned gloo ranks with a megatron-core (tp, cp, dp) layout.
+
+    results = run_distributed(check_allreduce, world_size=4, tensor_parallel_size=2,
+                              context_parallel_size=2, args=(x,))
+
+`fn(groups, *args)` runs on every rank with the rank's `ProcessGroups`; its return values come
+back in rank order. Any rank's exception is re-raised here as `DistributedRunError` carrying
+that rank's number and traceback; a rank that dies without a word, or a run that exceeds its
+deadline, fails the same way. Nothing waits forever: init and run both have timeouts, and
+every child is killed before this returns or raises.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+class DistributedRunError(RuntimeError):
+    """A rank raised, died, or did not finish in time."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, fn, args, kwargs, tp, cp, timeout_s, results):
+    import torch
+    import torch.distributed as dist
+
+    from stacx.parallel.groups import destroy_parallel_layout, initialize_parallel_layout
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    # Several ranks share two cores: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        groups = initialize_parallel_layout(tp, cp, timeout_s=timeout_s)
+        value = fn(groups, *args, **kwargs)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent with its rank
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            destroy_parallel_layout()
+        except Exception:  # noqa: BLE001 - teardown after a failure may fail too; the cause was sent
+            pass
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    tensor_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout_s: float = 180.0,
+) -> list[Any]:
+    """Spawn `world_size` gloo ranks, run `fn(groups, *args, **kwargs)` on each, return results by rank.
+
+    `fn` must be importable by name (a module-level function), as spawned children unpickle it.
+    `timeout_s` bounds process-group init, every collective, and the whole run.
+    """
+    if not 1 <= world_size <= 8:
+        raise ValueError(f"world_size must be in [1, 8], got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = find_free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, fn, args, kwargs or {}, tensor_parallel_size,
+                  context_parallel_size, timeout_s, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    collected: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s + 30.0  # spawn + imports on top of the run itself
+    try:
+        while len(collected) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue_module.Empty:
+                _check_alive(procs, collected)
+                if time.monotonic() > deadline:
+                    waiting = sorted(set(range(world_size)) - set(collected))
+                    raise DistributedRunError(
+                        f"distributed run timed out after {timeout_s:.0f}s; ranks {waiting} did not finish"
+                    )
+                continue
+            if not ok:
+                raise DistributedRunError(f"rank {rank} raised:\n{value}", rank=rank)
+            collected[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+    return [collected[rank] for rank in range(world_size)]
+
+
+def _check_alive(procs, collected) -> None:
+    for rank, proc in enumerate(procs):
+        if rank not in collected and not proc.is_alive() and proc.exitcode not in (None, 0):
+            raise DistributedRunError(f"rank {rank} died with exit code {proc.exitcode}", rank=rank)

@@ -1,0 +1,111 @@
+"""Each CPU patch of stacx.parallel.megatron_cpu_compat, and that none applies with CUDA present."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from stacx.testing.distributed import run_distributed
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches are inactive with CUDA")
+
+
+def _tiny_gpt(groups, vocab_size=64):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from stacx.models.causal_sdpa_attention import SdpaCoreAttention
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+        use_cpu_initialization=True, tensor_model_parallel_size=groups.tp_size,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
+    )
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
+                     max_sequence_length=64, position_embedding_type="rope")
+    return config, model
+
+
+def train_one_step_with_megatron_ddp_and_optimizer(groups):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    # Patch 1: TP all-gather allocates its output on torch.cuda.current_device().
+    assert torch.cuda.current_device() == torch.device("cpu")
+    shard = torch.full((2, 3), float(groups.tp_rank))
+    gathered = gather_from_tensor_model_parallel_region(shard)
+
+    torch.manual_seed(0)
+    config, model = _tiny_gpt(groups)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    # Patches 2 and 3: the optimizer builds, computes the grad norm and clips on CPU.
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1e-3), [ddp])
+    before = [p.detach().clone() for p in model.parameters()]
+    tokens = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    logits = ddp(tokens, torch.arange(16)[None], None)
+    logits.float().pow(2).mean().backward()
+    ddp.finish_grad_sync()
+    grads_after_clip = None
+    updated, grad_norm, _ = optimizer.step()
+    grads_after_clip = sum(p.main_grad.double().pow(2).sum() for p in model.parameters()).item()
+    changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return gathered, updated, grad_norm, changed, grads_after_clip
+
+
+def test_tp2_model_trains_one_step_with_megatron_optimizer_on_cpu():
+    results = run_distributed(train_one_step_with_megatron_ddp_and_optimizer, 2, tensor_parallel_size=2)
+    for gathered, updated, grad_norm, changed, _ in results:
+        assert torch.equal(gathered, torch.cat([torch.zeros(2, 3), torch.ones(2, 3)], dim=-1))
+        assert updated and changed
+        assert grad_norm > 1e-3  # so clipping (to 1e-3) really scaled the gradients
+    assert results[0][2] == pytest.approx(results[1][2])  # the TP-reduced norm is global
+
+
+def test_cpu_clipping_scales_gradients_to_max_norm():
+    from stacx.parallel.megatron_cpu_compat import clip_grad_by_total_norm_cpu
+
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    for p in params:
+        p.grad = torch.full_like(p, 2.0)
+    total = torch.sqrt(sum((p.grad**2).sum() for p in params)).item()
+    clip_grad_by_total_norm_cpu(params, max_norm=1.0, total_norm=total)
+    clipped = torch.sqrt(sum((p.grad**2).sum() for p in params)).item()
+    assert clipped == pytest.approx(1.0, rel=1e-5)
+
+
+def cp_rope_rows(groups):
+    from megatron.core.models.common.embeddings import rope_utils
+
+    table = torch.arange(8.0).view(8, 1, 1, 1)  # 8 positions, cp=2 -> 4 chunks of 2
+    return rope_utils.get_pos_emb_on_this_cp_rank(table, 0, groups.cp).flatten().tolist()
+
+
+def test_cp_rope_slicing_picks_load_balanced_chunks():
+    results = run_distributed(cp_rope_rows, 2, context_parallel_size=2)
+    # rank 0 holds chunks 0 and 3, rank 1 holds chunks 1 and 2.
+    assert results == [[0.0, 1.0, 6.0, 7.0], [2.0, 3.0, 4.0, 5.0]]
+
+
+def test_patches_are_not_applied_when_cuda_is_present():
+    code = (
+        "import torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "original = torch.cuda.current_device\n"
+        "from stacx.parallel import megatron_cpu_compat as c\n"
+        "assert c.apply_if_needed() is False\n"
+        "assert torch.cuda.current_device is original\n"
+        "assert not c.is_applied()\n"
+        "from megatron.core.optimizer import optimizer\n"
+        "assert optimizer.torch is torch\n"
+        "print('untouched')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "untouched" in out.stdout
