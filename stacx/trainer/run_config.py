@@ -1,0 +1,390 @@
+"""The resolved configuration of one run: what `stacx train` flags and `--config run.yaml` fill in.
+
+A `RunConfig` is a set of small frozen sections. Every field name is unique across sections,
+so each field has exactly one command-line flag (`--tensor-model-parallel-size` for
+`parallel.tensor_model_parallel_size`) and one YAML key (flat `tensor_model_parallel_size:` or
+nested under its section). The `algorithm:` section also takes any custom hyperparameter,
+which the loss kernels read as `config.<name>`.
+
+    cfg = RunConfig.from_dict({"algorithm": {"name": "grpo", "my_temp": 0.3},
+                               "tensor_model_parallel_size": 2})
+    cfg.parallel.tensor_model_parallel_size  # 2
+    cfg.algorithm.my_temp                    # 0.3
+
+Unknown keys raise `ConfigError` naming the key (and the closest known names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A run-configuration key or value is wrong; the message names it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    hf_checkpoint: str | None = None
+    """Hugging Face checkpoint folder of the policy (config.json, safetensors, tokenizer)."""
+    ref_load: str | None = None
+    """Checkpoint of the reference model (KL anchor), held inside the policy worker."""
+    critic_load: str | None = None
+    """Checkpoint the critic starts from (defaults to hf_checkpoint)."""
+    load: str | None = None
+    """Stacx checkpoint folder to resume from (the latest complete step inside it)."""
+    save: str | None = None
+    """Folder where Stacx checkpoints are written."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSection:
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel degree of every trainable role."""
+    context_parallel_size: int = 1
+    """Context-parallel degree of every trainable role."""
+    data_parallel_size: int = 1
+    """Data-parallel degree; a role uses tp * cp * dp ranks."""
+    ray_address: str | None = None
+    """Address of an existing Ray cluster; unset starts a local one (or uses RAY_ADDRESS)."""
+    num_cpus_per_rank: float = 1.0
+    """CPUs a role worker reserves in its placement group."""
+    num_gpus_per_rank: float = 0.0
+    """GPUs a role worker reserves (1 on GPU clusters; colocated roles share them)."""
+    collective_timeout_s: float = 300.0
+    """Timeout of every collective; a stuck rank fails the run instead of hanging it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSection:
+    rollout_engine: str = "auto"
+    """'cpu' (in-process), 'sglang', 'http' (attach to rollout_urls) or 'auto' (sglang on GPU, else cpu)."""
+    rollout_urls: tuple[str, ...] = ()
+    """URLs of running inference servers to attach to."""
+    prompt_data: str | None = None
+    """JSONL or Parquet file of prompts, or 'builtin:<task>' for a built-in task."""
+    input_key: str = "prompt"
+    """Dataset key of the prompt (text or chat messages)."""
+    label_key: str = "label"
+    """Dataset key of the reference answer passed to the reward function."""
+    metadata_key: str = "metadata"
+    """Dataset key of per-sample metadata passed to the reward function."""
+    apply_chat_template: bool = False
+    """Format prompts with the checkpoint tokenizer's chat template."""
+    rollout_batch_size: int = 8
+    """Prompts per training step."""
+    n_samples_per_prompt: int = 4
+    """Responses sampled per prompt (the group size of GRPO-style estimators)."""
+    rollout_max_response_len: int = 64
+    """Maximum response tokens per sample."""
+    rollout_temperature: float = 1.0
+    """Sampling temperature; training log-probs use the same temperature."""
+    rollout_top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    rollout_top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    rollout_seed: int = 0
+    """Seed of the rollout sampler."""
+    reward_fn: str = "exact_match"
+    """Built-in reward name or 'module:function' import path."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and over-sample to refill the batch (DAPO)."""
+    over_sampling_factor: float = 1.5
+    """How many prompts dynamic sampling draws per needed prompt."""
+    malformed_rows: str = "fail"
+    """'fail' or 'skip' dataset rows that cannot be parsed (reported with file and line)."""
+    eval_data: str | None = None
+    """Held-out prompts evaluated every eval_interval steps."""
+    eval_interval: int = 0
+    """Steps between evaluations (0: never)."""
+    eval_n_samples: int = 1
+    """Samples per eval prompt (pass@k uses them)."""
+    eval_temperature: float = 0.0
+    """Eval sampling temperature (0: greedy)."""
+    save_rollouts_per_step: int = 4
+    """Rollouts per step written to rollouts.jsonl for inspection."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherSection:
+    teacher_url: str | None = None
+    """URL of the frozen teacher server (distillation recipes)."""
+    teacher_top_k: int = 8
+    """Top-K of teacher log-probs requested for top-K reverse KL."""
+    teacher_timeout_s: float = 60.0
+    """Per-request timeout of teacher calls."""
+    teacher_retries: int = 3
+    """Retries with exponential backoff before a teacher call fails the run."""
+    distill_kl_mode: str = "k3_sample"
+    """'k3_sample' (single-sample K3 on the chosen token) or 'topk' (union of top-K supports)."""
+    dagger_sampling_mode: str = "beta"
+    """'beta' (per-turn beta-mixture DAgger) or 'kappa' (trajectory-level AggreVaTe)."""
+    dagger_sft_mode: str = "live"
+    """'live' rollouts or 'trajectory' replay of a saved teacher corpus."""
+    trajectory_corpus: str | None = None
+    """JSONL teacher corpus for trajectory replay."""
+    dagger_beta_schedule: str = "linear"
+    """'linear', 'cosine', 'exponential' or 'step' decay of beta."""
+    dagger_beta_start: float = 1.0
+    """Initial probability that the teacher acts in a turn."""
+    dagger_beta_end: float = 0.0
+    """Final beta."""
+    dagger_beta_iters: int = 5
+    """Iterations over which beta decays."""
+    dagger_kappa_start: int = 0
+    """T_max(0) of AggreVaTe roll-ins."""
+    dagger_kappa_step: int = 20
+    """Growth of T_max per iteration."""
+    dagger_kappa_cap: int = 100
+    """Upper bound of T_max."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimSection:
+    lr: float = 1e-5
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_decay_style: str = "constant"
+    """'constant', 'linear' or 'cosine'."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.98
+    """Adam beta2."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0: off)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSection:
+    algorithm: str | None = None
+    """Recipe name; wins verbatim over use_critic and advantage_estimator (see infer_algorithm)."""
+    use_critic: bool = False
+    """Train a critic (selects the ppo recipe when no algorithm is given)."""
+    num_steps: int = 10
+    """Training steps (rollout + update each)."""
+    max_tokens_per_micro_batch: int = 4096
+    """Token budget of one packed micro-batch on one rank."""
+    seed: int = 1234
+    """Seed of initialization, data order and sampling."""
+    save_interval: int = 0
+    """Steps between checkpoints (0: only at the end when save is set)."""
+    custom_module: tuple[str, ...] = ()
+    """User modules (files or import names) imported to register algorithms; repeatable."""
+    export_hf: str | None = None
+    """Folder where the final policy is exported as a Hugging Face checkpoint."""
+    dry_run: bool = False
+    """Print the resolved recipe, role graph and placement, then exit."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingSection:
+    out: str = "outputs/run"
+    """Folder of metrics.jsonl, TensorBoard events, plots and rollouts."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    wandb_project: str | None = None
+    """Log to Weights & Biases under this project (when wandb is installed)."""
+    progress_bar: bool = True
+    """Show a progress bar with step, reward, loss and ETA on the driver."""
+
+
+ALGORITHM_FIELDS: dict[str, Any] = {
+    "name": None,
+    "advantage_estimator": None,
+    "policy_loss": None,
+    "loss_agg_mode": None,
+    "clip_ratio": 0.2,
+    "clip_ratio_low": None,
+    "clip_ratio_high": None,
+    "clip_ratio_c": 3.0,
+    "use_kl_loss": False,
+    "kl_loss_type": "low_var_kl",
+    "kl_loss_coef": 0.0,
+    "use_kl_in_reward": False,
+    "kl_in_reward_coef": 0.0,
+    "entropy_coef": 0.0,
+    "gamma": 1.0,
+    "lam": 1.0,
+    "norm_adv_by_std": True,
+    "value_clip": 0.2,
+    "dpo_beta": 0.1,
+    "dpo_loss_type": "sigmoid",
+    "label_smoothing": 0.0,
+}
+"""Known algorithm hyperparameters and defaults; any other key is a custom hyperparameter."""
+
+
+class AlgorithmConfig(types.SimpleNamespace):
+    """The `algorithm:` section: known fields with defaults plus any custom hyperparameter.
+
+    Loss kernels receive this object as `config` and read attributes (`config.clip_ratio`,
+    `getattr(config, "my_param", 0.5)`). Unknown attributes raise AttributeError naming them.
+    """
+
+    def __init__(self, **values: Any):
+        merged = dict(ALGORITHM_FIELDS)
+        merged.update(values)
+        if merged["clip_ratio_low"] is None:
+            merged["clip_ratio_low"] = merged["clip_ratio"]
+        if merged["clip_ratio_high"] is None:
+            merged["clip_ratio_high"] = merged["clip_ratio"]
+        super().__init__(**merged)
+
+    def custom_hyperparameters(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if k not in ALGORITHM_FIELDS}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "parallel": ParallelSection,
+    "rollout": RolloutSection,
+    "teacher": TeacherSection,
+    "optim": OptimSection,
+    "train": TrainSection,
+    "logging": LoggingSection,
+}
+
+
+def _section_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """field name -> (section name, Field); field names are unique across sections."""
+    found: dict[str, tuple[str, dataclasses.Field]] = {}
+    for section_name, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in found, f"field {f.name} appears in two sections"
+            found[f.name] = (section_name, f)
+    return found
+
+
+FIELDS = _section_fields()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    teacher: TeacherSection = field(default_factory=TeacherSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, source: str = "config") -> "RunConfig":
+        """Build from flat keys (`tensor_model_parallel_size: 2`) and/or nested sections.
+
+        Dashes in keys are accepted (`tensor-model-parallel-size`). `source` names where the
+        values came from in error messages (a YAML path, "command line", ...).
+        """
+        per_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        algorithm: dict[str, Any] = {}
+        for raw_key, value in (values or {}).items():
+            key = str(raw_key).replace("-", "_")
+            if key == "algorithm" and isinstance(value, dict):
+                for sub_key, sub_value in value.items():
+                    sub_key = str(sub_key).replace("-", "_")
+                    algorithm[sub_key] = _coerce_algorithm(sub_key, sub_value, source)
+            elif key in SECTIONS and isinstance(value, dict):
+                for sub_key, sub_value in value.items():
+                    sub_key = str(sub_key).replace("-", "_")
+                    if sub_key not in FIELDS or FIELDS[sub_key][0] != key:
+                        raise ConfigError(_unknown(f"{key}.{sub_key}", sub_key, source))
+                    per_section[key][sub_key] = _coerce(FIELDS[sub_key][1], sub_value, source)
+            elif key in FIELDS:
+                section_name, f = FIELDS[key]
+                per_section[section_name][key] = _coerce(f, value, source)
+            elif key in ALGORITHM_FIELDS:
+                algorithm[key] = _coerce_algorithm(key, value, source)
+            else:
+                raise ConfigError(_unknown(raw_key, key, source))
+        # The recipe name may come from --algorithm (train section) or algorithm.name.
+        if algorithm.get("name") and not per_section["train"].get("algorithm"):
+            per_section["train"]["algorithm"] = algorithm["name"]
+        sections = {name: SECTIONS[name](**kwargs) for name, kwargs in per_section.items()}
+        return cls(**sections, algorithm=AlgorithmConfig(**algorithm))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain dict (what checkpoints store and `--dry-run` prints)."""
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        out["algorithm"] = self.algorithm.to_dict()
+        return out
+
+    def replace(self, **flat_values: Any) -> "RunConfig":
+        """A copy with some flat fields changed (same keys as from_dict)."""
+        merged = {}
+        for name in SECTIONS:
+            merged.update(dataclasses.asdict(getattr(self, name)))
+        merged["algorithm"] = self.algorithm.to_dict()
+        for key, value in flat_values.items():
+            key = key.replace("-", "_")
+            if key in ALGORITHM_FIELDS and key not in FIELDS:
+                merged["algorithm"][key] = value
+            else:
+                merged[key] = value
+        return RunConfig.from_dict(merged, source="replace()")
+
+
+def _unknown(raw_key: str, key: str, source: str) -> str:
+    known = list(FIELDS) + list(SECTIONS) + ["algorithm"]
+    close = difflib.get_close_matches(key, known, n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"unknown key '{raw_key}' in {source}{hint}"
+
+
+def _coerce_algorithm(key: str, value: Any, source: str) -> Any:
+    """Known algorithm fields with a typed default are checked like section fields."""
+    default = ALGORITHM_FIELDS.get(key)
+    if default is None or value is None:
+        return value
+    stand_in = dataclasses.field()
+    stand_in.name, stand_in.type = key, type(default)
+    return _coerce(stand_in, value, source)
+
+
+def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
+    """Check and convert a value to the field's declared type; errors name the key."""
+    hint = f.type if not isinstance(f.type, str) else eval(f.type, vars(typing) | {"types": types})  # noqa: S307
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"key '{f.name}' in {source} must not be null")
+    base = next((a for a in args if a is not type(None)), hint) if args and optional else hint
+    origin = typing.get_origin(base)
+    try:
+        if origin is tuple:
+            items = [value] if isinstance(value, (str, int, float)) else list(value)
+            return tuple(str(v) for v in items)
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+                return value.lower() in ("true", "1", "yes")
+            raise ValueError(value)
+        if base is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if base is float:
+            return float(value)
+        if base is str:
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    else:
+        return value
+    raise ConfigError(f"key '{f.name}' in {source} expects {getattr(base, '__name__', base)}, got {value!r}")
