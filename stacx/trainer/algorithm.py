@@ -1,0 +1,61 @@
+"""Which recipe a run uses: `infer_algorithm(args)`.
+
+Resolution, first match wins:
+1. `--algorithm NAME` set explicitly: NAME verbatim (distillation, DAgger, SFT and DPO always use this).
+2. `use_critic` set: `ppo`.
+3. `--advantage-estimator NAME`: the recipe built around that estimator
+   (e.g. `reinforce_plus_plus` -> `reinforce_pp`); without one, `grpo`.
+
+The result always names a registered recipe; an unknown name lists the known ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from stacx.trainer.config import ADVANTAGE_ESTIMATORS, RecipeError
+
+#: Advantage estimator -> the recipe whose defaults are built around it.
+ESTIMATOR_TO_RECIPE: dict[str, str] = {
+    "grpo": "grpo",
+    "dr_grpo": "dr_grpo",
+    "rloo": "rloo",
+    "reinforce_plus_plus": "reinforce_pp",
+    "reinforce_plus_plus_baseline": "reinforce_pp_baseline",
+    "gae": "ppo",
+}
+
+DEFAULT_ADVANTAGE_ESTIMATOR = "grpo"
+
+
+def _read(args: Any, name: str) -> Any:
+    if isinstance(args, Mapping):
+        return args.get(name)
+    return getattr(args, name, None)
+
+
+def infer_algorithm(args: Any) -> str:
+    """The recipe name for a run, from an argparse namespace or a mapping with the optional keys
+    `algorithm`, `use_critic` and `advantage_estimator`."""
+    from stacx.trainer.recipes import TRAINING_CONFIGS
+
+    known = ", ".join(sorted(TRAINING_CONFIGS))
+    algorithm = _read(args, "algorithm")
+    if algorithm:
+        if algorithm not in TRAINING_CONFIGS:
+            raise RecipeError(f"--algorithm {algorithm!r} is not a known recipe; known recipes: {known}")
+        return algorithm
+    if _read(args, "use_critic"):
+        return "ppo"
+    estimator = _read(args, "advantage_estimator") or DEFAULT_ADVANTAGE_ESTIMATOR
+    if estimator not in ESTIMATOR_TO_RECIPE:
+        hint = (
+            f"it has no recipe of its own; pass --algorithm with one of: {known}"
+            if estimator in ADVANTAGE_ESTIMATORS
+            else f"known estimators: {', '.join(sorted(ESTIMATOR_TO_RECIPE))}"
+        )
+        raise RecipeError(f"--advantage-estimator {estimator!r} selects no recipe; {hint}")
+    return ESTIMATOR_TO_RECIPE[estimator]
+
+
+__all__ = ["DEFAULT_ADVANTAGE_ESTIMATOR", "ESTIMATOR_TO_RECIPE", "infer_algorithm"]
