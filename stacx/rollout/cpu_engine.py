@@ -1,0 +1,221 @@
+"""An in-process inference engine on CPU, built from the same model definition as the trainer.
+
+It has no KV cache: each decoding step runs one packed forward over every active sequence
+(prompt + tokens so far), so a batch costs O(steps) forwards of the whole row. That is what a
+tiny CPU model needs, and it makes the log-probs bit-comparable with the trainer's packed
+forward (same kernel, same packing of one sequence per segment).
+
+Log-prob convention: see stacx.rollout.types (log_softmax(logits / T) over the real vocab).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from stacx.rollout.engine import InferenceEngine, WeightBucket
+from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
+
+WeightLoader = Callable[[torch.nn.Module, Sequence[tuple[str, torch.Tensor]]], None]
+
+
+def sampling_log_probs(logits_V: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) [..., V]; T = 0 (greedy) reports T = 1 log-probs."""
+    scale = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits_V.float() / scale, dim=-1)
+
+
+def filter_top_k_top_p(log_probs_V: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Log-probs [V] with tokens outside top-k and outside the top-p nucleus set to -inf.
+
+    The nucleus is the smallest prefix of tokens sorted by probability whose mass reaches top_p
+    (the token that crosses the threshold is kept), as in SGLang and HF.
+    """
+    filtered = log_probs_V.clone()
+    if top_k > 0 and top_k < filtered.numel():
+        kth = torch.topk(filtered, top_k).values[-1]
+        filtered[filtered < kth] = float("-inf")
+    if top_p < 1.0:
+        sorted_lp, order = torch.sort(filtered, descending=True)
+        probs = sorted_lp.exp()
+        mass_before = torch.cumsum(probs, 0) - probs
+        drop = mass_before >= top_p
+        filtered[order[drop]] = float("-inf")
+    return filtered
+
+
+def sample_token(log_probs_V: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
+    """Greedy at T = 0, else a draw from the top-k/top-p filtered distribution after temperature."""
+    if sampling.temperature == 0:
+        return int(torch.argmax(log_probs_V))
+    filtered = filter_top_k_top_p(log_probs_V, sampling.top_k, sampling.top_p)
+    probs = torch.softmax(filtered.double(), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _top_pairs(log_probs_V: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    values, ids = torch.topk(log_probs_V, min(k, log_probs_V.numel()))
+    return [(float(v), int(i)) for v, i in zip(values, ids)]
+
+
+def _id_pairs(log_probs_V: torch.Tensor, token_ids: Sequence[int]) -> list[tuple[float, int]]:
+    return [(float(log_probs_V[t]), int(t)) for t in token_ids]
+
+
+class CpuEngine(InferenceEngine):
+    """Generation with per-token log-probs from a single-process megatron GPTModel.
+
+    model: built by `stacx.models.build_model(..., ProcessGroups.single_process())`.
+    weight_loader: copies (hf_name, tensor) pairs into the model (default: stacx.models).
+    eos_token_id: generation stops after it unless a request sets ignore_eos.
+    """
+
+    def __init__(self, model, *, eos_token_id: Optional[int] = None, weight_loader: Optional[WeightLoader] = None,
+                 seed: int = 0, model_path: str = ""):
+        from stacx.models import hf_config_of
+
+        from stacx.parallel.groups import ProcessGroups
+
+        self.model = model.eval()
+        self.groups = ProcessGroups.single_process()
+        self.vocab_size = int(hf_config_of(model).vocab_size)
+        self.eos_token_id = eos_token_id
+        self.model_path = model_path
+        self._weight_loader = weight_loader
+        self._generator = torch.Generator().manual_seed(seed)
+        self._lock = threading.Lock()  # one model call at a time; updates never interleave a batch
+        self._resumed = threading.Event()
+        self._resumed.set()
+        self._version = 0
+
+    @classmethod
+    def from_hf_checkpoint(cls, path: str, *, params_dtype: torch.dtype = torch.float32, seed: int = 0) -> "CpuEngine":
+        """Build the model from `path`'s config.json, load its weights, read eos from its config."""
+        from stacx.models import build_model, load_hf_checkpoint, load_hf_config
+        from stacx.parallel.groups import ProcessGroups
+
+        config = load_hf_config(path)
+        groups = ProcessGroups.single_process()
+        model = build_model(config, groups, params_dtype=params_dtype)
+        load_hf_checkpoint(model, path, groups)
+        eos = getattr(config, "eos_token_id", None)
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        return cls(model, eos_token_id=eos, seed=seed, model_path=str(path))
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _logits(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Per sequence, fp32 logits [len, V] over the real vocab from one packed forward."""
+        from stacx.models import forward_packed
+
+        lengths = [len(s) for s in sequences]
+        tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+        logits = forward_packed(self.model, tokens, lengths, self.groups)[:, : self.vocab_size]
+        return list(torch.split(logits, lengths))
+
+    # ---- InferenceEngine -------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+        for request in requests:
+            bad = [t for t in request.input_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"input_ids hold token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        self._resumed.wait()
+        with self._lock:
+            return self._generate_locked(requests)
+
+    def _generate_locked(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+        outputs = [GenerateOutput(output_ids=[], weight_version=self._version) for _ in requests]
+        generators = [
+            torch.Generator().manual_seed(r.sampling.seed) if r.sampling.seed is not None else self._generator
+            for r in requests
+        ]
+        sequences = [list(r.input_ids) for r in requests]
+        active = list(range(len(requests)))
+        first_step = True
+        while active:
+            logits = self._logits([sequences[i] for i in active])
+            still_active = []
+            for i, logits_LV in zip(active, logits):
+                request, out = requests[i], outputs[i]
+                log_probs_LV = sampling_log_probs(logits_LV, request.sampling.temperature)
+                if first_step and request.return_logprob and request.logprob_start_len >= 0:
+                    self._fill_prompt_fields(out, request, log_probs_LV)
+                if len(out.output_ids) >= request.sampling.max_new_tokens:
+                    out.finish_reason = "length"
+                    continue
+                last = log_probs_LV[-1]
+                token = sample_token(last, request.sampling, generators[i])
+                out.output_ids.append(token)
+                sequences[i].append(token)
+                if request.return_logprob:
+                    out.output_log_probs.append(float(last[token]))
+                    if request.top_logprobs_num:
+                        out.output_top_log_probs.append(_top_pairs(last, request.top_logprobs_num))
+                    if request.token_ids_logprob:
+                        out.output_token_ids_log_probs.append(_id_pairs(last, request.token_ids_logprob))
+                stop_ids = set(request.sampling.stop_token_ids)
+                if not request.sampling.ignore_eos and self.eos_token_id is not None:
+                    stop_ids.add(self.eos_token_id)
+                if token in stop_ids:
+                    out.finish_reason = "stop"
+                elif len(out.output_ids) >= request.sampling.max_new_tokens:
+                    out.finish_reason = "length"
+                else:
+                    still_active.append(i)
+            active = still_active
+            first_step = False
+        return outputs
+
+    @staticmethod
+    def _fill_prompt_fields(out: GenerateOutput, request: GenerateRequest, log_probs_LV: torch.Tensor) -> None:
+        """Prompt position p >= logprob_start_len: log p(prompt[p] | prompt[:p]); None at p = 0."""
+        prompt = request.input_ids
+        for p in range(request.logprob_start_len, len(prompt)):
+            if p == 0:
+                out.input_log_probs.append(None)
+                out.input_top_log_probs.append(None)
+                out.input_token_ids_log_probs.append(None)
+                continue
+            row = log_probs_LV[p - 1]
+            out.input_log_probs.append(float(row[prompt[p]]))
+            out.input_top_log_probs.append(_top_pairs(row, request.top_logprobs_num) if request.top_logprobs_num else None)
+            out.input_token_ids_log_probs.append(
+                _id_pairs(row, request.token_ids_logprob) if request.token_ids_logprob else None
+            )
+
+    def load_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the model (no version change)."""
+        loader = self._weight_loader
+        if loader is None:
+            from stacx.models import load_hf_tensors as loader
+        with self._lock:
+            loader(self.model, named_tensors)
+
+    def set_weight_version(self, version: int) -> None:
+        with self._lock:
+            self._version = int(version)
+
+    def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
+        for bucket in buckets:
+            self.load_weights(bucket)
+        self.set_weight_version(version)
+
+    def weight_version(self) -> int:
+        return self._version
+
+    def pause(self) -> None:
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self._resumed.set()
+
+    def flush_cache(self) -> None:
+        """Nothing to drop: this engine keeps no prefix cache."""
+
+    def health(self) -> bool:
+        return True

@@ -1,0 +1,116 @@
+"""HTTP transport to an inference or teacher server, with timeouts, retries and backoff.
+
+Connection failures, timeouts and 5xx answers are retried with exponential backoff
+(`backoff_s * 2**attempt`, capped at `backoff_max_s`); when the budget is spent the error names
+the server, the endpoint and a summary of the request. A 4xx answer is the caller's mistake and
+is raised at once with the server's message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import requests
+
+logger = logging.getLogger(__name__)
+
+
+class ServerUnavailableError(RuntimeError):
+    """The server did not answer successfully within the retry budget."""
+
+    def __init__(self, url: str, endpoint: str, request_summary: str, attempts: int, last_error: str):
+        self.url, self.endpoint, self.attempts = url, endpoint, attempts
+        super().__init__(
+            f"server {url} did not answer {endpoint} after {attempts} attempts "
+            f"(request: {request_summary}); last error: {last_error}"
+        )
+
+
+class ServerRequestError(RuntimeError):
+    """The server rejected the request (HTTP 4xx); retrying would not help."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """How hard to try before declaring a server down."""
+
+    timeout_s: float = 120.0
+    """Per-attempt timeout (connect + read)."""
+    max_attempts: int = 5
+    """Total attempts, the first one included."""
+    backoff_s: float = 0.5
+    """Sleep before the second attempt; doubled each further attempt."""
+    backoff_max_s: float = 10.0
+    """Longest sleep between two attempts."""
+
+    def __post_init__(self):
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    def sleep_before(self, attempt: int) -> float:
+        """Seconds to wait before attempt number `attempt` (1-based; attempt 1 waits 0)."""
+        if attempt <= 1:
+            return 0.0
+        return min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 2))
+
+
+class HttpTransport:
+    """JSON and binary requests to one server URL (e.g. http://127.0.0.1:30000)."""
+
+    def __init__(self, url: str, retry: RetryPolicy = RetryPolicy()):
+        self.url = url.rstrip("/")
+        self.retry = retry
+        self._session = requests.Session()
+
+    def request(
+        self,
+        method: str,
+        endpoint: str,
+        *,
+        json_body: Any = None,
+        data: Optional[bytes | Iterable[bytes]] = None,
+        summary: str = "",
+        retry: Optional[RetryPolicy] = None,
+    ) -> Any:
+        """Send, retrying per the policy; returns the decoded JSON answer (or text if not JSON)."""
+        policy = retry or self.retry
+        last_error = ""
+        for attempt in range(1, policy.max_attempts + 1):
+            time.sleep(policy.sleep_before(attempt))
+            try:
+                response = self._session.request(
+                    method, self.url + endpoint, json=json_body, data=data, timeout=policy.timeout_s
+                )
+            except (requests.ConnectionError, requests.Timeout) as err:
+                last_error = f"{type(err).__name__}: {err}"
+                logger.warning("%s%s attempt %d/%d failed: %s", self.url, endpoint, attempt, policy.max_attempts, last_error)
+                continue
+            if response.status_code >= 500:
+                last_error = f"HTTP {response.status_code}: {response.text[:300]}"
+                logger.warning("%s%s attempt %d/%d failed: %s", self.url, endpoint, attempt, policy.max_attempts, last_error)
+                continue
+            if response.status_code >= 400:
+                raise ServerRequestError(
+                    f"server {self.url} rejected {endpoint} (request: {summary or '-'}): "
+                    f"HTTP {response.status_code}: {response.text[:500]}"
+                )
+            try:
+                return response.json()
+            except (json.JSONDecodeError, ValueError):
+                return response.text
+        raise ServerUnavailableError(self.url, endpoint, summary or "-", policy.max_attempts, last_error)
+
+    def post_json(self, endpoint: str, body: Any, *, summary: str = "", retry: Optional[RetryPolicy] = None) -> Any:
+        return self.request("POST", endpoint, json_body=body, summary=summary, retry=retry)
+
+    def get(self, endpoint: str, *, retry: Optional[RetryPolicy] = None) -> Any:
+        return self.request("GET", endpoint, retry=retry)
+
+    def close(self) -> None:
+        self._session.close()

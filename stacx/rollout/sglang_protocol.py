@@ -1,0 +1,195 @@
+"""SGLang's native `/generate` wire format: request building and response parsing.
+
+Pure functions shared by the HTTP client (talking to SGLang or `stacx serve`) and by the
+`stacx serve` server (which answers in the same shape). Field names follow SGLang's
+`GenerateReqInput` and its `meta_info`; see docs/sglang.md for the version they were read from.
+
+A batch request carries one list entry per sequence for every per-request field:
+
+    {"input_ids": [[...], ...], "sampling_params": [{...}, ...], "return_logprob": [True, ...],
+     "logprob_start_len": [-1, ...], "top_logprobs_num": [0, ...], "token_ids_logprob": [[...]|None, ...]}
+
+and the answer is a list of `{"output_ids": [...], "meta_info": {...}}`. Log-prob entries are
+`[logprob, token_id, text_or_null]` triples; the first prompt position's log-prob is null.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
+
+_FINISH_TYPES = {"length", "stop", "abort"}
+
+
+def build_generate_payload(requests: Sequence[GenerateRequest]) -> dict:
+    """One batched `/generate` body for `requests` (token ids in, no text)."""
+    if not requests:
+        raise ValueError("build_generate_payload: no requests")
+    payload = {
+        "input_ids": [list(r.input_ids) for r in requests],
+        "sampling_params": [r.sampling.to_sglang() for r in requests],
+        "return_logprob": [r.return_logprob for r in requests],
+        "logprob_start_len": [r.logprob_start_len for r in requests],
+        "top_logprobs_num": [r.top_logprobs_num for r in requests],
+        "return_text_in_logprobs": False,
+        "stream": False,
+    }
+    if any(r.token_ids_logprob for r in requests):
+        payload["token_ids_logprob"] = [list(r.token_ids_logprob) or None for r in requests]
+    return payload
+
+
+def _entries_to_pairs(entries: Optional[list]) -> Optional[list[tuple[float, int]]]:
+    if entries is None:
+        return None
+    return [(_as_float(e[0]), int(e[1])) for e in entries]
+
+
+def _as_float(value) -> Optional[float]:
+    return None if value is None else float(value)
+
+
+def parse_finish_reason(raw: Any) -> str:
+    """SGLang reports `{"type": "length"|"stop"|"abort", ...}` (or null while unfinished)."""
+    if raw is None:
+        return "abort"
+    kind = raw.get("type") if isinstance(raw, dict) else raw
+    if kind not in _FINISH_TYPES:
+        raise ValueError(f"meta_info.finish_reason: unknown type {kind!r}, expected one of {sorted(_FINISH_TYPES)}")
+    return kind
+
+
+def parse_generate_item(item: dict, request: GenerateRequest) -> GenerateOutput:
+    """One `{"output_ids", "meta_info"}` answer -> `GenerateOutput` (checks the lengths line up)."""
+    try:
+        meta = item["meta_info"]
+        output_ids = [int(t) for t in item["output_ids"]]
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"/generate answer lacks 'output_ids' or 'meta_info': {str(item)[:200]}") from err
+    out = GenerateOutput(
+        output_ids=output_ids,
+        finish_reason=parse_finish_reason(meta.get("finish_reason")),
+        weight_version=int(meta.get("weight_version") or 0),
+    )
+    if request.return_logprob:
+        output_entries = meta.get("output_token_logprobs") or []
+        out.output_log_probs = [float(e[0]) for e in output_entries]
+        returned_ids = [int(e[1]) for e in output_entries]
+        if returned_ids != output_ids:
+            raise ValueError(
+                f"meta_info.output_token_logprobs token ids {returned_ids[:8]}... do not match output_ids {output_ids[:8]}..."
+            )
+        if request.logprob_start_len >= 0:
+            input_entries = meta.get("input_token_logprobs") or []
+            expected = len(request.input_ids) - request.logprob_start_len
+            if len(input_entries) != expected:
+                raise ValueError(
+                    f"meta_info.input_token_logprobs has {len(input_entries)} entries, expected {expected} "
+                    f"(prompt {len(request.input_ids)} tokens from logprob_start_len {request.logprob_start_len})"
+                )
+            out.input_log_probs = [_as_float(e[0]) for e in input_entries]
+        if request.top_logprobs_num > 0:
+            out.output_top_log_probs = [_entries_to_pairs(p) for p in meta.get("output_top_logprobs") or []]
+            if request.logprob_start_len >= 0:
+                out.input_top_log_probs = [_entries_to_pairs(p) for p in meta.get("input_top_logprobs") or []]
+        if request.token_ids_logprob:
+            out.output_token_ids_log_probs = [_entries_to_pairs(p) for p in meta.get("output_token_ids_logprobs") or []]
+            if request.logprob_start_len >= 0:
+                out.input_token_ids_log_probs = [_entries_to_pairs(p) for p in meta.get("input_token_ids_logprobs") or []]
+    return out
+
+
+def parse_generate_response(body: Any, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+    """A `/generate` answer (a list for a batch, a dict for one request) -> outputs in order."""
+    items = body if isinstance(body, list) else [body]
+    if len(items) != len(requests):
+        raise ValueError(f"/generate returned {len(items)} answers for {len(requests)} requests")
+    return [parse_generate_item(item, request) for item, request in zip(items, requests)]
+
+
+# ---- server side: the same format read and written by `stacx serve` --------------------------
+
+_BATCHABLE = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
+
+
+def parse_generate_payload(payload: dict) -> tuple[list[GenerateRequest], bool]:
+    """A `/generate` body -> (requests, is_batch). Only token-id input is supported."""
+    if not isinstance(payload, dict):
+        raise ValueError("/generate body must be a JSON object")
+    if payload.get("text") is not None:
+        raise ValueError("/generate: 'text' input is not supported by this server; send 'input_ids'")
+    if payload.get("stream"):
+        raise ValueError("/generate: 'stream' is not supported by this server")
+    input_ids = payload.get("input_ids")
+    if not isinstance(input_ids, list) or not input_ids:
+        raise ValueError("/generate: 'input_ids' must be a non-empty list of token ids (or a list of such lists)")
+    is_batch = isinstance(input_ids[0], list)
+    sequences = input_ids if is_batch else [input_ids]
+    n = len(sequences)
+
+    def per_request(key: str, default) -> list:
+        value = payload.get(key)
+        if value is None:
+            return [default] * n
+        if key == "token_ids_logprob":
+            # a flat id list applies to every request; a list of lists is one entry per request
+            per_item = is_batch and bool(value) and isinstance(value[0], (list, type(None)))
+        else:
+            per_item = isinstance(value, list)
+        if not per_item:
+            return [value] * n
+        if len(value) != n:
+            raise ValueError(f"/generate: '{key}' has {len(value)} entries for {n} requests")
+        return [default if v is None else v for v in value]
+
+    fields = {key: per_request(key, default) for key, default in
+              zip(_BATCHABLE, ({}, False, -1, 0, None))}
+    requests = [
+        GenerateRequest(
+            input_ids=tuple(int(t) for t in sequences[i]),
+            sampling=SamplingParams.from_sglang(fields["sampling_params"][i]),
+            return_logprob=bool(fields["return_logprob"][i]),
+            logprob_start_len=int(fields["logprob_start_len"][i]),
+            top_logprobs_num=int(fields["top_logprobs_num"][i]),
+            token_ids_logprob=tuple(int(t) for t in (fields["token_ids_logprob"][i] or ())),
+        )
+        for i in range(n)
+    ]
+    return requests, is_batch
+
+
+def _pairs_to_entries(pairs):
+    return None if pairs is None else [[lp, tok, None] for lp, tok in pairs]
+
+
+def render_generate_item(output: GenerateOutput, request: GenerateRequest, rid: str) -> dict:
+    """`GenerateOutput` -> SGLang's `{"output_ids", "meta_info"}` answer for one request."""
+    if output.finish_reason == "length":
+        finish = {"type": "length", "length": len(output.output_ids)}
+    elif output.finish_reason == "stop":
+        finish = {"type": "stop", "matched": output.output_ids[-1] if output.output_ids else None}
+    else:
+        finish = {"type": "abort", "message": "aborted"}
+    meta = {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": len(request.input_ids),
+        "completion_tokens": len(output.output_ids),
+        "cached_tokens": 0,
+        "weight_version": str(output.weight_version),
+    }
+    if request.return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(output.output_log_probs, output.output_ids)]
+        if request.logprob_start_len >= 0:
+            prompt_ids = request.input_ids[request.logprob_start_len:]
+            meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(output.input_log_probs, prompt_ids)]
+        if request.top_logprobs_num > 0:
+            meta["output_top_logprobs"] = [_pairs_to_entries(p) for p in output.output_top_log_probs]
+            if request.logprob_start_len >= 0:
+                meta["input_top_logprobs"] = [_pairs_to_entries(p) for p in output.input_top_log_probs]
+        if request.token_ids_logprob:
+            meta["output_token_ids_logprobs"] = [_pairs_to_entries(p) for p in output.output_token_ids_log_probs]
+            if request.logprob_start_len >= 0:
+                meta["input_token_ids_logprobs"] = [_pairs_to_entries(p) for p in output.input_token_ids_log_probs]
+    return {"text": "", "output_ids": list(output.output_ids), "meta_info": meta}
