@@ -1,0 +1,38 @@
+"""Ray execution of roles: one `RoleWorkers` group of `RoleWorker` actors per role.
+
+- `placement`: resource pools (one placement group each; colocated roles share bundles).
+- `role_worker`: the actor - one torch.distributed rank running driver-shipped code.
+- `role_workers`: the driver's handle on one role's actors (`execute_all`, `execute_rank0`, `kill`).
+- `exchange`: exchange-sync groups moving tensors bitwise between two roles' workers.
+- `health`: failure detection; errors name the role and rank.
+
+Importing this package does not import Ray; the submodules import it where they use it.
+"""
+
+from stacx.trainer.workers.exchange import ExchangeSyncGroup
+from stacx.trainer.workers.health import (
+    RoleWorkerDied,
+    RoleWorkerError,
+    RoleWorkerRaised,
+    RoleWorkerTimeout,
+    WorkerLabel,
+)
+from stacx.trainer.workers.placement import PlacedPool, ResourcePool, RolePlacement
+from stacx.trainer.workers.role_worker import RoleWorker
+from stacx.trainer.workers.role_workers import PendingCall, RoleWorkers, wait_all
+
+__all__ = [
+    "ExchangeSyncGroup",
+    "PendingCall",
+    "PlacedPool",
+    "ResourcePool",
+    "RolePlacement",
+    "RoleWorker",
+    "RoleWorkerDied",
+    "RoleWorkerError",
+    "RoleWorkerRaised",
+    "RoleWorkerTimeout",
+    "RoleWorkers",
+    "WorkerLabel",
+    "wait_all",
+]

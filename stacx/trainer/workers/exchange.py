@@ -1,0 +1,276 @@
+"""Exchange syncs: tensors (e.g. weights) moving between two roles' workers, bit for bit.
+
+Design. Each role's workers form their own torch.distributed world (the default process group
+and megatron-core's groups live in it), so two roles cannot share a `new_group`. An exchange
+group is therefore a second, independent process group built directly from a store:
+
+1. The source role's rank 0 hosts a `TCPStore` on a free port (`host_store`).
+2. Every worker of both roles connects to it and constructs the backend on a
+   `PrefixStore("stacx-exchange/<name>")`: `ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on GPU.
+   Group ranks are the source role's ranks 0..S-1 followed by the target role's S..S+T-1.
+   No `init_process_group` is involved, so the roles' own worlds are untouched.
+3. A transfer: every source rank runs the driver-shipped `produce(worker)` (collectively, so it
+   may gather TP shards) and gets an ordered `{name: tensor}`. A source rank publishes the
+   names, dtypes and shapes in the store under the transfer's id, packs the tensors' raw bytes
+   into uint8 buckets of at most `bucket_bytes` (each tensor starting at a 64-byte aligned
+   offset; a tensor larger than a bucket gets a bucket of its own) and sends each bucket to
+   every target rank mapped to it. A target rank reads the metadata, receives the buckets and
+   views each tensor back out of them, then runs `consume(worker, tensors)`.
+
+Bytes travel, never values, so every dtype (bf16, fp8, int, bool, NaN payloads) arrives
+bitwise-identical. The store and every send/recv use the group's timeout, so a peer that dies
+fails the transfer instead of hanging it.
+
+Colocated roles on one GPU must use gloo (NCCL refuses two ranks on the same device); the
+factory picks gloo for them. On GPU with NCCL, buckets live on the current CUDA device.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+"""Bucket size: hundreds of MB per message is what keeps large weight syncs fast."""
+ALIGN_BYTES = 64
+"""Each tensor starts at a multiple of this, so it can be viewed (not copied) out of its bucket."""
+STORE_PREFIX = "stacx-exchange"
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor's bytes sit: bucket index, byte offset, byte count, and how to view them."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+    num_bytes: int
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"exchange: unknown dtype {name!r} in transfer metadata")
+    return dtype
+
+
+def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> tuple[list[TensorSlot], list[int]]:
+    """Slots of every tensor (in the mapping's order) and each bucket's size in bytes."""
+    if bucket_bytes < 1:
+        raise ValueError(f"exchange: bucket_bytes must be >= 1, got {bucket_bytes}")
+    slots: list[TensorSlot] = []
+    bucket_sizes: list[int] = []
+    offset = 0
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"exchange: value of {name!r} is a {type(tensor).__name__}, expected a tensor")
+        num_bytes = tensor.numel() * tensor.element_size()
+        start = -(-offset // ALIGN_BYTES) * ALIGN_BYTES
+        if not bucket_sizes or (start + num_bytes > bucket_bytes and offset > 0):
+            bucket_sizes.append(0)
+            start = 0
+        slots.append(TensorSlot(name, str(tensor.dtype), tuple(tensor.shape), len(bucket_sizes) - 1, start, num_bytes))
+        offset = start + num_bytes
+        bucket_sizes[-1] = offset
+    return slots, bucket_sizes
+
+
+def pack_bucket(tensors: Mapping[str, torch.Tensor], slots: list[TensorSlot], bucket: int, size: int,
+                device: torch.device) -> torch.Tensor:
+    """The uint8 buffer of bucket `bucket`: each slot's raw bytes at its offset."""
+    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+    for slot in slots:
+        if slot.bucket == bucket and slot.num_bytes:
+            raw = tensors[slot.name].detach().contiguous().reshape(-1).view(torch.uint8)
+            buffer[slot.offset : slot.offset + slot.num_bytes].copy_(raw)
+    return buffer
+
+
+def unpack_bucket(buffer: torch.Tensor, slots: list[TensorSlot], bucket: int) -> dict[str, torch.Tensor]:
+    """Views of every tensor of bucket `bucket` (sharing the buffer's memory)."""
+    out = {}
+    for slot in slots:
+        if slot.bucket == bucket:
+            raw = buffer[slot.offset : slot.offset + slot.num_bytes]
+            out[slot.name] = raw.view(_dtype_from_name(slot.dtype)).reshape(slot.shape)
+    return out
+
+
+def resolve_backend(backend: str) -> str:
+    """'auto' -> 'nccl' when CUDA is usable in this process, else 'gloo'."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"exchange: backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    return backend
+
+
+def host_store(timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """Start the group's TCPStore server on a free port of this node; returns it and its port."""
+    store = dist.TCPStore("0.0.0.0", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    return store, store.port
+
+
+class ExchangeEndpoint:
+    """One worker's membership in an exchange group (see the module docstring for the protocol)."""
+
+    def __init__(self, name: str, group_rank: int, group_size: int, host: str, port: int, *,
+                 backend: str, timeout_s: float, hosted_store: dist.TCPStore | None = None):
+        self.name = name
+        self.group_rank = group_rank
+        self.group_size = group_size
+        self.backend = resolve_backend(backend)
+        self.timeout = timedelta(seconds=timeout_s)
+        base_store = hosted_store or dist.TCPStore(host, port, None, False, self.timeout)
+        self._base_store = base_store
+        self.store = dist.PrefixStore(f"{STORE_PREFIX}/{name}", base_store)
+        # The constructor is a rendezvous through the store: every member must be constructing it.
+        if self.backend == "gloo":
+            self.device = torch.device("cpu")
+            self.process_group = dist.ProcessGroupGloo(self.store, group_rank, group_size, self.timeout)
+        else:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            self.process_group = dist.ProcessGroupNCCL(self.store, group_rank, group_size, options)
+
+    def send(self, transfer_id: int, tensors: Mapping[str, torch.Tensor], dst_group_ranks: list[int],
+             bucket_bytes: int) -> int:
+        """Send `tensors` to every rank in `dst_group_ranks`; returns the bytes sent per destination."""
+        slots, sizes = plan_buckets(tensors, bucket_bytes)
+        self.store.set(f"{transfer_id}/meta/{self.group_rank}", pickle.dumps(slots))
+        for bucket, size in enumerate(sizes):
+            if size == 0:  # only empty tensors: nothing to send (the receiver skips it too)
+                continue
+            buffer = pack_bucket(tensors, slots, bucket, size, self.device)
+            works = [self.process_group.send([buffer], dst, bucket) for dst in dst_group_ranks]
+            for work in works:
+                work.wait()
+        return sum(sizes)
+
+    def receive(self, transfer_id: int, src_group_rank: int) -> dict[str, torch.Tensor]:
+        """Receive what rank `src_group_rank` sends under `transfer_id`, in its original order."""
+        # store.get waits (up to the group's timeout) for the sender to publish the metadata.
+        slots: list[TensorSlot] = pickle.loads(self.store.get(f"{transfer_id}/meta/{src_group_rank}"))
+        num_buckets = 1 + max((slot.bucket for slot in slots), default=-1)
+        sizes = [max((s.offset + s.num_bytes for s in slots if s.bucket == b), default=0) for b in range(num_buckets)]
+        received: dict[str, torch.Tensor] = {}
+        for bucket, size in enumerate(sizes):
+            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            if size:
+                self.process_group.recv([buffer], src_group_rank, bucket).wait()
+            received.update(unpack_bucket(buffer, slots, bucket))
+        return {slot.name: received[slot.name] for slot in slots}
+
+    def close(self) -> None:
+        try:
+            self.process_group.shutdown()
+        except Exception:  # noqa: BLE001 - a peer may already be gone
+            pass
+
+
+class ExchangeSyncGroup:
+    """Driver side of an exchange sync between a source role and a target role.
+
+        sync = ExchangeSyncGroup("policy_to_ref", policy_workers, ref_workers)
+        sync.connect()
+        results = sync.transfer(produce=state_dict_of_model, consume=load_into_model)
+
+    Target rank j receives from source rank `sources_by_target[j]` (default `j % S`, which pairs
+    equal tensor-parallel ranks when both roles use the same TP layout). `produce` runs on every
+    source rank, `consume(worker, tensors)` on every target rank; `transfer` returns the consume
+    results in target rank order. Failures and timeouts name the role and rank.
+    """
+
+    def __init__(self, name: str, source, target, *, backend: str = "auto", timeout_s: float | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        if source is target or source.role_name == target.role_name:
+            raise ValueError(f"exchange sync {name!r}: source and target must be different roles, "
+                             f"got {source.role_name!r} twice")
+        self.name = name
+        self.source = source
+        self.target = target
+        self.backend = backend
+        self.timeout_s = timeout_s if timeout_s is not None else max(source.collective_timeout_s,
+                                                                     target.collective_timeout_s)
+        self.bucket_bytes = bucket_bytes
+        self.resolved_backends: list[str] = []
+        self._next_transfer_id = 0
+        self._connected = False
+
+    @property
+    def group_size(self) -> int:
+        return self.source.num_ranks + self.target.num_ranks
+
+    def connect(self) -> None:
+        """Create the group on every worker of both roles (source ranks first)."""
+        from stacx.trainer.workers.role_workers import PendingCall, wait_all
+
+        host, port = self.source.execute_rank0("host_exchange_store", self.name, self.timeout_s,
+                                               timeout_s=self.timeout_s)
+        calls = []
+        for role, offset in ((self.source, 0), (self.target, self.source.num_ranks)):
+            refs = [
+                actor.open_exchange.remote(self.name, offset + rank, self.group_size, host, port,
+                                           backend=self.backend, timeout_s=self.timeout_s)
+                for rank, actor in enumerate(role.actors)
+            ]
+            calls.append(PendingCall(refs, role.labels, self.timeout_s + 60.0, f"open exchange {self.name!r}"))
+        source_backends, target_backends = wait_all(*calls, what=f"opening exchange group {self.name!r}")
+        self.resolved_backends = source_backends + target_backends
+        if len(set(self.resolved_backends)) != 1:
+            raise RuntimeError(f"exchange sync {self.name!r}: workers resolved different backends "
+                               f"{self.resolved_backends}; pass backend='gloo' or 'nccl' explicitly")
+        self._connected = True
+
+    def default_sources_by_target(self) -> list[int]:
+        return [rank % self.source.num_ranks for rank in range(self.target.num_ranks)]
+
+    def transfer(self, produce: Callable[..., Any] | str, consume: Callable[..., Any] | str, *,
+                 sources_by_target: list[int] | None = None) -> list[Any]:
+        """Move `produce`'s tensors from the source ranks to the target ranks; returns consume results."""
+        from stacx.trainer.workers.role_workers import PendingCall, wait_all
+
+        if not self._connected:
+            raise RuntimeError(f"exchange sync {self.name!r}: call connect() before transfer()")
+        mapping = list(sources_by_target) if sources_by_target is not None else self.default_sources_by_target()
+        if len(mapping) != self.target.num_ranks or not all(0 <= s < self.source.num_ranks for s in mapping):
+            raise ValueError(
+                f"exchange sync {self.name!r}: sources_by_target must give a source rank in "
+                f"[0, {self.source.num_ranks}) for each of the {self.target.num_ranks} target ranks, got {mapping}"
+            )
+        transfer_id = self._next_transfer_id
+        self._next_transfer_id += 1
+        offset = self.source.num_ranks
+        send_refs = [
+            actor.exchange_send.remote(self.name, transfer_id, produce,
+                                       [offset + j for j, s in enumerate(mapping) if s == rank], self.bucket_bytes)
+            for rank, actor in enumerate(self.source.actors)
+        ]
+        receive_refs = [
+            actor.exchange_receive.remote(self.name, transfer_id, consume, mapping[rank])
+            for rank, actor in enumerate(self.target.actors)
+        ]
+        what = f"exchange sync {self.name!r} ({self.source.role_name} -> {self.target.role_name})"
+        # Producing may itself take a while (gathering shards): allow it on top of the transfer.
+        deadline = 2 * self.timeout_s
+        _, consumed = wait_all(PendingCall(send_refs, self.source.labels, deadline, what),
+                               PendingCall(receive_refs, self.target.labels, deadline, what), what=what)
+        return consumed
+
+    def close(self) -> None:
+        if not self._connected:
+            return
+        for role in (self.source, self.target):
+            try:
+                role.execute_all("close_exchange", self.name, timeout_s=30.0)
+            except Exception:  # noqa: BLE001 - teardown after a failure
+                pass
+        self._connected = False

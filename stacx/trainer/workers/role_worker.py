@@ -1,0 +1,188 @@
+"""`RoleWorker`: one torch.distributed rank of one role, living in a Ray actor.
+
+The worker is generic: it owns the rank's process groups and a `state` dict, and runs whatever
+the driver ships. The training loop plugs model building, forward/backward and checkpointing
+in as callables `fn(worker, *args, **kwargs)` (or subclasses add methods and call them by name):
+
+    workers.execute_all(build_policy_model, model_config)      # fn(worker, model_config)
+    workers.execute_all("placement_info")                       # a method, by name
+
+Lifecycle: `setup(...)` initializes torch.distributed (gloo on CPU, NCCL on GPU) over the
+role's ranks and megatron-core's (tp, cp, dp) groups with `initialize_parallel_layout`;
+`open_exchange(...)` joins an exchange group with another role's workers; `shutdown()` tears
+everything down. Every collective inherits the timeout given to `setup`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+
+class RoleWorker:
+    """State and entry points of one rank. Wrapped with `ray.remote` by `RoleWorkers`."""
+
+    def __init__(self, role_name: str, rank: int, world_size: int, *, num_threads: int | None = None):
+        self.role_name = role_name
+        self.rank = rank
+        self.world_size = world_size
+        self.groups = None
+        """`stacx.parallel.groups.ProcessGroups` of this rank, set by `setup`."""
+        self.state: dict[str, Any] = {}
+        """Whatever plugged-in code keeps between calls (model, optimizer, data iterator...)."""
+        self.exchanges: dict[str, Any] = {}
+        self._hosted_stores: dict[str, Any] = {}
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+
+    # ---- placement and rendezvous -------------------------------------------------------
+    def placement_info(self) -> dict[str, Any]:
+        """Where this worker runs: node, placement group, process, visible GPUs."""
+        import ray
+
+        context = ray.get_runtime_context()
+        placement_group_id = context.get_placement_group_id()
+        return {
+            "role": self.role_name,
+            "rank": self.rank,
+            "node_id": context.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "placement_group_id": placement_group_id,
+            "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+
+    def reserve_rendezvous(self) -> tuple[str, int]:
+        """(node ip, free port) for rank 0 to host the role's torch.distributed rendezvous."""
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, rank: int, world_size: int, master_addr: str, master_port: int,
+              tensor_parallel_size: int = 1, context_parallel_size: int = 1, timeout_s: float = 300.0) -> dict:
+        """Join the role's torch.distributed world and build its megatron-core (tp, cp, dp) groups.
+
+        Must run on every rank of the role at the same time. Returns this rank's coordinates.
+        """
+        import torch.distributed as dist
+
+        from stacx.parallel.groups import default_backend, initialize_parallel_layout
+
+        if (rank, world_size) != (self.rank, self.world_size):
+            raise ValueError(
+                f"role {self.role_name!r}: setup for rank {rank}/{world_size} sent to the worker created as "
+                f"rank {self.rank}/{self.world_size}"
+            )
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+        if torch.cuda.is_available():
+            # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, which is then device 0.
+            torch.cuda.set_device(0)
+        dist.init_process_group(
+            backend=default_backend(),
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self.groups = initialize_parallel_layout(tensor_parallel_size, context_parallel_size, timeout_s=timeout_s)
+        return {
+            "rank": rank,
+            "tp_rank": self.groups.tp_rank,
+            "cp_rank": self.groups.cp_rank,
+            "dp_rank": self.groups.dp_rank,
+            "tp_size": self.groups.tp_size,
+            "cp_size": self.groups.cp_size,
+            "dp_size": self.groups.dp_size,
+        }
+
+    # ---- running shipped code -----------------------------------------------------------
+    def execute(self, fn_or_method_name: Callable[..., Any] | str, *args, **kwargs) -> Any:
+        """Run `fn(self, *args, **kwargs)`, or the public method of that name, and return its value."""
+        if isinstance(fn_or_method_name, str):
+            name = fn_or_method_name
+            method = getattr(self, name, None) if not name.startswith("_") else None
+            if method is None or not callable(method):
+                public = sorted(m for m in dir(self) if not m.startswith("_") and callable(getattr(self, m)))
+                raise AttributeError(f"{type(self).__name__} has no method {name!r}; methods: {public}")
+            return method(*args, **kwargs)
+        if not callable(fn_or_method_name):
+            raise TypeError(f"execute expects a callable or a method name, got {type(fn_or_method_name).__name__}")
+        return fn_or_method_name(self, *args, **kwargs)
+
+    def ping(self) -> tuple[str, int]:
+        return self.role_name, self.rank
+
+    # ---- exchange groups ----------------------------------------------------------------
+    def host_exchange_store(self, name: str, timeout_s: float) -> tuple[str, int]:
+        """Start exchange group `name`'s store on this node; returns (node ip, port)."""
+        import ray
+
+        from stacx.trainer.workers.exchange import host_store
+
+        store, port = host_store(timeout_s)
+        self._hosted_stores[name] = store
+        return ray.util.get_node_ip_address(), port
+
+    def open_exchange(self, name: str, group_rank: int, group_size: int, host: str, port: int, *,
+                      backend: str = "auto", timeout_s: float = 300.0) -> str:
+        """Join exchange group `name` as `group_rank`; all members must call this together."""
+        from stacx.trainer.workers.exchange import ExchangeEndpoint
+
+        if name in self.exchanges:
+            raise ValueError(f"role {self.role_name!r} rank {self.rank}: exchange group {name!r} is already open")
+        self.exchanges[name] = ExchangeEndpoint(
+            name, group_rank, group_size, host, port, backend=backend, timeout_s=timeout_s,
+            hosted_store=self._hosted_stores.get(name),
+        )
+        return self.exchanges[name].backend
+
+    def exchange_send(self, name: str, transfer_id: int, produce: Callable[..., Any] | str,
+                      dst_group_ranks: list[int], bucket_bytes: int) -> int:
+        """Run `produce` (collectively on every source rank) and send its tensors to `dst_group_ranks`."""
+        tensors = self.execute(produce)
+        if not isinstance(tensors, dict):
+            raise TypeError(
+                f"role {self.role_name!r}: exchange {name!r} produce must return a dict of tensors, "
+                f"got {type(tensors).__name__}"
+            )
+        if not dst_group_ranks:
+            return 0
+        return self._exchange(name).send(transfer_id, tensors, dst_group_ranks, bucket_bytes)
+
+    def exchange_receive(self, name: str, transfer_id: int, consume: Callable[..., Any] | str,
+                         src_group_rank: int) -> Any:
+        """Receive the tensors of `src_group_rank` and return `consume(self, tensors)`."""
+        tensors = self._exchange(name).receive(transfer_id, src_group_rank)
+        return self.execute(consume, tensors)
+
+    def close_exchange(self, name: str) -> None:
+        endpoint = self.exchanges.pop(name, None)
+        if endpoint is not None:
+            endpoint.close()
+        self._hosted_stores.pop(name, None)
+
+    def _exchange(self, name: str):
+        if name not in self.exchanges:
+            raise KeyError(
+                f"role {self.role_name!r} rank {self.rank}: exchange group {name!r} is not open; "
+                f"open: {sorted(self.exchanges)}"
+            )
+        return self.exchanges[name]
+
+    # ---- teardown -----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Close exchange groups, megatron-core's groups and the default process group."""
+        from stacx.parallel.groups import destroy_parallel_layout
+
+        for name in list(self.exchanges):
+            self.close_exchange(name)
+        destroy_parallel_layout()
+        self.groups = None
