@@ -73,6 +73,18 @@ def _check_choice(where: str, value: Any, known: tuple[str, ...]) -> None:
         _fail(where, f"unknown name {value!r}; known: {', '.join(known)}")
 
 
+def _with_registered(builtin: tuple[str, ...], registry_name: str) -> tuple[str, ...]:
+    """Built-in names plus any custom kernel already registered in stacx.objectives (user plugins are
+    registered before the recipe that names them is imported)."""
+    try:
+        from stacx.objectives import registry
+    except ImportError:
+        return builtin
+    found = getattr(registry, registry_name, None)
+    extra = [name for name in (found.names() if found is not None else ()) if name not in builtin]
+    return builtin + tuple(extra)
+
+
 def _check_positive_int(where: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         _fail(where, f"must be an integer >= 1, got {value!r}")
@@ -145,10 +157,12 @@ class AlgorithmDefaults:
     """Reverse-KL shaping against a teacher: per-token reward -= coef * (log pi(a) - log pi_teacher(a)); 0 disables it."""
 
     def __post_init__(self) -> None:
-        _check_choice("algorithm.advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
-        _check_choice("algorithm.policy_loss", self.policy_loss, POLICY_LOSSES)
-        _check_choice("algorithm.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
-        _check_choice("algorithm.kl_loss_type", self.kl_loss_type, KL_ESTIMATORS)
+        _check_choice("algorithm.advantage_estimator", self.advantage_estimator,
+                      _with_registered(ADVANTAGE_ESTIMATORS, "ADVANTAGES"))
+        _check_choice("algorithm.policy_loss", self.policy_loss, _with_registered(POLICY_LOSSES, "POLICY_LOSSES"))
+        _check_choice("algorithm.loss_aggregation", self.loss_aggregation,
+                      _with_registered(LOSS_AGGREGATIONS, "AGGREGATIONS"))
+        _check_choice("algorithm.kl_loss_type", self.kl_loss_type, _with_registered(KL_ESTIMATORS, "KL_ESTIMATORS"))
         for name in ("clip_ratio_low", "clip_ratio_high", "kl_loss_coef", "kl_in_reward_coef", "entropy_coef",
                      "gae_gamma", "gae_lambda", "overlong_penalty_factor", "teacher_kl_coef"):
             _check_non_negative(f"algorithm.{name}", getattr(self, name))

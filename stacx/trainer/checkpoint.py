@@ -1,0 +1,503 @@
+"""Crash-safe training checkpoints: every role's per-rank state, the driver's state and the run config.
+
+On-disk layout of one checkpoint (`STEP` is zero-padded so names sort by step):
+
+    <root>/step_000000012/
+        manifest.json                 written last: step, recipe, per-role layout, every file with size + sha256
+        driver.pt                     the driver's state (data position, driver RNG, counters)
+        run_config.json               the resolved run configuration
+        roles/<role>/rank_00003.pt    one file per rank: model, optimizer, scheduler, RNG state
+
+Writing is split so that no state crosses process boundaries twice:
+
+    staging = begin_checkpoint(root, step)                        # driver
+    info = write_rank_state(staging, role, rank, state, coords)   # each Ray worker, in parallel
+    commit_checkpoint(staging, step=..., rank_files=[info, ...])  # driver: manifest, then atomic rename
+
+Until the rename, everything lives in `<root>/.staging-step_000000012-<unique>/`; a crash at any
+point leaves either no new checkpoint or a complete one, and `latest_checkpoint` only sees
+complete ones (a `step_*` folder with a manifest). `load_checkpoint` checks the recipe and each
+role's parallel layout against what the resuming run expects and verifies the file hashes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+DRIVER_STATE_NAME = "driver.pt"
+RUN_CONFIG_NAME = "run_config.json"
+_STEP_DIR = re.compile(r"^step_(\d{9,})$")
+_STAGING_PREFIX = ".staging-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, or does not fit the resuming run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleLayout:
+    """How one role's ranks were laid out: world size = tp * cp * dp."""
+
+    tensor_parallel_size: int
+    """Ranks sharding each weight matrix."""
+    context_parallel_size: int
+    """Ranks sharing each sequence."""
+    data_parallel_size: int
+    """Model replicas."""
+    state_replicated_across_data_parallel: bool = True
+    """Whether ranks that differ only in (cp, dp) hold identical state (no distributed optimizer), so the state
+    can be loaded under a different cp or dp degree."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.context_parallel_size * self.data_parallel_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "RoleLayout":
+        return cls(**values)
+
+    def describe(self) -> str:
+        return f"tp={self.tensor_parallel_size} cp={self.context_parallel_size} dp={self.data_parallel_size}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankCoords:
+    """Where a rank sits in its role's (tp, cp, dp) grid."""
+
+    tp_rank: int
+    cp_rank: int
+    dp_rank: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileInfo:
+    """One written file, relative to the checkpoint folder."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankFileInfo:
+    """What a worker reports back after `write_rank_state` (small; sent to the driver over Ray)."""
+
+    role: str
+    rank: int
+    coords: RankCoords
+    file: FileInfo
+
+
+# ---- RNG state -----------------------------------------------------------------------------------
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch CPU and (when present) CUDA generator states, as plain tensors and tuples."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional for Stacx itself
+        pass
+    else:
+        kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "position": int(position),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of `capture_rng_state`: the next random draws repeat those made after the capture."""
+    random.setstate(_as_python_random_state(state["python"]))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        numpy_state = state["numpy"]
+        np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype("uint32"),
+                             numpy_state["position"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_python_random_state(value: Any) -> tuple:
+    # torch.load may hand the nested tuples back as lists; random.setstate needs tuples.
+    version, internal, gauss = value
+    return (version, tuple(internal), gauss)
+
+
+# ---- writing -------------------------------------------------------------------------------------
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes renames and new entries in `path` durable (no-op where directories cannot be opened).
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, write) -> FileInfo:
+    """Write through `write(file)` into a temporary sibling, fsync, then rename into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(temporary, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    return FileInfo(path=path.name, size=path.stat().st_size, sha256=_sha256(path))
+
+
+def begin_checkpoint(root: str | os.PathLike, step: int) -> str:
+    """Create and return a fresh staging folder under `root` for checkpoint `step` (driver side)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"checkpoint step must be an integer >= 0, got {step!r}")
+    staging = Path(root) / f"{_STAGING_PREFIX}{step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    return str(staging)
+
+
+def write_rank_state(staging_dir: str | os.PathLike, role: str, rank: int, state: Mapping[str, Any],
+                     coords: RankCoords | None = None) -> RankFileInfo:
+    """Write one rank's state (model, optimizer, scheduler, rng, ...) into the staging folder (worker side).
+
+    `coords` places the rank in its role's (tp, cp, dp) grid so a resuming run with another cp/dp degree
+    can find the right file; without it the rank is taken as (tp=0, cp=0, dp=rank).
+    """
+    staging = Path(staging_dir)
+    if not staging.is_dir() or not staging.name.startswith(_STAGING_PREFIX):
+        raise CheckpointError(f"{staging} is not a staging folder made by begin_checkpoint")
+    coords = coords or RankCoords(tp_rank=0, cp_rank=0, dp_rank=rank)
+    relative = Path("roles") / role / f"rank_{rank:05d}.pt"
+    info = _write_atomically(staging / relative, lambda f: torch.save(dict(state), f))
+    return RankFileInfo(role=role, rank=rank, coords=coords,
+                        file=FileInfo(path=relative.as_posix(), size=info.size, sha256=info.sha256))
+
+
+def _to_jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_jsonable(v) for v in value]
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise CheckpointError(f"run config value {value!r} of type {type(value).__name__} cannot be saved as JSON")
+
+
+def commit_checkpoint(
+    staging_dir: str | os.PathLike,
+    *,
+    step: int,
+    recipe_name: str,
+    role_layouts: Mapping[str, RoleLayout],
+    rank_files: list[RankFileInfo],
+    driver_state: Mapping[str, Any],
+    resolved_run_config: Any,
+) -> str:
+    """Write the driver state, run config and manifest into the staging folder, then rename it to its
+    final `step_*` name (atomic on one filesystem). Returns the final folder. Every rank of every role
+    in `role_layouts` must have reported a file."""
+    staging = Path(staging_dir)
+    expected_name = step_dir_name(step)
+    if not staging.name.startswith(f"{_STAGING_PREFIX}{expected_name}-"):
+        raise CheckpointError(f"staging folder {staging.name} was not begun for step {step}")
+    roles: dict[str, Any] = {}
+    for role, layout in role_layouts.items():
+        reported = sorted((info for info in rank_files if info.role == role), key=lambda info: info.rank)
+        ranks = [info.rank for info in reported]
+        if ranks != list(range(layout.world_size)):
+            raise CheckpointError(
+                f"role {role!r}: expected files from ranks 0..{layout.world_size - 1} ({layout.describe()}), "
+                f"got ranks {ranks}"
+            )
+        roles[role] = {
+            "layout": layout.to_dict(),
+            "ranks": [{"rank": info.rank, **dataclasses.asdict(info.coords), **dataclasses.asdict(info.file)}
+                      for info in reported],
+        }
+    unknown = sorted({info.role for info in rank_files} - set(role_layouts))
+    if unknown:
+        raise CheckpointError(f"rank files of roles {unknown} have no layout in role_layouts")
+    for info in rank_files:
+        on_disk = staging / info.file.path
+        if not on_disk.is_file() or on_disk.stat().st_size != info.file.size:
+            raise CheckpointError(f"role {info.role!r} rank {info.rank}: {info.file.path} is missing or truncated")
+
+    driver = _write_atomically(staging / DRIVER_STATE_NAME, lambda f: torch.save(dict(driver_state), f))
+    config_bytes = json.dumps(_to_jsonable(resolved_run_config), indent=2, sort_keys=True).encode()
+    run_config = _write_atomically(staging / RUN_CONFIG_NAME, lambda f: f.write(config_bytes))
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "recipe": recipe_name,
+        "created_unix": time.time(),
+        "roles": roles,
+        "driver_state": dataclasses.asdict(driver),
+        "run_config": dataclasses.asdict(run_config),
+    }
+    manifest_bytes = json.dumps(manifest, indent=2).encode()
+    _write_atomically(staging / MANIFEST_NAME, lambda f: f.write(manifest_bytes))
+    _fsync_dir(staging)
+
+    final = staging.parent / expected_name
+    if final.exists():
+        # Re-saving a step (e.g. after resuming from it): move the old one aside first, so that a crash
+        # between the two renames leaves the older checkpoints intact rather than a mix of two.
+        discarded = staging.parent / f"{_STAGING_PREFIX}discarded-{expected_name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, discarded)
+        os.rename(staging, final)
+        shutil.rmtree(discarded, ignore_errors=True)
+    else:
+        os.rename(staging, final)
+    _fsync_dir(staging.parent)
+    return str(final)
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    *,
+    recipe_name: str,
+    role_layouts: Mapping[str, RoleLayout],
+    role_states: Mapping[str, Mapping[int, Mapping[str, Any]]],
+    driver_state: Mapping[str, Any],
+    resolved_run_config: Any,
+    role_coords: Mapping[str, Mapping[int, RankCoords]] | None = None,
+) -> str:
+    """Single-process convenience: begin, write every `role_states[role][rank]`, commit. Returns the folder."""
+    staging = begin_checkpoint(root, step)
+    try:
+        rank_files = [
+            write_rank_state(staging, role, rank, state, (role_coords or {}).get(role, {}).get(rank))
+            for role, states in role_states.items()
+            for rank, state in states.items()
+        ]
+        return commit_checkpoint(staging, step=step, recipe_name=recipe_name, role_layouts=role_layouts,
+                                 rank_files=rank_files, driver_state=driver_state,
+                                 resolved_run_config=resolved_run_config)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, str]]:
+    """(step, folder) of every complete checkpoint under `root`, oldest first; staging folders are ignored."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir() and (entry / MANIFEST_NAME).is_file():
+            found.append((int(match.group(1)), str(entry)))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> str | None:
+    """The folder of the newest complete checkpoint under `root`, or None."""
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[str]:
+    """Delete all but the newest `keep_last` complete checkpoints and any stale staging folders; returns what went."""
+    if keep_last < 1:
+        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+    removed = [path for _, path in list_checkpoints(root)[:-keep_last]]
+    removed += [str(entry) for entry in Path(root).iterdir()
+                if entry.name.startswith(_STAGING_PREFIX) and f"-{os.getpid()}-" not in entry.name]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+
+def _same_grid(saved: RoleLayout, expected: RoleLayout) -> bool:
+    return (saved.tensor_parallel_size, saved.context_parallel_size, saved.data_parallel_size) == (
+        expected.tensor_parallel_size, expected.context_parallel_size, expected.data_parallel_size)
+
+
+def _source_coords(role: str, saved: RoleLayout, expected: RoleLayout, coords: RankCoords) -> RankCoords:
+    """The saved rank whose state a resuming rank at `coords` (under `expected`) loads."""
+    if _same_grid(saved, expected):
+        return coords
+    if saved.tensor_parallel_size != expected.tensor_parallel_size:
+        raise CheckpointError(
+            f"role {role!r}: the checkpoint was saved with {saved.describe()} and this run uses {expected.describe()}; "
+            f"tensor-parallel shards cannot be resharded on load (tp {saved.tensor_parallel_size} -> "
+            f"{expected.tensor_parallel_size}); resume with --tensor-model-parallel-size {saved.tensor_parallel_size}"
+        )
+    if not saved.state_replicated_across_data_parallel:
+        raise CheckpointError(
+            f"role {role!r}: the checkpoint was saved with {saved.describe()} and a distributed optimizer (state "
+            f"sharded over cp x dp), which cannot be resharded to {expected.describe()}; resume with the saved "
+            f"context/data-parallel sizes"
+        )
+    # Ranks differing only in (cp, dp) hold identical state: any replica of the same tp shard will do.
+    return RankCoords(tp_rank=coords.tp_rank, cp_rank=0, dp_rank=0)
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A validated checkpoint; rank states are read on demand (each worker reads only its own)."""
+
+    path: str
+    manifest: dict[str, Any]
+    expected_layouts: dict[str, RoleLayout]
+    weights_only: bool = True
+    """Load with torch.load(weights_only=True): tensors and plain containers only, no arbitrary pickles."""
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def recipe(self) -> str:
+        return self.manifest["recipe"]
+
+    def saved_layout(self, role: str) -> RoleLayout:
+        return RoleLayout.from_dict(self.manifest["roles"][role]["layout"])
+
+    def driver_state(self) -> dict[str, Any]:
+        return self._load(self.manifest["driver_state"])
+
+    def run_config(self) -> Any:
+        return json.loads((Path(self.path) / RUN_CONFIG_NAME).read_text())
+
+    def rank_state(self, role: str, rank: int, coords: RankCoords | None = None) -> dict[str, Any]:
+        """The state a resuming rank loads: its own file when the layout is unchanged, else the matching replica.
+        `coords` places the resuming rank (default: tp=0, cp=0, dp=rank)."""
+        if role not in self.manifest["roles"]:
+            raise CheckpointError(f"checkpoint {self.path} has no role {role!r}; roles: {sorted(self.manifest['roles'])}")
+        saved = self.saved_layout(role)
+        expected = self.expected_layouts.get(role, saved)
+        entries = self.manifest["roles"][role]["ranks"]
+        if _same_grid(saved, expected):
+            matches = [entry for entry in entries if entry["rank"] == rank]
+        else:
+            coords = coords or RankCoords(tp_rank=0, cp_rank=0, dp_rank=rank)
+            source = _source_coords(role, saved, expected, coords)
+            matches = [entry for entry in entries
+                       if (entry["tp_rank"], entry["cp_rank"], entry["dp_rank"]) == (source.tp_rank, source.cp_rank, source.dp_rank)]
+        if not matches:
+            raise CheckpointError(f"checkpoint {self.path}: role {role!r} has no file for rank {rank}")
+        return self._load(matches[0])
+
+    def _load(self, entry: Mapping[str, Any]) -> dict[str, Any]:
+        return torch.load(Path(self.path) / entry["path"], map_location="cpu", weights_only=self.weights_only)
+
+
+def _verify_file(folder: Path, entry: Mapping[str, Any], check_hash: bool) -> None:
+    path = folder / entry["path"]
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {folder}: {entry['path']} is missing")
+    if path.stat().st_size != entry["size"]:
+        raise CheckpointError(f"checkpoint {folder}: {entry['path']} has {path.stat().st_size} bytes, "
+                              f"the manifest says {entry['size']}")
+    if check_hash and _sha256(path) != entry["sha256"]:
+        raise CheckpointError(f"checkpoint {folder}: {entry['path']} does not match its sha256 in the manifest")
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    expected_recipe: str,
+    expected_layouts: Mapping[str, RoleLayout],
+    verify_hashes: bool = True,
+    weights_only: bool = True,
+) -> LoadedCheckpoint:
+    """Open a checkpoint for resuming (`path` is a `step_*` folder, or a root whose latest one is used).
+
+    Fails with CheckpointError when nothing complete is there, the recipe differs, a role is missing,
+    a role's layout cannot be resharded to the expected one, or a file does not match the manifest."""
+    folder = Path(path)
+    if not (folder / MANIFEST_NAME).is_file():
+        latest = latest_checkpoint(folder)
+        if latest is None:
+            raise CheckpointError(f"no complete checkpoint (a step_* folder with {MANIFEST_NAME}) under {folder}")
+        folder = Path(latest)
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {folder}: format version {manifest.get('format_version')} "
+                              f"is not {FORMAT_VERSION}")
+    if manifest["recipe"] != expected_recipe:
+        raise CheckpointError(f"checkpoint {folder} was saved by recipe {manifest['recipe']!r}; this run uses "
+                              f"{expected_recipe!r}. Resume with --algorithm {manifest['recipe']} or start fresh")
+    missing = sorted(set(expected_layouts) - set(manifest["roles"]))
+    if missing:
+        raise CheckpointError(f"checkpoint {folder} has no state for roles {missing}; it holds {sorted(manifest['roles'])}")
+    for role, expected in expected_layouts.items():
+        saved = RoleLayout.from_dict(manifest["roles"][role]["layout"])
+        # Checked here, so a layout that cannot be resharded fails before any worker loads anything.
+        _source_coords(role, saved, expected, RankCoords(tp_rank=0, cp_rank=0, dp_rank=0))
+    for role in manifest["roles"].values():
+        for entry in role["ranks"]:
+            _verify_file(folder, entry, verify_hashes)
+    _verify_file(folder, manifest["driver_state"], verify_hashes)
+    _verify_file(folder, manifest["run_config"], verify_hashes)
+    return LoadedCheckpoint(path=str(folder), manifest=manifest, expected_layouts=dict(expected_layouts),
+                            weights_only=weights_only)
+
+
+__all__ = [
+    "CheckpointError",
+    "FileInfo",
+    "LoadedCheckpoint",
+    "RankCoords",
+    "RankFileInfo",
+    "RoleLayout",
+    "begin_checkpoint",
+    "capture_rng_state",
+    "commit_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "prune_checkpoints",
+    "restore_rng_state",
+    "save_checkpoint",
+    "write_rank_state",
+]
