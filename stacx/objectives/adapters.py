@@ -1,0 +1,204 @@
+"""Run plugins written against padded (batch, seq_len) tensors under Stacx's per-trajectory API.
+
+Other frameworks write losses as `fn(old_log_prob, log_prob, advantages, response_mask,
+**hyperparameters) -> (loss, metrics)` on padded tensors, and advantages as
+`fn(token_level_rewards, response_mask, **hyperparameters) -> (advantages, returns)`.
+Wrap them, unchanged, with an explicit adapter:
+
+    from stacx.objectives.adapters import register_padded_policy_loss, register_padded_advantage
+
+    @register_padded_policy_loss("my_loss", aggregation="token-mean")
+    def my_loss(old_log_prob, log_prob, advantages, response_mask, clip_ratio=0.2, **kwargs): ...
+
+What the adapters do:
+- Pad the per-trajectory inputs (right padding, response_mask = the loss mask, 0 on padding).
+- Pass hyperparameters: each named parameter of the plugin found on the config is passed from
+  it (`clip_ratio` <- `config.clip_ratio`); padded `rollout_log_prob`, `ref_log_prob`,
+  `entropy` are passed when given and the plugin accepts them (by name or **kwargs);
+  advantage plugins get `index` (the prompt ids) and padded `values` the same way.
+  `importance_weights` is never passed: Stacx applies off-policy weights after the kernel.
+- A (batch, seq_len) loss is unpadded to per-token losses (exact).
+- A scalar loss L (the plugin aggregated itself, e.g. with `agg_loss(..., mode)`) is turned into
+  the per-token contract by spreading it as a constant c_i over each trajectory's tokens, chosen
+  so that `aggregate_sum(c, masks, mode) = L * count_normalizer(masks, mode)`: the framework's
+  sum and its gradient equal the plugin's own un-normalized sum. This is exact only when the
+  plugin's aggregation is the run's `loss_agg_mode` (checked), and per-token importance weights
+  applied downstream act on the spread constant, not on the plugin's token losses; prefer
+  plugins that return per-token losses.
+- Metrics: plugin metrics are taken as token means over the response mask (masked_mean, as is
+  usual) and converted to sums by multiplying by this micro-batch's token count.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+from stacx.objectives.advantages_returns import token_level_rewards
+from stacx.objectives.aggregation import aggregate_sum, count_normalizer, get_aggregation_mode
+from stacx.objectives.padding import pad_trajectories, unpad_trajectories
+from stacx.objectives.registry import register_advantage, register_policy_loss
+from stacx.objectives.validation import check_trajectory_lists, rollout_field
+
+_POLICY_TENSOR_KWARGS = ("rollout_log_prob", "ref_log_prob", "entropy")
+
+
+def _accepted(fn: Callable) -> tuple[set[str], bool, list[str]]:
+    """(named parameters, accepts **kwargs, positional parameter names in order)."""
+    parameters = inspect.signature(fn).parameters
+    names = {n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    var_kw = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+    positional = [n for n, p in parameters.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    return names, var_kw, positional
+
+
+def _hyperparameters_from_config(config, names: set[str], skip: set[str]) -> dict:
+    found = {}
+    for name in names - skip:
+        value = getattr(config, name, None) if config is not None else None
+        if value is not None:
+            found[name] = value
+    return found
+
+
+def _metrics_to_sums(metrics, num_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    sums = {}
+    for key, value in (metrics or {}).items():
+        value = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value, dtype=torch.float64)
+        if value.numel() != 1:
+            raise ValueError(f"padded plugin metric {key!r} must be a scalar, got shape {tuple(value.shape)}")
+        sums[key] = value.reshape(()) * num_tokens
+    return sums
+
+
+def adapt_padded_policy_loss(fn: Callable, *, aggregation: str = "token-mean") -> Callable:
+    """Wrap a padded-tensor policy loss as a Stacx policy loss (see the module docstring).
+
+    aggregation: the mode the plugin uses when it returns a scalar loss.
+    """
+    if get_aggregation_mode(aggregation).needs_seq_norm_len:
+        # The spread constant would depend on the run's seq_norm_len; such plugins must return
+        # per-token losses instead.
+        raise ValueError(
+            f"adapt_padded_policy_loss: aggregation {aggregation!r} is not supported for padded plugins; "
+            "return a (batch, seq_len) per-token loss and let Stacx aggregate"
+        )
+    names, var_kw, positional = _accepted(fn)
+    if len(positional) < 4:
+        raise ValueError(
+            f"padded policy loss {fn.__qualname__} must take (old_log_prob, log_prob, advantages, response_mask, ...), "
+            f"got parameters {positional}"
+        )
+    tensor_slots = set(positional[:4])
+
+    def policy_loss(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
+        lengths = check_trajectory_lists(
+            "log_prob", log_prob, old_log_prob=old_log_prob, advantages=advantages, loss_masks=loss_masks
+        )
+        padded = [pad_trajectories(list(x)) for x in (old_log_prob, log_prob, advantages, loss_masks)]
+        call_kwargs = _hyperparameters_from_config(config, names, tensor_slots | set(_POLICY_TENSOR_KWARGS) | {"importance_weights"})
+        for name in _POLICY_TENSOR_KWARGS:
+            value = kwargs.get(name)
+            if value is not None and (name in names or var_kw):
+                check_trajectory_lists("log_prob", log_prob, **{name: value})
+                call_kwargs[name] = pad_trajectories(list(value))
+        loss, metrics = fn(*padded, **call_kwargs)
+        num_tokens = count_normalizer(loss_masks, "token-mean")
+        metric_sums = _metrics_to_sums(metrics, num_tokens)
+        if loss.dim() == 2:
+            if loss.shape != padded[1].shape:
+                raise ValueError(
+                    f"padded policy loss {fn.__qualname__} returned shape {tuple(loss.shape)}, expected "
+                    f"{tuple(padded[1].shape)} or a scalar"
+                )
+            return unpad_trajectories(loss, lengths), metric_sums
+        if loss.dim() != 0:
+            raise ValueError(f"padded policy loss {fn.__qualname__} returned shape {tuple(loss.shape)}; expected (batch, seq_len) or a scalar")
+        run_mode = getattr(config, "loss_agg_mode", None) if config is not None else None
+        if run_mode is not None and run_mode != aggregation:
+            raise ValueError(
+                f"padded policy loss {fn.__qualname__} aggregates with {aggregation!r} but loss_agg_mode is "
+                f"{run_mode!r}; set loss_agg_mode to {aggregation!r} or adapt it with aggregation={run_mode!r}"
+            )
+        return _spread_scalar_loss(loss, loss_masks, aggregation), metric_sums
+
+    policy_loss.__doc__ = f"Padded-plugin adapter around {fn.__module__}.{fn.__qualname__}.\n\n{fn.__doc__ or ''}"
+    policy_loss.padded_plugin = fn
+    return policy_loss
+
+
+def _spread_scalar_loss(loss: torch.Tensor, loss_masks, mode: str) -> list[torch.Tensor]:
+    """Constant per-token losses c with aggregate_sum(c, masks, mode) = loss * count(masks, mode)."""
+    ones = [torch.ones_like(m, dtype=torch.float64) for m in loss_masks]
+    unit_sum = aggregate_sum(ones, [m.to(torch.float64) for m in loss_masks], mode)
+    count = count_normalizer(loss_masks, mode)
+    if float(unit_sum) == 0.0:
+        return [loss * torch.zeros(m.shape, dtype=loss.dtype) for m in loss_masks]
+    constant = loss * (count / unit_sum).to(loss.dtype)
+    return [constant.expand(m.shape[0]) for m in loss_masks]
+
+
+def register_padded_policy_loss(name: str, *, aggregation: str = "token-mean", aliases=()):
+    """Decorator: register the adapted plugin under `name`; returns the plugin unchanged."""
+
+    def decorator(fn):
+        register_policy_loss(name, aliases=aliases)(adapt_padded_policy_loss(fn, aggregation=aggregation))
+        return fn
+
+    return decorator
+
+
+def adapt_padded_advantage(fn: Callable) -> Callable:
+    """Wrap `fn(token_level_rewards, response_mask, **hp) -> advantages or (advantages, returns)`.
+
+    token_level_rewards (B, T): token rewards plus the scalar reward on each last response token
+    (and the KL-in-reward penalty when enabled), see `advantages_returns.token_level_rewards`.
+    response_mask (B, T): `loss_masks` (all ones when absent), 0 on padding.
+    """
+    names, var_kw, positional = _accepted(fn)
+    if len(positional) < 2:
+        raise ValueError(
+            f"padded advantage {fn.__qualname__} must take (token_level_rewards, response_mask, ...), got {positional}"
+        )
+
+    def advantage(config, rollout_data):
+        lengths = [int(n) for n in rollout_field(rollout_data, "response_lengths")]
+        if not lengths:
+            return []
+        rewards = token_level_rewards(config, rollout_data)
+        masks = rollout_field(rollout_data, "loss_masks", required=False)
+        if masks is None:
+            masks = [torch.ones(n) for n in lengths]
+        check_trajectory_lists("token_level_rewards", rewards, loss_masks=masks)
+        width = max(max(lengths), 1)
+        padded_rewards = pad_trajectories([r.to(torch.float32) for r in rewards], length=width)
+        padded_mask = pad_trajectories([m.to(torch.float32) for m in masks], length=width)
+        call_kwargs = _hyperparameters_from_config(config, names, set(positional[:2]) | {"index", "values"})
+        if "index" in names or var_kw:
+            call_kwargs["index"] = list(rollout_field(rollout_data, "prompt_id", required=False) or [])
+        values = rollout_field(rollout_data, "values", required=False)
+        if values is not None and ("values" in names or var_kw):
+            call_kwargs["values"] = pad_trajectories([v.detach().to(torch.float32) for v in values], length=width)
+        result = fn(padded_rewards, padded_mask, **call_kwargs)
+        advantages = result[0] if isinstance(result, tuple) else result
+        if advantages.shape != padded_rewards.shape:
+            raise ValueError(
+                f"padded advantage {fn.__qualname__} returned shape {tuple(advantages.shape)}, expected {tuple(padded_rewards.shape)}"
+            )
+        return [a.detach().to(torch.float32).clone() for a in unpad_trajectories(advantages, lengths)]
+
+    advantage.__doc__ = f"Padded-plugin adapter around {fn.__module__}.{fn.__qualname__}.\n\n{fn.__doc__ or ''}"
+    advantage.padded_plugin = fn
+    return advantage
+
+
+def register_padded_advantage(name: str, *, aliases=()):
+    """Decorator: register the adapted advantage plugin under `name`; returns it unchanged."""
+
+    def decorator(fn):
+        register_advantage(name, aliases=aliases)(adapt_padded_advantage(fn))
+        return fn
+
+    return decorator

@@ -1,0 +1,167 @@
+"""Name -> function registries for every loss kernel and estimator.
+
+    from stacx.objectives.registry import register_advantage, register_policy_loss
+
+    @register_advantage("my_adv")
+    def my_adv(config, rollout_data) -> list[Tensor]: ...
+
+    @register_policy_loss("my_loss")
+    def my_loss(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs): ...
+
+The run config selects kernels by name (`algorithm.advantage_estimator`, `algorithm.policy_loss`,
+`algorithm.kl_loss_type`, ...). Registering a name twice, or looking up an unknown name, raises
+`ValueError` listing the registered names. Lookups first import every built-in module and the
+`stacx/custom/` folder (see `stacx.objectives.discovery`), so a name is found no matter which
+module was imported first.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+
+class Registry:
+    """One kind of kernel (advantages, policy losses, ...): names and aliases to functions."""
+
+    def __init__(self, kind: str, *, entries_are_callable: bool = True):
+        self.kind = kind
+        self.entries_are_callable = entries_are_callable
+        self._functions: dict[str, Callable] = {}
+
+    def register(self, name: str, *, aliases: Iterable[str] = ()) -> Callable[[F], F]:
+        """Decorator registering a function under `name` (and `aliases`); returns it unchanged."""
+        names = [name, *aliases]
+        for each in names:
+            if not isinstance(each, str) or not each:
+                raise ValueError(f"{self.kind} name must be a non-empty string, got {each!r}")
+
+        def decorator(fn: F) -> F:
+            if self.entries_are_callable and not callable(fn):
+                raise ValueError(f"{self.kind} {name!r}: registered object {fn!r} is not callable")
+            for each in names:
+                if each in self._functions:
+                    existing = self._functions[each]
+                    raise ValueError(
+                        f"{self.kind} {each!r} is already registered (by "
+                        f"{existing.__module__}.{existing.__qualname__}); registered "
+                        f"{self.kind} names: {self.names()}"
+                    )
+            for each in names:
+                self._functions[each] = fn
+            return fn
+
+        return decorator
+
+    def get(self, name: str) -> Callable:
+        from stacx.objectives.discovery import import_builtin_and_custom_modules
+
+        import_builtin_and_custom_modules()
+        if name not in self._functions:
+            raise ValueError(
+                f"unknown {self.kind} {name!r}; registered {self.kind} names: {self.names()}"
+            )
+        return self._functions[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._functions)
+
+    def unregister(self, name: str) -> None:
+        """Remove a name (tests and interactive sessions that redefine a kernel)."""
+        if name not in self._functions:
+            raise ValueError(f"unknown {self.kind} {name!r}; registered: {self.names()}")
+        del self._functions[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._functions
+
+
+ADVANTAGES = Registry("advantage estimator")
+"""`fn(config, rollout_data) -> list[Tensor]`, one (response_len_i,) tensor per trajectory."""
+
+POLICY_LOSSES = Registry("policy loss")
+"""`fn(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs) -> (list[Tensor], dict)`."""
+
+KL_ESTIMATORS = Registry("KL estimator")
+"""`fn(log_prob, ref_log_prob) -> Tensor`, elementwise on tensors of any (equal) shape."""
+
+OFF_POLICY_CORRECTIONS = Registry("off-policy correction")
+"""`fn(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection`."""
+
+LOSSES = Registry("loss")
+"""Other loss kernels (value, SFT, DPO, distillation); each documents its own signature."""
+
+AGGREGATIONS = Registry("aggregation mode", entries_are_callable=False)
+"""Loss aggregation modes (`token-mean`, ...): `AggregationMode` objects, see aggregation.py."""
+
+
+def register_advantage(name: str, *, aliases: Iterable[str] = ()):
+    return ADVANTAGES.register(name, aliases=aliases)
+
+
+def register_policy_loss(name: str, *, aliases: Iterable[str] = ()):
+    return POLICY_LOSSES.register(name, aliases=aliases)
+
+
+def register_kl_estimator(name: str, *, aliases: Iterable[str] = ()):
+    return KL_ESTIMATORS.register(name, aliases=aliases)
+
+
+def register_off_policy_correction(name: str, *, aliases: Iterable[str] = ()):
+    return OFF_POLICY_CORRECTIONS.register(name, aliases=aliases)
+
+
+def register_loss(name: str, *, aliases: Iterable[str] = ()):
+    return LOSSES.register(name, aliases=aliases)
+
+
+def get_advantage(name: str) -> Callable:
+    return ADVANTAGES.get(name)
+
+
+def get_policy_loss(name: str) -> Callable:
+    return POLICY_LOSSES.get(name)
+
+
+def get_kl_estimator(name: str) -> Callable:
+    return KL_ESTIMATORS.get(name)
+
+
+def get_off_policy_correction(name: str) -> Callable:
+    return OFF_POLICY_CORRECTIONS.get(name)
+
+
+def get_loss(name: str) -> Callable:
+    return LOSSES.get(name)
+
+
+def _listing(registry: Registry) -> list[str]:
+    from stacx.objectives.discovery import import_builtin_and_custom_modules
+
+    import_builtin_and_custom_modules()
+    return registry.names()
+
+
+def list_advantages() -> list[str]:
+    return _listing(ADVANTAGES)
+
+
+def list_policy_losses() -> list[str]:
+    return _listing(POLICY_LOSSES)
+
+
+def list_kl_estimators() -> list[str]:
+    return _listing(KL_ESTIMATORS)
+
+
+def list_off_policy_corrections() -> list[str]:
+    return _listing(OFF_POLICY_CORRECTIONS)
+
+
+def list_losses() -> list[str]:
+    return _listing(LOSSES)
+
+
+def list_aggregation_modes() -> list[str]:
+    return _listing(AGGREGATIONS)
