@@ -1,0 +1,151 @@
+"""Build a megatron-core GPTModel from a Hugging Face config for one (tp, cp) layout.
+
+    model = build_model("path/to/hf_folder", groups)            # random weights, right shapes
+    load_hf_checkpoint(model, "path/to/hf_folder", groups)      # stacx.models.checkpoint
+
+On GPU with transformer-engine importable the layer spec is transformer-engine's; otherwise
+megatron-core's local spec with Stacx's `PackedCoreAttention`. The vocab is padded to a
+multiple of tp (`padded_vocab_size`); `hf_config_of(model)` gives the config back, whose
+`vocab_size` is the real, unpadded one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from stacx.models.architectures import (
+    DecoderShape,
+    check_tensor_parallel_size,
+    decoder_shape,
+    load_hf_config,
+    padded_vocab_size,
+)
+from stacx.models.packed_attention import PackedCoreAttention
+
+_HF_CONFIG_ATTR = "stacx_hf_config"
+
+
+def transformer_engine_available() -> bool:
+    """True when CUDA is usable and transformer-engine imports (the GPU layer spec)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken TE install means "use the local spec"
+        return False
+    return True
+
+
+def build_transformer_config(shape: DecoderShape, groups, params_dtype: torch.dtype, initializer_range: float):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_cpu = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.architecture.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=initializer_range,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        tensor_model_parallel_size=groups.tp_size,
+        context_parallel_size=groups.cp_size,
+        use_cpu_initialization=on_cpu,
+        # The fused kernels below are CUDA-only.
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=not on_cpu,
+        persist_layer_norm=not on_cpu,
+    )
+
+
+def _layer_spec(shape: DecoderShape):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if transformer_engine_available():
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.architecture.qk_layernorm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=shape.architecture.qk_layernorm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    return spec
+
+
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
+    """Llama 3.x RoPE frequency scaling with the config's own factors.
+
+    wavelen = 2*pi / f. Long wavelengths (> original_max / low_freq_factor) are divided by
+    `factor`, short ones (< original_max / high_freq_factor) kept, and the band between
+    interpolates with smooth = (original_max / wavelen - low) / (high - low):
+    f' = (1 - smooth) * f / factor + smooth * f.
+    """
+    factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    inv_freq = inv_freq.double()
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    scaled = torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return scaled.float()
+
+
+def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32):
+    """A megatron-core GPTModel matching `hf_config` (PretrainedConfig, dict, folder or config.json).
+
+    Weights are freshly initialized; load real ones with `load_hf_checkpoint`. Dropout is 0.
+    Raises ValueError for an unsupported architecture or a tp that does not divide the heads.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    config = load_hf_config(hf_config)
+    shape = decoder_shape(config)
+    check_tensor_parallel_size(shape, groups.tp_size)
+    transformer_config = build_transformer_config(
+        shape, groups, params_dtype, float(getattr(config, "initializer_range", 0.02))
+    )
+    model = GPTModel(
+        config=transformer_config,
+        transformer_layer_spec=_layer_spec(shape),
+        vocab_size=padded_vocab_size(shape.vocab_size, groups.tp_size),
+        max_sequence_length=shape.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=shape.rope_theta,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+    )
+    if shape.rope_scaling is not None:
+        rope = model.rotary_pos_emb
+        rope.inv_freq = llama3_scaled_inv_freq(rope.inv_freq.cpu(), shape.rope_scaling).to(rope.inv_freq.device)
+    setattr(model, _HF_CONFIG_ATTR, config)
+    return model
+
+
+def unwrap_model(model):
+    """The GPTModel inside DDP / Float16Module wrappers (megatron wraps with `.module`)."""
+    while not hasattr(model, _HF_CONFIG_ATTR) and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def hf_config_of(model):
+    """The Hugging Face config a model was built from; `.vocab_size` is the real (unpadded) vocab."""
+    inner = unwrap_model(model)
+    if not hasattr(inner, _HF_CONFIG_ATTR):
+        raise ValueError("model was not built by stacx.models.build_model (it carries no Hugging Face config)")
+    return getattr(inner, _HF_CONFIG_ATTR)

@@ -1,0 +1,213 @@
+"""Hugging Face safetensors <-> a TP-sharded megatron GPTModel.
+
+- `load_hf_checkpoint(model, path, groups)`: each rank reads only the rows/columns of each HF
+  tensor its TP shard needs (safetensors slices; sharded `model.safetensors.index.json` too).
+- `iter_hf_weight_buckets(model, groups, bucket_bytes)`: full, unpadded HF-named tensors,
+  gathered over TP, yielded in lists of about `bucket_bytes` (weight sync to inference engines).
+- `export_hf_checkpoint(model, out_dir, groups, hf_config)`: rank 0 writes those buckets as
+  safetensors shards plus config.json; the folder loads with `AutoModelForCausalLM.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from stacx.models.architectures import decoder_shape, load_hf_config
+from stacx.models.builder import hf_config_of, unwrap_model
+from stacx.models.weight_mapping import IGNORED_HF_SUFFIXES, param_mappings
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's tensor names or shapes do not match the model's config."""
+
+
+def hf_weight_files(path: str) -> dict[str, str]:
+    """tensor name -> safetensors file, from an index file or the single-file layout of folder `path`."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"Hugging Face checkpoint folder not found: {path}")
+    index_path = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"{index_path} names {os.path.basename(file)}, which does not exist")
+        return files
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as handle:
+            return {name: single for name in handle.keys()}
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {SAFETENSORS_INDEX} in {path}")
+
+
+def _check_names(mappings, files: dict[str, str], shape, path: str) -> None:
+    needed = {name for m in mappings for name in m.hf_names}
+    missing = sorted(needed - set(files))
+    if missing:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} has no tensor {missing[0]!r} that the config needs"
+            + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else "")
+        )
+    tolerated = {"lm_head.weight"} if shape.tie_word_embeddings else set()
+    unexpected = sorted(
+        name for name in set(files) - needed
+        if name not in tolerated and not name.endswith(IGNORED_HF_SUFFIXES)
+    )
+    if unexpected:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} has tensor {unexpected[0]!r} that the config does not describe"
+            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+        )
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model, path: str, groups) -> None:
+    """Copy a Hugging Face safetensors checkpoint into `model`'s TP shard, reading only that shard.
+
+    Raises FileNotFoundError for a missing folder/file and CheckpointMismatchError naming the
+    first tensor whose name or shape does not match the model's config.
+    """
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    gpt = unwrap_model(model)
+    shape = decoder_shape(hf_config_of(gpt))
+    mappings = param_mappings(gpt)
+    files = hf_weight_files(path)
+    _check_names(mappings, files, shape, path)
+    params = dict(gpt.named_parameters())
+    handles = {}
+    try:
+        for mapping in mappings:
+            expected_shapes = mapping.hf_shapes(shape, groups.tp_size)
+            slices = mapping.local_slices(shape, groups.tp_rank, groups.tp_size)
+            pieces = []
+            for hf_name, expected, part in zip(mapping.hf_names, expected_shapes, slices):
+                file = files[hf_name]
+                if file not in handles:
+                    handles[file] = safe_open(file, framework="pt", device="cpu")
+                tensor_slice = handles[file].get_slice(hf_name)
+                found = tuple(tensor_slice.get_shape())
+                if found != tuple(expected):
+                    raise CheckpointMismatchError(
+                        f"tensor {hf_name!r} in {os.path.basename(file)} has shape {list(found)}, "
+                        f"the config expects {list(expected)}"
+                    )
+                if part.dim is None:
+                    pieces.append(tensor_slice[:])
+                elif part.dim == 0:
+                    pieces.append(tensor_slice[part.start : part.stop])
+                else:
+                    pieces.append(tensor_slice[:, part.start : part.stop])
+            param = params[mapping.megatron_name]
+            param.copy_(mapping.assemble_local(pieces, shape, groups.tp_size))
+    finally:
+        handles.clear()
+
+
+def _gather_tp(tensor: torch.Tensor, groups) -> list[torch.Tensor]:
+    if groups.tp_size == 1:
+        return [tensor]
+    tensor = tensor.contiguous()
+    shards = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
+    dist.all_gather(shards, tensor, group=groups.tp)
+    return shards
+
+
+@torch.no_grad()
+def iter_hf_weight_buckets(
+    model, groups, bucket_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield lists of (hf_name, full unpadded tensor) of about `bucket_bytes` each, in a fixed order.
+
+    Every rank of the model's TP group must iterate (each parameter is all-gathered over TP);
+    every rank receives the same buckets. A tensor larger than `bucket_bytes` is a bucket alone.
+    `dtype` converts the tensors (default: the parameters' own dtype).
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    gpt = unwrap_model(model)
+    shape = decoder_shape(hf_config_of(gpt))
+    params = dict(gpt.named_parameters())
+    bucket, size = [], 0
+    for mapping in param_mappings(gpt):
+        shards = [s.cpu() for s in _gather_tp(params[mapping.megatron_name].detach(), groups)]
+        for hf_name, tensor in zip(mapping.hf_names, mapping.merge_shards(shards, shape)):
+            tensor = tensor.contiguous() if dtype is None else tensor.to(dtype).contiguous()
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((hf_name, tensor))
+            size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _export_dtype(config, model) -> torch.dtype:
+    dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype if isinstance(dtype, torch.dtype) else next(unwrap_model(model).parameters()).dtype
+
+
+def export_hf_checkpoint(model, out_dir: str, groups, hf_config=None, *, max_shard_bytes: int = 5 * 1024**3) -> None:
+    """Write the model as a Hugging Face checkpoint (safetensors shards + index + config.json).
+
+    Call on every rank. Ranks with cp_rank == dp_rank == 0 gather over TP; global rank 0 writes.
+    Tensors are written in the config's `torch_dtype` (else the parameters' dtype), vocab padding
+    stripped. Returns after the files exist on every rank (a barrier when distributed).
+    """
+    config = load_hf_config(hf_config) if hf_config is not None else hf_config_of(model)
+    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    if groups.cp_rank == 0 and groups.dp_rank == 0:
+        if is_writer:
+            os.makedirs(out_dir, exist_ok=True)
+        shard_files: list[tuple[str, list[str]]] = []
+        for number, bucket in enumerate(
+            iter_hf_weight_buckets(model, groups, max_shard_bytes, dtype=_export_dtype(config, model))
+        ):
+            if is_writer:
+                file = f"model-{number + 1:05d}.safetensors"
+                _save_safetensors(dict(bucket), os.path.join(out_dir, file))
+                shard_files.append((file, [name for name, _ in bucket]))
+        if is_writer:
+            _write_index_and_config(out_dir, shard_files, config, model)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], file: str) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _write_index_and_config(out_dir: str, shard_files, config, model) -> None:
+    from stacx.models.architectures import ARCHITECTURES
+
+    if len(shard_files) == 1:
+        os.replace(os.path.join(out_dir, shard_files[0][0]), os.path.join(out_dir, SINGLE_FILE))
+    else:
+        count = len(shard_files)
+        weight_map, total = {}, 0
+        for number, (file, names) in enumerate(shard_files):
+            final = f"model-{number + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(os.path.join(out_dir, file), os.path.join(out_dir, final))
+            weight_map.update({name: final for name in names})
+            total += os.path.getsize(os.path.join(out_dir, final))
+        with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    config.architectures = [ARCHITECTURES[config.model_type].hf_class_name]
+    config.save_pretrained(out_dir)

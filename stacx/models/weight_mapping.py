@@ -1,0 +1,174 @@
+"""How each megatron-core parameter corresponds to Hugging Face tensors, and how TP shards them.
+
+A `ParamMapping` ties one megatron parameter (a TP shard) to one or more HF tensors (full) by a
+*kind*:
+
+| kind        | HF tensors          | megatron shard on TP rank r of tp                            |
+| ----------- | ------------------- | ------------------------------------------------------------ |
+| replicated  | one                 | the whole tensor (norms)                                     |
+| row         | one [out, in]       | columns [r*in/tp, (r+1)*in/tp)  (o_proj, down_proj)          |
+| vocab       | one [V, H]          | rows of the vocab padded to V_pad, [r*V_pad/tp, ...)         |
+| qkv         | q, k, v             | KV groups [r*G/tp, (r+1)*G/tp), each as [q heads of g; k_g; v_g] |
+| gate_up     | gate, up            | [gate rows r*F/tp..; up rows r*F/tp..] stacked               |
+
+`local_slices` says which rows/columns of each HF tensor a rank must read (so a loader reads
+only those); `assemble_local` builds the shard from them; `merge_shards` turns the tp shards
+back into full HF tensors. The three are inverse to each other (tested).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from stacx.models.architectures import DecoderShape
+
+# (megatron name pattern, kind, HF name templates). `{i}` is the layer index.
+_RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (r"embedding\.word_embeddings\.weight", "vocab", ("model.embed_tokens.weight",)),
+    (r"output_layer\.weight", "vocab", ("lm_head.weight",)),
+    (r"decoder\.final_layernorm\.weight", "replicated", ("model.norm.weight",)),
+    # local spec and transformer-engine spec (norm fused into the next linear) names
+    (r"decoder\.layers\.(\d+)\.input_layernorm\.weight", "replicated", ("model.layers.{i}.input_layernorm.weight",)),
+    (r"decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.layer_norm_weight", "replicated",
+     ("model.layers.{i}.input_layernorm.weight",)),
+    (r"decoder\.layers\.(\d+)\.pre_mlp_layernorm\.weight", "replicated",
+     ("model.layers.{i}.post_attention_layernorm.weight",)),
+    (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.layer_norm_weight", "replicated",
+     ("model.layers.{i}.post_attention_layernorm.weight",)),
+    (r"decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.weight", "qkv",
+     ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
+      "model.layers.{i}.self_attn.v_proj.weight")),
+    (r"decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.bias", "qkv",
+     ("model.layers.{i}.self_attn.q_proj.bias", "model.layers.{i}.self_attn.k_proj.bias",
+      "model.layers.{i}.self_attn.v_proj.bias")),
+    (r"decoder\.layers\.(\d+)\.self_attention\.q_layernorm\.weight", "replicated",
+     ("model.layers.{i}.self_attn.q_norm.weight",)),
+    (r"decoder\.layers\.(\d+)\.self_attention\.k_layernorm\.weight", "replicated",
+     ("model.layers.{i}.self_attn.k_norm.weight",)),
+    (r"decoder\.layers\.(\d+)\.self_attention\.linear_proj\.weight", "row", ("model.layers.{i}.self_attn.o_proj.weight",)),
+    (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.weight", "gate_up",
+     ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight")),
+    (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.weight", "row", ("model.layers.{i}.mlp.down_proj.weight",)),
+)
+
+# HF tensors a checkpoint may carry that have no megatron parameter (recomputed buffers).
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Read rows (dim 0) or columns (dim 1) [start, stop) of an HF tensor; dim None = the whole tensor."""
+
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    megatron_name: str
+    kind: str
+    hf_names: tuple[str, ...]
+    local_shape: tuple[int, ...]
+
+    def hf_shapes(self, shape: DecoderShape, tp_size: int) -> tuple[tuple[int, ...], ...]:
+        """The full HF shape of each of `hf_names`."""
+        local, rest = self.local_shape, self.local_shape[1:]
+        if self.kind == "replicated":
+            return (local,)
+        if self.kind == "row":
+            return ((local[0], local[1] * tp_size),)
+        if self.kind == "vocab":
+            return ((shape.vocab_size, *rest),)
+        if self.kind == "qkv":
+            d = shape.head_dim
+            return ((shape.num_attention_heads * d, *rest), (shape.num_kv_heads * d, *rest), (shape.num_kv_heads * d, *rest))
+        if self.kind == "gate_up":
+            full = (local[0] // 2 * tp_size, *rest)
+            return (full, full)
+        raise AssertionError(self.kind)
+
+    def local_slices(self, shape: DecoderShape, tp_rank: int, tp_size: int) -> tuple[Slice, ...]:
+        """Which part of each HF tensor TP rank `tp_rank` needs."""
+        local = self.local_shape
+        if self.kind == "replicated":
+            return (Slice(),)
+        if self.kind == "row":
+            return (Slice(1, tp_rank * local[1], (tp_rank + 1) * local[1]),)
+        if self.kind == "vocab":
+            start = tp_rank * local[0]
+            return (Slice(0, min(start, shape.vocab_size), min(start + local[0], shape.vocab_size)),)
+        if self.kind == "qkv":
+            d, groups_local = shape.head_dim, shape.num_kv_heads // tp_size
+            q_per_group = shape.num_attention_heads // shape.num_kv_heads
+            g0, g1 = tp_rank * groups_local, (tp_rank + 1) * groups_local
+            kv = Slice(0, g0 * d, g1 * d)
+            return (Slice(0, g0 * q_per_group * d, g1 * q_per_group * d), kv, kv)
+        if self.kind == "gate_up":
+            half = local[0] // 2
+            part = Slice(0, tp_rank * half, (tp_rank + 1) * half)
+            return (part, part)
+        raise AssertionError(self.kind)
+
+    def assemble_local(self, pieces: list[torch.Tensor], shape: DecoderShape, tp_size: int) -> torch.Tensor:
+        """The megatron shard from the HF pieces read with `local_slices`."""
+        if self.kind in ("replicated", "row"):
+            return pieces[0]
+        if self.kind == "vocab":
+            piece = pieces[0]
+            missing = self.local_shape[0] - piece.shape[0]  # vocab padding rows of the last shard
+            return torch.cat([piece, piece.new_zeros(missing, *piece.shape[1:])]) if missing else piece
+        if self.kind == "qkv":
+            q, k, v = pieces
+            groups_local, rest = shape.num_kv_heads // tp_size, q.shape[1:]
+            per_group = [t.reshape(groups_local, -1, *rest) for t in (q, k, v)]
+            return torch.cat(per_group, dim=1).reshape(-1, *rest)
+        if self.kind == "gate_up":
+            return torch.cat(pieces, dim=0)
+        raise AssertionError(self.kind)
+
+    def merge_shards(self, shards: list[torch.Tensor], shape: DecoderShape) -> list[torch.Tensor]:
+        """Full HF tensors (in `hf_names` order) from every TP rank's shard, vocab padding stripped."""
+        if self.kind == "replicated":
+            return [shards[0]]
+        if self.kind == "row":
+            return [torch.cat(shards, dim=1)]
+        if self.kind == "vocab":
+            return [torch.cat(shards, dim=0)[: shape.vocab_size]]
+        if self.kind == "qkv":
+            d, tp_size = shape.head_dim, len(shards)
+            groups_local = shape.num_kv_heads // tp_size
+            q_rows = shape.num_attention_heads // shape.num_kv_heads * d
+            qs, ks, vs = [], [], []
+            for shard in shards:
+                rest = shard.shape[1:]
+                q, k, v = shard.reshape(groups_local, q_rows + 2 * d, *rest).split([q_rows, d, d], dim=1)
+                qs.append(q.reshape(-1, *rest))
+                ks.append(k.reshape(-1, *rest))
+                vs.append(v.reshape(-1, *rest))
+            return [torch.cat(qs), torch.cat(ks), torch.cat(vs)]
+        if self.kind == "gate_up":
+            halves = [shard.chunk(2, dim=0) for shard in shards]
+            return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        raise AssertionError(self.kind)
+
+
+def _match(name: str) -> tuple[str, tuple[str, ...]]:
+    for pattern, kind, templates in _RULES:
+        found = re.fullmatch(pattern, name)
+        if found:
+            layer = found.group(1) if found.groups() else None
+            return kind, tuple(t.format(i=layer) for t in templates)
+    raise ValueError(f"megatron parameter {name!r} has no Hugging Face mapping in stacx.models.weight_mapping")
+
+
+def param_mappings(gpt_model) -> list[ParamMapping]:
+    """One mapping per parameter of an (unwrapped) megatron GPTModel, in parameter order."""
+    mappings = []
+    for name, param in gpt_model.named_parameters():
+        kind, hf_names = _match(name)
+        mappings.append(ParamMapping(name, kind, hf_names, tuple(param.shape)))
+    return mappings
