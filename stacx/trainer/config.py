@@ -23,6 +23,7 @@ import with both.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -109,9 +110,11 @@ def _check_keys(where: str, keys: Any) -> None:
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmDefaults:
     """RL algorithm knobs as data. Run flags override each field; the recipe supplies defaults.
+    Field names are the run configuration's `algorithm:` keys, which the loss kernels read as
+    `config.<name>` (see `as_algorithm_values`).
 
     The per-token policy objective is `policy_loss(ratio, advantage; clip_ratio_low,
-    clip_ratio_high)` aggregated with `loss_aggregation`, plus `kl_loss_coef * KL(pi || pi_ref)`
+    clip_ratio_high)` aggregated with `loss_agg_mode`, plus `kl_loss_coef * KL(pi || pi_ref)`
     (estimator `kl_loss_type`) when `use_kl_loss`, minus `entropy_coef * entropy`.
     """
 
@@ -119,13 +122,13 @@ class AlgorithmDefaults:
     """Name in the advantage registry: grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae, reward_centered."""
     policy_loss: str = "ppo_clip"
     """Name in the policy-loss registry: ppo_clip, gspo, cispo, vanilla_pg, reinforce."""
-    loss_aggregation: str = "token-mean"
+    loss_agg_mode: str = "token-mean"
     """How per-token losses become one number: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
     clip_ratio_low: float = 0.2
     """Lower clip: the importance ratio is clipped to >= 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
     """Upper clip: the importance ratio is clipped to <= 1 + clip_ratio_high (DAPO's clip-higher raises it)."""
-    dual_clip_ratio: float | None = None
+    clip_ratio_c: float | None = None
     """Dual-clip constant c (> 1) bounding the loss for negative advantages; None disables it."""
     use_kl_loss: bool = False
     """Add a KL(pi || pi_ref) term to the loss against the reference model (needs a reference checkpoint)."""
@@ -139,13 +142,13 @@ class AlgorithmDefaults:
     """Weight of the in-reward KL penalty when use_kl_in_reward is set."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (0 means entropy is never computed)."""
-    normalize_advantages_by_std: bool = True
+    norm_adv_by_std: bool = True
     """Divide group-centered rewards by the group's standard deviation (Dr. GRPO turns this off)."""
-    gae_gamma: float = 1.0
-    """Discount for GAE (ppo)."""
-    gae_lambda: float = 0.95
-    """Bias/variance trade-off for GAE (ppo)."""
-    value_clip_range: float | None = None
+    gamma: float = 1.0
+    """Discount of the returns (GAE, REINFORCE++)."""
+    lam: float = 0.95
+    """GAE's lambda: bias/variance trade-off of the advantage (ppo)."""
+    value_clip: float | None = None
     """Critic value clip around the old values (ppo); None disables it."""
     filter_zero_variance_groups: bool = False
     """DAPO dynamic sampling: drop prompt groups whose rewards are all equal (they carry no signal)."""
@@ -156,27 +159,32 @@ class AlgorithmDefaults:
     teacher_kl_coef: float = 0.0
     """Reverse-KL shaping against a teacher: per-token reward -= coef * (log pi(a) - log pi_teacher(a)); 0 disables it."""
 
+    def as_algorithm_values(self, recipe_name: str) -> dict[str, Any]:
+        """The recipe's defaults as `algorithm:` section values (`name` plus every field), for the run
+        configuration to lay user overrides over."""
+        return {"name": recipe_name, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
     def __post_init__(self) -> None:
         _check_choice("algorithm.advantage_estimator", self.advantage_estimator,
                       _with_registered(ADVANTAGE_ESTIMATORS, "ADVANTAGES"))
         _check_choice("algorithm.policy_loss", self.policy_loss, _with_registered(POLICY_LOSSES, "POLICY_LOSSES"))
-        _check_choice("algorithm.loss_aggregation", self.loss_aggregation,
+        _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode,
                       _with_registered(LOSS_AGGREGATIONS, "AGGREGATIONS"))
         _check_choice("algorithm.kl_loss_type", self.kl_loss_type, _with_registered(KL_ESTIMATORS, "KL_ESTIMATORS"))
         for name in ("clip_ratio_low", "clip_ratio_high", "kl_loss_coef", "kl_in_reward_coef", "entropy_coef",
-                     "gae_gamma", "gae_lambda", "overlong_penalty_factor", "teacher_kl_coef"):
+                     "gamma", "lam", "overlong_penalty_factor", "teacher_kl_coef"):
             _check_non_negative(f"algorithm.{name}", getattr(self, name))
-        if self.dual_clip_ratio is not None and (
-            isinstance(self.dual_clip_ratio, bool) or not isinstance(self.dual_clip_ratio, (int, float))
-            or self.dual_clip_ratio <= 1.0
+        if self.clip_ratio_c is not None and (
+            isinstance(self.clip_ratio_c, bool) or not isinstance(self.clip_ratio_c, (int, float))
+            or self.clip_ratio_c <= 1.0
         ):
-            _fail("algorithm.dual_clip_ratio", f"must be a number > 1 or None, got {self.dual_clip_ratio!r}")
-        if self.value_clip_range is not None:
-            _check_non_negative("algorithm.value_clip_range", self.value_clip_range)
+            _fail("algorithm.clip_ratio_c", f"must be a number > 1 or None, got {self.clip_ratio_c!r}")
+        if self.value_clip is not None:
+            _check_non_negative("algorithm.value_clip", self.value_clip)
         if self.overlong_buffer_length is not None:
             _check_positive_int("algorithm.overlong_buffer_length", self.overlong_buffer_length)
-        if self.gae_gamma > 1.0 or self.gae_lambda > 1.0:
-            _fail("algorithm.gae_gamma/gae_lambda", f"must be in [0, 1], got {self.gae_gamma}, {self.gae_lambda}")
+        if self.gamma > 1.0 or self.lam > 1.0:
+            _fail("algorithm.gamma/lam", f"must be in [0, 1], got {self.gamma}, {self.lam}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -515,7 +523,7 @@ class TrainingConfig:
             a = self.algorithm
             lines.append(
                 f"  algorithm: advantages {a.advantage_estimator}, loss {a.policy_loss} "
-                f"(clip {a.clip_ratio_low}/{a.clip_ratio_high}), aggregation {a.loss_aggregation}, "
+                f"(clip {a.clip_ratio_low}/{a.clip_ratio_high}), aggregation {a.loss_agg_mode}, "
                 + (f"KL loss {a.kl_loss_type} x {a.kl_loss_coef}" if a.use_kl_loss else "no KL loss")
             )
         return "\n".join(lines)

@@ -222,7 +222,7 @@ def grpo_config() -> TrainingConfig:
         "grpo",
         "GRPO: rewards normalized within each prompt's group (mean and std), PPO-clipped policy loss; optional "
         "low-variance KL to the in-worker reference (--use-kl-loss with --ref-load).",
-        AlgorithmDefaults(advantage_estimator="grpo", policy_loss="ppo_clip", loss_aggregation="token-mean",
+        AlgorithmDefaults(advantage_estimator="grpo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
                           clip_ratio_low=0.2, clip_ratio_high=0.2, kl_loss_type="low_var_kl", kl_loss_coef=0.001),
     )
 
@@ -234,7 +234,7 @@ def dr_grpo_config() -> TrainingConfig:
         "Dr. GRPO: group-centered rewards without std normalization, and a constant (max-length) loss normalizer "
         "instead of per-sequence lengths, removing GRPO's length and difficulty biases.",
         AlgorithmDefaults(advantage_estimator="dr_grpo", policy_loss="ppo_clip",
-                          loss_aggregation="seq-mean-token-sum-norm", normalize_advantages_by_std=False),
+                          loss_agg_mode="seq-mean-token-sum-norm", norm_adv_by_std=False),
     )
 
 
@@ -244,7 +244,7 @@ def gspo_config() -> TrainingConfig:
         "gspo",
         "GSPO: group-normalized advantages with a sequence-level importance ratio (geometric mean of token ratios) "
         "clipped in a narrow band.",
-        AlgorithmDefaults(advantage_estimator="grpo", policy_loss="gspo", loss_aggregation="seq-mean-token-mean",
+        AlgorithmDefaults(advantage_estimator="grpo", policy_loss="gspo", loss_agg_mode="seq-mean-token-mean",
                           clip_ratio_low=3e-4, clip_ratio_high=4e-4),
     )
 
@@ -255,7 +255,7 @@ def dapo_config() -> TrainingConfig:
         "dapo",
         "DAPO: GRPO advantages with clip-higher (0.2/0.28), token-level loss aggregation, dynamic sampling that drops "
         "zero-variance groups, soft overlong punishment and no KL term.",
-        AlgorithmDefaults(advantage_estimator="grpo", policy_loss="ppo_clip", loss_aggregation="token-mean",
+        AlgorithmDefaults(advantage_estimator="grpo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
                           clip_ratio_low=0.2, clip_ratio_high=0.28, filter_zero_variance_groups=True,
                           overlong_buffer_length=4096, overlong_penalty_factor=1.0),
     )
@@ -267,7 +267,7 @@ def cispo_config() -> TrainingConfig:
         "cispo",
         "CISPO: the importance weight itself is clipped and detached (no lower bound, upper 1+0.28) and multiplies "
         "the log-probability gradient, so no token's gradient is dropped.",
-        AlgorithmDefaults(advantage_estimator="grpo", policy_loss="cispo", loss_aggregation="token-mean",
+        AlgorithmDefaults(advantage_estimator="grpo", policy_loss="cispo", loss_agg_mode="token-mean",
                           clip_ratio_low=1.0, clip_ratio_high=0.28),
     )
 
@@ -299,8 +299,8 @@ def rloo_config() -> TrainingConfig:
     return _rl_recipe(
         "rloo",
         "RLOO: each sample's baseline is the mean reward of the other samples of its prompt; PPO-clipped loss.",
-        AlgorithmDefaults(advantage_estimator="rloo", policy_loss="ppo_clip", loss_aggregation="token-mean",
-                          normalize_advantages_by_std=False),
+        AlgorithmDefaults(advantage_estimator="rloo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
+                          norm_adv_by_std=False),
     )
 
 
@@ -321,8 +321,8 @@ def ppo_config() -> TrainingConfig:
             "PPO with a learned critic: per-token values from the critic are injected into the actor's batch, GAE "
             "turns rewards and values into advantages and returns, and both roles train every step."
         ),
-        algorithm=AlgorithmDefaults(advantage_estimator="gae", policy_loss="ppo_clip", loss_aggregation="token-mean",
-                                    gae_gamma=1.0, gae_lambda=0.95, value_clip_range=0.5),
+        algorithm=AlgorithmDefaults(advantage_estimator="gae", policy_loss="ppo_clip", loss_agg_mode="token-mean",
+                                    gamma=1.0, lam=0.95, value_clip=0.5),
         data_source="rollout",
         uses_reward=True,
     )

@@ -66,7 +66,7 @@ def test_rl_recipes_share_one_specialization_and_differ_only_by_algorithm_data()
     assert TRAINING_CONFIGS["dapo"].algorithm.clip_ratio_high > TRAINING_CONFIGS["dapo"].algorithm.clip_ratio_low
     assert TRAINING_CONFIGS["gspo"].algorithm.policy_loss == "gspo"
     assert TRAINING_CONFIGS["cispo"].algorithm.policy_loss == "cispo"
-    assert TRAINING_CONFIGS["dr_grpo"].algorithm.normalize_advantages_by_std is False
+    assert TRAINING_CONFIGS["dr_grpo"].algorithm.norm_adv_by_std is False
 
 
 def test_ppo_has_a_colocated_critic_and_a_values_inject_sync():
@@ -302,3 +302,51 @@ def test_infer_algorithm_rejects_unknown_names_listing_known_ones():
 def test_every_estimator_mapping_points_at_a_recipe_using_that_estimator():
     for estimator, name in ESTIMATOR_TO_RECIPE.items():
         assert TRAINING_CONFIGS[name].algorithm.advantage_estimator == estimator
+
+
+# ---- agreement with the run configuration and the objectives registries ---------------------------
+
+
+def test_algorithm_defaults_use_the_run_config_algorithm_keys():
+    from stacx.trainer.run_config import ALGORITHM_FIELDS, AlgorithmConfig
+
+    for name, config in TRAINING_CONFIGS.items():
+        if config.algorithm is None:
+            continue
+        values = config.algorithm.as_algorithm_values(name)
+        shared = {"name", "advantage_estimator", "policy_loss", "loss_agg_mode", "clip_ratio_low", "clip_ratio_high",
+                  "clip_ratio_c", "use_kl_loss", "kl_loss_type", "kl_loss_coef", "use_kl_in_reward",
+                  "kl_in_reward_coef", "entropy_coef", "gamma", "lam", "norm_adv_by_std", "value_clip"}
+        assert shared <= set(values) and shared <= set(ALGORITHM_FIELDS)
+        algorithm = AlgorithmConfig(**values)
+        assert algorithm.loss_agg_mode == config.algorithm.loss_agg_mode
+        assert algorithm.clip_ratio_high == config.algorithm.clip_ratio_high
+
+
+def test_every_kernel_named_by_the_catalog_is_registered_in_objectives():
+    from stacx.objectives.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+
+    for name, config in TRAINING_CONFIGS.items():
+        if config.algorithm is None:
+            continue
+        a = config.algorithm
+        ADVANTAGES.get(a.advantage_estimator)  # raises ValueError listing registered names
+        POLICY_LOSSES.get(a.policy_loss)
+        AGGREGATIONS.get(a.loss_agg_mode)
+        KL_ESTIMATORS.get(a.kl_loss_type)
+
+
+def test_a_custom_registered_policy_loss_can_be_named_by_a_recipe():
+    from stacx.objectives.registry import POLICY_LOSSES, register_policy_loss
+
+    with pytest.raises(RecipeError, match="algorithm.policy_loss"):
+        AlgorithmDefaults(advantage_estimator="grpo", policy_loss="my_test_loss")
+
+    @register_policy_loss("my_test_loss")
+    def my_test_loss(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
+        raise AssertionError("never called")
+
+    try:
+        assert AlgorithmDefaults(advantage_estimator="grpo", policy_loss="my_test_loss").policy_loss == "my_test_loss"
+    finally:
+        POLICY_LOSSES.unregister("my_test_loss")
