@@ -33,11 +33,16 @@ from stacx.parallel.collectives import all_gather_stacked, group_rank, group_siz
 
 #: Default chunk budget in elements of the shard (32 MiB per fp32 temporary).
 DEFAULT_CHUNK_ELEMENTS = 1 << 23
+#: A chunk also holds at most 1/DEFAULT_CHUNKS_PER_BATCH of the tokens, so the two fp32 chunk
+#: temporaries stay under 1/8 of even a bf16 shard for small batches.
+DEFAULT_CHUNKS_PER_BATCH = 32
 
 
 def default_chunk_tokens(num_tokens: int, vocab_local: int) -> int:
-    """Tokens per chunk so that one fp32 chunk holds at most DEFAULT_CHUNK_ELEMENTS values."""
-    return max(1, min(max(num_tokens, 1), DEFAULT_CHUNK_ELEMENTS // max(vocab_local, 1)))
+    """min(DEFAULT_CHUNK_ELEMENTS // vocab_local, ceil(num_tokens / DEFAULT_CHUNKS_PER_BATCH)), at least 1."""
+    by_elements = DEFAULT_CHUNK_ELEMENTS // max(vocab_local, 1)
+    by_fraction = -(-max(num_tokens, 1) // DEFAULT_CHUNKS_PER_BATCH)
+    return max(1, min(by_elements, by_fraction))
 
 
 def _scaled_fp32_chunk(logits_chunk: torch.Tensor, temperature: float) -> torch.Tensor:
