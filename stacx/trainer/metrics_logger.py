@@ -1,0 +1,229 @@
+"""The driver's metrics sinks: JSONL, TensorBoard, wandb (when installed and asked for), PNG plots
+and a progress bar with step, reward, loss and ETA.
+
+    with MetricsLogger(out_dir, total_steps=100, wandb_project=None) as logger:
+        for step in range(100):
+            logger.log(step, {"rollout/reward_mean": 0.4, "train/loss": 1.2, "train/kl": 0.01})
+
+Files under `out_dir`:
+    metrics.jsonl           one JSON object per step: {"step": s, "time_s": t, <metric>: value, ...}
+    tensorboard/            event files (one scalar series per metric)
+    plots/{reward,loss,kl}.png   every metric whose name has that word, against the step
+
+Resuming (`start_step=N`) keeps the JSONL rows of steps < N and drops later ones, which the
+interrupted run logged after its last checkpoint and the resumed run will log again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, TextIO
+
+PLOT_FAMILIES = ("reward", "loss", "kl")
+"""Each family gets one PNG with every metric whose name has a word starting with it."""
+
+
+class MetricsLoggerError(ValueError):
+    """A logging option or metric value is wrong; the message names it."""
+
+
+def _scalar(key: str, value: Any) -> float | int | str | None:
+    """A JSON-able scalar from a Python number, bool, string, None or a one-element tensor/array."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float)):
+        return value
+    numel = getattr(value, "numel", None) or getattr(value, "size", None)
+    count = numel() if callable(numel) else numel
+    if count == 1 and hasattr(value, "item"):
+        return value.item()
+    raise MetricsLoggerError(f"metric {key!r}: expected a number or a one-element tensor, got {type(value).__name__}"
+                             + (f" with {count} elements" if count is not None else ""))
+
+
+def metric_family_members(keys: list[str], family: str) -> list[str]:
+    """Metric names with a word (split on non-alphanumerics) starting with `family`, e.g. 'train/pg_loss' for 'loss'."""
+    return [key for key in keys if any(word.startswith(family) for word in re.split(r"[^a-z0-9]+", key.lower()))]
+
+
+def headline_metric(metrics: Mapping[str, Any], family: str) -> tuple[str, float] | None:
+    """The metric that best stands for `family` in the progress bar: the key `family` itself, else
+    one ending in '/family' or 'family_mean', else the first name of that family."""
+    numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for key in numeric:
+        if key == family or key.endswith(f"/{family}") or key.endswith(f"{family}_mean"):
+            return key, numeric[key]
+    members = metric_family_members(list(numeric), family)
+    return (members[0], numeric[members[0]]) if members else None
+
+
+class MetricsLogger:
+    """Writes every step's metrics to all enabled sinks; `close()` (or the with-block) writes the plots."""
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        wandb_run_name: str | None = None,
+        run_config: Mapping[str, Any] | None = None,
+        progress_bar: bool = True,
+        progress_file: TextIO | None = None,
+        plots: bool = True,
+    ):
+        """
+        Args:
+            out_dir: folder for metrics.jsonl, tensorboard/ and plots/ (created).
+            total_steps: steps of the whole run (the progress bar's total and ETA).
+            start_step: first step this process logs (> 0 when resuming; earlier JSONL rows are kept).
+            tensorboard: write TensorBoard event files.
+            wandb_project: log to this Weights & Biases project; requires the wandb package.
+            wandb_run_name: the wandb run's display name.
+            run_config: the resolved run configuration, attached to the wandb run.
+            progress_bar: show the progress bar (on stderr unless progress_file is given).
+            plots: write the PNG plots on close().
+        """
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+            raise MetricsLoggerError(f"total_steps must be an integer >= 1, got {total_steps!r}")
+        if not 0 <= start_step <= total_steps:
+            raise MetricsLoggerError(f"start_step must be in [0, total_steps={total_steps}], got {start_step!r}")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.out_dir / "metrics.jsonl"
+        self.plots_enabled = plots
+        self.history: list[dict[str, Any]] = self._resume_jsonl(start_step)
+        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        self._start_time = time.monotonic()
+        self._tensorboard = None
+        self._wandb = None
+        self._bar = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"), purge_step=start_step or None)
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise MetricsLoggerError(
+                    f"--wandb-project {wandb_project!r} was given but the wandb package is not installed; "
+                    f"install it (pip install wandb) or drop --wandb-project"
+                ) from None
+            self._wandb = wandb.init(project=wandb_project, name=wandb_run_name, dir=str(self.out_dir),
+                                     config=dict(run_config or {}), resume="allow")
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=total_steps, initial=start_step, file=progress_file or sys.stderr, dynamic_ncols=True,
+                bar_format="step {n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}, ETA {remaining}]", mininterval=0,
+            )
+
+    def _resume_jsonl(self, start_step: int) -> list[dict[str, Any]]:
+        if not self.jsonl_path.exists():
+            return []
+        if start_step == 0:
+            self.jsonl_path.unlink()  # a fresh run in a reused folder starts a fresh file
+            return []
+        kept = []
+        for line in self.jsonl_path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                if row.get("step", math.inf) < start_step:
+                    kept.append(row)
+        temporary = self.jsonl_path.with_suffix(".jsonl.tmp")
+        temporary.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
+        os.replace(temporary, self.jsonl_path)
+        return kept
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Record one step's metrics in every sink; returns the row written to JSONL."""
+        row: dict[str, Any] = {"step": int(step), "time_s": round(time.monotonic() - self._start_time, 3)}
+        for key, value in metrics.items():
+            if key in row:
+                raise MetricsLoggerError(f"metric name {key!r} is reserved by the logger")
+            row[key] = _scalar(key, value)
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        self.history.append(row)
+        numeric = {k: v for k, v in row.items()
+                   if k not in ("step", "time_s") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tensorboard is not None:
+            for key, value in numeric.items():
+                self._tensorboard.add_scalar(key, value, global_step=step)
+            self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+        if self._bar is not None:
+            shown = []
+            for family in ("reward", "loss"):
+                found = headline_metric(numeric, family)
+                if found is not None:
+                    shown.append(f"{family} {found[1]:.4g}")
+            self._bar.set_description_str(", ".join(shown), refresh=False)
+            self._bar.update(1)
+        return row
+
+    def write_plots(self) -> dict[str, list[str]]:
+        """One PNG per family in PLOT_FAMILIES with data; returns {png path: metric names plotted}."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        keys = sorted({k for row in self.history for k, v in row.items()
+                       if k not in ("step", "time_s") and isinstance(v, (int, float)) and not isinstance(v, bool)})
+        written: dict[str, list[str]] = {}
+        for family in PLOT_FAMILIES:
+            members = metric_family_members(keys, family)
+            if not members:
+                continue
+            # Figure + Agg canvas, not pyplot: no global backend or figure state in the driver process.
+            figure = Figure(figsize=(7, 4), dpi=100)
+            FigureCanvasAgg(figure)
+            axes = figure.add_subplot(1, 1, 1)
+            for key in members:
+                points = [(row["step"], row[key]) for row in self.history if isinstance(row.get(key), (int, float))]
+                axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=2, label=key)
+            axes.set_xlabel("step")
+            axes.set_ylabel(family)
+            axes.set_title(f"{family} per step")
+            axes.grid(alpha=0.3)
+            axes.legend(fontsize="small")
+            path = self.out_dir / "plots" / f"{family}.png"
+            path.parent.mkdir(exist_ok=True)
+            figure.savefig(path)
+            written[str(path)] = members
+        return written
+
+    def close(self) -> None:
+        """Flush and close every sink and write the plots (safe to call twice)."""
+        if self._jsonl.closed:
+            return
+        self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._bar is not None:
+            self._bar.close()
+        if self.plots_enabled and self.history:
+            self.write_plots()
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+__all__ = ["MetricsLogger", "MetricsLoggerError", "PLOT_FAMILIES", "headline_metric", "metric_family_members"]

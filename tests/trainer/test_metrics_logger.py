@@ -1,0 +1,130 @@
+"""The metrics logger: JSONL rows, TensorBoard scalars, PNG plots, the progress bar, resume and wandb."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from stacx.trainer.metrics_logger import MetricsLogger, MetricsLoggerError, headline_metric
+
+
+def _metrics(step: int) -> dict:
+    return {
+        "rollout/reward_mean": 0.1 * step,
+        "train/pg_loss": torch.tensor(2.0 - 0.25 * step),
+        "train/kl_loss": 0.01 * step,
+        "train/grad_norm": 1.5,
+        "train/clipped": True,
+        "note": "text",
+    }
+
+
+def _read_tensorboard(folder) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(folder))
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def test_logger_writes_jsonl_tensorboard_plots_and_a_progress_bar(tmp_path):
+    bar = io.StringIO()
+    with MetricsLogger(tmp_path, total_steps=4, progress_file=bar) as logger:
+        for step in range(3):
+            logger.log(step, _metrics(step))
+
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert rows[2]["train/pg_loss"] == pytest.approx(1.5) and rows[2]["train/clipped"] == 1
+    assert rows[1]["note"] == "text" and rows[1]["time_s"] >= 0
+
+    scalars = _read_tensorboard(tmp_path / "tensorboard")
+    assert "note" not in scalars
+    assert [s for s, _ in scalars["rollout/reward_mean"]] == [0, 1, 2]
+    assert [v for _, v in scalars["train/pg_loss"]] == pytest.approx([2.0, 1.75, 1.5])
+
+    plots = {path.name: path for path in (tmp_path / "plots").iterdir()}
+    assert sorted(plots) == ["kl.png", "loss.png", "reward.png"]
+    from matplotlib.image import imread
+
+    for path in plots.values():
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        height, width = imread(path).shape[:2]
+        assert (width, height) == (700, 400)
+
+    text = bar.getvalue()
+    assert "step 3/4" in text and "reward 0.2, loss 1.5" in text and "ETA" in text
+
+
+def test_plot_families_pick_metrics_by_word(tmp_path):
+    logger = MetricsLogger(tmp_path, total_steps=2, tensorboard=False, progress_bar=False)
+    logger.log(0, _metrics(0))
+    logger.log(1, _metrics(1))
+    written = {path.rsplit("/", 1)[-1]: keys for path, keys in logger.write_plots().items()}
+    logger.close()
+    assert written == {
+        "reward.png": ["rollout/reward_mean"],
+        "loss.png": ["train/kl_loss", "train/pg_loss"],
+        "kl.png": ["train/kl_loss"],
+    }
+
+
+def test_resume_keeps_rows_before_the_checkpoint_and_drops_the_rest(tmp_path):
+    with MetricsLogger(tmp_path, total_steps=5, tensorboard=False, progress_bar=False, plots=False) as logger:
+        for step in range(4):  # the run died after logging step 3; its last checkpoint was after step 1
+            logger.log(step, {"loss": float(step)})
+    with MetricsLogger(tmp_path, total_steps=5, start_step=2, tensorboard=False, progress_bar=False) as logger:
+        assert [row["step"] for row in logger.history] == [0, 1]
+        for step in range(2, 5):
+            logger.log(step, {"loss": 10.0 + step})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["loss"]) for row in rows] == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0), (4, 14.0)]
+    # A fresh run (start_step 0) in the same folder starts a fresh file.
+    with MetricsLogger(tmp_path, total_steps=1, tensorboard=False, progress_bar=False, plots=False) as logger:
+        logger.log(0, {"loss": 5.0})
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_bad_metric_and_options_are_named(tmp_path):
+    with pytest.raises(MetricsLoggerError, match="total_steps"):
+        MetricsLogger(tmp_path, total_steps=0)
+    logger = MetricsLogger(tmp_path, total_steps=2, tensorboard=False, progress_bar=False, plots=False)
+    with pytest.raises(MetricsLoggerError, match=r"metric 'train/logits': .* with 6 elements"):
+        logger.log(0, {"train/logits": torch.zeros(2, 3)})
+    with pytest.raises(MetricsLoggerError, match=r"'step' is reserved"):
+        logger.log(0, {"step": 1})
+    logger.close()
+
+
+def test_wandb_is_required_when_asked_for_and_used_when_present(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    with pytest.raises(MetricsLoggerError, match=r"--wandb-project 'proj'.*not installed"):
+        MetricsLogger(tmp_path, total_steps=1, wandb_project="proj", tensorboard=False, progress_bar=False)
+
+    calls = []
+
+    class FakeRun:
+        def log(self, values, step):
+            calls.append(("log", step, dict(values)))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw["project"], kw["config"])) or FakeRun())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    with MetricsLogger(tmp_path, total_steps=1, wandb_project="proj", run_config={"lr": 0.1}, tensorboard=False,
+                       progress_bar=False, plots=False) as logger:
+        logger.log(0, {"loss": 1.0, "note": "x"})
+    assert calls == [("init", "proj", {"lr": 0.1}), ("log", 0, {"loss": 1.0}), ("finish",)]
+
+
+def test_headline_metric_prefers_exact_then_suffix_then_family_member():
+    assert headline_metric({"a/pg_loss": 1.0, "loss": 2.0}, "loss") == ("loss", 2.0)
+    assert headline_metric({"a/pg_loss": 1.0, "train/loss": 3.0}, "loss") == ("train/loss", 3.0)
+    assert headline_metric({"rollout/raw_reward": 0.5}, "reward") == ("rollout/raw_reward", 0.5)
+    assert headline_metric({"x": 1.0}, "reward") is None
