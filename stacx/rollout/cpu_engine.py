@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from stacx.rollout.engine import InferenceEngine, WeightBucket
+from stacx.rollout.weight_loading import HfWeightReceiver
 from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
 
 WeightLoader = Callable[[torch.nn.Module, Sequence[tuple[str, torch.Tensor]]], None]
@@ -64,6 +65,32 @@ def _id_pairs(log_probs_V: torch.Tensor, token_ids: Sequence[int]) -> list[tuple
     return [(float(log_probs_V[t]), int(t)) for t in token_ids]
 
 
+def ensure_single_process_layout():
+    """megatron-core builds its layers from its global groups, even for one process: create a
+    world of one gloo rank (in-memory store, no port) and the trivial tp = cp = dp = 1 layout.
+
+    Raises if this process already belongs to a larger torch.distributed world (a trainer rank):
+    the CPU engine runs in the driver or in `stacx serve`, never inside a sharded worker.
+    """
+    import torch.distributed as dist
+
+    from stacx.parallel.groups import ProcessGroups, initialize_parallel_layout
+
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError(
+                f"CpuEngine needs a single-process world, but torch.distributed has {dist.get_world_size()} ranks; "
+                "run the engine in the driver or in `stacx serve`"
+            )
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        initialize_parallel_layout(1, 1)
+    return ProcessGroups.single_process()
+
+
 class CpuEngine(InferenceEngine):
     """Generation with per-token log-probs from a single-process megatron GPTModel.
 
@@ -84,6 +111,7 @@ class CpuEngine(InferenceEngine):
         self.eos_token_id = eos_token_id
         self.model_path = model_path
         self._weight_loader = weight_loader
+        self._receiver = HfWeightReceiver(model, self.groups)
         self._generator = torch.Generator().manual_seed(seed)
         self._lock = threading.Lock()  # one model call at a time; updates never interleave a batch
         self._resumed = threading.Event()
@@ -93,11 +121,11 @@ class CpuEngine(InferenceEngine):
     @classmethod
     def from_hf_checkpoint(cls, path: str, *, params_dtype: torch.dtype = torch.float32, seed: int = 0) -> "CpuEngine":
         """Build the model from `path`'s config.json, load its weights, read eos from its config."""
-        from stacx.models import build_model, load_hf_checkpoint, load_hf_config
-        from stacx.parallel.groups import ProcessGroups
+        from stacx.models import build_model, load_hf_checkpoint
+        from stacx.models.architectures import load_hf_config
 
         config = load_hf_config(path)
-        groups = ProcessGroups.single_process()
+        groups = ensure_single_process_layout()
         model = build_model(config, groups, params_dtype=params_dtype)
         load_hf_checkpoint(model, path, groups)
         eos = getattr(config, "eos_token_id", None)
@@ -190,14 +218,16 @@ class CpuEngine(InferenceEngine):
 
     def load_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the model (no version change)."""
-        loader = self._weight_loader
-        if loader is None:
-            from stacx.models import load_hf_tensors as loader
         with self._lock:
-            loader(self.model, named_tensors)
+            if self._weight_loader is not None:
+                self._weight_loader(self.model, named_tensors)
+            else:
+                self._receiver.receive(named_tensors)
 
     def set_weight_version(self, version: int) -> None:
+        """Mark the update finished; raises if a parameter received only part of its tensors."""
         with self._lock:
+            self._receiver.check_complete()
             self._version = int(version)
 
     def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:

@@ -85,6 +85,10 @@ class EngineHttpServer:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
+    def close(self) -> None:
+        """Release the socket after `serve_forever` returned (the foreground `stacx serve` path)."""
+        self._httpd.server_close()
+
     def __enter__(self):
         return self.start()
 

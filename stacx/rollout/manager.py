@@ -1,0 +1,202 @@
+"""`RolloutManager`: the trainer's one entry point for producing training samples.
+
+    manager = RolloutManager(engine, tokenizer=tok, reward_fn="math", teacher=TeacherClient(url))
+    samples = manager.generate(prompt_ids, sampling, n_samples_per_prompt=4, labels=labels)
+    batch = samples_to_batch(samples)              # per-trajectory lists for packing
+    manager.push_weights(iter_hf_weight_buckets(model, groups, 256 << 20), version=step)
+
+Every per-token field of a `Sample` is aligned with its response tokens (length R); the trainer
+pads them with zeros over the prompt when it packs, then CP-slices them with the tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from stacx.rollout.dagger import Executor
+from stacx.rollout.engine import InferenceEngine, WeightBucket
+from stacx.rollout.rewards import RewardFn, compute_rewards, resolve_reward_fn
+from stacx.rollout.teacher import TEACHER_EXECUTED_SENTINEL, TeacherClient
+from stacx.rollout.types import GenerateRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    """One trajectory. Per-token lists have one entry per response token."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_log_probs: list[float]
+    """Log-probs of the executing engine's sampling distribution (see stacx.rollout.types); 0.0
+    where the teacher executed (the student's log-prob there is recomputed by the trainer)."""
+    loss_mask: list[int]
+    """1 on model-generated tokens, 0 on environment tokens (observations, chat markup)."""
+    executors: list[int]
+    """`Executor` per token: 0 environment, 1 student, 2 teacher."""
+    group_index: int = 0
+    """Index of the prompt this sample answers (samples of one prompt form a GRPO group)."""
+    finish_reason: str = "length"
+    weight_version: int = 0
+    label: Any = None
+    metadata: dict = field(default_factory=dict)
+    response_text: str = ""
+    reward: Optional[float] = None
+    reward_error: Optional[str] = None
+    teacher_log_probs: Optional[list[float]] = None
+    """Teacher log p(token); TEACHER_EXECUTED_SENTINEL (+1.0) where the teacher executed."""
+    teacher_top_log_probs: Optional[torch.Tensor] = None
+    """[R, K] teacher top-K log-probs (with teacher_top_ids [R, K]) when teacher_top_k > 0."""
+    teacher_top_ids: Optional[torch.Tensor] = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    def to_json(self) -> dict:
+        """A JSON-able view for rollout dumps and trajectory corpora."""
+        return {
+            "prompt_ids": self.prompt_ids, "response_ids": self.response_ids, "response_text": self.response_text,
+            "rollout_log_probs": self.rollout_log_probs, "loss_mask": self.loss_mask, "executors": self.executors,
+            "reward": self.reward, "reward_error": self.reward_error, "finish_reason": self.finish_reason,
+            "weight_version": self.weight_version, "group_index": self.group_index, "label": self.label,
+            "metadata": self.metadata, "teacher_log_probs": self.teacher_log_probs,
+        }
+
+
+def samples_to_batch(samples: Sequence[Sample]) -> dict[str, list]:
+    """Per-trajectory lists the trainer packs: tokens and response_lengths, per-token fields as tensors."""
+    batch = {
+        "tokens": [torch.tensor(s.tokens, dtype=torch.long) for s in samples],
+        "response_lengths": [s.response_length for s in samples],
+        "loss_masks": [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples],
+        "rollout_log_probs": [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples],
+        "executors": [torch.tensor(s.executors, dtype=torch.long) for s in samples],
+        "rewards": [float(s.reward) if s.reward is not None else 0.0 for s in samples],
+        "group_indices": [s.group_index for s in samples],
+    }
+    if all(s.teacher_log_probs is not None for s in samples) and samples:
+        batch["teacher_log_probs"] = [torch.tensor(s.teacher_log_probs, dtype=torch.float32) for s in samples]
+    if all(s.teacher_top_log_probs is not None for s in samples) and samples:
+        batch["teacher_top_log_probs"] = [s.teacher_top_log_probs for s in samples]
+        batch["teacher_top_ids"] = [s.teacher_top_ids for s in samples]
+    return batch
+
+
+class RolloutManager:
+    """Generates samples with an engine, scores rewards and teacher log-probs, pushes weights."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        *,
+        tokenizer=None,
+        reward_fn: Optional[str | RewardFn] = None,
+        teacher: Optional[TeacherClient] = None,
+        teacher_top_k: int = 0,
+        seed: int = 0,
+        reward_workers: int = 8,
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.reward_fn = resolve_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn
+        self.teacher = teacher
+        self.teacher_top_k = teacher_top_k
+        self.reward_workers = reward_workers
+        self._seeds = itertools.count(seed * 1_000_003)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        n_samples_per_prompt: int = 1,
+        labels: Optional[Sequence[Any]] = None,
+        metadatas: Optional[Sequence[dict]] = None,
+    ) -> list[Sample]:
+        """n samples per prompt (grouped, prompt-major), with rewards and teacher fields if configured.
+
+        Each sample gets its own sampling seed from the manager's counter, so a run is reproducible.
+        """
+        if n_samples_per_prompt < 1:
+            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+        labels = list(labels) if labels is not None else [None] * len(prompts)
+        metadatas = list(metadatas) if metadatas is not None else [{} for _ in prompts]
+        requests, owners = [], []
+        for index, prompt in enumerate(prompts):
+            for _ in range(n_samples_per_prompt):
+                seeded = SamplingParams(**{**sampling.__dict__, "seed": next(self._seeds)}) if sampling.seed is None else sampling
+                requests.append(GenerateRequest(input_ids=tuple(prompt), sampling=seeded, return_logprob=True))
+                owners.append(index)
+        outputs = self.engine.generate(requests)
+        samples = []
+        for request, output, index in zip(requests, outputs, owners):
+            samples.append(Sample(
+                prompt_ids=list(request.input_ids), response_ids=list(output.output_ids),
+                rollout_log_probs=list(output.output_log_probs), loss_mask=[1] * len(output.output_ids),
+                executors=[int(Executor.STUDENT)] * len(output.output_ids), group_index=index,
+                finish_reason=output.finish_reason, weight_version=output.weight_version,
+                label=labels[index], metadata=dict(metadatas[index] or {}),
+            ))
+        self.decode(samples)
+        self.score_rewards(samples)
+        self.score_with_teacher(samples)
+        return samples
+
+    def decode(self, samples: Sequence[Sample]) -> None:
+        if self.tokenizer is None:
+            return
+        for s in samples:
+            s.response_text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+
+    def score_rewards(self, samples: Sequence[Sample]) -> None:
+        """Fill `reward` (and `reward_error` where the reward function raised)."""
+        if self.reward_fn is None or not samples:
+            return
+        results = compute_rewards(
+            self.reward_fn, [s.response_text for s in samples], [s.label for s in samples],
+            [s.metadata for s in samples], max_workers=self.reward_workers,
+        )
+        for s, r in zip(samples, results):
+            s.reward, s.reward_error = r.reward, r.error
+        failed = sum(r.error is not None for r in results)
+        if failed:
+            logger.warning("reward function failed on %d of %d samples (marked reward_error)", failed, len(samples))
+
+    def score_with_teacher(self, samples: Sequence[Sample]) -> None:
+        """Fill teacher fields; teacher-executed tokens carry the +1.0 sentinel instead of a log-prob."""
+        if self.teacher is None:
+            return
+        scorable = [s for s in samples if s.response_length > 0]
+        scores = self.teacher.score([s.tokens for s in scorable], [s.response_length for s in scorable],
+                                    top_k=self.teacher_top_k)
+        for s, sc in zip(scorable, scores):
+            log_probs = sc.log_probs.tolist()
+            s.teacher_log_probs = [TEACHER_EXECUTED_SENTINEL if e == Executor.TEACHER else lp
+                                   for lp, e in zip(log_probs, s.executors)]
+            s.teacher_top_log_probs, s.teacher_top_ids = sc.top_log_probs, sc.top_ids
+        for s in samples:
+            if s.response_length == 0:
+                s.teacher_log_probs = []
+
+    def push_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
+        """Stream weight buckets to the engine, then confirm it serves `version`."""
+        self.engine.pause()
+        try:
+            self.engine.update_weights(buckets, version=version)
+            self.engine.flush_cache()
+        finally:
+            self.engine.resume()
+        served = self.engine.weight_version()
+        if served != version:
+            raise RuntimeError(f"engine serves weight version {served} after pushing version {version}")

@@ -1,0 +1,75 @@
+"""Reward verifiers and containment, dynamic sampling, environment-variable overrides."""
+
+import pytest
+
+from stacx.rollout.dynamic_sampling import collect_informative_groups, is_informative
+from stacx.rollout.env_overrides import apply_env_overrides, read_env_overrides
+from stacx.rollout.rewards import batched_reward, compute_rewards, extract_math_answer, resolve_reward_fn
+from stacx.trainer.run_config import TeacherSection
+
+
+def raising_reward(response, label, metadata):
+    if response == "boom":
+        raise ZeroDivisionError("bad sample")
+    return 1.0
+
+
+def test_builtin_verifiers():
+    assert resolve_reward_fn("exact_match")(" 42 ", "42", {}) == 1.0
+    math = resolve_reward_fn("math")
+    assert math(r"so \boxed{1/2}", "0.5", {}) == 1.0
+    assert math("the answer is 12, then 13", "13", {}) == 1.0
+    assert math("the answer is 12", "13", {}) == 0.0
+    assert math("no number", "13", {}) == 0.0
+    assert extract_math_answer(r"\boxed{3} and 4") == "3"
+    assert resolve_reward_fn("format")(r"\boxed{x}", None, {}) == 1.0
+    assert resolve_reward_fn("format")("x", None, {"format_regex": r"^\d+$"}) == 0.0
+
+
+def test_reward_that_raises_is_contained():
+    fn = resolve_reward_fn(f"{__name__}:raising_reward")
+    results = compute_rewards(fn, ["ok", "boom", "ok"], [0, 0, 0], max_workers=2, failure_reward=-1.0)
+    assert [r.reward for r in results] == [1.0, -1.0, 1.0]
+    assert results[1].error.startswith("ZeroDivisionError: bad sample") and results[0].error is None
+
+    @batched_reward
+    def broken_batch(responses, labels, metadatas):
+        raise RuntimeError("down")
+
+    results = compute_rewards(broken_batch, ["a", "b"], [0, 0])
+    assert [r.reward for r in results] == [0.0, 0.0] and all("RuntimeError: down" in r.error for r in results)
+
+
+def test_reward_fn_resolution_errors():
+    with pytest.raises(ValueError, match="neither a built-in"):
+        resolve_reward_fn("nope")
+    with pytest.raises(ValueError, match="cannot import module"):
+        resolve_reward_fn("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="no callable"):
+        resolve_reward_fn(f"{__name__}:missing")
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_refills():
+    assert not is_informative([1.0, 1.0, 1.0]) and is_informative([0.0, 1.0])
+    stream = iter([[1, 1], [0, 1], [0, 0], [1, 0], [0, 1], [1, 1], [0, 1]])
+    asked = []
+
+    def generate(k):
+        asked.append(k)
+        return [next(stream) for _ in range(k)]
+
+    result = collect_informative_groups(generate, lambda g: g, target_groups=3, over_sampling_factor=1.0)
+    assert result.groups == [[0, 1], [1, 0], [0, 1]]
+    assert asked == [3, 2] and result.num_dropped == 2
+    with pytest.raises(RuntimeError, match="only 0 of 2 groups"):
+        collect_informative_groups(lambda k: [[1, 1]] * k, lambda g: g, target_groups=2, max_rounds=2)
+
+
+def test_env_overrides():
+    env = {"STACX_DISTILL_KL_MODE": "topk", "STACX_DAGGER_SAMPLING_MODE": "mixture_aggrevate_opd",
+           "STACX_DAGGER_SFT_MODE": "trajectory"}
+    section = apply_env_overrides(TeacherSection(), env)
+    assert (section.distill_kl_mode, section.dagger_sampling_mode, section.dagger_sft_mode) == ("topk", "kappa", "trajectory")
+    assert apply_env_overrides(TeacherSection(), {}) == TeacherSection()
+    with pytest.raises(ValueError, match="STACX_DISTILL_KL_MODE='forward'"):
+        read_env_overrides({"STACX_DISTILL_KL_MODE": "forward"})
