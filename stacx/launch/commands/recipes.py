@@ -1,0 +1,128 @@
+"""`stacx recipes`: list the recipe catalog, describe one recipe, or print the catalog as Markdown.
+
+    stacx recipes                 one line per recipe: name, roles, description
+    stacx recipes ppo             the recipe's roles, pools, syncs and algorithm defaults
+    stacx recipes --markdown      the catalog page (docs/recipes.md is this output)
+    stacx recipes --custom-module my_algo.py    include recipes registered by a user module
+"""
+
+from __future__ import annotations
+
+import sys
+
+HELP = "list the recipe catalog (roles, syncs, algorithm defaults) or describe one recipe"
+
+_MARKDOWN_HEADER = """# Recipe catalog
+
+Every algorithm Stacx runs is a recipe: a frozen `TrainingConfig` in `stacx/trainer/recipes.py`
+naming the run's model roles and the syncs between them (see `docs/architecture.md`). Select one
+with `--algorithm NAME`; without it, `--use-critic` selects `ppo` and otherwise
+`--advantage-estimator` picks the recipe built around that estimator (default `grpo`).
+
+This page is generated from the catalog: `stacx recipes --markdown > docs/recipes.md`
+(a test fails when it is out of date). `stacx recipes NAME` prints the same facts for one recipe.
+
+Terms: **data** is where samples come from (`rollout`: the inference engine generates from the
+policy every step; `dataset`: a fixed SFT or preference set), plus `teacher` when a teacher
+server scores or relabels rollouts and `reward` when a reward function scores them. A role's
+**pool** is the set of devices it runs on; roles sharing a pool are colocated and time-share.
+An **inject** sync adds per-token fields computed by one role to another role's batch; an
+**exchange** sync moves tensors between two roles' workers over a collective group.
+"""
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("name", nargs="?", help="a recipe to describe (default: list them all)")
+    parser.add_argument("--markdown", action="store_true", help="print the whole catalog as Markdown")
+    parser.add_argument("--custom-module", action="append", default=[], metavar="FILE_OR_MODULE",
+                        help="import a user module first so that its @recipe registrations show (repeatable)")
+
+
+def _role_cell(config, role) -> str:
+    traits = ["trainable" if role.trainable else "frozen"]
+    if role.sync_to_rollout:
+        traits.append("syncs to rollout")
+    if role.outputs_values:
+        traits.append("value head")
+    pool = config.pool_of(role.name)
+    traits.append(f"pool `{pool}`" + (" (shared)" if role.shares_pool_with else ""))
+    traits.append(f"weights `--{role.checkpoint_arg.replace('_', '-')}`")
+    if role.reference_checkpoint_arg:
+        traits.append(f"in-worker reference `--{role.reference_checkpoint_arg.replace('_', '-')}`")
+    return f"`{role.name}` ({role.specialization_cls.__name__}: {', '.join(traits)})"
+
+
+def _algorithm_cell(algorithm) -> str:
+    if algorithm is None:
+        return "-"
+    parts = [f"adv `{algorithm.advantage_estimator}`", f"loss `{algorithm.policy_loss}`",
+             f"clip {algorithm.clip_ratio_low:g}/{algorithm.clip_ratio_high:g}", f"agg `{algorithm.loss_agg_mode}`"]
+    if algorithm.use_kl_loss:
+        parts.append(f"KL loss `{algorithm.kl_loss_type}` x {algorithm.kl_loss_coef:g}")
+    if algorithm.use_kl_in_reward:
+        parts.append(f"KL in reward x {algorithm.kl_in_reward_coef:g}")
+    if not algorithm.norm_adv_by_std:
+        parts.append("no std normalization")
+    if algorithm.filter_zero_variance_groups:
+        parts.append("drops zero-variance groups")
+    if algorithm.overlong_buffer_length:
+        parts.append(f"overlong buffer {algorithm.overlong_buffer_length}")
+    if algorithm.teacher_kl_coef:
+        parts.append(f"teacher reverse-KL shaping x {algorithm.teacher_kl_coef:g}")
+    if algorithm.advantage_estimator == "gae":
+        parts.append(f"gamma {algorithm.gamma:g}, lambda {algorithm.lam:g}")
+    return ", ".join(parts)
+
+
+def render_catalog_markdown(configs: dict) -> str:
+    """The catalog page: a summary table, then per recipe its description, roles, syncs and algorithm defaults."""
+    lines = [_MARKDOWN_HEADER, "## Summary", "", "| recipe | data | roles | syncs |", "| --- | --- | --- | --- |"]
+    for name in sorted(configs):
+        config = configs[name]
+        data = " + ".join([config.data_source] + (["teacher"] if config.uses_teacher else [])
+                          + (["reward"] if config.uses_reward else []))
+        syncs = "; ".join(f"{s.kind} {s.source_role} -> {s.target_role}" for s in config.syncs) or "none"
+        lines.append(f"| [`{name}`](#{name}) | {data} | {', '.join(r.name for r in config.roles)} | {syncs} |")
+    for name in sorted(configs):
+        config = configs[name]
+        lines += ["", f"## {name}", "", config.description, ""]
+        if config.rollin_protocol:
+            lines.append(f"- roll-in: `{config.rollin_protocol}`")
+        for role in config.roles:
+            lines.append(f"- role {_role_cell(config, role)}" + (f": {role.description}" if role.description else ""))
+        if config.syncs:
+            for sync in config.syncs:
+                lines.append(f"- {sync.kind} sync: `{sync.source_role}` -> `{sync.target_role}`, keys "
+                             + ", ".join(f"`{key}`" for key in sync.keys))
+        else:
+            lines.append("- syncs: none")
+        if config.algorithm is not None:
+            lines.append(f"- algorithm defaults: {_algorithm_cell(config.algorithm)}")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    from stacx.trainer.config import RecipeError
+    from stacx.trainer.recipes import TRAINING_CONFIGS, get_recipe
+
+    if args.custom_module:
+        from stacx.objectives.discovery import load_custom_modules
+
+        load_custom_modules(args.custom_module)
+    if args.markdown:
+        print(render_catalog_markdown(TRAINING_CONFIGS), end="")
+        return 0
+    if args.name:
+        try:
+            print(get_recipe(args.name).describe())
+        except RecipeError as err:
+            print(f"stacx recipes: {err}", file=sys.stderr)
+            return 2
+        return 0
+    width = max(len(name) for name in TRAINING_CONFIGS)
+    for name in sorted(TRAINING_CONFIGS):
+        config = TRAINING_CONFIGS[name]
+        roles = ", ".join(role.name for role in config.roles)
+        first_sentence = config.description.split(". ")[0].rstrip(".")
+        print(f"{name:<{width}}  [{roles}]  {first_sentence}")
+    return 0

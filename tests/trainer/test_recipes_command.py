@@ -1,0 +1,61 @@
+"""`stacx recipes` and docs/recipes.md, which is its --markdown output and must stay current."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from stacx.launch.cli import main
+from stacx.launch.commands.recipes import render_catalog_markdown
+from stacx.trainer.recipes import TRAINING_CONFIGS
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
+
+
+def test_docs_recipes_md_is_the_current_catalog():
+    assert DOC.read_text() == render_catalog_markdown(TRAINING_CONFIGS), (
+        "docs/recipes.md is out of date; regenerate it with: stacx recipes --markdown > docs/recipes.md"
+    )
+
+
+def test_catalog_page_lists_every_recipe_with_roles_and_syncs():
+    page = render_catalog_markdown(TRAINING_CONFIGS)
+    sections = dict(re.findall(r"^## (\w+)\n\n(.*?)(?=^## |\Z)", page, flags=re.M | re.S))
+    assert set(TRAINING_CONFIGS) <= set(sections)
+    for name, config in TRAINING_CONFIGS.items():
+        body = sections[name]
+        for role in config.roles:
+            assert f"role `{role.name}` ({role.specialization_cls.__name__}" in body
+        for sync in config.syncs:
+            assert f"{sync.kind} sync: `{sync.source_role}` -> `{sync.target_role}`" in body
+        if not config.syncs:
+            assert "- syncs: none" in body
+
+
+def test_recipes_command_lists_describes_and_rejects_unknown(capsys):
+    assert main(["recipes"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert sorted(line.split()[0] for line in listed) == sorted(TRAINING_CONFIGS)
+    assert main(["recipes", "ppo"]) == 0
+    described = capsys.readouterr().out
+    assert "inject: critic -> actor (values)" in described and "pool actor (shared)" in described
+    assert main(["recipes", "grpoo"]) == 2
+    assert "unknown recipe 'grpoo'; known recipes:" in capsys.readouterr().err
+
+
+def test_recipes_command_shows_recipes_from_a_custom_module(tmp_path, capsys):
+    module = tmp_path / "my_recipe_plugin.py"
+    module.write_text(
+        "from stacx.specializations.causal_decoder import CausalDecoderSpecialization\n"
+        "from stacx.trainer.config import ModelRole, TrainingConfig\n"
+        "from stacx.trainer.recipes import recipe\n\n"
+        "@recipe('plugin_sft_under_test')\n"
+        "def build():\n"
+        "    return TrainingConfig(name='plugin_sft_under_test', description='plugin SFT', data_source='dataset',\n"
+        "                          roles=(ModelRole(name='policy', specialization_cls=CausalDecoderSpecialization),))\n"
+    )
+    try:
+        assert main(["recipes", "--custom-module", str(module), "plugin_sft_under_test"]) == 0
+        assert "recipe plugin_sft_under_test: plugin SFT" in capsys.readouterr().out
+    finally:
+        TRAINING_CONFIGS.pop("plugin_sft_under_test", None)
