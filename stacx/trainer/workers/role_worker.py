@@ -52,6 +52,7 @@ class RoleWorker:
             "node_id": context.get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
             "placement_group_id": placement_group_id,
+            "assigned_resources": context.get_assigned_resources(),
             "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }

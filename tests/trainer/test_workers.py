@@ -1,0 +1,216 @@
+"""Ray role workers on a local CPU cluster: TP collectives, colocation, exchange syncs, failures.
+
+One local Ray cluster (4 CPUs) and one role graph are shared by the module: a 2-rank TP=2
+`policy` and a 2-rank DP=2 `reference` colocated on one pool, with an exchange sync
+policy -> reference. The failure tests start their own small role so that killing a worker
+does not disturb the shared graph.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import partial
+
+import pytest
+import torch
+
+from stacx.specializations.base import Specialization
+from stacx.trainer.config import ExchangeSync, ModelRole, TrainingConfig
+from stacx.trainer.factory import WorkerLayout, create_role_workers
+from stacx.trainer.ray_cluster import connect_ray
+from stacx.trainer.workers import (
+    PlacedPool,
+    ResourcePool,
+    RolePlacement,
+    RoleWorkerDied,
+    RoleWorkerRaised,
+    RoleWorkers,
+    RoleWorkerTimeout,
+)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
+
+MIB = 1024 * 1024
+
+
+def _exchange_recipe() -> TrainingConfig:
+    return TrainingConfig(
+        name="exchange_test",
+        description="policy trains on a dataset; its weights are exchanged to a colocated reference",
+        data_source="dataset",
+        roles=(
+            ModelRole(name="policy", specialization_cls=Specialization, tensor_parallel_size=2),
+            ModelRole(name="reference", specialization_cls=Specialization, trainable=False,
+                      shares_pool_with="policy"),
+        ),
+        syncs=(ExchangeSync(source_role="policy", target_role="reference", keys=("weights",), bucket_size_mb=1),),
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    connection = connect_ray(num_cpus=4, object_store_memory_bytes=200 * MIB, log_to_driver=False)
+    yield connection
+    connection.shutdown()
+
+
+@pytest.fixture(scope="module")
+def role_graph(ray_cluster):
+    # The pool has tp * dp = 2 bundles; the colocated reference (tp=1) fills them with dp=2.
+    graph = create_role_workers(
+        _exchange_recipe(),
+        WorkerLayout(data_parallel_size=1, num_cpus_per_rank=1.0, collective_timeout_s=60.0, call_timeout_s=120.0),
+    )
+    yield graph
+    graph.shutdown()
+
+
+# ---- functions shipped to workers (module level: Ray pickles them) ----------------------
+
+def tp_all_reduce(worker):
+    """Each rank contributes (rank + 1) * [1, 2, 3]; the TP all-reduce sums them."""
+    import torch.distributed as dist
+
+    contribution = (worker.rank + 1) * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    dist.all_reduce(contribution, group=worker.groups.tp)
+    return {"sum": contribution.tolist(), "tp_rank": worker.groups.tp_rank, "tp_size": worker.groups.tp_size}
+
+
+def payload(rank: int) -> dict[str, torch.Tensor]:
+    """Tensors whose bits must survive the trip: bf16 NaN payloads, -0.0, int extremes, bool, empty,
+    a 0-dim scalar, a non-contiguous view, and one tensor larger than a 1 MiB bucket."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    odd_bf16 = torch.tensor([0x7FC1, -1, -0x8000, 0x0001], dtype=torch.int16)  # NaN payloads, -0.0, tiny.view(torch.bfloat16)
+    return {
+        "embedding.weight": torch.randn(64, 48, generator=generator).to(torch.bfloat16),
+        "odd_bits": odd_bf16,
+        "layer.bias": torch.tensor([-0.0, float("inf"), float("-inf"), 1e-45]),
+        "counts": torch.tensor([torch.iinfo(torch.int64).min, -1, torch.iinfo(torch.int64).max]),
+        "mask": torch.rand(17, generator=generator) > 0.5,
+        "empty": torch.empty(0, 5),
+        "scalar": torch.tensor(3.25 + rank, dtype=torch.float64),
+        "transposed": torch.randn(5, 7, generator=generator).t(),
+        "large": torch.randn(300_000, generator=generator),  # 1.2 MB > the 1 MiB bucket
+    }
+
+
+def produce_payload(worker):
+    return payload(worker.rank)
+
+
+def keep_received(worker, tensors):
+    worker.state["received"] = tensors
+    return {name: tensor.clone() for name, tensor in tensors.items()}
+
+
+def raise_on_rank_one(worker):
+    if worker.rank == 1:
+        raise ValueError("deliberate failure on rank one")
+    return worker.rank
+
+
+def exit_on_rank_one_during_all_reduce(worker):
+    """Rank 1 dies while rank 0 waits for it inside an all-reduce."""
+    import torch.distributed as dist
+
+    if worker.rank == 1:
+        time.sleep(0.5)
+        os._exit(7)
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    return value.item()
+
+
+def sleep_then_return(worker, seconds: float):
+    time.sleep(seconds)
+    return worker.rank
+
+
+# ---- tests --------------------------------------------------------------------------------
+
+def test_tp2_role_runs_all_reduce_and_returns_per_rank_values(role_graph):
+    policy = role_graph.workers["policy"]
+    results = policy.execute_all(tp_all_reduce)
+    expected = sum((rank + 1) * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64) for rank in range(2)).tolist()
+    assert [r["sum"] for r in results] == [expected, expected]
+    assert [r["tp_rank"] for r in results] == [0, 1]
+    assert {r["tp_size"] for r in results} == {2}
+    assert policy.execute_rank0("ping") == ("policy", 0)
+
+
+def test_shared_pool_colocates_roles_with_fractional_shares(role_graph):
+    policy_info = role_graph.workers["policy"].placement_info()
+    reference_info = role_graph.workers["reference"].placement_info()
+    assert role_graph.layouts["reference"].num_ranks == 2 and role_graph.layouts["reference"].tensor_parallel_size == 1
+    placement_groups = {info["placement_group_id"] for info in policy_info + reference_info}
+    assert len(placement_groups) == 1 and None not in placement_groups
+    assert {info["node_id"] for info in policy_info} == {info["node_id"] for info in reference_info}
+    for info in policy_info + reference_info:
+        assert info["assigned_resources"].get("CPU") == pytest.approx(0.5), info
+    assert len({info["pid"] for info in policy_info + reference_info}) == 4  # one process per rank
+
+
+def test_exchange_sync_delivers_bitwise_identical_tensors(role_graph):
+    exchange = role_graph.exchanges["policy_to_reference"]
+    assert set(exchange.resolved_backends) == {"gloo"}
+    # Default pairing: reference rank j receives from policy rank j % 2.
+    received = exchange.transfer(produce_payload, keep_received)
+    # Broadcast-style pairing: every reference rank receives from policy rank 0.
+    broadcast = exchange.transfer(produce_payload, keep_received, sources_by_target=[0, 0])
+    for target_rank, (default_result, broadcast_result) in enumerate(zip(received, broadcast)):
+        for result, source_rank in ((default_result, target_rank), (broadcast_result, 0)):
+            expected = payload(source_rank)
+            assert list(result) == list(expected)  # order kept
+            for name, tensor in expected.items():
+                got = result[name]
+                assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+                assert torch.equal(got.contiguous().reshape(-1).view(torch.uint8),
+                                   tensor.contiguous().reshape(-1).view(torch.uint8)), name
+    with pytest.raises(ValueError, match="sources_by_target"):
+        exchange.transfer(produce_payload, keep_received, sources_by_target=[0, 5])
+
+
+def test_raising_method_names_role_and_rank_and_worker_survives(role_graph):
+    policy = role_graph.workers["policy"]
+    with pytest.raises(RoleWorkerRaised) as info:
+        policy.execute_all(raise_on_rank_one)
+    assert (info.value.role_name, info.value.rank) == ("policy", 1)
+    assert "role 'policy' rank 1" in str(info.value) and "deliberate failure on rank one" in str(info.value)
+    with pytest.raises(RoleWorkerRaised, match="no method 'not_a_method'"):
+        policy.execute_all("not_a_method")
+    assert policy.execute_all("ping") == [("policy", 0), ("policy", 1)]
+
+
+@pytest.fixture()
+def disposable_role(ray_cluster):
+    pool = PlacedPool.create(ResourcePool(name="disposable", num_bundles=2, num_cpus_per_bundle=0.5))
+    workers = RoleWorkers("scratch", 2, RolePlacement(pool), collective_timeout_s=30.0)
+    workers.setup()
+    yield workers
+    workers.kill()
+    pool.remove()
+
+
+def test_dead_or_slow_workers_fail_the_call_fast_with_role_and_rank(disposable_role):
+    # A call past its deadline names the rank still running.
+    with pytest.raises(RoleWorkerTimeout, match="role 'scratch' rank 1"):
+        disposable_role.submit_per_rank(sleep_then_return, [(0.0,), (6.0,)], timeout_s=2.0).result()
+    # A worker that exits mid-collective: the driver's call fails naming it, well under 60 s.
+    start = time.monotonic()
+    with pytest.raises(RoleWorkerDied) as info:
+        disposable_role.execute_all(exit_on_rank_one_during_all_reduce)
+    assert time.monotonic() - start < 60.0
+    assert (info.value.role_name, info.value.rank) == ("scratch", 1)
+    assert "role 'scratch' rank 1 died" in str(info.value)
+    # A worker killed from outside while a call runs on it.
+    import ray
+
+    pending = disposable_role.submit_all(partial(sleep_then_return, seconds=30.0))
+    time.sleep(1.0)
+    start = time.monotonic()
+    ray.kill(disposable_role.actors[0], no_restart=True)
+    with pytest.raises(RoleWorkerDied) as info:
+        pending.result()
+    assert time.monotonic() - start < 60.0
+    assert (info.value.role_name, info.value.rank) == ("scratch", 0)
