@@ -37,6 +37,8 @@ from typing import Any, Mapping
 
 import torch
 
+from stacx.trainer.config import TrainingConfig
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 DRIVER_STATE_NAME = "driver.pt"
@@ -230,7 +232,7 @@ def commit_checkpoint(
     staging_dir: str | os.PathLike,
     *,
     step: int,
-    recipe_name: str,
+    recipe: str | TrainingConfig,
     role_layouts: Mapping[str, RoleLayout],
     rank_files: list[RankFileInfo],
     driver_state: Mapping[str, Any],
@@ -238,7 +240,8 @@ def commit_checkpoint(
 ) -> str:
     """Write the driver state, run config and manifest into the staging folder, then rename it to its
     final `step_*` name (atomic on one filesystem). Returns the final folder. Every rank of every role
-    in `role_layouts` must have reported a file."""
+    in `role_layouts` must have reported a file. Given a TrainingConfig, the manifest also records the
+    recipe's full structure, which `load_checkpoint` compares on resume."""
     staging = Path(staging_dir)
     expected_name = step_dir_name(step)
     if not staging.name.startswith(f"{_STAGING_PREFIX}{expected_name}-"):
@@ -271,7 +274,8 @@ def commit_checkpoint(
     manifest = {
         "format_version": FORMAT_VERSION,
         "step": step,
-        "recipe": recipe_name,
+        "recipe": recipe.name if isinstance(recipe, TrainingConfig) else recipe,
+        "recipe_spec": _to_jsonable(recipe) if isinstance(recipe, TrainingConfig) else None,
         "created_unix": time.time(),
         "roles": roles,
         "driver_state": dataclasses.asdict(driver),
@@ -299,7 +303,7 @@ def save_checkpoint(
     root: str | os.PathLike,
     step: int,
     *,
-    recipe_name: str,
+    recipe: str | TrainingConfig,
     role_layouts: Mapping[str, RoleLayout],
     role_states: Mapping[str, Mapping[int, Mapping[str, Any]]],
     driver_state: Mapping[str, Any],
@@ -314,7 +318,7 @@ def save_checkpoint(
             for role, states in role_states.items()
             for rank, state in states.items()
         ]
-        return commit_checkpoint(staging, step=step, recipe_name=recipe_name, role_layouts=role_layouts,
+        return commit_checkpoint(staging, step=step, recipe=recipe, role_layouts=role_layouts,
                                  rank_files=rank_files, driver_state=driver_state,
                                  resolved_run_config=resolved_run_config)
     except BaseException:
@@ -402,6 +406,11 @@ class LoadedCheckpoint:
     def saved_layout(self, role: str) -> RoleLayout:
         return RoleLayout.from_dict(self.manifest["roles"][role]["layout"])
 
+    @property
+    def recipe_spec(self) -> dict[str, Any] | None:
+        """The saved recipe's structure (roles, syncs, algorithm defaults) when it was saved from a TrainingConfig."""
+        return self.manifest.get("recipe_spec")
+
     def driver_state(self) -> dict[str, Any]:
         return self._load(self.manifest["driver_state"])
 
@@ -442,10 +451,25 @@ def _verify_file(folder: Path, entry: Mapping[str, Any], check_hash: bool) -> No
         raise CheckpointError(f"checkpoint {folder}: {entry['path']} does not match its sha256 in the manifest")
 
 
+def _differences(saved: Any, current: Any, path: str = "", limit: int = 5) -> list[str]:
+    """Paths (like 'roles[0].trainable') where two JSON-like values differ, at most `limit`."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        found = []
+        for key in sorted(set(saved) | set(current)):
+            found += _differences(saved.get(key), current.get(key), f"{path}.{key}" if path else key, limit)
+        return found[:limit]
+    if isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current):
+        found = []
+        for index, (a, b) in enumerate(zip(saved, current)):
+            found += _differences(a, b, f"{path}[{index}]", limit)
+        return found[:limit]
+    return [] if saved == current else [path or "<root>"]
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     *,
-    expected_recipe: str,
+    expected_recipe: str | TrainingConfig,
     expected_layouts: Mapping[str, RoleLayout],
     verify_hashes: bool = True,
     weights_only: bool = True,
@@ -464,9 +488,15 @@ def load_checkpoint(
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {folder}: format version {manifest.get('format_version')} "
                               f"is not {FORMAT_VERSION}")
-    if manifest["recipe"] != expected_recipe:
+    expected_name = expected_recipe.name if isinstance(expected_recipe, TrainingConfig) else expected_recipe
+    if manifest["recipe"] != expected_name:
         raise CheckpointError(f"checkpoint {folder} was saved by recipe {manifest['recipe']!r}; this run uses "
-                              f"{expected_recipe!r}. Resume with --algorithm {manifest['recipe']} or start fresh")
+                              f"{expected_name!r}. Resume with --algorithm {manifest['recipe']} or start fresh")
+    if isinstance(expected_recipe, TrainingConfig) and manifest.get("recipe_spec") is not None:
+        changed = _differences(manifest["recipe_spec"], _to_jsonable(expected_recipe))
+        if changed:
+            raise CheckpointError(f"checkpoint {folder}: recipe {expected_name!r} has changed since it was saved "
+                                  f"(fields {', '.join(changed)}); resume with the recipe it was saved with")
     missing = sorted(set(expected_layouts) - set(manifest["roles"]))
     if missing:
         raise CheckpointError(f"checkpoint {folder} has no state for roles {missing}; it holds {sorted(manifest['roles'])}")

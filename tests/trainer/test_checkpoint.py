@@ -51,7 +51,7 @@ def _states(seed: int) -> dict[str, dict[int, dict]]:
 
 
 def _save(root, step, seed=0, recipe="ppo"):
-    return save_checkpoint(root, step, recipe_name=recipe, role_layouts=LAYOUTS, role_states=_states(seed),
+    return save_checkpoint(root, step, recipe=recipe, role_layouts=LAYOUTS, role_states=_states(seed),
                            driver_state={"data_position": step * 8, "epoch": 0},
                            resolved_run_config=_RunConfig(lr=1e-5, urls=("a", "b"), specialization=RoleLayout))
 
@@ -121,7 +121,7 @@ def test_commit_requires_every_rank_of_every_role(tmp_path):
     staging = begin_checkpoint(tmp_path, 4)
     files = [write_rank_state(staging, "policy", 0, {"model": {}})]  # rank 1 of tp=2 never reported
     with pytest.raises(CheckpointError, match=r"role 'policy': expected files from ranks 0..1 .*got ranks \[0\]"):
-        commit_checkpoint(staging, step=4, recipe_name="grpo", role_layouts={"policy": POLICY_TP2}, rank_files=files,
+        commit_checkpoint(staging, step=4, recipe="grpo", role_layouts={"policy": POLICY_TP2}, rank_files=files,
                           driver_state={}, resolved_run_config={})
     assert latest_checkpoint(tmp_path) is None
 
@@ -162,7 +162,7 @@ def test_data_parallel_change_loads_a_replica_only_when_state_is_replicated(tmp_
     # Megatron's rank order is tp fastest, then cp, then dp.
     coords = {rank: RankCoords(tp_rank=rank % 2, cp_rank=0, dp_rank=rank // 2) for rank in range(4)}
     states = {rank: {"model": {"shard": torch.full((2,), float(rank % 2))}} for rank in range(4)}
-    save_checkpoint(tmp_path, 1, recipe_name="grpo", role_layouts={"policy": saved}, role_states={"policy": states},
+    save_checkpoint(tmp_path, 1, recipe="grpo", role_layouts={"policy": saved}, role_states={"policy": states},
                     role_coords={"policy": coords}, driver_state={}, resolved_run_config={})
     bigger = RoleLayout(tensor_parallel_size=2, context_parallel_size=2, data_parallel_size=3)
     loaded = load_checkpoint(tmp_path, expected_recipe="grpo", expected_layouts={"policy": bigger})
@@ -172,7 +172,7 @@ def test_data_parallel_change_loads_a_replica_only_when_state_is_replicated(tmp_
 
     sharded = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=2,
                          state_replicated_across_data_parallel=False)
-    save_checkpoint(tmp_path / "dist_opt", 1, recipe_name="grpo", role_layouts={"policy": sharded},
+    save_checkpoint(tmp_path / "dist_opt", 1, recipe="grpo", role_layouts={"policy": sharded},
                     role_states={"policy": {0: {}, 1: {}}}, driver_state={}, resolved_run_config={})
     one = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
     with pytest.raises(CheckpointError, match=r"distributed optimizer.*cannot be resharded"):
@@ -188,7 +188,7 @@ def test_rng_state_round_trips_exactly_through_a_checkpoint(tmp_path):
     np.random.seed(12)
     torch.manual_seed(13)
     _draws()
-    save_checkpoint(tmp_path, 1, recipe_name="sft", role_layouts={"policy": CRITIC_DP2},
+    save_checkpoint(tmp_path, 1, recipe="sft", role_layouts={"policy": CRITIC_DP2},
                     role_states={"policy": {0: {"rng": capture_rng_state()}, 1: {"rng": capture_rng_state()}}},
                     driver_state={"rng": capture_rng_state()}, resolved_run_config={})
     after_save = [_draws() for _ in range(3)]
@@ -229,7 +229,7 @@ def test_two_steps_save_resume_two_steps_equals_four_steps_straight(tmp_path):
     model, optimizer, scheduler = _fresh()
     _train(model, optimizer, scheduler, 2)
     layout = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
-    save_checkpoint(tmp_path, 2, recipe_name="sft", role_layouts={"policy": layout}, driver_state={"step": 2},
+    save_checkpoint(tmp_path, 2, recipe="sft", role_layouts={"policy": layout}, driver_state={"step": 2},
                     role_states={"policy": {0: {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                                 "scheduler": scheduler.state_dict(), "rng": capture_rng_state()}}},
                     resolved_run_config={"lr": 1e-2})
@@ -248,6 +248,32 @@ def test_two_steps_save_resume_two_steps_equals_four_steps_straight(tmp_path):
 
 def test_unsaveable_run_config_value_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"run config value .* of type object"):
-        save_checkpoint(tmp_path, 1, recipe_name="sft", role_layouts={}, role_states={}, driver_state={},
+        save_checkpoint(tmp_path, 1, recipe="sft", role_layouts={}, role_states={}, driver_state={},
                         resolved_run_config={"x": object()})
     assert list_checkpoints(tmp_path) == [] and not list(Path(tmp_path).iterdir())
+
+
+def test_resume_with_a_changed_recipe_structure_names_the_changed_fields(tmp_path):
+    from dataclasses import replace
+
+    from stacx.trainer.recipes import TRAINING_CONFIGS
+
+    grpo = TRAINING_CONFIGS["grpo"]
+    layout = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
+    save_checkpoint(tmp_path, 1, recipe=grpo, role_layouts={"policy": layout}, role_states={"policy": {0: {}}},
+                    driver_state={}, resolved_run_config={})
+    loaded = load_checkpoint(tmp_path, expected_recipe=grpo, expected_layouts={"policy": layout})
+    assert loaded.recipe_spec["roles"][0]["specialization_cls"] == "stacx.specializations.actor.ActorSpecialization"
+    changed = replace(grpo, algorithm=replace(grpo.algorithm, clip_ratio_high=0.28))
+    with pytest.raises(CheckpointError, match=r"recipe 'grpo' has changed .*algorithm\.clip_ratio_high"):
+        load_checkpoint(tmp_path, expected_recipe=changed, expected_layouts={"policy": layout})
+    # By name only, the structure is not compared.
+    assert load_checkpoint(tmp_path, expected_recipe="grpo", expected_layouts={"policy": layout}).step == 1
+
+
+def test_rank_file_info_survives_pickling_to_the_driver(tmp_path):
+    import pickle
+
+    staging = begin_checkpoint(tmp_path, 0)
+    info = write_rank_state(staging, "policy", 0, {"w": torch.ones(2)}, RankCoords(tp_rank=0, cp_rank=0, dp_rank=0))
+    assert pickle.loads(pickle.dumps(info)) == info
