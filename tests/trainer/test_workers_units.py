@@ -1,0 +1,106 @@
+"""Pieces of the Ray execution layer that need no cluster: bucket packing, validation, address resolution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stacx.specializations.base import Specialization
+from stacx.trainer.config import ModelRole, TrainingConfig
+from stacx.trainer.factory import WorkerLayout, resolve_role_layouts
+from stacx.trainer.ray_cluster import connect_ray, resolve_ray_address
+from stacx.trainer.recipes import TRAINING_CONFIGS
+from stacx.trainer.workers.exchange import ALIGN_BYTES, pack_bucket, plan_buckets, unpack_bucket
+from stacx.trainer.workers.placement import ResourcePool
+
+
+def _roundtrip(tensors, bucket_bytes):
+    slots, sizes = plan_buckets(tensors, bucket_bytes)
+    out = {}
+    for bucket, size in enumerate(sizes):
+        out.update(unpack_bucket(pack_bucket(tensors, slots, bucket, size, torch.device("cpu")), slots, bucket))
+    return slots, sizes, {slot.name: out[slot.name] for slot in slots}
+
+
+def test_buckets_respect_the_size_cap_alignment_and_keep_bits():
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(10, generator=generator).to(torch.bfloat16),   # 20 bytes
+        "b": torch.randn(30, generator=generator, dtype=torch.float64),  # 240 bytes
+        "c": torch.tensor([True, False, True]),
+        "d": torch.randn(200, generator=generator),                      # 800 bytes > the cap
+        "e": torch.tensor([float("nan"), -0.0]),
+    }
+    slots, sizes, out = _roundtrip(tensors, bucket_bytes=300)
+    assert all(slot.offset % ALIGN_BYTES == 0 for slot in slots)
+    # a (0..20) and b (64..304) cannot share a 300-byte bucket; c fits after b (256..259);
+    # d is larger than a bucket and gets one of its own; e cannot follow it.
+    assert [slot.bucket for slot in slots] == [0, 1, 1, 2, 3]
+    assert [slot.offset for slot in slots] == [0, 0, 256, 0, 0]
+    assert sizes[2] == 800 and all(size <= 300 for i, size in enumerate(sizes) if i != 2)
+    for name, tensor in tensors.items():
+        assert out[name].dtype == tensor.dtype and out[name].shape == tensor.shape
+        assert torch.equal(out[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+
+
+def test_plan_buckets_rejects_non_tensors_and_bad_sizes():
+    with pytest.raises(TypeError, match="'w'"):
+        plan_buckets({"w": [1.0]}, 1024)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets({"w": torch.ones(1)}, 0)
+
+
+def test_resource_pool_validation_names_pool_and_field():
+    assert ResourcePool(name="p", num_bundles=2, num_cpus_per_bundle=0.5,
+                        bundle_resources=({"node_a": 1}, {"node_b": 1})).bundles() == [
+        {"CPU": 0.5, "node_a": 1.0}, {"CPU": 0.5, "node_b": 1.0}]
+    with pytest.raises(ValueError, match="'p'.*num_bundles"):
+        ResourcePool(name="p", num_bundles=0)
+    with pytest.raises(ValueError, match="bundle_resources"):
+        ResourcePool(name="p", num_bundles=2, bundle_resources=({"node_a": 1},))
+    with pytest.raises(ValueError, match="strategy"):
+        ResourcePool(name="p", num_bundles=1, strategy="SCATTER")
+    with pytest.raises(ValueError, match="CPUs or GPUs"):
+        ResourcePool(name="p", num_bundles=1, num_cpus_per_bundle=0)
+
+
+def test_ray_address_precedence():
+    assert resolve_ray_address("10.0.0.1:6379", {"RAY_ADDRESS": "10.0.0.2:6379"}) == "10.0.0.1:6379"
+    assert resolve_ray_address(None, {"RAY_ADDRESS": " 10.0.0.2:6379 "}) == "10.0.0.2:6379"
+    assert resolve_ray_address("", {"RAY_ADDRESS": ""}) is None
+    assert resolve_ray_address(None, {}) is None
+
+
+def test_sizing_an_attached_cluster_is_an_error():
+    import ray
+
+    if ray.is_initialized():
+        pytest.fail("Ray must not be initialized in this test")
+    with pytest.raises(ValueError, match="num_cpus"):
+        connect_ray("10.0.0.1:6379", num_cpus=4)
+
+
+def test_role_layouts_fill_each_pool():
+    ppo = TRAINING_CONFIGS["ppo"]
+    layouts = resolve_role_layouts(ppo, WorkerLayout(data_parallel_size=2, tensor_parallel_size=2))
+    assert {name: (lay.tensor_parallel_size, lay.data_parallel_size) for name, lay in layouts.items()} == {
+        "actor": (2, 2), "critic": (2, 2)}
+    mixed = TrainingConfig(
+        name="mixed", description="a tp=4 policy with a tp=1 frozen role on its devices", data_source="dataset",
+        roles=(ModelRole(name="policy", specialization_cls=Specialization, tensor_parallel_size=4),
+               ModelRole(name="frozen", specialization_cls=Specialization, trainable=False,
+                         tensor_parallel_size=3, shares_pool_with="policy")),
+    )
+    with pytest.raises(ValueError, match="'frozen'.*tp=3"):
+        resolve_role_layouts(mixed, WorkerLayout())
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        WorkerLayout(data_parallel_size=0)
+
+
+@pytest.mark.parametrize("name", sorted(TRAINING_CONFIGS))
+def test_every_catalog_recipe_resolves_a_layout(name):
+    config = TRAINING_CONFIGS[name]
+    layouts = resolve_role_layouts(config, WorkerLayout(data_parallel_size=2))
+    assert set(layouts) == {role.name for role in config.roles}
+    for pool, members in config.role_graph().pools.items():
+        assert len({layouts[m].num_ranks for m in members}) == 1, pool
