@@ -46,8 +46,8 @@ POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "vanilla_pg", "reinforce")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 
-#: Run arguments a role may load its weights from (the launcher's flag with dashes).
-CHECKPOINT_ARGS = ("hf_checkpoint", "load", "ref_load", "critic_load", "teacher_checkpoint")
+#: Run-config fields (model section) a role may load its weights from; the flag is the name with dashes.
+CHECKPOINT_ARGS = ("hf_checkpoint", "ref_load", "critic_load")
 #: Where a run's training samples come from.
 DATA_SOURCES = ("rollout", "dataset")
 #: How a rollout is produced when the teacher takes part (None: the student alone).
@@ -208,7 +208,7 @@ class ModelRole:
     context_parallel_size: int = 1
     """Default context-parallel degree (run flags may override it)."""
     checkpoint_arg: str = "hf_checkpoint"
-    """Run argument holding the checkpoint the role's weights start from (hf_checkpoint, load, ref_load, critic_load, teacher_checkpoint)."""
+    """Run argument holding the checkpoint the role's weights start from (hf_checkpoint, ref_load, critic_load)."""
     reference_checkpoint_arg: str | None = None
     """Run argument holding a frozen reference checkpoint kept inside this role's workers and swapped in to compute
     reference log-probs (no separate worker); the reference is used only when the run sets this argument."""

@@ -118,7 +118,7 @@ class MetricsLogger:
             except ImportError:
                 raise MetricsLoggerError(
                     f"--wandb-project {wandb_project!r} was given but the wandb package is not installed; "
-                    f"install it (pip install wandb) or drop --wandb-project"
+                    f"install the wandb package or drop --wandb-project"
                 ) from None
             self._wandb = wandb.init(project=wandb_project, name=wandb_run_name, dir=str(self.out_dir),
                                      config=dict(run_config or {}), resume="allow")

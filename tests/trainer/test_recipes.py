@@ -350,3 +350,17 @@ def test_a_custom_registered_policy_loss_can_be_named_by_a_recipe():
         assert AlgorithmDefaults(advantage_estimator="grpo", policy_loss="my_test_loss").policy_loss == "my_test_loss"
     finally:
         POLICY_LOSSES.unregister("my_test_loss")
+
+
+def test_checkpoint_args_name_run_config_model_fields():
+    from dataclasses import fields
+
+    from stacx.trainer.config import CHECKPOINT_ARGS
+    from stacx.trainer.run_config import ModelSection
+
+    model_fields = {f.name for f in fields(ModelSection)}
+    assert set(CHECKPOINT_ARGS) <= model_fields
+    for config in TRAINING_CONFIGS.values():
+        for role in config.roles:
+            assert role.checkpoint_arg in model_fields
+            assert role.reference_checkpoint_arg in model_fields | {None}
