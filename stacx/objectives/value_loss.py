@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from stacx.objectives.registry import register_loss
-from stacx.objectives.validation import check_trajectory_lists, hyperparameter, split_like
+from stacx.objectives.validation import check_trajectory_lists, split_like
 
 
 @register_loss("value_clipped")
@@ -28,7 +28,8 @@ def value_clipped(config, values, old_values, returns, loss_masks):
     target = torch.cat(list(returns)).detach()
     mask = torch.cat(list(loss_masks)).detach().to(v.dtype)
     unclipped = (v - target).square()
-    clip = hyperparameter(config, "value_clip", 0.2)
+    # Read directly: an explicit None turns clipping off (hyperparameter() maps None to the default).
+    clip = getattr(config, "value_clip", 0.2) if config is not None else 0.2
     if clip is None:
         clipped = unclipped
     else:
