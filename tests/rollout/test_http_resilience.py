@@ -1,0 +1,102 @@
+"""Retries with backoff, immediate 4xx errors, and a killed `stacx serve` teacher."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerRequestError, ServerUnavailableError
+from stacx.rollout.teacher import TeacherClient, TeacherUnavailableError
+
+
+class FlakyHandler(BaseHTTPRequestHandler):
+    """Fails with 503 `failures` times, then answers; 400 on /bad."""
+
+    protocol_version = "HTTP/1.1"
+    calls = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        FlakyHandler.calls.append(time.monotonic())
+        status, body = (200, {"ok": True})
+        if self.path == "/bad":
+            status, body = 400, {"error": "input_ids must be a list"}
+        elif len(FlakyHandler.calls) <= self.server.failures:
+            status, body = 503, {"error": "warming up"}
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_retries_with_backoff_then_success_and_4xx_is_immediate():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FlakyHandler)
+    server.failures = 2
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        FlakyHandler.calls = []
+        transport = HttpTransport(f"http://127.0.0.1:{server.server_address[1]}",
+                                  RetryPolicy(timeout_s=5, max_attempts=4, backoff_s=0.1, backoff_max_s=1.0))
+        assert transport.post_json("/generate", {}) == {"ok": True}
+        gaps = [b - a for a, b in zip(FlakyHandler.calls, FlakyHandler.calls[1:])]
+        assert len(FlakyHandler.calls) == 3 and gaps[0] >= 0.1 and gaps[1] >= 0.2  # 0.1 s, then doubled
+        FlakyHandler.calls = [0.0] * 10  # past the failures
+        with pytest.raises(ServerRequestError, match="rejected /bad .*HTTP 400.*input_ids"):
+            transport.post_json("/bad", {}, summary="one request")
+        assert len(FlakyHandler.calls) == 11  # no retry
+        server.failures = 100
+        FlakyHandler.calls = []
+        with pytest.raises(ServerUnavailableError, match=r"did not answer /generate after 4 attempts \(request: 2 seqs\).*503"):
+            transport.post_json("/generate", {}, summary="2 seqs")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_killed_teacher_server_raises_named_error_after_retry_budget(tiny_checkpoints):
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    process = subprocess.Popen([sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", tiny_checkpoints[1],
+                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        startup = HttpTransport(url, RetryPolicy(timeout_s=5, max_attempts=240, backoff_s=0.25, backoff_max_s=0.25))
+        assert startup.request("GET", "/health") == {"status": "ok"}
+        retry = RetryPolicy(timeout_s=10, max_attempts=3, backoff_s=0.2)
+        teacher = TeacherClient(url, retry=retry)
+        (scores,) = teacher.score([[4, 10, 11, 12]], [2])
+        assert scores.log_probs.shape == (2,) and bool((scores.log_probs <= 0).all())
+        process.kill()
+        process.wait(timeout=30)
+        start = time.monotonic()
+        with pytest.raises(TeacherUnavailableError) as info:
+            teacher.score([[4, 10, 11, 12]], [2])
+        elapsed = time.monotonic() - start
+        message = str(info.value)
+        assert url in message and "/generate" in message and "after 3 attempts" in message
+        assert "teacher scoring of 1 trajectories" in message
+        assert elapsed >= 0.2 + 0.4  # the backoff budget was spent before giving up
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+        if process.stdout:
+            process.stdout.close()
