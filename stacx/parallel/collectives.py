@@ -23,6 +23,12 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def all_gather_flat(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """all-gather of 1-D tensors into one flat output (torch's newer name when it has it)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, local, group=group)
+
+
 def all_gather_stacked(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Every rank's `tensor` stacked in group-rank order: [world, *tensor.shape]. One collective.
 
@@ -34,7 +40,7 @@ def all_gather_stacked(tensor: torch.Tensor, group: dist.ProcessGroup | None) ->
     tensor = tensor.contiguous()
     # A flat output works on every backend (gloo rejects a [world, n] output shape).
     flat = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(flat, tensor.reshape(-1), group=group)
+    all_gather_flat(flat, tensor.reshape(-1), group=group)
     return flat.view(world, *tensor.shape)
 
 
