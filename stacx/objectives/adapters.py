@@ -126,6 +126,7 @@ def adapt_padded_policy_loss(fn: Callable, *, aggregation: str = "token-mean") -
 
     policy_loss.__doc__ = f"Padded-plugin adapter around {fn.__module__}.{fn.__qualname__}.\n\n{fn.__doc__ or ''}"
     policy_loss.padded_plugin = fn
+    policy_loss.__module__ = fn.__module__  # the plugin's home, for listings and error messages
     return policy_loss
 
 
@@ -191,6 +192,7 @@ def adapt_padded_advantage(fn: Callable) -> Callable:
 
     advantage.__doc__ = f"Padded-plugin adapter around {fn.__module__}.{fn.__qualname__}.\n\n{fn.__doc__ or ''}"
     advantage.padded_plugin = fn
+    advantage.__module__ = fn.__module__
     return advantage
 
 

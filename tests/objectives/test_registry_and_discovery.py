@@ -134,3 +134,15 @@ def test_module_names_and_folder_walk_register(tmp_path, monkeypatch):
         ADVANTAGES.unregister("named_module_adv_test")
         for module in [m for m in sys.modules if m.startswith(("user_algos_pkg", "named_module_algo"))]:
             del sys.modules[module]
+
+
+def test_docs_have_a_section_for_every_builtin():
+    docs = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "objectives.md").read_text()
+    lookups = {get_advantage: list_advantages(), get_policy_loss: list_policy_losses(),
+               get_kl_estimator: list_kl_estimators(), get_off_policy_correction: list_off_policy_corrections(),
+               get_loss: list_losses()}
+    builtins = [name for get, names in lookups.items() for name in names
+                if get(name).__module__.startswith("stacx.objectives.")]
+    assert len(builtins) >= 30
+    missing = [name for name in builtins if f"`{name}`" not in docs]
+    assert not missing, f"docs/objectives.md does not document {missing}"
