@@ -1,0 +1,117 @@
+"""SGLang engine: weight-update requests and the trainer's broadcast group, against a fake SGLang server."""
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from stacx.rollout.http_client import RetryPolicy
+from stacx.rollout.sglang_engine import (
+    SglangEngine,
+    SglangServerSpec,
+    WeightBroadcastGroup,
+    build_launch_command,
+)
+from stacx.rollout.weight_transfer import _DTYPES
+
+
+class FakeSglang(BaseHTTPRequestHandler):
+    """Records JSON bodies; joins the weight group as rank 1 and receives broadcasts like SGLang does."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self._answer({"model_path": "fake", "weight_version": self.server.state.get("version", "0")})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        state = self.server.state
+        state.setdefault("calls", []).append((self.path, body))
+        if self.path == "/init_weights_update_group":
+            state["group"] = WeightBroadcastGroup(master_address=body["master_address"], master_port=body["master_port"],
+                                                  world_size=body["world_size"], rank=body["rank_offset"], backend=body["backend"])
+        elif self.path == "/update_weights_from_distributed":
+            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+                tensor = torch.empty(shape, dtype=_DTYPES[dtype])
+                state["group"].broadcast(tensor)
+                state.setdefault("received", {})[name] = tensor
+            state["version"] = body["weight_version"]
+        elif self.path == "/update_weights_from_tensor":
+            state["version"] = body["weight_version"]
+        self._answer({"success": True, "message": "ok"})
+
+    def _answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def fake_sglang():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeSglang)
+    server.state = {}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def _buckets():
+    g = torch.Generator().manual_seed(0)
+    return [[("model.embed_tokens.weight", torch.randn(5, 4, generator=g)),
+             ("model.norm.weight", torch.randn(4, generator=g).to(torch.bfloat16))],
+            [("lm_head.weight", torch.randn(5, 4, generator=g))]]
+
+
+def test_update_from_tensor_requests(fake_sglang):
+    url = f"http://127.0.0.1:{fake_sglang.server_address[1]}"
+    engine = SglangEngine(url, weight_update="tensor", serializer=lambda named: "|".join(n for n, _ in named),
+                          server_tp_size=2, retry=RetryPolicy(max_attempts=1))
+    engine.update_weights(_buckets(), version=4)
+    calls = fake_sglang.state["calls"]
+    assert calls == [
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["model.embed_tokens.weight|model.norm.weight"] * 2,
+                                         "load_format": None, "flush_cache": False, "weight_version": "4"}),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["lm_head.weight"] * 2,
+                                         "load_format": None, "flush_cache": True, "weight_version": "4"}),
+    ]
+    assert engine.weight_version() == 4
+
+
+def test_update_from_distributed_broadcasts_every_tensor(fake_sglang):
+    url = f"http://127.0.0.1:{fake_sglang.server_address[1]}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    engine = SglangEngine(url, weight_update="distributed", retry=RetryPolicy(max_attempts=1, timeout_s=60))
+    with pytest.raises(RuntimeError, match="init_weight_update_group"):
+        engine.update_weights(_buckets(), version=1)
+    engine.init_weight_update_group(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2,
+                                    backend="gloo")
+    engine.update_weights(_buckets(), version=9)
+    paths = [p for p, _ in fake_sglang.state["calls"]]
+    assert paths == ["/init_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_distributed"]
+    first = fake_sglang.state["calls"][1][1]
+    assert first == {"names": ["model.embed_tokens.weight", "model.norm.weight"], "dtypes": ["float32", "bfloat16"],
+                     "shapes": [[5, 4], [4]], "group_name": "weight_update_group", "flush_cache": False,
+                     "weight_version": "9"}
+    for name, tensor in [pair for bucket in _buckets() for pair in bucket]:
+        assert torch.equal(fake_sglang.state["received"][name], tensor)
+    assert engine.weight_version() == 9
+
+
+def test_launch_command():
+    command = build_launch_command(SglangServerSpec(model_path="/m", port=31000, tensor_parallel_size=2))
+    assert command[1:3] == ["-m", "sglang.launch_server"]
+    assert command[command.index("--tp-size") + 1] == "2" and command[command.index("--port") + 1] == "31000"
+    with pytest.raises(ValueError, match="weight_update"):
+        SglangEngine("http://x", weight_update="disk")
