@@ -73,3 +73,34 @@ def test_env_overrides():
     assert apply_env_overrides(TeacherSection(), {}) == TeacherSection()
     with pytest.raises(ValueError, match="STACX_DISTILL_KL_MODE='forward'"):
         read_env_overrides({"STACX_DISTILL_KL_MODE": "forward"})
+
+
+def test_pass_at_k_and_evaluate_with_a_scripted_engine(tmp_path):
+    import json
+    from itertools import count
+
+    from stacx.rollout.data import Example
+    from stacx.rollout.evaluation import RolloutDumper, evaluate, pass_at_k
+    from stacx.rollout.manager import RolloutManager
+    from stacx.rollout.types import GenerateOutput, SamplingParams
+
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25) and pass_at_k(4, 1, 4) == 1.0 and pass_at_k(3, 0, 2) == 0.0
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)
+    answers = count()
+
+    class Scripted:  # answers "1" to the first request only, "0" afterwards
+        def generate(self, requests):
+            return [GenerateOutput(output_ids=[7 if next(answers) == 0 else 6], output_log_probs=[-0.1]) for _ in requests]
+
+    class Digits:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(str(i - 6) for i in ids)
+
+    manager = RolloutManager(Scripted(), tokenizer=Digits(), reward_fn="exact_match")
+    examples = [Example(prompt_ids=[1], source="a", label="1"), Example(prompt_ids=[2], source="b", label="1")]
+    metrics = evaluate(manager, examples, SamplingParams(max_new_tokens=1), n_samples=2)
+    assert metrics == {"eval/mean_reward": 0.25, "eval/reward_errors": 0.0, "eval/pass@1": 0.25, "eval/pass@2": 0.5}
+    samples = manager.generate([[1]], SamplingParams(max_new_tokens=1), n_samples_per_prompt=3, labels=["0"])
+    RolloutDumper(str(tmp_path), per_step=2).write(5, samples)
+    rows = [json.loads(line) for line in open(tmp_path / "rollouts.jsonl")]
+    assert len(rows) == 2 and rows[0]["step"] == 5 and rows[0]["reward"] == 1.0

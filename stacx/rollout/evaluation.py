@@ -1,0 +1,58 @@
+"""Held-out evaluation (mean reward, pass@k) and rollout dumps for inspection.
+
+pass@k uses the unbiased estimator over n >= k samples with c correct (reward > threshold):
+    pass@k = 1 - C(n - c, k) / C(n, k)          averaged over prompts
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Sequence
+
+from stacx.rollout.data import Example
+from stacx.rollout.manager import RolloutManager, Sample
+from stacx.rollout.types import SamplingParams
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    if not 1 <= k <= num_samples:
+        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={num_samples}")
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+
+
+def evaluate(manager: RolloutManager, examples: Sequence[Example], sampling: SamplingParams, *, n_samples: int = 1,
+             correct_threshold: float = 0.5, prefix: str = "eval") -> dict[str, float]:
+    """{'eval/mean_reward', 'eval/pass@1', 'eval/pass@n', 'eval/reward_errors'} over `examples`."""
+    samples = manager.generate([e.prompt_ids for e in examples], sampling, n_samples_per_prompt=n_samples,
+                               labels=[e.label for e in examples], metadatas=[e.metadata for e in examples])
+    rewards = [s.reward if s.reward is not None else 0.0 for s in samples]
+    metrics = {f"{prefix}/mean_reward": sum(rewards) / len(rewards),
+               f"{prefix}/reward_errors": float(sum(s.reward_error is not None for s in samples))}
+    for k in sorted({1, n_samples}):
+        per_prompt = []
+        for index in range(len(examples)):
+            group = [r for s, r in zip(samples, rewards) if s.group_index == index]
+            per_prompt.append(pass_at_k(len(group), sum(r > correct_threshold for r in group), k))
+        metrics[f"{prefix}/pass@{k}"] = sum(per_prompt) / len(per_prompt)
+    return metrics
+
+
+class RolloutDumper:
+    """Appends the first `per_step` samples of each step to DIR/rollouts.jsonl."""
+
+    def __init__(self, directory: str, per_step: int = 4, tokenizer=None):
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, "rollouts.jsonl")
+        self.per_step, self.tokenizer = per_step, tokenizer
+
+    def write(self, step: int, samples: Sequence[Sample]) -> None:
+        with open(self.path, "a", encoding="utf-8") as handle:
+            for sample in list(samples)[: self.per_step]:
+                row = {"step": step, **sample.to_json()}
+                if self.tokenizer is not None:
+                    row["prompt_text"] = self.tokenizer.decode(sample.prompt_ids)
+                handle.write(json.dumps(row) + "\n")
