@@ -37,7 +37,9 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def build_transformer_config(shape: DecoderShape, groups, params_dtype: torch.dtype, initializer_range: float):
+def build_transformer_config(
+    shape: DecoderShape, groups, params_dtype: torch.dtype, initializer_range: float, initialize_weights: bool = True
+):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = not torch.cuda.is_available()
@@ -58,6 +60,7 @@ def build_transformer_config(shape: DecoderShape, groups, params_dtype: torch.dt
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=initializer_range,
+        perform_initialization=initialize_weights,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
@@ -106,10 +109,11 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
     return scaled.float()
 
 
-def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32):
+def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32, initialize_weights: bool = True):
     """A megatron-core GPTModel matching `hf_config` (PretrainedConfig, dict, folder or config.json).
 
-    Weights are freshly initialized; load real ones with `load_hf_checkpoint`. Dropout is 0.
+    Weights are freshly initialized (left uninitialized with initialize_weights=False, which is
+    faster when a checkpoint is loaded next); load real ones with `load_hf_checkpoint`. Dropout is 0.
     Raises ValueError for an unsupported architecture or a tp that does not divide the heads.
     """
     from megatron.core.models.gpt import GPTModel
@@ -118,7 +122,7 @@ def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32)
     shape = decoder_shape(config)
     check_tensor_parallel_size(shape, groups.tp_size)
     transformer_config = build_transformer_config(
-        shape, groups, params_dtype, float(getattr(config, "initializer_range", 0.02))
+        shape, groups, params_dtype, float(getattr(config, "initializer_range", 0.02)), initialize_weights
     )
     model = GPTModel(
         config=transformer_config,

@@ -71,6 +71,47 @@ def _check_names(mappings, files: dict[str, str], shape, path: str) -> None:
         )
 
 
+class HFTensorReader:
+    """Reads whole tensors or row/column slices from a folder's safetensors files, checking shapes."""
+
+    def __init__(self, path: str):
+        self.path = os.fspath(path)
+        self.files = hf_weight_files(self.path)
+        self._handles: dict[str, object] = {}
+
+    def read(self, hf_name: str, expected_shape, part) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file = self.files[hf_name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="pt", device="cpu")
+        tensor_slice = self._handles[file].get_slice(hf_name)
+        found = tuple(tensor_slice.get_shape())
+        if found != tuple(expected_shape):
+            raise CheckpointMismatchError(
+                f"tensor {hf_name!r} in {os.path.basename(file)} has shape {list(found)}, "
+                f"the config expects {list(expected_shape)}"
+            )
+        if part.dim is None:
+            return tensor_slice[:]
+        if part.dim == 0:
+            return tensor_slice[part.start : part.stop]
+        return tensor_slice[:, part.start : part.stop]
+
+    def read_local_shard(self, mapping, shape, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """The megatron TP shard of `mapping` for `tp_rank`, reading only the needed slices."""
+        pieces = [
+            self.read(hf_name, expected, part)
+            for hf_name, expected, part in zip(
+                mapping.hf_names, mapping.hf_shapes(shape, tp_size), mapping.local_slices(shape, tp_rank, tp_size)
+            )
+        ]
+        return mapping.assemble_local(pieces, shape, tp_size)
+
+    def check_names(self, mappings, shape) -> None:
+        _check_names(mappings, self.files, shape, self.path)
+
+
 @torch.no_grad()
 def load_hf_checkpoint(model, path: str, groups) -> None:
     """Copy a Hugging Face safetensors checkpoint into `model`'s TP shard, reading only that shard.
@@ -78,42 +119,14 @@ def load_hf_checkpoint(model, path: str, groups) -> None:
     Raises FileNotFoundError for a missing folder/file and CheckpointMismatchError naming the
     first tensor whose name or shape does not match the model's config.
     """
-    from safetensors import safe_open
-
-    path = os.fspath(path)
     gpt = unwrap_model(model)
     shape = decoder_shape(hf_config_of(gpt))
     mappings = param_mappings(gpt)
-    files = hf_weight_files(path)
-    _check_names(mappings, files, shape, path)
+    reader = HFTensorReader(path)
+    reader.check_names(mappings, shape)
     params = dict(gpt.named_parameters())
-    handles = {}
-    try:
-        for mapping in mappings:
-            expected_shapes = mapping.hf_shapes(shape, groups.tp_size)
-            slices = mapping.local_slices(shape, groups.tp_rank, groups.tp_size)
-            pieces = []
-            for hf_name, expected, part in zip(mapping.hf_names, expected_shapes, slices):
-                file = files[hf_name]
-                if file not in handles:
-                    handles[file] = safe_open(file, framework="pt", device="cpu")
-                tensor_slice = handles[file].get_slice(hf_name)
-                found = tuple(tensor_slice.get_shape())
-                if found != tuple(expected):
-                    raise CheckpointMismatchError(
-                        f"tensor {hf_name!r} in {os.path.basename(file)} has shape {list(found)}, "
-                        f"the config expects {list(expected)}"
-                    )
-                if part.dim is None:
-                    pieces.append(tensor_slice[:])
-                elif part.dim == 0:
-                    pieces.append(tensor_slice[part.start : part.stop])
-                else:
-                    pieces.append(tensor_slice[:, part.start : part.stop])
-            param = params[mapping.megatron_name]
-            param.copy_(mapping.assemble_local(pieces, shape, groups.tp_size))
-    finally:
-        handles.clear()
+    for mapping in mappings:
+        params[mapping.megatron_name].copy_(reader.read_local_shard(mapping, shape, groups.tp_rank, groups.tp_size))
 
 
 def _gather_tp(tensor: torch.Tensor, groups) -> list[torch.Tensor]:
@@ -155,18 +168,19 @@ def iter_hf_weight_buckets(
         yield bucket
 
 
-def _export_dtype(config, model) -> torch.dtype:
-    dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+def config_dtype(config) -> torch.dtype | None:
+    """The checkpoint dtype a Hugging Face config declares (`dtype`, formerly `torch_dtype`), or None."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return dtype if isinstance(dtype, torch.dtype) else next(unwrap_model(model).parameters()).dtype
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def export_hf_checkpoint(model, out_dir: str, groups, hf_config=None, *, max_shard_bytes: int = 5 * 1024**3) -> None:
     """Write the model as a Hugging Face checkpoint (safetensors shards + index + config.json).
 
     Call on every rank. Ranks with cp_rank == dp_rank == 0 gather over TP; global rank 0 writes.
-    Tensors are written in the config's `torch_dtype` (else the parameters' dtype), vocab padding
+    Tensors are written in the config's `dtype` (else the parameters' dtype), vocab padding
     stripped. Returns after the files exist on every rank (a barrier when distributed).
     """
     config = load_hf_config(hf_config) if hf_config is not None else hf_config_of(model)
@@ -176,14 +190,14 @@ def export_hf_checkpoint(model, out_dir: str, groups, hf_config=None, *, max_sha
             os.makedirs(out_dir, exist_ok=True)
         shard_files: list[tuple[str, list[str]]] = []
         for number, bucket in enumerate(
-            iter_hf_weight_buckets(model, groups, max_shard_bytes, dtype=_export_dtype(config, model))
+            iter_hf_weight_buckets(model, groups, max_shard_bytes, dtype=config_dtype(config))
         ):
             if is_writer:
                 file = f"model-{number + 1:05d}.safetensors"
                 _save_safetensors(dict(bucket), os.path.join(out_dir, file))
                 shard_files.append((file, [name for name, _ in bucket]))
         if is_writer:
-            _write_index_and_config(out_dir, shard_files, config, model)
+            _write_index_and_config(out_dir, shard_files, config)
     if dist.is_initialized():
         dist.barrier()
 
@@ -194,7 +208,7 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], file: str) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
-def _write_index_and_config(out_dir: str, shard_files, config, model) -> None:
+def _write_index_and_config(out_dir: str, shard_files, config) -> None:
     from stacx.models.architectures import ARCHITECTURES
 
     if len(shard_files) == 1:

@@ -172,3 +172,39 @@ def param_mappings(gpt_model) -> list[ParamMapping]:
         kind, hf_names = _match(name)
         mappings.append(ParamMapping(name, kind, hf_names, tuple(param.shape)))
     return mappings
+
+
+def expected_param_mappings(shape: DecoderShape, tp_size: int) -> list[ParamMapping]:
+    """The mappings of the local-spec GPTModel `build_model` makes, computed from the config alone.
+
+    Lets conversion tools work without building a model or process groups; a test checks it
+    equals `param_mappings(build_model(...))` for every architecture.
+    """
+    from stacx.models.architectures import padded_vocab_size
+
+    hidden, d, ffn = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
+    qkv_rows = (shape.num_attention_heads + 2 * shape.num_kv_heads) * d // tp_size
+    local_shapes: list[tuple[str, tuple[int, ...]]] = [
+        ("embedding.word_embeddings.weight", (padded_vocab_size(shape.vocab_size, tp_size) // tp_size, hidden))
+    ]
+    for i in range(shape.num_layers):
+        prefix = f"decoder.layers.{i}."
+        local_shapes += [
+            (prefix + "input_layernorm.weight", (hidden,)),
+            (prefix + "self_attention.linear_qkv.weight", (qkv_rows, hidden)),
+        ]
+        if shape.qkv_bias:
+            local_shapes.append((prefix + "self_attention.linear_qkv.bias", (qkv_rows,)))
+        if shape.architecture.qk_layernorm:
+            local_shapes += [(prefix + "self_attention.q_layernorm.weight", (d,)),
+                             (prefix + "self_attention.k_layernorm.weight", (d,))]
+        local_shapes += [
+            (prefix + "self_attention.linear_proj.weight", (hidden, shape.num_attention_heads * d // tp_size)),
+            (prefix + "pre_mlp_layernorm.weight", (hidden,)),
+            (prefix + "mlp.linear_fc1.weight", (2 * ffn // tp_size, hidden)),
+            (prefix + "mlp.linear_fc2.weight", (hidden, ffn // tp_size)),
+        ]
+    local_shapes.append(("decoder.final_layernorm.weight", (hidden,)))
+    if not shape.tie_word_embeddings:
+        local_shapes.append(("output_layer.weight", local_shapes[0][1]))
+    return [ParamMapping(name, *_match(name), local_shape) for name, local_shape in local_shapes]

@@ -54,7 +54,9 @@ def _hf_named_grads(model, groups):
 
 
 def run_every_layout_and_arch(groups, checkpoints, tokens_by_arch, weights_by_arch):
-    from stacx.models import build_model, forward_packed, load_hf_checkpoint
+    from stacx.models import build_model, forward_packed, hf_config_of, load_hf_checkpoint
+    from stacx.models.architectures import decoder_shape
+    from stacx.models.weight_mapping import expected_param_mappings, param_mappings
     from stacx.parallel.cp_layout import local_positions, pad_packed
     from stacx.parallel.groups import initialize_parallel_layout
 
@@ -67,6 +69,8 @@ def run_every_layout_and_arch(groups, checkpoints, tokens_by_arch, weights_by_ar
             torch.manual_seed(0)
             model = build_model(path, groups)
             load_hf_checkpoint(model, path, groups)
+            # The config-only layout the converter uses must equal the built model's parameters.
+            assert param_mappings(model) == expected_param_mappings(decoder_shape(hf_config_of(model)), tp)
             tokens_local = pad_packed(tokens_by_arch[arch], PACKED_LENGTHS, padded)[local]
             logits = forward_packed(model, tokens_local, padded, groups)  # [T_local, V_pad/tp]
             vocab = weights_by_arch[arch].shape[1]
