@@ -17,7 +17,7 @@ def _tiny_gpt(groups, vocab_size=64):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from stacx.models.causal_sdpa_attention import SdpaCoreAttention
+    from stacx.models.packed_attention import PackedCoreAttention
 
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
@@ -26,7 +26,7 @@ def _tiny_gpt(groups, vocab_size=64):
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
     )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
                      max_sequence_length=64, position_embedding_type="rope")
     return config, model

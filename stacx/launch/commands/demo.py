@@ -38,7 +38,7 @@ def train_counting_task(groups, steps: int, seed: int):
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from stacx.models.causal_sdpa_attention import SdpaCoreAttention
+    from stacx.models.packed_attention import PackedCoreAttention
 
     vocab_size, length = 32, 16
     torch.manual_seed(seed)
@@ -49,7 +49,7 @@ def train_counting_task(groups, steps: int, seed: int):
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
     )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
                      max_sequence_length=length, position_embedding_type="rope")
     model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
