@@ -1,0 +1,142 @@
+"""A two-node Ray cluster on this machine: one role's ranks on both nodes, and `ray job submit`.
+
+Two `ray start --block` processes (each in its own session) form the cluster: the head with
+custom resource `node_a`, a second node with `node_b`. The cluster check entry point
+(`python -m stacx.trainer.workers.cluster_check`) pins rank 0 to node_a and rank 1 to node_b,
+runs TP=2 and world all-reduces across them plus an exchange transfer, and verifies the results
+against exact float64 sums; the tests re-check them here. The cluster uses a private auth token
+and temp dir, and teardown signals only the two sessions it started (never a machine-wide
+`ray stop`, which would end other users' clusters).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+from stacx.trainer.workers.cluster_check import RESULT_PREFIX, rank_contribution
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(600)]
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+OBJECT_STORE_BYTES = 200_000_000
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for_line(log_path: str, text: str, process: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(log_path) as f:
+            if text in f.read():
+                return
+        if process.poll() is not None:
+            break
+        time.sleep(0.5)
+    with open(log_path) as f:
+        raise RuntimeError(f"`ray start` did not report {text!r} (exit {process.poll()}):\n{f.read()[-3000:]}")
+
+
+def _stop_sessions(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM the sessions `ray start --block` leads (it and the Ray processes it started), all at
+    once; SIGKILL what is still there after 60 s."""
+    for process in processes:
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for process in processes:
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    temp_dir = tempfile.mkdtemp(prefix="stacx-ray-")  # short: Ray's socket paths must stay < 108 chars
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_USAGE_STATS_ENABLED="0",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env.pop("RAY_ADDRESS", None)
+    gcs_port, dashboard_port = _free_port(), _free_port()
+    sessions = []
+
+    def start(name: str, args: list[str]) -> subprocess.Popen:
+        log_path = os.path.join(temp_dir, f"{name}.log")
+        process = subprocess.Popen([RAY, "start", "--block", *args], env=env, start_new_session=True,
+                                   stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+        sessions.append(process)
+        _wait_for_line(log_path, "Ray runtime started", process, timeout_s=120)
+        return process
+
+    try:
+        start("head", ["--head", f"--port={gcs_port}", "--num-cpus=2", '--resources={"node_a": 2}',
+                       f"--object-store-memory={OBJECT_STORE_BYTES}", "--include-dashboard=true",
+                       "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}",
+                       "--disable-usage-stats"])
+        with open(os.path.join(temp_dir, "head.log")) as f:
+            head_log = f.read()
+        address = next(line.split("--address='")[1].split("'")[0] for line in head_log.splitlines()
+                       if "ray start --address=" in line)
+        start("node_b", [f"--address={address}", "--num-cpus=2", '--resources={"node_b": 2}',
+                         f"--object-store-memory={OBJECT_STORE_BYTES}", "--disable-usage-stats"])
+        yield {"address": address, "dashboard": f"http://127.0.0.1:{dashboard_port}", "env": env}
+    finally:
+        _stop_sessions(sessions)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _check_result(output: str) -> dict:
+    lines = [line for line in output.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert lines, f"no {RESULT_PREFIX} line in:\n{output[-3000:]}"
+    result = json.loads(lines[-1][len(RESULT_PREFIX):])
+    assert result["ok"] is True
+    # Rank 0 on node_a, rank 1 on node_b: two different Ray nodes.
+    assert len(set(result["node_ids"])) == 2, result
+    expected = (rank_contribution(0) + rank_contribution(1)).tolist()  # TP=2 spans both ranks
+    assert result["tp_sums"] == [expected, expected]
+    assert result["world_sum"] == expected
+    return result
+
+
+def test_one_role_spans_two_nodes_and_runs_collectives(two_node_cluster):
+    completed = subprocess.run(
+        [sys.executable, "-m", "stacx.trainer.workers.cluster_check", f"--ray-address={two_node_cluster['address']}",
+         "--num-ranks=2", "--tp=2", "--bundle-resources=node_a,node_b"],
+        env=two_node_cluster["env"], capture_output=True, text=True, timeout=300,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = _check_result(completed.stdout)
+    assert result["attached_to"] == two_node_cluster["address"]
+
+
+def test_ray_job_submit_runs_a_stacx_entry_on_the_cluster(two_node_cluster):
+    # No --ray-address: the entry must find the cluster through the RAY_ADDRESS the job sets.
+    completed = subprocess.run(
+        [RAY, "job", "submit", f"--address={two_node_cluster['dashboard']}", "--",
+         sys.executable, "-m", "stacx.trainer.workers.cluster_check", "--num-ranks=2", "--tp=2",
+         "--bundle-resources=node_a,node_b"],
+        env=two_node_cluster["env"], capture_output=True, text=True, timeout=300,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = _check_result(completed.stdout)
+    assert result["attached_to"] is not None  # attached to the job's cluster, not a new local one
