@@ -8,14 +8,17 @@ the SGLang engine overrides `update_weights` with SGLang's tensor / distributed 
 from __future__ import annotations
 
 from typing import Iterable, Sequence
+from urllib.parse import urlparse
 
 from stacx.rollout.engine import InferenceEngine, WeightBucket
 from stacx.rollout.http_client import HttpTransport, RetryPolicy
 from stacx.rollout.sglang_protocol import build_generate_payload, parse_generate_response
 from stacx.rollout.types import GenerateOutput, GenerateRequest
-from stacx.rollout.weight_transfer import encode_bucket_header, flatten_bucket
+from stacx.rollout.weight_transfer import SharedMemoryStaging, bucket_wire_chunks
 
 BUCKET_ENDPOINT = "/stacx/update_weights_bucket"
+SHM_BUCKET_ENDPOINT = "/stacx/update_weights_from_shm"
+WEIGHT_TRANSPORTS = ("auto", "http", "shm")
 
 
 def summarize_requests(requests: Sequence[GenerateRequest]) -> str:
@@ -27,8 +30,16 @@ def summarize_requests(requests: Sequence[GenerateRequest]) -> str:
 class HttpEngine(InferenceEngine):
     """Talks to one server URL."""
 
-    def __init__(self, url: str, retry: RetryPolicy = RetryPolicy()):
+    def __init__(self, url: str, retry: RetryPolicy = RetryPolicy(), *, weight_transport: str = "auto"):
+        """weight_transport: 'http' sends bucket bytes in the request body; 'shm' stages them in a
+        same-host shared-memory file and sends only metadata; 'auto' picks shm for a loopback URL."""
+        if weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight_transport must be one of {WEIGHT_TRANSPORTS}, got {weight_transport!r}")
         self.transport = HttpTransport(url, retry)
+        host = urlparse(self.transport.url).hostname
+        self.weight_transport = ("shm" if host in ("127.0.0.1", "localhost", "::1") else "http") \
+            if weight_transport == "auto" else weight_transport
+        self._staging: SharedMemoryStaging | None = None
 
     @property
     def url(self) -> str:
@@ -51,12 +62,17 @@ class HttpEngine(InferenceEngine):
         self._send_bucket(pending, version=version, final=True)
 
     def _send_bucket(self, bucket: WeightBucket, *, version: int, final: bool) -> None:
-        flat = flatten_bucket(bucket)
-        header = encode_bucket_header(flat, version=version, final=final)
-        # header + raw bytes sent as two chunks: the tensor bytes are not copied into a new buffer
-        body = [header, memoryview(flat.data.numpy())]
+        if self.weight_transport == "shm":
+            if self._staging is None:
+                self._staging = SharedMemoryStaging()
+            header = self._staging.write(bucket, version=version, final=final)
+            self.transport.post_json(SHM_BUCKET_ENDPOINT, header, summary=f"{len(bucket)} tensors via {header['path']}")
+            return
+        # the tensors' own memory goes to the socket; the server receives one flat buffer
+        chunks = bucket_wire_chunks(bucket, version=version, final=final)
+        body = _ChunkedBody(chunks)
         self.transport.request(
-            "POST", BUCKET_ENDPOINT, data=_ChunkedBody(body), summary=f"{len(flat.names)} tensors, {flat.num_bytes} bytes, version {version}",
+            "POST", BUCKET_ENDPOINT, data=body, summary=f"{len(bucket)} tensors, {body.len} bytes, version {version}",
         )
 
     def weight_version(self) -> int:
@@ -82,6 +98,9 @@ class HttpEngine(InferenceEngine):
         return self.transport.get("/get_model_info")
 
     def shutdown(self) -> None:
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
         self.transport.close()
 
 

@@ -12,7 +12,8 @@ Endpoints (SGLang's names unless marked stacx):
   POST /pause_generation                 new /generate requests wait until /continue_generation
   POST /continue_generation
   POST /flush_cache
-  POST /stacx/update_weights_bucket      (stacx) one flattened bucket, see weight_transfer.py
+  POST /stacx/update_weights_bucket      (stacx) one flattened bucket in the body, see weight_transfer.py
+  POST /stacx/update_weights_from_shm    (stacx) same-host: bucket metadata + a shared-memory file path
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from stacx.rollout.http_engine import BUCKET_ENDPOINT
+from stacx.rollout.http_engine import BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT
 from stacx.rollout.sglang_protocol import parse_generate_payload, render_generate_item
-from stacx.rollout.weight_transfer import decode_bucket_body, unflatten_bucket
+from stacx.rollout.weight_transfer import SharedMemoryReader, decode_bucket_body, unflatten_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class EngineHttpServer:
         self.engine = engine
         self.model_path = model_path
         self.gate = PauseGate()
+        self.shm_reader = SharedMemoryReader()
         self.pause_timeout_s = pause_timeout_s
         self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
         self._httpd.daemon_threads = True
@@ -99,6 +101,8 @@ class EngineHttpServer:
 def _make_handler(server: EngineHttpServer):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # headers and body are separate writes; with Nagle on, keep-alive clients stall ~40 ms per reply
+        disable_nagle_algorithm = True
 
         def log_message(self, fmt, *args):  # route access logs to logging, not stderr
             logger.debug("%s - %s", self.address_string(), fmt % args)
@@ -139,7 +143,8 @@ def _make_handler(server: EngineHttpServer):
             return {
                 "/generate": self._generate, "/pause_generation": self._pause,
                 "/continue_generation": self._continue, "/flush_cache": self._flush_cache,
-                BUCKET_ENDPOINT: self._update_bucket, "/get_model_info": self._model_info,
+                BUCKET_ENDPOINT: self._update_bucket, SHM_BUCKET_ENDPOINT: self._update_from_shm,
+                "/get_model_info": self._model_info,
             }
 
         def _dispatch(self, routes):
@@ -205,6 +210,15 @@ def _make_handler(server: EngineHttpServer):
         def _update_bucket(self):
             body = self._read_body()
             flat, header = decode_bucket_body(body)
+            server.engine.load_weights(unflatten_bucket(flat))
+            if header["final"]:
+                server.engine.set_weight_version(int(header["version"]))
+            return 200, {"success": True, "message": f"loaded {len(flat.names)} tensors",
+                         "weight_version": str(server.engine.weight_version())}
+
+        def _update_from_shm(self):
+            header = self._json_body()
+            flat = server.shm_reader.read(header)
             server.engine.load_weights(unflatten_bucket(flat))
             if header["final"]:
                 server.engine.set_weight_version(int(header["version"]))

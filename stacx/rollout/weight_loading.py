@@ -34,6 +34,9 @@ class HfWeightReceiver:
 
     @torch.no_grad()
     def receive(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Write every parameter completed by these tensors. Pieces still waiting are cloned: the
+        tensors may view a transport buffer that the next bucket reuses."""
+        added = []
         for hf_name, tensor in named_tensors:
             targets = self.targets.get(hf_name)
             if targets is None:
@@ -46,9 +49,13 @@ class HfWeightReceiver:
                     raise ValueError(f"weight update: tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(expected)}")
                 pieces = self.pending.setdefault(mapping.megatron_name, {})
                 pieces[index] = tensor
+                added.append((mapping.megatron_name, index))
                 if len(pieces) == len(mapping.hf_names):
                     del self.pending[mapping.megatron_name]
                     self._write(mapping, [pieces[i] for i in range(len(mapping.hf_names))])
+        for name, index in added:
+            if name in self.pending and index in self.pending[name]:
+                self.pending[name][index] = self.pending[name][index].clone()
 
     def _write(self, mapping, full_tensors: list[torch.Tensor]) -> None:
         slices = mapping.local_slices(self.shape, self.groups.tp_rank, self.groups.tp_size)

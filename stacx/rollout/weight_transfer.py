@@ -12,6 +12,7 @@ The receiver views the raw bytes as tensors without copying and copies each into
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from typing import Sequence
@@ -63,6 +64,28 @@ def flatten_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> FlatBucket:
         offset += raw.numel()
     data = torch.cat(pieces).cpu() if len(pieces) > 1 else pieces[0].cpu().clone()
     return FlatBucket(names, dtypes, shapes, offsets, data)
+
+
+def bucket_wire_chunks(bucket: Sequence[tuple[str, torch.Tensor]], *, version: int, final: bool) -> list:
+    """The HTTP body of a bucket as buffers to send back to back: the length-prefixed header, then
+    each tensor's bytes in place (no concatenation copy; the receiver gets one flat buffer)."""
+    if not bucket:
+        raise ValueError("bucket_wire_chunks: empty bucket")
+    names, dtypes, shapes, offsets, chunks = [], [], [], [], []
+    offset = 0
+    for name, tensor in bucket:
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        names.append(name)
+        dtypes.append(dtype_name(tensor.dtype))
+        shapes.append(list(tensor.shape))
+        offsets.append(offset)
+        chunks.append(memoryview(raw.numpy()))
+        offset += raw.numel()
+    header = json.dumps({
+        "names": names, "dtypes": dtypes, "shapes": shapes, "offsets": offsets,
+        "num_bytes": offset, "version": int(version), "final": bool(final),
+    }).encode()
+    return [struct.pack("<Q", len(header)) + header, *chunks]
 
 
 def unflatten_bucket(flat: FlatBucket) -> list[tuple[str, torch.Tensor]]:
@@ -120,3 +143,64 @@ def split_into_buckets(named_tensors, bucket_bytes: int):
         size += nbytes
     if bucket:
         yield bucket
+
+
+class SharedMemoryStaging:
+    """A reusable same-host staging file (RAM-backed where the OS offers one) holding one bucket.
+
+    The sender copies a bucket's tensors into it (one copy) and posts only the metadata; the
+    server maps the same file and copies into its parameters (one copy). Nothing crosses a socket.
+    """
+
+    def __init__(self):
+        import tempfile
+
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        handle, self.path = tempfile.mkstemp(prefix="stacx-weights-", dir=directory)
+        os.close(handle)
+        self.capacity = 0
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def write(self, bucket: Sequence[tuple[str, torch.Tensor]], *, version: int, final: bool) -> dict:
+        """Copy the bucket into the file; return the header the receiver needs (with `path`)."""
+        sizes = [t.numel() * t.element_size() for _, t in bucket]
+        total = sum(sizes)
+        if total > self.capacity:
+            with open(self.path, "r+b") as handle:
+                handle.truncate(total)
+            self.buffer = torch.from_file(self.path, shared=True, size=total, dtype=torch.uint8)
+            self.capacity = total
+        header = {"path": self.path, "names": [], "dtypes": [], "shapes": [], "offsets": [], "num_bytes": total,
+                  "version": int(version), "final": bool(final)}
+        offset = 0
+        for (name, tensor), size in zip(bucket, sizes):
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            self.buffer[offset:offset + size].copy_(raw)
+            header["names"].append(name)
+            header["dtypes"].append(dtype_name(tensor.dtype))
+            header["shapes"].append(list(tensor.shape))
+            header["offsets"].append(offset)
+            offset += size
+        return header
+
+    def close(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+class SharedMemoryReader:
+    """The receiving end: maps staging files (cached per path and size) as flat buckets."""
+
+    def __init__(self):
+        self._maps: dict[str, torch.Tensor] = {}
+
+    def read(self, header: dict) -> FlatBucket:
+        path, num_bytes = header["path"], int(header["num_bytes"])
+        if not os.path.isfile(path):
+            raise ValueError(f"shared-memory weight file {path} does not exist (sender on another host?)")
+        mapped = self._maps.get(path)
+        if mapped is None or mapped.numel() < num_bytes:
+            mapped = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
+            self._maps[path] = mapped
+        return FlatBucket(header["names"], header["dtypes"], header["shapes"], header["offsets"], mapped[:num_bytes])

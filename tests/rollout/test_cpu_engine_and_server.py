@@ -108,6 +108,15 @@ def test_http_generation_weight_update_and_pause(tiny_checkpoints, single_proces
         assert max(abs(lp - ref[2 + j, t].item()) for j, (lp, t) in
                    enumerate(zip(after.output_log_probs, after.output_ids))) < TOLERANCE
 
+        # the same update through the request body (no shared memory) serves the same weights
+        engine.load_weights(buckets[0][:1])  # leave a parameter half-updated ...
+        body_client = HttpEngine(server.url, weight_transport="http")
+        body_client.update_weights(iter(buckets), version=4)  # ... the full push repairs it
+        (again,) = body_client.generate(greedy)
+        assert again.output_ids == after.output_ids and again.weight_version == 4
+        assert again.output_log_probs == pytest.approx(after.output_log_probs, abs=1e-12)
+        body_client.shutdown()
+
         # a paused server holds /generate until /continue_generation
         client.pause()
         done = threading.Event()
