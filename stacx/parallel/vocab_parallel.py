@@ -45,25 +45,30 @@ def default_chunk_tokens(num_tokens: int, vocab_local: int) -> int:
     return max(1, min(by_elements, by_fraction))
 
 
-def _scaled_fp32_chunk(logits_chunk: torch.Tensor, temperature: float) -> torch.Tensor:
-    """A fresh fp32 copy of s = z / temperature for one chunk (the one temporary we may overwrite)."""
-    s = logits_chunk.to(torch.float32, copy=True)
-    if temperature != 1.0:
-        s.div_(temperature)
-    return s
+def shifted_fp32_chunk(logits_CV: torch.Tensor, temperature: float, shift_C: torch.Tensor, out=None) -> torch.Tensor:
+    """d = logits / temperature - shift[:, None] in fp32, as a fresh temporary or written into `out`.
+
+    At temperature 1 this is one fused pass (the fp32 shift promotes bf16 logits); never an
+    in-place change of the logits themselves.
+    """
+    if temperature == 1.0:
+        return torch.sub(logits_CV, shift_C.unsqueeze(-1), out=out)
+    d = logits_CV.to(torch.float32, copy=True) if out is None else out.copy_(logits_CV)
+    return d.div_(temperature).sub_(shift_C.unsqueeze(-1))
 
 
 def local_chunk_statistics(
-    s_CV: torch.Tensor, local_ids_CK: torch.Tensor, owned_CK: torch.Tensor, with_entropy: bool
+    logits_CV: torch.Tensor, temperature: float, local_ids_CK: torch.Tensor, owned_CK: torch.Tensor,
+    with_entropy: bool,
 ) -> torch.Tensor:
-    """Shard statistics of one chunk; overwrites `s_CV` (a fresh fp32 temporary).
+    """Shard statistics of one chunk of logits [C, V/tp] (not modified).
 
     Returns [rows, C] fp32 with rows = lse_local, (E_local[s] if with_entropy), s at ids (K rows,
-    0 where this shard does not own the id).
+    0 where this shard does not own the id), where s = logits / temperature.
     """
-    id_values_KC = (s_CV.gather(1, local_ids_CK) * owned_CK).t()
-    max_C = s_CV.amax(dim=-1)
-    shifted_CV = s_CV.sub_(max_C.unsqueeze(-1))  # in place: d = s - max
+    id_values_KC = (logits_CV.gather(1, local_ids_CK).float().div_(temperature) * owned_CK).t()
+    max_C = logits_CV.amax(dim=-1).float().div_(temperature)
+    shifted_CV = shifted_fp32_chunk(logits_CV, temperature, max_C)  # d = s - max, the one temporary
     if with_entropy:
         exp_CV = torch.exp(shifted_CV)
         sum_exp_C = exp_CV.sum(dim=-1)
@@ -105,11 +110,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         stats_rT = torch.empty(rows, num_tokens, dtype=torch.float32, device=logits_TV.device)
         for start in range(0, num_tokens, chunk_tokens):
             end = min(start + chunk_tokens, num_tokens)
-            s_CV = _scaled_fp32_chunk(logits_TV[start:end], temperature)
             stats_rT[:, start:end] = local_chunk_statistics(
-                s_CV, local_ids_TK[start:end], owned_TK[start:end], with_entropy
+                logits_TV[start:end], temperature, local_ids_TK[start:end], owned_TK[start:end], with_entropy
             )
-            del s_CV
         lse_T, entropy_T, s_ids_KT = combine_shard_statistics(all_gather_stacked(stats_rT, tp_group), with_entropy)
         log_probs_TK = (s_ids_KT - lse_T).t().contiguous()
 
@@ -137,9 +140,13 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             # the [v == id] term lands only on the shard that owns the id.
             grad_sum_T = grad_log_probs_TK.float().sum(dim=1)
             grad_log_probs_TK = grad_log_probs_TK.float() * owned_TK
+        # fp32 logits: compute each chunk's gradient directly in the gradient tensor (no temporary).
+        in_place = grad_logits_TV.dtype == torch.float32
         for start in range(0, num_tokens, ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, num_tokens)
-            log_p_CV = _scaled_fp32_chunk(logits_TV[start:end], ctx.temperature).sub_(lse_T[start:end].unsqueeze(-1))
+            log_p_CV = shifted_fp32_chunk(
+                logits_TV[start:end], ctx.temperature, lse_T[start:end], out=grad_logits_TV[start:end] if in_place else None
+            )
             grad_s_CV = _chunk_grad_s(
                 log_p_CV,
                 None if grad_log_probs_TK is None else grad_sum_T[start:end],
@@ -149,7 +156,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 grad_s_CV.scatter_add_(1, local_ids_TK[start:end], grad_log_probs_TK[start:end])
             if ctx.temperature != 1.0:
                 grad_s_CV.div_(ctx.temperature)
-            grad_logits_TV[start:end].copy_(grad_s_CV)
+            if not in_place:
+                grad_logits_TV[start:end].copy_(grad_s_CV)
             del log_p_CV, grad_s_CV
         return grad_logits_TV, None, None, None, None, None, None
 
