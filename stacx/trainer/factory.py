@@ -149,14 +149,18 @@ class RoleWorkerGraph:
             pool.remove()
 
 
-def create_role_workers(training_config, layout: WorkerLayout | None = None, *, pool_timeout_s: float = 120.0
-                        ) -> RoleWorkerGraph:
+def create_role_workers(training_config, layout: Any = None, *, pool_timeout_s: float = 120.0) -> RoleWorkerGraph:
     """Start and set up one `RoleWorkers` per role of `training_config`, then connect its exchange syncs.
 
-    Ray must be connected (`stacx.trainer.ray_cluster.connect_ray`). On any failure every actor
-    and placement group created so far is released before the error propagates.
+    `layout` is a `WorkerLayout`, the run config's `parallel` section (converted with
+    `WorkerLayout.from_parallel_section`), or None for the defaults. Ray must be connected
+    (`stacx.trainer.ray_cluster.connect_ray`). On any failure every actor and placement group
+    created so far is released before the error propagates.
     """
-    layout = layout or WorkerLayout()
+    if layout is None:
+        layout = WorkerLayout()
+    elif not isinstance(layout, WorkerLayout):
+        layout = WorkerLayout.from_parallel_section(layout)
     role_graph = training_config.role_graph()
     graph = RoleWorkerGraph(training_config, resolve_role_layouts(training_config, layout))
     try:

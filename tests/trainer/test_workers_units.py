@@ -104,3 +104,13 @@ def test_every_catalog_recipe_resolves_a_layout(name):
     assert set(layouts) == {role.name for role in config.roles}
     for pool, members in config.role_graph().pools.items():
         assert len({layouts[m].num_ranks for m in members}) == 1, pool
+
+
+def test_worker_layout_from_the_run_configs_parallel_section():
+    from stacx.trainer.run_config import RunConfig
+
+    section = RunConfig.from_dict({"tensor_model_parallel_size": 2, "data_parallel_size": 3,
+                                   "collective_timeout_s": 42.0}).parallel
+    layout = WorkerLayout.from_parallel_section(section, call_timeout_s=10.0)
+    assert (layout.tensor_parallel_size, layout.data_parallel_size, layout.collective_timeout_s,
+            layout.call_timeout_s) == (2, 3, 42.0, 10.0)
