@@ -128,7 +128,7 @@ def test_http_generation_weight_update_and_pause(tiny_checkpoints, single_proces
         worker.join(timeout=30)
         assert done.is_set()
         client.flush_cache()
-        assert client.model_info()["weight_version"] == "3"
+        assert client.model_info()["weight_version"] == "4"
         client.shutdown()
 
 
