@@ -109,7 +109,10 @@ def test_http_generation_weight_update_and_pause(tiny_checkpoints, single_proces
                    enumerate(zip(after.output_log_probs, after.output_ids))) < TOLERANCE
 
         # the same update through the request body (no shared memory) serves the same weights
-        engine.load_weights(buckets[0][:1])  # leave a parameter half-updated ...
+        q_only = [(n, t) for bucket in buckets for n, t in bucket if n.endswith("q_proj.weight")][:1]
+        engine.load_weights(q_only)  # leave linear_qkv waiting for k and v ...
+        with pytest.raises(ValueError, match="weight update incomplete: parameter .*linear_qkv"):
+            engine.set_weight_version(99)
         body_client = HttpEngine(server.url, weight_transport="http")
         body_client.update_weights(iter(buckets), version=4)  # ... the full push repairs it
         (again,) = body_client.generate(greedy)
