@@ -66,18 +66,18 @@ def connect_ray(
     """
     import ray
 
+    address = resolve_ray_address(cli_address, environ)
+    sized = {name: value for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus),
+                                             ("object_store_memory_bytes", object_store_memory_bytes))
+             if value is not None}
+    if address is not None and sized:
+        raise ValueError(
+            f"attaching to the Ray cluster at {address!r} (from --ray-address or {RAY_ADDRESS_ENV}); "
+            f"{sorted(sized)} only size a local cluster - set them on that cluster's `ray start` instead"
+        )
     if ray.is_initialized():
         return RayConnection(address=None, started_locally=False, already_connected=True)
-    address = resolve_ray_address(cli_address, environ)
     if address is not None:
-        sized = {name: value for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus),
-                                                 ("object_store_memory_bytes", object_store_memory_bytes))
-                 if value is not None}
-        if sized:
-            raise ValueError(
-                f"attaching to the Ray cluster at {address!r} (from --ray-address or {RAY_ADDRESS_ENV}); "
-                f"{sorted(sized)} only size a local cluster - set them on that cluster's `ray start` instead"
-            )
         try:
             ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
         except ConnectionError as err:
