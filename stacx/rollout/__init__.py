@@ -1,1 +1,20 @@
+"""Inference engines, teacher scoring, rewards, data, environments and DAgger roll-ins.
 
+Imports are light: torch and the standard library only; megatron-core and the models package are
+loaded when a CPU engine is built. See docs/rollout.md.
+"""
+
+from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, Executor, TMaxSchedule, build_roll_in
+from stacx.rollout.engine import InferenceEngine
+from stacx.rollout.http_client import RetryPolicy, ServerRequestError, ServerUnavailableError
+from stacx.rollout.http_engine import HttpEngine
+from stacx.rollout.manager import RolloutManager, Sample, samples_to_batch
+from stacx.rollout.teacher import TEACHER_EXECUTED_SENTINEL, TeacherClient, TeacherScores, TeacherUnavailableError
+from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
+
+__all__ = [
+    "AggreVaTeRollIn", "BetaMixtureRollIn", "BetaSchedule", "Executor", "GenerateOutput", "GenerateRequest",
+    "HttpEngine", "InferenceEngine", "RetryPolicy", "RolloutManager", "Sample", "SamplingParams",
+    "ServerRequestError", "ServerUnavailableError", "TEACHER_EXECUTED_SENTINEL", "TMaxSchedule", "TeacherClient",
+    "TeacherScores", "TeacherUnavailableError", "build_roll_in", "samples_to_batch",
+]

@@ -78,6 +78,7 @@ def test_engine_log_probs_equal_trainer_forward(tiny_checkpoints, single_process
     assert outputs[1].finish_reason == "length" and len(outputs[1].output_ids) == 5
 
 
+@pytest.mark.slow
 def test_http_generation_weight_update_and_pause(tiny_checkpoints, single_process_world):
     from stacx.models import build_model, iter_hf_weight_buckets, load_hf_checkpoint
 
@@ -135,6 +136,7 @@ def test_http_generation_weight_update_and_pause(tiny_checkpoints, single_proces
         client.shutdown()
 
 
+@pytest.mark.slow
 def test_teacher_and_manager_against_served_teacher(tiny_checkpoints, single_process_world):
     teacher_engine = CpuEngine.from_hf_checkpoint(tiny_checkpoints[1])
     student = CpuEngine.from_hf_checkpoint(tiny_checkpoints[0])
