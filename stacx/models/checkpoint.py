@@ -129,24 +129,32 @@ def load_hf_checkpoint(model, path: str, groups) -> None:
         params[mapping.megatron_name].copy_(reader.read_local_shard(mapping, shape, groups.tp_rank, groups.tp_size))
 
 
-def _gather_tp(tensor: torch.Tensor, groups) -> list[torch.Tensor]:
+def _gather_tp(tensor: torch.Tensor, groups, only_to_tp_rank: int | None) -> list[torch.Tensor] | None:
+    """Every TP rank's shard, on every TP rank (all-gather) or only on `only_to_tp_rank` (gather; None elsewhere)."""
     if groups.tp_size == 1:
         return [tensor]
     tensor = tensor.contiguous()
-    shards = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
-    dist.all_gather(shards, tensor, group=groups.tp)
+    if only_to_tp_rank is None:
+        shards = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
+        dist.all_gather(shards, tensor, group=groups.tp)
+        return shards
+    receiving = groups.tp_rank == only_to_tp_rank
+    shards = [torch.empty_like(tensor) for _ in range(groups.tp_size)] if receiving else None
+    dist.gather(tensor, shards, group_dst=only_to_tp_rank, group=groups.tp)
     return shards
 
 
 @torch.no_grad()
 def iter_hf_weight_buckets(
-    model, groups, bucket_bytes: int, dtype: torch.dtype | None = None
+    model, groups, bucket_bytes: int, dtype: torch.dtype | None = None, *, only_to_tp_rank: int | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (hf_name, full unpadded tensor) of about `bucket_bytes` each, in a fixed order.
 
-    Every rank of the model's TP group must iterate (each parameter is all-gathered over TP);
-    every rank receives the same buckets. A tensor larger than `bucket_bytes` is a bucket alone.
-    `dtype` converts the tensors (default: the parameters' own dtype).
+    Every rank of the model's TP group must iterate (each parameter is gathered over TP). By
+    default every TP rank receives the same buckets; with `only_to_tp_rank` only that TP rank
+    receives the shards (half the traffic at tp=2) and yields buckets, while the other TP ranks
+    take part in the gathers and yield nothing (they must still exhaust the iterator). A tensor larger than `bucket_bytes` is a bucket alone. `dtype` converts the
+    tensors (default: the parameters' own dtype).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -155,7 +163,10 @@ def iter_hf_weight_buckets(
     params = dict(gpt.named_parameters())
     bucket, size = [], 0
     for mapping in param_mappings(gpt):
-        shards = [s.cpu() for s in _gather_tp(params[mapping.megatron_name].detach(), groups)]
+        shards = _gather_tp(params[mapping.megatron_name].detach(), groups, only_to_tp_rank)
+        if shards is None:  # a non-receiving rank only takes part in the gathers
+            continue
+        shards = [s.cpu() for s in shards]
         for hf_name, tensor in zip(mapping.hf_names, mapping.merge_shards(shards, shape)):
             tensor = tensor.contiguous() if dtype is None else tensor.to(dtype).contiguous()
             nbytes = tensor.numel() * tensor.element_size()
@@ -189,9 +200,8 @@ def export_hf_checkpoint(model, out_dir: str, groups, hf_config=None, *, max_sha
         if is_writer:
             os.makedirs(out_dir, exist_ok=True)
         shard_files: list[tuple[str, list[str]]] = []
-        for number, bucket in enumerate(
-            iter_hf_weight_buckets(model, groups, max_shard_bytes, dtype=config_dtype(config))
-        ):
+        buckets = iter_hf_weight_buckets(model, groups, max_shard_bytes, dtype=config_dtype(config), only_to_tp_rank=0)
+        for number, bucket in enumerate(buckets):
             if is_writer:
                 file = f"model-{number + 1:05d}.safetensors"
                 _save_safetensors(dict(bucket), os.path.join(out_dir, file))
