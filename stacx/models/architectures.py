@@ -123,6 +123,9 @@ def decoder_shape(config) -> DecoderShape:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     theta, scaling = _rope_fields(config)
     qkv_bias = getattr(config, "attention_bias", None)
+    if qkv_bias and not arch.qkv_bias_default:
+        # Llama/Qwen3's attention_bias also adds an o_proj bias, which megatron's layer lacks.
+        raise ValueError(f"attention_bias=True is not supported for {arch.model_type!r}")
     return DecoderShape(
         architecture=arch,
         vocab_size=config.vocab_size,

@@ -191,6 +191,8 @@ def expected_param_mappings(shape: DecoderShape, tp_size: int) -> list[ParamMapp
         prefix = f"decoder.layers.{i}."
         local_shapes += [
             (prefix + "input_layernorm.weight", (hidden,)),
+            # megatron registers linear_proj before linear_qkv; keep its parameter order.
+            (prefix + "self_attention.linear_proj.weight", (hidden, shape.num_attention_heads * d // tp_size)),
             (prefix + "self_attention.linear_qkv.weight", (qkv_rows, hidden)),
         ]
         if shape.qkv_bias:
@@ -199,7 +201,6 @@ def expected_param_mappings(shape: DecoderShape, tp_size: int) -> list[ParamMapp
             local_shapes += [(prefix + "self_attention.q_layernorm.weight", (d,)),
                              (prefix + "self_attention.k_layernorm.weight", (d,))]
         local_shapes += [
-            (prefix + "self_attention.linear_proj.weight", (hidden, shape.num_attention_heads * d // tp_size)),
             (prefix + "pre_mlp_layernorm.weight", (hidden,)),
             (prefix + "mlp.linear_fc1.weight", (2 * ffn // tp_size, hidden)),
             (prefix + "mlp.linear_fc2.weight", (hidden, ffn // tp_size)),

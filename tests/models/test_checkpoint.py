@@ -203,3 +203,17 @@ def test_tp2_export_is_byte_identical_and_buckets_stream_every_tensor(tmp_path):
     for rank in range(2):
         file = f"tp_rank_{rank:02d}.safetensors"
         _assert_identical(load_file(os.path.join(stacx_dir, file)), load_file(os.path.join(offline, file)))
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, message",
+    [
+        ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+        ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+        ("llama", {"attention_bias": True}, "attention_bias"),
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
+    ],
+)
+def test_unsupported_config_features_are_rejected_by_name(arch, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        decoder_shape(tiny_hf_config(arch, **overrides))
