@@ -1,0 +1,103 @@
+"""`stacx train` (also `python -m stacx.train`, the form torchrun and `ray job submit` use).
+
+    stacx train --algorithm grpo --hf-checkpoint ckpt/ --prompt-data builtin:addition --num-steps 20
+    stacx train --config examples/configs/grpo.yaml --lr 1e-4        # flags override the file
+    stacx train --config run.yaml --dry-run                          # recipe, roles, placement; no workers
+
+Flags are generated from the run configuration (stacx/trainer/run_config.py): one per field,
+see `stacx train --help`. Under torchrun (WORLD_SIZE set) single-role recipes run SPMD in the
+launched processes; otherwise role workers run on Ray (`--ray-address`, RAY_ADDRESS, or a
+local cluster). The runtime picks; this command only resolves the configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HELP = "train with a recipe (RL, distillation, SFT, DPO); flags or --config run.yaml, --dry-run to inspect"
+
+
+def add_arguments(parser) -> None:
+    from stacx.launch.run_flags import add_run_config_arguments
+
+    add_run_config_arguments(parser)
+
+
+def under_torchrun(environ=None) -> bool:
+    """True inside processes started by torchrun (it sets TORCHELASTIC_RUN_ID and WORLD_SIZE)."""
+    environ = os.environ if environ is None else environ
+    return "TORCHELASTIC_RUN_ID" in environ or ("WORLD_SIZE" in environ and "RANK" in environ)
+
+
+def resolve_recipe(run_config):
+    """Import --custom-module files, then the recipe the run config selects (a TrainingConfig)."""
+    from stacx.trainer.algorithm import infer_algorithm
+    from stacx.trainer.recipes import get_recipe
+
+    if run_config.train.custom_module:
+        from stacx.objectives.discovery import load_custom_modules
+
+        load_custom_modules(run_config.train.custom_module)
+    name = infer_algorithm({
+        "algorithm": run_config.train.algorithm,
+        "use_critic": run_config.train.use_critic,
+        "advantage_estimator": run_config.algorithm.advantage_estimator,
+    })
+    return get_recipe(name)
+
+
+def describe_run(run_config, recipe, environ=None) -> str:
+    """What `--dry-run` prints: the recipe, its role graph, each role's (tp, cp, dp) placement,
+    where it would run, and the resolved run configuration as YAML."""
+    import yaml
+
+    from stacx.trainer.factory import WorkerLayout, resolve_role_layouts
+    from stacx.trainer.ray_cluster import resolve_ray_address
+
+    environ = os.environ if environ is None else environ
+    parallel = run_config.parallel
+    layouts = resolve_role_layouts(recipe, WorkerLayout.from_parallel_section(parallel))
+    graph = recipe.role_graph()
+    lines = [recipe.describe(), "", "role graph:"]
+    for pool, members in graph.pools.items():
+        lines.append(f"  pool {pool}: {', '.join(members)}")
+    if graph.inject_order:
+        lines.append(f"  inject order: {' -> '.join(graph.inject_order)}")
+    lines += ["", "placement:"]
+    for pool, members in graph.pools.items():
+        num_bundles = max(layouts[name].num_ranks for name in members)
+        lines.append(f"  pool {pool}: {num_bundles} bundle(s) x ({parallel.num_cpus_per_rank:g} CPU, "
+                     f"{parallel.num_gpus_per_rank:g} GPU)" + (f", shared by {len(members)} roles" if len(members) > 1 else ""))
+        for name in members:
+            layout = layouts[name]
+            lines.append(f"    {name}: tp={layout.tensor_parallel_size} cp={layout.context_parallel_size} "
+                         f"dp={layout.data_parallel_size} -> {layout.num_ranks} rank(s)")
+    if under_torchrun(environ):
+        where = f"torchrun SPMD, world size {environ.get('WORLD_SIZE', '?')} (no Ray)"
+    else:
+        address = resolve_ray_address(parallel.ray_address, environ)
+        where = f"Ray cluster at {address}" if address else "a local Ray cluster started by the driver"
+    lines += ["", f"runs on: {where}", "", "resolved run config:",
+              yaml.safe_dump(run_config.to_dict(), sort_keys=False, default_flow_style=False).rstrip()]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from stacx.launch.run_flags import run_config_from_args
+    from stacx.trainer.config import RecipeError
+    from stacx.trainer.run_config import ConfigError
+
+    try:
+        run_config = run_config_from_args(args)
+        recipe = resolve_recipe(run_config)
+        if run_config.train.dry_run:
+            print(describe_run(run_config, recipe))
+            return 0
+    except (ConfigError, RecipeError, ValueError) as err:
+        print(f"stacx train: {err}", file=sys.stderr)
+        return 2
+    from stacx.trainer import run_training
+
+    run_training(run_config)
+    return 0
