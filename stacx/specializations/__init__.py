@@ -1,1 +1,26 @@
+"""Per-algorithm loss assembly: `compute_loss(model_output, batch, reducer) -> (loss, metrics)`.
 
+See base.py for the contract (batch fields, reducer, what the trainer loop asks) and
+docs/adding-an-algorithm.md for writing a new one.
+"""
+
+from stacx.specializations.actor import ActorSpecialization
+from stacx.specializations.base import Specialization
+from stacx.specializations.batch import model_inputs, pack_micro_batch
+from stacx.specializations.causal_decoder import CausalDecoderSpecialization
+from stacx.specializations.critic import CriticSpecialization
+from stacx.specializations.distill import DistillSpecialization
+from stacx.specializations.dpo import DPOSpecialization
+from stacx.specializations.mixed_loss_dagger import MixedLossDaggerOPDSpecialization
+
+__all__ = [
+    "ActorSpecialization",
+    "CausalDecoderSpecialization",
+    "CriticSpecialization",
+    "DPOSpecialization",
+    "DistillSpecialization",
+    "MixedLossDaggerOPDSpecialization",
+    "Specialization",
+    "model_inputs",
+    "pack_micro_batch",
+]

@@ -1,16 +1,53 @@
 """Policy-gradient actor (GRPO, Dr. GRPO, GSPO, DAPO, CISPO, REINFORCE++, RLOO, PPO's actor).
 
-The loss body arrives with the specializations work; this module fixes the class name and
-its place in the recipe catalog (stacx.trainer.recipes).
+Per response token, with log pi from this micro-batch's forward and pi_old, pi_ref, pi_rollout
+from batch fields:
+
+    l_t = w_t * policy_loss(log pi_t, log pi_old_t, A_t)          (registry: config.policy_loss)
+          + kl_loss_coef * KL_est(log pi_t, log pi_ref_t)          (config.use_kl_loss, kl_loss_type)
+          - entropy_coef * H_t                                     (config.entropy_coef)
+
+masked by the loss masks after the off-policy corrections (config.off_policy_corrections,
+a list of registry names), w_t their importance weights (1 without), and reduced by the
+reducer with config.loss_agg_mode. Advantages come from the advantage registry
+(config.advantage_estimator) through `compute_advantages`, called by the driver.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
-from stacx.specializations.base import Specialization
+from stacx.objectives.kl import add_kl_and_entropy_terms
+from stacx.objectives.off_policy import mismatch_metrics
+from stacx.objectives.registry import (
+    get_advantage,
+    get_kl_estimator,
+    get_off_policy_correction,
+    get_policy_loss,
+)
+from stacx.specializations.base import Specialization, check_response_field, full_token_counts
+
+#: Built-in policy losses that need each WHOLE response (a sequence-level ratio). A custom loss
+#: declares the same with a function attribute `needs_whole_sequences = True`.
+SEQUENCE_LEVEL_POLICY_LOSSES = frozenset({"gspo"})
+#: Built-in off-policy corrections computed from whole responses (sequence ratios, sequence
+#: masks, or a statistic over all tokens given).
+SEQUENCE_LEVEL_CORRECTIONS = frozenset({"sequence_tis", "sequence_mis", "opsm", "m2po"})
+#: Corrections that compare the CURRENT policy (not pi_old) with the rollout engine.
+CURRENT_POLICY_CORRECTIONS = frozenset({"opsm", "m2po"})
+
+
+def correction_names(value: Any) -> tuple[str, ...]:
+    """config.off_policy_corrections as a tuple of names ("a,b", ["a", "b"] or None)."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        return tuple(name.strip() for name in value.split(",") if name.strip())
+    if isinstance(value, Sequence):
+        return tuple(str(name) for name in value)
+    raise ValueError(f"algorithm.off_policy_corrections must be a list of names, got {value!r}")
 
 
 class ActorSpecialization(Specialization):
@@ -18,9 +55,68 @@ class ActorSpecialization(Specialization):
 
     Per response token: ratio_t = exp(log pi(a_t) - log pi_old(a_t)); loss_t = policy_loss(ratio_t, A_t)
     from the policy-loss registry (ppo_clip, gspo, cispo, ...), aggregated as the run's
-    loss_aggregation, plus an optional KL(pi || pi_ref) term and entropy bonus. Needs
-    `batch['advantages']`, `old_log_probs`, optional `ref_log_probs`.
+    loss_agg_mode, plus an optional KL(pi || pi_ref) term and entropy bonus (see the module doc).
+
+    Batch: `loss_masks`, `advantages`; `ref_log_probs` with use_kl_loss; `rollout_log_probs`
+    for off-policy corrections and the train/rollout mismatch metrics; `old_log_probs` when
+    recomputed (otherwise pi_old is this forward's detached log pi: exact when a rollout feeds
+    one optimizer step). Config (the run's algorithm section): advantage_estimator,
+    policy_loss, loss_agg_mode, clip_ratio_low/high/c, use_kl_loss, kl_loss_type,
+    kl_loss_coef, entropy_coef, off_policy_corrections, rollout_temperature,
+    recompute_old_log_probs, log_entropy (True: entropy is computed, detached, as a metric
+    even when entropy_coef is 0).
     """
+
+    def __init__(self, config: Any = None, groups=None):
+        super().__init__(config, groups)
+        # Resolve every name now: an unknown one fails at construction, listing the known names.
+        self.policy_loss_name = str(self.setting("policy_loss", "ppo_clip"))
+        self.policy_loss_fn = get_policy_loss(self.policy_loss_name)
+        self.corrections = correction_names(self.setting("off_policy_corrections", None))
+        self.correction_fns = [get_off_policy_correction(name) for name in self.corrections]
+        self.use_kl_loss = bool(self.setting("use_kl_loss", False))
+        if self.use_kl_loss:
+            get_kl_estimator(str(self.setting("kl_loss_type", "low_var_kl")))
+        self.entropy_coef = float(self.setting("entropy_coef", 0.0))
+
+    # ---- what the trainer loop asks ------------------------------------------------------------
+
+    def required_fields(self) -> tuple[str, ...]:
+        fields = ["loss_masks", "advantages"]
+        if self.use_kl_loss:
+            fields.append("ref_log_probs")
+        if self.corrections:
+            fields.append("rollout_log_probs")
+        return tuple(fields)
+
+    def needs_reference(self) -> bool:
+        return self.use_kl_loss
+
+    def needs_old_log_probs(self) -> bool:
+        return bool(self.setting("recompute_old_log_probs", False))
+
+    @property
+    def temperature(self) -> float:
+        """Training log-probs use the sampling temperature, like the rollout engine's."""
+        return float(self.setting("rollout_temperature", 1.0))
+
+    def needs_whole_sequences(self) -> bool:
+        """Whether the loss needs whole responses (one CP all-gather per micro-batch when cp > 1)."""
+        return (
+            self.policy_loss_name in SEQUENCE_LEVEL_POLICY_LOSSES
+            or bool(getattr(self.policy_loss_fn, "needs_whole_sequences", False))
+            or any(name in SEQUENCE_LEVEL_CORRECTIONS or getattr(fn, "needs_whole_sequences", False)
+                   for name, fn in zip(self.corrections, self.correction_fns))
+        )
+
+    def compute_advantages(self, rollout_data) -> list[torch.Tensor]:
+        """Per-token advantages [R_i] from the registry's config.advantage_estimator (driver side)."""
+        name = self.setting("advantage_estimator", None)
+        if name is None:
+            raise ValueError("algorithm.advantage_estimator is not set; the actor needs one to compute advantages")
+        return get_advantage(str(name))(self.config, rollout_data)
+
+    # ---- the loss -----------------------------------------------------------------------------
 
     def compute_loss(
         self,
@@ -28,4 +124,60 @@ class ActorSpecialization(Specialization):
         batch: dict[str, Any],
         reducer: Callable[..., torch.Tensor],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        raise NotImplementedError("ActorSpecialization.compute_loss arrives with the specializations work")
+        self.check_reducer(reducer)
+        layout = self.check_batch(batch)
+        for optional in ("old_log_probs", "rollout_log_probs", "ref_log_probs"):
+            if batch.get(optional) is not None:
+                check_response_field(batch, optional, layout)
+        log_entropy = bool(self.setting("log_entropy", True))
+        with_entropy = self.entropy_coef != 0.0 or log_entropy
+        log_probs_local, entropy_local = self.token_log_probs(
+            model_output, batch, with_entropy=with_entropy, entropy_requires_grad=self.entropy_coef != 0.0
+        )
+        # Log-probs and entropy travel in the same (at most one) CP all-gather.
+        stacked = log_probs_local if entropy_local is None else torch.stack([log_probs_local, entropy_local], -1)
+        view = self.response_view(layout, stacked, whole=self.needs_whole_sequences())
+        if entropy_local is None:
+            log_probs, entropy = view.values, None
+        else:
+            log_probs, entropy = [v[:, 0] for v in view.values], [v[:, 1] for v in view.values]
+
+        raw_masks = view.field(batch, "loss_masks", dtype=torch.float32)
+        advantages = view.field(batch, "advantages", dtype=torch.float32)
+        current = [lp.detach() for lp in log_probs]
+        old = view.field(batch, "old_log_probs", dtype=torch.float32) if batch.get("old_log_probs") is not None else current
+        rollout = (view.field(batch, "rollout_log_probs", dtype=torch.float32)
+                   if batch.get("rollout_log_probs") is not None else None)
+        ref = view.field(batch, "ref_log_probs", dtype=torch.float32) if self.use_kl_loss else None
+
+        metrics: dict[str, torch.Tensor] = {}
+        masks, weights = raw_masks, None
+        if rollout is not None:
+            # Train/rollout mismatch: the trainer's log-probs of pi_old against the engine's.
+            metrics.update(mismatch_metrics(old, rollout, raw_masks))
+            for name, correction in zip(self.corrections, self.correction_fns):
+                train = current if name in CURRENT_POLICY_CORRECTIONS else old
+                result = correction(self.config, train, rollout, masks, advantages=advantages)
+                masks = result.loss_masks
+                if result.weights is not None:
+                    weights = result.weights if weights is None else [a * b for a, b in zip(weights, result.weights)]
+                metrics.update({k: v for k, v in result.metrics.items() if not k.startswith("mismatch_")})
+
+        per_token, policy_metrics = self.policy_loss_fn(
+            self.config, old, log_probs, advantages, masks,
+            raw_loss_masks=raw_masks, rollout_log_prob=rollout, ref_log_prob=ref, entropy=entropy,
+        )
+        if weights is not None:
+            per_token = [loss * w.to(loss.dtype) for loss, w in zip(per_token, weights)]
+        per_token, kl_entropy_metrics = add_kl_and_entropy_terms(
+            self.config, per_token, log_probs, masks, ref_log_prob=ref, entropy=entropy
+        )
+        loss = reducer(
+            per_token, masks, sequence_token_counts=full_token_counts(batch["loss_masks"]),
+            replicated_across_cp=view.replicated,
+        )
+        metrics.update(policy_metrics)
+        metrics.update(kl_entropy_metrics)
+        metrics = view.own_metrics(metrics)
+        metrics.update(view.count_metrics(raw_masks, batch["loss_masks"]))
+        return loss, metrics

@@ -1,25 +1,71 @@
-"""Direct preference optimization on (chosen, rejected) pairs against a frozen reference.
-
-The loss body arrives with the specializations work; this module fixes the class name and
-its place in the recipe catalog (stacx.trainer.recipes).
-"""
+"""Direct preference optimization on (chosen, rejected) pairs against a frozen reference."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
+from stacx.objectives.registry import get_loss
 from stacx.specializations.base import Specialization
+
+NUM_PAIRS = "num_pairs"
+DPO_METRICS = ("dpo_loss", "chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy")
+
+
+def pair_up(batch: Mapping[str, Any], num_sequences: int) -> list[tuple[int, int]]:
+    """(chosen index, rejected index) per pair, in order of first appearance, from the per-sequence
+    fields `pair_ids` and `is_chosen`. Both halves of a pair must be in the same micro-batch."""
+    for name in ("pair_ids", "is_chosen"):
+        values = batch.get(name)
+        if values is None:
+            raise ValueError(f"batch field {name!r} is missing (DPO needs one entry per sequence)")
+        if len(values) != num_sequences:
+            raise ValueError(f"batch field {name!r} has {len(values)} entries, the micro-batch has {num_sequences} sequences")
+    halves: dict[int, dict[bool, int]] = {}
+    for index, (pair, chosen) in enumerate(zip(batch["pair_ids"], batch["is_chosen"])):
+        pair, chosen = int(pair), bool(chosen)
+        slot = halves.setdefault(pair, {})
+        if chosen in slot:
+            kind = "chosen" if chosen else "rejected"
+            raise ValueError(f"batch field 'pair_ids': pair {pair} has two {kind} sequences ({slot[chosen]} and {index})")
+        slot[chosen] = index
+    pairs = []
+    for pair, slot in halves.items():
+        if len(slot) != 2:
+            raise ValueError(
+                f"batch field 'pair_ids': pair {pair} has only its {'chosen' if True in slot else 'rejected'} "
+                "sequence in this micro-batch; pack chosen and rejected together"
+            )
+        pairs.append((slot[True], slot[False]))
+    return pairs
 
 
 class DPOSpecialization(Specialization):
     """Direct preference optimization on (chosen, rejected) pairs against a frozen reference.
 
-    Per pair: loss = -log sigmoid(beta * ((log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l)))),
-    with sequence log-probs summed over response tokens; reference log-probs come from the
-    in-worker reference.
+    Per pair: h = (log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l)) with sequence
+    log-probs summed over response tokens; sigmoid loss -log sigmoid(beta h) or IPO
+    (h - 1/(2 beta))^2 (config dpo_loss_type, dpo_beta, label_smoothing; objective `dpo`).
+
+    Batch: `loss_masks`, `ref_log_probs` (from the dataset, or computed by the in-worker
+    reference through `compute_log_probs` when absent: needs_reference() is True), and the
+    per-sequence `pair_ids` / `is_chosen`; both halves of a pair in the same micro-batch and
+    every response with at least one loss token. Sequence-level: whole responses are gathered
+    (one CP all-gather when cp > 1). The mean over the step's pairs comes from the Reducer in
+    mode seq-mean-token-sum: each pair's loss is placed on both of its sequences, and N_seq = 2
+    x pairs. Metrics (sums over pairs, logged per pair): dpo_loss, chosen_reward,
+    rejected_reward, reward_margin, reward_accuracy.
     """
+
+    base_required_fields = ("loss_masks", "ref_log_probs")
+    metric_denominators = {name: NUM_PAIRS for name in DPO_METRICS}
+
+    def needs_reference(self) -> bool:
+        return True
+
+    def loss_agg_mode(self) -> str:
+        return "seq-mean-token-sum"
 
     def compute_loss(
         self,
@@ -27,4 +73,30 @@ class DPOSpecialization(Specialization):
         batch: dict[str, Any],
         reducer: Callable[..., torch.Tensor],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        raise NotImplementedError("DPOSpecialization.compute_loss arrives with the specializations work")
+        self.check_reducer(reducer)
+        layout = self.check_batch(batch)
+        pairs = pair_up(batch, len(layout.lengths))
+        for index, mask in enumerate(batch["loss_masks"]):
+            if not bool((torch.as_tensor(mask) != 0).any()):
+                raise ValueError(f"batch field 'loss_masks': sample {index} has no loss token; DPO needs one per response")
+        log_probs_local, _ = self.token_log_probs(model_output, batch)
+        view = self.response_view(layout, log_probs_local, whole=True)
+        # With cp == 1 the local responses are already whole; with cp > 1 view.replicated is True.
+        log_probs, masks = view.values, view.field(batch, "loss_masks", dtype=torch.float32)
+        ref = view.field(batch, "ref_log_probs", dtype=torch.float32)
+        chosen, rejected = [c for c, _ in pairs], [r for _, r in pairs]
+        pick = lambda values, indices: [values[i] for i in indices]  # noqa: E731
+        pair_losses, metrics = get_loss("dpo")(
+            self.config, pick(log_probs, chosen), pick(log_probs, rejected), pick(ref, chosen), pick(ref, rejected),
+            pick(masks, chosen), pick(masks, rejected),
+        )
+        per_sequence = [None] * len(layout.lengths)
+        for pair_loss, (c, r) in zip(pair_losses, pairs):
+            per_sequence[c] = per_sequence[r] = pair_loss.reshape(1)
+        ones = [torch.ones(1, dtype=pair_losses.dtype, device=pair_losses.device) for _ in per_sequence]
+        loss = reducer(per_sequence, ones, sequence_token_counts=[1] * len(per_sequence),
+                       replicated_across_cp=view.replicated)
+        metrics[NUM_PAIRS] = torch.tensor(float(len(pairs)), dtype=torch.float64)
+        metrics = view.own_metrics(metrics)  # whole pairs on every CP rank: reported once
+        metrics.update(view.count_metrics(masks, batch["loss_masks"]))
+        return loss, metrics

@@ -1,8 +1,4 @@
-"""Mixed-loss DAgger-OPD: cross-entropy on teacher-executed tokens, k3 reverse KL on student-executed ones.
-
-The loss body arrives with the specializations work; this module fixes the class name and
-its place in the recipe catalog (stacx.trainer.recipes).
-"""
+"""Mixed-loss DAgger-OPD: cross-entropy on teacher-executed tokens, k3 reverse KL on student-executed ones."""
 
 from __future__ import annotations
 
@@ -10,16 +6,34 @@ from typing import Any, Callable
 
 import torch
 
-from stacx.specializations.base import Specialization
+from stacx.objectives.distillation import TEACHER_ACTION_SENTINEL
+from stacx.objectives.registry import get_loss
+from stacx.specializations.base import NUM_LOSS_TOKENS, Specialization, full_token_counts
+from stacx.specializations.distill import check_teacher_log_probs
+
+NUM_TEACHER_TOKENS = "num_teacher_tokens"
+NUM_STUDENT_TOKENS = "num_student_tokens"
 
 
 class MixedLossDaggerOPDSpecialization(Specialization):
     """Mixed-loss DAgger-OPD: cross-entropy on teacher-executed tokens, k3 reverse KL on student-executed ones.
 
-    Per action token: teacher-executed (marked by a +1.0 sentinel in `teacher_log_probs`, since real
-    log-probs are <= 0) -> loss_t = -log pi(a_t); student-executed -> the k3 reverse-KL term of
-    DistillSpecialization. Logs ce_mean, k3_mean and teacher_action_frac.
+    Per action token: teacher-executed (marked by the +1.0 sentinel in `teacher_log_probs`, since
+    real log-probs are <= 0) -> loss_t = -log pi(a_t); student-executed -> the k3 reverse-KL term
+    of DistillSpecialization (objective `distill_mixed`). All teacher tokens give exactly the
+    CausalDecoderSpecialization loss, all student tokens exactly the k3 DistillSpecialization loss.
+
+    Batch: `loss_masks`, `teacher_log_probs`. Per-token only: no CP communication.
+    Logged (metric_means): ce_mean (CE per teacher token), k3_mean (K3 per student token),
+    teacher_action_frac (teacher tokens / loss tokens).
     """
+
+    base_required_fields = ("loss_masks", "teacher_log_probs")
+    metric_denominators = {
+        "ce_mean": NUM_TEACHER_TOKENS,
+        "k3_mean": NUM_STUDENT_TOKENS,
+        "teacher_action_frac": NUM_LOSS_TOKENS,
+    }
 
     def compute_loss(
         self,
@@ -27,4 +41,18 @@ class MixedLossDaggerOPDSpecialization(Specialization):
         batch: dict[str, Any],
         reducer: Callable[..., torch.Tensor],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        raise NotImplementedError("MixedLossDaggerOPDSpecialization.compute_loss arrives with the specializations work")
+        self.check_reducer(reducer)
+        layout = self.check_batch(batch)
+        check_teacher_log_probs(batch, layout, "teacher_log_probs", allow_sentinel=True)
+        log_probs_local, _ = self.token_log_probs(model_output, batch)
+        view = self.response_view(layout, log_probs_local, whole=False)
+        masks = view.field(batch, "loss_masks", dtype=torch.float32)
+        teacher = view.field(batch, "teacher_log_probs", dtype=torch.float32)
+        per_token, metrics = get_loss("distill_mixed")(self.config, view.values, teacher, masks)
+        loss = reducer(per_token, masks, sequence_token_counts=full_token_counts(batch["loss_masks"]))
+        teacher_tokens = sum(((u == TEACHER_ACTION_SENTINEL) & (m != 0)).sum() for u, m in zip(teacher, masks))
+        student_tokens = sum(((u != TEACHER_ACTION_SENTINEL) & (m != 0)).sum() for u, m in zip(teacher, masks))
+        metrics[NUM_TEACHER_TOKENS] = torch.as_tensor(teacher_tokens, dtype=torch.float64)
+        metrics[NUM_STUDENT_TOKENS] = torch.as_tensor(student_tokens, dtype=torch.float64)
+        metrics.update(view.count_metrics(masks, batch["loss_masks"]))
+        return loss, metrics

@@ -1,0 +1,167 @@
+"""Every specialization on one process (TP=1, CP=1) against the float64 reference, on random
+logits; plus the contract checks: errors naming the field and sample, the reducer mode, the
+trainer-loop hooks, metric means, and the distill-mode environment override."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stacx.parallel.groups import ProcessGroups
+from stacx.parallel.reduction import Reducer, StepCounts
+from stacx.specializations import (
+    ActorSpecialization,
+    CausalDecoderSpecialization,
+    CriticSpecialization,
+    DistillSpecialization,
+    DPOSpecialization,
+    MixedLossDaggerOPDSpecialization,
+    pack_micro_batch,
+)
+from stacx.specializations.distill import resolve_distill_kl_mode
+from tests.specializations.cases import (
+    CASES,
+    VOCAB,
+    build_batch_fields,
+    make_samples,
+    reference_config,
+    run_case,
+)
+
+SINGLE = ProcessGroups.single_process()
+
+
+def random_logits(samples, seed=3):
+    total = sum(len(s) for s in samples["sequences"])
+    gen = torch.Generator().manual_seed(seed)
+    return (2.0 * torch.randn(total, VOCAB, generator=gen)).requires_grad_()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_loss_and_logits_gradient_match_the_float64_reference(name):
+    case, samples = CASES[name], make_samples()
+    logits = random_logits(samples)
+    result = run_case(lambda tokens, padded: logits * 1.0, SINGLE, case, samples)
+
+    reference_logits = logits.detach().clone().requires_grad_()
+    per_sequence = list(reference_logits.split([len(s) for s in samples["sequences"]]))
+    expected_loss, expected_metrics = case.reference(per_sequence, samples, reference_config(case))
+    expected_loss.backward()
+
+    assert result["loss"] == pytest.approx(float(expected_loss), rel=1e-5, abs=1e-6)
+    scale = reference_logits.grad.abs().max()
+    torch.testing.assert_close(result["logits_grad"], reference_logits.grad.float(), atol=1e-5 * float(scale), rtol=0)
+    for metric, value in expected_metrics.items():
+        assert result["metrics"][metric] == pytest.approx(float(value), rel=1e-5, abs=1e-5), metric
+    num_tokens = sum(float(m.sum()) for m in samples["loss_masks"])
+    assert result["metrics"]["num_loss_tokens"] == num_tokens
+
+
+def _batch(samples, **fields):
+    return pack_micro_batch(samples["sequences"], samples["response_lengths"], **fields)
+
+
+def _reducer(mode="token-mean"):
+    return Reducer(mode=mode, counts=StepCounts(num_tokens=30, num_sequences=6), gradient_average_size=1, norm_length=10.0)
+
+
+@pytest.mark.parametrize("kl_mode, field, shape_change", [
+    ("k3_sample", "teacher_log_probs", "drop_last"),
+    ("topk", "teacher_top_log_probs", "drop_last"),
+    ("topk", "teacher_top_ids", "other_k"),
+])
+def test_teacher_fields_of_the_wrong_length_name_the_field_and_sample(kl_mode, field, shape_change):
+    samples = make_samples()
+    fields = {name: list(samples[name]) for name in ("loss_masks", "teacher_log_probs", "teacher_top_ids",
+                                                      "teacher_top_log_probs")}
+    bad = fields[field][2]
+    fields[field][2] = bad[:-1] if shape_change == "drop_last" else torch.cat([bad, bad[:, :1]], dim=1)
+    specialization = DistillSpecialization(type("C", (), {"distill_kl_mode": kl_mode})())
+    with pytest.raises(ValueError, match=rf"'{field}'.*sample 2"):
+        specialization.compute_loss(random_logits(samples), _batch(samples, **fields), _reducer())
+
+
+def test_mixed_dagger_rejects_positive_teacher_log_probs_other_than_the_sentinel():
+    samples = make_samples()
+    teacher = [t.clone() for t in samples["teacher_log_probs_mixed"]]
+    teacher[4][1] = 0.5
+    batch = _batch(samples, loss_masks=samples["loss_masks"], teacher_log_probs=teacher)
+    with pytest.raises(ValueError, match=r"'teacher_log_probs': sample 4, response token 1.*sentinel"):
+        MixedLossDaggerOPDSpecialization().compute_loss(random_logits(samples), batch, _reducer())
+    short = [t.clone() for t in samples["teacher_log_probs_mixed"]]
+    short[1] = short[1][:-2]
+    with pytest.raises(ValueError, match=r"'teacher_log_probs': sample 1"):
+        MixedLossDaggerOPDSpecialization().compute_loss(
+            random_logits(samples), _batch(samples, loss_masks=samples["loss_masks"], teacher_log_probs=short), _reducer()
+        )
+
+
+def test_contract_errors_name_what_is_wrong():
+    samples = make_samples()
+    logits = random_logits(samples)
+    batch = _batch(samples, loss_masks=samples["loss_masks"])
+    with pytest.raises(ValueError, match="mode 'seq-mean-token-sum'.*got 'token-mean'"):
+        DPOSpecialization().compute_loss(logits, batch, _reducer("token-mean"))
+    with pytest.raises(ValueError, match="'advantages' is missing"):
+        ActorSpecialization().compute_loss(logits, batch, _reducer())
+    dpo_batch = _batch(samples, loss_masks=samples["loss_masks"], ref_log_probs=samples["ref_log_probs"],
+                       pair_ids=[0, 0, 1, 1, 2, 3], is_chosen=samples["is_chosen"])
+    with pytest.raises(ValueError, match="pair 2 has only its"):
+        DPOSpecialization().compute_loss(logits, dpo_batch, _reducer("seq-mean-token-sum"))
+    with pytest.raises(ValueError, match="model_output must be the TP-local logits"):
+        CausalDecoderSpecialization().compute_loss(logits[:-1], batch, _reducer())
+    with pytest.raises(ValueError, match="unknown policy loss 'nope'"):
+        ActorSpecialization(type("C", (), {"policy_loss": "nope"})())
+
+
+def test_trainer_loop_hooks():
+    config = type("C", (), dict(use_kl_loss=True, off_policy_corrections="token_tis,opsm", policy_loss="ppo_clip",
+                                recompute_old_log_probs=True, rollout_temperature=0.7, loss_agg_mode="seq-mean-token-mean"))()
+    actor = ActorSpecialization(config)
+    assert actor.needs_reference() and actor.needs_old_log_probs() and actor.needs_whole_sequences()
+    assert actor.required_fields() == ("loss_masks", "advantages", "ref_log_probs", "rollout_log_probs")
+    assert actor.temperature == 0.7 and actor.loss_agg_mode() == "seq-mean-token-mean"
+    plain = ActorSpecialization()
+    assert not plain.needs_reference() and not plain.needs_old_log_probs() and not plain.needs_whole_sequences()
+    assert DPOSpecialization().needs_reference() and DPOSpecialization().loss_agg_mode() == "seq-mean-token-sum"
+    assert CriticSpecialization.outputs_values and not ActorSpecialization.outputs_values
+
+    advantages = ActorSpecialization(type("C", (), {"advantage_estimator": "grpo"})()).compute_advantages(
+        {"rewards": [1.0, 0.0, 0.5, 0.5], "prompt_id": [0, 0, 1, 1], "response_lengths": [2, 3, 1, 2]}
+    )
+    assert [a.shape[0] for a in advantages] == [2, 3, 1, 2] and float(advantages[0][0]) > 0 > float(advantages[1][0])
+
+
+def test_compute_log_probs_and_values_return_whole_responses_without_grad():
+    samples = make_samples()
+    logits = random_logits(samples)
+    batch = _batch(samples, loss_masks=samples["loss_masks"])
+    log_probs = ActorSpecialization().compute_log_probs(logits, batch)
+    per_sequence = logits.detach().split([len(s) for s in samples["sequences"]])
+    for lp, seq, lg, r in zip(log_probs, samples["sequences"], per_sequence, samples["response_lengths"]):
+        expected = torch.log_softmax(lg[-r - 1 : -1].double(), -1).gather(1, seq[-r:, None])[:, 0]
+        torch.testing.assert_close(lp.double(), expected, atol=1e-5, rtol=0)
+        assert not lp.requires_grad
+    values = CriticSpecialization().compute_values(logits[:, 0] * 1.0, batch)
+    assert [v.shape[0] for v in values] == samples["response_lengths"] and not values[0].requires_grad
+
+
+def test_metric_means_divide_by_their_counts():
+    means = MixedLossDaggerOPDSpecialization().metric_means(
+        {"ce_mean": 6.0, "k3_mean": 2.0, "teacher_action_frac": 3.0, "num_teacher_tokens": 3.0,
+         "num_student_tokens": 5.0, "num_loss_tokens": 8.0, "num_sequences": 2.0}
+    )
+    assert means == {"ce_mean": 2.0, "k3_mean": 0.4, "teacher_action_frac": 3 / 8, "num_teacher_tokens": 3.0,
+                     "num_student_tokens": 5.0, "num_loss_tokens": 8.0, "num_sequences": 2.0}
+    assert DPOSpecialization().metric_means({"reward_accuracy": 2.0, "num_pairs": 4.0})["reward_accuracy"] == 0.5
+
+
+def test_distill_mode_comes_from_config_with_an_environment_override():
+    config = type("C", (), {"distill_kl_mode": "topk"})()
+    assert resolve_distill_kl_mode(None, environ={}) == "k3_sample"
+    assert resolve_distill_kl_mode(config, environ={}) == "topk"
+    assert resolve_distill_kl_mode(config, environ={"STACX_DISTILL_KL_MODE": "k3_sample"}) == "k3_sample"
+    with pytest.raises(ValueError, match="STACX_DISTILL_KL_MODE"):
+        resolve_distill_kl_mode(config, environ={"STACX_DISTILL_KL_MODE": "exact"})
+    with pytest.raises(ValueError, match="distill_kl_mode 'exact'"):
+        resolve_distill_kl_mode(type("C", (), {"distill_kl_mode": "exact"})(), environ={})
