@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stacx", description="RL and distillation post-training on megatron-core.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in _available_commands().items():
-        command_parser = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        # No prefix matching: a mistyped flag must be an error, not silently another flag.
+        command_parser = sub.add_parser(name, help=module.HELP, description=module.HELP, allow_abbrev=False)
         module.add_arguments(command_parser)
         command_parser.set_defaults(_run=module.run)
     return parser
