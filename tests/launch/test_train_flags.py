@@ -12,7 +12,6 @@ import sys
 import pytest
 
 from stacx.launch.cli import build_parser, main
-from stacx.launch.commands.train import under_torchrun
 from stacx.launch.run_flags import add_run_config_arguments, flag_name, run_config_from_args
 from stacx.trainer.run_config import ALGORITHM_FIELDS, FIELDS, ConfigError, RunConfig
 
@@ -163,14 +162,14 @@ def test_python_dash_m_stacx_train_is_stacx_train():
 
 
 def test_torchrun_detection_and_ray_address_in_dry_run(capsys, monkeypatch):
-    assert under_torchrun({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "0"})
-    assert not under_torchrun({})
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     assert main(["train", "--algorithm", "sft", "--dry-run"]) == 0
     assert "runs on: Ray cluster at 10.0.0.1:6379" in capsys.readouterr().out
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     assert main(["train", "--algorithm", "sft", "--dry-run"]) == 0
     assert "runs on: torchrun SPMD, world size 4" in capsys.readouterr().out
 

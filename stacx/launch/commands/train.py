@@ -5,7 +5,7 @@
     stacx train --config run.yaml --dry-run                          # recipe, roles, placement; no workers
 
 Flags are generated from the run configuration (stacx/trainer/run_config.py): one per field,
-see `stacx train --help`. Under torchrun (WORLD_SIZE set) single-role recipes run SPMD in the
+see `stacx train --help`. Under torchrun single-role recipes run SPMD in the
 launched processes; otherwise role workers run on Ray (`--ray-address`, RAY_ADDRESS, or a
 local cluster). The runtime picks; this command only resolves the configuration.
 """
@@ -22,12 +22,6 @@ def add_arguments(parser) -> None:
     from stacx.launch.run_flags import add_run_config_arguments
 
     add_run_config_arguments(parser)
-
-
-def under_torchrun(environ=None) -> bool:
-    """True inside processes started by torchrun (it sets TORCHELASTIC_RUN_ID and WORLD_SIZE)."""
-    environ = os.environ if environ is None else environ
-    return "TORCHELASTIC_RUN_ID" in environ or ("WORLD_SIZE" in environ and "RANK" in environ)
 
 
 def resolve_recipe(run_config):
@@ -47,6 +41,20 @@ def resolve_recipe(run_config):
     return get_recipe(name)
 
 
+def resolve_builtin_data(run_config):
+    """`prompt_data` / `eval_data` of the form `builtin:<task>` replaced by the JSONL files written
+    for them under the run's output folder (stacx.tasks); other values unchanged."""
+    import dataclasses
+
+    from stacx.tasks.data import resolve_data_path
+
+    rollout = run_config.rollout
+    out_dir = run_config.logging.out
+    resolved = dataclasses.replace(rollout, prompt_data=resolve_data_path(rollout.prompt_data, out_dir=out_dir),
+                                   eval_data=resolve_data_path(rollout.eval_data, out_dir=out_dir))
+    return dataclasses.replace(run_config, rollout=resolved)
+
+
 def describe_run(run_config, recipe, environ=None) -> str:
     """What `--dry-run` prints: the recipe, its role graph, each role's (tp, cp, dp) placement,
     where it would run, and the resolved run configuration as YAML."""
@@ -54,6 +62,8 @@ def describe_run(run_config, recipe, environ=None) -> str:
 
     from stacx.trainer.factory import WorkerLayout, resolve_role_layouts
     from stacx.trainer.ray_cluster import resolve_ray_address
+    from stacx.trainer.resolved_config import resolve_algorithm_config, resolved_run_config_dict
+    from stacx.trainer.spmd import launched_by_torchrun
 
     environ = os.environ if environ is None else environ
     parallel = run_config.parallel
@@ -73,13 +83,15 @@ def describe_run(run_config, recipe, environ=None) -> str:
             layout = layouts[name]
             lines.append(f"    {name}: tp={layout.tensor_parallel_size} cp={layout.context_parallel_size} "
                          f"dp={layout.data_parallel_size} -> {layout.num_ranks} rank(s)")
-    if under_torchrun(environ):
+    if launched_by_torchrun(environ):
         where = f"torchrun SPMD, world size {environ.get('WORLD_SIZE', '?')} (no Ray)"
     else:
         address = resolve_ray_address(parallel.ray_address, environ)
         where = f"Ray cluster at {address}" if address else "a local Ray cluster started by the driver"
-    lines += ["", f"runs on: {where}", "", "resolved run config:",
-              yaml.safe_dump(run_config.to_dict(), sort_keys=False, default_flow_style=False).rstrip()]
+    algorithm = resolve_algorithm_config(recipe, run_config)
+    lines += ["", f"runs on: {where}", "", "resolved run config (algorithm: the recipe's defaults under your settings):",
+              yaml.safe_dump(resolved_run_config_dict(run_config, algorithm), sort_keys=False,
+                             default_flow_style=False).rstrip()]
     return "\n".join(lines)
 
 
@@ -99,5 +111,5 @@ def run(args) -> int:
         return 2
     from stacx.trainer import run_training
 
-    run_training(run_config)
+    run_training(resolve_builtin_data(run_config))
     return 0
