@@ -1,1 +1,37 @@
+"""Recipes, the factory, Ray role workers, the training loop and checkpoints.
 
+    from stacx.trainer import run_training
+    run_training(run_config)          # torchrun job -> run_spmd, else a Ray run via create_trainer
+
+Submodules import their heavy dependencies (Ray, megatron-core) where they use them.
+"""
+
+
+def run_training(run_config) -> dict:
+    """Train with the right launcher: SPMD under torchrun, Ray otherwise. Returns the last metrics."""
+    from stacx.trainer.spmd import launched_by_torchrun, run_spmd
+
+    if launched_by_torchrun():
+        return run_spmd(run_config)
+    from stacx.trainer.factory import create_trainer
+
+    return create_trainer(run_config).run()
+
+
+def __getattr__(name):
+    # Lazy exports: `from stacx.trainer import StacxTrainer` without importing Ray at package import.
+    lazy = {
+        "StacxTrainer": "stacx.trainer.trainer",
+        "create_trainer": "stacx.trainer.factory",
+        "run_spmd": "stacx.trainer.spmd",
+        "RoleRuntime": "stacx.trainer.runtime",
+        "RolloutService": "stacx.trainer.rollout_service",
+    }
+    if name in lazy:
+        import importlib
+
+        return getattr(importlib.import_module(lazy[name]), name)
+    raise AttributeError(f"module 'stacx.trainer' has no attribute {name!r}")
+
+
+__all__ = ["RoleRuntime", "RolloutService", "StacxTrainer", "create_trainer", "run_spmd", "run_training"]

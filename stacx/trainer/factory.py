@@ -205,3 +205,119 @@ def create_role_workers(training_config, layout: Any = None, *, pool_timeout_s: 
         graph.kill()
         raise
     return graph
+
+
+# ---- the whole run: recipe -> workers + runtimes + rollout + logger -> StacxTrainer ----------
+
+
+def resolve_recipe(run_config):
+    """(TrainingConfig, resolved AlgorithmConfig) of a run: custom modules imported, then infer_algorithm."""
+    from stacx.objectives import load_custom_modules
+    from stacx.trainer.algorithm import infer_algorithm
+    from stacx.trainer.recipes import get_recipe
+    from stacx.trainer.resolved_config import resolve_algorithm_config
+
+    if run_config.train.custom_module:
+        load_custom_modules(list(run_config.train.custom_module))
+    name = infer_algorithm({"algorithm": run_config.train.algorithm, "use_critic": run_config.train.use_critic,
+                            "advantage_estimator": run_config.algorithm.advantage_estimator})
+    training_config = get_recipe(name)
+    return training_config, resolve_algorithm_config(training_config, run_config)
+
+
+def check_supported(training_config, run_config) -> None:
+    """Fail before any worker starts for what the loop does not run yet (live DAgger roll-ins)."""
+    protocol = training_config.rollin_protocol
+    trajectory_replay = protocol == "teacher_relabel" and run_config.teacher.dagger_sft_mode == "trajectory"
+    if protocol is not None and not trajectory_replay:
+        raise NotImplementedError(
+            f"recipe {training_config.name!r}: live {protocol!r} roll-ins are not wired into the training loop yet; "
+            + ("use --dagger-sft-mode trajectory with --trajectory-corpus" if protocol == "teacher_relabel"
+               else "the roll-in schedules exist in stacx.rollout.dagger, the teacher-executed turns do not")
+        )
+
+
+def build_metrics_logger(run_config, start_step: int = 0):
+    from stacx.trainer.metrics_logger import MetricsLogger
+
+    section = run_config.logging
+    return MetricsLogger(section.out, total_steps=run_config.train.num_steps, start_step=start_step,
+                         tensorboard=section.tensorboard, wandb_project=section.wandb_project,
+                         run_config=run_config.to_dict(), progress_bar=section.progress_bar)
+
+
+def build_driver_side(run_config, training_config):
+    """(tokenizer, StepDataSource, RolloutService or None) for the process that drives the run."""
+    from stacx.trainer.rollout_service import RolloutService, load_tokenizer
+    from stacx.trainer.step_data import StepDataSource
+
+    if run_config.model.hf_checkpoint is None:
+        raise ValueError("--hf-checkpoint is not set (the model every role starts from, and its tokenizer)")
+    tokenizer = load_tokenizer(run_config.model.hf_checkpoint)
+    data = StepDataSource(run_config, training_config, tokenizer)
+    rollout = None
+    if training_config.data_source == "rollout" and data.kind != "trajectory":
+        rollout = RolloutService.start(run_config, training_config, tokenizer)
+    return tokenizer, data, rollout
+
+
+def _start_step(run_config) -> int:
+    """The step a --load run resumes at (for the logger), read from the checkpoint's manifest."""
+    if not run_config.model.load:
+        return 0
+    from stacx.trainer.checkpoint import latest_checkpoint
+
+    import json
+    import os
+
+    folder = run_config.model.load
+    if not os.path.isfile(os.path.join(folder, "manifest.json")):
+        folder = latest_checkpoint(folder) or folder
+    try:
+        with open(os.path.join(folder, "manifest.json")) as f:
+            return int(json.load(f)["step"])
+    except (OSError, KeyError, ValueError):
+        return 0  # load_checkpoint reports the problem with the folder when the trainer resumes
+
+
+def create_trainer(run_config, *, layout: WorkerLayout | None = None):
+    """A ready `StacxTrainer` for a Ray run: recipe, Ray, role workers with their runtimes, rollout, logger.
+
+    `layout` overrides the worker layout derived from `run_config.parallel` (tests pin CPUs with it).
+    On failure everything started so far is released before the error propagates.
+    """
+    from stacx.trainer.ray_cluster import connect_ray
+    from stacx.trainer.role_groups import RayChannel, RayRoleGroup
+    from stacx.trainer.trainer import StacxTrainer
+
+    training_config, algorithm = resolve_recipe(run_config)
+    check_supported(training_config, run_config)
+    connection = connect_ray(run_config.parallel.ray_address)
+    graph, rollout, metrics_logger = None, None, None
+    try:
+        graph = create_role_workers(training_config, layout or WorkerLayout.from_parallel_section(run_config.parallel))
+        _, data, rollout = build_driver_side(run_config, training_config)
+        roles = {role.name: RayRoleGroup(graph.workers[role.name], role, run_config, algorithm)
+                 for role in training_config.roles}
+        metrics_logger = build_metrics_logger(run_config, _start_step(run_config))
+    except BaseException:
+        if graph is not None:
+            graph.kill()
+        if rollout is not None:
+            rollout.close()
+        if metrics_logger is not None:
+            metrics_logger.close()
+        connection.shutdown()
+        raise
+
+    def close():
+        graph.shutdown()
+        connection.shutdown()
+
+    def fail():
+        graph.kill()
+        connection.shutdown()
+
+    return StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm, roles=roles,
+                        channel=RayChannel(), data=data, rollout=rollout, metrics_logger=metrics_logger,
+                        on_failure=fail, on_close=close)

@@ -1,0 +1,239 @@
+"""The rollout side of a run: the inference engine (started or attached), prompts, rewards, teacher.
+
+    service = RolloutService.start(run_config, training_config)
+    samples = service.generate(examples, step=3)      # responses + log-probs + rewards (+ teacher fields)
+    service.begin_weight_update()                      # pause generation
+    ... the policy's ranks stream buckets to service.url (RoleRuntime.push_weights_to_engine) ...
+    service.finish_weight_update(version=4)            # flush, resume, confirm the engine serves 4
+    service.close()
+
+Engines (`rollout.rollout_engine`):
+- 'cpu': `stacx serve` started as a child process on loopback (Stacx's CPU engine behind SGLang's
+  HTTP API); the driver and the trainer's ranks talk to it over HTTP like to any server.
+- 'http': attach to `rollout.rollout_urls[0]` (a running `stacx serve` or SGLang server).
+- 'sglang': launch SGLang servers on the Ray cluster's GPUs and attach to the first.
+- 'auto': 'sglang' when CUDA is present, else 'cpu'.
+
+Sampling seeds: step s uses a RolloutManager seeded with (rollout_seed, s), so a resumed run draws
+the same samples as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+ENGINE_KINDS = ("auto", "cpu", "http", "sglang")
+SERVER_START_TIMEOUT_S = 180.0
+SGLANG_PORT = 30000
+"""Port of the SGLang server a run launches on its GPU node."""
+
+
+def resolve_engine_kind(kind: str) -> str:
+    """'auto' -> 'sglang' with CUDA, else 'cpu'; other names are checked."""
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"rollout_engine {kind!r} is not one of {ENGINE_KINDS}")
+    if kind == "auto":
+        import torch
+
+        return "sglang" if torch.cuda.is_available() else "cpu"
+    return kind
+
+
+def engine_client(kind: str, url: str):
+    """The InferenceEngine client for a server of `kind` at `url` (an SGLang server gets SGLang's
+    weight-update endpoints; `stacx serve` gets the bucket endpoint)."""
+    if kind == "sglang":
+        from stacx.rollout.sglang_engine import SglangEngine
+
+        return SglangEngine(url)
+    from stacx.rollout.http_engine import HttpEngine
+
+    return HttpEngine(url)
+
+
+class CpuServerProcess:
+    """`stacx serve --hf-checkpoint PATH --port 0` as a child process; `url` once it is ready."""
+
+    def __init__(self, hf_checkpoint: str, *, seed: int = 0, host: str = "127.0.0.1", num_threads: int = 1,
+                 timeout_s: float = SERVER_START_TIMEOUT_S):
+        env = dict(os.environ, OMP_NUM_THREADS=str(num_threads), PYTHONUNBUFFERED="1")
+        command = [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", hf_checkpoint, "--port", "0",
+                   "--host", host, "--seed", str(seed)]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.url = self._wait_for_url(timeout_s)
+        # Keep draining the server's output so a chatty server never blocks on a full pipe.
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _wait_for_url(self, timeout_s: float) -> str:
+        lines: list[str] = []
+        found: list[str] = []
+
+        def read():
+            for line in self.process.stdout:
+                lines.append(line.rstrip())
+                if "(ready)" in line and " at " in line:
+                    found.append(line.split(" at ", 1)[1].split(" ", 1)[0])
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if found:
+            return found[0]
+        self.stop()
+        tail = "\n".join(lines[-20:])
+        raise RuntimeError(f"the CPU rollout server (stacx serve) did not become ready within {timeout_s:.0f}s; "
+                           f"its output:\n{tail}")
+
+    def _drain(self) -> None:
+        try:
+            for line in self.process.stdout:
+                logger.debug("stacx serve: %s", line.rstrip())
+        except (ValueError, OSError):
+            pass
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+def load_tokenizer(path: str):
+    """The tokenizer saved next to a Hugging Face checkpoint; a clear error when there is none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as err:  # noqa: BLE001 - transformers raises several types for a missing tokenizer
+        raise ValueError(f"--hf-checkpoint {path}: cannot load its tokenizer ({err})") from err
+
+
+def build_teacher(teacher_section):
+    """TeacherClient for `teacher.teacher_url` (None when unset)."""
+    if not teacher_section.teacher_url:
+        return None
+    from stacx.rollout.http_client import RetryPolicy
+    from stacx.rollout.teacher import TeacherClient
+
+    retry = RetryPolicy(timeout_s=teacher_section.teacher_timeout_s, max_attempts=teacher_section.teacher_retries + 1)
+    return TeacherClient(teacher_section.teacher_url, retry=retry)
+
+
+class RolloutService:
+    """Generation, rewards and teacher scoring for the driver, plus the weight-update handshake."""
+
+    def __init__(self, engine, *, engine_kind: str, url: str, tokenizer, rollout_section, teacher=None,
+                 teacher_top_k: int = 0, server: Optional[Any] = None, sglang_actors: Sequence[Any] = ()):
+        self.engine = engine
+        self.engine_kind = engine_kind
+        self.url = url
+        self.tokenizer = tokenizer
+        self.rollout = rollout_section
+        self.teacher = teacher
+        self.teacher_top_k = teacher_top_k
+        self.server = server
+        self.sglang_actors = list(sglang_actors)
+
+    @classmethod
+    def start(cls, run_config, training_config, tokenizer=None) -> "RolloutService":
+        """Start or attach the engine named by `run_config.rollout.rollout_engine`."""
+        rollout = run_config.rollout
+        kind = resolve_engine_kind(rollout.rollout_engine)
+        hf_checkpoint = run_config.model.hf_checkpoint
+        if hf_checkpoint is None:
+            raise ValueError("the rollout engine serves --hf-checkpoint, which is not set")
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(hf_checkpoint)
+        server, actors = None, ()
+        if kind == "cpu":
+            server = CpuServerProcess(hf_checkpoint, seed=rollout.rollout_seed)
+            url = server.url
+        elif kind == "http":
+            if not rollout.rollout_urls:
+                raise ValueError("rollout_engine 'http' needs --rollout-urls (the servers to attach to)")
+            url = rollout.rollout_urls[0]
+        else:  # sglang
+            from stacx.rollout.sglang_engine import SglangServerSpec, launch_sglang_servers_on_ray
+
+            actors, urls = launch_sglang_servers_on_ray([SglangServerSpec(model_path=hf_checkpoint, port=SGLANG_PORT)])
+            url = urls[0]
+        teacher = build_teacher(run_config.teacher) if training_config.uses_teacher else None
+        if training_config.uses_teacher and teacher is None:
+            raise ValueError(f"recipe {training_config.name!r} scores rollouts with a teacher; set --teacher-url")
+        top_k = run_config.teacher.teacher_top_k if run_config.teacher.distill_kl_mode == "topk" else 0
+        service = cls(engine_client(kind, url), engine_kind=kind, url=url, tokenizer=tokenizer,
+                      rollout_section=rollout, teacher=teacher, teacher_top_k=top_k, server=server,
+                      sglang_actors=actors)
+        service.wait_until_healthy()
+        return service
+
+    def wait_until_healthy(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.engine.health():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rollout engine at {self.url} is not healthy after {timeout_s:.0f}s")
+            time.sleep(0.5)
+
+    def sampling_params(self):
+        from stacx.rollout.types import SamplingParams
+
+        r = self.rollout
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return SamplingParams(max_new_tokens=r.rollout_max_response_len, temperature=r.rollout_temperature,
+                              top_p=r.rollout_top_p, top_k=r.rollout_top_k,
+                              stop_token_ids=(eos,) if eos is not None else ())
+
+    def generate(self, examples: Sequence[Any], *, step: int) -> list:
+        """`n_samples_per_prompt` samples per example, with rewards and teacher fields as configured."""
+        from stacx.rollout.manager import RolloutManager
+
+        manager = RolloutManager(
+            self.engine, tokenizer=self.tokenizer, reward_fn=self.rollout.reward_fn, teacher=self.teacher,
+            teacher_top_k=self.teacher_top_k, seed=self.rollout.rollout_seed * 100_003 + step,
+        )
+        return manager.generate([e.prompt_ids for e in examples], self.sampling_params(),
+                                n_samples_per_prompt=self.rollout.n_samples_per_prompt,
+                                labels=[e.label for e in examples], metadatas=[e.metadata for e in examples])
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version()
+
+    def begin_weight_update(self) -> None:
+        self.engine.pause()
+
+    def finish_weight_update(self, version: int) -> None:
+        """Flush, resume, and confirm the engine now serves `version` (RolloutManager.push_weights' checks)."""
+        try:
+            self.engine.flush_cache()
+        finally:
+            self.engine.resume()
+        served = self.engine.weight_version()
+        if served != version:
+            raise RuntimeError(f"rollout engine at {self.url} serves weight version {served} after pushing {version}")
+
+    def close(self) -> None:
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        if self.teacher is not None:
+            self.teacher.close()
+        if self.server is not None:
+            self.server.stop()
+        for actor in self.sglang_actors:
+            try:
+                import ray
+
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - best-effort teardown
+                pass

@@ -1,0 +1,325 @@
+"""`RoleRuntime`: one rank's model for one role - build, forward-only fields, train step, weights, state.
+
+A plain class with no Ray inside: a Ray `RoleWorker` keeps one in `worker.state["runtime"]`
+(see `stacx.trainer.runtime.calls`), and a torchrun process (`stacx.trainer.spmd`) holds one
+directly. Every method that runs a collective must be called on every rank of the role at once.
+
+Data it receives from the driver: a list of micro-batches for this rank's DP shard (TP and CP
+peers get the same list). A micro-batch is a dict of per-sample lists:
+    tokens            [L_i] int64, prompt then response
+    response_lengths  R_i
+    <per-response fields>  one WHOLE-response tensor per sample, [R_i] or [R_i, K]
+                           (loss_masks, rollout_log_probs, advantages, ref_log_probs, values, ...)
+    <per-sequence fields>  pair_ids / is_chosen (DPO)
+`stacx.specializations.batch.pack_micro_batch` turns it into the batch a specialization reads;
+the specialization slices the fields for this CP rank.
+
+One train step (`train_step`):
+    zero grads; reducer = Reducer.for_step(mode, counts)      # counts: global, from the driver
+    for each micro-batch: forward_packed -> compute_loss -> backward
+                          -> metric sums + loss in ONE all-reduce over DP x CP
+    finish_grad_sync (one DP x CP all-reduce of the grads) -> optimizer.step -> scheduler.step
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from stacx.parallel.groups import ProcessGroups
+from stacx.trainer.config import ModelRole
+
+logger = logging.getLogger(__name__)
+
+#: Per-sample keys of a micro-batch that are not handed to the specialization as batch fields.
+STRUCTURAL_KEYS = ("tokens", "response_lengths", "rewards", "group_indices", "sample_indices")
+#: Fields a forward-only pass can compute (`compute_fields`).
+COMPUTABLE_FIELDS = ("ref_log_probs", "old_log_probs", "log_probs", "values")
+#: Key of the loss in a step's reduced metric sums (the reducer's loss_value, summed over ranks).
+LOSS_METRIC = "loss"
+
+
+def role_checkpoint_path(role: ModelRole, model_section: Any, arg: str | None = None) -> str | None:
+    """The checkpoint folder the run config names for `arg` (default: the role's checkpoint_arg).
+
+    critic_load falls back to hf_checkpoint (a critic starts from the policy's weights).
+    """
+    arg = arg or role.checkpoint_arg
+    path = getattr(model_section, arg, None)
+    if path is None and arg == "critic_load":
+        path = model_section.hf_checkpoint
+    return path
+
+
+class RoleRuntime:
+    """One rank of one role: model (+ DDP, optimizer, scheduler when trainable), specialization,
+    optional in-worker reference weights."""
+
+    def __init__(self, role: ModelRole, run_config: Any, algorithm: Any, groups: ProcessGroups, *,
+                 rank: int = 0):
+        from stacx.models import build_model, load_hf_checkpoint
+
+        self.role = role
+        self.run_config = run_config
+        self.groups = groups
+        self.rank = rank
+        path = role_checkpoint_path(role, run_config.model)
+        if path is None:
+            flag = "--" + role.checkpoint_arg.replace("_", "-")
+            raise ValueError(f"role {role.name!r} starts from {flag}, which is not set")
+        torch.manual_seed(run_config.train.seed)
+        self.model = build_model(path, groups, initialize_weights=False)
+        self.reference_weights: list[torch.Tensor] | None = None
+        reference_path = (
+            role_checkpoint_path(role, run_config.model, role.reference_checkpoint_arg)
+            if role.reference_checkpoint_arg else None
+        )
+        if reference_path is not None:
+            # Load the reference into the one module, keep its tensors, then load the role's own weights:
+            # no second model object is ever built.
+            load_hf_checkpoint(self.model, reference_path, groups)
+            self.reference_weights = [p.detach().clone() for p in self._reference_params()]
+        load_hf_checkpoint(self.model, path, groups)
+        if role.outputs_values:
+            from stacx.trainer.runtime.value_head import attach_value_head
+
+            attach_value_head(self.model)
+        self.specialization = role.specialization_cls(algorithm, groups)
+        self.num_steps = 0
+        self._engine_clients: dict[tuple[str, str], Any] = {}
+        if role.trainable:
+            from stacx.trainer.runtime.optim import build_optimizer, wrap_ddp
+
+            self.ddp = wrap_ddp(self.model)
+            self.optimizer, self.scheduler = build_optimizer(self.ddp, run_config.optim,
+                                                             total_steps=run_config.train.num_steps)
+        else:
+            self.ddp, self.optimizer, self.scheduler = None, None, None
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    @property
+    def forward_module(self):
+        return self.ddp if self.ddp is not None else self.model
+
+    def _reference_params(self) -> list[torch.nn.Parameter]:
+        """The decoder's parameters the reference replaces (all of the GPTModel's, before any value head)."""
+        from stacx.models import unwrap_model
+
+        return list(unwrap_model(self.model).parameters())
+
+    def pack(self, micro_batch: Mapping[str, Any]) -> dict[str, Any]:
+        """The specialization's batch dict for one micro-batch (see the module docstring)."""
+        from stacx.specializations.batch import pack_micro_batch
+
+        fields = {k: v for k, v in micro_batch.items() if k not in STRUCTURAL_KEYS and v is not None}
+        return pack_micro_batch(micro_batch["tokens"], micro_batch["response_lengths"], groups=self.groups, **fields)
+
+    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """TP-local logits [T_local, V_pad/tp] (fp32), or values [T_local] for a value-head role."""
+        from stacx.models import forward_packed
+        from stacx.specializations.batch import model_inputs
+
+        tokens_local, padded_lengths = model_inputs(batch)
+        output = forward_packed(self.forward_module, tokens_local, padded_lengths, self.groups)
+        return output[:, 0] if self.role.outputs_values else output
+
+    def swap_reference(self) -> None:
+        """Exchange the module's weights with the held reference weights (call twice to undo).
+
+        Swapping `.data` moves no bytes and keeps the Parameter objects the optimizer holds.
+        """
+        if self.reference_weights is None:
+            flag = "--" + (self.role.reference_checkpoint_arg or "ref_load").replace("_", "-")
+            raise ValueError(f"role {self.role.name!r} holds no reference model; set {flag}")
+        for param, held in zip(self._reference_params(), self.reference_weights):
+            param.data, held.data = held.data, param.data
+
+    @torch.no_grad()
+    def compute_fields(self, micro_batches: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[dict] | None:
+        """Forward-only per-sample fields for each micro-batch: {name: [whole-response tensor per sample]}.
+
+        names: ref_log_probs (reference weights swapped in), old_log_probs / log_probs (current
+        weights), values (value-head roles). Every rank computes (TP/CP collectives inside); only
+        the rank with tp_rank == cp_rank == 0 returns the values (None elsewhere: peers hold copies).
+        """
+        unknown = [n for n in names if n not in COMPUTABLE_FIELDS]
+        if unknown:
+            raise ValueError(f"role {self.role.name!r}: cannot compute fields {unknown}; known: {list(COMPUTABLE_FIELDS)}")
+        self.forward_module.eval()
+        results = [dict() for _ in micro_batches]
+        for name in names:
+            swapped = name == "ref_log_probs"
+            if swapped:
+                self.swap_reference()
+            try:
+                for index, micro_batch in enumerate(micro_batches):
+                    batch = self.pack(micro_batch)
+                    output = self.forward(batch)
+                    if name == "values":
+                        if not self.role.outputs_values:
+                            raise ValueError(f"role {self.role.name!r} has no value head; it cannot compute 'values'")
+                        compute_values = getattr(self.specialization, "compute_values", None)
+                        values = (compute_values(output, batch) if compute_values is not None
+                                  else self.specialization.whole_responses(output, batch["layout"]))
+                    else:
+                        values = self.specialization.compute_log_probs(output, batch)
+                    results[index][name] = [v.detach().float().cpu() for v in values]
+            finally:
+                if swapped:
+                    self.swap_reference()
+        return results if self.groups.tp_rank == 0 and self.groups.cp_rank == 0 else None
+
+    # ---- training --------------------------------------------------------------------------
+
+    def train_step(self, micro_batches: Sequence[Mapping[str, Any]], counts, norm_length: float | None = None) -> dict:
+        """One optimizer step over this rank's micro-batches; returns the step's reduced metrics.
+
+        counts: `StepCounts` of the whole global batch (known before the first backward).
+        Every DP rank must pass the same number of micro-batches (pack_micro_batches does).
+        """
+        from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
+        from stacx.parallel.reduction import Reducer
+        from stacx.trainer.runtime.optim import current_lr
+
+        if self.optimizer is None:
+            raise RuntimeError(f"role {self.role.name!r} is frozen; it has no optimizer to step")
+        if not micro_batches:
+            raise ValueError(f"role {self.role.name!r} rank {self.rank}: train_step got no micro-batches")
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reducer = Reducer.for_step(mode=self.specialization.loss_agg_mode(), counts=counts, groups=self.groups,
+                                   norm_length=norm_length)
+        totals = MetricTotals()
+        for micro_batch in micro_batches:
+            batch = self.pack(micro_batch)
+            output = self.forward(batch)
+            loss, metric_sums = self.specialization.compute_loss(output, batch, reducer)
+            loss.backward()
+            metric_sums = dict(metric_sums)
+            metric_sums[LOSS_METRIC] = reducer.loss_value(loss)
+            totals.add(all_reduce_metric_sums(metric_sums, self.groups.dp_cp))
+        self.ddp.finish_grad_sync()
+        update_successful, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.num_steps += 1
+        loss_total = totals.sums.pop(LOSS_METRIC)
+        metrics = self.specialization.metric_means(totals.sums)
+        metrics.update(loss=loss_total, grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
+                       lr=current_lr(self.optimizer), update_skipped=float(not update_successful))
+        return metrics
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def weight_buckets(self, bucket_bytes: int, *, only_to_tp_rank: int | None = 0) -> Iterator[list]:
+        """Hugging Face-named full tensors in buckets (every TP rank of the model must iterate)."""
+        from stacx.models import iter_hf_weight_buckets
+
+        return iter_hf_weight_buckets(self.model, self.groups, bucket_bytes, only_to_tp_rank=only_to_tp_rank)
+
+    def push_weights_to_engine(self, engine_kind: str, url: str, version: int, bucket_bytes: int) -> int:
+        """Stream this role's weights to an inference server: ranks with cp = dp = 0 gather over TP,
+        TP rank 0 sends the buckets (the driver pauses, flushes and checks the version around this).
+        Returns the number of tensors sent (0 on ranks that do not send)."""
+        if self.groups.cp_rank != 0 or self.groups.dp_rank != 0:
+            return 0
+        buckets = self.weight_buckets(bucket_bytes)
+        if self.groups.tp_rank != 0:
+            for _ in buckets:  # take part in the TP gathers
+                pass
+            return 0
+        from stacx.trainer.rollout_service import engine_client
+
+        key = (engine_kind, url)
+        if key not in self._engine_clients:
+            self._engine_clients[key] = engine_client(engine_kind, url)
+        sent = [0]
+
+        def counted():
+            for bucket in buckets:
+                sent[0] += len(bucket)
+                yield bucket
+
+        self._engine_clients[key].update_weights(counted(), version=version)
+        return sent[0]
+
+    def export_hf(self, out_dir: str) -> None:
+        """Write the role's model as a Hugging Face checkpoint (every rank calls; rank 0 writes)."""
+        from stacx.models import export_hf_checkpoint
+
+        if self.role.outputs_values:
+            raise ValueError(f"role {self.role.name!r} has a value head; it has no Hugging Face causal-LM export")
+        export_hf_checkpoint(self.model, out_dir, self.groups)
+
+    # ---- checkpoint state ------------------------------------------------------------------
+
+    def coords(self):
+        from stacx.trainer.checkpoint import RankCoords
+
+        return RankCoords(tp_rank=self.groups.tp_rank, cp_rank=self.groups.cp_rank, dp_rank=self.groups.dp_rank)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model (by parameter name), reference weights, optimizer, scheduler, RNG and step count."""
+        from stacx.models import unwrap_model
+        from stacx.trainer.checkpoint import capture_rng_state
+
+        state: dict[str, Any] = {
+            "model": {name: p.detach().cpu().clone() for name, p in unwrap_model(self.model).named_parameters()},
+            "rng": capture_rng_state(),
+            "num_steps": self.num_steps,
+        }
+        if self.reference_weights is not None:
+            state["reference"] = [t.cpu().clone() for t in self.reference_weights]
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        from stacx.models import unwrap_model
+        from stacx.trainer.checkpoint import restore_rng_state
+
+        params = dict(unwrap_model(self.model).named_parameters())
+        saved = state["model"]
+        if set(saved) != set(params):
+            missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
+            raise ValueError(f"role {self.role.name!r}: checkpoint model state does not match the model "
+                             f"(missing {missing[:3]}, unexpected {extra[:3]})")
+        for name, param in params.items():
+            if tuple(saved[name].shape) != tuple(param.shape):
+                raise ValueError(f"role {self.role.name!r}: checkpoint tensor {name!r} has shape "
+                                 f"{list(saved[name].shape)}, the model has {list(param.shape)}")
+            param.copy_(saved[name])
+        if self.reference_weights is not None and "reference" in state:
+            for held, saved_ref in zip(self.reference_weights, state["reference"]):
+                held.copy_(saved_ref)
+        if self.optimizer is not None:
+            if "optimizer" not in state:
+                raise ValueError(f"role {self.role.name!r}: checkpoint holds no optimizer state")
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.num_steps = int(state.get("num_steps", 0))
+        restore_rng_state(state["rng"])
+
+    def save_rank_state(self, staging_dir: str, role_name: str, rank: int):
+        """Write this rank's state into a checkpoint staging folder; returns its RankFileInfo."""
+        from stacx.trainer.checkpoint import write_rank_state
+
+        return write_rank_state(staging_dir, role_name, rank, self.state_dict(), self.coords())
+
+    def load_rank_state(self, loaded, role_name: str, rank: int) -> None:
+        """Load this rank's state from a `LoadedCheckpoint` (the matching replica when CP/DP changed)."""
+        self.load_state_dict(loaded.rank_state(role_name, rank, self.coords()))
+
+    def close(self) -> None:
+        for client in self._engine_clients.values():
+            shutdown = getattr(client, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        self._engine_clients.clear()

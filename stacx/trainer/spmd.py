@@ -1,0 +1,67 @@
+"""torchrun SPMD training for single-role recipes (sft, dpo, opd with an external teacher).
+
+    torchrun --nnodes N --nproc-per-node G -m stacx.train --algorithm sft --hf-checkpoint ... 
+
+Every process is one rank of the recipe's one role (RANK / WORLD_SIZE / MASTER_ADDR from
+torchrun); the role's (tp, cp) come from the run's parallel section and dp = world / (tp * cp).
+Rank 0 drives: it reads the data, talks to the rollout engine and the teacher, logs and commits
+checkpoints; the step's samples are broadcast to every rank. The loop is the same
+`StacxTrainer` as a Ray run, with `LocalRoleGroup` / `TorchrunChannel` in place of Ray workers,
+and the checkpoints have the same format.
+"""
+
+from __future__ import annotations
+
+import os
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_by_torchrun(environ=None) -> bool:
+    """True when torchrun (or another launcher setting its variables) started this process."""
+    environ = os.environ if environ is None else environ
+    has_rank_env = all(name in environ for name in TORCHRUN_ENV)
+    return has_rank_env and ("TORCHELASTIC_RUN_ID" in environ or "LOCAL_WORLD_SIZE" in environ)
+
+
+def build_spmd_trainer(run_config):
+    """Initialize torch.distributed from the environment and build this rank's StacxTrainer."""
+    import torch.distributed as dist
+
+    from stacx.parallel.groups import initialize_parallel_layout, init_distributed_from_env
+    from stacx.trainer.factory import build_driver_side, build_metrics_logger, check_supported, resolve_recipe, _start_step
+    from stacx.trainer.role_groups import LocalRoleGroup, TorchrunChannel
+    from stacx.trainer.runtime.role_runtime import RoleRuntime
+    from stacx.trainer.trainer import StacxTrainer
+
+    training_config, algorithm = resolve_recipe(run_config)
+    if len(training_config.roles) != 1:
+        raise ValueError(f"recipe {training_config.name!r} has roles {[r.name for r in training_config.roles]}; "
+                         "torchrun runs single-role recipes (sft, dpo, opd, ...); launch multi-role recipes on Ray")
+    check_supported(training_config, run_config)
+    parallel = run_config.parallel
+    init_distributed_from_env(parallel.collective_timeout_s)
+    groups = initialize_parallel_layout(parallel.tensor_model_parallel_size, parallel.context_parallel_size,
+                                        timeout_s=parallel.collective_timeout_s)
+    role = training_config.roles[0]
+    runtime = RoleRuntime(role, run_config, algorithm, groups, rank=dist.get_rank())
+    channel = TorchrunChannel()
+    data, rollout, metrics_logger = None, None, None
+    if channel.is_driver:
+        _, data, rollout = build_driver_side(run_config, training_config)
+        metrics_logger = build_metrics_logger(run_config, _start_step(run_config))
+
+    def close():
+        runtime.close()
+        from stacx.parallel.groups import destroy_parallel_layout
+
+        destroy_parallel_layout()
+
+    return StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm,
+                        roles={role.name: LocalRoleGroup(runtime, role.name)}, channel=channel, data=data,
+                        rollout=rollout, metrics_logger=metrics_logger, on_failure=runtime.close, on_close=close)
+
+
+def run_spmd(run_config) -> dict:
+    """Train this torchrun rank to the end; returns the last step's metrics (the same on every rank)."""
+    return build_spmd_trainer(run_config).run()

@@ -1,0 +1,337 @@
+"""`StacxTrainer`: the training loop, one step at a time, reading like the algorithm.
+
+    for step in range(start, num_steps):
+        batch = rollout (responses, rewards, teacher log-probs)  |  the dataset's next batch
+        forward-only fields: reference log-probs (in-worker reference), old log-probs, inject syncs
+        advantages (registry, by name) and returns for a critic
+        train every trainable role (DP shards; TP/CP peers get the same shard)
+        push the policy's weights to the engine in buckets; the engine confirms the version
+        log; checkpoint every save_interval steps (and at the end)
+
+The loop talks to roles through `RoleGroup`s (Ray workers or torchrun processes, see
+role_groups.py), so the same code drives a Ray run and a torchrun SPMD job. Any failure kills the
+workers (`on_failure`) before the error propagates: a `RoleWorkerError` already names the role and
+rank, and surviving ranks blocked in a collective never keep the run alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from stacx.trainer import step_data
+from stacx.trainer.resolved_config import resolved_run_config_dict
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_BUCKET_BYTES = 256 * 1024 * 1024
+"""Weight-sync bucket size: hundreds of MB per message keeps large syncs fast."""
+
+
+class StacxTrainer:
+    """Drives one run. Build it with `stacx.trainer.factory.create_trainer` (Ray) or `run_spmd` (torchrun)."""
+
+    def __init__(self, *, run_config, training_config, algorithm, roles: Mapping[str, Any], channel,
+                 data: Optional[step_data.StepDataSource], rollout=None, metrics_logger=None,
+                 on_failure: Callable[[], None] = lambda: None, on_close: Callable[[], None] = lambda: None):
+        self.run_config = run_config
+        self.training_config = training_config
+        self.algorithm = algorithm
+        self.roles = dict(roles)
+        self.channel = channel
+        self.data = data
+        self.rollout = rollout
+        self.metrics_logger = metrics_logger
+        self.on_failure = on_failure
+        self.on_close = on_close
+        self.role_graph = training_config.role_graph()
+        if self.role_graph.exchange_syncs:
+            raise NotImplementedError(
+                f"recipe {training_config.name!r}: exchange syncs are not driven by the training loop yet "
+                "(ExchangeSyncGroup moves tensors; no catalog recipe uses one)")
+        # Driver-side instances answer what each role needs (reference, old log-probs); they hold no model.
+        self.specializations = {role.name: role.specialization_cls(algorithm, None) for role in training_config.roles}
+        self._check_reference_inputs()
+        self.engine_target = channel.share((rollout.engine_kind, rollout.url) if rollout is not None else None)
+        self.step = 0
+        self.last_metrics: dict[str, float] = {}
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def run(self) -> dict[str, float]:
+        """Train from the start (or the --load checkpoint) to train.num_steps; returns the last metrics."""
+        try:
+            self.step = self.resume_if_requested()
+            if self.step > 0 and self.engine_target is not None:
+                self.push_policy_weights(version=self.step)  # a fresh engine serves the initial weights
+            train = self.run_config.train
+            for step in range(self.step, train.num_steps):
+                metrics = self.train_one_step(step)
+                self.step = step + 1
+                self.log(step, metrics)
+                if self.should_save(self.step):
+                    self.save_checkpoint(self.step)
+            if train.export_hf:
+                self.export_policy(train.export_hf)
+        except BaseException:
+            self.on_failure()
+            self._close_driver_side()
+            raise
+        self.close()
+        return self.last_metrics
+
+    def train_one_step(self, step: int) -> dict[str, float]:
+        started = time.monotonic()
+        batch, metrics = self.channel.share(self.collect_batch(step) if self.channel.is_driver else None)
+        self.fill_forward_fields(batch)
+        if self.algorithm_has_advantages:
+            self.compute_advantages(batch)
+        for role in self.training_config.trainable_roles:
+            metrics.update({f"{role.name}/{k}": v for k, v in self.train_role(role.name, batch).items()})
+        if self.engine_target is not None:
+            self.push_policy_weights(version=step + 1)
+        metrics["time/step_s"] = time.monotonic() - started
+        return metrics
+
+    # ---- data ------------------------------------------------------------------------------
+
+    def collect_batch(self, step: int) -> tuple[dict, dict]:
+        """(step batch, rollout metrics), on the driver."""
+        if self.training_config.data_source == "dataset" or self.data.kind == "trajectory":
+            batch = self.data.next_dataset_batch()
+            lengths = batch["response_lengths"]
+            return batch, {"data/response_length_mean": sum(lengths) / len(lengths)}
+        from stacx.rollout.manager import samples_to_batch
+
+        samples = self.rollout.generate(self.data.next_examples(), step=step)
+        batch = samples_to_batch(samples)
+        batch["rewards"] = self.shaped_rewards(batch)
+        rewards = [s.reward if s.reward is not None else 0.0 for s in samples]
+        lengths = batch["response_lengths"]
+        metrics = {
+            "rollout/reward_mean": sum(rewards) / len(rewards),
+            "rollout/response_length_mean": sum(lengths) / len(lengths),
+            "rollout/weight_version": float(min(s.weight_version for s in samples)),
+            "rollout/reward_errors": float(sum(s.reward_error is not None for s in samples)),
+        }
+        if "teacher_log_probs" in batch:
+            metrics["rollout/teacher_log_prob_mean"] = _masked_mean(batch["teacher_log_probs"], batch["loss_masks"])
+        return batch, metrics
+
+    def shaped_rewards(self, batch) -> list[float]:
+        """opd_rl: R_i - teacher_kl_coef * sum_t m_it (log pi(a_t) - log pi_teacher(a_t)) (rollout log-probs)."""
+        rewards = list(batch["rewards"])
+        coef = float(getattr(self.algorithm, "teacher_kl_coef", 0.0) or 0.0)
+        if coef == 0.0 or "teacher_log_probs" not in batch:
+            return rewards
+        return [
+            r - coef * float(((lp - tlp) * m).sum())
+            for r, lp, tlp, m in zip(rewards, batch["rollout_log_probs"], batch["teacher_log_probs"], batch["loss_masks"])
+        ]
+
+    # ---- forward-only fields and advantages ------------------------------------------------
+
+    @property
+    def algorithm_has_advantages(self) -> bool:
+        return self.training_config.algorithm is not None
+
+    def _wants_reference(self, role) -> bool:
+        spec = self.specializations[role.name]
+        kl = bool(getattr(self.algorithm, "use_kl_loss", False) or getattr(self.algorithm, "use_kl_in_reward", False))
+        return spec.needs_reference() or (kl and role.reference_checkpoint_arg is not None and role.trainable)
+
+    def _check_reference_inputs(self) -> None:
+        from stacx.trainer.runtime.role_runtime import role_checkpoint_path
+
+        for role in self.training_config.roles:
+            if not self._wants_reference(role):
+                continue
+            arg = role.reference_checkpoint_arg
+            if arg is None or role_checkpoint_path(role, self.run_config.model, arg) is None:
+                flag = "--" + (arg or "ref_load").replace("_", "-")
+                raise ValueError(f"role {role.name!r} needs reference log-probs (KL to the reference); set {flag}")
+
+    def fill_forward_fields(self, batch: dict) -> None:
+        """Reference/old log-probs of each trainable role, then inject syncs in dependency order."""
+        for role in self.training_config.trainable_roles:
+            names = []
+            if self._wants_reference(role):
+                names.append("ref_log_probs")
+            if self.specializations[role.name].needs_old_log_probs():
+                names.append("old_log_probs")
+            if names:
+                self.role_fields(role.name, batch, names)
+        for sync in self.role_graph.inject_syncs:
+            self.role_fields(sync.source_role, batch, list(sync.keys))
+
+    def role_fields(self, role_name: str, batch: dict, names: list[str]) -> None:
+        """Run `compute_fields` on a role's ranks and write the per-sample results into `batch`."""
+        group = self.roles[role_name]
+        plan = self.plan(role_name, batch)
+        results = group.call("compute_fields", [
+            ([step_data.select(batch, mb) for mb in plan[coords["dp_rank"]]], names) for coords in group.coords
+        ])
+        for name in names:
+            batch[name] = [None] * step_data.num_samples(batch)
+        for coords, result in zip(group.coords, results):
+            if result is None:
+                continue
+            for indices, fields in zip(plan[coords["dp_rank"]], result):
+                for name in names:
+                    for index, value in zip(indices, fields[name]):
+                        batch[name][index] = value
+        for name in names:
+            missing = [i for i, value in enumerate(batch[name]) if value is None]
+            if missing:
+                raise RuntimeError(f"role {role_name!r} returned no {name!r} for samples {missing[:5]}")
+
+    def compute_advantages(self, batch: dict) -> None:
+        """advantages (and returns for a value-head role) from the registry's estimator, by name."""
+        from stacx.objectives import get_advantage
+        from stacx.objectives.advantages_returns import gae_returns
+
+        rollout_data = {
+            "rewards": torch.tensor(batch["rewards"], dtype=torch.float64),
+            "prompt_id": batch["group_indices"],
+            "response_lengths": batch["response_lengths"],
+            "loss_masks": batch["loss_masks"],
+            "rollout_log_probs": batch["rollout_log_probs"],
+        }
+        for optional in ("values", "ref_log_probs"):
+            if optional in batch:
+                rollout_data[optional] = batch[optional]
+        if "old_log_probs" in batch:
+            rollout_data["log_probs"] = batch["old_log_probs"]
+        estimator = get_advantage(self.algorithm.advantage_estimator)
+        batch["advantages"] = [a.float() for a in estimator(self.algorithm, rollout_data)]
+        if any(role.outputs_values for role in self.training_config.roles):
+            batch["returns"] = gae_returns(self.algorithm, rollout_data)
+
+    # ---- training --------------------------------------------------------------------------
+
+    def plan(self, role_name: str, batch: dict) -> list[list[list[int]]]:
+        layout = self.roles[role_name].layout
+        return step_data.plan_micro_batches(
+            batch, dp_size=layout.data_parallel_size, cp_size=layout.context_parallel_size,
+            max_tokens_per_micro_batch=self.run_config.train.max_tokens_per_micro_batch)
+
+    def train_role(self, role_name: str, batch: dict) -> dict[str, float]:
+        """One optimizer step of a role over the whole batch; metrics are identical on every rank."""
+        from stacx.parallel.reduction import StepCounts, count_loss_tokens
+
+        group = self.roles[role_name]
+        plan = self.plan(role_name, batch)
+        num_tokens, num_sequences = count_loss_tokens(batch["loss_masks"])
+        counts = StepCounts(num_tokens=num_tokens, num_sequences=num_sequences)
+        norm_length = float(self.run_config.rollout.rollout_max_response_len)
+        results = group.call("train_step", [
+            ([step_data.select(batch, mb) for mb in plan[coords["dp_rank"]]], counts, norm_length)
+            for coords in group.coords
+        ])
+        return results[0]
+
+    # ---- weights, logging, checkpoints -----------------------------------------------------
+
+    def push_policy_weights(self, version: int) -> None:
+        """Pause the engine, stream the rollout role's weights in buckets, resume, check the version."""
+        kind, url = self.engine_target
+        role = self.training_config.rollout_role
+        if self.channel.is_driver:
+            self.rollout.begin_weight_update()
+        try:
+            self.roles[role.name].call_all("push_weights_to_engine", kind, url, version, WEIGHT_BUCKET_BYTES)
+        finally:
+            if self.channel.is_driver:
+                self.rollout.finish_weight_update(version)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.last_metrics = metrics
+        if self.channel.is_driver and self.metrics_logger is not None:
+            self.metrics_logger.log(step, metrics)
+
+    def should_save(self, completed_steps: int) -> bool:
+        train = self.run_config.train
+        if not self.run_config.model.save:
+            return False
+        if completed_steps == train.num_steps:
+            return True
+        return bool(train.save_interval) and completed_steps % train.save_interval == 0
+
+    def role_layouts(self) -> dict:
+        from stacx.trainer.checkpoint import RoleLayout
+
+        return {name: RoleLayout(tensor_parallel_size=g.layout.tensor_parallel_size,
+                                 context_parallel_size=g.layout.context_parallel_size,
+                                 data_parallel_size=g.layout.data_parallel_size)
+                for name, g in self.roles.items()}
+
+    def save_checkpoint(self, step: int) -> str | None:
+        """Every rank writes its state into a staging folder; the driver commits it atomically."""
+        from stacx.trainer.checkpoint import begin_checkpoint, capture_rng_state, commit_checkpoint
+
+        root = self.run_config.model.save
+        staging = self.channel.share(begin_checkpoint(root, step) if self.channel.is_driver else None)
+        rank_files = []
+        for name, group in self.roles.items():
+            rank_files += group.call("save_rank_state", [(staging, name, rank) for rank in range(group.layout.num_ranks)])
+        final = None
+        if self.channel.is_driver:
+            driver_state = {"step": step, "data": self.data.state_dict() if self.data is not None else {},
+                            "rng": capture_rng_state()}
+            final = commit_checkpoint(staging, step=step, recipe=self.training_config, role_layouts=self.role_layouts(),
+                                      rank_files=rank_files, driver_state=driver_state,
+                                      resolved_run_config=resolved_run_config_dict(self.run_config, self.algorithm))
+            logger.info("checkpoint of step %d written to %s", step, final)
+        self.channel.barrier()
+        return final
+
+    def resume_if_requested(self) -> int:
+        """Load `model.load` (a step folder or a root holding them) into every rank; returns the step."""
+        from stacx.trainer.checkpoint import load_checkpoint, restore_rng_state
+
+        path = self.run_config.model.load
+        if not path:
+            return 0
+        # weights_only=False: megatron's optimizer state holds plain Python objects besides tensors.
+        loaded = load_checkpoint(path, expected_recipe=self.training_config, expected_layouts=self.role_layouts(),
+                                 weights_only=False)
+        for name, group in self.roles.items():
+            group.call("load_rank_state", [(loaded, name, rank) for rank in range(group.layout.num_ranks)])
+        driver_state = loaded.driver_state()
+        if self.data is not None and driver_state.get("data"):
+            self.data.load_state_dict(driver_state["data"])
+        restore_rng_state(driver_state["rng"])
+        logger.info("resumed from %s at step %d", loaded.path, loaded.step)
+        return loaded.step
+
+    def export_policy(self, out_dir: str) -> None:
+        role = self.training_config.rollout_role or self.training_config.trainable_roles[0]
+        self.roles[role.name].call_all("export_hf", os.fspath(out_dir))
+
+    # ---- teardown --------------------------------------------------------------------------
+
+    def _close_driver_side(self) -> None:
+        if self.metrics_logger is not None:
+            try:
+                self.metrics_logger.close()
+            except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
+                logger.exception("closing the metrics logger failed")
+            self.metrics_logger = None
+        if self.rollout is not None:
+            self.rollout.close()
+            self.rollout = None
+
+    def close(self) -> None:
+        """Release workers, engine, teacher and logger after a finished run."""
+        self._close_driver_side()
+        self.on_close()
+
+
+def _masked_mean(values, masks) -> float:
+    total = sum(float((v * (m != 0)).sum()) for v, m in zip(values, masks))
+    count = sum(float((m != 0).sum()) for m in masks)
+    return total / count if count else 0.0
