@@ -314,8 +314,9 @@ def stand_in_value_head(logits_local, groups):
     return vocab_parallel_log_probs(logits_local, ids, tp_group=groups.tp)
 
 
-def run_case(model_forward, groups, case: Case, samples: dict) -> dict:
-    """What a worker does for one micro-batch; returns loss, reduced metrics and rescaled gradients."""
+def run_case(model_forward, groups, case: Case, samples: dict, collective_counts: dict | None = None) -> dict:
+    """What a worker does for one micro-batch; returns loss, reduced metrics and rescaled gradients
+    (and, with a live `collective_counts`, the collectives issued inside compute_loss)."""
     from stacx.parallel.metrics_allreduce import all_reduce_metric_sums
     from stacx.parallel.reduction import Reducer, compute_step_counts
     from stacx.specializations import model_inputs, pack_micro_batch
@@ -328,9 +329,12 @@ def run_case(model_forward, groups, case: Case, samples: dict) -> dict:
     logits = model_forward(*model_inputs(batch))
     logits.retain_grad()
     output = stand_in_value_head(logits, groups) if case.value_head else logits
+    before = dict(collective_counts or {})
     loss, metric_sums = specialization.compute_loss(output, batch, reducer)
+    issued = {key: collective_counts[key] - before[key] for key in before}
     loss.backward()
     return dict(
+        collectives=issued,
         loss=reducer.loss_value(loss),
         metrics=all_reduce_metric_sums(metric_sums, groups.dp_cp),
         logits_grad=(logits.grad / reducer.gradient_scale).detach(),
@@ -344,16 +348,19 @@ def run_cases_on_rank(groups, checkpoint: str, case_names: list[str]) -> dict:
     import torch.distributed as dist
 
     from stacx.models import build_model, forward_packed, load_hf_checkpoint
+    from tests.parallel.collective_counter import install_collective_counter
 
     torch.manual_seed(0)
     model = build_model(checkpoint, groups, initialize_weights=False)
     load_hf_checkpoint(model, checkpoint, groups)
     samples = make_samples()
     params = dict(model.named_parameters())
+    counts = install_collective_counter()
     results = {}
     for name in case_names:
         model.zero_grad(set_to_none=True)
-        result = run_case(lambda tokens, padded: forward_packed(model, tokens, padded, groups), groups, CASES[name], samples)
+        result = run_case(lambda tokens, padded: forward_packed(model, tokens, padded, groups), groups, CASES[name], samples,
+                          counts)
         norm = params["decoder.final_layernorm.weight"].grad.detach().clone()
         head = params["output_layer.weight"].grad.detach().clone()
         if groups.cp_size > 1:
