@@ -261,25 +261,6 @@ def build_driver_side(run_config, training_config):
     return tokenizer, data, rollout
 
 
-def _start_step(run_config) -> int:
-    """The step a --load run resumes at (for the logger), read from the checkpoint's manifest."""
-    if not run_config.model.load:
-        return 0
-    from stacx.trainer.checkpoint import latest_checkpoint
-
-    import json
-    import os
-
-    folder = run_config.model.load
-    if not os.path.isfile(os.path.join(folder, "manifest.json")):
-        folder = latest_checkpoint(folder) or folder
-    try:
-        with open(os.path.join(folder, "manifest.json")) as f:
-            return int(json.load(f)["step"])
-    except (OSError, KeyError, ValueError):
-        return 0  # load_checkpoint reports the problem with the folder when the trainer resumes
-
-
 def create_trainer(run_config, *, layout: WorkerLayout | None = None):
     """A ready `StacxTrainer` for a Ray run: recipe, Ray, role workers with their runtimes, rollout, logger.
 
@@ -293,20 +274,17 @@ def create_trainer(run_config, *, layout: WorkerLayout | None = None):
     training_config, algorithm = resolve_recipe(run_config)
     check_supported(training_config, run_config)
     connection = connect_ray(run_config.parallel.ray_address)
-    graph, rollout, metrics_logger = None, None, None
+    graph, rollout = None, None
     try:
         graph = create_role_workers(training_config, layout or WorkerLayout.from_parallel_section(run_config.parallel))
         _, data, rollout = build_driver_side(run_config, training_config)
         roles = {role.name: RayRoleGroup(graph.workers[role.name], role, run_config, algorithm)
                  for role in training_config.roles}
-        metrics_logger = build_metrics_logger(run_config, _start_step(run_config))
     except BaseException:
         if graph is not None:
             graph.kill()
         if rollout is not None:
             rollout.close()
-        if metrics_logger is not None:
-            metrics_logger.close()
         connection.shutdown()
         raise
 
@@ -319,5 +297,6 @@ def create_trainer(run_config, *, layout: WorkerLayout | None = None):
         connection.shutdown()
 
     return StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm, roles=roles,
-                        channel=RayChannel(), data=data, rollout=rollout, metrics_logger=metrics_logger,
+                        channel=RayChannel(), data=data, rollout=rollout,
+                        make_metrics_logger=lambda start_step: build_metrics_logger(run_config, start_step),
                         on_failure=fail, on_close=close)

@@ -29,7 +29,7 @@ def build_spmd_trainer(run_config):
     import torch.distributed as dist
 
     from stacx.parallel.groups import initialize_parallel_layout, init_distributed_from_env
-    from stacx.trainer.factory import build_driver_side, build_metrics_logger, check_supported, resolve_recipe, _start_step
+    from stacx.trainer.factory import build_driver_side, build_metrics_logger, check_supported, resolve_recipe
     from stacx.trainer.role_groups import LocalRoleGroup, TorchrunChannel
     from stacx.trainer.runtime.role_runtime import RoleRuntime
     from stacx.trainer.trainer import StacxTrainer
@@ -46,10 +46,9 @@ def build_spmd_trainer(run_config):
     role = training_config.roles[0]
     runtime = RoleRuntime(role, run_config, algorithm, groups, rank=dist.get_rank())
     channel = TorchrunChannel()
-    data, rollout, metrics_logger = None, None, None
+    data, rollout = None, None
     if channel.is_driver:
         _, data, rollout = build_driver_side(run_config, training_config)
-        metrics_logger = build_metrics_logger(run_config, _start_step(run_config))
 
     def close():
         runtime.close()
@@ -59,7 +58,8 @@ def build_spmd_trainer(run_config):
 
     return StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm,
                         roles={role.name: LocalRoleGroup(runtime, role.name)}, channel=channel, data=data,
-                        rollout=rollout, metrics_logger=metrics_logger, on_failure=runtime.close, on_close=close)
+                        rollout=rollout, on_failure=runtime.close, on_close=close,
+                        make_metrics_logger=lambda start_step: build_metrics_logger(run_config, start_step))
 
 
 def run_spmd(run_config) -> dict:

@@ -36,7 +36,8 @@ class StacxTrainer:
     """Drives one run. Build it with `stacx.trainer.factory.create_trainer` (Ray) or `run_spmd` (torchrun)."""
 
     def __init__(self, *, run_config, training_config, algorithm, roles: Mapping[str, Any], channel,
-                 data: Optional[step_data.StepDataSource], rollout=None, metrics_logger=None,
+                 data: Optional[step_data.StepDataSource], rollout=None,
+                 make_metrics_logger: Optional[Callable[[int], Any]] = None,
                  on_failure: Callable[[], None] = lambda: None, on_close: Callable[[], None] = lambda: None):
         self.run_config = run_config
         self.training_config = training_config
@@ -45,7 +46,9 @@ class StacxTrainer:
         self.channel = channel
         self.data = data
         self.rollout = rollout
-        self.metrics_logger = metrics_logger
+        self.make_metrics_logger = make_metrics_logger
+        """Builds the driver's MetricsLogger for the first step this run trains (after a resume)."""
+        self.metrics_logger = None
         self.on_failure = on_failure
         self.on_close = on_close
         self.role_graph = training_config.role_graph()
@@ -66,6 +69,8 @@ class StacxTrainer:
         """Train from the start (or the --load checkpoint) to train.num_steps; returns the last metrics."""
         try:
             self.step = self.resume_if_requested()
+            if self.channel.is_driver and self.make_metrics_logger is not None:
+                self.metrics_logger = self.make_metrics_logger(self.step)
             if self.step > 0 and self.engine_target is not None:
                 self.push_policy_weights(version=self.step)  # a fresh engine serves the initial weights
             train = self.run_config.train

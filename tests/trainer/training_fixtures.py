@@ -1,0 +1,60 @@
+"""Tiny checkpoints, data files and run configs shared by the training-loop tests (everything in tmp)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+POLICY_SEED, TEACHER_SEED = 0, 1
+
+
+def write_tiny_run_files(root: str) -> dict[str, str]:
+    """Policy and teacher checkpoints (char tokenizer saved alongside), prompt / SFT / DPO JSONL files."""
+    from stacx.models.testing import save_tiny_hf_checkpoint
+    from stacx.rollout.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    paths = {}
+    for name, seed in (("policy", POLICY_SEED), ("teacher", TEACHER_SEED)):
+        path = os.path.join(root, name)
+        save_tiny_hf_checkpoint(path, "llama", seed=seed, vocab_size=len(tokenizer),
+                                eos_token_id=tokenizer.eos_token_id)
+        tokenizer.save_pretrained(path)
+        paths[name] = path
+    rows = {
+        "prompts": [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a, b in ((1, 2), (3, 4), (2, 2), (5, 1))],
+        "sft": [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(8)],
+        "dpo": [{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a + 2)} for a in range(4)],
+    }
+    for name, items in rows.items():
+        path = os.path.join(root, f"{name}.jsonl")
+        with open(path, "w") as f:
+            f.writelines(json.dumps(item) + "\n" for item in items)
+        paths[name] = path
+    return paths
+
+
+def run_config(root: str, **values):
+    """A RunConfig for a tiny run writing under `root`; `values` are flat run-config keys."""
+    from stacx.trainer.run_config import RunConfig
+
+    base = {
+        "lr": 1e-3, "num_steps": 2, "rollout_batch_size": 2, "n_samples_per_prompt": 2,
+        "rollout_max_response_len": 4, "max_tokens_per_micro_batch": 64, "progress_bar": False,
+        "tensorboard": False, "out": os.path.join(root, "out"), "collective_timeout_s": 120.0,
+    }
+    base.update(values)
+    return RunConfig.from_dict(base, source="test")
+
+
+def read_metrics(out_dir: str) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def varied_reward(response: str, label, metadata: dict) -> float:
+    """A reward that differs between samples of a random tiny model (so advantages are non-zero)."""
+    return float(sum(ord(c) for c in response) % 7)
+
+
+VARIED_REWARD = "tests.trainer.training_fixtures:varied_reward"
