@@ -5,6 +5,7 @@ tensor-parallel ranks with a plain loop (forward, compute_loss, backward, optimi
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -79,10 +80,22 @@ def train_with_the_example(groups, checkpoint: str):
     return dict(history=history, advantages=[float(a[0]) for a in advantages])
 
 
-def test_the_example_recipe_is_registered_with_its_specialization():
+@pytest.fixture
+def example_module():
+    """The example loaded in this process; unregistered afterwards so that other tests (the
+    recipe catalog page) see only the built-in recipes."""
+    from stacx.trainer.recipes import TRAINING_CONFIGS
+
     module = load_example()
+    yield module
+    TRAINING_CONFIGS.pop("reward_weighted_sft", None)
+    sys.modules.pop(module.__name__, None)
+
+
+def test_the_example_recipe_is_registered_with_its_specialization(example_module):
     from stacx.trainer.recipes import get_recipe
 
+    module = example_module
     recipe = get_recipe("reward_weighted_sft")
     assert recipe.role("policy").specialization_cls is module.RewardWeightedSFTSpecialization
     assert recipe.algorithm.advantage_estimator == "grpo"
