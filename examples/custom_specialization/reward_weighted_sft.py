@@ -8,7 +8,7 @@ weighted by how much better than its group it scored:
 with A_i the advantage (the recipe's estimator, e.g. GRPO's group-normalized reward). Load it with
 
     stacx train --custom-module examples/custom_specialization/reward_weighted_sft.py \
-        --algorithm reward_weighted_sft --rwr-temperature 0.5 ...
+        --algorithm reward_weighted_sft --algorithm-param rwr_temperature=0.5 ...
 
 docs/adding-an-algorithm.md walks through this file.
 """
