@@ -31,7 +31,6 @@ from stacx.objectives.registry import get_loss
 from stacx.parallel.cp_fields import PackedLayout
 from stacx.parallel.vocab_parallel import vocab_parallel_log_probs_at_ids
 from stacx.parallel.vocab_parallel_topk import vocab_parallel_topk
-from stacx.rollout.env_overrides import read_env_overrides
 from stacx.specializations.base import Specialization, check_response_field, full_token_counts
 
 DISTILL_KL_MODES = ("k3_sample", "topk")
@@ -41,6 +40,9 @@ _LOG_PROB_TOLERANCE = 1e-4
 
 def resolve_distill_kl_mode(config: Any, environ: Mapping[str, str] | None = None) -> str:
     """STACX_DISTILL_KL_MODE if set, else config.distill_kl_mode, else k3_sample."""
+    # Imported here: the rollout package is not needed by the other specializations.
+    from stacx.rollout.env_overrides import read_env_overrides
+
     mode = read_env_overrides(environ).get("distill_kl_mode") or getattr(config, "distill_kl_mode", None) or "k3_sample"
     if mode not in DISTILL_KL_MODES:
         raise ValueError(f"distill_kl_mode {mode!r} is not one of {list(DISTILL_KL_MODES)}")
