@@ -1,0 +1,263 @@
+"""The embedded default: SFT warm-up -> GRPO -> on-policy distillation, on CPU, in a few minutes.
+
+    summary = run_demo(DemoSettings(), out_dir="outputs/demo")
+
+1. Data and models: the built-in `sorting` task (sort five digits; 18-token character
+   vocabulary), a random 2-layer hidden-64 teacher model and a smaller random student.
+2. SFT: `sft` recipe on (prompt, sorted digits) rows.                metric: held-out accuracy
+3. GRPO: `grpo` recipe from the SFT model, exact-match reward,
+   low-variance KL to the SFT model logged (small coefficient).     metric: held-out accuracy
+4. OPD: the GRPO model is served as a teacher by `stacx serve` (a separate process); the `opd`
+   recipe trains the student on its own samples scored by it.      metric: reverse KL to teacher
+
+Each phase is a real `stacx.trainer.run_training` run (Ray role workers, the CPU rollout
+engine) writing metrics.jsonl, TensorBoard events and plots under `out_dir/<phase>/`. Before
+and after numbers are measured on held-out prompts with `transformers` (see measure.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoSettings:
+    task: str = "sorting"
+    """Built-in task (stacx.tasks)."""
+    seed: int = 0
+    """Seed of model initialization, data order and sampling."""
+    teacher_hidden_size: int = 64
+    teacher_num_layers: int = 2
+    student_hidden_size: int = 32
+    student_num_layers: int = 2
+    sft_steps: int = 60
+    sft_batch_size: int = 32
+    sft_lr: float = 3e-3
+    grpo_steps: int = 40
+    grpo_prompts_per_step: int = 16
+    grpo_samples_per_prompt: int = 8
+    grpo_lr: float = 5e-4
+    grpo_kl_coef: float = 0.001
+    opd_steps: int = 40
+    opd_prompts_per_step: int = 16
+    opd_samples_per_prompt: int = 4
+    opd_lr: float = 3e-3
+    num_eval_prompts: int = 128
+    """Held-out prompts every before/after number is measured on."""
+    kl_samples_per_prompt: int = 2
+    """Student samples per held-out prompt in the reverse-KL estimate."""
+    progress_bar: bool = True
+
+
+@dataclass
+class PhaseResult:
+    phase: str
+    metric: str
+    before: float
+    after: float
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+def _run_config(settings: DemoSettings, out_dir: str, phase: str, values: dict):
+    from stacx.trainer.run_config import RunConfig
+
+    base = {"out": os.path.join(out_dir, phase), "seed": settings.seed, "rollout_seed": settings.seed,
+            "progress_bar": settings.progress_bar, "rollout_engine": "cpu", "max_tokens_per_micro_batch": 4096}
+    return RunConfig.from_dict({**base, **values}, source=f"demo {phase} phase")
+
+
+def _train(run_config) -> None:
+    from stacx.trainer import run_training
+
+    run_training(run_config)
+
+
+def _metric_series(path: str, name: str) -> list[float]:
+    values = []
+    with open(path) as handle:
+        for line in handle:
+            row = json.loads(line)
+            if name in row:
+                values.append(float(row[name]))
+    return values
+
+
+def _head_tail_means(series: list[float], n: int = 5) -> tuple[float, float]:
+    n = max(1, min(n, len(series) // 2))
+    return sum(series[:n]) / n, sum(series[-n:]) / n
+
+
+class TeacherServer:
+    """`stacx serve` of a checkpoint in a child process; `.url` once it reports ready."""
+
+    def __init__(self, checkpoint: str, log_path: str, seed: int):
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", checkpoint, "--port", "0", "--seed", str(seed)],
+            stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.url = self._wait_ready(timeout_s=180)
+
+    def _wait_ready(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line:
+                break
+            if "(ready)" in line:
+                return line.split(" at ", 1)[1].split(" (ready)")[0].strip()
+        self.close()
+        raise RuntimeError(f"stacx serve did not become ready (see {self.log.name})")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+
+
+def _prepare(settings: DemoSettings, out_dir: str) -> dict:
+    """Data files, the random teacher-sized and student-sized checkpoints (with tokenizers)."""
+    from stacx.tasks import resolve_data_path, write_tiny_checkpoint
+
+    paths = {
+        "train": resolve_data_path(f"builtin:{settings.task}", out_dir=out_dir),
+        "eval": resolve_data_path(f"builtin:{settings.task}/eval", out_dir=out_dir),
+        "init": os.path.join(out_dir, "checkpoints", "init"),
+        "student_init": os.path.join(out_dir, "checkpoints", "student_init"),
+        "sft": os.path.join(out_dir, "checkpoints", "sft"),
+        "grpo": os.path.join(out_dir, "checkpoints", "grpo"),
+        "student": os.path.join(out_dir, "checkpoints", "student_opd"),
+    }
+    write_tiny_checkpoint(paths["init"], settings.task, hidden_size=settings.teacher_hidden_size,
+                          num_layers=settings.teacher_num_layers, seed=settings.seed)
+    write_tiny_checkpoint(paths["student_init"], settings.task, hidden_size=settings.student_hidden_size,
+                          num_layers=settings.student_num_layers, seed=settings.seed + 1)
+    return paths
+
+
+def _save_tokenizer(task_name: str, folder: str) -> None:
+    """Exported checkpoints hold config and weights; the next phase also needs the tokenizer."""
+    from stacx.rollout.tokenizer import build_char_tokenizer
+    from stacx.tasks import get_task
+
+    build_char_tokenizer(get_task(task_name).alphabet).save_pretrained(folder)
+
+
+def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
+    """Run the three phases; returns (and writes to out_dir/summary.json) the before/after table."""
+    from stacx.launch.demo import measure
+    from stacx.launch.demo.report import write_demo_plot
+    from stacx.rollout.teacher import TeacherClient
+    from stacx.rollout.tokenizer import build_char_tokenizer
+    from stacx.tasks import get_task
+    from stacx.trainer.ray_cluster import connect_ray
+
+    started = time.monotonic()
+    os.makedirs(out_dir, exist_ok=True)
+    task = get_task(settings.task)
+    tokenizer = build_char_tokenizer(task.alphabet)
+    max_new_tokens = task.max_answer_chars + 1  # the answer and <eos>
+    paths = _prepare(settings, out_dir)
+    with open(paths["eval"]) as handle:
+        eval_rows = [json.loads(line) for line in handle][: settings.num_eval_prompts]
+
+    def accuracy(path: str) -> float:
+        return measure.greedy_accuracy(measure.load_reference_model(path), tokenizer, eval_rows,
+                                       max_new_tokens=max_new_tokens)
+
+    log(f"stacx demo: task '{task.name}' ({task.description}), vocabulary {len(tokenizer)} tokens, "
+        f"{len(eval_rows)} held-out prompts; outputs in {os.path.abspath(out_dir)}")
+    # One local Ray cluster for the three runs (each run attaches to it instead of starting its own).
+    connection = connect_ray(None, log_to_driver=False)
+    results: list[PhaseResult] = []
+    try:
+        # ---- 1. SFT warm-up -------------------------------------------------------------------
+        log(f"\n[1/3] SFT warm-up: {settings.sft_steps} steps x {settings.sft_batch_size} examples, "
+            f"{settings.teacher_num_layers}-layer hidden-{settings.teacher_hidden_size} model")
+        phase_start = time.monotonic()
+        before = accuracy(paths["init"])
+        _train(_run_config(settings, out_dir, "sft", {
+            "algorithm": {"name": "sft"}, "hf_checkpoint": paths["init"], "prompt_data": paths["train"],
+            "rollout_batch_size": settings.sft_batch_size, "lr": settings.sft_lr, "num_steps": settings.sft_steps,
+            "export_hf": paths["sft"]}))
+        _save_tokenizer(task.name, paths["sft"])
+        losses = _metric_series(os.path.join(out_dir, "sft", "metrics.jsonl"), "policy/loss")
+        loss_first, loss_last = _head_tail_means(losses)
+        results.append(PhaseResult("sft", "held-out accuracy", before, accuracy(paths["sft"]),
+                                   time.monotonic() - phase_start,
+                                   {"loss_first_steps": loss_first, "loss_last_steps": loss_last}))
+
+        # ---- 2. GRPO --------------------------------------------------------------------------
+        log(f"\n[2/3] GRPO: {settings.grpo_steps} steps x {settings.grpo_prompts_per_step} prompts x "
+            f"{settings.grpo_samples_per_prompt} samples, exact-match reward")
+        phase_start = time.monotonic()
+        _train(_run_config(settings, out_dir, "grpo", {
+            "algorithm": {"name": "grpo", "use_kl_loss": True, "kl_loss_coef": settings.grpo_kl_coef},
+            "hf_checkpoint": paths["sft"], "ref_load": paths["sft"], "prompt_data": paths["train"],
+            "rollout_batch_size": settings.grpo_prompts_per_step,
+            "n_samples_per_prompt": settings.grpo_samples_per_prompt, "rollout_max_response_len": max_new_tokens,
+            "lr": settings.grpo_lr, "num_steps": settings.grpo_steps, "export_hf": paths["grpo"]}))
+        _save_tokenizer(task.name, paths["grpo"])
+        rewards = _metric_series(os.path.join(out_dir, "grpo", "metrics.jsonl"), "rollout/reward_mean")
+        reward_first, reward_last = _head_tail_means(rewards)
+        results.append(PhaseResult("grpo", "held-out accuracy", results[-1].after, accuracy(paths["grpo"]),
+                                   time.monotonic() - phase_start,
+                                   {"rollout_reward_first_steps": reward_first, "rollout_reward_last_steps": reward_last}))
+
+        # ---- 3. On-policy distillation from the GRPO model served by `stacx serve` --------------
+        log(f"\n[3/3] On-policy distillation: student {settings.student_num_layers}-layer "
+            f"hidden-{settings.student_hidden_size} learns from the GRPO model served by `stacx serve`, "
+            f"{settings.opd_steps} steps x {settings.opd_prompts_per_step} prompts x {settings.opd_samples_per_prompt} samples")
+        phase_start = time.monotonic()
+        server = TeacherServer(paths["grpo"], os.path.join(out_dir, "teacher_server.log"), settings.seed)
+        teacher = TeacherClient(server.url)
+        try:
+            def reverse_kl(path: str) -> float:
+                return measure.reverse_kl_to_teacher(
+                    measure.load_reference_model(path), tokenizer, eval_rows, teacher, max_new_tokens=max_new_tokens,
+                    num_samples=settings.kl_samples_per_prompt, seed=settings.seed)
+
+            kl_before, accuracy_before = reverse_kl(paths["student_init"]), accuracy(paths["student_init"])
+            _train(_run_config(settings, out_dir, "opd", {
+                "algorithm": {"name": "opd"}, "hf_checkpoint": paths["student_init"], "prompt_data": paths["train"],
+                "teacher_url": server.url, "rollout_batch_size": settings.opd_prompts_per_step,
+                "n_samples_per_prompt": settings.opd_samples_per_prompt, "rollout_max_response_len": max_new_tokens,
+                "lr": settings.opd_lr, "num_steps": settings.opd_steps, "export_hf": paths["student"]}))
+            _save_tokenizer(task.name, paths["student"])
+            kl_after, accuracy_after = reverse_kl(paths["student"]), accuracy(paths["student"])
+        finally:
+            teacher.close()
+            server.close()
+        results.append(PhaseResult("opd", "reverse KL(student || teacher) per token", kl_before, kl_after,
+                                   time.monotonic() - phase_start,
+                                   {"student_accuracy_before": accuracy_before, "student_accuracy_after": accuracy_after,
+                                    "teacher_accuracy": results[-1].after}))
+    finally:
+        connection.shutdown()
+
+    plot = write_demo_plot(out_dir, ["sft", "grpo", "opd"])
+    summary = {
+        "task": task.name,
+        "settings": asdict(settings),
+        "phases": [asdict(result) for result in results],
+        "outputs": {
+            **{phase: {"metrics": os.path.join(out_dir, phase, "metrics.jsonl"),
+                       "tensorboard": os.path.join(out_dir, phase, "tensorboard"),
+                       "plots": os.path.join(out_dir, phase, "plots")} for phase in ("sft", "grpo", "opd")},
+            "checkpoints": {name: paths[name] for name in ("init", "sft", "grpo", "student_init", "student")},
+            "overview_plot": plot,
+        },
+        "seconds": time.monotonic() - started,
+    }
+    with open(os.path.join(out_dir, "summary.json"), "w") as handle:
+        json.dump(summary, handle, indent=2)
+    return summary
