@@ -371,4 +371,19 @@ def run_cases_on_rank(groups, checkpoint: str, case_names: list[str]) -> dict:
         result.update(norm_grad=norm / result["scale"], head_grad=torch.cat(shards)[:VOCAB] / result["scale"],
                       tp_rank=groups.tp_rank, cp_rank=groups.cp_rank)
         results[name] = result
+    results["no_grad_passes"] = no_grad_passes(model, groups, samples)
     return results
+
+
+def no_grad_passes(model, groups, samples) -> dict:
+    """compute_log_probs (old/reference log-probs) and compute_values: whole responses on every rank."""
+    from stacx.models import forward_packed
+    from stacx.specializations import ActorSpecialization, CriticSpecialization, model_inputs, pack_micro_batch
+
+    batch = pack_micro_batch(samples["sequences"], samples["response_lengths"], groups=groups,
+                             loss_masks=samples["loss_masks"])
+    with torch.no_grad():
+        logits = forward_packed(model, *model_inputs(batch), groups)
+        log_probs = ActorSpecialization(None, groups).compute_log_probs(logits, batch)
+        values = CriticSpecialization(None, groups).compute_values(stand_in_value_head(logits, groups), batch)
+    return dict(log_probs=log_probs, values=values)

@@ -44,6 +44,13 @@ def checkpoint_and_reference(tmp_path_factory):
             logits_grad=torch.cat([lg.grad for lg in logits]),
             norm_grad=model.model.norm.weight.grad.clone(), head_grad=model.lm_head.weight.grad.clone(),
         )
+    with torch.no_grad():
+        rows = [torch.log_softmax(model(seq[None]).logits[0, -r - 1 : -1].double(), -1)
+                for seq, r in zip(samples["sequences"], samples["response_lengths"])]
+    references["no_grad_passes"] = dict(
+        log_probs=[row.gather(1, seq[-row.shape[0]:, None])[:, 0] for row, seq in zip(rows, samples["sequences"])],
+        values=[row[:, 0] for row in rows],  # the stand-in value head
+    )
     return folder, samples, references
 
 
@@ -55,6 +62,12 @@ def _assert_close(label, got, want):
 
 def _check_layout(per_rank, samples, references, label):
     lengths = [len(s) for s in samples["sequences"]]
+    for rank, results in enumerate(per_rank):  # every rank (every CP rank too) gets whole responses
+        for kind in ("log_probs", "values"):
+            got, want = results["no_grad_passes"][kind], references["no_grad_passes"][kind]
+            assert [g.shape[0] for g in got] == samples["response_lengths"], (label, rank, kind)
+            assert not any(g.requires_grad for g in got)
+            _assert_close(f"{kind} ({label}, rank {rank})", torch.cat(got), torch.cat(want))
     for name in CASE_NAMES:
         ref = references[name]
         results = [rank[name] for rank in per_rank]
