@@ -27,18 +27,21 @@ def train_sft_spmd(groups, root: str, out_name: str, num_steps: int, extra: dict
     return last
 
 
-def resume_with_another_recipe(groups, root: str):
-    """A DPO run told to resume an SFT checkpoint must fail naming both recipes."""
+def dpo_runs(groups, root: str):
+    """A DPO run told to resume an SFT checkpoint fails naming both recipes; a fresh one trains a step
+    (pairs packed together, reference log-probs from the in-worker reference)."""
     from stacx.trainer.spmd import run_spmd
 
-    cfg = run_config(root, algorithm={"name": "dpo"}, hf_checkpoint=os.path.join(root, "policy"),
-                     ref_load=os.path.join(root, "policy"), prompt_data=os.path.join(root, "dpo.jsonl"),
-                     load=os.path.join(root, "ckpt_dp1"), out=os.path.join(root, "out_dpo"))
+    values = dict(algorithm={"name": "dpo"}, hf_checkpoint=os.path.join(root, "policy"),
+                  ref_load=os.path.join(root, "policy"), prompt_data=os.path.join(root, "dpo.jsonl"),
+                  out=os.path.join(root, "out_dpo"), num_steps=1)
     try:
-        run_spmd(cfg)
+        run_spmd(run_config(root, load=os.path.join(root, "ckpt_dp1"), **values))
     except Exception as err:  # noqa: BLE001 - the message is what the test checks
-        return f"{type(err).__name__}: {err}"
-    return "no error"
+        message = f"{type(err).__name__}: {err}"
+    else:
+        message = "no error"
+    return message, run_spmd(run_config(root, **values))
 
 
 def test_sft_two_ranks_match_one_rank_loss_curve(tmp_path):
@@ -57,5 +60,7 @@ def test_sft_two_ranks_match_one_rank_loss_curve(tmp_path):
     assert double[0]["policy/loss"] == pytest.approx(double[1]["policy/loss"])  # every rank sees the metrics
     assert single[0]["policy/num_loss_tokens"] == double[0]["policy/num_loss_tokens"]
 
-    message = run_distributed(resume_with_another_recipe, 1, args=(root,))[0]
+    message, dpo_metrics = run_distributed(dpo_runs, 1, args=(root,))[0]
     assert "CheckpointError" in message and "'sft'" in message and "'dpo'" in message, message
+    # Policy == reference at the first step: every implicit reward margin is 0 and the loss is log 2.
+    assert dpo_metrics["policy/loss"] == pytest.approx(math.log(2), rel=1e-5)
