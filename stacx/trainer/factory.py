@@ -280,6 +280,19 @@ def create_trainer(run_config, *, layout: WorkerLayout | None = None):
         _, data, rollout = build_driver_side(run_config, training_config)
         roles = {role.name: RayRoleGroup(graph.workers[role.name], role, run_config, algorithm)
                  for role in training_config.roles}
+
+        def close():
+            graph.shutdown()
+            connection.shutdown()
+
+        def fail():
+            graph.kill()
+            connection.shutdown()
+
+        return StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm,
+                            roles=roles, channel=RayChannel(), data=data, rollout=rollout,
+                            make_metrics_logger=lambda start_step: build_metrics_logger(run_config, start_step),
+                            on_failure=fail, on_close=close)
     except BaseException:
         if graph is not None:
             graph.kill()
@@ -287,16 +300,3 @@ def create_trainer(run_config, *, layout: WorkerLayout | None = None):
             rollout.close()
         connection.shutdown()
         raise
-
-    def close():
-        graph.shutdown()
-        connection.shutdown()
-
-    def fail():
-        graph.kill()
-        connection.shutdown()
-
-    return StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm, roles=roles,
-                        channel=RayChannel(), data=data, rollout=rollout,
-                        make_metrics_logger=lambda start_step: build_metrics_logger(run_config, start_step),
-                        on_failure=fail, on_close=close)

@@ -76,6 +76,8 @@ class RoleRuntime:
             role_checkpoint_path(role, run_config.model, role.reference_checkpoint_arg)
             if role.reference_checkpoint_arg else None
         )
+        if reference_path is not None and role.outputs_values:
+            raise ValueError(f"role {role.name!r} has a value head; an in-worker reference needs a language-model head")
         if reference_path is not None:
             # Load the reference into the one module, keep its tensors, then load the role's own weights:
             # no second model object is ever built.
