@@ -34,6 +34,10 @@ _UNTYPED_ALGORITHM_FIELDS = {
     "loss_agg_mode": str,
     "clip_ratio_low": float,
     "clip_ratio_high": float,
+    "clip_ratio_c": float,
+    "overlong_buffer_length": int,
+    "student_top_k": int,
+    "off_policy_corrections": str,  # comma-separated names
 }
 # `name` is the recipe: `--algorithm` sets it (one flag per field).
 _ALGORITHM_FIELDS_WITHOUT_FLAG = {"name"}

@@ -178,6 +178,8 @@ class TrainSection:
     """Seed of initialization, data order and sampling."""
     save_interval: int = 0
     """Steps between checkpoints (0: only at the end when save is set)."""
+    exchange_every_n_steps: int = 0
+    """Steps between the recipe's exchange syncs, e.g. reference refreshes (0: each sync's own every_n_steps)."""
     custom_module: tuple[str, ...] = ()
     """User modules (files or import names) imported to register algorithms; repeatable."""
     export_hf: str | None = None
@@ -199,29 +201,86 @@ class LoggingSection:
 
 
 ALGORITHM_FIELDS: dict[str, Any] = {
+    # recipe and kernels (names in the stacx.objectives registries)
     "name": None,
     "advantage_estimator": None,
     "policy_loss": None,
     "loss_agg_mode": None,
+    # policy loss
     "clip_ratio": 0.2,
     "clip_ratio_low": None,
     "clip_ratio_high": None,
-    "clip_ratio_c": 3.0,
+    "clip_ratio_c": None,
+    "entropy_coef": 0.0,
+    "log_entropy": True,
+    "recompute_old_log_probs": False,
+    # KL to the reference
     "use_kl_loss": False,
     "kl_loss_type": "low_var_kl",
     "kl_loss_coef": 0.0,
     "use_kl_in_reward": False,
+    "kl_in_reward_type": "k1",
     "kl_in_reward_coef": 0.0,
-    "entropy_coef": 0.0,
+    # advantages and returns
     "gamma": 1.0,
     "lam": 1.0,
     "norm_adv_by_std": True,
+    "whiten_advantages": False,
+    "adv_eps": 1e-6,
     "value_clip": 0.2,
+    # off-policy corrections (train/rollout mismatch)
+    "off_policy_corrections": None,
+    "tis_threshold": 2.0,
+    "mis_lower": 0.5,
+    "mis_upper": 2.0,
+    "opsm_delta": 1e-4,
+    "m2po_threshold": 0.04,
+    # DAPO data shaping
+    "filter_zero_variance_groups": False,
+    "overlong_buffer_length": None,
+    "overlong_penalty_factor": 1.0,
+    # preference optimization
     "dpo_beta": 0.1,
     "dpo_loss_type": "sigmoid",
+    "dpo_average_log_prob": False,
     "label_smoothing": 0.0,
+    # distillation
+    "teacher_kl_coef": 0.0,
+    "student_top_k": None,
+    "distill_topk_renormalize": True,
 }
-"""Known algorithm hyperparameters and defaults; any other key is a custom hyperparameter."""
+"""Known algorithm hyperparameters and the defaults the kernels use; any other key is a custom
+hyperparameter (a name within a typo of a known one is refused, see `check_custom_algorithm_key`)."""
+
+ALGORITHM_FIELD_TYPES: dict[str, type] = {
+    "advantage_estimator": str,
+    "policy_loss": str,
+    "loss_agg_mode": str,
+    "clip_ratio_low": float,
+    "clip_ratio_high": float,
+    "clip_ratio_c": float,
+    "overlong_buffer_length": int,
+    "student_top_k": int,
+}
+"""Value types of the known fields whose default is None (None stays allowed); the others take the
+type of their default. `off_policy_corrections` takes a list of names or a comma-separated string."""
+
+CUSTOM_KEY_SIMILARITY_CUTOFF = 0.85
+"""A custom algorithm key at least this similar (difflib ratio) to a known one is taken for a typo."""
+
+
+def check_custom_algorithm_key(key: str, source: str) -> None:
+    """Refuse a custom hyperparameter name that is a near-miss of a known one (`clip_ratio_hgh`):
+    the kernels would silently read the known field's default instead."""
+    if key in ALGORITHM_FIELDS:
+        return
+    close = difflib.get_close_matches(key, [k for k in ALGORITHM_FIELDS if k != "name"], n=1,
+                                      cutoff=CUSTOM_KEY_SIMILARITY_CUTOFF)
+    if close:
+        raise ConfigError(
+            f"algorithm key '{key}' in {source} looks like a misspelling of the known hyperparameter '{close[0]}'; "
+            "fix the name (a custom hyperparameter must not be a near-miss of a known one; rename it if it is custom)"
+        )
 
 
 class AlgorithmConfig(types.SimpleNamespace):
@@ -229,7 +288,14 @@ class AlgorithmConfig(types.SimpleNamespace):
 
     Loss kernels receive this object as `config` and read attributes (`config.clip_ratio`,
     `getattr(config, "my_param", 0.5)`). Unknown attributes raise AttributeError naming them.
+
+    `given_keys` records which keys were passed explicitly (for a run config: what the user set),
+    so that recipe defaults fill only the keys the user left unset, even when the user's value
+    equals the generic default (`lam: 1.0` under ppo stays 1.0).
     """
+
+    # A slot, not an attribute in vars(): kernels and to_dict() see only hyperparameters.
+    __slots__ = ("_given_keys",)
 
     def __init__(self, **values: Any):
         merged = dict(ALGORITHM_FIELDS)
@@ -239,12 +305,32 @@ class AlgorithmConfig(types.SimpleNamespace):
         if merged["clip_ratio_high"] is None:
             merged["clip_ratio_high"] = merged["clip_ratio"]
         super().__init__(**merged)
+        self._given_keys = frozenset(values)
+
+    @property
+    def given_keys(self) -> frozenset[str]:
+        """Keys passed explicitly to the constructor (the others hold generic defaults)."""
+        return self._given_keys
+
+    def given_values(self) -> dict[str, Any]:
+        """{key: value} of the explicitly given keys."""
+        return {key: getattr(self, key) for key in sorted(self._given_keys)}
 
     def custom_hyperparameters(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if k not in ALGORITHM_FIELDS}
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
+
+    def __reduce__(self):
+        # SimpleNamespace pickles only vars(); keep the given keys across processes (Ray workers, checkpoints).
+        return (_rebuild_algorithm_config, (self.to_dict(), tuple(sorted(self._given_keys))))
+
+
+def _rebuild_algorithm_config(values: dict[str, Any], given_keys: tuple[str, ...]) -> AlgorithmConfig:
+    config = AlgorithmConfig(**values)
+    config._given_keys = frozenset(given_keys)
+    return config
 
 
 SECTIONS: dict[str, type] = {
@@ -296,6 +382,7 @@ class RunConfig:
             if key == "algorithm" and isinstance(value, dict):
                 for sub_key, sub_value in value.items():
                     sub_key = str(sub_key).replace("-", "_")
+                    check_custom_algorithm_key(sub_key, source)
                     algorithm[sub_key] = _coerce_algorithm(sub_key, sub_value, source)
             elif key in SECTIONS and isinstance(value, dict):
                 for sub_key, sub_value in value.items():
@@ -327,7 +414,8 @@ class RunConfig:
         merged = {}
         for name in SECTIONS:
             merged.update(dataclasses.asdict(getattr(self, name)))
-        merged["algorithm"] = self.algorithm.to_dict()
+        # Only the keys the user set: the copy must not turn generic defaults into explicit settings.
+        merged["algorithm"] = self.algorithm.given_values()
         for key, value in flat_values.items():
             key = key.replace("-", "_")
             if key in ALGORITHM_FIELDS and key not in FIELDS:
@@ -345,12 +433,14 @@ def _unknown(raw_key: str, key: str, source: str) -> str:
 
 
 def _coerce_algorithm(key: str, value: Any, source: str) -> Any:
-    """Known algorithm fields with a typed default are checked like section fields."""
+    """Known algorithm fields with a typed default (or an entry in ALGORITHM_FIELD_TYPES) are
+    checked like section fields; custom keys keep their value as given."""
     default = ALGORITHM_FIELDS.get(key)
-    if default is None or value is None:
+    value_type = ALGORITHM_FIELD_TYPES.get(key) if default is None else type(default)
+    if value_type is None or value is None:
         return value
     stand_in = dataclasses.field()
-    stand_in.name, stand_in.type = key, type(default)
+    stand_in.name, stand_in.type = key, value_type
     return _coerce(stand_in, value, source)
 
 
