@@ -226,15 +226,11 @@ def resolve_recipe(run_config):
 
 
 def check_supported(training_config, run_config) -> None:
-    """Fail before any worker starts for what the loop does not run yet (live DAgger roll-ins)."""
-    protocol = training_config.rollin_protocol
-    trajectory_replay = protocol == "teacher_relabel" and run_config.teacher.dagger_sft_mode == "trajectory"
-    if protocol is not None and not trajectory_replay:
-        raise NotImplementedError(
-            f"recipe {training_config.name!r}: live {protocol!r} roll-ins are not wired into the training loop yet; "
-            + ("use --dagger-sft-mode trajectory with --trajectory-corpus" if protocol == "teacher_relabel"
-               else "the roll-in schedules exist in stacx.rollout.dagger, the teacher-executed turns do not")
-        )
+    """Fail before any worker starts on a roll-in the loop cannot run (bad mode or schedule)."""
+    if training_config.data_source == "rollout":
+        from stacx.trainer.rollin import resolve_rollin
+
+        resolve_rollin(training_config, run_config.teacher)
 
 
 def build_metrics_logger(run_config, start_step: int = 0):
@@ -292,7 +288,7 @@ def create_trainer(run_config, *, layout: WorkerLayout | None = None):
         return StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm,
                             roles=roles, channel=RayChannel(), data=data, rollout=rollout,
                             make_metrics_logger=lambda start_step: build_metrics_logger(run_config, start_step),
-                            on_failure=fail, on_close=close)
+                            on_failure=fail, on_close=close, exchanges=graph.exchanges)
     except BaseException:
         if graph is not None:
             graph.kill()

@@ -10,9 +10,14 @@
 Engines (`rollout.rollout_engine`):
 - 'cpu': `stacx serve` started as a child process on loopback (Stacx's CPU engine behind SGLang's
   HTTP API); the driver and the trainer's ranks talk to it over HTTP like to any server.
-- 'http': attach to `rollout.rollout_urls[0]` (a running `stacx serve` or SGLang server).
+- 'http': attach to every URL of `rollout.rollout_urls` (running `stacx serve` or SGLang servers);
+  with several, an `EnginePool` spreads requests (least-loaded) and every engine takes each
+  weight update and confirms its version.
 - 'sglang': launch SGLang servers on the Ray cluster's GPUs and attach to the first.
 - 'auto': 'sglang' when CUDA is present, else 'cpu'.
+
+Roll-in recipes also get a teacher engine (`teacher_engine()`): the teacher server at
+`teacher_url` generates the teacher-executed turns through the same `/generate` API.
 
 Sampling seeds: step s uses a RolloutManager seeded with (rollout_seed, s), so a resumed run draws
 the same samples as an uninterrupted one.
@@ -135,10 +140,15 @@ class RolloutService:
     """Generation, rewards and teacher scoring for the driver, plus the weight-update handshake."""
 
     def __init__(self, engine, *, engine_kind: str, url: str, tokenizer, rollout_section, teacher=None,
-                 teacher_top_k: int = 0, server: Optional[Any] = None, sglang_actors: Sequence[Any] = ()):
+                 teacher_top_k: int = 0, server: Optional[Any] = None, sglang_actors: Sequence[Any] = (),
+                 urls: Sequence[str] = (), teacher_section=None):
         self.engine = engine
         self.engine_kind = engine_kind
         self.url = url
+        self.urls = tuple(urls) or (url,)
+        """Every engine URL; weight updates go to each."""
+        self.teacher_section = teacher_section
+        self._teacher_engine = None
         self.tokenizer = tokenizer
         self.rollout = rollout_section
         self.teacher = teacher
@@ -162,6 +172,8 @@ class RolloutService:
         elif kind == "http":
             if not rollout.rollout_urls:
                 raise ValueError("rollout_engine 'http' needs --rollout-urls (the servers to attach to)")
+            if len(set(rollout.rollout_urls)) != len(rollout.rollout_urls):
+                raise ValueError(f"--rollout-urls lists a server twice: {list(rollout.rollout_urls)}")
             url = rollout.rollout_urls[0]
         else:  # sglang
             from stacx.rollout.sglang_engine import SglangServerSpec, launch_sglang_servers_on_ray
@@ -172,9 +184,16 @@ class RolloutService:
         if training_config.uses_teacher and teacher is None:
             raise ValueError(f"recipe {training_config.name!r} scores rollouts with a teacher; set --teacher-url")
         top_k = run_config.teacher.teacher_top_k if run_config.teacher.distill_kl_mode == "topk" else 0
-        service = cls(engine_client(kind, url), engine_kind=kind, url=url, tokenizer=tokenizer,
+        urls = tuple(rollout.rollout_urls) if kind == "http" else (url,)
+        if len(urls) > 1:
+            from stacx.trainer.engine_pool import EnginePool
+
+            engine = EnginePool([engine_client(kind, u) for u in urls], names=urls)
+        else:
+            engine = engine_client(kind, url)
+        service = cls(engine, engine_kind=kind, url=url, tokenizer=tokenizer,
                       rollout_section=rollout, teacher=teacher, teacher_top_k=top_k, server=server,
-                      sglang_actors=actors)
+                      sglang_actors=actors, urls=urls, teacher_section=run_config.teacher)
         service.wait_until_healthy()
         return service
 
@@ -194,14 +213,32 @@ class RolloutService:
                               top_p=r.rollout_top_p, top_k=r.rollout_top_k,
                               stop_token_ids=(eos,) if eos is not None else ())
 
-    def generate(self, examples: Sequence[Any], *, step: int) -> list:
-        """`n_samples_per_prompt` samples per example, with rewards and teacher fields as configured."""
+    def manager(self, step: int, *, seed_offset: int = 0, with_teacher: bool = True):
+        """A RolloutManager on the rollout engine(s), its sampling seeds fixed by (rollout_seed, step, offset)."""
         from stacx.rollout.manager import RolloutManager
 
-        manager = RolloutManager(
-            self.engine, tokenizer=self.tokenizer, reward_fn=self.rollout.reward_fn, teacher=self.teacher,
-            teacher_top_k=self.teacher_top_k, seed=self.rollout.rollout_seed * 100_003 + step,
+        return RolloutManager(
+            self.engine, tokenizer=self.tokenizer, reward_fn=self.rollout.reward_fn,
+            teacher=self.teacher if with_teacher else None, teacher_top_k=self.teacher_top_k,
+            seed=self.rollout.rollout_seed * 100_003 + step + seed_offset,
         )
+
+    def teacher_engine(self):
+        """The teacher server as an InferenceEngine (it executes the teacher's turns of roll-ins)."""
+        if self._teacher_engine is None:
+            section = self.teacher_section
+            if section is None or not section.teacher_url:
+                raise ValueError("DAgger roll-ins let the teacher act; set --teacher-url (a `stacx serve` or SGLang teacher)")
+            from stacx.rollout.http_client import RetryPolicy
+            from stacx.rollout.http_engine import HttpEngine
+
+            retry = RetryPolicy(timeout_s=section.teacher_timeout_s, max_attempts=section.teacher_retries + 1)
+            self._teacher_engine = HttpEngine(section.teacher_url, retry)
+        return self._teacher_engine
+
+    def generate(self, examples: Sequence[Any], *, step: int) -> list:
+        """`n_samples_per_prompt` samples per example, with rewards and teacher fields as configured."""
+        manager = self.manager(step)
         return manager.generate([e.prompt_ids for e in examples], self.sampling_params(),
                                 n_samples_per_prompt=self.rollout.n_samples_per_prompt,
                                 labels=[e.label for e in examples], metadatas=[e.metadata for e in examples])
@@ -218,9 +255,11 @@ class RolloutService:
             self.engine.flush_cache()
         finally:
             self.engine.resume()
-        served = self.engine.weight_version()
-        if served != version:
-            raise RuntimeError(f"rollout engine at {self.url} serves weight version {served} after pushing {version}")
+        versions = self.engine.weight_versions() if hasattr(self.engine, "weight_versions") \
+            else {self.url: self.engine.weight_version()}
+        stale = {url: served for url, served in versions.items() if served != version}
+        if stale:
+            raise RuntimeError(f"rollout engine(s) serve weight version(s) {stale} after pushing {version}")
 
     def close(self) -> None:
         shutdown = getattr(self.engine, "shutdown", None)
@@ -228,6 +267,8 @@ class RolloutService:
             shutdown()
         if self.teacher is not None:
             self.teacher.close()
+        if self._teacher_engine is not None:
+            self._teacher_engine.shutdown()
         if self.server is not None:
             self.server.stop()
         for actor in self.sglang_actors:

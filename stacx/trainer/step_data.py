@@ -108,10 +108,12 @@ class StepDataSource:
     def __init__(self, run_config, training_config, tokenizer):
         from stacx.rollout.data import DataConfig, EpochLoader, load_examples
 
+        from stacx.rollout.env_overrides import apply_env_overrides
+
         rollout = run_config.rollout
         self.kind = data_kind(training_config)
         self.batch_size = rollout.rollout_batch_size
-        teacher = run_config.teacher
+        teacher = apply_env_overrides(run_config.teacher)  # STACX_DAGGER_SFT_MODE picks replay or live
         if training_config.rollin_protocol == "teacher_relabel" and teacher.dagger_sft_mode == "trajectory":
             if not teacher.trajectory_corpus:
                 raise ValueError("dagger_sft_mode 'trajectory' needs --trajectory-corpus")
@@ -129,8 +131,9 @@ class StepDataSource:
             examples = load_examples(config, tokenizer)
         self.loader = EpochLoader(examples, seed=run_config.train.seed)
 
-    def next_examples(self) -> list:
-        return self.loader.next_batch(self.batch_size)
+    def next_examples(self, count: int | None = None) -> list:
+        """The next `count` examples (default: one step's rollout_batch_size); dynamic sampling asks for more."""
+        return self.loader.next_batch(self.batch_size if count is None else count)
 
     def next_dataset_batch(self) -> dict[str, list]:
         """A whole step of supervised samples (SFT, DPO pairs or corpus trajectories)."""

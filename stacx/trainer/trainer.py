@@ -38,7 +38,8 @@ class StacxTrainer:
     def __init__(self, *, run_config, training_config, algorithm, roles: Mapping[str, Any], channel,
                  data: Optional[step_data.StepDataSource], rollout=None,
                  make_metrics_logger: Optional[Callable[[int], Any]] = None,
-                 on_failure: Callable[[], None] = lambda: None, on_close: Callable[[], None] = lambda: None):
+                 on_failure: Callable[[], None] = lambda: None, on_close: Callable[[], None] = lambda: None,
+                 exchanges: Optional[Mapping[str, Any]] = None):
         self.run_config = run_config
         self.training_config = training_config
         self.algorithm = algorithm
@@ -52,14 +53,17 @@ class StacxTrainer:
         self.on_failure = on_failure
         self.on_close = on_close
         self.role_graph = training_config.role_graph()
-        if self.role_graph.exchange_syncs:
-            raise NotImplementedError(
-                f"recipe {training_config.name!r}: exchange syncs are not driven by the training loop yet "
-                "(ExchangeSyncGroup moves tensors; no catalog recipe uses one)")
+        from stacx.trainer.exchange_steps import ExchangeSchedule
+
+        self.exchange_schedule = ExchangeSchedule(training_config, exchanges, self.roles,
+                                                  every_n_steps_override=run_config.train.exchange_every_n_steps)
+        """Exchange syncs (e.g. a reference refreshed from the policy) run after the train phase when due."""
         # Driver-side instances answer what each role needs (reference, old log-probs); they hold no model.
         self.specializations = {role.name: role.specialization_cls(algorithm, None) for role in training_config.roles}
         self._check_reference_inputs()
-        self.engine_target = channel.share((rollout.engine_kind, rollout.url) if rollout is not None else None)
+        self.engine_target = channel.share((rollout.engine_kind, tuple(rollout.urls)) if rollout is not None else None)
+        self.step_rollout = self._build_step_rollout() if rollout is not None and channel.is_driver else None
+        """The driver's `rollout_steps.StepRollout`: roll-ins, DAPO shaping and sampling, eval, rollout dumps."""
         self.step = 0
         self.last_metrics: dict[str, float] = {}
 
@@ -97,8 +101,11 @@ class StacxTrainer:
             self.compute_advantages(batch)
         for role in self.training_config.trainable_roles:
             metrics.update({f"{role.name}/{k}": v for k, v in self.train_role(role.name, batch).items()})
+        metrics.update(self.exchange_schedule.run_due(completed_steps=step + 1))
         if self.engine_target is not None:
             self.push_policy_weights(version=step + 1)
+        if self.channel.is_driver and self.step_rollout is not None:
+            metrics.update(self.step_rollout.evaluate_if_due(step))  # on the weights just pushed
         metrics["time/step_s"] = time.monotonic() - started
         return metrics
 
@@ -112,20 +119,19 @@ class StacxTrainer:
             return batch, {"data/response_length_mean": sum(lengths) / len(lengths)}
         from stacx.rollout.manager import samples_to_batch
 
-        samples = self.rollout.generate(self.data.next_examples(), step=step)
+        samples, metrics = self.step_rollout.collect(step)
         batch = samples_to_batch(samples)
         batch["rewards"] = self.shaped_rewards(batch)
-        rewards = [s.reward if s.reward is not None else 0.0 for s in samples]
-        lengths = batch["response_lengths"]
-        metrics = {
-            "rollout/reward_mean": sum(rewards) / len(rewards),
-            "rollout/response_length_mean": sum(lengths) / len(lengths),
-            "rollout/weight_version": float(min(s.weight_version for s in samples)),
-            "rollout/reward_errors": float(sum(s.reward_error is not None for s in samples)),
-        }
-        if "teacher_log_probs" in batch:
-            metrics["rollout/teacher_log_prob_mean"] = _masked_mean(batch["teacher_log_probs"], batch["loss_masks"])
+        if "teacher_log_probs" in batch:  # over student-executed tokens (teacher ones hold the +1.0 sentinel)
+            metrics["rollout/teacher_log_prob_mean"] = _masked_mean(
+                batch["teacher_log_probs"], [m * (t <= 0) for t, m in zip(batch["teacher_log_probs"], batch["loss_masks"])])
         return batch, metrics
+
+    def _build_step_rollout(self):
+        from stacx.trainer.rollout_steps import StepRollout
+
+        return StepRollout(self.rollout, self.data, run_config=self.run_config, training_config=self.training_config,
+                           algorithm=self.algorithm)
 
     def shaped_rewards(self, batch) -> list[float]:
         """opd_rl: R_i - teacher_kl_coef * sum_t m_it (log pi(a_t) - log pi_teacher(a_t)) (rollout log-probs)."""
@@ -145,6 +151,8 @@ class StacxTrainer:
         return self.training_config.algorithm is not None
 
     def _wants_reference(self, role) -> bool:
+        if any(s.target_role == role.name and "ref_log_probs" in s.keys for s in self.role_graph.inject_syncs):
+            return False  # a separate (frozen) reference role injects them
         spec = self.specializations[role.name]
         kl = bool(getattr(self.algorithm, "use_kl_loss", False) or getattr(self.algorithm, "use_kl_in_reward", False))
         return spec.needs_reference() or (kl and role.reference_checkpoint_arg is not None and role.trainable)
@@ -243,12 +251,13 @@ class StacxTrainer:
 
     def push_policy_weights(self, version: int) -> None:
         """Pause the engine, stream the rollout role's weights in buckets, resume, check the version."""
-        kind, url = self.engine_target
+        kind, urls = self.engine_target
         role = self.training_config.rollout_role
         if self.channel.is_driver:
             self.rollout.begin_weight_update()
         try:
-            self.roles[role.name].call_all("push_weights_to_engine", kind, url, version, WEIGHT_BUCKET_BYTES)
+            for url in urls:  # every rollout engine takes the update; finish_weight_update checks each version
+                self.roles[role.name].call_all("push_weights_to_engine", kind, url, version, WEIGHT_BUCKET_BYTES)
         finally:
             if self.channel.is_driver:
                 self.rollout.finish_weight_update(version)

@@ -64,14 +64,16 @@ def test_torchrun_is_detected_from_its_environment():
     assert not launched_by_torchrun({})
 
 
-def test_live_dagger_rollins_are_refused_before_any_worker_starts():
+def test_bad_rollin_settings_are_refused_before_any_worker_starts():
     from stacx.trainer.factory import check_supported
 
-    with pytest.raises(NotImplementedError, match="beta_mixture"):
-        check_supported(get_recipe("mixture_dagger_opd"), RunConfig())
-    with pytest.raises(NotImplementedError, match="--dagger-sft-mode trajectory"):
-        check_supported(get_recipe("online_dagger"), RunConfig())
-    check_supported(get_recipe("online_dagger"), RunConfig.from_dict({"dagger_sft_mode": "trajectory"}))
+    # Live roll-ins run (tests/trainer/test_loop_rollout_dagger.py); a bad schedule or mode fails at start.
+    check_supported(get_recipe("mixture_dagger_opd"), RunConfig())
+    check_supported(get_recipe("online_dagger"), RunConfig())
+    with pytest.raises(ValueError, match="dagger_beta_start"):
+        check_supported(get_recipe("mixture_dagger_opd"), RunConfig.from_dict({"dagger_beta_start": 1.5}))
+    with pytest.raises(ValueError, match="dagger_sampling_mode"):
+        check_supported(get_recipe("mixture_aggrevate_opd"), RunConfig.from_dict({"dagger_sampling_mode": "gamma"}))
 
 
 def test_engine_kind_resolution():
