@@ -22,6 +22,7 @@ from stacx.specializations.dpo import DPOSpecialization
 from stacx.specializations.mixed_loss_dagger import MixedLossDaggerOPDSpecialization
 from stacx.trainer.config import (
     AlgorithmDefaults,
+    ExchangeSync,
     InjectSync,
     ModelRole,
     RecipeError,
@@ -215,6 +216,9 @@ def dpo_config() -> TrainingConfig:
 
 # ---- reinforcement learning: one specialization, different algorithm data ----------------------
 
+REFERENCE_REFRESH_EVERY_N_STEPS = 50
+"""Default refresh interval of grpo_reference_refresh's reference role (steps)."""
+
 
 @recipe("grpo")
 def grpo_config() -> TrainingConfig:
@@ -301,6 +305,37 @@ def rloo_config() -> TrainingConfig:
         "RLOO: each sample's baseline is the mean reward of the other samples of its prompt; PPO-clipped loss.",
         AlgorithmDefaults(advantage_estimator="rloo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
                           norm_adv_by_std=False),
+    )
+
+
+@recipe("grpo_reference_refresh")
+def grpo_reference_refresh_config() -> TrainingConfig:
+    return TrainingConfig(
+        name="grpo_reference_refresh",
+        roles=(
+            _policy(ActorSpecialization, with_reference=False,
+                    description="policy trained by GRPO with a KL loss to the reference role; serves the rollouts"),
+            ModelRole(name="reference", specialization_cls=ActorSpecialization, trainable=False,
+                      shares_pool_with="policy", checkpoint_arg="hf_checkpoint",
+                      description="frozen KL anchor: starts as the initial policy, computes reference log-probs, "
+                                  "and is overwritten by the policy's weights every N steps"),
+        ),
+        syncs=(
+            InjectSync(source_role="reference", target_role="policy", keys=("ref_log_probs",)),
+            ExchangeSync(source_role="policy", target_role="reference", keys=("weights",),
+                         every_n_steps=REFERENCE_REFRESH_EVERY_N_STEPS),
+        ),
+        description=(
+            "GRPO with a periodically refreshed reference (ProRL-style reference reset): the KL loss anchors the "
+            f"policy to a frozen reference role, whose weights are replaced by the policy's every "
+            f"{REFERENCE_REFRESH_EVERY_N_STEPS} steps (--exchange-every-n-steps) over an exchange sync, so long runs "
+            "keep a KL leash without being pulled back to the initial model."
+        ),
+        algorithm=AlgorithmDefaults(advantage_estimator="grpo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
+                                    clip_ratio_low=0.2, clip_ratio_high=0.28, use_kl_loss=True,
+                                    kl_loss_type="low_var_kl", kl_loss_coef=0.01),
+        data_source="rollout",
+        uses_reward=True,
     )
 
 

@@ -151,8 +151,9 @@ class StacxTrainer:
         return self.training_config.algorithm is not None
 
     def _wants_reference(self, role) -> bool:
-        if any(s.target_role == role.name and "ref_log_probs" in s.keys for s in self.role_graph.inject_syncs):
-            return False  # a separate (frozen) reference role injects them
+        if not role.trainable or any(s.target_role == role.name and "ref_log_probs" in s.keys
+                                     for s in self.role_graph.inject_syncs):
+            return False  # a frozen role has no loss; a separate reference role injects them
         spec = self.specializations[role.name]
         kl = bool(getattr(self.algorithm, "use_kl_loss", False) or getattr(self.algorithm, "use_kl_in_reward", False))
         return spec.needs_reference() or (kl and role.reference_checkpoint_arg is not None and role.trainable)

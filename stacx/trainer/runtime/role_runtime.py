@@ -145,7 +145,8 @@ class RoleRuntime:
     def compute_fields(self, micro_batches: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[dict] | None:
         """Forward-only per-sample fields for each micro-batch: {name: [whole-response tensor per sample]}.
 
-        names: ref_log_probs (reference weights swapped in), old_log_probs / log_probs (current
+        names: ref_log_probs (reference weights swapped in; a frozen role without them uses its own
+        weights), old_log_probs / log_probs (current
         weights), values (value-head roles). Every rank computes (TP/CP collectives inside); only
         the rank with tp_rank == cp_rank == 0 returns the values (None elsewhere: peers hold copies).
         """
@@ -155,7 +156,9 @@ class RoleRuntime:
         self.forward_module.eval()
         results = [dict() for _ in micro_batches]
         for name in names:
-            swapped = name == "ref_log_probs"
+            # A frozen role without an in-worker reference is itself a reference model (e.g. a `reference`
+            # role refreshed from the policy by an exchange sync): its own log-probs are the reference's.
+            swapped = name == "ref_log_probs" and (self.role.trainable or self.reference_weights is not None)
             if swapped:
                 self.swap_reference()
             try:

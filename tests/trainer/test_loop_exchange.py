@@ -1,0 +1,112 @@
+"""An exchange sync driven by the training loop: `grpo_reference_refresh` on a local Ray cluster.
+
+The policy trains at TP=2; the frozen `reference` role (colocated, TP=1, so DP=2) injects the
+reference log-probs and is overwritten by the policy's weights every 2 steps. Checked:
+- step 0's KL to the reference is ~0 (the reference starts as the initial policy);
+- step 1's KL is clearly positive (the policy moved and the reference was NOT refreshed after step 0);
+- the exchange ran once, after step 1, moving every Hugging Face tensor;
+- after the run, both reference ranks hold weights bitwise-identical to the policy's (gathered
+  over TP on the live workers), and those differ from the initial checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from tests.trainer.training_fixtures import VARIED_REWARD, read_metrics, run_config, write_tiny_run_files
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
+
+MIB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    import ray
+
+    from stacx.trainer.ray_cluster import connect_ray
+
+    connection = connect_ray(num_cpus=4, object_store_memory_bytes=200 * MIB, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    connection.shutdown()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return write_tiny_run_files(str(tmp_path_factory.mktemp("run_files")))
+
+
+@pytest.fixture(scope="module")
+def engine_world():
+    """This (driver) process as a one-rank world, so it can host the CPU engine."""
+    from stacx.parallel.groups import destroy_parallel_layout
+    from stacx.rollout.cpu_engine import ensure_single_process_layout
+
+    yield ensure_single_process_layout()
+    destroy_parallel_layout()
+
+
+def _hf_weights_per_rank(role_group) -> list[dict[str, torch.Tensor]]:
+    """Every rank's gathered full Hugging Face tensors ({} on ranks that only join the TP gathers)."""
+    from stacx.trainer.exchange_steps import WEIGHTS_KEY, produce_on_worker
+
+    results = role_group.workers.execute_all(functools.partial(produce_on_worker, keys=(WEIGHTS_KEY,)))
+    return [{name.split("/", 1)[1]: t for name, t in result.items()} for result in results]
+
+
+def test_reference_role_is_refreshed_from_the_policy_bitwise(ray_address, files, engine_world, tmp_path):
+    from safetensors.torch import load_file
+
+    from stacx.rollout.cpu_engine import CpuEngine
+    from stacx.rollout.server import EngineHttpServer
+    from stacx.trainer.factory import create_trainer
+
+    server = EngineHttpServer(CpuEngine.from_hf_checkpoint(files["policy"], seed=0)).start()
+    try:
+        cfg = run_config(str(tmp_path), algorithm={"name": "grpo_reference_refresh", "kl_loss_coef": 0.1},
+                         hf_checkpoint=files["policy"], prompt_data=files["prompts"], rollout_engine="http",
+                         rollout_urls=[server.url], tensor_model_parallel_size=2, reward_fn=VARIED_REWARD,
+                         exchange_every_n_steps=2)
+        trainer = create_trainer(cfg)
+        layouts = {name: group.layout for name, group in trainer.roles.items()}
+        assert (layouts["policy"].tensor_parallel_size, layouts["reference"].data_parallel_size) == (2, 2)
+        captured = {}
+        close = trainer.on_close
+
+        def inspect_then_close():
+            captured["policy"] = _hf_weights_per_rank(trainer.roles["policy"])
+            captured["reference"] = _hf_weights_per_rank(trainer.roles["reference"])
+            close()
+
+        trainer.on_close = inspect_then_close
+        trainer.run()
+    finally:
+        server.stop()
+
+    rows = read_metrics(str(tmp_path / "out"))
+    assert [row["step"] for row in rows] == [0, 1]
+    kl = [row["policy/kl_loss"] for row in rows]
+    assert all(math.isfinite(v) for v in kl)
+    # fp32 tolerance: the TP=2 policy and the TP=1 reference sum in different orders.
+    assert abs(kl[0]) < 1e-5, kl
+    assert kl[1] > 1e-4 and kl[1] > 100 * abs(kl[0]), kl
+    exchange_keys = [key for key in rows[1] if key.startswith("exchange/")]
+    assert not [key for key in rows[0] if key.startswith("exchange/")], "refreshed after step 0 (interval is 2)"
+    assert "exchange/policy_to_reference/time_s" in exchange_keys
+
+    policy = [w for w in captured["policy"] if w]
+    assert len(policy) == 1, "one sender: TP rank 0 of the single DP replica"
+    policy = policy[0]
+    assert rows[1]["exchange/policy_to_reference/weights_tensors"] == len(policy)
+    initial = load_file(f"{files['policy']}/model.safetensors")
+    assert any(not torch.equal(policy[name], initial[name]) for name in policy), "the policy never trained"
+    assert len(captured["reference"]) == 2
+    for rank, reference in enumerate(captured["reference"]):
+        assert reference.keys() == policy.keys(), rank
+        for name in policy:
+            assert reference[name].dtype == policy[name].dtype
+            assert torch.equal(reference[name], policy[name]), (rank, name)
