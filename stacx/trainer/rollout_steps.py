@@ -13,7 +13,8 @@ DAPO (the `dapo` recipe's AlgorithmDefaults, or the flags):
 - dynamic sampling (`filter_zero_variance_groups`, or `dynamic_sampling`): groups whose rewards are
   all equal are dropped and more prompts are drawn (over_sampling_factor x the missing count per
   round, at most DYNAMIC_SAMPLING_MAX_ROUNDS rounds) until rollout_batch_size groups remain.
-  Logged: rollout/dynamic_groups_drawn, _kept, _dropped, _rounds.
+  Logged: rollout/dynamic_groups_drawn, _kept, _dropped (uniform), _surplus (informative groups of
+  the last round beyond the batch, discarded), rollout/dynamic_rounds.
 
 Every step writes its first `save_rollouts_per_step` samples to <out>/rollouts.jsonl.
 """
@@ -106,6 +107,9 @@ class StepRollout:
             metrics.update({"rollout/dynamic_groups_drawn": float(result.num_drawn),
                             "rollout/dynamic_groups_kept": float(len(result.groups)),
                             "rollout/dynamic_groups_dropped": float(result.num_dropped),
+                            # informative groups drawn beyond the batch in the last round (discarded)
+                            "rollout/dynamic_groups_surplus": float(result.num_drawn - result.num_dropped
+                                                                    - len(result.groups)),
                             "rollout/dynamic_rounds": float(result.num_rounds)})
         else:
             samples = draw(batch_size)

@@ -232,6 +232,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_dumps_rollouts(tmp_path):
     assert [s.group_index for s in samples] == [0, 0, 1, 1, 2, 2]
     assert metrics["rollout/dynamic_groups_drawn"] == 6 and metrics["rollout/dynamic_groups_dropped"] == 3
     assert metrics["rollout/dynamic_groups_kept"] == 3 and metrics["rollout/dynamic_rounds"] == 3
+    assert metrics["rollout/dynamic_groups_surplus"] == 0
     # The scripted response "12<eos>" is 3 tokens: L - B = 2 < 3 <= 4, penalty (2 - 3) / 2 = -0.5.
     assert all(s.metadata["overlong_penalty"] == -0.5 for s in samples)
     base = [s.reward + 0.5 for s in samples]
