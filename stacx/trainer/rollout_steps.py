@@ -72,9 +72,13 @@ class StepRollout:
         self.dynamic = dynamic_sampling_enabled(run_config, algorithm)
         self.overlong_buffer = int(getattr(algorithm, "overlong_buffer_length", 0) or 0)
         self.overlong_factor = float(getattr(algorithm, "overlong_penalty_factor", 1.0))
-        if self.overlong_buffer:  # a bad buffer fails at start, not mid-run
-            overlong_penalty(0, max_length=rollout.rollout_max_response_len, buffer_length=self.overlong_buffer,
-                             factor=self.overlong_factor)
+        if self.overlong_buffer > rollout.rollout_max_response_len or self.overlong_buffer < 0:
+            # Fail at start, not mid-run. dapo's recipe default (4096) assumes long responses.
+            raise ValueError(
+                f"recipe {training_config.name!r}: overlong_buffer_length={self.overlong_buffer} must be in "
+                f"[0, rollout_max_response_len={rollout.rollout_max_response_len}]; set --overlong-buffer-length "
+                f"(DAPO uses a fifth of the limit, here {rollout.rollout_max_response_len // 5}) or raise "
+                "--rollout-max-response-len")
         self.dumper = None
         if rollout.save_rollouts_per_step > 0:
             from stacx.rollout.evaluation import RolloutDumper
@@ -91,7 +95,10 @@ class StepRollout:
         rng = random.Random(self.run_config.rollout.rollout_seed * 1_000_003 + step)
         metrics: dict[str, float] = {}
         batch_size = self.data.batch_size
-        draw = lambda num_prompts: self.generate(manager, self.data.next_examples(num_prompts), step, rng, metrics)
+
+        def draw(num_prompts: int) -> list:
+            return self.generate(manager, self.data.next_examples(num_prompts), step, rng, metrics)
+
         if self.dynamic:
             from stacx.rollout.dynamic_sampling import collect_informative_groups
 

@@ -307,3 +307,13 @@ def test_engine_pool_spreads_requests_and_keeps_their_order():
         t.join()
     assert [len(e.requests) - b for e, b in zip(engines, before)] == [1, 1]
     assert pool.weight_versions() == {"a": 3, "b": 3}
+
+
+def test_dapo_default_buffer_longer_than_the_response_limit_names_both_flags(tmp_path):
+    from stacx.trainer.rollout_steps import StepRollout
+
+    run_config = RunConfig.from_dict({"rollout_max_response_len": 64, "out": str(tmp_path)})
+    algorithm = SimpleNamespace(filter_zero_variance_groups=True, overlong_buffer_length=4096, overlong_penalty_factor=1.0)
+    with pytest.raises(ValueError, match="overlong-buffer-length.*rollout-max-response-len"):
+        StepRollout(SimpleNamespace(tokenizer=TOKENIZER), FakeData(2), run_config=run_config,
+                    training_config=get_recipe("dapo"), algorithm=algorithm)
