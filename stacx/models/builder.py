@@ -133,11 +133,29 @@ def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32,
         rotary_base=shape.rope_theta,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
     )
+    if not initialize_weights:
+        mark_tensor_parallel_params(model)
     if shape.rope_scaling is not None:
         rope = model.rotary_pos_emb
         rope.inv_freq = llama3_scaled_inv_freq(rope.inv_freq.cpu(), shape.rope_scaling).to(rope.inv_freq.device)
     setattr(model, _HF_CONFIG_ATTR, config)
     return model
+
+
+def mark_tensor_parallel_params(gpt_model) -> None:
+    """Mark every TP-sharded parameter (`tensor_model_parallel`, `partition_dim`) as megatron does
+    while initializing it. Without initialization megatron leaves the marks off, and its grad norm
+    (hence clipping) then counts the shards of TP rank 0 only."""
+    from stacx.models.weight_mapping import param_mappings
+
+    params = dict(gpt_model.named_parameters())
+    for mapping in param_mappings(gpt_model):
+        param = params[mapping.megatron_name]
+        if mapping.kind == "replicated" or getattr(param, "tensor_model_parallel", False):
+            continue
+        param.tensor_model_parallel = True
+        param.partition_dim = 1 if mapping.kind == "row" else 0
+        param.partition_stride = 1
 
 
 def unwrap_model(model):
