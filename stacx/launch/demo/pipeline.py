@@ -8,7 +8,8 @@
 3. GRPO: `grpo` recipe from the SFT model, exact-match reward,
    low-variance KL to the SFT model logged (small coefficient).     metric: held-out accuracy
 4. OPD: the GRPO model is served as a teacher by `stacx serve` (a separate process); the `opd`
-   recipe trains the student on its own samples scored by it.      metric: reverse KL to teacher
+   recipe trains the student on its own samples scored by it
+   (top-K reverse KL).                                               metric: reverse KL to teacher
 
 Each phase is a real `stacx.trainer.run_training` run (Ray role workers, the CPU rollout
 engine) writing metrics.jsonl, TensorBoard events and plots under `out_dir/<phase>/`. Before
@@ -43,10 +44,13 @@ class DemoSettings:
     grpo_samples_per_prompt: int = 8
     grpo_lr: float = 5e-4
     grpo_kl_coef: float = 0.001
-    opd_steps: int = 40
+    opd_steps: int = 80
     opd_prompts_per_step: int = 16
     opd_samples_per_prompt: int = 4
-    opd_lr: float = 3e-3
+    opd_lr: float = 1e-2
+    opd_kl_mode: str = "topk"
+    """'topk': reverse KL over the union of student and teacher top-K supports (learns fastest);
+    'k3_sample': the single-sample k3 estimate on the sampled token."""
     num_eval_prompts: int = 128
     """Held-out prompts every before/after number is measured on."""
     kl_samples_per_prompt: int = 2
@@ -229,7 +233,7 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
             kl_before, accuracy_before = reverse_kl(paths["student_init"]), accuracy(paths["student_init"])
             _train(_run_config(settings, out_dir, "opd", {
                 "algorithm": {"name": "opd"}, "hf_checkpoint": paths["student_init"], "prompt_data": paths["train"],
-                "teacher_url": server.url, "rollout_batch_size": settings.opd_prompts_per_step,
+                "teacher_url": server.url, "distill_kl_mode": settings.opd_kl_mode, "rollout_batch_size": settings.opd_prompts_per_step,
                 "n_samples_per_prompt": settings.opd_samples_per_prompt, "rollout_max_response_len": max_new_tokens,
                 "lr": settings.opd_lr, "num_steps": settings.opd_steps, "export_hf": paths["student"]}))
             _save_tokenizer(task.name, paths["student"])

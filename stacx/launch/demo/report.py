@@ -10,7 +10,7 @@ PANELS = (
     ("sft", "policy/loss", "SFT: cross-entropy loss"),
     ("grpo", "rollout/reward_mean", "GRPO: mean reward (exact match)"),
     ("grpo", "policy/kl_loss", "GRPO: KL(policy || SFT model)"),
-    ("opd", "policy/loss", "OPD: distillation loss (reverse KL, k3)"),
+    ("opd", "policy/loss", "OPD: distillation loss (reverse KL)"),
 )
 
 
