@@ -22,23 +22,13 @@ import os
 import typing
 from typing import Any
 
-from stacx.trainer.run_config import ALGORITHM_FIELDS, FIELDS, SECTIONS, ConfigError, RunConfig
+from stacx.trainer.run_config import ALGORITHM_FIELD_TYPES, ALGORITHM_FIELDS, FIELDS, SECTIONS, ConfigError, RunConfig
 
 CONFIG_DEST = "config"
 ALGORITHM_PARAM_DEST = "algorithm_param"
 
 # Algorithm fields whose default is None: their value type, for argparse conversion.
-_UNTYPED_ALGORITHM_FIELDS = {
-    "advantage_estimator": str,
-    "policy_loss": str,
-    "loss_agg_mode": str,
-    "clip_ratio_low": float,
-    "clip_ratio_high": float,
-    "clip_ratio_c": float,
-    "overlong_buffer_length": int,
-    "student_top_k": int,
-    "off_policy_corrections": str,  # comma-separated names
-}
+_UNTYPED_ALGORITHM_FIELDS = {**ALGORITHM_FIELD_TYPES, "off_policy_corrections": str}  # comma-separated names
 # `name` is the recipe: `--algorithm` sets it (one flag per field).
 _ALGORITHM_FIELDS_WITHOUT_FLAG = {"name"}
 

@@ -92,3 +92,15 @@ def resolve_data_path(spec: str | None, *, out_dir: str) -> str | None:
     if not os.path.isfile(path):
         write_rows(task_rows(parsed.task, parsed.split), path)
     return path
+
+
+def resolve_builtin_data(run_config):
+    """The run config with `prompt_data` / `eval_data` of the form `builtin:<task>` replaced by the
+    JSONL files written for them under the run's output folder; other values unchanged."""
+    import dataclasses
+
+    rollout = run_config.rollout
+    out_dir = run_config.logging.out
+    resolved = dataclasses.replace(rollout, prompt_data=resolve_data_path(rollout.prompt_data, out_dir=out_dir),
+                                   eval_data=resolve_data_path(rollout.eval_data, out_dir=out_dir))
+    return dataclasses.replace(run_config, rollout=resolved)

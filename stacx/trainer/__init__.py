@@ -8,9 +8,14 @@ Submodules import their heavy dependencies (Ray, megatron-core) where they use t
 
 
 def run_training(run_config) -> dict:
-    """Train with the right launcher: SPMD under torchrun, Ray otherwise. Returns the last metrics."""
+    """Train with the right launcher: SPMD under torchrun, Ray otherwise. Returns the last metrics.
+
+    `builtin:<task>` data (stacx.tasks) is resolved to files here, so Python callers get it too.
+    """
+    from stacx.tasks.data import resolve_builtin_data
     from stacx.trainer.spmd import launched_by_torchrun, run_spmd
 
+    run_config = resolve_builtin_data(run_config)
     if launched_by_torchrun():
         return run_spmd(run_config)
     from stacx.trainer.factory import create_trainer

@@ -154,6 +154,9 @@ class AlgorithmDefaults:
     """DAPO dynamic sampling: drop prompt groups whose rewards are all equal (they carry no signal)."""
     overlong_buffer_length: int | None = None
     """DAPO soft overlong punishment: responses within this many tokens of the limit are penalized linearly."""
+    overlong_buffer_fraction: float | None = None
+    """The overlong buffer as a fraction of rollout_max_response_len, used when overlong_buffer_length
+    is unset (DAPO: 4096 of 20480 tokens, a fifth), so the recipe fits any response-length limit."""
     overlong_penalty_factor: float = 1.0
     """Largest overlong penalty (reached at the length limit)."""
     teacher_kl_coef: float = 0.0
@@ -183,6 +186,8 @@ class AlgorithmDefaults:
             _check_non_negative("algorithm.value_clip", self.value_clip)
         if self.overlong_buffer_length is not None:
             _check_positive_int("algorithm.overlong_buffer_length", self.overlong_buffer_length)
+        if self.overlong_buffer_fraction is not None and not 0.0 < self.overlong_buffer_fraction <= 1.0:
+            _fail("algorithm.overlong_buffer_fraction", f"must be in (0, 1], got {self.overlong_buffer_fraction!r}")
         if self.gamma > 1.0 or self.lam > 1.0:
             _fail("algorithm.gamma/lam", f"must be in [0, 1], got {self.gamma}, {self.lam}")
 

@@ -261,7 +261,7 @@ def dapo_config() -> TrainingConfig:
         "zero-variance groups, soft overlong punishment and no KL term.",
         AlgorithmDefaults(advantage_estimator="grpo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
                           clip_ratio_low=0.2, clip_ratio_high=0.28, filter_zero_variance_groups=True,
-                          overlong_buffer_length=4096, overlong_penalty_factor=1.0),
+                          overlong_buffer_fraction=0.2, overlong_penalty_factor=1.0),
     )
 
 

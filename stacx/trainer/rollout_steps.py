@@ -33,6 +33,15 @@ DYNAMIC_SAMPLING_MAX_ROUNDS = 8
 """Draw rounds before dynamic sampling gives up with the counts (every group degenerate)."""
 
 
+def overlong_buffer_tokens(algorithm, max_response_len: int) -> int:
+    """B in tokens: overlong_buffer_length when given, else overlong_buffer_fraction * L, else 0 (off)."""
+    length = getattr(algorithm, "overlong_buffer_length", None)
+    if length is not None:
+        return int(length)
+    fraction = getattr(algorithm, "overlong_buffer_fraction", None)
+    return int(round(fraction * max_response_len)) if fraction else 0
+
+
 def overlong_penalty(response_length: int, *, max_length: int, buffer_length: int, factor: float) -> float:
     """DAPO's soft overlong punishment (formula in the module doc); 0 when the buffer is off."""
     if not buffer_length:
@@ -70,10 +79,10 @@ class StepRollout:
         rollout = run_config.rollout
         self.spec = rollin.resolve_rollin(training_config, run_config.teacher)
         self.dynamic = dynamic_sampling_enabled(run_config, algorithm)
-        self.overlong_buffer = int(getattr(algorithm, "overlong_buffer_length", 0) or 0)
+        self.overlong_buffer = overlong_buffer_tokens(algorithm, rollout.rollout_max_response_len)
         self.overlong_factor = float(getattr(algorithm, "overlong_penalty_factor", 1.0))
         if self.overlong_buffer > rollout.rollout_max_response_len or self.overlong_buffer < 0:
-            # Fail at start, not mid-run. dapo's recipe default (4096) assumes long responses.
+            # Fail at start, not mid-run.
             raise ValueError(
                 f"recipe {training_config.name!r}: overlong_buffer_length={self.overlong_buffer} must be in "
                 f"[0, rollout_max_response_len={rollout.rollout_max_response_len}]; set --overlong-buffer-length "

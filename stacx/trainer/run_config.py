@@ -238,6 +238,7 @@ ALGORITHM_FIELDS: dict[str, Any] = {
     # DAPO data shaping
     "filter_zero_variance_groups": False,
     "overlong_buffer_length": None,
+    "overlong_buffer_fraction": None,
     "overlong_penalty_factor": 1.0,
     # preference optimization
     "dpo_beta": 0.1,
@@ -260,6 +261,7 @@ ALGORITHM_FIELD_TYPES: dict[str, type] = {
     "clip_ratio_high": float,
     "clip_ratio_c": float,
     "overlong_buffer_length": int,
+    "overlong_buffer_fraction": float,
     "student_top_k": int,
 }
 """Value types of the known fields whose default is None (None stays allowed); the others take the
@@ -410,19 +412,27 @@ class RunConfig:
         return out
 
     def replace(self, **flat_values: Any) -> "RunConfig":
-        """A copy with some flat fields changed (same keys as from_dict)."""
-        merged = {}
-        for name in SECTIONS:
-            merged.update(dataclasses.asdict(getattr(self, name)))
+        """A copy with some fields changed: flat keys as in from_dict, `algorithm={...}` updates
+        algorithm keys (the others are kept), `train.algorithm` (the recipe) stays unless given."""
+        nested: dict[str, Any] = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
         # Only the keys the user set: the copy must not turn generic defaults into explicit settings.
-        merged["algorithm"] = self.algorithm.given_values()
+        algorithm = self.algorithm.given_values()
         for key, value in flat_values.items():
             key = key.replace("-", "_")
-            if key in ALGORITHM_FIELDS and key not in FIELDS:
-                merged["algorithm"][key] = value
+            if key == "algorithm" and isinstance(value, (dict, AlgorithmConfig)):
+                updates = value.given_values() if isinstance(value, AlgorithmConfig) else value
+                algorithm.update({str(k).replace("-", "_"): v for k, v in updates.items()})
+            elif key in FIELDS:
+                nested[FIELDS[key][0]][key] = value
+            elif key in ALGORITHM_FIELDS or key in SECTIONS:
+                if key in SECTIONS:
+                    nested[key].update(value)
+                else:
+                    algorithm[key] = value
             else:
-                merged[key] = value
-        return RunConfig.from_dict(merged, source="replace()")
+                raise ConfigError(_unknown(key, key, "replace()"))
+        nested["algorithm"] = algorithm
+        return RunConfig.from_dict(nested, source="replace()")
 
 
 def _unknown(raw_key: str, key: str, source: str) -> str:

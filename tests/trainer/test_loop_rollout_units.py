@@ -317,3 +317,20 @@ def test_dapo_default_buffer_longer_than_the_response_limit_names_both_flags(tmp
     with pytest.raises(ValueError, match="overlong-buffer-length.*rollout-max-response-len"):
         StepRollout(SimpleNamespace(tokenizer=TOKENIZER), FakeData(2), run_config=run_config,
                     training_config=get_recipe("dapo"), algorithm=algorithm)
+
+
+def test_overlong_buffer_is_a_length_or_a_fraction_of_the_response_limit():
+    from types import SimpleNamespace
+
+    from stacx.trainer.recipes import get_recipe
+    from stacx.trainer.resolved_config import resolve_algorithm_config
+    from stacx.trainer.rollout_steps import overlong_buffer_tokens
+    from stacx.trainer.run_config import RunConfig
+
+    assert overlong_buffer_tokens(SimpleNamespace(overlong_buffer_length=None, overlong_buffer_fraction=0.2), 64) == 13
+    assert overlong_buffer_tokens(SimpleNamespace(overlong_buffer_length=5, overlong_buffer_fraction=0.2), 64) == 5
+    assert overlong_buffer_tokens(SimpleNamespace(overlong_buffer_length=None, overlong_buffer_fraction=None), 64) == 0
+    # dapo's default (a fifth, as in the DAPO paper's 4096 of 20480) fits the default response limit.
+    dapo = resolve_algorithm_config(get_recipe("dapo"), RunConfig())
+    limit = RunConfig().rollout.rollout_max_response_len
+    assert 0 < overlong_buffer_tokens(dapo, limit) <= limit

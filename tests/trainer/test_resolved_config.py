@@ -98,7 +98,8 @@ def test_newly_known_fields_have_flags_and_are_type_checked():
         RunConfig.from_dict({"algorithm": {"student_top_k": 2.5}})
     # The recipe's DAPO shaping fields are known fields now (not custom hyperparameters).
     dapo = resolve_algorithm_config(get_recipe("dapo"), RunConfig())
-    assert dapo.filter_zero_variance_groups is True and dapo.overlong_buffer_length == 4096
+    assert dapo.filter_zero_variance_groups is True and dapo.overlong_buffer_fraction == 0.2
+    assert dapo.overlong_buffer_length is None
     assert dapo.custom_hyperparameters().keys() <= {"rollout_temperature", "distill_kl_mode", "teacher_top_k"}
 
 

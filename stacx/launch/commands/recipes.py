@@ -67,6 +67,8 @@ def _algorithm_cell(algorithm) -> str:
         parts.append("drops zero-variance groups")
     if algorithm.overlong_buffer_length:
         parts.append(f"overlong buffer {algorithm.overlong_buffer_length}")
+    elif algorithm.overlong_buffer_fraction:
+        parts.append(f"overlong buffer {algorithm.overlong_buffer_fraction:g} x max response length")
     if algorithm.teacher_kl_coef:
         parts.append(f"teacher reverse-KL shaping x {algorithm.teacher_kl_coef:g}")
     if algorithm.advantage_estimator == "gae":

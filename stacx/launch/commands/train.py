@@ -41,20 +41,6 @@ def resolve_recipe(run_config):
     return get_recipe(name)
 
 
-def resolve_builtin_data(run_config):
-    """`prompt_data` / `eval_data` of the form `builtin:<task>` replaced by the JSONL files written
-    for them under the run's output folder (stacx.tasks); other values unchanged."""
-    import dataclasses
-
-    from stacx.tasks.data import resolve_data_path
-
-    rollout = run_config.rollout
-    out_dir = run_config.logging.out
-    resolved = dataclasses.replace(rollout, prompt_data=resolve_data_path(rollout.prompt_data, out_dir=out_dir),
-                                   eval_data=resolve_data_path(rollout.eval_data, out_dir=out_dir))
-    return dataclasses.replace(run_config, rollout=resolved)
-
-
 def describe_run(run_config, recipe, environ=None) -> str:
     """What `--dry-run` prints: the recipe, its role graph, each role's (tp, cp, dp) placement,
     where it would run, and the resolved run configuration as YAML."""
@@ -111,5 +97,5 @@ def run(args) -> int:
         return 2
     from stacx.trainer import run_training
 
-    run_training(resolve_builtin_data(run_config))
+    run_training(run_config)
     return 0
