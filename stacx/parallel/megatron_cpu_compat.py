@@ -25,7 +25,6 @@ Patches (each covered by tests/parallel/test_megatron_cpu_compat.py):
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 

@@ -5,7 +5,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from stacx.testing.distributed import run_distributed
 

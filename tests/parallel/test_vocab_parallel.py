@@ -143,7 +143,6 @@ def test_topk_single_shard_matches_torch_topk():
 
 
 def _tp2_checks(groups):
-    import torch.distributed as dist
 
     counts = install_collective_counter()
 

@@ -22,7 +22,6 @@ from stacx.specializations.distill import resolve_distill_kl_mode
 from tests.specializations.cases import (
     CASES,
     VOCAB,
-    build_batch_fields,
     make_samples,
     reference_config,
     run_case,

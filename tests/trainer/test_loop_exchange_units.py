@@ -10,7 +10,7 @@ import torch
 
 from stacx.specializations.actor import ActorSpecialization
 from stacx.specializations.critic import CriticSpecialization
-from stacx.trainer.config import AlgorithmDefaults, ExchangeSync, InjectSync, ModelRole, TrainingConfig
+from stacx.trainer.config import AlgorithmDefaults, ExchangeSync, ModelRole, TrainingConfig
 from stacx.trainer.exchange_steps import (
     ExchangeSchedule,
     check_exchange_syncs,

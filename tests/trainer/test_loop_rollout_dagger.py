@@ -21,19 +21,7 @@ from tests.trainer.training_fixtures import read_metrics, run_config, write_tiny
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
-MIB = 1024 * 1024
 STUDENT, TEACHER, ENVIRONMENT = 1, 2, 0
-
-
-@pytest.fixture(scope="module")
-def ray_address():
-    import ray
-
-    from stacx.trainer.ray_cluster import connect_ray
-
-    connection = connect_ray(num_cpus=2, object_store_memory_bytes=200 * MIB, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    connection.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -21,24 +21,12 @@ from tests.trainer.training_fixtures import read_metrics, run_config, varied_rew
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
-MIB = 1024 * 1024
 HALF_UNIFORM_REWARD = "tests.trainer.test_loop_rollout_dapo_eval:half_uniform_reward"
 
 
 def half_uniform_reward(response: str, label, metadata: dict) -> float:
     """1.0 for every response to a prompt marked uniform (a zero-variance group), else varied."""
     return 1.0 if (metadata or {}).get("uniform") else varied_reward(response, label, metadata)
-
-
-@pytest.fixture(scope="module")
-def ray_address():
-    import ray
-
-    from stacx.trainer.ray_cluster import connect_ray
-
-    connection = connect_ray(num_cpus=2, object_store_memory_bytes=200 * MIB, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    connection.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +43,6 @@ def files(tmp_path_factory):
         with open(paths[name], "w") as f:
             f.writelines(json.dumps(item) + "\n" for item in items)
     return paths
-
-
-@pytest.fixture(scope="module")
-def engine_world():
-    from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.cpu_engine import ensure_single_process_layout
-
-    yield ensure_single_process_layout()
-    destroy_parallel_layout()
 
 
 def _dumps(out_dir: str) -> dict[int, list[dict]]:

@@ -23,7 +23,6 @@ import tempfile
 import time
 
 import pytest
-import torch
 
 from stacx.trainer.workers.cluster_check import RESULT_PREFIX, rank_contribution
 
@@ -54,7 +53,7 @@ def _wait_for_line(log_path: str, text: str, process: subprocess.Popen, timeout_
 
 def _stop_sessions(processes: list[subprocess.Popen]) -> None:
     """SIGTERM the sessions `ray start --block` leads (it and the Ray processes it started), all at
-    once; SIGKILL what is still there after 60 s."""
+    once; SIGKILL what is still there after 10 s."""
     for process in processes:
         if process.poll() is None:
             try:
@@ -63,7 +62,7 @@ def _stop_sessions(processes: list[subprocess.Popen]) -> None:
                 pass
     for process in processes:
         try:
-            process.wait(timeout=60)
+            process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             try:
                 os.killpg(process.pid, signal.SIGKILL)

@@ -16,7 +16,6 @@ from stacx.specializations.critic import CriticSpecialization
 from stacx.trainer.algorithm import ESTIMATOR_TO_RECIPE, infer_algorithm
 from stacx.trainer.config import (
     AlgorithmDefaults,
-    ExchangeSync,
     InjectSync,
     ModelRole,
     RecipeError,

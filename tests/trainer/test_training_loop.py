@@ -18,38 +18,9 @@ import time
 import pytest
 import torch
 
-from tests.trainer.training_fixtures import VARIED_REWARD, read_metrics, run_config, write_tiny_run_files
+from tests.trainer.training_fixtures import VARIED_REWARD, read_metrics, run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
-
-MIB = 1024 * 1024
-
-
-@pytest.fixture(scope="module")
-def ray_address():
-    import ray
-
-    from stacx.trainer.ray_cluster import connect_ray
-
-    connection = connect_ray(num_cpus=4, object_store_memory_bytes=200 * MIB, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    connection.shutdown()
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    return write_tiny_run_files(str(tmp_path_factory.mktemp("run_files")))
-
-
-@pytest.fixture(scope="module")
-def engine_world():
-    """This (driver) process as a one-rank world, so it can host CPU engines for the tests."""
-    from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.cpu_engine import ensure_single_process_layout
-
-    yield ensure_single_process_layout()
-    destroy_parallel_layout()
-
 
 def _serve(engine_world, checkpoint: str, seed: int = 0):
     from stacx.rollout.cpu_engine import CpuEngine
