@@ -29,6 +29,10 @@ from stacx.objectives.registry import (
 )
 from stacx.specializations.base import Specialization, check_response_field, full_token_counts
 
+NUM_KEPT_LOSS_TOKENS = "num_kept_loss_tokens"
+"""Loss tokens left after the off-policy corrections masked some: the count that the policy,
+KL and entropy metrics (sums over the kept tokens) are divided by."""
+
 #: Built-in policy losses that need each WHOLE response (a sequence-level ratio). A custom loss
 #: declares the same with a function attribute `needs_whole_sequences = True`.
 SEQUENCE_LEVEL_POLICY_LOSSES = frozenset({"gspo"})
@@ -78,6 +82,12 @@ class ActorSpecialization(Specialization):
         if self.use_kl_loss:
             get_kl_estimator(str(self.setting("kl_loss_type", "low_var_kl")))
         self.entropy_coef = float(self.setting("entropy_coef", 0.0))
+        self.kept_token_metrics: set[str] = set()
+        """Metrics summed over the tokens the corrections kept (filled by compute_loss)."""
+
+    @property
+    def metric_denominators(self) -> dict[str, str]:
+        return {name: NUM_KEPT_LOSS_TOKENS for name in self.kept_token_metrics}
 
     # ---- what the trainer loop asks ------------------------------------------------------------
 
@@ -178,6 +188,12 @@ class ActorSpecialization(Specialization):
         )
         metrics.update(policy_metrics)
         metrics.update(kl_entropy_metrics)
+        if self.corrections:
+            # The policy/KL/entropy sums cover only the tokens the corrections kept: count those.
+            metrics[NUM_KEPT_LOSS_TOKENS] = torch.stack(
+                [(m != 0).sum().to(torch.float64) for m in masks]).sum() if masks else torch.zeros((), dtype=torch.float64)
+            self.kept_token_metrics.update(policy_metrics)
+            self.kept_token_metrics.update(kl_entropy_metrics)
         metrics = view.own_metrics(metrics)
         metrics.update(view.count_metrics(raw_masks, batch["loss_masks"]))
         return loss, metrics

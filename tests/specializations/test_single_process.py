@@ -164,3 +164,34 @@ def test_distill_mode_comes_from_config_with_an_environment_override():
         resolve_distill_kl_mode(config, environ={"STACX_DISTILL_KL_MODE": "exact"})
     with pytest.raises(ValueError, match="distill_kl_mode 'exact'"):
         resolve_distill_kl_mode(type("C", (), {"distill_kl_mode": "exact"})(), environ={})
+
+
+def test_actor_metrics_over_kept_tokens_are_divided_by_the_kept_count():
+    """With a correction that masks tokens, entropy and policy metrics are means over the kept tokens."""
+    samples = make_samples()
+    fields = {name: list(samples[name]) for name in ("loss_masks", "advantages", "old_log_probs", "rollout_log_probs")}
+    config = type("C", (), {"policy_loss": "vanilla_pg", "off_policy_corrections": "token_mis", "mis_lower": 0.8,
+                            "mis_upper": 1.25, "entropy_coef": 0.0, "log_entropy": True})()
+    actor = ActorSpecialization(config)
+    logits = random_logits(samples)
+    _, metrics = actor.compute_loss(logits, _batch(samples, **fields), _reducer())
+    kept, raw = float(metrics["num_kept_loss_tokens"]), float(metrics["num_loss_tokens"])
+    assert 0 < kept < raw  # the correction really masked some tokens
+
+    # Independent: entropy of each response token from the logits, averaged over the kept tokens.
+    kept_entropy = []
+    offset = 0
+    for sequence, response_length, mask, old, rollout in zip(samples["sequences"], samples["response_lengths"],
+                                                             fields["loss_masks"], fields["old_log_probs"],
+                                                             fields["rollout_log_probs"]):
+        prompt = len(sequence) - response_length
+        rows = logits.detach()[offset + prompt - 1: offset + len(sequence) - 1].double()
+        entropy = -(rows.softmax(-1) * rows.log_softmax(-1)).sum(-1)
+        ratio = torch.exp(old.double() - rollout.double())
+        keep = (mask != 0) & (ratio >= 0.8) & (ratio <= 1.25)
+        kept_entropy.append(entropy[keep])
+        offset += len(sequence)
+    expected = torch.cat(kept_entropy)
+    assert expected.numel() == kept
+    means = actor.metric_means({k: float(v) for k, v in metrics.items()})
+    assert means["entropy"] == pytest.approx(float(expected.mean()), rel=1e-5)
