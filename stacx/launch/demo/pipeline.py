@@ -164,7 +164,9 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
     from stacx.rollout.tokenizer import build_char_tokenizer
     from stacx.tasks import get_task
     from stacx.trainer.ray_cluster import connect_ray
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # checkpoint load/save bars would interleave with the demo's own
     started = time.monotonic()
     os.makedirs(out_dir, exist_ok=True)
     task = get_task(settings.task)
