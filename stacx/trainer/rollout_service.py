@@ -261,6 +261,14 @@ class RolloutService:
         if stale:
             raise RuntimeError(f"rollout engine(s) serve weight version(s) {stale} after pushing {version}")
 
+    def abort_weight_update(self) -> None:
+        """Resume generation after a failed push; a failure to resume is logged, not raised, so the
+        push's own error is the one reported."""
+        try:
+            self.engine.resume()
+        except Exception:  # noqa: BLE001 - the push's error is already propagating
+            logger.exception("resuming the rollout engine after a failed weight push failed")
+
     def close(self) -> None:
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:

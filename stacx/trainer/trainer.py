@@ -259,9 +259,13 @@ class StacxTrainer:
         try:
             for url in urls:  # every rollout engine takes the update; finish_weight_update checks each version
                 self.roles[role.name].call_all("push_weights_to_engine", kind, url, version, WEIGHT_BUCKET_BYTES)
-        finally:
+        except BaseException:
+            # Resume without the version check: a stale-version error would hide the push's own error.
             if self.channel.is_driver:
-                self.rollout.finish_weight_update(version)
+                self.rollout.abort_weight_update()
+            raise
+        if self.channel.is_driver:
+            self.rollout.finish_weight_update(version)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.last_metrics = metrics

@@ -100,3 +100,41 @@ def test_value_head_matches_a_linear_map_of_the_final_hidden_states():
     assert bias is None and values.shape == (3, 1, 1)
     expected = hidden[..., 0] - 2 * hidden[..., 1] + 0.5 * hidden[..., 2] + 0.25
     assert torch.allclose(values[..., 0], expected)
+
+
+def test_a_failed_weight_push_reports_its_own_error_and_resumes_the_engine():
+    """The push's error propagates (not a stale-version error from the version check), and the
+    engine is resumed without checking a version it never received."""
+    from types import SimpleNamespace
+
+    from stacx.trainer.rollout_service import RolloutService
+    from stacx.trainer.trainer import StacxTrainer
+
+    class Engine:
+        def __init__(self):
+            self.calls = []
+
+        def pause(self):
+            self.calls.append("pause")
+
+        def resume(self):
+            self.calls.append("resume")
+
+        def flush_cache(self):
+            self.calls.append("flush")
+
+        def weight_version(self):
+            return 0  # never reached: the version check is skipped after a failed push
+
+    class FailingPolicy:
+        def call_all(self, method, *args):
+            raise RuntimeError("policy rank 1 died while pushing bucket 3")
+
+    engine = Engine()
+    service = RolloutService(engine, engine_kind="http", url="http://engine", tokenizer=None, rollout_section=None)
+    trainer = SimpleNamespace(engine_target=("http", ("http://engine",)), rollout=service,
+                              channel=SimpleNamespace(is_driver=True), roles={"actor": FailingPolicy()},
+                              training_config=SimpleNamespace(rollout_role=SimpleNamespace(name="actor")))
+    with pytest.raises(RuntimeError, match="died while pushing bucket 3"):
+        StacxTrainer.push_policy_weights(trainer, version=4)
+    assert engine.calls == ["pause", "resume"]
