@@ -180,9 +180,13 @@ class RolloutService:
 
             actors, urls = launch_sglang_servers_on_ray([SglangServerSpec(model_path=hf_checkpoint, port=SGLANG_PORT)])
             url = urls[0]
-        teacher = build_teacher(run_config.teacher) if training_config.uses_teacher else None
-        if training_config.uses_teacher and teacher is None:
-            raise ValueError(f"recipe {training_config.name!r} scores rollouts with a teacher; set --teacher-url")
+        try:
+            teacher = build_teacher(run_config.teacher) if training_config.uses_teacher else None
+            if training_config.uses_teacher and teacher is None:
+                raise ValueError(f"recipe {training_config.name!r} scores rollouts with a teacher; set --teacher-url")
+        except BaseException:
+            _stop_started_servers(server, actors)  # a server this call started must not outlive the error
+            raise
         top_k = run_config.teacher.teacher_top_k if run_config.teacher.distill_kl_mode == "topk" else 0
         urls = tuple(rollout.rollout_urls) if kind == "http" else (url,)
         if len(urls) > 1:
@@ -194,7 +198,11 @@ class RolloutService:
         service = cls(engine, engine_kind=kind, url=url, tokenizer=tokenizer,
                       rollout_section=rollout, teacher=teacher, teacher_top_k=top_k, server=server,
                       sglang_actors=actors, urls=urls, teacher_section=run_config.teacher)
-        service.wait_until_healthy()
+        try:
+            service.wait_until_healthy()
+        except BaseException:
+            service.close()
+            raise
         return service
 
     def wait_until_healthy(self, timeout_s: float = 60.0) -> None:
@@ -270,19 +278,27 @@ class RolloutService:
             logger.exception("resuming the rollout engine after a failed weight push failed")
 
     def close(self) -> None:
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
-        if self.teacher is not None:
-            self.teacher.close()
-        if self._teacher_engine is not None:
-            self._teacher_engine.shutdown()
-        if self.server is not None:
-            self.server.stop()
-        for actor in self.sglang_actors:
-            try:
-                import ray
+        """Close the clients, then stop the servers this run started, even when a client's close fails."""
+        try:
+            shutdown = getattr(self.engine, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            if self.teacher is not None:
+                self.teacher.close()
+            if self._teacher_engine is not None:
+                self._teacher_engine.shutdown()
+        finally:
+            _stop_started_servers(self.server, self.sglang_actors)
 
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001 - best-effort teardown
-                pass
+
+def _stop_started_servers(server: Optional[CpuServerProcess], sglang_actors: Sequence[Any]) -> None:
+    """Stop the `stacx serve` child and kill the SGLang server actors a run started (best effort)."""
+    if server is not None:
+        server.stop()
+    for actor in sglang_actors:
+        try:
+            import ray
+
+            ray.kill(actor)
+        except Exception:  # noqa: BLE001 - best-effort teardown
+            pass

@@ -138,3 +138,25 @@ def test_a_failed_weight_push_reports_its_own_error_and_resumes_the_engine():
     with pytest.raises(RuntimeError, match="died while pushing bucket 3"):
         StacxTrainer.push_policy_weights(trainer, version=4)
     assert engine.calls == ["pause", "resume"]
+
+
+def test_a_rollout_service_that_fails_to_start_stops_the_server_it_started(monkeypatch):
+    from types import SimpleNamespace
+
+    from stacx.trainer import rollout_service
+
+    stopped = []
+
+    class FakeServer:
+        def __init__(self, hf_checkpoint, *, seed):
+            self.url = "http://127.0.0.1:1"
+
+        def stop(self):
+            stopped.append(self.url)
+
+    monkeypatch.setattr(rollout_service, "CpuServerProcess", FakeServer)
+    run_config = RunConfig.from_dict({"rollout_engine": "cpu", "hf_checkpoint": "tiny"})
+    distill = SimpleNamespace(name="opd", uses_teacher=True)
+    with pytest.raises(ValueError, match="--teacher-url"):
+        rollout_service.RolloutService.start(run_config, distill, tokenizer=object())
+    assert stopped == ["http://127.0.0.1:1"]
