@@ -290,9 +290,11 @@ def create_trainer(run_config, *, layout: WorkerLayout | None = None):
                             make_metrics_logger=lambda start_step: build_metrics_logger(run_config, start_step),
                             on_failure=fail, on_close=close, exchanges=graph.exchanges)
     except BaseException:
-        if graph is not None:
-            graph.kill()
-        if rollout is not None:
-            rollout.close()
-        connection.shutdown()
+        try:
+            if graph is not None:
+                graph.kill()
+            if rollout is not None:
+                rollout.close()
+        finally:
+            connection.shutdown()
         raise

@@ -87,8 +87,12 @@ class StacxTrainer:
             if train.export_hf:
                 self.export_policy(train.export_hf)
         except BaseException:
-            self.on_failure()
-            self._close_driver_side()
+            # Teardown after a failure must not replace the failure's own error.
+            for teardown in (self.on_failure, self._close_driver_side):
+                try:
+                    teardown()
+                except Exception:  # noqa: BLE001 - the run's error is already propagating
+                    logger.exception("teardown after a failed run failed")
             raise
         self.close()
         return self.last_metrics
@@ -341,13 +345,16 @@ class StacxTrainer:
                 logger.exception("closing the metrics logger failed")
             self.metrics_logger = None
         if self.rollout is not None:
-            self.rollout.close()
-            self.rollout = None
+            rollout, self.rollout = self.rollout, None
+            rollout.close()
 
     def close(self) -> None:
-        """Release workers, engine, teacher and logger after a finished run."""
-        self._close_driver_side()
-        self.on_close()
+        """Release workers, engine, teacher and logger after a finished run (workers even when the
+        engine's close fails)."""
+        try:
+            self._close_driver_side()
+        finally:
+            self.on_close()
 
 
 def _masked_mean(values, masks) -> float:

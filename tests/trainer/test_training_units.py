@@ -160,3 +160,40 @@ def test_a_rollout_service_that_fails_to_start_stops_the_server_it_started(monke
     with pytest.raises(ValueError, match="--teacher-url"):
         rollout_service.RolloutService.start(run_config, distill, tokenizer=object())
     assert stopped == ["http://127.0.0.1:1"]
+
+
+def test_teardown_errors_never_hide_the_runs_error_and_workers_are_always_released():
+    from types import SimpleNamespace
+
+    from stacx.trainer.trainer import StacxTrainer
+
+    released = []
+
+    class BrokenRollout:
+        def close(self):
+            raise OSError("engine socket already gone")
+
+    def trainer_with(failing_step):
+        trainer = StacxTrainer.__new__(StacxTrainer)
+        trainer.run_config = SimpleNamespace(model=SimpleNamespace(load=None))
+        trainer.channel = SimpleNamespace(is_driver=False)
+        trainer.make_metrics_logger, trainer.metrics_logger = None, None
+        trainer.engine_target, trainer.rollout = None, BrokenRollout()
+        trainer.on_failure = lambda: released.append("killed")
+        trainer.on_close = lambda: released.append("shut down")
+        trainer.run_config.train = SimpleNamespace(num_steps=1, export_hf=None)
+        trainer.train_one_step = failing_step
+        return trainer
+
+    def failing(step):
+        raise RuntimeError("role 'actor' rank 0 failed")
+
+    with pytest.raises(RuntimeError, match="rank 0 failed"):
+        trainer_with(failing).run()
+    assert released == ["killed"]
+    released.clear()
+    trainer = trainer_with(lambda step: {})
+    trainer.log, trainer.should_save = (lambda step, metrics: None), (lambda step: False)
+    with pytest.raises(OSError, match="socket already gone"):
+        trainer.run()
+    assert released == ["shut down"]  # the workers went down although the engine's close failed
