@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from stacx.trainer.role_groups import RoleLayout
 from stacx.trainer.workers.exchange import ExchangeSyncGroup
 from stacx.trainer.workers.placement import PlacedPool, ResourcePool, RolePlacement
 from stacx.trainer.workers.role_workers import RoleWorkers, wait_all
@@ -73,19 +74,6 @@ class WorkerLayout:
         )
         values.update(overrides)
         return cls(**values)
-
-
-@dataclass(frozen=True)
-class RoleLayout:
-    """One role's resolved parallel layout."""
-
-    tensor_parallel_size: int
-    context_parallel_size: int
-    data_parallel_size: int
-
-    @property
-    def num_ranks(self) -> int:
-        return self.tensor_parallel_size * self.context_parallel_size * self.data_parallel_size
 
 
 def resolve_role_layouts(training_config, layout: WorkerLayout) -> dict[str, RoleLayout]:

@@ -20,7 +20,9 @@ from typing import Any, Sequence
 
 
 @dataclass(frozen=True)
-class Layout:
+class RoleLayout:
+    """One role's resolved parallel layout (the factory resolves it; the loop plans micro-batches by it)."""
+
     tensor_parallel_size: int
     context_parallel_size: int
     data_parallel_size: int
@@ -38,7 +40,7 @@ class RayRoleGroup:
 
         self.name = role.name
         self.workers = workers
-        self.layout = Layout(workers.tensor_parallel_size, workers.context_parallel_size, workers.data_parallel_size)
+        self.layout = RoleLayout(workers.tensor_parallel_size, workers.context_parallel_size, workers.data_parallel_size)
         self.coords = workers.execute_all(build_runtime, role, run_config, algorithm)
 
     def call(self, method: str, args_per_rank: Sequence[tuple]) -> list:
@@ -60,7 +62,7 @@ class LocalRoleGroup:
         self.runtime = runtime
         groups = runtime.groups
         self.rank = dist.get_rank()
-        self.layout = Layout(groups.tp_size, groups.cp_size, groups.dp_size)
+        self.layout = RoleLayout(groups.tp_size, groups.cp_size, groups.dp_size)
         self.coords = self._gather({"tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank, "dp_rank": groups.dp_rank})
 
     @staticmethod
