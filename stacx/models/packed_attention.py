@@ -22,24 +22,16 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from stacx.parallel.cp_attention_collectives import all_gather_with_grad
+from stacx.parallel.collectives import gather_from_context_parallel, group_rank, group_size
 from stacx.parallel.cp_layout import local_positions
-
-
-def _group_size(group) -> int:
-    return 1 if group is None else group.size()
-
-
-def _group_rank(group) -> int:
-    return 0 if group is None else group.rank()
 
 
 def gather_kv_to_global_order(local_kv: torch.Tensor, padded_lengths: list[int], cp_group) -> torch.Tensor:
     """[T_local, H, D] on each CP rank -> [T_global, H, D] in the global padded packed order."""
-    cp_size = _group_size(cp_group)
+    cp_size = group_size(cp_group)
     if cp_size == 1:
         return local_kv
-    gathered = all_gather_with_grad(local_kv, cp_group)  # [cp, T_local, H, D]
+    gathered = gather_from_context_parallel(local_kv, cp_group)  # [cp, T_local, H, D]
     order = torch.cat([local_positions(padded_lengths, r, cp_size) for r in range(cp_size)])
     # gathered.flatten(0, 1)[i] sits at global position order[i]; invert the permutation.
     inverse = torch.empty_like(order)
@@ -59,7 +51,7 @@ def packed_causal_attention(
 
     Returns [T_local, Hq, D] in the local order.
     """
-    cp_size, cp_rank = _group_size(cp_group), _group_rank(cp_group)
+    cp_size, cp_rank = group_size(cp_group), group_rank(cp_group)
     full_key = gather_kv_to_global_order(key, padded_lengths, cp_group)  # [T_global, Hkv, D]
     full_value = gather_kv_to_global_order(value, padded_lengths, cp_group)
     outputs = []

@@ -5,8 +5,9 @@ talk to other ranks. A `None` group stands for a size-1 axis: every wrapper is t
 identity and issues nothing, so single-process code takes the same path.
 
 Forward/backward pairs (autograd) follow megatron's naming style:
-`GatherFromContextParallel`: forward all-gather, backward all-reduce of the gradient then keep
-this rank's slice (the sum that a reduce-scatter would give).
+`GatherFromContextParallel`: forward all-gather, backward reduce-scatter of the gradient (NCCL's
+reduce-scatter; gloo has none, so there an all-reduce followed by keeping this rank's slice).
+Used for CP response gathering (cp_fields) and for K/V gathering in CP attention (models).
 """
 
 from __future__ import annotations
@@ -66,8 +67,14 @@ class GatherFromContextParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_gathered: torch.Tensor):
-        grad = all_reduce_sum_(grad_gathered.contiguous().clone(), ctx.group)
-        return grad[group_rank(ctx.group)], None
+        group = ctx.group
+        if group_size(group) > 1 and dist.get_backend(group) == "nccl":
+            grad_local = torch.empty_like(grad_gathered[0])
+            dist.reduce_scatter_tensor(grad_local, grad_gathered.contiguous(), group=group)
+            return grad_local, None
+        # clone: the incoming gradient may be shared with other autograd branches; never reduce it in place.
+        grad = all_reduce_sum_(grad_gathered.contiguous().clone(), group)
+        return grad[group_rank(group)], None
 
 
 def gather_from_context_parallel(local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
