@@ -129,11 +129,16 @@ def build_teacher(teacher_section):
     """TeacherClient for `teacher.teacher_url` (None when unset)."""
     if not teacher_section.teacher_url:
         return None
-    from stacx.rollout.http_client import RetryPolicy
     from stacx.rollout.teacher import TeacherClient
 
-    retry = RetryPolicy(timeout_s=teacher_section.teacher_timeout_s, max_attempts=teacher_section.teacher_retries + 1)
-    return TeacherClient(teacher_section.teacher_url, retry=retry)
+    return TeacherClient(teacher_section.teacher_url, retry=teacher_retry_policy(teacher_section))
+
+
+def teacher_retry_policy(teacher_section):
+    """Per-request timeout and attempts (1 + teacher_retries) of every call to the teacher server."""
+    from stacx.rollout.http_client import RetryPolicy
+
+    return RetryPolicy(timeout_s=teacher_section.teacher_timeout_s, max_attempts=teacher_section.teacher_retries + 1)
 
 
 class RolloutService:
@@ -237,11 +242,9 @@ class RolloutService:
             section = self.teacher_section
             if section is None or not section.teacher_url:
                 raise ValueError("DAgger roll-ins let the teacher act; set --teacher-url (a `stacx serve` or SGLang teacher)")
-            from stacx.rollout.http_client import RetryPolicy
             from stacx.rollout.http_engine import HttpEngine
 
-            retry = RetryPolicy(timeout_s=section.teacher_timeout_s, max_attempts=section.teacher_retries + 1)
-            self._teacher_engine = HttpEngine(section.teacher_url, retry)
+            self._teacher_engine = HttpEngine(section.teacher_url, teacher_retry_policy(section))
         return self._teacher_engine
 
     def generate(self, examples: Sequence[Any], *, step: int) -> list:
