@@ -24,23 +24,6 @@ def add_arguments(parser) -> None:
     add_run_config_arguments(parser)
 
 
-def resolve_recipe(run_config):
-    """Import --custom-module files, then the recipe the run config selects (a TrainingConfig)."""
-    from stacx.trainer.algorithm import infer_algorithm
-    from stacx.trainer.recipes import get_recipe
-
-    if run_config.train.custom_module:
-        from stacx.objectives.discovery import load_custom_modules
-
-        load_custom_modules(run_config.train.custom_module)
-    name = infer_algorithm({
-        "algorithm": run_config.train.algorithm,
-        "use_critic": run_config.train.use_critic,
-        "advantage_estimator": run_config.algorithm.advantage_estimator,
-    })
-    return get_recipe(name)
-
-
 def describe_run(run_config, recipe, environ=None) -> str:
     """What `--dry-run` prints: the recipe, its role graph, each role's (tp, cp, dp) placement,
     where it would run, and the resolved run configuration as YAML."""
@@ -84,11 +67,12 @@ def describe_run(run_config, recipe, environ=None) -> str:
 def run(args) -> int:
     from stacx.launch.run_flags import run_config_from_args
     from stacx.trainer.config import RecipeError
+    from stacx.trainer.factory import resolve_recipe
     from stacx.trainer.run_config import ConfigError
 
     try:
         run_config = run_config_from_args(args)
-        recipe = resolve_recipe(run_config)
+        recipe, _ = resolve_recipe(run_config)  # also checks the algorithm settings against the recipe
         if run_config.train.dry_run:
             print(describe_run(run_config, recipe))
             return 0
