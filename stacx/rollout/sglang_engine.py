@@ -144,13 +144,36 @@ class SglangServerProcess:
                 self.process.kill()
 
 
-def launch_sglang_servers_on_ray(specs: Sequence[SglangServerSpec], *, num_gpus_per_server: Optional[int] = None):
-    """One Ray actor per server on the rollout GPUs; returns (actors, urls). Needs a Ray cluster with GPUs."""
+SGLANG_SCHEDULING_MARGIN_S = 120.0
+"""Time on top of the server's own startup timeout for Ray to place the actor."""
+
+
+def launch_sglang_servers_on_ray(specs: Sequence[SglangServerSpec], *, num_gpus_per_server: Optional[int] = None,
+                                 startup_timeout_s: float = 900.0):
+    """One Ray actor per server on the rollout GPUs; returns (actors, urls). Needs a Ray cluster with GPUs.
+
+    Fails (instead of waiting forever) when the servers are not up within startup_timeout_s plus a
+    scheduling margin, e.g. because the cluster lacks the GPUs; every actor started is killed first.
+    """
     import ray
 
     actor_cls = ray.remote(SglangServerProcess)
-    actors = [actor_cls.options(num_gpus=num_gpus_per_server or s.tensor_parallel_size).remote(s) for s in specs]
-    urls = ray.get([a.__ray_call__.remote(lambda self: self.url) for a in actors])
+    actors = []
+    try:
+        for spec in specs:
+            num_gpus = num_gpus_per_server or spec.tensor_parallel_size
+            actors.append(actor_cls.options(num_gpus=num_gpus).remote(spec, startup_timeout_s=startup_timeout_s))
+        wait_s = startup_timeout_s + SGLANG_SCHEDULING_MARGIN_S
+        try:
+            urls = ray.get([a.__ray_call__.remote(lambda self: self.url) for a in actors], timeout=wait_s)
+        except ray.exceptions.GetTimeoutError as err:
+            needs = ", ".join(f"{s.model_path}: {num_gpus_per_server or s.tensor_parallel_size} GPU(s)" for s in specs)
+            raise RuntimeError(f"SGLang servers were not ready within {wait_s:.0f}s ({needs}); "
+                               "does the Ray cluster have these GPUs free?") from err
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor)
+        raise
     return actors, urls
 
 

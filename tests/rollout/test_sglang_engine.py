@@ -3,6 +3,7 @@
 import json
 import socket
 import threading
+from types import SimpleNamespace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -115,3 +116,35 @@ def test_launch_command():
     assert command[command.index("--tp-size") + 1] == "2" and command[command.index("--port") + 1] == "31000"
     with pytest.raises(ValueError, match="weight_update"):
         SglangEngine("http://x", weight_update="disk")
+
+
+def test_sglang_servers_that_never_come_up_fail_with_their_gpu_needs_and_are_killed(monkeypatch):
+    """A cluster without free GPUs leaves the actors pending: the launch times out naming what it
+    needed, and kills every actor it started (no Ray cluster needed: ray's calls are replaced)."""
+    import ray
+
+    from stacx.rollout import sglang_engine
+
+    killed = []
+
+    class PendingActor:
+        def __init__(self, spec):
+            self.spec = spec
+            self.__ray_call__ = SimpleNamespace(remote=lambda fn: ("url of", spec.model_path))
+
+    class FakeActorClass:
+        def options(self, num_gpus):
+            return SimpleNamespace(remote=lambda spec, startup_timeout_s: PendingActor(spec))
+
+    def get(refs, timeout):
+        assert timeout == 5 + sglang_engine.SGLANG_SCHEDULING_MARGIN_S
+        raise ray.exceptions.GetTimeoutError("timed out")
+
+    monkeypatch.setattr(ray, "remote", lambda cls: FakeActorClass())
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", lambda actor: killed.append(actor.spec.model_path))
+    specs = [SglangServerSpec(model_path="policy", port=30000, tensor_parallel_size=2),
+             SglangServerSpec(model_path="teacher", port=30001)]
+    with pytest.raises(RuntimeError, match=r"policy: 2 GPU\(s\), teacher: 1 GPU\(s\)"):
+        sglang_engine.launch_sglang_servers_on_ray(specs, startup_timeout_s=5)
+    assert killed == ["policy", "teacher"]
