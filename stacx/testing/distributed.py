@@ -13,6 +13,7 @@ every child is killed before this returns or raises.
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import socket
 import time
@@ -56,6 +57,9 @@ def _rank_main(rank, world_size, port, fn, args, kwargs, tp, cp, timeout_s, resu
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         groups = initialize_parallel_layout(tp, cp, timeout_s=timeout_s)
         value = fn(groups, *args, **kwargs)
+        # The queue pickles in a background thread and drops what fails, so the parent would wait
+        # until its deadline: pickle here, where a failure is reported with this rank's traceback.
+        pickle.dumps(value)
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent with its rank
         results.put((rank, False, traceback.format_exc()))

@@ -76,3 +76,14 @@ def test_hang_times_out_instead_of_waiting_forever():
     with pytest.raises(DistributedRunError):
         run_distributed(rank_zero_skips_the_barrier, 2, timeout_s=8)
     assert time.monotonic() - start < 60
+
+
+def return_an_unpicklable_value(groups):
+    return lambda: None
+
+
+def test_unpicklable_result_is_reported_not_waited_for():
+    start = time.monotonic()
+    with pytest.raises(DistributedRunError, match=r"rank 0 raised:(.|\n)*(pickle|Pickl)"):
+        run_distributed(return_an_unpicklable_value, 1, timeout_s=60)
+    assert time.monotonic() - start < 45
