@@ -3,13 +3,13 @@
 Specializations return metrics as SUMS over their local tokens (loss-mask weighted), plus any
 counts they need. The worker reduces them here, once per packed micro-batch, over the DP x CP
 group (each CP rank holds different tokens), accumulates over micro-batches, and divides by the
-step's global counts at the end:
+step's reduced count metrics at the end (the specialization knows which count divides which sum):
 
     totals = MetricTotals()
     for micro_batch in ...:
         loss, metric_sums = specialization.compute_loss(...)
         totals.add(all_reduce_metric_sums(metric_sums, groups.dp_cp))
-    means = totals.means(counts)           # sum / counts.num_tokens (or num_sequences)
+    means = specialization.metric_means(totals.sums)   # sum / its count metric (num_loss_tokens, ...)
 
 A checksum of the metric names travels in the same buffer, so ranks that disagree on which
 metrics they report fail loudly instead of summing unrelated numbers.
@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from stacx.parallel.collectives import all_reduce_sum_, group_size
-from stacx.parallel.reduction import StepCounts
 
 
 def metric_names_checksum(names) -> int:
@@ -57,11 +56,3 @@ class MetricTotals:
     def add(self, reduced: Mapping[str, float]) -> None:
         for name, value in reduced.items():
             self.sums[name] = self.sums.get(name, 0.0) + value
-
-    def means(self, counts: StepCounts, per_sequence: tuple[str, ...] = ()) -> dict[str, float]:
-        """Each sum divided by the step's loss-token count (or sequence count for names in `per_sequence`)."""
-        out = {}
-        for name, value in self.sums.items():
-            divisor = counts.num_sequences if name in per_sequence else counts.num_tokens
-            out[name] = value / divisor if divisor else 0.0
-        return out

@@ -8,7 +8,6 @@ import torch
 from stacx.parallel.cp_fields import PackedLayout, next_token_targets
 from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
 from stacx.parallel.packing import pack_micro_batches
-from stacx.parallel.reduction import StepCounts
 
 LENGTHS, PROMPTS = [7, 10, 3, 12], [3, 2, 1, 5]
 
@@ -98,10 +97,10 @@ def test_packing_rejects_samples_over_budget():
         pack_micro_batches([5, 5], dp_size=4, max_tokens_per_micro_batch=100)
 
 
-def test_metric_sums_single_process_and_means():
+def test_metric_sums_single_process_and_accumulation():
     reduced = all_reduce_metric_sums({"b": torch.tensor(3.0), "a": 2}, None)
     assert reduced == {"a": 2.0, "b": 3.0}
     totals = MetricTotals()
     totals.add(reduced)
     totals.add({"a": 1.0, "b": 1.0})
-    assert totals.means(StepCounts(num_tokens=4, num_sequences=2), per_sequence=("b",)) == {"a": 0.75, "b": 2.0}
+    assert totals.sums == {"a": 3.0, "b": 4.0}
