@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from stacx.parallel.collectives import group_rank, group_size
+
 
 @dataclass(frozen=True)
 class ProcessGroups:
@@ -28,45 +30,37 @@ class ProcessGroups:
     dp_cp: dist.ProcessGroup | None
     """DP x CP group: ranks whose gradients are summed together (the loss normalization group)."""
 
-    @staticmethod
-    def _size(group: dist.ProcessGroup | None) -> int:
-        return 1 if group is None else dist.get_world_size(group)
-
-    @staticmethod
-    def _rank(group: dist.ProcessGroup | None) -> int:
-        return 0 if group is None else dist.get_rank(group)
-
     @property
     def tp_size(self) -> int:
-        return self._size(self.tp)
+        return group_size(self.tp)
 
     @property
     def tp_rank(self) -> int:
-        return self._rank(self.tp)
+        return group_rank(self.tp)
 
     @property
     def cp_size(self) -> int:
-        return self._size(self.cp)
+        return group_size(self.cp)
 
     @property
     def cp_rank(self) -> int:
-        return self._rank(self.cp)
+        return group_rank(self.cp)
 
     @property
     def dp_size(self) -> int:
-        return self._size(self.dp)
+        return group_size(self.dp)
 
     @property
     def dp_rank(self) -> int:
-        return self._rank(self.dp)
+        return group_rank(self.dp)
 
     @property
     def dp_cp_size(self) -> int:
-        return self._size(self.dp_cp)
+        return group_size(self.dp_cp)
 
     @property
     def dp_cp_rank(self) -> int:
-        return self._rank(self.dp_cp)
+        return group_rank(self.dp_cp)
 
     @classmethod
     def single_process(cls) -> "ProcessGroups":
