@@ -97,7 +97,7 @@ def add_kl_and_entropy_terms(
         raise ValueError(f"entropy_coef is {entropy_coef} but entropy was not provided")
     if entropy is not None:
         if entropy_coef != 0.0:
-            total = [loss - entropy_coef * h for loss, h in zip(total, entropy)]
+            total = [loss + entropy_bonus(h, entropy_coef) for loss, h in zip(total, entropy)]
         metrics["entropy"] = sum((h.detach() * m).sum() for h, m in zip(entropy, loss_masks))
     return total, metrics
 
