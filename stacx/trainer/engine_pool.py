@@ -100,8 +100,23 @@ class EnginePool(InferenceEngine):
         return min(self.weight_versions().values())
 
     def pause(self) -> None:
-        for engine in self.engines:
-            engine.pause()
+        """Pauses every engine. If any fails, the ones already paused are resumed (so no engine is
+        left paused by a half-done pause) and one error names every engine that failed."""
+        paused, errors = [], []
+        for name, engine in zip(self.names, self.engines):
+            try:
+                engine.pause()
+                paused.append((name, engine))
+            except Exception as err:  # noqa: BLE001 - try every engine before reporting
+                errors.append(f"{name}: {err}")
+        if not errors:
+            return
+        for name, engine in paused:
+            try:
+                engine.resume()
+            except Exception as err:  # noqa: BLE001 - a failed undo is reported with the pause errors
+                errors.append(f"{name} (resuming after the failed pause): {err}")
+        raise RuntimeError("pausing rollout engines failed: " + "; ".join(errors))
 
     def resume(self) -> None:
         errors = []

@@ -309,6 +309,43 @@ def test_engine_pool_spreads_requests_and_keeps_their_order():
     assert pool.weight_versions() == {"a": 3, "b": 3}
 
 
+def test_engine_pool_pause_failure_resumes_the_paused_engines_and_names_every_failure():
+    from stacx.trainer.engine_pool import EnginePool
+
+    class LifecycleEngine(ScriptedEngine):
+        def __init__(self, *, fail_pause=False, fail_resume=False):
+            super().__init__("1")
+            self.fail_pause, self.fail_resume, self.paused, self.calls = fail_pause, fail_resume, False, []
+
+        def pause(self):
+            self.calls.append("pause")
+            if self.fail_pause:
+                raise ConnectionError("refused")
+            self.paused = True
+
+        def resume(self):
+            self.calls.append("resume")
+            if self.fail_resume:
+                raise ConnectionError("gone")
+            self.paused = False
+
+    engines = [LifecycleEngine(), LifecycleEngine(fail_pause=True), LifecycleEngine(), LifecycleEngine(fail_pause=True)]
+    pool = EnginePool(engines, names=["a", "b", "c", "d"])
+    with pytest.raises(RuntimeError, match="pausing rollout engines failed: b: refused; d: refused"):
+        pool.pause()
+    # Every engine was asked (no stop at the first failure); the ones that paused were resumed.
+    assert [e.calls for e in engines] == [["pause", "resume"], ["pause"], ["pause", "resume"], ["pause"]]
+    assert not any(e.paused for e in engines)
+    # A resume that fails while undoing is reported too, next to the pause failure.
+    engines = [LifecycleEngine(fail_resume=True), LifecycleEngine(fail_pause=True)]
+    with pytest.raises(RuntimeError, match=r"b: refused; a \(resuming after the failed pause\): gone"):
+        EnginePool(engines, names=["a", "b"]).pause()
+    # All succeed: every engine paused, nothing resumed.
+    engines = [LifecycleEngine(), LifecycleEngine()]
+    EnginePool(engines, names=["a", "b"]).pause()
+    assert [e.calls for e in engines] == [["pause"], ["pause"]] and all(e.paused for e in engines)
+
+
 def test_dapo_default_buffer_longer_than_the_response_limit_names_both_flags(tmp_path):
     from stacx.trainer.rollout_steps import StepRollout
 
