@@ -82,10 +82,13 @@ class EngineHttpServer:
         self._httpd.serve_forever()
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        """Stop serving and release the socket. Safe before `start()`: `shutdown()` waits for a
+        running `serve_forever` loop and would block forever when none was started."""
         if self._thread is not None:
+            self._httpd.shutdown()
             self._thread.join(timeout=10)
+            self._thread = None
+        self._httpd.server_close()
 
     def close(self) -> None:
         """Release the socket after `serve_forever` returned (the foreground `stacx serve` path)."""

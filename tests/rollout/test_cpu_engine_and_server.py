@@ -50,6 +50,17 @@ def test_filter_top_k_top_p():
     assert torch.isinf(filter_top_k_top_p(log_probs, -1, 0.45)).tolist() == [False, True, True, True]
 
 
+def test_server_stop_returns_whether_or_not_it_was_started():
+    # socketserver's shutdown() waits for a serve_forever loop; stop() before start() must not hang.
+    stopper = threading.Thread(target=EngineHttpServer(engine=None).stop, daemon=True)
+    stopper.start()
+    stopper.join(timeout=5)
+    assert not stopper.is_alive(), "EngineHttpServer.stop() before start() hung"
+    server = EngineHttpServer(engine=None).start()
+    server.stop()
+    server.stop()  # a second stop is harmless
+
+
 def test_engine_log_probs_equal_trainer_forward(tiny_checkpoints, single_process_world):
     engine = CpuEngine.from_hf_checkpoint(tiny_checkpoints[0])
     requests = requests_for_test()
