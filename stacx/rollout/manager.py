@@ -185,9 +185,15 @@ class RolloutManager:
             s.teacher_log_probs = [TEACHER_EXECUTED_SENTINEL if e == Executor.TEACHER else lp
                                    for lp, e in zip(log_probs, s.executors)]
             s.teacher_top_log_probs, s.teacher_top_ids = sc.top_log_probs, sc.top_ids
+        # An empty response gets empty [0, K] teacher fields: samples_to_batch keeps a field only when
+        # every sample has it, so a None here would drop the top-K fields of the whole batch.
+        num_top = next((s.teacher_top_ids.shape[1] for s in scorable if s.teacher_top_ids is not None), None)
         for s in samples:
             if s.response_length == 0:
                 s.teacher_log_probs = []
+                if num_top is not None:
+                    s.teacher_top_log_probs = torch.empty(0, num_top, dtype=torch.float32)
+                    s.teacher_top_ids = torch.empty(0, num_top, dtype=torch.long)
 
     def push_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
         """Stream weight buckets to the engine, then confirm it serves `version`."""
