@@ -113,17 +113,25 @@ class BetaMixtureRollIn:
         return executor
 
 
+@dataclass(frozen=True)
+class KappaPlan:
+    """One trajectory's AggreVaTe plan: the student acts in turns < kappa, the teacher after."""
+
+    kappa: int
+
+    def __call__(self, turn: int) -> Executor:
+        return Executor.STUDENT if turn < self.kappa else Executor.TEACHER
+
+
 class AggreVaTeRollIn:
     """kappa ~ U{0..T_max(iteration)} per trajectory; student for turns < kappa, teacher after."""
 
     def __init__(self, schedule: TMaxSchedule = TMaxSchedule()):
         self.schedule = schedule
-        self.last_kappa: int | None = None
 
-    def plan(self, iteration: int, rng: random.Random) -> TurnExecutor:
-        kappa = rng.randint(0, self.schedule(iteration))
-        self.last_kappa = kappa
-        return lambda turn: Executor.STUDENT if turn < kappa else Executor.TEACHER
+    def plan(self, iteration: int, rng: random.Random) -> KappaPlan:
+        # The drawn kappa travels with the plan (not as roll-in state), so concurrent plans never mix.
+        return KappaPlan(rng.randint(0, self.schedule(iteration)))
 
 
 def build_roll_in(teacher_section) -> BetaMixtureRollIn | AggreVaTeRollIn:

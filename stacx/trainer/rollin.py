@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, Executor, build_roll_in
+from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, Executor, KappaPlan, build_roll_in
 from stacx.rollout.manager import Sample
 from stacx.rollout.types import GenerateRequest, SamplingParams
 
@@ -158,7 +158,7 @@ def start_episodes(examples: Sequence[Any], *, n_samples_per_prompt: int, spec: 
                 plan, kappa = (lambda turn: Executor.STUDENT), None
             else:
                 plan = spec.roll_in.plan(iteration, rng)
-                kappa = spec.roll_in.last_kappa if isinstance(spec.roll_in, AggreVaTeRollIn) else None
+                kappa = plan.kappa if isinstance(plan, KappaPlan) else None
             sample = Sample(prompt_ids=prompt, response_ids=[], rollout_log_probs=[], loss_mask=[], executors=[],
                             group_index=index, label=example.label, metadata={**metadata, "turn_executors": []})
             if kappa is not None:

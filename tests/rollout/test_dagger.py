@@ -39,7 +39,7 @@ def test_t_max_schedule_and_kappa_range():
     seen = set()
     for _ in range(200):
         plan = roll_in.plan(iteration=5, rng=rng)  # T_max = 3
-        kappa = roll_in.last_kappa
+        kappa = plan.kappa
         seen.add(kappa)
         assert [plan(t) for t in range(5)] == [Executor.STUDENT] * kappa + [Executor.TEACHER] * (5 - kappa)
     assert seen == {0, 1, 2, 3}
