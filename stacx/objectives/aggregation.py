@@ -1,21 +1,36 @@
-"""Loss aggregation: from per-token losses to (sum, global count) and padded helpers.
+"""Loss aggregation modes: the one definition of each mode's per-sequence weight.
 
 Stacx reduces every loss the same way: each micro-batch contributes a SUM, and the framework
 divides by a GLOBAL count (tokens or samples over the whole step, all DP/CP ranks and
 micro-batches), known before the first backward. The gradient then does not depend on how the
-batch was split. For trajectory i with per-token loss l_it and mask m_it (n_i = sum_t m_it):
+batch was split. For trajectory i with per-token loss l_it and mask m_it, a mode is a per-
+sequence factor f(n_i, L_norm) and a normalizer kind; the micro-batch sum and the global count are
 
-| mode                       | micro-batch sum S                  | global count N        |
-| -------------------------- | ---------------------------------- | --------------------- |
-| `token-mean`               | sum_i sum_t m_it l_it              | tokens: sum_i n_i     |
-| `seq-mean-token-mean`      | sum_i (sum_t m_it l_it) / n_i      | samples with n_i > 0  |
-| `seq-mean-token-sum`       | sum_i sum_t m_it l_it              | samples with n_i > 0  |
-| `seq-mean-token-sum-norm`  | sum_i (sum_t m_it l_it) / L_norm   | samples with n_i > 0  |
+    S = sum_i f(n_i, L_norm) * sum_t m_it l_it        N = sum_i n_i (tokens) or #{i : n_i > 0} (samples)
+
+and the loss is S_total / N, i.e. L = sum_i w_i sum_t m_it l_it with w_i = f(n_i, L_norm) / N
+(`AggregationMode.sequence_weight`, what `stacx.parallel.reduction.Reducer` applies):
+
+| mode                       | f(n_i, L_norm) | global count N        | w_i                  |
+| -------------------------- | -------------- | --------------------- | -------------------- |
+| `token-mean`               | 1              | tokens: sum_i n_i     | 1 / N_tok            |
+| `seq-mean-token-mean`      | 1 / n_i        | samples with n_i > 0  | 1 / (N_seq * n_i)    |
+| `seq-mean-token-sum`       | 1              | samples with n_i > 0  | 1 / N_seq            |
+| `seq-mean-token-sum-norm`  | 1 / L_norm     | samples with n_i > 0  | 1 / (N_seq * L_norm) |
+
+Token-count convention (the only one in Stacx, `loss_token_count`): n_i is the NUMBER of
+non-zero loss-mask entries of the whole sequence i, never the sum of mask values. A mask value
+still weights its token inside sum_t m_it l_it; for the usual 0/1 masks both readings agree.
 
 L_norm (`seq_norm_len`) is a constant (e.g. the maximum response length, Dr. GRPO); it must be
 given, because a length measured on the micro-batch would make the loss depend on the split.
 Count the normalizer on the masks *before* off-policy masking (`raw_loss_masks`), so it is
-known before the forward pass. The loss is S_total / N with S_total summed over everything.
+known before the forward pass.
+
+A custom mode is registered once and then works in `aggregate_sum`, `count_normalizer` and the
+distributed `Reducer` alike:
+
+    register_aggregation_mode(AggregationMode("seq-mean-token-sqrt", SAMPLES, lambda n, _l: n.rsqrt()))
 """
 
 from __future__ import annotations
@@ -30,46 +45,112 @@ from stacx.objectives.validation import check_trajectory_lists
 
 TOKENS = "tokens"
 SAMPLES = "samples"
+NORMALIZER_KINDS = (TOKENS, SAMPLES)
+
+
+def loss_token_count(mask: torch.Tensor) -> torch.Tensor:
+    """n_i of one mask (any shape): the number of non-zero entries, as an int64 scalar tensor."""
+    return (mask.detach() != 0).sum()
 
 
 @dataclass(frozen=True)
 class AggregationMode:
-    """How one trajectory contributes to the micro-batch sum, and what the global count counts."""
+    """One loss aggregation mode: a per-sequence factor f and what the global count N counts."""
 
     name: str
     normalizer: str
-    """`tokens` (sum of loss-mask entries) or `samples` (trajectories with any loss token)."""
-    trajectory_sum: Callable[[torch.Tensor, torch.Tensor, float | None], torch.Tensor]
-    """(per-token losses (T,), mask (T,), seq_norm_len) -> scalar contribution."""
+    """`tokens` (loss tokens, see `loss_token_count`) or `samples` (trajectories with n_i > 0)."""
+    sequence_factor: Callable[[torch.Tensor, float | None], torch.Tensor]
+    """(n_i [S] float64, all >= 1, L_norm) -> f [S] float64. Only called for n_i > 0; the
+    framework gives trajectories without loss tokens weight 0."""
     needs_seq_norm_len: bool = False
+    """The factor uses L_norm, which must then be a positive constant."""
+    needs_whole_sequence_token_counts: bool = True
+    """The factor uses n_i, so under context parallelism the caller must pass each WHOLE
+    sequence's count (a CP rank's mask sees only part of the sequence)."""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"aggregation mode name must be a non-empty string, got {self.name!r}")
+        if self.normalizer not in NORMALIZER_KINDS:
+            raise ValueError(
+                f"aggregation mode {self.name!r}: normalizer must be one of {NORMALIZER_KINDS}, got {self.normalizer!r}"
+            )
+        if not callable(self.sequence_factor):
+            raise ValueError(f"aggregation mode {self.name!r}: sequence_factor {self.sequence_factor!r} is not callable")
+
+    def check_seq_norm_len(self, seq_norm_len: float | None) -> None:
+        """Raise naming the mode when it needs a positive seq_norm_len and did not get one."""
+        if self.needs_seq_norm_len and (seq_norm_len is None or seq_norm_len <= 0):
+            raise ValueError(f"loss_agg_mode {self.name!r} needs a positive seq_norm_len, got {seq_norm_len!r}")
+
+    def factors(self, token_counts: torch.Tensor, seq_norm_len: float | None = None) -> torch.Tensor:
+        """f(n_i, L_norm) per sequence [S] float64; exactly 0 where n_i == 0."""
+        self.check_seq_norm_len(seq_norm_len)
+        n_i = torch.as_tensor(token_counts, dtype=torch.float64).reshape(-1)
+        if n_i.numel() == 0:
+            return n_i
+        factor = torch.as_tensor(self.sequence_factor(n_i.clamp(min=1.0), seq_norm_len), dtype=torch.float64)
+        factor = factor.expand_as(n_i) if factor.dim() == 0 else factor
+        if factor.shape != n_i.shape:
+            raise ValueError(
+                f"aggregation mode {self.name!r}: sequence_factor returned shape {tuple(factor.shape)} for "
+                f"{n_i.numel()} sequences"
+            )
+        return torch.where(n_i > 0, factor, torch.zeros_like(n_i))
+
+    def global_count(self, num_tokens: float, num_sequences: float) -> float:
+        """N of the step: num_tokens for `tokens` modes, num_sequences for `samples` modes."""
+        return float(num_tokens if self.normalizer == TOKENS else num_sequences)
+
+    def sequence_weight(self, token_counts: torch.Tensor, num_tokens: float, num_sequences: float,
+                        seq_norm_len: float | None = None) -> torch.Tensor:
+        """w_i = f(n_i, L_norm) / N per sequence [S] float64 (0 for n_i == 0 or an empty step)."""
+        factors = self.factors(token_counts, seq_norm_len)
+        count = self.global_count(num_tokens, num_sequences)
+        return factors / count if count > 0 else torch.zeros_like(factors)
 
 
-def _token_sum(loss, mask, _norm_len):
-    return (loss * mask).sum()
+def _unit_factor(n_i, _norm_len):
+    return torch.ones_like(n_i)
 
 
-def _token_mean(loss, mask, _norm_len):
-    return (loss * mask).sum() / mask.sum().clamp_min(1e-8)
+def _inverse_token_count(n_i, _norm_len):
+    return 1.0 / n_i
 
 
-def _token_sum_norm(loss, mask, norm_len):
-    return (loss * mask).sum() / norm_len
+def _inverse_norm_length(n_i, norm_len):
+    return torch.full_like(n_i, 1.0 / norm_len)
 
 
-for _mode in (
-    AggregationMode("token-mean", TOKENS, _token_sum),
-    AggregationMode("seq-mean-token-mean", SAMPLES, _token_mean),
-    AggregationMode("seq-mean-token-sum", SAMPLES, _token_sum),
-    AggregationMode("seq-mean-token-sum-norm", SAMPLES, _token_sum_norm, needs_seq_norm_len=True),
-):
-    AGGREGATIONS.register(_mode.name)(_mode)
+def register_aggregation_mode(mode: AggregationMode, *, aliases: Sequence[str] = ()) -> AggregationMode:
+    """Add `mode` to the AGGREGATIONS registry (raises on a duplicate name); returns it."""
+    if not isinstance(mode, AggregationMode):
+        raise ValueError(f"register_aggregation_mode expects an AggregationMode, got {type(mode).__name__}")
+    for name in (mode.name, *aliases):
+        # Checked here because the registry's own duplicate message expects a function.
+        if name in AGGREGATIONS:
+            raise ValueError(f"aggregation mode {name!r} is already registered; registered modes: {AGGREGATIONS.names()}")
+    return AGGREGATIONS.register(mode.name, aliases=aliases)(mode)
+
+
+BUILTIN_AGGREGATION_MODES = (
+    AggregationMode("token-mean", TOKENS, _unit_factor, needs_whole_sequence_token_counts=False),
+    AggregationMode("seq-mean-token-mean", SAMPLES, _inverse_token_count),
+    AggregationMode("seq-mean-token-sum", SAMPLES, _unit_factor),
+    AggregationMode("seq-mean-token-sum-norm", SAMPLES, _inverse_norm_length, needs_seq_norm_len=True),
+)
+BUILTIN_AGGREGATION_MODE_NAMES = tuple(mode.name for mode in BUILTIN_AGGREGATION_MODES)
+for _mode in BUILTIN_AGGREGATION_MODES:
+    register_aggregation_mode(_mode)
 
 
 def get_aggregation_mode(mode: str) -> AggregationMode:
-    """The `AggregationMode` for a name; unknown names list the known ones."""
-    if mode not in AGGREGATIONS:
-        raise ValueError(f"unknown loss_agg_mode {mode!r}; known modes: {AGGREGATIONS.names()}")
-    return AGGREGATIONS.get(mode)
+    """The `AggregationMode` for a name (built in or registered); unknown names list the known ones."""
+    try:
+        return AGGREGATIONS.get(mode)
+    except ValueError:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; known modes: {AGGREGATIONS.names()}") from None
 
 
 def normalizer_kind(mode: str) -> str:
@@ -80,13 +161,13 @@ def normalizer_kind(mode: str) -> str:
 def count_normalizer(loss_masks: Sequence[torch.Tensor], mode: str) -> torch.Tensor:
     """This micro-batch's share of the global count (float64 scalar); sum it over all ranks.
 
-    tokens: sum_i sum_t m_it; samples: #{i : sum_t m_it > 0}.
+    tokens: sum_i n_i; samples: #{i : n_i > 0}, with n_i = `loss_token_count(m_i)`.
     """
     check_trajectory_lists("loss_masks", loss_masks)
     kind = normalizer_kind(mode)
     if not loss_masks:
         return torch.zeros((), dtype=torch.float64)
-    per_trajectory = torch.stack([m.detach().to(torch.float64).sum() for m in loss_masks])
+    per_trajectory = torch.stack([loss_token_count(m) for m in loss_masks]).to(torch.float64)
     if kind == TOKENS:
         return per_trajectory.sum()
     return (per_trajectory > 0).sum().to(torch.float64)
@@ -105,11 +186,12 @@ def aggregate_sum(
     """
     check_trajectory_lists("per_token_losses", per_token_losses, loss_masks=loss_masks)
     spec = get_aggregation_mode(mode)
-    if spec.needs_seq_norm_len and (seq_norm_len is None or seq_norm_len <= 0):
-        raise ValueError(f"loss_agg_mode {mode!r} needs a positive seq_norm_len, got {seq_norm_len!r}")
+    spec.check_seq_norm_len(seq_norm_len)
     if not per_token_losses:
         return torch.zeros(())
-    parts = [spec.trajectory_sum(loss, mask.to(loss.dtype), seq_norm_len) for loss, mask in zip(per_token_losses, loss_masks)]
+    factors = spec.factors(torch.stack([loss_token_count(m) for m in loss_masks]), seq_norm_len)
+    parts = [(loss * mask.to(loss.dtype)).sum() * factor.to(loss.dtype)
+             for loss, mask, factor in zip(per_token_losses, loss_masks, factors)]
     return torch.stack(parts).sum()
 
 

@@ -7,7 +7,10 @@ m_it and per-token losses l_it, the loss whose gradient the optimizer sees is
 
 with per-sequence weights fixed by the aggregation mode and by GLOBAL counts known before the
 first backward (N_tok: loss tokens in the step, N_seq: sequences with at least one loss token,
-n_i: loss tokens of sequence i, counted over the whole sequence even when CP splits it):
+n_i: loss tokens of sequence i, counted over the whole sequence even when CP splits it). The
+modes, their weights w_i = f(n_i, norm_length) / N and the token-count convention (n_i = number
+of non-zero mask entries) are defined once, in `stacx.objectives.aggregation`; any mode
+registered there (built in or custom) works here:
 
     token-mean               w_i = 1 / N_tok
     seq-mean-token-mean      w_i = 1 / (N_seq * n_i)
@@ -26,15 +29,22 @@ the averaged, accumulated gradient is exactly dL/dtheta.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from stacx.objectives.aggregation import (
+    BUILTIN_AGGREGATION_MODE_NAMES,
+    AggregationMode,
+    get_aggregation_mode,
+    loss_token_count,
+)
 from stacx.parallel.collectives import all_reduce_sum_
 
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGGREGATION_MODES = BUILTIN_AGGREGATION_MODE_NAMES
+"""The built-in mode names; `Reducer` accepts any name registered in the AGGREGATIONS registry."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,10 +58,13 @@ class StepCounts:
 
 
 def count_loss_tokens(sample_loss_masks: Iterable[torch.Tensor]) -> tuple[int, int]:
-    """(loss tokens, sequences with >= 1 loss token) of full, unsliced per-sample masks."""
+    """(loss tokens, sequences with >= 1 loss token) of full, unsliced per-sample masks.
+
+    Tokens are counted by `loss_token_count` (non-zero mask entries), the one Stacx convention.
+    """
     num_tokens = num_sequences = 0
     for mask in sample_loss_masks:
-        tokens = int((mask != 0).sum())
+        tokens = int(loss_token_count(torch.as_tensor(mask)))
         num_tokens += tokens
         num_sequences += int(tokens > 0)
     return num_tokens, num_sequences
@@ -76,7 +89,7 @@ class Reducer:
     """
 
     mode: str
-    """Aggregation mode, one of AGGREGATION_MODES."""
+    """Aggregation mode: a name in the AGGREGATIONS registry (stacx.objectives.aggregation)."""
     counts: StepCounts
     """Global counts of the step (compute_step_counts)."""
     gradient_average_size: int
@@ -87,12 +100,14 @@ class Reducer:
     """Constant per-sequence divisor of seq-mean-token-sum-norm (e.g. the max response length)."""
     schedule_divisor: int = 1
     """Set to the number of micro-batches when the training schedule divides each loss by it."""
+    aggregation: AggregationMode = field(init=False, repr=False, compare=False)
+    """The registered definition of `mode` (looked up once)."""
 
     def __post_init__(self):
-        if self.mode not in AGGREGATION_MODES:
-            raise ValueError(f"unknown loss aggregation mode {self.mode!r}; known modes: {list(AGGREGATION_MODES)}")
-        if self.mode == "seq-mean-token-sum-norm" and not (self.norm_length and self.norm_length > 0):
-            raise ValueError("loss aggregation mode 'seq-mean-token-sum-norm' needs norm_length > 0")
+        aggregation = get_aggregation_mode(self.mode)
+        if aggregation.needs_seq_norm_len and not (self.norm_length and self.norm_length > 0):
+            raise ValueError(f"loss aggregation mode {self.mode!r} needs norm_length > 0, got {self.norm_length!r}")
+        object.__setattr__(self, "aggregation", aggregation)
         for name in ("gradient_average_size", "cp_size", "schedule_divisor"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -111,18 +126,11 @@ class Reducer:
 
     def sequence_weights(self, sequence_token_counts: Sequence[int]) -> torch.Tensor:
         """w_i per sequence [S] float64 (0 for a sequence without loss tokens or an empty step)."""
-        n_i = torch.as_tensor(list(sequence_token_counts), dtype=torch.float64)
-        if self.mode == "token-mean":
-            weights = torch.full_like(n_i, 1.0 / self.counts.num_tokens if self.counts.num_tokens else 0.0)
-        else:
-            per_sequence = 1.0 / self.counts.num_sequences if self.counts.num_sequences else 0.0
-            if self.mode == "seq-mean-token-mean":
-                weights = torch.where(n_i > 0, per_sequence / n_i.clamp(min=1), torch.zeros_like(n_i))
-            elif self.mode == "seq-mean-token-sum":
-                weights = torch.full_like(n_i, per_sequence)
-            else:
-                weights = torch.full_like(n_i, per_sequence / self.norm_length)
-        return weights
+        return self.aggregation.sequence_weight(
+            torch.as_tensor(list(sequence_token_counts), dtype=torch.float64),
+            num_tokens=self.counts.num_tokens, num_sequences=self.counts.num_sequences,
+            seq_norm_len=self.norm_length,
+        )
 
     def __call__(
         self,
@@ -143,12 +151,12 @@ class Reducer:
         if len(per_token_losses) != len(loss_masks):
             raise ValueError(f"{len(per_token_losses)} per-token loss tensors but {len(loss_masks)} loss masks")
         if sequence_token_counts is None:
-            if self.mode != "token-mean" and self.cp_size > 1 and not replicated_across_cp:
+            if self.aggregation.needs_whole_sequence_token_counts and self.cp_size > 1 and not replicated_across_cp:
                 raise ValueError(
                     f"loss aggregation mode {self.mode!r} under cp_size={self.cp_size} needs sequence_token_counts "
                     "(loss tokens of each whole sequence)"
                 )
-            sequence_token_counts = [int((m != 0).sum()) for m in loss_masks]
+            sequence_token_counts = [int(loss_token_count(m)) for m in loss_masks]
         if len(sequence_token_counts) != len(loss_masks):
             raise ValueError(f"{len(sequence_token_counts)} sequence_token_counts for {len(loss_masks)} sequences")
         if not per_token_losses:
