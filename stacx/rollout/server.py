@@ -213,6 +213,7 @@ def _make_handler(server: EngineHttpServer):
         def _update_bucket(self):
             body = self._read_body()
             flat, header = decode_bucket_body(body)
+            _require_fields(header, ("final", "version"), "/stacx/update_weights_bucket")
             server.engine.load_weights(unflatten_bucket(flat))
             if header["final"]:
                 server.engine.set_weight_version(int(header["version"]))
@@ -221,6 +222,7 @@ def _make_handler(server: EngineHttpServer):
 
         def _update_from_shm(self):
             header = self._json_body()
+            _require_fields(header, ("final", "version"), "/stacx/update_weights_from_shm")
             flat = server.shm_reader.read(header)
             server.engine.load_weights(unflatten_bucket(flat))
             if header["final"]:
@@ -229,3 +231,10 @@ def _make_handler(server: EngineHttpServer):
                          "weight_version": str(server.engine.weight_version())}
 
     return Handler
+
+
+def _require_fields(header: dict, names: tuple[str, ...], endpoint: str) -> None:
+    """A weight-update request lacking a field is the caller's mistake (400 naming it), not a 500."""
+    missing = [name for name in names if name not in header]
+    if missing:
+        raise ValueError(f"{endpoint}: request is missing field(s) {missing}")

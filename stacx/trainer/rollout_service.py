@@ -295,13 +295,16 @@ class RolloutService:
 
 
 def _stop_started_servers(server: Optional[CpuServerProcess], sglang_actors: Sequence[Any]) -> None:
-    """Stop the `stacx serve` child and kill the SGLang server actors a run started (best effort)."""
-    if server is not None:
-        server.stop()
-    for actor in sglang_actors:
-        try:
-            import ray
+    """Stop the `stacx serve` child and kill the SGLang server actors a run started (best effort:
+    a failure to stop one never keeps the others alive)."""
+    try:
+        if server is not None:
+            server.stop()
+    finally:
+        for actor in sglang_actors:
+            try:
+                import ray
 
-            ray.kill(actor)
-        except Exception:  # noqa: BLE001 - best-effort teardown
-            pass
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - best-effort teardown
+                pass

@@ -144,6 +144,11 @@ def test_http_generation_weight_update_and_pause(tiny_checkpoints, single_proces
         assert done.is_set()
         client.flush_cache()
         assert client.model_info()["weight_version"] == "4"
+        # a malformed shared-memory update is the caller's mistake: 400 naming the missing field
+        import requests as http
+
+        reply = http.post(f"{server.url}/stacx/update_weights_from_shm", json={"path": "/nonexistent"}, timeout=10)
+        assert reply.status_code == 400 and "final" in reply.json()["error"]
         client.shutdown()
 
 
