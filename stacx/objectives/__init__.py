@@ -7,13 +7,16 @@ See docs/objectives.md.
 """
 
 from stacx.objectives.aggregation import (
+    AggregationMode,
     agg_loss,
     aggregate_mean,
     aggregate_sum,
     count_normalizer,
+    loss_token_count,
     masked_mean,
     masked_sum,
     normalizer_kind,
+    register_aggregation_mode,
 )
 from stacx.objectives.discovery import import_builtin_and_custom_modules, load_custom_modules
 from stacx.objectives.registry import (
@@ -36,7 +39,8 @@ from stacx.objectives.registry import (
 )
 
 __all__ = [
-    "agg_loss", "aggregate_mean", "aggregate_sum", "count_normalizer", "masked_mean", "masked_sum",
+    "AggregationMode", "agg_loss", "aggregate_mean", "aggregate_sum", "count_normalizer", "loss_token_count",
+    "masked_mean", "masked_sum", "register_aggregation_mode",
     "normalizer_kind", "import_builtin_and_custom_modules", "load_custom_modules",
     "get_advantage", "get_kl_estimator", "get_loss", "get_off_policy_correction", "get_policy_loss",
     "list_advantages", "list_aggregation_modes", "list_kl_estimators", "list_losses",

@@ -45,7 +45,7 @@ class Registry:
                     existing = self._functions[each]
                     raise ValueError(
                         f"{self.kind} {each!r} is already registered (by "
-                        f"{existing.__module__}.{existing.__qualname__}); registered "
+                        f"{getattr(existing, '__module__', '?')}.{getattr(existing, '__qualname__', repr(existing))}); registered "
                         f"{self.kind} names: {self.names()}"
                     )
             for each in names:

@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from stacx.objectives.aggregation import BUILTIN_AGGREGATION_MODE_NAMES
 from stacx.specializations.base import Specialization
 
 # Names provided by the objectives registries (stacx.objectives). Recipes name kernels; the
@@ -43,7 +44,7 @@ ADVANTAGE_ESTIMATORS = (
     "reward_centered",
 )
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "vanilla_pg", "reinforce")
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_AGGREGATIONS = BUILTIN_AGGREGATION_MODE_NAMES
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 
 #: Run-config fields (model section) a role may load its weights from; the flag is the name with dashes.

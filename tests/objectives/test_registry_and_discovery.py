@@ -146,3 +146,11 @@ def test_docs_have_a_section_for_every_builtin():
     assert len(builtins) >= 30
     missing = [name for name in builtins if f"`{name}`" not in docs]
     assert not missing, f"docs/objectives.md does not document {missing}"
+
+
+def test_registering_a_taken_aggregation_name_names_it_even_for_non_callable_entries():
+    from stacx.objectives.registry import AGGREGATIONS
+
+    existing = AGGREGATIONS.get("token-mean")
+    with pytest.raises(ValueError, match="'token-mean' is already registered"):
+        AGGREGATIONS.register("token-mean")(existing)
