@@ -71,10 +71,12 @@ def _grpo_two_node_command(checkpoint: str, out: str) -> list[str]:
             "--data-parallel-size", "2", "--num-cpus-per-rank", "2", "--out", out, "--no-progress-bar"]
 
 
-def _role_worker_nodes(dashboard: str, env: dict) -> list[str]:
+def _role_worker_nodes(dashboard: str, env: dict) -> dict[str, str]:
+    """actor id -> node id of every RoleWorker the cluster has seen (the state API lists them in no
+    particular order, so runs are told apart by actor id)."""
     script = ("import json; from ray.util.state import list_actors; "
-              f"print(json.dumps([a.node_id for a in list_actors(address={dashboard!r}, limit=1000, "
-              "filters=[('class_name', '=', 'RoleWorker')], detail=True)]))")
+              f"print(json.dumps({{a.actor_id: a.node_id for a in list_actors(address={dashboard!r}, limit=1000, "
+              "filters=[('class_name', '=', 'RoleWorker')], detail=True)}))")
     completed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(completed.stdout.strip().splitlines()[-1])
@@ -91,7 +93,7 @@ def test_grpo_trains_two_steps_on_workers_of_both_nodes_directly_and_through_ray
         env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     nodes_after_direct = _role_worker_nodes(two_node_cluster["dashboard"], env)
-    assert len(nodes_after_direct) == 2 and len(set(nodes_after_direct)) == 2, nodes_after_direct
+    assert len(nodes_after_direct) == 2 and len(set(nodes_after_direct.values())) == 2, nodes_after_direct
 
     submit_out = str(tmp_path / "submitted")
     completed = subprocess.run(
@@ -99,8 +101,9 @@ def test_grpo_trains_two_steps_on_workers_of_both_nodes_directly_and_through_ray
          sys.executable, *_grpo_two_node_command(checkpoint, submit_out)],  # no --ray-address: RAY_ADDRESS from the job
         env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    new_nodes = _role_worker_nodes(two_node_cluster["dashboard"], env)[len(nodes_after_direct):]
-    assert len(set(new_nodes)) == 2, new_nodes
+    all_workers = _role_worker_nodes(two_node_cluster["dashboard"], env)
+    new_nodes = [node for actor, node in all_workers.items() if actor not in nodes_after_direct]
+    assert len(new_nodes) == 2 and len(set(new_nodes)) == 2, all_workers
     for out in (direct_out, submit_out):
         rewards = _series(os.path.join(out, "metrics.jsonl"), "rollout/reward_mean")
         losses = _series(os.path.join(out, "metrics.jsonl"), "policy/loss")
