@@ -156,25 +156,36 @@ def iter_hf_weight_buckets(
     take part in the gathers and yield nothing (they must still exhaust the iterator). A tensor larger than `bucket_bytes` is a bucket alone. `dtype` converts the
     tensors (default: the parameters' own dtype).
     """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     gpt = unwrap_model(model)
+    yield from split_into_buckets(_iter_hf_tensors(gpt, groups, dtype, only_to_tp_rank), bucket_bytes)
+
+
+def _iter_hf_tensors(gpt, groups, dtype, only_to_tp_rank) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, full tensor) one parameter at a time, gathered over TP as the caller iterates."""
     shape = decoder_shape(hf_config_of(gpt))
     params = dict(gpt.named_parameters())
-    bucket, size = [], 0
     for mapping in param_mappings(gpt):
         shards = _gather_tp(params[mapping.megatron_name].detach(), groups, only_to_tp_rank)
         if shards is None:  # a non-receiving rank only takes part in the gathers
             continue
         shards = [s.cpu() for s in shards]
         for hf_name, tensor in zip(mapping.hf_names, mapping.merge_shards(shards, shape)):
-            tensor = tensor.contiguous() if dtype is None else tensor.to(dtype).contiguous()
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((hf_name, tensor))
-            size += nbytes
+            yield hf_name, (tensor.contiguous() if dtype is None else tensor.to(dtype).contiguous())
+
+
+def split_into_buckets(named_tensors, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group an iterable of (name, tensor) into lists of at most `bucket_bytes` (a tensor larger
+    than the budget gets a bucket of its own). Lazy: consumes the input one tensor at a time."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
     if bucket:
         yield bucket
 

@@ -128,23 +128,6 @@ def decode_bucket_body(body: bytearray | bytes | memoryview) -> tuple[FlatBucket
     return flat, header
 
 
-def split_into_buckets(named_tensors, bucket_bytes: int):
-    """Group an iterable of (name, tensor) into lists of at most `bucket_bytes` (a tensor larger
-    than the budget gets a bucket of its own)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    bucket, size = [], 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
 class SharedMemoryStaging:
     """A reusable same-host staging file (RAM-backed where the OS offers one) holding one bucket.
 
