@@ -51,7 +51,6 @@ def train_one_step_with_megatron_ddp_and_optimizer(groups):
     logits = ddp(tokens, torch.arange(16)[None], None)
     logits.float().pow(2).mean().backward()
     ddp.finish_grad_sync()
-    grads_after_clip = None
     updated, grad_norm, _ = optimizer.step()
     grads_after_clip = sum(p.main_grad.double().pow(2).sum() for p in model.parameters()).item()
     changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
@@ -60,10 +59,12 @@ def train_one_step_with_megatron_ddp_and_optimizer(groups):
 
 def test_tp2_model_trains_one_step_with_megatron_optimizer_on_cpu():
     results = run_distributed(train_one_step_with_megatron_ddp_and_optimizer, 2, tensor_parallel_size=2)
-    for gathered, updated, grad_norm, changed, _ in results:
+    for gathered, updated, grad_norm, changed, grads_after_clip in results:
         assert torch.equal(gathered, torch.cat([torch.zeros(2, 3), torch.ones(2, 3)], dim=-1))
         assert updated and changed
         assert grad_norm > 1e-3  # so clipping (to 1e-3) really scaled the gradients
+        # this rank's gradients are part of the clipped global set: their norm is at most the clip
+        assert grads_after_clip <= (1e-3) ** 2 * (1 + 1e-4)
     assert results[0][2] == pytest.approx(results[1][2])  # the TP-reduced norm is global
 
 
