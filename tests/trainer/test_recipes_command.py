@@ -59,3 +59,21 @@ def test_recipes_command_shows_recipes_from_a_custom_module(tmp_path, capsys):
         assert "recipe plugin_sft_under_test: plugin SFT" in capsys.readouterr().out
     finally:
         TRAINING_CONFIGS.pop("plugin_sft_under_test", None)
+
+
+def test_first_sentence_keeps_abbreviations_and_stops_at_the_sentence_end():
+    from stacx.launch.commands.recipes import first_sentence
+
+    assert first_sentence("Dr. GRPO: no std normalization. More text.") == "Dr. GRPO: no std normalization"
+    assert first_sentence("Uses e.g. a reference vs. a teacher. Then more.") == "Uses e.g. a reference vs. a teacher"
+    assert first_sentence("One sentence only.") == "One sentence only"
+    assert first_sentence("No period at all") == "No period at all"
+
+
+def test_recipes_listing_shows_the_whole_first_sentence_of_every_recipe(capsys):
+    assert main(["recipes"]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "Dr. GRPO: group-centered rewards without std normalization" in listed["dr_grpo"]
+    for line in listed.values():
+        description = line.split("]  ", 1)[1]
+        assert len(description) > 20, f"listing cut a description short: {line!r}"

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 HELP = "list the recipe catalog (roles, syncs, algorithm defaults) or describe one recipe"
@@ -76,6 +77,27 @@ def _algorithm_cell(algorithm) -> str:
     return ", ".join(parts)
 
 
+# A sentence ends at ". " unless the period closes a short capitalized abbreviation ("Dr. GRPO",
+# "e.g. ", "vs. "): one or two letters, or a word from this list, right before the period.
+_ABBREVIATIONS = ("e.g", "i.e", "vs", "etc", "cf", "approx", "resp")
+_SENTENCE_END = re.compile(r"(?<=\.)\s+")
+
+
+def first_sentence(description: str) -> str:
+    """The description's first sentence without its final period, for the one-line listing.
+
+    A period followed by white space ends the sentence unless the word before it is an
+    abbreviation: one or two letters ("Dr.", "e.g.") or one of _ABBREVIATIONS. A description
+    with no sentence end is returned whole.
+    """
+    text = " ".join(description.split())
+    for match in _SENTENCE_END.finditer(text):
+        word = text[:match.start() - 1].rsplit(" ", 1)[-1].lower()
+        if len(word.replace(".", "")) > 2 and word not in _ABBREVIATIONS:
+            return text[:match.start()].rstrip(".")
+    return text.rstrip(".")
+
+
 def render_catalog_markdown(configs: dict) -> str:
     """The catalog page: a summary table, then per recipe its description, roles, syncs and algorithm defaults."""
     lines = [_MARKDOWN_HEADER, "## Summary", "", "| recipe | data | roles | syncs |", "| --- | --- | --- | --- |"]
@@ -125,6 +147,5 @@ def run(args) -> int:
     for name in sorted(TRAINING_CONFIGS):
         config = TRAINING_CONFIGS[name]
         roles = ", ".join(role.name for role in config.roles)
-        first_sentence = config.description.split(". ")[0].rstrip(".")
-        print(f"{name:<{width}}  [{roles}]  {first_sentence}")
+        print(f"{name:<{width}}  [{roles}]  {first_sentence(config.description)}")
     return 0
