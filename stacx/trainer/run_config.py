@@ -40,6 +40,8 @@ class ModelSection:
     """Stacx checkpoint folder to resume from (the latest complete step inside it)."""
     save: str | None = None
     """Folder where Stacx checkpoints are written."""
+    overwrite: bool = False
+    """Let a new run write into a --save folder that holds another run's checkpoints (replacing them)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +186,8 @@ class TrainSection:
     """User modules (files or import names) imported to register algorithms; repeatable."""
     export_hf: str | None = None
     """Folder where the final policy is exported as a Hugging Face checkpoint."""
+    skip_nonfinite_steps: int = 0
+    """Steps with a NaN/inf loss, grad norm, reward or advantage skipped (no update) before the run stops."""
     dry_run: bool = False
     """Print the resolved recipe, role graph and placement, then exit."""
 
@@ -346,6 +350,16 @@ SECTIONS: dict[str, type] = {
 }
 
 
+FIELD_MINIMUMS: dict[str, int | float] = {
+    "tensor_model_parallel_size": 1, "context_parallel_size": 1, "data_parallel_size": 1,
+    "rollout_batch_size": 1, "n_samples_per_prompt": 1, "rollout_max_response_len": 1,
+    "eval_interval": 0, "eval_n_samples": 1, "save_rollouts_per_step": 0, "teacher_top_k": 1,
+    "teacher_retries": 0, "lr_warmup_steps": 0, "num_steps": 0, "max_tokens_per_micro_batch": 1,
+    "save_interval": 0, "exchange_every_n_steps": 0, "skip_nonfinite_steps": 0,
+}
+"""Smallest allowed value of numeric run-config fields, checked when a value is given (file or flag)."""
+
+
 def _section_fields() -> dict[str, tuple[str, dataclasses.Field]]:
     """field name -> (section name, Field); field names are unique across sections."""
     found: dict[str, tuple[str, dataclasses.Field]] = {}
@@ -455,7 +469,18 @@ def _coerce_algorithm(key: str, value: Any, source: str) -> Any:
 
 
 def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
-    """Check and convert a value to the field's declared type; errors name the key."""
+    """Check and convert a value to the field's declared type and its minimum (FIELD_MINIMUMS);
+    errors name the key and its flag."""
+    converted = _coerce_type(f, value, source)
+    minimum = FIELD_MINIMUMS.get(f.name)
+    if minimum is not None and converted is not None and converted < minimum:
+        raise ConfigError(f"key '{f.name}' in {source} must be >= {minimum}, got {converted!r}; "
+                          f"set --{f.name.replace('_', '-')} to {minimum} or more")
+    return converted
+
+
+def _coerce_type(f: dataclasses.Field, value: Any, source: str) -> Any:
+    """Convert a value to the field's declared type; errors name the key."""
     hint = f.type if not isinstance(f.type, str) else eval(f.type, vars(typing) | {"types": types})  # noqa: S307
     args = typing.get_args(hint)
     optional = type(None) in args
@@ -482,9 +507,14 @@ def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
         if base is float:
             return float(value)
         if base is str:
+            if isinstance(value, (dict, list, tuple, set)):
+                raise ConfigError(
+                    f"key '{f.name}' in {source} expects a string, got a {type(value).__name__} {value!r}; "
+                    f"give one value (--{f.name.replace('_', '-')} VALUE), or quote it in YAML")
             return str(value)
-    except (TypeError, ValueError):
-        pass
+    except (TypeError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
     else:
         return value
     raise ConfigError(f"key '{f.name}' in {source} expects {getattr(base, '__name__', base)}, got {value!r}")

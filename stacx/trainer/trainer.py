@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from stacx.trainer import step_data
+from stacx.trainer.numerics import NonFiniteGuard
 from stacx.trainer.resolved_config import resolved_run_config_dict
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class StacxTrainer:
         """The driver's `rollout_steps.StepRollout`: roll-ins, DAPO shaping and sampling, eval, rollout dumps."""
         self.step = 0
         self.last_metrics: dict[str, float] = {}
+        self.nonfinite = NonFiniteGuard(run_config.train.skip_nonfinite_steps)
+        """Stops the run at the first NaN/inf (or skips up to --skip-nonfinite-steps steps)."""
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -98,18 +101,34 @@ class StacxTrainer:
         return self.last_metrics
 
     def train_one_step(self, step: int) -> dict[str, float]:
+        """One step; a non-finite reward, advantage, loss or grad norm stops the run (or skips the step,
+        see `stacx.trainer.numerics`) before any weights are saved, exported or pushed."""
         started = time.monotonic()
         batch, metrics = self.channel.share(self.collect_batch(step) if self.channel.is_driver else None)
+        sample_role = (self.training_config.rollout_role or self.training_config.trainable_roles[0]).name
+        if self.nonfinite.check_samples(step=step, role=sample_role, name="reward", values=batch.get("rewards") or ()):
+            return self._skipped_step(metrics, started)
         self.fill_forward_fields(batch)
         if self.algorithm_has_advantages:
             self.compute_advantages(batch)
+            if self.nonfinite.check_samples(step=step, role=sample_role, name="advantage", values=batch["advantages"]):
+                return self._skipped_step(metrics, started)
         for role in self.training_config.trainable_roles:
-            metrics.update({f"{role.name}/{k}": v for k, v in self.train_role(role.name, batch).items()})
+            role_metrics = self.train_role(role.name, batch)
+            metrics.update({f"{role.name}/{k}": v for k, v in role_metrics.items()})
+            self.nonfinite.check_metrics(step=step, role=role.name, metrics=role_metrics)
+        metrics["train/nonfinite_skipped_steps"] = float(len(self.nonfinite.skipped_steps))
         metrics.update(self.exchange_schedule.run_due(completed_steps=step + 1))
         if self.engine_target is not None:
             self.push_policy_weights(version=step + 1)
         if self.channel.is_driver and self.step_rollout is not None:
             metrics.update(self.step_rollout.evaluate_if_due(step))  # on the weights just pushed
+        metrics["time/step_s"] = time.monotonic() - started
+        return metrics
+
+    def _skipped_step(self, metrics: dict[str, float], started: float) -> dict[str, float]:
+        """The metrics of a step skipped before training (non-finite rewards or advantages)."""
+        metrics["train/nonfinite_skipped_steps"] = float(len(self.nonfinite.skipped_steps))
         metrics["time/step_s"] = time.monotonic() - started
         return metrics
 

@@ -19,6 +19,7 @@ One train step (`train_step`):
     for each micro-batch: forward_packed -> compute_loss -> backward
                           -> metric sums + loss in ONE all-reduce over DP x CP
     finish_grad_sync (one DP x CP all-reduce of the grads) -> optimizer.step -> scheduler.step
+    (both skipped when the loss or the grad norm is NaN/inf: stacx.trainer.numerics)
 """
 
 from __future__ import annotations
@@ -190,6 +191,7 @@ class RoleRuntime:
         from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
         from stacx.parallel.reduction import Reducer
         from stacx.trainer.runtime.optim import current_lr
+        from stacx.trainer.numerics import WEIGHTS_NONFINITE_METRIC, step_optimizer_if_finite
 
         if self.optimizer is None:
             raise RuntimeError(f"role {self.role.name!r} is frozen; it has no optimizer to step")
@@ -210,13 +212,16 @@ class RoleRuntime:
             metric_sums[LOSS_METRIC] = reducer.loss_value(loss)
             totals.add(all_reduce_metric_sums(metric_sums, self.groups.dp_cp))
         self.ddp.finish_grad_sync()
-        update_successful, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
-        self.num_steps += 1
         loss_total = totals.sums.pop(LOSS_METRIC)
+        # Never step on NaN/inf (megatron's fp32/bf16 step would apply it); the same decision on every rank.
+        outcome = step_optimizer_if_finite(self.optimizer, loss_total)
+        if outcome.applied:
+            self.scheduler.step(increment=1)
+        self.num_steps += 1
         metrics = self.specialization.metric_means(totals.sums)
-        metrics.update(loss=loss_total, grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
-                       lr=current_lr(self.optimizer), update_skipped=float(not update_successful))
+        metrics.update(loss=loss_total, grad_norm=outcome.grad_norm, lr=current_lr(self.optimizer),
+                       update_skipped=float(not outcome.applied))
+        metrics[WEIGHTS_NONFINITE_METRIC] = float(not outcome.weights_finite)
         return metrics
 
     # ---- weights ---------------------------------------------------------------------------
