@@ -6,7 +6,9 @@ A reward function takes one sample and returns a float:
 
 or, marked with `@batched_reward`, lists of each argument and returns a list of floats.
 `compute_rewards` runs them concurrently; an exception in a reward function marks that sample
-(`RewardResult.error`, reward = `failure_reward`) and is logged, it never crashes the run.
+(`RewardResult.error`, reward = `failure_reward`) and is logged, it never crashes the run. A call
+that does not return within its timeout (`@reward_timeout(seconds)`, default
+DEFAULT_REWARD_TIMEOUT_S) stops the run with `RewardTimeoutError` naming the function and sample.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 import importlib
 import logging
 import re
+import threading
+import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Optional, Sequence
@@ -26,12 +29,17 @@ RewardFn = Callable[[str, Any, dict], float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
 
 
-def register_reward(name: str):
-    """Decorator: register a reward function under `name` (duplicates are rejected)."""
+def register_reward(name: str, *, needs_label: bool = False):
+    """Decorator: register a reward function under `name` (duplicates are rejected).
+
+    needs_label: the function compares the response with the row's label, so a dataset row without
+    one is refused before the run starts (custom functions declare it with `fn.needs_label = True`).
+    """
 
     def decorator(fn):
         if name in REWARD_FUNCTIONS:
             raise ValueError(f"reward function {name!r} is already registered")
+        fn.needs_label = bool(needs_label)
         REWARD_FUNCTIONS[name] = fn
         return fn
 
@@ -61,9 +69,14 @@ def resolve_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
+def reward_needs_label(reward_fn) -> bool:
+    """True when the reward function declares that it reads the label (`needs_label`)."""
+    return bool(getattr(reward_fn, "needs_label", False))
+
+
 # ---- built-in verifiers ------------------------------------------------------------------------
 
-@register_reward("exact_match")
+@register_reward("exact_match", needs_label=True)
 def exact_match(response: str, label, metadata: Optional[dict] = None) -> float:
     """1.0 if the stripped response equals the stripped label, else 0.0."""
     return float(response.strip() == str(label).strip())
@@ -89,7 +102,7 @@ def _as_number(text: str) -> Optional[Fraction]:
         return None
 
 
-@register_reward("math")
+@register_reward("math", needs_label=True)
 def math_answer(response: str, label, metadata: Optional[dict] = None) -> float:
     """1.0 if the extracted answer equals the label numerically (exactly as a fraction), or as a string."""
     answer = extract_math_answer(response)
@@ -118,6 +131,57 @@ class RewardResult:
     """The exception (type, message and last traceback line) when the reward function raised."""
 
 
+class RewardTimeoutError(RuntimeError):
+    """A reward function did not return within its timeout; the message names the function and the sample."""
+
+
+DEFAULT_REWARD_TIMEOUT_S = 120.0
+"""Per-call timeout of a reward function unless it declares its own with `@reward_timeout(seconds)`."""
+
+
+def reward_timeout(seconds: float):
+    """Decorator: this reward function may take up to `seconds` per call (per batch if batched)."""
+    if not seconds > 0:
+        raise ValueError(f"reward_timeout: seconds must be > 0, got {seconds}")
+
+    def decorator(fn):
+        fn.timeout_s = float(seconds)
+        return fn
+
+    return decorator
+
+
+def reward_fn_name(reward_fn) -> str:
+    """'module:function' of a reward function (what --reward-fn would name it)."""
+    module = getattr(reward_fn, "__module__", None) or "?"
+    return f"{module}:{getattr(reward_fn, '__qualname__', None) or type(reward_fn).__name__}"
+
+
+def _start_call(fn, args) -> tuple[threading.Event, dict]:
+    """Run fn(*args) in a daemon thread: a call that never returns cannot keep the process alive
+    (a ThreadPoolExecutor's threads are joined at exit, so a hanging reward would block Ctrl-C)."""
+    done, box = threading.Event(), {}
+
+    def target():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            box["error"] = err
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="stacx-reward", daemon=True).start()
+    return done, box
+
+
+def _timed_out(reward_fn, timeout_s: float, what: str, response: str) -> RewardTimeoutError:
+    preview = response[:80] + ("..." if len(response) > 80 else "")
+    return RewardTimeoutError(
+        f"reward function {reward_fn_name(reward_fn)} did not return within {timeout_s:g} s on {what} "
+        f"(response {preview!r}); fix the function, or give it more time with @reward_timeout(seconds) "
+        f"from stacx.rollout.rewards")
+
+
 def compute_rewards(
     reward_fn: RewardFn,
     responses: Sequence[str],
@@ -126,19 +190,33 @@ def compute_rewards(
     *,
     max_workers: int = 8,
     failure_reward: float = 0.0,
+    timeout_s: Optional[float] = None,
 ) -> list[RewardResult]:
-    """Rewards for every sample; failures are contained per sample (or per batch if batched)."""
+    """Rewards for every sample; failures are contained per sample (or per batch if batched).
+
+    Each call runs under a timeout (`timeout_s`, else the function's `@reward_timeout`, else
+    DEFAULT_REWARD_TIMEOUT_S): a call that does not return raises `RewardTimeoutError` naming the
+    function and the sample, since a reward that hangs is not a per-sample accident.
+    """
     metadatas = list(metadatas) if metadatas is not None else [{} for _ in responses]
     if not len(responses) == len(labels) == len(metadatas):
         raise ValueError(f"compute_rewards: {len(responses)} responses, {len(labels)} labels, {len(metadatas)} metadatas")
+    if timeout_s is None:
+        timeout_s = float(getattr(reward_fn, "timeout_s", DEFAULT_REWARD_TIMEOUT_S))
 
     def describe(err: BaseException) -> str:
-        where = traceback.extract_tb(err.__traceback__)[-1]
-        return f"{type(err).__name__}: {err} (at {where.filename}:{where.lineno})"
+        where = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+        return f"{type(err).__name__}: {err}" + (f" (at {where.filename}:{where.lineno})" if where else "")
 
     if getattr(reward_fn, "batched", False):
+        done, box = _start_call(reward_fn, (list(responses), list(labels), metadatas))
+        if not done.wait(timeout_s):
+            raise _timed_out(reward_fn, timeout_s, f"a batch of {len(responses)} samples",
+                             responses[0] if responses else "")
         try:
-            values = list(reward_fn(list(responses), list(labels), metadatas))
+            if "error" in box:
+                raise box["error"]
+            values = list(box["value"])
             if len(values) != len(responses):
                 raise ValueError(f"batched reward returned {len(values)} values for {len(responses)} samples")
             return [RewardResult(float(v)) for v in values]
@@ -146,14 +224,20 @@ def compute_rewards(
             logger.error("batched reward function failed for %d samples: %s", len(responses), describe(err))
             return [RewardResult(failure_reward, describe(err)) for _ in responses]
 
-    def one(i: int) -> RewardResult:
-        try:
-            return RewardResult(float(reward_fn(responses[i], labels[i], metadatas[i])))
-        except Exception as err:
-            logger.error("reward function failed on sample %d: %s", i, describe(err))
-            return RewardResult(failure_reward, describe(err))
-
-    if max_workers <= 1 or len(responses) <= 1:
-        return [one(i) for i in range(len(responses))]
-    with ThreadPoolExecutor(max_workers=min(max_workers, len(responses))) as pool:
-        return list(pool.map(one, range(len(responses))))
+    results: list[Optional[RewardResult]] = [None] * len(responses)
+    window = max(1, int(max_workers))
+    for first in range(0, len(responses), window):  # at most `window` calls at once
+        indices = range(first, min(first + window, len(responses)))
+        calls = {i: _start_call(reward_fn, (responses[i], labels[i], metadatas[i])) for i in indices}
+        deadline = time.monotonic() + timeout_s
+        for i, (done, box) in calls.items():
+            if not done.wait(max(0.0, deadline - time.monotonic())):
+                raise _timed_out(reward_fn, timeout_s, f"sample {i}", responses[i])
+            try:
+                if "error" in box:
+                    raise box["error"]
+                results[i] = RewardResult(float(box["value"]))
+            except Exception as err:
+                logger.error("reward function failed on sample %d: %s", i, describe(err))
+                results[i] = RewardResult(failure_reward, describe(err))
+    return results
