@@ -5,6 +5,15 @@ Three sources, all imported before the first registry lookup:
 2. every module inside the `stacx/custom/` folder (drop a file there, nothing else to do);
 3. user modules named on the command line or in the config (`--custom-module my_algo.py`,
    repeatable; a file path or an importable dotted module name), via `load_custom_modules`.
+
+User code must reach every process that builds a role runtime, including Ray workers on other
+nodes whose file system may not hold the file. So every user module imported here (sources 2
+and 3) is recorded with its *source text* (`user_module_sources()`); the driver ships those
+records to each Ray worker at creation, and the worker executes them under the same module
+names (`import_user_module_sources`) before any call arrives, so a custom kernel, recipe or
+specialization class pickled by reference resolves there. A user file that raises while it is
+auto-imported from `stacx/custom/` never breaks `import stacx`: it is skipped with a warning
+naming the file (a `--custom-module` file that raises is an error naming the flag).
 """
 
 from __future__ import annotations
@@ -15,14 +24,89 @@ import importlib.util
 import os
 import pkgutil
 import sys
+import warnings
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Iterable
 
-_AUTO_IMPORT_PACKAGES = ("stacx.objectives", "stacx.custom")
+BUILTIN_PACKAGE = "stacx.objectives"
+USER_PACKAGE = "stacx.custom"
 _auto_import_done = False
 
 
+@dataclass(frozen=True)
+class UserModuleSource:
+    """One imported user module, as shipped to other processes: its name, source text and origin."""
+
+    module_name: str
+    """The name it has in `sys.modules` (`stacx.custom.my_algo`, `stacx_user_module_my_algo_<hash>`)."""
+    source: str
+    """The file's text, executed as that module in the receiving process."""
+    origin: str
+    """The file it was read from on the sending machine (error messages and tracebacks only)."""
+    is_package: bool = False
+    """True for a package's `__init__.py` (the receiver sets an empty `__path__`)."""
+
+
+_USER_MODULE_SOURCES: dict[str, UserModuleSource] = {}
+"""module name -> source of every user module imported in this process, in import order."""
+
+
+def _record_source(module: ModuleType) -> None:
+    origin = getattr(module, "__file__", None)
+    if module.__name__ in _USER_MODULE_SOURCES or not origin or not origin.endswith(".py"):
+        return
+    try:
+        with open(origin, encoding="utf-8") as handle:
+            source = handle.read()
+    except OSError:
+        return
+    is_package = os.path.basename(origin) == "__init__.py"
+    _USER_MODULE_SOURCES[module.__name__] = UserModuleSource(module.__name__, source, origin, is_package)
+
+
+def user_module_sources() -> tuple[UserModuleSource, ...]:
+    """Every user module this process imported (`stacx/custom/`, `--custom-module`), in import order."""
+    return tuple(_USER_MODULE_SOURCES.values())
+
+
+def import_user_module_sources(sources) -> list[str]:
+    """Execute shipped user modules under their own names (in a worker, before any call arrives).
+
+    A module already in `sys.modules` (the worker imported the same `stacx/custom/` file from its
+    own disk) is kept as is, so no name is registered twice. Returns the names executed here.
+    Raises `ImportError` naming the module and the file it came from when one fails.
+    """
+    import_builtin_and_custom_modules()
+    executed = []
+    for entry in sources:
+        if entry.module_name in sys.modules:
+            continue
+        spec = importlib.util.spec_from_loader(entry.module_name, loader=None, origin=entry.origin,
+                                               is_package=entry.is_package)
+        module = importlib.util.module_from_spec(spec)
+        module.__file__ = entry.origin
+        if entry.is_package:
+            module.__path__ = []
+        sys.modules[entry.module_name] = module
+        try:
+            exec(compile(entry.source, entry.origin, "exec"), module.__dict__)  # noqa: S102 - the user's own module
+        except Exception as error:
+            del sys.modules[entry.module_name]
+            raise ImportError(
+                f"custom module {entry.module_name!r} (from {entry.origin}) failed to import in this process: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        parent, _, child = entry.module_name.rpartition(".")
+        if parent and parent in sys.modules:
+            setattr(sys.modules[parent], child, module)
+        _USER_MODULE_SOURCES.setdefault(entry.module_name, entry)
+        executed.append(entry.module_name)
+    return executed
+
+
 def _import_package_tree(package_name: str) -> list[str]:
+    """Import every module under `package_name` (recursively); the first failure raises, naming it."""
     package = importlib.import_module(package_name)
     imported = []
     for info in pkgutil.walk_packages(package.__path__, prefix=package_name + "."):
@@ -34,6 +118,26 @@ def _import_package_tree(package_name: str) -> list[str]:
     return imported
 
 
+def _import_user_package() -> None:
+    """Import every module of `stacx/custom/`; one that raises is skipped with a warning naming its file."""
+    package = importlib.import_module(USER_PACKAGE)
+    for info in pkgutil.walk_packages(package.__path__, prefix=USER_PACKAGE + ".",
+                                      onerror=lambda name: warnings.warn(f"stacx/custom: package {name!r} failed to import")):
+        try:
+            module = importlib.import_module(info.name)
+        except Exception as error:  # noqa: BLE001 - a user file must never break `import stacx`
+            path = os.path.join(getattr(info.module_finder, "path", "?"), info.name.rpartition(".")[2])
+            warnings.warn(
+                f"stacx/custom: skipped {path}{'' if info.ispkg else '.py'} ({info.name}), which raised "
+                f"{type(error).__name__}: {error}; its registrations are not available. Fix the file or move it out "
+                "of stacx/custom/.",
+                RuntimeWarning, stacklevel=2,
+            )
+            sys.modules.pop(info.name, None)
+            continue
+        _record_source(module)
+
+
 def import_builtin_and_custom_modules() -> None:
     """Import every module of `stacx.objectives` and `stacx.custom` once (idempotent)."""
     global _auto_import_done
@@ -42,8 +146,8 @@ def import_builtin_and_custom_modules() -> None:
     # Set first: modules being imported may themselves trigger a lookup.
     _auto_import_done = True
     try:
-        for package_name in _AUTO_IMPORT_PACKAGES:
-            _import_package_tree(package_name)
+        _import_package_tree(BUILTIN_PACKAGE)
+        _import_user_package()
     except BaseException:
         _auto_import_done = False
         raise
@@ -73,6 +177,7 @@ def _load_file(path: str, flag: str) -> ModuleType:
     except Exception as error:
         del sys.modules[module_name]
         raise ValueError(f"{flag} {path!r}: importing the file failed: {type(error).__name__}: {error}") from error
+    _record_source(module)
     return module
 
 
@@ -94,7 +199,9 @@ def load_custom_modules(paths_or_module_names: Iterable[str] | str, *, flag: str
             modules.append(_load_file(entry, flag))
             continue
         try:
-            modules.append(importlib.import_module(entry))
+            module = importlib.import_module(entry)
         except Exception as error:
             raise ValueError(f"{flag} {entry!r}: importing the module failed: {type(error).__name__}: {error}") from error
+        _record_source(module)
+        modules.append(module)
     return modules

@@ -10,16 +10,31 @@
 
 The run config selects kernels by name (`algorithm.advantage_estimator`, `algorithm.policy_loss`,
 `algorithm.kl_loss_type`, ...). Registering a name twice, or looking up an unknown name, raises
-`ValueError` listing the registered names. Lookups first import every built-in module and the
+`ValueError` listing the registered names, with one exception: a user module (anything outside
+the `stacx` package, or in `stacx/custom/`) may re-register a *built-in* kernel's name. The user's
+function then replaces the built-in for this process, with a `UserWarning` naming both; so a guide
+example that reuses a built-in name (`reward_centered`, `vanilla_pg`) runs as written.
+`unregister` of such a name restores the built-in. Lookups first import every built-in module and the
 `stacx/custom/` folder (see `stacx.objectives.discovery`), so a name is found no matter which
 module was imported first.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Iterable, TypeVar
 
 F = TypeVar("F", bound=Callable)
+
+
+def is_builtin_entry(entry: object) -> bool:
+    """True for an entry defined inside the `stacx` package, except user files in `stacx/custom/`."""
+    module = getattr(entry, "__module__", None) or ""
+    return module.startswith("stacx.") and not module.startswith("stacx.custom")
+
+
+def _describe(entry: object) -> str:
+    return f"{getattr(entry, '__module__', '?')}.{getattr(entry, '__qualname__', repr(entry))}"
 
 
 class Registry:
@@ -29,6 +44,8 @@ class Registry:
         self.kind = kind
         self.entries_are_callable = entries_are_callable
         self._functions: dict[str, Callable] = {}
+        self._replaced_builtins: dict[str, Callable] = {}
+        """name -> the built-in a user registration replaced (restored by `unregister`)."""
 
     def register(self, name: str, *, aliases: Iterable[str] = ()) -> Callable[[F], F]:
         """Decorator registering a function under `name` (and `aliases`); returns it unchanged."""
@@ -40,14 +57,24 @@ class Registry:
         def decorator(fn: F) -> F:
             if self.entries_are_callable and not callable(fn):
                 raise ValueError(f"{self.kind} {name!r}: registered object {fn!r} is not callable")
+            replaced = {}
             for each in names:
                 if each in self._functions:
                     existing = self._functions[each]
+                    if self.entries_are_callable and is_builtin_entry(existing) and not is_builtin_entry(fn):
+                        replaced[each] = existing
+                        continue
                     raise ValueError(
-                        f"{self.kind} {each!r} is already registered (by "
-                        f"{getattr(existing, '__module__', '?')}.{getattr(existing, '__qualname__', repr(existing))}); registered "
+                        f"{self.kind} {each!r} is already registered (by {_describe(existing)}); registered "
                         f"{self.kind} names: {self.names()}"
                     )
+            for each, builtin in replaced.items():
+                warnings.warn(
+                    f"{self.kind} {each!r}: {_describe(fn)} replaces the built-in {_describe(builtin)} in this "
+                    f"process; choose another name to keep both",
+                    UserWarning, stacklevel=2,
+                )
+                self._replaced_builtins[each] = builtin
             for each in names:
                 self._functions[each] = fn
             return fn
@@ -72,6 +99,8 @@ class Registry:
         if name not in self._functions:
             raise ValueError(f"unknown {self.kind} {name!r}; registered: {self.names()}")
         del self._functions[name]
+        if name in self._replaced_builtins:
+            self._functions[name] = self._replaced_builtins.pop(name)
 
     def __contains__(self, name: str) -> bool:
         return name in self._functions

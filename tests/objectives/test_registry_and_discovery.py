@@ -51,8 +51,12 @@ def test_unknown_and_duplicate_names_list_the_registered_names():
     for lookup in (get_kl_estimator, get_loss, get_off_policy_correction):
         with pytest.raises(ValueError, match="registered"):
             lookup("nope")
-    with pytest.raises(ValueError, match=r"'ppo_clip' is already registered.*registered policy loss names"):
-        register_policy_loss("ppo_clip")(lambda *a, **k: None)
+    register_policy_loss("dup_name_test")(lambda *a, **k: None)
+    try:
+        with pytest.raises(ValueError, match=r"'dup_name_test' is already registered.*registered policy loss names"):
+            register_policy_loss("dup_name_test")(lambda *a, **k: None)
+    finally:
+        POLICY_LOSSES.unregister("dup_name_test")
     registry = Registry("thing")
     registry.register("a", aliases=("b",))(len)
     with pytest.raises(ValueError, match="'b' is already registered"):
@@ -99,9 +103,13 @@ def test_load_custom_modules_errors_name_the_file(tmp_path):
         load_custom_modules([str(broken)])
     clash = tmp_path / "clash_algo.py"
     clash.write_text("from stacx.objectives.registry import register_policy_loss\n"
-                     "register_policy_loss('ppo_clip')(lambda *a, **k: None)\n")
-    with pytest.raises(ValueError, match=r"clash_algo.py.*'ppo_clip' is already registered"):
-        load_custom_modules([str(clash)])
+                     "register_policy_loss('tempered_pg_clash_test')(lambda *a, **k: None)\n"
+                     "register_policy_loss('tempered_pg_clash_test')(lambda *a, **k: None)\n")
+    try:
+        with pytest.raises(ValueError, match=r"clash_algo.py.*'tempered_pg_clash_test' is already registered"):
+            load_custom_modules([str(clash)])
+    finally:
+        POLICY_LOSSES.unregister("tempered_pg_clash_test")
     with pytest.raises(ValueError, match=r"--custom-module 'no_such_module_xyz'"):
         load_custom_modules(["no_such_module_xyz"])
 
@@ -154,3 +162,101 @@ def test_registering_a_taken_aggregation_name_names_it_even_for_non_callable_ent
     existing = AGGREGATIONS.get("token-mean")
     with pytest.raises(ValueError, match="'token-mean' is already registered"):
         AGGREGATIONS.register("token-mean")(existing)
+
+
+def test_a_user_registration_replaces_a_builtin_name_with_a_warning_and_unregister_restores_it(tmp_path):
+    """The guide's own examples reuse built-in names (`reward_centered`, `vanilla_pg`): they must load."""
+    builtin = get_policy_loss("vanilla_pg")
+    user_file = tmp_path / "reuses_builtin_name.py"
+    user_file.write_text("from stacx.objectives.registry import register_policy_loss\n"
+                         "@register_policy_loss('vanilla_pg')\n"
+                         "def vanilla_pg(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):\n"
+                         "    return 'user', {}\n")
+    try:
+        with pytest.warns(UserWarning, match=r"policy loss 'vanilla_pg': .*replaces the built-in"):
+            load_custom_modules([str(user_file)])
+        assert get_policy_loss("vanilla_pg")(None, [], [], [], []) == ("user", {})
+        # A second user registration of the same name is still a duplicate.
+        with pytest.raises(ValueError, match="'vanilla_pg' is already registered"):
+            register_policy_loss("vanilla_pg")(lambda *a, **k: None)
+    finally:
+        POLICY_LOSSES.unregister("vanilla_pg")
+        for module in [m for m in sys.modules if "reuses_builtin_name" in m]:
+            del sys.modules[module]
+    assert get_policy_loss("vanilla_pg") is builtin
+
+
+def test_a_raising_file_in_the_custom_folder_is_skipped_with_a_warning_naming_it(tmp_path, monkeypatch):
+    from stacx.objectives import discovery
+
+    package = tmp_path / "fake_custom_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "broken_user_algo.py").write_text("raise RuntimeError('user bug')\n")
+    (package / "good_user_algo.py").write_text(
+        "from stacx.objectives.registry import register_advantage\n"
+        "@register_advantage('good_user_adv_test')\n"
+        "def adv(config, rollout_data):\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(discovery, "USER_PACKAGE", "fake_custom_pkg")
+    try:
+        with pytest.warns(RuntimeWarning, match=r"skipped .*fake_custom_pkg.broken_user_algo\.py.*user bug"):
+            discovery._import_user_package()
+        assert "good_user_adv_test" in ADVANTAGES
+        assert "fake_custom_pkg.broken_user_algo" not in sys.modules
+        shipped = {entry.module_name for entry in discovery.user_module_sources()}
+        assert "fake_custom_pkg.good_user_algo" in shipped and "fake_custom_pkg.broken_user_algo" not in shipped
+    finally:
+        ADVANTAGES.unregister("good_user_adv_test")
+        for module in [m for m in sys.modules if m.startswith("fake_custom_pkg")]:
+            del sys.modules[module]
+        discovery._USER_MODULE_SOURCES.pop("fake_custom_pkg.good_user_algo", None)
+
+
+def test_shipped_sources_recreate_a_user_module_under_its_name_without_the_file(tmp_path):
+    """What a Ray worker on another node does: the file is gone, the shipped source suffices, and an
+    object pickled by reference to the module's class unpickles."""
+    import pickle
+
+    from stacx.objectives import discovery
+
+    user_file = tmp_path / "shipped_user_algo.py"
+    user_file.write_text(textwrap.dedent("""
+        from stacx.objectives.registry import register_policy_loss
+
+        class ShippedThing:
+            pass
+
+        @register_policy_loss("shipped_pg_test")
+        def shipped(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
+            return [-a * lp for a, lp in zip(advantages, log_prob)], {}
+    """))
+    (module,) = load_custom_modules([str(user_file)])
+    sources = [entry for entry in discovery.user_module_sources() if entry.module_name == module.__name__]
+    assert len(sources) == 1 and "ShippedThing" in sources[0].source
+    payload = pickle.dumps((pickle.dumps(module.ShippedThing), sources))
+    # Forget everything, as a fresh process would not have it, and delete the file.
+    POLICY_LOSSES.unregister("shipped_pg_test")
+    del sys.modules[module.__name__]
+    user_file.unlink()
+    pickled_class, received = pickle.loads(payload)
+    with pytest.raises(ModuleNotFoundError):
+        pickle.loads(pickled_class)
+    try:
+        assert discovery.import_user_module_sources(received) == [module.__name__]
+        assert discovery.import_user_module_sources(received) == []  # already imported: nothing twice
+        assert pickle.loads(pickled_class).__module__ == module.__name__
+        assert "shipped_pg_test" in POLICY_LOSSES
+    finally:
+        POLICY_LOSSES.unregister("shipped_pg_test")
+        sys.modules.pop(module.__name__, None)
+        discovery._USER_MODULE_SOURCES.pop(module.__name__, None)
+
+
+def test_a_shipped_module_that_raises_names_its_origin():
+    from stacx.objectives.discovery import UserModuleSource, import_user_module_sources
+
+    bad = UserModuleSource("stacx_user_module_bad_ship_test", "raise KeyError('x')\n", "/somewhere/bad_ship.py")
+    with pytest.raises(ImportError, match=r"'stacx_user_module_bad_ship_test' \(from /somewhere/bad_ship.py\).*KeyError"):
+        import_user_module_sources([bad])
+    assert "stacx_user_module_bad_ship_test" not in sys.modules

@@ -7,6 +7,11 @@ in as callables `fn(worker, *args, **kwargs)` (or subclasses add methods and cal
     workers.execute_all(build_policy_model, model_config)      # fn(worker, model_config)
     workers.execute_all("placement_info")                       # a method, by name
 
+User code: the driver passes the source of every user module it imported (`--custom-module`
+files, `stacx/custom/`) as `user_modules`; the worker executes them under the driver's module
+names in `__init__`, before any call is unpickled, so a custom kernel, recipe or specialization
+class resolves here even on a node whose file system lacks the file.
+
 Lifecycle: `setup(...)` initializes torch.distributed (gloo on CPU, NCCL on GPU) over the
 role's ranks and megatron-core's (tp, cp, dp) groups with `initialize_parallel_layout`;
 `open_exchange(...)` joins an exchange group with another role's workers; `shutdown()` tears
@@ -26,7 +31,9 @@ import torch
 class RoleWorker:
     """State and entry points of one rank. Wrapped with `ray.remote` by `RoleWorkers`."""
 
-    def __init__(self, role_name: str, rank: int, world_size: int, *, num_threads: int | None = None):
+    def __init__(self, role_name: str, rank: int, world_size: int, *, num_threads: int | None = None,
+                 user_modules: tuple = ()):
+        """`user_modules`: `stacx.objectives.discovery.UserModuleSource`s to import before any call."""
         self.role_name = role_name
         self.rank = rank
         self.world_size = world_size
@@ -38,6 +45,12 @@ class RoleWorker:
         self._hosted_stores: dict[str, Any] = {}
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        self.user_module_names: list[str] = []
+        """The user modules executed from the driver's sources in this process."""
+        if user_modules:
+            from stacx.objectives.discovery import import_user_module_sources
+
+            self.user_module_names = import_user_module_sources(user_modules)
 
     # ---- placement and rendezvous -------------------------------------------------------
     def placement_info(self) -> dict[str, Any]:

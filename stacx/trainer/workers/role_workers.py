@@ -64,14 +64,23 @@ class RoleWorkers:
         worker_cls: type = RoleWorker,
         num_threads: int | None = 1,
         env_vars: dict[str, str] | None = None,
+        user_modules: Sequence | None = None,
     ):
-        """Start the actors (they import nothing heavy until `setup`).
+        """Start the actors (they import nothing heavy until `setup`, unless user modules are shipped).
 
         `collective_timeout_s` bounds every collective inside the role; `call_timeout_s`, when
         set, bounds every driver call (None: only deaths and errors end a call early).
         `num_threads` sets torch's intra-op threads per worker (None leaves Ray's default).
+        `user_modules`: sources of the user modules every actor imports when it starts
+        (`stacx.objectives.discovery.UserModuleSource`); None ships every user module this
+        process has imported (`--custom-module` files and `stacx/custom/`).
         """
         import ray
+
+        from stacx.objectives.discovery import user_module_sources
+
+        if user_modules is None:
+            user_modules = user_module_sources()
 
         model_parallel = tensor_parallel_size * context_parallel_size
         if num_ranks < 1 or num_ranks % model_parallel != 0:
@@ -95,7 +104,8 @@ class RoleWorkers:
             if runtime_env:
                 options["runtime_env"] = runtime_env
             self.actors.append(remote_cls.options(**options).remote(role_name, rank, num_ranks,
-                                                                   num_threads=num_threads))
+                                                                   num_threads=num_threads,
+                                                                   user_modules=tuple(user_modules)))
 
     @property
     def data_parallel_size(self) -> int:
