@@ -326,6 +326,75 @@ def save_checkpoint(
         raise
 
 
+def remove_staging_folders(root: str | os.PathLike, *, pid: int | None = None) -> list[str]:
+    """Delete the staging folders that process `pid` (default: this one) began under `root` and never
+    committed (an interrupted save); returns what went. Other processes' folders are left alone."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    marker = f"-{os.getpid() if pid is None else pid}-"
+    removed = [str(entry) for entry in root.iterdir()
+               if entry.name.startswith(_STAGING_PREFIX) and marker in entry.name and entry.is_dir()]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def check_save_folder(save: str | os.PathLike | None, *, load: str | os.PathLike | None, overwrite: bool) -> None:
+    """Refuse to start a run whose --save folder holds another run's checkpoints, unless --load
+    resumes from that folder (or a step inside it) or --overwrite allows replacing them."""
+    if not save:
+        return
+    existing = list_checkpoints(save)
+    if not existing or overwrite:
+        return
+    save_path = Path(save).resolve()
+    if load:
+        load_path = Path(load).resolve()
+        if load_path == save_path or load_path.parent == save_path:
+            return
+    steps = ", ".join(str(step) for step, _ in existing[:5]) + (", ..." if len(existing) > 5 else "")
+    raise CheckpointError(
+        f"--save {save} already holds checkpoints of another run (steps {steps}); a new run would overwrite "
+        f"them. Resume that run with --load {save}, choose another --save folder, or pass --overwrite to "
+        "replace them")
+
+
+def remove_checkpoints(root: str | os.PathLike) -> list[str]:
+    """Delete every complete checkpoint under `root` (a run started with --overwrite, at its first save,
+    so that an older run's later steps cannot be taken for this run's latest); returns what went."""
+    removed = [path for _, path in list_checkpoints(root)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
+    """The parsed manifest.json of a step folder; a truncated or unreadable one is named with its path."""
+    path = Path(folder) / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}); the checkpoint is truncated or corrupt. Resume "
+                              "from an earlier step folder with --load, or delete this one") from None
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read: {err}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(manifest).__name__}")
+    return manifest
+
+
+def resolve_checkpoint_folder(path: str | os.PathLike) -> Path:
+    """`path` itself when it is a step folder (has a manifest), else the newest complete one under it."""
+    folder = Path(path)
+    if not (folder / MANIFEST_NAME).is_file():
+        latest = latest_checkpoint(folder)
+        if latest is None:
+            raise CheckpointError(f"no complete checkpoint (a step_* folder with {MANIFEST_NAME}) under {folder}")
+        folder = Path(latest)
+    return folder
+
+
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, str]]:
     """(step, folder) of every complete checkpoint under `root`, oldest first; staging folders are ignored."""
     root = Path(root)
@@ -478,13 +547,8 @@ def load_checkpoint(
 
     Fails with CheckpointError when nothing complete is there, the recipe differs, a role is missing,
     a role's layout cannot be resharded to the expected one, or a file does not match the manifest."""
-    folder = Path(path)
-    if not (folder / MANIFEST_NAME).is_file():
-        latest = latest_checkpoint(folder)
-        if latest is None:
-            raise CheckpointError(f"no complete checkpoint (a step_* folder with {MANIFEST_NAME}) under {folder}")
-        folder = Path(latest)
-    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    folder = resolve_checkpoint_folder(path)
+    manifest = read_manifest(folder)
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {folder}: format version {manifest.get('format_version')} "
                               f"is not {FORMAT_VERSION}")
@@ -522,11 +586,16 @@ __all__ = [
     "RoleLayout",
     "begin_checkpoint",
     "capture_rng_state",
+    "check_save_folder",
     "commit_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "prune_checkpoints",
+    "read_manifest",
+    "remove_checkpoints",
+    "remove_staging_folders",
+    "resolve_checkpoint_folder",
     "restore_rng_state",
     "save_checkpoint",
     "write_rank_state",
