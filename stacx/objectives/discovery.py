@@ -1,6 +1,7 @@
 """Importing the modules whose decorators fill the registries.
 
-Three sources, all imported before the first registry lookup:
+Three sources, all imported before the first registry lookup (`import stacx.objectives` imports
+only the first; see `import_builtin_modules` for why):
 1. every module inside `stacx/objectives/` (the built-ins), found by walking the package;
 2. every module inside the `stacx/custom/` folder (drop a file there, nothing else to do);
 3. user modules named on the command line or in the config (`--custom-module my_algo.py`,
@@ -138,15 +139,39 @@ def _import_user_package() -> None:
         _record_source(module)
 
 
+_builtins_done = False
+
+
+def import_builtin_modules() -> None:
+    """Import every module of `stacx.objectives` once (idempotent); `import stacx.objectives` does this.
+
+    `stacx/custom/` is not imported here: a user file there may import `stacx.trainer.recipes`,
+    which imports this package, so importing user files from this package's `__init__` would be
+    an import cycle. They are imported at the first registry lookup instead.
+    """
+    global _builtins_done
+    if _builtins_done:
+        return
+    _builtins_done = True
+    try:
+        _import_package_tree(BUILTIN_PACKAGE)
+    except BaseException:
+        _builtins_done = False
+        raise
+
+
 def import_builtin_and_custom_modules() -> None:
-    """Import every module of `stacx.objectives` and `stacx.custom` once (idempotent)."""
+    """Import every module of `stacx.objectives` and `stacx.custom` once (idempotent).
+
+    Called by every registry lookup and listing, and by the trainer before it picks a recipe.
+    """
     global _auto_import_done
     if _auto_import_done:
         return
     # Set first: modules being imported may themselves trigger a lookup.
     _auto_import_done = True
     try:
-        _import_package_tree(BUILTIN_PACKAGE)
+        import_builtin_modules()
         _import_user_package()
     except BaseException:
         _auto_import_done = False

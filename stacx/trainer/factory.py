@@ -200,11 +200,12 @@ def create_role_workers(training_config, layout: Any = None, *, pool_timeout_s: 
 
 def resolve_recipe(run_config):
     """(TrainingConfig, resolved AlgorithmConfig) of a run: custom modules imported, then infer_algorithm."""
-    from stacx.objectives import load_custom_modules
+    from stacx.objectives import import_builtin_and_custom_modules, load_custom_modules
     from stacx.trainer.algorithm import infer_algorithm
     from stacx.trainer.recipes import get_recipe
     from stacx.trainer.resolved_config import resolve_algorithm_config
 
+    import_builtin_and_custom_modules()  # stacx/custom/ may hold kernels and recipes
     if run_config.train.custom_module:
         load_custom_modules(list(run_config.train.custom_module))
     name = infer_algorithm({"algorithm": run_config.train.algorithm, "use_critic": run_config.train.use_critic,
