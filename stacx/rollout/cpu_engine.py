@@ -11,6 +11,7 @@ Log-prob convention: see stacx.rollout.types (log_softmax(logits / T) over the r
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -20,6 +21,10 @@ from stacx.rollout.weight_loading import HfWeightReceiver
 from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
 
 WeightLoader = Callable[[torch.nn.Module, Sequence[tuple[str, torch.Tensor]]], None]
+
+
+class GenerationCancelled(Exception):
+    """`generate(..., should_stop=...)` stopped because should_stop() returned True (its client left)."""
 
 
 def sampling_log_probs(logits_V: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -108,6 +113,8 @@ class CpuEngine(InferenceEngine):
         self.model = model.eval()
         self.groups = ProcessGroups.single_process()
         self.vocab_size = int(hf_config_of(model).vocab_size)
+        self.context_length = int(getattr(hf_config_of(model), "max_position_embeddings", 0) or 0) or None
+        """Most tokens one sequence may hold (prompt + max_new_tokens); None when the config has none."""
         self.eos_token_id = eos_token_id
         self.model_path = model_path
         self._weight_loader = weight_loader
@@ -117,6 +124,7 @@ class CpuEngine(InferenceEngine):
         self._resumed = threading.Event()
         self._resumed.set()
         self._version = 0
+        self._progress_at: Optional[float] = None  # monotonic time of the last step while a call runs
 
     @classmethod
     def from_hf_checkpoint(cls, path: str, *, params_dtype: torch.dtype = torch.float32, seed: int = 0) -> "CpuEngine":
@@ -147,16 +155,46 @@ class CpuEngine(InferenceEngine):
 
     # ---- InferenceEngine -------------------------------------------------------------------
 
-    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
-        for request in requests:
-            bad = [t for t in request.input_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"input_ids hold token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        self._resumed.wait()
-        with self._lock:
-            return self._generate_locked(requests)
+    def check_requests(self, requests: Sequence[GenerateRequest]) -> None:
+        """Raise ValueError naming the field when a request cannot be served by this model: token ids
+        outside the vocabulary, or prompt + max_new_tokens beyond the model's context length."""
+        for index, request in enumerate(requests):
+            for field, ids in (("input_ids", request.input_ids), ("token_ids_logprob", request.token_ids_logprob)):
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(f"request {index}: {field} hold token ids {bad[:5]} outside the vocabulary "
+                                     f"[0, {self.vocab_size})")
+            total = len(request.input_ids) + request.sampling.max_new_tokens
+            if self.context_length is not None and total > self.context_length:
+                raise ValueError(
+                    f"request {index}: input_ids ({len(request.input_ids)} tokens) + sampling_params.max_new_tokens "
+                    f"({request.sampling.max_new_tokens}) = {total} exceeds the model's context length "
+                    f"{self.context_length}; lower max_new_tokens")
 
-    def _generate_locked(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+    def generate(self, requests: Sequence[GenerateRequest], *,
+                 should_stop: Optional[Callable[[], bool]] = None) -> list[GenerateOutput]:
+        """Generate for every request. `should_stop` (e.g. "the client disconnected") is polled while
+        waiting for the engine and before every decoding step; when it returns True the call raises
+        GenerationCancelled and the engine moves on to the next call."""
+        self.check_requests(requests)
+        self._resumed.wait()
+        while not self._lock.acquire(timeout=0.1):
+            if should_stop is not None and should_stop():
+                raise GenerationCancelled("the caller stopped waiting for the engine")
+        try:
+            self._progress_at = time.monotonic()
+            return self._generate_locked(requests, should_stop)
+        finally:
+            self._progress_at = None
+            self._lock.release()
+
+    def stalled_for_s(self) -> float:
+        """Seconds since the running call last made progress (0 when idle); `/health` reads it."""
+        progress_at = self._progress_at
+        return 0.0 if progress_at is None else time.monotonic() - progress_at
+
+    def _generate_locked(self, requests: Sequence[GenerateRequest],
+                         should_stop: Optional[Callable[[], bool]] = None) -> list[GenerateOutput]:
         outputs = [GenerateOutput(output_ids=[], weight_version=self._version) for _ in requests]
         generators = [
             torch.Generator().manual_seed(r.sampling.seed) if r.sampling.seed is not None else self._generator
@@ -166,7 +204,10 @@ class CpuEngine(InferenceEngine):
         active = list(range(len(requests)))
         first_step = True
         while active:
+            if should_stop is not None and should_stop():
+                raise GenerationCancelled(f"stopped after {len(outputs[active[0]].output_ids)} generated tokens")
             logits = self._logits([sequences[i] for i in active])
+            self._progress_at = time.monotonic()
             still_active = []
             for i, logits_LV in zip(active, logits):
                 request, out = requests[i], outputs[i]

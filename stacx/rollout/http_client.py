@@ -4,12 +4,17 @@ Connection failures, timeouts and 5xx answers are retried with exponential backo
 (`backoff_s * 2**attempt`, capped at `backoff_max_s`); when the budget is spent the error names
 the server, the endpoint and a summary of the request. A 4xx answer is the caller's mistake and
 is raised at once with the server's message.
+
+Authentication: with an API key (given, or from the `STACX_API_KEY` environment variable), every
+request carries `Authorization: Bearer <key>`, the header both `stacx serve` and SGLang's
+`--api-key` check.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
@@ -17,6 +22,14 @@ from typing import Any, Iterable, Optional
 import requests
 
 logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "STACX_API_KEY"
+"""Environment variable holding the shared secret of Stacx's inference servers and their clients."""
+
+
+def api_key_from_env() -> Optional[str]:
+    """The `STACX_API_KEY` environment variable, or None when it is unset or empty."""
+    return os.environ.get(API_KEY_ENV) or None
 
 
 class ServerUnavailableError(RuntimeError):
@@ -63,10 +76,14 @@ class RetryPolicy:
 class HttpTransport:
     """JSON and binary requests to one server URL (e.g. http://127.0.0.1:30000)."""
 
-    def __init__(self, url: str, retry: RetryPolicy = RetryPolicy()):
+    def __init__(self, url: str, retry: RetryPolicy = RetryPolicy(), *, api_key: Optional[str] = None):
+        """api_key: the server's shared secret (None: `STACX_API_KEY` if set, else no header)."""
         self.url = url.rstrip("/")
         self.retry = retry
         self._session = requests.Session()
+        api_key = api_key or api_key_from_env()
+        if api_key:
+            self._session.headers["Authorization"] = f"Bearer {api_key}"
 
     def request(
         self,

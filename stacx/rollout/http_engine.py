@@ -3,21 +3,30 @@
 Generation, pause/resume, flush and health use SGLang's own endpoints. Weight updates go to
 `stacx serve`'s binary bucket endpoint (`/stacx/update_weights_bucket`, see weight_transfer.py);
 the SGLang engine overrides `update_weights` with SGLang's tensor / distributed endpoints.
+
+Same-host shared memory: the client asks the server for a staging file (`POST /stacx/shm_staging`
+-> `{"staging_id", "path"}`), writes each bucket into it and posts only the metadata with the
+`staging_id`. `shutdown()` (alias `close()`) releases and removes that file; it is safe to call twice.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import logging
+from typing import Iterable, Optional, Sequence
 from urllib.parse import urlparse
 
 from stacx.rollout.engine import InferenceEngine, WeightBucket
-from stacx.rollout.http_client import HttpTransport, RetryPolicy
+from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerRequestError
 from stacx.rollout.sglang_protocol import build_generate_payload, parse_generate_response
 from stacx.rollout.types import GenerateOutput, GenerateRequest
 from stacx.rollout.weight_transfer import SharedMemoryStaging, bucket_wire_chunks
 
+logger = logging.getLogger(__name__)
+
 BUCKET_ENDPOINT = "/stacx/update_weights_bucket"
 SHM_BUCKET_ENDPOINT = "/stacx/update_weights_from_shm"
+SHM_STAGING_ENDPOINT = "/stacx/shm_staging"
+SHM_RELEASE_ENDPOINT = "/stacx/shm_staging/release"
 WEIGHT_TRANSPORTS = ("auto", "http", "shm")
 
 
@@ -30,13 +39,17 @@ def summarize_requests(requests: Sequence[GenerateRequest]) -> str:
 class HttpEngine(InferenceEngine):
     """Talks to one server URL."""
 
-    def __init__(self, url: str, retry: RetryPolicy = RetryPolicy(), *, weight_transport: str = "auto"):
+    def __init__(self, url: str, retry: RetryPolicy = RetryPolicy(), *, weight_transport: str = "auto",
+                 api_key: Optional[str] = None):
         """weight_transport: 'http' sends bucket bytes in the request body; 'shm' stages them in a
-        same-host shared-memory file and sends only metadata; 'auto' picks shm for a loopback URL."""
+        same-host shared-memory file the server creates and sends only metadata; 'auto' tries shm
+        for a loopback URL and falls back to http when the server offers no staging file.
+        api_key: the server's shared secret (None: `STACX_API_KEY` if set)."""
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight_transport must be one of {WEIGHT_TRANSPORTS}, got {weight_transport!r}")
-        self.transport = HttpTransport(url, retry)
+        self.transport = HttpTransport(url, retry, api_key=api_key)
         host = urlparse(self.transport.url).hostname
+        self._shm_fallback = weight_transport == "auto"
         self.weight_transport = ("shm" if host in ("127.0.0.1", "localhost", "::1") else "http") \
             if weight_transport == "auto" else weight_transport
         self._staging: SharedMemoryStaging | None = None
@@ -62,11 +75,11 @@ class HttpEngine(InferenceEngine):
         self._send_bucket(pending, version=version, final=True)
 
     def _send_bucket(self, bucket: WeightBucket, *, version: int, final: bool) -> None:
+        if self.weight_transport == "shm" and self._staging is None:
+            self._staging = self._open_staging()
         if self.weight_transport == "shm":
-            if self._staging is None:
-                self._staging = SharedMemoryStaging()
             header = self._staging.write(bucket, version=version, final=final)
-            self.transport.post_json(SHM_BUCKET_ENDPOINT, header, summary=f"{len(bucket)} tensors via {header['path']}")
+            self.transport.post_json(SHM_BUCKET_ENDPOINT, header, summary=f"{len(bucket)} tensors via {self._staging.path}")
             return
         # the tensors' own memory goes to the socket; the server receives one flat buffer
         chunks = bucket_wire_chunks(bucket, version=version, final=final)
@@ -74,6 +87,38 @@ class HttpEngine(InferenceEngine):
         self.transport.request(
             "POST", BUCKET_ENDPOINT, data=body, summary=f"{len(bucket)} tensors, {body.len} bytes, version {version}",
         )
+
+    def _open_staging(self) -> Optional[SharedMemoryStaging]:
+        """Handshake for a server-created staging file. With 'auto', a server that offers none (an
+        older server, another user's file, another host) switches this client to 'http'."""
+        try:
+            answer = self.transport.post_json(SHM_STAGING_ENDPOINT, {}, summary="shared-memory staging handshake")
+            staging_id, path = answer["staging_id"], answer["path"]
+        except (ServerRequestError, KeyError, TypeError) as err:
+            if not self._shm_fallback:
+                raise RuntimeError(f"{self.url} offers no shared-memory staging file ({err}); "
+                                   "use weight_transport='http'") from err
+            logger.info("%s: no shared-memory staging (%s); sending weights in the request body", self.url, err)
+            self.weight_transport = "http"
+            return None
+        try:
+            return SharedMemoryStaging(path, staging_id)
+        except OSError as err:
+            self._release_staging(staging_id)
+            if not self._shm_fallback:
+                raise RuntimeError(f"cannot open the server's staging file {path} ({err}); "
+                                   "use weight_transport='http'") from err
+            logger.info("%s: cannot open staging file %s (%s); sending weights in the request body", self.url, path, err)
+            self.weight_transport = "http"
+            return None
+
+    def _release_staging(self, staging_id: str) -> None:
+        """Ask the server to remove its staging file (best effort: one short attempt)."""
+        try:
+            self.transport.post_json(SHM_RELEASE_ENDPOINT, {"staging_id": staging_id},
+                                     retry=RetryPolicy(timeout_s=5.0, max_attempts=1))
+        except Exception as err:  # noqa: BLE001 - teardown goes on; the server removes it when it stops
+            logger.debug("releasing staging file %s on %s failed: %s", staging_id, self.url, err)
 
     def weight_version(self) -> int:
         return int(self.transport.get("/get_weight_version")["weight_version"])
@@ -98,10 +143,18 @@ class HttpEngine(InferenceEngine):
         return self.transport.get("/get_model_info")
 
     def shutdown(self) -> None:
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
-        self.transport.close()
+        """Remove the shared-memory staging file (here and on the server) and close the connection.
+        Safe to call twice."""
+        staging, self._staging = self._staging, None
+        try:
+            if staging is not None:
+                self._release_staging(staging.staging_id)
+        finally:
+            if staging is not None:
+                staging.close()
+            self.transport.close()
+
+    close = shutdown
 
 
 class _ChunkedBody:

@@ -99,24 +99,61 @@ class WeightBroadcastGroup:
         self.group.broadcast([tensor], options).wait()
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SglangServerSpec:
     """How to launch one SGLang server."""
 
     model_path: str
     port: int
-    host: str = "0.0.0.0"
+    host: Optional[str] = None
+    """Address to bind; None binds the address of the node it runs on, the one the trainer uses
+    (Ray's node IP, loopback outside Ray). A wildcard (0.0.0.0, ::) is refused."""
+    api_key: Optional[str] = None
+    """SGLang's `--api-key`: the shared secret its clients send as a bearer token (the trainer
+    generates one per run)."""
     tensor_parallel_size: int = 1
     mem_fraction_static: float = 0.7
     extra_args: tuple[str, ...] = ()
 
+    def __post_init__(self):
+        if self.host in WILDCARD_HOSTS:
+            raise ValueError(f"SglangServerSpec.host {self.host!r} would serve on every interface; leave it None "
+                             "(the node's own address) or name one address")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("SglangServerSpec.api_key is empty; pass None or a secret")
+        if any(arg in ("--host", "--api-key") for arg in self.extra_args):
+            raise ValueError("SglangServerSpec.extra_args: set --host and --api-key through the spec's "
+                             "'host' and 'api_key' fields")
 
-def build_launch_command(spec: SglangServerSpec) -> list[str]:
-    return [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", spec.host,
+
+def node_address() -> str:
+    """The address of this node as the trainer reaches it: Ray's node IP inside a Ray worker or
+    driver, else loopback (a single-machine run)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def build_launch_command(spec: SglangServerSpec, host: Optional[str] = None) -> list[str]:
+    """The `sglang.launch_server` command line, bound to `host` (default: the spec's host, else
+    `node_address()`); with an api_key, SGLang itself requires it on every endpoint."""
+    host = host or spec.host or node_address()
+    command = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", host,
         "--port", str(spec.port), "--tp-size", str(spec.tensor_parallel_size),
-        "--mem-fraction-static", str(spec.mem_fraction_static), "--skip-server-warmup", *spec.extra_args,
+        "--mem-fraction-static", str(spec.mem_fraction_static), "--skip-server-warmup",
     ]
+    if spec.api_key:
+        command += ["--api-key", spec.api_key]
+    return command + list(spec.extra_args)
 
 
 class SglangServerProcess:
@@ -124,10 +161,11 @@ class SglangServerProcess:
 
     def __init__(self, spec: SglangServerSpec, *, startup_timeout_s: float = 900.0):
         self.spec = spec
-        self.process = subprocess.Popen(build_launch_command(spec))
-        url = f"http://{'127.0.0.1' if spec.host in ('0.0.0.0', '') else spec.host}:{spec.port}"
+        host = spec.host or node_address()
+        self.process = subprocess.Popen(build_launch_command(spec, host))
+        url = f"http://{host}:{spec.port}"
         probe = HttpEngine(url, RetryPolicy(timeout_s=10, max_attempts=max(1, int(startup_timeout_s // 5)),
-                                            backoff_s=5, backoff_max_s=5))
+                                            backoff_s=5, backoff_max_s=5), api_key=spec.api_key)
         try:
             probe.transport.get("/health")
         except Exception as err:
@@ -182,10 +220,12 @@ class SglangEngine(HttpEngine):
 
     def __init__(self, url: str, *, weight_update: str = "tensor", retry: RetryPolicy = RetryPolicy(),
                  serializer: Optional[Callable[[list], str]] = None, server_tp_size: int = 1,
-                 broadcast_group: Optional[WeightBroadcastGroup] = None, group_name: str = "weight_update_group"):
+                 broadcast_group: Optional[WeightBroadcastGroup] = None, group_name: str = "weight_update_group",
+                 api_key: Optional[str] = None):
+        """api_key: the server's `--api-key` (None: `STACX_API_KEY` if set)."""
         if weight_update not in WEIGHT_UPDATE_MODES:
             raise ValueError(f"weight_update must be one of {WEIGHT_UPDATE_MODES}, got {weight_update!r}")
-        super().__init__(url, retry)
+        super().__init__(url, retry, api_key=api_key)
         self.weight_update = weight_update
         self._serializer = serializer
         self.server_tp_size = server_tp_size

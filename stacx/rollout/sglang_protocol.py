@@ -15,6 +15,7 @@ and the answer is a list of `{"output_ids": [...], "meta_info": {...}}`. Log-pro
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
@@ -113,13 +114,18 @@ def parse_generate_response(body: Any, requests: Sequence[GenerateRequest]) -> l
 _BATCHABLE = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
 
 
-def parse_generate_payload(payload: dict) -> tuple[list[GenerateRequest], bool]:
-    """A `/generate` body -> (requests, is_batch). Only token-id input is supported."""
+def parse_generate_payload(payload: Any) -> tuple[list[GenerateRequest], bool]:
+    """A `/generate` body -> (requests, is_batch). Only token-id input is supported.
+
+    Every field is type-checked as JSON gives it (no coercion: `"false"` is not a boolean, `1.0` is
+    not a token id, NaN and inf are not temperatures); a mistake raises ValueError naming the
+    field and, in a batch, the request index.
+    """
     if not isinstance(payload, dict):
         raise ValueError("/generate body must be a JSON object")
     if payload.get("text") is not None:
         raise ValueError("/generate: 'text' input is not supported by this server; send 'input_ids'")
-    if payload.get("stream"):
+    if payload.get("stream") not in (None, False):
         raise ValueError("/generate: 'stream' is not supported by this server")
     input_ids = payload.get("input_ids")
     if not isinstance(input_ids, list) or not input_ids:
@@ -127,6 +133,11 @@ def parse_generate_payload(payload: dict) -> tuple[list[GenerateRequest], bool]:
     is_batch = isinstance(input_ids[0], list)
     sequences = input_ids if is_batch else [input_ids]
     n = len(sequences)
+    for i, sequence in enumerate(sequences):
+        where = f"input_ids[{i}]" if is_batch else "input_ids"
+        if not isinstance(sequence, list) or not sequence:
+            raise ValueError(f"/generate: '{where}' must be a non-empty list of token ids")
+        _check_token_ids(sequence, where)
 
     def per_request(key: str, default) -> list:
         value = payload.get(key)
@@ -134,7 +145,7 @@ def parse_generate_payload(payload: dict) -> tuple[list[GenerateRequest], bool]:
             return [default] * n
         if key == "token_ids_logprob":
             # a flat id list applies to every request; a list of lists is one entry per request
-            per_item = is_batch and bool(value) and isinstance(value[0], (list, type(None)))
+            per_item = is_batch and isinstance(value, list) and bool(value) and isinstance(value[0], (list, type(None)))
         else:
             per_item = isinstance(value, list)
         if not per_item:
@@ -145,18 +156,71 @@ def parse_generate_payload(payload: dict) -> tuple[list[GenerateRequest], bool]:
 
     fields = {key: per_request(key, default) for key, default in
               zip(_BATCHABLE, ({}, False, -1, 0, None))}
-    requests = [
-        GenerateRequest(
-            input_ids=tuple(int(t) for t in sequences[i]),
-            sampling=SamplingParams.from_sglang(fields["sampling_params"][i]),
-            return_logprob=bool(fields["return_logprob"][i]),
-            logprob_start_len=int(fields["logprob_start_len"][i]),
-            top_logprobs_num=int(fields["top_logprobs_num"][i]),
-            token_ids_logprob=tuple(int(t) for t in (fields["token_ids_logprob"][i] or ())),
-        )
-        for i in range(n)
-    ]
+    requests = []
+    for i in range(n):
+        suffix = f"[{i}]" if is_batch else ""
+        return_logprob = fields["return_logprob"][i]
+        if not isinstance(return_logprob, bool):
+            raise ValueError(f"/generate: 'return_logprob{suffix}' must be true or false, got {return_logprob!r}")
+        logprob_start_len = _check_int(fields["logprob_start_len"][i], f"logprob_start_len{suffix}", minimum=-1)
+        top_logprobs_num = _check_int(fields["top_logprobs_num"][i], f"top_logprobs_num{suffix}", minimum=0)
+        token_ids = fields["token_ids_logprob"][i] or []
+        if not isinstance(token_ids, list):
+            raise ValueError(f"/generate: 'token_ids_logprob{suffix}' must be a list of token ids, got {token_ids!r}")
+        _check_token_ids(token_ids, f"token_ids_logprob{suffix}")
+        sampling = parse_sampling_params(fields["sampling_params"][i], f"sampling_params{suffix}")
+        try:
+            requests.append(GenerateRequest(
+                input_ids=tuple(sequences[i]), sampling=sampling, return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                token_ids_logprob=tuple(token_ids),
+            ))
+        except ValueError as err:
+            raise ValueError(f"/generate: request {i}: {err}") from err
     return requests, is_batch
+
+
+_SAMPLING_INTS = {"max_new_tokens": 0, "top_k": -1}
+_SAMPLING_FLOATS = ("temperature", "top_p")
+
+
+def parse_sampling_params(params: Any, where: str = "sampling_params") -> SamplingParams:
+    """SGLang's `sampling_params` object, every value type-checked (ValueError naming `where.key`)."""
+    if not isinstance(params, dict):
+        raise ValueError(f"/generate: '{where}' must be a JSON object, got {type(params).__name__}")
+    for key, minimum in _SAMPLING_INTS.items():
+        if params.get(key) is not None:
+            _check_int(params[key], f"{where}.{key}", minimum=minimum)
+    for key in _SAMPLING_FLOATS:
+        value = params.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+            raise ValueError(f"/generate: '{where}.{key}' must be a finite number, got {value!r}")
+    if params.get("ignore_eos") is not None and not isinstance(params["ignore_eos"], bool):
+        raise ValueError(f"/generate: '{where}.ignore_eos' must be true or false, got {params['ignore_eos']!r}")
+    if params.get("sampling_seed") is not None:
+        _check_int(params["sampling_seed"], f"{where}.sampling_seed", minimum=0)
+    if params.get("stop_token_ids") is not None:
+        if not isinstance(params["stop_token_ids"], list):
+            raise ValueError(f"/generate: '{where}.stop_token_ids' must be a list of token ids")
+        _check_token_ids(params["stop_token_ids"], f"{where}.stop_token_ids")
+    try:
+        return SamplingParams.from_sglang(params)
+    except ValueError as err:
+        raise ValueError(f"/generate: {where}: {err}") from err
+
+
+def _check_int(value: Any, where: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"/generate: '{where}' must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"/generate: '{where}' must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_token_ids(ids: list, where: str) -> None:
+    for j, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"/generate: '{where}[{j}]' must be a non-negative integer token id, got {token!r}")
 
 
 def _pairs_to_entries(pairs):

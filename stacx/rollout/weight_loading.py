@@ -3,6 +3,9 @@
 A megatron parameter may be assembled from several HF tensors (q/k/v -> linear_qkv, gate/up
 -> linear_fc1), and a bucket boundary may fall between them, so pieces wait in `pending`
 until their parameter is complete. Each rank keeps only its TP shard (`local_slices`).
+
+An update is all-or-nothing per call: every name, shape and dtype of the given tensors is checked
+before any parameter is written, so a rejected bucket leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -32,21 +35,43 @@ class HfWeightReceiver:
                 self.targets[hf_name].append((mapping, index))
         self.pending: dict[str, dict[int, torch.Tensor]] = {}
 
-    @torch.no_grad()
-    def receive(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Write every parameter completed by these tensors. Pieces still waiting are cloned: the
-        tensors may view a transport buffer that the next bucket reuses."""
-        added = []
+    def _is_ignored(self, hf_name: str) -> bool:
+        return hf_name.endswith(self.ignored_suffixes) or (hf_name == "lm_head.weight" and self.shape.tie_word_embeddings)
+
+    def validate(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Raise ValueError (naming the tensor) unless every tensor is a parameter piece of this
+        model with the expected shape, a floating-point dtype, and appears once in the call."""
+        seen = set()
         for hf_name, tensor in named_tensors:
+            if hf_name in seen:
+                raise ValueError(f"weight update: tensor {hf_name!r} appears twice in one bucket")
+            seen.add(hf_name)
             targets = self.targets.get(hf_name)
             if targets is None:
-                if hf_name.endswith(self.ignored_suffixes) or (hf_name == "lm_head.weight" and self.shape.tie_word_embeddings):
+                if self._is_ignored(hf_name):
                     continue
                 raise ValueError(f"weight update: tensor {hf_name!r} is not a parameter of this model")
+            if not tensor.dtype.is_floating_point:
+                raise ValueError(f"weight update: tensor {hf_name!r} has dtype {tensor.dtype}; parameters need a "
+                                 "floating-point dtype")
             for mapping, index in targets:
                 expected = mapping.hf_shapes(self.shape, self.groups.tp_size)[index]
                 if tuple(tensor.shape) != tuple(expected):
                     raise ValueError(f"weight update: tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(expected)}")
+
+    @torch.no_grad()
+    def receive(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Check the whole call (`validate`), then write every parameter completed by these tensors.
+        Pieces still waiting are cloned: the tensors may view a transport buffer that the next
+        bucket reuses."""
+        named_tensors = list(named_tensors)
+        self.validate(named_tensors)
+        added = []
+        for hf_name, tensor in named_tensors:
+            targets = self.targets.get(hf_name)
+            if targets is None:
+                continue  # ignored (validated above)
+            for mapping, index in targets:
                 pieces = self.pending.setdefault(mapping.megatron_name, {})
                 pieces[index] = tensor
                 added.append((mapping.megatron_name, index))

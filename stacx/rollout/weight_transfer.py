@@ -7,17 +7,31 @@ sync fast (per-tensor sends are ~10x slower at scale). The HTTP body of a bucket
 
 with header `{"names", "dtypes", "shapes", "offsets", "version", "final"}` (offsets in bytes).
 The receiver views the raw bytes as tensors without copying and copies each into its parameter.
+
+A header is checked as a whole (`validate_bucket_header`) before any tensor is viewed, so a
+malformed bucket is rejected (a ValueError naming the field, HTTP 400) before it can touch a
+parameter. Same-host updates go through shared-memory files that the *server* creates and names
+(`SharedMemoryRegistry`); a request names a file only by the opaque id the server handed out,
+never by a path.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import secrets
+import stat
 import struct
+import tempfile
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -88,15 +102,66 @@ def bucket_wire_chunks(bucket: Sequence[tuple[str, torch.Tensor]], *, version: i
     return [struct.pack("<Q", len(header)) + header, *chunks]
 
 
+def validate_bucket_header(header, num_bytes_available: int, *, where: str) -> FlatBucket:
+    """Check a whole bucket header against the `num_bytes_available` bytes that back it.
+
+    Every field is checked before any tensor is viewed: `names`, `dtypes`, `shapes`, `offsets`
+    are lists of one length; dtypes are known; shapes are lists of non-negative ints; tensor i
+    occupies bytes [offsets[i], offsets[i] + prod(shapes[i]) * itemsize) inside [0, num_bytes),
+    with offsets[i] a multiple of the itemsize (a view needs it); `num_bytes` is an int no larger
+    than the bytes available; `version` an int and `final` a bool. Raises ValueError naming the
+    field (`where` names the endpoint). Returns the metadata with an empty `data` placeholder.
+    """
+    if not isinstance(header, dict):
+        raise ValueError(f"{where}: the weight header must be a JSON object, got {type(header).__name__}")
+    missing = [key for key in ("names", "dtypes", "shapes", "offsets", "num_bytes", "version", "final") if key not in header]
+    if missing:
+        raise ValueError(f"{where}: request is missing field(s) {missing}")
+    if not _is_int(header["version"]) or header["version"] < 0:
+        raise ValueError(f"{where}: 'version' must be a non-negative integer, got {header['version']!r}")
+    if not isinstance(header["final"], bool):
+        raise ValueError(f"{where}: 'final' must be true or false, got {header['final']!r}")
+    num_bytes = header["num_bytes"]
+    if not _is_int(num_bytes) or not 0 <= num_bytes <= num_bytes_available:
+        raise ValueError(f"{where}: 'num_bytes' must be an integer in [0, {num_bytes_available}] "
+                         f"(the bytes sent), got {num_bytes!r}")
+    columns = {key: header[key] for key in ("names", "dtypes", "shapes", "offsets")}
+    for key, value in columns.items():
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: '{key}' must be a list, got {type(value).__name__}")
+    lengths = {key: len(value) for key, value in columns.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"{where}: 'names', 'dtypes', 'shapes' and 'offsets' must have one entry per tensor; "
+                         f"got lengths {lengths}")
+    for i, (name, dtype, shape, offset) in enumerate(zip(*columns.values())):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}: names[{i}] must be a non-empty string, got {name!r}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"{where}: dtypes[{i}] ({name}) is {dtype!r}; supported: {sorted(_DTYPES)}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise ValueError(f"{where}: shapes[{i}] ({name}) must be a list of non-negative integers, got {shape!r}")
+        itemsize = _DTYPES[dtype].itemsize
+        if not _is_int(offset) or offset < 0 or offset % itemsize:
+            raise ValueError(f"{where}: offsets[{i}] ({name}) must be a non-negative multiple of {itemsize} "
+                             f"(the size of {dtype}), got {offset!r}")
+        end = offset + math.prod(shape) * itemsize
+        if end > num_bytes:
+            raise ValueError(f"{where}: tensor {name!r} ({dtype} {shape} at byte {offset}) ends at byte {end}, "
+                             f"past num_bytes {num_bytes}")
+    return FlatBucket(list(columns["names"]), list(columns["dtypes"]), [list(s) for s in columns["shapes"]],
+                      list(columns["offsets"]), torch.empty(0, dtype=torch.uint8))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def unflatten_bucket(flat: FlatBucket) -> list[tuple[str, torch.Tensor]]:
-    """Views into `flat.data`, one per tensor (no copy)."""
+    """Views into `flat.data`, one per tensor (no copy); the header must have been validated."""
     out = []
     for name, dtype, shape, offset in zip(flat.names, flat.dtypes, flat.shapes, flat.offsets):
         torch_dtype = _DTYPES[dtype]
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        num_bytes = numel * torch_dtype.itemsize
+        num_bytes = math.prod(shape) * torch_dtype.itemsize
         out.append((name, flat.data[offset:offset + num_bytes].view(torch_dtype).view(shape)))
     return out
 
@@ -110,51 +175,64 @@ def encode_bucket_header(flat: FlatBucket, *, version: int, final: bool) -> byte
     return struct.pack("<Q", len(header)) + header
 
 
-def decode_bucket_body(body: bytearray | bytes | memoryview) -> tuple[FlatBucket, dict]:
-    """Inverse of header + raw bytes; the tensors view `body` (keep it alive while they are used)."""
+def decode_bucket_body(body: bytearray | bytes | memoryview, *, where: str = "weight bucket") -> tuple[FlatBucket, dict]:
+    """Inverse of header + raw bytes, the whole header validated first; the tensors view `body`
+    (keep it alive while they are used)."""
     view = memoryview(body)
     if len(view) < 8:
-        raise ValueError("weight bucket body is shorter than its 8-byte header length")
+        raise ValueError(f"{where}: body is shorter than its 8-byte header length")
     (header_len,) = struct.unpack("<Q", view[:8])
+    if header_len > len(view) - 8:
+        raise ValueError(f"{where}: header length {header_len} exceeds the {len(view) - 8} bytes that follow it")
     try:
         header = json.loads(bytes(view[8:8 + header_len]))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"weight bucket header is not JSON: {err}") from err
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{where}: header is not JSON: {err}") from err
     raw = view[8 + header_len:]
-    if len(raw) != header["num_bytes"]:
-        raise ValueError(f"weight bucket: header says {header['num_bytes']} bytes, body holds {len(raw)}")
+    flat = validate_bucket_header(header, len(raw), where=where)
+    if header["num_bytes"] != len(raw):
+        raise ValueError(f"{where}: header says num_bytes {header['num_bytes']}, body holds {len(raw)}")
     data = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
-    flat = FlatBucket(header["names"], header["dtypes"], header["shapes"], header["offsets"], data)
-    return flat, header
+    return FlatBucket(flat.names, flat.dtypes, flat.shapes, flat.offsets, data), header
+
+
+def shared_memory_directory() -> str:
+    """Where staging files live: RAM-backed /dev/shm where the OS has one, else the temp folder."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+SHM_FILE_PREFIX = "stacx-weights-"
 
 
 class SharedMemoryStaging:
-    """A reusable same-host staging file (RAM-backed where the OS offers one) holding one bucket.
+    """The sender's end of a same-host staging file that the server created (see
+    `SharedMemoryRegistry`): the sender copies a bucket's tensors into it (one copy) and posts only
+    the metadata and the server's `staging_id`; the server maps the same file and copies into its
+    parameters (one copy). Nothing crosses a socket.
 
-    The sender copies a bucket's tensors into it (one copy) and posts only the metadata; the
-    server maps the same file and copies into its parameters (one copy). Nothing crosses a socket.
+    `close()` unmaps and removes the file; it is safe to call twice (the server may have removed
+    the file already).
     """
 
-    def __init__(self):
-        import tempfile
-
-        directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        handle, self.path = tempfile.mkstemp(prefix="stacx-weights-", dir=directory)
-        os.close(handle)
+    def __init__(self, path: str, staging_id: str):
+        self.path, self.staging_id = path, staging_id
+        # open it once, never following a link planted at that name
+        self._fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
         self.capacity = 0
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def write(self, bucket: Sequence[tuple[str, torch.Tensor]], *, version: int, final: bool) -> dict:
-        """Copy the bucket into the file; return the header the receiver needs (with `path`)."""
+        """Copy the bucket into the file; return the header the receiver needs (with `staging_id`)."""
+        if self._fd is None:
+            raise RuntimeError(f"shared-memory staging {self.path} is closed")
         sizes = [t.numel() * t.element_size() for _, t in bucket]
         total = sum(sizes)
         if total > self.capacity:
-            with open(self.path, "r+b") as handle:
-                handle.truncate(total)
+            os.ftruncate(self._fd, total)
             self.buffer = torch.from_file(self.path, shared=True, size=total, dtype=torch.uint8)
             self.capacity = total
-        header = {"path": self.path, "names": [], "dtypes": [], "shapes": [], "offsets": [], "num_bytes": total,
-                  "version": int(version), "final": bool(final)}
+        header = {"staging_id": self.staging_id, "names": [], "dtypes": [], "shapes": [], "offsets": [],
+                  "num_bytes": total, "version": int(version), "final": bool(final)}
         offset = 0
         for (name, tensor), size in zip(bucket, sizes):
             raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -168,22 +246,102 @@ class SharedMemoryStaging:
 
     def close(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        if os.path.exists(self.path):
-            os.unlink(self.path)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        _remove_quietly(self.path)
 
 
-class SharedMemoryReader:
-    """The receiving end: maps staging files (cached per path and size) as flat buckets."""
+@dataclass
+class _StagingFile:
+    path: str
+    device: int
+    inode: int
+    mapped: torch.Tensor
 
-    def __init__(self):
-        self._maps: dict[str, torch.Tensor] = {}
 
-    def read(self, header: dict) -> FlatBucket:
-        path, num_bytes = header["path"], int(header["num_bytes"])
-        if not os.path.isfile(path):
-            raise ValueError(f"shared-memory weight file {path} does not exist (sender on another host?)")
-        mapped = self._maps.get(path)
-        if mapped is None or mapped.numel() < num_bytes:
-            mapped = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
-            self._maps[path] = mapped
-        return FlatBucket(header["names"], header["dtypes"], header["shapes"], header["offsets"], mapped[:num_bytes])
+class SharedMemoryRegistry:
+    """The receiving end: staging files this server created, under its own random name prefix.
+
+    `create()` (the handshake) makes a new empty file, mode 0600, named
+    `<shm dir>/stacx-weights-<server prefix>-<random>` and returns `(staging_id, path)`; `read(header)`
+    maps only the file registered under `header["staging_id"]`, after checking that the name still
+    is the regular file it created (same device and inode, not a link). A request that names a
+    `path` is refused: the server never opens a file a client named. `release(id)` and `close()`
+    remove the files (close is safe to call twice).
+    """
+
+    MAX_FILES = 64
+    """Most staging files one server keeps (one per connected sender is the normal case)."""
+
+    def __init__(self, directory: str | None = None):
+        self.directory = directory or shared_memory_directory()
+        self.prefix = SHM_FILE_PREFIX + secrets.token_hex(6) + "-"
+        self._files: dict[str, _StagingFile] = {}
+        self._lock = threading.Lock()
+
+    def create(self) -> tuple[str, str]:
+        with self._lock:
+            if len(self._files) >= self.MAX_FILES:
+                raise ValueError(f"/stacx/shm_staging: this server already holds {self.MAX_FILES} staging files; "
+                                 "release one (client shutdown) or use weight_transport='http'")
+            handle, path = tempfile.mkstemp(prefix=self.prefix, dir=self.directory)  # O_EXCL, mode 0600
+            try:
+                info = os.fstat(handle)
+            finally:
+                os.close(handle)
+            staging_id = secrets.token_urlsafe(16)
+            self._files[staging_id] = _StagingFile(path, info.st_dev, info.st_ino, torch.empty(0, dtype=torch.uint8))
+            return staging_id, path
+
+    def read(self, header: dict, *, where: str) -> FlatBucket:
+        """The bucket staged under `header["staging_id"]`, its header validated as a whole."""
+        if not isinstance(header, dict):
+            raise ValueError(f"{where}: the weight header must be a JSON object")
+        if "path" in header:
+            raise ValueError(f"{where}: 'path' is not accepted; ask POST /stacx/shm_staging for a staging file "
+                             "and send its 'staging_id'")
+        staging_id = header.get("staging_id")
+        with self._lock:
+            entry = self._files.get(staging_id) if isinstance(staging_id, str) else None
+        if entry is None:
+            raise ValueError(f"{where}: 'staging_id' {str(staging_id)[:40]!r} is not a staging file of this server; "
+                             "ask POST /stacx/shm_staging for one")
+        try:
+            info = os.lstat(entry.path)
+        except FileNotFoundError as err:
+            raise ValueError(f"{where}: staging file {entry.path} was removed; ask for a new one") from err
+        if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != (entry.device, entry.inode):
+            raise ValueError(f"{where}: staging file {entry.path} was replaced; refusing to read it")
+        flat = validate_bucket_header(header, info.st_size, where=where)
+        num_bytes = header["num_bytes"]
+        if entry.mapped.numel() < num_bytes:
+            entry.mapped = torch.from_file(entry.path, shared=True, size=info.st_size, dtype=torch.uint8)
+        return FlatBucket(flat.names, flat.dtypes, flat.shapes, flat.offsets, entry.mapped[:num_bytes])
+
+    def release(self, staging_id) -> bool:
+        with self._lock:
+            entry = self._files.pop(staging_id, None) if isinstance(staging_id, str) else None
+        if entry is not None:
+            _remove_quietly(entry.path)
+        return entry is not None
+
+    @property
+    def paths(self) -> list[str]:
+        with self._lock:
+            return [entry.path for entry in self._files.values()]
+
+    def close(self) -> None:
+        with self._lock:
+            entries, self._files = list(self._files.values()), {}
+        for entry in entries:
+            _remove_quietly(entry.path)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:  # teardown goes on; the file is named so it can be removed by hand
+        logger.warning("could not remove shared-memory weight file %s: %s", path, err)

@@ -147,7 +147,10 @@ def test_http_generation_weight_update_and_pause(tiny_checkpoints, single_proces
         # a malformed shared-memory update is the caller's mistake: 400 naming the missing field
         import requests as http
 
-        reply = http.post(f"{server.url}/stacx/update_weights_from_shm", json={"path": "/nonexistent"}, timeout=10)
+        staging = http.post(f"{server.url}/stacx/shm_staging", json={}, timeout=10).json()
+        reply = http.post(f"{server.url}/stacx/update_weights_from_shm", timeout=10,
+                          json={"staging_id": staging["staging_id"], "names": [], "dtypes": [], "shapes": [],
+                                "offsets": [], "num_bytes": 0, "version": 5})
         assert reply.status_code == 400 and "final" in reply.json()["error"]
         client.shutdown()
 

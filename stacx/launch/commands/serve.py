@@ -6,33 +6,106 @@ Loads the Hugging Face checkpoint into Stacx's own megatron-core model (the trai
 definition), and serves /generate with per-token log-probs, weight updates, pause/resume,
 flush_cache and health (see stacx.rollout.server). Use it as the CPU rollout engine or as a
 frozen teacher for distillation.
+
+Weight updates, pause, continue and flush need the `--api-key` secret (or `STACX_API_KEY`),
+required whenever `--host` is not a loopback address. SIGTERM and Ctrl-C stop the server and
+remove its shared-memory staging files.
 """
 
 from __future__ import annotations
+
+from stacx.rollout.http_client import API_KEY_ENV
 
 HELP = "serve a checkpoint on CPU through SGLang's /generate API (rollout engine or teacher)"
 
 
 def add_arguments(parser) -> None:
+    from stacx.rollout.server import ServerLimits
+
+    limits = ServerLimits()
     parser.add_argument("--hf-checkpoint", required=True, help="folder with config.json and safetensors weights")
     parser.add_argument("--port", type=int, default=30000, help="TCP port (0 picks a free one; default: %(default)s)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: %(default)s); any non-loopback address needs --api-key")
+    parser.add_argument("--api-key", default=None,
+                        help="shared secret required (as 'Authorization: Bearer KEY') by weight updates, pause, "
+                             f"continue and flush; default: the {API_KEY_ENV} environment variable, which keeps "
+                             "the key out of the process list")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter dtype")
+    parser.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
+                        help="largest JSON request body; larger ones get 413 (default: %(default)s)")
+    parser.add_argument("--max-weight-body-bytes", type=int, default=limits.max_weight_body_bytes,
+                        help="largest weight-bucket body (default: %(default)s)")
+    parser.add_argument("--read-timeout-s", type=float, default=limits.read_timeout_s,
+                        help="longest wait for a client's bytes, and for a whole JSON body (default: %(default)s)")
+    parser.add_argument("--max-connections", type=int, default=limits.max_connections,
+                        help="connections served at once; more get 503 (default: %(default)s)")
+    parser.add_argument("--max-queued-requests", type=int, default=limits.max_queued_requests,
+                        help="/generate calls running or waiting at once; more get 503 (default: %(default)s)")
+    parser.add_argument("--stall-timeout-s", type=float, default=limits.stall_timeout_s,
+                        help="/health answers 503 when generation made no progress this long (default: %(default)s)")
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for addresses only this machine can reach (127.0.0.0/8, ::1, 'localhost')."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_api_key(args) -> str | None:
+    """--api-key, else STACX_API_KEY; refuses a non-loopback --host without one (SystemExit naming the flag)."""
+    import os
+
+    api_key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+    if args.api_key is not None and not args.api_key:
+        raise SystemExit("--api-key is empty; give a secret (e.g. python -c 'import secrets; print(secrets.token_urlsafe())')")
+    if api_key is None and not is_loopback_host(args.host):
+        raise SystemExit(
+            f"--host {args.host} is reachable from other machines, so weight updates, pause and flush need a secret: "
+            f"pass --api-key KEY (or set {API_KEY_ENV}), or bind --host 127.0.0.1")
+    return api_key
+
+
+def build_limits(args):
+    from stacx.rollout.server import ServerLimits
+
+    try:
+        return ServerLimits(max_body_bytes=args.max_body_bytes, max_weight_body_bytes=args.max_weight_body_bytes,
+                            read_timeout_s=args.read_timeout_s, max_connections=args.max_connections,
+                            max_queued_requests=args.max_queued_requests, stall_timeout_s=args.stall_timeout_s)
+    except ValueError as err:  # ServerLimits.<field> -> the flag
+        field = str(err).split(" ", 1)[0].removeprefix("ServerLimits.")
+        raise SystemExit(f"--{field.replace('_', '-')}: {err}") from None
 
 
 def run(args) -> int:
     import os
+    import signal
 
     import torch
 
     from stacx.rollout.cpu_engine import CpuEngine
     from stacx.rollout.server import EngineHttpServer
 
+    api_key = resolve_api_key(args)
+    limits = build_limits(args)
     if not os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):
         raise SystemExit(f"--hf-checkpoint {args.hf_checkpoint}: no config.json in that folder")
     engine = CpuEngine.from_hf_checkpoint(args.hf_checkpoint, params_dtype=getattr(torch, args.dtype), seed=args.seed)
-    server = EngineHttpServer(engine, host=args.host, port=args.port, model_path=args.hf_checkpoint)
+    server = EngineHttpServer(engine, host=args.host, port=args.port, model_path=args.hf_checkpoint,
+                              api_key=api_key, limits=limits)
+
+    def stop_on_sigterm(signum, frame):  # the trainer's teardown: leave no staging file behind
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     print(f"stacx serve: {args.hf_checkpoint} at {server.url} (ready)", flush=True)
     try:
         server.serve_forever()
