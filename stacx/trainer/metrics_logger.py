@@ -8,7 +8,9 @@ and a progress bar with step, reward, loss and ETA.
 Files under `out_dir`:
     metrics.jsonl           one JSON object per step: {"step": s, "time_s": t, <metric>: value, ...}
     tensorboard/            event files (one scalar series per metric)
-    plots/{reward,loss,kl}.png   every metric whose name has that word, against the step
+    plots/{reward,loss,kl,eval}.png   every metric whose name has that word, against the step:
+                            values on the top axes, counts (num_*, *_errors, ...) on their own
+                            axes below, series that are 0 at every step not drawn (named in a note)
 
 Resuming (`start_step=N`) keeps the JSONL rows of steps < N and drops later ones, which the
 interrupted run logged after its last checkpoint and the resumed run will log again.
@@ -22,11 +24,17 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, TextIO
 
-PLOT_FAMILIES = ("reward", "loss", "kl")
+PLOT_FAMILIES = ("reward", "loss", "kl", "eval")
 """Each family gets one PNG with every metric whose name has a word starting with it."""
+
+COUNT_PREFIXES = ("num_",)
+COUNT_SUFFIXES = ("_count", "_errors", "_tokens", "_samples", "_sequences")
+"""A metric is a count (drawn on its own axes, never next to a loss of another scale) when the last
+part of its name starts or ends with one of these, e.g. policy/num_loss_tokens, rollout/reward_errors."""
 
 
 class MetricsLoggerError(ValueError):
@@ -56,13 +64,85 @@ def metric_family_members(keys: list[str], family: str) -> list[str]:
 
 def headline_metric(metrics: Mapping[str, Any], family: str) -> tuple[str, float] | None:
     """The metric that best stands for `family` in the progress bar: the key `family` itself, else
-    one ending in '/family' or 'family_mean', else the first name of that family."""
+    one ending in '/family' or 'family_mean', else the first name of that family that is not a count."""
     numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     for key in numeric:
         if key == family or key.endswith(f"/{family}") or key.endswith(f"{family}_mean"):
             return key, numeric[key]
-    members = metric_family_members(list(numeric), family)
+    members = [key for key in metric_family_members(list(numeric), family) if not is_count_metric(key)]
     return (members[0], numeric[members[0]]) if members else None
+
+
+def is_count_metric(key: str) -> bool:
+    """Whether `key` names a count (COUNT_PREFIXES / COUNT_SUFFIXES on the part after the last '/')."""
+    leaf = key.rsplit("/", 1)[-1].lower()
+    return leaf.startswith(COUNT_PREFIXES) or leaf.endswith(COUNT_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class FamilyPlot:
+    """What one family's PNG draws: `value_keys` on the top axes, `count_keys` on the axes below
+    (absent when empty), and `zero_keys`, the members that were 0 at every logged step, named in a
+    note instead of drawn as a flat line at 0."""
+
+    family: str
+    value_keys: tuple[str, ...]
+    count_keys: tuple[str, ...]
+    zero_keys: tuple[str, ...]
+
+    @property
+    def drawn_keys(self) -> tuple[str, ...]:
+        return self.value_keys + self.count_keys
+
+
+def plan_family_plot(history: list[Mapping[str, Any]], family: str) -> FamilyPlot:
+    """Split the numeric metrics of `family` found in `history` rows into values, counts and always-zero."""
+    series = _numeric_series(history)
+    members = metric_family_members(sorted(series), family)
+    zero = tuple(key for key in members if all(value == 0 for _, value in series[key]))
+    drawn = [key for key in members if key not in zero]
+    return FamilyPlot(family=family, value_keys=tuple(k for k in drawn if not is_count_metric(k)),
+                      count_keys=tuple(k for k in drawn if is_count_metric(k)), zero_keys=zero)
+
+
+def _numeric_series(history: list[Mapping[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """metric name -> [(step, value)] over the rows where it is a number (not a bool or string)."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in history:
+        for key, value in row.items():
+            if key not in ("step", "time_s") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                series.setdefault(key, []).append((row["step"], value))
+    return series
+
+
+def draw_family_figure(history: list[Mapping[str, Any]], plan: FamilyPlot):
+    """A matplotlib Figure (Agg canvas, no pyplot state) for `plan`: axes[0] the values (if any),
+    then axes for the counts (if any), sharing the step axis; the always-zero names in a footnote."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    series = _numeric_series(history)
+    panels = [(keys, label) for keys, label in ((plan.value_keys, plan.family), (plan.count_keys, "count")) if keys]
+    heights = [3 if label == plan.family else 1.6 for _, label in panels]
+    figure = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(figure)
+    axes_list = figure.subplots(len(panels), 1, sharex=True, squeeze=False,
+                                gridspec_kw={"height_ratios": heights})[:, 0]
+    for axes, (keys, label) in zip(axes_list, panels):
+        for key in keys:
+            steps, values = zip(*series[key])
+            axes.plot(steps, values, marker="o", markersize=2, label=key)
+        axes.set_ylabel(label)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize="small")
+    axes_list[0].set_title(f"{plan.family} per step")
+    axes_list[-1].set_xlabel("step")
+    axes_list[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    if plan.zero_keys:
+        figure.text(0.01, 0.01, "0 at every step (not drawn): " + ", ".join(plan.zero_keys), fontsize="x-small")
+    figure.tight_layout(rect=(0, 0.04 if plan.zero_keys else 0, 1, 1))
+    return figure
 
 
 class MetricsLogger:
@@ -175,34 +255,17 @@ class MetricsLogger:
             self._bar.update(1)
         return row
 
-    def write_plots(self) -> dict[str, list[str]]:
-        """One PNG per family in PLOT_FAMILIES with data; returns {png path: metric names plotted}."""
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        keys = sorted({k for row in self.history for k, v in row.items()
-                       if k not in ("step", "time_s") and isinstance(v, (int, float)) and not isinstance(v, bool)})
-        written: dict[str, list[str]] = {}
+    def write_plots(self) -> dict[str, FamilyPlot]:
+        """One PNG per family in PLOT_FAMILIES with a series to draw; returns {png path: what it draws}."""
+        written: dict[str, FamilyPlot] = {}
         for family in PLOT_FAMILIES:
-            members = metric_family_members(keys, family)
-            if not members:
+            plan = plan_family_plot(self.history, family)
+            if not plan.drawn_keys:
                 continue
-            # Figure + Agg canvas, not pyplot: no global backend or figure state in the driver process.
-            figure = Figure(figsize=(7, 4), dpi=100)
-            FigureCanvasAgg(figure)
-            axes = figure.add_subplot(1, 1, 1)
-            for key in members:
-                points = [(row["step"], row[key]) for row in self.history if isinstance(row.get(key), (int, float))]
-                axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=2, label=key)
-            axes.set_xlabel("step")
-            axes.set_ylabel(family)
-            axes.set_title(f"{family} per step")
-            axes.grid(alpha=0.3)
-            axes.legend(fontsize="small")
             path = self.out_dir / "plots" / f"{family}.png"
             path.parent.mkdir(exist_ok=True)
-            figure.savefig(path)
-            written[str(path)] = members
+            draw_family_figure(self.history, plan).savefig(path)
+            written[str(path)] = plan
         return written
 
     def close(self) -> None:
@@ -226,4 +289,5 @@ class MetricsLogger:
         self.close()
 
 
-__all__ = ["MetricsLogger", "MetricsLoggerError", "PLOT_FAMILIES", "headline_metric", "metric_family_members"]
+__all__ = ["COUNT_PREFIXES", "COUNT_SUFFIXES", "FamilyPlot", "MetricsLogger", "MetricsLoggerError", "PLOT_FAMILIES",
+           "draw_family_figure", "headline_metric", "is_count_metric", "metric_family_members", "plan_family_plot"]

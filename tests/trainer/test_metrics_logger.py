@@ -10,7 +10,14 @@ import types
 import pytest
 import torch
 
-from stacx.trainer.metrics_logger import MetricsLogger, MetricsLoggerError, headline_metric
+from stacx.trainer.metrics_logger import (
+    MetricsLogger,
+    MetricsLoggerError,
+    draw_family_figure,
+    headline_metric,
+    is_count_metric,
+    plan_family_plot,
+)
 
 
 def _metrics(step: int) -> dict:
@@ -49,7 +56,7 @@ def test_logger_writes_jsonl_tensorboard_plots_and_a_progress_bar(tmp_path):
     assert [v for _, v in scalars["train/pg_loss"]] == pytest.approx([2.0, 1.75, 1.5])
 
     plots = {path.name: path for path in (tmp_path / "plots").iterdir()}
-    assert sorted(plots) == ["kl.png", "loss.png", "reward.png"]
+    assert sorted(plots) == ["kl.png", "loss.png", "reward.png"]  # no eval/* metric: no eval.png
     from matplotlib.image import imread
 
     for path in plots.values():
@@ -65,13 +72,63 @@ def test_plot_families_pick_metrics_by_word(tmp_path):
     logger = MetricsLogger(tmp_path, total_steps=2, tensorboard=False, progress_bar=False)
     logger.log(0, _metrics(0))
     logger.log(1, _metrics(1))
-    written = {path.rsplit("/", 1)[-1]: keys for path, keys in logger.write_plots().items()}
+    written = {path.rsplit("/", 1)[-1]: plan.drawn_keys for path, plan in logger.write_plots().items()}
     logger.close()
     assert written == {
-        "reward.png": ["rollout/reward_mean"],
-        "loss.png": ["train/kl_loss", "train/pg_loss"],
-        "kl.png": ["train/kl_loss"],
+        "reward.png": ("rollout/reward_mean",),
+        "loss.png": ("train/kl_loss", "train/pg_loss"),
+        "kl.png": ("train/kl_loss",),
     }
+
+
+def _grpo_like_history(num_steps: int = 6) -> list[dict]:
+    """Rows shaped like a GRPO run's: losses ~0.01-3, a token count ~190-760, an error count that stays 0."""
+    rows = []
+    for step in range(num_steps):
+        row = {"step": step, "time_s": 0.1 * step, "rollout/reward_mean": 0.1 * step, "rollout/reward_errors": 0.0,
+               "rollout/num_samples": 16.0, "policy/loss": 3.0 / (step + 1), "policy/kl_loss": 0.01 * step,
+               "policy/num_loss_tokens": 190.0 + 100 * step, "note": "text"}
+        if step % 2:
+            row.update({"eval/pass@1": 0.1 * step, "eval/mean_reward": 0.1 * step, "eval/reward_errors": 0.0})
+        rows.append(row)
+    return rows
+
+
+def test_counts_get_their_own_axes_and_always_zero_series_are_not_drawn():
+    history = _grpo_like_history()
+    loss = plan_family_plot(history, "loss")
+    assert loss.value_keys == ("policy/kl_loss", "policy/loss")
+    assert loss.count_keys == ("policy/num_loss_tokens",) and loss.zero_keys == ()
+    reward = plan_family_plot(history, "reward")
+    assert reward.drawn_keys == ("eval/mean_reward", "rollout/reward_mean")
+    assert reward.zero_keys == ("eval/reward_errors", "rollout/reward_errors")
+    assert plan_family_plot(history, "eval").value_keys == ("eval/mean_reward", "eval/pass@1")
+
+    # What the figure really draws: losses on the top axes, the token count on the axes below.
+    figure = draw_family_figure(history, loss)
+    top, bottom = figure.axes
+    assert [line.get_label() for line in top.get_lines()] == ["policy/kl_loss", "policy/loss"]
+    assert [line.get_label() for line in bottom.get_lines()] == ["policy/num_loss_tokens"]
+    assert top.get_ylim()[1] < 10 < 190 < bottom.get_ylim()[1]  # the loss axis is not stretched by the count
+    reward_figure = draw_family_figure(history, reward)
+    assert len(reward_figure.axes) == 1
+    assert "rollout/reward_errors" not in [line.get_label() for line in reward_figure.axes[0].get_lines()]
+    assert any("rollout/reward_errors" in text.get_text() for text in reward_figure.texts)  # named in the note
+    eval_lines = draw_family_figure(history, plan_family_plot(history, "eval")).axes[0].get_lines()
+    assert [list(line.get_xdata()) for line in eval_lines] == [[1, 3, 5], [1, 3, 5]]  # only the evaluated steps
+
+
+def test_a_count_is_recognised_by_its_name_and_never_the_progress_bar_headline():
+    assert is_count_metric("policy/num_loss_tokens") and is_count_metric("rollout/reward_errors")
+    assert not is_count_metric("policy/loss") and not is_count_metric("rollout/reward_mean")
+    assert headline_metric({"policy/num_loss_tokens": 400.0, "policy/pg_loss": 0.5}, "loss") == ("policy/pg_loss", 0.5)
+
+
+def test_a_family_that_is_zero_at_every_step_writes_no_png(tmp_path):
+    with MetricsLogger(tmp_path, total_steps=2, tensorboard=False, progress_bar=False) as logger:
+        for step in range(2):
+            logger.log(step, {"policy/loss": 1.0 / (step + 1), "rollout/reward_errors": 0.0})
+    assert sorted(path.name for path in (tmp_path / "plots").iterdir()) == ["loss.png"]
 
 
 def test_resume_keeps_rows_before_the_checkpoint_and_drops_the_rest(tmp_path):
