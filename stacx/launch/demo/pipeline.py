@@ -250,7 +250,7 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
     finally:
         connection.shutdown()
 
-    plot = write_demo_plot(out_dir, ["sft", "grpo", "opd"])
+    plot = write_demo_plot(out_dir, ["sft", "grpo", "opd"], [asdict(result) for result in results])
     summary = {
         "task": task.name,
         "settings": asdict(settings),

@@ -1,4 +1,5 @@
-"""The demo's overview plot and final table, from the phases' metrics.jsonl files."""
+"""The demo's overview plot (held-out accuracy of every model, then each phase's training curve) and
+final table, from the phases' results and metrics.jsonl files."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ PANELS = (
 
 
 def read_series(path: str, name: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of metric `name` in a metrics.jsonl file; empty when the file is missing."""
     steps, values = [], []
     if not os.path.isfile(path):
         return steps, values
@@ -27,26 +29,70 @@ def read_series(path: str, name: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
-def write_demo_plot(out_dir: str, phases: list[str]) -> str | None:
-    """out_dir/plots/demo.png: one panel per PANELS entry, metric against step."""
-    import matplotlib
+# (phase, where the number is in the phase's result, bar label): the headline metric, greedy exact-match
+# accuracy on the held-out prompts, of every model the demo trains, in the order they are trained.
+# "before"/"after" are PhaseResult fields; other names are keys of its `extra`.
+HELDOUT_ACCURACY_BARS = (
+    ("sft", "before", "initial"),
+    ("sft", "after", "after SFT"),
+    ("grpo", "after", "after GRPO"),
+    ("opd", "student_accuracy_before", "student\ninitial"),
+    ("opd", "student_accuracy_after", "student\nafter OPD"),
+)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def heldout_accuracy_bars(phase_results: list[dict]) -> list[tuple[str, float]]:
+    """[(label, held-out accuracy)] for HELDOUT_ACCURACY_BARS from the summary's phase results
+    (`dataclasses.asdict(PhaseResult)`); bars of phases that did not run are left out."""
+    by_phase = {result["phase"]: result for result in phase_results}
+    bars = []
+    for phase, field, label in HELDOUT_ACCURACY_BARS:
+        result = by_phase.get(phase)
+        if result is None:
+            continue
+        value = result[field] if field in ("before", "after") else result.get("extra", {}).get(field)
+        if value is not None:
+            bars.append((label, float(value)))
+    return bars
+
+
+def draw_demo_figure(out_dir: str, phases: list[str], phase_results: list[dict] = ()):
+    """The overview Figure (Agg canvas, no pyplot state): first the held-out accuracy bars (when
+    `phase_results` has them), then one panel per PANELS entry of a phase in `phases`, metric against step."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    bars = heldout_accuracy_bars(list(phase_results))
     panels = [p for p in PANELS if p[0] in phases]
-    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
-    for axis, (phase, name, label) in zip(axes, panels):
+    num_axes = len(panels) + bool(bars)
+    figure = Figure(figsize=(4 * num_axes, 3.4))
+    FigureCanvasAgg(figure)
+    axes_list = list(figure.subplots(1, num_axes, squeeze=False)[0])
+    if bars:
+        axis = axes_list.pop(0)
+        labels, values = zip(*bars)
+        colors = ["tab:green" if not label.startswith("student") else "tab:purple" for label in labels]
+        drawn = axis.bar(range(len(bars)), values, color=colors)
+        axis.bar_label(drawn, fmt="%.2f", fontsize=8)
+        axis.set_xticks(range(len(bars)), labels, fontsize=7)
+        axis.set_ylim(0, 1.1)
+        axis.set_title("Held-out accuracy (greedy exact match)", fontsize=9, fontweight="bold")
+        axis.grid(alpha=0.3, axis="y")
+    for axis, (phase, name, label) in zip(axes_list, panels):
         steps, values = read_series(os.path.join(out_dir, phase, "metrics.jsonl"), name)
         axis.plot(steps, values, marker=".", linewidth=1)
         axis.set_title(label, fontsize=9)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
     figure.tight_layout()
+    return figure
+
+
+def write_demo_plot(out_dir: str, phases: list[str], phase_results: list[dict] = ()) -> str:
+    """out_dir/plots/demo.png: `draw_demo_figure`; returns its path."""
     path = os.path.join(out_dir, "plots", "demo.png")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    draw_demo_figure(out_dir, phases, phase_results).savefig(path, dpi=100)
     return path
 
 
