@@ -4,7 +4,10 @@ Resolution, first match wins:
 1. `--algorithm NAME` set explicitly: NAME verbatim (distillation, DAgger, SFT and DPO always use this).
 2. `use_critic` set: `ppo`.
 3. `--advantage-estimator NAME`: the recipe built around that estimator
-   (e.g. `reinforce_plus_plus` -> `reinforce_pp`); without one, `grpo`.
+   (e.g. `reinforce_plus_plus` -> `reinforce_pp`); without one, `grpo`. Any other registered
+   estimator (a custom one, or a built-in without a recipe of its own such as `reward_centered`)
+   runs in the generic actor recipe, `grpo`, whose algorithm settings it overrides; a custom
+   `policy_loss` alone changes nothing here (it is a setting of the actor recipe).
 
 The result always names a registered recipe; an unknown name lists the known ones.
 """
@@ -26,6 +29,8 @@ ESTIMATOR_TO_RECIPE: dict[str, str] = {
 }
 
 DEFAULT_ADVANTAGE_ESTIMATOR = "grpo"
+GENERIC_ACTOR_RECIPE = "grpo"
+"""The recipe a registered estimator without a recipe of its own runs in (ActorSpecialization)."""
 
 
 def _read(args: Any, name: str) -> Any:
@@ -48,14 +53,23 @@ def infer_algorithm(args: Any) -> str:
     if _read(args, "use_critic"):
         return "ppo"
     estimator = _read(args, "advantage_estimator") or DEFAULT_ADVANTAGE_ESTIMATOR
-    if estimator not in ESTIMATOR_TO_RECIPE:
-        hint = (
-            f"it has no recipe of its own; pass --algorithm with one of: {known}"
-            if estimator in ADVANTAGE_ESTIMATORS
-            else f"known estimators: {', '.join(sorted(ESTIMATOR_TO_RECIPE))}"
-        )
-        raise RecipeError(f"--advantage-estimator {estimator!r} selects no recipe; {hint}")
-    return ESTIMATOR_TO_RECIPE[estimator]
+    if estimator in ESTIMATOR_TO_RECIPE:
+        return ESTIMATOR_TO_RECIPE[estimator]
+    if estimator in registered_advantage_estimators():
+        # A custom (or recipe-less built-in) estimator runs in the generic actor recipe.
+        return GENERIC_ACTOR_RECIPE
+    raise RecipeError(
+        f"--advantage-estimator {estimator!r} is not a registered advantage estimator; registered: "
+        f"{', '.join(sorted(registered_advantage_estimators()))} (register yours with @register_advantage and "
+        "load its file with --custom-module, or place it in stacx/custom/)"
+    )
 
 
-__all__ = ["DEFAULT_ADVANTAGE_ESTIMATOR", "ESTIMATOR_TO_RECIPE", "infer_algorithm"]
+def registered_advantage_estimators() -> set[str]:
+    """Every advantage estimator name: built-in, in stacx/custom/, and from loaded user modules."""
+    from stacx.objectives.registry import list_advantages
+
+    return set(list_advantages()) | set(ADVANTAGE_ESTIMATORS)
+
+
+__all__ = ["DEFAULT_ADVANTAGE_ESTIMATOR", "ESTIMATOR_TO_RECIPE", "GENERIC_ACTOR_RECIPE", "infer_algorithm"]

@@ -292,10 +292,22 @@ def test_infer_algorithm(args, expected):
 def test_infer_algorithm_rejects_unknown_names_listing_known_ones():
     with pytest.raises(RecipeError, match=r"--algorithm 'grpoo'.*known recipes: .*dapo.*grpo"):
         infer_algorithm({"algorithm": "grpoo"})
-    with pytest.raises(RecipeError, match=r"--advantage-estimator 'foo'.*known estimators: .*reinforce_plus_plus"):
+    with pytest.raises(RecipeError, match=r"--advantage-estimator 'foo' is not a registered.*reinforce_plus_plus.*--custom-module"):
         infer_algorithm({"advantage_estimator": "foo"})
-    with pytest.raises(RecipeError, match=r"'reward_centered'.*no recipe of its own.*--algorithm"):
-        infer_algorithm({"advantage_estimator": "reward_centered"})
+
+
+def test_an_estimator_without_a_recipe_of_its_own_runs_in_the_generic_actor_recipe():
+    """Guide 000: setting only `algorithm.advantage_estimator: <custom name>` used to fail with
+    "selects no recipe"."""
+    from stacx.objectives.registry import ADVANTAGES, register_advantage
+
+    assert infer_algorithm({"advantage_estimator": "reward_centered"}) == "grpo"  # built-in, no recipe
+    register_advantage("infer_custom_adv_test")(lambda config, rollout_data: [])
+    try:
+        assert infer_algorithm({"advantage_estimator": "infer_custom_adv_test"}) == "grpo"
+        assert infer_algorithm({"advantage_estimator": "infer_custom_adv_test", "use_critic": True}) == "ppo"
+    finally:
+        ADVANTAGES.unregister("infer_custom_adv_test")
 
 
 def test_every_estimator_mapping_points_at_a_recipe_using_that_estimator():
