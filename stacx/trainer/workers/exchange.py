@@ -4,17 +4,23 @@ Design. Each role's workers form their own torch.distributed world (the default 
 and megatron-core's groups live in it), so two roles cannot share a `new_group`. An exchange
 group is therefore a second, independent process group built directly from a store:
 
-1. The source role's rank 0 hosts a `TCPStore` on a free port (`host_store`).
+1. The source role's rank 0 hosts a `TCPStore` on a free port of its node's cluster address
+   (`host_store`; the address Ray uses for the node, 127.0.0.1 on a local cluster, never
+   0.0.0.0). The driver draws a per-group secret (`secrets.token_bytes(32)`) and hands it to
+   every member in its `open_exchange` call; it never goes through the store.
 2. Every worker of both roles connects to it and constructs the backend on a
-   `PrefixStore("stacx-exchange/<name>")`: `ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on GPU.
+   `PrefixStore("stacx-exchange/<name>")`: `ProcessGroupGloo` on CPU (its device bound to the
+   worker's node address), `ProcessGroupNCCL` on GPU.
    Group ranks are the source role's ranks 0..S-1 followed by the target role's S..S+T-1.
    No `init_process_group` is involved, so the roles' own worlds are untouched.
 3. A transfer: every source rank runs the driver-shipped `produce(worker)` (collectively, so it
-   may gather TP shards) and gets an ordered `{name: tensor}`. A source rank publishes the
-   names, dtypes and shapes in the store under the transfer's id, packs the tensors' raw bytes
-   into uint8 buckets of at most `bucket_bytes` (each tensor starting at a 64-byte aligned
+   may gather TP shards) and gets an ordered `{name: tensor}`. A source rank publishes a header
+   (names, dtypes from a closed table, shapes, byte ranges: JSON with an HMAC under the group's
+   secret, see `exchange_header`; never pickle) in the store under the transfer's id, packs the
+   tensors' raw bytes into uint8 buckets of at most `bucket_bytes` (each tensor starting at a 64-byte aligned
    offset; a tensor larger than a bucket gets a bucket of its own) and sends each bucket to
-   every target rank mapped to it. A target rank reads the metadata, receives the buckets and
+   every target rank mapped to it. A target rank reads the header, refuses it unless its HMAC
+   checks out (a process without the secret cannot announce tensors), receives the buckets and
    views each tensor back out of them, then runs `consume(worker, tensors)`.
 
 Bytes travel, never values, so every dtype (bf16, fp8, int, bool, NaN payloads) arrives
@@ -27,38 +33,30 @@ factory picks gloo for them. On GPU with NCCL, buckets live on the current CUDA 
 
 from __future__ import annotations
 
-import pickle
-from dataclasses import dataclass
+import secrets
+import socket
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
+from stacx.trainer.workers.exchange_header import (
+    EXCHANGE_DTYPES,
+    TensorSlot,
+    check_secret,
+    decode_header,
+    dtype_name,
+    encode_header,
+)
+
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 """Bucket size: hundreds of MB per message is what keeps large weight syncs fast."""
 ALIGN_BYTES = 64
 """Each tensor starts at a multiple of this, so it can be viewed (not copied) out of its bucket."""
 STORE_PREFIX = "stacx-exchange"
-
-
-@dataclass(frozen=True)
-class TensorSlot:
-    """Where one tensor's bytes sit: bucket index, byte offset, byte count, and how to view them."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    bucket: int
-    offset: int
-    num_bytes: int
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"exchange: unknown dtype {name!r} in transfer metadata")
-    return dtype
+SECRET_BYTES = 32
+"""Length of the per-group secret the driver draws."""
 
 
 def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> tuple[list[TensorSlot], list[int]]:
@@ -76,7 +74,8 @@ def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> tupl
         if not bucket_sizes or (start + num_bytes > bucket_bytes and offset > 0):
             bucket_sizes.append(0)
             start = 0
-        slots.append(TensorSlot(name, str(tensor.dtype), tuple(tensor.shape), len(bucket_sizes) - 1, start, num_bytes))
+        slots.append(TensorSlot(name, dtype_name(tensor.dtype, name), tuple(tensor.shape), len(bucket_sizes) - 1,
+                                start, num_bytes))
         offset = start + num_bytes
         bucket_sizes[-1] = offset
     return slots, bucket_sizes
@@ -99,7 +98,7 @@ def unpack_bucket(buffer: torch.Tensor, slots: list[TensorSlot], bucket: int) ->
     for slot in slots:
         if slot.bucket == bucket:
             raw = buffer[slot.offset : slot.offset + slot.num_bytes]
-            out[slot.name] = raw.view(_dtype_from_name(slot.dtype)).reshape(slot.shape)
+            out[slot.name] = raw.view(EXCHANGE_DTYPES[slot.dtype]).reshape(slot.shape)
     return out
 
 
@@ -112,18 +111,51 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def host_store(timeout_s: float) -> tuple[dist.TCPStore, int]:
-    """Start the group's TCPStore server on a free port of this node; returns it and its port."""
-    store = dist.TCPStore("0.0.0.0", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
-    return store, store.port
+def host_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """Start the group's TCPStore server on a free port of address `host` only; returns it and its port.
+
+    `host` is the node's cluster address (`ray.util.get_node_ip_address()`). TCPStore itself would
+    listen on every interface whatever host name it is given, so the listening socket is bound
+    here and handed over by file descriptor.
+    """
+    if not host or host in ("0.0.0.0", "::"):
+        raise ValueError(f"exchange: the store must listen on the node's cluster address, got {host!r} "
+                         "(every interface); pass ray.util.get_node_ip_address()")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+    except OSError as err:
+        listener.close()
+        raise OSError(f"exchange: cannot listen on {host!r} for the exchange store: {err}") from err
+    # The store takes the socket over (and closes it with the store).
+    store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                          master_listen_fd=listener.detach())
+    return store, port
+
+
+def gloo_options(local_host: str, timeout: timedelta) -> dist.ProcessGroupGloo._Options:
+    """Gloo options whose one device listens on `local_host` (not on whatever the host name resolves to)."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
+    return options
 
 
 class ExchangeEndpoint:
-    """One worker's membership in an exchange group (see the module docstring for the protocol)."""
+    """One worker's membership in an exchange group (see the module docstring for the protocol).
+
+    `host:port` is the group's store, `local_host` this worker's node address (gloo listens
+    there), `secret` the group's per-run secret that authenticates transfer headers.
+    """
 
     def __init__(self, name: str, group_rank: int, group_size: int, host: str, port: int, *,
-                 backend: str, timeout_s: float, hosted_store: dist.TCPStore | None = None):
+                 secret: bytes, local_host: str, backend: str, timeout_s: float,
+                 hosted_store: dist.TCPStore | None = None):
         self.name = name
+        self._secret = check_secret(secret, f"exchange group {name!r}")
         self.group_rank = group_rank
         self.group_size = group_size
         self.backend = resolve_backend(backend)
@@ -134,7 +166,8 @@ class ExchangeEndpoint:
         # The constructor is a rendezvous through the store: every member must be constructing it.
         if self.backend == "gloo":
             self.device = torch.device("cpu")
-            self.process_group = dist.ProcessGroupGloo(self.store, group_rank, group_size, self.timeout)
+            self.process_group = dist.ProcessGroupGloo(self.store, group_rank, group_size,
+                                                       gloo_options(local_host, self.timeout))
         else:
             self.device = torch.device("cuda", torch.cuda.current_device())
             options = dist.ProcessGroupNCCL.Options()
@@ -145,7 +178,8 @@ class ExchangeEndpoint:
              bucket_bytes: int) -> int:
         """Send `tensors` to every rank in `dst_group_ranks`; returns the bytes sent per destination."""
         slots, sizes = plan_buckets(tensors, bucket_bytes)
-        self.store.set(f"{transfer_id}/meta/{self.group_rank}", pickle.dumps(slots))
+        key = self.header_key(transfer_id, self.group_rank)
+        self.store.set(key, encode_header(self._secret, self._authenticated_key(key), slots))
         for bucket, size in enumerate(sizes):
             if size == 0:  # only empty tensors: nothing to send (the receiver skips it too)
                 continue
@@ -157,8 +191,9 @@ class ExchangeEndpoint:
 
     def receive(self, transfer_id: int, src_group_rank: int) -> dict[str, torch.Tensor]:
         """Receive what rank `src_group_rank` sends under `transfer_id`, in its original order."""
-        # store.get waits (up to the group's timeout) for the sender to publish the metadata.
-        slots: list[TensorSlot] = pickle.loads(self.store.get(f"{transfer_id}/meta/{src_group_rank}"))
+        # store.get waits (up to the group's timeout) for the sender to publish the header.
+        key = self.header_key(transfer_id, src_group_rank)
+        slots = decode_header(self._secret, self._authenticated_key(key), self.store.get(key))
         num_buckets = 1 + max((slot.bucket for slot in slots), default=-1)
         sizes = [max((s.offset + s.num_bytes for s in slots if s.bucket == b), default=0) for b in range(num_buckets)]
         received: dict[str, torch.Tensor] = {}
@@ -168,6 +203,15 @@ class ExchangeEndpoint:
                 self.process_group.recv([buffer], src_group_rank, bucket).wait()
             received.update(unpack_bucket(buffer, slots, bucket))
         return {slot.name: received[slot.name] for slot in slots}
+
+    @staticmethod
+    def header_key(transfer_id: int, src_group_rank: int) -> str:
+        """The store key (under the group's prefix) of source rank `src_group_rank`'s header."""
+        return f"{transfer_id}/meta/{src_group_rank}"
+
+    def _authenticated_key(self, key: str) -> str:
+        # The MAC covers the group name as well, so a header cannot move to another group either.
+        return f"{STORE_PREFIX}/{self.name}/{key}"
 
     def close(self) -> None:
         try:
@@ -202,6 +246,8 @@ class ExchangeSyncGroup:
                                                                      target.collective_timeout_s)
         self.bucket_bytes = bucket_bytes
         self.resolved_backends: list[str] = []
+        self._secret = secrets.token_bytes(SECRET_BYTES)
+        """Authenticates transfer headers; handed to the members in `open_exchange`, never to the store."""
         self._next_transfer_id = 0
         self._connected = False
 
@@ -219,7 +265,7 @@ class ExchangeSyncGroup:
         for role, offset in ((self.source, 0), (self.target, self.source.num_ranks)):
             refs = [
                 actor.open_exchange.remote(self.name, offset + rank, self.group_size, host, port,
-                                           backend=self.backend, timeout_s=self.timeout_s)
+                                           secret=self._secret, backend=self.backend, timeout_s=self.timeout_s)
                 for rank, actor in enumerate(role.actors)
             ]
             calls.append(PendingCall(refs, role.labels, self.timeout_s + 60.0, f"open exchange {self.name!r}"))

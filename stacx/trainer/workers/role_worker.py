@@ -141,20 +141,25 @@ class RoleWorker:
 
         from stacx.trainer.workers.exchange import host_store
 
-        store, port = host_store(timeout_s)
+        node_address = ray.util.get_node_ip_address()  # the node's cluster address: 127.0.0.1 on a local cluster
+        store, port = host_store(node_address, timeout_s)
         self._hosted_stores[name] = store
-        return ray.util.get_node_ip_address(), port
+        return node_address, port
 
     def open_exchange(self, name: str, group_rank: int, group_size: int, host: str, port: int, *,
-                      backend: str = "auto", timeout_s: float = 300.0) -> str:
-        """Join exchange group `name` as `group_rank`; all members must call this together."""
+                      secret: bytes, backend: str = "auto", timeout_s: float = 300.0) -> str:
+        """Join exchange group `name` as `group_rank`; all members must call this together.
+
+        `secret` is the group's per-run secret from the driver (authenticates transfer headers)."""
+        import ray
+
         from stacx.trainer.workers.exchange import ExchangeEndpoint
 
         if name in self.exchanges:
             raise ValueError(f"role {self.role_name!r} rank {self.rank}: exchange group {name!r} is already open")
         self.exchanges[name] = ExchangeEndpoint(
-            name, group_rank, group_size, host, port, backend=backend, timeout_s=timeout_s,
-            hosted_store=self._hosted_stores.get(name),
+            name, group_rank, group_size, host, port, secret=secret, local_host=ray.util.get_node_ip_address(),
+            backend=backend, timeout_s=timeout_s, hosted_store=self._hosted_stores.get(name),
         )
         return self.exchanges[name].backend
 
