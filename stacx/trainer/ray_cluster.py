@@ -5,7 +5,9 @@ Where the cluster comes from, first match wins:
 1. `--ray-address ADDRESS` (run config `ray_address`): attach to that existing cluster.
 2. `RAY_ADDRESS` in the environment: attach. `ray job submit` sets it for the job's entry
    command, so a Stacx entry script submitted as a job lands on the job's cluster unchanged.
-3. Neither: start a private local cluster sized by `num_cpus` / `num_gpus`.
+3. Neither: start a private local cluster sized by `num_cpus` / `num_gpus`. Its node address
+   is 127.0.0.1, so its GCS, raylet, object manager and agents listen on loopback only and
+   nothing on the network can reach them (`start_local_cluster`; docs/security.md).
 
     connection = connect_ray(cli_address=args.ray_address, num_cpus=4)
     ...
@@ -14,11 +16,14 @@ Where the cluster comes from, first match wins:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterator, Mapping
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
+LOOPBACK_ADDRESS = "127.0.0.1"
+"""The node address of every local cluster `connect_ray` starts."""
 
 
 def resolve_ray_address(cli_address: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
@@ -47,6 +52,55 @@ class RayConnection:
 
         if not self.already_connected and ray.is_initialized():
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def _ray_keeps_loopback_node_addresses() -> Iterator[None]:
+    """While active, Ray takes 127.0.0.1 as the address of a node it starts, as asked.
+
+    Why: `ray.init(_node_ip_address="127.0.0.1")` is rewritten to the host's interface address
+    (Ray assumes a node must be reachable from other nodes), and every Ray process then listens
+    on all interfaces. Ray keeps a loopback address only where it does not support multi-node
+    clusters, a switch read from `ray._private.ray_constants.ENABLE_RAY_CLUSTER` (set from
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import). It is consulted only while resolving the new
+    node's address, so it is switched off for the `ray.init` call and restored after it;
+    `start_local_cluster` checks the result, so a Ray release that changes this fails loudly.
+    """
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def node_addresses() -> list[str]:
+    """The address of every node of the connected cluster, as Ray reports it."""
+    import ray
+
+    return [node["NodeManagerAddress"] for node in ray.nodes()]
+
+
+def start_local_cluster(**init_kwargs) -> None:
+    """`ray.init(**init_kwargs)` for a new single-node cluster whose node address is 127.0.0.1.
+
+    RuntimeError (after shutting it down) if Ray reports any other node address.
+    """
+    import ray
+
+    with _ray_keeps_loopback_node_addresses():
+        ray.init(_node_ip_address=LOOPBACK_ADDRESS, **init_kwargs)
+    addresses = node_addresses()
+    if any(address != LOOPBACK_ADDRESS for address in addresses):
+        ray.shutdown()
+        raise RuntimeError(
+            f"the local Ray cluster took node addresses {addresses} instead of {LOOPBACK_ADDRESS}, so it would listen "
+            f"on the network; this Ray release ({ray.__version__}) no longer honours the loopback switch in "
+            "stacx.trainer.ray_cluster - update _ray_keeps_loopback_node_addresses, or start the cluster yourself "
+            "and pass --ray-address"
+        )
 
 
 def connect_ray(
@@ -85,7 +139,7 @@ def connect_ray(
                 f"cannot attach to the Ray cluster at {address!r} (from --ray-address or {RAY_ADDRESS_ENV}): {err}"
             ) from err
         return RayConnection(address=address, started_locally=False)
-    ray.init(
+    start_local_cluster(
         num_cpus=num_cpus,
         num_gpus=num_gpus,
         object_store_memory=object_store_memory_bytes,

@@ -1,0 +1,54 @@
+"""Local Ray clusters started by `connect_ray` live on loopback: node addresses and listening sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from stacx.testing.listening_sockets import descendant_pids, listening_addresses
+from stacx.trainer import ray_cluster
+from stacx.trainer.ray_cluster import LOOPBACK_ADDRESS, connect_ray, node_addresses
+
+pytestmark = pytest.mark.slow
+LOOPBACK_FORMS = {LOOPBACK_ADDRESS, "::ffff:127.0.0.1"}  # the second: an IPv4 listener on an IPv6 socket
+
+
+def _worker_node_address() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def test_a_local_cluster_reports_and_listens_on_loopback_only():
+    import ray
+    from ray._private import ray_constants
+
+    switch_before = ray_constants.ENABLE_RAY_CLUSTER
+    connection = connect_ray(num_cpus=1, object_store_memory_bytes=80 * 1024 * 1024, log_to_driver=False,
+                             environ={})
+    try:
+        assert connection.started_locally
+        assert node_addresses() == [LOOPBACK_ADDRESS]
+        assert ray.util.get_node_ip_address() == LOOPBACK_ADDRESS
+        assert ray.get(ray.remote(_worker_node_address).remote(), timeout=120) == LOOPBACK_ADDRESS
+        assert ray_constants.ENABLE_RAY_CLUSTER == switch_before  # the switch is restored after ray.init
+        # What the kernel says, not what Ray says: the GCS, raylet, agents and workers (all started
+        # below this process) listen on loopback and never on 0.0.0.0 / ::.
+        addresses = listening_addresses(pids=descendant_pids())
+        assert addresses and addresses <= LOOPBACK_FORMS, addresses
+    finally:
+        connection.shutdown()
+
+
+def test_a_cluster_on_another_address_is_shut_down_and_named(monkeypatch):
+    import ray
+    from ray._private import ray_constants
+
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append((kwargs, ray_constants.ENABLE_RAY_CLUSTER)))
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeManagerAddress": "192.0.2.7"}])
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    with pytest.raises(RuntimeError, match=r"node addresses \['192.0.2.7'\] instead of 127.0.0.1.*--ray-address"):
+        ray_cluster.start_local_cluster(num_cpus=1)
+    (kwargs, switch_during_init), shutdown = calls
+    assert kwargs == {"_node_ip_address": LOOPBACK_ADDRESS, "num_cpus": 1} and switch_during_init is False
+    assert shutdown == "shutdown"
