@@ -312,7 +312,11 @@ def _make_handler(server: EngineHttpServer):
             while read < length:
                 if time.monotonic() > deadline:
                     raise HttpError(408, f"request body not received within {limits.read_timeout_s:.0f}s", close=True)
-                chunk = self.rfile.read1(min(_READ_CHUNK_BYTES, length - read))
+                try:
+                    chunk = self.rfile.read1(min(_READ_CHUNK_BYTES, length - read))
+                except TimeoutError:
+                    raise HttpError(408, f"request body stalled for {limits.read_timeout_s:.0f}s after {read} of "
+                                         f"{length} bytes", close=True) from None
                 if not chunk:
                     raise HttpError(400, f"request body ended after {read} of {length} bytes", close=True)
                 chunks.append(chunk)
@@ -325,7 +329,11 @@ def _make_handler(server: EngineHttpServer):
             buffer = bytearray(length)
             view, read = memoryview(buffer), 0
             while read < length:
-                n = self.rfile.readinto(view[read:])
+                try:
+                    n = self.rfile.readinto(view[read:])
+                except TimeoutError:
+                    raise HttpError(408, f"request body stalled for {limits.read_timeout_s:.0f}s after {read} of "
+                                         f"{length} bytes", close=True) from None
                 if not n:
                     raise HttpError(400, f"request body ended after {read} of {length} bytes", close=True)
                 read += n

@@ -253,3 +253,30 @@ def test_resolve_api_key_rules(monkeypatch):
     assert resolve_api_key(Namespace(api_key="k", host="10.0.0.2")) == "k"
     monkeypatch.setenv("STACX_API_KEY", "from-env")
     assert resolve_api_key(Namespace(api_key=None, host="10.0.0.2")) == "from-env"
+
+
+# ---- servers the trainer starts --------------------------------------------------------------
+
+@pytest.mark.slow
+def test_trainer_started_server_takes_its_secret_from_the_environment_and_cleans_up_on_sigterm(tiny_checkpoints):
+    import secrets
+
+    from stacx.trainer.rollout_service import CpuServerProcess, engine_client
+
+    key = secrets.token_urlsafe(32)
+    server = CpuServerProcess(tiny_checkpoints[0], api_key=key)
+    try:
+        with open(f"/proc/{server.process.pid}/cmdline", "rb") as handle:
+            assert key.encode() not in handle.read()  # never on the command line
+        assert http.post(server.url + "/pause_generation", json={}, timeout=10).status_code == 401
+        assert http.post(server.url + "/pause_generation", json={}, headers=auth("x"), timeout=10).status_code == 403
+        client = engine_client("cpu", server.url, api_key=key)
+        client.pause()
+        client.resume()
+        staging = http.post(server.url + "/stacx/shm_staging", json={}, headers=auth(key), timeout=10).json()
+        assert os.path.exists(staging["path"])
+        client.shutdown()
+    finally:
+        server.stop()  # SIGTERM: the server removes its staging files on the way out
+    assert server.process.returncode == 0
+    assert not os.path.exists(staging["path"])
