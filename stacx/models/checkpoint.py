@@ -29,6 +29,35 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint's tensor names or shapes do not match the model's config."""
 
 
+class CheckpointNotFoundError(FileNotFoundError):
+    """A checkpoint path is not a local Hugging Face folder; the message names the flag and the path."""
+
+
+def require_hf_checkpoint_folder(path: str | os.PathLike, *, flag: str = "--hf-checkpoint") -> str:
+    """`path` (as a string) once it is a local folder holding config.json; else CheckpointNotFoundError at once.
+
+    Stacx reads checkpoints only from local folders (each tensor-parallel rank reads its slices of
+    the safetensors files), so a name that is not a folder is never handed to `transformers`, which
+    would take it for a Hub model id and spend about a minute on download retries before reporting
+    a network error instead of the missing folder.
+    """
+    path = os.fspath(path)
+    where = f"{flag} {path}"
+    if not path:
+        raise CheckpointNotFoundError(f"{flag} is empty; give a Hugging Face checkpoint folder")
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(
+            f"{where}: folder not found (looked for {os.path.abspath(path)}). Stacx reads checkpoints from local "
+            f"folders only: fix the path, or download a Hub model to a folder first (for example "
+            f"huggingface_hub.snapshot_download(repo_id, local_dir=DIR)) and pass that folder")
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"{where}: is a file, not a folder; pass the folder that holds config.json")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointNotFoundError(f"{where}: the folder has no config.json, so it is not a Hugging Face "
+                                      f"checkpoint; pass the folder that holds config.json and the safetensors")
+    return path
+
+
 def hf_weight_files(path: str) -> dict[str, str]:
     """tensor name -> safetensors file, from an index file or the single-file layout of folder `path`."""
     if not os.path.isdir(path):

@@ -116,11 +116,15 @@ class CpuServerProcess:
 
 
 def load_tokenizer(path: str):
-    """The tokenizer saved next to a Hugging Face checkpoint; a clear error when there is none."""
+    """The tokenizer saved next to a Hugging Face checkpoint; a clear error when there is none.
+    A path that is not a local checkpoint folder fails at once (never a Hub download attempt)."""
     from transformers import AutoTokenizer
 
+    from stacx.models.checkpoint import require_hf_checkpoint_folder
+
+    require_hf_checkpoint_folder(path)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as err:  # noqa: BLE001 - transformers raises several types for a missing tokenizer
         raise ValueError(f"--hf-checkpoint {path}: cannot load its tokenizer ({err})") from err
 

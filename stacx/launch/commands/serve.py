@@ -86,18 +86,20 @@ def build_limits(args):
 
 
 def run(args) -> int:
-    import os
     import signal
 
     import torch
 
+    from stacx.models.checkpoint import CheckpointNotFoundError, require_hf_checkpoint_folder
     from stacx.rollout.cpu_engine import CpuEngine
     from stacx.rollout.server import EngineHttpServer
 
     api_key = resolve_api_key(args)
     limits = build_limits(args)
-    if not os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):
-        raise SystemExit(f"--hf-checkpoint {args.hf_checkpoint}: no config.json in that folder")
+    try:
+        require_hf_checkpoint_folder(args.hf_checkpoint)
+    except CheckpointNotFoundError as err:
+        raise SystemExit(f"stacx serve: {err}") from None
     engine = CpuEngine.from_hf_checkpoint(args.hf_checkpoint, params_dtype=getattr(torch, args.dtype), seed=args.seed)
     server = EngineHttpServer(engine, host=args.host, port=args.port, model_path=args.hf_checkpoint,
                               api_key=api_key, limits=limits)
