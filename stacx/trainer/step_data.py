@@ -18,6 +18,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from stacx.trainer.preflight import check_examples
+
 PER_SAMPLE_SCALARS = ("response_lengths", "rewards", "group_indices", "pair_ids", "is_chosen")
 
 
@@ -129,6 +131,7 @@ class StepDataSource:
                                 metadata_key=rollout.metadata_key, apply_chat_template=rollout.apply_chat_template,
                                 malformed_rows=rollout.malformed_rows)
             examples = load_examples(config, tokenizer)
+            check_examples(examples, run_config=run_config, training_config=training_config, kind=self.kind)
         self.loader = EpochLoader(examples, seed=run_config.train.seed)
 
     def next_examples(self, count: int | None = None) -> list:

@@ -25,6 +25,7 @@ import torch
 
 from stacx.trainer import step_data
 from stacx.trainer.numerics import NonFiniteGuard
+from stacx.trainer.preflight import role_wants_reference
 from stacx.trainer.resolved_config import resolved_run_config_dict
 
 logger = logging.getLogger(__name__)
@@ -62,11 +63,14 @@ class StacxTrainer:
         # Driver-side instances answer what each role needs (reference, old log-probs); they hold no model.
         self.specializations = {role.name: role.specialization_cls(algorithm, None) for role in training_config.roles}
         self._check_reference_inputs()
-        self.engine_target = channel.share((rollout.engine_kind, tuple(rollout.urls)) if rollout is not None else None)
+        # (kind, urls, api key): every rank that streams weights needs the servers' shared secret
+        self.engine_target = channel.share((rollout.engine_kind, tuple(rollout.urls), rollout.api_key)
+                                           if rollout is not None else None)
         self.step_rollout = self._build_step_rollout() if rollout is not None and channel.is_driver else None
         """The driver's `rollout_steps.StepRollout`: roll-ins, DAPO shaping and sampling, eval, rollout dumps."""
         self.step = 0
         self.last_metrics: dict[str, float] = {}
+        self._saved_once = False
         self.nonfinite = NonFiniteGuard(run_config.train.skip_nonfinite_steps)
         """Stops the run at the first NaN/inf (or skips up to --skip-nonfinite-steps steps)."""
 
@@ -75,6 +79,7 @@ class StacxTrainer:
     def run(self) -> dict[str, float]:
         """Train from the start (or the --load checkpoint) to train.num_steps; returns the last metrics."""
         try:
+            self.check_save_folder()
             self.step = self.resume_if_requested()
             if self.channel.is_driver and self.make_metrics_logger is not None:
                 self.metrics_logger = self.make_metrics_logger(self.step)
@@ -99,6 +104,23 @@ class StacxTrainer:
             raise
         self.close()
         return self.last_metrics
+
+    def check_save_folder(self) -> None:
+        """Refuse (on every rank alike) a --save folder holding another run's checkpoints, see checkpoint.py."""
+        from stacx.trainer.checkpoint import CheckpointError, check_save_folder
+
+        model = self.run_config.model
+        if not model.save:  # the same run config on every rank: all return here alike
+            return
+        problem = None
+        if self.channel.is_driver:
+            try:
+                check_save_folder(model.save, load=model.load, overwrite=model.overwrite)
+            except CheckpointError as err:
+                problem = str(err)
+        problem = self.channel.share(problem)
+        if problem:
+            raise CheckpointError(problem)
 
     def train_one_step(self, step: int) -> dict[str, float]:
         """One step; a non-finite reward, advantage, loss or grad norm stops the run (or skips the step,
@@ -174,12 +196,7 @@ class StacxTrainer:
         return self.training_config.algorithm is not None
 
     def _wants_reference(self, role) -> bool:
-        if not role.trainable or any(s.target_role == role.name and "ref_log_probs" in s.keys
-                                     for s in self.role_graph.inject_syncs):
-            return False  # a frozen role has no loss; a separate reference role injects them
-        spec = self.specializations[role.name]
-        kl = bool(getattr(self.algorithm, "use_kl_loss", False) or getattr(self.algorithm, "use_kl_in_reward", False))
-        return spec.needs_reference() or (kl and role.reference_checkpoint_arg is not None and role.trainable)
+        return role_wants_reference(role, self.training_config, self.algorithm)
 
     def _check_reference_inputs(self) -> None:
         from stacx.trainer.runtime.role_runtime import role_checkpoint_path
@@ -275,13 +292,13 @@ class StacxTrainer:
 
     def push_policy_weights(self, version: int) -> None:
         """Pause the engine, stream the rollout role's weights in buckets, resume, check the version."""
-        kind, urls = self.engine_target
+        kind, urls, api_key = self.engine_target
         role = self.training_config.rollout_role
         if self.channel.is_driver:
             self.rollout.begin_weight_update()
         try:
             for url in urls:  # every rollout engine takes the update; finish_weight_update checks each version
-                self.roles[role.name].call_all("push_weights_to_engine", kind, url, version, WEIGHT_BUCKET_BYTES)
+                self.roles[role.name].call_all("push_weights_to_engine", kind, url, version, WEIGHT_BUCKET_BYTES, api_key)
         except BaseException:
             # Resume without the version check: a stale-version error would hide the push's own error.
             if self.channel.is_driver:
@@ -316,6 +333,13 @@ class StacxTrainer:
         from stacx.trainer.checkpoint import begin_checkpoint, capture_rng_state, commit_checkpoint
 
         root = self.run_config.model.save
+        if self.channel.is_driver and not self._saved_once and self.run_config.model.overwrite and not self.run_config.model.load:
+            from stacx.trainer.checkpoint import remove_checkpoints
+
+            # --overwrite: the older run's steps go at this run's first save (its later steps would look newer).
+            for path in remove_checkpoints(root):
+                logger.warning("--overwrite: removed %s of an earlier run", path)
+        self._saved_once = True
         staging = self.channel.share(begin_checkpoint(root, step) if self.channel.is_driver else None)
         rank_files = []
         for name, group in self.roles.items():
@@ -357,6 +381,18 @@ class StacxTrainer:
     # ---- teardown --------------------------------------------------------------------------
 
     def _close_driver_side(self) -> None:
+        """Logger, rollout service (its clients and the servers it started) and this run's uncommitted
+        checkpoint staging folders; each step runs even when an earlier one fails."""
+        try:
+            self._close_logger_and_rollout()
+        finally:
+            if self.channel.is_driver and self.run_config.model.save:
+                from stacx.trainer.checkpoint import remove_staging_folders
+
+                for path in remove_staging_folders(self.run_config.model.save):
+                    logger.warning("removed the unfinished checkpoint staging folder %s", path)
+
+    def _close_logger_and_rollout(self) -> None:
         if self.metrics_logger is not None:
             try:
                 self.metrics_logger.close()

@@ -23,6 +23,18 @@ def _parse(argv: list[str]) -> RunConfig:
     return run_config_from_args(parser.parse_args(argv))
 
 
+@pytest.fixture(scope="module")
+def tiny_flags(tmp_path_factory) -> list[str]:
+    """Flags naming real inputs (a tiny sorting checkpoint, built-in data, a fresh output folder):
+    --dry-run checks them as the run would."""
+    from stacx.tasks import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny_inputs")
+    checkpoint = write_tiny_checkpoint(str(root / "ckpt"), "sorting")
+    return ["--hf-checkpoint", checkpoint, "--ref-load", checkpoint, "--prompt-data", "builtin:sorting",
+            "--out", str(root / "out"), "--rollout-max-response-len", "6"]
+
+
 def _write(tmp_path, text: str) -> str:
     path = tmp_path / "run.yaml"
     path.write_text(text)
@@ -116,11 +128,11 @@ def test_unknown_keys_flags_and_bad_values_are_named(tmp_path, capsys):
         assert named in capsys.readouterr().err
 
 
-def test_dry_run_prints_recipe_role_graph_and_placement_without_starting_workers(tmp_path, capsys):
+def test_dry_run_prints_recipe_role_graph_and_placement_without_starting_workers(tmp_path, capsys, tiny_flags):
     import ray
 
     path = _write(tmp_path, "algorithm: {name: ppo}\ndata_parallel_size: 2\n")
-    assert main(["train", "--config", path, "--tensor-model-parallel-size", "2", "--dry-run"]) == 0
+    assert main(["train", "--config", path, "--tensor-model-parallel-size", "2", "--dry-run", *tiny_flags]) == 0
     out = capsys.readouterr().out
     assert out.startswith("recipe ppo:")
     assert "pool actor: actor, critic" in out and "inject order: critic -> actor" in out
@@ -130,46 +142,47 @@ def test_dry_run_prints_recipe_role_graph_and_placement_without_starting_workers
     assert "runs on: a local Ray cluster" in out and "tensor_model_parallel_size: 2" in out
     assert not ray.is_initialized()
     # --use-critic selects ppo, --advantage-estimator picks the estimator's recipe.
-    assert main(["train", "--advantage-estimator", "rloo", "--dry-run"]) == 0
+    assert main(["train", "--advantage-estimator", "rloo", "--dry-run", *tiny_flags]) == 0
     assert capsys.readouterr().out.startswith("recipe rloo:")
     assert main(["train", "--algorithm", "nope", "--dry-run"]) == 2
     assert "--algorithm 'nope' is not a known recipe" in capsys.readouterr().err
 
 
-def test_custom_module_registers_before_the_recipe_is_resolved(capsys):
+def test_custom_module_registers_before_the_recipe_is_resolved(capsys, tiny_flags):
     example = os.path.join(REPO, "examples", "custom_algorithm", "my_algo.py")
     assert main(["train", "--custom-module", example, "--advantage-estimator", "rank_centered", "--algorithm",
-                 "grpo", "--dry-run"]) == 0
+                 "grpo", "--dry-run", *tiny_flags]) == 0
     assert "recipe grpo" in capsys.readouterr().out
     assert main(["train", "--custom-module", "no_such_module_xyz", "--dry-run"]) == 2
     assert "--custom-module 'no_such_module_xyz'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "examples", "configs", "*.yaml"))))
-def test_example_configs_resolve(path, capsys):
-    assert main(["train", "--config", path, "--dry-run"]) == 0
+def test_example_configs_resolve(path, capsys, tiny_flags, tmp_path):
+    # The files' checkpoints are the demo's; the tiny one stands in (flags override the file).
+    assert main(["train", "--config", path, "--dry-run", *tiny_flags, "--save", str(tmp_path / "save")]) == 0
     family = os.path.splitext(os.path.basename(path))[0]
     assert capsys.readouterr().out.startswith(f"recipe {family}:")
 
 
-def test_python_dash_m_stacx_train_is_stacx_train():
-    completed = subprocess.run([sys.executable, "-m", "stacx.train", "--algorithm", "sft", "--dry-run"],
+def test_python_dash_m_stacx_train_is_stacx_train(tiny_flags):
+    completed = subprocess.run([sys.executable, "-m", "stacx.train", "--algorithm", "sft", "--dry-run", *tiny_flags],
                                capture_output=True, text=True, timeout=120, cwd=REPO,
                                env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.startswith("recipe sft:")
 
 
-def test_torchrun_detection_and_ray_address_in_dry_run(capsys, monkeypatch):
+def test_torchrun_detection_and_ray_address_in_dry_run(capsys, monkeypatch, tiny_flags):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert main(["train", "--algorithm", "sft", "--dry-run"]) == 0
+    assert main(["train", "--algorithm", "sft", "--dry-run", *tiny_flags]) == 0
     assert "runs on: Ray cluster at 10.0.0.1:6379" in capsys.readouterr().out
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    assert main(["train", "--algorithm", "sft", "--dry-run"]) == 0
+    assert main(["train", "--algorithm", "sft", "--dry-run", *tiny_flags]) == 0
     assert "runs on: torchrun SPMD, world size 4" in capsys.readouterr().out
 
 

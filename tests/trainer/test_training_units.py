@@ -132,7 +132,7 @@ def test_a_failed_weight_push_reports_its_own_error_and_resumes_the_engine():
 
     engine = Engine()
     service = RolloutService(engine, engine_kind="http", url="http://engine", tokenizer=None, rollout_section=None)
-    trainer = SimpleNamespace(engine_target=("http", ("http://engine",)), rollout=service,
+    trainer = SimpleNamespace(engine_target=("http", ("http://engine",), None), rollout=service,
                               channel=SimpleNamespace(is_driver=True), roles={"actor": FailingPolicy()},
                               training_config=SimpleNamespace(rollout_role=SimpleNamespace(name="actor")))
     with pytest.raises(RuntimeError, match="died while pushing bucket 3"):
@@ -148,7 +148,7 @@ def test_a_rollout_service_that_fails_to_start_stops_the_server_it_started(monke
     stopped = []
 
     class FakeServer:
-        def __init__(self, hf_checkpoint, *, seed):
+        def __init__(self, hf_checkpoint, *, seed, api_key=None):
             self.url = "http://127.0.0.1:1"
 
         def stop(self):
@@ -175,7 +175,7 @@ def test_teardown_errors_never_hide_the_runs_error_and_workers_are_always_releas
 
     def trainer_with(failing_step):
         trainer = StacxTrainer.__new__(StacxTrainer)
-        trainer.run_config = SimpleNamespace(model=SimpleNamespace(load=None))
+        trainer.run_config = SimpleNamespace(model=SimpleNamespace(load=None, save=None, overwrite=False))
         trainer.channel = SimpleNamespace(is_driver=False)
         trainer.make_metrics_logger, trainer.metrics_logger = None, None
         trainer.engine_target, trainer.rollout = None, BrokenRollout()

@@ -12,8 +12,11 @@ local cluster). The runtime picks; this command only resolves the configuration.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 
 HELP = "train with a recipe (RL, distillation, SFT, DPO); flags or --config run.yaml, --dry-run to inspect"
 
@@ -22,6 +25,20 @@ def add_arguments(parser) -> None:
     from stacx.launch.run_flags import add_run_config_arguments
 
     add_run_config_arguments(parser)
+
+
+ALGORITHM_LINE_PREFIX = "  algorithm:"
+"""The line of `TrainingConfig.describe()` that summarizes the recipe's algorithm defaults."""
+
+
+def algorithm_summary(algorithm) -> str:
+    """The run's resolved algorithm in the form of the recipe summary's algorithm line."""
+    a = algorithm
+    kl = f"KL loss {a.kl_loss_type} x {a.kl_loss_coef}" if a.use_kl_loss else "no KL loss"
+    if a.use_kl_in_reward:
+        kl += f", KL in reward {a.kl_in_reward_type} x {a.kl_in_reward_coef}"
+    return (f"{ALGORITHM_LINE_PREFIX} advantages {a.advantage_estimator}, loss {a.policy_loss} "
+            f"(clip {a.clip_ratio_low}/{a.clip_ratio_high}), aggregation {a.loss_agg_mode}, {kl}")
 
 
 def describe_run(run_config, recipe, environ=None) -> str:
@@ -38,7 +55,12 @@ def describe_run(run_config, recipe, environ=None) -> str:
     parallel = run_config.parallel
     layouts = resolve_role_layouts(recipe, WorkerLayout.from_parallel_section(parallel))
     graph = recipe.role_graph()
-    lines = [recipe.describe(), "", "role graph:"]
+    algorithm = resolve_algorithm_config(recipe, run_config)
+    # The recipe's summary line shows its defaults; the run's resolved settings replace it so that
+    # the header and the resolved config below agree (e.g. --use-kl-loss on a recipe without KL).
+    header = [algorithm_summary(algorithm) if line.startswith(ALGORITHM_LINE_PREFIX) else line
+              for line in recipe.describe().splitlines()]
+    lines = [*header, "", "role graph:"]
     for pool, members in graph.pools.items():
         lines.append(f"  pool {pool}: {', '.join(members)}")
     if graph.inject_order:
@@ -57,7 +79,6 @@ def describe_run(run_config, recipe, environ=None) -> str:
     else:
         address = resolve_ray_address(parallel.ray_address, environ)
         where = f"Ray cluster at {address}" if address else "a local Ray cluster started by the driver"
-    algorithm = resolve_algorithm_config(recipe, run_config)
     lines += ["", f"runs on: {where}", "", "resolved run config (algorithm: the recipe's defaults under your settings):",
               yaml.safe_dump(resolved_run_config_dict(run_config, algorithm), sort_keys=False,
                              default_flow_style=False).rstrip()]
@@ -68,11 +89,13 @@ def run(args) -> int:
     from stacx.launch.run_flags import run_config_from_args
     from stacx.trainer.config import RecipeError
     from stacx.trainer.factory import resolve_recipe
+    from stacx.trainer.preflight import run_preflight
     from stacx.trainer.run_config import ConfigError
 
     try:
         run_config = run_config_from_args(args)
-        recipe, _ = resolve_recipe(run_config)  # also checks the algorithm settings against the recipe
+        recipe, algorithm = resolve_recipe(run_config)  # also checks the algorithm settings against the recipe
+        run_preflight(run_config, recipe, algorithm)  # the same checks for --dry-run and the run itself
         if run_config.train.dry_run:
             print(describe_run(run_config, recipe))
             return 0
@@ -80,6 +103,52 @@ def run(args) -> int:
         print(f"stacx train: {err}", file=sys.stderr)
         return 2
     from stacx.trainer import run_training
+    from stacx.trainer.numerics import NonFiniteError
 
-    run_training(run_config)
+    with stop_on_termination_signals():
+        try:
+            run_training(run_config)
+        except RunInterrupted as err:
+            print(f"stacx train: stopped by {err.signal_name}; the run's workers and servers were stopped",
+                  file=sys.stderr)
+            return err.exit_code
+        except NonFiniteError as err:
+            print(f"stacx train: {err}", file=sys.stderr)
+            return 1
     return 0
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT reached the driver: raised in its main thread so that the trainer's teardown
+    (workers killed, servers and engines closed, staging folders removed) runs before the exit."""
+
+    def __init__(self, signum: int):
+        self.signal_name = signal.Signals(signum).name
+        self.exit_code = 128 + int(signum)
+        super().__init__(f"received {self.signal_name}")
+
+
+@contextlib.contextmanager
+def stop_on_termination_signals(signals=(signal.SIGTERM, signal.SIGINT)):
+    """While the block runs, the first SIGTERM/SIGINT raises `RunInterrupted`; later ones are reported and
+    ignored so that they cannot cut the teardown short. The previous handlers come back afterwards.
+    Only the main thread can install handlers; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def handle(signum, frame):
+        if received:
+            print(f"stacx train: {signal.Signals(signum).name} again; still stopping the run's workers and "
+                  "servers", file=sys.stderr)
+            return
+        received.append(signum)
+        raise RunInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, handle) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,262 @@
+"""Checks that run before any worker, server or Ray cluster starts, the same for `--dry-run` and a real run.
+
+    run_preflight(run_config, training_config, algorithm)   # raises PreflightError naming the flag
+
+What it checks (each failure is one paragraph naming the flag and the fix):
+- every checkpoint the roles start from exists (--hf-checkpoint, --ref-load, --critic-load, ...),
+  and a reference is given when the algorithm has a KL term to it;
+- --load holds a complete checkpoint whose manifest.json parses (a truncated one is named);
+- --save does not hold another run's checkpoints (unless --load resumes it or --overwrite);
+- a recipe that scores rollouts with a teacher has --teacher-url (or a trajectory corpus to replay);
+  --rollout-engine http has --rollout-urls; --reward-fn resolves;
+- the data: --prompt-data exists and parses, and through `check_examples` (also called by
+  `StepDataSource`, so Python callers get it too) every row has a label when the reward compares
+  with one, and no prompt (plus --rollout-max-response-len) exceeds the model's context.
+
+Range and type errors of single settings (`--rollout-batch-size 0`, a dict for a string) are
+refused earlier, by `RunConfig.from_dict` (FIELD_MINIMUMS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional, Sequence
+
+from stacx.trainer.run_config import ConfigError
+
+MAX_ROWS_NAMED = 3
+"""Offending rows named in a data error (the count says how many there are in all)."""
+
+
+class PreflightError(ConfigError):
+    """A setting would make the run fail after it started; the message names the flag and the fix."""
+
+
+def flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def run_preflight(run_config, training_config, algorithm, *, load_data: bool = True) -> None:
+    """Every check of the module doc; `load_data=False` skips reading the dataset (paths still checked)."""
+    check_checkpoints(run_config, training_config, algorithm)
+    check_resume_and_save(run_config)
+    check_services(run_config, training_config)
+    check_data_paths(run_config, training_config)
+    if load_data:
+        load_and_check_data(run_config, training_config)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+def _check_hf_folder(arg: str, path: str, role_name: str) -> None:
+    if not os.path.isdir(path):
+        raise PreflightError(f"{flag(arg)} {path}: no such folder (role {role_name!r} starts from this Hugging Face "
+                             "checkpoint: config.json, weights, tokenizer). Fix the path or write the checkpoint first")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise PreflightError(f"{flag(arg)} {path}: the folder has no config.json, so it is not a Hugging Face "
+                             f"checkpoint (role {role_name!r} starts from it); point {flag(arg)} at one")
+
+
+def check_checkpoints(run_config, training_config, algorithm) -> None:
+    """The folders every role starts from, and the reference when a KL term needs one."""
+    from stacx.trainer.runtime.role_runtime import role_checkpoint_path
+
+    model = run_config.model
+    if model.hf_checkpoint is None:
+        raise PreflightError("--hf-checkpoint is not set: every role starts from it and the driver reads its "
+                             "tokenizer; give a Hugging Face checkpoint folder")
+    for role in training_config.roles:
+        path = role_checkpoint_path(role, model)
+        if path is None:
+            raise PreflightError(f"{flag(role.checkpoint_arg)} is not set: role {role.name!r} starts from it")
+        _check_hf_folder(role.checkpoint_arg, path, role.name)
+        arg = role.reference_checkpoint_arg
+        wants = role_wants_reference(role, training_config, algorithm)
+        reference = role_checkpoint_path(role, model, arg) if arg is not None else None
+        if wants and reference is None:
+            raise PreflightError(f"{flag(arg or 'ref_load')} is not set, but role {role.name!r} needs reference "
+                                 "log-probs (its loss, use_kl_loss or use_kl_in_reward); set it to the reference "
+                                 "checkpoint or turn the KL term off")
+        if wants:
+            _check_hf_folder(arg, reference, role.name)
+
+
+def role_wants_reference(role, training_config, algorithm) -> bool:
+    """True when a trainable role computes reference log-probs in its own workers: its specialization
+    needs them, or a KL term to the reference is on and the role holds an in-worker reference. A frozen
+    role has no loss, and a separate reference role that injects `ref_log_probs` makes them unneeded."""
+    if not role.trainable or any(s.target_role == role.name and "ref_log_probs" in s.keys
+                                 for s in training_config.role_graph().inject_syncs):
+        return False
+    kl = bool(getattr(algorithm, "use_kl_loss", False) or getattr(algorithm, "use_kl_in_reward", False))
+    return role.specialization_cls(algorithm, None).needs_reference() or (kl and role.reference_checkpoint_arg is not None)
+
+
+def check_resume_and_save(run_config) -> None:
+    """--load must hold a complete checkpoint with a readable manifest; --save must not be another run's."""
+    from stacx.trainer.checkpoint import (CheckpointError, check_save_folder, read_manifest,
+                                          resolve_checkpoint_folder)
+
+    model = run_config.model
+    if model.load:
+        if not os.path.exists(model.load):
+            raise PreflightError(f"--load {model.load}: no such folder; give a checkpoint root or step_* folder "
+                                 "written by --save, or drop --load to start fresh")
+        try:
+            read_manifest(resolve_checkpoint_folder(model.load))
+        except CheckpointError as err:
+            raise PreflightError(f"--load {model.load}: {err}") from None
+    try:
+        check_save_folder(model.save, load=model.load, overwrite=model.overwrite)
+    except CheckpointError as err:
+        raise PreflightError(str(err)) from None
+
+
+# ---- services and data ---------------------------------------------------------------------------
+
+def replays_trajectories(run_config, training_config) -> bool:
+    """True when online_dagger replays a saved teacher corpus (no engine, no teacher server)."""
+    from stacx.rollout.env_overrides import apply_env_overrides
+
+    teacher = apply_env_overrides(run_config.teacher)
+    return training_config.rollin_protocol == "teacher_relabel" and teacher.dagger_sft_mode == "trajectory"
+
+
+def check_services(run_config, training_config) -> None:
+    """Teacher URL, rollout URLs, the reward function and the roll-in settings of rollout recipes."""
+    if training_config.data_source != "rollout":
+        return
+    if replays_trajectories(run_config, training_config):
+        if not run_config.teacher.trajectory_corpus:
+            raise PreflightError("dagger_sft_mode 'trajectory' replays a saved teacher corpus; set "
+                                 "--trajectory-corpus to its JSONL file")
+        if not os.path.isfile(run_config.teacher.trajectory_corpus):
+            raise PreflightError(f"--trajectory-corpus {run_config.teacher.trajectory_corpus}: no such file")
+        return
+    if training_config.uses_teacher and not run_config.teacher.teacher_url:
+        raise PreflightError(f"--teacher-url is not set: recipe {training_config.name!r} scores rollouts with a "
+                             "teacher server; start one (`stacx serve --hf-checkpoint TEACHER`) and pass its URL")
+    if run_config.rollout.rollout_engine == "http" and not run_config.rollout.rollout_urls:
+        raise PreflightError("--rollout-engine http attaches to running servers; give them with --rollout-urls")
+    if training_config.uses_reward:
+        from stacx.rollout.rewards import resolve_reward_fn
+
+        try:
+            resolve_reward_fn(run_config.rollout.reward_fn)
+        except ValueError as err:
+            raise PreflightError(f"--reward-fn: {err}") from None
+    from stacx.trainer.factory import check_supported
+
+    try:
+        check_supported(training_config, run_config)
+    except ValueError as err:
+        raise PreflightError(str(err)) from None
+
+
+def _needs_prompt_data(run_config, training_config) -> bool:
+    return not (training_config.data_source == "rollout" and replays_trajectories(run_config, training_config))
+
+
+def check_data_paths(run_config, training_config) -> None:
+    """--prompt-data (and --eval-data when evaluating) exist; built-in tasks are always there."""
+    rollout = run_config.rollout
+    if _needs_prompt_data(run_config, training_config):
+        if not rollout.prompt_data:
+            raise PreflightError(f"--prompt-data is not set: recipe {training_config.name!r} reads its "
+                                 "examples from a JSONL or Parquet file (or builtin:<task>)")
+        _check_data_file("prompt_data", rollout.prompt_data)
+    if rollout.eval_interval and rollout.eval_data:
+        _check_data_file("eval_data", rollout.eval_data)
+
+
+def _check_data_file(field_name: str, path: str) -> None:
+    from stacx.tasks.data import is_builtin, parse_builtin_spec
+
+    if is_builtin(path):
+        try:
+            parse_builtin_spec(path)
+        except (KeyError, ValueError) as err:
+            raise PreflightError(f"{flag(field_name)} {path}: {err}") from None
+        return
+    if not os.path.isfile(path):
+        raise PreflightError(f"{flag(field_name)} {path}: no such file (a JSONL or Parquet file, or builtin:<task>)")
+
+
+def load_and_check_data(run_config, training_config) -> None:
+    """Read the data as the run will (StepDataSource, which calls `check_examples`); errors name the flag."""
+    from stacx.rollout.data import MalformedRowError
+    from stacx.tasks.data import resolve_builtin_data
+    from stacx.trainer.rollout_service import load_tokenizer
+    from stacx.trainer.step_data import StepDataSource
+
+    run_config = resolve_builtin_data(run_config)
+    try:
+        tokenizer = load_tokenizer(run_config.model.hf_checkpoint)
+        StepDataSource(run_config, training_config, tokenizer)
+    except PreflightError:
+        raise
+    except (MalformedRowError, ValueError, FileNotFoundError, OSError) as err:
+        raise PreflightError(f"--prompt-data {run_config.rollout.prompt_data}: {err}") from None
+
+
+def model_context_length(hf_checkpoint: Optional[str]) -> Optional[int]:
+    """max_position_embeddings of the checkpoint's config.json (None when absent or unreadable)."""
+    if not hf_checkpoint:
+        return None
+    path = os.path.join(hf_checkpoint, "config.json")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            value = json.load(handle).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def _name_rows(sources: Sequence[str]) -> str:
+    named = ", ".join(sources[:MAX_ROWS_NAMED])
+    return named + (f" and {len(sources) - MAX_ROWS_NAMED} more" if len(sources) > MAX_ROWS_NAMED else "")
+
+
+def check_examples(examples: Sequence[Any], *, run_config, training_config, kind: str) -> None:
+    """Labels for a reward that needs them, and every sample within the model's context.
+
+    prompt rows: len(prompt_ids) + rollout_max_response_len <= max_position_embeddings;
+    sft / dpo rows: len(prompt_ids) + len(response) <= max_position_embeddings.
+    """
+    rollout = run_config.rollout
+    if kind == "prompt" and training_config.uses_reward:
+        from stacx.rollout.rewards import resolve_reward_fn, reward_needs_label
+
+        try:
+            reward_fn = resolve_reward_fn(rollout.reward_fn)
+        except ValueError as err:
+            raise PreflightError(f"--reward-fn: {err}") from None
+        unlabeled = [e.source for e in examples if e.label is None or (isinstance(e.label, str) and not e.label.strip())]
+        if unlabeled and reward_needs_label(reward_fn):
+            raise PreflightError(
+                f"{len(unlabeled)} of {len(examples)} rows of --prompt-data {rollout.prompt_data} have no label "
+                f"(key '{rollout.label_key}', --label-key), but --reward-fn {rollout.reward_fn} compares the "
+                f"response with it: {_name_rows(unlabeled)}. Add the labels, set --label-key to the right key, "
+                "or use a reward that needs none")
+    context = model_context_length(run_config.model.hf_checkpoint)
+    if context is None:
+        return
+    too_long = []
+    for example in examples:
+        if kind == "prompt":
+            length = len(example.prompt_ids) + rollout.rollout_max_response_len
+        elif kind == "dpo":
+            length = len(example.prompt_ids) + max(len(example.chosen_ids or ()), len(example.rejected_ids or ()))
+        else:
+            length = len(example.prompt_ids) + len(example.response_ids or ())
+        if length > context:
+            too_long.append(f"{example.source} ({length} tokens)")
+    if too_long:
+        budget = (f"its prompt plus --rollout-max-response-len {rollout.rollout_max_response_len}"
+                  if kind == "prompt" else "its prompt plus response")
+        raise PreflightError(
+            f"{len(too_long)} of {len(examples)} rows of --prompt-data {rollout.prompt_data} do not fit the model's "
+            f"context of {context} tokens (max_position_embeddings in {run_config.model.hf_checkpoint}/config.json) "
+            f"with {budget}: {_name_rows(too_long)}. Shorten or drop those rows"
+            + (", or lower --rollout-max-response-len" if kind == "prompt" else ""))
