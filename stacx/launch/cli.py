@@ -17,6 +17,7 @@ COMMANDS = {
     "recipes": "recipes",
     "serve": "serve",
     "convert": "convert",
+    "eval": "eval",
 }
 
 

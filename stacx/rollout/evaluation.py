@@ -29,12 +29,19 @@ def evaluate(manager: RolloutManager, examples: Sequence[Example], sampling: Sam
     """{'eval/mean_reward', 'eval/pass@1', 'eval/pass@n', 'eval/reward_errors'} over `examples`."""
     samples = manager.generate([e.prompt_ids for e in examples], sampling, n_samples_per_prompt=n_samples,
                                labels=[e.label for e in examples], metadatas=[e.metadata for e in examples])
+    return evaluation_metrics(samples, num_prompts=len(examples), n_samples=n_samples,
+                              correct_threshold=correct_threshold, prefix=prefix)
+
+
+def evaluation_metrics(samples: Sequence[Sample], *, num_prompts: int, n_samples: int,
+                       correct_threshold: float = 0.5, prefix: str = "eval") -> dict[str, float]:
+    """`evaluate`'s metrics from scored samples (n_samples per prompt, `group_index` = prompt index)."""
     rewards = [s.reward if s.reward is not None else 0.0 for s in samples]
     metrics = {f"{prefix}/mean_reward": sum(rewards) / len(rewards),
                f"{prefix}/reward_errors": float(sum(s.reward_error is not None for s in samples))}
     for k in sorted({1, n_samples}):
         per_prompt = []
-        for index in range(len(examples)):
+        for index in range(num_prompts):
             group = [r for s, r in zip(samples, rewards) if s.group_index == index]
             per_prompt.append(pass_at_k(len(group), sum(r > correct_threshold for r in group), k))
         metrics[f"{prefix}/pass@{k}"] = sum(per_prompt) / len(per_prompt)

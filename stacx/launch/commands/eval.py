@@ -1,0 +1,183 @@
+"""`stacx eval`: evaluate a finished checkpoint on held-out prompts, outside training.
+
+    stacx eval --hf-checkpoint outputs/grpo/export --task sorting
+    stacx eval --load outputs/grpo/checkpoints/step_000000039 --eval-data data/eval.jsonl --n-samples 4
+    stacx eval --load outputs/grpo/checkpoints --task sorting --out grpo_eval.json    # the newest step
+
+The checkpoint runs in this process on the CPU engine (Stacx's own model, the trainer's code
+path), and the metrics are those of evaluation during training (`stacx.rollout.evaluation`):
+`eval/mean_reward`, `eval/pass@1`, `eval/pass@<n>` (unbiased estimator over --n-samples) and
+`eval/reward_errors`. They are printed and written as JSON to --out, with the first samples
+decoded so the answers can be read. `--load` takes a training checkpoint (a `step_*` folder of
+`--save`, or the folder holding them); its config and tokenizer come from the checkpoint the run
+started from (recorded in its run_config.json; --hf-checkpoint names it if it moved).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+HELP = "evaluate a checkpoint (--hf-checkpoint or a training --load) on held-out prompts: reward, pass@k as JSON"
+
+NUM_SAMPLES_SHOWN = 8
+"""Decoded samples written to the JSON next to the metrics."""
+
+
+class EvalUsageError(ValueError):
+    """A flag combination or value `stacx eval` cannot use; the message names the flag."""
+
+
+def add_arguments(parser) -> None:
+    model = parser.add_argument_group("model (one of --hf-checkpoint, --load)")
+    model.add_argument("--hf-checkpoint", help="Hugging Face folder (config.json, safetensors, tokenizer) to evaluate; "
+                                               "with --load: the folder the run started from, if it moved")
+    model.add_argument("--load", help="training checkpoint: a step_* folder written by --save, or the --save folder "
+                                      "(its newest step)")
+    model.add_argument("--role", help="role of a --load checkpoint to evaluate (default: its only role, else "
+                                      "policy or actor)")
+    data = parser.add_argument_group("prompts (one of --eval-data, --task)")
+    data.add_argument("--eval-data", help="prompt rows, JSONL or Parquet (docs/data-formats.md), or builtin:TASK/eval")
+    data.add_argument("--task", help="a built-in task's held-out prompts (stacx.tasks), e.g. sorting")
+    data.add_argument("--input-key", default="prompt", help="row key of the prompt (default: %(default)s)")
+    data.add_argument("--label-key", default="label", help="row key of the label (default: %(default)s)")
+    data.add_argument("--metadata-key", default="metadata", help="row key of the metadata (default: %(default)s)")
+    data.add_argument("--apply-chat-template", action="store_true", help="render prompts with the chat template")
+    data.add_argument("--num-prompts", type=int, default=None, help="evaluate the first N prompts (default: all)")
+    sampling = parser.add_argument_group("sampling and scoring")
+    sampling.add_argument("--n-samples", type=int, default=1, help="samples per prompt; pass@n uses them "
+                                                                   "(default: %(default)s)")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    sampling.add_argument("--max-new-tokens", type=int, default=None,
+                          help="longest response (default: the task's longest answer + 1 with --task, else 64)")
+    sampling.add_argument("--reward-fn", default="exact_match",
+                          help="registered reward name or module:function (default: %(default)s)")
+    sampling.add_argument("--correct-threshold", type=float, default=0.5,
+                          help="a sample counts as correct for pass@k when its reward is above this "
+                               "(default: %(default)s)")
+    sampling.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    parser.add_argument("--out", default="eval_metrics.json", help="JSON file to write (default: %(default)s)")
+
+
+def validate_args(args) -> None:
+    """EvalUsageError naming the flag for a missing, conflicting or out-of-range setting."""
+    if args.hf_checkpoint is None and args.load is None:
+        raise EvalUsageError("give the model to evaluate: --hf-checkpoint FOLDER or --load RUN/checkpoints/step_N")
+    if args.role is not None and args.load is None:
+        raise EvalUsageError("--role selects a role of a --load checkpoint; drop it or add --load")
+    if (args.eval_data is None) == (args.task is None):
+        raise EvalUsageError("give exactly one of --eval-data FILE and --task NAME"
+                             + (f" (got both: {args.eval_data!r}, {args.task!r})" if args.task else ""))
+    for flag, value, minimum in (("--n-samples", args.n_samples, 1), ("--num-prompts", args.num_prompts, 1),
+                                 ("--max-new-tokens", args.max_new_tokens, 1)):
+        if value is not None and value < minimum:
+            raise EvalUsageError(f"{flag} must be >= {minimum}, got {value}")
+    if args.temperature < 0:
+        raise EvalUsageError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+
+
+def resolve_model_folder(args, scratch_dir: str) -> tuple[str, str]:
+    """(Hugging Face folder to load, description for the report); a --load step is exported under scratch_dir."""
+    from stacx.models.checkpoint import require_hf_checkpoint_folder
+
+    if args.load is None:
+        return require_hf_checkpoint_folder(args.hf_checkpoint), args.hf_checkpoint
+    from stacx.trainer.checkpoint import read_manifest, resolve_checkpoint_folder
+    from stacx.trainer.checkpoint_export import base_checkpoint_of, export_role_to_hf, pick_role
+
+    if not os.path.exists(args.load):
+        raise EvalUsageError(f"--load {args.load}: folder not found (looked for {os.path.abspath(args.load)})")
+    step_folder = resolve_checkpoint_folder(args.load)
+    role = pick_role(read_manifest(step_folder), args.role)
+    base = base_checkpoint_of(step_folder, args.hf_checkpoint)
+    folder = export_role_to_hf(step_folder, role, base, os.path.join(scratch_dir, "model"))
+    return folder, f"{step_folder} (role {role})"
+
+
+def resolve_eval_data(args, scratch_dir: str) -> tuple[str, int | None]:
+    """(prompt file, default max_new_tokens of its task or None); --task is builtin:TASK/eval."""
+    from stacx.tasks.data import is_builtin, parse_builtin_spec, resolve_data_path
+
+    spec = f"builtin:{args.task}/eval" if args.task is not None else args.eval_data
+    flag = "--task" if args.task is not None else "--eval-data"
+    if is_builtin(spec):
+        try:
+            task = parse_builtin_spec(spec).task
+        except ValueError as err:
+            raise EvalUsageError(f"{flag}: {err}") from None
+        return resolve_data_path(spec, out_dir=scratch_dir), task.max_answer_chars + 1
+    if not os.path.isfile(spec):
+        raise EvalUsageError(f"--eval-data {spec}: file not found (looked for {os.path.abspath(spec)})")
+    return spec, None
+
+
+def evaluate_checkpoint(args) -> dict:
+    """Load the model and prompts, generate, score; returns the JSON report (also written to --out)."""
+    import dataclasses
+
+    from stacx.rollout.cpu_engine import CpuEngine
+    from stacx.rollout.data import DataConfig, load_examples
+    from stacx.rollout.evaluation import evaluation_metrics
+    from stacx.rollout.manager import RolloutManager
+    from stacx.rollout.rewards import resolve_reward_fn
+    from stacx.rollout.types import SamplingParams
+    from stacx.trainer.rollout_service import load_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="stacx-eval-") as scratch_dir:
+        data_path, task_max_new_tokens = resolve_eval_data(args, scratch_dir)
+        reward_fn = resolve_reward_fn(args.reward_fn)
+        model_folder, model_description = resolve_model_folder(args, scratch_dir)
+        tokenizer = load_tokenizer(model_folder)
+        examples = load_examples(DataConfig(path=data_path, kind="prompt", input_key=args.input_key,
+                                            label_key=args.label_key, metadata_key=args.metadata_key,
+                                            apply_chat_template=args.apply_chat_template), tokenizer)
+        examples = examples[: args.num_prompts] if args.num_prompts else examples
+        engine = CpuEngine.from_hf_checkpoint(model_folder, seed=args.seed)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens or task_max_new_tokens or 64,
+                              temperature=args.temperature, stop_token_ids=(eos,) if eos is not None else ())
+    manager = RolloutManager(engine, tokenizer=tokenizer, reward_fn=reward_fn, seed=args.seed)
+    samples = manager.generate([e.prompt_ids for e in examples], sampling, n_samples_per_prompt=args.n_samples,
+                               labels=[e.label for e in examples], metadatas=[e.metadata for e in examples])
+    metrics = evaluation_metrics(samples, num_prompts=len(examples), n_samples=args.n_samples,
+                                 correct_threshold=args.correct_threshold, prefix="eval")
+    return {
+        "checkpoint": model_description,
+        "eval_data": args.eval_data if args.task is None else f"builtin:{args.task}/eval",
+        "num_prompts": len(examples),
+        "n_samples": args.n_samples,
+        "sampling": dataclasses.asdict(sampling),
+        "reward_fn": args.reward_fn,
+        "metrics": metrics,
+        "samples": [{"prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=True), "response": s.response_text,
+                     "label": s.label, "reward": s.reward, "reward_error": s.reward_error}
+                    for s in samples[:NUM_SAMPLES_SHOWN]],
+    }
+
+
+def write_report(report: dict, path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2)
+        handle.write("\n")
+
+
+def run(args) -> int:
+    from stacx.models.checkpoint import CheckpointNotFoundError
+    from stacx.rollout.data import MalformedRowError
+    from stacx.trainer.checkpoint import CheckpointError
+
+    try:
+        validate_args(args)
+        report = evaluate_checkpoint(args)
+    except (EvalUsageError, CheckpointNotFoundError, CheckpointError, MalformedRowError, ValueError) as err:
+        print(f"stacx eval: {err}", file=sys.stderr)
+        return 2
+    write_report(report, args.out)
+    print(json.dumps(report["metrics"], indent=2))
+    print(f"stacx eval: {report['num_prompts']} prompts x {report['n_samples']} sample(s) of {report['checkpoint']}; "
+          f"wrote {os.path.abspath(args.out)}")
+    return 0
