@@ -1,0 +1,116 @@
+"""`stacx train --dry-run` runs the run's own preflight: every setting that would fail the run later
+is refused up front (exit 2) with a one-paragraph message naming the flag."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from stacx.launch.cli import main
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, str]:
+    from stacx.tasks import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("dry_run")
+    paths = {"root": str(root), "ckpt": write_tiny_checkpoint(str(root / "ckpt"), "addition")}
+    rows = [{"prompt": "1+2=", "label": "3"}, {"prompt": "2+2="}, {"prompt": "4+1=", "label": ""}]
+    paths["unlabeled"] = str(root / "unlabeled.jsonl")
+    with open(paths["unlabeled"], "w") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in rows)
+    paths["long"] = str(root / "long.jsonl")
+    with open(paths["long"], "w") as handle:
+        handle.write(json.dumps({"prompt": "1+2=", "label": "3"}) + "\n")
+        handle.write(json.dumps({"prompt": "1+" * 40 + "1=", "label": "41"}) + "\n")
+    return paths
+
+
+def _train(inputs, *flags: str, capsys) -> tuple[int, str, str]:
+    base = ["train", "--algorithm", "grpo", "--hf-checkpoint", inputs["ckpt"], "--prompt-data", "builtin:addition",
+            "--rollout-max-response-len", "8", "--out", os.path.join(inputs["root"], "out"), "--dry-run"]
+    code = main(base + list(flags))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_the_tiny_run_passes(inputs, capsys):
+    code, out, err = _train(inputs, capsys=capsys)
+    assert code == 0, err
+    assert out.startswith("recipe grpo:")
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--rollout-batch-size", "0"], "--rollout-batch-size"),
+    (["--save-interval", "-1"], "--save-interval"),
+    (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt"),
+    (["--hf-checkpoint", "/nonexistent/ckpt"], "--hf-checkpoint /nonexistent/ckpt: no such folder"),
+    (["--prompt-data", "missing.jsonl"], "--prompt-data missing.jsonl: no such file"),
+    (["--prompt-data", "builtin:no_such_task"], "--prompt-data builtin:no_such_task"),
+    (["--load", "/nonexistent/run"], "--load /nonexistent/run: no such folder"),
+    (["--use-kl-loss"], "--ref-load is not set"),
+    (["--rollout-engine", "http"], "--rollout-urls"),
+    (["--reward-fn", "no_such_module:fn"], "--reward-fn"),
+    (["--rollout-max-response-len", "64"], "--rollout-max-response-len"),
+])
+def test_each_bad_setting_is_refused_naming_its_flag(inputs, capsys, flags, named):
+    code, out, err = _train(inputs, *flags, capsys=capsys)
+    assert code == 2 and out == ""
+    assert named in err
+    assert err.count("\n") == 1 and "Traceback" not in err  # one paragraph, no traceback
+
+
+def test_a_distillation_recipe_without_teacher_url_is_refused(inputs, capsys):
+    code, _, err = _train(inputs, "--algorithm", "opd", capsys=capsys)
+    assert code == 2 and "--teacher-url is not set" in err and "'opd'" in err
+
+
+def test_rows_without_the_label_the_reward_compares_with_are_named(inputs, capsys):
+    code, _, err = _train(inputs, "--prompt-data", inputs["unlabeled"], capsys=capsys)
+    assert code == 2
+    assert "2 of 3 rows" in err and "unlabeled.jsonl:2" in err and "unlabeled.jsonl:3" in err
+    assert "--label-key" in err and "--reward-fn exact_match" in err
+    code, _, err = _train(inputs, "--prompt-data", inputs["unlabeled"], "--reward-fn", "format", capsys=capsys)
+    assert code == 0, err  # the format reward reads no label
+
+
+def test_a_prompt_longer_than_the_context_is_named(inputs, capsys):
+    code, _, err = _train(inputs, "--prompt-data", inputs["long"], capsys=capsys)
+    assert code == 2
+    assert "1 of 2 rows" in err and "long.jsonl:2" in err and "context of 64 tokens" in err
+
+
+def test_a_dict_for_a_string_field_is_refused_naming_the_file_and_key(inputs, capsys, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("rollout:\n  reward_fn: {name: exact_match}\n")
+    code, _, err = _train(inputs, "--config", str(config), capsys=capsys)
+    assert code == 2 and "reward_fn" in err and str(config) in err and "expects a string" in err
+
+
+def test_a_truncated_manifest_is_named(inputs, capsys, tmp_path):
+    step = tmp_path / "run" / "step_000000002"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text('{"format_version": 1, "step": 2, "reci')
+    code, _, err = _train(inputs, "--load", str(tmp_path / "run"), capsys=capsys)
+    assert code == 2 and str(step / "manifest.json") in err and "truncated" in err
+
+
+def test_save_into_another_runs_folder_is_refused_unless_resumed_or_overwritten(inputs, capsys, tmp_path):
+    save = tmp_path / "ckpt"
+    (save / "step_000000002").mkdir(parents=True)
+    (save / "step_000000002" / "manifest.json").write_text("{}")
+    code, _, err = _train(inputs, "--save", str(save), capsys=capsys)
+    assert code == 2 and f"--save {save} already holds checkpoints of another run (steps 2)" in err
+    assert "--overwrite" in err and f"--load {save}" in err
+    assert _train(inputs, "--save", str(save), "--overwrite", capsys=capsys)[0] == 0
+
+
+def test_the_header_and_the_resolved_config_agree_on_the_kl_loss(inputs, capsys):
+    code, out, err = _train(inputs, "--use-kl-loss", "--kl-loss-coef", "0.05", "--ref-load", inputs["ckpt"],
+                            capsys=capsys)
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if line.startswith("  algorithm:"))
+    assert "KL loss low_var_kl x 0.05" in header and "no KL loss" not in out
+    assert "use_kl_loss: true" in out
