@@ -12,16 +12,24 @@ Files under `out_dir`:
                             values on the top axes, counts (num_*, *_errors, ...) on their own
                             axes below, series that are 0 at every step not drawn (named in a note)
 
-Resuming (`start_step=N`) keeps the JSONL rows of steps < N and drops later ones, which the
-interrupted run logged after its last checkpoint and the resumed run will log again.
+A run's outputs in `out_dir` are consistent with the run that last wrote them:
+- a new run (`start_step=0`) into a folder an earlier run wrote starts fresh files for all of
+  them: metrics.jsonl, rollouts.jsonl (the rollout dumps), tensorboard/ and plots/ are removed
+  first (a warning names them); nothing else in the folder is touched (checkpoints under --save
+  have their own guard, see stacx.trainer.checkpoint.check_save_folder);
+- resuming (`start_step=N`) keeps the rows of steps < N in metrics.jsonl and rollouts.jsonl and
+  drops later ones, which the interrupted run logged after its last checkpoint and the resumed
+  run will log again; TensorBoard drops its events of steps >= N (`purge_step`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -35,6 +43,52 @@ COUNT_PREFIXES = ("num_",)
 COUNT_SUFFIXES = ("_count", "_errors", "_tokens", "_samples", "_sequences")
 """A metric is a count (drawn on its own axes, never next to a loss of another scale) when the last
 part of its name starts or ends with one of these, e.g. policy/num_loss_tokens, rollout/reward_errors."""
+
+
+logger = logging.getLogger(__name__)
+
+ROLLOUTS_FILE = "rollouts.jsonl"
+"""Rollout dumps (stacx.rollout.evaluation.RolloutDumper), one JSON row per sample with its "step"."""
+RUN_OUTPUT_FOLDERS = ("tensorboard", "plots")
+"""Folders under out_dir that hold one run's sinks; removed when a new run starts there."""
+
+
+def reset_run_outputs(out_dir: str | os.PathLike, start_step: int) -> list[str]:
+    """Make out_dir's run outputs consistent for a run starting at `start_step` (module docstring);
+    returns the names of what a new run removed. metrics.jsonl is handled by MetricsLogger itself."""
+    out_dir = Path(out_dir)
+    if start_step > 0:
+        keep_rows_before(out_dir / ROLLOUTS_FILE, start_step)
+        return []
+    removed = []
+    for name in ("metrics.jsonl", ROLLOUTS_FILE):
+        if (out_dir / name).is_file():
+            (out_dir / name).unlink()
+            removed.append(name)
+    for name in RUN_OUTPUT_FOLDERS:
+        if (out_dir / name).is_dir():
+            shutil.rmtree(out_dir / name)
+            removed.append(f"{name}/")
+    if removed:
+        logger.warning("%s held an earlier run's %s; this new run (not resuming with --load) starts them fresh",
+                       out_dir, ", ".join(removed))
+    return removed
+
+
+def keep_rows_before(path: Path, start_step: int) -> list[dict[str, Any]]:
+    """Rewrite the JSONL file `path` (atomically) with only its rows of steps < start_step; returns them."""
+    if not path.exists():
+        return []
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if row.get("step", math.inf) < start_step:
+                kept.append(row)
+    temporary = path.with_suffix(".jsonl.tmp")
+    temporary.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
+    os.replace(temporary, path)
+    return kept
 
 
 class MetricsLoggerError(ValueError):
@@ -182,7 +236,9 @@ class MetricsLogger:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.out_dir / "metrics.jsonl"
         self.plots_enabled = plots
-        self.history: list[dict[str, Any]] = self._resume_jsonl(start_step)
+        self.replaced_outputs = reset_run_outputs(self.out_dir, start_step)
+        """What a new run removed from out_dir (names), see the module docstring."""
+        self.history: list[dict[str, Any]] = keep_rows_before(self.jsonl_path, start_step) if start_step else []
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         self._start_time = time.monotonic()
         self._tensorboard = None
@@ -209,23 +265,6 @@ class MetricsLogger:
                 total=total_steps, initial=start_step, file=progress_file or sys.stderr, dynamic_ncols=True,
                 bar_format="step {n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}, ETA {remaining}]", mininterval=0,
             )
-
-    def _resume_jsonl(self, start_step: int) -> list[dict[str, Any]]:
-        if not self.jsonl_path.exists():
-            return []
-        if start_step == 0:
-            self.jsonl_path.unlink()  # a fresh run in a reused folder starts a fresh file
-            return []
-        kept = []
-        for line in self.jsonl_path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                row = json.loads(line)
-                if row.get("step", math.inf) < start_step:
-                    kept.append(row)
-        temporary = self.jsonl_path.with_suffix(".jsonl.tmp")
-        temporary.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
-        os.replace(temporary, self.jsonl_path)
-        return kept
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Record one step's metrics in every sink; returns the row written to JSONL."""
@@ -289,5 +328,5 @@ class MetricsLogger:
         self.close()
 
 
-__all__ = ["COUNT_PREFIXES", "COUNT_SUFFIXES", "FamilyPlot", "MetricsLogger", "MetricsLoggerError", "PLOT_FAMILIES",
+__all__ = ["ROLLOUTS_FILE", "RUN_OUTPUT_FOLDERS", "keep_rows_before", "reset_run_outputs", "COUNT_PREFIXES", "COUNT_SUFFIXES", "FamilyPlot", "MetricsLogger", "MetricsLoggerError", "PLOT_FAMILIES",
            "draw_family_figure", "headline_metric", "is_count_metric", "metric_family_members", "plan_family_plot"]

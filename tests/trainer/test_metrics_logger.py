@@ -185,3 +185,35 @@ def test_headline_metric_prefers_exact_then_suffix_then_family_member():
     assert headline_metric({"a/pg_loss": 1.0, "train/loss": 3.0}, "loss") == ("train/loss", 3.0)
     assert headline_metric({"rollout/raw_reward": 0.5}, "reward") == ("rollout/raw_reward", 0.5)
     assert headline_metric({"x": 1.0}, "reward") is None
+
+
+def _write_rollouts(path, steps) -> None:
+    path.write_text("".join(json.dumps({"step": step, "response_text": f"answer {step}"}) + "\n" for step in steps))
+
+
+def test_a_new_run_in_a_used_folder_starts_every_output_fresh(tmp_path, caplog):
+    with MetricsLogger(tmp_path, total_steps=3, progress_bar=False) as logger:  # the earlier run
+        for step in range(3):
+            logger.log(step, {"policy/loss": 10.0 + step})
+    _write_rollouts(tmp_path / "rollouts.jsonl", range(3))
+    (tmp_path / "checkpoints").mkdir()  # not a sink of the logger: left alone
+    assert (tmp_path / "plots" / "loss.png").is_file() and (tmp_path / "tensorboard").is_dir()
+
+    with caplog.at_level("WARNING"):
+        logger = MetricsLogger(tmp_path, total_steps=1, progress_bar=False, plots=False)
+    assert sorted(logger.replaced_outputs) == ["metrics.jsonl", "plots/", "rollouts.jsonl", "tensorboard/"]
+    assert "starts them fresh" in caplog.text and "rollouts.jsonl" in caplog.text
+    assert not (tmp_path / "rollouts.jsonl").exists() and not (tmp_path / "plots").exists()
+    with logger:
+        logger.log(0, {"policy/loss": 1.0})
+    assert [json.loads(line)["policy/loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1.0]
+    assert _read_tensorboard(tmp_path / "tensorboard")["policy/loss"] == [(0, 1.0)]  # not the earlier run's 3 events
+    assert (tmp_path / "checkpoints").is_dir()
+
+
+def test_resuming_keeps_the_rollout_dumps_of_earlier_steps_only(tmp_path):
+    _write_rollouts(tmp_path / "rollouts.jsonl", range(4))
+    with MetricsLogger(tmp_path, total_steps=5, start_step=2, tensorboard=False, progress_bar=False, plots=False) as logger:
+        assert logger.replaced_outputs == []
+    steps = [json.loads(line)["step"] for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]
