@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from stacx.trainer import step_data
+from stacx.trainer.interrupts import stop_on_termination_signals
 from stacx.trainer.numerics import NonFiniteGuard
 from stacx.trainer.preflight import role_wants_reference
 from stacx.trainer.resolved_config import resolved_run_config_dict
@@ -77,7 +78,12 @@ class StacxTrainer:
     # ---- the loop --------------------------------------------------------------------------
 
     def run(self) -> dict[str, float]:
-        """Train from the start (or the --load checkpoint) to train.num_steps; returns the last metrics."""
+        """Train from the start (or the --load checkpoint) to train.num_steps; returns the last metrics.
+        SIGTERM/SIGINT raise `RunInterrupted` (stacx.trainer.interrupts) so that the teardown runs."""
+        with stop_on_termination_signals():
+            return self._run()
+
+    def _run(self) -> dict[str, float]:
         try:
             self.check_save_folder()
             self.step = self.resume_if_requested()

@@ -12,11 +12,9 @@ local cluster). The runtime picks; this command only resolves the configuration.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import sys
-import threading
+import time
 
 HELP = "train with a recipe (RL, distillation, SFT, DPO); flags or --config run.yaml, --dry-run to inspect"
 
@@ -103,8 +101,15 @@ def run(args) -> int:
         print(f"stacx train: {err}", file=sys.stderr)
         return 2
     from stacx.trainer import run_training
+    from stacx.trainer.interrupts import RunInterrupted, stop_on_termination_signals
     from stacx.trainer.numerics import NonFiniteError
+    from stacx.trainer.run_summary import describe_run_outputs, unsaved_model_warning
 
+    is_first_rank = os.environ.get("RANK", "0") == "0"  # under torchrun every rank runs this command
+    warning = unsaved_model_warning(run_config)
+    if warning and is_first_rank:
+        print(f"stacx train: warning: {warning}", file=sys.stderr)
+    started = time.monotonic()
     with stop_on_termination_signals():
         try:
             run_training(run_config)
@@ -115,40 +120,6 @@ def run(args) -> int:
         except NonFiniteError as err:
             print(f"stacx train: {err}", file=sys.stderr)
             return 1
+    if is_first_rank:
+        print(describe_run_outputs(run_config, seconds=time.monotonic() - started))
     return 0
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """SIGTERM or SIGINT reached the driver: raised in its main thread so that the trainer's teardown
-    (workers killed, servers and engines closed, staging folders removed) runs before the exit."""
-
-    def __init__(self, signum: int):
-        self.signal_name = signal.Signals(signum).name
-        self.exit_code = 128 + int(signum)
-        super().__init__(f"received {self.signal_name}")
-
-
-@contextlib.contextmanager
-def stop_on_termination_signals(signals=(signal.SIGTERM, signal.SIGINT)):
-    """While the block runs, the first SIGTERM/SIGINT raises `RunInterrupted`; later ones are reported and
-    ignored so that they cannot cut the teardown short. The previous handlers come back afterwards.
-    Only the main thread can install handlers; elsewhere this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-
-    def handle(signum, frame):
-        if received:
-            print(f"stacx train: {signal.Signals(signum).name} again; still stopping the run's workers and "
-                  "servers", file=sys.stderr)
-            return
-        received.append(signum)
-        raise RunInterrupted(signum)
-
-    previous = {sig: signal.signal(sig, handle) for sig in signals}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
