@@ -24,6 +24,7 @@ import time
 
 import pytest
 
+from stacx.testing.ray_jobs import JobAgentNotReadyError, wait_until_jobs_are_accepted
 from stacx.trainer.workers.cluster_check import RESULT_PREFIX, rank_contribution
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -33,9 +34,29 @@ OBJECT_STORE_BYTES = 200_000_000
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+    return _free_ports(1)[0]
+
+
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct free ports (all sockets are held open until every port is picked)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _private_agent_ports() -> list[str]:
+    """Ports of a node's per-node agents. Ray's defaults are fixed (dashboard agent 52365, ...), so
+    a second cluster on the same machine (another test's, another user's, or the other node of
+    this one) would find them taken; the head's job agent then never serves and every
+    `ray job submit` fails with "No available agent". Each node gets its own free ports."""
+    listen, grpc, runtime_env, metrics = _free_ports(4)
+    return [f"--dashboard-agent-listen-port={listen}", f"--dashboard-agent-grpc-port={grpc}",
+            f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}"]
 
 
 def _wait_for_line(log_path: str, text: str, process: subprocess.Popen, timeout_s: float) -> None:
@@ -70,6 +91,17 @@ def _stop_sessions(processes: list[subprocess.Popen]) -> None:
                 pass
 
 
+def _agent_log_tails(temp_dir: str) -> str:
+    """The end of each node's dashboard-agent log, to say why a job agent never came up."""
+    tails = []
+    for root, _, files in os.walk(temp_dir):
+        for name in files:
+            if name.startswith("dashboard_agent") and name.endswith(".log"):
+                with open(os.path.join(root, name), errors="replace") as f:
+                    tails.append(f"--- {name}:\n{f.read()[-1500:]}")
+    return "\n".join(tails) or "(no dashboard_agent log found)"
+
+
 @pytest.fixture(scope="module")
 def two_node_cluster():
     temp_dir = tempfile.mkdtemp(prefix="stacx-ray-")  # short: Ray's socket paths must stay < 108 chars
@@ -91,14 +123,23 @@ def two_node_cluster():
         start("head", ["--head", f"--port={gcs_port}", "--num-cpus=2", '--resources={"node_a": 2}',
                        f"--object-store-memory={OBJECT_STORE_BYTES}", "--include-dashboard=true",
                        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}",
-                       "--disable-usage-stats"])
+                       "--node-ip-address=127.0.0.1",
+                       f"--ray-client-server-port={_free_port()}", *_private_agent_ports(), "--disable-usage-stats"])
         with open(os.path.join(temp_dir, "head.log")) as f:
             head_log = f.read()
         address = next(line.split("--address='")[1].split("'")[0] for line in head_log.splitlines()
                        if "ray start --address=" in line)
-        start("node_b", [f"--address={address}", "--num-cpus=2", '--resources={"node_b": 2}',
-                         f"--object-store-memory={OBJECT_STORE_BYTES}", "--disable-usage-stats"])
-        yield {"address": address, "dashboard": f"http://127.0.0.1:{dashboard_port}", "env": env}
+        start("node_b", [f"--address={address}", "--node-ip-address=127.0.0.1", "--num-cpus=2", '--resources={"node_b": 2}',
+                         f"--object-store-memory={OBJECT_STORE_BYTES}", *_private_agent_ports(),
+                         "--disable-usage-stats"])
+        dashboard = f"http://127.0.0.1:{dashboard_port}"
+        # "Ray runtime started" comes before the head's job agent registers; a job submitted in
+        # between fails with "No available agent". Poll with a real (trivial) job, bounded.
+        try:
+            wait_until_jobs_are_accepted(RAY, dashboard, env=env, timeout_s=240)
+        except JobAgentNotReadyError as err:
+            raise JobAgentNotReadyError(f"{err}\n{_agent_log_tails(temp_dir)}") from err
+        yield {"address": address, "dashboard": dashboard, "env": env}
     finally:
         _stop_sessions(sessions)
         shutil.rmtree(temp_dir, ignore_errors=True)
