@@ -240,3 +240,35 @@ def agg_loss(
     if mode == "seq-mean-token-sum-norm" and seq_norm_len is None:
         seq_norm_len = loss_mat.shape[1]
     return aggregate_mean(list(loss_mat.unbind(0)), list(loss_mask.unbind(0)), mode, seq_norm_len)
+
+
+def sum_of_sample_mean(
+    per_token: torch.Tensor,
+    response_lengths: Sequence[int],
+    loss_masks: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """S = sum_i (sum_t m_it x_it) / max(n_i, 1): the SUM over samples of each sample's masked mean.
+
+    per_token: [N_response], the samples' whole responses concatenated (R_i tokens each, sum R_i
+    = N_response), e.g. from `Specialization.response_log_probs`. response_lengths: R_i.
+    loss_masks: one [R_i] mask per sample; n_i = its non-zero entries (`loss_token_count`).
+    Returns a scalar. It is not divided by the number of samples: the step's reducer does that
+    with the GLOBAL sample count (`reducer(S)`), so the result does not depend on the split.
+    """
+    lengths = [int(n) for n in response_lengths]
+    if per_token.dim() != 1 or per_token.shape[0] != sum(lengths):
+        raise ValueError(
+            f"sum_of_sample_mean: per_token must be [N_response = sum(response_lengths) = {sum(lengths)}], "
+            f"got {tuple(per_token.shape)}"
+        )
+    if len(loss_masks) != len(lengths):
+        raise ValueError(f"sum_of_sample_mean: {len(loss_masks)} loss masks for {len(lengths)} samples")
+    total = per_token.new_zeros(())
+    for index, (values, mask) in enumerate(zip(per_token.split(lengths), loss_masks)):
+        mask = torch.as_tensor(mask).to(device=values.device, dtype=values.dtype)
+        if mask.shape != values.shape:
+            raise ValueError(
+                f"sum_of_sample_mean: loss_masks[{index}] has shape {tuple(mask.shape)}, expected ({lengths[index]},)"
+            )
+        total = total + (values * mask).sum() / loss_token_count(mask).clamp(min=1).to(values.dtype)
+    return total

@@ -103,7 +103,7 @@ def _threshold(config) -> float:
     return threshold
 
 
-@register_off_policy_correction("token_tis")
+@register_off_policy_correction("token_tis", token_local=True)
 def token_tis(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection:
     """Token-level truncated IS: w_t = min(exp(delta_t), tis_threshold)."""
     lengths, delta, mask = _prepare(train_log_prob, rollout_log_prob, loss_masks)
@@ -125,7 +125,7 @@ def sequence_tis(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs)
     return _result(lengths, mask, weights, metrics, loss_masks)
 
 
-@register_off_policy_correction("token_mis")
+@register_off_policy_correction("token_mis", token_local=True)
 def token_mis(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection:
     """Token-level masked IS: drop tokens whose ratio is outside [mis_lower, mis_upper]."""
     lengths, delta, mask = _prepare(train_log_prob, rollout_log_prob, loss_masks)
@@ -149,7 +149,7 @@ def sequence_mis(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs)
     return _result(lengths, mask * keep, ratio * keep, metrics, loss_masks)
 
 
-@register_off_policy_correction("opsm")
+@register_off_policy_correction("opsm", uses_current_policy=True)
 def opsm(config, train_log_prob, rollout_log_prob, loss_masks, *, advantages, **kwargs) -> OffPolicyCorrection:
     """Off-policy sequence masking (DeepSeek-V3.2).
 
@@ -189,7 +189,7 @@ def m2po_keep_mask(squared_log_ratio: torch.Tensor, threshold: float) -> torch.T
     return keep
 
 
-@register_off_policy_correction("m2po")
+@register_off_policy_correction("m2po", uses_current_policy=True)
 def m2po(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection:
     """M2PO: bound the second moment of the log-ratio by masking its largest tokens.
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from stacx.objectives.aggregation import sum_of_sample_mean  # noqa: F401  (where guide 003 imports it from)
 from stacx.objectives.registry import register_policy_loss
 from stacx.objectives.validation import check_trajectory_lists, hyperparameter, split_like
 
@@ -50,7 +51,7 @@ def _msum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values.detach() * mask.to(values.dtype)).sum()
 
 
-@register_policy_loss("ppo_clip", aliases=("ppo",))
+@register_policy_loss("ppo_clip", aliases=("ppo",), token_local=True)
 def ppo_clip(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     """PPO clipped surrogate with asymmetric clip and dual-clip.
 
@@ -116,7 +117,7 @@ def gspo(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     return split_like(loss, lengths), metrics
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", token_local=True)
 def cispo(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     """CISPO: clip the importance weight, not the update; every token keeps a gradient.
 
@@ -138,7 +139,7 @@ def cispo(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     return split_like(loss, lengths), metrics
 
 
-@register_policy_loss("vanilla_pg")
+@register_policy_loss("vanilla_pg", token_local=True)
 def vanilla_pg(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     """Importance-weighted policy gradient without clipping: l_t = -A_t rho_t.
 
@@ -150,7 +151,7 @@ def vanilla_pg(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs)
     return split_like(loss, lengths), metrics
 
 
-@register_policy_loss("reinforce")
+@register_policy_loss("reinforce", token_local=True)
 def reinforce(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     """REINFORCE, no ratio: l_t = -A_t log pi_t (on-policy; `old_log_prob` only feeds metrics).
 

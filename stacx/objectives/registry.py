@@ -22,9 +22,25 @@ module was imported first.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Iterable, TypeVar
 
 F = TypeVar("F", bound=Callable)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelTraits:
+    """What the framework must know about a registered kernel to call it correctly, declared where
+    the kernel is registered (`@register_policy_loss("x", token_local=True)`)."""
+
+    token_local: bool = False
+    """The per-token loss (or correction) at token t depends only on token t's inputs, so under
+    context parallelism it may run on this rank's slice of each response. False (the default, and
+    the safe choice for any custom kernel): it is given WHOLE responses, gathered over CP in one
+    collective per micro-batch (sequence ratios, sequence masks, statistics over a response)."""
+    uses_current_policy: bool = False
+    """Off-policy corrections only: compare the CURRENT policy's log-probs (not pi_old) with the
+    rollout engine's (opsm, m2po)."""
 
 
 def is_builtin_entry(entry: object) -> bool:
@@ -44,11 +60,14 @@ class Registry:
         self.kind = kind
         self.entries_are_callable = entries_are_callable
         self._functions: dict[str, Callable] = {}
-        self._replaced_builtins: dict[str, Callable] = {}
-        """name -> the built-in a user registration replaced (restored by `unregister`)."""
+        self._replaced_builtins: dict[str, tuple[Callable, KernelTraits]] = {}
+        """name -> the built-in (and its traits) a user registration replaced (restored by `unregister`)."""
+        self._traits: dict[str, KernelTraits] = {}
 
-    def register(self, name: str, *, aliases: Iterable[str] = ()) -> Callable[[F], F]:
-        """Decorator registering a function under `name` (and `aliases`); returns it unchanged."""
+    def register(self, name: str, *, aliases: Iterable[str] = (), traits: KernelTraits | None = None) -> Callable[[F], F]:
+        """Decorator registering a function under `name` (and `aliases`) with its `traits`
+        (default `KernelTraits()`); returns the function unchanged."""
+        traits = traits if traits is not None else KernelTraits()
         names = [name, *aliases]
         for each in names:
             if not isinstance(each, str) or not each:
@@ -74,9 +93,10 @@ class Registry:
                     f"process; choose another name to keep both",
                     UserWarning, stacklevel=2,
                 )
-                self._replaced_builtins[each] = builtin
+                self._replaced_builtins[each] = (builtin, self._traits[each])
             for each in names:
                 self._functions[each] = fn
+                self._traits[each] = traits
             return fn
 
         return decorator
@@ -91,6 +111,11 @@ class Registry:
             )
         return self._functions[name]
 
+    def traits(self, name: str) -> KernelTraits:
+        """The traits `name` was registered with (looked up like `get`)."""
+        self.get(name)
+        return self._traits[name]
+
     def names(self) -> list[str]:
         return sorted(self._functions)
 
@@ -99,8 +124,9 @@ class Registry:
         if name not in self._functions:
             raise ValueError(f"unknown {self.kind} {name!r}; registered: {self.names()}")
         del self._functions[name]
+        del self._traits[name]
         if name in self._replaced_builtins:
-            self._functions[name] = self._replaced_builtins.pop(name)
+            self._functions[name], self._traits[name] = self._replaced_builtins.pop(name)
 
     def __contains__(self, name: str) -> bool:
         return name in self._functions
@@ -129,16 +155,22 @@ def register_advantage(name: str, *, aliases: Iterable[str] = ()):
     return ADVANTAGES.register(name, aliases=aliases)
 
 
-def register_policy_loss(name: str, *, aliases: Iterable[str] = ()):
-    return POLICY_LOSSES.register(name, aliases=aliases)
+def register_policy_loss(name: str, *, aliases: Iterable[str] = (), token_local: bool = False):
+    """`token_local=True` declares that loss_t depends only on token t (it may then run on CP
+    slices); without it the loss gets whole responses under context parallelism."""
+    return POLICY_LOSSES.register(name, aliases=aliases, traits=KernelTraits(token_local=token_local))
 
 
 def register_kl_estimator(name: str, *, aliases: Iterable[str] = ()):
     return KL_ESTIMATORS.register(name, aliases=aliases)
 
 
-def register_off_policy_correction(name: str, *, aliases: Iterable[str] = ()):
-    return OFF_POLICY_CORRECTIONS.register(name, aliases=aliases)
+def register_off_policy_correction(name: str, *, aliases: Iterable[str] = (), token_local: bool = False,
+                                   uses_current_policy: bool = False):
+    """Traits as for policy losses; `uses_current_policy=True`: the correction compares the current
+    policy (not pi_old) with the rollout engine."""
+    traits = KernelTraits(token_local=token_local, uses_current_policy=uses_current_policy)
+    return OFF_POLICY_CORRECTIONS.register(name, aliases=aliases, traits=traits)
 
 
 def register_loss(name: str, *, aliases: Iterable[str] = ()):
@@ -163,6 +195,14 @@ def get_off_policy_correction(name: str) -> Callable:
 
 def get_loss(name: str) -> Callable:
     return LOSSES.get(name)
+
+
+def get_policy_loss_traits(name: str) -> KernelTraits:
+    return POLICY_LOSSES.traits(name)
+
+
+def get_off_policy_correction_traits(name: str) -> KernelTraits:
+    return OFF_POLICY_CORRECTIONS.traits(name)
 
 
 def _listing(registry: Registry) -> list[str]:

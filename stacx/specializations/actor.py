@@ -25,7 +25,9 @@ from stacx.objectives.registry import (
     get_advantage,
     get_kl_estimator,
     get_off_policy_correction,
+    get_off_policy_correction_traits,
     get_policy_loss,
+    get_policy_loss_traits,
 )
 from stacx.specializations.base import Specialization, check_response_field, full_token_counts
 
@@ -33,14 +35,6 @@ NUM_KEPT_LOSS_TOKENS = "num_kept_loss_tokens"
 """Loss tokens left after the off-policy corrections masked some: the count that the policy,
 KL and entropy metrics (sums over the kept tokens) are divided by."""
 
-#: Built-in policy losses that need each WHOLE response (a sequence-level ratio). A custom loss
-#: declares the same with a function attribute `needs_whole_sequences = True`.
-SEQUENCE_LEVEL_POLICY_LOSSES = frozenset({"gspo"})
-#: Built-in off-policy corrections computed from whole responses (sequence ratios, sequence
-#: masks, or a statistic over all tokens given).
-SEQUENCE_LEVEL_CORRECTIONS = frozenset({"sequence_tis", "sequence_mis", "opsm", "m2po"})
-#: Corrections that compare the CURRENT policy (not pi_old) with the rollout engine.
-CURRENT_POLICY_CORRECTIONS = frozenset({"opsm", "m2po"})
 
 
 def correction_names(value: Any) -> tuple[str, ...]:
@@ -78,6 +72,9 @@ class ActorSpecialization(Specialization):
         self.policy_loss_fn = get_policy_loss(self.policy_loss_name)
         self.corrections = correction_names(self.setting("off_policy_corrections", None))
         self.correction_fns = [get_off_policy_correction(name) for name in self.corrections]
+        # Traits come from each kernel's registry entry (declared where it is registered).
+        self.policy_loss_traits = get_policy_loss_traits(self.policy_loss_name)
+        self.correction_traits = [get_off_policy_correction_traits(name) for name in self.corrections]
         self.use_kl_loss = bool(self.setting("use_kl_loss", False))
         if self.use_kl_loss:
             get_kl_estimator(str(self.setting("kl_loss_type", "low_var_kl")))
@@ -111,13 +108,9 @@ class ActorSpecialization(Specialization):
         return float(self.setting("rollout_temperature", 1.0))
 
     def needs_whole_sequences(self) -> bool:
-        """Whether the loss needs whole responses (one CP all-gather per micro-batch when cp > 1)."""
-        return (
-            self.policy_loss_name in SEQUENCE_LEVEL_POLICY_LOSSES
-            or bool(getattr(self.policy_loss_fn, "needs_whole_sequences", False))
-            or any(name in SEQUENCE_LEVEL_CORRECTIONS or getattr(fn, "needs_whole_sequences", False)
-                   for name, fn in zip(self.corrections, self.correction_fns))
-        )
+        """Whether the loss needs whole responses (one CP all-gather per micro-batch when cp > 1):
+        unless the policy loss and every correction are registered `token_local=True`."""
+        return not (self.policy_loss_traits.token_local and all(t.token_local for t in self.correction_traits))
 
     def compute_advantages(self, rollout_data) -> list[torch.Tensor]:
         """Per-token advantages [R_i] from the registry's config.advantage_estimator (driver side)."""
@@ -165,8 +158,8 @@ class ActorSpecialization(Specialization):
         if rollout is not None:
             # Train/rollout mismatch: the trainer's log-probs of pi_old against the engine's.
             metrics.update(mismatch_metrics(old, rollout, raw_masks))
-            for name, correction in zip(self.corrections, self.correction_fns):
-                train = current if name in CURRENT_POLICY_CORRECTIONS else old
+            for correction, traits in zip(self.correction_fns, self.correction_traits):
+                train = current if traits.uses_current_policy else old
                 result = correction(self.config, train, rollout, masks, advantages=advantages)
                 masks = result.loss_masks
                 if result.weights is not None:

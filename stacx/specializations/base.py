@@ -17,6 +17,7 @@ Arguments of `compute_loss`:
 - `batch`: a dict (see `stacx.specializations.batch.pack_micro_batch`):
     * `layout`: the `PackedLayout` of the micro-batch for this CP rank (lengths, prompt lengths,
       CP slicing);
+    * `response_lengths`: R_i of each sequence (ints, whole responses);
     * `tokens`: the WHOLE packed micro-batch [sum(lengths)] int64, identical on every CP rank
       (the model input is `layout.slice_tokens(tokens)`; the full row is kept because the
       target of a chunk's last token lives in another chunk);
@@ -196,6 +197,22 @@ class Specialization:
             logits, targets_local, tp_group=self.groups.tp, temperature=self.temperature,
             with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad,
         )
+
+    def response_log_probs(self, model_output: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+        """log pi(y_t | y_<t, x) of every response token, whole responses concatenated: [N_response].
+
+        N_response = sum(batch["response_lengths"]); sample i's tokens are the i-th R_i entries,
+        aligned with `batch["loss_masks"][i]`. Vocab-parallel over TP (one all-gather inside the
+        kernel) and CP-gathered (one differentiable all-gather when cp > 1), with gradient, at
+        `self.temperature`. So a subclass never touches TP or CP: every CP rank holds the same
+        whole responses, and `reducer(sum_of_sample_mean(...))` counts them once (a scalar given to
+        the reducer is taken as computed from such replicated whole responses).
+        """
+        if self.outputs_values:
+            raise TypeError(f"{type(self).__name__} outputs values, not logits")
+        log_probs_local, _ = self.token_log_probs(model_output, batch)
+        responses = self.whole_responses(log_probs_local, batch["layout"])
+        return torch.cat(responses) if responses else log_probs_local.new_zeros((0,))
 
     def whole_responses(self, local_values: torch.Tensor, layout: PackedLayout) -> list[torch.Tensor]:
         """Values at local positions [T_local, ...] -> each whole response (one all-gather when cp > 1)."""

@@ -31,7 +31,7 @@ def pack_micro_batch(
     sequences: token ids of each sequence, prompt then response ([L_i] int). response_lengths:
     R_i per sequence (the prompt is the first L_i - R_i >= 1 tokens). fields: per-response lists
     (`loss_masks`, `advantages`, ...) or per-sequence values (`pair_ids`), stored unchanged.
-    Returns {"layout": PackedLayout, "tokens": [sum L_i] int64, **fields}.
+    Returns {"layout": PackedLayout, "tokens": [sum L_i] int64, "response_lengths": [R_i] ints, **fields}.
     """
     groups = groups if groups is not None else ProcessGroups.single_process()
     if len(sequences) != len(response_lengths):
@@ -49,10 +49,10 @@ def pack_micro_batch(
         prompt_lengths.append(length - int(response))
     layout = PackedLayout(lengths, prompt_lengths, cp_rank=groups.cp_rank, cp_size=groups.cp_size)
     tokens = torch.cat([torch.as_tensor(s, dtype=torch.long) for s in sequences])
-    reserved = {"layout", "tokens"} & set(fields)
+    reserved = {"layout", "tokens", "response_lengths"} & set(fields)
     if reserved:
         raise ValueError(f"fields {sorted(reserved)} are built by pack_micro_batch; do not pass them")
-    return {"layout": layout, "tokens": tokens, **fields}
+    return {"layout": layout, "tokens": tokens, "response_lengths": [int(r) for r in response_lengths], **fields}
 
 
 def model_inputs(batch: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:

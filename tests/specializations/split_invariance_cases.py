@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import os
+
 import torch
+
+from tests.specializations import custom_sequence_loss
+
+SEED_003_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "examples", "seed_003", "my_algo.py")
 
 VOCAB = 37  # odd, unrelated to the hidden size
 HIDDEN = 8
@@ -150,6 +157,11 @@ FAMILIES: dict[str, Family] = {
         dict(policy_loss="vanilla_pg", use_kl_loss=True, kl_loss_type="k2", kl_loss_coef=0.05, log_entropy=False),
         ("loss_masks", "advantages", "ref_log_probs"),
     ),
+    # Issue 13: a custom sequence-level loss with no declared trait (whole responses under CP by
+    # default), and guide 003's specialization (response_log_probs + sum_of_sample_mean + reducer(scalar)).
+    "actor_custom_sequence_loss": Family("ActorSpecialization", dict(policy_loss=custom_sequence_loss.NAME, log_entropy=False),
+                                         ("loss_masks", "advantages", "old_log_probs")),
+    "guide_003_my_algo": Family(f"{SEED_003_EXAMPLE}:MyAlgoSpecialization", {}, ("loss_masks",), modes=("token-mean",)),
     "critic_value_clipped": Family("CriticSpecialization", dict(value_clip=0.2), ("loss_masks", "values", "returns"),
                                    value_head=True),
     "distill_k3_sample": Family("DistillSpecialization", dict(distill_kl_mode="k3_sample"),
@@ -203,7 +215,14 @@ def build_specialization(family: Family, mode: str, groups):
     config = dict(family.config)
     if mode in ALL_MODES and family.specialization != "DPOSpecialization":
         config["loss_agg_mode"] = mode
-    specialization = getattr(specializations, family.specialization)(AlgorithmConfig(**config), groups)
+    if ":" in family.specialization:  # "path/to/user_file.py:ClassName", loaded like --custom-module
+        from stacx.objectives import load_custom_modules
+
+        path, class_name = family.specialization.rsplit(":", 1)
+        specialization_cls = getattr(load_custom_modules([path])[0], class_name)
+    else:
+        specialization_cls = getattr(specializations, family.specialization)
+    specialization = specialization_cls(AlgorithmConfig(**config), groups)
     assert specialization.loss_agg_mode() == mode, (family, mode, specialization.loss_agg_mode())
     return specialization
 
@@ -249,7 +268,7 @@ def run_rank_train_step(model, specialization, family: Family, step_batch, micro
     """
     from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
     from stacx.parallel.reduction import Reducer
-    from stacx.trainer.runtime.role_runtime import LOSS_METRIC, RoleRuntime
+    from stacx.trainer.runtime.role_runtime import LOSS_METRIC, RoleRuntime, normalize_uncounted_metrics
     from stacx.trainer.step_data import select
 
     reducer = Reducer.for_step(mode=specialization.loss_agg_mode(), counts=counts, groups=groups,
@@ -257,15 +276,21 @@ def run_rank_train_step(model, specialization, family: Family, step_batch, micro
     # RoleRuntime.pack only reads self.groups: call the worker's own packing on a stand-in.
     runtime = SimpleNamespace(groups=groups)
     totals = MetricTotals()
+    uncounted: set[str] = set()
     for indices in micro_batches:
         batch = RoleRuntime.pack(runtime, select(step_batch, indices))
         output = model_output(model, batch, family.value_head)
         loss, metric_sums = specialization.compute_loss(output, batch, reducer)
         loss.backward()
-        metric_sums = dict(metric_sums)
+        metric_sums = normalize_uncounted_metrics(dict(metric_sums), specialization, reducer, uncounted)
         metric_sums[LOSS_METRIC] = reducer.loss_value(loss)
         totals.add(all_reduce_metric_sums(metric_sums, groups.dp_cp))
+    totals.sums.update({UNCOUNTED_PREFIX + name: 0.0 for name in uncounted})
     return totals.sums
+
+
+UNCOUNTED_PREFIX = "uncounted:"
+"""Marks, in a rank's sums, the metrics `normalize_uncounted_metrics` took as reducer outputs."""
 
 
 def logged_metrics(specialization, sums: dict[str, float]) -> dict[str, float]:
@@ -274,7 +299,11 @@ def logged_metrics(specialization, sums: dict[str, float]) -> dict[str, float]:
 
     sums = dict(sums)
     loss = sums.pop(LOSS_METRIC)
+    uncounted = [name[len(UNCOUNTED_PREFIX):] for name in list(sums) if name.startswith(UNCOUNTED_PREFIX)]
+    for name in uncounted:
+        sums.pop(UNCOUNTED_PREFIX + name)
     metrics = specialization.metric_means(sums)
+    metrics.update({name: sums[name] for name in uncounted})  # logged as reduced, like train_step
     metrics[LOSS_METRIC] = loss
     return metrics
 

@@ -54,6 +54,30 @@ def role_checkpoint_path(role: ModelRole, model_section: Any, arg: str | None = 
     return path
 
 
+def normalize_uncounted_metrics(metric_sums: dict, specialization, reducer, uncounted: set[str]) -> dict:
+    """Metrics a specialization returned WITHOUT any count (no `num_loss_tokens`, no declared
+    denominator), as in guide 003's `{"my_loss": reducer(loss).detach()}`, are taken as reducer
+    outputs: values already normalized by the step's global counts and scaled like the loss. Each
+    is divided by `reducer.gradient_scale` here, so its sum over ranks and micro-batches is the
+    step's value (exactly how the logged `loss` is formed); their names are added to `uncounted`
+    and logged as those sums. Metrics of a specialization that reports counts are untouched.
+    """
+    from stacx.specializations.base import NUM_LOSS_TOKENS
+
+    if NUM_LOSS_TOKENS in metric_sums:
+        return metric_sums
+    declared = specialization.metric_denominators
+    for name, value in list(metric_sums.items()):
+        if name.startswith("num_") or name in declared:
+            continue
+        value = value.detach().to(torch.float64) if torch.is_tensor(value) else torch.tensor(float(value), dtype=torch.float64)
+        if value.numel() != 1:
+            raise ValueError(f"{type(specialization).__name__}: metric {name!r} must be a scalar, got shape {tuple(value.shape)}")
+        metric_sums[name] = value.reshape(()) / reducer.gradient_scale
+        uncounted.add(name)
+    return metric_sums
+
+
 class RoleRuntime:
     """One rank of one role: model (+ DDP, optimizer, scheduler when trainable), specialization,
     optional in-worker reference weights."""
@@ -203,12 +227,13 @@ class RoleRuntime:
         reducer = Reducer.for_step(mode=self.specialization.loss_agg_mode(), counts=counts, groups=self.groups,
                                    norm_length=norm_length)
         totals = MetricTotals()
+        uncounted: set[str] = set()
         for micro_batch in micro_batches:
             batch = self.pack(micro_batch)
             output = self.forward(batch)
             loss, metric_sums = self.specialization.compute_loss(output, batch, reducer)
             loss.backward()
-            metric_sums = dict(metric_sums)
+            metric_sums = normalize_uncounted_metrics(dict(metric_sums), self.specialization, reducer, uncounted)
             metric_sums[LOSS_METRIC] = reducer.loss_value(loss)
             totals.add(all_reduce_metric_sums(metric_sums, self.groups.dp_cp))
         self.ddp.finish_grad_sync()
@@ -219,6 +244,7 @@ class RoleRuntime:
             self.scheduler.step(increment=1)
         self.num_steps += 1
         metrics = self.specialization.metric_means(totals.sums)
+        metrics.update({name: totals.sums[name] for name in uncounted})
         metrics.update(loss=loss_total, grad_norm=outcome.grad_norm, lr=current_lr(self.optimizer),
                        update_skipped=float(not outcome.applied))
         metrics[WEIGHTS_NONFINITE_METRIC] = float(not outcome.weights_finite)
@@ -232,7 +258,8 @@ class RoleRuntime:
 
         return iter_hf_weight_buckets(self.model, self.groups, bucket_bytes, only_to_tp_rank=only_to_tp_rank)
 
-    def push_weights_to_engine(self, engine_kind: str, url: str, version: int, bucket_bytes: int) -> int:
+    def push_weights_to_engine(self, engine_kind: str, url: str, version: int, bucket_bytes: int,
+                               api_key: str | None = None) -> int:
         """Stream this role's weights to an inference server: ranks with cp = dp = 0 gather over TP,
         TP rank 0 sends the buckets (the driver pauses, flushes and checks the version around this).
         Returns the number of tensors sent (0 on ranks that do not send)."""
@@ -247,7 +274,7 @@ class RoleRuntime:
 
         key = (engine_kind, url)
         if key not in self._engine_clients:
-            self._engine_clients[key] = engine_client(engine_kind, url)
+            self._engine_clients[key] = engine_client(engine_kind, url, api_key=api_key)
         sent = [0]
 
         def counted():

@@ -1,0 +1,120 @@
+"""User code reaches every rank (issue 13, item 2): the two commands users hit first, trained for
+2 steps through `stacx train` on Ray (workers get the module *source* from the driver) and under
+torchrun (every rank imports it), plus a recipe file in `stacx/custom/` (no import cycle)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stacx.tasks import write_tiny_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+CUSTOM_FOLDER_LAUNCHER = os.path.join(REPO, "tests", "launch", "train_with_custom_folder.py")
+LAUNCHERS = ("ray", "torchrun")
+
+SMALL_ROLLOUT = ["--prompt-data", "builtin:sorting", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+                 "--rollout-max-response-len", "6", "--rollout-engine", "cpu", "--no-progress-bar"]
+
+
+def train_env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update({"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"})
+    env.update(extra or {})
+    return env
+
+
+def run_stacx_train(launcher: str, flags: list[str], out: str, *, custom_dirs: tuple[str, ...] = (),
+                    num_steps: int = 2) -> list[dict]:
+    """Train with `stacx train` on `launcher` (Ray: a local cluster; torchrun: 2 DP ranks) and return
+    the metrics of each step. `custom_dirs` are searched as part of `stacx/custom/`."""
+    flags = [*flags, "--num-steps", str(num_steps), "--out", out]
+    if custom_dirs:
+        entry = [CUSTOM_FOLDER_LAUNCHER]
+    else:
+        entry = ["-m", "stacx.train"]
+    if launcher == "ray":
+        command = [sys.executable, *entry, *flags]
+    else:
+        command = [TORCHRUN, "--standalone", "--nproc-per-node=2", *entry, *flags, "--data-parallel-size", "2"]
+    env = train_env({"STACX_TEST_CUSTOM_DIRS": os.pathsep.join(custom_dirs)} if custom_dirs else None)
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert completed.returncode == 0, completed.stderr[-5000:]
+    with open(os.path.join(out, "metrics.jsonl")) as handle:
+        steps = [json.loads(line) for line in handle]
+    assert len(steps) == num_steps, steps
+    return steps
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "sorting"), "sorting", seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_custom_estimator_and_loss_from_a_file_train_on_every_rank(launcher, tiny_checkpoint, tmp_path):
+    """The issue's first command (the example's config, tiny sizes): failed in Ray workers with
+    `unknown policy loss 'tempered_pg'` before the source was shipped."""
+    steps = run_stacx_train(launcher, [
+        "--custom-module", "examples/custom_algorithm/my_algo.py", "--config", "examples/configs/grpo.yaml",
+        "--advantage-estimator", "rank_centered", "--policy-loss", "tempered_pg",
+        "--algorithm-param", "pg_temperature=0.5", "--hf-checkpoint", tiny_checkpoint, "--ref-load", tiny_checkpoint,
+        "--save", str(tmp_path / "checkpoints"), *SMALL_ROLLOUT], str(tmp_path / "out"))
+    # The kernel's own metric is logged (tempered ratio sum / loss tokens, 1 on policy).
+    assert all(step["policy/tempered_ratio"] == pytest.approx(1.0, abs=1e-4) for step in steps)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_custom_specialization_class_and_recipe_from_a_file_train_on_every_rank(launcher, tiny_checkpoint, tmp_path):
+    """docs/adding-an-algorithm.md §4: failed on Ray with `No module named 'stacx_user_module_...'`
+    (the specialization class is pickled by reference to the user module)."""
+    steps = run_stacx_train(launcher, [
+        "--custom-module", "examples/custom_specialization/reward_weighted_sft.py", "--algorithm",
+        "reward_weighted_sft", "--algorithm-param", "rwr_temperature=0.5", "--hf-checkpoint", tiny_checkpoint,
+        *SMALL_ROLLOUT], str(tmp_path / "out"))
+    assert all(step["policy/weighted_nll"] > 0 and step["policy/mean_weight"] > 0 for step in steps)
+
+
+RECIPE_IN_CUSTOM_FOLDER = '''
+from stacx.specializations.causal_decoder import CausalDecoderSpecialization
+from stacx.trainer.config import ModelRole, TrainingConfig
+from stacx.trainer.recipes import recipe
+
+
+class FolderSFTSpecialization(CausalDecoderSpecialization):
+    """Plain SFT, defined in a stacx/custom/ file."""
+
+
+@recipe("folder_sft")
+def folder_sft_config():
+    return TrainingConfig(
+        name="folder_sft",
+        roles=(ModelRole(name="policy", specialization_cls=FolderSFTSpecialization, sync_to_rollout=True),),
+        syncs=(),
+        description="SFT recipe from a stacx/custom/ file",
+        data_source="dataset",
+    )
+'''
+
+
+def test_a_recipe_file_in_the_custom_folder_is_found_without_an_import_cycle(tiny_checkpoint, tmp_path):
+    """It crashed `stacx train` with a circular import (stacx.objectives imported stacx/custom/ from its
+    __init__, while stacx.trainer.config was half-imported)."""
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    (folder / "folder_recipe.py").write_text(RECIPE_IN_CUSTOM_FOLDER)
+    completed = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", CUSTOM_FOLDER_LAUNCHER, "--algorithm", "folder_sft",
+         "--hf-checkpoint", tiny_checkpoint, "--prompt-data", "builtin:sorting", "--dry-run"],
+        env=train_env({"STACX_TEST_CUSTOM_DIRS": str(folder)}), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "recipe folder_sft" in completed.stdout and "FolderSFTSpecialization" in completed.stdout
