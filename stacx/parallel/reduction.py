@@ -134,11 +134,11 @@ class Reducer:
 
     def __call__(
         self,
-        per_token_losses: Sequence[torch.Tensor],
-        loss_masks: Sequence[torch.Tensor],
+        per_token_losses: Sequence[torch.Tensor] | torch.Tensor,
+        loss_masks: Sequence[torch.Tensor] | None = None,
         *,
         sequence_token_counts: Sequence[int] | None = None,
-        replicated_across_cp: bool = False,
+        replicated_across_cp: bool | None = None,
     ) -> torch.Tensor:
         """gradient_scale * sum_i w_i sum_t m_it l_it over this rank's part of the micro-batch.
 
@@ -147,7 +147,23 @@ class Reducer:
         when cp_size > 1 (the local masks only see part of each sequence).
         replicated_across_cp: the losses cover whole sequences gathered on every CP rank
         (PackedLayout.gather_responses); each CP replica then carries 1/cp of the sum.
+
+        A scalar S instead (`reducer(sum_of_sample_mean(...))`, guide 003) is a sum over this
+        rank's samples of per-sample means; the result is gradient_scale * S / N_seq (N_seq the
+        GLOBAL sample count), divided by cp when S covers whole samples replicated on every CP
+        rank (`replicated_across_cp`, default True for a scalar, as `response_log_probs` gives).
         """
+        if isinstance(per_token_losses, torch.Tensor) and per_token_losses.dim() == 0:
+            if loss_masks is not None or sequence_token_counts is not None:
+                raise ValueError("reducer(scalar) takes no loss_masks or sequence_token_counts (the scalar is "
+                                 "already a sum of per-sample means, see sum_of_sample_mean)")
+            replicated = True if replicated_across_cp is None else replicated_across_cp
+            scale = self.gradient_scale / (self.cp_size if replicated else 1)
+            num_sequences = self.counts.num_sequences
+            return per_token_losses * (scale / num_sequences if num_sequences else 0.0)
+        if loss_masks is None:
+            raise ValueError("reducer(per_token_losses, loss_masks): loss_masks is required for per-token losses")
+        replicated_across_cp = bool(replicated_across_cp)
         if len(per_token_losses) != len(loss_masks):
             raise ValueError(f"{len(per_token_losses)} per-token loss tensors but {len(loss_masks)} loss masks")
         if sequence_token_counts is None:
