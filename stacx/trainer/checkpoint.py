@@ -18,6 +18,12 @@ Until the rename, everything lives in `<root>/.staging-step_000000012-<unique>/`
 point leaves either no new checkpoint or a complete one, and `latest_checkpoint` only sees
 complete ones (a `step_*` folder with a manifest). `load_checkpoint` checks the recipe and each
 role's parallel layout against what the resuming run expects and verifies the file hashes.
+
+Reading never runs code from a file: every `.pt` file is read with `torch.load(weights_only=True)`
+(tensors and plain Python values; `CHECKPOINT_SAFE_GLOBALS` lists what else is allowed, nothing
+today), and a file holding anything else, e.g. a planted pickle payload, is refused with a
+`CheckpointError` naming it (`load_state_file`). A matching sha256 in the manifest proves nothing
+against someone who can write the folder, since they can rewrite the manifest too.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -461,8 +468,6 @@ class LoadedCheckpoint:
     path: str
     manifest: dict[str, Any]
     expected_layouts: dict[str, RoleLayout]
-    weights_only: bool = True
-    """Load with torch.load(weights_only=True): tensors and plain containers only, no arbitrary pickles."""
 
     @property
     def step(self) -> int:
@@ -506,7 +511,41 @@ class LoadedCheckpoint:
         return self._load(matches[0])
 
     def _load(self, entry: Mapping[str, Any]) -> dict[str, Any]:
-        return torch.load(Path(self.path) / entry["path"], map_location="cpu", weights_only=self.weights_only)
+        return load_state_file(Path(self.path) / entry["path"])
+
+
+CHECKPOINT_SAFE_GLOBALS: tuple[Any, ...] = ()
+"""What a checkpoint file may hold beyond torch.load(weights_only=True)'s defaults: nothing.
+
+Audited for megatron-core 0.16 with Stacx's optimizer (no distributed optimizer): the state of
+FP32Optimizer, Float16OptimizerWithFloat16Params and ChainedOptimizer is torch Adam's `state`
+(tensors) and `param_groups` (floats, ints, bools, None, tuples; megatron adds `wd_mult`,
+`lr_mult`, `max_lr`, `min_lr`, `is_expert_parallel`, `is_decoupled_lr`, `default_config`), plus the
+fp16 grad scaler's scale tensor and int trackers and the fp32 main-parameter tensors (the
+fp16/bf16 optimizer read from megatron's source: it needs CUDA parameters, so only FP32Optimizer
+runs in the CPU tests);
+OptimizerParamScheduler's is ints, floats and strings; the data loader's is ints; the RNG state is
+ints, tuples, a string and tensors (numpy's key array is saved as a tensor for this reason).
+`tests/trainer/test_checkpoint_security.py` checks that a real training checkpoint needs nothing more. A
+type added here must be a plain data class whose reconstruction runs no code."""
+
+
+def load_state_file(path: str | os.PathLike) -> Any:
+    """`torch.load(path, weights_only=True)` with `CHECKPOINT_SAFE_GLOBALS` allowed, onto the CPU.
+
+    CheckpointError naming the file when it holds anything else (never unpickled, never run)."""
+    try:
+        with torch.serialization.safe_globals(list(CHECKPOINT_SAFE_GLOBALS)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        # torch's message advises weights_only=False (never an option here); keep only what it refused.
+        refused = re.search(r"GLOBAL ([\w.]+)", str(err))
+        reason = f"it calls or builds {refused.group(1)}" if refused else "torch.load(weights_only=True) refused it"
+        raise CheckpointError(
+            f"checkpoint file {path} holds an object that Stacx refuses to unpickle ({reason}); checkpoints hold "
+            "only tensors and plain Python values, so this file was not written by Stacx or was altered. Do not "
+            "resume from it; use a checkpoint from a trusted source"
+        ) from None
 
 
 def _verify_file(folder: Path, entry: Mapping[str, Any], check_hash: bool) -> None:
@@ -541,7 +580,6 @@ def load_checkpoint(
     expected_recipe: str | TrainingConfig,
     expected_layouts: Mapping[str, RoleLayout],
     verify_hashes: bool = True,
-    weights_only: bool = True,
 ) -> LoadedCheckpoint:
     """Open a checkpoint for resuming (`path` is a `step_*` folder, or a root whose latest one is used).
 
@@ -573,8 +611,7 @@ def load_checkpoint(
             _verify_file(folder, entry, verify_hashes)
     _verify_file(folder, manifest["driver_state"], verify_hashes)
     _verify_file(folder, manifest["run_config"], verify_hashes)
-    return LoadedCheckpoint(path=str(folder), manifest=manifest, expected_layouts=dict(expected_layouts),
-                            weights_only=weights_only)
+    return LoadedCheckpoint(path=str(folder), manifest=manifest, expected_layouts=dict(expected_layouts))
 
 
 __all__ = [
@@ -588,6 +625,7 @@ __all__ = [
     "capture_rng_state",
     "check_save_folder",
     "commit_checkpoint",
+    "load_state_file",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",

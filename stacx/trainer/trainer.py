@@ -368,9 +368,8 @@ class StacxTrainer:
         path = self.run_config.model.load
         if not path:
             return 0
-        # weights_only=False: megatron's optimizer state holds plain Python objects besides tensors.
-        loaded = load_checkpoint(path, expected_recipe=self.training_config, expected_layouts=self.role_layouts(),
-                                 weights_only=False)
+        # Every file is read with torch.load(weights_only=True): a checkpoint cannot run code on resume.
+        loaded = load_checkpoint(path, expected_recipe=self.training_config, expected_layouts=self.role_layouts())
         for name, group in self.roles.items():
             group.call("load_rank_state", [(loaded, name, rank) for rank in range(group.layout.num_ranks)])
         driver_state = loaded.driver_state()

@@ -1,0 +1,91 @@
+"""Resuming never runs code from a checkpoint: planted pickle payloads are refused naming the file,
+and a real training checkpoint (megatron optimizer and scheduler, RNG, data position) loads with
+`torch.load(weights_only=True)` and nothing added to its allow-list."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from stacx.trainer import checkpoint as ckpt
+from stacx.trainer.checkpoint import CHECKPOINT_SAFE_GLOBALS, CheckpointError, RoleLayout, load_checkpoint, save_checkpoint
+
+LAYOUT = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
+
+
+class PlantedPayload:
+    """Unpickling this runs `touch <marker>`."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _plant(folder: Path, relative: str, value) -> None:
+    """Replace one file of a checkpoint and rewrite the manifest to match, as an attacker with write access would."""
+    path = folder / relative
+    torch.save(value, path)
+    manifest_path = folder / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    entries = [entry for role in manifest["roles"].values() for entry in role["ranks"]] + [manifest["driver_state"]]
+    for entry in entries:
+        if entry["path"] == relative:
+            entry["size"], entry["sha256"] = path.stat().st_size, ckpt._sha256(path)
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def _checkpoint(root: Path) -> Path:
+    return Path(save_checkpoint(root, 1, recipe="sft", role_layouts={"policy": LAYOUT},
+                                role_states={"policy": {0: {"model": {"w": torch.ones(2)}}}},
+                                driver_state={"step": 1}, resolved_run_config={}))
+
+
+@pytest.mark.parametrize("relative", ["roles/policy/rank_00000.pt", "driver.pt"])
+def test_a_planted_pickle_payload_is_refused_naming_the_file_and_never_runs(tmp_path, relative):
+    folder = _checkpoint(tmp_path / "ckpt")
+    marker = tmp_path / "planted-code-ran"
+    _plant(folder, relative, {"model": {"w": torch.ones(2)}, "optimizer": PlantedPayload(str(marker))})
+    loaded = load_checkpoint(folder, expected_recipe="sft", expected_layouts={"policy": LAYOUT})  # hashes match
+    with pytest.raises(CheckpointError, match=rf"checkpoint file {folder / relative} holds an object that Stacx "
+                                              r"refuses to unpickle \(.*system.*\).*Do not resume from it"):
+        loaded.rank_state("policy", 0) if relative.startswith("roles") else loaded.driver_state()
+    assert not marker.exists()
+
+
+def test_the_allow_list_admits_only_what_is_listed(tmp_path):
+    # A plain data class that is not on the list is refused too: nothing outside torch's defaults gets in.
+    path = tmp_path / "state.pt"
+    torch.save({"layout": LAYOUT}, path)
+    with pytest.raises(CheckpointError, match="RoleLayout"):
+        ckpt.load_state_file(path)
+    assert CHECKPOINT_SAFE_GLOBALS == ()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_a_real_training_checkpoint_needs_nothing_beyond_torchs_defaults(tmp_path):
+    """One SFT rank with megatron's DDP, optimizer and scheduler saves a checkpoint; every file loads
+    with weights_only=True and an empty allow-list, and holds the optimizer state resume restores."""
+    from stacx.testing.distributed import run_distributed
+    from tests.trainer.test_training_spmd import train_sft_spmd
+    from tests.trainer.training_fixtures import write_tiny_run_files
+
+    root = str(tmp_path)
+    write_tiny_run_files(root)
+    run_distributed(train_sft_spmd, 1, args=(root, "out", 2, {"save": os.path.join(root, "ckpt")}))
+    files = sorted(Path(root, "ckpt").rglob("*.pt"))
+    assert {f.name for f in files} == {"driver.pt", "rank_00000.pt"}
+    for path in files:
+        assert torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) == [], path
+    loaded = load_checkpoint(Path(root, "ckpt"), expected_recipe="sft", expected_layouts={"policy": LAYOUT})
+    state = loaded.rank_state("policy", 0)
+    assert state["num_steps"] == 2 and state["scheduler"]["num_steps"] == 2
+    assert all(torch.is_tensor(v["exp_avg"]) for v in state["optimizer"]["state"].values())
+    assert loaded.driver_state()["step"] == loaded.step == 2
