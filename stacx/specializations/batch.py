@@ -49,7 +49,7 @@ def pack_micro_batch(
         prompt_lengths.append(length - int(response))
     layout = PackedLayout(lengths, prompt_lengths, cp_rank=groups.cp_rank, cp_size=groups.cp_size)
     tokens = torch.cat([torch.as_tensor(s, dtype=torch.long) for s in sequences])
-    reserved = {"layout", "tokens", "response_lengths"} & set(fields)
+    reserved = {"layout", "tokens"} & set(fields)
     if reserved:
         raise ValueError(f"fields {sorted(reserved)} are built by pack_micro_batch; do not pass them")
     return {"layout": layout, "tokens": tokens, "response_lengths": [int(r) for r in response_lengths], **fields}
