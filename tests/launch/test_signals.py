@@ -1,0 +1,118 @@
+"""Ctrl-C and SIGTERM stop a `stacx train` driver within 30 s, and it leaves nothing behind: no
+`stacx serve` child, no /dev/shm/stacx-* file, no checkpoint staging folder.
+
+The run's reward function hangs from the second step on (after a weight push has used shared
+memory), so the signal arrives while the driver waits on it."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MARKER_ENV = "STACX_TEST_HANG_MARKER"
+SAMPLES_PER_STEP = 4  # rollout_batch_size 2 x n_samples_per_prompt 2
+_calls = [0]
+
+
+def hang_from_the_second_step(response: str, label, metadata: dict) -> float:
+    """A reward that answers the first step's samples, then writes the marker file and hangs."""
+    _calls[0] += 1
+    if _calls[0] <= SAMPLES_PER_STEP:
+        return float(len(response) % 3)
+    with open(os.environ[MARKER_ENV], "w") as handle:
+        handle.write("hanging\n")
+    threading.Event().wait()
+    return 0.0
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the direct children of `pid`."""
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) != pid:
+                continue
+            child = int(stat.split("/")[2])
+            with open(f"/proc/{child}/cmdline", "rb") as handle:
+                found.append((child, handle.read().replace(b"\0", b" ").decode(errors="replace")))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _shm_files() -> set[str]:
+    return set(glob.glob("/dev/shm/stacx-*"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    from stacx.tasks import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("signals") / "ckpt"), "addition")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoint, tmp_path, signum):
+    marker = tmp_path / "hanging"
+    save = tmp_path / "ckpt"
+    shm_before = _shm_files()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update({MARKER_ENV: str(marker), "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0",
+                "PYTHONPATH": REPO})
+    command = [sys.executable, "-m", "stacx", "train", "--algorithm", "grpo", "--hf-checkpoint", checkpoint,
+               "--prompt-data", "builtin:addition", "--rollout-engine", "cpu", "--rollout-batch-size", "2",
+               "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--num-steps", "5",
+               "--max-tokens-per-micro-batch", "64", "--lr", "1e-4", "--num-cpus-per-rank", "1",
+               "--reward-fn", "tests.launch.test_signals:hang_from_the_second_step", "--save", str(save),
+               "--save-interval", "1", "--out", str(tmp_path / "out"), "--no-progress-bar", "--no-tensorboard"]
+    driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    threading.Thread(target=lambda: output.extend(driver.stdout), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 400
+        while not marker.exists():
+            assert driver.poll() is None, f"the run ended before its reward hung:\n{''.join(output)[-4000:]}"
+            assert time.monotonic() < deadline, f"the reward never hung:\n{''.join(output)[-4000:]}"
+            time.sleep(0.5)
+        servers = [pid for pid, cmdline in _children(driver.pid) if " serve " in cmdline]
+        assert servers, f"no `stacx serve` child of the driver: {_children(driver.pid)}"
+        sent = time.monotonic()
+        driver.send_signal(signum)
+        code = driver.wait(timeout=60)
+        elapsed = time.monotonic() - sent
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    log = "".join(output)[-4000:]
+    assert elapsed < 30, f"the driver took {elapsed:.0f} s to stop:\n{log}"
+    assert code == 128 + signum, log
+    assert f"stopped by {signal.Signals(signum).name}" in log
+    server_deadline = time.monotonic() + 10  # the server's own exit may trail the driver's by a moment
+    while any(_alive(pid) for pid in servers) and time.monotonic() < server_deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in servers), "the `stacx serve` child outlived the driver"
+    leaked = _shm_files() - shm_before
+    assert not leaked, f"shared-memory files left behind: {sorted(leaked)}"
+    assert not glob.glob(str(save / ".staging-*")), "a checkpoint staging folder was left behind"
+    assert os.path.isdir(save / "step_000000001")  # the finished step's checkpoint is kept
