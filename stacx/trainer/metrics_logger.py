@@ -111,6 +111,17 @@ def _scalar(key: str, value: Any) -> float | int | str | None:
                              + (f" with {count} elements" if count is not None else ""))
 
 
+NONFINITE_METRICS_KEY = "nonfinite_metrics"
+"""Row key listing the metrics of a step that were NaN or inf (absent when all were finite)."""
+
+
+def _json_number(value: Any) -> Any:
+    """NaN, inf and -inf as the strings "nan", "inf", "-inf" (valid JSON); anything else unchanged."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
 def metric_family_members(keys: list[str], family: str) -> list[str]:
     """Metric names with a word (split on non-alphanumerics) starting with `family`, e.g. 'train/pg_loss' for 'loss'."""
     return [key for key in keys if any(word.startswith(family) for word in re.split(r"[^a-z0-9]+", key.lower()))]
@@ -270,10 +281,13 @@ class MetricsLogger:
         """Record one step's metrics in every sink; returns the row written to JSONL."""
         row: dict[str, Any] = {"step": int(step), "time_s": round(time.monotonic() - self._start_time, 3)}
         for key, value in metrics.items():
-            if key in row:
+            if key in row or key == NONFINITE_METRICS_KEY:
                 raise MetricsLoggerError(f"metric name {key!r} is reserved by the logger")
             row[key] = _scalar(key, value)
-        self._jsonl.write(json.dumps(row) + "\n")
+        nonfinite = [key for key, value in row.items() if isinstance(value, float) and not math.isfinite(value)]
+        if nonfinite:  # named in the row; strict JSON has no NaN/inf, so the JSONL holds them as strings
+            row[NONFINITE_METRICS_KEY] = nonfinite
+        self._jsonl.write(json.dumps({key: _json_number(value) for key, value in row.items()}) + "\n")
         self._jsonl.flush()
         self.history.append(row)
         numeric = {k: v for k, v in row.items()
