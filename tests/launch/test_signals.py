@@ -1,8 +1,9 @@
-"""Ctrl-C and SIGTERM stop a `stacx train` driver within 30 s, and it leaves nothing behind: no
-`stacx serve` child, no /dev/shm/stacx-* file, no checkpoint staging folder.
+"""How a `stacx train` process ends when it cannot finish: Ctrl-C and SIGTERM stop the driver within
+30 s leaving nothing behind (no `stacx serve` child, no /dev/shm/stacx-* file, no checkpoint staging
+folder), and a NaN reward stops the run with exit 1 and a one-line message.
 
-The run's reward function hangs from the second step on (after a weight push has used shared
-memory), so the signal arrives while the driver waits on it."""
+In the signal test the reward function hangs from the second step on (after a weight push has used
+shared memory), so the signal arrives while the driver waits on it."""
 
 from __future__ import annotations
 
@@ -116,3 +117,28 @@ def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoi
     assert not leaked, f"shared-memory files left behind: {sorted(leaked)}"
     assert not glob.glob(str(save / ".staging-*")), "a checkpoint staging folder was left behind"
     assert os.path.isdir(save / "step_000000001")  # the finished step's checkpoint is kept
+
+
+def nan_reward(response: str, label, metadata: dict) -> float:
+    return float("nan")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_rl_run_with_a_nan_reward_exits_non_zero_naming_step_role_and_metric(checkpoint, tmp_path):
+    """Before: the NaN went into the advantages, the weights and the engine, and the run died a step
+    later as 'server unavailable' (or exited 0 with NaN weights exported)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update({"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": REPO})
+    export = tmp_path / "export"
+    command = [sys.executable, "-m", "stacx", "train", "--algorithm", "grpo", "--hf-checkpoint", checkpoint,
+               "--prompt-data", "builtin:addition", "--rollout-engine", "cpu", "--rollout-batch-size", "2",
+               "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--num-steps", "2",
+               "--max-tokens-per-micro-batch", "64", "--reward-fn", "tests.launch.test_signals:nan_reward",
+               "--export-hf", str(export), "--save", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
+               "--no-progress-bar", "--no-tensorboard"]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 1, done.stderr[-4000:]
+    assert "stacx train: step 0: role 'policy' produced a non-finite reward of sample 0 (nan)" in done.stderr
+    assert "Traceback" not in done.stderr[-2000:]
+    assert not export.exists() and not (tmp_path / "ckpt").exists()
