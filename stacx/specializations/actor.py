@@ -32,8 +32,10 @@ from stacx.objectives.registry import (
 from stacx.specializations.base import Specialization, check_response_field, full_token_counts
 
 NUM_KEPT_LOSS_TOKENS = "num_kept_loss_tokens"
-"""Loss tokens left after the off-policy corrections masked some: the count that the policy,
-KL and entropy metrics (sums over the kept tokens) are divided by."""
+"""Loss tokens left after the off-policy corrections masked some: the count the separate
+`<metric>_kept_mean` metrics are divided by. The metrics themselves (sums over the kept tokens,
+0 on dropped ones) are divided by the global loss-token count, as every other metric."""
+KEPT_MEAN_SUFFIX = "_kept_mean"
 
 
 
@@ -80,7 +82,8 @@ class ActorSpecialization(Specialization):
             get_kl_estimator(str(self.setting("kl_loss_type", "low_var_kl")))
         self.entropy_coef = float(self.setting("entropy_coef", 0.0))
         self.kept_token_metrics: set[str] = set()
-        """Metrics summed over the tokens the corrections kept (filled by compute_loss)."""
+        """`<metric>_kept_mean` names: policy/KL/entropy sums over kept tokens, divided by the
+        kept-token count (filled by compute_loss when corrections are on)."""
 
     @property
     def metric_denominators(self) -> dict[str, str]:
@@ -182,11 +185,13 @@ class ActorSpecialization(Specialization):
         metrics.update(policy_metrics)
         metrics.update(kl_entropy_metrics)
         if self.corrections:
-            # The policy/KL/entropy sums cover only the tokens the corrections kept: count those.
+            # The policy/KL/entropy sums are logged over the global loss-token count (guide 000);
+            # their means over the tokens the corrections kept are separate metrics.
             metrics[NUM_KEPT_LOSS_TOKENS] = torch.stack(
                 [(m != 0).sum().to(torch.float64) for m in masks]).sum() if masks else torch.zeros((), dtype=torch.float64)
-            self.kept_token_metrics.update(policy_metrics)
-            self.kept_token_metrics.update(kl_entropy_metrics)
+            for name in (*policy_metrics, *kl_entropy_metrics):
+                metrics[name + KEPT_MEAN_SUFFIX] = metrics[name]
+                self.kept_token_metrics.add(name + KEPT_MEAN_SUFFIX)
         metrics = view.own_metrics(metrics)
         metrics.update(view.count_metrics(raw_masks, batch["loss_masks"]))
         return loss, metrics

@@ -166,8 +166,9 @@ def test_distill_mode_comes_from_config_with_an_environment_override():
         resolve_distill_kl_mode(type("C", (), {"distill_kl_mode": "exact"})(), environ={})
 
 
-def test_actor_metrics_over_kept_tokens_are_divided_by_the_kept_count():
-    """With a correction that masks tokens, entropy and policy metrics are means over the kept tokens."""
+def test_actor_metrics_over_kept_tokens_are_divided_by_the_global_count_with_kept_means_apart():
+    """With a correction that masks tokens, entropy and policy metrics are sums over the kept tokens
+    divided by the global loss-token count; `<name>_kept_mean` divides them by the kept count."""
     samples = make_samples()
     fields = {name: list(samples[name]) for name in ("loss_masks", "advantages", "old_log_probs", "rollout_log_probs")}
     config = type("C", (), {"policy_loss": "vanilla_pg", "off_policy_corrections": "token_mis", "mis_lower": 0.8,
@@ -194,4 +195,6 @@ def test_actor_metrics_over_kept_tokens_are_divided_by_the_kept_count():
     expected = torch.cat(kept_entropy)
     assert expected.numel() == kept
     means = actor.metric_means({k: float(v) for k, v in metrics.items()})
-    assert means["entropy"] == pytest.approx(float(expected.mean()), rel=1e-5)
+    # Guide 000: the metric is the kept sum over the GLOBAL loss-token count; the kept-token mean is separate.
+    assert means["entropy"] == pytest.approx(float(expected.sum()) / raw, rel=1e-5)
+    assert means["entropy_kept_mean"] == pytest.approx(float(expected.mean()), rel=1e-5)
