@@ -46,6 +46,10 @@ class ServerUnavailableError(RuntimeError):
 class ServerRequestError(RuntimeError):
     """The server rejected the request (HTTP 4xx); retrying would not help."""
 
+    def __init__(self, message: str, status_code: int = 400):
+        super().__init__(message)
+        self.status_code = status_code
+
 
 @dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
@@ -115,7 +119,8 @@ class HttpTransport:
             if response.status_code >= 400:
                 raise ServerRequestError(
                     f"server {self.url} rejected {endpoint} (request: {summary or '-'}): "
-                    f"HTTP {response.status_code}: {response.text[:500]}"
+                    f"HTTP {response.status_code}: {response.text[:500]}",
+                    response.status_code,
                 )
             try:
                 return response.json()

@@ -95,6 +95,8 @@ class HttpEngine(InferenceEngine):
             answer = self.transport.post_json(SHM_STAGING_ENDPOINT, {}, summary="shared-memory staging handshake")
             staging_id, path = answer["staging_id"], answer["path"]
         except (ServerRequestError, KeyError, TypeError) as err:
+            if isinstance(err, ServerRequestError) and err.status_code in (401, 403):
+                raise  # a wrong or missing API key: falling back to the body endpoint would fail the same way
             if not self._shm_fallback:
                 raise RuntimeError(f"{self.url} offers no shared-memory staging file ({err}); "
                                    "use weight_transport='http'") from err

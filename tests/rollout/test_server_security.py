@@ -280,3 +280,14 @@ def test_trainer_started_server_takes_its_secret_from_the_environment_and_cleans
         server.stop()  # SIGTERM: the server removes its staging files on the way out
     assert server.process.returncode == 0
     assert not os.path.exists(staging["path"])
+
+
+def test_a_client_without_the_key_is_refused_not_silently_downgraded(engine, new_weights, monkeypatch):
+    monkeypatch.delenv("STACX_API_KEY", raising=False)
+    with EngineHttpServer(engine, api_key=API_KEY) as server:
+        client = HttpEngine(server.url, RetryPolicy(timeout_s=10, max_attempts=1))
+        with pytest.raises(ServerRequestError, match="HTTP 401") as caught:
+            client.update_weights(iter(new_weights), version=9)
+        assert caught.value.status_code == 401 and client.weight_transport == "shm"
+        assert server.shm_registry.paths == [] and engine.weight_version() != 9
+        client.shutdown()
