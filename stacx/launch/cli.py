@@ -7,6 +7,7 @@ A command module defines `HELP` (one line), `add_arguments(parser)` and `run(arg
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
@@ -43,8 +44,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def close_flags(flag: str, parser: argparse.ArgumentParser, limit: int = 3) -> list[str]:
+    """The parser's long flags closest to a mistyped `flag` (difflib ratio >= 0.6), best first."""
+    known = [option for action in parser._actions for option in action.option_strings if option.startswith("--")]
+    return difflib.get_close_matches(flag.split("=", 1)[0], known, n=limit, cutoff=0.6)
+
+
+def unknown_flags_message(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """'unrecognized arguments: ...' plus a 'did you mean' for every mistyped flag that has close matches."""
+    lines = [f"unrecognized arguments: {' '.join(extras)}"]
+    for token in extras:
+        if token.startswith("--"):
+            matches = close_flags(token, parser)
+            if matches:
+                lines.append(f"{token.split('=', 1)[0]}: did you mean {' or '.join(matches)}?")
+    return "\n".join(lines)
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # the command's own parser reports them (its usage line), with close matches
+        command_parser = _command_parser(parser, args.command)
+        command_parser.error(unknown_flags_message(extras, command_parser))
     return int(args._run(args) or 0)
 
 

@@ -24,6 +24,24 @@ from typing import Iterator, Mapping
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 LOOPBACK_ADDRESS = "127.0.0.1"
 """The node address of every local cluster `connect_ray` starts."""
+RAY_AUTH_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
+"""Ray's logger that warns, on every new local cluster, that it turned token authentication on."""
+
+
+@contextlib.contextmanager
+def _quiet_token_auth_notice() -> Iterator[None]:
+    """Ray enables token authentication for a new local cluster (good: nobody else on the network can
+    run code on it) and logs a warning that it did, in every run; only that notice is hidden, errors
+    still show. A user's RAY_AUTH_MODE is honoured by Ray as before."""
+    import logging
+
+    notice_logger = logging.getLogger(RAY_AUTH_SETUP_LOGGER)
+    previous = notice_logger.level
+    notice_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        notice_logger.setLevel(previous)
 
 
 def resolve_ray_address(cli_address: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
@@ -90,7 +108,7 @@ def start_local_cluster(**init_kwargs) -> None:
     """
     import ray
 
-    with _ray_keeps_loopback_node_addresses():
+    with _ray_keeps_loopback_node_addresses(), _quiet_token_auth_notice():
         ray.init(_node_ip_address=LOOPBACK_ADDRESS, **init_kwargs)
     addresses = node_addresses()
     if any(address != LOOPBACK_ADDRESS for address in addresses):
