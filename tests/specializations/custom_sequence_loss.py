@@ -12,9 +12,11 @@ import torch
 from stacx.objectives.registry import register_policy_loss
 
 NAME = "sequence_mean_ratio_test"
+WRONGLY_TOKEN_LOCAL_NAME = "sequence_mean_ratio_declared_token_local_test"
+"""The same loss wrongly declared token-local: under CP it sees slices and its gradient changes
+(the guard that the CP test of NAME is not trivially passing)."""
 
 
-@register_policy_loss(NAME)
 def sequence_mean_ratio(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     per_token, ratio_sum = [], torch.zeros((), dtype=torch.float64)
     for old, new, adv, mask in zip(old_log_prob, log_prob, advantages, loss_masks):
@@ -24,3 +26,7 @@ def sequence_mean_ratio(config, old_log_prob, log_prob, advantages, loss_masks, 
         per_token.append(-adv.detach() * ratio)
         ratio_sum = ratio_sum + (ratio.detach().to(torch.float64) * mask.sum())
     return per_token, {"sequence_ratio": ratio_sum}
+
+
+register_policy_loss(NAME)(sequence_mean_ratio)
+register_policy_loss(WRONGLY_TOKEN_LOCAL_NAME, token_local=True)(sequence_mean_ratio)

@@ -193,6 +193,10 @@ SPLIT_DEPENDENT_FAMILIES: dict[str, Family] = {
              m2po_threshold=0.005),
         ("loss_masks", "advantages", "old_log_probs", "rollout_log_probs"),
     ),
+    # A sequence-level loss wrongly registered token_local=True: gets CP slices, so CP changes it.
+    "actor_custom_sequence_loss_declared_token_local": Family(
+        "ActorSpecialization", dict(policy_loss=custom_sequence_loss.WRONGLY_TOKEN_LOCAL_NAME, log_entropy=False),
+        ("loss_masks", "advantages", "old_log_probs")),
 }
 
 
