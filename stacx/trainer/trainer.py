@@ -267,9 +267,13 @@ class StacxTrainer:
         if "old_log_probs" in batch:
             rollout_data["log_probs"] = batch["old_log_probs"]
         estimator = get_advantage(self.algorithm.advantage_estimator)
-        batch["advantages"] = [a.float() for a in estimator(self.algorithm, rollout_data)]
+        advantages = estimator(self.algorithm, rollout_data)
+        batch["advantages"] = [a.float() for a in advantages]
         if any(role.outputs_values for role in self.training_config.roles):
-            batch["returns"] = gae_returns(self.algorithm, rollout_data)
+            # A plugin estimator's own returns (padded adapters keep them as `.returns`) are the critic targets.
+            plugin_returns = getattr(advantages, "returns", None)
+            batch["returns"] = ([r.float() for r in plugin_returns] if plugin_returns is not None
+                                else gae_returns(self.algorithm, rollout_data))
 
     # ---- training --------------------------------------------------------------------------
 
