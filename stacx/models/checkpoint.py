@@ -227,12 +227,32 @@ def config_dtype(config) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def export_hf_checkpoint(model, out_dir: str, groups, hf_config=None, *, max_shard_bytes: int = 5 * 1024**3) -> None:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
+"""Files of a Hugging Face folder that belong with the weights for the folder to be usable on its own."""
+
+
+def copy_tokenizer_files(source: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
+    """Copy the TOKENIZER_FILES present in folder `source` into `out_dir`; returns their names."""
+    import shutil
+
+    copied = []
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copy2(os.path.join(source, name), os.path.join(out_dir, name))
+            copied.append(name)
+    return copied
+
+
+def export_hf_checkpoint(model, out_dir: str, groups, hf_config=None, *, max_shard_bytes: int = 5 * 1024**3,
+                         tokenizer_from: str | None = None) -> None:
     """Write the model as a Hugging Face checkpoint (safetensors shards + index + config.json).
 
     Call on every rank. Ranks with cp_rank == dp_rank == 0 gather over TP; global rank 0 writes.
     Tensors are written in the config's `dtype` (else the parameters' dtype), vocab padding
-    stripped. Returns after the files exist on every rank (a barrier when distributed).
+    stripped. `tokenizer_from`: a folder (the checkpoint the model started from) whose tokenizer
+    files are copied next to the weights, so the export loads, serves and evaluates on its own.
+    Returns after the files exist on every rank (a barrier when distributed).
     """
     config = load_hf_config(hf_config) if hf_config is not None else hf_config_of(model)
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
@@ -248,6 +268,8 @@ def export_hf_checkpoint(model, out_dir: str, groups, hf_config=None, *, max_sha
                 shard_files.append((file, [name for name, _ in bucket]))
         if is_writer:
             _write_index_and_config(out_dir, shard_files, config)
+            if tokenizer_from is not None:
+                copy_tokenizer_files(tokenizer_from, out_dir)
     if dist.is_initialized():
         dist.barrier()
 

@@ -13,12 +13,7 @@ from the checkpoint the run started from (`base`), which the run config records.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
-"""Files copied from the base checkpoint so the exported folder also loads its tokenizer."""
 
 
 def pick_role(manifest: dict, role: str | None) -> str:
@@ -63,6 +58,7 @@ def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_
     from safetensors.torch import save_file
 
     from stacx.models.architectures import load_hf_config
+    from stacx.models.checkpoint import copy_tokenizer_files
     from stacx.models.stacx_checkpoint import _write_metadata, convert_stacx_to_hf
     from stacx.trainer.checkpoint import CheckpointError, LoadedCheckpoint, read_manifest
 
@@ -80,7 +76,5 @@ def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_
                       os.path.join(stacx_dir, f"tp_rank_{tp_rank:02d}.safetensors"), metadata={"format": "pt"})
         _write_metadata(stacx_dir, tp_size, load_hf_config(base))
         convert_stacx_to_hf(stacx_dir, str(out_dir))
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(base, name)):
-            shutil.copy2(os.path.join(base, name), os.path.join(out_dir, name))
+    copy_tokenizer_files(base, out_dir)
     return str(out_dir)

@@ -286,12 +286,14 @@ class RoleRuntime:
         return sent[0]
 
     def export_hf(self, out_dir: str) -> None:
-        """Write the role's model as a Hugging Face checkpoint (every rank calls; rank 0 writes)."""
+        """Write the role's model as a Hugging Face checkpoint with the tokenizer of the checkpoint
+        it started from (every rank calls; rank 0 writes)."""
         from stacx.models import export_hf_checkpoint
 
         if self.role.outputs_values:
             raise ValueError(f"role {self.role.name!r} has a value head; it has no Hugging Face causal-LM export")
-        export_hf_checkpoint(self.model, out_dir, self.groups)
+        export_hf_checkpoint(self.model, out_dir, self.groups,
+                             tokenizer_from=role_checkpoint_path(self.role, self.run_config.model))
 
     # ---- checkpoint state ------------------------------------------------------------------
 
