@@ -17,6 +17,7 @@ Where the cluster comes from, first match wins:
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Iterator, Mapping
@@ -94,6 +95,18 @@ def _ray_keeps_loopback_node_addresses() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
+def is_loopback_address(address: str) -> bool:
+    """True for a `host:port` cluster address whose host only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    host = address.rsplit(":", 1)[0] if address.count(":") == 1 or address.startswith("[") else address
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def node_addresses() -> list[str]:
     """The address of every node of the connected cluster, as Ray reports it."""
     import ray
@@ -150,8 +163,12 @@ def connect_ray(
     if ray.is_initialized():
         return RayConnection(address=None, started_locally=False, already_connected=True)
     if address is not None:
+        # A loopback cluster (one `connect_ray` started, e.g. in another process) is reached on
+        # loopback too: Ray would rewrite 127.0.0.1 to the host's interface address, where it does not listen.
+        attach_loopback = _ray_keeps_loopback_node_addresses() if is_loopback_address(address) else contextlib.nullcontext()
         try:
-            ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
+            with attach_loopback:
+                ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
         except ConnectionError as err:
             raise ConnectionError(
                 f"cannot attach to the Ray cluster at {address!r} (from --ray-address or {RAY_ADDRESS_ENV}): {err}"

@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from stacx.trainer import checkpoint as ckpt
-from stacx.trainer.checkpoint import CHECKPOINT_SAFE_GLOBALS, CheckpointError, RoleLayout, load_checkpoint, save_checkpoint
+from stacx.trainer.checkpoint import (
+    CHECKPOINT_SAFE_GLOBALS,
+    CheckpointError,
+    RoleLayout,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 LAYOUT = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
 

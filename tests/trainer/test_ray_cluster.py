@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from stacx.testing.listening_sockets import descendant_pids, listening_addresses
 from stacx.trainer import ray_cluster
-from stacx.trainer.ray_cluster import LOOPBACK_ADDRESS, connect_ray, node_addresses
+from stacx.trainer.ray_cluster import LOOPBACK_ADDRESS, connect_ray, is_loopback_address, node_addresses
 
 pytestmark = pytest.mark.slow
 LOOPBACK_FORMS = {LOOPBACK_ADDRESS, "::ffff:127.0.0.1"}  # the second: an IPv4 listener on an IPv6 socket
+ATTACH_SCRIPT = """
+import sys
+import ray
+from stacx.trainer.ray_cluster import connect_ray
+connection = connect_ray(sys.argv[1], log_to_driver=False)
+print("ATTACHED", ray.util.get_node_ip_address(), ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=120))
+connection.shutdown()
+"""
 
 
 def _worker_node_address() -> str:
@@ -35,6 +46,11 @@ def test_a_local_cluster_reports_and_listens_on_loopback_only():
         # below this process) listen on loopback and never on 0.0.0.0 / ::.
         addresses = listening_addresses(pids=descendant_pids())
         assert addresses and addresses <= LOOPBACK_FORMS, addresses
+        # Another driver attaches by the loopback address (as the tests' runs and `--ray-address` do);
+        # Ray alone would rewrite 127.0.0.1 to the host's interface address, where nothing listens.
+        attached = subprocess.run([sys.executable, "-c", ATTACH_SCRIPT, ray.get_runtime_context().gcs_address],
+                                  capture_output=True, text=True, timeout=240)
+        assert f"ATTACHED {LOOPBACK_ADDRESS} 42" in attached.stdout, attached.stdout[-2000:] + attached.stderr[-2000:]
     finally:
         connection.shutdown()
 
@@ -52,3 +68,8 @@ def test_a_cluster_on_another_address_is_shut_down_and_named(monkeypatch):
     (kwargs, switch_during_init), shutdown = calls
     assert kwargs == {"_node_ip_address": LOOPBACK_ADDRESS, "num_cpus": 1} and switch_during_init is False
     assert shutdown == "shutdown"
+
+
+def test_loopback_cluster_addresses_are_recognized():
+    assert all(map(is_loopback_address, ["127.0.0.1:6379", "localhost:6379", "[::1]:6379", "127.0.0.2:1"]))
+    assert not any(map(is_loopback_address, ["10.0.0.1:6379", "node-a:6379", "auto", "ray://127.0.0.1:10001"]))
