@@ -12,11 +12,20 @@ Wrap them, unchanged, with an explicit adapter:
 
 What the adapters do:
 - Pad the per-trajectory inputs (right padding, response_mask = the loss mask, 0 on padding).
-- Pass hyperparameters: each named parameter of the plugin found on the config is passed from
-  it (`clip_ratio` <- `config.clip_ratio`); padded `rollout_log_prob`, `ref_log_prob`,
-  `entropy` are passed when given and the plugin accepts them (by name or **kwargs);
-  advantage plugins get `index` (the prompt ids) and padded `values` the same way.
-  `importance_weights` is never passed: Stacx applies off-policy weights after the kernel.
+- Pass hyperparameters: a named parameter of the plugin is passed from the config
+  (`clip_ratio` <- `config.clip_ratio`) when the user SET that key (`config.given_keys`) or the
+  parameter has no default; otherwise the plugin's own default holds (`entropy_coef=0.01` stays
+  0.01 unless the run sets it). A config without `given_keys` passes every non-None value.
+  Padded `rollout_log_prob`, `ref_log_prob`, `entropy` are passed when given and the plugin
+  accepts them (by name or **kwargs); advantage plugins get `index` (the prompt ids) and padded
+  `values` the same way.
+- A plugin taking `entropy_coef` applies its own entropy bonus: it is registered with
+  `applies_entropy_bonus`, and the actor adds no second one. A plugin taking
+  `importance_weights` gets the off-policy correction weights (shape (batch,) when they are
+  constant over each response, as sequence-level corrections give, else (batch, seq_len); None
+  without corrections) and the actor does not apply them again (`applies_importance_weights`).
+- An advantage plugin's `returns`, when it returns `(advantages, returns)`, are kept: the
+  adapted estimator's result carries them as `.returns` (per trajectory) for critic targets.
 - A (batch, seq_len) loss is unpadded to per-token losses (exact).
 - A scalar loss L (the plugin aggregated itself, e.g. with `agg_loss(..., mode)`) is turned into
   the per-token contract by spreading it as a constant c_i over each trajectory's tokens, chosen
@@ -39,7 +48,7 @@ import torch
 from stacx.objectives.advantages_returns import token_level_rewards
 from stacx.objectives.aggregation import aggregate_sum, count_normalizer, get_aggregation_mode
 from stacx.objectives.padding import pad_trajectories, unpad_trajectories
-from stacx.objectives.registry import register_advantage, register_policy_loss
+from stacx.objectives.registry import KernelTraits, register_advantage, register_policy_loss
 from stacx.objectives.validation import check_trajectory_lists, rollout_field
 
 _POLICY_TENSOR_KWARGS = ("rollout_log_prob", "ref_log_prob", "entropy")
@@ -54,13 +63,31 @@ def _accepted(fn: Callable) -> tuple[set[str], bool, list[str]]:
     return names, var_kw, positional
 
 
-def _hyperparameters_from_config(config, names: set[str], skip: set[str]) -> dict:
+def _hyperparameters_from_config(config, fn: Callable, names: set[str], skip: set[str]) -> dict:
+    """Values for the plugin's named parameters: those the user set (or that have no default)."""
+    parameters = inspect.signature(fn).parameters
+    given = config.given_keys if hasattr(config, "given_keys") else None  # keys the user set, when known
     found = {}
     for name in names - skip:
         value = getattr(config, name, None) if config is not None else None
-        if value is not None:
+        if value is None:
+            continue
+        has_default = parameters[name].default is not inspect.Parameter.empty
+        if given is None or name in given or not has_default:
             found[name] = value
     return found
+
+
+def _padded_importance_weights(weights, lengths: list[int], masks) -> torch.Tensor:
+    """(batch,) when every response's weight is constant over its loss tokens, else (batch, seq_len)."""
+    padded = pad_trajectories([w.to(torch.float32) for w in weights])
+    per_sequence = []
+    for weight, mask in zip(weights, masks):
+        kept = weight[mask != 0] if weight.numel() else weight
+        if kept.numel() and not torch.all(kept == kept[0]):
+            return padded
+        per_sequence.append(kept[0] if kept.numel() else torch.ones((), dtype=weight.dtype))
+    return torch.stack([w.to(torch.float32) for w in per_sequence]) if per_sequence else padded
 
 
 def _metrics_to_sums(metrics, num_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -98,7 +125,11 @@ def adapt_padded_policy_loss(fn: Callable, *, aggregation: str = "token-mean") -
             "log_prob", log_prob, old_log_prob=old_log_prob, advantages=advantages, loss_masks=loss_masks
         )
         padded = [pad_trajectories(list(x)) for x in (old_log_prob, log_prob, advantages, loss_masks)]
-        call_kwargs = _hyperparameters_from_config(config, names, tensor_slots | set(_POLICY_TENSOR_KWARGS) | {"importance_weights"})
+        call_kwargs = _hyperparameters_from_config(config, fn, names, tensor_slots | set(_POLICY_TENSOR_KWARGS) | {"importance_weights"})
+        weights = kwargs.get("importance_weights")
+        if weights is not None and "importance_weights" in names:
+            check_trajectory_lists("log_prob", log_prob, importance_weights=weights)
+            call_kwargs["importance_weights"] = _padded_importance_weights(list(weights), lengths, loss_masks)
         for name in _POLICY_TENSOR_KWARGS:
             value = kwargs.get(name)
             if value is not None and (name in names or var_kw):
@@ -145,10 +176,19 @@ def register_padded_policy_loss(name: str, *, aggregation: str = "token-mean", a
     """Decorator: register the adapted plugin under `name`; returns the plugin unchanged."""
 
     def decorator(fn):
-        register_policy_loss(name, aliases=aliases)(adapt_padded_policy_loss(fn, aggregation=aggregation))
+        names, _, _ = _accepted(fn)
+        traits = KernelTraits(applies_entropy_bonus="entropy_coef" in names,
+                              applies_importance_weights="importance_weights" in names)
+        register_policy_loss(name, aliases=aliases, traits=traits)(adapt_padded_policy_loss(fn, aggregation=aggregation))
         return fn
 
     return decorator
+
+
+class AdvantageList(list):
+    """Per-trajectory advantages; `.returns` holds the plugin's per-trajectory returns (or None)."""
+
+    returns: list[torch.Tensor] | None = None
 
 
 def adapt_padded_advantage(fn: Callable) -> Callable:
@@ -176,7 +216,7 @@ def adapt_padded_advantage(fn: Callable) -> Callable:
         width = max(max(lengths), 1)
         padded_rewards = pad_trajectories([r.to(torch.float32) for r in rewards], length=width)
         padded_mask = pad_trajectories([m.to(torch.float32) for m in masks], length=width)
-        call_kwargs = _hyperparameters_from_config(config, names, set(positional[:2]) | {"index", "values"})
+        call_kwargs = _hyperparameters_from_config(config, fn, names, set(positional[:2]) | {"index", "values"})
         if "index" in names or var_kw:
             call_kwargs["index"] = list(rollout_field(rollout_data, "prompt_id", required=False) or [])
         values = rollout_field(rollout_data, "values", required=False)
@@ -188,7 +228,13 @@ def adapt_padded_advantage(fn: Callable) -> Callable:
             raise ValueError(
                 f"padded advantage {fn.__qualname__} returned shape {tuple(advantages.shape)}, expected {tuple(padded_rewards.shape)}"
             )
-        return [a.detach().to(torch.float32).clone() for a in unpad_trajectories(advantages, lengths)]
+        out = AdvantageList(a.detach().to(torch.float32).clone() for a in unpad_trajectories(advantages, lengths))
+        if isinstance(result, tuple) and len(result) > 1 and result[1] is not None:
+            if result[1].shape != padded_rewards.shape:
+                raise ValueError(f"padded advantage {fn.__qualname__} returned returns of shape "
+                                 f"{tuple(result[1].shape)}, expected {tuple(padded_rewards.shape)}")
+            out.returns = [r.detach().to(torch.float32).clone() for r in unpad_trajectories(result[1], lengths)]
+        return out
 
     advantage.__doc__ = f"Padded-plugin adapter around {fn.__module__}.{fn.__qualname__}.\n\n{fn.__doc__ or ''}"
     advantage.padded_plugin = fn

@@ -66,6 +66,17 @@ def _record_source(module: ModuleType) -> None:
     _USER_MODULE_SOURCES[module.__name__] = UserModuleSource(module.__name__, source, origin, is_package)
 
 
+def record_user_module(module_name: str | None) -> None:
+    """Ship `module_name` to workers too: a user module that registered a kernel or recipe after a
+    plain `import my_algorithm` (guide 001's "import to register"), not through
+    `--custom-module`. `__main__` is never shipped (re-running a script in a worker is not an import)."""
+    if not module_name or module_name == "__main__" or module_name.startswith("stacx.") and not module_name.startswith(USER_PACKAGE):
+        return
+    module = sys.modules.get(module_name)
+    if module is not None:
+        _record_source(module)
+
+
 def user_module_sources() -> tuple[UserModuleSource, ...]:
     """Every user module this process imported (`stacx/custom/`, `--custom-module`), in import order."""
     return tuple(_USER_MODULE_SOURCES.values())

@@ -41,6 +41,12 @@ class KernelTraits:
     uses_current_policy: bool = False
     """Off-policy corrections only: compare the CURRENT policy's log-probs (not pi_old) with the
     rollout engine's (opsm, m2po)."""
+    applies_entropy_bonus: bool = False
+    """Policy losses only: the kernel adds its own entropy bonus (a padded plugin taking
+    `entropy_coef`), so the framework adds none (no term is counted twice)."""
+    applies_importance_weights: bool = False
+    """Policy losses only: the kernel multiplies by the `importance_weights` it is passed (a padded
+    plugin taking `importance_weights`), so the framework does not apply them again."""
 
 
 def is_builtin_entry(entry: object) -> bool:
@@ -97,6 +103,10 @@ class Registry:
             for each in names:
                 self._functions[each] = fn
                 self._traits[each] = traits
+            if not is_builtin_entry(fn):
+                from stacx.objectives.discovery import record_user_module
+
+                record_user_module(getattr(fn, "__module__", None))
             return fn
 
         return decorator
@@ -155,10 +165,37 @@ def register_advantage(name: str, *, aliases: Iterable[str] = ()):
     return ADVANTAGES.register(name, aliases=aliases)
 
 
-def register_policy_loss(name: str, *, aliases: Iterable[str] = (), token_local: bool = False):
+def register_policy_loss(name: str, *, aliases: Iterable[str] = (), token_local: bool = False,
+                         traits: KernelTraits | None = None):
     """`token_local=True` declares that loss_t depends only on token t (it may then run on CP
-    slices); without it the loss gets whole responses under context parallelism."""
-    return POLICY_LOSSES.register(name, aliases=aliases, traits=KernelTraits(token_local=token_local))
+    slices); without it the loss gets whole responses under context parallelism. `traits`
+    (adapters) replaces `token_local`. A function whose first parameter is `old_log_prob` (a padded
+    plugin, `fn(old_log_prob, log_prob, advantages, response_mask, ...)`) is refused here, at
+    registration, instead of failing when it is first called."""
+    traits = traits if traits is not None else KernelTraits(token_local=token_local)
+    register = POLICY_LOSSES.register(name, aliases=aliases, traits=traits)
+
+    def decorator(fn: F) -> F:
+        _refuse_padded_signature(name, fn)
+        return register(fn)
+
+    return decorator
+
+
+def _refuse_padded_signature(name: str, fn: Callable) -> None:
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return
+    if parameters[:1] == ["old_log_prob"]:
+        raise ValueError(
+            f"policy loss {name!r}: {getattr(fn, '__qualname__', fn)} takes (old_log_prob, log_prob, advantages, "
+            "response_mask, ...) - a padded-tensor plugin; Stacx losses take (config, old_log_prob, log_prob, "
+            "advantages, loss_masks, **kwargs). Register it with stacx.objectives.adapters.register_padded_policy_loss "
+            "(or import register_policy_loss from stacx.objectives.padded_api)"
+        )
 
 
 def register_kl_estimator(name: str, *, aliases: Iterable[str] = ()):

@@ -39,6 +39,18 @@ KEPT_MEAN_SUFFIX = "_kept_mean"
 
 
 
+class _WithoutEntropyBonus:
+    """The algorithm config with entropy_coef = 0 (for a policy loss that applies its own bonus)."""
+
+    def __init__(self, config: Any):
+        self._config = config
+
+    entropy_coef = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
 def correction_names(value: Any) -> tuple[str, ...]:
     """config.off_policy_corrections as a tuple of names ("a,b", ["a", "b"] or None)."""
     if value is None or value == "":
@@ -169,14 +181,18 @@ class ActorSpecialization(Specialization):
                     weights = result.weights if weights is None else [a * b for a, b in zip(weights, result.weights)]
                 metrics.update({k: v for k, v in result.metrics.items() if not k.startswith("mismatch_")})
 
+        traits = self.policy_loss_traits
+        extra = {"importance_weights": weights} if traits.applies_importance_weights else {}
         per_token, policy_metrics = self.policy_loss_fn(
             self.config, old, log_probs, advantages, masks,
-            raw_loss_masks=raw_masks, rollout_log_prob=rollout, ref_log_prob=ref, entropy=entropy,
+            raw_loss_masks=raw_masks, rollout_log_prob=rollout, ref_log_prob=ref, entropy=entropy, **extra,
         )
-        if weights is not None:
+        if weights is not None and not traits.applies_importance_weights:
             per_token = [loss * w.to(loss.dtype) for loss, w in zip(per_token, weights)]
+        # A kernel with its own entropy bonus gets none from the framework (no term counted twice).
+        term_config = _WithoutEntropyBonus(self.config) if traits.applies_entropy_bonus else self.config
         per_token, kl_entropy_metrics = add_kl_and_entropy_terms(
-            self.config, per_token, log_probs, masks, ref_log_prob=ref, entropy=entropy
+            term_config, per_token, log_probs, masks, ref_log_prob=ref, entropy=entropy
         )
         loss = reducer(
             per_token, masks, sequence_token_counts=full_token_counts(batch["loss_masks"]),

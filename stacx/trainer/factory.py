@@ -208,8 +208,12 @@ def resolve_recipe(run_config):
     import_builtin_and_custom_modules()  # stacx/custom/ may hold kernels and recipes
     if run_config.train.custom_module:
         load_custom_modules(list(run_config.train.custom_module))
-    name = infer_algorithm({"algorithm": run_config.train.algorithm, "use_critic": run_config.train.use_critic,
-                            "advantage_estimator": run_config.algorithm.advantage_estimator})
+    from stacx.trainer.resolved_config import policy_loss_named_by_algorithm, user_algorithm_values
+
+    estimator = user_algorithm_values(run_config).get("advantage_estimator", run_config.algorithm.advantage_estimator)
+    algorithm = None if policy_loss_named_by_algorithm(run_config) else run_config.train.algorithm
+    name = infer_algorithm({"algorithm": algorithm, "use_critic": run_config.train.use_critic,
+                            "advantage_estimator": estimator})
     training_config = get_recipe(name)
     return training_config, resolve_algorithm_config(training_config, run_config)
 

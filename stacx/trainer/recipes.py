@@ -56,6 +56,9 @@ def recipe(name: str) -> Callable[[Callable[[], TrainingConfig]], Callable[[], T
         if config.name != name:
             raise RecipeError(f"recipe {name!r}: field 'name' is {config.name!r}; it must match @recipe({name!r})")
         TRAINING_CONFIGS[name] = config
+        from stacx.objectives.discovery import record_user_module
+
+        record_user_module(getattr(build, "__module__", None))  # a user recipe reaches Ray workers too
         return build
 
     return decorator

@@ -1,0 +1,117 @@
+"""Guide 001's padded plugins as written (examples/seed_001), and the semantics they need
+(issue 13, item 4): name selects the loss, adv_estimator is accepted, plugin defaults hold unless
+the user set the key, no term counted twice, importance weights passed, returns kept."""
+
+from __future__ import annotations
+
+import pathlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from stacx.objectives import load_custom_modules
+from stacx.objectives.registry import POLICY_LOSSES, get_advantage, get_policy_loss, register_policy_loss
+from stacx.trainer.run_config import AlgorithmConfig
+
+SEED_001 = pathlib.Path(__file__).resolve().parents[2] / "examples" / "seed_001"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins():
+    load_custom_modules([str(SEED_001 / "my_algorithm.py"), str(SEED_001 / "custom_reinforce.py")])
+
+
+def _trajectories(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3, 5, 2]
+    old = [-torch.rand(n, generator=g, dtype=torch.float64) for n in lengths]
+    new = [(o + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)).requires_grad_() for o, n in zip(old, lengths)]
+    adv = [torch.full((n,), float(a), dtype=torch.float64) for a, n in zip([1.0, -0.5, 2.0], lengths)]
+    masks = [torch.ones(n, dtype=torch.float64) for n in lengths]
+    return old, new, adv, masks
+
+
+def test_a_padded_plugin_given_to_the_native_decorator_is_refused_at_registration():
+    def padded(old_log_prob, log_prob, advantages, response_mask, **kwargs):
+        return log_prob.sum(), {}
+
+    with pytest.raises(ValueError, match=r"'padded_native_test'.*padded-tensor plugin.*register_padded_policy_loss"):
+        register_policy_loss("padded_native_test")(padded)
+    assert "padded_native_test" not in POLICY_LOSSES
+
+
+def test_plugin_defaults_hold_unless_the_user_set_the_key_and_its_entropy_bonus_is_its_own():
+    old, new, adv, masks = _trajectories()
+    loss_fn = get_policy_loss("reinforce_pg")
+    assert POLICY_LOSSES.traits("reinforce_pg").applies_entropy_bonus
+    unset = AlgorithmConfig(loss_agg_mode="token-mean")
+    unset._given_keys = frozenset()  # as the resolved config: nothing set by the user
+    user_set = AlgorithmConfig(loss_agg_mode="token-mean", entropy_coef=0.5)
+    user_set._given_keys = frozenset({"entropy_coef"})
+
+    def expected(coef):
+        lp, a = torch.cat(new).detach(), torch.cat(adv)
+        return float((-lp * a + coef * lp).mean())
+
+    for config, coef in ((unset, 0.01), (user_set, 0.5)):
+        per_token, _ = loss_fn(config, old, new, adv, masks)
+        total = float(sum(t.sum() for t in per_token)) / sum(len(m) for m in masks)
+        assert total == pytest.approx(expected(coef), rel=1e-9), coef
+
+
+def test_importance_weights_are_passed_to_a_plugin_that_takes_them_and_not_applied_twice():
+    from stacx.specializations.actor import ActorSpecialization
+
+    old, new, adv, masks = _trajectories(1)
+    assert POLICY_LOSSES.traits("my_loss").applies_importance_weights
+    loss_fn = get_policy_loss("my_loss")
+    config = SimpleNamespace(loss_agg_mode="token-mean")
+    weights = [torch.full((len(m),), w, dtype=torch.float64) for m, w in zip(masks, [0.5, 1.0, 2.0])]
+    plain, _ = loss_fn(config, old, new, adv, masks)
+    weighted, _ = loss_fn(config, old, new, adv, masks, importance_weights=weights)
+    # The plugin aggregates itself (token-mean), so per-sequence weights scale its terms inside the mean.
+    ratio = [torch.exp(n.detach() - o) for n, o in zip(new, old)]
+    terms = [-torch.min(r * a, r.clamp(0.8, 1.2) * a) for r, a in zip(ratio, adv)]
+    want = float(sum((t * w).sum() for t, w in zip(terms, weights)))
+    assert float(sum(t.sum() for t in weighted)) == pytest.approx(want, rel=1e-9)
+    assert float(sum(t.sum() for t in plain)) == pytest.approx(float(sum(t.sum() for t in terms)), rel=1e-9)
+    actor = ActorSpecialization(SimpleNamespace(policy_loss="my_loss"))
+    assert actor.policy_loss_traits.applies_importance_weights
+
+
+def test_the_advantage_plugins_returns_become_critic_targets():
+    from stacx.trainer.trainer import StacxTrainer
+
+    lengths = [2, 3]
+    rollout = {"rewards": torch.tensor([1.0, 3.0]), "response_lengths": lengths,
+               "loss_masks": [torch.ones(n) for n in lengths], "prompt_id": [0, 0]}
+    advantages = get_advantage("my_advantage")(AlgorithmConfig(), rollout)
+    assert [a.tolist() for a in advantages] == [[-1.0, -1.0], [1.0, 1.0, 1.0]]
+    assert [r.tolist() for r in advantages.returns] == [[-1.0, -1.0], [1.0, 1.0, 1.0]]
+    batch = {"rewards": [1.0, 3.0], "group_indices": [0, 0], "response_lengths": lengths,
+             "loss_masks": [torch.ones(n) for n in lengths], "rollout_log_probs": [torch.zeros(n) for n in lengths]}
+    trainer = SimpleNamespace(algorithm=AlgorithmConfig(advantage_estimator="my_advantage"),
+                              training_config=SimpleNamespace(roles=[SimpleNamespace(outputs_values=True)]))
+    StacxTrainer.compute_advantages(trainer, batch)
+    assert [r.tolist() for r in batch["returns"]] == [[-1.0, -1.0], [1.0, 1.0, 1.0]]
+
+
+def test_the_yaml_and_python_config_select_the_loss_by_name_and_accept_adv_estimator():
+    import yaml
+
+    from stacx import StacxConfig
+    from stacx.trainer.factory import resolve_recipe
+    from stacx.trainer.run_config import RunConfig
+
+    from_yaml = RunConfig.from_dict(yaml.safe_load((SEED_001 / "my_algorithm.yaml").read_text()), source="my_algorithm.yaml")
+    from_python = StacxConfig(model_path="some/model", algorithm={"name": "my_loss", "adv_estimator": "my_advantage",
+                                                                 "clip_ratio": 0.2})
+    assert from_python.model.hf_checkpoint == "some/model"
+    for run_config in (from_yaml, from_python):
+        recipe, algorithm = resolve_recipe(run_config)
+        assert recipe.name == "grpo"
+        assert (algorithm.policy_loss, algorithm.advantage_estimator, algorithm.clip_ratio) == ("my_loss", "my_advantage", 0.2)
+        assert algorithm.given_keys == {"policy_loss", "advantage_estimator", "clip_ratio", "clip_ratio_low", "clip_ratio_high"}
+    with pytest.raises(ValueError, match="StacxConfig: algorithm must be a mapping"):
+        StacxConfig(algorithm=["my_loss"])
