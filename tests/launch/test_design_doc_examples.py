@@ -56,3 +56,46 @@ def test_guide_003_specialization_and_recipe_with_its_launch_line(launcher, tiny
         # `{"my_loss": reducer(loss).detach()}` has no count: logged as the step's loss, not 0.0.
         assert step["policy/my_loss"] == pytest.approx(step["policy/loss"], rel=1e-6)
         assert step["policy/loss"] > 0.5  # the NLL of a barely trained tiny model
+
+
+SEED_001 = os.path.join(REPO, "examples", "seed_001")
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_guide_001_my_algorithm_with_its_yaml(launcher, tiny_checkpoint, tmp_path):
+    steps = run_stacx_train(launcher, ["--custom-module", os.path.join(SEED_001, "my_algorithm.py"), "--config",
+                                       os.path.join(SEED_001, "my_algorithm.yaml"), "--hf-checkpoint", tiny_checkpoint,
+                                       *SMALL_ROLLOUT], str(tmp_path / "out"))
+    for step in steps:  # the plugin's metrics, as means over the loss tokens
+        assert step["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-3) and "policy/clip_frac" in step
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_guide_001_python_config_object(launcher, tiny_checkpoint, tmp_path):
+    """`import my_algorithm` then `StacxConfig(model_path=..., algorithm={name, adv_estimator, clip_ratio})`."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.launch.test_custom_code_on_every_rank import TORCHRUN, train_env
+
+    out = str(tmp_path / "out")
+    script = os.path.join(REPO, "tests", "launch", "train_python_config.py")
+    if launcher == "ray":
+        command = [sys.executable, script, tiny_checkpoint, out]
+    else:
+        command = [TORCHRUN, "--standalone", "--nproc-per-node=2", script, tiny_checkpoint, out, "2"]
+    completed = subprocess.run(command, env=train_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert completed.returncode == 0, completed.stderr[-5000:]
+    with open(os.path.join(out, "metrics.jsonl")) as handle:
+        steps = [json.loads(line) for line in handle]
+    assert len(steps) == 2 and all("policy/ratio_mean" in step for step in steps)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_guide_001_complete_custom_reinforce(launcher, tiny_checkpoint, tmp_path):
+    steps = run_stacx_train(launcher, ["--custom-module", os.path.join(SEED_001, "custom_reinforce.py"),
+                                       "--advantage-estimator", "reinforce_baseline", "--policy-loss", "reinforce_pg",
+                                       "--hf-checkpoint", tiny_checkpoint, *SMALL_ROLLOUT], str(tmp_path / "out"))
+    for step in steps:
+        assert step["policy/entropy"] > 0 and "policy/pg_loss" in step
