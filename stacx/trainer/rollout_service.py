@@ -16,6 +16,11 @@ Engines (`rollout.rollout_engine`):
 - 'sglang': launch SGLang servers on the Ray cluster's GPUs and attach to the first.
 - 'auto': 'sglang' when CUDA is present, else 'cpu'.
 
+Authentication: a server this run starts ('cpu', 'sglang') gets a fresh shared secret
+(`secrets.token_urlsafe`, in the child's environment for `stacx serve`, SGLang's `--api-key`), and
+every client of it (the driver's, the policy ranks' weight pushes) sends it. Attached servers
+('http') use the `STACX_API_KEY` environment variable of the driver, if set.
+
 Roll-in recipes also get a teacher engine (`teacher_engine()`): the teacher server at
 `teacher_url` generates the teacher-executed turns through the same `/generate` API.
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -52,24 +58,29 @@ def resolve_engine_kind(kind: str) -> str:
     return kind
 
 
-def engine_client(kind: str, url: str):
+def engine_client(kind: str, url: str, *, api_key: Optional[str] = None):
     """The InferenceEngine client for a server of `kind` at `url` (an SGLang server gets SGLang's
-    weight-update endpoints; `stacx serve` gets the bucket endpoint)."""
+    weight-update endpoints; `stacx serve` gets the bucket endpoint); `api_key` is the server's secret."""
     if kind == "sglang":
         from stacx.rollout.sglang_engine import SglangEngine
 
-        return SglangEngine(url)
+        return SglangEngine(url, api_key=api_key)
     from stacx.rollout.http_engine import HttpEngine
 
-    return HttpEngine(url)
+    return HttpEngine(url, api_key=api_key)
 
 
 class CpuServerProcess:
     """`stacx serve --hf-checkpoint PATH --port 0` as a child process; `url` once it is ready."""
 
     def __init__(self, hf_checkpoint: str, *, seed: int = 0, host: str = "127.0.0.1", num_threads: int = 1,
-                 timeout_s: float = SERVER_START_TIMEOUT_S):
+                 timeout_s: float = SERVER_START_TIMEOUT_S, api_key: Optional[str] = None):
+        """api_key: the secret the server requires on mutating endpoints, handed over in its
+        environment (STACX_API_KEY), never on its command line where other users could read it."""
         env = dict(os.environ, OMP_NUM_THREADS=str(num_threads), PYTHONUNBUFFERED="1")
+        env.pop("STACX_API_KEY", None)
+        if api_key:
+            env["STACX_API_KEY"] = api_key
         command = [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", hf_checkpoint, "--port", "0",
                    "--host", host, "--seed", str(seed)]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -150,8 +161,10 @@ class RolloutService:
 
     def __init__(self, engine, *, engine_kind: str, url: str, tokenizer, rollout_section, teacher=None,
                  teacher_top_k: int = 0, server: Optional[Any] = None, sglang_actors: Sequence[Any] = (),
-                 urls: Sequence[str] = (), teacher_section=None):
+                 urls: Sequence[str] = (), teacher_section=None, api_key: Optional[str] = None):
         self.engine = engine
+        self.api_key = api_key
+        """The rollout servers' shared secret (None: they take none); weight pushes send it."""
         self.engine_kind = engine_kind
         self.url = url
         self.urls = tuple(urls) or (url,)
@@ -175,8 +188,10 @@ class RolloutService:
             raise ValueError("the rollout engine serves --hf-checkpoint, which is not set")
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(hf_checkpoint)
         server, actors = None, ()
+        # a server this run starts gets a fresh secret; attached servers use the driver's STACX_API_KEY
+        api_key = secrets.token_urlsafe(32) if kind in ("cpu", "sglang") else (os.environ.get("STACX_API_KEY") or None)
         if kind == "cpu":
-            server = CpuServerProcess(hf_checkpoint, seed=rollout.rollout_seed)
+            server = CpuServerProcess(hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key)
             url = server.url
         elif kind == "http":
             if not rollout.rollout_urls:
@@ -187,7 +202,8 @@ class RolloutService:
         else:  # sglang
             from stacx.rollout.sglang_engine import SglangServerSpec, launch_sglang_servers_on_ray
 
-            actors, urls = launch_sglang_servers_on_ray([SglangServerSpec(model_path=hf_checkpoint, port=SGLANG_PORT)])
+            actors, urls = launch_sglang_servers_on_ray([SglangServerSpec(model_path=hf_checkpoint, port=SGLANG_PORT,
+                                                                          api_key=api_key)])
             url = urls[0]
         try:
             teacher = build_teacher(run_config.teacher) if training_config.uses_teacher else None
@@ -201,12 +217,12 @@ class RolloutService:
         if len(urls) > 1:
             from stacx.trainer.engine_pool import EnginePool
 
-            engine = EnginePool([engine_client(kind, u) for u in urls], names=urls)
+            engine = EnginePool([engine_client(kind, u, api_key=api_key) for u in urls], names=urls)
         else:
-            engine = engine_client(kind, url)
+            engine = engine_client(kind, url, api_key=api_key)
         service = cls(engine, engine_kind=kind, url=url, tokenizer=tokenizer,
                       rollout_section=rollout, teacher=teacher, teacher_top_k=top_k, server=server,
-                      sglang_actors=actors, urls=urls, teacher_section=run_config.teacher)
+                      sglang_actors=actors, urls=urls, teacher_section=run_config.teacher, api_key=api_key)
         try:
             service.wait_until_healthy()
         except BaseException:
