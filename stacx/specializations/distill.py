@@ -39,11 +39,16 @@ _LOG_PROB_TOLERANCE = 1e-4
 
 
 def resolve_distill_kl_mode(config: Any, environ: Mapping[str, str] | None = None) -> str:
-    """STACX_DISTILL_KL_MODE if set, else config.distill_kl_mode, else k3_sample."""
+    """config.distill_kl_mode when set, else STACX_DISTILL_KL_MODE, else k3_sample.
+
+    A run's resolved algorithm config already carries STACX_DISTILL_KL_MODE (applied once where the
+    run is resolved, stacx.trainer.resolved_config): a worker on another node must not read its
+    own environment and disagree with the driver. The environment is read only for a bare config.
+    """
     # Imported here: the rollout package is not needed by the other specializations.
     from stacx.rollout.env_overrides import read_env_overrides
 
-    mode = read_env_overrides(environ).get("distill_kl_mode") or getattr(config, "distill_kl_mode", None) or "k3_sample"
+    mode = getattr(config, "distill_kl_mode", None) or read_env_overrides(environ).get("distill_kl_mode") or "k3_sample"
     if mode not in DISTILL_KL_MODES:
         raise ValueError(f"distill_kl_mode {mode!r} is not one of {list(DISTILL_KL_MODES)}")
     return mode

@@ -260,6 +260,9 @@ def create_trainer(run_config, *, layout: WorkerLayout | None = None):
     from stacx.trainer.role_groups import RayChannel, RayRoleGroup
     from stacx.trainer.trainer import StacxTrainer
 
+    from stacx.trainer.resolved_config import apply_run_env_overrides
+
+    run_config = apply_run_env_overrides(run_config)  # STACX_* read once; workers get the result
     training_config, algorithm = resolve_recipe(run_config)
     check_supported(training_config, run_config)
     connection = connect_ray(run_config.parallel.ray_address)

@@ -4,7 +4,8 @@ Precedence, lowest first:
     generic defaults (ALGORITHM_FIELDS)
     < the recipe's AlgorithmDefaults (grpo's clip ratios, ppo's lam, ...)
     < settings of other sections the kernels read (rollout_temperature, distill_kl_mode, teacher_top_k)
-    < every key the user set (`RunConfig.algorithm.given_keys`), custom keys included.
+    < every key the user set (`RunConfig.algorithm.given_keys`), custom keys included
+    < the `STACX_*` environment overrides (`apply_run_env_overrides`), read once here.
 
 "Set" means given, not "different from the generic default": `lam: 1.0` under ppo stays 1.0.
 The resolved config's `given_keys` are the keys the user set (recipe defaults excluded).
@@ -59,9 +60,23 @@ def user_algorithm_values(run_config) -> dict[str, Any]:
     return given
 
 
-def resolve_algorithm_config(training_config, run_config) -> AlgorithmConfig:
+def apply_run_env_overrides(run_config, environ=None):
+    """The run config with the `STACX_*` overrides (stacx.rollout.env_overrides) applied to its
+    teacher section, read ONCE, in the process that resolves the run (the Ray driver, or each
+    torchrun rank). Everything downstream (the driver's teacher top-K request, the roll-in, the
+    workers, which receive this object) sees the same values; workers never read their own env."""
+    import dataclasses
+
+    from stacx.rollout.env_overrides import apply_env_overrides
+
+    teacher = apply_env_overrides(run_config.teacher, environ)
+    return run_config if teacher is run_config.teacher else dataclasses.replace(run_config, teacher=teacher)
+
+
+def resolve_algorithm_config(training_config, run_config, environ=None) -> AlgorithmConfig:
     """AlgorithmConfig = recipe defaults, run-section settings the kernels read, then every key the
     user set; `name` = the recipe."""
+    run_config = apply_run_env_overrides(run_config, environ)
     values = training_config.algorithm.as_algorithm_values(training_config.name) if training_config.algorithm else {}
     # Settings of other sections the specializations read as config.<name> (the sampling temperature
     # of training log-probs, the distillation mode), unless the algorithm section sets them itself.
@@ -69,6 +84,10 @@ def resolve_algorithm_config(training_config, run_config) -> AlgorithmConfig:
                   distill_kl_mode=run_config.teacher.distill_kl_mode, teacher_top_k=run_config.teacher.teacher_top_k)
     user_values = user_algorithm_values(run_config)
     values.update(user_values)
+    from stacx.rollout.env_overrides import read_env_overrides
+
+    if "distill_kl_mode" in read_env_overrides(environ):  # STACX_* wins over file and flags
+        values["distill_kl_mode"] = run_config.teacher.distill_kl_mode
     values["name"] = training_config.name
     config = AlgorithmConfig(**values)
     # given_keys of the resolved config = what the USER set (file, flags): plugin adapters pass a

@@ -155,13 +155,15 @@ def test_metric_means_divide_by_their_counts():
     assert DPOSpecialization().metric_means({"reward_accuracy": 2.0, "num_pairs": 4.0})["reward_accuracy"] == 0.5
 
 
-def test_distill_mode_comes_from_config_with_an_environment_override():
+def test_distill_mode_comes_from_the_resolved_config_and_the_environment_only_for_a_bare_one():
     config = type("C", (), {"distill_kl_mode": "topk"})()
     assert resolve_distill_kl_mode(None, environ={}) == "k3_sample"
     assert resolve_distill_kl_mode(config, environ={}) == "topk"
-    assert resolve_distill_kl_mode(config, environ={"STACX_DISTILL_KL_MODE": "k3_sample"}) == "k3_sample"
+    # The resolved config already carries the override: a worker never re-reads its own environment.
+    assert resolve_distill_kl_mode(config, environ={"STACX_DISTILL_KL_MODE": "k3_sample"}) == "topk"
+    assert resolve_distill_kl_mode(None, environ={"STACX_DISTILL_KL_MODE": "topk"}) == "topk"
     with pytest.raises(ValueError, match="STACX_DISTILL_KL_MODE"):
-        resolve_distill_kl_mode(config, environ={"STACX_DISTILL_KL_MODE": "exact"})
+        resolve_distill_kl_mode(None, environ={"STACX_DISTILL_KL_MODE": "exact"})
     with pytest.raises(ValueError, match="distill_kl_mode 'exact'"):
         resolve_distill_kl_mode(type("C", (), {"distill_kl_mode": "exact"})(), environ={})
 
