@@ -34,6 +34,9 @@ def build_spmd_trainer(run_config):
     from stacx.trainer.runtime.role_runtime import RoleRuntime
     from stacx.trainer.trainer import StacxTrainer
 
+    from stacx.trainer.resolved_config import apply_run_env_overrides
+
+    run_config = apply_run_env_overrides(run_config)  # STACX_* read once, as on the Ray path
     training_config, algorithm = resolve_recipe(run_config)
     if len(training_config.roles) != 1:
         raise ValueError(f"recipe {training_config.name!r} has roles {[r.name for r in training_config.roles]}; "
