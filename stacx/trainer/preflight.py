@@ -78,7 +78,7 @@ def check_checkpoints(run_config, training_config, algorithm) -> None:
             raise PreflightError(f"{flag(arg or 'ref_load')} is not set, but role {role.name!r} needs reference "
                                  "log-probs (its loss, use_kl_loss or use_kl_in_reward); set it to the reference "
                                  "checkpoint or turn the KL term off")
-        if wants:
+        if reference is not None:  # the role's workers load it whenever it is given
             _check_hf_folder(arg, reference, role.name)
 
 

@@ -51,6 +51,7 @@ def test_the_tiny_run_passes(inputs, capsys):
     (["--prompt-data", "builtin:no_such_task"], "--prompt-data builtin:no_such_task"),
     (["--load", "/nonexistent/run"], "--load /nonexistent/run: no such folder"),
     (["--use-kl-loss"], "--ref-load is not set"),
+    (["--ref-load", "/nonexistent/ref"], "--ref-load /nonexistent/ref: no such folder"),
     (["--rollout-engine", "http"], "--rollout-urls"),
     (["--reward-fn", "no_such_module:fn"], "--reward-fn"),
     (["--rollout-max-response-len", "64"], "--rollout-max-response-len"),
