@@ -106,13 +106,16 @@ class RolloutManager:
         teacher_top_k: int = 0,
         seed: int = 0,
         reward_workers: int = 8,
+        reward_timeout_s: Optional[float] = None,
     ):
+        """reward_timeout_s: per-call limit of the reward function (None: its @reward_timeout, else the default)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.reward_fn = resolve_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn
         self.teacher = teacher
         self.teacher_top_k = teacher_top_k
         self.reward_workers = reward_workers
+        self.reward_timeout_s = reward_timeout_s
         self._seeds = itertools.count(seed * 1_000_003)
 
     def generate(
@@ -165,7 +168,7 @@ class RolloutManager:
             return
         results = compute_rewards(
             self.reward_fn, [s.response_text for s in samples], [s.label for s in samples],
-            [s.metadata for s in samples], max_workers=self.reward_workers,
+            [s.metadata for s in samples], max_workers=self.reward_workers, timeout_s=self.reward_timeout_s,
         )
         for s, r in zip(samples, results):
             s.reward, s.reward_error = r.reward, r.error

@@ -252,6 +252,7 @@ class RolloutService:
 
         return RolloutManager(
             self.engine, tokenizer=self.tokenizer, reward_fn=self.rollout.reward_fn,
+            reward_timeout_s=self.rollout.reward_timeout_s,
             teacher=self.teacher if with_teacher else None, teacher_top_k=self.teacher_top_k,
             seed=self.rollout.rollout_seed * 100_003 + step + seed_offset,
         )

@@ -94,6 +94,8 @@ class RolloutSection:
     """Seed of the rollout sampler."""
     reward_fn: str = "exact_match"
     """Built-in reward name or 'module:function' import path."""
+    reward_timeout_s: float | None = None
+    """Seconds one reward call may take before the run stops naming it (unset: the function's @reward_timeout, else 120)."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and over-sample to refill the batch (DAPO)."""
     over_sampling_factor: float = 1.5
@@ -275,17 +277,31 @@ CUSTOM_KEY_SIMILARITY_CUTOFF = 0.85
 """A custom algorithm key at least this similar (difflib ratio) to a known one is taken for a typo."""
 
 
-def check_custom_algorithm_key(key: str, source: str) -> None:
-    """Refuse a custom hyperparameter name that is a near-miss of a known one (`clip_ratio_hgh`):
-    the kernels would silently read the known field's default instead."""
-    if key in ALGORITHM_FIELDS:
+CUSTOM_HYPERPARAMETERS_KEY = "custom_hyperparameters"
+"""`algorithm.custom_hyperparameters: [kl_coef, ...]` declares custom keys that are near a known one
+on purpose; they are exempt from the near-miss check."""
+
+
+def _is_word_subsequence(key: str, known: str) -> bool:
+    """`kl_coef` in `kl_loss_coef`: the key's words (>= 2) appear in order among the known key's."""
+    words, remaining = key.split("_"), iter(known.split("_"))
+    return len(words) >= 2 and key != known and all(word in remaining for word in words)
+
+
+def check_custom_algorithm_key(key: str, source: str, declared=frozenset()) -> None:
+    """Refuse a custom hyperparameter name that is a near-miss of a known one (`clip_ratio_hgh`,
+    `kl_coef` for `kl_loss_coef`): the kernels would silently read the known field's default
+    instead. Keys in `declared` (algorithm.custom_hyperparameters) are accepted as custom."""
+    if key in ALGORITHM_FIELDS or key in declared or key == CUSTOM_HYPERPARAMETERS_KEY:
         return
-    close = difflib.get_close_matches(key, [k for k in ALGORITHM_FIELDS if k != "name"], n=1,
-                                      cutoff=CUSTOM_KEY_SIMILARITY_CUTOFF)
+    known = [k for k in ALGORITHM_FIELDS if k != "name"]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=CUSTOM_KEY_SIMILARITY_CUTOFF)
+    close = close or [k for k in known if _is_word_subsequence(key, k)][:1]
     if close:
         raise ConfigError(
             f"algorithm key '{key}' in {source} looks like a misspelling of the known hyperparameter '{close[0]}'; "
-            "fix the name (a custom hyperparameter must not be a near-miss of a known one; rename it if it is custom)"
+            f"fix the name, or, if '{key}' is a custom hyperparameter on purpose, declare it: "
+            f"algorithm: {{{CUSTOM_HYPERPARAMETERS_KEY}: [{key}]}}"
         )
 
 
@@ -355,7 +371,7 @@ FIELD_MINIMUMS: dict[str, int | float] = {
     "rollout_batch_size": 1, "n_samples_per_prompt": 1, "rollout_max_response_len": 1,
     "eval_interval": 0, "eval_n_samples": 1, "save_rollouts_per_step": 0, "teacher_top_k": 1,
     "teacher_retries": 0, "lr_warmup_steps": 0, "num_steps": 0, "max_tokens_per_micro_batch": 1,
-    "save_interval": 0, "exchange_every_n_steps": 0, "skip_nonfinite_steps": 0,
+    "save_interval": 0, "exchange_every_n_steps": 0, "skip_nonfinite_steps": 0, "reward_timeout_s": 0.001,
 }
 """Smallest allowed value of numeric run-config fields, checked when a value is given (file or flag)."""
 
@@ -396,9 +412,14 @@ class RunConfig:
         for raw_key, value in (values or {}).items():
             key = str(raw_key).replace("-", "_")
             if key == "algorithm" and isinstance(value, dict):
+                declared = value.get(CUSTOM_HYPERPARAMETERS_KEY) or ()
+                if isinstance(declared, str) or not all(isinstance(name, str) for name in declared):
+                    raise ConfigError(f"algorithm.{CUSTOM_HYPERPARAMETERS_KEY} in {source} must be a list of names, "
+                                      f"got {declared!r}")
+                declared = frozenset(str(name).replace("-", "_") for name in declared)
                 for sub_key, sub_value in value.items():
                     sub_key = str(sub_key).replace("-", "_")
-                    check_custom_algorithm_key(sub_key, source)
+                    check_custom_algorithm_key(sub_key, source, declared)
                     algorithm[sub_key] = _coerce_algorithm(sub_key, sub_value, source)
             elif key in SECTIONS and isinstance(value, dict):
                 for sub_key, sub_value in value.items():

@@ -71,3 +71,25 @@ def test_a_process_with_a_hanging_reward_still_exits():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "timed out: reward function" in done.stdout
+
+
+def test_the_run_configs_reward_timeout_reaches_the_manager():
+    from types import SimpleNamespace
+
+    from stacx.rollout.manager import RolloutManager
+    from stacx.trainer.run_config import ConfigError, RunConfig
+
+    manager = RolloutManager(engine=None, reward_fn=sleeps_forever, reward_timeout_s=0.3)
+    hanging = SimpleNamespace(response_text="hang", label=None, metadata={})
+    with pytest.raises(RewardTimeoutError, match=r"within 0.3 s on sample 0"):
+        manager.score_rewards([hanging])
+    assert RunConfig.from_dict({"reward_timeout_s": 5}).rollout.reward_timeout_s == 5.0
+    with pytest.raises(ConfigError, match="--reward-timeout-s"):
+        RunConfig.from_dict({"reward_timeout_s": 0})
+
+    from stacx.trainer.rollout_service import RolloutService
+
+    service = RolloutService.__new__(RolloutService)
+    service.engine, service.tokenizer, service.teacher, service.teacher_top_k = None, None, None, 0
+    service.rollout = RunConfig.from_dict({"reward_timeout_s": 7, "reward_fn": "format"}).rollout
+    assert service.manager(0).reward_timeout_s == 7.0

@@ -148,3 +148,18 @@ def test_every_hyperparameter_the_kernels_read_is_known_with_the_kernels_default
                          if n in ALGORITHM_FIELDS and ALGORITHM_FIELDS[n] is not None and d is not ...
                          and d != ALGORITHM_FIELDS[n]})
     assert not mismatched, f"kernel defaults differ from ALGORITHM_FIELDS: {mismatched}"
+
+
+def test_a_key_close_to_a_known_one_is_refused_unless_declared_custom():
+    """`kl_coef` would silently leave `kl_loss_coef` at its default: refused, naming both and the fix."""
+    from stacx.trainer.run_config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match=r"'kl_coef' in run.yaml looks like a misspelling of .*'kl_loss_coef'.*"
+                                          r"custom_hyperparameters: \[kl_coef\]"):
+        RunConfig.from_dict({"algorithm": {"kl_coef": 0.1}}, source="run.yaml")
+    declared = RunConfig.from_dict({"algorithm": {"kl_coef": 0.1, "custom_hyperparameters": ["kl_coef"]}})
+    assert declared.algorithm.kl_coef == 0.1 and declared.algorithm.kl_loss_coef == ALGORITHM_FIELDS["kl_loss_coef"]
+    for custom in ("pg_temperature", "rank_scale", "rwr_max_weight", "adv_estimator"):  # the examples' keys
+        RunConfig.from_dict({"algorithm": {custom: 1.0}})
+    with pytest.raises(ConfigError, match="custom_hyperparameters in config must be a list of names"):
+        RunConfig.from_dict({"algorithm": {"custom_hyperparameters": "kl_coef"}})
