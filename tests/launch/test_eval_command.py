@@ -8,15 +8,14 @@ are wrong, so greedy pass@1 must be exactly 0.5, for the folder and for the trai
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from safetensors.torch import load_file
 
 from stacx.launch.cli import main
 from stacx.tasks import write_tiny_checkpoint
-from stacx.tasks.data import task_rows
 from stacx.tasks.builtin import get_task
+from stacx.tasks.data import task_rows
 
 
 def test_flag_mistakes_are_named_before_any_model_loads(tmp_path, monkeypatch, capsys):
@@ -34,14 +33,14 @@ def test_flag_mistakes_are_named_before_any_model_loads(tmp_path, monkeypatch, c
         (["eval", "--load", "outputs/run/checkpoints", "--task", "sorting"], "--load outputs/run/checkpoints: folder not found"),
         (["eval", "--hf-checkpoint", "ckpt", "--eval-data", "nope.jsonl"], "--eval-data nope.jsonl: file not found"),
         (["eval", "--hf-checkpoint", "ckpt", "--task", "sortin"], "--task: prompt data 'builtin:sortin/eval'"),
+        (["eval", "--hf-checkpoint", "ckpt", "--task", "sorting", "--reward-fn", "exact"],
+         "--reward-fn: reward_fn 'exact' is neither a built-in"),
     ]
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")
-    for argv, message in cases:
-        started = time.monotonic()
+    for argv, message in cases:  # (how fast a missing folder fails: tests/models/test_checkpoint_path.py)
         assert main(argv) == 2, argv
         assert message in capsys.readouterr().err, argv
-        assert time.monotonic() - started < 10, argv
 
 
 def _rows_half_matching_the_reference_greedy_answer(checkpoint: str, path) -> None:

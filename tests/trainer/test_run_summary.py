@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
 from stacx.launch.cli import main
 from stacx.tasks import write_tiny_checkpoint
 from stacx.trainer.metrics_logger import MetricsLogger

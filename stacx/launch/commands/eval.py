@@ -127,7 +127,10 @@ def evaluate_checkpoint(args) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="stacx-eval-") as scratch_dir:
         data_path, task_max_new_tokens = resolve_eval_data(args, scratch_dir)
-        reward_fn = resolve_reward_fn(args.reward_fn)
+        try:
+            reward_fn = resolve_reward_fn(args.reward_fn)
+        except ValueError as err:
+            raise EvalUsageError(f"--reward-fn: {err}") from None
         model_folder, model_description = resolve_model_folder(args, scratch_dir)
         tokenizer = load_tokenizer(model_folder)
         examples = load_examples(DataConfig(path=data_path, kind="prompt", input_key=args.input_key,
