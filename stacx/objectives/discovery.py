@@ -69,8 +69,12 @@ def _record_source(module: ModuleType) -> None:
 def record_user_module(module_name: str | None) -> None:
     """Ship `module_name` to workers too: a user module that registered a kernel or recipe after a
     plain `import my_algorithm` (guide 001's "import to register"), not through
-    `--custom-module`. `__main__` is never shipped (re-running a script in a worker is not an import)."""
-    if not module_name or module_name == "__main__" or module_name.startswith("stacx.") and not module_name.startswith(USER_PACKAGE):
+    `--custom-module`. Only a top-level module (`my_algorithm`) or a `stacx/custom/` one is shipped
+    this way: `__main__` is not (re-running a script in a worker is not an import), nor a module
+    inside a package (load a package's modules with `--custom-module pkg.module`)."""
+    if not module_name or module_name == "__main__":
+        return
+    if "." in module_name and not module_name.startswith(USER_PACKAGE + "."):
         return
     module = sys.modules.get(module_name)
     if module is not None:
