@@ -82,7 +82,7 @@ class CpuServerProcess:
         if api_key:
             env["STACX_API_KEY"] = api_key
         command = [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", hf_checkpoint, "--port", "0",
-                   "--host", host, "--seed", str(seed)]
+                   "--host", host, "--seed", str(seed), "--parent-pid", str(os.getpid())]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.url = self._wait_for_url(timeout_s)
         # Keep draining the server's output so a chatty server never blocks on a full pipe.

@@ -291,3 +291,41 @@ def test_a_client_without_the_key_is_refused_not_silently_downgraded(engine, new
         assert caught.value.status_code == 401 and client.weight_transport == "shm"
         assert server.shm_registry.paths == [] and engine.weight_version() != 9
         client.shutdown()
+
+
+@pytest.mark.slow
+def test_serve_stops_and_removes_its_files_when_its_parent_is_killed(tiny_checkpoints):
+    import time
+
+    # a stand-in driver that starts `stacx serve --parent-pid <its own pid>`, as CpuServerProcess does
+    driver_script = (
+        "import os, subprocess, sys\n"
+        "subprocess.Popen([sys.executable, '-m', 'stacx', 'serve', '--hf-checkpoint', sys.argv[1], '--port', '0',"
+        " '--parent-pid', str(os.getpid())]).wait()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "STACX_API_KEY"}
+    driver = subprocess.Popen([sys.executable, "-c", driver_script, tiny_checkpoints[0]],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = None
+    try:
+        for line in driver.stdout:
+            if "(ready)" in line:
+                url = line.split(" at ", 1)[1].split(" ", 1)[0]
+                break
+        assert url is not None, "stacx serve did not start"
+        staging = http.post(url + "/stacx/shm_staging", json={}, timeout=10).json()
+        assert os.path.exists(staging["path"])
+        driver.kill()  # SIGKILL: the driver runs no teardown at all
+        driver.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while os.path.exists(staging["path"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(staging["path"]), "the orphaned server kept its staging file"
+        with pytest.raises(http.ConnectionError):
+            for _ in range(100):  # the socket closes right after the files are removed
+                http.get(url + "/health", timeout=2)
+                time.sleep(0.1)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(timeout=10)

@@ -31,6 +31,9 @@ def add_arguments(parser) -> None:
                         help="shared secret required (as 'Authorization: Bearer KEY') by weight updates, pause, "
                              f"continue and flush; default: the {API_KEY_ENV} environment variable, which keeps "
                              "the key out of the process list")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="stop (removing the shared-memory staging files) when the process with this id ends; "
+                             "the trainer passes its own so a killed driver leaves no server behind")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter dtype")
     parser.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
@@ -85,6 +88,39 @@ def build_limits(args):
         raise SystemExit(f"--{field.replace('_', '-')}: {err}") from None
 
 
+PARENT_POLL_S = 1.0
+
+
+def watch_parent(parent_pid: int) -> None:
+    """A daemon thread that sends this process SIGTERM once `parent_pid` is gone (checked every
+    PARENT_POLL_S), so the server's normal shutdown removes its files even after a SIGKILLed driver."""
+    import os
+    import signal
+    import threading
+
+    was_child = os.getppid() == parent_pid
+
+    def parent_alive() -> bool:
+        if was_child:  # a dead parent re-parents us (kill(pid, 0) would still find its zombie)
+            return os.getppid() == parent_pid
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # exists, owned by someone else
+            return True
+        return True
+
+    def watch():
+        while parent_alive():
+            threading.Event().wait(PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    if not parent_alive():
+        raise SystemExit(f"--parent-pid {parent_pid}: no such process")
+    threading.Thread(target=watch, name="stacx-serve-parent-watch", daemon=True).start()
+
+
 def run(args) -> int:
     import signal
 
@@ -108,6 +144,8 @@ def run(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop_on_sigterm)
+    if args.parent_pid is not None:
+        watch_parent(args.parent_pid)
     print(f"stacx serve: {args.hf_checkpoint} at {server.url} (ready)", flush=True)
     try:
         server.serve_forever()
