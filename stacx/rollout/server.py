@@ -36,7 +36,6 @@ Endpoints (SGLang's names unless marked stacx):
 
 from __future__ import annotations
 
-import hmac
 import inspect
 import json
 import logging
@@ -45,11 +44,11 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Optional
 
 from stacx.rollout.cpu_engine import GenerationCancelled
+from stacx.rollout.http_guard import BoundedHTTPServer, HttpError, ServerLimits, check_bearer_token
 from stacx.rollout.http_engine import BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_RELEASE_ENDPOINT, SHM_STAGING_ENDPOINT
 from stacx.rollout.sglang_protocol import parse_generate_payload, render_generate_item
 from stacx.rollout.weight_transfer import SharedMemoryRegistry, decode_bucket_body, unflatten_bucket
@@ -63,40 +62,6 @@ MUTATING_ENDPOINTS = frozenset({
 """Endpoints that change the server's state; with an api_key they need the bearer token."""
 
 _READ_CHUNK_BYTES = 1 << 20
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServerLimits:
-    """Bounds on what one client can make the server hold (see the module docstring)."""
-
-    max_body_bytes: int = 64 * 1024 * 1024
-    """Largest JSON request body; a larger Content-Length is answered 413 before any allocation."""
-    max_weight_body_bytes: int = 16 * 1024 ** 3
-    """Largest binary weight-bucket body (`/stacx/update_weights_bucket`, authenticated)."""
-    read_timeout_s: float = 60.0
-    """Longest wait for any socket read, and for a whole JSON body; idle keep-alive connections close after it."""
-    max_connections: int = 64
-    """Connections served at once (one thread each); more are answered 503 and closed."""
-    max_queued_requests: int = 64
-    """`/generate` calls admitted at once (running or waiting for the engine); more get 503."""
-    stall_timeout_s: float = 300.0
-    """`/health` reports the engine wedged when a call made no progress for this long."""
-
-    def __post_init__(self):
-        for name in ("max_body_bytes", "max_weight_body_bytes", "max_connections", "max_queued_requests"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ServerLimits.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("read_timeout_s", "stall_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"ServerLimits.{name} must be > 0, got {getattr(self, name)}")
-
-
-class HttpError(Exception):
-    """A protocol-level refusal with its status (413, 411, 503, ...) and message."""
-
-    def __init__(self, status: int, message: str, *, close: bool = False):
-        super().__init__(message)
-        self.status, self.close = status, close
 
 
 class PauseGate:
@@ -114,45 +79,6 @@ class PauseGate:
 
     def wait(self, timeout_s: float) -> bool:
         return self._open.wait(timeout_s)
-
-
-class _BoundedHTTPServer(ThreadingHTTPServer):
-    """One thread per connection, at most `max_connections` of them; the rest get 503 and are closed."""
-
-    daemon_threads = True
-
-    def __init__(self, address, handler_cls, *, max_connections: int):
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self.max_connections = max_connections
-        super().__init__(address, handler_cls)
-
-    def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
-            _refuse_connection(request, f"the server is serving its maximum of {self.max_connections} connections")
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
-def _refuse_connection(sock, message: str) -> None:
-    body = json.dumps({"error": message}).encode()
-    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode()
-    try:
-        sock.settimeout(1.0)
-        sock.sendall(head + body)
-    except OSError:
-        pass
 
 
 class EngineHttpServer:
@@ -178,7 +104,7 @@ class EngineHttpServer:
         self._admitted = 0
         self._admitted_lock = threading.Lock()
         self._engine_cancels = engine is not None and "should_stop" in inspect.signature(engine.generate).parameters
-        self._httpd = _BoundedHTTPServer((host, port), _make_handler(self), max_connections=limits.max_connections)
+        self._httpd = BoundedHTTPServer((host, port), _make_handler(self), max_connections=limits.max_connections)
         self._thread: threading.Thread | None = None
 
     @property
@@ -249,16 +175,8 @@ class EngineHttpServer:
         return 200, {"status": "ok"}
 
     def check_authorization(self, header: Optional[str]) -> Optional[tuple[int, str]]:
-        """None when allowed; else (401 or 403, message). The token is compared in constant time."""
-        if self.api_key is None:
-            return None
-        if not header:
-            return 401, "this endpoint needs 'Authorization: Bearer <api key>' (the server's --api-key / STACX_API_KEY)"
-        scheme, _, token = header.strip().partition(" ")
-        presented = token.strip().encode("utf-8", "surrogateescape")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(presented, self.api_key.encode()):
-            return 403, "the API key is wrong"
-        return None
+        """None when allowed; else (401 or 403, message), see `check_bearer_token`."""
+        return check_bearer_token(self.api_key, header)
 
 
 def _make_handler(server: EngineHttpServer):
@@ -427,9 +345,10 @@ def _make_handler(server: EngineHttpServer):
         def _client_gone(self) -> bool:
             """True once the client closed its end (a readable socket with nothing to read)."""
             try:
-                readable, _, _ = select.select([self.connection], [], [], 0)
-                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-            except (OSError, ValueError):
+                poller = select.poll()  # unlike select(), no limit on the descriptor number
+                poller.register(self.connection, select.POLLIN)
+                return bool(poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
                 return True
 
         def _generate(self):

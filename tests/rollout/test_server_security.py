@@ -112,11 +112,11 @@ def test_registry_prefix_is_private_per_server(tmp_path):
 def test_mutating_endpoints_need_the_api_key(engine, monkeypatch):
     import hmac
 
-    from stacx.rollout import server as server_module
+    from stacx.rollout import http_guard
 
     compared = []
     real = hmac.compare_digest
-    monkeypatch.setattr(server_module.hmac, "compare_digest", lambda a, b: compared.append((a, b)) or real(a, b))
+    monkeypatch.setattr(http_guard.hmac, "compare_digest", lambda a, b: compared.append((a, b)) or real(a, b))
     with EngineHttpServer(engine, api_key=API_KEY) as server:
         for endpoint in sorted(MUTATING_ENDPOINTS):
             missing = http.post(server.url + endpoint, json={}, timeout=10)
