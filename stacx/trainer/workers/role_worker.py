@@ -12,7 +12,8 @@ files, `stacx/custom/`) as `user_modules`; the worker executes them under the dr
 names in `__init__`, before any call is unpickled, so a custom kernel, recipe or specialization
 class resolves here even on a node whose file system lacks the file.
 
-Lifecycle: `setup(...)` initializes torch.distributed (gloo on CPU, NCCL on GPU) over the
+Lifecycle: `host_rendezvous` starts the role's rendezvous store on rank 0, bound to the node's
+cluster address (never 0.0.0.0 / ::); `setup(...)` initializes torch.distributed (gloo on CPU, NCCL on GPU) over the
 role's ranks and megatron-core's (tp, cp, dp) groups with `initialize_parallel_layout`;
 `open_exchange(...)` joins an exchange group with another role's workers; `shutdown()` tears
 everything down. Every collective inherits the timeout given to `setup`.
@@ -21,11 +22,36 @@ everything down. Every collective inherits the timeout given to `setup`.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+
+
+def join_role_world(rank: int, world_size: int, *, node_address: str, store_address: str, store_port: int,
+                    hosted_store=None, timeout_s: float) -> None:
+    """`init_process_group` over the role's store, with gloo/NCCL listening on `node_address`'s interface.
+
+    Rank 0 passes the store it hosts (`exchange.host_store`, bound to its node address); the other
+    ranks connect to `store_address:store_port`. No `tcp://` or `env://` rendezvous is involved:
+    torch's own would listen on every interface.
+    """
+    import torch.distributed as dist
+
+    from stacx.parallel.groups import default_backend
+    from stacx.trainer.workers.node_interface import bind_collectives_to_node
+
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        if hosted_store is None:
+            raise ValueError("join_role_world: rank 0 must pass the store it hosts (hosted_store)")
+        store = hosted_store
+    else:
+        store = dist.TCPStore(store_address, store_port, None, False, timeout)
+    # gloo (the default group and megatron-core's groups) and NCCL listen on the node's interface.
+    bind_collectives_to_node(node_address)
+    dist.init_process_group(backend=default_backend(), store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
 
 
 class RoleWorker:
@@ -43,6 +69,8 @@ class RoleWorker:
         """Whatever plugged-in code keeps between calls (model, optimizer, data iterator...)."""
         self.exchanges: dict[str, Any] = {}
         self._hosted_stores: dict[str, Any] = {}
+        self._rendezvous_store = None
+        """Rank 0: the role's torch.distributed store, started by `host_rendezvous` and used by `setup`."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.user_module_names: list[str] = []
@@ -70,24 +98,33 @@ class RoleWorker:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
 
-    def reserve_rendezvous(self) -> tuple[str, int]:
-        """(node ip, free port) for rank 0 to host the role's torch.distributed rendezvous."""
+    def host_rendezvous(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: start the role's rendezvous store on this node's cluster address; returns (address, port).
+
+        The store (`exchange.host_store`: its listening socket bound to the node address, never to
+        0.0.0.0 / ::) is kept for `setup`, which hands it to `init_process_group`; the other ranks
+        connect to (address, port).
+        """
         import ray
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        from stacx.trainer.workers.exchange import host_store
+
+        if self.rank != 0:
+            raise ValueError(f"role {self.role_name!r}: host_rendezvous runs on rank 0, not rank {self.rank}")
+        node_address = ray.util.get_node_ip_address()  # the node's cluster address: 127.0.0.1 on a local cluster
+        self._rendezvous_store, port = host_store(node_address, timeout_s)
+        return node_address, port
 
     def setup(self, rank: int, world_size: int, master_addr: str, master_port: int,
               tensor_parallel_size: int = 1, context_parallel_size: int = 1, timeout_s: float = 300.0) -> dict:
         """Join the role's torch.distributed world and build its megatron-core (tp, cp, dp) groups.
 
-        Must run on every rank of the role at the same time. Returns this rank's coordinates.
+        Must run on every rank of the role at the same time, after `host_rendezvous` on rank 0, whose
+        store at (`master_addr`, `master_port`) the other ranks join. Returns this rank's coordinates.
         """
-        import torch.distributed as dist
+        import ray
 
-        from stacx.parallel.groups import default_backend, initialize_parallel_layout
+        from stacx.parallel.groups import initialize_parallel_layout
 
         if (rank, world_size) != (self.rank, self.world_size):
             raise ValueError(
@@ -99,13 +136,11 @@ class RoleWorker:
         if torch.cuda.is_available():
             # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, which is then device 0.
             torch.cuda.set_device(0)
-        dist.init_process_group(
-            backend=default_backend(),
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        if rank == 0 and self._rendezvous_store is None:
+            raise RuntimeError(f"role {self.role_name!r}: rank 0 has no rendezvous store; "
+                               "call host_rendezvous before setup (RoleWorkers.submit_setup does)")
+        join_role_world(rank, world_size, node_address=ray.util.get_node_ip_address(), store_address=master_addr,
+                        store_port=master_port, hosted_store=self._rendezvous_store, timeout_s=timeout_s)
         self.groups = initialize_parallel_layout(tensor_parallel_size, context_parallel_size, timeout_s=timeout_s)
         return {
             "rank": rank,
@@ -205,3 +240,4 @@ class RoleWorker:
             self.close_exchange(name)
         destroy_parallel_layout()
         self.groups = None
+        self._rendezvous_store = None

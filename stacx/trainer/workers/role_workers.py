@@ -147,7 +147,9 @@ class RoleWorkers:
     # ---- lifecycle ----------------------------------------------------------------------
     def submit_setup(self, timeout_s: float | None = None) -> PendingCall:
         """Start torch.distributed + megatron group initialization on every rank."""
-        master_addr, master_port = self.execute_rank0("reserve_rendezvous", timeout_s=timeout_s or 300.0)
+        # Rank 0 hosts the store on its node's cluster address; the other ranks connect to it.
+        master_addr, master_port = self.execute_rank0("host_rendezvous", self.collective_timeout_s,
+                                                      timeout_s=timeout_s or 300.0)
         refs = [
             actor.setup.remote(rank, self.num_ranks, master_addr, master_port, self.tensor_parallel_size,
                                self.context_parallel_size, self.collective_timeout_s)
