@@ -4,7 +4,10 @@ Two `ray start --block` processes (each in its own session) form the cluster: th
 custom resource `node_a`, a second node with `node_b`. The cluster check entry point
 (`python -m stacx.trainer.workers.cluster_check`) pins rank 0 to node_a and rank 1 to node_b,
 runs TP=2 and world all-reduces across them plus an exchange transfer, and verifies the results
-against exact float64 sums; the tests re-check them here. The cluster uses a private auth token
+against exact float64 sums; the tests re-check them here. Unlike Stacx's private local clusters
+(127.0.0.1), a multi-node `ray start` cluster takes the host's address: Ray rewrites a loopback
+`--node-ip-address` to it, and a second node cannot join a head bound to loopback. The private
+auth token keeps other local users out. The cluster uses a private auth token
 and temp dir, and teardown signals only the two sessions it started (never a machine-wide
 `ray stop`, which would end other users' clusters).
 """
@@ -123,13 +126,12 @@ def two_node_cluster():
         start("head", ["--head", f"--port={gcs_port}", "--num-cpus=2", '--resources={"node_a": 2}',
                        f"--object-store-memory={OBJECT_STORE_BYTES}", "--include-dashboard=true",
                        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}",
-                       "--node-ip-address=127.0.0.1",
                        f"--ray-client-server-port={_free_port()}", *_private_agent_ports(), "--disable-usage-stats"])
         with open(os.path.join(temp_dir, "head.log")) as f:
             head_log = f.read()
         address = next(line.split("--address='")[1].split("'")[0] for line in head_log.splitlines()
                        if "ray start --address=" in line)
-        start("node_b", [f"--address={address}", "--node-ip-address=127.0.0.1", "--num-cpus=2", '--resources={"node_b": 2}',
+        start("node_b", [f"--address={address}", "--num-cpus=2", '--resources={"node_b": 2}',
                          f"--object-store-memory={OBJECT_STORE_BYTES}", *_private_agent_ports(),
                          "--disable-usage-stats"])
         dashboard = f"http://127.0.0.1:{dashboard_port}"
