@@ -1,9 +1,14 @@
 """An in-process inference engine on CPU, built from the same model definition as the trainer.
 
-It has no KV cache: each decoding step runs one packed forward over every active sequence
-(prompt + tokens so far), so a batch costs O(steps) forwards of the whole row. That is what a
-tiny CPU model needs, and it makes the log-probs bit-comparable with the trainer's packed
-forward (same kernel, same packing of one sequence per segment).
+Two decoders, chosen by `decoding=`:
+
+- "kv_cache" (default): the batch's prompts run once (left-padded), then each step is one
+  forward of the newest token of every active row against a KV cache, on a `transformers`
+  mirror of the megatron model (stacx.rollout.kv_cache_decoding). Its fp32 log-probs match the
+  trainer's packed forward to ~1e-6.
+- "packed": no KV cache; each step runs one packed forward of the trainer's own model over
+  every active sequence (prompt + tokens so far): O(steps) forwards of the whole rows, bit-for-bit
+  the trainer's kernel. The reference the cached path is tested against.
 
 Log-prob convention: see stacx.rollout.types (log_softmax(logits / T) over the real vocab).
 """
@@ -19,6 +24,9 @@ import torch
 from stacx.rollout.engine import InferenceEngine, WeightBucket
 from stacx.rollout.weight_loading import HfWeightReceiver
 from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
+
+DECODINGS = ("kv_cache", "packed")
+"""`CpuEngine(decoding=...)` values: see the module docstring."""
 
 WeightLoader = Callable[[torch.nn.Module, Sequence[tuple[str, torch.Tensor]]], None]
 
@@ -70,6 +78,16 @@ def _id_pairs(log_probs_V: torch.Tensor, token_ids: Sequence[int]) -> list[tuple
     return [(float(log_probs_V[t]), int(t)) for t in token_ids]
 
 
+def _first_prompt_logit(request: GenerateRequest) -> int:
+    """The first prompt position whose next-token logits the request needs: the last one always
+    (it predicts the first new token), and from logprob_start_len - 1 on when it asks for prompt
+    log-probs."""
+    last = len(request.input_ids) - 1
+    if request.return_logprob and request.logprob_start_len >= 0:
+        return min(max(request.logprob_start_len, 1) - 1, last)
+    return last
+
+
 def ensure_single_process_layout():
     """megatron-core builds its layers from its global groups, even for one process: create a
     world of one gloo rank (in-memory store, no port) and the trivial tp = cp = dp = 1 layout.
@@ -102,14 +120,18 @@ class CpuEngine(InferenceEngine):
     model: built by `stacx.models.build_model(..., ProcessGroups.single_process())`.
     weight_loader: copies (hf_name, tensor) pairs into the model (default: stacx.models).
     eos_token_id: generation stops after it unless a request sets ignore_eos.
+    decoding: "kv_cache" (default; a cached decoder that mirrors the model's weights) or
+        "packed" (no cache, the trainer's packed forward at every step).
     """
 
     def __init__(self, model, *, eos_token_id: Optional[int] = None, weight_loader: Optional[WeightLoader] = None,
-                 seed: int = 0, model_path: str = ""):
+                 seed: int = 0, model_path: str = "", decoding: str = "kv_cache"):
         from stacx.models import hf_config_of
 
         from stacx.parallel.groups import ProcessGroups
 
+        if decoding not in DECODINGS:
+            raise ValueError(f"CpuEngine decoding={decoding!r} is not one of {DECODINGS}")
         self.model = model.eval()
         self.groups = ProcessGroups.single_process()
         self.vocab_size = int(hf_config_of(model).vocab_size)
@@ -125,9 +147,16 @@ class CpuEngine(InferenceEngine):
         self._resumed.set()
         self._version = 0
         self._progress_at: Optional[float] = None  # monotonic time of the last step while a call runs
+        self.decoding = decoding
+        self._cached_decoder = None
+        if decoding == "kv_cache":
+            from stacx.rollout.kv_cache_decoding import KvCacheDecoder
+
+            self._cached_decoder = KvCacheDecoder(self.model, self.groups)
 
     @classmethod
-    def from_hf_checkpoint(cls, path: str, *, params_dtype: torch.dtype = torch.float32, seed: int = 0) -> "CpuEngine":
+    def from_hf_checkpoint(cls, path: str, *, params_dtype: torch.dtype = torch.float32, seed: int = 0,
+                           decoding: str = "kv_cache") -> "CpuEngine":
         """Build the model from `path`'s config.json, load its weights, read eos from its config."""
         from stacx.models import build_model, load_hf_checkpoint
         from stacx.models.architectures import load_hf_config
@@ -139,7 +168,7 @@ class CpuEngine(InferenceEngine):
         eos = getattr(config, "eos_token_id", None)
         if isinstance(eos, (list, tuple)):
             eos = eos[0] if eos else None
-        return cls(model, eos_token_id=eos, seed=seed, model_path=str(path))
+        return cls(model, eos_token_id=eos, seed=seed, model_path=str(path), decoding=decoding)
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -183,7 +212,9 @@ class CpuEngine(InferenceEngine):
                 raise GenerationCancelled("the caller stopped waiting for the engine")
         try:
             self._progress_at = time.monotonic()
-            return self._generate_locked(requests, should_stop)
+            if self._cached_decoder is not None:
+                return self._generate_cached(requests, should_stop)
+            return self._generate_packed(requests, should_stop)
         finally:
             self._progress_at = None
             self._lock.release()
@@ -193,8 +224,9 @@ class CpuEngine(InferenceEngine):
         progress_at = self._progress_at
         return 0.0 if progress_at is None else time.monotonic() - progress_at
 
-    def _generate_locked(self, requests: Sequence[GenerateRequest],
+    def _generate_packed(self, requests: Sequence[GenerateRequest],
                          should_stop: Optional[Callable[[], bool]] = None) -> list[GenerateOutput]:
+        """The "packed" decoder: every step, one packed forward of all active (prompt + tokens) rows."""
         outputs = [GenerateOutput(output_ids=[], weight_version=self._version) for _ in requests]
         generators = [
             torch.Generator().manual_seed(r.sampling.seed) if r.sampling.seed is not None else self._generator
@@ -219,30 +251,92 @@ class CpuEngine(InferenceEngine):
                     continue
                 last = log_probs_LV[-1]
                 token = sample_token(last, request.sampling, generators[i])
-                out.output_ids.append(token)
                 sequences[i].append(token)
-                if request.return_logprob:
-                    out.output_log_probs.append(float(last[token]))
-                    if request.top_logprobs_num:
-                        out.output_top_log_probs.append(_top_pairs(last, request.top_logprobs_num))
-                    if request.token_ids_logprob:
-                        out.output_token_ids_log_probs.append(_id_pairs(last, request.token_ids_logprob))
-                stop_ids = set(request.sampling.stop_token_ids)
-                if not request.sampling.ignore_eos and self.eos_token_id is not None:
-                    stop_ids.add(self.eos_token_id)
-                if token in stop_ids:
-                    out.finish_reason = "stop"
-                elif len(out.output_ids) >= request.sampling.max_new_tokens:
-                    out.finish_reason = "length"
-                else:
+                if self._record_token(out, request, token, float(last[token]), last):
                     still_active.append(i)
             active = still_active
             first_step = False
         return outputs
 
+    def _generate_cached(self, requests: Sequence[GenerateRequest],
+                         should_stop: Optional[Callable[[], bool]] = None) -> list[GenerateOutput]:
+        """The "kv_cache" decoder: one prefill of the whole batch, then one cached forward per step.
+
+        Same choices as `_generate_packed` (same sampling helpers, same generator draws in request
+        order), so a seed reproduces a sample and greedy decoding picks the same tokens.
+        """
+        outputs = [GenerateOutput(output_ids=[], weight_version=self._version) for _ in requests]
+        generators = [
+            torch.Generator().manual_seed(r.sampling.seed) if r.sampling.seed is not None else self._generator
+            for r in requests
+        ]
+        prompt_starts = [_first_prompt_logit(r) for r in requests]
+        num_prompt_logits = max(len(r.input_ids) - start for r, start in zip(requests, prompt_starts))
+        batch = self._cached_decoder.prefill([r.input_ids for r in requests], num_prompt_logits)
+        self._progress_at = time.monotonic()
+        for i, (request, start) in enumerate(zip(requests, prompt_starts)):
+            if request.return_logprob and request.logprob_start_len >= 0:
+                first_index = num_prompt_logits - len(request.input_ids) + start
+                log_probs_LV = sampling_log_probs(batch.prompt_logits_BKV[i, first_index:],
+                                                  request.sampling.temperature)
+                self._fill_prompt_fields(outputs[i], request, log_probs_LV, first_position=start)
+        active = [i for i, r in enumerate(requests) if r.sampling.max_new_tokens > 0]
+        logits_BV = batch.prompt_logits_BKV[:, -1]
+        if len(active) < len(requests):  # max_new_tokens = 0: prompt fields only
+            for i in set(range(len(requests))) - set(active):
+                outputs[i].finish_reason = "length"
+            batch.keep_rows(active)
+            logits_BV = logits_BV[active]
+        while active:
+            if should_stop is not None and should_stop():
+                raise GenerationCancelled(f"stopped after {len(outputs[active[0]].output_ids)} generated tokens")
+            temperatures_B1 = torch.tensor([[requests[i].sampling.temperature or 1.0] for i in active])
+            log_probs_BV = torch.log_softmax(logits_BV / temperatures_B1, dim=-1)
+            greedy_B = log_probs_BV.argmax(dim=-1).tolist()
+            tokens = [greedy_B[row] if requests[i].sampling.temperature == 0
+                      else sample_token(log_probs_BV[row], requests[i].sampling, generators[i])
+                      for row, i in enumerate(active)]
+            chosen_B = log_probs_BV.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+            kept_rows = []
+            for row, i in enumerate(active):
+                if self._record_token(outputs[i], requests[i], tokens[row], chosen_B[row], log_probs_BV[row]):
+                    kept_rows.append(row)
+            if not kept_rows:
+                break
+            batch.keep_rows(kept_rows)
+            active = [active[row] for row in kept_rows]
+            logits_BV = batch.step([tokens[row] for row in kept_rows])
+            self._progress_at = time.monotonic()
+        return outputs
+
+    def _record_token(self, out: GenerateOutput, request: GenerateRequest, token: int, log_prob: float,
+                      log_probs_V: torch.Tensor) -> bool:
+        """Append a generated token (and its log-prob fields); return whether the request goes on."""
+        out.output_ids.append(token)
+        if request.return_logprob:
+            out.output_log_probs.append(log_prob)
+            if request.top_logprobs_num:
+                out.output_top_log_probs.append(_top_pairs(log_probs_V, request.top_logprobs_num))
+            if request.token_ids_logprob:
+                out.output_token_ids_log_probs.append(_id_pairs(log_probs_V, request.token_ids_logprob))
+        stop_ids = set(request.sampling.stop_token_ids)
+        if not request.sampling.ignore_eos and self.eos_token_id is not None:
+            stop_ids.add(self.eos_token_id)
+        if token in stop_ids:
+            out.finish_reason = "stop"
+        elif len(out.output_ids) >= request.sampling.max_new_tokens:
+            out.finish_reason = "length"
+        else:
+            return True
+        return False
+
     @staticmethod
-    def _fill_prompt_fields(out: GenerateOutput, request: GenerateRequest, log_probs_LV: torch.Tensor) -> None:
-        """Prompt position p >= logprob_start_len: log p(prompt[p] | prompt[:p]); None at p = 0."""
+    def _fill_prompt_fields(out: GenerateOutput, request: GenerateRequest, log_probs_LV: torch.Tensor,
+                            first_position: int = 0) -> None:
+        """Prompt position p >= logprob_start_len: log p(prompt[p] | prompt[:p]); None at p = 0.
+
+        log_probs_LV[k] holds the log-probs after prompt position first_position + k.
+        """
         prompt = request.input_ids
         for p in range(request.logprob_start_len, len(prompt)):
             if p == 0:
@@ -250,7 +344,7 @@ class CpuEngine(InferenceEngine):
                 out.input_top_log_probs.append(None)
                 out.input_token_ids_log_probs.append(None)
                 continue
-            row = log_probs_LV[p - 1]
+            row = log_probs_LV[p - 1 - first_position]
             out.input_log_probs.append(float(row[prompt[p]]))
             out.input_top_log_probs.append(_top_pairs(row, request.top_logprobs_num) if request.top_logprobs_num else None)
             out.input_token_ids_log_probs.append(
@@ -260,6 +354,8 @@ class CpuEngine(InferenceEngine):
     def load_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the model (no version change)."""
         with self._lock:
+            if self._cached_decoder is not None:
+                self._cached_decoder.mark_stale()
             if self._weight_loader is not None:
                 self._weight_loader(self.model, named_tensors)
             else:
