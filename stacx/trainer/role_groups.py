@@ -11,6 +11,9 @@ The loop (`StacxTrainer`) only uses this small surface:
   process's runtime and all-gathers the results, so every process sees every rank's result.
 - `RayChannel` / `TorchrunChannel`: the driver is the Ray driver, or rank 0 of torchrun, whose
   values (the step's samples, a checkpoint's staging folder) are broadcast to the other ranks.
+
+On torchrun, values travel as `rank_messages` (JSON plus raw tensor bytes), never as pickles: a
+process that reached the job's connections cannot make a rank unpickle (run) anything.
 """
 
 from __future__ import annotations
@@ -67,11 +70,9 @@ class LocalRoleGroup:
 
     @staticmethod
     def _gather(value) -> list:
-        import torch.distributed as dist
+        from stacx.trainer.rank_messages import all_gather_values
 
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, value)
-        return gathered
+        return all_gather_values(value)  # JSON and raw tensor bytes, never pickle
 
     def call(self, method: str, args_per_rank: Sequence[tuple]) -> list:
         return self._gather(getattr(self.runtime, method)(*args_per_rank[self.rank]))
@@ -101,11 +102,9 @@ class TorchrunChannel:
         self.is_driver = dist.get_rank() == 0
 
     def share(self, value: Any) -> Any:
-        import torch.distributed as dist
+        from stacx.trainer.rank_messages import broadcast_value
 
-        holder = [value if self.is_driver else None]
-        dist.broadcast_object_list(holder, src=0)
-        return holder[0]
+        return broadcast_value(value, src=0)  # JSON and raw tensor bytes, never pickle
 
     def barrier(self) -> None:
         import torch.distributed as dist
