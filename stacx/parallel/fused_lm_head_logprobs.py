@@ -2,35 +2,42 @@
 
 The unfused path materializes the logits shard z = h W^T [T, V/tp] (and, in backward, its
 gradient of the same size) before `vocab_parallel_log_probs_and_entropy` reads it. This module
-computes the same values chunk by chunk of tokens, so no [T, V/tp] tensor ever exists:
+computes the same values tile by tile, so no [T, V/tp] tensor ever exists:
 
     h [T, H] hidden states (replicated on the TP group),  W [V/tp, H] this rank's vocab rows
-    z_C = h_C W^T                                          [C, V/tp], one chunk of C tokens
+    tile: C tokens x B vocab rows,  z_CB = h_C W_B^T      [C, B]
     s = z / temperature,   lse_t = log sum_v exp(s_tv) over the FULL vocab
     log p(id | t) = s_t,id - lse_t,   H_t = lse_t - sum_v p_tv s_tv
 
-Forward: per chunk, the shard statistics of `vocab_parallel.local_chunk_statistics` (local
-log-sum-exp, local mean of s, s at the owned ids) are written into a small [rows, T] buffer and
-the chunk's logits are dropped. ONE all-gather of that buffer over the TP group and
-`vocab_parallel.combine_shard_statistics` give lse, entropy and s at the ids.
+Why tiles over vocab blocks and not only chunks of tokens: a chunk of C tokens against the whole
+shard reads all of W (and read-modify-writes an fp32 dW) once per chunk, so at small C the matmuls
+are bound by memory traffic (measured 3.6x the unfused time at C = 2 on CPU; on a GPU,
+151,936 x 2048 bf16 is 0.6 GB per pass). The outer loop runs over vocab blocks W_B, the inner one
+over token chunks (by default one chunk of all tokens up to 4096), so W is read once per pass
+and each block of dW is written once.
 
-Backward: per chunk, the logits are recomputed (one extra [C, H] x [H, V/tp] matmul), the
-softmax gradient g_C = d/dz [C, V/tp] is formed exactly as in `vocab_parallel` (same helpers:
-d log p(id)/ds_v = [v == id] - p_v, dH/ds_v = -p_v (log p_v + H), d/dz = (d/ds) / temperature), and
+Forward: per tile, the statistics of `vocab_parallel.local_chunk_statistics` (log-sum-exp, mean
+of s, s at the ids the block owns) fill a small [blocks, rows, T] buffer and the tile is dropped.
+`vocab_parallel.combine_shard_statistics` combines the blocks exactly as it combines TP shards;
+then ONE all-gather of this rank's [rows, T] statistics over the TP group combines the ranks.
 
-    dL/dh_C  = g_C W       [C, H]      (partial: this rank's vocab rows only)
-    dL/dW   += g_C^T h_C   [V/tp, H]
+Backward: per tile, the logits are recomputed (one extra matmul: 4 instead of the unfused 3),
+the softmax gradient g = d/dz [C, B] is formed with `vocab_parallel`'s own helper
+(d log p(id)/ds_v = [v == id] - p_v, dH/ds_v = -p_v (log p_v + H), d/dz = (d/ds) / temperature),
+rounded to the inputs' dtype as the unfused path does, and
+
+    dL/dh_C += g W_B       [C, H]   (fp32 accumulator; partial: this rank's vocab rows only)
+    dL/dW_B  = g^T h_C     [B, H]   (summed in fp32 over token chunks when there are several)
 
 The hidden states feed every TP rank's shard, so their gradient is the sum of the partial
 gradients over the TP group: ONE all-reduce of dL/dh [T, H] in backward (what megatron's
 `copy_to_tensor_model_parallel_region` does in front of the unfused output layer).
 
-Memory: saved for backward are h, W (both alive anyway), the ids, lse [T] and H [T] only when
-entropy needs a gradient. Beyond the inputs' own gradients (dL/dh [T, H]; dL/dW [V/tp, H] kept in
-fp32 while it accumulates), the peak is a few chunk-sized temporaries: the recomputed logits
-(C * V/tp in the input dtype), two fp32 C * V/tp buffers and the gradient cast back to the input
-dtype — never [T, V/tp]. At the default chunk (`default_chunk_tokens`: at most 2^23 elements and
-1/32 of the tokens) that is about 12 bytes * C * V/tp for bf16.
+Memory: saved for backward are h, W (both alive anyway), the ids, lse [T], and H [T] only when
+entropy needs a gradient. Beyond the inputs' own gradients, the peak is the fp32 dL/dh
+accumulator [T, H] plus a few tile-sized temporaries (the recomputed logits in the inputs'
+dtype, two fp32 C x B buffers, the gradient cast back to the inputs' dtype): about
+12 bytes * C * B for bf16, with B <= V/tp / 64 by default — never [T, V/tp].
 
 Not handled: an output-layer bias (Qwen/Llama heads have none) and sequence parallelism (the
 hidden states must be the full [T, H] on every TP rank, as without sequence parallelism).
@@ -48,22 +55,51 @@ from stacx.parallel.collectives import all_gather_stacked, all_reduce_sum_, grou
 from stacx.parallel.vocab_parallel import (
     _chunk_grad_s,
     combine_shard_statistics,
-    default_chunk_tokens,
     local_chunk_statistics,
     shifted_fp32_chunk,
 )
 
 
-def chunk_logits(hidden_CH: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tensor:
-    """z = h W^T for one chunk: [C, H] x [V/tp, H] -> [C, V/tp] in the inputs' dtype."""
-    return hidden_CH @ weight_VH.t()
+#: The default tile holds all tokens up to this many (one pass over the weight per block).
+DEFAULT_MAX_CHUNK_TOKENS = 4096
+#: The local vocab is cut into at least this many blocks, so the tile's few fp32 temporaries stay
+#: under about 1/10 of the logits shard they replace (about 12 bytes * T * V/tp / 64 for bf16).
+DEFAULT_VOCAB_BLOCKS = 64
+#: ... and a tile holds at most this many logits (32 MiB per fp32 temporary).
+DEFAULT_TILE_ELEMENTS = 1 << 23
+#: Narrower blocks make the matmuls inefficient; small vocabularies take fewer, wider blocks.
+MIN_VOCAB_BLOCK = 256
+
+
+def tile_logits(hidden_CH: torch.Tensor, weight_BH: torch.Tensor) -> torch.Tensor:
+    """z = h W^T for one tile: [C, H] x [B, H] -> [C, B] in the inputs' dtype."""
+    return hidden_CH @ weight_BH.t()
+
+
+def default_tile(num_tokens: int, vocab_local: int) -> tuple[int, int]:
+    """(chunk_tokens, vocab_block) of the default tile.
+
+    chunk_tokens = min(T, DEFAULT_MAX_CHUNK_TOKENS); vocab_block = min(V/tp, max(MIN_VOCAB_BLOCK,
+    min(ceil(V/tp / DEFAULT_VOCAB_BLOCKS), DEFAULT_TILE_ELEMENTS // chunk_tokens))).
+    """
+    chunk_tokens = max(1, min(num_tokens, DEFAULT_MAX_CHUNK_TOKENS))
+    by_fraction = -(-vocab_local // DEFAULT_VOCAB_BLOCKS)
+    by_elements = DEFAULT_TILE_ELEMENTS // chunk_tokens
+    return chunk_tokens, max(1, min(vocab_local, max(MIN_VOCAB_BLOCK, min(by_fraction, by_elements))))
+
+
+def block_ids(local_ids_TK: torch.Tensor, owned_TK: torch.Tensor, block_start: int, block_end: int):
+    """Ids relative to the vocab block [block_start, block_end) of the shard and where the block owns them."""
+    owned_TK = owned_TK & (local_ids_TK >= block_start) & (local_ids_TK < block_end)
+    return (local_ids_TK - block_start).clamp_(0, block_end - block_start - 1), owned_TK
 
 
 class _FusedLMHeadLogProbs(torch.autograd.Function):
     """(hidden [T, H], weight [V/tp, H], ids [T, K]) -> (log-probs [T, K] fp32, entropy [T] fp32 or empty)."""
 
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, ids_TK, tp_group, temperature, chunk_tokens, with_entropy, entropy_grad):
+    def forward(ctx, hidden_TH, weight_VH, ids_TK, tp_group, temperature, chunk_tokens, vocab_block,
+                with_entropy, entropy_grad):
         ctx.set_materialize_grads(False)
         num_tokens = hidden_TH.shape[0]
         vocab_local = weight_VH.shape[0]
@@ -71,18 +107,29 @@ class _FusedLMHeadLogProbs(torch.autograd.Function):
         local_ids_TK = (ids_TK - vocab_start).clamp_(0, vocab_local - 1)
         owned_TK = (ids_TK >= vocab_start) & (ids_TK < vocab_start + vocab_local)
         rows = 1 + int(with_entropy) + ids_TK.shape[1]
-        stats_rT = torch.empty(rows, num_tokens, dtype=torch.float32, device=hidden_TH.device)
-        for start in range(0, num_tokens, chunk_tokens):
-            end = min(start + chunk_tokens, num_tokens)
-            logits_CV = chunk_logits(hidden_TH[start:end], weight_VH)
-            stats_rT[:, start:end] = local_chunk_statistics(
-                logits_CV, temperature, local_ids_TK[start:end], owned_TK[start:end], with_entropy
-            )
-            del logits_CV
+        block_starts = range(0, vocab_local, vocab_block)
+        # Each vocab block is combined like one more shard: [blocks, rows, T], then over TP.
+        stats_brT = torch.empty(len(block_starts), rows, num_tokens, dtype=torch.float32, device=hidden_TH.device)
+        for block, block_start in enumerate(block_starts):
+            block_end = min(block_start + vocab_block, vocab_local)
+            weight_BH = weight_VH[block_start:block_end]
+            ids_in_block_TK, owned_by_block_TK = block_ids(local_ids_TK, owned_TK, block_start, block_end)
+            for start in range(0, num_tokens, chunk_tokens):
+                end = min(start + chunk_tokens, num_tokens)
+                logits_CB = tile_logits(hidden_TH[start:end], weight_BH)
+                stats_brT[block, :, start:end] = local_chunk_statistics(
+                    logits_CB, temperature, ids_in_block_TK[start:end], owned_by_block_TK[start:end], with_entropy
+                )
+                del logits_CB
+        lse_T, entropy_T, s_ids_KT = combine_shard_statistics(stats_brT, with_entropy)
+        # This rank's statistics in the layout of one shard: E_r[s] = lse_r - H_r.
+        rank_rows = [lse_T.unsqueeze(0)] + ([(lse_T - entropy_T).unsqueeze(0)] if with_entropy else []) + [s_ids_KT]
+        stats_rT = torch.cat(rank_rows, dim=0)
         lse_T, entropy_T, s_ids_KT = combine_shard_statistics(all_gather_stacked(stats_rT, tp_group), with_entropy)
         log_probs_TK = (s_ids_KT - lse_T).t().contiguous()
 
-        ctx.tp_group, ctx.temperature, ctx.chunk_tokens = tp_group, temperature, chunk_tokens
+        ctx.tp_group, ctx.temperature = tp_group, temperature
+        ctx.chunk_tokens, ctx.vocab_block = chunk_tokens, vocab_block
         ctx.entropy_grad = with_entropy and entropy_grad
         ctx.save_for_backward(hidden_TH, weight_VH, local_ids_TK, owned_TK, lse_T, entropy_T if ctx.entropy_grad else None)
         if entropy_T is None:
@@ -98,45 +145,68 @@ class _FusedLMHeadLogProbs(torch.autograd.Function):
             grad_entropy_T = None
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_log_probs_TK is None and grad_entropy_T is None) or not (need_hidden or need_weight):
-            return (None,) * 8
+            return (None,) * 9
+        grad_sum_T = None
         if grad_log_probs_TK is not None:
             # Every id's gradient reaches every shard through lse (the -p_v term: sum over all K);
-            # the [v == id] term lands only on the shard that owns the id.
+            # the [v == id] term lands only on the block that owns the id.
             grad_sum_T = grad_log_probs_TK.float().sum(dim=1)
-            grad_log_probs_TK = grad_log_probs_TK.float() * owned_TK
-        grad_hidden_TH = torch.empty_like(hidden_TH) if need_hidden else None
-        # Accumulated over chunks in fp32 (one rounding at the end, as one unfused matmul would).
-        grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_weight else None
-        num_tokens = hidden_TH.shape[0]
-        for start in range(0, num_tokens, ctx.chunk_tokens):
-            end = min(start + ctx.chunk_tokens, num_tokens)
-            hidden_CH = hidden_TH[start:end]
-            logits_CV = chunk_logits(hidden_CH, weight_VH)
-            log_p_CV = shifted_fp32_chunk(logits_CV, ctx.temperature, lse_T[start:end])
-            del logits_CV
-            grad_s_CV = _chunk_grad_s(
-                log_p_CV,
-                None if grad_log_probs_TK is None else grad_sum_T[start:end],
-                None if grad_entropy_T is None else (grad_entropy_T[start:end].float(), entropy_T[start:end]),
-            )
-            if grad_log_probs_TK is not None:
-                grad_s_CV.scatter_add_(1, local_ids_TK[start:end], grad_log_probs_TK[start:end])
-            if ctx.temperature != 1.0:
-                grad_s_CV.div_(ctx.temperature)
-            # The unfused path rounds d/dz to the logits' dtype before its matmuls: do the same.
-            grad_z_CV = grad_s_CV if hidden_TH.dtype == torch.float32 else grad_s_CV.to(hidden_TH.dtype)
-            if need_hidden:
-                torch.matmul(grad_z_CV, weight_VH, out=grad_hidden_TH[start:end])
-            if need_weight:
-                if grad_z_CV is not grad_s_CV:
-                    grad_s_CV.copy_(grad_z_CV)  # the rounded values, accumulated in fp32 without a new buffer
-                grad_weight_VH.addmm_(grad_s_CV.t(), hidden_CH.float())
-            del log_p_CV, grad_s_CV, grad_z_CV
+            grad_log_probs_TK = grad_log_probs_TK.float()
+        entropy_terms_T = None if grad_entropy_T is None else (grad_entropy_T.float(), entropy_T)
+        num_tokens, vocab_local = hidden_TH.shape[0], weight_VH.shape[0]
+        one_chunk = ctx.chunk_tokens >= num_tokens
+        # d/dhidden sums over vocab blocks: fp32 accumulator [T, H] (small next to [T, V/tp]).
+        grad_hidden_TH = torch.zeros(hidden_TH.shape, dtype=torch.float32, device=hidden_TH.device) if need_hidden else None
+        grad_weight_VH = torch.empty_like(weight_VH) if need_weight else None
+        for block_start in range(0, vocab_local, ctx.vocab_block):
+            block_end = min(block_start + ctx.vocab_block, vocab_local)
+            weight_BH = weight_VH[block_start:block_end]
+            ids_in_block_TK, owned_by_block_TK = block_ids(local_ids_TK, owned_TK, block_start, block_end)
+            # Several token chunks add into an fp32 block accumulator; one chunk writes the block directly.
+            grad_weight_acc_BH = None
+            if need_weight and not one_chunk:
+                grad_weight_acc_BH = torch.zeros(weight_BH.shape, dtype=torch.float32, device=weight_VH.device)
+            for start in range(0, num_tokens, ctx.chunk_tokens):
+                end = min(start + ctx.chunk_tokens, num_tokens)
+                grad_z_CB = _tile_grad_logits(
+                    tile_logits(hidden_TH[start:end], weight_BH), lse_T[start:end], ctx.temperature,
+                    None if grad_sum_T is None else grad_sum_T[start:end],
+                    None if entropy_terms_T is None else tuple(t[start:end] for t in entropy_terms_T),
+                    None if grad_log_probs_TK is None else (
+                        ids_in_block_TK[start:end], grad_log_probs_TK[start:end] * owned_by_block_TK[start:end]
+                    ),
+                ).to(hidden_TH.dtype)
+                # Both matmuls in the inputs' dtype, as the unfused path's backward does.
+                if need_hidden:
+                    grad_hidden_TH[start:end] += grad_z_CB @ weight_BH
+                if need_weight:
+                    grad_weight_CB = grad_z_CB.t() @ hidden_TH[start:end]
+                    if one_chunk:
+                        grad_weight_VH[block_start:block_end] = grad_weight_CB
+                    else:
+                        grad_weight_acc_BH += grad_weight_CB
+                    del grad_weight_CB
+                del grad_z_CB
+            if grad_weight_acc_BH is not None:
+                grad_weight_VH[block_start:block_end] = grad_weight_acc_BH
         if need_hidden:
-            all_reduce_sum_(grad_hidden_TH, ctx.tp_group)
-        if need_weight:
-            grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
-        return grad_hidden_TH, grad_weight_VH, None, None, None, None, None, None
+            grad_hidden_TH = all_reduce_sum_(grad_hidden_TH, ctx.tp_group).to(hidden_TH.dtype)
+        return grad_hidden_TH, grad_weight_VH, None, None, None, None, None, None, None
+
+
+def _tile_grad_logits(logits_CB, lse_C, temperature, grad_sum_C, entropy_terms, id_terms) -> torch.Tensor:
+    """d(objective)/d(logits) of one tile [C, B], fp32, with vocab_parallel's own softmax-gradient helper.
+
+    id_terms: (ids in the block [C, K], upstream gradient at the ids, 0 where the block owns no id).
+    """
+    log_p_CB = shifted_fp32_chunk(logits_CB, temperature, lse_C)
+    del logits_CB
+    grad_s_CB = _chunk_grad_s(log_p_CB, grad_sum_C, entropy_terms)
+    if id_terms is not None:
+        grad_s_CB.scatter_add_(1, *id_terms)
+    if temperature != 1.0:
+        grad_s_CB.div_(temperature)
+    return grad_s_CB
 
 
 def fused_lm_head_log_probs_at_ids(
@@ -147,6 +217,7 @@ def fused_lm_head_log_probs_at_ids(
     tp_group: dist.ProcessGroup | None = None,
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
+    vocab_block: int | None = None,
     with_entropy: bool = False,
     entropy_requires_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -156,6 +227,7 @@ def fused_lm_head_log_probs_at_ids(
     [tp_rank * V/tp, (tp_rank + 1) * V/tp); ids: [..., K] int64 global vocab ids.
     Returns (log_probs [..., K] fp32, entropy [...] fp32 or None), differentiable w.r.t. hidden
     and weight. One all-gather over `tp_group` in forward, one all-reduce of d/dhidden in backward.
+    The work goes in tiles of `chunk_tokens` x `vocab_block` logits (defaults: `default_tile`).
     """
     if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
@@ -171,8 +243,9 @@ def fused_lm_head_log_probs_at_ids(
         )
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if chunk_tokens is not None and chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1 (or None for the default), got {chunk_tokens}")
+    for name, value in (("chunk_tokens", chunk_tokens), ("vocab_block", vocab_block)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1 (or None for the default), got {value}")
     vocab_local = weight.shape[0]
     vocab_size = vocab_local * group_size(tp_group)
     ids = ids.long()
@@ -183,9 +256,10 @@ def fused_lm_head_log_probs_at_ids(
     leading = hidden.shape[:-1]
     hidden_TH = hidden.reshape(-1, hidden.shape[-1])
     ids_TK = ids.reshape(hidden_TH.shape[0], -1)
-    chunk = chunk_tokens or default_chunk_tokens(hidden_TH.shape[0], vocab_local)
+    default_chunk, default_block = default_tile(hidden_TH.shape[0], vocab_local)
     log_probs_TK, entropy_T = _FusedLMHeadLogProbs.apply(
-        hidden_TH, weight, ids_TK, tp_group, float(temperature), chunk, with_entropy, entropy_requires_grad
+        hidden_TH, weight, ids_TK, tp_group, float(temperature), chunk_tokens or default_chunk,
+        min(vocab_block or default_block, vocab_local), with_entropy, entropy_requires_grad,
     )
     log_probs = log_probs_TK.view(*leading, ids_TK.shape[1])
     return log_probs, (entropy_T.view(leading) if with_entropy else None)
@@ -199,6 +273,7 @@ def fused_lm_head_log_probs_and_entropy(
     tp_group: dist.ProcessGroup | None = None,
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
+    vocab_block: int | None = None,
     with_entropy: bool = True,
     entropy_requires_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -211,6 +286,7 @@ def fused_lm_head_log_probs_and_entropy(
     """
     log_probs, entropy = fused_lm_head_log_probs_at_ids(
         hidden, weight, target_ids.unsqueeze(-1), tp_group=tp_group, temperature=temperature,
-        chunk_tokens=chunk_tokens, with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad,
+        chunk_tokens=chunk_tokens, vocab_block=vocab_block, with_entropy=with_entropy,
+        entropy_requires_grad=entropy_requires_grad,
     )
     return log_probs.squeeze(-1), entropy

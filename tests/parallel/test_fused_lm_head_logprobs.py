@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from stacx.parallel.fused_lm_head_logprobs import (
+    default_tile,
     fused_lm_head_log_probs_and_entropy,
     fused_lm_head_log_probs_at_ids,
 )
@@ -50,13 +51,13 @@ def unfused_results(hidden, weight, targets, ids, grad_lp, grad_h, grad_ids, tem
     return log_probs.detach(), entropy.detach(), at_ids.detach(), h.grad, w.grad
 
 
-def fused_results(hidden, weight_shard, targets, ids, grad_lp, grad_h, grad_ids, temperature, chunk_tokens, tp_group):
+def fused_results(hidden, weight_shard, targets, ids, grad_lp, grad_h, grad_ids, temperature, tile, tp_group):
     h = hidden.clone().requires_grad_()
     w = weight_shard.clone().requires_grad_()
-    log_probs, entropy = fused_lm_head_log_probs_and_entropy(
-        h, w, targets, tp_group=tp_group, temperature=temperature, chunk_tokens=chunk_tokens
-    )
-    at_ids, _ = fused_lm_head_log_probs_at_ids(h, w, ids, tp_group=tp_group, temperature=temperature, chunk_tokens=chunk_tokens)
+    chunk_tokens, vocab_block = tile
+    tiling = dict(tp_group=tp_group, temperature=temperature, chunk_tokens=chunk_tokens, vocab_block=vocab_block)
+    log_probs, entropy = fused_lm_head_log_probs_and_entropy(h, w, targets, **tiling)
+    at_ids, _ = fused_lm_head_log_probs_at_ids(h, w, ids, **tiling)
     objective = (log_probs * grad_lp).sum() + (entropy * grad_h).sum() + (at_ids * grad_ids).sum()
     objective.backward()
     return log_probs.detach(), entropy.detach(), at_ids.detach(), h.grad, w.grad
@@ -66,11 +67,12 @@ NAMES = ("log_probs", "entropy", "log_probs_at_ids", "grad_hidden", "grad_weight
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("chunk_tokens", [None, 1, 4, 1000])
-def test_fused_matches_unfused_values_and_gradients(temperature, chunk_tokens):
+# (chunk_tokens, vocab_block): defaults, one token per chunk, ragged tiles both ways, one tile.
+@pytest.mark.parametrize("tile", [(None, None), (1, 7), (4, 5), (None, 1), (1000, 1000)])
+def test_fused_matches_unfused_values_and_gradients(temperature, tile):
     problem = make_problem()
     expected = unfused_results(*problem, temperature)
-    got = fused_results(*problem, temperature, chunk_tokens, None)
+    got = fused_results(*problem, temperature, tile, None)
     for name, ours, ref in zip(NAMES, got, expected):
         assert relative_error(ours, ref) <= RELATIVE_TOLERANCE, name
 
@@ -111,7 +113,7 @@ def test_entropy_only_when_asked_and_no_entropy_state_without_its_gradient():
 def test_frozen_weight_gets_no_gradient_and_hidden_still_does():
     hidden, weight, targets, *_ = make_problem()
     h = hidden.clone().requires_grad_()
-    log_probs, _ = fused_lm_head_log_probs_and_entropy(h, weight, targets, with_entropy=False, chunk_tokens=5)
+    log_probs, _ = fused_lm_head_log_probs_and_entropy(h, weight, targets, with_entropy=False, chunk_tokens=5, vocab_block=9)
     log_probs.sum().backward()
     assert weight.grad is None
     h_ref = hidden.clone().requires_grad_()
@@ -119,10 +121,11 @@ def test_frozen_weight_gets_no_gradient_and_hidden_still_does():
     assert relative_error(h.grad, h_ref.grad) <= RELATIVE_TOLERANCE
 
 
-def test_bf16_inputs_give_bf16_gradients_close_to_unfused():
+@pytest.mark.parametrize("chunk_tokens", [5, None])  # several token chunks (fp32 dW accumulator) and one
+def test_bf16_inputs_give_bf16_gradients_close_to_unfused(chunk_tokens):
     hidden, weight, targets, *_ = make_problem()
     h, w = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
-    log_probs, entropy = fused_lm_head_log_probs_and_entropy(h, w, targets, chunk_tokens=5)
+    log_probs, entropy = fused_lm_head_log_probs_and_entropy(h, w, targets, chunk_tokens=chunk_tokens, vocab_block=10)
     (log_probs.sum() + 0.1 * entropy.sum()).backward()
     h_ref, w_ref = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
     ref_lp, ref_h = vocab_parallel_log_probs_and_entropy(h_ref @ w_ref.t(), targets, chunk_tokens=5)
@@ -134,11 +137,12 @@ def test_bf16_inputs_give_bf16_gradients_close_to_unfused():
 
 
 def test_no_logits_sized_tensor_is_ever_allocated():
-    """Every allocation of forward+backward is at most a gradient of an input or an fp32 chunk; the
-    unfused path (the guard that the measurement sees logits) allocates the whole [T, V] shard."""
+    """Every allocation of forward+backward is at most a gradient of an input, its fp32 accumulator or
+    an fp32 tile; the unfused path (the guard that the measurement sees logits) allocates the whole
+    [T, V] shard."""
     from torch.profiler import ProfilerActivity, profile
 
-    num_tokens, hidden_size, vocab, chunk = 256, 8, 4096, 8
+    num_tokens, hidden_size, vocab, chunk, block = 256, 8, 4096, 64, 128
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(num_tokens, hidden_size, generator=gen).requires_grad_()
     weight = torch.randn(vocab, hidden_size, generator=gen).requires_grad_()
@@ -150,7 +154,9 @@ def test_no_logits_sized_tensor_is_ever_allocated():
         return max(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
 
     def fused():
-        log_probs, entropy = fused_lm_head_log_probs_and_entropy(hidden, weight, targets, chunk_tokens=chunk)
+        log_probs, entropy = fused_lm_head_log_probs_and_entropy(
+            hidden, weight, targets, chunk_tokens=chunk, vocab_block=block
+        )
         (log_probs.sum() + entropy.sum()).backward()
 
     def unfused():
@@ -158,10 +164,19 @@ def test_no_logits_sized_tensor_is_ever_allocated():
         (log_probs.sum() + entropy.sum()).backward()
 
     shard_bytes = num_tokens * vocab * 4
-    bound = max(chunk * vocab * 4, weight.numel() * 4, hidden.numel() * 4)
+    bound = max(chunk * block * 4, weight.numel() * 4, hidden.numel() * 4)
     assert bound * 4 <= shard_bytes  # the sizes keep the two regimes apart
     assert largest_allocation(fused) <= bound
     assert largest_allocation(unfused) >= shard_bytes
+
+
+def test_default_tile_at_the_gpu_target_shape_keeps_temporaries_under_a_tenth_of_the_shard():
+    """Vocab 151,936 and 4k tokens in bf16: ~12 bytes per tile element against 2 per shard element."""
+    chunk_tokens, vocab_block = default_tile(4096, 151936)
+    assert (chunk_tokens, vocab_block) == (4096, 2048)
+    assert 12 * chunk_tokens * vocab_block <= 0.1 * 2 * 4096 * 151936
+    assert default_tile(10, 48) == (10, 48)  # a small vocabulary is one block
+    assert default_tile(100_000, 151936) == (4096, 2048)  # long batches go in several token chunks
 
 
 def test_bad_inputs_raise_errors_that_name_the_argument():
@@ -178,6 +193,8 @@ def test_bad_inputs_raise_errors_that_name_the_argument():
         fused_lm_head_log_probs_and_entropy(hidden, weight, targets, temperature=0.0)
     with pytest.raises(ValueError, match="chunk_tokens"):
         fused_lm_head_log_probs_and_entropy(hidden, weight, targets, chunk_tokens=0)
+    with pytest.raises(ValueError, match="vocab_block"):
+        fused_lm_head_log_probs_and_entropy(hidden, weight, targets, vocab_block=0)
 
 
 # ---- spawned gloo ranks, TP = 1 and TP = 2, against the single-process unfused reference -------
@@ -194,15 +211,15 @@ def _tensor_parallel_checks(groups):
     for temperature in (1.0, 0.8):
         expected = unfused_results(*problem, temperature)
         expected = expected[:4] + (expected[4][rows],)  # this rank's rows of d/dW
-        for chunk in (None, 3):
-            got = fused_results(hidden, weight[rows], *problem[2:], temperature, chunk, groups.tp)
+        for tile in ((None, None), (3, 5)):
+            got = fused_results(hidden, weight[rows], *problem[2:], temperature, tile, groups.tp)
             for name, ours, ref in zip(NAMES, got, expected):
-                errors[f"{name}/T={temperature}/chunk={chunk}"] = relative_error(ours, ref)
+                errors[f"{name}/T={temperature}/tile={tile}"] = relative_error(ours, ref)
 
     for name in counts:
         counts[name] = 0
     h = hidden.clone().requires_grad_()
-    log_probs, entropy = fused_lm_head_log_probs_and_entropy(h, weight[rows], problem[2], tp_group=groups.tp, chunk_tokens=4)
+    log_probs, entropy = fused_lm_head_log_probs_and_entropy(h, weight[rows], problem[2], tp_group=groups.tp, chunk_tokens=4, vocab_block=7)
     forward_counts = dict(counts)
     (log_probs.sum() + entropy.sum()).backward()
     backward_counts = {name: counts[name] - forward_counts[name] for name in counts}
