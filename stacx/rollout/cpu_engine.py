@@ -182,6 +182,11 @@ class CpuEngine(InferenceEngine):
         logits = forward_packed(self.model, tokens, lengths, self.groups)[:, : self.vocab_size]
         return list(torch.split(logits, lengths))
 
+    def _model_call(self, forward: Callable, *args):
+        """Every model forward of both decoders goes through here (one per generated token, the
+        prefill included); tests slow or stall it to exercise cancellation and /health."""
+        return forward(*args)
+
     # ---- InferenceEngine -------------------------------------------------------------------
 
     def check_requests(self, requests: Sequence[GenerateRequest]) -> None:
@@ -238,7 +243,7 @@ class CpuEngine(InferenceEngine):
         while active:
             if should_stop is not None and should_stop():
                 raise GenerationCancelled(f"stopped after {len(outputs[active[0]].output_ids)} generated tokens")
-            logits = self._logits([sequences[i] for i in active])
+            logits = self._model_call(self._logits, [sequences[i] for i in active])
             self._progress_at = time.monotonic()
             still_active = []
             for i, logits_LV in zip(active, logits):
@@ -272,7 +277,7 @@ class CpuEngine(InferenceEngine):
         ]
         prompt_starts = [_first_prompt_logit(r) for r in requests]
         num_prompt_logits = max(len(r.input_ids) - start for r, start in zip(requests, prompt_starts))
-        batch = self._cached_decoder.prefill([r.input_ids for r in requests], num_prompt_logits)
+        batch = self._model_call(self._cached_decoder.prefill, [r.input_ids for r in requests], num_prompt_logits)
         self._progress_at = time.monotonic()
         for i, (request, start) in enumerate(zip(requests, prompt_starts)):
             if request.return_logprob and request.logprob_start_len >= 0:
@@ -305,7 +310,7 @@ class CpuEngine(InferenceEngine):
                 break
             batch.keep_rows(kept_rows)
             active = [active[row] for row in kept_rows]
-            logits_BV = batch.step([tokens[row] for row in kept_rows])
+            logits_BV = self._model_call(batch.step, [tokens[row] for row in kept_rows])
             self._progress_at = time.monotonic()
         return outputs
 

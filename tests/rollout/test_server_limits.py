@@ -176,14 +176,14 @@ def test_queue_is_bounded_and_a_full_queue_is_503(engine):
 
 def test_generation_stops_when_its_client_disconnects(engine, monkeypatch):
     steps = []
-    real_logits = engine._logits
+    real_call = engine._model_call
 
-    def slow_logits(sequences):
+    def slow_call(forward, *args):
         steps.append(time.monotonic())
         time.sleep(0.02)
-        return real_logits(sequences)
+        return real_call(forward, *args)
 
-    monkeypatch.setattr(engine, "_logits", slow_logits)
+    monkeypatch.setattr(engine, "_model_call", slow_call)
     body = json.dumps({"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}).encode()
     with EngineHttpServer(engine) as server:
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
@@ -203,13 +203,13 @@ def test_generation_stops_when_its_client_disconnects(engine, monkeypatch):
 
 def test_health_reports_a_wedged_engine(engine, monkeypatch):
     release = threading.Event()
-    real_logits = engine._logits
+    real_call = engine._model_call
 
-    def stuck_logits(sequences):
+    def stuck_call(forward, *args):
         release.wait(30)
-        return real_logits(sequences)
+        return real_call(forward, *args)
 
-    monkeypatch.setattr(engine, "_logits", stuck_logits)
+    monkeypatch.setattr(engine, "_model_call", stuck_call)
     limits = ServerLimits(stall_timeout_s=0.3)
     with EngineHttpServer(engine, limits=limits) as server:
         client = HttpEngine(server.url)
