@@ -33,6 +33,7 @@ def build_spmd_trainer(run_config):
     from stacx.trainer.role_groups import LocalRoleGroup, TorchrunChannel
     from stacx.trainer.runtime.role_runtime import RoleRuntime
     from stacx.trainer.trainer import StacxTrainer
+    from stacx.trainer.workers.node_interface import bind_collectives_to_node, local_address_toward
 
     from stacx.trainer.resolved_config import apply_run_env_overrides
 
@@ -43,6 +44,8 @@ def build_spmd_trainer(run_config):
                          "torchrun runs single-role recipes (sft, dpo, opd, ...); launch multi-role recipes on Ray")
     check_supported(training_config, run_config)
     parallel = run_config.parallel
+    if "MASTER_ADDR" in os.environ:  # gloo/NCCL listen on the interface toward the master, not the host name's
+        bind_collectives_to_node(local_address_toward(os.environ["MASTER_ADDR"]))
     init_distributed_from_env(parallel.collective_timeout_s)
     groups = initialize_parallel_layout(parallel.tensor_model_parallel_size, parallel.context_parallel_size,
                                         timeout_s=parallel.collective_timeout_s)

@@ -50,14 +50,16 @@ def train_sft_with_guarded_unpickling(groups, root: str):
     values = dict(algorithm={"name": "sft"}, hf_checkpoint=os.path.join(root, "policy"),
                   prompt_data=os.path.join(root, "sft.jsonl"), rollout_batch_size=4, num_steps=2,
                   out=os.path.join(root, "out"), save=os.path.join(root, "ckpt"))
-    return run_spmd(run_config(root, **values)), unpickled_for
+    last = run_spmd(run_config(root, **values))
+    return last, unpickled_for, os.environ.get("GLOO_SOCKET_IFNAME")
 
 
 def test_sft_on_two_ranks_shares_and_gathers_without_pickle(tmp_path):
     root = str(tmp_path)
     write_tiny_run_files(root)
-    (last_0, unpickled_for), (last_1, _) = run_distributed(train_sft_with_guarded_unpickling, 2, args=(root,),
+    (last_0, unpickled_for, interface), (last_1, _, _) = run_distributed(train_sft_with_guarded_unpickling, 2, args=(root,),
                                                           timeout_s=300)
+    assert interface == "lo"  # MASTER_ADDR is 127.0.0.1: gloo/NCCL are pointed at loopback
     # The guard is live: megatron-core's own all_gather_object went through it (and was let pass).
     assert any("megatron" in filename for filename in unpickled_for), unpickled_for
     # Every rank got rank 0's results (the step time is each rank's own clock).

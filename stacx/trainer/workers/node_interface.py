@@ -6,6 +6,7 @@ whatever address the host name resolves to (on many hosts the public interface, 
 uses). There is no per-group address for the default group, so a Ray worker sets the variable to
 the interface holding its node address (`ray.util.get_node_ip_address()`) before it joins its
 role's world: `lo` on a local cluster. NCCL's bootstrap reads `NCCL_SOCKET_IFNAME` the same way.
+A torchrun rank uses the interface of its address toward `MASTER_ADDR` (`local_address_toward`).
 
 A value the user exported already wins (they chose the interface); gloo then still listens on an
 interface address, never on 0.0.0.0 / ::.
@@ -69,6 +70,21 @@ def interface_for_address(address: str) -> str | None:
         if _ipv4_address_of(name) == str(parsed):
             return name
     return None
+
+
+def local_address_toward(host: str, port: int = 9) -> str:
+    """This host's address on the route to `host` (no packet is sent: a UDP `connect` only picks a route).
+
+    On torchrun, `MASTER_ADDR` is on the cluster network, so the address toward it is this node's
+    cluster address (127.0.0.1 when the master is local on loopback).
+    """
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError as err:
+        raise OSError(f"cannot find this host's address toward MASTER_ADDR={host!r}: {err}") from err
 
 
 def bind_collectives_to_node(address: str, environ: MutableMapping[str, str] | None = None) -> str | None:

@@ -22,6 +22,7 @@ from stacx.trainer.workers.node_interface import (
     _ipv4_address_of,
     bind_collectives_to_node,
     interface_for_address,
+    local_address_toward,
 )
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -147,3 +148,13 @@ def test_the_interface_of_an_address_is_found_and_a_user_choice_wins():
     chosen = {"GLOO_SOCKET_IFNAME": "eth7"}
     assert bind_collectives_to_node("127.0.0.1", chosen) == "eth7"
     assert chosen == {"GLOO_SOCKET_IFNAME": "eth7", "NCCL_SOCKET_IFNAME": "lo"}
+
+
+def test_a_torchrun_rank_binds_to_its_address_toward_the_master():
+    assert local_address_toward("127.0.0.1") == "127.0.0.1"
+    assert local_address_toward("localhost") in LOOPBACK_FORMS
+    node_address = _non_loopback_ipv4()
+    if node_address is not None:  # a master on this host's own interface address is reached from it
+        assert local_address_toward(node_address) == node_address
+    with pytest.raises(OSError, match="MASTER_ADDR='no-such-host.invalid'"):
+        local_address_toward("no-such-host.invalid")
