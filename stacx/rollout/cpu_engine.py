@@ -277,7 +277,8 @@ class CpuEngine(InferenceEngine):
         ]
         prompt_starts = [_first_prompt_logit(r) for r in requests]
         num_prompt_logits = max(len(r.input_ids) - start for r, start in zip(requests, prompt_starts))
-        batch = self._model_call(self._cached_decoder.prefill, [r.input_ids for r in requests], num_prompt_logits)
+        batch = self._model_call(self._cached_decoder.prefill, [r.input_ids for r in requests], num_prompt_logits,
+                                 max(r.sampling.max_new_tokens for r in requests))
         self._progress_at = time.monotonic()
         for i, (request, start) in enumerate(zip(requests, prompt_starts)):
             if request.return_logprob and request.logprob_start_len >= 0:

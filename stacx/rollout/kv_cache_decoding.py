@@ -26,6 +26,77 @@ from typing import Sequence
 import torch
 
 
+def _growing_layer_class():
+    """A `transformers` DynamicLayer that writes into a preallocated [B, H, capacity, D] buffer
+    instead of concatenating (which copies the whole cache at every step: O(steps^2) bytes).
+    None when this `transformers` has no per-layer cache API (< 4.56): the plain cache is used."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        return None
+
+    class GrowingLayer(DynamicLayer):
+        """Keys/values are views [B, H, length, D] of buffers [B, H, capacity, D]; capacity doubles
+        when a write would overflow it."""
+
+        def __init__(self, capacity: int):
+            super().__init__()
+            self._capacity = capacity
+            self._length = 0
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            self.device = key_states.device
+            batch, heads, _, _ = key_states.shape
+            self._key_buffer = key_states.new_empty(batch, heads, self._capacity, key_states.shape[-1])
+            self._value_buffer = value_states.new_empty(batch, heads, self._capacity, value_states.shape[-1])
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self._length + key_states.shape[-2]
+            if end > self._key_buffer.shape[2]:
+                self._key_buffer = self._grown(self._key_buffer, end)
+                self._value_buffer = self._grown(self._value_buffer, end)
+            self._key_buffer[:, :, self._length:end] = key_states
+            self._value_buffer[:, :, self._length:end] = value_states
+            self._length = end
+            self._set_views()
+            return self.keys, self.values
+
+        def _grown(self, buffer, needed: int):
+            grown = buffer.new_empty(*buffer.shape[:2], max(needed, 2 * buffer.shape[2]), buffer.shape[3])
+            grown[:, :, :self._length] = buffer[:, :, :self._length]
+            return grown
+
+        def _set_views(self) -> None:
+            self.keys = self._key_buffer[:, :, :self._length]
+            self.values = self._value_buffer[:, :, :self._length]
+
+        def batch_select_indices(self, indices) -> None:
+            if self.is_initialized:
+                self._key_buffer = self._key_buffer[indices]
+                self._value_buffer = self._value_buffer[indices]
+                self._set_views()
+
+    return GrowingLayer
+
+
+def new_cache(config, capacity: int):
+    """An empty KV cache for `config`'s model holding up to `capacity` positions without copying."""
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
+    growing_layer = _growing_layer_class()
+    layers = getattr(cache, "layers", None)
+    if growing_layer is not None and layers and all(type(layer).__name__ == "DynamicLayer" for layer in layers):
+        cache.layers = [growing_layer(capacity) for _ in layers]
+    return cache
+
+
 class CachedBatch:
     """One batch being decoded: its KV cache, its attention mask and the rows still in it.
 
@@ -36,6 +107,8 @@ class CachedBatch:
                  prompt_logits_BKV: torch.Tensor):
         self._decoder = decoder
         self._attention_mask_BT = attention_mask_BT
+        # prompts of one length need no mask: the model's plain causal path is cheaper per step
+        self._padded = not bool(attention_mask_BT.all())
         self._cache = cache
         self.prompt_logits_BKV = prompt_logits_BKV
         """fp32 logits [B, K, V] of each prompt's last K positions (left padding: position p of a
@@ -49,7 +122,7 @@ class CachedBatch:
         self._cache.batch_select_indices(index)
         self._attention_mask_BT = self._attention_mask_BT[index]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append one token per row; return the fp32 logits [B, V] of the next position."""
         # position of the new token = number of real (non-pad) tokens before it
@@ -57,8 +130,8 @@ class CachedBatch:
         ones_B1 = torch.ones_like(position_ids_B1)
         self._attention_mask_BT = torch.cat([self._attention_mask_BT, ones_B1], dim=1)
         output = self._decoder.forward(
-            torch.tensor(list(tokens), dtype=torch.long).unsqueeze(1), self._attention_mask_BT, position_ids_B1,
-            self._cache, num_logits=1)
+            torch.tensor(list(tokens), dtype=torch.long).unsqueeze(1),
+            self._attention_mask_BT if self._padded else None, position_ids_B1, self._cache, num_logits=1)
         return output.logits[:, -1].float()
 
 
@@ -111,27 +184,28 @@ class KvCacheDecoder:
         assert not missing, f"the KV-cache mirror received no weights for {missing[:5]}"
         self._stale = False
 
-    @torch.no_grad()
-    def prefill(self, prompts: Sequence[Sequence[int]], num_prompt_logits: int = 1) -> CachedBatch:
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]], num_prompt_logits: int = 1,
+                max_new_tokens: int = 0) -> CachedBatch:
         """Run the left-padded prompts [B, L_max] once; keep logits of the last `num_prompt_logits`.
 
-        Every prompt must hold at least one token.
+        Every prompt must hold at least one token. The cache is sized for L_max + max_new_tokens.
         """
         if self._stale:
             self.sync_weights()
         lengths = [len(p) for p in prompts]
         assert min(lengths) > 0, "the KV-cache decoder needs a non-empty prompt"
         max_length = max(lengths)
+        capacity = max_length + max(1, max_new_tokens)
         input_ids_BT = torch.zeros(len(prompts), max_length, dtype=torch.long)
         attention_mask_BT = torch.zeros(len(prompts), max_length, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             input_ids_BT[row, max_length - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
             attention_mask_BT[row, max_length - len(prompt):] = 1
         position_ids_BT = (attention_mask_BT.cumsum(dim=1) - 1).clamp(min=0)
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.hf_model.config)
-        output = self.forward(input_ids_BT, attention_mask_BT, position_ids_BT, cache,
+        cache = new_cache(self.hf_model.config, capacity)
+        padded = min(lengths) < max_length
+        output = self.forward(input_ids_BT, attention_mask_BT if padded else None, position_ids_BT, cache,
                               num_logits=max(1, min(num_prompt_logits, max_length)))
         return CachedBatch(self, attention_mask_BT, cache, output.logits.float())
 

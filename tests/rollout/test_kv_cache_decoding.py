@@ -174,3 +174,16 @@ def test_unknown_decoding_is_refused(single_process_world):
 
     with pytest.raises(ValueError, match="decoding='cached'.*kv_cache"):
         CpuEngine(build_model(tiny_hf_config("llama"), single_process_world), decoding="cached")
+
+
+def test_prefill_keeps_only_the_logits_it_needs(engines):
+    # a long prompt without prompt log-probs never holds [prompt_len, V] logits (the 4k-prompt memory issue)
+    cached, _ = engines
+    batch = cached._cached_decoder.prefill([[4] * 120, [5] * 30], num_prompt_logits=1)
+    assert tuple(batch.prompt_logits_BKV.shape) == (2, 1, cached.vocab_size)
+    plain = GenerateRequest(input_ids=(4,) * 120, sampling=SamplingParams(max_new_tokens=1))
+    from stacx.rollout.cpu_engine import _first_prompt_logit
+
+    assert _first_prompt_logit(plain) == 119  # only the last prompt position is asked for
+    asked = GenerateRequest(input_ids=(4,) * 120, logprob_start_len=100, sampling=SamplingParams(max_new_tokens=1))
+    assert _first_prompt_logit(asked) == 99
