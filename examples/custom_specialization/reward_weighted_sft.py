@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from stacx.specializations.base import Specialization, full_token_counts, masked_total
-from stacx.trainer.config import AlgorithmDefaults, ModelRole, TrainingConfig
+from stacx.trainer.config import ModelRole, TrainingConfig, recipe_algorithm
 from stacx.trainer.recipes import recipe
 
 
@@ -60,7 +60,7 @@ def reward_weighted_sft_config() -> TrainingConfig:
             "Reward-weighted SFT: the policy samples, GRPO advantages score each response within its group, and the "
             "policy is trained by cross-entropy weighted by exp(advantage / rwr_temperature)."
         ),
-        algorithm=AlgorithmDefaults(advantage_estimator="grpo"),
+        algorithm=recipe_algorithm(advantage_estimator="grpo"),
         data_source="rollout",
         uses_reward=True,
     )

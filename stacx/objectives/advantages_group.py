@@ -67,8 +67,8 @@ def grpo(config, rollout_data) -> list[torch.Tensor]:
     config: `norm_adv_by_std` (default True; False gives Dr. GRPO), `adv_eps` (1e-6).
     A group of one gets A = 0; a zero-variance group gets A = 0 (numerator 0, no NaN).
     """
-    normalize = bool(hyperparameter(config, "norm_adv_by_std", True))
-    eps = float(hyperparameter(config, "adv_eps", 1e-6))
+    normalize = bool(hyperparameter(config, "norm_adv_by_std"))
+    eps = float(hyperparameter(config, "adv_eps"))
     _, lengths = _rewards_and_lengths(rollout_data)
     return broadcast_to_tokens(group_normalized_rewards(rollout_data, normalize_std=normalize, eps=eps), lengths)
 

@@ -37,8 +37,8 @@ def token_level_rewards(config, rollout_data, scalar_rewards: torch.Tensor | Non
         per_token = [t.detach().to(torch.float64).clone() for t in token_rewards]
     else:
         per_token = [torch.zeros(n, dtype=torch.float64) for n in lengths]
-    if hyperparameter(config, "use_kl_in_reward", False):
-        beta = float(hyperparameter(config, "kl_in_reward_coef", 0.0))
+    if hyperparameter(config, "use_kl_in_reward"):
+        beta = float(hyperparameter(config, "kl_in_reward_coef"))
         log_probs = rollout_field(rollout_data, "log_probs", required=False)
         if log_probs is None:
             log_probs = rollout_field(rollout_data, "rollout_log_probs", required=False)
@@ -47,7 +47,7 @@ def token_level_rewards(config, rollout_data, scalar_rewards: torch.Tensor | Non
         ref_log_probs = rollout_field(rollout_data, "ref_log_probs")
         _check_lengths("log_probs", log_probs, lengths)
         _check_lengths("ref_log_probs", ref_log_probs, lengths)
-        estimator = get_kl_estimator(hyperparameter(config, "kl_in_reward_type", "k1"))
+        estimator = get_kl_estimator(hyperparameter(config, "kl_in_reward_type"))
         for rewards_t, lp, ref in zip(per_token, log_probs, ref_log_probs):
             rewards_t -= beta * estimator(lp.detach().to(torch.float64), ref.detach().to(torch.float64))
     for index, (rewards_t, reward) in enumerate(zip(per_token, scalar_rewards.tolist())):
@@ -106,11 +106,11 @@ def reinforce_plus_plus(config, rollout_data) -> list[torch.Tensor]:
     mean and std over every loss-masked token of the batch (`loss_masks`, default all ones).
     config: `gamma` (1.0), `use_kl_in_reward`, `kl_in_reward_coef`, `adv_eps` (1e-6).
     """
-    gamma = float(hyperparameter(config, "gamma", 1.0))
+    gamma = float(hyperparameter(config, "gamma"))
     rewards = token_level_rewards(config, rollout_data)
     lengths = [r.shape[0] for r in rewards]
     returns = [discounted_returns(r, gamma) for r in rewards]
-    eps = float(hyperparameter(config, "adv_eps", 1e-6))
+    eps = float(hyperparameter(config, "adv_eps"))
     return _as_float32(masked_whiten(returns, _loss_masks(rollout_data, lengths), eps))
 
 
@@ -122,11 +122,11 @@ def reinforce_plus_plus_baseline(config, rollout_data) -> list[torch.Tensor]:
     get a centred reward of 0. Same config as `reinforce_plus_plus`.
     """
     centered = group_normalized_rewards(rollout_data, normalize_std=False, eps=0.0)
-    gamma = float(hyperparameter(config, "gamma", 1.0))
+    gamma = float(hyperparameter(config, "gamma"))
     rewards = token_level_rewards(config, rollout_data, scalar_rewards=centered)
     lengths = [r.shape[0] for r in rewards]
     returns = [discounted_returns(r, gamma) for r in rewards]
-    eps = float(hyperparameter(config, "adv_eps", 1e-6))
+    eps = float(hyperparameter(config, "adv_eps"))
     return _as_float32(masked_whiten(returns, _loss_masks(rollout_data, lengths), eps))
 
 
@@ -155,8 +155,8 @@ def gae_returns(config, rollout_data) -> list[torch.Tensor]:
 
 
 def _gae_all(config, rollout_data):
-    gamma = float(hyperparameter(config, "gamma", 1.0))
-    lam = float(hyperparameter(config, "lam", 1.0))
+    gamma = float(hyperparameter(config, "gamma"))
+    lam = float(hyperparameter(config, "lam"))
     rewards = token_level_rewards(config, rollout_data)
     values = rollout_field(rollout_data, "values")
     check_trajectory_lists("token_level_rewards", rewards, values=values)
@@ -172,8 +172,8 @@ def gae(config, rollout_data) -> list[torch.Tensor]:
     masked tokens as in REINFORCE++), KL-in-reward as in the module docstring.
     """
     advantages = [adv for adv, _ in _gae_all(config, rollout_data)]
-    if hyperparameter(config, "whiten_advantages", False):
+    if hyperparameter(config, "whiten_advantages"):
         lengths = [a.shape[0] for a in advantages]
-        eps = float(hyperparameter(config, "adv_eps", 1e-6))
+        eps = float(hyperparameter(config, "adv_eps"))
         advantages = masked_whiten(advantages, _loss_masks(rollout_data, lengths), eps)
     return _as_float32(advantages)

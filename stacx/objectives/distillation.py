@@ -155,7 +155,7 @@ def distill_topk_reverse_kl(config, student_log_probs, teacher_log_probs, suppor
                 raise ValueError(f"{name}[{index}] has shape {tuple(other.shape)} but student_log_probs[{index}] has {tuple(s.shape)}")
         if m.dim() != 1 or m.shape[0] != s.shape[0]:
             raise ValueError(f"loss_masks[{index}] has shape {tuple(m.shape)} but student_log_probs[{index}] has {s.shape[0]} tokens")
-    renormalize = bool(hyperparameter(config, "distill_topk_renormalize", True))
+    renormalize = bool(hyperparameter(config, "distill_topk_renormalize"))
     lengths = [s.shape[0] for s in student_log_probs]
     s = torch.cat(list(student_log_probs))
     u = torch.cat(list(teacher_log_probs)).detach().to(s.dtype)

@@ -63,16 +63,16 @@ def dpo_pair_losses(
         )
     if not policy_chosen_log_prob:
         raise ValueError("policy_chosen_log_prob is empty: DPO needs at least one pair")
-    loss_type = loss_type or hyperparameter(config, "dpo_loss_type", "sigmoid")
+    loss_type = loss_type or hyperparameter(config, "dpo_loss_type")
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"dpo_loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
-    beta = float(hyperparameter(config, "dpo_beta", 0.1))
+    beta = float(hyperparameter(config, "dpo_beta"))
     if beta <= 0:
         raise ValueError(f"dpo_beta must be > 0, got {beta}")
-    smoothing = float(hyperparameter(config, "label_smoothing", 0.0))
+    smoothing = float(hyperparameter(config, "label_smoothing"))
     if not 0.0 <= smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {smoothing}")
-    average = bool(hyperparameter(config, "dpo_average_log_prob", False))
+    average = bool(hyperparameter(config, "dpo_average_log_prob"))
 
     detached_ref = lambda xs: [x.detach() for x in xs]  # noqa: E731 - the reference is frozen
     chosen = sequence_log_probs(policy_chosen_log_prob, chosen_loss_masks, average=average)

@@ -85,14 +85,14 @@ def add_kl_and_entropy_terms(
     )
     total = list(per_token_loss)
     metrics: dict[str, torch.Tensor] = {}
-    if hyperparameter(config, "use_kl_loss", False):
+    if hyperparameter(config, "use_kl_loss"):
         if ref_log_prob is None:
             raise ValueError("use_kl_loss is set but ref_log_prob was not provided")
-        coef = float(hyperparameter(config, "kl_loss_coef", 0.0))
-        kl = kl_per_trajectory(log_prob, ref_log_prob, hyperparameter(config, "kl_loss_type", "low_var_kl"))
+        coef = float(hyperparameter(config, "kl_loss_coef"))
+        kl = kl_per_trajectory(log_prob, ref_log_prob, hyperparameter(config, "kl_loss_type"))
         total = [loss + coef * k for loss, k in zip(total, kl)]
         metrics["kl_loss"] = sum((k.detach() * m).sum() for k, m in zip(kl, loss_masks))
-    entropy_coef = float(hyperparameter(config, "entropy_coef", 0.0))
+    entropy_coef = float(hyperparameter(config, "entropy_coef"))
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError(f"entropy_coef is {entropy_coef} but entropy was not provided")
     if entropy is not None:

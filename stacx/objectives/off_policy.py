@@ -89,15 +89,15 @@ def _result(lengths, mask, weights, metrics, like) -> OffPolicyCorrection:
 
 
 def _bounds(config) -> tuple[float, float]:
-    lower = float(hyperparameter(config, "mis_lower", 0.5))
-    upper = float(hyperparameter(config, "mis_upper", 2.0))
+    lower = float(hyperparameter(config, "mis_lower"))
+    upper = float(hyperparameter(config, "mis_upper"))
     if not 0.0 <= lower < upper:
         raise ValueError(f"need 0 <= mis_lower < mis_upper, got mis_lower={lower}, mis_upper={upper}")
     return lower, upper
 
 
 def _threshold(config) -> float:
-    threshold = float(hyperparameter(config, "tis_threshold", 2.0))
+    threshold = float(hyperparameter(config, "tis_threshold"))
     if threshold <= 0:
         raise ValueError(f"tis_threshold must be > 0, got {threshold}")
     return threshold
@@ -159,7 +159,7 @@ def opsm(config, train_log_prob, rollout_log_prob, loss_masks, *, advantages, **
     """
     lengths, delta, mask = _prepare(train_log_prob, rollout_log_prob, loss_masks)
     check_trajectory_lists("train_log_prob", train_log_prob, advantages=advantages)
-    opsm_delta = float(hyperparameter(config, "opsm_delta", 1e-4))
+    opsm_delta = float(hyperparameter(config, "opsm_delta"))
     adv = torch.cat(list(advantages)).detach().to(torch.float64) if lengths else delta.new_zeros(0)
     tokens = _sequence_sums(torch.ones_like(mask), mask, lengths).clamp_min(1.0)
     mean_kl = _sequence_sums(-delta, mask, lengths) / tokens
@@ -199,7 +199,7 @@ def m2po(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffP
     whole step's batch for a split-independent result).
     """
     lengths, delta, mask = _prepare(train_log_prob, rollout_log_prob, loss_masks)
-    threshold = float(hyperparameter(config, "m2po_threshold", 0.04))
+    threshold = float(hyperparameter(config, "m2po_threshold"))
     if threshold < 0:
         raise ValueError(f"m2po_threshold must be >= 0, got {threshold}")
     active = mask > 0

@@ -23,9 +23,10 @@ LOG_RATIO_CLAMP = 20.0
 
 
 def _clip_bounds(config) -> tuple[float, float]:
-    default = float(hyperparameter(config, "clip_ratio", 0.2))
-    low = float(hyperparameter(config, "clip_ratio_low", default))
-    high = float(hyperparameter(config, "clip_ratio_high", default))
+    both = hyperparameter(config, "clip_ratio")  # the bound an unset clip_ratio_low / _high takes
+    low = hyperparameter(config, "clip_ratio_low")
+    high = hyperparameter(config, "clip_ratio_high")
+    low, high = float(both if low is None else low), float(both if high is None else high)
     if low < 0 or high < 0:
         raise ValueError(f"clip_ratio_low ({low}) and clip_ratio_high ({high}) must be >= 0")
     return low, high
@@ -65,7 +66,7 @@ def ppo_clip(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     """
     lengths, old, new, adv, mask = _flatten(old_log_prob, log_prob, advantages, loss_masks)
     low, high = _clip_bounds(config)
-    clip_c = hyperparameter(config, "clip_ratio_c", None)
+    clip_c = hyperparameter(config, "clip_ratio_c")
     log_ratio = (new - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio

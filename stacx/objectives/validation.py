@@ -6,6 +6,8 @@ from typing import Sequence
 
 import torch
 
+from stacx.objectives.algorithm_config import ALGORITHM_DEFAULTS
+
 
 def check_trajectory_lists(reference_name: str, reference: Sequence[torch.Tensor], **others) -> list[int]:
     """Check that every list holds 1-D tensors matching `reference` trajectory by trajectory.
@@ -52,10 +54,17 @@ def check_scalars_per_trajectory(name: str, values, num_trajectories: int) -> to
     return tensor
 
 
-def hyperparameter(config, name: str, default):
-    """`config.name` when present and not None, else `default` (config may be None)."""
+def hyperparameter(config, name: str):
+    """`config.<name>`, or the one default declared in `AlgorithmConfig` when `config` is None, lacks
+    the knob, or holds None for a knob whose declared default is not None. No read site restates a
+    default. A name that is not a declared hyperparameter must be a custom key of `config`."""
     value = getattr(config, name, None) if config is not None else None
-    return default if value is None else value
+    if value is not None:
+        return value
+    if name not in ALGORITHM_DEFAULTS:
+        raise ValueError(f"{name!r} is not a declared algorithm hyperparameter (stacx.objectives.algorithm_config) "
+                         f"and the config does not set it")
+    return ALGORITHM_DEFAULTS[name]
 
 
 def split_like(flat: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from stacx.objectives.registry import register_loss
-from stacx.objectives.validation import check_trajectory_lists, split_like
+from stacx.objectives.validation import check_trajectory_lists, hyperparameter, split_like
 
 
 @register_loss("value_clipped")
@@ -16,7 +16,7 @@ def value_clipped(config, values, old_values, returns, loss_masks):
         l_t      = 0.5 * max((V_t - R_t)^2, (V_clip_t - R_t)^2)
 
     values (with gradients), old_values (the critic at rollout), returns (targets R, e.g.
-    `gae_returns`), loss_masks: lists of (response_len_i,). config: `value_clip` (0.2; None
+    `gae_returns`), loss_masks: lists of (response_len_i,). config: `value_clip` (declared default None; None
     disables clipping). Metrics (mask-weighted sums): `vf_loss`, `vf_clipfrac` (tokens where
     the clipped term is larger), `vf_value` (V_t).
     """
@@ -28,8 +28,7 @@ def value_clipped(config, values, old_values, returns, loss_masks):
     target = torch.cat(list(returns)).detach()
     mask = torch.cat(list(loss_masks)).detach().to(v.dtype)
     unclipped = (v - target).square()
-    # Read directly: an explicit None turns clipping off (hyperparameter() maps None to the default).
-    clip = getattr(config, "value_clip", 0.2) if config is not None else 0.2
+    clip = hyperparameter(config, "value_clip")  # None (the declared default): unclipped
     if clip is None:
         clipped = unclipped
     else:

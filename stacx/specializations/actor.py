@@ -82,17 +82,17 @@ class ActorSpecialization(Specialization):
     def __init__(self, config: Any = None, groups=None):
         super().__init__(config, groups)
         # Resolve every name now: an unknown one fails at construction, listing the known names.
-        self.policy_loss_name = str(self.setting("policy_loss", "ppo_clip"))
+        self.policy_loss_name = str(self.setting("policy_loss"))
         self.policy_loss_fn = get_policy_loss(self.policy_loss_name)
-        self.corrections = correction_names(self.setting("off_policy_corrections", None))
+        self.corrections = correction_names(self.setting("off_policy_corrections"))
         self.correction_fns = [get_off_policy_correction(name) for name in self.corrections]
         # Traits come from each kernel's registry entry (declared where it is registered).
         self.policy_loss_traits = get_policy_loss_traits(self.policy_loss_name)
         self.correction_traits = [get_off_policy_correction_traits(name) for name in self.corrections]
-        self.use_kl_loss = bool(self.setting("use_kl_loss", False))
+        self.use_kl_loss = bool(self.setting("use_kl_loss"))
         if self.use_kl_loss:
-            get_kl_estimator(str(self.setting("kl_loss_type", "low_var_kl")))
-        self.entropy_coef = float(self.setting("entropy_coef", 0.0))
+            get_kl_estimator(str(self.setting("kl_loss_type")))
+        self.entropy_coef = float(self.setting("entropy_coef"))
         self.kept_token_metrics: set[str] = set()
         """`<metric>_kept_mean` names: policy/KL/entropy sums over kept tokens, divided by the
         kept-token count (filled by compute_loss when corrections are on)."""
@@ -115,12 +115,12 @@ class ActorSpecialization(Specialization):
         return self.use_kl_loss
 
     def needs_old_log_probs(self) -> bool:
-        return bool(self.setting("recompute_old_log_probs", False))
+        return bool(self.setting("recompute_old_log_probs"))
 
     @property
     def temperature(self) -> float:
         """Training log-probs use the sampling temperature, like the rollout engine's."""
-        return float(self.setting("rollout_temperature", 1.0))
+        return float(self.setting("rollout_temperature"))
 
     def needs_whole_sequences(self) -> bool:
         """Whether the loss needs whole responses (one CP all-gather per micro-batch when cp > 1):
@@ -129,7 +129,7 @@ class ActorSpecialization(Specialization):
 
     def compute_advantages(self, rollout_data) -> list[torch.Tensor]:
         """Per-token advantages [R_i] from the registry's config.advantage_estimator (driver side)."""
-        name = self.setting("advantage_estimator", None)
+        name = self.setting("advantage_estimator")
         if name is None:
             raise ValueError("algorithm.advantage_estimator is not set; the actor needs one to compute advantages")
         return get_advantage(str(name))(self.config, rollout_data)
@@ -147,7 +147,7 @@ class ActorSpecialization(Specialization):
         for optional in ("old_log_probs", "rollout_log_probs", "ref_log_probs"):
             if batch.get(optional) is not None:
                 check_response_field(batch, optional, layout)
-        log_entropy = bool(self.setting("log_entropy", True))
+        log_entropy = bool(self.setting("log_entropy"))
         with_entropy = self.entropy_coef != 0.0 or log_entropy
         log_probs_local, entropy_local = self.token_log_probs(
             model_output, batch, with_entropy=with_entropy, entropy_requires_grad=self.entropy_coef != 0.0

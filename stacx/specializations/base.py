@@ -56,6 +56,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from stacx.objectives.algorithm_config import ALGORITHM_DEFAULTS
 from stacx.objectives.validation import hyperparameter
 from stacx.parallel.cp_fields import PackedLayout, next_token_targets
 from stacx.parallel.groups import ProcessGroups
@@ -64,6 +65,10 @@ from stacx.parallel.vocab_parallel import vocab_parallel_log_probs_and_entropy
 #: Count metrics every specialization reports; logged as totals, and the denominators of the others.
 NUM_LOSS_TOKENS = "num_loss_tokens"
 NUM_SEQUENCES = "num_sequences"
+
+
+_DECLARED = object()
+"""`Specialization.setting`'s marker for "no custom default given"."""
 
 
 class Specialization:
@@ -99,7 +104,7 @@ class Specialization:
 
     def loss_agg_mode(self) -> str:
         """The aggregation mode the step's Reducer must use (config `loss_agg_mode`, default token-mean)."""
-        return str(self.setting("loss_agg_mode", "token-mean"))
+        return str(self.setting("loss_agg_mode"))
 
     @property
     def temperature(self) -> float:
@@ -144,9 +149,20 @@ class Specialization:
 
     # ---- shared helpers -----------------------------------------------------------------------
 
-    def setting(self, name: str, default: Any) -> Any:
-        """`config.<name>` when set (not None), else `default`."""
-        return hyperparameter(self.config, name, default)
+    def setting(self, name: str, custom_default: Any = _DECLARED) -> Any:
+        """`config.<name>`. A knob declared in `AlgorithmConfig` takes its one default from there (see
+        `hyperparameter`) and refuses a second one here; a custom hyperparameter (`rwr_temperature`, set
+        under `algorithm:`) needs `custom_default`, which the plugin that invents the knob declares."""
+        if name in ALGORITHM_DEFAULTS:
+            if custom_default is not _DECLARED:
+                raise TypeError(f"{type(self).__name__}.setting({name!r}, ...): {name!r} is declared in AlgorithmConfig "
+                                f"(default {ALGORITHM_DEFAULTS[name]!r}); read it as self.setting({name!r})")
+            return hyperparameter(self.config, name)
+        if custom_default is _DECLARED:
+            raise TypeError(f"{type(self).__name__}.setting({name!r}): {name!r} is a custom hyperparameter (not in "
+                            f"AlgorithmConfig); give its default: self.setting({name!r}, DEFAULT)")
+        value = getattr(self.config, name, None) if self.config is not None else None
+        return custom_default if value is None else value
 
     def check_reducer(self, reducer) -> None:
         """A reducer built with another aggregation mode would silently change the loss: refuse it."""

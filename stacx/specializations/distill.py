@@ -134,7 +134,8 @@ class DistillSpecialization(Specialization):
         has_sampled = batch.get("teacher_log_probs") is not None
         if has_sampled:
             check_teacher_log_probs(batch, layout, "teacher_log_probs", allow_sentinel=False)
-        k_student = int(self.setting("student_top_k", k_teacher))
+        student_top_k = self.setting("student_top_k")  # None: the teacher's K
+        k_student = int(k_teacher if student_top_k is None else student_top_k)
         device = logits.device
         index = layout.local_response_index.to(device)  # local rows that predict a response token
         _, student_ids_local = vocab_parallel_topk(logits, k_student, tp_group=self.groups.tp,

@@ -226,6 +226,8 @@ def _to_jsonable(value: Any) -> Any:
         return {str(k): _to_jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_to_jsonable(v) for v in value]
+    if isinstance(value, (set, frozenset)):  # e.g. AlgorithmConfig.given_keys
+        return sorted(_to_jsonable(v) for v in value)
     if isinstance(value, type):
         return f"{value.__module__}.{value.__qualname__}"
     if isinstance(value, os.PathLike):

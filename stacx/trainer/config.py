@@ -4,7 +4,7 @@ A recipe is a `TrainingConfig`:
 
     TrainingConfig(name="ppo", roles=(ModelRole(name="actor", ...), ModelRole(name="critic", ...)),
                    syncs=(InjectSync(source_role="critic", target_role="actor", keys=("values",)),),
-                   description="...", algorithm=AlgorithmDefaults(...))
+                   description="...", algorithm=recipe_algorithm(...))
 
 - `ModelRole`: one model with a job (policy, critic, ...), its specialization class, whether it
   trains, whether its weights are pushed to the inference engine, the resource pool it owns or
@@ -13,8 +13,9 @@ A recipe is a `TrainingConfig`:
   injected into another role's batch before that role trains.
 - `ExchangeSync`: tensors (e.g. weights) move between two roles' workers over a collective group
   (NCCL on GPU, gloo on CPU).
-- `AlgorithmDefaults`: the RL knobs (advantage estimator, policy loss, clip ratios, aggregation,
-  KL) as data, so that GRPO, Dr. GRPO, GSPO, DAPO, ... differ by values and not by code.
+- `recipe_algorithm(**overrides)`: the recipe's RL knobs (advantage estimator, policy loss, clip
+  ratios, aggregation, KL) as overrides of the one `AlgorithmConfig` dataclass
+  (stacx.objectives.algorithm_config), so that GRPO, Dr. GRPO, GSPO, DAPO, ... differ by values.
 
 Everything is checked in `__post_init__`; a mistake raises `RecipeError` naming the field. The
 `@recipe` decorator (stacx.trainer.recipes) adds the recipe name, so a malformed recipe fails at
@@ -23,12 +24,13 @@ import with both.
 
 from __future__ import annotations
 
-import dataclasses
+import difflib
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from stacx.objectives.aggregation import BUILTIN_AGGREGATION_MODE_NAMES
+from stacx.objectives.algorithm_config import AlgorithmConfig, AlgorithmConfigError, hyperparameter_fields
 from stacx.specializations.base import Specialization
 
 # Names provided by the objectives registries (stacx.objectives). Recipes name kernels; the
@@ -92,11 +94,6 @@ def _check_positive_int(where: str, value: Any) -> None:
         _fail(where, f"must be an integer >= 1, got {value!r}")
 
 
-def _check_non_negative(where: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        _fail(where, f"must be a number >= 0, got {value!r}")
-
-
 def _check_keys(where: str, keys: Any) -> None:
     if isinstance(keys, str) or not isinstance(keys, tuple):
         _fail(where, f"must be a tuple of field names (e.g. ('values',)), got {keys!r}")
@@ -108,89 +105,32 @@ def _check_keys(where: str, keys: Any) -> None:
         _fail(where, f"names a field twice: {keys!r}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class AlgorithmDefaults:
-    """RL algorithm knobs as data. Run flags override each field; the recipe supplies defaults.
-    Field names are the run configuration's `algorithm:` keys, which the loss kernels read as
-    `config.<name>` (see `as_algorithm_values`).
+def recipe_algorithm(**overrides: Any) -> AlgorithmConfig:
+    """A recipe's algorithm settings: the `AlgorithmConfig` defaults with `overrides` laid over them,
+    validated now (at `@recipe` time). A misspelled field, a mistyped value or an unknown kernel name
+    raises `RecipeError` naming `algorithm.<field>` (and the closest known field for a typo)."""
+    known = [f.name for f in hyperparameter_fields()]
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(known)}"
+            _fail(f"algorithm.{key}", f"is not an algorithm hyperparameter{hint}")
+    if overrides.get("advantage_estimator") is None:
+        _fail("algorithm.advantage_estimator", "a recipe with algorithm settings must name its advantage estimator")
+    try:
+        config = AlgorithmConfig(**overrides)
+    except AlgorithmConfigError as err:
+        raise RecipeError(str(err)) from None
+    _check_choice("algorithm.advantage_estimator", config.advantage_estimator,
+                  _with_registered(ADVANTAGE_ESTIMATORS, "ADVANTAGES"))
+    _check_choice("algorithm.policy_loss", config.policy_loss, _with_registered(POLICY_LOSSES, "POLICY_LOSSES"))
+    _check_choice("algorithm.loss_agg_mode", config.loss_agg_mode, _with_registered(LOSS_AGGREGATIONS, "AGGREGATIONS"))
+    _check_choice("algorithm.kl_loss_type", config.kl_loss_type, _with_registered(KL_ESTIMATORS, "KL_ESTIMATORS"))
+    return config
 
-    The per-token policy objective is `policy_loss(ratio, advantage; clip_ratio_low,
-    clip_ratio_high)` aggregated with `loss_agg_mode`, plus `kl_loss_coef * KL(pi || pi_ref)`
-    (estimator `kl_loss_type`) when `use_kl_loss`, minus `entropy_coef * entropy`.
-    """
 
-    advantage_estimator: str
-    """Name in the advantage registry: grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae, reward_centered."""
-    policy_loss: str = "ppo_clip"
-    """Name in the policy-loss registry: ppo_clip, gspo, cispo, vanilla_pg, reinforce."""
-    loss_agg_mode: str = "token-mean"
-    """How per-token losses become one number: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
-    clip_ratio_low: float = 0.2
-    """Lower clip: the importance ratio is clipped to >= 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.2
-    """Upper clip: the importance ratio is clipped to <= 1 + clip_ratio_high (DAPO's clip-higher raises it)."""
-    clip_ratio_c: float | None = None
-    """Dual-clip constant c (> 1) bounding the loss for negative advantages; None disables it."""
-    use_kl_loss: bool = False
-    """Add a KL(pi || pi_ref) term to the loss against the reference model (needs a reference checkpoint)."""
-    kl_loss_type: str = "low_var_kl"
-    """KL estimator for the loss term: k1, k2, k3 (= low_var_kl)."""
-    kl_loss_coef: float = 0.001
-    """Weight of the KL loss term when use_kl_loss is set."""
-    use_kl_in_reward: bool = False
-    """Subtract kl_in_reward_coef * KL from the per-token reward instead of (or besides) the loss term."""
-    kl_in_reward_coef: float = 0.0
-    """Weight of the in-reward KL penalty when use_kl_in_reward is set."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus (0 means entropy is never computed)."""
-    norm_adv_by_std: bool = True
-    """Divide group-centered rewards by the group's standard deviation (Dr. GRPO turns this off)."""
-    gamma: float = 1.0
-    """Discount of the returns (GAE, REINFORCE++)."""
-    lam: float = 0.95
-    """GAE's lambda: bias/variance trade-off of the advantage (ppo)."""
-    value_clip: float | None = None
-    """Critic value clip around the old values (ppo); None disables it."""
-    filter_zero_variance_groups: bool = False
-    """DAPO dynamic sampling: drop prompt groups whose rewards are all equal (they carry no signal)."""
-    overlong_buffer_length: int | None = None
-    """DAPO soft overlong punishment: responses within this many tokens of the limit are penalized linearly."""
-    overlong_buffer_fraction: float | None = None
-    """The overlong buffer as a fraction of rollout_max_response_len, used when overlong_buffer_length
-    is unset (DAPO: 4096 of 20480 tokens, a fifth), so the recipe fits any response-length limit."""
-    overlong_penalty_factor: float = 1.0
-    """Largest overlong penalty (reached at the length limit)."""
-    teacher_kl_coef: float = 0.0
-    """Reverse-KL shaping against a teacher: per-token reward -= coef * (log pi(a) - log pi_teacher(a)); 0 disables it."""
-
-    def as_algorithm_values(self, recipe_name: str) -> dict[str, Any]:
-        """The recipe's defaults as `algorithm:` section values (`name` plus every field), for the run
-        configuration to lay user overrides over."""
-        return {"name": recipe_name, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
-
-    def __post_init__(self) -> None:
-        _check_choice("algorithm.advantage_estimator", self.advantage_estimator,
-                      _with_registered(ADVANTAGE_ESTIMATORS, "ADVANTAGES"))
-        _check_choice("algorithm.policy_loss", self.policy_loss, _with_registered(POLICY_LOSSES, "POLICY_LOSSES"))
-        _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode,
-                      _with_registered(LOSS_AGGREGATIONS, "AGGREGATIONS"))
-        _check_choice("algorithm.kl_loss_type", self.kl_loss_type, _with_registered(KL_ESTIMATORS, "KL_ESTIMATORS"))
-        for name in ("clip_ratio_low", "clip_ratio_high", "kl_loss_coef", "kl_in_reward_coef", "entropy_coef",
-                     "gamma", "lam", "overlong_penalty_factor", "teacher_kl_coef"):
-            _check_non_negative(f"algorithm.{name}", getattr(self, name))
-        if self.clip_ratio_c is not None and (
-            isinstance(self.clip_ratio_c, bool) or not isinstance(self.clip_ratio_c, (int, float))
-            or self.clip_ratio_c <= 1.0
-        ):
-            _fail("algorithm.clip_ratio_c", f"must be a number > 1 or None, got {self.clip_ratio_c!r}")
-        if self.value_clip is not None:
-            _check_non_negative("algorithm.value_clip", self.value_clip)
-        if self.overlong_buffer_length is not None:
-            _check_positive_int("algorithm.overlong_buffer_length", self.overlong_buffer_length)
-        if self.overlong_buffer_fraction is not None and not 0.0 < self.overlong_buffer_fraction <= 1.0:
-            _fail("algorithm.overlong_buffer_fraction", f"must be in (0, 1], got {self.overlong_buffer_fraction!r}")
-        if self.gamma > 1.0 or self.lam > 1.0:
-            _fail("algorithm.gamma/lam", f"must be in [0, 1], got {self.gamma}, {self.lam}")
+AlgorithmDefaults = recipe_algorithm
+"""The former name of `recipe_algorithm` (recipes written before the single AlgorithmConfig)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,8 +271,9 @@ class TrainingConfig:
     """Cross-role data movement; () for single-role recipes (an external teacher server needs no sync)."""
     description: str
     """One or two sentences on what the recipe trains and how."""
-    algorithm: AlgorithmDefaults | None = None
-    """RL knobs for recipes that compute advantages; None for SFT, distillation and DPO."""
+    algorithm: AlgorithmConfig | None = None
+    """RL knobs for recipes that compute advantages (`recipe_algorithm(...)`: the declared defaults with the
+    recipe's overrides); None for SFT, distillation and DPO."""
     data_source: str = "rollout"
     """'rollout': the inference engine generates from the policy every step; 'dataset': a fixed SFT/preference set."""
     uses_teacher: bool = False
@@ -366,8 +307,8 @@ class TrainingConfig:
             fail("roles.trainable", "at least one role must be trainable")
         self._check_pools(fail)
         self._check_syncs(fail)
-        if self.algorithm is not None and not isinstance(self.algorithm, AlgorithmDefaults):
-            fail("algorithm", f"must be AlgorithmDefaults or None, got {type(self.algorithm).__name__}")
+        if self.algorithm is not None and not isinstance(self.algorithm, AlgorithmConfig):
+            fail("algorithm", f"must be an AlgorithmConfig (recipe_algorithm(...)) or None, got {type(self.algorithm).__name__}")
         if self.algorithm is not None and self.algorithm.advantage_estimator == "gae" and not any(
             role.outputs_values for role in self.roles
         ):
@@ -542,6 +483,7 @@ class _CycleError(Exception):
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AlgorithmDefaults",
+    "recipe_algorithm",
     "CHECKPOINT_ARGS",
     "ExchangeSync",
     "InjectSync",

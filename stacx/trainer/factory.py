@@ -223,7 +223,7 @@ def check_supported(training_config, run_config) -> None:
     if training_config.data_source == "rollout":
         from stacx.trainer.rollin import resolve_rollin
 
-        resolve_rollin(training_config, run_config.teacher)
+        resolve_rollin(training_config, run_config.teacher, given_keys=run_config.given_keys)
 
 
 def build_metrics_logger(run_config, start_step: int = 0):

@@ -7,13 +7,14 @@
 `@recipe` calls the function once, checks the result and registers it in `TRAINING_CONFIGS`; a
 malformed recipe raises `RecipeError` naming the recipe and the field while this module (or the
 module defining it) is imported, never mid-run. The RL recipes share `ActorSpecialization` and
-differ only in their `AlgorithmDefaults` (data, not code).
+differ only in their `recipe_algorithm(...)` overrides (data, not code).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.specializations.actor import ActorSpecialization
 from stacx.specializations.causal_decoder import CausalDecoderSpecialization
 from stacx.specializations.critic import CriticSpecialization
@@ -21,13 +22,13 @@ from stacx.specializations.distill import DistillSpecialization
 from stacx.specializations.dpo import DPOSpecialization
 from stacx.specializations.mixed_loss_dagger import MixedLossDaggerOPDSpecialization
 from stacx.trainer.config import (
-    AlgorithmDefaults,
     ExchangeSync,
     InjectSync,
     ModelRole,
     RecipeError,
     TrainingConfig,
     _check_identifier,
+    recipe_algorithm,
 )
 
 TRAINING_CONFIGS: dict[str, TrainingConfig] = {}
@@ -89,7 +90,7 @@ def _policy(specialization_cls: type, *, with_reference: bool = True, sync_to_ro
     )
 
 
-def _rl_recipe(name: str, description: str, algorithm: AlgorithmDefaults) -> TrainingConfig:
+def _rl_recipe(name: str, description: str, algorithm: AlgorithmConfig) -> TrainingConfig:
     """Single-role RL: the policy generates, a reward scores, the estimator and loss come from `algorithm`."""
     return TrainingConfig(
         name=name,
@@ -161,7 +162,7 @@ def opd_rl_config() -> TrainingConfig:
             "RL on the task reward plus reverse-KL shaping against a teacher server: each token's reward is reduced by "
             "teacher_kl_coef * (log pi - log pi_teacher); group-normalized advantages, PPO-clipped loss."
         ),
-        algorithm=AlgorithmDefaults(advantage_estimator="grpo", policy_loss="ppo_clip", teacher_kl_coef=0.1),
+        algorithm=recipe_algorithm(advantage_estimator="grpo", policy_loss="ppo_clip", teacher_kl_coef=0.1),
         data_source="rollout",
         uses_teacher=True,
         uses_reward=True,
@@ -229,7 +230,7 @@ def grpo_config() -> TrainingConfig:
         "grpo",
         "GRPO: rewards normalized within each prompt's group (mean and std), PPO-clipped policy loss; optional "
         "low-variance KL to the in-worker reference (--use-kl-loss with --ref-load).",
-        AlgorithmDefaults(advantage_estimator="grpo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
+        recipe_algorithm(advantage_estimator="grpo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
                           clip_ratio_low=0.2, clip_ratio_high=0.2, kl_loss_type="low_var_kl", kl_loss_coef=0.001),
     )
 
@@ -240,7 +241,7 @@ def dr_grpo_config() -> TrainingConfig:
         "dr_grpo",
         "Dr. GRPO: group-centered rewards without std normalization, and a constant (max-length) loss normalizer "
         "instead of per-sequence lengths, removing GRPO's length and difficulty biases.",
-        AlgorithmDefaults(advantage_estimator="dr_grpo", policy_loss="ppo_clip",
+        recipe_algorithm(advantage_estimator="dr_grpo", policy_loss="ppo_clip",
                           loss_agg_mode="seq-mean-token-sum-norm", norm_adv_by_std=False),
     )
 
@@ -251,7 +252,7 @@ def gspo_config() -> TrainingConfig:
         "gspo",
         "GSPO: group-normalized advantages with a sequence-level importance ratio (geometric mean of token ratios) "
         "clipped in a narrow band.",
-        AlgorithmDefaults(advantage_estimator="grpo", policy_loss="gspo", loss_agg_mode="seq-mean-token-mean",
+        recipe_algorithm(advantage_estimator="grpo", policy_loss="gspo", loss_agg_mode="seq-mean-token-mean",
                           clip_ratio_low=3e-4, clip_ratio_high=4e-4),
     )
 
@@ -262,7 +263,7 @@ def dapo_config() -> TrainingConfig:
         "dapo",
         "DAPO: GRPO advantages with clip-higher (0.2/0.28), token-level loss aggregation, dynamic sampling that drops "
         "zero-variance groups, soft overlong punishment and no KL term.",
-        AlgorithmDefaults(advantage_estimator="grpo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
+        recipe_algorithm(advantage_estimator="grpo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
                           clip_ratio_low=0.2, clip_ratio_high=0.28, filter_zero_variance_groups=True,
                           overlong_buffer_fraction=0.2, overlong_penalty_factor=1.0),
     )
@@ -274,7 +275,7 @@ def cispo_config() -> TrainingConfig:
         "cispo",
         "CISPO: the importance weight itself is clipped and detached (no lower bound, upper 1+0.28) and multiplies "
         "the log-probability gradient, so no token's gradient is dropped.",
-        AlgorithmDefaults(advantage_estimator="grpo", policy_loss="cispo", loss_agg_mode="token-mean",
+        recipe_algorithm(advantage_estimator="grpo", policy_loss="cispo", loss_agg_mode="token-mean",
                           clip_ratio_low=1.0, clip_ratio_high=0.28),
     )
 
@@ -285,7 +286,7 @@ def reinforce_pp_config() -> TrainingConfig:
         "reinforce_pp",
         "REINFORCE++: discounted token returns with a per-token KL penalty in the reward, whitened over the global "
         "batch; PPO-clipped loss.",
-        AlgorithmDefaults(advantage_estimator="reinforce_plus_plus", policy_loss="ppo_clip",
+        recipe_algorithm(advantage_estimator="reinforce_plus_plus", policy_loss="ppo_clip",
                           use_kl_in_reward=True, kl_in_reward_coef=0.01, kl_loss_type="k1"),
     )
 
@@ -296,7 +297,7 @@ def reinforce_pp_baseline_config() -> TrainingConfig:
         "reinforce_pp_baseline",
         "REINFORCE++ with a group-mean baseline: rewards centered within each prompt's group, then whitened over the "
         "global batch; k2 KL loss to the reference.",
-        AlgorithmDefaults(advantage_estimator="reinforce_plus_plus_baseline", policy_loss="ppo_clip",
+        recipe_algorithm(advantage_estimator="reinforce_plus_plus_baseline", policy_loss="ppo_clip",
                           use_kl_loss=True, kl_loss_type="k2", kl_loss_coef=0.001),
     )
 
@@ -306,7 +307,7 @@ def rloo_config() -> TrainingConfig:
     return _rl_recipe(
         "rloo",
         "RLOO: each sample's baseline is the mean reward of the other samples of its prompt; PPO-clipped loss.",
-        AlgorithmDefaults(advantage_estimator="rloo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
+        recipe_algorithm(advantage_estimator="rloo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
                           norm_adv_by_std=False),
     )
 
@@ -334,7 +335,7 @@ def grpo_reference_refresh_config() -> TrainingConfig:
             f"{REFERENCE_REFRESH_EVERY_N_STEPS} steps (--exchange-every-n-steps) over an exchange sync, so long runs "
             "keep a KL leash without being pulled back to the initial model."
         ),
-        algorithm=AlgorithmDefaults(advantage_estimator="grpo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
+        algorithm=recipe_algorithm(advantage_estimator="grpo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
                                     clip_ratio_low=0.2, clip_ratio_high=0.28, use_kl_loss=True,
                                     kl_loss_type="low_var_kl", kl_loss_coef=0.01),
         data_source="rollout",
@@ -359,7 +360,7 @@ def ppo_config() -> TrainingConfig:
             "PPO with a learned critic: per-token values from the critic are injected into the actor's batch, GAE "
             "turns rewards and values into advantages and returns, and both roles train every step."
         ),
-        algorithm=AlgorithmDefaults(advantage_estimator="gae", policy_loss="ppo_clip", loss_agg_mode="token-mean",
+        algorithm=recipe_algorithm(advantage_estimator="gae", policy_loss="ppo_clip", loss_agg_mode="token-mean",
                                     gamma=1.0, lam=0.95, value_clip=0.5),
         data_source="rollout",
         uses_reward=True,

@@ -21,8 +21,8 @@ Who executes turn t comes from a roll-in plan (stacx.rollout.dagger), drawn per 
   picks the executed actions (beta schedule), and the teacher relabels every visited state: each
   turn t becomes one SFT sample `(tokens before turn t, the teacher's action there)`.
 - any other rollout recipe: the student acts in every turn.
-`STACX_DAGGER_SAMPLING_MODE` overrides the mode; otherwise a `dagger_sampling_mode` other than
-its default wins, else the recipe's protocol decides.
+`STACX_DAGGER_SAMPLING_MODE` overrides the mode; otherwise a `dagger_sampling_mode` the user set
+(recorded in `RunConfig.given_keys`, whatever its value) wins, else the recipe's protocol decides.
 
 Turns are generated in lock-step: at turn t every unfinished episode sends one request, grouped
 by executor, the student's batch to the rollout engine and the teacher's to the teacher engine
@@ -67,8 +67,10 @@ class RollInSpec:
         return self.mode != "student"
 
 
-def resolve_rollin(training_config, teacher_section, environ: Optional[Mapping[str, str]] = None) -> Optional[RollInSpec]:
+def resolve_rollin(training_config, teacher_section, environ: Optional[Mapping[str, str]] = None, *,
+                   given_keys: frozenset[str] = frozenset()) -> Optional[RollInSpec]:
     """The roll-in of a rollout run, or None when the run replays a trajectory corpus instead.
+    `given_keys` (RunConfig.given_keys) says whether the user set dagger_sampling_mode.
 
     Raises ValueError naming the field for a bad schedule or mode."""
     from stacx.rollout.env_overrides import apply_env_overrides, read_env_overrides
@@ -87,7 +89,7 @@ def resolve_rollin(training_config, teacher_section, environ: Optional[Mapping[s
         return RollInSpec("relabel", BetaMixtureRollIn(schedule))
     if protocol not in RECIPE_SAMPLING_MODES:
         raise ValueError(f"recipe {training_config.name!r}: unknown rollin_protocol {protocol!r}")
-    explicit = "dagger_sampling_mode" in read_env_overrides(environ) or teacher.dagger_sampling_mode != DEFAULT_SAMPLING_MODE
+    explicit = "dagger_sampling_mode" in read_env_overrides(environ) or "dagger_sampling_mode" in given_keys
     mode = teacher.dagger_sampling_mode if explicit else RECIPE_SAMPLING_MODES[protocol]
     return RollInSpec(mode, build_roll_in(dataclasses.replace(teacher, dagger_sampling_mode=mode)))
 

@@ -5,7 +5,7 @@ dynamic sampling, rollout dumps; held-out evaluation every `eval_interval` steps
     samples, metrics = step_rollout.collect(step)       # rewards and teacher fields filled
     metrics.update(step_rollout.evaluate_if_due(step))  # after the step's weights reached the engine
 
-DAPO (the `dapo` recipe's AlgorithmDefaults, or the flags):
+DAPO (the `dapo` recipe's algorithm overrides, or the flags):
 - overlong penalty, with L = rollout_max_response_len, B = overlong_buffer_length, f = overlong_penalty_factor
   and n the response length:   r += 0                      if n <= L - B
                                r += (L - B - n) / B * f    if L - B < n <= L     (from 0 down to -f)
@@ -77,7 +77,7 @@ class StepRollout:
         self.training_config = training_config
         self.algorithm = algorithm
         rollout = run_config.rollout
-        self.spec = rollin.resolve_rollin(training_config, run_config.teacher)
+        self.spec = rollin.resolve_rollin(training_config, run_config.teacher, given_keys=run_config.given_keys)
         self.dynamic = dynamic_sampling_enabled(run_config, algorithm)
         self.overlong_buffer = overlong_buffer_tokens(algorithm, rollout.rollout_max_response_len)
         self.overlong_factor = float(getattr(algorithm, "overlong_penalty_factor", 1.0))

@@ -23,6 +23,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from stacx.objectives.algorithm_config import (
+    AlgorithmConfig,
+    AlgorithmConfigError,
+    hyperparameter_fields,
+    scalar_type,
+)
+
 
 class ConfigError(ValueError):
     """A run-configuration key or value is wrong; the message names it."""
@@ -206,72 +213,23 @@ class LoggingSection:
     """Show a progress bar with step, reward, loss and ETA on the driver."""
 
 
-ALGORITHM_FIELDS: dict[str, Any] = {
-    # recipe and kernels (names in the stacx.objectives registries)
-    "name": None,
-    "advantage_estimator": None,
-    "policy_loss": None,
-    "loss_agg_mode": None,
-    # policy loss
-    "clip_ratio": 0.2,
-    "clip_ratio_low": None,
-    "clip_ratio_high": None,
-    "clip_ratio_c": None,
-    "entropy_coef": 0.0,
-    "log_entropy": True,
-    "recompute_old_log_probs": False,
-    # KL to the reference
-    "use_kl_loss": False,
-    "kl_loss_type": "low_var_kl",
-    "kl_loss_coef": 0.0,
-    "use_kl_in_reward": False,
-    "kl_in_reward_type": "k1",
-    "kl_in_reward_coef": 0.0,
-    # advantages and returns
-    "gamma": 1.0,
-    "lam": 1.0,
-    "norm_adv_by_std": True,
-    "whiten_advantages": False,
-    "adv_eps": 1e-6,
-    "value_clip": 0.2,
-    # off-policy corrections (train/rollout mismatch)
-    "off_policy_corrections": None,
-    "tis_threshold": 2.0,
-    "mis_lower": 0.5,
-    "mis_upper": 2.0,
-    "opsm_delta": 1e-4,
-    "m2po_threshold": 0.04,
-    # DAPO data shaping
-    "filter_zero_variance_groups": False,
-    "overlong_buffer_length": None,
-    "overlong_buffer_fraction": None,
-    "overlong_penalty_factor": 1.0,
-    # preference optimization
-    "dpo_beta": 0.1,
-    "dpo_loss_type": "sigmoid",
-    "dpo_average_log_prob": False,
-    "label_smoothing": 0.0,
-    # distillation
-    "teacher_kl_coef": 0.0,
-    "student_top_k": None,
-    "distill_topk_renormalize": True,
-}
-"""Known algorithm hyperparameters and the defaults the kernels use; any other key is a custom
-hyperparameter (a name within a typo of a known one is refused, see `check_custom_algorithm_key`)."""
+def algorithm_field_tables(config_cls: type = AlgorithmConfig) -> tuple[dict[str, Any], dict[str, type]]:
+    """({name: default}, {name: value type}) of the hyperparameters `config_cls` declares: the known
+    `algorithm:` keys (YAML and flags) and how their values are checked, derived, never restated."""
+    fields = hyperparameter_fields(config_cls)
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in fields}
+    return defaults, {f.name: scalar_type(f) for f in fields}
 
-ALGORITHM_FIELD_TYPES: dict[str, type] = {
-    "advantage_estimator": str,
-    "policy_loss": str,
-    "loss_agg_mode": str,
-    "clip_ratio_low": float,
-    "clip_ratio_high": float,
-    "clip_ratio_c": float,
-    "overlong_buffer_length": int,
-    "overlong_buffer_fraction": float,
-    "student_top_k": int,
-}
-"""Value types of the known fields whose default is None (None stays allowed); the others take the
-type of their default. `off_policy_corrections` takes a list of names or a comma-separated string."""
+
+ALGORITHM_FIELDS, ALGORITHM_FIELD_TYPES = algorithm_field_tables()
+ALGORITHM_FIELDS: dict[str, Any]
+"""Known algorithm hyperparameters and their defaults, derived from the `AlgorithmConfig` dataclass
+(stacx.objectives.algorithm_config); any other key is a custom hyperparameter (a name within a typo
+of a known one is refused, see `check_custom_algorithm_key`)."""
+
+ALGORITHM_FIELD_TYPES: dict[str, type]
+"""Value type of every known algorithm field (None stays allowed where the field is optional),
+derived from the dataclass annotations."""
 
 CUSTOM_KEY_SIMILARITY_CUTOFF = 0.85
 """A custom algorithm key at least this similar (difflib ratio) to a known one is taken for a typo."""
@@ -303,56 +261,6 @@ def check_custom_algorithm_key(key: str, source: str, declared=frozenset()) -> N
             f"fix the name, or, if '{key}' is a custom hyperparameter on purpose, declare it: "
             f"algorithm: {{{CUSTOM_HYPERPARAMETERS_KEY}: [{key}]}}"
         )
-
-
-class AlgorithmConfig(types.SimpleNamespace):
-    """The `algorithm:` section: known fields with defaults plus any custom hyperparameter.
-
-    Loss kernels receive this object as `config` and read attributes (`config.clip_ratio`,
-    `getattr(config, "my_param", 0.5)`). Unknown attributes raise AttributeError naming them.
-
-    `given_keys` records which keys were passed explicitly (for a run config: what the user set),
-    so that recipe defaults fill only the keys the user left unset, even when the user's value
-    equals the generic default (`lam: 1.0` under ppo stays 1.0).
-    """
-
-    # A slot, not an attribute in vars(): kernels and to_dict() see only hyperparameters.
-    __slots__ = ("_given_keys",)
-
-    def __init__(self, **values: Any):
-        merged = dict(ALGORITHM_FIELDS)
-        merged.update(values)
-        if merged["clip_ratio_low"] is None:
-            merged["clip_ratio_low"] = merged["clip_ratio"]
-        if merged["clip_ratio_high"] is None:
-            merged["clip_ratio_high"] = merged["clip_ratio"]
-        super().__init__(**merged)
-        self._given_keys = frozenset(values)
-
-    @property
-    def given_keys(self) -> frozenset[str]:
-        """Keys passed explicitly to the constructor (the others hold generic defaults)."""
-        return self._given_keys
-
-    def given_values(self) -> dict[str, Any]:
-        """{key: value} of the explicitly given keys."""
-        return {key: getattr(self, key) for key in sorted(self._given_keys)}
-
-    def custom_hyperparameters(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if k not in ALGORITHM_FIELDS}
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
-
-    def __reduce__(self):
-        # SimpleNamespace pickles only vars(); keep the given keys across processes (Ray workers, checkpoints).
-        return (_rebuild_algorithm_config, (self.to_dict(), tuple(sorted(self._given_keys))))
-
-
-def _rebuild_algorithm_config(values: dict[str, Any], given_keys: tuple[str, ...]) -> AlgorithmConfig:
-    config = AlgorithmConfig(**values)
-    config._given_keys = frozenset(given_keys)
-    return config
 
 
 SECTIONS: dict[str, type] = {
@@ -399,6 +307,10 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    given_keys: frozenset[str] = field(default=frozenset(), compare=False)
+    """Section field names the user set (config file, flags, STACX_* overrides), e.g. 'dagger_sampling_mode':
+    "set" comes from this record, never from comparing a value with its default. The algorithm
+    section keeps its own record (`algorithm.given_keys`)."""
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], *, source: str = "config") -> "RunConfig":
@@ -438,7 +350,12 @@ class RunConfig:
         if algorithm.get("name") and not per_section["train"].get("algorithm"):
             per_section["train"]["algorithm"] = algorithm["name"]
         sections = {name: SECTIONS[name](**kwargs) for name, kwargs in per_section.items()}
-        return cls(**sections, algorithm=AlgorithmConfig(**algorithm))
+        try:
+            algorithm_config = AlgorithmConfig.from_values(algorithm)
+        except AlgorithmConfigError as err:
+            raise ConfigError(f"{err} (in {source})") from None
+        given_keys = frozenset(key for kwargs in per_section.values() for key in kwargs)
+        return cls(**sections, algorithm=algorithm_config, given_keys=given_keys)
 
     def to_dict(self) -> dict[str, Any]:
         """Nested plain dict (what checkpoints store and `--dry-run` prints)."""
@@ -467,7 +384,13 @@ class RunConfig:
             else:
                 raise ConfigError(_unknown(key, key, "replace()"))
         nested["algorithm"] = algorithm
-        return RunConfig.from_dict(nested, source="replace()")
+        changed = {key.replace("-", "_") for key in flat_values if key.replace("-", "_") in FIELDS}
+        for key in flat_values:
+            if key in SECTIONS:
+                changed |= set(flat_values[key])
+        rebuilt = RunConfig.from_dict(nested, source="replace()")
+        # Every section key went through from_dict again: keep the record of what the user set.
+        return dataclasses.replace(rebuilt, given_keys=self.given_keys | changed)
 
 
 def _unknown(raw_key: str, key: str, source: str) -> str:
@@ -478,15 +401,17 @@ def _unknown(raw_key: str, key: str, source: str) -> str:
 
 
 def _coerce_algorithm(key: str, value: Any, source: str) -> Any:
-    """Known algorithm fields with a typed default (or an entry in ALGORITHM_FIELD_TYPES) are
-    checked like section fields; custom keys keep their value as given."""
-    default = ALGORITHM_FIELDS.get(key)
-    value_type = ALGORITHM_FIELD_TYPES.get(key) if default is None else type(default)
-    if value_type is None or value is None:
+    """Known algorithm fields are checked against their `AlgorithmConfig` annotation like section
+    fields (a list of names for a string field is joined with commas); custom keys keep their value."""
+    f = _ALGORITHM_FIELD_OBJECTS.get(key)
+    if f is None or value is None:
         return value
-    stand_in = dataclasses.field()
-    stand_in.name, stand_in.type = key, value_type
-    return _coerce(stand_in, value, source)
+    if scalar_type(f) is str and isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    return _coerce(f, value, source)
+
+
+_ALGORITHM_FIELD_OBJECTS: dict[str, dataclasses.Field] = {f.name: f for f in hyperparameter_fields()}
 
 
 def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:

@@ -27,7 +27,7 @@ from stacx.trainer import step_data
 from stacx.trainer.interrupts import stop_on_termination_signals
 from stacx.trainer.numerics import NonFiniteGuard
 from stacx.trainer.preflight import role_wants_reference
-from stacx.trainer.resolved_config import resolved_run_config_dict
+from stacx.trainer.resolved_config import check_resumed_algorithm, resolved_run_config_dict
 
 logger = logging.getLogger(__name__)
 
@@ -374,6 +374,7 @@ class StacxTrainer:
             return 0
         # Every file is read with torch.load(weights_only=True): a checkpoint cannot run code on resume.
         loaded = load_checkpoint(path, expected_recipe=self.training_config, expected_layouts=self.role_layouts())
+        check_resumed_algorithm(loaded.run_config(), self.algorithm, where=loaded.path)
         for name, group in self.roles.items():
             group.call("load_rank_state", [(loaded, name, rank) for rank in range(group.layout.num_ranks)])
         driver_state = loaded.driver_state()

@@ -45,10 +45,8 @@ def test_plugin_defaults_hold_unless_the_user_set_the_key_and_its_entropy_bonus_
     old, new, adv, masks = _trajectories()
     loss_fn = get_policy_loss("reinforce_pg")
     assert POLICY_LOSSES.traits("reinforce_pg").applies_entropy_bonus
-    unset = AlgorithmConfig(loss_agg_mode="token-mean")
-    unset._given_keys = frozenset()  # as the resolved config: nothing set by the user
-    user_set = AlgorithmConfig(loss_agg_mode="token-mean", entropy_coef=0.5)
-    user_set._given_keys = frozenset({"entropy_coef"})
+    unset = AlgorithmConfig(loss_agg_mode="token-mean", given_keys=frozenset())  # as resolved: nothing set
+    user_set = AlgorithmConfig(loss_agg_mode="token-mean", entropy_coef=0.5, given_keys=frozenset({"entropy_coef"}))
 
     def expected(coef):
         lp, a = torch.cat(new).detach(), torch.cat(adv)

@@ -290,7 +290,7 @@ CASES: dict[str, Case] = {
 def algorithm_config(case: Case):
     from stacx.trainer.run_config import AlgorithmConfig
 
-    return AlgorithmConfig(**case.config)
+    return AlgorithmConfig.from_values(case.config)
 
 
 def build_specialization(case: Case, groups):

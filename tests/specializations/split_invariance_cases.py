@@ -226,7 +226,7 @@ def build_specialization(family: Family, mode: str, groups):
         specialization_cls = getattr(load_custom_modules([path])[0], class_name)
     else:
         specialization_cls = getattr(specializations, family.specialization)
-    specialization = specialization_cls(AlgorithmConfig(**config), groups)
+    specialization = specialization_cls(AlgorithmConfig.from_values(config), groups)
     assert specialization.loss_agg_mode() == mode, (family, mode, specialization.loss_agg_mode())
     return specialization
 

@@ -51,7 +51,7 @@ def train_with_the_example(groups, checkpoint: str):
 
     load_example()
     training_config = get_recipe("reward_weighted_sft")
-    config = AlgorithmConfig(**training_config.algorithm.as_algorithm_values("reward_weighted_sft"), rwr_temperature=0.5)
+    config = AlgorithmConfig.from_values({**training_config.algorithm.to_dict(), "rwr_temperature": 0.5})
     specialization = training_config.role("policy").specialization_cls(config, groups)
 
     torch.manual_seed(0)

@@ -77,9 +77,10 @@ def test_rollin_mode_comes_from_the_recipe_unless_overridden():
     assert rollin.resolve_rollin(get_recipe("mixture_aggrevate_opd"), teacher,
                                  {"STACX_DAGGER_SAMPLING_MODE": "mixture_dagger_opd"}).mode == "beta"
     assert rollin.resolve_rollin(get_recipe("online_dagger"), teacher, {"STACX_DAGGER_SFT_MODE": "trajectory"}) is None
-    # An explicit (non-default) config value also wins over the recipe.
-    explicit = RunConfig.from_dict({"dagger_sampling_mode": "kappa"}).teacher
-    assert rollin.resolve_rollin(get_recipe("mixture_dagger_opd"), explicit).mode == "kappa"
+    # A value the user set (RunConfig.given_keys records it) also wins over the recipe.
+    explicit = RunConfig.from_dict({"dagger_sampling_mode": "kappa"})
+    assert rollin.resolve_rollin(get_recipe("mixture_dagger_opd"), explicit.teacher,
+                                 given_keys=explicit.given_keys).mode == "kappa"
     with pytest.raises(ValueError, match="STACX_DAGGER_SAMPLING_MODE"):
         rollin.resolve_rollin(get_recipe("mixture_dagger_opd"), teacher, {"STACX_DAGGER_SAMPLING_MODE": "delta"})
 

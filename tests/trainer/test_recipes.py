@@ -324,12 +324,12 @@ def test_algorithm_defaults_use_the_run_config_algorithm_keys():
     for name, config in TRAINING_CONFIGS.items():
         if config.algorithm is None:
             continue
-        values = config.algorithm.as_algorithm_values(name)
+        values = config.algorithm.to_dict()
         shared = {"name", "advantage_estimator", "policy_loss", "loss_agg_mode", "clip_ratio_low", "clip_ratio_high",
                   "clip_ratio_c", "use_kl_loss", "kl_loss_type", "kl_loss_coef", "use_kl_in_reward",
                   "kl_in_reward_coef", "entropy_coef", "gamma", "lam", "norm_adv_by_std", "value_clip"}
         assert shared <= set(values) and shared <= set(ALGORITHM_FIELDS)
-        algorithm = AlgorithmConfig(**values)
+        algorithm = AlgorithmConfig.from_values(values)
         assert algorithm.loss_agg_mode == config.algorithm.loss_agg_mode
         assert algorithm.clip_ratio_high == config.algorithm.clip_ratio_high
 

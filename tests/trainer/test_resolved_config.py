@@ -26,7 +26,7 @@ def _from_flags(argv: list[str]) -> RunConfig:
 
 def test_a_user_value_equal_to_the_generic_default_still_wins_over_the_recipe():
     ppo = get_recipe("ppo")
-    assert ALGORITHM_FIELDS["lam"] == 1.0 and ppo.algorithm.lam == 0.95
+    assert ppo.algorithm.lam == 0.95
     unset = resolve_algorithm_config(ppo, RunConfig.from_dict({"algorithm": {"name": "ppo"}}))
     assert unset.lam == 0.95
     for cfg in (RunConfig.from_dict({"algorithm": {"name": "ppo", "lam": 1.0}}),
@@ -71,7 +71,7 @@ def test_given_keys_survive_replace_and_pickling():
     assert resolve_algorithm_config(get_recipe("ppo"), changed).lam == 1.0
     copy = pickle.loads(pickle.dumps(changed.algorithm))
     assert copy.given_keys == changed.algorithm.given_keys and copy.to_dict() == changed.algorithm.to_dict()
-    assert "_given_keys" not in changed.algorithm.to_dict()  # kernels and checkpoints see only hyperparameters
+    assert not {"given_keys", "extras"} & set(changed.algorithm.to_dict())  # checkpoints see only hyperparameters
     assert AlgorithmConfig().given_keys == frozenset()
 
 
@@ -103,51 +103,52 @@ def test_newly_known_fields_have_flags_and_are_type_checked():
     assert dapo.custom_hyperparameters().keys() <= {"rollout_temperature", "distill_kl_mode", "teacher_top_k"}
 
 
-def _kernel_reads() -> list[tuple[str, str, object]]:
-    """(file, name, default or ...) of every `hyperparameter(config, "name", default)`,
-    `self.setting("name", default)` and `getattr(config, "name", default)` in the kernels and
-    specializations (default `...` when it is not a literal)."""
+def _kernel_reads(root: Path = REPO) -> list[tuple[str, str, bool]]:
+    """(file, name, has a default argument) of every `hyperparameter(config, "name"[, default])` and
+    `self.setting("name"[, default])` call anywhere in stacx/, and of every `getattr(config, "name", default)`
+    with a non-None default in the kernels and specializations."""
     found = []
-    for folder in ("stacx/objectives", "stacx/specializations"):
-        for path in sorted((REPO / folder).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if not isinstance(node, ast.Call) or len(node.args) < 2:
-                    continue
-                func = node.func
-                name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
-                if name == "hyperparameter" and len(node.args) == 3:
-                    key, default = node.args[1], node.args[2]
-                elif name == "setting" and len(node.args) == 2:
-                    key, default = node.args
-                elif (name == "getattr" and len(node.args) == 3 and isinstance(node.args[0], ast.Name)
-                      and node.args[0].id == "config"):
-                    key, default = node.args[1], node.args[2]
-                else:
-                    continue
-                if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
-                    continue
-                try:
-                    value = ast.literal_eval(default)
-                except ValueError:
-                    value = ...
-                found.append((str(path.relative_to(REPO)), key.value, value))
+    for path in sorted((root / "stacx").rglob("*.py")):
+        in_kernels = path.parts[-2] in ("objectives", "specializations")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            if name == "hyperparameter" and len(node.args) >= 2:
+                key, has_default = node.args[1], len(node.args) > 2 or bool(node.keywords)
+            elif name == "setting" and isinstance(func, ast.Attribute):
+                key, has_default = node.args[0], len(node.args) > 1 or bool(node.keywords)
+            elif (in_kernels and name == "getattr" and len(node.args) == 3 and isinstance(node.args[0], ast.Name)
+                  and node.args[0].id == "config"):
+                default = node.args[2]
+                key, has_default = node.args[1], not (isinstance(default, ast.Constant) and default.value is None)
+            else:
+                continue
+            if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                found.append((path.relative_to(root).as_posix(), key.value, has_default))
     return found
 
 
-def test_every_hyperparameter_the_kernels_read_is_known_with_the_kernels_default():
+def test_kernels_read_declared_hyperparameters_with_no_default_at_the_read_site():
     reads = _kernel_reads()
     assert len(reads) > 30, "the scan should find the kernels' hyperparameter reads"
-    # Read from other run-config sections through the resolved algorithm config.
-    from_sections = {"rollout_temperature", "distill_kl_mode", "teacher_top_k"}
-    unknown = sorted({(f, n) for f, n, _ in reads if n not in ALGORITHM_FIELDS and n not in from_sections})
-    assert not unknown, f"kernels read hyperparameters missing from ALGORITHM_FIELDS: {unknown}"
-    assert from_sections <= set(FIELDS)
-    # A known field whose default is None means "unset": the reader's own default applies (hyperparameter()
-    # maps None to it), e.g. policy_loss -> ppo_clip. clip_ratio_low/high are read with a computed default.
-    mismatched = sorted({(f, n, d, ALGORITHM_FIELDS[n]) for f, n, d in reads
-                         if n in ALGORITHM_FIELDS and ALGORITHM_FIELDS[n] is not None and d is not ...
-                         and d != ALGORITHM_FIELDS[n]})
-    assert not mismatched, f"kernel defaults differ from ALGORITHM_FIELDS: {mismatched}"
+    with_default = sorted((f, n) for f, n, has_default in reads if has_default)
+    assert not with_default, f"a default at the read site restates AlgorithmConfig's: {with_default}"
+    unknown = sorted({(f, n) for f, n, _ in reads if n not in ALGORITHM_FIELDS})
+    assert not unknown, f"kernels read hyperparameters AlgorithmConfig does not declare: {unknown}"
+    # Copied from other run-config sections at resolution: the dataclass default equals the section's.
+    for name in ("rollout_temperature", "distill_kl_mode", "teacher_top_k"):
+        assert FIELDS[name][1].default == ALGORITHM_FIELDS[name], name
+
+
+def test_the_scan_sees_a_default_at_a_read_site(tmp_path):
+    """Guard: the AST scan flags `hyperparameter(config, "lam", 1.0)` (so an empty result means something)."""
+    planted = tmp_path / "stacx" / "objectives" / "planted.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text('def f(config, self):\n    return hyperparameter(config, "lam", 1.0), self.setting("gamma", 1.0)\n')
+    assert _kernel_reads(tmp_path) == [("stacx/objectives/planted.py", "lam", True),
+                                       ("stacx/objectives/planted.py", "gamma", True)]
 
 
 def test_a_key_close_to_a_known_one_is_refused_unless_declared_custom():
