@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from stacx.parallel.bound_store import host_bound_store
 from stacx.rollout.engine import WeightBucket
 from stacx.rollout.http_client import RetryPolicy
 from stacx.rollout.http_engine import HttpEngine
@@ -81,8 +82,12 @@ class WeightBroadcastGroup:
 
         import torch.distributed as dist
 
-        store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
-                              timeout=timedelta(seconds=timeout_s))
+        if rank == 0:  # the trainer hosts the group's store on the address SGLang's ranks were given, only there
+            store, _ = host_bound_store(master_address, timeout_s, port=master_port, world_size=world_size,
+                                        purpose="SGLang weight-update group")
+        else:
+            store = dist.TCPStore(master_address, master_port, world_size, is_master=False,
+                                  timeout=timedelta(seconds=timeout_s))
         if backend == "gloo":
             self.group = dist.ProcessGroupGloo(store, rank, world_size)
         elif backend == "nccl":

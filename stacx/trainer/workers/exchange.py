@@ -34,13 +34,13 @@ factory picks gloo for them. On GPU with NCCL, buckets live on the current CUDA 
 from __future__ import annotations
 
 import secrets
-import socket
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
+from stacx.parallel.bound_store import gloo_options, host_bound_store
 from stacx.trainer.workers.exchange_header import (
     EXCHANGE_DTYPES,
     TensorSlot,
@@ -112,36 +112,8 @@ def resolve_backend(backend: str) -> str:
 
 
 def host_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
-    """Start the group's TCPStore server on a free port of address `host` only; returns it and its port.
-
-    `host` is the node's cluster address (`ray.util.get_node_ip_address()`). TCPStore itself would
-    listen on every interface whatever host name it is given, so the listening socket is bound
-    here and handed over by file descriptor.
-    """
-    if not host or host in ("0.0.0.0", "::"):
-        raise ValueError(f"exchange: the store must listen on the node's cluster address, got {host!r} "
-                         "(every interface); pass ray.util.get_node_ip_address()")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        listener.bind((host, 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-    except OSError as err:
-        listener.close()
-        raise OSError(f"exchange: cannot listen on {host!r} for the exchange store: {err}") from err
-    # The store takes the socket over (and closes it with the store).
-    store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
-                          master_listen_fd=listener.detach())
-    return store, port
-
-
-def gloo_options(local_host: str, timeout: timedelta) -> dist.ProcessGroupGloo._Options:
-    """Gloo options whose one device listens on `local_host` (not on whatever the host name resolves to)."""
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
-    return options
+    """Start an exchange group's store on a free port of address `host` only (see `parallel.bound_store`)."""
+    return host_bound_store(host, timeout_s, purpose="exchange")
 
 
 class ExchangeEndpoint:

@@ -27,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 
+from stacx.parallel.bound_store import host_bound_store
+
 
 def join_role_world(rank: int, world_size: int, *, node_address: str, store_address: str, store_port: int,
                     hosted_store=None, timeout_s: float) -> None:
@@ -101,18 +103,16 @@ class RoleWorker:
     def host_rendezvous(self, timeout_s: float) -> tuple[str, int]:
         """Rank 0: start the role's rendezvous store on this node's cluster address; returns (address, port).
 
-        The store (`exchange.host_store`: its listening socket bound to the node address, never to
+        The store (`parallel.bound_store.host_bound_store`: its listening socket bound to the node address, never to
         0.0.0.0 / ::) is kept for `setup`, which hands it to `init_process_group`; the other ranks
         connect to (address, port).
         """
         import ray
 
-        from stacx.trainer.workers.exchange import host_store
-
         if self.rank != 0:
             raise ValueError(f"role {self.role_name!r}: host_rendezvous runs on rank 0, not rank {self.rank}")
         node_address = ray.util.get_node_ip_address()  # the node's cluster address: 127.0.0.1 on a local cluster
-        self._rendezvous_store, port = host_store(node_address, timeout_s)
+        self._rendezvous_store, port = host_bound_store(node_address, timeout_s, purpose=f"role {self.role_name!r} rendezvous")
         return node_address, port
 
     def setup(self, rank: int, world_size: int, master_addr: str, master_port: int,
