@@ -270,6 +270,8 @@ class CpuEngine(InferenceEngine):
         Same choices as `_generate_packed` (same sampling helpers, same generator draws in request
         order), so a seed reproduces a sample and greedy decoding picks the same tokens.
         """
+        if not requests:
+            return []
         outputs = [GenerateOutput(output_ids=[], weight_version=self._version) for _ in requests]
         generators = [
             torch.Generator().manual_seed(r.sampling.seed) if r.sampling.seed is not None else self._generator

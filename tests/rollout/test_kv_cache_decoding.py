@@ -166,6 +166,7 @@ def test_cancelled_cached_generation_raises(engines):
     with pytest.raises(GenerationCancelled):
         cached.generate(long, should_stop=lambda: calls.append(1) or len(calls) > 3)
     assert cached.generate(long)[0].finish_reason == "length"  # the engine serves the next call
+    assert cached.generate([]) == []
 
 
 def test_unknown_decoding_is_refused(single_process_world):
