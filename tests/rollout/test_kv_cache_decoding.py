@@ -99,7 +99,7 @@ def test_cached_matches_packed_decoder_token_for_token(engines):
             [[t for _, t in top] for top in b.output_top_log_probs]
 
 
-def test_seeded_samples_reproduce_and_unseeded_differ(engines):
+def test_seeded_samples_reproduce_and_other_seeds_differ(engines):
     cached, _ = engines
     sampled = [GenerateRequest(input_ids=(4, 12, 13), sampling=SamplingParams(max_new_tokens=16, temperature=1.5,
                                                                              seed=11, ignore_eos=True))]
