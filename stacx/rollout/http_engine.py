@@ -15,6 +15,7 @@ import logging
 from typing import Iterable, Optional, Sequence
 from urllib.parse import urlparse
 
+from stacx.network import is_loopback_host
 from stacx.rollout.engine import InferenceEngine, WeightBucket
 from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerRequestError
 from stacx.rollout.sglang_protocol import build_generate_payload, parse_generate_response
@@ -50,7 +51,7 @@ class HttpEngine(InferenceEngine):
         self.transport = HttpTransport(url, retry, api_key=api_key)
         host = urlparse(self.transport.url).hostname
         self._shm_fallback = weight_transport == "auto"
-        self.weight_transport = ("shm" if host in ("127.0.0.1", "localhost", "::1") else "http") \
+        self.weight_transport = ("shm" if is_loopback_host(host) else "http") \
             if weight_transport == "auto" else weight_transport
         self._staging: SharedMemoryStaging | None = None
 

@@ -17,10 +17,11 @@ Where the cluster comes from, first match wins:
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Iterator, Mapping
+
+from stacx.network import is_loopback_host
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 LOOPBACK_ADDRESS = "127.0.0.1"
@@ -98,13 +99,7 @@ def _ray_keeps_loopback_node_addresses() -> Iterator[None]:
 def is_loopback_address(address: str) -> bool:
     """True for a `host:port` cluster address whose host only this machine can reach (127.0.0.0/8, ::1, localhost)."""
     host = address.rsplit(":", 1)[0] if address.count(":") == 1 or address.startswith("[") else address
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(host)
 
 
 def node_addresses() -> list[str]:

@@ -329,3 +329,10 @@ def test_serve_stops_and_removes_its_files_when_its_parent_is_killed(tiny_checkp
         if driver.poll() is None:
             driver.kill()
             driver.wait(timeout=10)
+
+
+def test_the_shm_transport_is_chosen_only_for_loopback_servers():
+    from stacx.rollout.http_engine import HttpEngine
+
+    assert HttpEngine("http://127.0.0.2:30000").weight_transport == "shm"  # all of 127.0.0.0/8 is this machine
+    assert HttpEngine("http://10.0.0.2:30000").weight_transport == "http"

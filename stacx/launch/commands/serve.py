@@ -14,6 +14,8 @@ remove its shared-memory staging files.
 
 from __future__ import annotations
 
+from stacx.network import is_loopback_host
+
 from stacx.rollout.http_client import API_KEY_ENV
 
 HELP = "serve a checkpoint on CPU through SGLang's /generate API (rollout engine or teacher)"
@@ -48,18 +50,6 @@ def add_arguments(parser) -> None:
                         help="/generate calls running or waiting at once; more get 503 (default: %(default)s)")
     parser.add_argument("--stall-timeout-s", type=float, default=limits.stall_timeout_s,
                         help="/health answers 503 when generation made no progress this long (default: %(default)s)")
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for addresses only this machine can reach (127.0.0.0/8, ::1, 'localhost')."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def resolve_api_key(args) -> str | None:
