@@ -87,15 +87,18 @@ class EngineHttpServer:
     Use as a context manager or call `start()` / `stop()`; port 0 picks a free port.
     api_key: the shared secret every mutating endpoint requires (None: no authentication; only
     sensible on a loopback address, which `stacx serve` enforces).
+    tokenizer: encodes `/generate`'s `text` prompts and decodes each answer's `text` (None: token
+    ids only, `text` refused, answers carry "").
     """
 
     def __init__(self, engine, *, host: str = "127.0.0.1", port: int = 0, model_path: str = "",
                  pause_timeout_s: float = 600.0, api_key: Optional[str] = None,
-                 limits: ServerLimits = ServerLimits()):
+                 limits: ServerLimits = ServerLimits(), tokenizer=None):
         if api_key is not None and not api_key:
             raise ValueError("EngineHttpServer: api_key is empty; pass None for no authentication")
         self.engine = engine
         self.model_path = model_path
+        self.tokenizer = tokenizer
         self.gate = PauseGate()
         self.shm_registry = SharedMemoryRegistry()
         self.pause_timeout_s = pause_timeout_s
@@ -352,7 +355,7 @@ def _make_handler(server: EngineHttpServer):
                 return True
 
         def _generate(self):
-            requests, is_batch = parse_generate_payload(self._json_body())
+            requests, is_batch = parse_generate_payload(self._json_body(), server.tokenizer)
             server.admit_generate()
             try:
                 if not server.gate.wait(server.pause_timeout_s):
@@ -365,7 +368,7 @@ def _make_handler(server: EngineHttpServer):
                     outputs = server.engine.generate(requests)
             finally:
                 server.release_generate()
-            items = [render_generate_item(o, r, uuid.uuid4().hex) for o, r in zip(outputs, requests)]
+            items = [render_generate_item(o, r, uuid.uuid4().hex, server.tokenizer) for o, r in zip(outputs, requests)]
             return 200, items if is_batch else items[0]
 
         def _pause(self):

@@ -114,8 +114,12 @@ def parse_generate_response(body: Any, requests: Sequence[GenerateRequest]) -> l
 _BATCHABLE = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
 
 
-def parse_generate_payload(payload: Any) -> tuple[list[GenerateRequest], bool]:
-    """A `/generate` body -> (requests, is_batch). Only token-id input is supported.
+def parse_generate_payload(payload: Any, tokenizer: Any = None) -> tuple[list[GenerateRequest], bool]:
+    """A `/generate` body -> (requests, is_batch).
+
+    The prompt is `input_ids` (token ids, or a list of such lists) or, as in SGLang, `text` (a
+    string, or a list of strings), which `tokenizer` encodes; a server without a tokenizer
+    refuses `text`. Giving both is an error.
 
     Every field is type-checked as JSON gives it (no coercion: `"false"` is not a boolean, `1.0` is
     not a token id, NaN and inf are not temperatures); a mistake raises ValueError naming the
@@ -124,7 +128,7 @@ def parse_generate_payload(payload: Any) -> tuple[list[GenerateRequest], bool]:
     if not isinstance(payload, dict):
         raise ValueError("/generate body must be a JSON object")
     if payload.get("text") is not None:
-        raise ValueError("/generate: 'text' input is not supported by this server; send 'input_ids'")
+        payload = dict(payload, input_ids=encode_text_prompts(payload, tokenizer))
     if payload.get("stream") not in (None, False):
         raise ValueError("/generate: 'stream' is not supported by this server")
     input_ids = payload.get("input_ids")
@@ -180,6 +184,26 @@ def parse_generate_payload(payload: Any) -> tuple[list[GenerateRequest], bool]:
     return requests, is_batch
 
 
+def encode_text_prompts(payload: dict, tokenizer: Any) -> list:
+    """`text` (a string or a list of strings) -> token ids (a list, or a list of lists)."""
+    text = payload["text"]
+    if payload.get("input_ids") is not None:
+        raise ValueError("/generate: give either 'text' or 'input_ids', not both")
+    if tokenizer is None:
+        raise ValueError("/generate: 'text' needs a server with a tokenizer (saved in its --hf-checkpoint folder); "
+                         "send 'input_ids' instead")
+    is_batch = isinstance(text, list)
+    texts = text if is_batch else [text]
+    if not texts:
+        raise ValueError("/generate: 'text' must be a non-empty string or a non-empty list of strings")
+    for i, item in enumerate(texts):
+        if not isinstance(item, str) or not item:
+            where = f"text[{i}]" if is_batch else "text"
+            raise ValueError(f"/generate: '{where}' must be a non-empty string, got {item!r}")
+    encoded = [list(tokenizer.encode(item)) for item in texts]
+    return encoded if is_batch else encoded[0]
+
+
 _SAMPLING_INTS = {"max_new_tokens": 0, "top_k": -1}
 _SAMPLING_FLOATS = ("temperature", "top_p")
 
@@ -227,8 +251,9 @@ def _pairs_to_entries(pairs):
     return None if pairs is None else [[lp, tok, None] for lp, tok in pairs]
 
 
-def render_generate_item(output: GenerateOutput, request: GenerateRequest, rid: str) -> dict:
-    """`GenerateOutput` -> SGLang's `{"output_ids", "meta_info"}` answer for one request."""
+def render_generate_item(output: GenerateOutput, request: GenerateRequest, rid: str, tokenizer: Any = None) -> dict:
+    """`GenerateOutput` -> SGLang's `{"text", "output_ids", "meta_info"}` answer for one request;
+    `text` is the completion decoded by `tokenizer` (special tokens skipped), "" without one."""
     if output.finish_reason == "length":
         finish = {"type": "length", "length": len(output.output_ids)}
     elif output.finish_reason == "stop":
@@ -256,4 +281,5 @@ def render_generate_item(output: GenerateOutput, request: GenerateRequest, rid: 
             meta["output_token_ids_logprobs"] = [_pairs_to_entries(p) for p in output.output_token_ids_log_probs]
             if request.logprob_start_len >= 0:
                 meta["input_token_ids_logprobs"] = [_pairs_to_entries(p) for p in output.input_token_ids_log_probs]
-    return {"text": "", "output_ids": list(output.output_ids), "meta_info": meta}
+    text = "" if tokenizer is None else tokenizer.decode(list(output.output_ids), skip_special_tokens=True)
+    return {"text": text, "output_ids": list(output.output_ids), "meta_info": meta}

@@ -77,7 +77,7 @@ def test_server_side_round_trip():
     assert parse_generate_response(rendered, requests) == outputs
     with pytest.raises(ValueError, match="unsupported keys"):
         parse_generate_payload({"input_ids": [1], "sampling_params": {"frequency_penalty": 1.0}})
-    with pytest.raises(ValueError, match="'text' input"):
+    with pytest.raises(ValueError, match="'text' needs a server with a tokenizer"):
         parse_generate_payload({"text": "hi"})
 
 

@@ -111,6 +111,18 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="stacx-serve-parent-watch", daemon=True).start()
 
 
+def load_tokenizer_if_saved(path: str):
+    """The checkpoint folder's tokenizer, or None (then /generate takes token ids only) with a note."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - transformers raises several types for a missing tokenizer
+        print(f"stacx serve: no tokenizer in {path} ({type(err).__name__}); /generate takes 'input_ids' only "
+              "and answers carry no text", flush=True)
+        return None
+
+
 def run(args) -> int:
     import signal
 
@@ -128,7 +140,7 @@ def run(args) -> int:
         raise SystemExit(f"stacx serve: {err}") from None
     engine = CpuEngine.from_hf_checkpoint(args.hf_checkpoint, params_dtype=getattr(torch, args.dtype), seed=args.seed)
     server = EngineHttpServer(engine, host=args.host, port=args.port, model_path=args.hf_checkpoint,
-                              api_key=api_key, limits=limits)
+                              api_key=api_key, limits=limits, tokenizer=load_tokenizer_if_saved(args.hf_checkpoint))
 
     def stop_on_sigterm(signum, frame):  # the trainer's teardown: leave no staging file behind
         raise KeyboardInterrupt
