@@ -7,8 +7,12 @@ What it checks (each failure is one paragraph naming the flag and the fix):
   and a reference is given when the algorithm has a KL term to it;
 - --load holds a complete checkpoint whose manifest.json parses (a truncated one is named);
 - --save does not hold another run's checkpoints (unless --load resumes it or --overwrite);
-- a recipe that scores rollouts with a teacher has --teacher-url (or a trajectory corpus to replay);
+- a recipe that scores rollouts with a teacher has --teacher-url (or a trajectory corpus to replay),
+  the teacher answers `/health` within TEACHER_TIMEOUT_S, and its vocabulary matches the student's;
   --rollout-engine http has --rollout-urls; --reward-fn resolves;
+- --tensor-model-parallel-size and --context-parallel-size divide the model's attention heads
+  (num_attention_heads and num_key_value_heads of --hf-checkpoint's config.json);
+- every --custom-module imports;
 - the data: --prompt-data exists and parses, and through `check_examples` (also called by
   `StepDataSource`, so Python callers get it too) every row has a label when the reward compares
   with one, and no prompt (plus --rollout-max-response-len) exceeds the model's context.
@@ -28,6 +32,9 @@ from stacx.trainer.run_config import ConfigError
 MAX_ROWS_NAMED = 3
 """Offending rows named in a data error (the count says how many there are in all)."""
 
+TEACHER_TIMEOUT_S = 10.0
+"""Seconds the preflight waits for the teacher's `/health` and `/get_model_info` answers."""
+
 
 class PreflightError(ConfigError):
     """A setting would make the run fail after it started; the message names the flag and the fix."""
@@ -39,7 +46,9 @@ def flag(field_name: str) -> str:
 
 def run_preflight(run_config, training_config, algorithm, *, load_data: bool = True) -> None:
     """Every check of the module doc; `load_data=False` skips reading the dataset (paths still checked)."""
+    check_custom_modules(run_config)
     check_checkpoints(run_config, training_config, algorithm)
+    check_parallel_layout(run_config)
     check_resume_and_save(run_config)
     check_services(run_config, training_config)
     check_data_paths(run_config, training_config)
@@ -93,6 +102,47 @@ def role_wants_reference(role, training_config, algorithm) -> bool:
     return role.specialization_cls(algorithm, None).needs_reference() or (kl and role.reference_checkpoint_arg is not None)
 
 
+def read_model_config(hf_checkpoint: Optional[str]) -> dict:
+    """The checkpoint's config.json as a dict ({} when absent or unreadable)."""
+    if not hf_checkpoint:
+        return {}
+    try:
+        with open(os.path.join(hf_checkpoint, "config.json"), encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def check_parallel_layout(run_config) -> None:
+    """TP splits the attention heads (query and key/value) across ranks; CP (megatron's ring/a2a
+    attention) needs the same heads per rank, so both degrees must divide the heads of config.json."""
+    config = read_model_config(run_config.model.hf_checkpoint)
+    heads = {key: config.get(key) for key in ("num_attention_heads", "num_key_value_heads")}
+    heads = {key: value for key, value in heads.items() if isinstance(value, int) and value > 0}
+    parallel = run_config.parallel
+    for field_name in ("tensor_model_parallel_size", "context_parallel_size"):
+        size = getattr(parallel, field_name)
+        for key, num_heads in heads.items():
+            if num_heads % size:
+                divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+                raise PreflightError(
+                    f"{flag(field_name)} {size} does not divide the model's {key} {num_heads} "
+                    f"({run_config.model.hf_checkpoint}/config.json); use one of {divisors}")
+
+
+def check_custom_modules(run_config) -> None:
+    """Every --custom-module imports (loading an already imported file again is a no-op)."""
+    if not run_config.train.custom_module:
+        return
+    from stacx.objectives import load_custom_modules
+
+    try:
+        load_custom_modules(list(run_config.train.custom_module))
+    except ValueError as err:
+        raise PreflightError(f"{err}; fix the module or drop --custom-module") from None
+
+
 def check_resume_and_save(run_config) -> None:
     """--load must hold a complete checkpoint with a readable manifest; --save must not be another run's."""
     from stacx.trainer.checkpoint import (CheckpointError, check_save_folder, read_manifest,
@@ -137,6 +187,8 @@ def check_services(run_config, training_config) -> None:
     if training_config.uses_teacher and not run_config.teacher.teacher_url:
         raise PreflightError(f"--teacher-url is not set: recipe {training_config.name!r} scores rollouts with a "
                              "teacher server; start one (`stacx serve --hf-checkpoint TEACHER`) and pass its URL")
+    if training_config.uses_teacher:
+        check_teacher(run_config.teacher.teacher_url, run_config.model.hf_checkpoint)
     if run_config.rollout.rollout_engine == "http" and not run_config.rollout.rollout_urls:
         raise PreflightError("--rollout-engine http attaches to running servers; give them with --rollout-urls")
     if training_config.uses_reward:
@@ -152,6 +204,89 @@ def check_services(run_config, training_config) -> None:
         check_supported(training_config, run_config)
     except ValueError as err:
         raise PreflightError(str(err)) from None
+
+
+def _get_json(url: str, timeout_s: float) -> tuple[int, Any]:
+    """(HTTP status, parsed JSON body or None) of a GET; raises OSError when nothing answers."""
+    import urllib.error
+    import urllib.request
+
+    from stacx.rollout.http_client import API_KEY_ENV
+
+    request = urllib.request.Request(url)
+    api_key = os.environ.get(API_KEY_ENV)
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status, body = response.status, response.read()
+    except urllib.error.HTTPError as err:
+        status, body = err.code, err.read()
+    try:
+        return status, json.loads(body or b"null")
+    except ValueError:
+        return status, None
+
+
+def teacher_vocabulary(model_info: Any) -> tuple[Optional[dict], Optional[int]]:
+    """(token -> id of the teacher's tokenizer, vocab_size) from its `/get_model_info` answer: the
+    tokenizer of its local `tokenizer_path`/`model_path` folder, `vocab_size` if the server gives it."""
+    if not isinstance(model_info, dict):
+        return None, None
+    vocab_size = model_info.get("vocab_size")
+    vocab_size = vocab_size if isinstance(vocab_size, int) else None
+    folder = model_info.get("tokenizer_path") or model_info.get("model_path")
+    if isinstance(folder, str) and os.path.isdir(folder):
+        vocab_size = vocab_size or read_model_config(folder).get("vocab_size")
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(folder, local_files_only=True).get_vocab(), vocab_size
+        except Exception:  # noqa: BLE001 - no readable tokenizer there: compare sizes only
+            return None, vocab_size
+    return None, vocab_size
+
+
+def check_teacher(teacher_url: str, hf_checkpoint: Optional[str], *, timeout_s: float = TEACHER_TIMEOUT_S) -> None:
+    """The teacher answers GET /health with 200 within timeout_s, and its tokenizer maps every token to
+    the same id as the student's (or, when only sizes are known, its vocab_size equals the student's)."""
+    base = teacher_url.rstrip("/")
+    try:
+        status, _ = _get_json(base + "/health", timeout_s)
+    except OSError as err:
+        raise PreflightError(f"--teacher-url {teacher_url}: no answer from {base}/health within {timeout_s:g} s "
+                             f"({err}); start the teacher server (`stacx serve --hf-checkpoint TEACHER`) or fix "
+                             "the URL") from None
+    if status != 200:
+        raise PreflightError(f"--teacher-url {teacher_url}: {base}/health answered {status}, not 200; wait until "
+                             "the teacher is ready or restart it")
+    try:
+        _, model_info = _get_json(base + "/get_model_info", timeout_s)
+    except OSError:
+        return  # /health answered: a server without /get_model_info is not refused
+    teacher_vocab, teacher_size = teacher_vocabulary(model_info)
+    student_size = read_model_config(hf_checkpoint).get("vocab_size")
+    if teacher_vocab is not None and hf_checkpoint:
+        try:
+            from transformers import AutoTokenizer
+
+            student_vocab = AutoTokenizer.from_pretrained(hf_checkpoint, local_files_only=True).get_vocab()
+        except Exception:  # noqa: BLE001 - the data check names a missing student tokenizer
+            student_vocab = None
+        if student_vocab is not None and student_vocab != teacher_vocab:
+            differing = sorted(t for t in set(student_vocab) | set(teacher_vocab)
+                               if student_vocab.get(t) != teacher_vocab.get(t))
+            raise PreflightError(
+                f"--teacher-url {teacher_url}: the teacher's tokenizer ({model_info.get('model_path')}) differs from "
+                f"the student's (--hf-checkpoint {hf_checkpoint}) in {len(differing)} token(s), e.g. "
+                f"{differing[:3]}; distillation compares log-probs token id by token id, so serve a teacher "
+                "with the student's tokenizer")
+        return
+    if teacher_size is not None and isinstance(student_size, int) and teacher_size != student_size:
+        raise PreflightError(
+            f"--teacher-url {teacher_url}: the teacher's vocab_size {teacher_size} differs from the student's "
+            f"{student_size} (--hf-checkpoint {hf_checkpoint}/config.json); serve a teacher with the student's "
+            "tokenizer")
 
 
 def _needs_prompt_data(run_config, training_config) -> bool:
