@@ -17,6 +17,11 @@ DAPO (the `dapo` recipe's algorithm overrides, or the flags):
   the last round beyond the batch, discarded), rollout/dynamic_rounds.
 
 Every step writes its first `save_rollouts_per_step` samples to <out>/rollouts.jsonl.
+
+The first step whose groups each hold identical rewards (so a group-relative advantage, and with
+it the policy loss, is 0 for every sample) is warned about once, with the likely causes
+(`uniform_reward_warning`): a model that never earns a reward, too few or too similar samples, or
+a reward function that gives everyone the same score.
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ class StepRollout:
             self.dumper = RolloutDumper(run_config.logging.out, per_step=rollout.save_rollouts_per_step,
                                         tokenizer=service.tokenizer)
         self.eval_examples = self._load_eval_examples()
+        self.warned_uniform_rewards = False
 
     # ---- the step's samples ----------------------------------------------------------------
 
@@ -130,6 +136,7 @@ class StepRollout:
         else:
             samples = draw(batch_size)
         metrics.update(sample_metrics(samples))
+        self.warn_if_rewards_are_uniform(step, samples)
         for index, count in enumerate(getattr(self.service.engine, "requests_sent", ())):
             metrics[f"rollout/engine{index}_requests"] = float(count)  # cumulative, per rollout engine
         if self.dumper is not None:
@@ -184,6 +191,23 @@ class StepRollout:
             sample.metadata["overlong_penalty"] = penalty
             sample.reward = (sample.reward if sample.reward is not None else 0.0) + penalty
 
+    def warn_if_rewards_are_uniform(self, step: int, samples: Sequence[Any]) -> None:
+        """Log `uniform_reward_warning` once per run, at the first step where it applies.
+
+        Only for reward recipes without a critic: GAE's advantages come from the value model and are
+        not zero when the rewards of a group agree."""
+        if self.warned_uniform_rewards or not self.training_config.uses_reward:
+            return
+        if getattr(self.algorithm, "advantage_estimator", None) == "gae":
+            return
+        message = uniform_reward_warning(step, samples,
+                                         n_samples_per_prompt=self.run_config.rollout.n_samples_per_prompt,
+                                         temperature=self.run_config.rollout.rollout_temperature,
+                                         reward_fn=self.run_config.rollout.reward_fn)
+        if message is not None:
+            self.warned_uniform_rewards = True
+            logger.warning(message)
+
     # ---- evaluation --------------------------------------------------------------------------
 
     def _load_eval_examples(self) -> Optional[list]:
@@ -234,3 +258,24 @@ def sample_metrics(samples: Sequence[Any]) -> dict[str, float]:
         "rollout/reward_errors": float(sum(s.reward_error is not None for s in samples)),
         "rollout/num_samples": float(len(samples)),
     }
+
+
+def uniform_reward_warning(step: int, samples: Sequence[Any], *, n_samples_per_prompt: int, temperature: float,
+                           reward_fn: str) -> Optional[str]:
+    """The warning when every group's rewards are identical, else None.
+
+    A group-relative advantage is A_i = (r_i - mean_group(r)) [/ std], so a group whose rewards are all
+    equal gives A_i = 0 to each of its samples; when that holds for every group the policy loss and its
+    gradient are 0 and the step leaves the model unchanged."""
+    groups = split_groups(samples)
+    rewards = [[s.reward if s.reward is not None else 0.0 for s in group] for group in groups]
+    if not groups or any(max(group) != min(group) for group in rewards):
+        return None
+    values = sorted({group[0] for group in rewards})
+    shown = ", ".join(f"{value:g}" for value in values[:3]) + (", ..." if len(values) > 3 else "")
+    return (f"stacx train: warning: step {step}: every group's rewards are identical (reward {shown} within each "
+            f"of {len(groups)} groups), so every advantage and the policy loss are 0 and this step does not change "
+            "the model. Likely causes: a model that never earns a reward (start from an SFT or instruction-tuned "
+            f"checkpoint, not a random one), too few or too similar samples (raise --n-samples-per-prompt, now "
+            f"{n_samples_per_prompt}, or --rollout-temperature, now {temperature:g}), or a reward function that "
+            f"scores every answer the same (check --reward-fn {reward_fn} on a few rows, e.g. with `stacx eval`)")
