@@ -10,7 +10,9 @@ Files under `out_dir`:
     tensorboard/            event files (one scalar series per metric)
     plots/{reward,loss,kl,eval}.png   every metric whose name has that word, against the step:
                             values on the top axes, counts (num_*, *_errors, ...) on their own
-                            axes below, series that are 0 at every step not drawn (named in a note)
+                            axes below, series that are 0 at every step not drawn (named in a note);
+                            a value series of SMOOTHING_MIN_POINTS or more is drawn faint (raw) under
+                            its exponential moving average (`ema`) in the same colour
 
 A run's outputs in `out_dir` are consistent with the run that last wrote them:
 - a new run (`start_step=0`) into a folder an earlier run wrote starts fresh files for all of
@@ -44,6 +46,13 @@ COUNT_SUFFIXES = ("_count", "_errors", "_tokens", "_samples", "_sequences")
 """A metric is a count (drawn on its own axes, never next to a loss of another scale) when the last
 part of its name starts or ends with one of these, e.g. policy/num_loss_tokens, rollout/reward_errors."""
 
+SMOOTHING_WEIGHT = 0.8
+"""w of the plotted moving average s_t = w * s_(t-1) + (1 - w) * x_t (debiased, see `ema`): about the
+last 1 / (1 - w) = 5 points weigh in."""
+SMOOTHING_MIN_POINTS = 8
+"""Shorter series are drawn raw only: a handful of points is readable as it is."""
+RAW_LINE_ALPHA = 0.3
+"""Opacity of the raw line under its smoothed curve."""
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +189,21 @@ def _numeric_series(history: list[Mapping[str, Any]]) -> dict[str, list[tuple[in
     return series
 
 
+def ema(values: list[float], weight: float = SMOOTHING_WEIGHT) -> list[float]:
+    """Debiased exponential moving average, as TensorBoard's smoothing:
+
+        m_t = w * m_(t-1) + (1 - w) * x_t,  m_(-1) = 0;   s_t = m_t / (1 - w^(t+1))
+
+    so s_0 = x_0 (no pull towards 0 at the start) and a constant series stays constant."""
+    if not 0 <= weight < 1:
+        raise ValueError(f"smoothing weight must be in [0, 1), got {weight}")
+    smoothed, moving = [], 0.0
+    for index, value in enumerate(values):
+        moving = weight * moving + (1 - weight) * value
+        smoothed.append(moving / (1 - weight ** (index + 1)))
+    return smoothed
+
+
 def draw_family_figure(history: list[Mapping[str, Any]], plan: FamilyPlot):
     """A matplotlib Figure (Agg canvas, no pyplot state) for `plan`: axes[0] the values (if any),
     then axes for the counts (if any), sharing the step axis; the always-zero names in a footnote."""
@@ -197,11 +221,16 @@ def draw_family_figure(history: list[Mapping[str, Any]], plan: FamilyPlot):
     for axes, (keys, label) in zip(axes_list, panels):
         for key in keys:
             steps, values = zip(*series[key])
-            axes.plot(steps, values, marker="o", markersize=2, label=key)
+            if len(values) < SMOOTHING_MIN_POINTS or label == "count":  # counts: exact values, no lag
+                axes.plot(steps, values, marker="o", markersize=2, label=key)
+                continue
+            (raw,) = axes.plot(steps, values, alpha=RAW_LINE_ALPHA, linewidth=1, label=f"_{key} (raw)")
+            axes.plot(steps, ema(list(values)), color=raw.get_color(), linewidth=1.8, label=key)
         axes.set_ylabel(label)
         axes.grid(alpha=0.3)
         axes.legend(fontsize="small")
-    axes_list[0].set_title(f"{plan.family} per step")
+    smoothed = any(len(series[key]) >= SMOOTHING_MIN_POINTS for key in plan.value_keys)
+    axes_list[0].set_title(f"{plan.family} per step" + (" (faint: raw; solid: moving average)" if smoothed else ""))
     axes_list[-1].set_xlabel("step")
     axes_list[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     if plan.zero_keys:
@@ -343,4 +372,4 @@ class MetricsLogger:
 
 
 __all__ = ["ROLLOUTS_FILE", "RUN_OUTPUT_FOLDERS", "keep_rows_before", "reset_run_outputs", "COUNT_PREFIXES", "COUNT_SUFFIXES", "FamilyPlot", "MetricsLogger", "MetricsLoggerError", "PLOT_FAMILIES",
-           "draw_family_figure", "headline_metric", "is_count_metric", "metric_family_members", "plan_family_plot"]
+           "draw_family_figure", "ema", "headline_metric", "is_count_metric", "metric_family_members", "plan_family_plot"]
