@@ -3,6 +3,7 @@
     stacx eval --hf-checkpoint outputs/grpo/export --task sorting
     stacx eval --load outputs/grpo/checkpoints/step_000000039 --eval-data data/eval.jsonl --n-samples 4
     stacx eval --load outputs/grpo/checkpoints --task sorting --out grpo_eval.json    # the newest step
+    stacx eval --hf-checkpoint outputs/grpo/export --task sorting --engine-url http://127.0.0.1:30000
 
 The checkpoint runs in this process on the CPU engine (Stacx's own model, the trainer's code
 path), and the metrics are those of evaluation during training (`stacx.rollout.evaluation`):
@@ -11,6 +12,11 @@ path), and the metrics are those of evaluation during training (`stacx.rollout.e
 decoded so the answers can be read. `--load` takes a training checkpoint (a `step_*` folder of
 `--save`, or the folder holding them); its config and tokenizer come from the checkpoint the run
 started from (recorded in its run_config.json; --hf-checkpoint names it if it moved).
+
+`--engine-url URL` generates on a running SGLang-compatible server (SGLang, or `stacx serve`)
+through `HttpEngine` instead of loading the model here; --hf-checkpoint then names the folder
+whose tokenizer encodes the prompts and decodes the answers (the model the server runs).
+Prompts go to the engine --batch-size at a time; a progress bar on stderr counts them.
 """
 
 from __future__ import annotations
@@ -58,6 +64,14 @@ def add_arguments(parser) -> None:
                           help="a sample counts as correct for pass@k when its reward is above this "
                                "(default: %(default)s)")
     sampling.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--engine-url", default=None,
+                        help="generate on this running SGLang-compatible server (SGLang or `stacx serve`) instead of "
+                             "the CPU engine in this process; needs --hf-checkpoint for the tokenizer")
+    engine.add_argument("--batch-size", type=int, default=8,
+                        help="prompts sent to the engine at once; the progress bar advances per batch "
+                             "(default: %(default)s)")
+    engine.add_argument("--no-progress-bar", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--out", default="eval_metrics.json", help="JSON file to write (default: %(default)s)")
 
 
@@ -70,8 +84,16 @@ def validate_args(args) -> None:
     if (args.eval_data is None) == (args.task is None):
         raise EvalUsageError("give exactly one of --eval-data FILE and --task NAME"
                              + (f" (got both: {args.eval_data!r}, {args.task!r})" if args.task else ""))
+    if args.engine_url is not None:
+        if args.load is not None:
+            raise EvalUsageError("--engine-url evaluates the model a server already runs; --load would export a "
+                                 "checkpoint that is never used: drop --load and give --hf-checkpoint FOLDER (the "
+                                 "served model's folder, for its tokenizer)")
+        if not args.engine_url.startswith(("http://", "https://")):
+            raise EvalUsageError(f"--engine-url {args.engine_url!r}: give an http:// or https:// URL, e.g. "
+                                 "http://127.0.0.1:30000")
     for flag, value, minimum in (("--n-samples", args.n_samples, 1), ("--num-prompts", args.num_prompts, 1),
-                                 ("--max-new-tokens", args.max_new_tokens, 1)):
+                                 ("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 1)):
         if value is not None and value < minimum:
             raise EvalUsageError(f"{flag} must be >= {minimum}, got {value}")
     if args.temperature < 0:
@@ -117,7 +139,6 @@ def evaluate_checkpoint(args) -> dict:
     """Load the model and prompts, generate, score; returns the JSON report (also written to --out)."""
     import dataclasses
 
-    from stacx.rollout.cpu_engine import CpuEngine
     from stacx.rollout.data import DataConfig, load_examples
     from stacx.rollout.evaluation import evaluation_metrics
     from stacx.rollout.manager import RolloutManager
@@ -137,17 +158,21 @@ def evaluate_checkpoint(args) -> dict:
                                             label_key=args.label_key, metadata_key=args.metadata_key,
                                             apply_chat_template=args.apply_chat_template), tokenizer)
         examples = examples[: args.num_prompts] if args.num_prompts else examples
-        engine = CpuEngine.from_hf_checkpoint(model_folder, seed=args.seed)
+        engine = open_engine(args, model_folder)
     eos = getattr(tokenizer, "eos_token_id", None)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens or task_max_new_tokens or 64,
                               temperature=args.temperature, stop_token_ids=(eos,) if eos is not None else ())
     manager = RolloutManager(engine, tokenizer=tokenizer, reward_fn=reward_fn, seed=args.seed)
-    samples = manager.generate([e.prompt_ids for e in examples], sampling, n_samples_per_prompt=args.n_samples,
-                               labels=[e.label for e in examples], metadatas=[e.metadata for e in examples])
+    try:
+        samples = generate_in_batches(manager, examples, sampling, n_samples=args.n_samples,
+                                      batch_size=args.batch_size, progress_bar=not args.no_progress_bar)
+    finally:
+        engine.shutdown()
     metrics = evaluation_metrics(samples, num_prompts=len(examples), n_samples=args.n_samples,
                                  correct_threshold=args.correct_threshold, prefix="eval")
     return {
         "checkpoint": model_description,
+        "engine": args.engine_url or "cpu",
         "eval_data": args.eval_data if args.task is None else f"builtin:{args.task}/eval",
         "num_prompts": len(examples),
         "n_samples": args.n_samples,
@@ -158,6 +183,43 @@ def evaluate_checkpoint(args) -> dict:
                      "label": s.label, "reward": s.reward, "reward_error": s.reward_error}
                     for s in samples[:NUM_SAMPLES_SHOWN]],
     }
+
+
+def open_engine(args, model_folder: str):
+    """The engine that generates: an `HttpEngine` on --engine-url (checked with /health), else the
+    CPU engine with the model of `model_folder` loaded in this process."""
+    if args.engine_url is None:
+        from stacx.rollout.cpu_engine import CpuEngine
+
+        return CpuEngine.from_hf_checkpoint(model_folder, seed=args.seed)
+    from stacx.rollout.http_client import RetryPolicy
+    from stacx.rollout.http_engine import HttpEngine
+
+    engine = HttpEngine(args.engine_url, RetryPolicy(timeout_s=600.0, max_attempts=2))  # a batch may take minutes
+    if not engine.health():
+        raise EvalUsageError(f"--engine-url {args.engine_url}: the server does not answer /health with 200; "
+                             "start it (`stacx serve --hf-checkpoint FOLDER` or SGLang) or fix the URL")
+    return engine
+
+
+def generate_in_batches(manager, examples, sampling, *, n_samples: int, batch_size: int, progress_bar: bool) -> list:
+    """Samples of every example, `batch_size` prompts per engine call, `group_index` = the prompt's
+    index in `examples` (what `evaluation_metrics` groups by). The manager's seed counter runs on
+    across calls, so the samples do not depend on batch_size under a deterministic engine."""
+    from tqdm import tqdm
+
+    samples = []
+    with tqdm(total=len(examples), desc="stacx eval", unit="prompt", file=sys.stderr, disable=not progress_bar,
+              dynamic_ncols=True) as bar:
+        for start in range(0, len(examples), batch_size):
+            batch = examples[start:start + batch_size]
+            batch_samples = manager.generate([e.prompt_ids for e in batch], sampling, n_samples_per_prompt=n_samples,
+                                             labels=[e.label for e in batch], metadatas=[e.metadata for e in batch])
+            for sample in batch_samples:
+                sample.group_index += start
+            samples.extend(batch_samples)
+            bar.update(len(batch))
+    return samples
 
 
 def write_report(report: dict, path: str) -> None:
