@@ -5,7 +5,7 @@
     batch = loader.next_batch(8)             # deterministic per-epoch shuffle
     state = loader.state_dict()              # saved with the checkpoint; load_state_dict resumes
 
-Row formats (key names configurable; every field rule, with examples: docs/data-formats.md):
+Row formats (key names configurable; every field rule, with examples: docs/data.md):
   prompt  {"prompt": str | [messages], "label": ..., "metadata": {...}}
   sft     {"prompt": str, "response": str}  or  {"messages": [..., {"role": "assistant", ...}]}
   dpo     {"prompt": str | [messages], "chosen": str, "rejected": str}

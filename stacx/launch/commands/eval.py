@@ -45,7 +45,7 @@ def add_arguments(parser) -> None:
     model.add_argument("--role", help="role of a --load checkpoint to evaluate (default: its only role, else "
                                       "policy or actor)")
     data = parser.add_argument_group("prompts (one of --eval-data, --task)")
-    data.add_argument("--eval-data", help="prompt rows, JSONL or Parquet (docs/data-formats.md), or builtin:TASK/eval")
+    data.add_argument("--eval-data", help="prompt rows, JSONL or Parquet (docs/data.md), or builtin:TASK/eval")
     data.add_argument("--task", help="a built-in task's held-out prompts (stacx.tasks), e.g. sorting")
     data.add_argument("--input-key", default="prompt", help="row key of the prompt (default: %(default)s)")
     data.add_argument("--label-key", default="label", help="row key of the label (default: %(default)s)")

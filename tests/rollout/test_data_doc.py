@@ -1,4 +1,5 @@
-"""docs/data-formats.md: every example row parses as the kind it documents, and the doc is linked."""
+"""docs/data.md: every example row parses as the kind it documents, the chat-template option and the
+built-in tasks are described as they are, and the doc is linked."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from stacx.rollout.data import KINDS, DataConfig, MalformedRowError, load_exampl
 from stacx.tasks import write_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
-DOC = REPO / "docs" / "data-formats.md"
+DOC = REPO / "docs" / "data.md"
 
 
 def _examples_by_kind() -> dict[str, str]:
@@ -53,5 +54,25 @@ def test_the_documented_rules_are_the_enforced_ones(tmp_path, tokenizer):
 
 
 def test_readme_and_architecture_link_the_data_formats_doc():
-    assert "data-formats.md" in (REPO / "README.md").read_text()
-    assert "data-formats.md" in (REPO / "docs" / "architecture.md").read_text()
+    assert "data.md" in (REPO / "README.md").read_text()
+    assert "data.md" in (REPO / "docs" / "architecture.md").read_text()
+
+
+def test_every_builtin_task_is_in_the_table_with_its_alphabet_and_split_sizes():
+    from stacx.tasks.builtin import TASKS
+    from stacx.tasks.data import DEFAULT_NUM_EVAL, DEFAULT_NUM_TRAIN
+
+    text = DOC.read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| .*? \| `([^`]+)` \|$", text, flags=re.M))
+    assert rows == {name: task.alphabet for name, task in TASKS.items()}
+    assert f"training split ({DEFAULT_NUM_TRAIN} rows)" in text and f"held-out split\n  ({DEFAULT_NUM_EVAL} rows" in text
+
+
+def test_the_chat_template_section_names_real_flags(tokenizer):
+    from stacx.launch.cli import build_parser
+
+    text = DOC.read_text()
+    assert "## Chat templates" in text
+    for command in ("train", "eval"):
+        help_text = build_parser()._subparsers._group_actions[0].choices[command].format_help()
+        assert "--apply-chat-template" in help_text, command
