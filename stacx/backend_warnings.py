@@ -10,12 +10,20 @@ when they come from megatron modules; `STACX_SHOW_BACKEND_WARNINGS=1` keeps them
 
 `stacx/__init__.py` calls it, so every process that imports Stacx (the driver, Ray workers,
 `stacx serve`) installs the filters before megatron-core is first imported.
+
+In their place, `stacx train`, `stacx eval` and `stacx serve` print one line at start-up on a
+machine without CUDA (`cpu_path_notice`) naming the optional GPU packages that are absent:
+
+    stacx: CPU path; optional GPU packages not installed: transformer-engine, apex, sglang (expected on CPU; ...)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import warnings
+from typing import Callable, Optional
 
 SHOW_ENV = "STACX_SHOW_BACKEND_WARNINGS"
 """Set to 1 to see megatron-core's fallback warnings."""
@@ -36,3 +44,45 @@ def silence_expected_backend_warnings(environ=os.environ) -> bool:
     for message in EXPECTED_BACKEND_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning, module=r"megatron\.")
     return True
+
+
+OPTIONAL_GPU_PACKAGES = (("transformer-engine", "transformer_engine"), ("apex", "apex"), ("sglang", "sglang"))
+"""(distribution name shown, import name) of the GPU packages Stacx uses when present."""
+
+
+def absent_gpu_packages(find_spec: Callable[[str], object] = importlib.util.find_spec) -> list[str]:
+    """Names of the OPTIONAL_GPU_PACKAGES that are not importable (found without importing them)."""
+    absent = []
+    for shown, module in OPTIONAL_GPU_PACKAGES:
+        try:
+            found = find_spec(module) is not None
+        except (ImportError, ValueError):  # a broken or half-installed package counts as absent
+            found = False
+        if not found:
+            absent.append(shown)
+    return absent
+
+
+def cpu_path_notice(cuda_available: bool, environ=os.environ,
+                    find_spec: Callable[[str], object] = importlib.util.find_spec) -> Optional[str]:
+    """The start-up line of a run on the CPU path, or None (CUDA present, or nothing absent)."""
+    if cuda_available:
+        return None
+    absent = absent_gpu_packages(find_spec)
+    if not absent:
+        return None
+    hidden = ("" if environ.get(SHOW_ENV, "") == "1" else
+              f"; megatron's fallback warnings are hidden, {SHOW_ENV}=1 shows them")
+    return (f"stacx: CPU path; optional GPU packages not installed: {', '.join(absent)} "
+            f"(expected without a GPU: Stacx uses torch attention and the CPU engine{hidden})")
+
+
+def print_cpu_path_notice(file=None) -> None:
+    """Print `cpu_path_notice` to stderr (the first rank only under torchrun, where every rank starts)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    import torch
+
+    notice = cpu_path_notice(torch.cuda.is_available())
+    if notice:
+        print(notice, file=file or sys.stderr, flush=True)

@@ -43,3 +43,40 @@ def test_only_megatrons_fallback_messages_are_filtered():
     assert [(w.filename, str(w.message)) for w in caught] == [
         ("y.py", "Apex is not installed. Falling back"), ("x.py", "something else")]
     assert not silence_expected_backend_warnings({SHOW_ENV: "1"})
+
+
+def test_one_start_up_line_names_the_absent_gpu_packages():
+    from stacx.backend_warnings import absent_gpu_packages, cpu_path_notice
+
+    installed = {"apex"}
+    find_spec = lambda name: object() if name in installed else None  # noqa: E731
+    assert absent_gpu_packages(find_spec) == ["transformer-engine", "sglang"]
+    notice = cpu_path_notice(False, {}, find_spec)
+    assert notice.startswith("stacx: CPU path; optional GPU packages not installed: transformer-engine, sglang (")
+    assert "\n" not in notice and f"{SHOW_ENV}=1 shows them" in notice
+    assert "hidden" not in cpu_path_notice(False, {SHOW_ENV: "1"}, find_spec)  # nothing hidden then
+    assert cpu_path_notice(True, {}, find_spec) is None  # a GPU machine: no CPU-path line
+    installed.update({"transformer_engine", "sglang"})
+    assert cpu_path_notice(False, {}, find_spec) is None
+
+    def broken(name):
+        raise ImportError("half-installed")
+    assert absent_gpu_packages(broken) == ["transformer-engine", "apex", "sglang"]
+
+
+def test_stacx_eval_prints_the_line_once_on_this_cpu_machine(tmp_path, capsys):
+    import torch
+
+    from stacx.backend_warnings import absent_gpu_packages
+    from stacx.launch.cli import main
+    from stacx.tasks import write_tiny_checkpoint
+
+    if torch.cuda.is_available() or not absent_gpu_packages():
+        import pytest
+        pytest.skip("the CPU-path line is printed on a machine without CUDA and some GPU package")
+    checkpoint = write_tiny_checkpoint(str(tmp_path / "ckpt"), "addition")
+    assert main(["eval", "--hf-checkpoint", checkpoint, "--task", "addition", "--num-prompts", "2",
+                 "--no-progress-bar", "--out", str(tmp_path / "eval.json")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("stacx: CPU path; optional GPU packages not installed:") == 1
+    assert "Falling back" not in err

@@ -235,8 +235,12 @@ def run(args) -> int:
     from stacx.rollout.data import MalformedRowError
     from stacx.trainer.checkpoint import CheckpointError
 
+    from stacx.backend_warnings import print_cpu_path_notice
+
     try:
         validate_args(args)
+        if args.engine_url is None:  # the model runs here
+            print_cpu_path_notice()
         report = evaluate_checkpoint(args)
     except (EvalUsageError, CheckpointNotFoundError, CheckpointError, MalformedRowError, ValueError) as err:
         print(f"stacx eval: {err}", file=sys.stderr)

@@ -138,6 +138,9 @@ def run(args) -> int:
         require_hf_checkpoint_folder(args.hf_checkpoint)
     except CheckpointNotFoundError as err:
         raise SystemExit(f"stacx serve: {err}") from None
+    from stacx.backend_warnings import print_cpu_path_notice
+
+    print_cpu_path_notice()
     engine = CpuEngine.from_hf_checkpoint(args.hf_checkpoint, params_dtype=getattr(torch, args.dtype), seed=args.seed)
     server = EngineHttpServer(engine, host=args.host, port=args.port, model_path=args.hf_checkpoint,
                               api_key=api_key, limits=limits, tokenizer=load_tokenizer_if_saved(args.hf_checkpoint))

@@ -105,6 +105,9 @@ def run(args) -> int:
     from stacx.trainer.numerics import NonFiniteError
     from stacx.trainer.run_summary import describe_run_outputs, unsaved_model_warning
 
+    from stacx.backend_warnings import print_cpu_path_notice
+
+    print_cpu_path_notice()
     is_first_rank = os.environ.get("RANK", "0") == "0"  # under torchrun every rank runs this command
     warning = unsaved_model_warning(run_config)
     if warning and is_first_rank:
