@@ -1,8 +1,9 @@
 """Issue 17's "done when": a new user's first hour, walked end to end through the command line.
 
 A tiny Hugging Face model and tokenizer made locally, prompts as JSONL, `stacx train --dry-run`
-(and its one-line refusal of each bad input), a two-step GRPO run with `--export-hf`, `stacx eval`
-of the export, the export loaded by `transformers`, and `stacx serve` answering text with text.
+(and its one-line refusal of each bad input), a two-step GRPO run with `--export-hf` (which warns
+that a random model's identical rewards give a zero loss), `stacx eval` of the export, the export
+loaded by `transformers`, and `stacx serve` answering text with text.
 Every command is a subprocess, as a user runs it.
 """
 
@@ -123,6 +124,9 @@ def test_a_new_users_first_hour(tmp_path):
     with open(os.path.join(out, "metrics.jsonl")) as handle:
         assert [json.loads(line)["step"] for line in handle] == [0, 1]
     assert export in run.stdout  # the end-of-run summary says where the model went
+    # A random model earns no reward: the run says why its loss is 0 (once), not silently.
+    assert run.stderr.count("every group's rewards are identical") == 1, run.stderr[-3000:]
+    assert "Falling back" not in run.stderr  # megatron's CPU fallback warnings stay hidden
 
     # 4. `stacx eval` of the export writes a JSON report with the held-out metrics.
     report_path = str(tmp_path / "eval.json")
