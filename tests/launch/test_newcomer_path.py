@@ -126,7 +126,12 @@ def test_a_new_users_first_hour(tmp_path):
     assert export in run.stdout  # the end-of-run summary says where the model went
     # A random model earns no reward: the run says why its loss is 0 (once), not silently.
     assert run.stderr.count("every group's rewards are identical") == 1, run.stderr[-3000:]
-    assert "Falling back" not in run.stderr  # megatron's CPU fallback warnings stay hidden
+    assert "Falling back" not in run.stderr  # megatron's CPU fallback warnings stay hidden...
+    import torch
+
+    from stacx.backend_warnings import absent_gpu_packages
+    if not torch.cuda.is_available() and absent_gpu_packages():  # ...one line names what is absent
+        assert run.stderr.count("stacx: CPU path; optional GPU packages not installed:") == 1, run.stderr[-3000:]
 
     # 4. `stacx eval` of the export writes a JSON report with the held-out metrics.
     report_path = str(tmp_path / "eval.json")

@@ -140,7 +140,8 @@ def run(args) -> int:
         raise SystemExit(f"stacx serve: {err}") from None
     from stacx.backend_warnings import print_cpu_path_notice
 
-    print_cpu_path_notice()
+    if args.parent_pid is None:  # a server a run started: its driver printed the line already
+        print_cpu_path_notice()
     engine = CpuEngine.from_hf_checkpoint(args.hf_checkpoint, params_dtype=getattr(torch, args.dtype), seed=args.seed)
     server = EngineHttpServer(engine, host=args.host, port=args.port, model_path=args.hf_checkpoint,
                               api_key=api_key, limits=limits, tokenizer=load_tokenizer_if_saved(args.hf_checkpoint))
