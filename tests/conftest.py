@@ -16,3 +16,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _user_modules_stay_with_their_test():
+    """User modules a test imports (`--custom-module`, plain imports that register) are shipped to
+    every Ray worker the process starts later; keep one test's modules out of the next test's workers."""
+    from stacx.objectives import discovery
+
+    before = dict(discovery._USER_MODULE_SOURCES)
+    yield
+    discovery._USER_MODULE_SOURCES.clear()
+    discovery._USER_MODULE_SOURCES.update(before)

@@ -216,6 +216,9 @@ def _load_file(path: str, flag: str) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as error:
         del sys.modules[module_name]
+        # A registration inside the failed file may already have recorded it for shipping; a file
+        # that did not import must never be shipped to (and re-raise in) every worker.
+        _USER_MODULE_SOURCES.pop(module_name, None)
         raise ValueError(f"{flag} {path!r}: importing the file failed: {type(error).__name__}: {error}") from error
     _record_source(module)
     return module
@@ -241,6 +244,7 @@ def load_custom_modules(paths_or_module_names: Iterable[str] | str, *, flag: str
         try:
             module = importlib.import_module(entry)
         except Exception as error:
+            _USER_MODULE_SOURCES.pop(entry, None)
             raise ValueError(f"{flag} {entry!r}: importing the module failed: {type(error).__name__}: {error}") from error
         _record_source(module)
         modules.append(module)

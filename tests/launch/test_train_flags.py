@@ -157,10 +157,25 @@ def test_custom_module_registers_before_the_recipe_is_resolved(capsys, tiny_flag
     assert "--custom-module 'no_such_module_xyz'" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def tiny_teacher_url(tiny_flags):
+    """A teacher server on the tiny checkpoint: the preflight checks a configured teacher answers."""
+    import torch
+
+    from stacx.rollout.cpu_engine import CpuEngine
+    from stacx.rollout.server import EngineHttpServer
+
+    checkpoint = tiny_flags[tiny_flags.index("--hf-checkpoint") + 1]
+    engine = CpuEngine.from_hf_checkpoint(checkpoint, params_dtype=torch.float32, seed=0)
+    with EngineHttpServer(engine, model_path=checkpoint) as server:
+        yield server.url
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "examples", "configs", "*.yaml"))))
-def test_example_configs_resolve(path, capsys, tiny_flags, tmp_path):
-    # The files' checkpoints are the demo's; the tiny one stands in (flags override the file).
-    assert main(["train", "--config", path, "--dry-run", *tiny_flags, "--save", str(tmp_path / "save")]) == 0
+def test_example_configs_resolve(path, capsys, tiny_flags, tiny_teacher_url, tmp_path):
+    # The files' checkpoints and teacher are the demo's; tiny ones stand in (flags override the file).
+    teacher = ["--teacher-url", tiny_teacher_url] if "teacher_url" in open(path).read() else []
+    assert main(["train", "--config", path, "--dry-run", *tiny_flags, *teacher, "--save", str(tmp_path / "save")]) == 0
     family = os.path.splitext(os.path.basename(path))[0]
     assert capsys.readouterr().out.startswith(f"recipe {family}:")
 

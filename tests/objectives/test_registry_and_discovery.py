@@ -110,6 +110,10 @@ def test_load_custom_modules_errors_name_the_file(tmp_path):
             load_custom_modules([str(clash)])
     finally:
         POLICY_LOSSES.unregister("tempered_pg_clash_test")
+    # The failed file registered once before raising: it must not be shipped to workers.
+    from stacx.objectives.discovery import user_module_sources
+
+    assert not any(source.origin.endswith("clash_algo.py") for source in user_module_sources())
     with pytest.raises(ValueError, match=r"--custom-module 'no_such_module_xyz'"):
         load_custom_modules(["no_such_module_xyz"])
 
