@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from stacx.launch.cli import main
@@ -13,7 +16,12 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
 
 
 def test_docs_recipes_md_is_the_current_catalog():
-    assert DOC.read_text() == render_catalog_markdown(TRAINING_CONFIGS), (
+    # In a fresh process: recipes that other tests registered in this one are not the catalog.
+    completed = subprocess.run([sys.executable, "-m", "stacx", "recipes", "--markdown"], capture_output=True,
+                               text=True, timeout=300, cwd=DOC.parents[1],
+                               env={k: v for k, v in os.environ.items() if k != "STACX_TEST_CUSTOM_DIRS"})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert DOC.read_text() == completed.stdout, (
         "docs/recipes.md is out of date; regenerate it with: stacx recipes --markdown > docs/recipes.md"
     )
 
