@@ -206,6 +206,7 @@ def _load_file(path: str, flag: str) -> ModuleType:
         raise ValueError(f"{flag} {path!r}: no such file")
     module_name = _module_name_for_file(resolved)
     if module_name in sys.modules:  # loading the same file twice must not re-register names
+        _record_source(sys.modules[module_name])  # but it is shipped to workers (again) all the same
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, resolved)
     if spec is None or spec.loader is None:
