@@ -56,6 +56,11 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self.max_connections = max_connections
         super().__init__(address, handler_cls)
 
+    @property
+    def num_free_connection_slots(self) -> int:
+        """Connections this server would still accept now (max_connections minus those held)."""
+        return self._slots._value
+
     def process_request(self, request, client_address):
         if not self._slots.acquire(blocking=False):
             refuse_connection(request, f"the server is serving its maximum of {self.max_connections} connections")

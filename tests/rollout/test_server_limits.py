@@ -133,7 +133,10 @@ def test_slow_clients_time_out_and_connections_are_capped(engine):
             sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
             sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")
             slow.append(sock)
-        time.sleep(0.1)
+        deadline = time.monotonic() + 30  # poll until the server holds all four, not a blind sleep
+        while server._httpd.num_free_connection_slots > 0:
+            assert time.monotonic() < deadline, "the server never accepted the four slow connections"
+            time.sleep(0.01)
         refused = raw_request(server.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert status_of(refused) == 503 and b"maximum of 4 connections" in refused
         started = time.monotonic()
