@@ -367,4 +367,8 @@ def ppo_config() -> TrainingConfig:
     )
 
 
+# ---- experimental: the six flow-matching diffusion recipes (stacx/diffusion/recipes.py) ----------
+
+import stacx.diffusion.recipes  # noqa: E402,F401
+
 __all__ = ["TRAINING_CONFIGS", "get_recipe", "recipe"]
