@@ -41,7 +41,7 @@ setup(
     ],
     extras_require={
         # The test extra pulls diffusers too: CI runs `pip install -e ".[test]"` and tests the diffusion recipes.
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "diffusers>=0.35"],
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "diffusers>=0.35"],
         # The experimental diffusion recipes (stacx/diffusion): DiT and SD3-style MMDiT transformers.
         "diffusion": ["diffusers>=0.35"],
         # apex is an optional source build (fused kernels); it is detected at run time.
