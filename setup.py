@@ -47,6 +47,8 @@ setup(
         # apex is an optional source build (fused kernels); it is detected at run time.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         "sglang": ["sglang>=0.5"],
+        # bench/peers/train_step_vs_trl.py: TRL's GRPOTrainer as the peer (it reads TRL internals, hence the pin).
+        "bench": ["trl>=1.16,<1.17"],
     },
     entry_points={"console_scripts": ["stacx=stacx.launch.cli:main"]},
 )
