@@ -327,6 +327,9 @@ def main(argv=None) -> int:
     parser.add_argument("--generation", action="store_true",
                         help="add the generation rows (bench/generation.py: engine vs HF generate)")
     parser.add_argument("--generation-new-tokens", nargs="+", type=int, default=[128, 512])
+    parser.add_argument("--generation-sizes", nargs="+", choices=sorted(SHAPES),
+                        help="sizes of the generation rows (default: --sizes)")
+    parser.add_argument("--generation-rounds", type=int, help="rounds of the generation rows (default: --rounds)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model, 8 short trajectories, one round, generation 4x8 (a test runs it)")
     parser.add_argument("--child", choices=sorted(SIDES), help=argparse.SUPPRESS)
@@ -360,9 +363,10 @@ def main(argv=None) -> int:
         import generation
 
         gen_out = os.path.join(tempfile.mkdtemp(), "generation.json")
-        gen_sizes = ["S"] if args.smoke else [s for s in args.sizes if s in SHAPES]
+        gen_sizes = ["S"] if args.smoke else (args.generation_sizes or [s for s in args.sizes if s in SHAPES])
+        gen_rounds = args.generation_rounds or args.rounds
         gen_args = ["--shapes", *gen_sizes, "--new-tokens", *map(str, args.generation_new_tokens),
-                    "--rounds", str(args.rounds), "--threads", str(args.threads), "--out", gen_out]
+                    "--rounds", str(gen_rounds), "--threads", str(args.threads), "--out", gen_out]
         if args.smoke:
             gen_args += ["--prompts", "4", "--prompt-len", "8", "--vocab", "512"]
         generation.main(gen_args)
