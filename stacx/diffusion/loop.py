@@ -99,7 +99,9 @@ def split_evenly(items: Sequence, num_parts: int, what: str) -> list[list]:
 class DiffusionRun:
     """A diffusion recipe's run: the policy's Ray role workers and the step functions."""
 
-    def __init__(self, run_config, recipe, *, layout=None):
+    def __init__(self, run_config, recipe, *, layout=None, graph=None):
+        """`graph`: a running `RoleWorkerGraph` with a `policy` role to run on (kept open by `close`;
+        tests run several recipes on one set of workers); None starts the recipe's own workers."""
         from stacx.trainer.factory import WorkerLayout, create_role_workers
         from stacx.trainer.ray_cluster import connect_ray
 
@@ -109,9 +111,11 @@ class DiffusionRun:
         self.prompts = load_prompts(run_config)
         role = recipe.role("policy")
         self.kind = role.specialization_cls.kind
-        self.connection = connect_ray(run_config.parallel.ray_address)
+        self.owns_graph = graph is None
+        self.connection = connect_ray(run_config.parallel.ray_address) if self.owns_graph else None
         try:
-            self.graph = create_role_workers(recipe, layout or WorkerLayout.from_parallel_section(run_config.parallel))
+            self.graph = graph or create_role_workers(recipe, layout or WorkerLayout.from_parallel_section(
+                run_config.parallel))
         except BaseException:
             self.connection.shutdown()
             raise
@@ -241,18 +245,20 @@ class DiffusionRun:
         return self.workers.execute_all(save_policy, path)[0]
 
     def close(self, failed: bool = False) -> None:
+        if not self.owns_graph:
+            return
         try:
             (self.graph.kill if failed else self.graph.shutdown)()
         finally:
             self.connection.shutdown()
 
 
-def run_diffusion_training(run_config, recipe, *, layout=None, log=print) -> dict:
+def run_diffusion_training(run_config, recipe, *, layout=None, graph=None, log=print) -> dict:
     """Train `recipe` for --num-steps steps; metrics to <out>/metrics.jsonl; --save writes the policy
     in the diffusers layout. Returns the last step's metrics."""
     out = run_config.logging.out
     os.makedirs(out, exist_ok=True)
-    run = DiffusionRun(run_config, recipe, layout=layout)
+    run = DiffusionRun(run_config, recipe, layout=layout, graph=graph)
     metrics: dict = {}
     try:
         with open(os.path.join(out, "metrics.jsonl"), "a") as f:
