@@ -27,7 +27,7 @@ which includes the optimizer and scheduler steps.
 Rounds alternate the order (TRL first on even rounds). Every step's loss and grad norm of the two
 are compared (same weights, same data, same optimizer: they must agree step by step). Tokens/s
 counts every real prompt and completion token of the 16 trajectories (no padding). Peak memory is
-the peak RSS (`ru_maxrss`) of a fresh child process per side that builds the side and runs two
+the peak RSS (VmHWM) of a fresh child process per side that builds the side and runs two
 steps. Writes bench/results/peers.json; with --generation it adds the engine-vs-`generate` rows
 of bench/generation.py run in the same invocation.
 """
@@ -244,7 +244,38 @@ def run_child(args) -> int:
         side = SIDES[args.child](checkpoint, data, old, args, work_dir)
         for _ in range(2):
             side.step()
-    print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
+    return 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM). Not ru_maxrss: Linux carries that over from the
+    parent across fork and exec, so a child of a big benchmark process would report the parent's."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no procfs: an upper bound
+
+
+def add_memory(row: dict, args) -> None:
+    row["trl_peak_rss_bytes"] = child_peak_rss("trl", row["size"], args)
+    row["stacx_peak_rss_bytes"] = child_peak_rss("stacx", row["size"], args)
+    row["ratio_peak_rss_stacx_over_trl"] = row["stacx_peak_rss_bytes"] / row["trl_peak_rss_bytes"]
+
+
+def remeasure_memory(args) -> int:
+    with open(args.out) as f:
+        result = json.load(f)
+    for row in result["rows"]:
+        if row["size"] in args.sizes:
+            add_memory(row, args)
+            print_row(row)
+    result["memory_load_average"] = os.getloadavg()
+    result["memory_rerun"] = "python bench/peers/train_step_vs_trl.py --memory-only --sizes " + " ".join(args.sizes)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"updated {args.out}")
     return 0
 
 
@@ -290,9 +321,7 @@ def bench_size(size: str, args) -> dict:
     row["round_ratios"] = [t / s for t, s in zip(times["trl"], times["stacx"])]
     row["trl_padding_fraction"] = 1 - row["completion_tokens"] / row["padded_completion_slots"]
     if not args.skip_memory:
-        row["trl_peak_rss_bytes"] = child_peak_rss("trl", size, args)
-        row["stacx_peak_rss_bytes"] = child_peak_rss("stacx", size, args)
-        row["ratio_peak_rss_stacx_over_trl"] = row["stacx_peak_rss_bytes"] / row["trl_peak_rss_bytes"]
+        add_memory(row, args)
     if row["max_loss_rel_diff"] > LOSS_RTOL or row["max_grad_norm_rel_diff"] > LOSS_RTOL:
         raise AssertionError(f"{size}: TRL and Stacx disagree (loss rel diff {row['max_loss_rel_diff']:.2e}, grad-norm "
                              f"rel diff {row['max_grad_norm_rel_diff']:.2e} > {LOSS_RTOL}): {steps}")
@@ -332,6 +361,8 @@ def main(argv=None) -> int:
     parser.add_argument("--generation-rounds", type=int, help="rounds of the generation rows (default: --rounds)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model, 8 short trajectories, one round, generation 4x8 (a test runs it)")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="only (re)measure the peak-RSS children and update the rows of --out in place")
     parser.add_argument("--child", choices=sorted(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--out", default=os.path.join(BENCH_DIR, "results", "peers.json"))
     args = parser.parse_args(argv)
@@ -344,6 +375,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     if args.child:
         return run_child(args)
+    if args.memory_only:
+        return remeasure_memory(args)
 
     rows = []
     for size in args.sizes:
