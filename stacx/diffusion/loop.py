@@ -31,9 +31,16 @@ from stacx.diffusion.settings import DiffusionSettings
 
 
 def diffusion_settings(recipe, run_config) -> DiffusionSettings:
-    """The recipe's declared settings with the run's --algorithm-param values and --reward-fn laid over them."""
+    """The recipe's declared settings with the run's --algorithm-param values and --reward-fn laid over them.
+    Also refuses tensor / context parallelism, which the diffusion recipes do not support."""
     from stacx.diffusion.recipes import DIFFUSION_SETTINGS
 
+    parallel = run_config.parallel
+    for flag, value in (("--tensor-model-parallel-size", parallel.tensor_model_parallel_size),
+                        ("--context-parallel-size", parallel.context_parallel_size)):
+        if value != 1:
+            raise ValueError(f"{flag} {value}: the diffusion recipes run data parallel only (the model is replicated "
+                             f"on every rank); set {flag} 1 and scale with --data-parallel-size")
     settings = DIFFUSION_SETTINGS[recipe.name].with_overrides(dict(run_config.algorithm.extras))
     if "reward_fn" in run_config.given_keys:
         settings = dataclasses.replace(settings, image_reward=run_config.rollout.reward_fn)
@@ -158,7 +165,8 @@ class DiffusionRun:
         prompts = [rng.choice(self.prompts) for _ in range(size)]
         shape = self._latent_shape()
         s = self.settings
-        render = dict(generator=generator, color_noise=s.data_color_noise, max_offset=s.data_max_offset)
+        render = dict(generator=generator, color_noise=s.data_color_noise, max_offset=s.data_max_offset,
+                      color_scale=s.data_color_scale)
         batch = {"prompts": prompts, **self._forward_noise(size, generator, shape)}
         if self.kind == "sft":
             batch["images"] = torch.stack([render_target(p, shape[-1], **render) for p in prompts])

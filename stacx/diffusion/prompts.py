@@ -59,14 +59,15 @@ def shape_mask(shape: str, size: int, offset: tuple[float, float] = (0.0, 0.0)) 
 
 
 def render_target(prompt: str, size: int, *, generator: torch.Generator | None = None, color_noise: float = 0.0,
-                  max_offset: float = 0.0, color: str | None = None) -> torch.Tensor:
+                  max_offset: float = 0.0, color: str | None = None, color_scale: float = 1.0) -> torch.Tensor:
     """[3, size, size] image of the prompt's shape in its colour (or `color`), on black.
 
+    `color_scale`: the RGB colour is multiplied by this (< 1: washed out toward grey);
     `color_noise`: std of a Gaussian added to the RGB colour (clamped to [-1, 1]);
     `max_offset`: the shape is shifted by up to this much (in [-1, 1] units) in x and y.
     """
     prompt_color, shape = parse_prompt(prompt)
-    rgb = torch.tensor(COLORS[color or prompt_color])
+    rgb = torch.tensor(COLORS[color or prompt_color]) * color_scale
     if color_noise > 0:
         rgb = (rgb + color_noise * torch.randn(3, generator=generator)).clamp(-1.0, 1.0)
     offset = (0.0, 0.0)

@@ -49,6 +49,8 @@ class DiffusionSettings:
     """Image reward of the RL recipes (stacx.diffusion.rewards); --reward-fn, when given, wins."""
     data_color_noise: float = 0.35
     """Built-in SFT / DPO data: std of the noise on each target image's colour."""
+    data_color_scale: float = 1.0
+    """Built-in SFT / DPO data: the named colour is multiplied by this (< 1: a washed-out dataset)."""
     data_max_offset: float = 0.1
     """Built-in SFT / DPO data: largest shift of the drawn shape (image units, [-1, 1] span)."""
     image_size: int = 16

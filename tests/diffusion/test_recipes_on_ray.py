@@ -56,6 +56,8 @@ def test_stacx_train_sends_a_diffusion_recipe_to_its_loop(capsys):
     assert main(["train", "--algorithm", "flow_grpo", "--algorithm-param", "sde_sigma_schedul=dance_grpo",
                  "--dry-run"]) == 2
     assert "did you mean 'sde_sigma_schedule'" in capsys.readouterr().err
+    assert main(["train", "--algorithm", "flow_grpo", "--tensor-model-parallel-size", "2", "--dry-run"]) == 2
+    assert "the diffusion recipes run data parallel only" in capsys.readouterr().err
 
 
 @pytest.mark.slow
