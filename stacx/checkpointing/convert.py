@@ -100,13 +100,14 @@ def convert_hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLi
 # ---- torch_dist -> Hugging Face ------------------------------------------------------------------
 
 
-def _torch_dist_to_hf_rank(groups, dist_dir: str, out_dir: str, config_dir: str, what: str) -> None:
+def _torch_dist_to_hf_rank(groups, dist_dir: str, out_dir: str, config_dir: str, what: str,
+                           max_shard_bytes: int = 5 * 1024**3) -> None:
     from stacx.models import build_model
     from stacx.models.checkpoint import export_hf_checkpoint
 
     model = build_model(config_dir, groups, initialize_weights=False)
     load_torch_dist(dist_dir, model, what=what)
-    export_hf_checkpoint(model, out_dir, groups, config_dir, tokenizer_from=config_dir)
+    export_hf_checkpoint(model, out_dir, groups, config_dir, tokenizer_from=config_dir, max_shard_bytes=max_shard_bytes)
 
 
 def _config_source(dist_dir: str | os.PathLike, hf_config: str | os.PathLike | None, what: str) -> str:
@@ -123,7 +124,7 @@ def _config_source(dist_dir: str | os.PathLike, hf_config: str | os.PathLike | N
 
 def convert_torch_dist_to_hf(dist_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                              hf_config: str | os.PathLike | None = None, tp_size: int = 1,
-                             what: str = "--load") -> str:
+                             what: str = "--load", max_shard_bytes: int = 5 * 1024**3) -> str:
     """Write torch_dist folder `dist_dir` as a Hugging Face folder `out_dir`; returns it.
 
     The config, tokenizer files and generation_config.json come from `dist_dir` itself when it holds
@@ -135,7 +136,8 @@ def convert_torch_dist_to_hf(dist_dir: str | os.PathLike, out_dir: str | os.Path
                                        "conversion (or use hf-to-torch-dist)")
     config_dir = _config_source(dist_dir, hf_config, what)
     _require_empty_output(out_dir)
-    _run_on_ranks(_torch_dist_to_hf_rank, tp_size, (os.fspath(dist_dir), os.fspath(out_dir), config_dir, what))
+    _run_on_ranks(_torch_dist_to_hf_rank, tp_size,
+                  (os.fspath(dist_dir), os.fspath(out_dir), config_dir, what, max_shard_bytes))
     return os.fspath(out_dir)
 
 
@@ -146,6 +148,7 @@ def export_training_checkpoint_to_hf(step_folder: str | os.PathLike, role: str, 
     from stacx.trainer.checkpoint import role_model_folder
 
     dist_dir = role_model_folder(step_folder, role)
+    _require_empty_output(out_dir)
     _run_on_ranks(_torch_dist_to_hf_rank, 1, (os.fspath(dist_dir), os.fspath(out_dir), os.fspath(base), "--load"))
     return os.fspath(out_dir)
 
