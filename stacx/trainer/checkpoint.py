@@ -490,15 +490,16 @@ def _same_grid(saved: RoleLayout, expected: RoleLayout) -> bool:
 def _source_entry(entries: list[Mapping[str, Any]], saved: RoleLayout, expected: RoleLayout, rank: int,
                   coords: RankCoords | None) -> Mapping[str, Any] | None:
     """The saved rank file a resuming rank loads its small state (scheduler, RNG) from: its own when the
-    layout is unchanged, else the saved rank at the same (tp, cp, dp) position, else rank 0's. The
-    weights and optimizer state come from the torch_dist folder, which reshards by itself."""
+    layout is unchanged, else the saved rank at the same (tp, cp, dp) position, else the first replica
+    of its tp shard, else rank 0's. The weights and optimizer state come from the torch_dist folder,
+    which reshards by itself."""
     if _same_grid(saved, expected):
         return next((entry for entry in entries if entry["rank"] == rank), None)
     coords = coords or RankCoords(tp_rank=0, cp_rank=0, dp_rank=rank)
-    position = (coords.tp_rank, coords.cp_rank, coords.dp_rank)
-    same_position = [entry for entry in entries if (entry["tp_rank"], entry["cp_rank"], entry["dp_rank"]) == position]
-    if same_position:
-        return same_position[0]
+    by_position = {(entry["tp_rank"], entry["cp_rank"], entry["dp_rank"]): entry for entry in entries}
+    for position in ((coords.tp_rank, coords.cp_rank, coords.dp_rank), (coords.tp_rank, 0, 0)):
+        if position in by_position:
+            return by_position[position]
     return next((entry for entry in entries if entry["rank"] == 0), None)
 
 
