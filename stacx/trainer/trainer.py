@@ -382,6 +382,8 @@ class StacxTrainer:
             self.data.load_state_dict(driver_state["data"])
         restore_rng_state(driver_state["rng"])
         logger.info("resumed from %s at step %d", loaded.path, loaded.step)
+        if self.channel.is_driver:
+            print(f"resumed from step {loaded.step} ({loaded.path})", flush=True)
         return loaded.step
 
     def export_policy(self, out_dir: str) -> None:
