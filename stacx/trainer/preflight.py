@@ -153,10 +153,13 @@ def check_resume_and_save(run_config) -> None:
         if not os.path.exists(model.load):
             raise PreflightError(f"--load {model.load}: no such folder; give a checkpoint root or step_* folder "
                                  "written by --save, or drop --load to start fresh")
-        try:
-            read_manifest(resolve_checkpoint_folder(model.load))
-        except CheckpointError as err:
-            raise PreflightError(f"--load {model.load}: {err}") from None
+        from stacx.checkpointing.folders import is_model_folder
+
+        if not is_model_folder(model.load):  # a Hugging Face or torch_dist model: the start weights
+            try:
+                read_manifest(resolve_checkpoint_folder(model.load))
+            except CheckpointError as err:
+                raise PreflightError(f"--load {model.load}: {err}") from None
     try:
         check_save_folder(model.save, load=model.load, overwrite=model.overwrite)
     except CheckpointError as err:

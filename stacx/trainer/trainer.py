@@ -372,6 +372,14 @@ class StacxTrainer:
         path = self.run_config.model.load
         if not path:
             return 0
+        from stacx.checkpointing.folders import is_model_folder
+
+        if is_model_folder(path):  # a Hugging Face or torch_dist model, not a training checkpoint: start weights
+            role = self.training_config.rollout_role or self.training_config.trainable_roles[0]
+            self.roles[role.name].call_all("load_start_weights", os.fspath(path))
+            if self.channel.is_driver:
+                print(f"role {role.name!r} starts from the weights of --load {path} (step 0)", flush=True)
+            return 0
         # Every file is read with torch.load(weights_only=True): a checkpoint cannot run code on resume.
         loaded = load_checkpoint(path, expected_recipe=self.training_config, expected_layouts=self.role_layouts())
         check_resumed_algorithm(loaded.run_config(), self.algorithm, where=loaded.path)

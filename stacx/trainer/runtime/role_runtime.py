@@ -333,6 +333,13 @@ class RoleRuntime:
         return write_rank_state(staging_dir, role_name, rank, self.state_dict(), self.coords(),
                                 model=self.model, optimizer=self.optimizer, groups=self.groups)
 
+    def load_start_weights(self, path: str) -> None:
+        """Replace the role's weights with those of model folder `path` (Hugging Face or torch_dist,
+        detected; `--load` naming a model rather than a training checkpoint). Collective."""
+        from stacx.checkpointing.folders import load_model_weights
+
+        load_model_weights(self.model, path, self.groups, flag="--load")
+
     def load_rank_state(self, loaded, role_name: str, rank: int) -> None:
         """Load this rank's state from a `LoadedCheckpoint`: weights and optimizer state resharded to this
         run's layout, then the small state (`LoadedCheckpoint.rank_state`)."""
