@@ -90,5 +90,10 @@ def test_each_diffusion_recipe_trains_two_steps_on_ray(ray_cluster, tmp_path):
             assert all(math.isfinite(row["loss"]) and row["grad_norm"] > 0 for row in rows), (name, rows)
             if TRAINING_CONFIGS[name].uses_reward:
                 assert all(0.0 <= row["reward_mean"] <= 1.0 for row in rows), name
+        # the DiT family (label conditioner) built from scratch, no checkpoint
+        run_config = _run_config("--algorithm", "diffusion_nft", *TINY, "--algorithm-param", "model_family=dit",
+                                 "--out", str(tmp_path / "dit"))
+        run_diffusion_training(run_config, TRAINING_CONFIGS["diffusion_nft"], graph=graph, log=lambda _: None)
+        assert [row["step"] for row in _metrics(tmp_path / "dit")] == [0, 1]
     finally:
         graph.shutdown()
