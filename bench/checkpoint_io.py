@@ -12,7 +12,8 @@ warm for everyone):
                   writes its own chunks), slowest rank; and the same plus each rank's sha256 of the
                   files it wrote (what a training checkpoint adds for its manifest);
 - torch_dist load: load_torch_dist into the TP=2 model (each rank reads its chunks), slowest rank.
-The torch_dist rows compare with the plain safetensors write / read of the same bytes.
+The torch_dist rows compare with a plain safetensors write / read of the same bytes inside the
+same ranks (each rank's own parameters as one file, slowest rank), timed between them.
 MB/s = checkpoint bytes / seconds. Results go to bench/results/checkpoint_io.json.
 """
 
@@ -78,6 +79,22 @@ def time_stacx_load_and_export(groups, hf_dir, out_dir, dist_dir):
     export_hf_checkpoint(model, out_dir, groups, hf_dir)
     export_s = time.perf_counter() - start
     times = [load_s, export_s]
+    # The in-rank baseline: this rank's own parameters written and read back as one plain safetensors
+    # file, timed like the torch_dist save and load below (slowest rank), interleaved with them.
+    from safetensors.torch import load, save_file
+
+    own = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    plain_file = f"{dist_dir}_plain_{dist.get_rank()}.safetensors"
+    dist.barrier()
+    start = time.perf_counter()
+    save_file(own, plain_file)
+    times.append(time.perf_counter() - start)
+    dist.barrier()
+    start = time.perf_counter()
+    with open(plain_file, "rb") as f:
+        load(f.read())
+    times.append(time.perf_counter() - start)
+    os.remove(plain_file)
     for folder, hashed in ((dist_dir + "_a", False), (dist_dir + "_b", True)):
         dist.barrier()
         start = time.perf_counter()
@@ -127,8 +144,8 @@ def main() -> None:
                             args=(hf_dir, out_dir, os.path.join(work, f"dist{repeat}")), timeout_s=900)
             for repeat in range(args.repeats)
         ]
-        load_s, export_s, dist_save_s, dist_save_hashed_s, dist_load_s = (
-            min(max(rank[index] for rank in ranks) for ranks in runs) for index in range(5))
+        load_s, export_s, rank_write_s, rank_read_s, dist_save_s, dist_save_hashed_s, dist_load_s = (
+            min(max(rank[index] for rank in ranks) for ranks in runs) for index in range(7))
         results = {
             "checkpoint_mb": round(megabytes, 1),
             "tensor_parallel_size": args.tp,
@@ -138,12 +155,14 @@ def main() -> None:
             "plain_safetensors_write_mb_s": round(megabytes / write_s, 1),
             "stacx_export_mb_s": round(megabytes / export_s, 1),
             "export_ratio_vs_plain_write": round(write_s / export_s, 3),
+            "plain_per_rank_write_mb_s": round(megabytes / rank_write_s, 1),
+            "plain_per_rank_read_mb_s": round(megabytes / rank_read_s, 1),
             "torch_dist_save_mb_s": round(megabytes / dist_save_s, 1),
-            "torch_dist_save_ratio_vs_plain_write": round(write_s / dist_save_s, 3),
+            "torch_dist_save_ratio_vs_plain_write": round(rank_write_s / dist_save_s, 3),
             "torch_dist_save_with_sha256_mb_s": round(megabytes / dist_save_hashed_s, 1),
-            "torch_dist_save_with_sha256_ratio_vs_plain_write": round(write_s / dist_save_hashed_s, 3),
+            "torch_dist_save_with_sha256_ratio_vs_plain_write": round(rank_write_s / dist_save_hashed_s, 3),
             "torch_dist_load_mb_s": round(megabytes / dist_load_s, 1),
-            "torch_dist_load_ratio_vs_plain_read": round(read_s / dist_load_s, 3),
+            "torch_dist_load_ratio_vs_plain_read": round(rank_read_s / dist_load_s, 3),
             "cpu_count": os.cpu_count(),
             "machine": platform.machine(),
             "torch": torch.__version__,
