@@ -25,6 +25,7 @@ One train step (`train_step`):
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -96,7 +97,9 @@ class RoleRuntime:
             flag = "--" + role.checkpoint_arg.replace("_", "-")
             raise ValueError(f"role {role.name!r} starts from {flag}, which is not set")
         torch.manual_seed(run_config.train.seed)
-        self.model = build_model(path, groups, initialize_weights=False)
+        # A torch_dist folder from another framework carries no config.json: the policy's config describes it.
+        config_source = path if os.path.isfile(os.path.join(path, "config.json")) else run_config.model.hf_checkpoint
+        self.model = build_model(config_source, groups, initialize_weights=False)
         self.reference_weights: list[torch.Tensor] | None = None
         reference_path = (
             role_checkpoint_path(role, run_config.model, role.reference_checkpoint_arg)
