@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from stacx.specializations.base import Specialization, full_token_counts, masked_total
-from stacx.trainer.config import ModelRole, TrainingConfig, recipe_algorithm
+from stacx.trainer.config.recipe import ModelRole, TrainingConfig, recipe_algorithm
 from stacx.trainer.recipes import recipe
 
 

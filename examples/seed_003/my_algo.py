@@ -15,7 +15,7 @@ import torch
 from stacx.specializations.causal_decoder import CausalDecoderSpecialization
 from stacx.objectives.policy_losses import sum_of_sample_mean
 from stacx.trainer.recipes import recipe
-from stacx.trainer.config import ModelRole, TrainingConfig
+from stacx.trainer.config.recipe import ModelRole, TrainingConfig
 
 
 def my_kernel(log_probs: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from stacx.rollout.dagger import Executor
-from stacx.rollout.engine import InferenceEngine, WeightBucket
+from stacx.rollout.engines.base import InferenceEngine, WeightBucket
 from stacx.rollout.rewards import RewardFn, compute_rewards, resolve_reward_fn
 from stacx.rollout.teacher import TEACHER_EXECUTED_SENTINEL, TeacherClient
 from stacx.rollout.types import GenerateRequest, SamplingParams

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerUnavailableError
-from stacx.rollout.sglang_protocol import build_generate_payload, parse_generate_response
+from stacx.rollout.engines.sglang_protocol import build_generate_payload, parse_generate_response
 from stacx.rollout.types import GenerateRequest, SamplingParams
 
 TEACHER_EXECUTED_SENTINEL = 1.0

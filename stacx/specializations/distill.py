@@ -42,7 +42,7 @@ def resolve_distill_kl_mode(config: Any, environ: Mapping[str, str] | None = Non
     """config.distill_kl_mode when set, else STACX_DISTILL_KL_MODE, else k3_sample.
 
     A run's resolved algorithm config already carries STACX_DISTILL_KL_MODE (applied once where the
-    run is resolved, stacx.trainer.resolved_config): a worker on another node must not read its
+    run is resolved, stacx.trainer.config.resolve): a worker on another node must not read its
     own environment and disagree with the driver. The environment is read only for a bare config.
     """
     # Imported here: the rollout package is not needed by the other specializations.

@@ -26,11 +26,11 @@ def run_training(run_config) -> dict:
 def __getattr__(name):
     # Lazy exports: `from stacx.trainer import StacxTrainer` without importing Ray at package import.
     lazy = {
-        "StacxTrainer": "stacx.trainer.trainer",
+        "StacxTrainer": "stacx.trainer.loop",
         "create_trainer": "stacx.trainer.factory",
         "run_spmd": "stacx.trainer.spmd",
         "RoleRuntime": "stacx.trainer.runtime",
-        "RolloutService": "stacx.trainer.rollout_service",
+        "RolloutService": "stacx.rollout.service",
     }
     if name in lazy:
         import importlib

@@ -44,7 +44,7 @@ from typing import Any, Mapping
 
 import torch
 
-from stacx.trainer.config import TrainingConfig
+from stacx.trainer.config.recipe import TrainingConfig
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"

@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from stacx.trainer.role_groups import RoleLayout
-from stacx.trainer.workers.exchange import ExchangeSyncGroup
-from stacx.trainer.workers.placement import PlacedPool, ResourcePool, RolePlacement
-from stacx.trainer.workers.role_workers import RoleWorkers, wait_all
+from stacx.trainer.cluster.groups import RoleLayout
+from stacx.trainer.cluster.ray.exchange import ExchangeSyncGroup
+from stacx.trainer.cluster.ray.placement import PlacedPool, ResourcePool, RolePlacement
+from stacx.trainer.cluster.ray.role_workers import RoleWorkers, wait_all
 
 MIB = 1024 * 1024
 
@@ -63,7 +63,7 @@ class WorkerLayout:
 
     @classmethod
     def from_parallel_section(cls, section: Any, **overrides) -> "WorkerLayout":
-        """Build from the run config's `parallel` section (stacx.trainer.run_config.ParallelSection)."""
+        """Build from the run config's `parallel` section (stacx.trainer.config.run.ParallelSection)."""
         values = dict(
             data_parallel_size=section.data_parallel_size,
             tensor_parallel_size=section.tensor_model_parallel_size,
@@ -142,7 +142,7 @@ def create_role_workers(training_config, layout: Any = None, *, pool_timeout_s: 
 
     `layout` is a `WorkerLayout`, the run config's `parallel` section (converted with
     `WorkerLayout.from_parallel_section`), or None for the defaults. Ray must be connected
-    (`stacx.trainer.ray_cluster.connect_ray`). On any failure every actor and placement group
+    (`stacx.trainer.cluster.ray.connect.connect_ray`). On any failure every actor and placement group
     created so far is released before the error propagates.
     """
     if layout is None:
@@ -201,14 +201,14 @@ def create_role_workers(training_config, layout: Any = None, *, pool_timeout_s: 
 def resolve_recipe(run_config):
     """(TrainingConfig, resolved AlgorithmConfig) of a run: custom modules imported, then infer_algorithm."""
     from stacx.objectives import import_builtin_and_custom_modules, load_custom_modules
-    from stacx.trainer.algorithm import infer_algorithm
+    from stacx.trainer.config.algorithm import infer_algorithm
     from stacx.trainer.recipes import get_recipe
-    from stacx.trainer.resolved_config import resolve_algorithm_config
+    from stacx.trainer.config.resolve import resolve_algorithm_config
 
     import_builtin_and_custom_modules()  # stacx/custom/ may hold kernels and recipes
     if run_config.train.custom_module:
         load_custom_modules(list(run_config.train.custom_module))
-    from stacx.trainer.resolved_config import policy_loss_named_by_algorithm, user_algorithm_values
+    from stacx.trainer.config.resolve import policy_loss_named_by_algorithm, user_algorithm_values
 
     estimator = user_algorithm_values(run_config).get("advantage_estimator", run_config.algorithm.advantage_estimator)
     algorithm = None if policy_loss_named_by_algorithm(run_config) else run_config.train.algorithm
@@ -221,13 +221,13 @@ def resolve_recipe(run_config):
 def check_supported(training_config, run_config) -> None:
     """Fail before any worker starts on a roll-in the loop cannot run (bad mode or schedule)."""
     if training_config.data_source == "rollout":
-        from stacx.trainer.rollin import resolve_rollin
+        from stacx.rollout.rollin import resolve_rollin
 
         resolve_rollin(training_config, run_config.teacher, given_keys=run_config.given_keys)
 
 
 def build_metrics_logger(run_config, start_step: int = 0):
-    from stacx.trainer.metrics_logger import MetricsLogger
+    from stacx.trainer.metrics import MetricsLogger
 
     section = run_config.logging
     return MetricsLogger(section.out, total_steps=run_config.train.num_steps, start_step=start_step,
@@ -237,7 +237,7 @@ def build_metrics_logger(run_config, start_step: int = 0):
 
 def build_driver_side(run_config, training_config):
     """(tokenizer, StepDataSource, RolloutService or None) for the process that drives the run."""
-    from stacx.trainer.rollout_service import RolloutService, load_tokenizer
+    from stacx.rollout.service import RolloutService, load_tokenizer
     from stacx.trainer.step_data import StepDataSource
 
     if run_config.model.hf_checkpoint is None:
@@ -256,11 +256,11 @@ def create_trainer(run_config, *, layout: WorkerLayout | None = None):
     `layout` overrides the worker layout derived from `run_config.parallel` (tests pin CPUs with it).
     On failure everything started so far is released before the error propagates.
     """
-    from stacx.trainer.ray_cluster import connect_ray
-    from stacx.trainer.role_groups import RayChannel, RayRoleGroup
-    from stacx.trainer.trainer import StacxTrainer
+    from stacx.trainer.cluster.ray.connect import connect_ray
+    from stacx.trainer.cluster.groups import RayChannel, RayRoleGroup
+    from stacx.trainer.loop import StacxTrainer
 
-    from stacx.trainer.resolved_config import apply_run_env_overrides
+    from stacx.trainer.config.resolve import apply_run_env_overrides
 
     run_config = apply_run_env_overrides(run_config)  # STACX_* read once; workers get the result
     training_config, algorithm = resolve_recipe(run_config)

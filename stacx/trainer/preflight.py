@@ -27,7 +27,7 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
-from stacx.trainer.run_config import ConfigError
+from stacx.trainer.config.run import ConfigError
 
 MAX_ROWS_NAMED = 3
 """Offending rows named in a data error (the count says how many there are in all)."""
@@ -322,7 +322,7 @@ def load_and_check_data(run_config, training_config) -> None:
     """Read the data as the run will (StepDataSource, which calls `check_examples`); errors name the flag."""
     from stacx.rollout.data import MalformedRowError
     from stacx.tasks.data import resolve_builtin_data
-    from stacx.trainer.rollout_service import load_tokenizer
+    from stacx.rollout.service import load_tokenizer
     from stacx.trainer.step_data import StepDataSource
 
     run_config = resolve_builtin_data(run_config)

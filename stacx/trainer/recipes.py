@@ -21,7 +21,7 @@ from stacx.specializations.critic import CriticSpecialization
 from stacx.specializations.distill import DistillSpecialization
 from stacx.specializations.dpo import DPOSpecialization
 from stacx.specializations.mixed_loss_dagger import MixedLossDaggerOPDSpecialization
-from stacx.trainer.config import (
+from stacx.trainer.config.recipe import (
     ExchangeSync,
     InjectSync,
     ModelRole,

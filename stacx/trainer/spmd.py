@@ -30,12 +30,12 @@ def build_spmd_trainer(run_config):
 
     from stacx.parallel.groups import initialize_parallel_layout, init_distributed_from_env
     from stacx.trainer.factory import build_driver_side, build_metrics_logger, check_supported, resolve_recipe
-    from stacx.trainer.role_groups import LocalRoleGroup, TorchrunChannel
+    from stacx.trainer.cluster.groups import LocalRoleGroup, TorchrunChannel
     from stacx.trainer.runtime.role_runtime import RoleRuntime
-    from stacx.trainer.trainer import StacxTrainer
-    from stacx.trainer.workers.node_interface import bind_collectives_to_node, local_address_toward
+    from stacx.trainer.loop import StacxTrainer
+    from stacx.trainer.cluster.node_interface import bind_collectives_to_node, local_address_toward
 
-    from stacx.trainer.resolved_config import apply_run_env_overrides
+    from stacx.trainer.config.resolve import apply_run_env_overrides
 
     run_config = apply_run_env_overrides(run_config)  # STACX_* read once, as on the Ray path
     training_config, algorithm = resolve_recipe(run_config)

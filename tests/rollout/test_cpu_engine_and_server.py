@@ -6,11 +6,11 @@ import time
 import pytest
 import torch
 
-from stacx.rollout.cpu_engine import CpuEngine, filter_top_k_top_p
+from stacx.rollout.engines.cpu import CpuEngine, filter_top_k_top_p
 from stacx.rollout.http_client import RetryPolicy
-from stacx.rollout.http_engine import HttpEngine
+from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.manager import RolloutManager, samples_to_batch
-from stacx.rollout.server import EngineHttpServer
+from stacx.rollout.engines.server import EngineHttpServer
 from stacx.rollout.teacher import TEACHER_EXECUTED_SENTINEL, TeacherClient
 from stacx.rollout.types import GenerateRequest, SamplingParams
 

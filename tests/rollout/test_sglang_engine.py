@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stacx.rollout.http_client import RetryPolicy
-from stacx.rollout.sglang_engine import (
+from stacx.rollout.engines.sglang import (
     SglangEngine,
     SglangServerSpec,
     WeightBroadcastGroup,
@@ -123,7 +123,7 @@ def test_sglang_servers_that_never_come_up_fail_with_their_gpu_needs_and_are_kil
     needed, and kills every actor it started (no Ray cluster needed: ray's calls are replaced)."""
     import ray
 
-    from stacx.rollout import sglang_engine
+    from stacx.rollout.engines import sglang as sglang_engine
 
     killed = []
 

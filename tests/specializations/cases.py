@@ -288,7 +288,7 @@ CASES: dict[str, Case] = {
 
 
 def algorithm_config(case: Case):
-    from stacx.trainer.run_config import AlgorithmConfig
+    from stacx.trainer.config.run import AlgorithmConfig
 
     return AlgorithmConfig.from_values(case.config)
 

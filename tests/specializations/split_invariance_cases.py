@@ -214,7 +214,7 @@ def family_step_batch(family: Family, global_batch: dict[str, list]) -> dict[str
 
 def build_specialization(family: Family, mode: str, groups):
     import stacx.specializations as specializations
-    from stacx.trainer.run_config import AlgorithmConfig
+    from stacx.trainer.config.run import AlgorithmConfig
 
     config = dict(family.config)
     if mode in ALL_MODES and family.specialization != "DPOSpecialization":

@@ -54,7 +54,7 @@ def test_the_trainers_first_save_with_overwrite_removes_the_older_runs_steps(tmp
     """Without it, the older run's later steps would look like this run's latest checkpoint on resume."""
     from types import SimpleNamespace
 
-    from stacx.trainer.trainer import StacxTrainer
+    from stacx.trainer.loop import StacxTrainer
 
     save = tmp_path / "ckpt"
     _fake_step(save, 5)

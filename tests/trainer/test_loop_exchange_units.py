@@ -10,8 +10,8 @@ import torch
 
 from stacx.specializations.actor import ActorSpecialization
 from stacx.specializations.critic import CriticSpecialization
-from stacx.trainer.config import AlgorithmDefaults, ExchangeSync, ModelRole, TrainingConfig
-from stacx.trainer.exchange_steps import (
+from stacx.trainer.config.recipe import AlgorithmDefaults, ExchangeSync, ModelRole, TrainingConfig
+from stacx.trainer.exchange import (
     ExchangeSchedule,
     check_exchange_syncs,
     consume_hf_weights,
@@ -94,7 +94,7 @@ def _runtime(model, groups, name):
 def groups():
     """This process as a one-rank world (megatron-core builds layers from its global groups)."""
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.cpu_engine import ensure_single_process_layout
+    from stacx.rollout.engines.cpu import ensure_single_process_layout
 
     yield ensure_single_process_layout()
     destroy_parallel_layout()

@@ -94,7 +94,7 @@ def test_a_non_finite_gradient_or_loss_is_never_stepped_on():
 
 def _driver_trainer(batch, *, skip: int, trained: list):
     """A StacxTrainer with a fake driver channel whose step batch is `batch` (no workers)."""
-    from stacx.trainer.trainer import StacxTrainer
+    from stacx.trainer.loop import StacxTrainer
 
     policy = SimpleNamespace(name="policy")
     trainer = StacxTrainer.__new__(StacxTrainer)

@@ -13,7 +13,7 @@ import torch
 
 from stacx.testing.distributed import run_distributed
 from stacx.trainer.checkpoint import FileInfo, RankCoords, RankFileInfo
-from stacx.trainer.rank_messages import (
+from stacx.trainer.cluster.rank_messages import (
     LENGTH_BYTES,
     RankMessageError,
     decode_message,
@@ -132,7 +132,7 @@ def _exchange_without_pickle(groups):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from stacx.trainer.rank_messages import all_gather_values, broadcast_value
+    from stacx.trainer.cluster.rank_messages import all_gather_values, broadcast_value
 
     def refuse(*args, **kwargs):
         raise AssertionError("something was unpickled")

@@ -12,8 +12,8 @@ import pytest
 
 from stacx.launch.run_flags import add_run_config_arguments, run_config_from_args
 from stacx.trainer.recipes import get_recipe
-from stacx.trainer.resolved_config import resolve_algorithm_config
-from stacx.trainer.run_config import ALGORITHM_FIELDS, FIELDS, AlgorithmConfig, ConfigError, RunConfig
+from stacx.trainer.config.resolve import resolve_algorithm_config
+from stacx.trainer.config.run import ALGORITHM_FIELDS, FIELDS, AlgorithmConfig, ConfigError, RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -153,7 +153,7 @@ def test_the_scan_sees_a_default_at_a_read_site(tmp_path):
 
 def test_a_key_close_to_a_known_one_is_refused_unless_declared_custom():
     """`kl_coef` would silently leave `kl_loss_coef` at its default: refused, naming both and the fix."""
-    from stacx.trainer.run_config import ConfigError, RunConfig
+    from stacx.trainer.config.run import ConfigError, RunConfig
 
     with pytest.raises(ConfigError, match=r"'kl_coef' in run.yaml looks like a misspelling of .*'kl_loss_coef'.*"
                                           r"custom_hyperparameters: \[kl_coef\]"):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from stacx.trainer.recipes import get_recipe
-from stacx.trainer.resolved_config import resolve_algorithm_config
-from stacx.trainer.run_config import RunConfig
+from stacx.trainer.config.resolve import resolve_algorithm_config
+from stacx.trainer.config.run import RunConfig
 from stacx.trainer.step_data import dpo_batch, plan_micro_batches, sft_batch
 
 
@@ -77,12 +77,12 @@ def test_bad_rollin_settings_are_refused_before_any_worker_starts():
 
 
 def test_engine_kind_resolution():
-    from stacx.trainer.rollout_service import engine_client, resolve_engine_kind
+    from stacx.rollout.service import engine_client, resolve_engine_kind
 
     assert resolve_engine_kind("auto") == ("sglang" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ValueError, match="rollout_engine 'vllm'"):
         resolve_engine_kind("vllm")
-    from stacx.rollout.sglang_engine import SglangEngine
+    from stacx.rollout.engines.sglang import SglangEngine
 
     assert isinstance(engine_client("sglang", "http://127.0.0.1:1"), SglangEngine)
     assert type(engine_client("cpu", "http://127.0.0.1:1")).__name__ == "HttpEngine"
@@ -107,8 +107,8 @@ def test_a_failed_weight_push_reports_its_own_error_and_resumes_the_engine():
     engine is resumed without checking a version it never received."""
     from types import SimpleNamespace
 
-    from stacx.trainer.rollout_service import RolloutService
-    from stacx.trainer.trainer import StacxTrainer
+    from stacx.rollout.service import RolloutService
+    from stacx.trainer.loop import StacxTrainer
 
     class Engine:
         def __init__(self):
@@ -143,7 +143,7 @@ def test_a_failed_weight_push_reports_its_own_error_and_resumes_the_engine():
 def test_a_rollout_service_that_fails_to_start_stops_the_server_it_started(monkeypatch):
     from types import SimpleNamespace
 
-    from stacx.trainer import rollout_service
+    from stacx.rollout import service as rollout_service
 
     stopped = []
 
@@ -165,7 +165,7 @@ def test_a_rollout_service_that_fails_to_start_stops_the_server_it_started(monke
 def test_teardown_errors_never_hide_the_runs_error_and_workers_are_always_released():
     from types import SimpleNamespace
 
-    from stacx.trainer.trainer import StacxTrainer
+    from stacx.trainer.loop import StacxTrainer
 
     released = []
 

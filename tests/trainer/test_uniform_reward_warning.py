@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from stacx.trainer.rollout_steps import StepRollout, uniform_reward_warning
+from stacx.rollout.step_rollout import StepRollout, uniform_reward_warning
 
 
 def _samples(rewards_per_group: list[list[float]]) -> list:
@@ -44,7 +44,7 @@ def _step_rollout(estimator: str, uses_reward: bool = True) -> StepRollout:
 
 def test_the_driver_warns_once_per_run(caplog):
     step_rollout = _step_rollout("grpo")
-    with caplog.at_level(logging.WARNING, logger="stacx.trainer.rollout_steps"):
+    with caplog.at_level(logging.WARNING, logger="stacx.rollout.step_rollout"):
         step_rollout.warn_if_rewards_are_uniform(0, _samples([[0.0, 1.0]]))
         step_rollout.warn_if_rewards_are_uniform(1, _samples([[0.0, 0.0]]))
         step_rollout.warn_if_rewards_are_uniform(2, _samples([[0.0, 0.0]]))
@@ -53,7 +53,7 @@ def test_the_driver_warns_once_per_run(caplog):
 
 
 def test_no_warning_where_uniform_rewards_do_not_zero_the_loss(caplog):
-    with caplog.at_level(logging.WARNING, logger="stacx.trainer.rollout_steps"):
+    with caplog.at_level(logging.WARNING, logger="stacx.rollout.step_rollout"):
         _step_rollout("gae").warn_if_rewards_are_uniform(0, _samples([[0.0, 0.0]]))  # the critic's values
         _step_rollout("grpo", uses_reward=False).warn_if_rewards_are_uniform(0, _samples([[0.0, 0.0]]))
     assert not [r for r in caplog.records if "identical" in r.getMessage()]

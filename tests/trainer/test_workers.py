@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from stacx.specializations.base import Specialization
-from stacx.trainer.config import ExchangeSync, ModelRole, TrainingConfig
+from stacx.trainer.config.recipe import ExchangeSync, ModelRole, TrainingConfig
 from stacx.trainer.factory import WorkerLayout, create_role_workers
-from stacx.trainer.ray_cluster import connect_ray
-from stacx.trainer.workers import (
+from stacx.trainer.cluster.ray.connect import connect_ray
+from stacx.trainer.cluster.ray import (
     PlacedPool,
     ResourcePool,
     RolePlacement,

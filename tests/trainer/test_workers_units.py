@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from stacx.specializations.base import Specialization
-from stacx.trainer.config import ModelRole, TrainingConfig
+from stacx.trainer.config.recipe import ModelRole, TrainingConfig
 from stacx.trainer.factory import WorkerLayout, resolve_role_layouts
-from stacx.trainer.ray_cluster import connect_ray, resolve_ray_address
+from stacx.trainer.cluster.ray.connect import connect_ray, resolve_ray_address
 from stacx.trainer.recipes import TRAINING_CONFIGS
-from stacx.trainer.workers.exchange import ALIGN_BYTES, pack_bucket, plan_buckets, unpack_bucket
-from stacx.trainer.workers.placement import ResourcePool
+from stacx.trainer.cluster.ray.exchange import ALIGN_BYTES, pack_bucket, plan_buckets, unpack_bucket
+from stacx.trainer.cluster.ray.placement import ResourcePool
 
 
 def _roundtrip(tensors, bucket_bytes):
@@ -103,7 +103,7 @@ def test_every_catalog_recipe_resolves_a_layout(name):
 
 
 def test_worker_layout_from_the_run_configs_parallel_section():
-    from stacx.trainer.run_config import RunConfig
+    from stacx.trainer.config.run import RunConfig
 
     section = RunConfig.from_dict({"tensor_model_parallel_size": 2, "data_parallel_size": 3,
                                    "collective_timeout_s": 42.0}).parallel

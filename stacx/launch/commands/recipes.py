@@ -126,7 +126,7 @@ def render_catalog_markdown(configs: dict) -> str:
 
 
 def run(args) -> int:
-    from stacx.trainer.config import RecipeError
+    from stacx.trainer.config.recipe import RecipeError
     from stacx.trainer.recipes import TRAINING_CONFIGS, get_recipe
 
     if args.custom_module:

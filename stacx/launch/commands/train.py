@@ -4,7 +4,7 @@
     stacx train --config examples/configs/grpo.yaml --lr 1e-4        # flags override the file
     stacx train --config run.yaml --dry-run                          # recipe, roles, placement; no workers
 
-Flags are generated from the run configuration (stacx/trainer/run_config.py): one per field,
+Flags are generated from the run configuration (stacx/trainer/config/run.py): one per field,
 see `stacx train --help`. Under torchrun single-role recipes run SPMD in the
 launched processes; otherwise role workers run on Ray (`--ray-address`, RAY_ADDRESS, or a
 local cluster). The runtime picks; this command only resolves the configuration.
@@ -45,8 +45,8 @@ def describe_run(run_config, recipe, environ=None) -> str:
     import yaml
 
     from stacx.trainer.factory import WorkerLayout, resolve_role_layouts
-    from stacx.trainer.ray_cluster import resolve_ray_address
-    from stacx.trainer.resolved_config import resolve_algorithm_config, resolved_run_config_dict
+    from stacx.trainer.cluster.ray.connect import resolve_ray_address
+    from stacx.trainer.config.resolve import resolve_algorithm_config, resolved_run_config_dict
     from stacx.trainer.spmd import launched_by_torchrun
 
     environ = os.environ if environ is None else environ
@@ -85,10 +85,10 @@ def describe_run(run_config, recipe, environ=None) -> str:
 
 def run(args) -> int:
     from stacx.launch.run_flags import run_config_from_args
-    from stacx.trainer.config import RecipeError
+    from stacx.trainer.config.recipe import RecipeError
     from stacx.trainer.factory import resolve_recipe
     from stacx.trainer.preflight import run_preflight
-    from stacx.trainer.run_config import ConfigError
+    from stacx.trainer.config.run import ConfigError
 
     try:
         run_config = run_config_from_args(args)

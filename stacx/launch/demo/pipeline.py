@@ -69,7 +69,7 @@ class PhaseResult:
 
 
 def _run_config(settings: DemoSettings, out_dir: str, phase: str, values: dict):
-    from stacx.trainer.run_config import RunConfig
+    from stacx.trainer.config.run import RunConfig
 
     base = {"out": os.path.join(out_dir, phase), "seed": settings.seed, "rollout_seed": settings.seed,
             "progress_bar": settings.progress_bar, "rollout_engine": "cpu", "max_tokens_per_micro_batch": 4096}
@@ -163,7 +163,7 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
     from stacx.rollout.teacher import TeacherClient
     from stacx.rollout.tokenizer import build_char_tokenizer
     from stacx.tasks import get_task
-    from stacx.trainer.ray_cluster import connect_ray
+    from stacx.trainer.cluster.ray.connect import connect_ray
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # checkpoint load/save bars would interleave with the demo's own

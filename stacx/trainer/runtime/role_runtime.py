@@ -30,7 +30,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from stacx.parallel.groups import ProcessGroups
-from stacx.trainer.config import ModelRole
+from stacx.trainer.config.recipe import ModelRole
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ class RoleRuntime:
             for _ in buckets:  # take part in the TP gathers
                 pass
             return 0
-        from stacx.trainer.rollout_service import engine_client
+        from stacx.rollout.service import engine_client
 
         key = (engine_kind, url)
         if key not in self._engine_clients:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from stacx.parallel.bound_store import gloo_options, host_bound_store
-from stacx.trainer.workers.exchange_header import (
+from stacx.trainer.cluster.ray.exchange_header import (
     EXCHANGE_DTYPES,
     TensorSlot,
     check_secret,
@@ -229,7 +229,7 @@ class ExchangeSyncGroup:
 
     def connect(self) -> None:
         """Create the group on every worker of both roles (source ranks first)."""
-        from stacx.trainer.workers.role_workers import PendingCall, wait_all
+        from stacx.trainer.cluster.ray.role_workers import PendingCall, wait_all
 
         host, port = self.source.execute_rank0("host_exchange_store", self.name, self.timeout_s,
                                                timeout_s=self.timeout_s)
@@ -254,7 +254,7 @@ class ExchangeSyncGroup:
     def transfer(self, produce: Callable[..., Any] | str, consume: Callable[..., Any] | str, *,
                  sources_by_target: list[int] | None = None) -> list[Any]:
         """Move `produce`'s tensors from the source ranks to the target ranks; returns consume results."""
-        from stacx.trainer.workers.role_workers import PendingCall, wait_all
+        from stacx.trainer.cluster.ray.role_workers import PendingCall, wait_all
 
         if not self._connected:
             raise RuntimeError(f"exchange sync {self.name!r}: call connect() before transfer()")

@@ -41,7 +41,7 @@ def join_role_world(rank: int, world_size: int, *, node_address: str, store_addr
     import torch.distributed as dist
 
     from stacx.parallel.groups import default_backend
-    from stacx.trainer.workers.node_interface import bind_collectives_to_node
+    from stacx.trainer.cluster.node_interface import bind_collectives_to_node
 
     timeout = timedelta(seconds=timeout_s)
     if rank == 0:
@@ -174,7 +174,7 @@ class RoleWorker:
         """Start exchange group `name`'s store on this node; returns (node ip, port)."""
         import ray
 
-        from stacx.trainer.workers.exchange import host_store
+        from stacx.trainer.cluster.ray.exchange import host_store
 
         node_address = ray.util.get_node_ip_address()  # the node's cluster address: 127.0.0.1 on a local cluster
         store, port = host_store(node_address, timeout_s)
@@ -188,7 +188,7 @@ class RoleWorker:
         `secret` is the group's per-run secret from the driver (authenticates transfer headers)."""
         import ray
 
-        from stacx.trainer.workers.exchange import ExchangeEndpoint
+        from stacx.trainer.cluster.ray.exchange import ExchangeEndpoint
 
         if name in self.exchanges:
             raise ValueError(f"role {self.role_name!r} rank {self.rank}: exchange group {name!r} is already open")

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 def StacxConfig(*, model_path: str | None = None, algorithm: Mapping[str, Any] | None = None, **fields: Any):  # noqa: N802 - a config "class" in guide 001's spelling
     """The `RunConfig` these keywords describe (`model_path` = `hf_checkpoint`)."""
-    from stacx.trainer.run_config import RunConfig
+    from stacx.trainer.config.run import RunConfig
 
     values: dict[str, Any] = dict(fields)
     if model_path is not None:

@@ -66,7 +66,7 @@ def produce_hf_weights(runtime) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def consume_hf_weights(runtime, tensors: Mapping[str, torch.Tensor]) -> int:
     """Copy full Hugging Face-named tensors into this rank's TP shard; every parameter must arrive."""
-    from stacx.rollout.weight_loading import HfWeightReceiver
+    from stacx.rollout.engines.weight_loading import HfWeightReceiver
 
     receiver = HfWeightReceiver(runtime.model, runtime.groups)
     expected = set(receiver.targets)

@@ -21,7 +21,7 @@ import dataclasses
 from typing import Any
 
 from stacx.rollout.env_overrides import read_env_overrides
-from stacx.trainer.run_config import AlgorithmConfig
+from stacx.trainer.config.run import AlgorithmConfig
 
 CLIP_BOUNDS = ("clip_ratio_low", "clip_ratio_high")
 ESTIMATOR_ALIASES = ("adv_estimator",)

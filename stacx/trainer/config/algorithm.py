@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from stacx.trainer.config import ADVANTAGE_ESTIMATORS, RecipeError
+from stacx.trainer.config.recipe import ADVANTAGE_ESTIMATORS, RecipeError
 
 #: Advantage estimator -> the recipe whose defaults are built around it.
 ESTIMATOR_TO_RECIPE: dict[str, str] = {

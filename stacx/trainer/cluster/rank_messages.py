@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from stacx.trainer.checkpoint import FileInfo, RankCoords, RankFileInfo
-from stacx.trainer.workers.exchange_header import EXCHANGE_DTYPES
+from stacx.trainer.cluster.ray.exchange_header import EXCHANGE_DTYPES
 
 MESSAGE_VERSION = 1
 LENGTH_BYTES = 8

@@ -26,9 +26,9 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from stacx.parallel.bound_store import host_bound_store
-from stacx.rollout.engine import WeightBucket
+from stacx.rollout.engines.base import WeightBucket
 from stacx.rollout.http_client import RetryPolicy
-from stacx.rollout.http_engine import HttpEngine
+from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.weight_transfer import dtype_name
 
 WEIGHT_UPDATE_MODES = ("tensor", "distributed")

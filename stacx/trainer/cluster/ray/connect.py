@@ -124,7 +124,7 @@ def start_local_cluster(**init_kwargs) -> None:
         raise RuntimeError(
             f"the local Ray cluster took node addresses {addresses} instead of {LOOPBACK_ADDRESS}, so it would listen "
             f"on the network; this Ray release ({ray.__version__}) no longer honours the loopback switch in "
-            "stacx.trainer.ray_cluster - update _ray_keeps_loopback_node_addresses, or start the cluster yourself "
+            "stacx.trainer.cluster.ray.connect - update _ray_keeps_loopback_node_addresses, or start the cluster yourself "
             "and pass --ray-address"
         )
 

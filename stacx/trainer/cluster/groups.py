@@ -70,7 +70,7 @@ class LocalRoleGroup:
 
     @staticmethod
     def _gather(value) -> list:
-        from stacx.trainer.rank_messages import all_gather_values
+        from stacx.trainer.cluster.rank_messages import all_gather_values
 
         return all_gather_values(value)  # JSON and raw tensor bytes, never pickle
 
@@ -102,7 +102,7 @@ class TorchrunChannel:
         self.is_driver = dist.get_rank() == 0
 
     def share(self, value: Any) -> Any:
-        from stacx.trainer.rank_messages import broadcast_value
+        from stacx.trainer.cluster.rank_messages import broadcast_value
 
         return broadcast_value(value, src=0)  # JSON and raw tensor bytes, never pickle
 

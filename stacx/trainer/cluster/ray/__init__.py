@@ -9,17 +9,17 @@
 Importing this package does not import Ray; the submodules import it where they use it.
 """
 
-from stacx.trainer.workers.exchange import ExchangeSyncGroup
-from stacx.trainer.workers.health import (
+from stacx.trainer.cluster.ray.exchange import ExchangeSyncGroup
+from stacx.trainer.cluster.ray.health import (
     RoleWorkerDied,
     RoleWorkerError,
     RoleWorkerRaised,
     RoleWorkerTimeout,
     WorkerLabel,
 )
-from stacx.trainer.workers.placement import PlacedPool, ResourcePool, RolePlacement
-from stacx.trainer.workers.role_worker import RoleWorker
-from stacx.trainer.workers.role_workers import PendingCall, RoleWorkers, wait_all
+from stacx.trainer.cluster.ray.placement import PlacedPool, ResourcePool, RolePlacement
+from stacx.trainer.cluster.ray.role_worker import RoleWorker
+from stacx.trainer.cluster.ray.role_workers import PendingCall, RoleWorkers, wait_all
 
 __all__ = [
     "ExchangeSyncGroup",

@@ -27,7 +27,7 @@ from stacx.trainer import step_data
 from stacx.trainer.interrupts import stop_on_termination_signals
 from stacx.trainer.numerics import NonFiniteGuard
 from stacx.trainer.preflight import role_wants_reference
-from stacx.trainer.resolved_config import check_resumed_algorithm, resolved_run_config_dict
+from stacx.trainer.config.resolve import check_resumed_algorithm, resolved_run_config_dict
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class StacxTrainer:
         self.on_failure = on_failure
         self.on_close = on_close
         self.role_graph = training_config.role_graph()
-        from stacx.trainer.exchange_steps import ExchangeSchedule
+        from stacx.trainer.exchange import ExchangeSchedule
 
         self.exchange_schedule = ExchangeSchedule(training_config, exchanges, self.roles,
                                                   every_n_steps_override=run_config.train.exchange_every_n_steps)
@@ -179,7 +179,7 @@ class StacxTrainer:
         return batch, metrics
 
     def _build_step_rollout(self):
-        from stacx.trainer.rollout_steps import StepRollout
+        from stacx.rollout.step_rollout import StepRollout
 
         return StepRollout(self.rollout, self.data, run_config=self.run_config, training_config=self.training_config,
                            algorithm=self.algorithm)

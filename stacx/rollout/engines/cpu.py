@@ -4,7 +4,7 @@ Two decoders, chosen by `decoding=`:
 
 - "kv_cache" (default): the batch's prompts run once (left-padded), then each step is one
   forward of the newest token of every active row against a KV cache, on a `transformers`
-  mirror of the megatron model (stacx.rollout.kv_cache_decoding). Its fp32 log-probs match the
+  mirror of the megatron model (stacx.rollout.engines.kv_cache_decoding). Its fp32 log-probs match the
   trainer's packed forward to ~1e-6.
 - "packed": no KV cache; each step runs one packed forward of the trainer's own model over
   every active sequence (prompt + tokens so far): O(steps) forwards of the whole rows, bit-for-bit
@@ -21,8 +21,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from stacx.rollout.engine import InferenceEngine, WeightBucket
-from stacx.rollout.weight_loading import HfWeightReceiver
+from stacx.rollout.engines.base import InferenceEngine, WeightBucket
+from stacx.rollout.engines.weight_loading import HfWeightReceiver
 from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
 
 DECODINGS = ("kv_cache", "packed")
@@ -150,7 +150,7 @@ class CpuEngine(InferenceEngine):
         self.decoding = decoding
         self._cached_decoder = None
         if decoding == "kv_cache":
-            from stacx.rollout.kv_cache_decoding import KvCacheDecoder
+            from stacx.rollout.engines.kv_cache_decoding import KvCacheDecoder
 
             self._cached_decoder = KvCacheDecoder(self.model, self.groups)
 

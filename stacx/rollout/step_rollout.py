@@ -30,7 +30,7 @@ import logging
 import random
 from typing import Any, Optional, Sequence
 
-from stacx.trainer import rollin
+from stacx.rollout import rollin
 
 logger = logging.getLogger(__name__)
 

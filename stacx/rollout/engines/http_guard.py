@@ -1,5 +1,5 @@
 """The protective layer of `stacx serve`'s HTTP server: limits, refusals, the connection cap and the
-bearer-token check. `stacx.rollout.server` builds the endpoints on top of it.
+bearer-token check. `stacx.rollout.engines.server` builds the endpoints on top of it.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from typing import Iterable, Optional, Sequence
 from urllib.parse import urlparse
 
 from stacx.network import is_loopback_host
-from stacx.rollout.engine import InferenceEngine, WeightBucket
+from stacx.rollout.engines.base import InferenceEngine, WeightBucket
 from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerRequestError
-from stacx.rollout.sglang_protocol import build_generate_payload, parse_generate_response
+from stacx.rollout.engines.sglang_protocol import build_generate_payload, parse_generate_response
 from stacx.rollout.types import GenerateOutput, GenerateRequest
 from stacx.rollout.weight_transfer import SharedMemoryStaging, bucket_wire_chunks
 

@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
 
-from stacx.rollout.engine import InferenceEngine, WeightBucket
+from stacx.rollout.engines.base import InferenceEngine, WeightBucket
 from stacx.rollout.types import GenerateOutput, GenerateRequest
 
 

@@ -47,10 +47,10 @@ import uuid
 from http.server import BaseHTTPRequestHandler
 from typing import Optional
 
-from stacx.rollout.cpu_engine import GenerationCancelled
-from stacx.rollout.http_guard import BoundedHTTPServer, HttpError, ServerLimits, check_bearer_token
-from stacx.rollout.http_engine import BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_RELEASE_ENDPOINT, SHM_STAGING_ENDPOINT
-from stacx.rollout.sglang_protocol import parse_generate_payload, render_generate_item
+from stacx.rollout.engines.cpu import GenerationCancelled
+from stacx.rollout.engines.http_guard import BoundedHTTPServer, HttpError, ServerLimits, check_bearer_token
+from stacx.rollout.engines.http import BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_RELEASE_ENDPOINT, SHM_STAGING_ENDPOINT
+from stacx.rollout.engines.sglang_protocol import parse_generate_payload, render_generate_item
 from stacx.rollout.weight_transfer import SharedMemoryRegistry, decode_bucket_body, unflatten_bucket
 
 logger = logging.getLogger(__name__)

@@ -62,10 +62,10 @@ def engine_client(kind: str, url: str, *, api_key: Optional[str] = None):
     """The InferenceEngine client for a server of `kind` at `url` (an SGLang server gets SGLang's
     weight-update endpoints; `stacx serve` gets the bucket endpoint); `api_key` is the server's secret."""
     if kind == "sglang":
-        from stacx.rollout.sglang_engine import SglangEngine
+        from stacx.rollout.engines.sglang import SglangEngine
 
         return SglangEngine(url, api_key=api_key)
-    from stacx.rollout.http_engine import HttpEngine
+    from stacx.rollout.engines.http import HttpEngine
 
     return HttpEngine(url, api_key=api_key)
 
@@ -200,7 +200,7 @@ class RolloutService:
                 raise ValueError(f"--rollout-urls lists a server twice: {list(rollout.rollout_urls)}")
             url = rollout.rollout_urls[0]
         else:  # sglang
-            from stacx.rollout.sglang_engine import SglangServerSpec, launch_sglang_servers_on_ray
+            from stacx.rollout.engines.sglang import SglangServerSpec, launch_sglang_servers_on_ray
 
             actors, urls = launch_sglang_servers_on_ray([SglangServerSpec(model_path=hf_checkpoint, port=SGLANG_PORT,
                                                                           api_key=api_key)])
@@ -215,7 +215,7 @@ class RolloutService:
         top_k = run_config.teacher.teacher_top_k if run_config.teacher.distill_kl_mode == "topk" else 0
         urls = tuple(rollout.rollout_urls) if kind == "http" else (url,)
         if len(urls) > 1:
-            from stacx.trainer.engine_pool import EnginePool
+            from stacx.rollout.engine_pool import EnginePool
 
             engine = EnginePool([engine_client(kind, u, api_key=api_key) for u in urls], names=urls)
         else:
@@ -263,7 +263,7 @@ class RolloutService:
             section = self.teacher_section
             if section is None or not section.teacher_url:
                 raise ValueError("DAgger roll-ins let the teacher act; set --teacher-url (a `stacx serve` or SGLang teacher)")
-            from stacx.rollout.http_engine import HttpEngine
+            from stacx.rollout.engines.http import HttpEngine
 
             self._teacher_engine = HttpEngine(section.teacher_url, teacher_retry_policy(section))
         return self._teacher_engine

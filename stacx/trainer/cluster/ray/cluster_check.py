@@ -1,4 +1,4 @@
-"""`python -m stacx.trainer.workers.cluster_check`: prove a Ray cluster can run Stacx roles.
+"""`python -m stacx.trainer.cluster.ray.cluster_check`: prove a Ray cluster can run Stacx roles.
 
 Attaches to the cluster (`--ray-address`, else `RAY_ADDRESS` - which `ray job submit` sets
 for its entry command - else a fresh local cluster), places a `check` role of `--num-ranks`
@@ -47,7 +47,7 @@ def _consume(worker, tensors) -> dict:
 def run_check(num_ranks: int, tensor_parallel_size: int, bundle_resources: list[str], num_cpus_per_rank: float,
               timeout_s: float) -> dict:
     """Run the check on the connected cluster; returns the result (raises on any mismatch)."""
-    from stacx.trainer.workers import ExchangeSyncGroup, PlacedPool, ResourcePool, RolePlacement, RoleWorkers
+    from stacx.trainer.cluster.ray import ExchangeSyncGroup, PlacedPool, ResourcePool, RolePlacement, RoleWorkers
 
     resources = tuple({name: 1.0} for name in bundle_resources)
     pool = ResourcePool(name="check", num_bundles=num_ranks, num_cpus_per_bundle=num_cpus_per_rank,
@@ -96,7 +96,7 @@ def run_check(num_ranks: int, tensor_parallel_size: int, bundle_resources: list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stacx.trainer.workers.cluster_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m stacx.trainer.cluster.ray.cluster_check", description=__doc__.split("\n")[0])
     parser.add_argument("--ray-address", default=None, help="attach to this cluster (default: RAY_ADDRESS, else local)")
     parser.add_argument("--num-ranks", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the check role")
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if bundle_resources and len(bundle_resources) != args.num_ranks:
         parser.error(f"--bundle-resources names {len(bundle_resources)} resources for {args.num_ranks} ranks")
 
-    from stacx.trainer.ray_cluster import connect_ray
+    from stacx.trainer.cluster.ray.connect import connect_ray
 
     connection = connect_ray(args.ray_address, log_to_driver=False)
     try:

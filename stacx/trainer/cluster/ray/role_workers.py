@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from stacx.trainer.workers.health import WorkerLabel, wait_for_worker_results
-from stacx.trainer.workers.placement import RolePlacement
-from stacx.trainer.workers.role_worker import RoleWorker
+from stacx.trainer.cluster.ray.health import WorkerLabel, wait_for_worker_results
+from stacx.trainer.cluster.ray.placement import RolePlacement
+from stacx.trainer.cluster.ray.role_worker import RoleWorker
 
 
 class PendingCall:
