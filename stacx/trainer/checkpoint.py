@@ -44,6 +44,7 @@ from typing import Any, Mapping
 
 import torch
 
+from stacx.trainer.config.layout import RankCoords, RoleLayout
 from stacx.trainer.config.recipe import TrainingConfig
 
 FORMAT_VERSION = 1
@@ -56,44 +57,6 @@ _STAGING_PREFIX = ".staging-"
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit the resuming run."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RoleLayout:
-    """How one role's ranks were laid out: world size = tp * cp * dp."""
-
-    tensor_parallel_size: int
-    """Ranks sharding each weight matrix."""
-    context_parallel_size: int
-    """Ranks sharing each sequence."""
-    data_parallel_size: int
-    """Model replicas."""
-    state_replicated_across_data_parallel: bool = True
-    """Whether ranks that differ only in (cp, dp) hold identical state (no distributed optimizer), so the state
-    can be loaded under a different cp or dp degree."""
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.context_parallel_size * self.data_parallel_size
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "RoleLayout":
-        return cls(**values)
-
-    def describe(self) -> str:
-        return f"tp={self.tensor_parallel_size} cp={self.context_parallel_size} dp={self.data_parallel_size}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankCoords:
-    """Where a rank sits in its role's (tp, cp, dp) grid."""
-
-    tp_rank: int
-    cp_rank: int
-    dp_rank: int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -232,15 +232,14 @@ class StacxTrainer:
         """Run `compute_fields` on a role's ranks and write the per-sample results into `batch`."""
         group = self.roles[role_name]
         plan = self.plan(role_name, batch)
-        results = group.call("compute_fields", [
-            ([step_data.select(batch, mb) for mb in plan[coords["dp_rank"]]], names) for coords in group.coords
-        ])
+        results = group.compute_fields(
+            [[step_data.select(batch, mb) for mb in plan[coords.dp_rank]] for coords in group.coords], names)
         for name in names:
             batch[name] = [None] * step_data.num_samples(batch)
         for coords, result in zip(group.coords, results):
             if result is None:
                 continue
-            for indices, fields in zip(plan[coords["dp_rank"]], result):
+            for indices, fields in zip(plan[coords.dp_rank], result):
                 for name in names:
                     for index, value in zip(indices, fields[name]):
                         batch[name][index] = value
@@ -292,10 +291,8 @@ class StacxTrainer:
         num_tokens, num_sequences = count_loss_tokens(batch["loss_masks"])
         counts = StepCounts(num_tokens=num_tokens, num_sequences=num_sequences)
         norm_length = float(self.run_config.rollout.rollout_max_response_len)
-        results = group.call("train_step", [
-            ([step_data.select(batch, mb) for mb in plan[coords["dp_rank"]]], counts, norm_length)
-            for coords in group.coords
-        ])
+        results = group.train_step(
+            [[step_data.select(batch, mb) for mb in plan[coords.dp_rank]] for coords in group.coords], counts, norm_length)
         return results[0]
 
     # ---- weights, logging, checkpoints -----------------------------------------------------
@@ -308,7 +305,7 @@ class StacxTrainer:
             self.rollout.begin_weight_update()
         try:
             for url in urls:  # every rollout engine takes the update; finish_weight_update checks each version
-                self.roles[role.name].call_all("push_weights_to_engine", kind, url, version, WEIGHT_BUCKET_BYTES, api_key)
+                self.roles[role.name].push_weights(kind, url, version, WEIGHT_BUCKET_BYTES, api_key)
         except BaseException:
             # Resume without the version check: a stale-version error would hide the push's own error.
             if self.channel.is_driver:
@@ -330,13 +327,8 @@ class StacxTrainer:
             return True
         return bool(train.save_interval) and completed_steps % train.save_interval == 0
 
-    def role_layouts(self) -> dict:
-        from stacx.trainer.checkpoint import RoleLayout
-
-        return {name: RoleLayout(tensor_parallel_size=g.layout.tensor_parallel_size,
-                                 context_parallel_size=g.layout.context_parallel_size,
-                                 data_parallel_size=g.layout.data_parallel_size)
-                for name, g in self.roles.items()}
+    def role_layouts(self) -> dict[str, RoleLayout]:
+        return {name: group.layout for name, group in self.roles.items()}
 
     def save_checkpoint(self, step: int) -> str | None:
         """Every rank writes its state into a staging folder; the driver commits it atomically."""
@@ -352,8 +344,8 @@ class StacxTrainer:
         self._saved_once = True
         staging = self.channel.share(begin_checkpoint(root, step) if self.channel.is_driver else None)
         rank_files = []
-        for name, group in self.roles.items():
-            rank_files += group.call("save_rank_state", [(staging, name, rank) for rank in range(group.layout.num_ranks)])
+        for group in self.roles.values():
+            rank_files += group.save(staging)
         final = None
         if self.channel.is_driver:
             driver_state = {"step": step, "data": self.data.state_dict() if self.data is not None else {},
@@ -375,8 +367,8 @@ class StacxTrainer:
         # Every file is read with torch.load(weights_only=True): a checkpoint cannot run code on resume.
         loaded = load_checkpoint(path, expected_recipe=self.training_config, expected_layouts=self.role_layouts())
         check_resumed_algorithm(loaded.run_config(), self.algorithm, where=loaded.path)
-        for name, group in self.roles.items():
-            group.call("load_rank_state", [(loaded, name, rank) for rank in range(group.layout.num_ranks)])
+        for group in self.roles.values():
+            group.load(loaded)
         driver_state = loaded.driver_state()
         if self.data is not None and driver_state.get("data"):
             self.data.load_state_dict(driver_state["data"])
@@ -386,7 +378,7 @@ class StacxTrainer:
 
     def export_policy(self, out_dir: str) -> None:
         role = self.training_config.rollout_role or self.training_config.trainable_roles[0]
-        self.roles[role.name].call_all("export_hf", os.fspath(out_dir))
+        self.roles[role.name].export_hf(os.fspath(out_dir))
 
     # ---- teardown --------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ def build_spmd_trainer(run_config):
 
     from stacx.parallel.groups import initialize_parallel_layout, init_distributed_from_env
     from stacx.trainer.factory import build_driver_side, build_metrics_logger, check_supported, resolve_recipe
-    from stacx.trainer.cluster.groups import LocalRoleGroup, TorchrunChannel
+    from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
     from stacx.trainer.runtime.role_runtime import RoleRuntime
     from stacx.trainer.loop import StacxTrainer
     from stacx.trainer.cluster.node_interface import bind_collectives_to_node, local_address_toward

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from stacx.rollout.env_overrides import ENV_OVERRIDES
-from stacx.trainer.factory import WorkerLayout, create_role_workers, resolve_recipe
+from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
+from stacx.trainer.factory import resolve_recipe
 from stacx.trainer.cluster.ray.connect import connect_ray
 from stacx.trainer.recipes import get_recipe
 from stacx.trainer.config.resolve import apply_run_env_overrides

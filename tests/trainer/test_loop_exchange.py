@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600
 
 def _hf_weights_per_rank(role_group) -> list[dict[str, torch.Tensor]]:
     """Every rank's gathered full Hugging Face tensors ({} on ranks that only join the TP gathers)."""
-    from stacx.trainer.exchange import WEIGHTS_KEY, produce_on_worker
+    from stacx.trainer.cluster.ray.group import produce_on_worker
+    from stacx.trainer.runtime.exchange_payloads import WEIGHTS_KEY
 
     results = role_group.workers.execute_all(functools.partial(produce_on_worker, keys=(WEIGHTS_KEY,)))
     return [{name.split("/", 1)[1]: t for name, t in result.items()} for result in results]

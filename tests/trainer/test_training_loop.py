@@ -86,7 +86,7 @@ def test_ppo_actor_and_critic_with_injected_values_train_two_steps(ray_address, 
                      prompt_data=files["prompts"], rollout_engine="cpu", save=str(tmp_path / "ckpt"), reward_fn=VARIED_REWARD,
                      num_cpus_per_rank=2.0)
     trainer = create_trainer(cfg)
-    assert trainer.roles["critic"].layout.num_ranks == 1
+    assert trainer.roles["critic"].layout.world_size == 1
     last = trainer.run()
     _finite(last, "actor/loss", "actor/grad_norm", "critic/loss", "critic/vf_loss", "critic/grad_norm")
     from stacx.trainer.checkpoint import load_checkpoint

@@ -7,10 +7,10 @@ import torch
 
 from stacx.specializations.base import Specialization
 from stacx.trainer.config.recipe import ModelRole, TrainingConfig
-from stacx.trainer.factory import WorkerLayout, resolve_role_layouts
+from stacx.trainer.cluster.ray.graph import WorkerLayout, resolve_role_layouts
 from stacx.trainer.cluster.ray.connect import connect_ray, resolve_ray_address
 from stacx.trainer.recipes import TRAINING_CONFIGS
-from stacx.trainer.cluster.ray.exchange import ALIGN_BYTES, pack_bucket, plan_buckets, unpack_bucket
+from stacx.trainer.cluster.ray.exchange_endpoint import ALIGN_BYTES, pack_bucket, plan_buckets, unpack_bucket
 from stacx.trainer.cluster.ray.placement import ResourcePool
 
 
@@ -99,7 +99,7 @@ def test_every_catalog_recipe_resolves_a_layout(name):
     layouts = resolve_role_layouts(config, WorkerLayout(data_parallel_size=2))
     assert set(layouts) == {role.name for role in config.roles}
     for pool, members in config.role_graph().pools.items():
-        assert len({layouts[m].num_ranks for m in members}) == 1, pool
+        assert len({layouts[m].world_size for m in members}) == 1, pool
 
 
 def test_worker_layout_from_the_run_configs_parallel_section():

@@ -44,7 +44,7 @@ def describe_run(run_config, recipe, environ=None) -> str:
     where it would run, and the resolved run configuration as YAML."""
     import yaml
 
-    from stacx.trainer.factory import WorkerLayout, resolve_role_layouts
+    from stacx.trainer.cluster.ray.graph import WorkerLayout, resolve_role_layouts
     from stacx.trainer.cluster.ray.connect import resolve_ray_address
     from stacx.trainer.config.resolve import resolve_algorithm_config, resolved_run_config_dict
     from stacx.trainer.spmd import launched_by_torchrun
@@ -65,13 +65,13 @@ def describe_run(run_config, recipe, environ=None) -> str:
         lines.append(f"  inject order: {' -> '.join(graph.inject_order)}")
     lines += ["", "placement:"]
     for pool, members in graph.pools.items():
-        num_bundles = max(layouts[name].num_ranks for name in members)
+        num_bundles = max(layouts[name].world_size for name in members)
         lines.append(f"  pool {pool}: {num_bundles} bundle(s) x ({parallel.num_cpus_per_rank:g} CPU, "
                      f"{parallel.num_gpus_per_rank:g} GPU)" + (f", shared by {len(members)} roles" if len(members) > 1 else ""))
         for name in members:
             layout = layouts[name]
             lines.append(f"    {name}: tp={layout.tensor_parallel_size} cp={layout.context_parallel_size} "
-                         f"dp={layout.data_parallel_size} -> {layout.num_ranks} rank(s)")
+                         f"dp={layout.data_parallel_size} -> {layout.world_size} rank(s)")
     if launched_by_torchrun(environ):
         where = f"torchrun SPMD, world size {environ.get('WORLD_SIZE', '?')} (no Ray)"
     else:

@@ -237,6 +237,11 @@ class ExchangeSync:
 
     kind = "exchange"
 
+    @property
+    def name(self) -> str:
+        """The sync's name: its exchange group's, and the prefix of its metrics."""
+        return f"{self.source_role}_to_{self.target_role}"
+
     def __post_init__(self) -> None:
         _check_positive_int("syncs.every_n_steps", self.every_n_steps)
         _check_positive_int("syncs.bucket_size_mb", self.bucket_size_mb)

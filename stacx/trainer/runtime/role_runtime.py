@@ -1,7 +1,7 @@
 """`RoleRuntime`: one rank's model for one role - build, forward-only fields, train step, weights, state.
 
 A plain class with no Ray inside: a Ray `RoleWorker` keeps one in `worker.state["runtime"]`
-(see `stacx.trainer.runtime.calls`), and a torchrun process (`stacx.trainer.spmd`) holds one
+(see `stacx.trainer.cluster.ray.group`), and a torchrun process (`stacx.trainer.spmd`) holds one
 directly. Every method that runs a collective must be called on every rank of the role at once.
 
 Data it receives from the driver: a list of micro-batches for this rank's DP shard (TP and CP
@@ -30,6 +30,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from stacx.parallel.groups import ProcessGroups
+from stacx.trainer.config.layout import RankCoords
 from stacx.trainer.config.recipe import ModelRole
 
 logger = logging.getLogger(__name__)
@@ -297,10 +298,8 @@ class RoleRuntime:
 
     # ---- checkpoint state ------------------------------------------------------------------
 
-    def coords(self):
-        from stacx.trainer.checkpoint import RankCoords
-
-        return RankCoords(tp_rank=self.groups.tp_rank, cp_rank=self.groups.cp_rank, dp_rank=self.groups.dp_rank)
+    def coords(self) -> RankCoords:
+        return RankCoords.of(self.groups)
 
     def state_dict(self) -> dict[str, Any]:
         """Model (by parameter name), reference weights, optimizer, scheduler, RNG and step count."""

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from stacx.testing.listening_sockets import listening_addresses
-from stacx.trainer.cluster.ray.exchange import STORE_PREFIX, ExchangeEndpoint, host_store
+from stacx.trainer.cluster.ray.exchange_endpoint import STORE_PREFIX, ExchangeEndpoint, host_store
 from stacx.trainer.cluster.ray.exchange_header import (
     EXCHANGE_DTYPES,
     MAC_DOMAIN,
@@ -186,7 +186,7 @@ def test_an_authentic_but_malformed_header_names_the_field(slot, error):
 
 
 def test_every_table_dtype_round_trips_and_others_are_named():
-    from stacx.trainer.cluster.ray.exchange import plan_buckets
+    from stacx.trainer.cluster.ray.exchange_endpoint import plan_buckets
 
     secret = secrets.token_bytes(32)
     tensors = {name: torch.zeros(3, dtype=dtype) for name, dtype in EXCHANGE_DTYPES.items()}

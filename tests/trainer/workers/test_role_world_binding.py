@@ -115,7 +115,7 @@ def _hold_world(rank: int, node_address: str, port_queue, results, release) -> N
     import torch
     import torch.distributed as dist
 
-    from stacx.trainer.cluster.ray.exchange import host_store
+    from stacx.trainer.cluster.ray.exchange_endpoint import host_store
     from stacx.trainer.cluster.ray.role_worker import join_role_world
 
     for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):

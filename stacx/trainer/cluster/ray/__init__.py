@@ -1,9 +1,13 @@
 """Ray execution of roles: one `RoleWorkers` group of `RoleWorker` actors per role.
 
+- `connect`: connecting to (or starting) the Ray cluster.
+- `graph`: from a recipe to running workers (`create_role_workers`, `WorkerLayout`).
+- `group`: `RayRoleGroup`, the `RoleGroup` of one role's workers (and the functions it ships).
 - `placement`: resource pools (one placement group each; colocated roles share bundles).
 - `role_worker`: the actor - one torch.distributed rank running driver-shipped code.
 - `role_workers`: the driver's handle on one role's actors (`execute_all`, `execute_rank0`, `kill`).
-- `exchange`: exchange-sync groups moving tensors bitwise between two roles' workers.
+- `exchange` / `exchange_endpoint`: exchange-sync groups moving tensors bitwise between two roles'
+  workers (driver side / worker side).
 - `health`: failure detection; errors name the role and rank.
 
 Importing this package does not import Ray; the submodules import it where they use it.

@@ -2,10 +2,10 @@
 
 The worker is generic: it owns the rank's process groups and a `state` dict, and runs whatever
 the driver ships. The training loop plugs model building, forward/backward and checkpointing
-in as callables `fn(worker, *args, **kwargs)` (or subclasses add methods and call them by name):
+in as callables `fn(worker, *args, **kwargs)`; its own methods are called the same way:
 
     workers.execute_all(build_policy_model, model_config)      # fn(worker, model_config)
-    workers.execute_all("placement_info")                       # a method, by name
+    workers.execute_all(RoleWorker.placement_info)              # a method of this class
 
 User code: the driver passes the source of every user module it imported (`--custom-module`
 files, `stacx/custom/`) as `user_modules`; the worker executes them under the driver's module
@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from stacx.parallel.bound_store import host_bound_store
+from stacx.trainer.cluster.ray.exchange_endpoint import ExchangeEndpoint, host_store
 
 
 def join_role_world(rank: int, world_size: int, *, node_address: str, store_address: str, store_port: int,
@@ -153,18 +154,12 @@ class RoleWorker:
         }
 
     # ---- running shipped code -----------------------------------------------------------
-    def execute(self, fn_or_method_name: Callable[..., Any] | str, *args, **kwargs) -> Any:
-        """Run `fn(self, *args, **kwargs)`, or the public method of that name, and return its value."""
-        if isinstance(fn_or_method_name, str):
-            name = fn_or_method_name
-            method = getattr(self, name, None) if not name.startswith("_") else None
-            if method is None or not callable(method):
-                public = sorted(m for m in dir(self) if not m.startswith("_") and callable(getattr(self, m)))
-                raise AttributeError(f"{type(self).__name__} has no method {name!r}; methods: {public}")
-            return method(*args, **kwargs)
-        if not callable(fn_or_method_name):
-            raise TypeError(f"execute expects a callable or a method name, got {type(fn_or_method_name).__name__}")
-        return fn_or_method_name(self, *args, **kwargs)
+    def execute(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Run `fn(self, *args, **kwargs)` and return its value (a method of this class: `RoleWorker.ping`)."""
+        if not callable(fn):
+            raise TypeError(f"execute expects a callable fn(worker, ...), got {type(fn).__name__} {fn!r}; "
+                            "pass a function or a RoleWorker method (RoleWorker.placement_info), not its name")
+        return fn(self, *args, **kwargs)
 
     def ping(self) -> tuple[str, int]:
         return self.role_name, self.rank
@@ -173,8 +168,6 @@ class RoleWorker:
     def host_exchange_store(self, name: str, timeout_s: float) -> tuple[str, int]:
         """Start exchange group `name`'s store on this node; returns (node ip, port)."""
         import ray
-
-        from stacx.trainer.cluster.ray.exchange import host_store
 
         node_address = ray.util.get_node_ip_address()  # the node's cluster address: 127.0.0.1 on a local cluster
         store, port = host_store(node_address, timeout_s)
@@ -188,8 +181,6 @@ class RoleWorker:
         `secret` is the group's per-run secret from the driver (authenticates transfer headers)."""
         import ray
 
-        from stacx.trainer.cluster.ray.exchange import ExchangeEndpoint
-
         if name in self.exchanges:
             raise ValueError(f"role {self.role_name!r} rank {self.rank}: exchange group {name!r} is already open")
         self.exchanges[name] = ExchangeEndpoint(
@@ -198,7 +189,7 @@ class RoleWorker:
         )
         return self.exchanges[name].backend
 
-    def exchange_send(self, name: str, transfer_id: int, produce: Callable[..., Any] | str,
+    def exchange_send(self, name: str, transfer_id: int, produce: Callable[..., Any],
                       dst_group_ranks: list[int], bucket_bytes: int) -> int:
         """Run `produce` (collectively on every source rank) and send its tensors to `dst_group_ranks`."""
         tensors = self.execute(produce)
@@ -211,7 +202,7 @@ class RoleWorker:
             return 0
         return self._exchange(name).send(transfer_id, tensors, dst_group_ranks, bucket_bytes)
 
-    def exchange_receive(self, name: str, transfer_id: int, consume: Callable[..., Any] | str,
+    def exchange_receive(self, name: str, transfer_id: int, consume: Callable[..., Any],
                          src_group_rank: int) -> Any:
         """Receive the tensors of `src_group_rank` and return `consume(self, tensors)`."""
         tensors = self._exchange(name).receive(transfer_id, src_group_rank)

@@ -44,7 +44,7 @@ def wait_all(*calls: PendingCall, what: str = "call") -> list[list[Any]]:
     return out
 
 
-def _describe(fn: Callable[..., Any] | str) -> str:
+def _describe(fn: Callable[..., Any]) -> str:
     return fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
 
 
@@ -112,12 +112,12 @@ class RoleWorkers:
         return self.num_ranks // (self.tensor_parallel_size * self.context_parallel_size)
 
     # ---- calls --------------------------------------------------------------------------
-    def submit_all(self, fn: Callable[..., Any] | str, *args, timeout_s: float | None = None, **kwargs) -> PendingCall:
+    def submit_all(self, fn: Callable[..., Any], *args, timeout_s: float | None = None, **kwargs) -> PendingCall:
         """Start `fn` on every rank without waiting (see `RoleWorker.execute`)."""
         refs = [actor.execute.remote(fn, *args, **kwargs) for actor in self.actors]
         return PendingCall(refs, self.labels, self._timeout(timeout_s), f"{_describe(fn)} on role {self.role_name!r}")
 
-    def submit_per_rank(self, fn: Callable[..., Any] | str, args_per_rank: Sequence[tuple], *,
+    def submit_per_rank(self, fn: Callable[..., Any], args_per_rank: Sequence[tuple], *,
                         timeout_s: float | None = None) -> PendingCall:
         """Start `fn(worker, *args_per_rank[rank])` on every rank (e.g. each DP rank's micro-batches)."""
         if len(args_per_rank) != self.num_ranks:
@@ -127,15 +127,15 @@ class RoleWorkers:
         refs = [actor.execute.remote(fn, *args) for actor, args in zip(self.actors, args_per_rank)]
         return PendingCall(refs, self.labels, self._timeout(timeout_s), f"{_describe(fn)} on role {self.role_name!r}")
 
-    def execute_all(self, fn: Callable[..., Any] | str, *args, timeout_s: float | None = None, **kwargs) -> list[Any]:
+    def execute_all(self, fn: Callable[..., Any], *args, timeout_s: float | None = None, **kwargs) -> list[Any]:
         """Run `fn` on every rank; per-rank results in rank order."""
         return self.submit_all(fn, *args, timeout_s=timeout_s, **kwargs).result()
 
-    def execute_per_rank(self, fn: Callable[..., Any] | str, args_per_rank: Sequence[tuple], *,
+    def execute_per_rank(self, fn: Callable[..., Any], args_per_rank: Sequence[tuple], *,
                          timeout_s: float | None = None) -> list[Any]:
         return self.submit_per_rank(fn, args_per_rank, timeout_s=timeout_s).result()
 
-    def execute_rank0(self, fn: Callable[..., Any] | str, *args, timeout_s: float | None = None, **kwargs) -> Any:
+    def execute_rank0(self, fn: Callable[..., Any], *args, timeout_s: float | None = None, **kwargs) -> Any:
         """Run `fn` on rank 0 only (must not enter a collective of the role)."""
         ref = self.actors[0].execute.remote(fn, *args, **kwargs)
         what = f"{_describe(fn)} on role {self.role_name!r} rank 0"
@@ -148,7 +148,7 @@ class RoleWorkers:
     def submit_setup(self, timeout_s: float | None = None) -> PendingCall:
         """Start torch.distributed + megatron group initialization on every rank."""
         # Rank 0 hosts the store on its node's cluster address; the other ranks connect to it.
-        master_addr, master_port = self.execute_rank0("host_rendezvous", self.collective_timeout_s,
+        master_addr, master_port = self.execute_rank0(RoleWorker.host_rendezvous, self.collective_timeout_s,
                                                       timeout_s=timeout_s or 300.0)
         refs = [
             actor.setup.remote(rank, self.num_ranks, master_addr, master_port, self.tensor_parallel_size,
@@ -164,7 +164,7 @@ class RoleWorkers:
         return self.submit_setup(timeout_s).result()
 
     def placement_info(self) -> list[dict]:
-        return self.execute_all("placement_info")
+        return self.execute_all(RoleWorker.placement_info)
 
     def kill(self) -> None:
         """Kill every actor of the role now (no graceful teardown; safe to call twice)."""
@@ -179,7 +179,7 @@ class RoleWorkers:
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Tear down process groups, then kill the actors (even if teardown fails)."""
         try:
-            self.execute_all("shutdown", timeout_s=timeout_s)
+            self.execute_all(RoleWorker.shutdown, timeout_s=timeout_s)
         except Exception:  # noqa: BLE001 - teardown after a failure; the actors die below anyway
             pass
         finally:
