@@ -84,7 +84,7 @@ def make_global_batch(seed: int = 5) -> dict[str, list]:
     noise = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     model = TinyTokenModel()
     batch: dict[str, list] = {name: [] for name in (
-        "tokens", "response_lengths", "loss_masks", "loss_masks_dpo", "advantages", "old_log_probs",
+        "tokens", "response_lengths", "loss_masks", "loss_masks_dpo", "advantages", "log_probs",
         "rollout_log_probs", "ref_log_probs", "values", "returns", "teacher_log_probs",
         "teacher_log_probs_mixed", "teacher_top_ids", "teacher_top_log_probs", "pair_ids", "is_chosen",
     )}
@@ -99,7 +99,7 @@ def make_global_batch(seed: int = 5) -> dict[str, list]:
         own = response_log_probs(model, tokens, response).float()
         old = own + 0.15 * noise(response)
         batch["advantages"].append(float(noise(())) + 0.2 * noise(response))
-        batch["old_log_probs"].append(old)
+        batch["log_probs"].append(old)
         batch["rollout_log_probs"].append(old + 0.05 * noise(response))
         batch["ref_log_probs"].append(own + 0.3 * noise(response))
         with torch.no_grad():
@@ -138,19 +138,19 @@ FAMILIES: dict[str, Family] = {
         dict(policy_loss="ppo_clip", clip_ratio_low=0.1, clip_ratio_high=0.15, clip_ratio_c=3.0, use_kl_loss=True,
              kl_loss_type="low_var_kl", kl_loss_coef=0.1, entropy_coef=0.01, off_policy_corrections=["token_tis"],
              tis_threshold=1.02),
-        ("loss_masks", "advantages", "old_log_probs", "rollout_log_probs", "ref_log_probs"),
+        ("loss_masks", "advantages", "log_probs", "rollout_log_probs", "ref_log_probs"),
     ),
     "actor_gspo_sequence_mis_opsm": Family(
         "ActorSpecialization",
         dict(policy_loss="gspo", clip_ratio_low=0.05, clip_ratio_high=0.05,
              off_policy_corrections=["sequence_mis", "opsm"], mis_lower=0.8, mis_upper=1.25, opsm_delta=0.01),
-        ("loss_masks", "advantages", "old_log_probs", "rollout_log_probs"),
+        ("loss_masks", "advantages", "log_probs", "rollout_log_probs"),
     ),
     "actor_cispo_token_mis": Family(
         "ActorSpecialization",
         dict(policy_loss="cispo", clip_ratio_low=0.1, clip_ratio_high=0.1, off_policy_corrections=["token_mis"],
              mis_lower=0.95, mis_upper=1.05),
-        ("loss_masks", "advantages", "old_log_probs", "rollout_log_probs"),
+        ("loss_masks", "advantages", "log_probs", "rollout_log_probs"),
     ),
     "actor_vanilla_pg_on_policy_k2": Family(
         "ActorSpecialization",
@@ -160,7 +160,7 @@ FAMILIES: dict[str, Family] = {
     # Issue 13: a custom sequence-level loss with no declared trait (whole responses under CP by
     # default), and guide 003's specialization (response_log_probs + sum_of_sample_mean + reducer(scalar)).
     "actor_custom_sequence_loss": Family("ActorSpecialization", dict(policy_loss=custom_sequence_loss.NAME, log_entropy=False),
-                                         ("loss_masks", "advantages", "old_log_probs")),
+                                         ("loss_masks", "advantages", "log_probs")),
     "guide_003_my_algo": Family(f"{SEED_003_EXAMPLE}:MyAlgoSpecialization", {}, ("loss_masks",), modes=("token-mean",)),
     "critic_value_clipped": Family("CriticSpecialization", dict(value_clip=0.2), ("loss_masks", "values", "returns"),
                                    value_head=True),
@@ -191,12 +191,12 @@ SPLIT_DEPENDENT_FAMILIES: dict[str, Family] = {
         "ActorSpecialization",
         dict(policy_loss="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.2, off_policy_corrections=["m2po"],
              m2po_threshold=0.005),
-        ("loss_masks", "advantages", "old_log_probs", "rollout_log_probs"),
+        ("loss_masks", "advantages", "log_probs", "rollout_log_probs"),
     ),
     # A sequence-level loss wrongly registered token_local=True: gets CP slices, so CP changes it.
     "actor_custom_sequence_loss_declared_token_local": Family(
         "ActorSpecialization", dict(policy_loss=custom_sequence_loss.WRONGLY_TOKEN_LOCAL_NAME, log_entropy=False),
-        ("loss_masks", "advantages", "old_log_probs")),
+        ("loss_masks", "advantages", "log_probs")),
 }
 
 
