@@ -8,7 +8,7 @@ from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedul
 from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.http_client import RetryPolicy, ServerRequestError, ServerUnavailableError
 from stacx.rollout.engines.http import HttpEngine
-from stacx.rollout.manager import RolloutManager, Sample, samples_to_batch
+from stacx.rollout.manager import RolloutManager, Sample
 from stacx.rollout.teacher import TEACHER_EXECUTED_SENTINEL, TeacherClient, TeacherScores, TeacherUnavailableError
 from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
 
@@ -16,5 +16,5 @@ __all__ = [
     "AggreVaTeRollIn", "BetaMixtureRollIn", "BetaSchedule", "Executor", "GenerateOutput", "GenerateRequest",
     "HttpEngine", "InferenceEngine", "RetryPolicy", "RolloutManager", "Sample", "SamplingParams",
     "ServerRequestError", "ServerUnavailableError", "TEACHER_EXECUTED_SENTINEL", "TMaxSchedule", "TeacherClient",
-    "TeacherScores", "TeacherUnavailableError", "build_roll_in", "samples_to_batch",
+    "TeacherScores", "TeacherUnavailableError", "build_roll_in",
 ]

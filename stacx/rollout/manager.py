@@ -2,7 +2,7 @@
 
     manager = RolloutManager(engine, tokenizer=tok, reward_fn="math", teacher=TeacherClient(url))
     samples = manager.generate(prompt_ids, sampling, n_samples_per_prompt=4, labels=labels)
-    batch = samples_to_batch(samples)              # per-trajectory lists for packing
+    batch = StepBatch.from_samples(samples)        # the trainer's step batch (stacx.trainer.batch)
     manager.push_weights(iter_hf_weight_buckets(model, groups, 256 << 20), version=step)
 
 Every per-token field of a `Sample` is aligned with its response tokens (length R); the trainer
@@ -72,25 +72,6 @@ class Sample:
             "weight_version": self.weight_version, "group_index": self.group_index, "label": self.label,
             "metadata": self.metadata, "teacher_log_probs": self.teacher_log_probs,
         }
-
-
-def samples_to_batch(samples: Sequence[Sample]) -> dict[str, list]:
-    """Per-trajectory lists the trainer packs: tokens and response_lengths, per-token fields as tensors."""
-    batch = {
-        "tokens": [torch.tensor(s.tokens, dtype=torch.long) for s in samples],
-        "response_lengths": [s.response_length for s in samples],
-        "loss_masks": [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples],
-        "rollout_log_probs": [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples],
-        "executors": [torch.tensor(s.executors, dtype=torch.long) for s in samples],
-        "rewards": [float(s.reward) if s.reward is not None else 0.0 for s in samples],
-        "group_indices": [s.group_index for s in samples],
-    }
-    if all(s.teacher_log_probs is not None for s in samples) and samples:
-        batch["teacher_log_probs"] = [torch.tensor(s.teacher_log_probs, dtype=torch.float32) for s in samples]
-    if all(s.teacher_top_log_probs is not None for s in samples) and samples:
-        batch["teacher_top_log_probs"] = [s.teacher_top_log_probs for s in samples]
-        batch["teacher_top_ids"] = [s.teacher_top_ids for s in samples]
-    return batch
 
 
 class RolloutManager:
@@ -188,7 +169,7 @@ class RolloutManager:
             s.teacher_log_probs = [TEACHER_EXECUTED_SENTINEL if e == Executor.TEACHER else lp
                                    for lp, e in zip(log_probs, s.executors)]
             s.teacher_top_log_probs, s.teacher_top_ids = sc.top_log_probs, sc.top_ids
-        # An empty response gets empty [0, K] teacher fields: samples_to_batch keeps a field only when
+        # An empty response gets empty [0, K] teacher fields: StepBatch.from_samples keeps a field only when
         # every sample has it, so a None here would drop the top-K fields of the whole batch.
         num_top = next((s.teacher_top_ids.shape[1] for s in scorable if s.teacher_top_ids is not None), None)
         for s in samples:

@@ -9,7 +9,8 @@ import torch
 from stacx.rollout.engines.cpu import CpuEngine, filter_top_k_top_p
 from stacx.rollout.http_client import RetryPolicy
 from stacx.rollout.engines.http import HttpEngine
-from stacx.rollout.manager import RolloutManager, samples_to_batch
+from stacx.rollout.manager import RolloutManager
+from stacx.trainer.batch import StepBatch
 from stacx.rollout.engines.server import EngineHttpServer
 from stacx.rollout.teacher import TEACHER_EXECUTED_SENTINEL, TeacherClient
 from stacx.rollout.types import GenerateRequest, SamplingParams
@@ -189,6 +190,6 @@ def test_teacher_and_manager_against_served_teacher(tiny_checkpoints, single_pro
             expected = [ref[P - 1 + j, t].item() for j, t in enumerate(s.response_ids)]
             assert s.teacher_log_probs == pytest.approx(expected, abs=TOLERANCE)
             assert all(lp <= 0 and lp != TEACHER_EXECUTED_SENTINEL for lp in s.teacher_log_probs)
-        batch = samples_to_batch(samples)
+        batch = StepBatch.from_samples(samples)
         assert [t.numel() for t in batch["teacher_log_probs"]] == batch["response_lengths"] == [4, 4, 4, 4]
         assert batch["teacher_top_ids"][0].shape == (4, 2)

@@ -204,11 +204,13 @@ def family_by_name(name: str) -> Family:
     return FAMILIES[name] if name in FAMILIES else SPLIT_DEPENDENT_FAMILIES[name]
 
 
-def family_step_batch(family: Family, global_batch: dict[str, list]) -> dict[str, list]:
+def family_step_batch(family: Family, global_batch: dict[str, list]):
     """The step batch one role sees: tokens, response lengths and the family's fields only
     (optional fields change what the actor computes, so a family gets exactly its own)."""
-    batch = {"tokens": global_batch["tokens"], "response_lengths": global_batch["response_lengths"]}
-    batch.update({name: global_batch[family.renamed.get(name, name)] for name in family.fields})
+    from stacx.trainer.batch import StepBatch
+
+    batch = StepBatch(tokens=global_batch["tokens"], response_lengths=global_batch["response_lengths"],
+                      **{name: global_batch[family.renamed.get(name, name)] for name in family.fields})
     return batch
 
 
@@ -273,7 +275,6 @@ def run_rank_train_step(model, specialization, family: Family, step_batch, micro
     from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
     from stacx.parallel.reduction import Reducer
     from stacx.trainer.runtime.role_runtime import LOSS_METRIC, RoleRuntime, normalize_uncounted_metrics
-    from stacx.trainer.step_data import select
 
     reducer = Reducer.for_step(mode=specialization.loss_agg_mode(), counts=counts, groups=groups,
                                norm_length=NORM_LENGTH)
@@ -282,7 +283,7 @@ def run_rank_train_step(model, specialization, family: Family, step_batch, micro
     totals = MetricTotals()
     uncounted: set[str] = set()
     for indices in micro_batches:
-        batch = RoleRuntime.pack(runtime, select(step_batch, indices))
+        batch = RoleRuntime.pack(runtime, step_batch.select(indices))
         output = model_output(model, batch, family.value_head)
         loss, metric_sums = specialization.compute_loss(output, batch, reducer)
         loss.backward()
@@ -322,16 +323,14 @@ class Split:
     max_tokens_per_micro_batch: int
     permutation_seed: int | None = None
 
-    def ordered(self, step_batch: dict[str, list]) -> dict[str, list]:
-        from stacx.trainer.step_data import num_samples, select
-
+    def ordered(self, step_batch):
         if self.permutation_seed is None:
             return step_batch
         gen = torch.Generator().manual_seed(self.permutation_seed)
-        return select(step_batch, torch.randperm(num_samples(step_batch), generator=gen).tolist())
+        return step_batch.select(torch.randperm(step_batch.num_samples, generator=gen).tolist())
 
     def plan(self, step_batch) -> list[list[list[int]]]:
-        from stacx.trainer.step_data import plan_micro_batches
+        from stacx.trainer.batch import plan_micro_batches
 
         return plan_micro_batches(step_batch, dp_size=self.dp_size, cp_size=self.cp_size,
                                   max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)
@@ -346,7 +345,7 @@ def run_split_in_process(family_name: str, mode: str, split: Split) -> dict:
     family = family_by_name(family_name)
     step_batch = split.ordered(family_step_batch(family, make_global_batch()))
     plan = split.plan(step_batch)
-    num_tokens, num_sequences = count_loss_tokens(step_batch["loss_masks"])  # the driver's counts
+    num_tokens, num_sequences = count_loss_tokens(step_batch.loss_masks)  # the driver's counts
     counts = StepCounts(num_tokens=num_tokens, num_sequences=num_sequences)
     gradient, sums, specialization = None, {}, None
     for dp_rank in range(split.dp_size):
@@ -372,7 +371,7 @@ def run_split_on_rank(groups, family_name: str, mode: str, split: Split) -> dict
     family = family_by_name(family_name)
     step_batch = split.ordered(family_step_batch(family, make_global_batch()))
     my_micro_batches = split.plan(step_batch)[groups.dp_rank]
-    counts = compute_step_counts([step_batch["loss_masks"][i] for mb in my_micro_batches for i in mb], groups.dp)
+    counts = compute_step_counts([step_batch.loss_masks[i] for mb in my_micro_batches for i in mb], groups.dp)
     model = TinyTokenModel()
     specialization = build_specialization(family, mode, groups)
     sums = run_rank_train_step(model, specialization, family, step_batch, my_micro_batches, counts, groups)

@@ -18,14 +18,15 @@ these methods.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from stacx.parallel.reduction import StepCounts
+from stacx.trainer.batch import StepBatch
 from stacx.trainer.checkpoint import LoadedCheckpoint, RankFileInfo
 from stacx.trainer.config.layout import RankCoords, RoleLayout
 
-MicroBatches = Sequence[Mapping[str, Any]]
-"""One rank's micro-batches (dicts of per-sample lists, see `stacx.trainer.runtime.role_runtime`)."""
+MicroBatches = Sequence[StepBatch]
+"""One rank's micro-batches (each a `StepBatch` of its samples, see `stacx.trainer.batch`)."""
 
 
 class RoleGroup(Protocol):

@@ -31,14 +31,15 @@ from typing import Any
 
 import torch
 
+from stacx.trainer.batch import StepBatch
 from stacx.trainer.checkpoint import FileInfo, RankCoords, RankFileInfo
 from stacx.trainer.cluster.ray.exchange_header import EXCHANGE_DTYPES
 
 MESSAGE_VERSION = 1
 LENGTH_BYTES = 8
 ALIGN_BYTES = 64
-MESSAGE_RECORDS: dict[str, type] = {cls.__name__: cls for cls in (RankCoords, FileInfo, RankFileInfo)}
-"""The dataclasses a message may hold (what `RoleRuntime.save_rank_state` returns)."""
+MESSAGE_RECORDS: dict[str, type] = {cls.__name__: cls for cls in (RankCoords, FileInfo, RankFileInfo, StepBatch)}
+"""The dataclasses a message may hold (what `RoleRuntime.save_rank_state` returns, the step batch)."""
 _DTYPE_NAMES = {dtype: name for name, dtype in EXCHANGE_DTYPES.items()}
 _NODE_TAGS = ("tuple", "dict", "path", "tensor", "record")
 

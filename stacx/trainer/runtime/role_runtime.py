@@ -5,13 +5,9 @@ A plain class with no Ray inside: a Ray `RoleWorker` keeps one in `worker.state[
 directly. Every method that runs a collective must be called on every rank of the role at once.
 
 Data it receives from the driver: a list of micro-batches for this rank's DP shard (TP and CP
-peers get the same list). A micro-batch is a dict of per-sample lists:
-    tokens            [L_i] int64, prompt then response
-    response_lengths  R_i
-    <per-response fields>  one WHOLE-response tensor per sample, [R_i] or [R_i, K]
-                           (loss_masks, rollout_log_probs, advantages, ref_log_probs, values, ...)
-    <per-sequence fields>  pair_ids / is_chosen (DPO)
-`stacx.specializations.batch.pack_micro_batch` turns it into the batch a specialization reads;
+peers get the same list), each a `StepBatch` of those samples (stacx.trainer.batch: tokens,
+response_lengths, one whole-response tensor per sample for each per-response field, DPO's
+per-sequence fields). `StepBatch.pack` turns one into the `MicroBatch` a specialization reads;
 the specialization slices the fields for this CP rank.
 
 One train step (`train_step`):
@@ -30,15 +26,15 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from stacx.parallel.groups import ProcessGroups
+from stacx.specializations.batch import MicroBatch
+from stacx.trainer.batch import StepBatch
 from stacx.trainer.config.layout import RankCoords
 from stacx.trainer.config.recipe import ModelRole
 
 logger = logging.getLogger(__name__)
 
-#: Per-sample keys of a micro-batch that are not handed to the specialization as batch fields.
-STRUCTURAL_KEYS = ("tokens", "response_lengths", "rewards", "group_indices", "sample_indices")
 #: Fields a forward-only pass can compute (`compute_fields`).
-COMPUTABLE_FIELDS = ("ref_log_probs", "old_log_probs", "log_probs", "values")
+COMPUTABLE_FIELDS = ("ref_log_probs", "log_probs", "values")
 #: Key of the loss in a step's reduced metric sums (the reducer's loss_value, summed over ranks).
 LOSS_METRIC = "loss"
 
@@ -140,19 +136,15 @@ class RoleRuntime:
 
         return list(unwrap_model(self.model).parameters())
 
-    def pack(self, micro_batch: Mapping[str, Any]) -> dict[str, Any]:
-        """The specialization's batch dict for one micro-batch (see the module docstring)."""
-        from stacx.specializations.batch import pack_micro_batch
+    def pack(self, micro_batch: StepBatch) -> MicroBatch:
+        """The specialization's `MicroBatch` for one micro-batch (see the module docstring)."""
+        return micro_batch.pack(self.groups)
 
-        fields = {k: v for k, v in micro_batch.items() if k not in STRUCTURAL_KEYS and v is not None}
-        return pack_micro_batch(micro_batch["tokens"], micro_batch["response_lengths"], groups=self.groups, **fields)
-
-    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+    def forward(self, batch: MicroBatch) -> torch.Tensor:
         """TP-local logits [T_local, V_pad/tp] (fp32), or values [T_local] for a value-head role."""
         from stacx.models import forward_packed
-        from stacx.specializations.batch import model_inputs
 
-        tokens_local, padded_lengths = model_inputs(batch)
+        tokens_local, padded_lengths = batch.model_inputs()
         output = forward_packed(self.forward_module, tokens_local, padded_lengths, self.groups)
         return output[:, 0] if self.role.outputs_values else output
 
@@ -168,12 +160,11 @@ class RoleRuntime:
             param.data, held.data = held.data, param.data
 
     @torch.no_grad()
-    def compute_fields(self, micro_batches: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[dict] | None:
+    def compute_fields(self, micro_batches: Sequence[StepBatch], names: Sequence[str]) -> list[dict] | None:
         """Forward-only per-sample fields for each micro-batch: {name: [whole-response tensor per sample]}.
 
         names: ref_log_probs (reference weights swapped in; a frozen role without them uses its own
-        weights), old_log_probs / log_probs (current
-        weights), values (value-head roles). Every rank computes (TP/CP collectives inside); only
+        weights), log_probs (pi_old: current weights), values (value-head roles). Every rank computes (TP/CP collectives inside); only
         the rank with tp_rank == cp_rank == 0 returns the values (None elsewhere: peers hold copies).
         """
         unknown = [n for n in names if n not in COMPUTABLE_FIELDS]
@@ -196,7 +187,7 @@ class RoleRuntime:
                             raise ValueError(f"role {self.role.name!r} has no value head; it cannot compute 'values'")
                         compute_values = getattr(self.specialization, "compute_values", None)
                         values = (compute_values(output, batch) if compute_values is not None
-                                  else self.specialization.whole_responses(output, batch["layout"]))
+                                  else self.specialization.whole_responses(output, batch.layout))
                     else:
                         values = self.specialization.compute_log_probs(output, batch)
                     results[index][name] = [v.detach().float().cpu() for v in values]
@@ -207,7 +198,7 @@ class RoleRuntime:
 
     # ---- training --------------------------------------------------------------------------
 
-    def train_step(self, micro_batches: Sequence[Mapping[str, Any]], counts, norm_length: float | None = None) -> dict:
+    def train_step(self, micro_batches: Sequence[StepBatch], counts, norm_length: float | None = None) -> dict:
         """One optimizer step over this rank's micro-batches; returns the step's reduced metrics.
 
         counts: `StepCounts` of the whole global batch (known before the first backward).
