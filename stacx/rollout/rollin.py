@@ -94,6 +94,12 @@ def resolve_rollin(training_config, teacher_section, environ: Optional[Mapping[s
     return RollInSpec(mode, build_roll_in(dataclasses.replace(teacher, dagger_sampling_mode=mode)))
 
 
+def check_supported(training_config, run_config) -> None:
+    """Fail before any worker starts on a roll-in the loop cannot run (bad mode or schedule)."""
+    if training_config.data_source == "rollout":
+        resolve_rollin(training_config, run_config.teacher, given_keys=run_config.given_keys)
+
+
 def resolve_environment(name: str, *, where: str = "metadata"):
     """The Environment class named `name` (a built-in name or 'module:Class')."""
     path = BUILTIN_ENVIRONMENTS.get(name, name)

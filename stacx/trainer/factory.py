@@ -8,6 +8,7 @@ The torchrun path is `stacx.trainer.spmd.build_spmd_trainer`; both share the dri
 
 from __future__ import annotations
 
+from stacx.rollout.rollin import check_supported
 from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
 
 # ---- the whole run: recipe -> workers + runtimes + rollout + logger -> StacxTrainer ----------
@@ -33,14 +34,6 @@ def resolve_recipe(run_config):
     return training_config, resolve_algorithm_config(training_config, run_config)
 
 
-def check_supported(training_config, run_config) -> None:
-    """Fail before any worker starts on a roll-in the loop cannot run (bad mode or schedule)."""
-    if training_config.data_source == "rollout":
-        from stacx.rollout.rollin import resolve_rollin
-
-        resolve_rollin(training_config, run_config.teacher, given_keys=run_config.given_keys)
-
-
 def build_metrics_logger(run_config, start_step: int = 0):
     from stacx.trainer.metrics import MetricsLogger
 
@@ -53,7 +46,7 @@ def build_metrics_logger(run_config, start_step: int = 0):
 def build_driver_side(run_config, training_config):
     """(tokenizer, StepDataSource, RolloutService or None) for the process that drives the run."""
     from stacx.rollout.service import RolloutService, load_tokenizer
-    from stacx.trainer.step_data import StepDataSource
+    from stacx.trainer.batch import StepDataSource
 
     if run_config.model.hf_checkpoint is None:
         raise ValueError("--hf-checkpoint is not set (the model every role starts from, and its tokenizer)")

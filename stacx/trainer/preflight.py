@@ -25,19 +25,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-from stacx.trainer.config.run import ConfigError
+from stacx.trainer.config.checks import PreflightError, check_examples  # noqa: F401 (TEMP: step_data until batch.py lands)
+from stacx.trainer.config.recipe import role_wants_reference
 
-MAX_ROWS_NAMED = 3
 """Offending rows named in a data error (the count says how many there are in all)."""
 
 TEACHER_TIMEOUT_S = 10.0
 """Seconds the preflight waits for the teacher's `/health` and `/get_model_info` answers."""
-
-
-class PreflightError(ConfigError):
-    """A setting would make the run fail after it started; the message names the flag and the fix."""
 
 
 def flag(field_name: str) -> str:
@@ -89,17 +85,6 @@ def check_checkpoints(run_config, training_config, algorithm) -> None:
                                  "checkpoint or turn the KL term off")
         if reference is not None:  # the role's workers load it whenever it is given
             _check_hf_folder(arg, reference, role.name)
-
-
-def role_wants_reference(role, training_config, algorithm) -> bool:
-    """True when a trainable role computes reference log-probs in its own workers: its specialization
-    needs them, or a KL term to the reference is on and the role holds an in-worker reference. A frozen
-    role has no loss, and a separate reference role that injects `ref_log_probs` makes them unneeded."""
-    if not role.trainable or any(s.target_role == role.name and "ref_log_probs" in s.keys
-                                 for s in training_config.role_graph().inject_syncs):
-        return False
-    kl = bool(getattr(algorithm, "use_kl_loss", False) or getattr(algorithm, "use_kl_in_reward", False))
-    return role.specialization_cls(algorithm, None).needs_reference() or (kl and role.reference_checkpoint_arg is not None)
 
 
 def read_model_config(hf_checkpoint: Optional[str]) -> dict:
@@ -198,7 +183,7 @@ def check_services(run_config, training_config) -> None:
             resolve_reward_fn(run_config.rollout.reward_fn)
         except ValueError as err:
             raise PreflightError(f"--reward-fn: {err}") from None
-    from stacx.trainer.factory import check_supported
+    from stacx.rollout.rollin import check_supported
 
     try:
         check_supported(training_config, run_config)
@@ -323,7 +308,7 @@ def load_and_check_data(run_config, training_config) -> None:
     from stacx.rollout.data import MalformedRowError
     from stacx.tasks.data import resolve_builtin_data
     from stacx.rollout.service import load_tokenizer
-    from stacx.trainer.step_data import StepDataSource
+    from stacx.trainer.batch import StepDataSource
 
     run_config = resolve_builtin_data(run_config)
     try:
@@ -333,65 +318,3 @@ def load_and_check_data(run_config, training_config) -> None:
         raise
     except (MalformedRowError, ValueError, FileNotFoundError, OSError) as err:
         raise PreflightError(f"--prompt-data {run_config.rollout.prompt_data}: {err}") from None
-
-
-def model_context_length(hf_checkpoint: Optional[str]) -> Optional[int]:
-    """max_position_embeddings of the checkpoint's config.json (None when absent or unreadable)."""
-    if not hf_checkpoint:
-        return None
-    path = os.path.join(hf_checkpoint, "config.json")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            value = json.load(handle).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return int(value) if isinstance(value, int) and value > 0 else None
-
-
-def _name_rows(sources: Sequence[str]) -> str:
-    named = ", ".join(sources[:MAX_ROWS_NAMED])
-    return named + (f" and {len(sources) - MAX_ROWS_NAMED} more" if len(sources) > MAX_ROWS_NAMED else "")
-
-
-def check_examples(examples: Sequence[Any], *, run_config, training_config, kind: str) -> None:
-    """Labels for a reward that needs them, and every sample within the model's context.
-
-    prompt rows: len(prompt_ids) + rollout_max_response_len <= max_position_embeddings;
-    sft / dpo rows: len(prompt_ids) + len(response) <= max_position_embeddings.
-    """
-    rollout = run_config.rollout
-    if kind == "prompt" and training_config.uses_reward:
-        from stacx.rollout.rewards import resolve_reward_fn, reward_needs_label
-
-        try:
-            reward_fn = resolve_reward_fn(rollout.reward_fn)
-        except ValueError as err:
-            raise PreflightError(f"--reward-fn: {err}") from None
-        unlabeled = [e.source for e in examples if e.label is None or (isinstance(e.label, str) and not e.label.strip())]
-        if unlabeled and reward_needs_label(reward_fn):
-            raise PreflightError(
-                f"{len(unlabeled)} of {len(examples)} rows of --prompt-data {rollout.prompt_data} have no label "
-                f"(key '{rollout.label_key}', --label-key), but --reward-fn {rollout.reward_fn} compares the "
-                f"response with it: {_name_rows(unlabeled)}. Add the labels, set --label-key to the right key, "
-                "or use a reward that needs none")
-    context = model_context_length(run_config.model.hf_checkpoint)
-    if context is None:
-        return
-    too_long = []
-    for example in examples:
-        if kind == "prompt":
-            length = len(example.prompt_ids) + rollout.rollout_max_response_len
-        elif kind == "dpo":
-            length = len(example.prompt_ids) + max(len(example.chosen_ids or ()), len(example.rejected_ids or ()))
-        else:
-            length = len(example.prompt_ids) + len(example.response_ids or ())
-        if length > context:
-            too_long.append(f"{example.source} ({length} tokens)")
-    if too_long:
-        budget = (f"its prompt plus --rollout-max-response-len {rollout.rollout_max_response_len}"
-                  if kind == "prompt" else "its prompt plus response")
-        raise PreflightError(
-            f"{len(too_long)} of {len(examples)} rows of --prompt-data {rollout.prompt_data} do not fit the model's "
-            f"context of {context} tokens (max_position_embeddings in {run_config.model.hf_checkpoint}/config.json) "
-            f"with {budget}: {_name_rows(too_long)}. Shorten or drop those rows"
-            + (", or lower --rollout-max-response-len" if kind == "prompt" else ""))

@@ -29,7 +29,8 @@ def build_spmd_trainer(run_config):
     import torch.distributed as dist
 
     from stacx.parallel.groups import initialize_parallel_layout, init_distributed_from_env
-    from stacx.trainer.factory import build_driver_side, build_metrics_logger, check_supported, resolve_recipe
+    from stacx.rollout.rollin import check_supported
+    from stacx.trainer.factory import build_driver_side, build_metrics_logger, resolve_recipe
     from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
     from stacx.trainer.runtime.role_runtime import RoleRuntime
     from stacx.trainer.loop import StacxTrainer

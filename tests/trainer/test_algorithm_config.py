@@ -13,7 +13,7 @@ from stacx.launch.run_flags import add_run_config_arguments, run_config_from_arg
 from stacx.objectives.algorithm_config import ALGORITHM_DEFAULTS, AlgorithmConfig, AlgorithmConfigError, hyperparameter_fields
 from stacx.objectives.validation import hyperparameter
 from stacx.trainer.config.recipe import RecipeError, TrainingConfig, recipe_algorithm
-from stacx.trainer.recipes import TRAINING_CONFIGS, _rl_recipe, get_recipe, recipe
+from stacx.trainer.recipes import TRAINING_CONFIGS, rl_recipe, get_recipe, recipe
 from stacx.trainer.config.resolve import resolve_algorithm_config
 from stacx.rollout.rollin import resolve_rollin
 from stacx.trainer.config.run import ALGORITHM_FIELD_TYPES, ALGORITHM_FIELDS, FIELDS, ConfigError, RunConfig
@@ -121,7 +121,7 @@ def test_a_bad_recipe_override_fails_at_recipe_time_naming_recipe_and_field(over
     with pytest.raises(RecipeError, match=message):
         @recipe("typo_recipe")
         def typo_recipe_config() -> TrainingConfig:
-            return _rl_recipe("typo_recipe", "a recipe with a bad override",
+            return rl_recipe("typo_recipe", "a recipe with a bad override",
                               recipe_algorithm(advantage_estimator="grpo", **overrides))
     assert "typo_recipe" not in TRAINING_CONFIGS
 

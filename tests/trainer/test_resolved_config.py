@@ -164,3 +164,16 @@ def test_a_key_close_to_a_known_one_is_refused_unless_declared_custom():
         RunConfig.from_dict({"algorithm": {custom: 1.0}})
     with pytest.raises(ConfigError, match="custom_hyperparameters in config must be a list of names"):
         RunConfig.from_dict({"algorithm": {"custom_hyperparameters": "kl_coef"}})
+
+
+def test_recipe_defaults_yield_to_user_values_only_where_the_user_set_them():
+    ppo = get_recipe("ppo")
+    resolved = resolve_algorithm_config(ppo, RunConfig.from_dict({"algorithm": {"name": "ppo", "my_knob": 3}}))
+    assert resolved.lam == 0.95 and resolved.value_clip == 0.5  # ppo's defaults, not the generic 1.0 / 0.2
+    assert resolved.my_knob == 3 and resolved.name == "ppo"
+    user = resolve_algorithm_config(ppo, RunConfig.from_dict({"lam": 0.5, "clip_ratio_high": 0.3,
+                                                              "rollout_temperature": 0.7}))
+    assert user.lam == 0.5 and user.clip_ratio_high == 0.3 and user.clip_ratio_low == 0.2
+    assert user.rollout_temperature == 0.7  # the actor's training log-probs use the sampling temperature
+    gspo = resolve_algorithm_config(get_recipe("gspo"), RunConfig())
+    assert (gspo.clip_ratio_low, gspo.clip_ratio_high) == (3e-4, 4e-4)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from stacx.trainer.config.recipe import ADVANTAGE_ESTIMATORS, RecipeError
+from stacx.trainer.config.recipe import ADVANTAGE_ESTIMATORS, TRAINING_CONFIGS, RecipeError
 
 #: Advantage estimator -> the recipe whose defaults are built around it.
 ESTIMATOR_TO_RECIPE: dict[str, str] = {
@@ -42,7 +42,6 @@ def _read(args: Any, name: str) -> Any:
 def infer_algorithm(args: Any) -> str:
     """The recipe name for a run, from an argparse namespace or a mapping with the optional keys
     `algorithm`, `use_critic` and `advantage_estimator`."""
-    from stacx.trainer.recipes import TRAINING_CONFIGS
 
     known = ", ".join(sorted(TRAINING_CONFIGS))
     algorithm = _read(args, "algorithm")

@@ -27,9 +27,10 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from stacx.objectives.aggregation import BUILTIN_AGGREGATION_MODE_NAMES
+from stacx.objectives.discovery import record_user_module
 from stacx.objectives.algorithm_config import AlgorithmConfig, AlgorithmConfigError, hyperparameter_fields
 from stacx.specializations.base import Specialization
 
@@ -501,3 +502,56 @@ __all__ = [
     "Sync",
     "TrainingConfig",
 ]
+
+
+def role_wants_reference(role, training_config, algorithm) -> bool:
+    """True when a trainable role computes reference log-probs in its own workers: its specialization
+    needs them, or a KL term to the reference is on and the role holds an in-worker reference. A frozen
+    role has no loss, and a separate reference role that injects `ref_log_probs` makes them unneeded."""
+    if not role.trainable or any(s.target_role == role.name and "ref_log_probs" in s.keys
+                                 for s in training_config.role_graph().inject_syncs):
+        return False
+    kl = bool(getattr(algorithm, "use_kl_loss", False) or getattr(algorithm, "use_kl_in_reward", False))
+    return role.specialization_cls(algorithm, None).needs_reference() or (kl and role.reference_checkpoint_arg is not None)
+
+
+# ---- the registry: recipes by name (the built-in catalog is stacx.trainer.recipes) -------------
+
+TRAINING_CONFIGS: dict[str, TrainingConfig] = {}
+"""Recipe name -> its validated TrainingConfig, filled by @recipe at import."""
+
+
+def recipe(name: str) -> Callable[[Callable[[], TrainingConfig]], Callable[[], TrainingConfig]]:
+    """Decorator: build the recipe now, validate it and register it under `name` (duplicates are rejected)."""
+    try:
+        _check_identifier("name", name)
+    except RecipeError as err:
+        raise RecipeError(f"@recipe({name!r}): {err}") from None
+
+    def decorator(build: Callable[[], TrainingConfig]) -> Callable[[], TrainingConfig]:
+        if name in TRAINING_CONFIGS:
+            raise RecipeError(f"recipe {name!r}: field 'name': a recipe with this name is already registered")
+        try:
+            config = build()
+        except RecipeError as err:
+            message = str(err)
+            raise RecipeError(message if message.startswith(f"recipe {name!r}") else f"recipe {name!r}: {message}") from None
+        except TypeError as err:  # a missing or misspelled dataclass field
+            raise RecipeError(f"recipe {name!r}: {err}") from None
+        if not isinstance(config, TrainingConfig):
+            raise RecipeError(f"recipe {name!r}: {build.__name__}() must return a TrainingConfig, got {type(config).__name__}")
+        if config.name != name:
+            raise RecipeError(f"recipe {name!r}: field 'name' is {config.name!r}; it must match @recipe({name!r})")
+        TRAINING_CONFIGS[name] = config
+        record_user_module(getattr(build, "__module__", None))  # a user recipe reaches Ray workers too
+        return build
+
+    return decorator
+
+
+def get_recipe(name: str) -> TrainingConfig:
+    """The registered recipe called `name`; RecipeError listing the known recipes otherwise."""
+    try:
+        return TRAINING_CONFIGS[name]
+    except KeyError:
+        raise RecipeError(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(TRAINING_CONFIGS))}") from None

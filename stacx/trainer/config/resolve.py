@@ -21,6 +21,7 @@ import dataclasses
 from typing import Any
 
 from stacx.rollout.env_overrides import read_env_overrides
+from stacx.trainer.config.recipe import TRAINING_CONFIGS
 from stacx.trainer.config.run import AlgorithmConfig
 
 CLIP_BOUNDS = ("clip_ratio_low", "clip_ratio_high")
@@ -32,7 +33,6 @@ def policy_loss_named_by_algorithm(run_config) -> str | None:
     """Guide 001: `algorithm.name` (or --algorithm) naming a registered policy loss, not a recipe,
     selects that loss (in the recipe its estimator infers). None otherwise."""
     from stacx.objectives.registry import POLICY_LOSSES
-    from stacx.trainer.recipes import TRAINING_CONFIGS
 
     name = run_config.train.algorithm
     if name and name not in TRAINING_CONFIGS and name in POLICY_LOSSES:

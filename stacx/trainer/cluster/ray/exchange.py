@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 from stacx.trainer.cluster.ray.group import consume_on_worker, produce_on_worker
 from stacx.trainer.cluster.ray.exchange_endpoint import DEFAULT_BUCKET_BYTES, SECRET_BYTES
 from stacx.trainer.cluster.ray.role_worker import RoleWorker
-from stacx.trainer.cluster.ray.role_workers import PendingCall, RoleWorkers, wait_all
+from stacx.trainer.cluster.ray.role_workers import PendingCall, wait_all
 
 
 class ExchangeSyncGroup:

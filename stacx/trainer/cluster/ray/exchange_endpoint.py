@@ -35,9 +35,8 @@ factory picks gloo for them. On GPU with NCCL, buckets live on the current CUDA 
 
 from __future__ import annotations
 
-import secrets
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
