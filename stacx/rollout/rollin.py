@@ -73,7 +73,7 @@ def resolve_rollin(training_config, teacher_section, environ: Optional[Mapping[s
     `given_keys` (RunConfig.given_keys) says whether the user set dagger_sampling_mode.
 
     Raises ValueError naming the field for a bad schedule or mode."""
-    from stacx.rollout.env_overrides import apply_env_overrides, read_env_overrides
+    from stacx.env_overrides import apply_env_overrides, read_env_overrides
 
     protocol = training_config.rollin_protocol
     teacher = apply_env_overrides(teacher_section, environ)

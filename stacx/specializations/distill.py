@@ -1,7 +1,7 @@
 """On-policy distillation: reverse KL from the student to a frozen teacher server.
 
 Two modes (config `distill_kl_mode`, overridden by the environment variable
-STACX_DISTILL_KL_MODE, see stacx.rollout.env_overrides):
+STACX_DISTILL_KL_MODE, see stacx.env_overrides):
 
 - `k3_sample` (default): the single-sample K3 estimate on the sampled token a_t,
   r_t = log pi_T(a_t) - log pi(a_t), l_t = exp(r_t) - 1 - r_t. Needs `teacher_log_probs` [R_i].
@@ -46,7 +46,7 @@ def resolve_distill_kl_mode(config: Any, environ: Mapping[str, str] | None = Non
     own environment and disagree with the driver. The environment is read only for a bare config.
     """
     # Imported here: the rollout package is not needed by the other specializations.
-    from stacx.rollout.env_overrides import read_env_overrides
+    from stacx.env_overrides import read_env_overrides
 
     mode = getattr(config, "distill_kl_mode", None) or read_env_overrides(environ).get("distill_kl_mode") or "k3_sample"
     if mode not in DISTILL_KL_MODES:

@@ -155,7 +155,7 @@ class StepDataSource:
     def __init__(self, run_config, training_config, tokenizer):
         # Imported here: the data readers (Parquet, tokenizer templates) load only on the driver.
         from stacx.rollout.data import DataConfig, EpochLoader, load_examples
-        from stacx.rollout.env_overrides import apply_env_overrides
+        from stacx.env_overrides import apply_env_overrides
 
         rollout = run_config.rollout
         self.kind = data_kind(training_config)

@@ -27,8 +27,8 @@ import json
 import os
 from typing import Any, Optional
 
-from stacx.trainer.config.checks import PreflightError, check_examples  # noqa: F401 (TEMP: step_data until batch.py lands)
-from stacx.trainer.config.recipe import role_wants_reference
+from stacx.trainer.config.checks import PreflightError
+from stacx.trainer.config.recipe import role_checkpoint_path, role_wants_reference
 
 """Offending rows named in a data error (the count says how many there are in all)."""
 
@@ -65,8 +65,6 @@ def _check_hf_folder(arg: str, path: str, role_name: str) -> None:
 
 def check_checkpoints(run_config, training_config, algorithm) -> None:
     """The folders every role starts from, and the reference when a KL term needs one."""
-    from stacx.trainer.runtime.role_runtime import role_checkpoint_path
-
     model = run_config.model
     if model.hf_checkpoint is None:
         raise PreflightError("--hf-checkpoint is not set: every role starts from it and the driver reads its "
@@ -152,7 +150,7 @@ def check_resume_and_save(run_config) -> None:
 
 def replays_trajectories(run_config, training_config) -> bool:
     """True when online_dagger replays a saved teacher corpus (no engine, no teacher server)."""
-    from stacx.rollout.env_overrides import apply_env_overrides
+    from stacx.env_overrides import apply_env_overrides
 
     teacher = apply_env_overrides(run_config.teacher)
     return training_config.rollin_protocol == "teacher_relabel" and teacher.dagger_sft_mode == "trajectory"

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from stacx.rollout.env_overrides import ENV_OVERRIDES
+from stacx.env_overrides import ENV_OVERRIDES
 from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
 from stacx.trainer.factory import resolve_recipe
 from stacx.trainer.cluster.ray.connect import connect_ray

@@ -504,6 +504,18 @@ __all__ = [
 ]
 
 
+def role_checkpoint_path(role: ModelRole, model_section: Any, arg: str | None = None) -> str | None:
+    """The checkpoint folder the run config names for `arg` (default: the role's checkpoint_arg).
+
+    critic_load falls back to hf_checkpoint (a critic starts from the policy's weights).
+    """
+    arg = arg or role.checkpoint_arg
+    path = getattr(model_section, arg, None)
+    if path is None and arg == "critic_load":
+        path = model_section.hf_checkpoint
+    return path
+
+
 def role_wants_reference(role, training_config, algorithm) -> bool:
     """True when a trainable role computes reference log-probs in its own workers: its specialization
     needs them, or a KL term to the reference is on and the role holds an in-worker reference. A frozen

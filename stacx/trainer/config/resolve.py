@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from stacx.rollout.env_overrides import read_env_overrides
+from stacx.env_overrides import read_env_overrides
 from stacx.trainer.config.recipe import TRAINING_CONFIGS
 from stacx.trainer.config.run import AlgorithmConfig
 
@@ -63,12 +63,12 @@ def user_algorithm_values(run_config) -> dict[str, Any]:
 
 
 def apply_run_env_overrides(run_config, environ=None):
-    """The run config with the `STACX_*` overrides (stacx.rollout.env_overrides) applied to its
+    """The run config with the `STACX_*` overrides (stacx.env_overrides) applied to its
     teacher section, read ONCE, in the process that resolves the run (the Ray driver, or each
     torchrun rank), and recorded in `given_keys` (an override is a user setting). Everything
     downstream (the driver's teacher top-K request, the roll-in, the workers, which receive this
     object) sees the same values; workers never read their own env."""
-    from stacx.rollout.env_overrides import apply_env_overrides, read_env_overrides
+    from stacx.env_overrides import apply_env_overrides, read_env_overrides
 
     teacher = apply_env_overrides(run_config.teacher, environ)
     if teacher is run_config.teacher:

@@ -29,7 +29,7 @@ from stacx.parallel.groups import ProcessGroups
 from stacx.specializations.batch import MicroBatch
 from stacx.trainer.batch import StepBatch
 from stacx.trainer.config.layout import RankCoords
-from stacx.trainer.config.recipe import ModelRole
+from stacx.trainer.config.recipe import ModelRole, role_checkpoint_path
 
 logger = logging.getLogger(__name__)
 
@@ -37,18 +37,6 @@ logger = logging.getLogger(__name__)
 COMPUTABLE_FIELDS = ("ref_log_probs", "log_probs", "values")
 #: Key of the loss in a step's reduced metric sums (the reducer's loss_value, summed over ranks).
 LOSS_METRIC = "loss"
-
-
-def role_checkpoint_path(role: ModelRole, model_section: Any, arg: str | None = None) -> str | None:
-    """The checkpoint folder the run config names for `arg` (default: the role's checkpoint_arg).
-
-    critic_load falls back to hf_checkpoint (a critic starts from the policy's weights).
-    """
-    arg = arg or role.checkpoint_arg
-    path = getattr(model_section, arg, None)
-    if path is None and arg == "critic_load":
-        path = model_section.hf_checkpoint
-    return path
 
 
 def normalize_uncounted_metrics(metric_sums: dict, specialization, reducer, uncounted: set[str]) -> dict:
