@@ -9,7 +9,8 @@ from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.http_client import RetryPolicy, ServerRequestError, ServerUnavailableError
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.manager import RolloutManager, Sample
-from stacx.rollout.teacher import TEACHER_EXECUTED_SENTINEL, TeacherClient, TeacherScores, TeacherUnavailableError
+from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL
+from stacx.rollout.teacher import TeacherClient, TeacherScores, TeacherUnavailableError
 from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
 
 __all__ = [

@@ -3,7 +3,6 @@
     manager = RolloutManager(engine, tokenizer=tok, reward_fn="math", teacher=TeacherClient(url))
     samples = manager.generate(prompt_ids, sampling, n_samples_per_prompt=4, labels=labels)
     batch = StepBatch.from_samples(samples)        # the trainer's step batch (stacx.trainer.batch)
-    manager.push_weights(iter_hf_weight_buckets(model, groups, 256 << 20), version=step)
 
 Every per-token field of a `Sample` is aligned with its response tokens (length R); the trainer
 pads them with zeros over the prompt when it packs, then CP-slices them with the tokens.
@@ -14,14 +13,15 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
+from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL
 from stacx.rollout.dagger import Executor
-from stacx.rollout.engines.base import InferenceEngine, WeightBucket
+from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.rewards import RewardFn, compute_rewards, resolve_reward_fn
-from stacx.rollout.teacher import TEACHER_EXECUTED_SENTINEL, TeacherClient
+from stacx.rollout.teacher import TeacherClient
 from stacx.rollout.types import GenerateRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class Sample:
 
 
 class RolloutManager:
-    """Generates samples with an engine, scores rewards and teacher log-probs, pushes weights."""
+    """Generates samples with an engine and scores rewards and teacher log-probs (weight updates: `RolloutService`)."""
 
     def __init__(
         self,
@@ -178,15 +178,3 @@ class RolloutManager:
                 if num_top is not None:
                     s.teacher_top_log_probs = torch.empty(0, num_top, dtype=torch.float32)
                     s.teacher_top_ids = torch.empty(0, num_top, dtype=torch.long)
-
-    def push_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
-        """Stream weight buckets to the engine, then confirm it serves `version`."""
-        self.engine.pause()
-        try:
-            self.engine.update_weights(buckets, version=version)
-            self.engine.flush_cache()
-        finally:
-            self.engine.resume()
-        served = self.engine.weight_version()
-        if served != version:
-            raise RuntimeError(f"engine serves weight version {served} after pushing version {version}")

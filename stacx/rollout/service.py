@@ -282,7 +282,7 @@ class RolloutService:
         self.engine.pause()
 
     def finish_weight_update(self, version: int) -> None:
-        """Flush, resume, and confirm the engine now serves `version` (RolloutManager.push_weights' checks)."""
+        """Flush, resume, and confirm every engine now serves `version`."""
         try:
             self.engine.flush_cache()
         finally:

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import torch
 
-from stacx.objectives.distillation import TEACHER_ACTION_SENTINEL, union_topk_support
+from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL, union_topk_support
 from stacx.objectives.registry import get_loss
 from stacx.parallel.cp_fields import PackedLayout
 from stacx.parallel.vocab_parallel import vocab_parallel_log_probs_at_ids
@@ -62,7 +62,7 @@ def check_teacher_log_probs(batch: Mapping[str, Any], layout: PackedLayout, name
         values = torch.as_tensor(values)
         bad = torch.isnan(values) | (values > _LOG_PROB_TOLERANCE)
         if allow_sentinel:
-            bad &= values != TEACHER_ACTION_SENTINEL
+            bad &= values != TEACHER_EXECUTED_SENTINEL
         if bad.any():
             position = int(torch.nonzero(bad.reshape(values.shape[0], -1).any(-1))[0])
             hint = " (only the +1.0 teacher-executed sentinel may be positive)" if allow_sentinel else ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from stacx.objectives.distillation import TEACHER_ACTION_SENTINEL
+from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL
 from stacx.objectives.registry import get_loss
 from stacx.specializations.base import NUM_LOSS_TOKENS, LossTerms, Specialization
 from stacx.specializations.distill import check_teacher_log_probs
@@ -39,8 +39,8 @@ class MixedLossDaggerOPDSpecialization(Specialization):
     def loss_terms(self, view, batch) -> LossTerms:
         teacher, masks = view.cut(batch.teacher_log_probs), view.loss_masks
         per_token, metrics = get_loss("distill_mixed")(self.config, view.values, teacher, masks)
-        teacher_tokens = sum(((u == TEACHER_ACTION_SENTINEL) & (m != 0)).sum() for u, m in zip(teacher, masks))
-        student_tokens = sum(((u != TEACHER_ACTION_SENTINEL) & (m != 0)).sum() for u, m in zip(teacher, masks))
+        teacher_tokens = sum(((u == TEACHER_EXECUTED_SENTINEL) & (m != 0)).sum() for u, m in zip(teacher, masks))
+        student_tokens = sum(((u != TEACHER_EXECUTED_SENTINEL) & (m != 0)).sum() for u, m in zip(teacher, masks))
         metrics[NUM_TEACHER_TOKENS] = torch.as_tensor(teacher_tokens, dtype=torch.float64)
         metrics[NUM_STUDENT_TOKENS] = torch.as_tensor(student_tokens, dtype=torch.float64)
         return LossTerms(per_token, metrics)

@@ -10,9 +10,11 @@ from stacx.rollout.engines.cpu import CpuEngine, filter_top_k_top_p
 from stacx.rollout.http_client import RetryPolicy
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.manager import RolloutManager
+from stacx.rollout.service import RolloutService
 from stacx.trainer.batch import StepBatch
 from stacx.rollout.engines.server import EngineHttpServer
-from stacx.rollout.teacher import TEACHER_EXECUTED_SENTINEL, TeacherClient
+from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL
+from stacx.rollout.teacher import TeacherClient
 from stacx.rollout.types import GenerateRequest, SamplingParams
 
 TOLERANCE = 1e-5  # fp32 engine vs fp32 trainer forward of the same tokens
@@ -110,7 +112,10 @@ def test_http_generation_weight_update_and_pause(tiny_checkpoints, single_proces
         load_hf_checkpoint(source, tiny_checkpoints[1], single_process_world)
         buckets = list(iter_hf_weight_buckets(source, single_process_world, bucket_bytes=20_000))
         assert len(buckets) > 5
-        RolloutManager(client).push_weights(iter(buckets), version=3)
+        service = RolloutService(client, engine_kind="cpu", url=client.url, tokenizer=None, rollout_section=None)
+        service.begin_weight_update()  # the one weight-update handshake: pause, stream, flush, resume, check
+        client.update_weights(iter(buckets), version=3)
+        service.finish_weight_update(3)
         assert client.weight_version() == 3
         greedy = [GenerateRequest(input_ids=(4, 15, 16), sampling=SamplingParams(max_new_tokens=5, temperature=0.0,
                                                                                  ignore_eos=True))]
