@@ -19,14 +19,16 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from stacx.trainer import step_data
+from stacx.trainer.batch import StepBatch, StepDataSource, plan_micro_batches
 from stacx.trainer.interrupts import stop_on_termination_signals
 from stacx.trainer.numerics import NonFiniteGuard
-from stacx.trainer.preflight import role_wants_reference
+from stacx.trainer.config.layout import RoleLayout
+from stacx.trainer.config.recipe import role_checkpoint_path, role_wants_reference
 from stacx.trainer.config.resolve import check_resumed_algorithm, resolved_run_config_dict
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ class StacxTrainer:
     """Drives one run. Build it with `stacx.trainer.factory.create_trainer` (Ray) or `run_spmd` (torchrun)."""
 
     def __init__(self, *, run_config, training_config, algorithm, roles: Mapping[str, Any], channel,
-                 data: Optional[step_data.StepDataSource], rollout=None,
+                 data: Optional[StepDataSource], rollout=None,
                  make_metrics_logger: Optional[Callable[[int], Any]] = None,
                  on_failure: Callable[[], None] = lambda: None, on_close: Callable[[], None] = lambda: None,
                  exchanges: Optional[Mapping[str, Any]] = None):
@@ -134,12 +136,12 @@ class StacxTrainer:
         started = time.monotonic()
         batch, metrics = self.channel.share(self.collect_batch(step) if self.channel.is_driver else None)
         sample_role = (self.training_config.rollout_role or self.training_config.trainable_roles[0]).name
-        if self.nonfinite.check_samples(step=step, role=sample_role, name="reward", values=batch.get("rewards") or ()):
+        if self.nonfinite.check_samples(step=step, role=sample_role, name="reward", values=batch.rewards or ()):
             return self._skipped_step(metrics, started)
         self.fill_forward_fields(batch)
         if self.algorithm_has_advantages:
             self.compute_advantages(batch)
-            if self.nonfinite.check_samples(step=step, role=sample_role, name="advantage", values=batch["advantages"]):
+            if self.nonfinite.check_samples(step=step, role=sample_role, name="advantage", values=batch.advantages):
                 return self._skipped_step(metrics, started)
         for role in self.training_config.trainable_roles:
             role_metrics = self.train_role(role.name, batch)
@@ -162,20 +164,18 @@ class StacxTrainer:
 
     # ---- data ------------------------------------------------------------------------------
 
-    def collect_batch(self, step: int) -> tuple[dict, dict]:
+    def collect_batch(self, step: int) -> tuple[StepBatch, dict]:
         """(step batch, rollout metrics), on the driver."""
         if self.training_config.data_source == "dataset" or self.data.kind == "trajectory":
             batch = self.data.next_dataset_batch()
-            lengths = batch["response_lengths"]
+            lengths = batch.response_lengths
             return batch, {"data/response_length_mean": sum(lengths) / len(lengths)}
-        from stacx.rollout.manager import samples_to_batch
-
         samples, metrics = self.step_rollout.collect(step)
-        batch = samples_to_batch(samples)
-        batch["rewards"] = self.shaped_rewards(batch)
-        if "teacher_log_probs" in batch:  # over student-executed tokens (teacher ones hold the +1.0 sentinel)
+        batch = StepBatch.from_samples(samples)
+        batch.rewards = self.shaped_rewards(batch)
+        if batch.teacher_log_probs is not None:  # over student-executed tokens (teacher ones hold the +1.0 sentinel)
             metrics["rollout/teacher_log_prob_mean"] = _masked_mean(
-                batch["teacher_log_probs"], [m * (t <= 0) for t, m in zip(batch["teacher_log_probs"], batch["loss_masks"])])
+                batch.teacher_log_probs, [m * (t <= 0) for t, m in zip(batch.teacher_log_probs, batch.loss_masks)])
         return batch, metrics
 
     def _build_step_rollout(self):
@@ -184,15 +184,15 @@ class StacxTrainer:
         return StepRollout(self.rollout, self.data, run_config=self.run_config, training_config=self.training_config,
                            algorithm=self.algorithm)
 
-    def shaped_rewards(self, batch) -> list[float]:
+    def shaped_rewards(self, batch: StepBatch) -> list[float]:
         """opd_rl: R_i - teacher_kl_coef * sum_t m_it (log pi(a_t) - log pi_teacher(a_t)) (rollout log-probs)."""
-        rewards = list(batch["rewards"])
+        rewards = list(batch.rewards)
         coef = float(getattr(self.algorithm, "teacher_kl_coef", 0.0) or 0.0)
-        if coef == 0.0 or "teacher_log_probs" not in batch:
+        if coef == 0.0 or batch.teacher_log_probs is None:
             return rewards
         return [
             r - coef * float(((lp - tlp) * m).sum())
-            for r, lp, tlp, m in zip(rewards, batch["rollout_log_probs"], batch["teacher_log_probs"], batch["loss_masks"])
+            for r, lp, tlp, m in zip(rewards, batch.rollout_log_probs, batch.teacher_log_probs, batch.loss_masks)
         ]
 
     # ---- forward-only fields and advantages ------------------------------------------------
@@ -205,8 +205,6 @@ class StacxTrainer:
         return role_wants_reference(role, self.training_config, self.algorithm)
 
     def _check_reference_inputs(self) -> None:
-        from stacx.trainer.runtime.role_runtime import role_checkpoint_path
-
         for role in self.training_config.roles:
             if not self._wants_reference(role):
                 continue
@@ -215,84 +213,76 @@ class StacxTrainer:
                 flag = "--" + (arg or "ref_load").replace("_", "-")
                 raise ValueError(f"role {role.name!r} needs reference log-probs (KL to the reference); set {flag}")
 
-    def fill_forward_fields(self, batch: dict) -> None:
+    def fill_forward_fields(self, batch: StepBatch) -> None:
         """Reference/old log-probs of each trainable role, then inject syncs in dependency order."""
         for role in self.training_config.trainable_roles:
             names = []
             if self._wants_reference(role):
                 names.append("ref_log_probs")
             if self.specializations[role.name].needs_old_log_probs():
-                names.append("old_log_probs")
+                names.append("log_probs")
             if names:
                 self.role_fields(role.name, batch, names)
         for sync in self.role_graph.inject_syncs:
             self.role_fields(sync.source_role, batch, list(sync.keys))
 
-    def role_fields(self, role_name: str, batch: dict, names: list[str]) -> None:
+    def role_fields(self, role_name: str, batch: StepBatch, names: list[str]) -> None:
         """Run `compute_fields` on a role's ranks and write the per-sample results into `batch`."""
         group = self.roles[role_name]
         plan = self.plan(role_name, batch)
         results = group.compute_fields(
-            [[step_data.select(batch, mb) for mb in plan[coords.dp_rank]] for coords in group.coords], names)
-        for name in names:
-            batch[name] = [None] * step_data.num_samples(batch)
+            [[batch.select(mb) for mb in plan[coords.dp_rank]] for coords in group.coords], names)
+        filled = {name: [None] * batch.num_samples for name in names}
         for coords, result in zip(group.coords, results):
             if result is None:
                 continue
             for indices, fields in zip(plan[coords.dp_rank], result):
                 for name in names:
                     for index, value in zip(indices, fields[name]):
-                        batch[name][index] = value
-        for name in names:
-            missing = [i for i, value in enumerate(batch[name]) if value is None]
+                        filled[name][index] = value
+        for name, values in filled.items():
+            batch.set_field(name, values)
+            missing = [i for i, value in enumerate(values) if value is None]
             if missing:
                 raise RuntimeError(f"role {role_name!r} returned no {name!r} for samples {missing[:5]}")
 
-    def compute_advantages(self, batch: dict) -> None:
-        """advantages (and returns for a value-head role) from the registry's estimator, by name."""
+    def compute_advantages(self, batch: StepBatch) -> None:
+        """advantages (and returns for a value-head role) from the registry's estimator, by name.
+
+        The estimator reads the step batch itself (`prompt_id`, `log_probs`, ... under their one
+        name), its rewards as float64."""
         from stacx.objectives import get_advantage
         from stacx.objectives.advantages_returns import gae_returns
 
-        rollout_data = {
-            "rewards": torch.tensor(batch["rewards"], dtype=torch.float64),
-            "prompt_id": batch["group_indices"],
-            "response_lengths": batch["response_lengths"],
-            "loss_masks": batch["loss_masks"],
-            "rollout_log_probs": batch["rollout_log_probs"],
-        }
-        for optional in ("values", "ref_log_probs"):
-            if optional in batch:
-                rollout_data[optional] = batch[optional]
-        if "old_log_probs" in batch:
-            rollout_data["log_probs"] = batch["old_log_probs"]
+        rollout_data = replace(batch, rewards=torch.tensor(batch.rewards, dtype=torch.float64))
         estimator = get_advantage(self.algorithm.advantage_estimator)
         advantages = estimator(self.algorithm, rollout_data)
-        batch["advantages"] = [a.float() for a in advantages]
+        batch.advantages = [a.float() for a in advantages]
         if any(role.outputs_values for role in self.training_config.roles):
             # A plugin estimator's own returns (padded adapters keep them as `.returns`) are the critic targets.
             plugin_returns = getattr(advantages, "returns", None)
-            batch["returns"] = ([r.float() for r in plugin_returns] if plugin_returns is not None
-                                else gae_returns(self.algorithm, rollout_data))
+            batch.returns = ([r.float() for r in plugin_returns] if plugin_returns is not None
+                             else gae_returns(self.algorithm, rollout_data))
 
     # ---- training --------------------------------------------------------------------------
 
-    def plan(self, role_name: str, batch: dict) -> list[list[list[int]]]:
+    def plan(self, role_name: str, batch: StepBatch) -> list[list[list[int]]]:
         layout = self.roles[role_name].layout
-        return step_data.plan_micro_batches(
+        return plan_micro_batches(
             batch, dp_size=layout.data_parallel_size, cp_size=layout.context_parallel_size,
             max_tokens_per_micro_batch=self.run_config.train.max_tokens_per_micro_batch)
 
-    def train_role(self, role_name: str, batch: dict) -> dict[str, float]:
+    def train_role(self, role_name: str, batch: StepBatch) -> dict[str, float]:
         """One optimizer step of a role over the whole batch; metrics are identical on every rank."""
         from stacx.parallel.reduction import StepCounts, count_loss_tokens
 
         group = self.roles[role_name]
         plan = self.plan(role_name, batch)
-        num_tokens, num_sequences = count_loss_tokens(batch["loss_masks"])
+        num_tokens, num_sequences = count_loss_tokens(batch.loss_masks)
         counts = StepCounts(num_tokens=num_tokens, num_sequences=num_sequences)
         norm_length = float(self.run_config.rollout.rollout_max_response_len)
         results = group.train_step(
-            [[step_data.select(batch, mb) for mb in plan[coords.dp_rank]] for coords in group.coords], counts, norm_length)
+            [[batch.select(mb) for mb in plan[coords.dp_rank]] for coords in group.coords], counts, norm_length)
         return results[0]
 
     # ---- weights, logging, checkpoints -----------------------------------------------------
