@@ -29,7 +29,7 @@ class RewardWeightedSFTSpecialization(Specialization):
     communication. Metrics (sums, logged per loss token): weighted_nll, mean_weight.
     """
 
-    base_required_fields = ("loss_masks", "advantages")
+    base_required_fields = ("advantages",)
 
     def loss_terms(self, view, batch):
         # view.values: this rank's log-probs of each response; view.cut: a batch field cut alike.

@@ -104,7 +104,7 @@ class ActorSpecialization(Specialization):
     # ---- what the trainer loop asks ------------------------------------------------------------
 
     def required_fields(self) -> tuple[str, ...]:
-        fields = ["loss_masks", "advantages"]
+        fields = ["advantages"]
         if self.use_kl_loss:
             fields.append("ref_log_probs")
         if self.corrections:

@@ -84,8 +84,8 @@ class Specialization:
 
     #: Whether the role's model outputs a value per token (critic) instead of logits.
     outputs_values: bool = False
-    #: Per-response batch fields compute_loss always needs (subclasses extend `required_fields`).
-    base_required_fields: tuple[str, ...] = ("loss_masks",)
+    #: Per-response batch fields compute_loss needs besides `loss_masks`, which every batch carries.
+    base_required_fields: tuple[str, ...] = ()
     #: Metric name -> name of the count metric it is divided by in `metric_means`
     #: (default NUM_LOSS_TOKENS; names starting with "num_" are counts, logged as totals).
     metric_denominators: Mapping[str, str] = {}
@@ -99,7 +99,7 @@ class Specialization:
     # ---- what the trainer loop asks ------------------------------------------------------------
 
     def required_fields(self) -> tuple[str, ...]:
-        """Batch fields compute_loss reads, besides `layout` and `tokens`."""
+        """Batch fields compute_loss reads, besides `layout`, `tokens` and `loss_masks`."""
         return self.base_required_fields
 
     def needs_reference(self) -> bool:
@@ -229,7 +229,7 @@ class Specialization:
                 f"this rank is cp_rank {self.groups.cp_rank} of {self.groups.cp_size}"
             )
         required = self.required_fields() if names is None else tuple(names)
-        for name in dict.fromkeys((*required, *(n for n in PER_RESPONSE_FIELDS if n in batch))):
+        for name in dict.fromkeys(("loss_masks", *required, *(n for n in PER_RESPONSE_FIELDS if n in batch))):
             check_response_field(batch, name, layout)
         for name in PER_SEQUENCE_FIELDS:
             if name in batch and len(batch[name]) != len(layout.lengths):

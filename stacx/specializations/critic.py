@@ -23,7 +23,7 @@ class CriticSpecialization(Specialization):
     """
 
     outputs_values = True
-    base_required_fields = ("loss_masks", "returns")
+    base_required_fields = ("returns",)
 
     def local_values(self, model_output: torch.Tensor, batch) -> torch.Tensor:
         return self._values_local(model_output, batch.layout)

@@ -105,8 +105,8 @@ class DistillSpecialization(Specialization):
 
     def required_fields(self) -> tuple[str, ...]:
         if self.kl_mode == "topk":
-            return ("loss_masks", "teacher_top_ids", "teacher_top_log_probs")
-        return ("loss_masks", "teacher_log_probs")
+            return ("teacher_top_ids", "teacher_top_log_probs")
+        return ("teacher_log_probs",)
 
     def check_fields(self, batch) -> None:
         if self.kl_mode == "topk":

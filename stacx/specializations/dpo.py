@@ -59,7 +59,7 @@ class DPOSpecialization(Specialization):
     rejected_reward, reward_margin, reward_accuracy.
     """
 
-    base_required_fields = ("loss_masks", "ref_log_probs")
+    base_required_fields = ("ref_log_probs",)
     metric_denominators = {name: NUM_PAIRS for name in DPO_METRICS}
 
     def needs_reference(self) -> bool:

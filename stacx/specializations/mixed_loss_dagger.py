@@ -26,7 +26,7 @@ class MixedLossDaggerOPDSpecialization(Specialization):
     teacher_action_frac (teacher tokens / loss tokens).
     """
 
-    base_required_fields = ("loss_masks", "teacher_log_probs")
+    base_required_fields = ("teacher_log_probs",)
     metric_denominators = {
         "ce_mean": NUM_TEACHER_TOKENS,
         "k3_mean": NUM_STUDENT_TOKENS,

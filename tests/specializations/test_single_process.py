@@ -118,7 +118,7 @@ def test_trainer_loop_hooks():
                                 recompute_old_log_probs=True, rollout_temperature=0.7, loss_agg_mode="seq-mean-token-mean"))()
     actor = ActorSpecialization(config)
     assert actor.needs_reference() and actor.needs_old_log_probs() and actor.needs_whole_sequences()
-    assert actor.required_fields() == ("loss_masks", "advantages", "ref_log_probs", "rollout_log_probs")
+    assert actor.required_fields() == ("advantages", "ref_log_probs", "rollout_log_probs")
     assert actor.temperature == 0.7 and actor.loss_agg_mode() == "seq-mean-token-mean"
     plain = ActorSpecialization()
     assert not plain.needs_reference() and not plain.needs_old_log_probs() and not plain.needs_whole_sequences()
