@@ -192,10 +192,10 @@ def test_rejected_bucket_writes_nothing(engine, new_weights):
         url = f"{server.url}/stacx/update_weights_bucket"
         forged_bodies = {
             "not a parameter": bucket_body(valid + [("model.layers.99.bogus.weight", tensor)]),
-            "dtypes[0]": bucket_body(valid, header_overrides={"dtypes": ["float128"]}),
+            "field 'dtype' is 'float128'": bucket_body(valid, header_overrides={"dtypes": ["float128"]}),
             "one entry per tensor": bucket_body(valid, header_overrides={"shapes": []}),
-            "ends at byte": bucket_body(valid, header_overrides={"shapes": [[10 ** 6]]}),
-            "non-negative multiple": bucket_body(valid, header_overrides={"offsets": [1]}),
+            "are not inside the": bucket_body(valid, header_overrides={"shapes": [[10 ** 6]]}),
+            "is not a multiple of the": bucket_body(valid, header_overrides={"offsets": [1]}),
             "num_bytes": bucket_body(valid, header_overrides={"num_bytes": 10 ** 9}),
             "'final'": bucket_body(valid, header_overrides={"final": "yes"}),
             "'version'": bucket_body(valid, final=True, header_overrides={"version": "3"}),

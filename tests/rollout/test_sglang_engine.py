@@ -16,7 +16,7 @@ from stacx.rollout.engines.sglang import (
     WeightBroadcastGroup,
     build_launch_command,
 )
-from stacx.rollout.weight_transfer import _DTYPES
+from stacx.parallel.tensor_buckets import TENSOR_DTYPES
 
 
 class FakeSglang(BaseHTTPRequestHandler):
@@ -39,7 +39,7 @@ class FakeSglang(BaseHTTPRequestHandler):
                                                   world_size=body["world_size"], rank=body["rank_offset"], backend=body["backend"])
         elif self.path == "/update_weights_from_distributed":
             for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-                tensor = torch.empty(shape, dtype=_DTYPES[dtype])
+                tensor = torch.empty(shape, dtype=TENSOR_DTYPES[dtype])
                 state["group"].broadcast(tensor)
                 state.setdefault("received", {})[name] = tensor
             state["version"] = body["weight_version"]

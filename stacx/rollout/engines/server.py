@@ -415,7 +415,7 @@ def _apply_bucket(engine, flat, header: dict) -> tuple[int, dict]:
     engine.load_weights(unflatten_bucket(flat))
     if header["final"]:
         engine.set_weight_version(header["version"])
-    return 200, {"success": True, "message": f"loaded {len(flat.names)} tensors",
+    return 200, {"success": True, "message": f"loaded {len(flat.slots)} tensors",
                  "weight_version": str(engine.weight_version())}
 
 

@@ -29,7 +29,7 @@ from stacx.parallel.bound_store import host_bound_store
 from stacx.rollout.engines.base import WeightBucket
 from stacx.rollout.http_client import RetryPolicy
 from stacx.rollout.engines.http import HttpEngine
-from stacx.rollout.weight_transfer import dtype_name
+from stacx.parallel.tensor_buckets import dtype_name
 
 WEIGHT_UPDATE_MODES = ("tensor", "distributed")
 
@@ -46,7 +46,7 @@ def build_update_from_tensor_payload(serialized_per_rank: Sequence[str], *, vers
 def build_update_from_distributed_payload(bucket: WeightBucket, *, group_name: str, version: int, final: bool) -> dict:
     return {
         "names": [name for name, _ in bucket],
-        "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+        "dtypes": [dtype_name(t.dtype, name) for name, t in bucket],
         "shapes": [list(t.shape) for _, t in bucket],
         "group_name": group_name,
         "flush_cache": bool(final),

@@ -1,7 +1,7 @@
 """Values the ranks of a torchrun job send each other, encoded without pickle.
 
 On the torchrun path rank 0 shares the step's batch (and a few small values) with every rank and
-every rank's results are gathered (`role_groups.TorchrunChannel` / `LocalRoleGroup`). torch's
+every rank's results are gathered (`cluster.local.TorchrunChannel` / `LocalRoleGroup`). torch's
 `broadcast_object_list` / `all_gather_object` would unpickle whatever arrives, so a process that
 reached the job's gloo/NCCL connections could make a rank run code. Here a value travels as one
 uint8 tensor, and decoding builds only plain values:
@@ -13,8 +13,9 @@ uint8 tensor, and decoding builds only plain values:
             | {"tensor": index}                       (raw bytes at `offset` of the data section)
             | {"record": name, "fields": {field: node}}   (a dataclass from `MESSAGE_RECORDS`)
 
-Tensor bytes start at 64-byte aligned offsets of the data section; dtypes come from the closed
-table `EXCHANGE_DTYPES`, records from the closed table `MESSAGE_RECORDS`. Decoded tensors are CPU
+The data section is one bucket of the tensor codec (`stacx.parallel.tensor_buckets`: 64-byte
+aligned offsets, dtypes from its closed table `TENSOR_DTYPES`, every slot checked the same way);
+records come from the closed table `MESSAGE_RECORDS`. Decoded tensors are CPU
 tensors. Anything else is refused when encoding (`TypeError` naming where in the value it is) and
 when decoding (`RankMessageError` naming the field).
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import numbers
 import os
 import pathlib
@@ -31,16 +31,14 @@ from typing import Any
 
 import torch
 
+from stacx.parallel.tensor_buckets import TENSOR_DTYPES, check_slot, pack_bucket, plan_buckets
 from stacx.trainer.batch import StepBatch
 from stacx.trainer.checkpoint import FileInfo, RankCoords, RankFileInfo
-from stacx.trainer.cluster.ray.exchange_header import EXCHANGE_DTYPES
 
 MESSAGE_VERSION = 1
 LENGTH_BYTES = 8
-ALIGN_BYTES = 64
 MESSAGE_RECORDS: dict[str, type] = {cls.__name__: cls for cls in (RankCoords, FileInfo, RankFileInfo, StepBatch)}
 """The dataclasses a message may hold (what `RoleRuntime.save_rank_state` returns, the step batch)."""
-_DTYPE_NAMES = {dtype: name for name, dtype in EXCHANGE_DTYPES.items()}
 _NODE_TAGS = ("tuple", "dict", "path", "tensor", "record")
 
 
@@ -62,8 +60,8 @@ class _Encoder:
         if isinstance(value, numbers.Real):
             return float(value)
         if isinstance(value, torch.Tensor):
-            if value.dtype not in _DTYPE_NAMES:
-                raise TypeError(f"rank message: {where} is a {value.dtype} tensor; dtypes: {sorted(EXCHANGE_DTYPES)}")
+            if value.dtype not in TENSOR_DTYPES.values():
+                raise TypeError(f"rank message: {where} is a {value.dtype} tensor; dtypes: {sorted(TENSOR_DTYPES)}")
             self.tensors.append(value.detach().to("cpu").contiguous())
             return {"tensor": len(self.tensors) - 1}
         if isinstance(value, list):
@@ -87,22 +85,17 @@ def encode_message(value: Any) -> torch.Tensor:
     """`value` as one uint8 CPU tensor [num_bytes] (see the module docstring for the layout)."""
     encoder = _Encoder()
     tree = encoder.node(value, "value")
-    entries, offset = [], 0
-    for tensor in encoder.tensors:
-        offset = -(-offset // ALIGN_BYTES) * ALIGN_BYTES
-        num_bytes = tensor.numel() * tensor.element_size()
-        entries.append({"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "offset": offset,
-                        "num_bytes": num_bytes})
-        offset += num_bytes
+    named = [(str(index), tensor) for index, tensor in enumerate(encoder.tensors)]
+    slots, sizes = plan_buckets(named)  # the one tensor codec's layout, in one bucket
+    offset = sizes[0] if sizes else 0
+    entries = [{"dtype": s.dtype, "shape": list(s.shape), "offset": s.offset, "num_bytes": s.num_bytes} for s in slots]
     header = json.dumps({"version": MESSAGE_VERSION, "value": tree, "tensors": entries},
                         separators=(",", ":")).encode()
     message = torch.zeros(LENGTH_BYTES + len(header) + offset, dtype=torch.uint8)
     message[:LENGTH_BYTES] = torch.frombuffer(bytearray(len(header).to_bytes(LENGTH_BYTES, "little")), dtype=torch.uint8)
     message[LENGTH_BYTES:LENGTH_BYTES + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    data = message[LENGTH_BYTES + len(header):]
-    for tensor, entry in zip(encoder.tensors, entries):
-        if entry["num_bytes"]:
-            data[entry["offset"]:entry["offset"] + entry["num_bytes"]] = tensor.reshape(-1).view(torch.uint8)
+    if offset:
+        pack_bucket(named, slots, 0, offset, out=message[LENGTH_BYTES + len(header):])
     return message
 
 
@@ -160,22 +153,10 @@ def _decode_tensors(entries: Any, data: torch.Tensor) -> list[torch.Tensor]:
         where = f"rank message: tensors[{index}]"
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "offset", "num_bytes"}:
             raise RankMessageError(f"{where} must have exactly dtype, shape, offset, num_bytes")
-        dtype = EXCHANGE_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
-        if dtype is None:
-            raise RankMessageError(f"{where}.dtype {entry['dtype']!r} is not one of {sorted(EXCHANGE_DTYPES)}")
-        shape = entry["shape"]
-        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-            raise RankMessageError(f"{where}.shape must be a list of non-negative ints, got {shape!r}")
-        offset, num_bytes = entry["offset"], entry["num_bytes"]
-        if not (_is_count(offset) and _is_count(num_bytes)) or offset + num_bytes > data.numel():
-            raise RankMessageError(f"{where}: bytes [{offset}, {offset}+{num_bytes}) are not inside the "
-                                   f"{data.numel()}-byte data section")
-        element_size = torch.empty(0, dtype=dtype).element_size()
-        if math.prod(shape) * element_size != num_bytes:
-            raise RankMessageError(f"{where}.num_bytes is {num_bytes}, shape {shape} of {entry['dtype']} "
-                                   f"needs {math.prod(shape) * element_size}")
-        raw = data[offset:offset + num_bytes].clone()  # owns its memory, aligned for any dtype
-        tensors.append(raw.view(dtype).reshape(shape))
+        slot = check_slot({"name": f"tensors[{index}]", "bucket": 0, **entry}, where, bucket_bytes=data.numel(),
+                          error=RankMessageError)
+        raw = data[slot.offset:slot.offset + slot.num_bytes].clone()  # owns its memory, aligned for any dtype
+        tensors.append(raw.view(TENSOR_DTYPES[slot.dtype]).reshape(slot.shape))
     return tensors
 
 

@@ -42,65 +42,14 @@ import torch
 import torch.distributed as dist
 
 from stacx.parallel.bound_store import gloo_options, host_bound_store
-from stacx.trainer.cluster.ray.exchange_header import (
-    EXCHANGE_DTYPES,
-    TensorSlot,
-    check_secret,
-    decode_header,
-    dtype_name,
-    encode_header,
-)
+from stacx.parallel.tensor_buckets import pack_bucket, plan_buckets, unpack_bucket
+from stacx.trainer.cluster.ray.exchange_header import check_secret, decode_header, encode_header
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 """Bucket size: hundreds of MB per message is what keeps large weight syncs fast."""
-ALIGN_BYTES = 64
-"""Each tensor starts at a multiple of this, so it can be viewed (not copied) out of its bucket."""
 STORE_PREFIX = "stacx-exchange"
 SECRET_BYTES = 32
 """Length of the per-group secret the driver draws."""
-
-
-def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> tuple[list[TensorSlot], list[int]]:
-    """Slots of every tensor (in the mapping's order) and each bucket's size in bytes."""
-    if bucket_bytes < 1:
-        raise ValueError(f"exchange: bucket_bytes must be >= 1, got {bucket_bytes}")
-    slots: list[TensorSlot] = []
-    bucket_sizes: list[int] = []
-    offset = 0
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"exchange: value of {name!r} is a {type(tensor).__name__}, expected a tensor")
-        num_bytes = tensor.numel() * tensor.element_size()
-        start = -(-offset // ALIGN_BYTES) * ALIGN_BYTES
-        if not bucket_sizes or (start + num_bytes > bucket_bytes and offset > 0):
-            bucket_sizes.append(0)
-            start = 0
-        slots.append(TensorSlot(name, dtype_name(tensor.dtype, name), tuple(tensor.shape), len(bucket_sizes) - 1,
-                                start, num_bytes))
-        offset = start + num_bytes
-        bucket_sizes[-1] = offset
-    return slots, bucket_sizes
-
-
-def pack_bucket(tensors: Mapping[str, torch.Tensor], slots: list[TensorSlot], bucket: int, size: int,
-                device: torch.device) -> torch.Tensor:
-    """The uint8 buffer of bucket `bucket`: each slot's raw bytes at its offset."""
-    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-    for slot in slots:
-        if slot.bucket == bucket and slot.num_bytes:
-            raw = tensors[slot.name].detach().contiguous().reshape(-1).view(torch.uint8)
-            buffer[slot.offset : slot.offset + slot.num_bytes].copy_(raw)
-    return buffer
-
-
-def unpack_bucket(buffer: torch.Tensor, slots: list[TensorSlot], bucket: int) -> dict[str, torch.Tensor]:
-    """Views of every tensor of bucket `bucket` (sharing the buffer's memory)."""
-    out = {}
-    for slot in slots:
-        if slot.bucket == bucket:
-            raw = buffer[slot.offset : slot.offset + slot.num_bytes]
-            out[slot.name] = raw.view(EXCHANGE_DTYPES[slot.dtype]).reshape(slot.shape)
-    return out
 
 
 def resolve_backend(backend: str) -> str:
