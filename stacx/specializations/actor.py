@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
+from stacx.objectives.aggregation import loss_token_counts
 from stacx.objectives.kl import add_kl_and_entropy_terms
 from stacx.objectives.off_policy import mismatch_metrics
 from stacx.objectives.registry import (
@@ -29,7 +30,6 @@ from stacx.objectives.registry import (
     get_policy_loss_traits,
 )
 from stacx.specializations.base import LossTerms, Specialization
-from stacx.specializations.batch import loss_token_counts
 
 NUM_KEPT_LOSS_TOKENS = "num_kept_loss_tokens"
 """Loss tokens left after the off-policy corrections masked some: the count the separate

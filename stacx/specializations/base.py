@@ -48,13 +48,14 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from stacx.objectives.aggregation import loss_token_counts
 from stacx.objectives.algorithm_config import ALGORITHM_DEFAULTS
 from stacx.objectives.validation import hyperparameter
 from stacx.parallel.cp_fields import PackedLayout, next_token_targets
 from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.reduction import Reducer
 from stacx.parallel.vocab_parallel import vocab_parallel_log_probs_and_entropy
-from stacx.specializations.batch import PER_RESPONSE_FIELDS, PER_SEQUENCE_FIELDS, MicroBatch, loss_token_counts
+from stacx.specializations.batch import PER_RESPONSE_FIELDS, PER_SEQUENCE_FIELDS, MicroBatch
 
 #: Count metrics every specialization reports; logged as totals, and the denominators of the others.
 NUM_LOSS_TOKENS = "num_loss_tokens"

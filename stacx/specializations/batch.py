@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from stacx.objectives.aggregation import loss_token_count
+from stacx.objectives.aggregation import loss_token_counts
 from stacx.parallel.cp_fields import PackedLayout
 from stacx.parallel.groups import ProcessGroups
 
@@ -163,13 +163,6 @@ class MicroBatch(SampleFields):
         return [int(n) for n in loss_token_counts(self.loss_masks)]
 
 
-def loss_token_counts(loss_masks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Loss tokens of each mask [S] int64: its non-zero entries (the one Stacx convention,
-    `stacx.objectives.aggregation.loss_token_count`)."""
-    return torch.stack([loss_token_count(torch.as_tensor(m)) for m in loss_masks]) if loss_masks else \
-        torch.zeros(0, dtype=torch.long)
-
-
 def pack_micro_batch(sequences: Sequence[torch.Tensor], response_lengths: Sequence[int], *,
                      groups: ProcessGroups | None = None, **sample_fields: Any) -> MicroBatch:
     """`MicroBatch.pack` (the name the first API used)."""
@@ -183,5 +176,5 @@ def model_inputs(batch: MicroBatch) -> tuple[torch.Tensor, list[int]]:
 
 __all__ = [
     "MicroBatch", "PER_RESPONSE_FIELDS", "PER_SEQUENCE_FIELDS", "RENAMED_FIELDS", "SampleFields",
-    "loss_token_counts", "model_inputs", "pack_micro_batch",
+    "model_inputs", "pack_micro_batch",
 ]

@@ -6,9 +6,9 @@ from typing import Any, Mapping
 
 import torch
 
+from stacx.objectives.aggregation import loss_token_counts
 from stacx.objectives.registry import get_loss
 from stacx.specializations.base import LossTerms, Specialization
-from stacx.specializations.batch import loss_token_counts
 
 NUM_PAIRS = "num_pairs"
 DPO_METRICS = ("dpo_loss", "chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy")
