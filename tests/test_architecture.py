@@ -139,6 +139,30 @@ def test_every_import_follows_the_package_table():
     assert not violations, "imports outside docs/architecture.md's package table:\n" + "\n".join(violations)
 
 
+COMMENTED_LOCAL_IMPORTS = ("stacx.trainer", "stacx.rollout")
+"""Packages whose function-local imports must each say why they are there (start-up time)."""
+
+
+def test_function_local_imports_say_why_they_are_function_local():
+    """A function-local import stays only where it saves start-up time (Ray, megatron-core, transformers,
+    SGLang are slow to import), with a comment on its line or on the line above its import block."""
+    uncommented = []
+    for module, path in MODULES.items():
+        if not any(within(module, package) for package in COMMENTED_LOCAL_IMPORTS):
+            continue
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for _, line, local in IMPORTS[module]:
+            if not local:
+                continue
+            above = line - 2
+            while above >= 0 and lines[above].strip().startswith(("from ", "import ")):
+                above -= 1  # one comment covers a block of imports
+            if "#" not in lines[line - 1] and not (above >= 0 and lines[above].strip().startswith("#")):
+                uncommented.append(f"{path.relative_to(REPO)}:{line}: {lines[line - 1].strip()}")
+    assert not uncommented, ("function-local imports without a comment saying why (move them to the top of the "
+                             "module unless they save start-up time):\n" + "\n".join(uncommented))
+
+
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     """One import cycle of the graph, or None (iterative depth-first search)."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done

@@ -40,8 +40,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
+from stacx.env_overrides import apply_env_overrides, read_env_overrides
 from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, Executor, KappaPlan, build_roll_in
+from stacx.rollout.environments import Environment
 from stacx.rollout.manager import Sample
+from stacx.rollout.tokenizer import apply_chat_template
 from stacx.rollout.types import GenerateRequest, SamplingParams
 
 RECIPE_SAMPLING_MODES = {"beta_mixture": "beta", "aggrevate": "kappa"}
@@ -73,8 +76,6 @@ def resolve_rollin(training_config, teacher_section, environ: Optional[Mapping[s
     `given_keys` (RunConfig.given_keys) says whether the user set dagger_sampling_mode.
 
     Raises ValueError naming the field for a bad schedule or mode."""
-    from stacx.env_overrides import apply_env_overrides, read_env_overrides
-
     protocol = training_config.rollin_protocol
     teacher = apply_env_overrides(teacher_section, environ)
     if protocol is None:
@@ -111,7 +112,6 @@ def resolve_environment(name: str, *, where: str = "metadata"):
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise ValueError(f"{where}: environment {name!r}: cannot import {path} ({err})") from err
-    from stacx.rollout.environments import Environment
 
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"{where}: environment {name!r}: {path} is not a stacx.rollout.environments.Environment")
@@ -146,8 +146,6 @@ class Episode:
 def start_episodes(examples: Sequence[Any], *, n_samples_per_prompt: int, spec: RollInSpec, iteration: int,
                    rng: random.Random, tokenizer) -> list[Episode]:
     """n episodes per example (prompt-major; group_index = the example's position), plans drawn now."""
-    from stacx.rollout.tokenizer import apply_chat_template
-
     episodes = []
     for index, example in enumerate(examples):
         metadata = dict(example.metadata or {})
@@ -198,8 +196,6 @@ def _append_action(episode: Episode, executor: Executor, output, eos: int) -> No
 
 def _append_observation(episode: Episode, tokenizer, turn: int) -> None:
     """Step the environment with the last action; add its observation unless the episode ends."""
-    from stacx.rollout.tokenizer import apply_chat_template
-
     sample, last = episode.sample, episode.turns[-1]
     result = episode.environment.step(tokenizer.decode(sample.response_ids[last.start:last.end], skip_special_tokens=True))
     sample.reward = (sample.reward or 0.0) + result.reward

@@ -39,6 +39,16 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
+import torch
+
+from stacx.rollout.engine_pool import EnginePool
+from stacx.rollout.engines.http import HttpEngine
+from stacx.rollout.engines.sglang import SglangEngine, SglangServerSpec, launch_sglang_servers_on_ray
+from stacx.rollout.http_client import RetryPolicy
+from stacx.rollout.manager import RolloutManager
+from stacx.rollout.teacher import TeacherClient
+from stacx.rollout.types import SamplingParams
+
 logger = logging.getLogger(__name__)
 
 ENGINE_KINDS = ("auto", "cpu", "http", "sglang")
@@ -52,8 +62,6 @@ def resolve_engine_kind(kind: str) -> str:
     if kind not in ENGINE_KINDS:
         raise ValueError(f"rollout_engine {kind!r} is not one of {ENGINE_KINDS}")
     if kind == "auto":
-        import torch
-
         return "sglang" if torch.cuda.is_available() else "cpu"
     return kind
 
@@ -62,10 +70,7 @@ def engine_client(kind: str, url: str, *, api_key: Optional[str] = None):
     """The InferenceEngine client for a server of `kind` at `url` (an SGLang server gets SGLang's
     weight-update endpoints; `stacx serve` gets the bucket endpoint); `api_key` is the server's secret."""
     if kind == "sglang":
-        from stacx.rollout.engines.sglang import SglangEngine
-
         return SglangEngine(url, api_key=api_key)
-    from stacx.rollout.engines.http import HttpEngine
 
     return HttpEngine(url, api_key=api_key)
 
@@ -129,8 +134,10 @@ class CpuServerProcess:
 def load_tokenizer(path: str):
     """The tokenizer saved next to a Hugging Face checkpoint; a clear error when there is none.
     A path that is not a local checkpoint folder fails at once (never a Hub download attempt)."""
+    # Imported here: transformers is slow to import (start-up time).
     from transformers import AutoTokenizer
 
+    # Imported here: megatron-core is slow to import (start-up time).
     from stacx.models.checkpoint import require_hf_checkpoint_folder
 
     require_hf_checkpoint_folder(path)
@@ -144,15 +151,12 @@ def build_teacher(teacher_section):
     """TeacherClient for `teacher.teacher_url` (None when unset)."""
     if not teacher_section.teacher_url:
         return None
-    from stacx.rollout.teacher import TeacherClient
 
     return TeacherClient(teacher_section.teacher_url, retry=teacher_retry_policy(teacher_section))
 
 
 def teacher_retry_policy(teacher_section):
     """Per-request timeout and attempts (1 + teacher_retries) of every call to the teacher server."""
-    from stacx.rollout.http_client import RetryPolicy
-
     return RetryPolicy(timeout_s=teacher_section.teacher_timeout_s, max_attempts=teacher_section.teacher_retries + 1)
 
 
@@ -200,7 +204,6 @@ class RolloutService:
                 raise ValueError(f"--rollout-urls lists a server twice: {list(rollout.rollout_urls)}")
             url = rollout.rollout_urls[0]
         else:  # sglang
-            from stacx.rollout.engines.sglang import SglangServerSpec, launch_sglang_servers_on_ray
 
             actors, urls = launch_sglang_servers_on_ray([SglangServerSpec(model_path=hf_checkpoint, port=SGLANG_PORT,
                                                                           api_key=api_key)])
@@ -215,8 +218,6 @@ class RolloutService:
         top_k = run_config.teacher.teacher_top_k if run_config.teacher.distill_kl_mode == "topk" else 0
         urls = tuple(rollout.rollout_urls) if kind == "http" else (url,)
         if len(urls) > 1:
-            from stacx.rollout.engine_pool import EnginePool
-
             engine = EnginePool([engine_client(kind, u, api_key=api_key) for u in urls], names=urls)
         else:
             engine = engine_client(kind, url, api_key=api_key)
@@ -238,8 +239,6 @@ class RolloutService:
             time.sleep(0.5)
 
     def sampling_params(self):
-        from stacx.rollout.types import SamplingParams
-
         r = self.rollout
         eos = getattr(self.tokenizer, "eos_token_id", None)
         return SamplingParams(max_new_tokens=r.rollout_max_response_len, temperature=r.rollout_temperature,
@@ -248,8 +247,6 @@ class RolloutService:
 
     def manager(self, step: int, *, seed_offset: int = 0, with_teacher: bool = True):
         """A RolloutManager on the rollout engine(s), its sampling seeds fixed by (rollout_seed, step, offset)."""
-        from stacx.rollout.manager import RolloutManager
-
         return RolloutManager(
             self.engine, tokenizer=self.tokenizer, reward_fn=self.rollout.reward_fn,
             reward_timeout_s=self.rollout.reward_timeout_s,
@@ -263,7 +260,6 @@ class RolloutService:
             section = self.teacher_section
             if section is None or not section.teacher_url:
                 raise ValueError("DAgger roll-ins let the teacher act; set --teacher-url (a `stacx serve` or SGLang teacher)")
-            from stacx.rollout.engines.http import HttpEngine
 
             self._teacher_engine = HttpEngine(section.teacher_url, teacher_retry_policy(section))
         return self._teacher_engine

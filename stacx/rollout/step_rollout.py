@@ -26,11 +26,16 @@ a reward function that gives everyone the same score.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from typing import Any, Optional, Sequence
 
 from stacx.rollout import rollin
+from stacx.rollout.dagger import Executor
+from stacx.rollout.data import DataConfig, load_examples
+from stacx.rollout.dynamic_sampling import collect_informative_groups
+from stacx.rollout.evaluation import RolloutDumper, evaluate
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +100,6 @@ class StepRollout:
                 "--rollout-max-response-len")
         self.dumper = None
         if rollout.save_rollouts_per_step > 0:
-            from stacx.rollout.evaluation import RolloutDumper
-
             self.dumper = RolloutDumper(run_config.logging.out, per_step=rollout.save_rollouts_per_step,
                                         tokenizer=service.tokenizer)
         self.eval_examples = self._load_eval_examples()
@@ -115,8 +118,6 @@ class StepRollout:
             return self.generate(manager, self.data.next_examples(num_prompts), step, rng, metrics)
 
         if self.dynamic:
-            from stacx.rollout.dynamic_sampling import collect_informative_groups
-
             result = collect_informative_groups(
                 lambda k: split_groups(draw(k)), lambda group: [s.reward for s in group], target_groups=batch_size,
                 over_sampling_factor=self.run_config.rollout.over_sampling_factor,
@@ -156,8 +157,6 @@ class StepRollout:
         return samples
 
     def roll_in(self, manager, examples: Sequence[Any], step: int, rng: random.Random, metrics: dict) -> list:
-        from stacx.rollout.dagger import Executor
-
         tokenizer = self.service.tokenizer
         sampling = self.service.sampling_params()
         episodes = rollin.start_episodes(examples, n_samples_per_prompt=self.run_config.rollout.n_samples_per_prompt,
@@ -222,7 +221,6 @@ class StepRollout:
             raise ValueError(f"eval_interval={rollout.eval_interval} needs --eval-data (held-out prompts)")
         if rollout.eval_n_samples < 1:
             raise ValueError(f"eval_n_samples must be >= 1, got {rollout.eval_n_samples}")
-        from stacx.rollout.data import DataConfig, load_examples
 
         config = DataConfig(path=rollout.eval_data, kind="prompt", input_key=rollout.input_key,
                             label_key=rollout.label_key, metadata_key=rollout.metadata_key,
@@ -234,9 +232,7 @@ class StepRollout:
         rollout = self.run_config.rollout
         if self.eval_examples is None or (step + 1) % rollout.eval_interval:
             return {}
-        import dataclasses
 
-        from stacx.rollout.evaluation import evaluate
 
         manager = self.service.manager(step, seed_offset=EVAL_SEED_OFFSET, with_teacher=False)
         sampling = dataclasses.replace(self.service.sampling_params(), temperature=rollout.eval_temperature)

@@ -154,7 +154,7 @@ class StepDataSource:
 
     def __init__(self, run_config, training_config, tokenizer):
         # Imported here: the data readers (Parquet, tokenizer templates) load only on the driver.
-        from stacx.rollout.data import DataConfig, EpochLoader, load_examples
+        from stacx.rollout.data import DataConfig, EpochLoader, load_examples, load_trajectory_corpus
         from stacx.env_overrides import apply_env_overrides
 
         rollout = run_config.rollout
@@ -164,8 +164,6 @@ class StepDataSource:
         if training_config.rollin_protocol == "teacher_relabel" and teacher.dagger_sft_mode == "trajectory":
             if not teacher.trajectory_corpus:
                 raise ValueError("dagger_sft_mode 'trajectory' needs --trajectory-corpus")
-            from stacx.rollout.data import load_trajectory_corpus
-
             self.kind = "trajectory"
             examples = load_trajectory_corpus(teacher.trajectory_corpus)
         else:

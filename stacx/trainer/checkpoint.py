@@ -102,7 +102,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate(_as_python_random_state(state["python"]))
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
-        import numpy as np
+        import numpy as np  # numpy is optional for Stacx (see capture_rng_state)
 
         numpy_state = state["numpy"]
         np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype("uint32"),

@@ -8,23 +8,32 @@ The torchrun path is `stacx.trainer.spmd.build_spmd_trainer`; both share the dri
 
 from __future__ import annotations
 
+from stacx.objectives import import_builtin_and_custom_modules, load_custom_modules
 from stacx.rollout.rollin import check_supported
+from stacx.rollout.service import RolloutService, load_tokenizer
+from stacx.trainer.batch import StepDataSource
+from stacx.trainer.cluster.ray.connect import connect_ray
 from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
+from stacx.trainer.cluster.ray.group import RayChannel, RayRoleGroup
+from stacx.trainer.config.algorithm import infer_algorithm
+from stacx.trainer.config.resolve import (
+    apply_run_env_overrides,
+    policy_loss_named_by_algorithm,
+    resolve_algorithm_config,
+    user_algorithm_values,
+)
+from stacx.trainer.loop import StacxTrainer
+from stacx.trainer.metrics import MetricsLogger
+from stacx.trainer.recipes import get_recipe
 
 # ---- the whole run: recipe -> workers + runtimes + rollout + logger -> StacxTrainer ----------
 
 
 def resolve_recipe(run_config):
     """(TrainingConfig, resolved AlgorithmConfig) of a run: custom modules imported, then infer_algorithm."""
-    from stacx.objectives import import_builtin_and_custom_modules, load_custom_modules
-    from stacx.trainer.config.algorithm import infer_algorithm
-    from stacx.trainer.recipes import get_recipe
-    from stacx.trainer.config.resolve import resolve_algorithm_config
-
     import_builtin_and_custom_modules()  # stacx/custom/ may hold kernels and recipes
     if run_config.train.custom_module:
         load_custom_modules(list(run_config.train.custom_module))
-    from stacx.trainer.config.resolve import policy_loss_named_by_algorithm, user_algorithm_values
 
     estimator = user_algorithm_values(run_config).get("advantage_estimator", run_config.algorithm.advantage_estimator)
     algorithm = None if policy_loss_named_by_algorithm(run_config) else run_config.train.algorithm
@@ -35,8 +44,6 @@ def resolve_recipe(run_config):
 
 
 def build_metrics_logger(run_config, start_step: int = 0):
-    from stacx.trainer.metrics import MetricsLogger
-
     section = run_config.logging
     return MetricsLogger(section.out, total_steps=run_config.train.num_steps, start_step=start_step,
                          tensorboard=section.tensorboard, wandb_project=section.wandb_project,
@@ -45,9 +52,6 @@ def build_metrics_logger(run_config, start_step: int = 0):
 
 def build_driver_side(run_config, training_config):
     """(tokenizer, StepDataSource, RolloutService or None) for the process that drives the run."""
-    from stacx.rollout.service import RolloutService, load_tokenizer
-    from stacx.trainer.batch import StepDataSource
-
     if run_config.model.hf_checkpoint is None:
         raise ValueError("--hf-checkpoint is not set (the model every role starts from, and its tokenizer)")
     tokenizer = load_tokenizer(run_config.model.hf_checkpoint)
@@ -64,12 +68,6 @@ def create_trainer(run_config, *, layout: WorkerLayout | None = None):
     `layout` overrides the worker layout derived from `run_config.parallel` (tests pin CPUs with it).
     On failure everything started so far is released before the error propagates.
     """
-    from stacx.trainer.cluster.ray.connect import connect_ray
-    from stacx.trainer.cluster.ray.group import RayChannel, RayRoleGroup
-    from stacx.trainer.loop import StacxTrainer
-
-    from stacx.trainer.config.resolve import apply_run_env_overrides
-
     run_config = apply_run_env_overrides(run_config)  # STACX_* read once; workers get the result
     training_config, algorithm = resolve_recipe(run_config)
     check_supported(training_config, run_config)

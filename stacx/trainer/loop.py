@@ -24,12 +24,28 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from stacx.objectives import get_advantage
+from stacx.objectives.advantages_returns import gae_returns
+from stacx.parallel.reduction import StepCounts, count_loss_tokens
+from stacx.rollout.step_rollout import StepRollout
 from stacx.trainer.batch import StepBatch, StepDataSource, plan_micro_batches
-from stacx.trainer.interrupts import stop_on_termination_signals
-from stacx.trainer.numerics import NonFiniteGuard
+from stacx.trainer.checkpoint import (
+    CheckpointError,
+    begin_checkpoint,
+    capture_rng_state,
+    check_save_folder,
+    commit_checkpoint,
+    load_checkpoint,
+    remove_checkpoints,
+    remove_staging_folders,
+    restore_rng_state,
+)
 from stacx.trainer.config.layout import RoleLayout
 from stacx.trainer.config.recipe import role_checkpoint_path, role_wants_reference
 from stacx.trainer.config.resolve import check_resumed_algorithm, resolved_run_config_dict
+from stacx.trainer.exchange import ExchangeSchedule
+from stacx.trainer.interrupts import stop_on_termination_signals
+from stacx.trainer.numerics import NonFiniteGuard
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +74,6 @@ class StacxTrainer:
         self.on_failure = on_failure
         self.on_close = on_close
         self.role_graph = training_config.role_graph()
-        from stacx.trainer.exchange import ExchangeSchedule
-
         self.exchange_schedule = ExchangeSchedule(training_config, exchanges, self.roles,
                                                   every_n_steps_override=run_config.train.exchange_every_n_steps)
         """Exchange syncs (e.g. a reference refreshed from the policy) run after the train phase when due."""
@@ -115,8 +129,6 @@ class StacxTrainer:
 
     def check_save_folder(self) -> None:
         """Refuse (on every rank alike) a --save folder holding another run's checkpoints, see checkpoint.py."""
-        from stacx.trainer.checkpoint import CheckpointError, check_save_folder
-
         model = self.run_config.model
         if not model.save:  # the same run config on every rank: all return here alike
             return
@@ -179,8 +191,6 @@ class StacxTrainer:
         return batch, metrics
 
     def _build_step_rollout(self):
-        from stacx.rollout.step_rollout import StepRollout
-
         return StepRollout(self.rollout, self.data, run_config=self.run_config, training_config=self.training_config,
                            algorithm=self.algorithm)
 
@@ -251,9 +261,6 @@ class StacxTrainer:
 
         The estimator reads the step batch itself (`prompt_id`, `log_probs`, ... under their one
         name), its rewards as float64."""
-        from stacx.objectives import get_advantage
-        from stacx.objectives.advantages_returns import gae_returns
-
         rollout_data = replace(batch, rewards=torch.tensor(batch.rewards, dtype=torch.float64))
         estimator = get_advantage(self.algorithm.advantage_estimator)
         advantages = estimator(self.algorithm, rollout_data)
@@ -274,8 +281,6 @@ class StacxTrainer:
 
     def train_role(self, role_name: str, batch: StepBatch) -> dict[str, float]:
         """One optimizer step of a role over the whole batch; metrics are identical on every rank."""
-        from stacx.parallel.reduction import StepCounts, count_loss_tokens
-
         group = self.roles[role_name]
         plan = self.plan(role_name, batch)
         num_tokens, num_sequences = count_loss_tokens(batch.loss_masks)
@@ -322,12 +327,8 @@ class StacxTrainer:
 
     def save_checkpoint(self, step: int) -> str | None:
         """Every rank writes its state into a staging folder; the driver commits it atomically."""
-        from stacx.trainer.checkpoint import begin_checkpoint, capture_rng_state, commit_checkpoint
-
         root = self.run_config.model.save
         if self.channel.is_driver and not self._saved_once and self.run_config.model.overwrite and not self.run_config.model.load:
-            from stacx.trainer.checkpoint import remove_checkpoints
-
             # --overwrite: the older run's steps go at this run's first save (its later steps would look newer).
             for path in remove_checkpoints(root):
                 logger.warning("--overwrite: removed %s of an earlier run", path)
@@ -349,8 +350,6 @@ class StacxTrainer:
 
     def resume_if_requested(self) -> int:
         """Load `model.load` (a step folder or a root holding them) into every rank; returns the step."""
-        from stacx.trainer.checkpoint import load_checkpoint, restore_rng_state
-
         path = self.run_config.model.load
         if not path:
             return 0
@@ -379,8 +378,6 @@ class StacxTrainer:
             self._close_logger_and_rollout()
         finally:
             if self.channel.is_driver and self.run_config.model.save:
-                from stacx.trainer.checkpoint import remove_staging_folders
-
                 for path in remove_staging_folders(self.run_config.model.save):
                     logger.warning("removed the unfinished checkpoint staging folder %s", path)
 

@@ -38,6 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, TextIO
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from tqdm import tqdm
+
 PLOT_FAMILIES = ("reward", "loss", "kl", "eval")
 """Each family gets one PNG with every metric whose name has a word starting with it."""
 
@@ -207,10 +212,6 @@ def ema(values: list[float], weight: float = SMOOTHING_WEIGHT) -> list[float]:
 def draw_family_figure(history: list[Mapping[str, Any]], plan: FamilyPlot):
     """A matplotlib Figure (Agg canvas, no pyplot state) for `plan`: axes[0] the values (if any),
     then axes for the counts (if any), sharing the step axis; the always-zero names in a footnote."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
     series = _numeric_series(history)
     panels = [(keys, label) for keys, label in ((plan.value_keys, plan.family), (plan.count_keys, "count")) if keys]
     heights = [3 if label == plan.family else 1.6 for _, label in panels]
@@ -285,6 +286,7 @@ class MetricsLogger:
         self._wandb = None
         self._bar = None
         if tensorboard:
+            # Imported here: TensorBoard is slow to import (start-up time).
             from torch.utils.tensorboard import SummaryWriter
 
             self._tensorboard = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"), purge_step=start_step or None)
@@ -299,8 +301,6 @@ class MetricsLogger:
             self._wandb = wandb.init(project=wandb_project, name=wandb_run_name, dir=str(self.out_dir),
                                      config=dict(run_config or {}), resume="allow")
         if progress_bar:
-            from tqdm import tqdm
-
             self._bar = tqdm(
                 total=total_steps, initial=start_step, file=progress_file or sys.stderr, dynamic_ncols=True,
                 bar_format="step {n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}, ETA {remaining}]", mininterval=0,

@@ -25,8 +25,20 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.error
+import urllib.request
 from typing import Any, Optional
 
+from stacx.env_overrides import apply_env_overrides
+from stacx.objectives import load_custom_modules
+from stacx.rollout.data import MalformedRowError
+from stacx.rollout.http_client import API_KEY_ENV
+from stacx.rollout.rewards import resolve_reward_fn
+from stacx.rollout.rollin import check_supported
+from stacx.rollout.service import load_tokenizer
+from stacx.tasks.data import is_builtin, parse_builtin_spec, resolve_builtin_data
+from stacx.trainer.batch import StepDataSource
+from stacx.trainer.checkpoint import CheckpointError, check_save_folder, read_manifest, resolve_checkpoint_folder
 from stacx.trainer.config.checks import PreflightError
 from stacx.trainer.config.recipe import role_checkpoint_path, role_wants_reference
 
@@ -118,7 +130,6 @@ def check_custom_modules(run_config) -> None:
     """Every --custom-module imports (loading an already imported file again is a no-op)."""
     if not run_config.train.custom_module:
         return
-    from stacx.objectives import load_custom_modules
 
     try:
         load_custom_modules(list(run_config.train.custom_module))
@@ -128,9 +139,6 @@ def check_custom_modules(run_config) -> None:
 
 def check_resume_and_save(run_config) -> None:
     """--load must hold a complete checkpoint with a readable manifest; --save must not be another run's."""
-    from stacx.trainer.checkpoint import (CheckpointError, check_save_folder, read_manifest,
-                                          resolve_checkpoint_folder)
-
     model = run_config.model
     if model.load:
         if not os.path.exists(model.load):
@@ -150,8 +158,6 @@ def check_resume_and_save(run_config) -> None:
 
 def replays_trajectories(run_config, training_config) -> bool:
     """True when online_dagger replays a saved teacher corpus (no engine, no teacher server)."""
-    from stacx.env_overrides import apply_env_overrides
-
     teacher = apply_env_overrides(run_config.teacher)
     return training_config.rollin_protocol == "teacher_relabel" and teacher.dagger_sft_mode == "trajectory"
 
@@ -175,13 +181,10 @@ def check_services(run_config, training_config) -> None:
     if run_config.rollout.rollout_engine == "http" and not run_config.rollout.rollout_urls:
         raise PreflightError("--rollout-engine http attaches to running servers; give them with --rollout-urls")
     if training_config.uses_reward:
-        from stacx.rollout.rewards import resolve_reward_fn
-
         try:
             resolve_reward_fn(run_config.rollout.reward_fn)
         except ValueError as err:
             raise PreflightError(f"--reward-fn: {err}") from None
-    from stacx.rollout.rollin import check_supported
 
     try:
         check_supported(training_config, run_config)
@@ -191,11 +194,6 @@ def check_services(run_config, training_config) -> None:
 
 def _get_json(url: str, timeout_s: float) -> tuple[int, Any]:
     """(HTTP status, parsed JSON body or None) of a GET; raises OSError when nothing answers."""
-    import urllib.error
-    import urllib.request
-
-    from stacx.rollout.http_client import API_KEY_ENV
-
     request = urllib.request.Request(url)
     api_key = os.environ.get(API_KEY_ENV)
     if api_key:
@@ -289,8 +287,6 @@ def check_data_paths(run_config, training_config) -> None:
 
 
 def _check_data_file(field_name: str, path: str) -> None:
-    from stacx.tasks.data import is_builtin, parse_builtin_spec
-
     if is_builtin(path):
         try:
             parse_builtin_spec(path)
@@ -303,11 +299,6 @@ def _check_data_file(field_name: str, path: str) -> None:
 
 def load_and_check_data(run_config, training_config) -> None:
     """Read the data as the run will (StepDataSource, which calls `check_examples`); errors name the flag."""
-    from stacx.rollout.data import MalformedRowError
-    from stacx.tasks.data import resolve_builtin_data
-    from stacx.rollout.service import load_tokenizer
-    from stacx.trainer.batch import StepDataSource
-
     run_config = resolve_builtin_data(run_config)
     try:
         tokenizer = load_tokenizer(run_config.model.hf_checkpoint)

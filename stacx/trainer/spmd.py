@@ -14,6 +14,17 @@ from __future__ import annotations
 
 import os
 
+import torch.distributed as dist
+
+from stacx.parallel.groups import destroy_parallel_layout, init_distributed_from_env, initialize_parallel_layout
+from stacx.rollout.rollin import check_supported
+from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
+from stacx.trainer.cluster.node_interface import bind_collectives_to_node, local_address_toward
+from stacx.trainer.config.resolve import apply_run_env_overrides
+from stacx.trainer.factory import build_driver_side, build_metrics_logger, resolve_recipe
+from stacx.trainer.loop import StacxTrainer
+from stacx.trainer.runtime.role_runtime import RoleRuntime
+
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -26,18 +37,6 @@ def launched_by_torchrun(environ=None) -> bool:
 
 def build_spmd_trainer(run_config):
     """Initialize torch.distributed from the environment and build this rank's StacxTrainer."""
-    import torch.distributed as dist
-
-    from stacx.parallel.groups import initialize_parallel_layout, init_distributed_from_env
-    from stacx.rollout.rollin import check_supported
-    from stacx.trainer.factory import build_driver_side, build_metrics_logger, resolve_recipe
-    from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
-    from stacx.trainer.runtime.role_runtime import RoleRuntime
-    from stacx.trainer.loop import StacxTrainer
-    from stacx.trainer.cluster.node_interface import bind_collectives_to_node, local_address_toward
-
-    from stacx.trainer.config.resolve import apply_run_env_overrides
-
     run_config = apply_run_env_overrides(run_config)  # STACX_* read once, as on the Ray path
     training_config, algorithm = resolve_recipe(run_config)
     if len(training_config.roles) != 1:
@@ -59,7 +58,6 @@ def build_spmd_trainer(run_config):
 
     def close():
         runtime.close()
-        from stacx.parallel.groups import destroy_parallel_layout
 
         destroy_parallel_layout()
 

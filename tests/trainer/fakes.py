@@ -63,14 +63,32 @@ class DriverChannel:
         pass
 
 
+class FakeDataSource:
+    """A dataset whose every batch is `batch` (a `StepBatch`)."""
+
+    kind = "dataset"
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def next_dataset_batch(self):
+        return self.batch
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 def make_trainer(recipe: str = "sft", *, roles: dict | None = None, rollout=None, run_config: RunConfig | None = None,
                  on_failure: Callable[[], None] = lambda: None, on_close: Callable[[], None] = lambda: None,
-                 role_names: Sequence[str] | None = None) -> StacxTrainer:
+                 role_names: Sequence[str] | None = None, data=None) -> StacxTrainer:
     """A `StacxTrainer` of a built-in recipe over `FakeRoleGroup`s (one per role unless `roles` is given)."""
     training_config = get_recipe(recipe)
     run_config = run_config or RunConfig()
     names = role_names or [role.name for role in training_config.roles]
     roles = roles if roles is not None else {name: FakeRoleGroup(name) for name in names}
     return StacxTrainer(run_config=run_config, training_config=training_config,
-                        algorithm=resolve_algorithm_config(training_config, run_config, environ={}), roles=roles, channel=DriverChannel(), data=None, rollout=rollout,
-                        on_failure=on_failure, on_close=on_close)
+                        algorithm=resolve_algorithm_config(training_config, run_config, environ={}), roles=roles,
+                        channel=DriverChannel(), data=data, rollout=rollout, on_failure=on_failure, on_close=on_close)

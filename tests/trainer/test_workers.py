@@ -30,7 +30,7 @@ from stacx.trainer.cluster.ray import (
     RoleWorkerTimeout,
 )
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(400)]
 
 MIB = 1024 * 1024
 

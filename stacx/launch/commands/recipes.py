@@ -15,7 +15,7 @@ HELP = "list the recipe catalog (roles, syncs, algorithm defaults) or describe o
 
 _MARKDOWN_HEADER = """# Recipe catalog
 
-Every algorithm Stacx runs is a recipe: a frozen `TrainingConfig` in `stacx/trainer/recipes.py`
+Every algorithm Stacx runs is a recipe: a frozen `TrainingConfig` in `stacx/trainer/recipes/`
 naming the run's model roles and the syncs between them (see `docs/architecture.md`). Select one
 with `--algorithm NAME`; without it, `--use-critic` selects `ppo` and otherwise
 `--advantage-estimator` picks the recipe built around that estimator (default `grpo`).

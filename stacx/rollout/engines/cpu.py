@@ -20,8 +20,11 @@ import time
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
+from stacx.parallel.groups import ProcessGroups, initialize_parallel_layout
 from stacx.rollout.engines.base import InferenceEngine, WeightBucket
+from stacx.rollout.engines.kv_cache_decoding import KvCacheDecoder
 from stacx.rollout.engines.weight_loading import HfWeightReceiver
 from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
 
@@ -95,10 +98,6 @@ def ensure_single_process_layout():
     Raises if this process already belongs to a larger torch.distributed world (a trainer rank):
     the CPU engine runs in the driver or in `stacx serve`, never inside a sharded worker.
     """
-    import torch.distributed as dist
-
-    from stacx.parallel.groups import ProcessGroups, initialize_parallel_layout
-
     if dist.is_initialized():
         if dist.get_world_size() != 1:
             raise RuntimeError(
@@ -107,6 +106,7 @@ def ensure_single_process_layout():
             )
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # Imported here: megatron-core is slow to import (start-up time).
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -126,9 +126,9 @@ class CpuEngine(InferenceEngine):
 
     def __init__(self, model, *, eos_token_id: Optional[int] = None, weight_loader: Optional[WeightLoader] = None,
                  seed: int = 0, model_path: str = "", decoding: str = "kv_cache"):
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import hf_config_of
 
-        from stacx.parallel.groups import ProcessGroups
 
         if decoding not in DECODINGS:
             raise ValueError(f"CpuEngine decoding={decoding!r} is not one of {DECODINGS}")
@@ -150,14 +150,13 @@ class CpuEngine(InferenceEngine):
         self.decoding = decoding
         self._cached_decoder = None
         if decoding == "kv_cache":
-            from stacx.rollout.engines.kv_cache_decoding import KvCacheDecoder
-
             self._cached_decoder = KvCacheDecoder(self.model, self.groups)
 
     @classmethod
     def from_hf_checkpoint(cls, path: str, *, params_dtype: torch.dtype = torch.float32, seed: int = 0,
                            decoding: str = "kv_cache") -> "CpuEngine":
         """Build the model from `path`'s config.json, load its weights, read eos from its config."""
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import build_model, load_hf_checkpoint
         from stacx.models.architectures import load_hf_config
 
@@ -175,6 +174,7 @@ class CpuEngine(InferenceEngine):
     @torch.no_grad()
     def _logits(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Per sequence, fp32 logits [len, V] over the real vocab from one packed forward."""
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import forward_packed
 
         lengths = [len(s) for s in sequences]

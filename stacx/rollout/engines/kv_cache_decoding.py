@@ -84,6 +84,7 @@ def _growing_layer_class():
 
 def new_cache(config, capacity: int):
     """An empty KV cache for `config`'s model holding up to `capacity` positions without copying."""
+    # Imported here: transformers is slow to import (start-up time).
     from transformers import DynamicCache
 
     try:
@@ -143,8 +144,10 @@ class KvCacheDecoder:
     """
 
     def __init__(self, gpt_model, groups):
+        # Imported here: transformers is slow to import (start-up time).
         from transformers import AutoModelForCausalLM
 
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import hf_config_of
 
         self._gpt_model = gpt_model
@@ -169,6 +172,7 @@ class KvCacheDecoder:
 
         Raises AssertionError if a mirror parameter was not written (a mapping gap: a bug).
         """
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import iter_hf_weight_buckets
 
         params = dict(self.hf_model.named_parameters())  # tied weights appear once

@@ -21,15 +21,17 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from stacx.parallel.bound_store import host_bound_store
-from stacx.rollout.engines.base import WeightBucket
-from stacx.rollout.http_client import RetryPolicy
-from stacx.rollout.engines.http import HttpEngine
 from stacx.parallel.tensor_buckets import dtype_name
+from stacx.rollout.engines.base import WeightBucket
+from stacx.rollout.engines.http import HttpEngine
+from stacx.rollout.http_client import RetryPolicy
 
 WEIGHT_UPDATE_MODES = ("tensor", "distributed")
 
@@ -78,10 +80,6 @@ class WeightBroadcastGroup:
 
     def __init__(self, *, master_address: str, master_port: int, world_size: int, rank: int = 0,
                  backend: str = "nccl", timeout_s: float = 600.0):
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
         if rank == 0:  # the trainer hosts the group's store on the address SGLang's ranks were given, only there
             store, _ = host_bound_store(master_address, timeout_s, port=master_port, world_size=world_size,
                                         purpose="SGLang weight-update group")
@@ -97,8 +95,6 @@ class WeightBroadcastGroup:
         self.rank, self.world_size, self.backend = rank, world_size, backend
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        import torch.distributed as dist
-
         options = dist.BroadcastOptions()
         options.rootRank = 0
         self.group.broadcast([tensor], options).wait()
@@ -198,6 +194,7 @@ def launch_sglang_servers_on_ray(specs: Sequence[SglangServerSpec], *, num_gpus_
     Fails (instead of waiting forever) when the servers are not up within startup_timeout_s plus a
     scheduling margin, e.g. because the cluster lacks the GPUs; every actor started is killed first.
     """
+    # Imported here: Ray is slow to import (start-up time).
     import ray
 
     actor_cls = ray.remote(SglangServerProcess)

@@ -20,6 +20,7 @@ class HfWeightReceiver:
     """Receives (hf_name, full tensor) pairs in any grouping and writes finished parameters."""
 
     def __init__(self, model, groups):
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import hf_config_of, unwrap_model
         from stacx.models.architectures import decoder_shape
         from stacx.models.weight_mapping import IGNORED_HF_SUFFIXES, param_mappings

@@ -30,6 +30,7 @@ import pathlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from stacx.parallel.tensor_buckets import TENSOR_DTYPES, check_slot, pack_bucket, plan_buckets
 from stacx.trainer.batch import StepBatch
@@ -102,15 +103,11 @@ def encode_message(value: Any) -> torch.Tensor:
 # ---- sending between the ranks of the default group -----------------------------------------------
 
 def _message_device() -> torch.device:
-    import torch.distributed as dist
-
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def broadcast_value(value: Any, *, src: int = 0) -> Any:
     """Rank `src`'s `value` on every rank (two broadcasts: the length, then the message)."""
-    import torch.distributed as dist
-
     device = _message_device()
     is_source = dist.get_rank() == src
     message = encode_message(value).to(device) if is_source else None
@@ -124,8 +121,6 @@ def broadcast_value(value: Any, *, src: int = 0) -> Any:
 
 def all_gather_values(value: Any) -> list[Any]:
     """Every rank's `value`, in rank order, on every rank (messages padded to the longest)."""
-    import torch.distributed as dist
-
     device = _message_device()
     world_size = dist.get_world_size()
     message = encode_message(value).to(device)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from stacx.trainer.config.recipe import ADVANTAGE_ESTIMATORS, TRAINING_CONFIGS, RecipeError
+from stacx.objectives.registry import list_advantages
+from stacx.trainer.config.recipe import ADVANTAGE_ESTIMATORS, RecipeError, TRAINING_CONFIGS
 
 #: Advantage estimator -> the recipe whose defaults are built around it.
 ESTIMATOR_TO_RECIPE: dict[str, str] = {
@@ -66,8 +67,6 @@ def infer_algorithm(args: Any) -> str:
 
 def registered_advantage_estimators() -> set[str]:
     """Every advantage estimator name: built-in, in stacx/custom/, and from loaded user modules."""
-    from stacx.objectives.registry import list_advantages
-
     return set(list_advantages()) | set(ADVANTAGE_ESTIMATORS)
 
 

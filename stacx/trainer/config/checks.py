@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
+from stacx.rollout.rewards import resolve_reward_fn, reward_needs_label
 from stacx.trainer.config.run import ConfigError
 
 MAX_ROWS_NAMED = 3
@@ -46,8 +47,6 @@ def check_examples(examples: Sequence[Any], *, run_config, training_config, kind
     """
     rollout = run_config.rollout
     if kind == "prompt" and training_config.uses_reward:
-        from stacx.rollout.rewards import resolve_reward_fn, reward_needs_label
-
         try:
             reward_fn = resolve_reward_fn(rollout.reward_fn)
         except ValueError as err:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from stacx.trainer.config.run import RunConfig
+
 
 def StacxConfig(*, model_path: str | None = None, algorithm: Mapping[str, Any] | None = None, **fields: Any):  # noqa: N802 - a config "class" in guide 001's spelling
     """The `RunConfig` these keywords describe (`model_path` = `hf_checkpoint`)."""
-    from stacx.trainer.config.run import RunConfig
-
     values: dict[str, Any] = dict(fields)
     if model_path is not None:
         if values.get("hf_checkpoint") not in (None, model_path):

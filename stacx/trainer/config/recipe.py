@@ -29,9 +29,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from stacx.objectives import registry
 from stacx.objectives.aggregation import BUILTIN_AGGREGATION_MODE_NAMES
-from stacx.objectives.discovery import record_user_module
 from stacx.objectives.algorithm_config import AlgorithmConfig, AlgorithmConfigError, hyperparameter_fields
+from stacx.objectives.discovery import record_user_module
 from stacx.specializations.base import Specialization
 
 # Names provided by the objectives registries (stacx.objectives). Recipes name kernels; the
@@ -81,10 +82,6 @@ def _check_choice(where: str, value: Any, known: tuple[str, ...]) -> None:
 def _with_registered(builtin: tuple[str, ...], registry_name: str) -> tuple[str, ...]:
     """Built-in names plus any custom kernel already registered in stacx.objectives (user plugins are
     registered before the recipe that names them is imported)."""
-    try:
-        from stacx.objectives import registry
-    except ImportError:
-        return builtin
     found = getattr(registry, registry_name, None)
     extra = [name for name in (found.names() if found is not None else ()) if name not in builtin]
     return builtin + tuple(extra)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from stacx.env_overrides import read_env_overrides
+from stacx.env_overrides import apply_env_overrides, read_env_overrides
+from stacx.objectives.registry import POLICY_LOSSES
 from stacx.trainer.config.recipe import TRAINING_CONFIGS
 from stacx.trainer.config.run import AlgorithmConfig
 
@@ -32,8 +33,6 @@ ESTIMATOR_ALIASES = ("adv_estimator",)
 def policy_loss_named_by_algorithm(run_config) -> str | None:
     """Guide 001: `algorithm.name` (or --algorithm) naming a registered policy loss, not a recipe,
     selects that loss (in the recipe its estimator infers). None otherwise."""
-    from stacx.objectives.registry import POLICY_LOSSES
-
     name = run_config.train.algorithm
     if name and name not in TRAINING_CONFIGS and name in POLICY_LOSSES:
         return name
@@ -68,8 +67,6 @@ def apply_run_env_overrides(run_config, environ=None):
     torchrun rank), and recorded in `given_keys` (an override is a user setting). Everything
     downstream (the driver's teacher top-K request, the roll-in, the workers, which receive this
     object) sees the same values; workers never read their own env."""
-    from stacx.env_overrides import apply_env_overrides, read_env_overrides
-
     teacher = apply_env_overrides(run_config.teacher, environ)
     if teacher is run_config.teacher:
         return run_config

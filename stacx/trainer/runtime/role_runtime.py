@@ -26,10 +26,18 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from stacx.parallel.groups import ProcessGroups
+from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
+from stacx.parallel.reduction import Reducer
+from stacx.rollout.service import engine_client
+from stacx.specializations.base import NUM_LOSS_TOKENS
 from stacx.specializations.batch import MicroBatch
 from stacx.trainer.batch import StepBatch
+from stacx.trainer.checkpoint import capture_rng_state, restore_rng_state, write_rank_state
 from stacx.trainer.config.layout import RankCoords
 from stacx.trainer.config.recipe import ModelRole, role_checkpoint_path
+from stacx.trainer.numerics import WEIGHTS_NONFINITE_METRIC, step_optimizer_if_finite
+from stacx.trainer.runtime.optim import build_optimizer, current_lr, wrap_ddp
+from stacx.trainer.runtime.value_head import attach_value_head
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +55,6 @@ def normalize_uncounted_metrics(metric_sums: dict, specialization, reducer, unco
     step's value (exactly how the logged `loss` is formed); their names are added to `uncounted`
     and logged as those sums. Metrics of a specialization that reports counts are untouched.
     """
-    from stacx.specializations.base import NUM_LOSS_TOKENS
-
     if NUM_LOSS_TOKENS in metric_sums:
         return metric_sums
     declared = specialization.metric_denominators
@@ -69,6 +75,7 @@ class RoleRuntime:
 
     def __init__(self, role: ModelRole, run_config: Any, algorithm: Any, groups: ProcessGroups, *,
                  rank: int = 0):
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import build_model, load_hf_checkpoint
 
         self.role = role
@@ -95,15 +102,11 @@ class RoleRuntime:
             self.reference_weights = [p.detach().clone() for p in self._reference_params()]
         load_hf_checkpoint(self.model, path, groups)
         if role.outputs_values:
-            from stacx.trainer.runtime.value_head import attach_value_head
-
             attach_value_head(self.model)
         self.specialization = role.specialization_cls(algorithm, groups)
         self.num_steps = 0
         self._engine_clients: dict[tuple[str, str], Any] = {}
         if role.trainable:
-            from stacx.trainer.runtime.optim import build_optimizer, wrap_ddp
-
             self.ddp = wrap_ddp(self.model)
             self.optimizer, self.scheduler = build_optimizer(self.ddp, run_config.optim,
                                                              total_steps=run_config.train.num_steps)
@@ -120,6 +123,7 @@ class RoleRuntime:
 
     def _reference_params(self) -> list[torch.nn.Parameter]:
         """The decoder's parameters the reference replaces (all of the GPTModel's, before any value head)."""
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import unwrap_model
 
         return list(unwrap_model(self.model).parameters())
@@ -130,6 +134,7 @@ class RoleRuntime:
 
     def forward(self, batch: MicroBatch) -> torch.Tensor:
         """TP-local logits [T_local, V_pad/tp] (fp32), or values [T_local] for a value-head role."""
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import forward_packed
 
         tokens_local, padded_lengths = batch.model_inputs()
@@ -192,11 +197,6 @@ class RoleRuntime:
         counts: `StepCounts` of the whole global batch (known before the first backward).
         Every DP rank must pass the same number of micro-batches (pack_micro_batches does).
         """
-        from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
-        from stacx.parallel.reduction import Reducer
-        from stacx.trainer.runtime.optim import current_lr
-        from stacx.trainer.numerics import WEIGHTS_NONFINITE_METRIC, step_optimizer_if_finite
-
         if self.optimizer is None:
             raise RuntimeError(f"role {self.role.name!r} is frozen; it has no optimizer to step")
         if not micro_batches:
@@ -234,6 +234,7 @@ class RoleRuntime:
 
     def weight_buckets(self, bucket_bytes: int, *, only_to_tp_rank: int | None = 0) -> Iterator[list]:
         """Hugging Face-named full tensors in buckets (every TP rank of the model must iterate)."""
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import iter_hf_weight_buckets
 
         return iter_hf_weight_buckets(self.model, self.groups, bucket_bytes, only_to_tp_rank=only_to_tp_rank)
@@ -250,7 +251,6 @@ class RoleRuntime:
             for _ in buckets:  # take part in the TP gathers
                 pass
             return 0
-        from stacx.rollout.service import engine_client
 
         key = (engine_kind, url)
         if key not in self._engine_clients:
@@ -268,6 +268,7 @@ class RoleRuntime:
     def export_hf(self, out_dir: str) -> None:
         """Write the role's model as a Hugging Face checkpoint with the tokenizer of the checkpoint
         it started from (every rank calls; rank 0 writes)."""
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import export_hf_checkpoint
 
         if self.role.outputs_values:
@@ -282,8 +283,8 @@ class RoleRuntime:
 
     def state_dict(self) -> dict[str, Any]:
         """Model (by parameter name), reference weights, optimizer, scheduler, RNG and step count."""
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import unwrap_model
-        from stacx.trainer.checkpoint import capture_rng_state
 
         state: dict[str, Any] = {
             "model": {name: p.detach().cpu().clone() for name, p in unwrap_model(self.model).named_parameters()},
@@ -299,8 +300,8 @@ class RoleRuntime:
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import unwrap_model
-        from stacx.trainer.checkpoint import restore_rng_state
 
         params = dict(unwrap_model(self.model).named_parameters())
         saved = state["model"]
@@ -326,8 +327,6 @@ class RoleRuntime:
 
     def save_rank_state(self, staging_dir: str, role_name: str, rank: int):
         """Write this rank's state into a checkpoint staging folder; returns its RankFileInfo."""
-        from stacx.trainer.checkpoint import write_rank_state
-
         return write_rank_state(staging_dir, role_name, rank, self.state_dict(), self.coords())
 
     def load_rank_state(self, loaded, role_name: str, rank: int) -> None:

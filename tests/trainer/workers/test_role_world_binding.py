@@ -43,6 +43,7 @@ def _world_facts(worker) -> dict:
             "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME")}
 
 
+@pytest.mark.slow
 def test_a_ray_role_world_listens_on_loopback_only():
     connection = connect_ray(num_cpus=2, object_store_memory_bytes=80 * 1024 * 1024, log_to_driver=False)
     pool = None

@@ -17,6 +17,10 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
+
+from stacx.trainer.cluster.ray import ExchangeSyncGroup, PlacedPool, ResourcePool, RolePlacement, RoleWorkers
+from stacx.trainer.cluster.ray.connect import connect_ray
 
 RESULT_PREFIX = "STACX_CLUSTER_CHECK"
 
@@ -27,8 +31,6 @@ def rank_contribution(rank: int) -> torch.Tensor:
 
 
 def _all_reduces(worker) -> dict:
-    import torch.distributed as dist
-
     tp_sum = rank_contribution(worker.rank)
     dist.all_reduce(tp_sum, group=worker.groups.tp)
     world_sum = rank_contribution(worker.rank)
@@ -47,8 +49,6 @@ def _consume(worker, tensors) -> dict:
 def run_check(num_ranks: int, tensor_parallel_size: int, bundle_resources: list[str], num_cpus_per_rank: float,
               timeout_s: float) -> dict:
     """Run the check on the connected cluster; returns the result (raises on any mismatch)."""
-    from stacx.trainer.cluster.ray import ExchangeSyncGroup, PlacedPool, ResourcePool, RolePlacement, RoleWorkers
-
     resources = tuple({name: 1.0} for name in bundle_resources)
     pool = ResourcePool(name="check", num_bundles=num_ranks, num_cpus_per_bundle=num_cpus_per_rank,
                         bundle_resources=resources, strategy="SPREAD" if resources else "PACK")
@@ -109,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     if bundle_resources and len(bundle_resources) != args.num_ranks:
         parser.error(f"--bundle-resources names {len(bundle_resources)} resources for {args.num_ranks} ranks")
 
-    from stacx.trainer.cluster.ray.connect import connect_ray
 
     connection = connect_ray(args.ray_address, log_to_driver=False)
     try:

@@ -17,6 +17,7 @@ Where the cluster comes from, first match wins:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import Iterator, Mapping
@@ -35,8 +36,6 @@ def _quiet_token_auth_notice() -> Iterator[None]:
     """Ray enables token authentication for a new local cluster (good: nobody else on the network can
     run code on it) and logs a warning that it did, in every run; only that notice is hidden, errors
     still show. A user's RAY_AUTH_MODE is honoured by Ray as before."""
-    import logging
-
     notice_logger = logging.getLogger(RAY_AUTH_SETUP_LOGGER)
     previous = notice_logger.level
     notice_logger.setLevel(logging.ERROR)
@@ -68,6 +67,7 @@ class RayConnection:
 
     def shutdown(self) -> None:
         """Disconnect this process (which also stops a cluster it started)."""
+        # Imported here: Ray is slow to import (start-up time).
         import ray
 
         if not self.already_connected and ray.is_initialized():
@@ -86,6 +86,7 @@ def _ray_keeps_loopback_node_addresses() -> Iterator[None]:
     node's address, so it is switched off for the `ray.init` call and restored after it;
     `start_local_cluster` checks the result, so a Ray release that changes this fails loudly.
     """
+    # Imported here: Ray is slow to import (start-up time).
     from ray._private import ray_constants
 
     saved = ray_constants.ENABLE_RAY_CLUSTER
@@ -104,6 +105,7 @@ def is_loopback_address(address: str) -> bool:
 
 def node_addresses() -> list[str]:
     """The address of every node of the connected cluster, as Ray reports it."""
+    # Imported here: Ray is slow to import (start-up time).
     import ray
 
     return [node["NodeManagerAddress"] for node in ray.nodes()]
@@ -114,6 +116,7 @@ def start_local_cluster(**init_kwargs) -> None:
 
     RuntimeError (after shutting it down) if Ray reports any other node address.
     """
+    # Imported here: Ray is slow to import (start-up time).
     import ray
 
     with _ray_keeps_loopback_node_addresses(), _quiet_token_auth_notice():
@@ -144,6 +147,7 @@ def connect_ray(
     Sizing arguments apply to a local cluster only; passing them while attaching is an error
     (an attached cluster's resources are set by its own `ray start`).
     """
+    # Imported here: Ray is slow to import (start-up time).
     import ray
 
     address = resolve_ray_address(cli_address, environ)

@@ -64,6 +64,7 @@ def wait_for_worker_results(
     `labels[i]` names the worker that runs `refs[i]`. `timeout_s=None` waits without a
     deadline but still fails as soon as any rank dies or raises.
     """
+    # Imported here: Ray is slow to import (start-up time).
     import ray
 
     if len(refs) != len(labels):
@@ -98,6 +99,7 @@ def wait_for_worker_results(
 
 def _settle_failures(pending, index_of, labels) -> list[tuple[WorkerLabel, BaseException]]:
     """Collect outcomes that land within FAILURE_SETTLE_S of the first failure."""
+    # Imported here: Ray is slow to import (start-up time).
     import ray
 
     if not pending:
@@ -113,6 +115,7 @@ def _settle_failures(pending, index_of, labels) -> list[tuple[WorkerLabel, BaseE
 
 
 def _is_death(err: BaseException) -> bool:
+    # Imported here: Ray is slow to import (start-up time).
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, WorkerCrashedError
 
     return isinstance(err, (RayActorError, ActorDiedError, ActorUnavailableError, WorkerCrashedError))

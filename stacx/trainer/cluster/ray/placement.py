@@ -89,6 +89,7 @@ class PlacedPool:
     @classmethod
     def create(cls, pool: ResourcePool, *, num_sharing_roles: int = 1, timeout_s: float = 120.0) -> "PlacedPool":
         """Reserve the pool's bundles, failing with the pool's needs when the cluster cannot fit them."""
+        # Imported here: Ray is slow to import (start-up time).
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -107,6 +108,7 @@ class PlacedPool:
 
     def actor_options(self, rank: int) -> dict[str, Any]:
         """Ray actor options placing `rank` in bundle `rank` with its share of the bundle."""
+        # Imported here: Ray is slow to import (start-up time).
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not 0 <= rank < self.pool.num_bundles:
@@ -127,6 +129,7 @@ class PlacedPool:
 
     def remove(self) -> None:
         """Release the placement group (actors in it must be gone or they are killed by Ray)."""
+        # Imported here: Ray is slow to import (start-up time).
         from ray.util.placement_group import remove_placement_group
 
         try:

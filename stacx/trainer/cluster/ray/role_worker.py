@@ -26,8 +26,12 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
+from stacx.objectives.discovery import import_user_module_sources
 from stacx.parallel.bound_store import host_bound_store
+from stacx.parallel.groups import default_backend, destroy_parallel_layout, initialize_parallel_layout
+from stacx.trainer.cluster.node_interface import bind_collectives_to_node
 from stacx.trainer.cluster.ray.exchange_endpoint import ExchangeEndpoint, host_store
 
 
@@ -39,11 +43,6 @@ def join_role_world(rank: int, world_size: int, *, node_address: str, store_addr
     ranks connect to `store_address:store_port`. No `tcp://` or `env://` rendezvous is involved:
     torch's own would listen on every interface.
     """
-    import torch.distributed as dist
-
-    from stacx.parallel.groups import default_backend
-    from stacx.trainer.cluster.node_interface import bind_collectives_to_node
-
     timeout = timedelta(seconds=timeout_s)
     if rank == 0:
         if hosted_store is None:
@@ -79,13 +78,12 @@ class RoleWorker:
         self.user_module_names: list[str] = []
         """The user modules executed from the driver's sources in this process."""
         if user_modules:
-            from stacx.objectives.discovery import import_user_module_sources
-
             self.user_module_names = import_user_module_sources(user_modules)
 
     # ---- placement and rendezvous -------------------------------------------------------
     def placement_info(self) -> dict[str, Any]:
         """Where this worker runs: node, placement group, process, visible GPUs."""
+        # Imported here: Ray is slow to import (start-up time).
         import ray
 
         context = ray.get_runtime_context()
@@ -108,6 +106,7 @@ class RoleWorker:
         0.0.0.0 / ::) is kept for `setup`, which hands it to `init_process_group`; the other ranks
         connect to (address, port).
         """
+        # Imported here: Ray is slow to import (start-up time).
         import ray
 
         if self.rank != 0:
@@ -123,9 +122,9 @@ class RoleWorker:
         Must run on every rank of the role at the same time, after `host_rendezvous` on rank 0, whose
         store at (`master_addr`, `master_port`) the other ranks join. Returns this rank's coordinates.
         """
+        # Imported here: Ray is slow to import (start-up time).
         import ray
 
-        from stacx.parallel.groups import initialize_parallel_layout
 
         if (rank, world_size) != (self.rank, self.world_size):
             raise ValueError(
@@ -167,6 +166,7 @@ class RoleWorker:
     # ---- exchange groups ----------------------------------------------------------------
     def host_exchange_store(self, name: str, timeout_s: float) -> tuple[str, int]:
         """Start exchange group `name`'s store on this node; returns (node ip, port)."""
+        # Imported here: Ray is slow to import (start-up time).
         import ray
 
         node_address = ray.util.get_node_ip_address()  # the node's cluster address: 127.0.0.1 on a local cluster
@@ -179,6 +179,7 @@ class RoleWorker:
         """Join exchange group `name` as `group_rank`; all members must call this together.
 
         `secret` is the group's per-run secret from the driver (authenticates transfer headers)."""
+        # Imported here: Ray is slow to import (start-up time).
         import ray
 
         if name in self.exchanges:
@@ -225,8 +226,6 @@ class RoleWorker:
     # ---- teardown -----------------------------------------------------------------------
     def shutdown(self) -> None:
         """Close exchange groups, megatron-core's groups and the default process group."""
-        from stacx.parallel.groups import destroy_parallel_layout
-
         for name in list(self.exchanges):
             self.close_exchange(name)
         destroy_parallel_layout()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from stacx.objectives.discovery import user_module_sources
 from stacx.trainer.cluster.ray.health import WorkerLabel, wait_for_worker_results
 from stacx.trainer.cluster.ray.placement import RolePlacement
 from stacx.trainer.cluster.ray.role_worker import RoleWorker
@@ -75,9 +76,9 @@ class RoleWorkers:
         (`stacx.objectives.discovery.UserModuleSource`); None ships every user module this
         process has imported (`--custom-module` files and `stacx/custom/`).
         """
+        # Imported here: Ray is slow to import (start-up time).
         import ray
 
-        from stacx.objectives.discovery import user_module_sources
 
         if user_modules is None:
             user_modules = user_module_sources()
@@ -168,6 +169,7 @@ class RoleWorkers:
 
     def kill(self) -> None:
         """Kill every actor of the role now (no graceful teardown; safe to call twice)."""
+        # Imported here: Ray is slow to import (start-up time).
         import ray
 
         for actor in self.actors:
