@@ -38,7 +38,7 @@ import importlib
 import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, TYPE_CHECKING
 
 from stacx.env_overrides import apply_env_overrides, read_env_overrides
 from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, Executor, KappaPlan, build_roll_in
@@ -46,6 +46,10 @@ from stacx.rollout.environments import Environment
 from stacx.rollout.manager import Sample
 from stacx.rollout.tokenizer import apply_chat_template
 from stacx.rollout.types import GenerateRequest, SamplingParams
+
+if TYPE_CHECKING:  # annotations only: the rollout never imports the trainer at run time
+    from stacx.trainer.config.recipe import TrainingConfig
+    from stacx.trainer.config.run import RunConfig
 
 RECIPE_SAMPLING_MODES = {"beta_mixture": "beta", "aggrevate": "kappa"}
 """rollin_protocol of a recipe -> the dagger_sampling_mode it runs by default."""
@@ -70,7 +74,7 @@ class RollInSpec:
         return self.mode != "student"
 
 
-def resolve_rollin(training_config, teacher_section, environ: Optional[Mapping[str, str]] = None, *,
+def resolve_rollin(training_config: TrainingConfig, teacher_section, environ: Optional[Mapping[str, str]] = None, *,
                    given_keys: frozenset[str] = frozenset()) -> Optional[RollInSpec]:
     """The roll-in of a rollout run, or None when the run replays a trajectory corpus instead.
     `given_keys` (RunConfig.given_keys) says whether the user set dagger_sampling_mode.
@@ -95,7 +99,7 @@ def resolve_rollin(training_config, teacher_section, environ: Optional[Mapping[s
     return RollInSpec(mode, build_roll_in(dataclasses.replace(teacher, dagger_sampling_mode=mode)))
 
 
-def check_supported(training_config, run_config) -> None:
+def check_supported(training_config: TrainingConfig, run_config: RunConfig) -> None:
     """Fail before any worker starts on a roll-in the loop cannot run (bad mode or schedule)."""
     if training_config.data_source == "rollout":
         resolve_rollin(training_config, run_config.teacher, given_keys=run_config.given_keys)

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, TYPE_CHECKING
 
 import torch
 
@@ -48,6 +48,10 @@ from stacx.rollout.http_client import RetryPolicy
 from stacx.rollout.manager import RolloutManager
 from stacx.rollout.teacher import TeacherClient
 from stacx.rollout.types import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: the rollout never imports the trainer at run time
+    from stacx.trainer.config.recipe import TrainingConfig
+    from stacx.trainer.config.run import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +187,7 @@ class RolloutService:
         self.sglang_actors = list(sglang_actors)
 
     @classmethod
-    def start(cls, run_config, training_config, tokenizer=None) -> "RolloutService":
+    def start(cls, run_config: RunConfig, training_config: TrainingConfig, tokenizer=None) -> "RolloutService":
         """Start or attach the engine named by `run_config.rollout.rollout_engine`."""
         rollout = run_config.rollout
         kind = resolve_engine_kind(rollout.rollout_engine)

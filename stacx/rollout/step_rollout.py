@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, TYPE_CHECKING
 
 from stacx.rollout import rollin
 from stacx.rollout.dagger import Executor
@@ -37,13 +37,20 @@ from stacx.rollout.data import DataConfig, load_examples
 from stacx.rollout.dynamic_sampling import collect_informative_groups
 from stacx.rollout.evaluation import RolloutDumper, evaluate
 
+if TYPE_CHECKING:  # annotations only: the rollout never imports the trainer at run time
+    from stacx.objectives.algorithm_config import AlgorithmConfig
+    from stacx.trainer.config.recipe import TrainingConfig
+    from stacx.rollout.service import RolloutService
+    from stacx.trainer.batch import StepDataSource
+    from stacx.trainer.config.run import RunConfig
+
 logger = logging.getLogger(__name__)
 
 DYNAMIC_SAMPLING_MAX_ROUNDS = 8
 """Draw rounds before dynamic sampling gives up with the counts (every group degenerate)."""
 
 
-def overlong_buffer_tokens(algorithm, max_response_len: int) -> int:
+def overlong_buffer_tokens(algorithm: AlgorithmConfig, max_response_len: int) -> int:
     """B in tokens: overlong_buffer_length when given, else overlong_buffer_fraction * L, else 0 (off)."""
     length = getattr(algorithm, "overlong_buffer_length", None)
     if length is not None:
@@ -65,7 +72,7 @@ def overlong_penalty(response_length: int, *, max_length: int, buffer_length: in
     return max(free - response_length, -buffer_length) / buffer_length * factor
 
 
-def dynamic_sampling_enabled(run_config, algorithm) -> bool:
+def dynamic_sampling_enabled(run_config: RunConfig, algorithm: AlgorithmConfig) -> bool:
     return bool(run_config.rollout.dynamic_sampling or getattr(algorithm, "filter_zero_variance_groups", False))
 
 
@@ -80,7 +87,8 @@ def split_groups(samples: Sequence[Any]) -> list[list[Any]]:
 class StepRollout:
     """The driver's per-step sample producer (built once per run)."""
 
-    def __init__(self, service, data, *, run_config, training_config, algorithm):
+    def __init__(self, service: RolloutService, data: Optional[StepDataSource], *, run_config: RunConfig,
+                 training_config: TrainingConfig, algorithm: AlgorithmConfig):
         self.service = service
         self.data = data
         self.run_config = run_config

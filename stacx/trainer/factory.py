@@ -16,12 +16,14 @@ from stacx.trainer.cluster.ray.connect import connect_ray
 from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
 from stacx.trainer.cluster.ray.group import RayChannel, RayRoleGroup
 from stacx.trainer.config.algorithm import infer_algorithm
+from stacx.trainer.config.recipe import TrainingConfig
 from stacx.trainer.config.resolve import (
     apply_run_env_overrides,
     policy_loss_named_by_algorithm,
     resolve_algorithm_config,
     user_algorithm_values,
 )
+from stacx.trainer.config.run import RunConfig
 from stacx.trainer.loop import StacxTrainer
 from stacx.trainer.metrics import MetricsLogger
 from stacx.trainer.recipes import get_recipe
@@ -29,7 +31,7 @@ from stacx.trainer.recipes import get_recipe
 # ---- the whole run: recipe -> workers + runtimes + rollout + logger -> StacxTrainer ----------
 
 
-def resolve_recipe(run_config):
+def resolve_recipe(run_config: RunConfig):
     """(TrainingConfig, resolved AlgorithmConfig) of a run: custom modules imported, then infer_algorithm."""
     import_builtin_and_custom_modules()  # stacx/custom/ may hold kernels and recipes
     if run_config.train.custom_module:
@@ -43,14 +45,14 @@ def resolve_recipe(run_config):
     return training_config, resolve_algorithm_config(training_config, run_config)
 
 
-def build_metrics_logger(run_config, start_step: int = 0):
+def build_metrics_logger(run_config: RunConfig, start_step: int = 0):
     section = run_config.logging
     return MetricsLogger(section.out, total_steps=run_config.train.num_steps, start_step=start_step,
                          tensorboard=section.tensorboard, wandb_project=section.wandb_project,
                          run_config=run_config.to_dict(), progress_bar=section.progress_bar)
 
 
-def build_driver_side(run_config, training_config):
+def build_driver_side(run_config: RunConfig, training_config: TrainingConfig):
     """(tokenizer, StepDataSource, RolloutService or None) for the process that drives the run."""
     if run_config.model.hf_checkpoint is None:
         raise ValueError("--hf-checkpoint is not set (the model every role starts from, and its tokenizer)")
@@ -62,7 +64,7 @@ def build_driver_side(run_config, training_config):
     return tokenizer, data, rollout
 
 
-def create_trainer(run_config, *, layout: WorkerLayout | None = None):
+def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None):
     """A ready `StacxTrainer` for a Ray run: recipe, Ray, role workers with their runtimes, rollout, logger.
 
     `layout` overrides the worker layout derived from `run_config.parallel` (tests pin CPUs with it).

@@ -20,14 +20,16 @@ import logging
 import os
 import time
 from dataclasses import replace
-from typing import Any, Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
 from stacx.objectives import get_advantage
 from stacx.objectives.advantages_returns import gae_returns
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.reduction import StepCounts, count_loss_tokens
 from stacx.rollout.step_rollout import StepRollout
+from stacx.rollout.service import RolloutService
 from stacx.trainer.batch import StepBatch, StepDataSource, plan_micro_batches
 from stacx.trainer.checkpoint import (
     CheckpointError,
@@ -40,11 +42,14 @@ from stacx.trainer.checkpoint import (
     remove_staging_folders,
     restore_rng_state,
 )
+from stacx.trainer.cluster.protocol import Channel, ExchangeGroup, RoleGroup
 from stacx.trainer.config.layout import RoleLayout
-from stacx.trainer.config.recipe import role_checkpoint_path, role_wants_reference
+from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
 from stacx.trainer.config.resolve import check_resumed_algorithm, resolved_run_config_dict
+from stacx.trainer.config.run import RunConfig
 from stacx.trainer.exchange import ExchangeSchedule
 from stacx.trainer.interrupts import stop_on_termination_signals
+from stacx.trainer.metrics import MetricsLogger
 from stacx.trainer.numerics import NonFiniteGuard
 
 logger = logging.getLogger(__name__)
@@ -56,11 +61,12 @@ WEIGHT_BUCKET_BYTES = 256 * 1024 * 1024
 class StacxTrainer:
     """Drives one run. Build it with `stacx.trainer.factory.create_trainer` (Ray) or `run_spmd` (torchrun)."""
 
-    def __init__(self, *, run_config, training_config, algorithm, roles: Mapping[str, Any], channel,
-                 data: Optional[StepDataSource], rollout=None,
-                 make_metrics_logger: Optional[Callable[[int], Any]] = None,
+    def __init__(self, *, run_config: RunConfig, training_config: TrainingConfig, algorithm: AlgorithmConfig,
+                 roles: Mapping[str, RoleGroup], channel: Channel, data: Optional[StepDataSource],
+                 rollout: Optional[RolloutService] = None,
+                 make_metrics_logger: Optional[Callable[[int], MetricsLogger]] = None,
                  on_failure: Callable[[], None] = lambda: None, on_close: Callable[[], None] = lambda: None,
-                 exchanges: Optional[Mapping[str, Any]] = None):
+                 exchanges: Optional[Mapping[str, ExchangeGroup]] = None):
         self.run_config = run_config
         self.training_config = training_config
         self.algorithm = algorithm

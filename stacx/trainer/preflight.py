@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from stacx.env_overrides import apply_env_overrides
 from stacx.objectives import load_custom_modules
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.rollout.data import MalformedRowError
 from stacx.rollout.http_client import API_KEY_ENV
 from stacx.rollout.rewards import resolve_reward_fn
@@ -40,7 +41,8 @@ from stacx.tasks.data import is_builtin, parse_builtin_spec, resolve_builtin_dat
 from stacx.trainer.batch import StepDataSource
 from stacx.trainer.checkpoint import CheckpointError, check_save_folder, read_manifest, resolve_checkpoint_folder
 from stacx.trainer.config.checks import PreflightError
-from stacx.trainer.config.recipe import role_checkpoint_path, role_wants_reference
+from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
+from stacx.trainer.config.run import RunConfig
 
 """Offending rows named in a data error (the count says how many there are in all)."""
 
@@ -52,7 +54,8 @@ def flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def run_preflight(run_config, training_config, algorithm, *, load_data: bool = True) -> None:
+def run_preflight(run_config: RunConfig, training_config: TrainingConfig, algorithm: AlgorithmConfig, *,
+                  load_data: bool = True) -> None:
     """Every check of the module doc; `load_data=False` skips reading the dataset (paths still checked)."""
     check_custom_modules(run_config)
     check_checkpoints(run_config, training_config, algorithm)
@@ -75,7 +78,7 @@ def _check_hf_folder(arg: str, path: str, role_name: str) -> None:
                              f"checkpoint (role {role_name!r} starts from it); point {flag(arg)} at one")
 
 
-def check_checkpoints(run_config, training_config, algorithm) -> None:
+def check_checkpoints(run_config: RunConfig, training_config: TrainingConfig, algorithm: AlgorithmConfig) -> None:
     """The folders every role starts from, and the reference when a KL term needs one."""
     model = run_config.model
     if model.hf_checkpoint is None:
@@ -109,7 +112,7 @@ def read_model_config(hf_checkpoint: Optional[str]) -> dict:
     return config if isinstance(config, dict) else {}
 
 
-def check_parallel_layout(run_config) -> None:
+def check_parallel_layout(run_config: RunConfig) -> None:
     """TP splits the attention heads (query and key/value) across ranks; CP (megatron's ring/a2a
     attention) needs the same heads per rank, so both degrees must divide the heads of config.json."""
     config = read_model_config(run_config.model.hf_checkpoint)
@@ -126,7 +129,7 @@ def check_parallel_layout(run_config) -> None:
                     f"({run_config.model.hf_checkpoint}/config.json); use one of {divisors}")
 
 
-def check_custom_modules(run_config) -> None:
+def check_custom_modules(run_config: RunConfig) -> None:
     """Every --custom-module imports (loading an already imported file again is a no-op)."""
     if not run_config.train.custom_module:
         return
@@ -137,7 +140,7 @@ def check_custom_modules(run_config) -> None:
         raise PreflightError(f"{err}; fix the module or drop --custom-module") from None
 
 
-def check_resume_and_save(run_config) -> None:
+def check_resume_and_save(run_config: RunConfig) -> None:
     """--load must hold a complete checkpoint with a readable manifest; --save must not be another run's."""
     model = run_config.model
     if model.load:
@@ -156,13 +159,13 @@ def check_resume_and_save(run_config) -> None:
 
 # ---- services and data ---------------------------------------------------------------------------
 
-def replays_trajectories(run_config, training_config) -> bool:
+def replays_trajectories(run_config: RunConfig, training_config: TrainingConfig) -> bool:
     """True when online_dagger replays a saved teacher corpus (no engine, no teacher server)."""
     teacher = apply_env_overrides(run_config.teacher)
     return training_config.rollin_protocol == "teacher_relabel" and teacher.dagger_sft_mode == "trajectory"
 
 
-def check_services(run_config, training_config) -> None:
+def check_services(run_config: RunConfig, training_config: TrainingConfig) -> None:
     """Teacher URL, rollout URLs, the reward function and the roll-in settings of rollout recipes."""
     if training_config.data_source != "rollout":
         return
@@ -270,11 +273,11 @@ def check_teacher(teacher_url: str, hf_checkpoint: Optional[str], *, timeout_s: 
             "tokenizer")
 
 
-def _needs_prompt_data(run_config, training_config) -> bool:
+def _needs_prompt_data(run_config: RunConfig, training_config: TrainingConfig) -> bool:
     return not (training_config.data_source == "rollout" and replays_trajectories(run_config, training_config))
 
 
-def check_data_paths(run_config, training_config) -> None:
+def check_data_paths(run_config: RunConfig, training_config: TrainingConfig) -> None:
     """--prompt-data (and --eval-data when evaluating) exist; built-in tasks are always there."""
     rollout = run_config.rollout
     if _needs_prompt_data(run_config, training_config):
@@ -297,7 +300,7 @@ def _check_data_file(field_name: str, path: str) -> None:
         raise PreflightError(f"{flag(field_name)} {path}: no such file (a JSONL or Parquet file, or builtin:<task>)")
 
 
-def load_and_check_data(run_config, training_config) -> None:
+def load_and_check_data(run_config: RunConfig, training_config: TrainingConfig) -> None:
     """Read the data as the run will (StepDataSource, which calls `check_examples`); errors name the flag."""
     run_config = resolve_builtin_data(run_config)
     try:

@@ -11,7 +11,8 @@ import os
 from typing import Any, Optional, Sequence
 
 from stacx.rollout.rewards import resolve_reward_fn, reward_needs_label
-from stacx.trainer.config.run import ConfigError
+from stacx.trainer.config.recipe import TrainingConfig
+from stacx.trainer.config.run import ConfigError, RunConfig
 
 MAX_ROWS_NAMED = 3
 """How many offending rows an error names."""
@@ -39,7 +40,8 @@ def _name_rows(sources: Sequence[str]) -> str:
     return named + (f" and {len(sources) - MAX_ROWS_NAMED} more" if len(sources) > MAX_ROWS_NAMED else "")
 
 
-def check_examples(examples: Sequence[Any], *, run_config, training_config, kind: str) -> None:
+def check_examples(examples: Sequence[Any], *, run_config: RunConfig, training_config: TrainingConfig,
+                   kind: str) -> None:
     """Labels for a reward that needs them, and every sample within the model's context.
 
     prompt rows: len(prompt_ids) + rollout_max_response_len <= max_position_embeddings;

@@ -22,15 +22,15 @@ from typing import Any
 
 from stacx.env_overrides import apply_env_overrides, read_env_overrides
 from stacx.objectives.registry import POLICY_LOSSES
-from stacx.trainer.config.recipe import TRAINING_CONFIGS
-from stacx.trainer.config.run import AlgorithmConfig
+from stacx.trainer.config.recipe import TRAINING_CONFIGS, TrainingConfig
+from stacx.trainer.config.run import AlgorithmConfig, RunConfig
 
 CLIP_BOUNDS = ("clip_ratio_low", "clip_ratio_high")
 ESTIMATOR_ALIASES = ("adv_estimator",)
 """Other frameworks' names for `advantage_estimator` (guide 001's `adv_estimator`), accepted as it."""
 
 
-def policy_loss_named_by_algorithm(run_config) -> str | None:
+def policy_loss_named_by_algorithm(run_config: RunConfig) -> str | None:
     """Guide 001: `algorithm.name` (or --algorithm) naming a registered policy loss, not a recipe,
     selects that loss (in the recipe its estimator infers). None otherwise."""
     name = run_config.train.algorithm
@@ -39,7 +39,7 @@ def policy_loss_named_by_algorithm(run_config) -> str | None:
     return None
 
 
-def user_algorithm_values(run_config) -> dict[str, Any]:
+def user_algorithm_values(run_config: RunConfig) -> dict[str, Any]:
     """The algorithm keys the user set: a given clip_ratio expanded into unset clip bounds,
     `adv_estimator` taken as `advantage_estimator`, and a policy loss named by `algorithm.name`."""
     given = run_config.algorithm.given_values()
@@ -61,7 +61,7 @@ def user_algorithm_values(run_config) -> dict[str, Any]:
     return given
 
 
-def apply_run_env_overrides(run_config, environ=None):
+def apply_run_env_overrides(run_config: RunConfig, environ=None):
     """The run config with the `STACX_*` overrides (stacx.env_overrides) applied to its
     teacher section, read ONCE, in the process that resolves the run (the Ray driver, or each
     torchrun rank), and recorded in `given_keys` (an override is a user setting). Everything
@@ -74,7 +74,7 @@ def apply_run_env_overrides(run_config, environ=None):
     return dataclasses.replace(run_config, teacher=teacher, given_keys=given_keys)
 
 
-def resolve_algorithm_config(training_config, run_config, environ=None) -> AlgorithmConfig:
+def resolve_algorithm_config(training_config: TrainingConfig, run_config: RunConfig, environ=None) -> AlgorithmConfig:
     """The one AlgorithmConfig of a run, every rank's and every checkpoint's. Layers, lowest first:
     the declared defaults < the recipe's overrides < the config file < flags < STACX_* overrides
     (file and flags are already merged, flags over file, in `run_config`); `name` = the recipe.
@@ -104,7 +104,7 @@ def resolve_algorithm_config(training_config, run_config, environ=None) -> Algor
     return AlgorithmConfig.from_values(values, given_keys=given_keys)
 
 
-def resolved_run_config_dict(run_config, algorithm: AlgorithmConfig) -> dict[str, Any]:
+def resolved_run_config_dict(run_config: RunConfig, algorithm: AlgorithmConfig) -> dict[str, Any]:
     """The run config as saved with checkpoints: every section, the algorithm as trained."""
     out = run_config.to_dict()
     out["algorithm"] = algorithm.to_dict()

@@ -25,6 +25,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
 from stacx.parallel.reduction import Reducer
@@ -35,6 +36,7 @@ from stacx.trainer.batch import StepBatch
 from stacx.trainer.checkpoint import capture_rng_state, restore_rng_state, write_rank_state
 from stacx.trainer.config.layout import RankCoords
 from stacx.trainer.config.recipe import ModelRole, role_checkpoint_path
+from stacx.trainer.config.run import RunConfig
 from stacx.trainer.numerics import WEIGHTS_NONFINITE_METRIC, step_optimizer_if_finite
 from stacx.trainer.runtime.optim import build_optimizer, current_lr, wrap_ddp
 from stacx.trainer.runtime.value_head import attach_value_head
@@ -73,7 +75,7 @@ class RoleRuntime:
     """One rank of one role: model (+ DDP, optimizer, scheduler when trainable), specialization,
     optional in-worker reference weights."""
 
-    def __init__(self, role: ModelRole, run_config: Any, algorithm: Any, groups: ProcessGroups, *,
+    def __init__(self, role: ModelRole, run_config: RunConfig, algorithm: AlgorithmConfig, groups: ProcessGroups, *,
                  rank: int = 0):
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import build_model, load_hf_checkpoint

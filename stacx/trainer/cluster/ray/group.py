@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.reduction import StepCounts
 from stacx.trainer.checkpoint import LoadedCheckpoint, RankFileInfo
 from stacx.trainer.cluster.protocol import MicroBatches
@@ -18,6 +19,7 @@ from stacx.trainer.cluster.ray.role_worker import RoleWorker
 from stacx.trainer.cluster.ray.role_workers import RoleWorkers
 from stacx.trainer.config.layout import RankCoords, RoleLayout
 from stacx.trainer.config.recipe import ModelRole
+from stacx.trainer.config.run import RunConfig
 from stacx.trainer.runtime.exchange_payloads import consume_payloads, produce_payloads
 from stacx.trainer.runtime.role_runtime import RoleRuntime
 
@@ -36,7 +38,8 @@ def runtime_of(worker: RoleWorker) -> RoleRuntime:
     return runtime
 
 
-def _build_runtime(worker: RoleWorker, role: ModelRole, run_config: Any, algorithm: Any) -> RankCoords:
+def _build_runtime(worker: RoleWorker, role: ModelRole, run_config: RunConfig,
+                   algorithm: AlgorithmConfig) -> RankCoords:
     worker.state[RUNTIME_KEY] = RoleRuntime(role, run_config, algorithm, worker.groups, rank=worker.rank)
     return RankCoords.of(worker.groups)
 
@@ -82,7 +85,7 @@ def consume_on_worker(worker: RoleWorker, tensors: Mapping[str, torch.Tensor], k
 class RayRoleGroup:
     """A `RoleGroup` over one role's Ray workers, with a `RoleRuntime` built on each."""
 
-    def __init__(self, workers: RoleWorkers, role: ModelRole, run_config: Any, algorithm: Any):
+    def __init__(self, workers: RoleWorkers, role: ModelRole, run_config: RunConfig, algorithm: AlgorithmConfig):
         self.name = role.name
         self.workers = workers
         self.layout = RoleLayout(tensor_parallel_size=workers.tensor_parallel_size,
