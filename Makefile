@@ -9,14 +9,18 @@ venv:
 demo: venv
 	$(PY) -m stacx demo
 
+# Two pytest workers, one test file each at a time (module fixtures such as a tiny checkpoint or a
+# two-node Ray cluster stay with their file); one core each on a 2-core machine.
+PARALLEL := -n 2 --dist loadfile
+
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PARALLEL)
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(PARALLEL) -m "not slow"
 
 test-slow: venv
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q $(PARALLEL) -m slow
 
 test-distributed: venv
 	$(PY) -m pytest -q -m distributed

@@ -40,10 +40,15 @@ setup(
         "einops>=0.8",
     ],
     extras_require={
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
+        # The test extra pulls diffusers too: CI runs `pip install -e ".[test]"` and tests the diffusion recipes.
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "diffusers>=0.35"],
+        # The experimental diffusion recipes (stacx/diffusion): DiT and SD3-style MMDiT transformers.
+        "diffusion": ["diffusers>=0.35"],
         # apex is an optional source build (fused kernels); it is detected at run time.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         "sglang": ["sglang>=0.5"],
+        # bench/peers/train_step_vs_trl.py: TRL's GRPOTrainer as the peer (it reads TRL internals, hence the pin).
+        "bench": ["trl>=1.16,<1.17"],
     },
     entry_points={"console_scripts": ["stacx=stacx.launch.cli:main"]},
 )

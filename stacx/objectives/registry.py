@@ -146,7 +146,8 @@ ADVANTAGES = Registry("advantage estimator")
 """`fn(config, rollout_data) -> list[Tensor]`, one (response_len_i,) tensor per trajectory."""
 
 POLICY_LOSSES = Registry("policy loss")
-"""`fn(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs) -> (list[Tensor], dict)`."""
+"""`fn(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs) -> (list[Tensor], dict)`; the
+diffusion kernel `flow_grpo_clip` takes the same lists with denoising steps in place of tokens."""
 
 KL_ESTIMATORS = Registry("KL estimator")
 """`fn(log_prob, ref_log_prob) -> Tensor`, elementwise on tensors of any (equal) shape."""
@@ -155,7 +156,8 @@ OFF_POLICY_CORRECTIONS = Registry("off-policy correction")
 """`fn(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection`."""
 
 LOSSES = Registry("loss")
-"""Other loss kernels (value, SFT, DPO, distillation); each documents its own signature."""
+"""Other loss kernels (value, SFT, DPO, distillation, the flow-matching losses of
+`diffusion_loss.py`); each documents its own signature."""
 
 AGGREGATIONS = Registry("aggregation mode", entries_are_callable=False)
 """Loss aggregation modes (`token-mean`, ...): `AggregationMode` objects, see aggregation.py."""

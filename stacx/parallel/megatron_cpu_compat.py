@@ -21,6 +21,9 @@ Patches (each covered by tests/parallel/test_megatron_cpu_compat.py):
    are `torch.cuda.FloatTensor`. Installed where the optimizer looks it up.
 4. `get_pos_emb_on_this_cp_rank` -> the same index_select of chunks r and 2*cp-1-r, without the
    pinned-memory index tensor and `.cuda()` copy (used by RoPE under CP for unpacked batches).
+5. `torch.cuda.synchronize()` -> a no-op. megatron's torch_dist checkpoint writer
+   (`FileSystemWriterAsync.preload_tensors`) waits for device copies before writing; on CPU
+   there is nothing to wait for, and on a CPU-only build the original raises.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def apply_if_needed() -> bool:
     _patch_optimizer_tensor_factories()
     _patch_grad_clipping()
     _patch_cp_rope_slicing()
+    _patch_synchronize()
     _applied = True
     return True
 
@@ -130,3 +134,11 @@ def _patch_cp_rope_slicing() -> None:
 
     rope_utils.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank_cpu
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank_cpu
+
+
+def _synchronize_nothing(device=None) -> None:
+    """CPU work is synchronous: nothing is queued on a device, so there is nothing to wait for."""
+
+
+def _patch_synchronize() -> None:
+    torch.cuda.synchronize = _synchronize_nothing

@@ -95,7 +95,9 @@ def run_distributed(
             target=_rank_main,
             args=(rank, world_size, port, fn, args, kwargs or {}, tensor_parallel_size,
                   context_parallel_size, timeout_s, results),
-            daemon=True,
+            # Not daemonic: megatron's torch_dist checkpoint writer starts processes of its own, which a
+            # daemonic process may not; every child is killed in the `finally` below either way.
+            daemon=False,
         )
         for rank in range(world_size)
     ]

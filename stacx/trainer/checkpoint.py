@@ -6,24 +6,36 @@ On-disk layout of one checkpoint (`STEP` is zero-padded so names sort by step):
         manifest.json                 written last: step, recipe, per-role layout, every file with size + sha256
         driver.pt                     the driver's state (data position, driver RNG, counters)
         run_config.json               the resolved run configuration
-        roles/<role>/rank_00003.pt    one file per rank: model, optimizer, scheduler, RNG state
+        roles/<role>/model/           the role's weights and optimizer state, megatron-core torch_dist
+                                      (`stacx.checkpointing.torch_dist`): global tensors, any layout loads them
+        roles/<role>/rank_00003.pt    one small file per rank: scheduler, RNG state, step count
 
 Writing is split so that no state crosses process boundaries twice:
 
     staging = begin_checkpoint(root, step)                        # driver
-    info = write_rank_state(staging, role, rank, state, coords)   # each Ray worker, in parallel
+    info = write_rank_state(staging, role, rank, state, coords,   # each Ray worker, in parallel; with
+                            model=..., optimizer=..., groups=...) # model, one collective torch_dist save
     commit_checkpoint(staging, step=..., rank_files=[info, ...])  # driver: manifest, then atomic rename
+
+Each rank hashes the torch_dist files it wrote itself (in parallel) and reports them with its own
+file, so the manifest lists every file of the checkpoint with its size and sha256.
 
 Until the rename, everything lives in `<root>/.staging-step_000000012-<unique>/`; a crash at any
 point leaves either no new checkpoint or a complete one, and `latest_checkpoint` only sees
-complete ones (a `step_*` folder with a manifest). `load_checkpoint` checks the recipe and each
-role's parallel layout against what the resuming run expects and verifies the file hashes.
+complete ones (a `step_*` folder with a manifest). `load_checkpoint` checks the recipe and
+verifies every file against the manifest (a corrupt one is named). The model state loads at any
+(tp, cp, dp) layout the model allows, and so does the optimizer state: megatron maps each Adam
+moment onto its parameter's sharding, so both reshard together. The per-rank RNG state is
+restored exactly when the layout is unchanged (resume is then bitwise exact); after a layout
+change each rank takes the RNG state of the saved rank at the same grid position, or rank 0's.
 
-Reading never runs code from a file: every `.pt` file is read with `torch.load(weights_only=True)`
-(tensors and plain Python values; `CHECKPOINT_SAFE_GLOBALS` lists what else is allowed, nothing
-today), and a file holding anything else, e.g. a planted pickle payload, is refused with a
-`CheckpointError` naming it (`load_state_file`). A matching sha256 in the manifest proves nothing
-against someone who can write the folder, since they can rewrite the manifest too.
+Stacx's own `.pt` files are read with `torch.load(weights_only=True)` (tensors and plain Python
+values; `CHECKPOINT_SAFE_GLOBALS` lists what else is allowed, nothing today), and a file holding
+anything else, e.g. a planted pickle payload, is refused with a `CheckpointError` naming it
+(`load_state_file`). The torch_dist folder's `common.pt` is read the same way by torch's default,
+but its `.metadata` is PyTorch DCP's own pickle: resume only from checkpoints you trust. A matching
+sha256 in the manifest proves nothing against someone who can write the folder, since they can
+rewrite the manifest too.
 """
 
 from __future__ import annotations
@@ -47,7 +59,9 @@ import torch
 from stacx.trainer.config.layout import RankCoords, RoleLayout
 from stacx.trainer.config.recipe import TrainingConfig
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: weights and optimizer state in torch_dist (`roles/<role>/model/`); 1: one torch.save pickle per rank."""
+MODEL_DIR_NAME = "model"
 MANIFEST_NAME = "manifest.json"
 DRIVER_STATE_NAME = "driver.pt"
 RUN_CONFIG_NAME = "run_config.json"
@@ -76,6 +90,8 @@ class RankFileInfo:
     rank: int
     coords: RankCoords
     file: FileInfo
+    model_files: tuple[FileInfo, ...] = ()
+    """The torch_dist files of the role's model folder this rank wrote (paths relative to the checkpoint)."""
 
 
 # ---- RNG state -----------------------------------------------------------------------------------
@@ -165,21 +181,41 @@ def begin_checkpoint(root: str | os.PathLike, step: int) -> str:
     return str(staging)
 
 
-def write_rank_state(staging_dir: str | os.PathLike, role: str, rank: int, state: Mapping[str, Any],
-                     coords: RankCoords | None = None) -> RankFileInfo:
-    """Write one rank's state (model, optimizer, scheduler, rng, ...) into the staging folder (worker side).
+def role_model_folder(checkpoint_dir: str | os.PathLike, role: str) -> Path:
+    """The torch_dist folder holding `role`'s weights and optimizer state inside a checkpoint (or staging) folder."""
+    return Path(checkpoint_dir) / "roles" / role / MODEL_DIR_NAME
 
-    `coords` places the rank in its role's (tp, cp, dp) grid so a resuming run with another cp/dp degree
-    can find the right file; without it the rank is taken as (tp=0, cp=0, dp=rank).
+
+def write_rank_state(staging_dir: str | os.PathLike, role: str, rank: int, state: Mapping[str, Any],
+                     coords: RankCoords | None = None, *, model=None, optimizer=None, groups=None) -> RankFileInfo:
+    """Write one rank's state into the staging folder (worker side).
+
+    `state` (scheduler, rng, step count, ...) goes into the rank's own `.pt` file. With `model`, the
+    model's weights and `optimizer`'s state go into the role's torch_dist folder: a collective save
+    that every rank of the role's world must enter at once (`groups` lets DP x CP replicas share the
+    writing); each rank then hashes the files it wrote. `coords` places the rank in its role's
+    (tp, cp, dp) grid; without it the rank is taken as (tp=0, cp=0, dp=rank).
     """
     staging = Path(staging_dir)
     if not staging.is_dir() or not staging.name.startswith(_STAGING_PREFIX):
         raise CheckpointError(f"{staging} is not a staging folder made by begin_checkpoint")
     coords = coords or RankCoords(tp_rank=0, cp_rank=0, dp_rank=rank)
+    model_files: tuple[FileInfo, ...] = ()
+    if model is not None:
+        from stacx.checkpointing.torch_dist import save_torch_dist  # megatron-core's dist checkpointing: start-up time
+
+        folder = role_model_folder(staging, role)
+        written = save_torch_dist(folder, model, optimizer, groups=groups)
+        model_files = tuple(_file_info(folder / name, staging) for name in written)
     relative = Path("roles") / role / f"rank_{rank:05d}.pt"
     info = _write_atomically(staging / relative, lambda f: torch.save(dict(state), f))
     return RankFileInfo(role=role, rank=rank, coords=coords,
-                        file=FileInfo(path=relative.as_posix(), size=info.size, sha256=info.sha256))
+                        file=FileInfo(path=relative.as_posix(), size=info.size, sha256=info.sha256),
+                        model_files=model_files)
+
+
+def _file_info(path: Path, base: Path) -> FileInfo:
+    return FileInfo(path=path.relative_to(base).as_posix(), size=path.stat().st_size, sha256=_sha256(path))
 
 
 def _to_jsonable(value: Any) -> Any:
@@ -229,16 +265,24 @@ def commit_checkpoint(
             )
         roles[role] = {
             "layout": layout.to_dict(),
-            "ranks": [{"rank": info.rank, **dataclasses.asdict(info.coords), **dataclasses.asdict(info.file)}
+            "ranks": [{"rank": info.rank, **dataclasses.asdict(info.coords), **dataclasses.asdict(info.file),
+                       "model_files": [dataclasses.asdict(f) for f in info.model_files]}
                       for info in reported],
         }
+        if any(info.model_files for info in reported):
+            from stacx.checkpointing.torch_dist import is_torch_dist_folder  # start-up time (megatron-core)
+
+            if not is_torch_dist_folder(role_model_folder(staging, role)):
+                raise CheckpointError(f"role {role!r}: the torch_dist save of {role_model_folder(staging, role)} "
+                                      "did not complete (no metadata.json)")
     unknown = sorted({info.role for info in rank_files} - set(role_layouts))
     if unknown:
         raise CheckpointError(f"rank files of roles {unknown} have no layout in role_layouts")
     for info in rank_files:
-        on_disk = staging / info.file.path
-        if not on_disk.is_file() or on_disk.stat().st_size != info.file.size:
-            raise CheckpointError(f"role {info.role!r} rank {info.rank}: {info.file.path} is missing or truncated")
+        for file in (info.file, *info.model_files):
+            on_disk = staging / file.path
+            if not on_disk.is_file() or on_disk.stat().st_size != file.size:
+                raise CheckpointError(f"role {info.role!r} rank {info.rank}: {file.path} is missing or truncated")
 
     driver = _write_atomically(staging / DRIVER_STATE_NAME, lambda f: torch.save(dict(driver_state), f))
     config_bytes = json.dumps(_to_jsonable(resolved_run_config), indent=2, sort_keys=True).encode()
@@ -406,24 +450,20 @@ def _same_grid(saved: RoleLayout, expected: RoleLayout) -> bool:
         expected.tensor_parallel_size, expected.context_parallel_size, expected.data_parallel_size)
 
 
-def _source_coords(role: str, saved: RoleLayout, expected: RoleLayout, coords: RankCoords) -> RankCoords:
-    """The saved rank whose state a resuming rank at `coords` (under `expected`) loads."""
+def _source_entry(entries: list[Mapping[str, Any]], saved: RoleLayout, expected: RoleLayout, rank: int,
+                  coords: RankCoords | None) -> Mapping[str, Any] | None:
+    """The saved rank file a resuming rank loads its small state (scheduler, RNG) from: its own when the
+    layout is unchanged, else the saved rank at the same (tp, cp, dp) position, else the first replica
+    of its tp shard, else rank 0's. The weights and optimizer state come from the torch_dist folder,
+    which reshards by itself."""
     if _same_grid(saved, expected):
-        return coords
-    if saved.tensor_parallel_size != expected.tensor_parallel_size:
-        raise CheckpointError(
-            f"role {role!r}: the checkpoint was saved with {saved.describe()} and this run uses {expected.describe()}; "
-            f"tensor-parallel shards cannot be resharded on load (tp {saved.tensor_parallel_size} -> "
-            f"{expected.tensor_parallel_size}); resume with --tensor-model-parallel-size {saved.tensor_parallel_size}"
-        )
-    if not saved.state_replicated_across_data_parallel:
-        raise CheckpointError(
-            f"role {role!r}: the checkpoint was saved with {saved.describe()} and a distributed optimizer (state "
-            f"sharded over cp x dp), which cannot be resharded to {expected.describe()}; resume with the saved "
-            f"context/data-parallel sizes"
-        )
-    # Ranks differing only in (cp, dp) hold identical state: any replica of the same tp shard will do.
-    return RankCoords(tp_rank=coords.tp_rank, cp_rank=0, dp_rank=0)
+        return next((entry for entry in entries if entry["rank"] == rank), None)
+    coords = coords or RankCoords(tp_rank=0, cp_rank=0, dp_rank=rank)
+    by_position = {(entry["tp_rank"], entry["cp_rank"], entry["dp_rank"]): entry for entry in entries}
+    for position in ((coords.tp_rank, coords.cp_rank, coords.dp_rank), (coords.tp_rank, 0, 0)):
+        if position in by_position:
+            return by_position[position]
+    return next((entry for entry in entries if entry["rank"] == 0), None)
 
 
 @dataclass(frozen=True)
@@ -450,6 +490,13 @@ class LoadedCheckpoint:
         """The saved recipe's structure (roles, syncs, algorithm defaults) when it was saved from a TrainingConfig."""
         return self.manifest.get("recipe_spec")
 
+    def model_folder(self, role: str) -> Path:
+        """`role`'s torch_dist folder (weights and optimizer state)."""
+        return role_model_folder(self.path, role)
+
+    def layout_changed(self, role: str) -> bool:
+        return not _same_grid(self.saved_layout(role), self.expected_layouts.get(role, self.saved_layout(role)))
+
     def driver_state(self) -> dict[str, Any]:
         return self._load(self.manifest["driver_state"])
 
@@ -457,23 +504,16 @@ class LoadedCheckpoint:
         return json.loads((Path(self.path) / RUN_CONFIG_NAME).read_text())
 
     def rank_state(self, role: str, rank: int, coords: RankCoords | None = None) -> dict[str, Any]:
-        """The state a resuming rank loads: its own file when the layout is unchanged, else the matching replica.
-        `coords` places the resuming rank (default: tp=0, cp=0, dp=rank)."""
+        """The small per-rank state a resuming rank loads (`_source_entry`: its own file when the layout is
+        unchanged). `coords` places the resuming rank (default: tp=0, cp=0, dp=rank)."""
         if role not in self.manifest["roles"]:
             raise CheckpointError(f"checkpoint {self.path} has no role {role!r}; roles: {sorted(self.manifest['roles'])}")
         saved = self.saved_layout(role)
-        expected = self.expected_layouts.get(role, saved)
-        entries = self.manifest["roles"][role]["ranks"]
-        if _same_grid(saved, expected):
-            matches = [entry for entry in entries if entry["rank"] == rank]
-        else:
-            coords = coords or RankCoords(tp_rank=0, cp_rank=0, dp_rank=rank)
-            source = _source_coords(role, saved, expected, coords)
-            matches = [entry for entry in entries
-                       if (entry["tp_rank"], entry["cp_rank"], entry["dp_rank"]) == (source.tp_rank, source.cp_rank, source.dp_rank)]
-        if not matches:
+        entry = _source_entry(self.manifest["roles"][role]["ranks"], saved, self.expected_layouts.get(role, saved),
+                              rank, coords)
+        if entry is None:
             raise CheckpointError(f"checkpoint {self.path}: role {role!r} has no file for rank {rank}")
-        return self._load(matches[0])
+        return self._load(entry)
 
     def _load(self, entry: Mapping[str, Any]) -> dict[str, Any]:
         return load_state_file(Path(self.path) / entry["path"])
@@ -552,6 +592,11 @@ def load_checkpoint(
     a role's layout cannot be resharded to the expected one, or a file does not match the manifest."""
     folder = resolve_checkpoint_folder(path)
     manifest = read_manifest(folder)
+    if manifest.get("format_version") == 1:
+        raise CheckpointError(
+            f"checkpoint {folder}: format version 1 (one torch.save pickle per rank) was written by an older Stacx; "
+            f"this one reads version {FORMAT_VERSION} (torch_dist weights). Resume it with the Stacx version that "
+            "wrote it, or start a new run from its exported Hugging Face weights")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {folder}: format version {manifest.get('format_version')} "
                               f"is not {FORMAT_VERSION}")
@@ -567,13 +612,11 @@ def load_checkpoint(
     missing = sorted(set(expected_layouts) - set(manifest["roles"]))
     if missing:
         raise CheckpointError(f"checkpoint {folder} has no state for roles {missing}; it holds {sorted(manifest['roles'])}")
-    for role, expected in expected_layouts.items():
-        saved = RoleLayout.from_dict(manifest["roles"][role]["layout"])
-        # Checked here, so a layout that cannot be resharded fails before any worker loads anything.
-        _source_coords(role, saved, expected, RankCoords(tp_rank=0, cp_rank=0, dp_rank=0))
     for role in manifest["roles"].values():
         for entry in role["ranks"]:
             _verify_file(folder, entry, verify_hashes)
+            for model_file in entry.get("model_files", ()):
+                _verify_file(folder, model_file, verify_hashes)
     _verify_file(folder, manifest["driver_state"], verify_hashes)
     _verify_file(folder, manifest["run_config"], verify_hashes)
     return LoadedCheckpoint(path=str(folder), manifest=manifest, expected_layouts=dict(expected_layouts))
@@ -600,6 +643,7 @@ __all__ = [
     "remove_staging_folders",
     "resolve_checkpoint_folder",
     "restore_rng_state",
+    "role_model_folder",
     "save_checkpoint",
     "write_rank_state",
 ]

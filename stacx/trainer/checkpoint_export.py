@@ -3,21 +3,19 @@
     base = base_checkpoint_of(step_folder)                        # the run's --hf-checkpoint
     export_role_to_hf(step_folder, "policy", base, out_dir)       # config.json + safetensors
 
-A training checkpoint holds each rank's megatron parameters (`roles/<role>/rank_*.pt`, key
-"model"), TP-sharded, with the vocabulary padded. The export writes the tensor-parallel shards
-(ranks with cp = dp = 0) as a Stacx model folder and merges it with `convert_stacx_to_hf`, so any
-saved TP size works and the vocabulary padding is stripped. The config and the tokenizer come
-from the checkpoint the run started from (`base`), which the run config records.
+A training checkpoint holds each role's weights in megatron-core torch_dist (`roles/<role>/model/`),
+global tensors whatever the TP size it was saved at. The export loads them into a one-process
+model and writes Hugging Face safetensors with the vocabulary padding stripped
+(`stacx.checkpointing.convert.export_training_checkpoint_to_hf`). The config, the tokenizer files
+and generation_config.json come from the checkpoint the run started from (`base`), which the run
+config records.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 
-from safetensors.torch import save_file
-
-from stacx.trainer.checkpoint import CheckpointError, LoadedCheckpoint, read_manifest
+from stacx.trainer.checkpoint import FORMAT_VERSION, CheckpointError, LoadedCheckpoint, read_manifest
 
 
 def pick_role(manifest: dict, role: str | None) -> str:
@@ -57,24 +55,11 @@ def base_checkpoint_of(step_folder: str | os.PathLike, override: str | None = No
 
 def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_dir: str | os.PathLike) -> str:
     """Write `role`'s weights at `step_folder` as a Hugging Face checkpoint in `out_dir`; returns it."""
-    # Imported here: megatron-core is slow to import (start-up time).
-    from stacx.models.architectures import load_hf_config
-    from stacx.models.checkpoint import copy_tokenizer_files
-    from stacx.models.stacx_checkpoint import _write_metadata, convert_stacx_to_hf
+    # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
+    from stacx.checkpointing.convert import export_training_checkpoint_to_hf
 
-    loaded = LoadedCheckpoint(path=str(step_folder), manifest=read_manifest(step_folder), expected_layouts={})
-    tp_size = loaded.saved_layout(role).tensor_parallel_size
-    entries = {entry["tp_rank"]: entry for entry in loaded.manifest["roles"][role]["ranks"]
-               if entry["cp_rank"] == 0 and entry["dp_rank"] == 0}
-    missing = sorted(set(range(tp_size)) - set(entries))
-    if missing:
-        raise CheckpointError(f"checkpoint {step_folder}: role {role!r} has no file for tp rank {missing[0]}")
-    with tempfile.TemporaryDirectory(prefix="stacx-export-") as stacx_dir:
-        for tp_rank in range(tp_size):
-            model_state = loaded.rank_state(role, entries[tp_rank]["rank"])["model"]
-            save_file({name: tensor.contiguous() for name, tensor in model_state.items()},
-                      os.path.join(stacx_dir, f"tp_rank_{tp_rank:02d}.safetensors"), metadata={"format": "pt"})
-        _write_metadata(stacx_dir, tp_size, load_hf_config(base))
-        convert_stacx_to_hf(stacx_dir, str(out_dir))
-    copy_tokenizer_files(base, out_dir)
-    return str(out_dir)
+    version = read_manifest(step_folder).get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {step_folder}: format version {version} (this Stacx reads {FORMAT_VERSION}, "
+                              "torch_dist weights); export it with the Stacx version that wrote it")
+    return export_training_checkpoint_to_hf(step_folder, role, out_dir, base=base)

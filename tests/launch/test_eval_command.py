@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from safetensors.torch import load_file
 
 from stacx.launch.cli import main
 from stacx.tasks import write_tiny_checkpoint
@@ -61,15 +60,9 @@ def _rows_half_matching_the_reference_greedy_answer(checkpoint: str, path) -> No
 
 
 def _step_folder_holding(checkpoint: str, root) -> str:
-    from stacx.models.stacx_checkpoint import convert_hf_to_stacx
-    from stacx.trainer.checkpoint import RoleLayout, save_checkpoint
+    from tests.checkpointing.helpers import write_training_checkpoint
 
-    convert_hf_to_stacx(checkpoint, str(root / "shards"), 1)
-    model = load_file(str(root / "shards" / "tp_rank_00.safetensors"))
-    layout = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
-    return save_checkpoint(root / "checkpoints", 5, recipe="grpo", role_layouts={"policy": layout},
-                           role_states={"policy": {0: {"model": model}}}, driver_state={},
-                           resolved_run_config={"model": {"hf_checkpoint": checkpoint}})
+    return write_training_checkpoint(checkpoint, root / "checkpoints", 5, recipe="grpo")
 
 
 def test_eval_of_a_folder_and_of_a_training_step_matches_the_reference(tmp_path, capsys):

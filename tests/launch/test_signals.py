@@ -59,8 +59,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _shm_files() -> set[str]:
-    return set(glob.glob("/dev/shm/stacx-*"))
+def _shm_files_mapped_by(pids: list[int]) -> set[str]:
+    """The /dev/shm/stacx-* files these processes have mapped (a run's staging files: other runs on
+    this machine, e.g. tests on another worker, have their own, under another random prefix)."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as handle:
+                found.update(line.split()[-1] for line in handle if "/dev/shm/stacx-" in line)
+        except OSError:
+            continue
+    return {path.removesuffix(" (deleted)") for path in found}
+
+
+def _shm_prefixes(paths: set[str]) -> set[str]:
+    """`/dev/shm/stacx-weights-<server prefix>-`: every staging file one server makes starts with it."""
+    return {path.rsplit("-", 1)[0] + "-" for path in paths}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +90,6 @@ def checkpoint(tmp_path_factory) -> str:
 def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoint, tmp_path, signum):
     marker = tmp_path / "hanging"
     save = tmp_path / "ckpt"
-    shm_before = _shm_files()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update({MARKER_ENV: str(marker), "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0",
                 "PYTHONPATH": REPO})
@@ -97,6 +110,8 @@ def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoi
             time.sleep(0.5)
         servers = [pid for pid, cmdline in _children(driver.pid) if " serve " in cmdline]
         assert servers, f"no `stacx serve` child of the driver: {_children(driver.pid)}"
+        staged = _shm_files_mapped_by([driver.pid, *servers])
+        assert staged, "the first step's weight push did not go through a shared-memory staging file"
         sent = time.monotonic()
         driver.send_signal(signum)
         code = driver.wait(timeout=60)
@@ -113,7 +128,7 @@ def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoi
     while any(_alive(pid) for pid in servers) and time.monotonic() < server_deadline:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in servers), "the `stacx serve` child outlived the driver"
-    leaked = _shm_files() - shm_before
+    leaked = {path for prefix in _shm_prefixes(staged) for path in glob.glob(prefix + "*")}
     assert not leaked, f"shared-memory files left behind: {sorted(leaked)}"
     assert not glob.glob(str(save / ".staging-*")), "a checkpoint staging folder was left behind"
     assert os.path.isdir(save / "step_000000001")  # the finished step's checkpoint is kept

@@ -72,22 +72,20 @@ def test_qkv_shard_holds_whole_kv_groups_in_megatron_order():
 def test_convert_command_round_trip_is_byte_identical_and_loads_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    hf_in, stacx_dir, hf_out, resharded = (str(tmp_path / n) for n in ("hf_in", "stacx", "hf_out", "stacx2"))
+    hf_in, dist_dir, hf_out, dist_again, hf_again = (
+        str(tmp_path / n) for n in ("hf_in", "dist", "hf_out", "dist2", "hf_again"))
     save_tiny_hf_checkpoint(hf_in, "qwen2", seed=4)
-    assert stacx_main(["convert", "hf-to-stacx", "--hf-checkpoint", hf_in, "--tensor-model-parallel-size", "2",
-                       "--out", stacx_dir]) == 0
+    assert stacx_main(["convert", "hf-to-torch-dist", "--hf-checkpoint", hf_in, "--out", dist_dir]) == 0
     # A tiny shard size forces an index file plus several shards on export ...
-    assert stacx_main(["convert", "stacx-to-hf", "--load", stacx_dir, "--out", hf_out, "--max-shard-gb", "2e-5"]) == 0
+    assert stacx_main(["convert", "torch-dist-to-hf", "--load", dist_dir, "--out", hf_out, "--max-shard-gb", "2e-5"]) == 0
     assert os.path.isfile(os.path.join(hf_out, "model.safetensors.index.json"))
     assert len([f for f in os.listdir(hf_out) if f.endswith(".safetensors")]) > 1
     original = _read_hf_folder(hf_in)
     _assert_identical(_read_hf_folder(hf_out), original)
-    # ... and the sharded folder converts again (index reading) to the same TP shards.
-    assert stacx_main(["convert", "hf-to-stacx", "--hf-checkpoint", hf_out, "--tensor-model-parallel-size", "2",
-                       "--out", resharded]) == 0
-    for rank in range(2):
-        file = f"tp_rank_{rank:02d}.safetensors"
-        _assert_identical(load_file(os.path.join(resharded, file)), load_file(os.path.join(stacx_dir, file)))
+    # ... and the sharded folder converts again (index reading) to the same weights.
+    assert stacx_main(["convert", "hf-to-torch-dist", "--hf-checkpoint", hf_out, "--out", dist_again]) == 0
+    assert stacx_main(["convert", "torch-dist-to-hf", "--load", dist_again, "--out", hf_again]) == 0
+    _assert_identical(_read_hf_folder(hf_again), original)
     reference = AutoModelForCausalLM.from_pretrained(hf_in, dtype=torch.float32).eval()
     exported = AutoModelForCausalLM.from_pretrained(hf_out, dtype=torch.float32).eval()
     tokens = torch.arange(12)[None]
@@ -103,18 +101,20 @@ def test_convert_command_errors_name_the_problem(tmp_path, capsys):
     hf_in = str(tmp_path / "hf")
     save_tiny_hf_checkpoint(hf_in, "llama", seed=0)  # 4 heads, 2 KV heads
     out = str(tmp_path / "out")
-    message = _convert_error(capsys, "hf-to-stacx", "--hf-checkpoint", str(tmp_path / "nowhere"), "--out", out)
-    assert "config.json" in message and "nowhere" in message
-    message = _convert_error(capsys, "hf-to-stacx", "--hf-checkpoint", hf_in, "--tensor-model-parallel-size", "4",
+    message = _convert_error(capsys, "hf-to-torch-dist", "--hf-checkpoint", str(tmp_path / "nowhere"), "--out", out)
+    assert "folder not found" in message and "nowhere" in message
+    message = _convert_error(capsys, "hf-to-torch-dist", "--hf-checkpoint", hf_in, "--tensor-model-parallel-size", "4",
                              "--out", out)
     assert "num_key_value_heads=2" in message and "4" in message
-    message = _convert_error(capsys, "stacx-to-hf", "--load", str(tmp_path / "missing"), "--out", out)
-    assert "missing" in message
+    message = _convert_error(capsys, "torch-dist-to-hf", "--load", str(tmp_path / "missing"), "--out", out)
+    assert "missing" in message and "folder not found" in message
+    message = _convert_error(capsys, "torch-dist-to-hf", "--load", hf_in, "--out", out)
+    assert "neither" not in message and "Hugging Face folder, not torch_dist" in message
 
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
-    message = _convert_error(capsys, "hf-to-stacx", "--hf-checkpoint", str(gpt2), "--out", out)
+    message = _convert_error(capsys, "hf-to-torch-dist", "--hf-checkpoint", str(gpt2), "--out", out)
     assert "'gpt2'" in message and "['llama', 'qwen2', 'qwen3']" in message
 
 
@@ -127,8 +127,8 @@ def test_convert_command_errors_name_the_problem(tmp_path, capsys):
     ],
 )
 def test_mismatched_checkpoint_fails_naming_the_tensor(tmp_path, edit, named):
+    from stacx.checkpointing.convert import convert_hf_to_torch_dist
     from stacx.models.checkpoint import CheckpointMismatchError
-    from stacx.models.stacx_checkpoint import convert_hf_to_stacx
 
     folder = str(tmp_path / "hf")
     save_tiny_hf_checkpoint(folder, "llama", seed=0)
@@ -142,10 +142,10 @@ def test_mismatched_checkpoint_fails_naming_the_tensor(tmp_path, edit, named):
         tensors[named] = torch.ones(64)
     save_file(tensors, file)
     with pytest.raises(CheckpointMismatchError, match=named.replace(".", r"\.")):
-        convert_hf_to_stacx(folder, str(tmp_path / "out"), 2)
+        convert_hf_to_torch_dist(folder, str(tmp_path / "out"), 1)
 
 
-def export_buckets_and_stacx_shards(groups, hf_dir, out_dir, stacx_dir, bad_dir):
+def export_buckets_and_torch_dist(groups, hf_dir, out_dir, dist_dir, bad_dir):
     from stacx.models import (
         CheckpointMismatchError,
         build_model,
@@ -153,15 +153,15 @@ def export_buckets_and_stacx_shards(groups, hf_dir, out_dir, stacx_dir, bad_dir)
         iter_hf_weight_buckets,
         load_hf_checkpoint,
     )
-    from stacx.models.stacx_checkpoint import load_stacx_model, save_stacx_model
+    from stacx.checkpointing.torch_dist import load_torch_dist, save_torch_dist
 
     model = build_model(hf_dir, groups, initialize_weights=False)
     load_hf_checkpoint(model, hf_dir, groups)
     export_hf_checkpoint(model, out_dir, groups, hf_dir)
     buckets = [[(name, t.clone()) for name, t in bucket] for bucket in iter_hf_weight_buckets(model, groups, 20_000)]
-    save_stacx_model(model, stacx_dir, groups)
+    save_torch_dist(dist_dir, model, groups=groups)
     reloaded = build_model(hf_dir, groups)
-    load_stacx_model(reloaded, stacx_dir, groups)
+    load_torch_dist(dist_dir, reloaded)
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), reloaded.parameters()))
     try:
         load_hf_checkpoint(build_model(hf_dir, groups), bad_dir, groups)
@@ -174,13 +174,11 @@ def export_buckets_and_stacx_shards(groups, hf_dir, out_dir, stacx_dir, bad_dir)
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_tp2_export_is_byte_identical_and_buckets_stream_every_tensor(tmp_path):
-    from stacx.models.stacx_checkpoint import convert_hf_to_stacx
-
-    hf_dir, out_dir, stacx_dir, bad_dir = (str(tmp_path / n) for n in ("hf", "export", "stacx", "bad"))
+    hf_dir, out_dir, dist_dir, bad_dir = (str(tmp_path / n) for n in ("hf", "export", "dist", "bad"))
     save_tiny_hf_checkpoint(hf_dir, "qwen3", seed=5, tie_word_embeddings=True)
     save_tiny_hf_checkpoint(bad_dir, "qwen3", seed=5, tie_word_embeddings=True, intermediate_size=64)
-    results = run_distributed(export_buckets_and_stacx_shards, 2, tensor_parallel_size=2,
-                              args=(hf_dir, out_dir, stacx_dir, bad_dir))
+    results = run_distributed(export_buckets_and_torch_dist, 2, tensor_parallel_size=2,
+                              args=(hf_dir, out_dir, dist_dir, bad_dir))
     original = _read_hf_folder(hf_dir)
     _assert_identical(_read_hf_folder(out_dir), original)
     assert "lm_head.weight" not in original  # tied: nothing extra is written either
@@ -195,14 +193,8 @@ def test_tp2_export_is_byte_identical_and_buckets_stream_every_tensor(tmp_path):
         assert len(bucket) == 1 or nbytes <= 20_000
     assert len(buckets_0) > 3
 
-    assert same_0
+    assert same_0  # a live tp=2 model's torch_dist save loads back bitwise
     assert error_0 is not None and "model.layers.0.mlp.gate_proj.weight" in error_0 and "[64, 64]" in error_0
-    # A live model's saved shards equal the offline converter's.
-    offline = str(tmp_path / "offline")
-    convert_hf_to_stacx(hf_dir, offline, 2)
-    for rank in range(2):
-        file = f"tp_rank_{rank:02d}.safetensors"
-        _assert_identical(load_file(os.path.join(stacx_dir, file)), load_file(os.path.join(offline, file)))
 
 
 @pytest.mark.parametrize(

@@ -134,17 +134,25 @@ def test_resaving_a_step_replaces_it(tmp_path):
     assert [p.name for p in Path(tmp_path).iterdir()] == ["step_000000002"]
 
 
-def test_load_rejects_other_recipe_missing_role_tp_change_and_corruption(tmp_path):
+def test_load_rejects_other_recipe_missing_role_old_format_and_corruption(tmp_path):
     folder = _save(tmp_path, 1)
     with pytest.raises(CheckpointError, match=r"saved by recipe 'ppo'; this run uses 'grpo'"):
         load_checkpoint(tmp_path, expected_recipe="grpo", expected_layouts={"policy": POLICY_TP2})
     with pytest.raises(CheckpointError, match=r"no state for roles \['reward_model'\]"):
         load_checkpoint(tmp_path, expected_recipe="ppo", expected_layouts={**LAYOUTS, "reward_model": CRITIC_DP2})
     tp4 = RoleLayout(tensor_parallel_size=4, context_parallel_size=1, data_parallel_size=1)
-    with pytest.raises(CheckpointError, match=r"role 'policy'.*tp=2 cp=1 dp=1.*tp=4.*cannot be resharded"):
-        load_checkpoint(tmp_path, expected_recipe="ppo", expected_layouts={"policy": tp4})
+    # Another tp is no reason to refuse: the weights are torch_dist and reshard (tests/checkpointing).
+    assert load_checkpoint(tmp_path, expected_recipe="ppo", expected_layouts={"policy": tp4}).layout_changed("policy")
     with pytest.raises(CheckpointError, match=r"no complete checkpoint"):
         load_checkpoint(tmp_path / "empty", expected_recipe="ppo", expected_layouts=LAYOUTS)
+
+    manifest_path = Path(folder) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "format_version": 1}))
+    with pytest.raises(CheckpointError, match=r"format version 1 \(one torch.save pickle per rank\) was written by an "
+                                              r"older Stacx.*Resume it with the Stacx version that wrote it"):
+        load_checkpoint(tmp_path, expected_recipe="ppo", expected_layouts=LAYOUTS)
+    manifest_path.write_text(json.dumps(manifest))
 
     rank_file = Path(folder) / "roles" / "critic" / "rank_00001.pt"
     data = bytearray(rank_file.read_bytes())
@@ -157,7 +165,7 @@ def test_load_rejects_other_recipe_missing_role_tp_change_and_corruption(tmp_pat
         load_checkpoint(tmp_path, expected_recipe="ppo", expected_layouts=LAYOUTS, verify_hashes=False)
 
 
-def test_data_parallel_change_loads_a_replica_only_when_state_is_replicated(tmp_path):
+def test_a_layout_change_takes_each_ranks_small_state_from_its_grid_position_or_rank_0(tmp_path):
     saved = RoleLayout(tensor_parallel_size=2, context_parallel_size=1, data_parallel_size=2)
     # Megatron's rank order is tp fastest, then cp, then dp.
     coords = {rank: RankCoords(tp_rank=rank % 2, cp_rank=0, dp_rank=rank // 2) for rank in range(4)}
@@ -170,13 +178,13 @@ def test_data_parallel_change_loads_a_replica_only_when_state_is_replicated(tmp_
         state = loaded.rank_state("policy", 5, RankCoords(tp_rank=tp_rank, cp_rank=1, dp_rank=2))
         assert torch.equal(state["model"]["shard"], torch.full((2,), float(tp_rank)))
 
-    sharded = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=2,
-                         state_replicated_across_data_parallel=False)
-    save_checkpoint(tmp_path / "dist_opt", 1, recipe="grpo", role_layouts={"policy": sharded},
-                    role_states={"policy": {0: {}, 1: {}}}, driver_state={}, resolved_run_config={})
-    one = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
-    with pytest.raises(CheckpointError, match=r"distributed optimizer.*cannot be resharded"):
-        load_checkpoint(tmp_path / "dist_opt", expected_recipe="grpo", expected_layouts={"policy": one})
+    # Same grid position (tp 1, cp 0, dp 1) under tp=4: saved rank 3; a position the save never had: rank 0.
+    tp4 = RoleLayout(tensor_parallel_size=4, context_parallel_size=1, data_parallel_size=2)
+    loaded = load_checkpoint(tmp_path, expected_recipe="grpo", expected_layouts={"policy": tp4})
+    assert torch.equal(loaded.rank_state("policy", 5, RankCoords(tp_rank=1, cp_rank=0, dp_rank=1))["model"]["shard"],
+                       torch.full((2,), 1.0))
+    assert torch.equal(loaded.rank_state("policy", 3, RankCoords(tp_rank=3, cp_rank=0, dp_rank=0))["model"]["shard"],
+                       torch.full((2,), 0.0))
 
 
 def _draws() -> tuple:

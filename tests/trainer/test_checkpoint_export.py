@@ -1,5 +1,6 @@
 """A training checkpoint's role weights exported as a Hugging Face folder (what `stacx eval --load` reads):
-every TP shard merged, vocabulary padding stripped, the run's own weights (not the base checkpoint's)."""
+the role's torch_dist weights, vocabulary padding stripped, the run's own weights (not the base checkpoint's).
+Exports of checkpoints saved at tp=2 are covered by tests/checkpointing (torch_dist loads at any tp)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import shutil
 import pytest
 from safetensors.torch import load_file
 
-from stacx.models.stacx_checkpoint import convert_hf_to_stacx
 from stacx.models.testing import save_tiny_hf_checkpoint
-from stacx.trainer.checkpoint import CheckpointError, RankCoords, RoleLayout, read_manifest, save_checkpoint
+from stacx.trainer.checkpoint import CheckpointError, read_manifest
 from stacx.trainer.checkpoint_export import base_checkpoint_of, export_role_to_hf, pick_role
+from tests.checkpointing.helpers import write_training_checkpoint
 
 
 def _hf_tensors(folder) -> dict:
@@ -24,27 +25,10 @@ def _hf_tensors(folder) -> dict:
     return tensors
 
 
-def _training_checkpoint(tmp_path, base: str, tp_size: int, dp_size: int, scale: float) -> str:
-    """A step folder whose policy ranks hold the base weights times `scale`, sharded like a trainer's."""
-    shards = tmp_path / "shards"
-    convert_hf_to_stacx(base, str(shards), tp_size)
-    layout = RoleLayout(tensor_parallel_size=tp_size, context_parallel_size=1, data_parallel_size=dp_size)
-    states, coords = {}, {}
-    for rank in range(layout.world_size):
-        tp_rank, dp_rank = rank % tp_size, rank // tp_size
-        model = {name: tensor * scale for name, tensor in load_file(str(shards / f"tp_rank_{tp_rank:02d}.safetensors")).items()}
-        states[rank] = {"model": model, "optimizer": {}, "num_steps": 3}
-        coords[rank] = RankCoords(tp_rank=tp_rank, cp_rank=0, dp_rank=dp_rank)
-    return save_checkpoint(tmp_path / "checkpoints", 3, recipe="sft", role_layouts={"policy": layout},
-                           role_states={"policy": states}, role_coords={"policy": coords}, driver_state={},
-                           resolved_run_config={"model": {"hf_checkpoint": base}})
-
-
-@pytest.mark.parametrize("tp_size, dp_size", [(1, 1), (2, 2)])
-def test_export_merges_tp_shards_into_the_runs_own_weights(tmp_path, tp_size, dp_size):
+def test_export_writes_the_runs_own_weights(tmp_path):
     base = str(tmp_path / "base")
-    save_tiny_hf_checkpoint(base, "llama", seed=0)  # vocab 101: TP=2 pads it
-    step = _training_checkpoint(tmp_path, base, tp_size, dp_size, scale=2.0)
+    save_tiny_hf_checkpoint(base, "llama", seed=0)
+    step = write_training_checkpoint(base, tmp_path / "checkpoints", 3, scale=2.0)
     manifest = read_manifest(step)
     role = pick_role(manifest, None)
     out = export_role_to_hf(step, role, base_checkpoint_of(step), tmp_path / "export")
@@ -59,7 +43,7 @@ def test_export_merges_tp_shards_into_the_runs_own_weights(tmp_path, tp_size, dp
 def test_moved_base_and_unknown_role_are_named(tmp_path):
     base = str(tmp_path / "base")
     save_tiny_hf_checkpoint(base, "llama", seed=0)
-    step = _training_checkpoint(tmp_path, base, 1, 1, scale=1.0)
+    step = write_training_checkpoint(base, tmp_path / "checkpoints", 3)
     moved = str(tmp_path / "moved")
     shutil.move(base, moved)
     with pytest.raises(CheckpointError, match=r"--hf-checkpoint .*base: folder not found.*pass --hf-checkpoint"):

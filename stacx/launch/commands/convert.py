@@ -1,61 +1,98 @@
-"""`stacx convert`: Hugging Face checkpoints to Stacx TP-sharded model folders and back.
+"""`stacx convert`: Hugging Face <-> megatron-core torch_dist, and training checkpoints -> Hugging Face.
 
-    stacx convert hf-to-stacx --hf-checkpoint IN --tensor-model-parallel-size N --out DIR
-    stacx convert stacx-to-hf --load DIR --out HF_DIR
+    stacx convert hf-to-torch-dist --hf-checkpoint IN --tensor-model-parallel-size N --out DIR
+    stacx convert torch-dist-to-hf --load DIR [--hf-checkpoint HF] --out HF_DIR
+    stacx convert checkpoint-to-hf --load runs/x/step_000000004 --role policy --out HF_DIR
 
-Both run in one process from the config alone: each TP shard reads only its slices of the
-Hugging Face tensors, and the export loads with transformers.AutoModelForCausalLM.from_pretrained.
+A torch_dist folder stores global tensors and loads at any tensor-parallel size (`--ref-load` and
+`--hf-checkpoint` accept it); the size given here only splits the conversion's work over that many
+local processes. Every Hugging Face folder written carries the source's tokenizer files and
+generation_config.json and loads with transformers' AutoTokenizer and AutoModelForCausalLM.
+The `stacx-megatron-tp` format (hf-to-stacx / stacx-to-hf) is retired.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
 
-HELP = "convert checkpoints: hf-to-stacx (shard for a TP size) or stacx-to-hf (merge for transformers)"
+HELP = "convert checkpoints: hf-to-torch-dist, torch-dist-to-hf, checkpoint-to-hf (a training step's role)"
+RETIRED = ("hf-to-stacx", "stacx-to-hf")
 
 
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
-    to_stacx = sub.add_parser("hf-to-stacx", help="shard a Hugging Face checkpoint for a tensor-parallel size")
-    to_stacx.add_argument("--hf-checkpoint", required=True, help="Hugging Face folder (config.json + safetensors)")
-    to_stacx.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (default: %(default)s)")
-    to_stacx.add_argument("--out", required=True, help="Stacx model folder to write")
-    to_hf = sub.add_parser("stacx-to-hf", help="merge a Stacx model folder into a Hugging Face checkpoint")
-    to_hf.add_argument("--load", required=True, help="Stacx model folder (written by hf-to-stacx or a trainer)")
-    to_hf.add_argument("--out", required=True, help="Hugging Face folder to write")
+    to_dist = sub.add_parser("hf-to-torch-dist", help="a Hugging Face folder as megatron-core torch_dist (loads at any TP)")
+    to_dist.add_argument("--hf-checkpoint", required=True, help="Hugging Face folder (config.json + safetensors)")
+    to_dist.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                         help="local processes sharing the conversion, each reading its TP slices (default: %(default)s)")
+    to_dist.add_argument("--out", required=True, help="torch_dist folder to write (new or empty)")
+    to_hf = sub.add_parser("torch-dist-to-hf", help="a torch_dist folder as a Hugging Face folder")
+    to_hf.add_argument("--load", required=True, help="torch_dist folder (from hf-to-torch-dist or a Megatron framework)")
+    to_hf.add_argument("--hf-checkpoint", default=None,
+                       help="Hugging Face folder giving config and tokenizer when --load holds no config.json")
+    to_hf.add_argument("--tensor-model-parallel-size", type=int, default=1, help="local processes (default: %(default)s)")
+    to_hf.add_argument("--out", required=True, help="Hugging Face folder to write (new or empty)")
     to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size (default: %(default)s)")
+    step_to_hf = sub.add_parser("checkpoint-to-hf", help="one role of a training checkpoint as a Hugging Face folder")
+    step_to_hf.add_argument("--load", required=True, help="a step folder (runs/x/step_000000004) or a --save folder "
+                            "(its latest complete step)")
+    step_to_hf.add_argument("--role", default=None, help="role to export (default: the only one, else policy/actor)")
+    step_to_hf.add_argument("--hf-checkpoint", default=None,
+                            help="config and tokenizer source (default: the run's own --hf-checkpoint)")
+    step_to_hf.add_argument("--out", required=True, help="Hugging Face folder to write (new or empty)")
+    for name in RETIRED:  # the old flags are accepted, so the answer is the retirement, not a flag error
+        retired = sub.add_parser(name, help=argparse.SUPPRESS)
+        for flag in ("--hf-checkpoint", "--load", "--out", "--tensor-model-parallel-size", "--max-shard-gb"):
+            retired.add_argument(flag, default=None)
 
 
-def _validate(args) -> str | None:
-    """An error message for a user mistake, or None."""
-    if args.direction == "hf-to-stacx":
+def _retired_message(direction: str) -> str:
+    return (f"'{direction}' is retired with the stacx-megatron-tp format it wrote. Use `stacx convert hf-to-torch-dist "
+            "--hf-checkpoint HF_DIR --out DIR` (megatron-core torch_dist, loads at any tensor-parallel size) and "
+            "`stacx convert torch-dist-to-hf --load DIR --out HF_DIR`; a stacx-megatron-tp folder converts by way of "
+            "the Hugging Face folder it came from")
+
+
+def _convert(args) -> str:
+    from stacx.checkpointing.convert import (
+        convert_hf_to_torch_dist,
+        convert_torch_dist_to_hf,
+        export_training_checkpoint_to_hf,
+    )
+
+    if args.direction == "hf-to-torch-dist":
+        return convert_hf_to_torch_dist(args.hf_checkpoint, args.out, args.tensor_model_parallel_size)
+    if args.direction == "torch-dist-to-hf":
         if args.tensor_model_parallel_size < 1:
-            return f"--tensor-model-parallel-size must be >= 1, got {args.tensor_model_parallel_size}"
-        if not os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):
-            return f"--hf-checkpoint: no config.json in {args.hf_checkpoint}"
-    elif not os.path.isdir(args.load):
-        return f"--load: folder {args.load} does not exist"
-    return None
+            raise ValueError(f"--tensor-model-parallel-size must be >= 1, got {args.tensor_model_parallel_size}")
+        return convert_torch_dist_to_hf(args.load, args.out, hf_config=args.hf_checkpoint,
+                                        tp_size=args.tensor_model_parallel_size,
+                                        max_shard_bytes=int(args.max_shard_gb * 1024**3))
+    from stacx.trainer.checkpoint import read_manifest, resolve_checkpoint_folder
+    from stacx.trainer.checkpoint_export import base_checkpoint_of, pick_role
+
+    step = resolve_checkpoint_folder(args.load)
+    role = pick_role(read_manifest(step), args.role)
+    return export_training_checkpoint_to_hf(step, role, args.out, base=base_checkpoint_of(step, args.hf_checkpoint))
 
 
 def run(args) -> int:
+    from stacx.checkpointing import ModelFolderError, TorchDistCheckpointError
     from stacx.models.checkpoint import CheckpointMismatchError
-    from stacx.models.stacx_checkpoint import convert_hf_to_stacx, convert_stacx_to_hf
+    from stacx.trainer.checkpoint import CheckpointError
 
-    message = _validate(args)
-    if message is None:
-        start = time.monotonic()
-        try:
-            if args.direction == "hf-to-stacx":
-                convert_hf_to_stacx(args.hf_checkpoint, args.out, args.tensor_model_parallel_size)
-            else:
-                convert_stacx_to_hf(args.load, args.out, max_shard_bytes=int(args.max_shard_gb * 1024**3))
-        except (FileNotFoundError, ValueError, CheckpointMismatchError) as err:
-            message = str(err)
-        else:
-            print(f"stacx convert {args.direction}: wrote {os.path.abspath(args.out)} in {time.monotonic() - start:.1f}s")
-            return 0
-    print(f"stacx convert {args.direction}: error: {message}", file=sys.stderr)
-    return 2
+    if args.direction in RETIRED:
+        print(f"stacx convert: error: {_retired_message(args.direction)}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    try:
+        out = _convert(args)
+    except (FileNotFoundError, FileExistsError, ValueError, CheckpointMismatchError, CheckpointError,
+            ModelFolderError, TorchDistCheckpointError) as err:
+        print(f"stacx convert {args.direction}: error: {err}", file=sys.stderr)
+        return 2
+    print(f"stacx convert {args.direction}: wrote {os.path.abspath(out)} in {time.monotonic() - start:.1f}s")
+    return 0

@@ -18,12 +18,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default="outputs/demo", help="output folder (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of models, data order and sampling")
     parser.add_argument("--no-progress-bar", action="store_true", help="plain log lines instead of progress bars")
+    parser.add_argument("--diffusion", action="store_true",
+                        help="the experimental diffusion demo instead: flow-matching SFT then Flow-GRPO of a tiny "
+                             "MMDiT on coloured shapes (stacx/diffusion/demo.py; default --out outputs/demo_diffusion)")
 
 
 def run(args) -> int:
     from stacx.launch.demo import DemoSettings, format_table, run_demo
 
     started = time.monotonic()
+    if args.diffusion:
+        from stacx.diffusion.demo import DiffusionDemoSettings, format_summary, run_diffusion_demo
+
+        out = args.out if args.out != "outputs/demo" else "outputs/demo_diffusion"
+        summary = run_diffusion_demo(DiffusionDemoSettings(seed=args.seed), out)
+        print("\n" + format_summary(summary))
+        print(f"outputs: {os.path.abspath(os.path.join(out, 'summary.json'))}, samples.png, reward_curve.png")
+        return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     summary = run_demo(DemoSettings(seed=args.seed, progress_bar=not args.no_progress_bar), args.out)
     out = os.path.abspath(args.out)

@@ -106,10 +106,14 @@ def render_catalog_markdown(configs: dict) -> str:
         data = " + ".join([config.data_source] + (["teacher"] if config.uses_teacher else [])
                           + (["reward"] if config.uses_reward else []))
         syncs = "; ".join(f"{s.kind} {s.source_role} -> {s.target_role}" for s in config.syncs) or "none"
-        lines.append(f"| [`{name}`](#{name}) | {data} | {', '.join(r.name for r in config.roles)} | {syncs} |")
+        label = f"[`{name}`](#{name})" + (f" (experimental, {config.modality})" if config.experimental else "")
+        lines.append(f"| {label} | {data} | {', '.join(r.name for r in config.roles)} | {syncs} |")
     for name in sorted(configs):
         config = configs[name]
-        lines += ["", f"## {name}", "", config.description, ""]
+        lines += ["", f"## {name}", ""]
+        if config.experimental:
+            lines += [f"**Experimental** ({config.modality} recipe, see `docs/diffusion.md`).", ""]
+        lines += [config.description, ""]
         if config.rollin_protocol:
             lines.append(f"- roll-in: `{config.rollin_protocol}`")
         for role in config.roles:
@@ -147,5 +151,6 @@ def run(args) -> int:
     for name in sorted(TRAINING_CONFIGS):
         config = TRAINING_CONFIGS[name]
         roles = ", ".join(role.name for role in config.roles)
-        print(f"{name:<{width}}  [{roles}]  {first_sentence(config.description)}")
+        experimental = f"(experimental, {config.modality}) " if config.experimental else ""
+        print(f"{name:<{width}}  [{roles}]  {experimental}{first_sentence(config.description)}")
     return 0

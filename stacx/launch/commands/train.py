@@ -93,6 +93,10 @@ def run(args) -> int:
     try:
         run_config = run_config_from_args(args)
         recipe, algorithm = resolve_recipe(run_config)  # also checks the algorithm settings against the recipe
+        if recipe.modality == "image":  # an experimental diffusion recipe: its own loop (stacx.diffusion.loop)
+            from stacx.diffusion.loop import run_diffusion_command
+
+            return run_diffusion_command(run_config, recipe)
         run_preflight(run_config, recipe, algorithm)  # the same checks for --dry-run and the run itself
         if run_config.train.dry_run:
             print(describe_run(run_config, recipe))

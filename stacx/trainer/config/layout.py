@@ -22,8 +22,8 @@ class RoleLayout:
     data_parallel_size: int
     """Model replicas."""
     state_replicated_across_data_parallel: bool = True
-    """Whether ranks that differ only in (cp, dp) hold identical state (no distributed optimizer), so the state
-    can be loaded under a different cp or dp degree."""
+    """Whether ranks that differ only in (cp, dp) hold identical state (no distributed optimizer). Kept in the
+    manifest for the record: torch_dist state loads under any layout either way."""
 
     @property
     def world_size(self) -> int:

@@ -57,6 +57,8 @@ CHECKPOINT_ARGS = ("hf_checkpoint", "ref_load", "critic_load")
 DATA_SOURCES = ("rollout", "dataset")
 #: How a rollout is produced when the teacher takes part (None: the student alone).
 ROLLIN_PROTOCOLS = ("teacher_relabel", "beta_mixture", "aggrevate")
+#: What a recipe's policy generates: text (LLM recipes) or images (the diffusion recipes).
+MODALITIES = ("text", "image")
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -285,6 +287,10 @@ class TrainingConfig:
     """Whether a reward function scores each rollout (RL recipes)."""
     rollin_protocol: str | None = None
     """How the teacher shares rollouts with the student: teacher_relabel (DAgger), beta_mixture, aggrevate; None: student only."""
+    modality: str = "text"
+    """What the policy generates: 'text' (an LLM recipe) or 'image' (a diffusion recipe, run by stacx.diffusion's loop)."""
+    experimental: bool = False
+    """Marked experimental by `stacx recipes` and docs/recipes.md (the diffusion recipes)."""
 
     def __post_init__(self) -> None:
         _check_identifier("name", self.name)
@@ -328,6 +334,8 @@ class TrainingConfig:
                 fail("rollin_protocol", f"{self.rollin_protocol!r} needs uses_teacher=True")
         if self.uses_reward and self.data_source != "rollout":
             fail("uses_reward", "rewards score rollouts; a 'dataset' recipe has none")
+        if self.modality not in MODALITIES:
+            fail("modality", f"unknown name {self.modality!r}; known: {', '.join(MODALITIES)}")
 
     def _check_pools(self, fail) -> None:
         by_name = {role.name: role for role in self.roles}
@@ -449,7 +457,8 @@ class TrainingConfig:
 
     def describe(self) -> str:
         """A human-readable summary (what `stacx recipes NAME` and `--dry-run` print)."""
-        lines = [f"recipe {self.name}: {self.description}",
+        lines = [f"recipe {self.name}{' (experimental, ' + self.modality + ')' if self.experimental else ''}: "
+                 f"{self.description}",
                  f"  data: {self.data_source}" + (" + teacher" if self.uses_teacher else "")
                  + (" + reward" if self.uses_reward else "")
                  + (f", roll-in {self.rollin_protocol}" if self.rollin_protocol else "")]

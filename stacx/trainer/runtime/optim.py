@@ -10,7 +10,10 @@ the summed gradients by 1 / (dp * cp); the reducer's `gradient_scale` undoes exa
 
 Optimizer: Adam (AdamW-style decoupled weight decay) with global grad-norm clipping `clip_grad`.
 The state is replicated over DP (no distributed optimizer), so a checkpoint can be resumed under
-another DP or CP degree.
+another DP or CP degree. Without transformer-engine and apex (the CPU path) megatron builds
+`torch.optim.AdamW` with neither `foreach` nor `fused`, and torch then updates one parameter at a
+time on CPU; `use_fused_adamw_on_cpu` switches those groups to torch's fused kernel (the same
+update formula, ~1e-8 apart in fp32; 5-7x faster on the S and M shapes of bench/peers).
 
 Schedule (megatron's OptimizerParamScheduler, stepped once per optimizer step):
     step < warmup:  lr = lr_peak * step / warmup
@@ -64,6 +67,7 @@ def build_optimizer(ddp_model, optim: Any, *, total_steps: int):
         use_distributed_optimizer=False,
     )
     optimizer = get_megatron_optimizer(config, [ddp_model])
+    use_fused_adamw_on_cpu(optimizer)
     decay_steps = max(int(total_steps), optim.lr_warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -79,6 +83,45 @@ def build_optimizer(ddp_model, optim: Any, *, total_steps: int):
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def torch_optimizers_of(megatron_optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside megatron's wrapper (one, or one per chain link)."""
+    links = getattr(megatron_optimizer, "chained_optimizers", None) or [megatron_optimizer]
+    return [link.optimizer for link in links]
+
+
+def use_fused_adamw_on_cpu(megatron_optimizer) -> int:
+    """Run torch's fused (multi-tensor) Adam/AdamW kernel for every param group whose parameters
+    are all CPU floating-point tensors and that asked for neither `foreach` nor `fused`.
+
+    megatron hands torch.optim.AdamW its params without these flags; on CPU torch's default is then
+    the per-parameter loop. The fused CPU kernel applies the same update (decoupled weight decay,
+    bias corrections, eps outside the square root) in one pass per tensor. A hook re-applies the
+    choice after `load_state_dict`, which restores a checkpoint's own group flags. Returns the
+    number of groups switched (0 with CUDA optimizers: TE's / apex's FusedAdam are not touched).
+    """
+    switched = 0
+    for optimizer in torch_optimizers_of(megatron_optimizer):
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        switched += _switch_cpu_groups_to_fused(optimizer)
+        if not getattr(optimizer, "_stacx_fused_on_cpu_hook", False):
+            optimizer.register_load_state_dict_post_hook(_switch_cpu_groups_to_fused)
+            optimizer._stacx_fused_on_cpu_hook = True
+    return switched
+
+
+def _switch_cpu_groups_to_fused(optimizer: torch.optim.Optimizer) -> int:
+    switched = 0
+    for group in optimizer.param_groups:
+        params = group["params"]
+        on_cpu = bool(params) and all(p.device.type == "cpu" and p.is_floating_point() for p in params)
+        if not on_cpu or group.get("fused") or group.get("foreach") or group.get("differentiable"):
+            continue
+        group["foreach"], group["fused"] = False, True
+        switched += 1
+    return switched
 
 
 def current_lr(optimizer) -> float:

@@ -78,7 +78,8 @@ class RoleRuntime:
     def __init__(self, role: ModelRole, run_config: RunConfig, algorithm: AlgorithmConfig, groups: ProcessGroups, *,
                  rank: int = 0):
         # Imported here: megatron-core is slow to import (start-up time).
-        from stacx.models import build_model, load_hf_checkpoint
+        from stacx.checkpointing.folders import load_model_weights
+        from stacx.models import build_model
 
         self.role = role
         self.run_config = run_config
@@ -100,9 +101,10 @@ class RoleRuntime:
         if reference_path is not None:
             # Load the reference into the one module, keep its tensors, then load the role's own weights:
             # no second model object is ever built.
-            load_hf_checkpoint(self.model, reference_path, groups)
+            load_model_weights(self.model, reference_path, groups,
+                               flag="--" + role.reference_checkpoint_arg.replace("_", "-"))
             self.reference_weights = [p.detach().clone() for p in self._reference_params()]
-        load_hf_checkpoint(self.model, path, groups)
+        load_model_weights(self.model, path, groups, flag="--" + role.checkpoint_arg.replace("_", "-"))
         if role.outputs_values:
             attach_value_head(self.model)
         self.specialization = role.specialization_cls(algorithm, groups)
@@ -284,55 +286,39 @@ class RoleRuntime:
         return RankCoords.of(self.groups)
 
     def state_dict(self) -> dict[str, Any]:
-        """Model (by parameter name), reference weights, optimizer, scheduler, RNG and step count."""
-        # Imported here: megatron-core is slow to import (start-up time).
-        from stacx.models import unwrap_model
-
-        state: dict[str, Any] = {
-            "model": {name: p.detach().cpu().clone() for name, p in unwrap_model(self.model).named_parameters()},
-            "rng": capture_rng_state(),
-            "num_steps": self.num_steps,
-        }
-        if self.reference_weights is not None:
-            state["reference"] = [t.cpu().clone() for t in self.reference_weights]
-        if self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
+        """This rank's small state: scheduler, RNG and step count. The weights and optimizer state are
+        saved apart, in the role's torch_dist folder (`save_rank_state`); the in-worker reference is
+        frozen and read again from its flag when the run resumes."""
+        state: dict[str, Any] = {"rng": capture_rng_state(), "num_steps": self.num_steps}
+        if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         return state
 
-    @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        # Imported here: megatron-core is slow to import (start-up time).
-        from stacx.models import unwrap_model
-
-        params = dict(unwrap_model(self.model).named_parameters())
-        saved = state["model"]
-        if set(saved) != set(params):
-            missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
-            raise ValueError(f"role {self.role.name!r}: checkpoint model state does not match the model "
-                             f"(missing {missing[:3]}, unexpected {extra[:3]})")
-        for name, param in params.items():
-            if tuple(saved[name].shape) != tuple(param.shape):
-                raise ValueError(f"role {self.role.name!r}: checkpoint tensor {name!r} has shape "
-                                 f"{list(saved[name].shape)}, the model has {list(param.shape)}")
-            param.copy_(saved[name])
-        if self.reference_weights is not None and "reference" in state:
-            for held, saved_ref in zip(self.reference_weights, state["reference"]):
-                held.copy_(saved_ref)
-        if self.optimizer is not None:
-            if "optimizer" not in state:
-                raise ValueError(f"role {self.role.name!r}: checkpoint holds no optimizer state")
-            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            if "scheduler" not in state:
+                raise ValueError(f"role {self.role.name!r}: checkpoint holds no scheduler state")
             self.scheduler.load_state_dict(state["scheduler"])
         self.num_steps = int(state.get("num_steps", 0))
         restore_rng_state(state["rng"])
 
     def save_rank_state(self, staging_dir: str, role_name: str, rank: int):
-        """Write this rank's state into a checkpoint staging folder; returns its RankFileInfo."""
-        return write_rank_state(staging_dir, role_name, rank, self.state_dict(), self.coords())
+        """Write this rank's state into a checkpoint staging folder (the weights and optimizer state in one
+        torch_dist save with the role's other ranks); returns its RankFileInfo."""
+        return write_rank_state(staging_dir, role_name, rank, self.state_dict(), self.coords(),
+                                model=self.model, optimizer=self.optimizer, groups=self.groups)
 
     def load_rank_state(self, loaded, role_name: str, rank: int) -> None:
-        """Load this rank's state from a `LoadedCheckpoint` (the matching replica when CP/DP changed)."""
+        """Load this rank's state from a `LoadedCheckpoint`: weights and optimizer state resharded to this
+        run's layout, then the small state (`LoadedCheckpoint.rank_state`)."""
+        # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
+        from stacx.checkpointing.torch_dist import load_torch_dist
+
+        optimizer_loaded = load_torch_dist(loaded.model_folder(role_name), self.model, self.optimizer,
+                                           what=f"checkpoint of role {role_name!r} in")
+        if self.optimizer is not None and not optimizer_loaded:
+            logger.warning("role %r: checkpoint %s holds no optimizer state; the optimizer starts afresh",
+                           role_name, loaded.path)
         self.load_state_dict(loaded.rank_state(role_name, rank, self.coords()))
 
     def close(self) -> None:

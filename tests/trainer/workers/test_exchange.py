@@ -38,16 +38,16 @@ class PlantedPayload:
         return os.system, (f"touch {self.marker}",)
 
 
-def _open_pair(name: str, source_secret: bytes, target_secret: bytes):
+def _open_pair(name: str, source_secret: bytes, target_secret: bytes, timeout_s: float = TIMEOUT_S):
     """(source endpoint hosting the store, target endpoint, the store's port), rendezvoused in threads."""
-    store, port = host_store(LOOPBACK, TIMEOUT_S)
+    store, port = host_store(LOOPBACK, timeout_s)
     endpoints: list = [None, None]
     errors: list = []
 
     def open_rank(rank: int, secret: bytes) -> None:
         try:
             endpoints[rank] = ExchangeEndpoint(name, rank, 2, LOOPBACK, port, secret=secret, local_host=LOOPBACK,
-                                               backend="gloo", timeout_s=TIMEOUT_S,
+                                               backend="gloo", timeout_s=timeout_s,
                                                hosted_store=store if rank == 0 else None)
         except Exception as err:  # noqa: BLE001 - reported below
             errors.append(err)
@@ -57,7 +57,7 @@ def _open_pair(name: str, source_secret: bytes, target_secret: bytes):
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=TIMEOUT_S + 10)
+        thread.join(timeout=timeout_s + 10)
     assert not errors, errors
     return endpoints[0], endpoints[1], port
 
@@ -142,8 +142,13 @@ def test_a_pickle_payload_in_the_header_key_is_never_run(pair, tmp_path):
     assert not marker.exists()
 
 
+# The refused bucket's sends have no receiver and end only at the group's timeout: a short one.
+REFUSED_TIMEOUT_S = 5.0
+
+
 def test_a_member_with_another_secret_is_refused():
-    source, target, _ = _open_pair("wrong_secret", secrets.token_bytes(32), secrets.token_bytes(32))
+    source, target, _ = _open_pair("wrong_secret", secrets.token_bytes(32), secrets.token_bytes(32),
+                                   timeout_s=REFUSED_TIMEOUT_S)
     try:
         sender = _send_in_thread(source, 0, _tensors())
         with pytest.raises(ExchangeHeaderError, match="failed authentication"):
