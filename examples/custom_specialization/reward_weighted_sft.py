@@ -31,7 +31,7 @@ class RewardWeightedSFTSpecialization(Specialization):
 
     base_required_fields = ("advantages",)
 
-    def loss_terms(self, view, batch):
+    def per_token_terms(self, view, batch):
         # view.values: this rank's log-probs of each response; view.cut: a batch field cut alike.
         temperature = float(self.setting("rwr_temperature", 1.0))
         max_weight = float(self.setting("rwr_max_weight", 5.0))

@@ -1,6 +1,6 @@
 """Guide 003, "5 Adding an algorithm", steps 1 and 2, written to the specialization template: the
 base class checks the batch, cuts the responses for TP/CP, reduces the loss and counts tokens; the
-algorithm writes only its per-token terms (`loss_terms`). `my_kernel`, which the guide leaves to
+algorithm writes only its per-token terms (`per_token_terms`). `my_kernel`, which the guide leaves to
 the reader, is a negative log-likelihood. The guide's own form (overriding `compute_loss`, reading
 `batch["loss_masks"]`, `reducer(sum_of_sample_mean(...))`) still runs; see docs/adding-an-algorithm.md.
 Specialization and recipe share this one file, so the recipe needs no import of the class. Step 3:
@@ -22,7 +22,7 @@ def my_kernel(log_probs: torch.Tensor) -> torch.Tensor:
 
 
 class MyAlgoSpecialization(CausalDecoderSpecialization):
-    def loss_terms(self, view, batch) -> LossTerms:
+    def per_token_terms(self, view, batch) -> LossTerms:
         per_token = [my_kernel(log_probs) for log_probs in view.values]  # one [R_i] per response, TP/CP handled
         return LossTerms(per_token, {"my_loss": masked_total(per_token, view.loss_masks)})
 

@@ -1,6 +1,6 @@
 """Per-algorithm loss assembly: `compute_loss(model_output, micro_batch, reducer) -> (loss, metrics)`.
 
-See base.py for the template (a subclass writes `loss_terms`), batch.py for `MicroBatch`, and
+See base.py for the template (a subclass writes `per_token_terms`), batch.py for `MicroBatch`, and
 docs/adding-an-algorithm.md for writing a new one.
 """
 

@@ -142,7 +142,7 @@ class ActorSpecialization(Specialization):
         )
         return log_probs_local if entropy_local is None else torch.stack([log_probs_local, entropy_local], -1)
 
-    def loss_terms(self, view, batch) -> LossTerms:
+    def per_token_terms(self, view, batch) -> LossTerms:
         if self.with_entropy:
             log_probs, entropy = [v[:, 0] for v in view.values], [v[:, 1] for v in view.values]
         else:

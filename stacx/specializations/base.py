@@ -15,11 +15,11 @@ A role worker calls `compute_loss` once per packed micro-batch, after the forwar
     check_reducer(reducer); check_batch(batch)          # mode, field presence and sizes (+ check_fields hook)
     view = response view of local_values(model_output)  # this rank's part of each response, or whole
                                                         # responses when needs_whole_sequences() (one CP all-gather)
-    terms = loss_terms(view, batch)                     # THE SUBCLASS: per-token losses and metric sums
+    terms = per_token_terms(view, batch)                # THE SUBCLASS: per-token losses and metric sums
     loss = reducer(terms.per_token, masks, sequence_token_counts=n_i, replicated_across_cp=view.replicated)
     metrics = terms.metrics (reported once over CP) + num_loss_tokens + num_sequences
 
-so a subclass writes `loss_terms` (usually one kernel call) and, when it needs more than the
+so a subclass writes `per_token_terms` (usually one kernel call) and, when it needs more than the
 log-probs of the sampled tokens, `local_values`. Arguments of `compute_loss`:
 
 - `model_output`: the TP-local logits shard [T_local, V_pad/tp] of this CP rank's slice of the
@@ -68,7 +68,7 @@ _DECLARED = object()
 
 @dataclass
 class LossTerms:
-    """What a subclass's `loss_terms` returns: per-token losses and metric sums of one micro-batch."""
+    """What a subclass's `per_token_terms` returns: per-token losses and metric sums of one micro-batch."""
 
     per_token: list[torch.Tensor]
     """One tensor per sequence, shaped like the view's values (this rank's part, or whole responses)."""
@@ -112,7 +112,7 @@ class Specialization:
         return False
 
     def needs_whole_sequences(self) -> bool:
-        """Whether `loss_terms` needs whole responses on every CP rank (one all-gather when cp > 1)
+        """Whether `per_token_terms` needs whole responses on every CP rank (one all-gather when cp > 1)
         instead of this rank's part of each response."""
         return False
 
@@ -134,7 +134,7 @@ class Specialization:
         self.check_batch(batch)
         view = self.response_view(batch.layout, self.local_values(model_output, batch),
                                   whole=self.needs_whole_sequences(), loss_masks=batch.loss_masks)
-        terms = self.loss_terms(view, batch)
+        terms = self.per_token_terms(view, batch)
         loss = reducer(
             terms.per_token, view.loss_masks if terms.masks is None else terms.masks,
             sequence_token_counts=(batch.sequence_token_counts() if terms.sequence_token_counts is None
@@ -154,10 +154,10 @@ class Specialization:
     def check_fields(self, batch: MicroBatch) -> None:
         """Checks of field values beyond presence and size (e.g. teacher log-probs <= 0); default none."""
 
-    def loss_terms(self, view: "ResponseView", batch: MicroBatch) -> LossTerms:
+    def per_token_terms(self, view: "ResponseView", batch: MicroBatch) -> LossTerms:
         """Per-token losses and metric sums from the view's values (`view.values`, one tensor per
         sequence), its loss masks (`view.loss_masks`) and batch fields cut alike (`view.cut(...)`)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement loss_terms (or compute_loss)")
+        raise NotImplementedError(f"{type(self).__name__} must implement per_token_terms (or compute_loss)")
 
     # ---- forward-only and logging --------------------------------------------------------------
 

@@ -15,5 +15,5 @@ class CausalDecoderSpecialization(Specialization):
     Metrics (sums): `nll`, `num_loss_tokens`, `num_sequences`.
     """
 
-    def loss_terms(self, view, batch) -> LossTerms:
+    def per_token_terms(self, view, batch) -> LossTerms:
         return LossTerms(*get_loss("sft_cross_entropy")(self.config, view.values, view.loss_masks))

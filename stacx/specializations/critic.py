@@ -28,7 +28,7 @@ class CriticSpecialization(Specialization):
     def local_values(self, model_output: torch.Tensor, batch) -> torch.Tensor:
         return self._values_local(model_output, batch.layout)
 
-    def loss_terms(self, view, batch) -> LossTerms:
+    def per_token_terms(self, view, batch) -> LossTerms:
         old_values = view.cut(batch.values) if batch.values is not None else [v.detach() for v in view.values]
         return LossTerms(*get_loss("value_clipped")(self.config, view.values, old_values, view.cut(batch.returns),
                                                      view.loss_masks))

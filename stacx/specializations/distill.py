@@ -121,7 +121,7 @@ class DistillSpecialization(Specialization):
             return self._topk_local_values(model_output, batch)
         return super().local_values(model_output, batch)
 
-    def loss_terms(self, view, batch) -> LossTerms:
+    def per_token_terms(self, view, batch) -> LossTerms:
         if self.kl_mode == "topk":
             student = [v[..., 0] for v in view.values]
             teacher = [v[..., 1].detach() for v in view.values]

@@ -77,7 +77,7 @@ class DPOSpecialization(Specialization):
             if count == 0:
                 raise ValueError(f"batch field 'loss_masks': sample {index} has no loss token; DPO needs one per response")
 
-    def loss_terms(self, view, batch) -> LossTerms:
+    def per_token_terms(self, view, batch) -> LossTerms:
         pairs = pair_up(batch, len(view.values))
         log_probs, masks, ref = view.values, view.loss_masks, view.cut(batch.ref_log_probs)
         chosen, rejected = [c for c, _ in pairs], [r for _, r in pairs]

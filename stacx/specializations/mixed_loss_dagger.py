@@ -36,7 +36,7 @@ class MixedLossDaggerOPDSpecialization(Specialization):
     def check_fields(self, batch) -> None:
         check_teacher_log_probs(batch, batch.layout, "teacher_log_probs", allow_sentinel=True)
 
-    def loss_terms(self, view, batch) -> LossTerms:
+    def per_token_terms(self, view, batch) -> LossTerms:
         teacher, masks = view.cut(batch.teacher_log_probs), view.loss_masks
         per_token, metrics = get_loss("distill_mixed")(self.config, view.values, teacher, masks)
         teacher_tokens = sum(((u == TEACHER_EXECUTED_SENTINEL) & (m != 0)).sum() for u, m in zip(teacher, masks))

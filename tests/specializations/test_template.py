@@ -1,5 +1,5 @@
 """The template-method `Specialization` and its `MicroBatch`, in one process: a subclass that writes
-only `loss_terms` gets the checks, the reduction and the counts; code written to the first API
+only `per_token_terms` gets the checks, the reduction and the counts; code written to the first API
 (overriding `compute_loss`, fields read by name) still runs or gets an error naming the new name;
 entropy is computed only when it carries a coefficient or is logged (issue 16)."""
 
@@ -44,12 +44,12 @@ def _response_log_probs(logits):
 class ScaledNLL(Specialization):
     """A subclass written to the template: per-token terms only."""
 
-    def loss_terms(self, view, batch):
+    def per_token_terms(self, view, batch):
         per_token = [-2.0 * lp for lp in view.values]
         return LossTerms(per_token, {"scaled_nll": masked_total(per_token, view.loss_masks)})
 
 
-def test_a_subclass_writing_only_loss_terms_gets_the_reduction_and_the_counts():
+def test_a_subclass_writing_only_per_token_terms_gets_the_reduction_and_the_counts():
     batch = MicroBatch.pack(SEQUENCES, RESPONSES, loss_masks=MASKS)
     logits = _logits()
     loss, metrics = ScaledNLL().compute_loss(logits, batch, _reducer())
