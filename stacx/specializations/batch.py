@@ -83,6 +83,8 @@ class SampleFields:
         return default if value is None else value
 
     def __contains__(self, name: object) -> bool:
+        if name in RENAMED_FIELDS:
+            self._field_name(name)  # raises, naming the new name: a silent False would skip the field
         return isinstance(name, str) and name in self.field_names() and getattr(self, name) is not None
 
     def set_field(self, name: str, values: Any) -> None:

@@ -91,6 +91,8 @@ def test_code_written_to_the_first_api_still_runs_and_renamed_fields_name_their_
     assert batch["response_lengths"] == RESPONSES and batch.get("advantages") is None and "loss_masks" in batch
     with pytest.raises(KeyError, match="'old_log_probs' is now 'log_probs'"):
         batch.get("old_log_probs")
+    with pytest.raises(KeyError, match="'group_indices' is now 'prompt_id'"):
+        "group_indices" in batch  # noqa: B015 - a silent False would skip the field
     with pytest.raises(ValueError, match=r"unknown fields \['group_indices'\] \(renamed: group_indices -> prompt_id\)"):
         MicroBatch.pack(SEQUENCES, RESPONSES, loss_masks=MASKS, group_indices=[0, 0, 1])
     with pytest.raises(KeyError, match="has no field 'bogus'"):
