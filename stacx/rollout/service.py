@@ -37,12 +37,15 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Optional, Sequence, TYPE_CHECKING
 
 import torch
 
 from stacx.rollout.engine_pool import EnginePool
+from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.engines.http import HttpEngine
+from stacx.rollout.engines.processes import stop_process
 from stacx.rollout.engines.sglang import SglangEngine, SglangServerSpec, launch_sglang_servers_on_ray
 from stacx.rollout.http_client import RetryPolicy
 from stacx.rollout.manager import RolloutManager
@@ -51,7 +54,7 @@ from stacx.rollout.types import SamplingParams
 
 if TYPE_CHECKING:  # annotations only: the rollout never imports the trainer at run time
     from stacx.trainer.config.recipe import TrainingConfig
-    from stacx.trainer.config.run import RunConfig
+    from stacx.trainer.config.run import RolloutSection, RunConfig, TeacherSection
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +129,7 @@ class CpuServerProcess:
             pass
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        stop_process(self.process, timeout_s=10)
 
 
 def load_tokenizer(path: str):
@@ -164,27 +161,37 @@ def teacher_retry_policy(teacher_section):
     return RetryPolicy(timeout_s=teacher_section.teacher_timeout_s, max_attempts=teacher_section.teacher_retries + 1)
 
 
+@dataclass(eq=False)
 class RolloutService:
     """Generation, rewards and teacher scoring for the driver, plus the weight-update handshake."""
 
-    def __init__(self, engine, *, engine_kind: str, url: str, tokenizer, rollout_section, teacher=None,
-                 teacher_top_k: int = 0, server: Optional[Any] = None, sglang_actors: Sequence[Any] = (),
-                 urls: Sequence[str] = (), teacher_section=None, api_key: Optional[str] = None):
-        self.engine = engine
-        self.api_key = api_key
-        """The rollout servers' shared secret (None: they take none); weight pushes send it."""
-        self.engine_kind = engine_kind
-        self.url = url
-        self.urls = tuple(urls) or (url,)
-        """Every engine URL; weight updates go to each."""
-        self.teacher_section = teacher_section
+    engine: InferenceEngine
+    """The engine client (an `EnginePool` over several servers)."""
+    _: KW_ONLY
+    engine_kind: str
+    """'cpu', 'http' or 'sglang' (`resolve_engine_kind`)."""
+    url: str
+    """The first engine's URL."""
+    tokenizer: Any
+    rollout_section: Optional[RolloutSection]
+    """The run's rollout settings (sampling, rewards, seeds)."""
+    teacher: Optional[TeacherClient] = None
+    teacher_top_k: int = 0
+    """K of the teacher's top-K log-probs (topk distillation), else 0."""
+    server: Optional[CpuServerProcess] = None
+    """The `stacx serve` child this run started, stopped by `close`."""
+    sglang_actors: Sequence[Any] = ()
+    """The SGLang server actors this run started, killed by `close`."""
+    urls: Sequence[str] = ()
+    """Every engine URL (default: `url`); weight updates go to each."""
+    teacher_section: Optional[TeacherSection] = None
+    api_key: Optional[str] = None
+    """The rollout servers' shared secret (None: they take none); weight pushes send it."""
+
+    def __post_init__(self) -> None:
+        self.urls = tuple(self.urls) or (self.url,)
+        self.sglang_actors = list(self.sglang_actors)
         self._teacher_engine = None
-        self.tokenizer = tokenizer
-        self.rollout = rollout_section
-        self.teacher = teacher
-        self.teacher_top_k = teacher_top_k
-        self.server = server
-        self.sglang_actors = list(sglang_actors)
 
     @classmethod
     def start(cls, run_config: RunConfig, training_config: TrainingConfig, tokenizer=None) -> "RolloutService":
@@ -208,7 +215,6 @@ class RolloutService:
                 raise ValueError(f"--rollout-urls lists a server twice: {list(rollout.rollout_urls)}")
             url = rollout.rollout_urls[0]
         else:  # sglang
-
             actors, urls = launch_sglang_servers_on_ray([SglangServerSpec(model_path=hf_checkpoint, port=SGLANG_PORT,
                                                                           api_key=api_key)])
             url = urls[0]
@@ -243,7 +249,7 @@ class RolloutService:
             time.sleep(0.5)
 
     def sampling_params(self):
-        r = self.rollout
+        r = self.rollout_section
         eos = getattr(self.tokenizer, "eos_token_id", None)
         return SamplingParams(max_new_tokens=r.rollout_max_response_len, temperature=r.rollout_temperature,
                               top_p=r.rollout_top_p, top_k=r.rollout_top_k,
@@ -252,10 +258,10 @@ class RolloutService:
     def manager(self, step: int, *, seed_offset: int = 0, with_teacher: bool = True):
         """A RolloutManager on the rollout engine(s), its sampling seeds fixed by (rollout_seed, step, offset)."""
         return RolloutManager(
-            self.engine, tokenizer=self.tokenizer, reward_fn=self.rollout.reward_fn,
-            reward_timeout_s=self.rollout.reward_timeout_s,
+            self.engine, tokenizer=self.tokenizer, reward_fn=self.rollout_section.reward_fn,
+            reward_timeout_s=self.rollout_section.reward_timeout_s,
             teacher=self.teacher if with_teacher else None, teacher_top_k=self.teacher_top_k,
-            seed=self.rollout.rollout_seed * 100_003 + step + seed_offset,
+            seed=self.rollout_section.rollout_seed * 100_003 + step + seed_offset,
         )
 
     def teacher_engine(self):
@@ -272,7 +278,7 @@ class RolloutService:
         """`n_samples_per_prompt` samples per example, with rewards and teacher fields as configured."""
         manager = self.manager(step)
         return manager.generate([e.prompt_ids for e in examples], self.sampling_params(),
-                                n_samples_per_prompt=self.rollout.n_samples_per_prompt,
+                                n_samples_per_prompt=self.rollout_section.n_samples_per_prompt,
                                 labels=[e.label for e in examples], metadatas=[e.metadata for e in examples])
 
     def weight_version(self) -> int:

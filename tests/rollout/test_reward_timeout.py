@@ -89,7 +89,6 @@ def test_the_run_configs_reward_timeout_reaches_the_manager():
 
     from stacx.rollout.service import RolloutService
 
-    service = RolloutService.__new__(RolloutService)
-    service.engine, service.tokenizer, service.teacher, service.teacher_top_k = None, None, None, 0
-    service.rollout = RunConfig.from_dict({"reward_timeout_s": 7, "reward_fn": "format"}).rollout
+    service = RolloutService(None, engine_kind="http", url="http://engine", tokenizer=None,
+                             rollout_section=RunConfig.from_dict({"reward_timeout_s": 7, "reward_fn": "format"}).rollout)
     assert service.manager(0).reward_timeout_s == 7.0

@@ -25,6 +25,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from stacx.rollout.engines.processes import stop_process
+
 
 @dataclass(frozen=True, kw_only=True)
 class DemoSettings:
@@ -119,12 +121,7 @@ class TeacherServer:
         raise RuntimeError(f"stacx serve did not become ready (see {self.log.name})")
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        stop_process(self.process, timeout_s=30)
         self.log.close()
 
 

@@ -31,6 +31,7 @@ from stacx.parallel.bound_store import host_bound_store
 from stacx.parallel.tensor_buckets import dtype_name
 from stacx.rollout.engines.base import WeightBucket
 from stacx.rollout.engines.http import HttpEngine
+from stacx.rollout.engines.processes import stop_process
 from stacx.rollout.http_client import RetryPolicy
 
 WEIGHT_UPDATE_MODES = ("tensor", "distributed")
@@ -175,12 +176,7 @@ class SglangServerProcess:
         self.url = url
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        stop_process(self.process, timeout_s=60)
 
 
 SGLANG_SCHEDULING_MARGIN_S = 120.0

@@ -13,92 +13,65 @@ REFERENCE_REFRESH_EVERY_N_STEPS = 50
 """Default refresh interval of grpo_reference_refresh's reference role (steps)."""
 
 
-@recipe("grpo")
-def grpo_config() -> TrainingConfig:
-    return rl_recipe(
-        "grpo",
+SINGLE_POLICY_RECIPES: dict[str, tuple[str, dict]] = {
+    "grpo": (
         "GRPO: rewards normalized within each prompt's group (mean and std), PPO-clipped policy loss; optional "
         "low-variance KL to the in-worker reference (--use-kl-loss with --ref-load).",
-        recipe_algorithm(advantage_estimator="grpo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
-                          clip_ratio_low=0.2, clip_ratio_high=0.2, kl_loss_type="low_var_kl", kl_loss_coef=0.001),
-    )
-
-
-@recipe("dr_grpo")
-def dr_grpo_config() -> TrainingConfig:
-    return rl_recipe(
-        "dr_grpo",
+        dict(advantage_estimator="grpo", policy_loss="ppo_clip", loss_agg_mode="token-mean", clip_ratio_low=0.2,
+             clip_ratio_high=0.2, kl_loss_type="low_var_kl", kl_loss_coef=0.001),
+    ),
+    "dr_grpo": (
         "Dr. GRPO: group-centered rewards without std normalization, and a constant (max-length) loss normalizer "
         "instead of per-sequence lengths, removing GRPO's length and difficulty biases.",
-        recipe_algorithm(advantage_estimator="dr_grpo", policy_loss="ppo_clip",
-                          loss_agg_mode="seq-mean-token-sum-norm", norm_adv_by_std=False),
-    )
-
-
-@recipe("gspo")
-def gspo_config() -> TrainingConfig:
-    return rl_recipe(
-        "gspo",
-        "GSPO: group-normalized advantages with a sequence-level importance ratio (geometric mean of token ratios) "
-        "clipped in a narrow band.",
-        recipe_algorithm(advantage_estimator="grpo", policy_loss="gspo", loss_agg_mode="seq-mean-token-mean",
-                          clip_ratio_low=3e-4, clip_ratio_high=4e-4),
-    )
-
-
-@recipe("dapo")
-def dapo_config() -> TrainingConfig:
-    return rl_recipe(
-        "dapo",
-        "DAPO: GRPO advantages with clip-higher (0.2/0.28), token-level loss aggregation, dynamic sampling that drops "
-        "zero-variance groups, soft overlong punishment and no KL term.",
-        recipe_algorithm(advantage_estimator="grpo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
-                          clip_ratio_low=0.2, clip_ratio_high=0.28, filter_zero_variance_groups=True,
-                          overlong_buffer_fraction=0.2, overlong_penalty_factor=1.0),
-    )
-
-
-@recipe("cispo")
-def cispo_config() -> TrainingConfig:
-    return rl_recipe(
-        "cispo",
-        "CISPO: the importance weight itself is clipped and detached (no lower bound, upper 1+0.28) and multiplies "
-        "the log-probability gradient, so no token's gradient is dropped.",
-        recipe_algorithm(advantage_estimator="grpo", policy_loss="cispo", loss_agg_mode="token-mean",
-                          clip_ratio_low=1.0, clip_ratio_high=0.28),
-    )
-
-
-@recipe("reinforce_pp")
-def reinforce_pp_config() -> TrainingConfig:
-    return rl_recipe(
-        "reinforce_pp",
-        "REINFORCE++: discounted token returns with a per-token KL penalty in the reward, whitened over the global "
-        "batch; PPO-clipped loss.",
-        recipe_algorithm(advantage_estimator="reinforce_plus_plus", policy_loss="ppo_clip",
-                          use_kl_in_reward=True, kl_in_reward_coef=0.01, kl_loss_type="k1"),
-    )
-
-
-@recipe("reinforce_pp_baseline")
-def reinforce_pp_baseline_config() -> TrainingConfig:
-    return rl_recipe(
-        "reinforce_pp_baseline",
-        "REINFORCE++ with a group-mean baseline: rewards centered within each prompt's group, then whitened over the "
-        "global batch; k2 KL loss to the reference.",
-        recipe_algorithm(advantage_estimator="reinforce_plus_plus_baseline", policy_loss="ppo_clip",
-                          use_kl_loss=True, kl_loss_type="k2", kl_loss_coef=0.001),
-    )
-
-
-@recipe("rloo")
-def rloo_config() -> TrainingConfig:
-    return rl_recipe(
-        "rloo",
+        dict(advantage_estimator="dr_grpo", policy_loss="ppo_clip", loss_agg_mode="seq-mean-token-sum-norm",
+             norm_adv_by_std=False),
+    ),
+    "gspo": (
+        "GSPO: group-normalized advantages with a sequence-level importance ratio (geometric mean of token "
+        "ratios) clipped in a narrow band.",
+        dict(advantage_estimator="grpo", policy_loss="gspo", loss_agg_mode="seq-mean-token-mean",
+             clip_ratio_low=3e-4, clip_ratio_high=4e-4),
+    ),
+    "dapo": (
+        "DAPO: GRPO advantages with clip-higher (0.2/0.28), token-level loss aggregation, dynamic sampling that "
+        "drops zero-variance groups, soft overlong punishment and no KL term.",
+        dict(advantage_estimator="grpo", policy_loss="ppo_clip", loss_agg_mode="token-mean", clip_ratio_low=0.2,
+             clip_ratio_high=0.28, filter_zero_variance_groups=True, overlong_buffer_fraction=0.2,
+             overlong_penalty_factor=1.0),
+    ),
+    "cispo": (
+        "CISPO: the importance weight itself is clipped and detached (no lower bound, upper 1+0.28) and "
+        "multiplies the log-probability gradient, so no token's gradient is dropped.",
+        dict(advantage_estimator="grpo", policy_loss="cispo", loss_agg_mode="token-mean", clip_ratio_low=1.0,
+             clip_ratio_high=0.28),
+    ),
+    "reinforce_pp": (
+        "REINFORCE++: discounted token returns with a per-token KL penalty in the reward, whitened over the "
+        "global batch; PPO-clipped loss.",
+        dict(advantage_estimator="reinforce_plus_plus", policy_loss="ppo_clip", use_kl_in_reward=True,
+             kl_in_reward_coef=0.01, kl_loss_type="k1"),
+    ),
+    "reinforce_pp_baseline": (
+        "REINFORCE++ with a group-mean baseline: rewards centered within each prompt's group, then whitened over "
+        "the global batch; k2 KL loss to the reference.",
+        dict(advantage_estimator="reinforce_plus_plus_baseline", policy_loss="ppo_clip", use_kl_loss=True,
+             kl_loss_type="k2", kl_loss_coef=0.001),
+    ),
+    "rloo": (
         "RLOO: each sample's baseline is the mean reward of the other samples of its prompt; PPO-clipped loss.",
-        recipe_algorithm(advantage_estimator="rloo", policy_loss="ppo_clip", loss_agg_mode="token-mean",
-                          norm_adv_by_std=False),
-    )
+        dict(advantage_estimator="rloo", policy_loss="ppo_clip", loss_agg_mode="token-mean", norm_adv_by_std=False),
+    ),
+}
+"""Single-policy RL recipes by name: (description, `recipe_algorithm` overrides). They share one role and one
+specialization (`ActorSpecialization`) and differ only in this data."""
+
+
+def _register_single_policy_recipe(name: str, description: str, overrides: dict) -> None:
+    recipe(name)(lambda: rl_recipe(name, description, recipe_algorithm(**overrides)))
+
+
+for _name, (_description, _overrides) in SINGLE_POLICY_RECIPES.items():
+    _register_single_policy_recipe(_name, _description, _overrides)
 
 
 @recipe("grpo_reference_refresh")

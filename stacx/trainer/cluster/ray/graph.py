@@ -65,16 +65,15 @@ class WorkerLayout:
     @classmethod
     def from_parallel_section(cls, section: Any, **overrides) -> "WorkerLayout":
         """Build from the run config's `parallel` section (stacx.trainer.config.run.ParallelSection)."""
-        values = dict(
-            data_parallel_size=section.data_parallel_size,
-            tensor_parallel_size=section.tensor_model_parallel_size,
-            context_parallel_size=section.context_parallel_size,
-            num_cpus_per_rank=section.num_cpus_per_rank,
-            num_gpus_per_rank=section.num_gpus_per_rank,
-            collective_timeout_s=section.collective_timeout_s,
-        )
-        values.update(overrides)
-        return cls(**values)
+        values = {field: getattr(section, SECTION_FIELD_NAMES.get(field, field)) for field in PARALLEL_SECTION_FIELDS}
+        return cls(**{**values, **overrides})
+
+
+PARALLEL_SECTION_FIELDS = ("data_parallel_size", "tensor_parallel_size", "context_parallel_size", "num_cpus_per_rank",
+                           "num_gpus_per_rank", "collective_timeout_s")
+"""The `WorkerLayout` fields the run config's `parallel` section sets."""
+SECTION_FIELD_NAMES = {"tensor_parallel_size": "tensor_model_parallel_size"}
+"""Where the section's name of a field differs from the layout's."""
 
 
 def resolve_role_layouts(training_config: TrainingConfig, layout: WorkerLayout) -> dict[str, RoleLayout]:
