@@ -132,14 +132,24 @@ def sft_run(groups, root: str, name: str, values: dict):
         return f"{type(err).__name__}: {err}", None
 
 
+def _model_tensors(model_folder: str) -> list[torch.Tensor]:
+    """The floating-point tensors of a step's torch_dist model folder (weights and optimizer state), by key."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "state.pt")
+        dcp_to_torch_save(model_folder, path)
+        state = torch.load(path, weights_only=False)
+    return [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor) and state[k].is_floating_point()]
+
+
 def _saved_tensors(checkpoint_root: str) -> list[torch.Tensor]:
     from glob import glob
 
-    tensors = []
-    for path in glob(os.path.join(checkpoint_root, "step_*", "roles", "*", "*.pt")):
-        state = torch.load(path, weights_only=False)
-        tensors += [t for t in state["model"].values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return tensors
+    return [t for folder in sorted(glob(os.path.join(checkpoint_root, "step_*", "roles", "*", "model")))
+            for t in _model_tensors(folder)]
 
 
 @pytest.fixture(scope="module")
@@ -193,9 +203,7 @@ def test_skipped_steps_apply_no_update_on_any_rank_and_the_run_finishes(sft_file
 def _saved_tensors_of(checkpoint_root: str, step: int) -> list[torch.Tensor]:
     from glob import glob
 
-    tensors = []
-    for path in sorted(glob(os.path.join(checkpoint_root, f"step_{step:09d}", "roles", "*", "*.pt"))):
-        state = torch.load(path, weights_only=False)
-        tensors += [state["model"][k] for k in sorted(state["model"]) if isinstance(state["model"][k], torch.Tensor)]
+    tensors = [t for folder in sorted(glob(os.path.join(checkpoint_root, f"step_{step:09d}", "roles", "*", "model")))
+               for t in _model_tensors(folder)]
     assert tensors, f"no model tensors in step {step} of {checkpoint_root}"
     return tensors
