@@ -38,6 +38,7 @@ setup(
         "tqdm>=4.66",
         "requests>=2.31",
         "einops>=0.8",
+        "psutil>=5.9",
     ],
     extras_require={
         # The test extra pulls diffusers too: CI runs `pip install -e ".[test]"` and tests the diffusion recipes.

@@ -1,4 +1,4 @@
-"""Checkpoint I/O throughput: Stacx load/export at TP=2 against plain safetensors in the same run.
+"""Checkpoint I/O throughput: Stacx load/export and torch_dist save/load at TP=2 against plain safetensors.
 
     python bench/checkpoint_io.py [--hidden-size 1024 --layers 8 --tp 2]
 
@@ -7,7 +7,13 @@ warm for everyone):
 - baseline read:  every file read into memory and deserialized by safetensors, one process;
 - Stacx load:     load_hf_checkpoint on TP ranks (each reads only its slices), slowest rank;
 - baseline write: safetensors.torch.save_file of the same tensors, one process;
-- Stacx export:   export_hf_checkpoint (TP all-gather + merge + write on rank 0).
+- Stacx export:   export_hf_checkpoint (TP all-gather + merge + write on rank 0);
+- torch_dist save: save_torch_dist of the TP=2 model (megatron-core dist_checkpointing, each rank
+                  writes its own chunks), slowest rank; and the same plus each rank's sha256 of the
+                  files it wrote (what a training checkpoint adds for its manifest);
+- torch_dist load: load_torch_dist into the TP=2 model (each rank reads its chunks), slowest rank.
+The torch_dist rows compare with a plain safetensors write / read of the same bytes inside the
+same ranks (each rank's own parameters as one file, slowest rank), timed between them.
 MB/s = checkpoint bytes / seconds. Results go to bench/results/checkpoint_io.json.
 """
 
@@ -56,10 +62,12 @@ def read_all(folder: str) -> dict:
     return tensors
 
 
-def time_stacx_load_and_export(groups, hf_dir, out_dir):
+def time_stacx_load_and_export(groups, hf_dir, out_dir, dist_dir):
     import torch.distributed as dist
 
+    from stacx.checkpointing.torch_dist import load_torch_dist, save_torch_dist
     from stacx.models import build_model, export_hf_checkpoint, load_hf_checkpoint
+    from stacx.trainer.checkpoint import _sha256
 
     model = build_model(hf_dir, groups, params_dtype=torch.bfloat16, initialize_weights=False)
     dist.barrier()
@@ -70,7 +78,40 @@ def time_stacx_load_and_export(groups, hf_dir, out_dir):
     start = time.perf_counter()
     export_hf_checkpoint(model, out_dir, groups, hf_dir)
     export_s = time.perf_counter() - start
-    return load_s, export_s
+    times = [load_s, export_s]
+    # The in-rank baseline: this rank's own parameters written and read back as one plain safetensors
+    # file, timed like the torch_dist save and load below (slowest rank), interleaved with them.
+    from safetensors.torch import load, save_file
+
+    own = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    plain_file = f"{dist_dir}_plain_{dist.get_rank()}.safetensors"
+    dist.barrier()
+    start = time.perf_counter()
+    save_file(own, plain_file)
+    times.append(time.perf_counter() - start)
+    dist.barrier()
+    start = time.perf_counter()
+    with open(plain_file, "rb") as f:
+        load(f.read())
+    times.append(time.perf_counter() - start)
+    os.remove(plain_file)
+    for folder, hashed in ((dist_dir + "_a", False), (dist_dir + "_b", True)):
+        dist.barrier()
+        start = time.perf_counter()
+        written = save_torch_dist(folder, model, groups=groups)
+        if hashed:
+            for name in written:
+                _sha256(os.path.join(folder, name))
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    start = time.perf_counter()
+    load_torch_dist(dist_dir + "_a", model)
+    times.append(time.perf_counter() - start)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for folder in (dist_dir + "_a", dist_dir + "_b"):
+            shutil.rmtree(folder, ignore_errors=True)
+    return tuple(times)
 
 
 def main() -> None:
@@ -100,11 +141,11 @@ def main() -> None:
         # One spawn per repeat; a repeat's time is its slowest rank's.
         runs = [
             run_distributed(time_stacx_load_and_export, args.tp, tensor_parallel_size=args.tp,
-                            args=(hf_dir, out_dir), timeout_s=900)
-            for _ in range(args.repeats)
+                            args=(hf_dir, out_dir, os.path.join(work, f"dist{repeat}")), timeout_s=900)
+            for repeat in range(args.repeats)
         ]
-        load_s = min(max(rank[0] for rank in ranks) for ranks in runs)
-        export_s = min(max(rank[1] for rank in ranks) for ranks in runs)
+        load_s, export_s, rank_write_s, rank_read_s, dist_save_s, dist_save_hashed_s, dist_load_s = (
+            min(max(rank[index] for rank in ranks) for ranks in runs) for index in range(7))
         results = {
             "checkpoint_mb": round(megabytes, 1),
             "tensor_parallel_size": args.tp,
@@ -114,6 +155,14 @@ def main() -> None:
             "plain_safetensors_write_mb_s": round(megabytes / write_s, 1),
             "stacx_export_mb_s": round(megabytes / export_s, 1),
             "export_ratio_vs_plain_write": round(write_s / export_s, 3),
+            "plain_per_rank_write_mb_s": round(megabytes / rank_write_s, 1),
+            "plain_per_rank_read_mb_s": round(megabytes / rank_read_s, 1),
+            "torch_dist_save_mb_s": round(megabytes / dist_save_s, 1),
+            "torch_dist_save_ratio_vs_plain_write": round(rank_write_s / dist_save_s, 3),
+            "torch_dist_save_with_sha256_mb_s": round(megabytes / dist_save_hashed_s, 1),
+            "torch_dist_save_with_sha256_ratio_vs_plain_write": round(rank_write_s / dist_save_hashed_s, 3),
+            "torch_dist_load_mb_s": round(megabytes / dist_load_s, 1),
+            "torch_dist_load_ratio_vs_plain_read": round(rank_read_s / dist_load_s, 3),
             "cpu_count": os.cpu_count(),
             "machine": platform.machine(),
             "torch": torch.__version__,

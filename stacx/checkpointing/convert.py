@@ -1,8 +1,9 @@
-"""Conversions between Hugging Face folders, torch_dist folders and training checkpoints.
+"""Conversions between Hugging Face folders and torch_dist folders (a training checkpoint's role is one:
+`stacx.trainer.checkpoint_export`).
 
     convert_hf_to_torch_dist(hf_dir, out_dir, tp_size=2)      # each of tp ranks reads its slices, writes its chunks
     convert_torch_dist_to_hf(dist_dir, out_dir)                # config.json + safetensors + tokenizer files
-    export_training_checkpoint_to_hf(step_dir, "policy", out_dir, base=hf_dir)
+    convert_torch_dist_to_hf(dist_dir, out_dir, hf_config=hf)  # config and tokenizer from another folder
 
 A torch_dist folder stores global tensors, so the tp a conversion runs at only decides how many
 processes share the work and memory: any tp loads it. `tp_size > 1` spawns that many local gloo
@@ -141,21 +142,8 @@ def convert_torch_dist_to_hf(dist_dir: str | os.PathLike, out_dir: str | os.Path
     return os.fspath(out_dir)
 
 
-def export_training_checkpoint_to_hf(step_folder: str | os.PathLike, role: str, out_dir: str | os.PathLike, *,
-                                     base: str) -> str:
-    """`role`'s weights in training checkpoint `step_folder` as a Hugging Face folder `out_dir` (config,
-    tokenizer files and generation_config.json from `base`, the folder the run started from)."""
-    from stacx.trainer.checkpoint import role_model_folder
-
-    dist_dir = role_model_folder(step_folder, role)
-    _require_empty_output(out_dir)
-    _run_on_ranks(_torch_dist_to_hf_rank, 1, (os.fspath(dist_dir), os.fspath(out_dir), os.fspath(base), "--load"))
-    return os.fspath(out_dir)
-
-
 __all__ = [
     "convert_hf_to_torch_dist",
     "convert_torch_dist_to_hf",
-    "export_training_checkpoint_to_hf",
     "single_process_world",
 ]

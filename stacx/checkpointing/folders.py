@@ -69,6 +69,12 @@ def detect_model_folder(path: str | os.PathLike, *, flag: str) -> str:
                            f"{EXPECTED_LAYOUTS}")
 
 
+def is_model_folder(path: str | os.PathLike) -> bool:
+    """Whether `path` holds a model in either layout (rather than, say, a training checkpoint's root)."""
+    folder = Path(path)
+    return folder.is_dir() and (is_torch_dist_folder(folder) or _is_hf_folder(folder))
+
+
 def load_model_weights(model, path: str | os.PathLike, groups, *, flag: str) -> str:
     """Copy the weights of folder `path` (either layout, detected) into `model`'s shard; returns the kind.
 
@@ -91,6 +97,7 @@ __all__ = [
     "ModelFolderError",
     "TORCH_DIST",
     "detect_model_folder",
+    "is_model_folder",
     "load_model_weights",
     "retired_format_message",
 ]

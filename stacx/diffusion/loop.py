@@ -162,6 +162,8 @@ class DiffusionRun:
 
         rng, generator = self._rng(step)
         size = self.run_config.rollout.rollout_batch_size
+        if size % self.dp:
+            raise ValueError(f"--rollout-batch-size ({size}) must be divisible by the data-parallel size ({self.dp})")
         prompts = [rng.choice(self.prompts) for _ in range(size)]
         shape = self._latent_shape()
         s = self.settings
@@ -180,8 +182,6 @@ class DiffusionRun:
         for rank in range(self.dp):
             lo, hi = rank * size // self.dp, (rank + 1) * size // self.dp
             parts.append({k: v[lo:hi] for k, v in batch.items()})
-        if size % self.dp:
-            raise ValueError(f"--rollout-batch-size ({size}) must be divisible by the data-parallel size ({self.dp})")
         return parts
 
     def _latent_shape(self):

@@ -53,9 +53,13 @@ class DiffusionModel(nn.Module):
         self.transformer.eval()
         return self
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
     def encode(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Conditioning tensors of a batch of prompts (carry gradients into the conditioner)."""
-        return self.conditioner(list(prompts))
+        """Conditioning tensors of a batch of prompts on the model's device (carry gradients into the conditioner)."""
+        return {name: value.to(self.device) for name, value in self.conditioner(list(prompts)).items()}
 
     def check_latents(self, latents_BCHW: torch.Tensor) -> None:
         expected = self.config.latent_shape
@@ -68,7 +72,8 @@ class DiffusionModel(nn.Module):
     def velocity(self, latents_BCHW: torch.Tensor, t_B: torch.Tensor, conditioning: dict[str, torch.Tensor]) -> torch.Tensor:
         """v_theta(x_t, t, c) [B, C, H, W]; t in [0, 1] (1: noise)."""
         self.check_latents(latents_BCHW)
-        timestep_B = (t_B.to(latents_BCHW.dtype) * TIMESTEP_SCALE).expand(latents_BCHW.shape[0])
+        timestep_B = (t_B.to(device=latents_BCHW.device, dtype=latents_BCHW.dtype) * TIMESTEP_SCALE).expand(
+            latents_BCHW.shape[0])
         return self.transformer(latents_BCHW, timestep=timestep_B, return_dict=False, **conditioning)[0]
 
     def forward(self, latents_BCHW, t_B, prompts: Sequence[str]) -> torch.Tensor:

@@ -143,14 +143,14 @@ def sample_trajectories(model, prompts: Sequence[str], noise: torch.Tensor, num_
             velocity = model.velocity(x, t.to(x.dtype).reshape(1), conditioning)
             mean = sde_step_mean(x, velocity, t.to(x.dtype), dt.to(x.dtype), sigmas[k].to(x.dtype))
             std = sde_step_std(sigmas[k], dt)
-            eps = torch.randn(x.shape, generator=generator, dtype=x.dtype)
+            eps = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)  # a CPU generator on any device
             x_next = mean + std.to(x.dtype) * eps
             log_probs.append(torch.stack([sde_step_log_prob(x_next[b], mean[b], std.to(x.dtype))
                                           for b in range(x.shape[0])]))
             stds.append(float(std))
         else:
             x_next = x + model.velocity(x, t.to(x.dtype).reshape(1), conditioning) * dt.to(x.dtype)
-            log_probs.append(torch.zeros(x.shape[0], dtype=x.dtype))
+            log_probs.append(torch.zeros(x.shape[0], dtype=x.dtype, device=x.device))
             stds.append(0.0)
         x = x_next
         latents.append(x)

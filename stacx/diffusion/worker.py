@@ -20,11 +20,20 @@ from stacx.diffusion.rewards import get_image_reward
 from stacx.diffusion.sampling import group_noise, sample_ode, sample_trajectories, sde_window
 from stacx.parallel.collectives import all_reduce_sum_
 from stacx.parallel.groups import ProcessGroups
-from stacx.parallel.reduction import Reducer, compute_step_counts
+from stacx.parallel.reduction import Reducer, StepCounts, count_loss_tokens
 
 
 def _groups(worker) -> ProcessGroups:
     return worker.groups if worker.groups is not None else ProcessGroups.single_process()
+
+
+def _device() -> torch.device:
+    """The rank's GPU (Ray narrows CUDA_VISIBLE_DEVICES to it), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def build_policy(worker, *, model_source: Any, reference_path: str | None, specialization_cls, config, settings,
@@ -44,10 +53,11 @@ def build_policy(worker, *, model_source: Any, reference_path: str | None, speci
         policy = DiffusionModel(model_source)
     else:
         policy = load_diffusion_model(model_source)
+    policy = policy.to(_device())
     specialization = specialization_cls(config, _groups(worker))
     reference = None
     if specialization.uses_reference():
-        reference = load_diffusion_model(reference_path) if reference_path else copy.deepcopy(policy)
+        reference = load_diffusion_model(reference_path).to(_device()) if reference_path else copy.deepcopy(policy)
         reference.requires_grad_(False)
     worker.state.update(
         policy=policy, reference=reference, specialization=specialization, settings=settings,
@@ -68,6 +78,7 @@ def sample_group_rollouts(worker, prompts: Sequence[str], group_size: int, step:
         noise = group_noise(len(prompts), group_size, shape, generator)
     else:
         noise = torch.randn((len(prompts) * group_size, *shape), generator=generator)
+    noise = noise.to(policy.device)
     expanded = [p for p in prompts for _ in range(group_size)]
     mask = None
     if settings.sde_window_size:
@@ -85,7 +96,7 @@ def sample_group_rollouts(worker, prompts: Sequence[str], group_size: int, step:
                    "old_log_probs": trajectories.log_probs, "timesteps": trajectories.timesteps,
                    "sde_mask": trajectories.sde_mask, "step_std": trajectories.step_std,
                    "sigmas": trajectories.sigmas}
-    rewards = get_image_reward(reward_name)(images, expanded)
+    rewards = get_image_reward(reward_name)(images.cpu(), expanded)
     worker.state["rollout"] = rollout
     return {"rewards": rewards.tolist()}
 
@@ -106,9 +117,10 @@ def train_on_batch(worker, batch: dict, micro_batch_size: int) -> dict:
     specialization = worker.state["specialization"]
     policy, reference = worker.state["policy"], worker.state["reference"]
     optimizer = worker.state["optimizer"]
-    counts = compute_step_counts(specialization.loss_terms(batch), groups.dp)
+    counts = _global_step_counts(specialization.loss_terms(batch), groups, policy.device)
     reducer = Reducer.for_step(mode="token-mean", counts=counts, groups=groups)
     num = len(batch["prompts"])
+    batch = _to_device(batch, policy.device)
     optimizer.zero_grad(set_to_none=True)
     loss_value = 0.0
     metric_sums: dict[str, torch.Tensor] = {}
@@ -118,17 +130,25 @@ def train_on_batch(worker, batch: dict, micro_batch_size: int) -> dict:
         loss.backward()
         loss_value += reducer.loss_value(loss)
         for name, value in metrics.items():
-            metric_sums[name] = metric_sums.get(name, 0.0) + value.detach().double()
+            metric_sums[name] = metric_sums.get(name, 0.0) + value.detach().double().to(policy.device)
     _average_gradients(policy, groups)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), worker.state["clip_grad"])
     optimizer.step()
     names = sorted(metric_sums)
-    totals = torch.stack([torch.as_tensor(metric_sums[n], dtype=torch.float64) for n in names]
-                         + [torch.tensor(loss_value, dtype=torch.float64)])
+    totals = torch.stack([torch.as_tensor(metric_sums[n], dtype=torch.float64, device=policy.device) for n in names]
+                         + [torch.tensor(loss_value, dtype=torch.float64, device=policy.device)])
     all_reduce_sum_(totals, groups.dp)  # ONE all-reduce of every metric sum and the loss
     result = {name: float(totals[i]) / max(counts.num_tokens, 1) for i, name in enumerate(names)}
     result.update(loss=float(totals[-1]), grad_norm=float(grad_norm), num_loss_terms=counts.num_tokens)
     return result
+
+
+def _global_step_counts(loss_terms, groups: ProcessGroups, device: torch.device) -> StepCounts:
+    """StepCounts over the DP group, one all-reduce of two numbers on the rank's device (NCCL takes
+    only GPU tensors); loss terms counted by `count_loss_tokens`, the one Stacx convention."""
+    local = torch.tensor(count_loss_tokens(loss_terms), dtype=torch.float64, device=device)
+    total = all_reduce_sum_(local, groups.dp)
+    return StepCounts(num_tokens=int(total[0]), num_sequences=int(total[1]))
 
 
 def _slice_batch(batch: dict, start: int, end: int) -> dict:
@@ -154,8 +174,8 @@ def evaluate_prompts(worker, prompts: Sequence[str], seed: int, reward_name: str
     """ODE samples of `prompts` from fixed noise (the same every call) and their rewards."""
     policy = worker.state["policy"]
     generator = torch.Generator().manual_seed(seed)
-    noise = torch.randn((len(prompts), *policy.config.latent_shape), generator=generator)
-    images = sample_ode(policy, list(prompts), noise, num_steps)
+    noise = torch.randn((len(prompts), *policy.config.latent_shape), generator=generator).to(policy.device)
+    images = sample_ode(policy, list(prompts), noise, num_steps).cpu()
     return {"rewards": get_image_reward(reward_name)(images, list(prompts)).tolist(), "images": images}
 
 
@@ -165,7 +185,7 @@ def save_policy(worker, path: str) -> str | None:
 
     if worker.rank != 0:
         return None
-    return save_diffusion_model(worker.state["policy"], path)
+    return save_diffusion_model(worker.state["policy"], path)  # safetensors and save_pretrained copy to CPU
 
 
 def parameter_checksum(worker) -> float:

@@ -9,6 +9,8 @@ passed as `--algorithm-param NAME=VALUE` (repeatable) or in the YAML `algorithm:
 
 Precedence: defaults < `--config` file < flags. Only flags given on the command line override
 the file (argparse defaults are suppressed), so `--config run.yaml --lr 1e-4` changes one field.
+`--load runs/x` without `--config` takes the run config saved with the checkpoint it resumes
+(`run_config.json`) as the file, so `stacx train --load runs/x` resumes the run as it was.
 
     parser = argparse.ArgumentParser(); add_run_config_arguments(parser)
     run_config = run_config_from_args(parser.parse_args(argv))
@@ -217,4 +219,50 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         flag_values["algorithm"] = algorithm_section
     config_path = given.get(CONFIG_DEST)
     file_values = load_yaml_config(config_path) if config_path else None
-    return merge_run_config(file_values, flag_values, file_source=config_path or "config")
+    file_source = config_path or "config"
+    if file_values is None and given.get("load"):
+        saved = saved_run_config(given["load"])
+        if saved is not None:  # `stacx train --load runs/x`: the saved run, flags given with it override it
+            file_values, file_source = saved
+    return merge_run_config(file_values, flag_values, file_source=file_source)
+
+
+def saved_run_config(load: str) -> tuple[dict[str, Any], str] | None:
+    """(the resolved run config saved with the checkpoint `load` resumes, its run_config.json path), or None
+    when `load` holds no complete Stacx training checkpoint (the run then reports that itself)."""
+    import json
+    import os
+
+    from stacx.trainer.checkpoint import RUN_CONFIG_NAME, CheckpointError, resolve_checkpoint_folder
+
+    try:
+        path = os.path.join(resolve_checkpoint_folder(load), RUN_CONFIG_NAME)
+        with open(path) as f:
+            values = json.load(f)
+    except (CheckpointError, OSError, ValueError):
+        return None
+    return (values, path) if isinstance(values, dict) else None
+
+
+def resume_overrides(args: argparse.Namespace, run_config: RunConfig) -> list[str]:
+    """One line per flag given next to `--load` (without `--config`) whose value differs from the saved run
+    config's: `--lr 0.001 (saved: 0.0003)`. Empty when the run does not resume with its saved config."""
+    given = vars(args)
+    if given.get(CONFIG_DEST) or not given.get("load"):
+        return []
+    saved = saved_run_config(given["load"])
+    if saved is None:
+        return []
+    values, _ = saved
+    lines = []
+    for name in sorted(name for name in given if name in FIELDS and name not in ("load", "algorithm")):
+        section = FIELDS[name][0]
+        before = (values.get(section) or {}).get(name)
+        now = getattr(getattr(run_config, section), name)
+        if before != now and not (isinstance(now, tuple) and list(now) == before):
+            lines.append(f"{flag_name(name)} {now} (saved: {before})")
+    for name in sorted(name for name in given if name in ALGORITHM_FIELDS and name not in FIELDS):
+        before = (values.get("algorithm") or {}).get(name)
+        if before != given[name]:
+            lines.append(f"{flag_name(name)} {given[name]} (saved: {before})")
+    return lines

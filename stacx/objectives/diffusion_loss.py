@@ -153,6 +153,13 @@ def sde_step_log_prob(next_latent: torch.Tensor, mean: torch.Tensor, std: torch.
 # ---- GRPO over denoising steps ------------------------------------------------------------------
 
 
+def _clip_bounds(config) -> tuple[float, float]:
+    """(clip_ratio_low, clip_ratio_high), each defaulting to clip_ratio."""
+    both = hyperparameter(config, "clip_ratio")
+    low, high = hyperparameter(config, "clip_ratio_low"), hyperparameter(config, "clip_ratio_high")
+    return float(both if low is None else low), float(both if high is None else high)
+
+
 @register_policy_loss("flow_grpo_clip", token_local=True)
 def flow_grpo_clip(config, old_log_prob, log_prob, advantages, loss_masks, *, mean=None, ref_mean=None,
                    step_std=None, **kwargs):
@@ -178,10 +185,7 @@ def flow_grpo_clip(config, old_log_prob, log_prob, advantages, loss_masks, *, me
     old = torch.cat(list(old_log_prob)).detach().to(new.dtype)
     adv = torch.cat(list(advantages)).detach().to(new.dtype)
     mask = torch.cat(list(loss_masks)).detach().to(new.dtype)
-    low = float(hyperparameter(config, "clip_ratio_low") if hyperparameter(config, "clip_ratio_low") is not None
-                else hyperparameter(config, "clip_ratio"))
-    high = float(hyperparameter(config, "clip_ratio_high") if hyperparameter(config, "clip_ratio_high") is not None
-                 else hyperparameter(config, "clip_ratio"))
+    low, high = _clip_bounds(config)
     ratio = torch.exp((new - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - low, 1.0 + high)

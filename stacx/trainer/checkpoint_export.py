@@ -6,7 +6,7 @@
 A training checkpoint holds each role's weights in megatron-core torch_dist (`roles/<role>/model/`),
 global tensors whatever the TP size it was saved at. The export loads them into a one-process
 model and writes Hugging Face safetensors with the vocabulary padding stripped
-(`stacx.checkpointing.convert.export_training_checkpoint_to_hf`). The config, the tokenizer files
+(`stacx.checkpointing.convert.convert_torch_dist_to_hf`). The config, the tokenizer files
 and generation_config.json come from the checkpoint the run started from (`base`), which the run
 config records.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from stacx.trainer.checkpoint import FORMAT_VERSION, CheckpointError, LoadedCheckpoint, read_manifest
+from stacx.trainer.checkpoint import FORMAT_VERSION, CheckpointError, LoadedCheckpoint, read_manifest, role_model_folder
 
 
 def pick_role(manifest: dict, role: str | None) -> str:
@@ -56,10 +56,10 @@ def base_checkpoint_of(step_folder: str | os.PathLike, override: str | None = No
 def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_dir: str | os.PathLike) -> str:
     """Write `role`'s weights at `step_folder` as a Hugging Face checkpoint in `out_dir`; returns it."""
     # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
-    from stacx.checkpointing.convert import export_training_checkpoint_to_hf
+    from stacx.checkpointing.convert import convert_torch_dist_to_hf
 
     version = read_manifest(step_folder).get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {step_folder}: format version {version} (this Stacx reads {FORMAT_VERSION}, "
                               "torch_dist weights); export it with the Stacx version that wrote it")
-    return export_training_checkpoint_to_hf(step_folder, role, out_dir, base=base)
+    return convert_torch_dist_to_hf(role_model_folder(step_folder, role), out_dir, hf_config=base, what="--load")

@@ -24,6 +24,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from stacx.checkpointing.folders import is_model_folder
 from stacx.objectives import get_advantage
 from stacx.objectives.advantages_returns import gae_returns
 from stacx.objectives.algorithm_config import AlgorithmConfig
@@ -359,6 +360,12 @@ class StacxTrainer:
         path = self.run_config.model.load
         if not path:
             return 0
+        if is_model_folder(path):  # a Hugging Face or torch_dist model, not a training checkpoint: start weights
+            role = self.training_config.rollout_role or self.training_config.trainable_roles[0]
+            self.roles[role.name].call_all("load_start_weights", os.fspath(path))
+            if self.channel.is_driver:
+                print(f"role {role.name!r} starts from the weights of --load {path} (step 0)", flush=True)
+            return 0
         # Every file is read with torch.load(weights_only=True): a checkpoint cannot run code on resume.
         loaded = load_checkpoint(path, expected_recipe=self.training_config, expected_layouts=self.role_layouts())
         check_resumed_algorithm(loaded.run_config(), self.algorithm, where=loaded.path)
@@ -369,6 +376,8 @@ class StacxTrainer:
             self.data.load_state_dict(driver_state["data"])
         restore_rng_state(driver_state["rng"])
         logger.info("resumed from %s at step %d", loaded.path, loaded.step)
+        if self.channel.is_driver:
+            print(f"resumed from step {loaded.step} ({loaded.path})", flush=True)
         return loaded.step
 
     def export_policy(self, out_dir: str) -> None:

@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Optional
 
+from stacx.checkpointing.folders import is_model_folder
 from stacx.env_overrides import apply_env_overrides
 from stacx.objectives import load_custom_modules
 from stacx.objectives.algorithm_config import AlgorithmConfig
@@ -147,10 +148,11 @@ def check_resume_and_save(run_config: RunConfig) -> None:
         if not os.path.exists(model.load):
             raise PreflightError(f"--load {model.load}: no such folder; give a checkpoint root or step_* folder "
                                  "written by --save, or drop --load to start fresh")
-        try:
-            read_manifest(resolve_checkpoint_folder(model.load))
-        except CheckpointError as err:
-            raise PreflightError(f"--load {model.load}: {err}") from None
+        if not is_model_folder(model.load):  # a Hugging Face or torch_dist model: the start weights
+            try:
+                read_manifest(resolve_checkpoint_folder(model.load))
+            except CheckpointError as err:
+                raise PreflightError(f"--load {model.load}: {err}") from None
     try:
         check_save_folder(model.save, load=model.load, overwrite=model.overwrite)
     except CheckpointError as err:

@@ -31,3 +31,12 @@ def write_training_checkpoint(hf_dir: str, root, step: int, *, scale: float = 1.
         layout = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
         return commit_checkpoint(staging, step=step, recipe=recipe, role_layouts={role: layout}, rank_files=[info],
                                  driver_state={"step": step}, resolved_run_config={"model": {"hf_checkpoint": hf_dir}})
+
+
+def read_torch_dist_tensors(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist folder by its checkpoint key, whole (global shape), read in this process
+    without a model or a process group (the layer-stacked keys hold all layers, the vocab rows their padding)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    return {key: value for key, value in _load_state_dict_from_keys(checkpoint_id=str(folder)).items()
+            if torch.is_tensor(value)}

@@ -62,13 +62,16 @@ def test_stacx_train_sends_a_diffusion_recipe_to_its_loop(capsys):
 
 @pytest.mark.slow
 def test_each_diffusion_recipe_trains_two_steps_on_ray(ray_cluster, tmp_path):
-    """One cluster and one set of policy workers (the six recipes share the role graph), six runs."""
+    """One cluster and one set of policy workers, 2 data-parallel ranks (the six recipes share the role
+    graph), six runs; the two replicas stay identical (gradients averaged over DP)."""
     from stacx.diffusion.checkpoint import load_diffusion_model
     from stacx.diffusion.loop import run_diffusion_training
     from stacx.diffusion.models import DiffusionModel
     from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
 
-    graph = create_role_workers(TRAINING_CONFIGS["flow_grpo"], WorkerLayout(data_parallel_size=1))
+    from stacx.diffusion.worker import parameter_checksum
+
+    graph = create_role_workers(TRAINING_CONFIGS["flow_grpo"], WorkerLayout(data_parallel_size=2))
     try:
         sft_ckpt = tmp_path / "sft_ckpt"
         run_config = _run_config("--algorithm", "flow_matching_sft", *TINY, "--out", str(tmp_path / "sft"),
@@ -90,5 +93,12 @@ def test_each_diffusion_recipe_trains_two_steps_on_ray(ray_cluster, tmp_path):
             assert all(math.isfinite(row["loss"]) and row["grad_norm"] > 0 for row in rows), (name, rows)
             if TRAINING_CONFIGS[name].uses_reward:
                 assert all(0.0 <= row["reward_mean"] <= 1.0 for row in rows), name
+            first, second = graph.workers["policy"].execute_all(parameter_checksum)
+            assert first == pytest.approx(second, rel=1e-6), name
+        # the DiT family (label conditioner) built from scratch, no checkpoint
+        run_config = _run_config("--algorithm", "diffusion_nft", *TINY, "--algorithm-param", "model_family=dit",
+                                 "--out", str(tmp_path / "dit"))
+        run_diffusion_training(run_config, TRAINING_CONFIGS["diffusion_nft"], graph=graph, log=lambda _: None)
+        assert [row["step"] for row in _metrics(tmp_path / "dit")] == [0, 1]
     finally:
         graph.shutdown()

@@ -7,10 +7,10 @@ from torch import nn
 
 from stacx.diffusion.sampling import sample_trajectories
 from stacx.diffusion.specialization import SPECIALIZATIONS
-from stacx.diffusion.worker import _average_gradients, _slice_batch
+from stacx.diffusion.worker import _average_gradients, _global_step_counts, _slice_batch
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.groups import ProcessGroups
-from stacx.parallel.reduction import Reducer, compute_step_counts
+from stacx.parallel.reduction import Reducer
 from stacx.testing.distributed import run_distributed
 
 NUM, SHAPE, STEPS = 8, (3, 4, 4), 4
@@ -69,7 +69,7 @@ def gradient(kind, groups, num_micro_batches):
     batch = global_batch(kind)
     per_rank = NUM // groups.dp_size
     mine = _slice_batch(batch, groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
-    counts = compute_step_counts(specialization.loss_terms(mine), groups.dp)
+    counts = _global_step_counts(specialization.loss_terms(mine), groups, torch.device("cpu"))
     reducer = Reducer.for_step(mode="token-mean", counts=counts, groups=groups)
     size = -(-per_rank // num_micro_batches)
     total = 0.0

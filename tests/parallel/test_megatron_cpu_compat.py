@@ -93,6 +93,32 @@ def test_cp_rope_slicing_picks_load_balanced_chunks():
     assert results == [[0.0, 1.0, 6.0, 7.0], [2.0, 3.0, 4.0, 5.0]]
 
 
+def test_cuda_synchronize_is_a_no_op_so_megatrons_checkpoint_writer_runs(tmp_path):
+    """Without the patch, torch_dist's writer calls torch.cuda.synchronize and a CPU-only torch raises."""
+    code = (
+        "import sys, torch\n"
+        "from stacx.parallel import megatron_cpu_compat as c\n"
+        "original = torch.cuda.synchronize\n"
+        "assert c.apply_if_needed() is True\n"
+        "assert torch.cuda.synchronize is not original and torch.cuda.synchronize() is None\n"
+        "from stacx.checkpointing.convert import single_process_world\n"
+        "from stacx.checkpointing.torch_dist import is_torch_dist_folder\n"
+        "with single_process_world():\n"
+        "    from megatron.core.dist_checkpointing import save\n"
+        "    from megatron.core.dist_checkpointing.mapping import ShardedTensor\n"
+        "    from stacx.checkpointing.torch_dist import _use_in_process_results_queue\n"
+        "    _use_in_process_results_queue()\n"
+        "    save({'w': ShardedTensor.from_rank_offsets('w', torch.ones(2, 2), replica_id=0)}, sys.argv[1])\n"
+        "assert is_torch_dist_folder(sys.argv[1])\n"
+        "print('written')\n"
+    )
+    folder = tmp_path / "dist"
+    folder.mkdir()
+    out = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "written" in out.stdout
+
+
 def test_patches_are_not_applied_when_cuda_is_present():
     code = (
         "import torch\n"
@@ -101,6 +127,7 @@ def test_patches_are_not_applied_when_cuda_is_present():
         "from stacx.parallel import megatron_cpu_compat as c\n"
         "assert c.apply_if_needed() is False\n"
         "assert torch.cuda.current_device is original\n"
+        "assert torch.cuda.synchronize.__module__ == 'torch.cuda'\n"
         "assert not c.is_applied()\n"
         "from megatron.core.optimizer import optimizer\n"
         "assert optimizer.torch is torch\n"

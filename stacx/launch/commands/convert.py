@@ -57,11 +57,7 @@ def _retired_message(direction: str) -> str:
 
 
 def _convert(args) -> str:
-    from stacx.checkpointing.convert import (
-        convert_hf_to_torch_dist,
-        convert_torch_dist_to_hf,
-        export_training_checkpoint_to_hf,
-    )
+    from stacx.checkpointing.convert import convert_hf_to_torch_dist, convert_torch_dist_to_hf
 
     if args.direction == "hf-to-torch-dist":
         return convert_hf_to_torch_dist(args.hf_checkpoint, args.out, args.tensor_model_parallel_size)
@@ -72,11 +68,11 @@ def _convert(args) -> str:
                                         tp_size=args.tensor_model_parallel_size,
                                         max_shard_bytes=int(args.max_shard_gb * 1024**3))
     from stacx.trainer.checkpoint import read_manifest, resolve_checkpoint_folder
-    from stacx.trainer.checkpoint_export import base_checkpoint_of, pick_role
+    from stacx.trainer.checkpoint_export import base_checkpoint_of, export_role_to_hf, pick_role
 
     step = resolve_checkpoint_folder(args.load)
     role = pick_role(read_manifest(step), args.role)
-    return export_training_checkpoint_to_hf(step, role, args.out, base=base_checkpoint_of(step, args.hf_checkpoint))
+    return export_role_to_hf(step, role, base_checkpoint_of(step, args.hf_checkpoint), args.out)
 
 
 def run(args) -> int:

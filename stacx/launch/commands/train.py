@@ -3,6 +3,8 @@
     stacx train --algorithm grpo --hf-checkpoint ckpt/ --prompt-data builtin:addition --num-steps 20
     stacx train --config examples/configs/grpo.yaml --lr 1e-4        # flags override the file
     stacx train --config run.yaml --dry-run                          # recipe, roles, placement; no workers
+    stacx train --load runs/x                                        # resume with the saved run config
+    stacx train --load runs/x --num-steps 40                         # ... and a flag overriding it (printed)
 
 Flags are generated from the run configuration (stacx/trainer/config/run.py): one per field,
 see `stacx train --help`. Under torchrun single-role recipes run SPMD in the
@@ -84,7 +86,7 @@ def describe_run(run_config, recipe, environ=None) -> str:
 
 
 def run(args) -> int:
-    from stacx.launch.run_flags import run_config_from_args
+    from stacx.launch.run_flags import resume_overrides, run_config_from_args
     from stacx.trainer.config.recipe import RecipeError
     from stacx.trainer.factory import resolve_recipe
     from stacx.trainer.preflight import run_preflight
@@ -92,6 +94,9 @@ def run(args) -> int:
 
     try:
         run_config = run_config_from_args(args)
+        if os.environ.get("RANK", "0") == "0":
+            for line in resume_overrides(args, run_config):
+                print(f"stacx train: {line} overrides the run config saved with --load {args.load}", file=sys.stderr)
         recipe, algorithm = resolve_recipe(run_config)  # also checks the algorithm settings against the recipe
         if recipe.modality == "image":  # an experimental diffusion recipe: its own loop (stacx.diffusion.loop)
             from stacx.diffusion.loop import run_diffusion_command

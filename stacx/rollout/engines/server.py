@@ -36,7 +36,6 @@ Endpoints (SGLang's names unless marked stacx):
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import select
@@ -51,6 +50,7 @@ from stacx.rollout.engines.cpu import GenerationCancelled
 from stacx.rollout.engines.http_guard import BoundedHTTPServer, HttpError, ServerLimits, check_bearer_token
 from stacx.rollout.engines.http import BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_RELEASE_ENDPOINT, SHM_STAGING_ENDPOINT
 from stacx.rollout.engines.sglang_protocol import parse_generate_payload, render_generate_item
+from stacx.rollout.request_batching import GenerateBatcher
 from stacx.rollout.weight_transfer import SharedMemoryRegistry, decode_bucket_body, unflatten_bucket
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,8 @@ class EngineHttpServer:
         self.limits = limits
         self._admitted = 0
         self._admitted_lock = threading.Lock()
-        self._engine_cancels = engine is not None and "should_stop" in inspect.signature(engine.generate).parameters
+        # Concurrent /generate calls run as one engine batch (stacx.rollout.request_batching).
+        self.batcher = GenerateBatcher(engine) if engine is not None else None
         self._httpd = BoundedHTTPServer((host, port), _make_handler(self), max_connections=limits.max_connections)
         self._thread: threading.Thread | None = None
 
@@ -362,10 +363,7 @@ def _make_handler(server: EngineHttpServer):
                     return 503, {"error": "generation is paused"}
                 if self._client_gone():
                     raise GenerationCancelled()
-                if server._engine_cancels:
-                    outputs = server.engine.generate(requests, should_stop=self._client_gone)
-                else:
-                    outputs = server.engine.generate(requests)
+                outputs = server.batcher.generate(requests, should_stop=self._client_gone)
             finally:
                 server.release_generate()
             items = [render_generate_item(o, r, uuid.uuid4().hex, server.tokenizer) for o, r in zip(outputs, requests)]

@@ -21,10 +21,12 @@ One train step (`train_step`):
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from stacx.checkpointing.folders import load_model_weights
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
@@ -78,7 +80,6 @@ class RoleRuntime:
     def __init__(self, role: ModelRole, run_config: RunConfig, algorithm: AlgorithmConfig, groups: ProcessGroups, *,
                  rank: int = 0):
         # Imported here: megatron-core is slow to import (start-up time).
-        from stacx.checkpointing.folders import load_model_weights
         from stacx.models import build_model
 
         self.role = role
@@ -90,7 +91,9 @@ class RoleRuntime:
             flag = "--" + role.checkpoint_arg.replace("_", "-")
             raise ValueError(f"role {role.name!r} starts from {flag}, which is not set")
         torch.manual_seed(run_config.train.seed)
-        self.model = build_model(path, groups, initialize_weights=False)
+        # A torch_dist folder from another framework carries no config.json: the policy's config describes it.
+        config_source = path if os.path.isfile(os.path.join(path, "config.json")) else run_config.model.hf_checkpoint
+        self.model = build_model(config_source, groups, initialize_weights=False)
         self.reference_weights: list[torch.Tensor] | None = None
         reference_path = (
             role_checkpoint_path(role, run_config.model, role.reference_checkpoint_arg)
@@ -307,6 +310,11 @@ class RoleRuntime:
         torch_dist save with the role's other ranks); returns its RankFileInfo."""
         return write_rank_state(staging_dir, role_name, rank, self.state_dict(), self.coords(),
                                 model=self.model, optimizer=self.optimizer, groups=self.groups)
+
+    def load_start_weights(self, path: str) -> None:
+        """Replace the role's weights with those of model folder `path` (Hugging Face or torch_dist,
+        detected; `--load` naming a model rather than a training checkpoint). Collective."""
+        load_model_weights(self.model, path, self.groups, flag="--load")
 
     def load_rank_state(self, loaded, role_name: str, rank: int) -> None:
         """Load this rank's state from a `LoadedCheckpoint`: weights and optimizer state resharded to this
