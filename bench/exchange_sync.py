@@ -47,8 +47,8 @@ def main() -> int:
 
     import ray
 
-    from stacx.trainer.ray_cluster import connect_ray
-    from stacx.trainer.workers import ExchangeSyncGroup, PlacedPool, ResourcePool, RolePlacement, RoleWorkers
+    from stacx.trainer.cluster.ray.connect import connect_ray
+    from stacx.trainer.cluster.ray import ExchangeSyncGroup, PlacedPool, ResourcePool, RolePlacement, RoleWorkers
 
     connection = connect_ray(num_cpus=2, object_store_memory_bytes=max(200, 3 * args.total_mb) * 1024 * 1024,
                              log_to_driver=False)

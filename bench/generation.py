@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from stacx.rollout.cpu_engine import CpuEngine, ensure_single_process_layout
+    from stacx.rollout.engines.cpu import CpuEngine, ensure_single_process_layout
     from stacx.rollout.types import GenerateRequest, SamplingParams
 
     groups = ensure_single_process_layout()

@@ -144,7 +144,7 @@ def flops_per_token(config, seq_len: int) -> float:
 def run_train(sizes: dict, device: torch.device, groups) -> dict:
     from stacx.models import build_model, forward_packed
     from stacx.parallel.vocab_parallel import vocab_parallel_log_probs_and_entropy
-    from stacx.trainer.run_config import OptimSection
+    from stacx.trainer.config.run import OptimSection
     from stacx.trainer.runtime.optim import build_optimizer, wrap_ddp
 
     seq_len, per_micro, num_micro = sizes["seq_len"], sizes["seqs_per_micro_batch"], sizes["micro_batches"]

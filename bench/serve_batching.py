@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from stacx.rollout.cpu_engine import CpuEngine, ensure_single_process_layout
+    from stacx.rollout.engines.cpu import CpuEngine, ensure_single_process_layout
     from stacx.rollout.request_batching import GenerateBatcher
     from stacx.rollout.types import GenerateRequest, SamplingParams
 

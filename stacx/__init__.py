@@ -10,7 +10,7 @@ silence_expected_backend_warnings()
 def __getattr__(name: str):
     # `from stacx import StacxConfig` without importing the trainer at `import stacx`.
     if name == "StacxConfig":
-        from stacx.trainer.python_config import StacxConfig
+        from stacx.trainer.config.python import StacxConfig
 
         return StacxConfig
     raise AttributeError(f"module 'stacx' has no attribute {name!r}")

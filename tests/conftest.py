@@ -9,7 +9,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+RAY_STARTING_FIXTURES = ("ray_address", "ray_cluster")
+"""Fixtures that start a local Ray cluster: every test using them (directly or through another
+fixture) must be marked `slow`, so that `pytest -m "not slow"` never starts Ray."""
+
+
 def pytest_collection_modifyitems(config, items):
+    unmarked = [item.nodeid for item in items
+                if set(RAY_STARTING_FIXTURES) & set(getattr(item, "fixturenames", ())) and "slow" not in item.keywords]
+    if unmarked:
+        raise pytest.UsageError("tests that start Ray must be marked slow (@pytest.mark.slow or the module's "
+                                "pytestmark): " + ", ".join(unmarked))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA (marked gpu); run on a GPU machine with: pytest -m gpu")

@@ -172,11 +172,11 @@ class StacxSide:
 
     def __init__(self, checkpoint: str, data: dict, old_log_probs: list[torch.Tensor], args, work_dir: str):
         from stacx.parallel.reduction import compute_step_counts
-        from stacx.rollout.cpu_engine import ensure_single_process_layout
+        from stacx.rollout.engines.cpu import ensure_single_process_layout
         from stacx.trainer.factory import resolve_recipe
-        from stacx.trainer.run_config import RunConfig
+        from stacx.trainer.config.run import RunConfig
         from stacx.trainer.runtime.role_runtime import RoleRuntime
-        from stacx.trainer.step_data import plan_micro_batches, select
+        from stacx.trainer.batch import StepBatch, plan_micro_batches
 
         groups = ensure_single_process_layout()
         run_config = RunConfig.from_dict({
@@ -189,20 +189,20 @@ class StacxSide:
         policy = next(role for role in training_config.roles if role.trainable)
         self.runtime = RoleRuntime(policy, run_config, algorithm, groups)
         self.optimizer_kind = optimizer_kind_of(self.runtime.optimizer)
-        batch = {"tokens": [], "response_lengths": [], "loss_masks": [], "advantages": [],
-                 "old_log_probs": [], "rollout_log_probs": []}
+        batch = StepBatch(tokens=[], response_lengths=[], loss_masks=[], advantages=[], log_probs=[],
+                          rollout_log_probs=[])
         for prompt, completion, advantage, log_probs in zip(data["prompts"], data["completions"],
                                                             data["advantages"], old_log_probs):
-            batch["tokens"].append(torch.cat([prompt, completion]))
-            batch["response_lengths"].append(len(completion))
-            batch["loss_masks"].append(torch.ones(len(completion)))
-            batch["advantages"].append(torch.full((len(completion),), advantage))
-            batch["old_log_probs"].append(log_probs)
-            batch["rollout_log_probs"].append(log_probs)
+            batch.tokens.append(torch.cat([prompt, completion]))
+            batch.response_lengths.append(len(completion))
+            batch.loss_masks.append(torch.ones(len(completion)))
+            batch.advantages.append(torch.full((len(completion),), advantage))
+            batch.log_probs.append(log_probs)
+            batch.rollout_log_probs.append(log_probs)
         plan = plan_micro_batches(batch, dp_size=1, cp_size=1,
                                   max_tokens_per_micro_batch=args.max_tokens_per_micro_batch)
-        self.micro_batches = [select(batch, indices) for indices in plan[0]]
-        self.counts = compute_step_counts(batch["loss_masks"], groups.dp)
+        self.micro_batches = [batch.select(indices) for indices in plan[0]]
+        self.counts = compute_step_counts(batch.loss_masks, groups.dp)
 
     def step(self) -> dict:
         metrics = self.runtime.train_step(self.micro_batches, self.counts)

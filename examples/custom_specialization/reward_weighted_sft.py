@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from stacx.specializations.base import Specialization, full_token_counts, masked_total
-from stacx.trainer.config import ModelRole, TrainingConfig, recipe_algorithm
+from stacx.specializations.base import LossTerms, Specialization, masked_total
+from stacx.trainer.config.recipe import ModelRole, TrainingConfig, recipe_algorithm
 from stacx.trainer.recipes import recipe
 
 
@@ -29,23 +29,17 @@ class RewardWeightedSFTSpecialization(Specialization):
     communication. Metrics (sums, logged per loss token): weighted_nll, mean_weight.
     """
 
-    base_required_fields = ("loss_masks", "advantages")
+    base_required_fields = ("advantages",)
 
-    def compute_loss(self, model_output, batch, reducer):
-        self.check_reducer(reducer)
-        layout = self.check_batch(batch)  # fields present, one entry per response token
-        log_probs_local, _ = self.token_log_probs(model_output, batch)  # vocab-parallel, [T_local]
-        view = self.response_view(layout, log_probs_local, whole=False)  # this rank's part of each response
-        masks = view.field(batch, "loss_masks", dtype=torch.float32)
-        advantages = view.field(batch, "advantages", dtype=torch.float32)
+    def per_token_terms(self, view, batch):
+        # view.values: this rank's log-probs of each response; view.cut: a batch field cut alike.
         temperature = float(self.setting("rwr_temperature", 1.0))
         max_weight = float(self.setting("rwr_max_weight", 5.0))
-        weights = [torch.exp(a / temperature).clamp(max=max_weight) for a in advantages]
+        weights = [torch.exp(a / temperature).clamp(max=max_weight) for a in view.cut(batch.advantages)]
         per_token = [-w * lp for w, lp in zip(weights, view.values)]
-        loss = reducer(per_token, masks, sequence_token_counts=full_token_counts(batch["loss_masks"]))
-        metrics = {"weighted_nll": masked_total(per_token, masks), "mean_weight": masked_total(weights, masks)}
-        metrics.update(view.count_metrics(masks, batch["loss_masks"]))
-        return loss, metrics
+        metrics = {"weighted_nll": masked_total(per_token, view.loss_masks),
+                   "mean_weight": masked_total(weights, view.loss_masks)}
+        return LossTerms(per_token, metrics)
 
 
 @recipe("reward_weighted_sft")

@@ -1,43 +1,30 @@
-"""Guide 003, "5 Adding an algorithm", steps 1 and 2 as written (package paths changed only:
-rl_engine.trainer.specialization -> stacx.specializations, rl_engine.trainer.objectives.policy_loss
--> stacx.objectives.policy_losses, rl_engine.trainer.recipes -> stacx.trainer.recipes). The guide
-leaves "derive per-token student logprobs" and `my_kernel` to the reader; here they are
-`self.response_log_probs(model_output, batch)` and a negative log-likelihood. Specialization and
-recipe share this one file, so the recipe function needs no import of the class. Step 3:
+"""Guide 003, "5 Adding an algorithm", steps 1 and 2, written to the specialization template: the
+base class checks the batch, cuts the responses for TP/CP, reduces the loss and counts tokens; the
+algorithm writes only its per-token terms (`per_token_terms`). `my_kernel`, which the guide leaves to
+the reader, is a negative log-likelihood. The guide's own form (overriding `compute_loss`, reading
+`batch["loss_masks"]`, `reducer(sum_of_sample_mean(...))`) still runs; see docs/adding-an-algorithm.md.
+Specialization and recipe share this one file, so the recipe needs no import of the class. Step 3:
 
     stacx train --custom-module examples/seed_003/my_algo.py --algorithm my_algo \
         --hf-checkpoint <student> --ref-load <student> ...
 """
 
-from collections.abc import Callable
-from typing import Any
 import torch
+from stacx.specializations.base import LossTerms, masked_total
 from stacx.specializations.causal_decoder import CausalDecoderSpecialization
-from stacx.objectives.policy_losses import sum_of_sample_mean
 from stacx.trainer.recipes import recipe
-from stacx.trainer.config import ModelRole, TrainingConfig
+from stacx.trainer.config.recipe import ModelRole, TrainingConfig
 
 
 def my_kernel(log_probs: torch.Tensor) -> torch.Tensor:
-    """Per-token loss [N_response]: the negative log-likelihood of each response token."""
+    """Per-token loss [R_i]: the negative log-likelihood of each response token."""
     return -log_probs
 
 
 class MyAlgoSpecialization(CausalDecoderSpecialization):
-    def compute_loss(
-        self,
-        model_output: torch.Tensor,          # [seq_len, vocab] (TP-local shard if TP>1)
-        batch: dict[str, Any],
-        reducer: Callable[[torch.Tensor], torch.Tensor],
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        response_lengths = batch["response_lengths"]
-        loss_masks = batch["loss_masks"]
-        # ... derive per-token student logprobs from model_output, then:
-        log_probs = self.response_log_probs(model_output, batch)  # [N_response], TP/CP handled
-        per_token = my_kernel(log_probs)                       # shape [N_response]
-        loss = sum_of_sample_mean(per_token, response_lengths, loss_masks)
-        loss = reducer(loss)                             # slime CP-aware reduction
-        return loss, {"my_loss": loss.detach()}
+    def per_token_terms(self, view, batch) -> LossTerms:
+        per_token = [my_kernel(log_probs) for log_probs in view.values]  # one [R_i] per response, TP/CP handled
+        return LossTerms(per_token, {"my_loss": masked_total(per_token, view.loss_masks)})
 
 
 @recipe("my_algo")

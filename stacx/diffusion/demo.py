@@ -77,8 +77,8 @@ def run_diffusion_demo(settings: DiffusionDemoSettings, out: str, *, log=print) 
     """Run both phases on one local Ray cluster and one set of policy workers; returns the summary."""
     from stacx.diffusion.loop import DiffusionRun
     from stacx.diffusion.prompts import HELD_OUT_PROMPTS
-    from stacx.trainer.factory import WorkerLayout, create_role_workers
-    from stacx.trainer.ray_cluster import connect_ray
+    from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
+    from stacx.trainer.cluster.ray.connect import connect_ray
     from stacx.trainer.recipes import get_recipe
 
     started = time.monotonic()

@@ -51,7 +51,7 @@ def kernel_config(recipe, run_config, settings: DiffusionSettings):
     """The AlgorithmConfig the kernels read: the recipe's defaults under the user's values, plus the
     diffusion-only knobs the kernels need (nft_beta, nft_advantage_clip, diffusion_dpo_beta) as custom keys."""
     from stacx.objectives.algorithm_config import AlgorithmConfig
-    from stacx.trainer.resolved_config import resolve_algorithm_config
+    from stacx.trainer.config.resolve import resolve_algorithm_config
 
     algorithm = resolve_algorithm_config(recipe, run_config)
     values = {**algorithm.to_dict(), "nft_beta": settings.nft_beta, "nft_advantage_clip": settings.nft_advantage_clip,
@@ -109,8 +109,8 @@ class DiffusionRun:
     def __init__(self, run_config, recipe, *, layout=None, graph=None):
         """`graph`: a running `RoleWorkerGraph` with a `policy` role to run on (kept open by `close`;
         tests run several recipes on one set of workers); None starts the recipe's own workers."""
-        from stacx.trainer.factory import WorkerLayout, create_role_workers
-        from stacx.trainer.ray_cluster import connect_ray
+        from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
+        from stacx.trainer.cluster.ray.connect import connect_ray
 
         self.run_config, self.recipe = run_config, recipe
         self.settings = diffusion_settings(recipe, run_config)

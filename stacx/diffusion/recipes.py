@@ -26,8 +26,7 @@ from stacx.diffusion.specialization import (
     FlowMatchingSFTSpecialization,
 )
 from stacx.objectives import diffusion_loss  # noqa: F401  (registers flow_grpo_clip before the recipes name it)
-from stacx.trainer.config import ModelRole, TrainingConfig, recipe_algorithm
-from stacx.trainer.recipes import recipe
+from stacx.trainer.config.recipe import ModelRole, TrainingConfig, recipe, recipe_algorithm
 
 DIFFUSION_SETTINGS: dict[str, DiffusionSettings] = {}
 """Recipe name -> its declared DiffusionSettings (runs override them with --algorithm-param)."""

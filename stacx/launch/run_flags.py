@@ -24,7 +24,7 @@ import os
 import typing
 from typing import Any
 
-from stacx.trainer.run_config import ALGORITHM_FIELD_TYPES, ALGORITHM_FIELDS, FIELDS, SECTIONS, ConfigError, RunConfig
+from stacx.trainer.config.run import ALGORITHM_FIELD_TYPES, ALGORITHM_FIELDS, FIELDS, SECTIONS, ConfigError, RunConfig
 
 CONFIG_DEST = "config"
 ALGORITHM_PARAM_DEST = "algorithm_param"
@@ -71,11 +71,11 @@ def _first_docstring_sentence(field_name: str) -> str:
 
 
 def _collect_field_help() -> dict[str, str]:
-    """field name -> the docstring line under it in stacx/trainer/run_config.py."""
+    """field name -> the docstring line under it in stacx/trainer/config/run.py."""
     import ast
     import inspect
 
-    import stacx.trainer.run_config as module
+    import stacx.trainer.config.run as module
 
     tree = ast.parse(inspect.getsource(module))
     found: dict[str, str] = {}

@@ -13,6 +13,7 @@ from stacx.objectives.aggregation import (
     aggregate_sum,
     count_normalizer,
     loss_token_count,
+    loss_token_counts,
     masked_mean,
     masked_sum,
     normalizer_kind,
@@ -40,7 +41,7 @@ from stacx.objectives.registry import (
 )
 
 __all__ = [
-    "AggregationMode", "agg_loss", "aggregate_mean", "aggregate_sum", "count_normalizer", "loss_token_count",
+    "AggregationMode", "agg_loss", "aggregate_mean", "aggregate_sum", "count_normalizer", "loss_token_count", "loss_token_counts",
     "masked_mean", "masked_sum", "register_aggregation_mode", "sum_of_sample_mean",
     "normalizer_kind", "import_builtin_and_custom_modules", "import_builtin_modules", "load_custom_modules",
     "get_advantage", "get_kl_estimator", "get_loss", "get_off_policy_correction", "get_policy_loss",

@@ -53,6 +53,14 @@ def loss_token_count(mask: torch.Tensor) -> torch.Tensor:
     return (mask.detach() != 0).sum()
 
 
+def loss_token_counts(loss_masks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """n_i of each mask: [S] int64 (`loss_token_count` of each; empty for no masks). The one
+    token-count helper: step counts, reducer weights and count metrics all come from it."""
+    if not loss_masks:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.stack([loss_token_count(torch.as_tensor(m)) for m in loss_masks])
+
+
 @dataclass(frozen=True)
 class AggregationMode:
     """One loss aggregation mode: a per-sequence factor f and what the global count N counts."""
@@ -167,7 +175,7 @@ def count_normalizer(loss_masks: Sequence[torch.Tensor], mode: str) -> torch.Ten
     kind = normalizer_kind(mode)
     if not loss_masks:
         return torch.zeros((), dtype=torch.float64)
-    per_trajectory = torch.stack([loss_token_count(m) for m in loss_masks]).to(torch.float64)
+    per_trajectory = loss_token_counts(loss_masks).to(torch.float64)
     if kind == TOKENS:
         return per_trajectory.sum()
     return (per_trajectory > 0).sum().to(torch.float64)
@@ -189,7 +197,7 @@ def aggregate_sum(
     spec.check_seq_norm_len(seq_norm_len)
     if not per_token_losses:
         return torch.zeros(())
-    factors = spec.factors(torch.stack([loss_token_count(m) for m in loss_masks]), seq_norm_len)
+    factors = spec.factors(loss_token_counts(loss_masks), seq_norm_len)
     parts = [(loss * mask.to(loss.dtype)).sum() * factor.to(loss.dtype)
              for loss, mask, factor in zip(per_token_losses, loss_masks, factors)]
     return torch.stack(parts).sum()

@@ -4,7 +4,7 @@ One frozen, keyword-only dataclass holds each knob the loss kernels, advantage e
 specializations read: its type, its one default and a docstring. Everything else is derived from
 `dataclasses.fields(AlgorithmConfig)`:
 
-- the run configuration's known `algorithm:` keys and their value types (`stacx.trainer.run_config`),
+- the run configuration's known `algorithm:` keys and their value types (`stacx.trainer.config.run`),
 - the `stacx train` flags of the algorithm section and their defaults (`stacx.launch.run_flags`),
 - the default a kernel gets when its `config` lacks a knob (`hyperparameter(config, name)`, which
   takes no default argument: the read site never restates one).

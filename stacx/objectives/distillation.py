@@ -20,8 +20,9 @@ from stacx.objectives.registry import register_loss
 from stacx.objectives.validation import check_trajectory_lists, hyperparameter, split_like
 
 LOG_RATIO_CLAMP = 20.0
-TEACHER_ACTION_SENTINEL = 1.0
-"""Value in the teacher log-prob field marking a token the teacher itself produced."""
+TEACHER_EXECUTED_SENTINEL = 1.0
+"""Written into teacher_log_probs where the teacher produced the token (real log-probs are <= 0);
+the rollout writes it (stacx.rollout.manager), these kernels read it."""
 _POSITIVE_LOG_PROB_TOLERANCE = 1e-4
 
 
@@ -61,7 +62,7 @@ def distill_reverse_kl_k3(config, log_prob, teacher_log_prob, loss_masks):
 
 def _check_real_log_probs(teacher: torch.Tensor, lengths, *, allow_sentinel: bool) -> torch.Tensor:
     """Raise on teacher log-probs > 0 (other than the sentinel); returns the sentinel mask."""
-    sentinel = teacher == TEACHER_ACTION_SENTINEL if allow_sentinel else torch.zeros_like(teacher, dtype=torch.bool)
+    sentinel = teacher == TEACHER_EXECUTED_SENTINEL if allow_sentinel else torch.zeros_like(teacher, dtype=torch.bool)
     invalid = (teacher > _POSITIVE_LOG_PROB_TOLERANCE) & ~sentinel
     invalid = invalid | torch.isnan(teacher)
     if invalid.any():

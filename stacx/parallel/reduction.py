@@ -39,7 +39,7 @@ from stacx.objectives.aggregation import (
     BUILTIN_AGGREGATION_MODE_NAMES,
     AggregationMode,
     get_aggregation_mode,
-    loss_token_count,
+    loss_token_counts,
 )
 from stacx.parallel.collectives import all_reduce_sum_
 
@@ -60,14 +60,10 @@ class StepCounts:
 def count_loss_tokens(sample_loss_masks: Iterable[torch.Tensor]) -> tuple[int, int]:
     """(loss tokens, sequences with >= 1 loss token) of full, unsliced per-sample masks.
 
-    Tokens are counted by `loss_token_count` (non-zero mask entries), the one Stacx convention.
+    Tokens are counted by `loss_token_counts` (non-zero mask entries), the one Stacx convention.
     """
-    num_tokens = num_sequences = 0
-    for mask in sample_loss_masks:
-        tokens = int(loss_token_count(torch.as_tensor(mask)))
-        num_tokens += tokens
-        num_sequences += int(tokens > 0)
-    return num_tokens, num_sequences
+    counts = loss_token_counts(list(sample_loss_masks))
+    return int(counts.sum()), int((counts > 0).sum())
 
 
 def compute_step_counts(sample_loss_masks: Iterable[torch.Tensor], dp_group: dist.ProcessGroup | None) -> StepCounts:
@@ -172,7 +168,7 @@ class Reducer:
                     f"loss aggregation mode {self.mode!r} under cp_size={self.cp_size} needs sequence_token_counts "
                     "(loss tokens of each whole sequence)"
                 )
-            sequence_token_counts = [int(loss_token_count(m)) for m in loss_masks]
+            sequence_token_counts = loss_token_counts(loss_masks).tolist()
         if len(sequence_token_counts) != len(loss_masks):
             raise ValueError(f"{len(sequence_token_counts)} sequence_token_counts for {len(loss_masks)} sequences")
         if not per_token_losses:

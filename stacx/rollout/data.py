@@ -23,6 +23,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from stacx.rollout.tokenizer import apply_chat_template
+
 logger = logging.getLogger(__name__)
 
 KINDS = ("prompt", "sft", "dpo")
@@ -75,6 +77,7 @@ def _read_rows(path: str) -> list[tuple[str, Any]]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file {path} does not exist")
     if path.endswith(".parquet"):
+        # Imported here: datasets is slow to import (start-up time).
         import datasets
 
         table = datasets.Dataset.from_parquet(path)
@@ -99,8 +102,6 @@ def _encode_prompt(value, tokenizer, config: DataConfig, where: str) -> list[int
     else:
         raise MalformedRowError(f"{where}: '{config.input_key}' must be text or a list of {{role, content}} messages")
     if config.apply_chat_template:
-        from stacx.rollout.tokenizer import apply_chat_template
-
         return apply_chat_template(tokenizer, messages)
     if not isinstance(value, str):
         raise MalformedRowError(f"{where}: chat messages need apply_chat_template=True")

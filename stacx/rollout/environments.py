@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from stacx.rollout.dagger import Executor, TurnExecutor
-from stacx.rollout.engine import InferenceEngine
+from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.manager import Sample
 from stacx.rollout.tokenizer import apply_chat_template
 from stacx.rollout.types import GenerateRequest, SamplingParams

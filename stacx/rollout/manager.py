@@ -2,8 +2,7 @@
 
     manager = RolloutManager(engine, tokenizer=tok, reward_fn="math", teacher=TeacherClient(url))
     samples = manager.generate(prompt_ids, sampling, n_samples_per_prompt=4, labels=labels)
-    batch = samples_to_batch(samples)              # per-trajectory lists for packing
-    manager.push_weights(iter_hf_weight_buckets(model, groups, 256 << 20), version=step)
+    batch = StepBatch.from_samples(samples)        # the trainer's step batch (stacx.trainer.batch)
 
 Every per-token field of a `Sample` is aligned with its response tokens (length R); the trainer
 pads them with zeros over the prompt when it packs, then CP-slices them with the tokens.
@@ -14,14 +13,15 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
+from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL
 from stacx.rollout.dagger import Executor
-from stacx.rollout.engine import InferenceEngine, WeightBucket
+from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.rewards import RewardFn, compute_rewards, resolve_reward_fn
-from stacx.rollout.teacher import TEACHER_EXECUTED_SENTINEL, TeacherClient
+from stacx.rollout.teacher import TeacherClient
 from stacx.rollout.types import GenerateRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -74,27 +74,8 @@ class Sample:
         }
 
 
-def samples_to_batch(samples: Sequence[Sample]) -> dict[str, list]:
-    """Per-trajectory lists the trainer packs: tokens and response_lengths, per-token fields as tensors."""
-    batch = {
-        "tokens": [torch.tensor(s.tokens, dtype=torch.long) for s in samples],
-        "response_lengths": [s.response_length for s in samples],
-        "loss_masks": [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples],
-        "rollout_log_probs": [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples],
-        "executors": [torch.tensor(s.executors, dtype=torch.long) for s in samples],
-        "rewards": [float(s.reward) if s.reward is not None else 0.0 for s in samples],
-        "group_indices": [s.group_index for s in samples],
-    }
-    if all(s.teacher_log_probs is not None for s in samples) and samples:
-        batch["teacher_log_probs"] = [torch.tensor(s.teacher_log_probs, dtype=torch.float32) for s in samples]
-    if all(s.teacher_top_log_probs is not None for s in samples) and samples:
-        batch["teacher_top_log_probs"] = [s.teacher_top_log_probs for s in samples]
-        batch["teacher_top_ids"] = [s.teacher_top_ids for s in samples]
-    return batch
-
-
 class RolloutManager:
-    """Generates samples with an engine, scores rewards and teacher log-probs, pushes weights."""
+    """Generates samples with an engine and scores rewards and teacher log-probs (weight updates: `RolloutService`)."""
 
     def __init__(
         self,
@@ -188,7 +169,7 @@ class RolloutManager:
             s.teacher_log_probs = [TEACHER_EXECUTED_SENTINEL if e == Executor.TEACHER else lp
                                    for lp, e in zip(log_probs, s.executors)]
             s.teacher_top_log_probs, s.teacher_top_ids = sc.top_log_probs, sc.top_ids
-        # An empty response gets empty [0, K] teacher fields: samples_to_batch keeps a field only when
+        # An empty response gets empty [0, K] teacher fields: StepBatch.from_samples keeps a field only when
         # every sample has it, so a None here would drop the top-K fields of the whole batch.
         num_top = next((s.teacher_top_ids.shape[1] for s in scorable if s.teacher_top_ids is not None), None)
         for s in samples:
@@ -197,15 +178,3 @@ class RolloutManager:
                 if num_top is not None:
                     s.teacher_top_log_probs = torch.empty(0, num_top, dtype=torch.float32)
                     s.teacher_top_ids = torch.empty(0, num_top, dtype=torch.long)
-
-    def push_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
-        """Stream weight buckets to the engine, then confirm it serves `version`."""
-        self.engine.pause()
-        try:
-            self.engine.update_weights(buckets, version=version)
-            self.engine.flush_cache()
-        finally:
-            self.engine.resume()
-        served = self.engine.weight_version()
-        if served != version:
-            raise RuntimeError(f"engine serves weight version {served} after pushing version {version}")

@@ -25,7 +25,7 @@ import inspect
 import threading
 from typing import Any, Callable, Optional, Sequence
 
-from stacx.rollout.cpu_engine import GenerationCancelled
+from stacx.rollout.engines.cpu import GenerationCancelled
 
 
 class _Submission:

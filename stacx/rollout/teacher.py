@@ -22,11 +22,9 @@ from typing import Optional, Sequence
 import torch
 
 from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerUnavailableError
-from stacx.rollout.sglang_protocol import build_generate_payload, parse_generate_response
+from stacx.rollout.engines.sglang_protocol import build_generate_payload, parse_generate_response
 from stacx.rollout.types import GenerateRequest, SamplingParams
 
-TEACHER_EXECUTED_SENTINEL = 1.0
-"""Written into teacher_log_probs where the teacher produced the token (real log-probs are <= 0)."""
 
 
 class TeacherUnavailableError(RuntimeError):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>")
 
 CHAT_TEMPLATE = (
@@ -25,7 +27,7 @@ DEFAULT_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-*/=().,:?!\\{}"
 
 def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     """A `PreTrainedTokenizerFast` with one token per character of `alphabet` (in order, after the specials)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    # Imported here: transformers is slow to import (start-up time).
     from transformers import PreTrainedTokenizerFast
 
     chars = list(dict.fromkeys(alphabet))

@@ -5,8 +5,11 @@ sync fast (per-tensor sends are ~10x slower at scale). The HTTP body of a bucket
 
     [8-byte little-endian header length][JSON header][raw bytes of all tensors, back to back]
 
-with header `{"names", "dtypes", "shapes", "offsets", "version", "final"}` (offsets in bytes).
-The receiver views the raw bytes as tensors without copying and copies each into its parameter.
+with header `{"names", "dtypes", "shapes", "offsets", "num_bytes", "version", "final"}` (offsets in
+bytes). The layout, the dtype table and the per-tensor checks are the one codec of
+`stacx.parallel.tensor_buckets` (also used by exchange syncs and torchrun rank messages): each
+tensor starts at a 64-byte aligned offset. The receiver views the raw bytes as tensors without
+copying and copies each into its parameter.
 
 A header is checked as a whole (`validate_bucket_header`) before any tensor is viewed, so a
 malformed bucket is rejected (a ValueError naming the field, HTTP 400) before it can touch a
@@ -31,29 +34,23 @@ from typing import Sequence
 
 import torch
 
+from stacx.parallel.tensor_buckets import (
+    TENSOR_DTYPES,
+    TensorSlot,
+    bucket_chunks,
+    check_slot,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+)
+
 logger = logging.getLogger(__name__)
-
-_DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"weight bucket: dtype {dtype} is not supported; supported: {sorted(_DTYPES)}")
-    return name
-
 
 @dataclass(frozen=True)
 class FlatBucket:
-    """A bucket flattened into one uint8 buffer `data` [num_bytes] plus per-tensor metadata."""
+    """A received bucket: its slots (`stacx.parallel.tensor_buckets`) and the uint8 buffer `data` [num_bytes] they index."""
 
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    offsets: list[int]
+    slots: list[TensorSlot]
     data: torch.Tensor
 
     @property
@@ -61,23 +58,13 @@ class FlatBucket:
         return self.data.numel()
 
 
-def flatten_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> FlatBucket:
-    """Concatenate every tensor's bytes (one copy) into a single CPU uint8 buffer."""
-    if not bucket:
-        raise ValueError("flatten_bucket: empty bucket")
-    names, dtypes, shapes, offsets, pieces = [], [], [], [], []
-    offset = 0
-    for name, tensor in bucket:
-        tensor = tensor.detach()
-        names.append(name)
-        dtypes.append(dtype_name(tensor.dtype))
-        shapes.append(list(tensor.shape))
-        offsets.append(offset)
-        raw = tensor.contiguous().reshape(-1).view(torch.uint8)
-        pieces.append(raw)
-        offset += raw.numel()
-    data = torch.cat(pieces).cpu() if len(pieces) > 1 else pieces[0].cpu().clone()
-    return FlatBucket(names, dtypes, shapes, offsets, data)
+HEADER_COLUMNS = ("names", "dtypes", "shapes", "offsets")
+
+
+def header_columns(slots: Sequence[TensorSlot]) -> dict[str, list]:
+    """The bucket header's per-tensor columns (the same names SGLang's weight endpoints use)."""
+    return {"names": [s.name for s in slots], "dtypes": [s.dtype for s in slots],
+            "shapes": [list(s.shape) for s in slots], "offsets": [s.offset for s in slots]}
 
 
 def bucket_wire_chunks(bucket: Sequence[tuple[str, torch.Tensor]], *, version: int, final: bool) -> list:
@@ -85,36 +72,25 @@ def bucket_wire_chunks(bucket: Sequence[tuple[str, torch.Tensor]], *, version: i
     each tensor's bytes in place (no concatenation copy; the receiver gets one flat buffer)."""
     if not bucket:
         raise ValueError("bucket_wire_chunks: empty bucket")
-    names, dtypes, shapes, offsets, chunks = [], [], [], [], []
-    offset = 0
-    for name, tensor in bucket:
-        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        names.append(name)
-        dtypes.append(dtype_name(tensor.dtype))
-        shapes.append(list(tensor.shape))
-        offsets.append(offset)
-        chunks.append(memoryview(raw.numpy()))
-        offset += raw.numel()
-    header = json.dumps({
-        "names": names, "dtypes": dtypes, "shapes": shapes, "offsets": offsets,
-        "num_bytes": offset, "version": int(version), "final": bool(final),
-    }).encode()
-    return [struct.pack("<Q", len(header)) + header, *chunks]
+    slots, (num_bytes,) = plan_buckets(bucket)
+    header = json.dumps({**header_columns(slots), "num_bytes": num_bytes, "version": int(version),
+                         "final": bool(final)}).encode()
+    return [struct.pack("<Q", len(header)) + header, *bucket_chunks(bucket, slots)]
 
 
 def validate_bucket_header(header, num_bytes_available: int, *, where: str) -> FlatBucket:
     """Check a whole bucket header against the `num_bytes_available` bytes that back it.
 
     Every field is checked before any tensor is viewed: `names`, `dtypes`, `shapes`, `offsets`
-    are lists of one length; dtypes are known; shapes are lists of non-negative ints; tensor i
-    occupies bytes [offsets[i], offsets[i] + prod(shapes[i]) * itemsize) inside [0, num_bytes),
-    with offsets[i] a multiple of the itemsize (a view needs it); `num_bytes` is an int no larger
-    than the bytes available; `version` an int and `final` a bool. Raises ValueError naming the
-    field (`where` names the endpoint). Returns the metadata with an empty `data` placeholder.
+    are lists of one length, and each tensor's entry passes `tensor_buckets.check_slot` (a known
+    dtype, a shape of non-negative ints, an offset that is a multiple of the itemsize, bytes inside
+    [0, num_bytes)); `num_bytes` is an int no larger than the bytes available; `version` an int
+    and `final` a bool. Raises ValueError naming the field (`where` names the endpoint). Returns
+    the slots with an empty `data` placeholder.
     """
     if not isinstance(header, dict):
         raise ValueError(f"{where}: the weight header must be a JSON object, got {type(header).__name__}")
-    missing = [key for key in ("names", "dtypes", "shapes", "offsets", "num_bytes", "version", "final") if key not in header]
+    missing = [key for key in (*HEADER_COLUMNS, "num_bytes", "version", "final") if key not in header]
     if missing:
         raise ValueError(f"{where}: request is missing field(s) {missing}")
     if not _is_int(header["version"]) or header["version"] < 0:
@@ -125,7 +101,7 @@ def validate_bucket_header(header, num_bytes_available: int, *, where: str) -> F
     if not _is_int(num_bytes) or not 0 <= num_bytes <= num_bytes_available:
         raise ValueError(f"{where}: 'num_bytes' must be an integer in [0, {num_bytes_available}] "
                          f"(the bytes sent), got {num_bytes!r}")
-    columns = {key: header[key] for key in ("names", "dtypes", "shapes", "offsets")}
+    columns = {key: header[key] for key in HEADER_COLUMNS}
     for key, value in columns.items():
         if not isinstance(value, list):
             raise ValueError(f"{where}: '{key}' must be a list, got {type(value).__name__}")
@@ -133,23 +109,13 @@ def validate_bucket_header(header, num_bytes_available: int, *, where: str) -> F
     if len(set(lengths.values())) != 1:
         raise ValueError(f"{where}: 'names', 'dtypes', 'shapes' and 'offsets' must have one entry per tensor; "
                          f"got lengths {lengths}")
+    slots = []
     for i, (name, dtype, shape, offset) in enumerate(zip(*columns.values())):
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{where}: names[{i}] must be a non-empty string, got {name!r}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"{where}: dtypes[{i}] ({name}) is {dtype!r}; supported: {sorted(_DTYPES)}")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise ValueError(f"{where}: shapes[{i}] ({name}) must be a list of non-negative integers, got {shape!r}")
-        itemsize = _DTYPES[dtype].itemsize
-        if not _is_int(offset) or offset < 0 or offset % itemsize:
-            raise ValueError(f"{where}: offsets[{i}] ({name}) must be a non-negative multiple of {itemsize} "
-                             f"(the size of {dtype}), got {offset!r}")
-        end = offset + math.prod(shape) * itemsize
-        if end > num_bytes:
-            raise ValueError(f"{where}: tensor {name!r} ({dtype} {shape} at byte {offset}) ends at byte {end}, "
-                             f"past num_bytes {num_bytes}")
-    return FlatBucket(list(columns["names"]), list(columns["dtypes"]), [list(s) for s in columns["shapes"]],
-                      list(columns["offsets"]), torch.empty(0, dtype=torch.uint8))
+        sized = dtype in TENSOR_DTYPES and isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
+        entry = {"name": name, "dtype": dtype, "shape": shape, "bucket": 0, "offset": offset,
+                 "num_bytes": math.prod(shape) * TENSOR_DTYPES[dtype].itemsize if sized else 0}
+        slots.append(check_slot(entry, f"{where}: tensor {i}", bucket_bytes=num_bytes))
+    return FlatBucket(slots, torch.empty(0, dtype=torch.uint8))
 
 
 def _is_int(value) -> bool:
@@ -158,21 +124,7 @@ def _is_int(value) -> bool:
 
 def unflatten_bucket(flat: FlatBucket) -> list[tuple[str, torch.Tensor]]:
     """Views into `flat.data`, one per tensor (no copy); the header must have been validated."""
-    out = []
-    for name, dtype, shape, offset in zip(flat.names, flat.dtypes, flat.shapes, flat.offsets):
-        torch_dtype = _DTYPES[dtype]
-        num_bytes = math.prod(shape) * torch_dtype.itemsize
-        out.append((name, flat.data[offset:offset + num_bytes].view(torch_dtype).view(shape)))
-    return out
-
-
-def encode_bucket_header(flat: FlatBucket, *, version: int, final: bool) -> bytes:
-    """The length-prefixed JSON header; the raw bytes (`flat.data`) follow it in the body."""
-    header = json.dumps({
-        "names": flat.names, "dtypes": flat.dtypes, "shapes": flat.shapes, "offsets": flat.offsets,
-        "num_bytes": flat.num_bytes, "version": int(version), "final": bool(final),
-    }).encode()
-    return struct.pack("<Q", len(header)) + header
+    return list(unpack_bucket(flat.data, flat.slots).items())
 
 
 def decode_bucket_body(body: bytearray | bytes | memoryview, *, where: str = "weight bucket") -> tuple[FlatBucket, dict]:
@@ -193,7 +145,7 @@ def decode_bucket_body(body: bytearray | bytes | memoryview, *, where: str = "we
     if header["num_bytes"] != len(raw):
         raise ValueError(f"{where}: header says num_bytes {header['num_bytes']}, body holds {len(raw)}")
     data = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
-    return FlatBucket(flat.names, flat.dtypes, flat.shapes, flat.offsets, data), header
+    return FlatBucket(flat.slots, data), header
 
 
 def shared_memory_directory() -> str:
@@ -225,23 +177,16 @@ class SharedMemoryStaging:
         """Copy the bucket into the file; return the header the receiver needs (with `staging_id`)."""
         if self._fd is None:
             raise RuntimeError(f"shared-memory staging {self.path} is closed")
-        sizes = [t.numel() * t.element_size() for _, t in bucket]
-        total = sum(sizes)
+        slots, sizes = plan_buckets(bucket)
+        total = sizes[0] if sizes else 0
         if total > self.capacity:
             os.ftruncate(self._fd, total)
             self.buffer = torch.from_file(self.path, shared=True, size=total, dtype=torch.uint8)
             self.capacity = total
-        header = {"staging_id": self.staging_id, "names": [], "dtypes": [], "shapes": [], "offsets": [],
-                  "num_bytes": total, "version": int(version), "final": bool(final)}
-        offset = 0
-        for (name, tensor), size in zip(bucket, sizes):
-            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            self.buffer[offset:offset + size].copy_(raw)
-            header["names"].append(name)
-            header["dtypes"].append(dtype_name(tensor.dtype))
-            header["shapes"].append(list(tensor.shape))
-            header["offsets"].append(offset)
-            offset += size
+        if total:
+            pack_bucket(bucket, slots, 0, total, out=self.buffer)
+        header = {"staging_id": self.staging_id, **header_columns(slots), "num_bytes": total,
+                  "version": int(version), "final": bool(final)}
         return header
 
     def close(self) -> None:
@@ -317,7 +262,7 @@ class SharedMemoryRegistry:
         num_bytes = header["num_bytes"]
         if entry.mapped.numel() < num_bytes:
             entry.mapped = torch.from_file(entry.path, shared=True, size=info.st_size, dtype=torch.uint8)
-        return FlatBucket(flat.names, flat.dtypes, flat.shapes, flat.offsets, entry.mapped[:num_bytes])
+        return FlatBucket(flat.slots, entry.mapped[:num_bytes])
 
     def release(self, staging_id) -> bool:
         with self._lock:

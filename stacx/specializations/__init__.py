@@ -1,12 +1,12 @@
-"""Per-algorithm loss assembly: `compute_loss(model_output, batch, reducer) -> (loss, metrics)`.
+"""Per-algorithm loss assembly: `compute_loss(model_output, micro_batch, reducer) -> (loss, metrics)`.
 
-See base.py for the contract (batch fields, reducer, what the trainer loop asks) and
+See base.py for the template (a subclass writes `per_token_terms`), batch.py for `MicroBatch`, and
 docs/adding-an-algorithm.md for writing a new one.
 """
 
 from stacx.specializations.actor import ActorSpecialization
-from stacx.specializations.base import Specialization
-from stacx.specializations.batch import model_inputs, pack_micro_batch
+from stacx.specializations.base import LossTerms, ResponseView, Specialization
+from stacx.specializations.batch import MicroBatch, model_inputs, pack_micro_batch
 from stacx.specializations.causal_decoder import CausalDecoderSpecialization
 from stacx.specializations.critic import CriticSpecialization
 from stacx.specializations.distill import DistillSpecialization
@@ -19,7 +19,10 @@ __all__ = [
     "CriticSpecialization",
     "DPOSpecialization",
     "DistillSpecialization",
+    "LossTerms",
+    "MicroBatch",
     "MixedLossDaggerOPDSpecialization",
+    "ResponseView",
     "Specialization",
     "model_inputs",
     "pack_micro_batch",

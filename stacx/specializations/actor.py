@@ -10,26 +10,26 @@ from batch fields:
 masked by the loss masks after the off-policy corrections (config.off_policy_corrections,
 a list of registry names), w_t their importance weights (1 without), and reduced by the
 reducer with config.loss_agg_mode. Advantages come from the advantage registry
-(config.advantage_estimator) through `compute_advantages`, called by the driver.
+(config.advantage_estimator), computed by the driver's loop before training.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
+from stacx.objectives.aggregation import loss_token_counts
 from stacx.objectives.kl import add_kl_and_entropy_terms
 from stacx.objectives.off_policy import mismatch_metrics
 from stacx.objectives.registry import (
-    get_advantage,
     get_kl_estimator,
     get_off_policy_correction,
     get_off_policy_correction_traits,
     get_policy_loss,
     get_policy_loss_traits,
 )
-from stacx.specializations.base import Specialization, check_response_field, full_token_counts
+from stacx.specializations.base import LossTerms, Specialization
 
 NUM_KEPT_LOSS_TOKENS = "num_kept_loss_tokens"
 """Loss tokens left after the off-policy corrections masked some: the count the separate
@@ -70,7 +70,7 @@ class ActorSpecialization(Specialization):
     loss_agg_mode, plus an optional KL(pi || pi_ref) term and entropy bonus (see the module doc).
 
     Batch: `loss_masks`, `advantages`; `ref_log_probs` with use_kl_loss; `rollout_log_probs`
-    for off-policy corrections and the train/rollout mismatch metrics; `old_log_probs` when
+    for off-policy corrections and the train/rollout mismatch metrics; `log_probs` (pi_old) when
     recomputed (otherwise pi_old is this forward's detached log pi: exact when a rollout feeds
     one optimizer step). Config (the run's algorithm section): advantage_estimator,
     policy_loss, loss_agg_mode, clip_ratio_low/high/c, use_kl_loss, kl_loss_type,
@@ -104,7 +104,7 @@ class ActorSpecialization(Specialization):
     # ---- what the trainer loop asks ------------------------------------------------------------
 
     def required_fields(self) -> tuple[str, ...]:
-        fields = ["loss_masks", "advantages"]
+        fields = ["advantages"]
         if self.use_kl_loss:
             fields.append("ref_log_probs")
         if self.corrections:
@@ -127,46 +127,31 @@ class ActorSpecialization(Specialization):
         unless the policy loss and every correction are registered `token_local=True`."""
         return not (self.policy_loss_traits.token_local and all(t.token_local for t in self.correction_traits))
 
-    def compute_advantages(self, rollout_data) -> list[torch.Tensor]:
-        """Per-token advantages [R_i] from the registry's config.advantage_estimator (driver side)."""
-        name = self.setting("advantage_estimator")
-        if name is None:
-            raise ValueError("algorithm.advantage_estimator is not set; the actor needs one to compute advantages")
-        return get_advantage(str(name))(self.config, rollout_data)
+    @property
+    def with_entropy(self) -> bool:
+        """Entropy is computed only when it carries a coefficient or is logged (`log_entropy`)."""
+        return self.entropy_coef != 0.0 or bool(self.setting("log_entropy"))
 
     # ---- the loss -----------------------------------------------------------------------------
 
-    def compute_loss(
-        self,
-        model_output: torch.Tensor,
-        batch: dict[str, Any],
-        reducer: Callable[..., torch.Tensor],
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        self.check_reducer(reducer)
-        layout = self.check_batch(batch)
-        for optional in ("old_log_probs", "rollout_log_probs", "ref_log_probs"):
-            if batch.get(optional) is not None:
-                check_response_field(batch, optional, layout)
-        log_entropy = bool(self.setting("log_entropy"))
-        with_entropy = self.entropy_coef != 0.0 or log_entropy
+    def local_values(self, model_output: torch.Tensor, batch) -> torch.Tensor:
+        """log pi [T_local], stacked with the entropy [T_local, 2] when it is needed: both travel in
+        the same (at most one) CP all-gather."""
         log_probs_local, entropy_local = self.token_log_probs(
-            model_output, batch, with_entropy=with_entropy, entropy_requires_grad=self.entropy_coef != 0.0
+            model_output, batch, with_entropy=self.with_entropy, entropy_requires_grad=self.entropy_coef != 0.0
         )
-        # Log-probs and entropy travel in the same (at most one) CP all-gather.
-        stacked = log_probs_local if entropy_local is None else torch.stack([log_probs_local, entropy_local], -1)
-        view = self.response_view(layout, stacked, whole=self.needs_whole_sequences())
-        if entropy_local is None:
-            log_probs, entropy = view.values, None
-        else:
-            log_probs, entropy = [v[:, 0] for v in view.values], [v[:, 1] for v in view.values]
+        return log_probs_local if entropy_local is None else torch.stack([log_probs_local, entropy_local], -1)
 
-        raw_masks = view.field(batch, "loss_masks", dtype=torch.float32)
-        advantages = view.field(batch, "advantages", dtype=torch.float32)
+    def per_token_terms(self, view, batch) -> LossTerms:
+        if self.with_entropy:
+            log_probs, entropy = [v[:, 0] for v in view.values], [v[:, 1] for v in view.values]
+        else:
+            log_probs, entropy = view.values, None
+        raw_masks, advantages = view.loss_masks, view.cut(batch.advantages)
         current = [lp.detach() for lp in log_probs]
-        old = view.field(batch, "old_log_probs", dtype=torch.float32) if batch.get("old_log_probs") is not None else current
-        rollout = (view.field(batch, "rollout_log_probs", dtype=torch.float32)
-                   if batch.get("rollout_log_probs") is not None else None)
-        ref = view.field(batch, "ref_log_probs", dtype=torch.float32) if self.use_kl_loss else None
+        old = view.cut(batch.log_probs) if batch.log_probs is not None else current
+        rollout = view.cut(batch.rollout_log_probs) if batch.rollout_log_probs is not None else None
+        ref = view.cut(batch.ref_log_probs) if self.use_kl_loss else None
 
         metrics: dict[str, torch.Tensor] = {}
         masks, weights = raw_masks, None
@@ -194,20 +179,13 @@ class ActorSpecialization(Specialization):
         per_token, kl_entropy_metrics = add_kl_and_entropy_terms(
             term_config, per_token, log_probs, masks, ref_log_prob=ref, entropy=entropy
         )
-        loss = reducer(
-            per_token, masks, sequence_token_counts=full_token_counts(batch["loss_masks"]),
-            replicated_across_cp=view.replicated,
-        )
         metrics.update(policy_metrics)
         metrics.update(kl_entropy_metrics)
         if self.corrections:
             # The policy/KL/entropy sums are logged over the global loss-token count (guide 000);
             # their means over the tokens the corrections kept are separate metrics.
-            metrics[NUM_KEPT_LOSS_TOKENS] = torch.stack(
-                [(m != 0).sum().to(torch.float64) for m in masks]).sum() if masks else torch.zeros((), dtype=torch.float64)
+            metrics[NUM_KEPT_LOSS_TOKENS] = loss_token_counts(masks).sum().to(torch.float64)
             for name in (*policy_metrics, *kl_entropy_metrics):
                 metrics[name + KEPT_MEAN_SUFFIX] = metrics[name]
                 self.kept_token_metrics.add(name + KEPT_MEAN_SUFFIX)
-        metrics = view.own_metrics(metrics)
-        metrics.update(view.count_metrics(raw_masks, batch["loss_masks"]))
-        return loss, metrics
+        return LossTerms(per_token, metrics, masks=masks)

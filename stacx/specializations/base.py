@@ -1,48 +1,40 @@
-"""The interface every specialization implements, and the helpers they share.
+"""The template every specialization follows, and the helpers they share.
 
 A role worker calls `compute_loss` once per packed micro-batch, after the forward pass:
 
-    batch = pack_micro_batch(sequences, response_lengths, groups=groups, loss_masks=..., ...)
-    logits = forward_packed(model, *model_inputs(batch), groups)           # [T_local, V_pad/tp]
-    loss, metric_sums = specialization.compute_loss(logits, batch, reducer)
+    micro_batch = MicroBatch.pack(sequences, response_lengths, groups=groups, loss_masks=..., ...)
+    logits = forward_packed(model, *micro_batch.model_inputs(), groups)        # [T_local, V_pad/tp]
+    loss, metric_sums = specialization.compute_loss(logits, micro_batch, reducer)
     loss.backward()
-    totals.add(all_reduce_metric_sums(metric_sums, groups.dp_cp))          # ONE all-reduce
+    metric_sums = all_reduce_metric_sums(metric_sums, groups.dp_cp)           # ONE all-reduce
     ...
-    logged = specialization.metric_means(totals.sums)                       # after the last micro-batch
+    logged = specialization.metric_means(totals)                              # after the last micro-batch
 
-Arguments of `compute_loss`:
+`compute_loss` is a template method. The base class owns every step but the loss terms:
+
+    check_reducer(reducer); check_batch(batch)          # mode, field presence and sizes (+ check_fields hook)
+    view = response view of local_values(model_output)  # this rank's part of each response, or whole
+                                                        # responses when needs_whole_sequences() (one CP all-gather)
+    terms = per_token_terms(view, batch)                # THE SUBCLASS: per-token losses and metric sums
+    loss = reducer(terms.per_token, masks, sequence_token_counts=n_i, replicated_across_cp=view.replicated)
+    metrics = terms.metrics (reported once over CP) + num_loss_tokens + num_sequences
+
+so a subclass writes `per_token_terms` (usually one kernel call) and, when it needs more than the
+log-probs of the sampled tokens, `local_values`. Arguments of `compute_loss`:
 
 - `model_output`: the TP-local logits shard [T_local, V_pad/tp] of this CP rank's slice of the
   packed micro-batch (values [T_local] for a critic, `outputs_values = True`).
-- `batch`: a dict (see `stacx.specializations.batch.pack_micro_batch`):
-    * `layout`: the `PackedLayout` of the micro-batch for this CP rank (lengths, prompt lengths,
-      CP slicing);
-    * `response_lengths`: R_i of each sequence (ints, whole responses);
-    * `tokens`: the WHOLE packed micro-batch [sum(lengths)] int64, identical on every CP rank
-      (the model input is `layout.slice_tokens(tokens)`; the full row is kept because the
-      target of a chunk's last token lives in another chunk);
-    * per-response fields: lists with one tensor per sequence holding the WHOLE response, never
-      CP-sliced, [R_i] or [R_i, K], aligned to prediction positions (token j of response i is
-      predicted at sequence position prompt_length_i - 1 + j). Specializations slice them with
-      the layout, which also lets them check lengths and name the field and sample at fault.
-      Names: `loss_masks`, `rollout_log_probs`, `old_log_probs`, `ref_log_probs`, `advantages`,
-      `values`, `returns`, `teacher_log_probs`, `teacher_top_ids`, `teacher_top_log_probs`;
-    * per-sequence fields: lists/1-D tensors of length S (DPO's `pair_ids`, `is_chosen`).
-- `reducer`: `stacx.parallel.reduction.Reducer` for the step, built by the worker with
+- `batch`: a `MicroBatch` (stacx.specializations.batch): `layout` (the `PackedLayout`), `tokens`
+  (the WHOLE packed micro-batch), `response_lengths`, and the per-sample fields of `SampleFields`
+  (one documented attribute each: `loss_masks`, `advantages`, `log_probs`, `ref_log_probs`, ...),
+  whole responses aligned to prediction positions; the view cuts them like the model's values.
+- `reducer`: the step's `stacx.parallel.reduction.Reducer`, built by the worker with
   `mode = specialization.loss_agg_mode()` and StepCounts from the full `loss_masks`.
 
-What the trainer loop needs besides the loss (all on this class):
-
-- `required_fields()`: batch fields `compute_loss` needs (besides `layout` and `tokens`).
-- `needs_reference()`: True when `ref_log_probs` must be filled before training, by a no-grad
-  forward of the frozen reference held in the same worker, through `compute_log_probs`.
-- `needs_old_log_probs()`: True when `old_log_probs` must be filled by a no-grad forward of the
-  current weights before the first update (needed only when one rollout feeds several
-  optimizer steps; otherwise the current forward's detached log-probs ARE pi_old).
-- `loss_agg_mode()`: the mode the step's Reducer must be built with.
-- `compute_log_probs(model_output, batch)`: whole-response log-probs per sequence, no grad
-  (one CP all-gather when cp > 1), for old/reference log-probs.
-- `metric_means(totals)`: reduced metric sums of a step -> logged means.
+What the trainer loop needs besides the loss (all on this class): `required_fields()`,
+`needs_reference()` (fill `ref_log_probs` first), `needs_old_log_probs()` (fill `log_probs`, pi_old,
+first), `loss_agg_mode()`, `compute_log_probs(model_output, batch)` (whole-response log-probs, no
+grad) and `metric_means(totals)`.
 
 A specialization composes stateless kernels (stacx.objectives) with the vocab-parallel and CP
 utilities (stacx.parallel). It issues no collective of its own: the only communication is inside
@@ -51,16 +43,19 @@ utilities (stacx.parallel). It issues no collective of its own: the only communi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 import torch
 
+from stacx.objectives.aggregation import loss_token_counts
 from stacx.objectives.algorithm_config import ALGORITHM_DEFAULTS
 from stacx.objectives.validation import hyperparameter
 from stacx.parallel.cp_fields import PackedLayout, next_token_targets
 from stacx.parallel.groups import ProcessGroups
+from stacx.parallel.reduction import Reducer
 from stacx.parallel.vocab_parallel import vocab_parallel_log_probs_and_entropy
+from stacx.specializations.batch import PER_RESPONSE_FIELDS, PER_SEQUENCE_FIELDS, MicroBatch
 
 #: Count metrics every specialization reports; logged as totals, and the denominators of the others.
 NUM_LOSS_TOKENS = "num_loss_tokens"
@@ -71,13 +66,27 @@ _DECLARED = object()
 """`Specialization.setting`'s marker for "no custom default given"."""
 
 
+@dataclass
+class LossTerms:
+    """What a subclass's `per_token_terms` returns: per-token losses and metric sums of one micro-batch."""
+
+    per_token: list[torch.Tensor]
+    """One tensor per sequence, shaped like the view's values (this rank's part, or whole responses)."""
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Metric sums (divided in `metric_means` by their count, num_loss_tokens unless declared)."""
+    masks: list[torch.Tensor] | None = None
+    """Masks to reduce with; None: the view's loss masks (an off-policy correction may drop tokens)."""
+    sequence_token_counts: list[int] | None = None
+    """n_i for the reducer; None: loss tokens of each whole response (one entry per loss per sequence: [1]*S)."""
+
+
 class Specialization:
     """Base class: per-algorithm loss assembly for one role (see the module docstring)."""
 
     #: Whether the role's model outputs a value per token (critic) instead of logits.
     outputs_values: bool = False
-    #: Per-response batch fields compute_loss always needs (subclasses extend `required_fields`).
-    base_required_fields: tuple[str, ...] = ("loss_masks",)
+    #: Per-response batch fields compute_loss needs besides `loss_masks`, which every batch carries.
+    base_required_fields: tuple[str, ...] = ()
     #: Metric name -> name of the count metric it is divided by in `metric_means`
     #: (default NUM_LOSS_TOKENS; names starting with "num_" are counts, logged as totals).
     metric_denominators: Mapping[str, str] = {}
@@ -91,7 +100,7 @@ class Specialization:
     # ---- what the trainer loop asks ------------------------------------------------------------
 
     def required_fields(self) -> tuple[str, ...]:
-        """Batch fields compute_loss reads, besides `layout` and `tokens`."""
+        """Batch fields compute_loss reads, besides `layout`, `tokens` and `loss_masks`."""
         return self.base_required_fields
 
     def needs_reference(self) -> bool:
@@ -99,7 +108,12 @@ class Specialization:
         return False
 
     def needs_old_log_probs(self) -> bool:
-        """Whether `old_log_probs` must be computed (current weights, no-grad) before the first update."""
+        """Whether `log_probs` (pi_old) must be computed (current weights, no-grad) before the first update."""
+        return False
+
+    def needs_whole_sequences(self) -> bool:
+        """Whether `per_token_terms` needs whole responses on every CP rank (one all-gather when cp > 1)
+        instead of this rank's part of each response."""
         return False
 
     def loss_agg_mode(self) -> str:
@@ -111,17 +125,44 @@ class Specialization:
         """Temperature of the log-probs (1.0: the model's own distribution)."""
         return 1.0
 
-    def compute_loss(
-        self,
-        model_output: torch.Tensor,
-        batch: dict[str, Any],
-        reducer: Callable[..., torch.Tensor],
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(loss to call backward on, metric sums to all-reduce once over DP x CP)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement compute_loss")
+    # ---- the template --------------------------------------------------------------------------
+
+    def compute_loss(self, model_output: torch.Tensor, batch: MicroBatch,
+                     reducer: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss to call backward on, metric sums to all-reduce once over DP x CP); see the module doc."""
+        self.check_reducer(reducer)
+        self.check_batch(batch)
+        view = self.response_view(batch.layout, self.local_values(model_output, batch),
+                                  whole=self.needs_whole_sequences(), loss_masks=batch.loss_masks)
+        terms = self.per_token_terms(view, batch)
+        loss = reducer(
+            terms.per_token, view.loss_masks if terms.masks is None else terms.masks,
+            sequence_token_counts=(batch.sequence_token_counts() if terms.sequence_token_counts is None
+                                   else terms.sequence_token_counts),
+            replicated_across_cp=view.replicated,
+        )
+        metrics = view.own_metrics(terms.metrics)
+        metrics.update(view.count_metrics(view.loss_masks, batch.loss_masks))
+        return loss, metrics
+
+    def local_values(self, model_output: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+        """What the view cuts into responses, at every local position [T_local, ...]: by default the
+        log-prob of each next token (vocab-parallel, with gradient, at `self.temperature`)."""
+        log_probs_local, _ = self.token_log_probs(model_output, batch)
+        return log_probs_local
+
+    def check_fields(self, batch: MicroBatch) -> None:
+        """Checks of field values beyond presence and size (e.g. teacher log-probs <= 0); default none."""
+
+    def per_token_terms(self, view: "ResponseView", batch: MicroBatch) -> LossTerms:
+        """Per-token losses and metric sums from the view's values (`view.values`, one tensor per
+        sequence), its loss masks (`view.loss_masks`) and batch fields cut alike (`view.cut(...)`)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement per_token_terms (or compute_loss)")
+
+    # ---- forward-only and logging --------------------------------------------------------------
 
     @torch.no_grad()
-    def compute_log_probs(self, model_output: torch.Tensor, batch: dict[str, Any]) -> list[torch.Tensor]:
+    def compute_log_probs(self, model_output: torch.Tensor, batch: MicroBatch) -> list[torch.Tensor]:
         """Log-probs of each WHOLE response [R_i] (fp32, no grad) at `self.temperature`.
 
         Used for old and reference log-probs. With cp > 1 the responses are gathered (one
@@ -130,7 +171,7 @@ class Specialization:
         if self.outputs_values:
             raise TypeError(f"{type(self).__name__} outputs values, not logits; use compute_values")
         log_probs_local, _ = self.token_log_probs(model_output, batch)
-        return self.whole_responses(log_probs_local, batch["layout"])
+        return self.whole_responses(log_probs_local, batch.layout)
 
     def metric_means(self, totals: Mapping[str, float]) -> dict[str, float]:
         """Step metrics to log from reduced, micro-batch-accumulated sums.
@@ -164,61 +205,65 @@ class Specialization:
         value = getattr(self.config, name, None) if self.config is not None else None
         return custom_default if value is None else value
 
-    def check_reducer(self, reducer) -> None:
+    def check_reducer(self, reducer: Reducer) -> None:
         """A reducer built with another aggregation mode would silently change the loss: refuse it."""
-        mode = getattr(reducer, "mode", None)
-        if mode is not None and mode != self.loss_agg_mode():
+        if not isinstance(reducer, Reducer):
+            raise TypeError(f"{type(self).__name__}.compute_loss needs a stacx.parallel.reduction.Reducer "
+                            f"(Reducer.for_step(mode=specialization.loss_agg_mode(), ...)), got {type(reducer).__name__}")
+        if reducer.mode != self.loss_agg_mode():
             raise ValueError(
                 f"{type(self).__name__} needs a Reducer with mode {self.loss_agg_mode()!r} "
-                f"(specialization.loss_agg_mode()), got {mode!r}"
+                f"(specialization.loss_agg_mode()), got {reducer.mode!r}"
             )
 
-    def check_batch(self, batch: Mapping[str, Any], names: Sequence[str] | None = None) -> PackedLayout:
-        """Check that `layout`, `tokens` and the named per-response fields are present and sized
-        like the responses; returns the layout. Errors name the field and the sample."""
-        layout = batch.get("layout")
-        if not isinstance(layout, PackedLayout):
-            raise ValueError(f"batch field 'layout' must be a PackedLayout, got {type(layout).__name__}")
+    def check_batch(self, batch: MicroBatch, names: Sequence[str] | None = None) -> PackedLayout:
+        """Check that the batch was built for this CP rank, that the required fields (or `names`) are
+        present and that every per-response field it carries is sized like the responses, then
+        `check_fields`; returns the layout. Errors name the field and the sample."""
+        if not isinstance(batch, MicroBatch):
+            raise TypeError(f"{type(self).__name__}.compute_loss takes a MicroBatch (MicroBatch.pack(sequences, "
+                            f"response_lengths, loss_masks=...)), got {type(batch).__name__}")
+        layout = batch.layout
         if layout.cp_size != self.groups.cp_size or layout.cp_rank != self.groups.cp_rank:
             raise ValueError(
                 f"batch field 'layout' was built for cp_rank {layout.cp_rank} of {layout.cp_size}, "
                 f"this rank is cp_rank {self.groups.cp_rank} of {self.groups.cp_size}"
             )
-        tokens = batch.get("tokens")
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.shape[0] != sum(layout.lengths):
-            shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-            raise ValueError(
-                f"batch field 'tokens' must be the whole packed micro-batch [{sum(layout.lengths)}], got {shape}"
-            )
-        for name in self.required_fields() if names is None else names:
+        required = self.required_fields() if names is None else tuple(names)
+        for name in dict.fromkeys(("loss_masks", *required, *(n for n in PER_RESPONSE_FIELDS if n in batch))):
             check_response_field(batch, name, layout)
+        for name in PER_SEQUENCE_FIELDS:
+            if name in batch and len(batch[name]) != len(layout.lengths):
+                raise ValueError(f"batch field {name!r} has {len(batch[name])} entries, the micro-batch has "
+                                 f"{len(layout.lengths)} sequences")
+        self.check_fields(batch)
         return layout
 
     def token_log_probs(
-        self, logits: torch.Tensor, batch: Mapping[str, Any], *, with_entropy: bool = False,
+        self, logits: torch.Tensor, batch: MicroBatch, *, with_entropy: bool = False,
         entropy_requires_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(next token) at every local position [T_local] (and entropy [T_local] if asked).
 
         One TP all-gather (inside the vocab-parallel kernel). The logits are not modified.
         """
-        layout = batch["layout"]
+        layout = batch.layout
         if logits.dim() != 2 or logits.shape[0] != layout.num_local_tokens:
             raise ValueError(
                 f"model_output must be the TP-local logits [T_local={layout.num_local_tokens}, V/tp], "
                 f"got {tuple(logits.shape)}"
             )
-        targets_local = layout.slice_tokens(next_token_targets(batch["tokens"], layout.lengths)).to(logits.device)
+        targets_local = layout.slice_tokens(next_token_targets(batch.tokens, layout.lengths)).to(logits.device)
         return vocab_parallel_log_probs_and_entropy(
             logits, targets_local, tp_group=self.groups.tp, temperature=self.temperature,
             with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad,
         )
 
-    def response_log_probs(self, model_output: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+    def response_log_probs(self, model_output: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
         """log pi(y_t | y_<t, x) of every response token, whole responses concatenated: [N_response].
 
-        N_response = sum(batch["response_lengths"]); sample i's tokens are the i-th R_i entries,
-        aligned with `batch["loss_masks"][i]`. Vocab-parallel over TP (one all-gather inside the
+        N_response = sum(batch.response_lengths); sample i's tokens are the i-th R_i entries,
+        aligned with `batch.loss_masks[i]`. Vocab-parallel over TP (one all-gather inside the
         kernel) and CP-gathered (one differentiable all-gather when cp > 1), with gradient, at
         `self.temperature`. So a subclass never touches TP or CP: every CP rank holds the same
         whole responses, and `reducer(sum_of_sample_mean(...))` counts them once (a scalar given to
@@ -227,7 +272,7 @@ class Specialization:
         if self.outputs_values:
             raise TypeError(f"{type(self).__name__} outputs values, not logits")
         log_probs_local, _ = self.token_log_probs(model_output, batch)
-        responses = self.whole_responses(log_probs_local, batch["layout"])
+        responses = self.whole_responses(log_probs_local, batch.layout)
         return torch.cat(responses) if responses else log_probs_local.new_zeros((0,))
 
     def whole_responses(self, local_values: torch.Tensor, layout: PackedLayout) -> list[torch.Tensor]:
@@ -236,8 +281,9 @@ class Specialization:
             return layout.split_local_responses(local_values)
         return layout.gather_responses(local_values, self.groups.cp)
 
-    def response_view(self, layout: PackedLayout, local_values: torch.Tensor, *, whole: bool) -> "ResponseView":
-        """Per-response values plus the matching view of the batch fields.
+    def response_view(self, layout: PackedLayout, local_values: torch.Tensor, *, whole: bool,
+                      loss_masks: Sequence[torch.Tensor] | None = None) -> "ResponseView":
+        """Per-response values plus the matching cut of the batch fields (and of `loss_masks`, float32).
 
         whole=False: this rank's part of each response (no communication); whole=True: whole
         responses on every CP rank (one all-gather when cp > 1), to be reduced with
@@ -245,12 +291,15 @@ class Specialization:
         """
         replicated = whole and self.groups.cp_size > 1
         values = self.whole_responses(local_values, layout) if replicated else layout.split_local_responses(local_values)
-        return ResponseView(layout=layout, values=values, replicated=replicated, cp_rank=self.groups.cp_rank)
+        view = ResponseView(layout=layout, values=values, replicated=replicated, cp_rank=self.groups.cp_rank)
+        if loss_masks is not None:
+            view.loss_masks = view.cut(loss_masks)
+        return view
 
 
 @dataclass
 class ResponseView:
-    """Per-response model values on this rank and the batch fields sliced the same way."""
+    """Per-response model values on this rank and the batch fields cut the same way."""
 
     layout: PackedLayout
     values: list[torch.Tensor]
@@ -258,13 +307,20 @@ class ResponseView:
     replicated: bool
     """Whole responses gathered on every CP rank (reduce with replicated_across_cp=True)."""
     cp_rank: int
+    loss_masks: list[torch.Tensor] | None = None
+    """The batch's loss masks cut like `values`, float32 (set by `Specialization.compute_loss`)."""
 
-    def field(self, batch: Mapping[str, Any], name: str, *, device=None, dtype=None) -> list[torch.Tensor]:
-        """A per-response batch field cut like `values` (whole responses are used as they are)."""
-        full = [torch.as_tensor(t) for t in batch[name]]
+    def cut(self, whole: Sequence[torch.Tensor], *, dtype: torch.dtype | None = torch.float32) -> list[torch.Tensor]:
+        """A per-response field (one whole-response tensor per sequence) cut like `values`, on their
+        device, as `dtype` (None: kept)."""
+        full = [torch.as_tensor(t) for t in whole]
         parts = full if self.replicated else self.layout.slice_responses(full)
-        device = device if device is not None else (self.values[0].device if self.values else None)
+        device = self.values[0].device if self.values else None
         return [p.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else p for p in parts]
+
+    def field(self, batch: MicroBatch, name: str, *, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """`cut(batch[name])` (the field named by a string, as the first API did)."""
+        return self.cut(batch[name], dtype=dtype)
 
     def own_metrics(self, metrics: Mapping[str, torch.Tensor | float]) -> dict[str, torch.Tensor | float]:
         """Metric sums this rank reports: with replicated whole responses only CP rank 0 reports
@@ -276,18 +332,18 @@ class ResponseView:
     def count_metrics(self, masks: Sequence[torch.Tensor], full_masks: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """`num_loss_tokens` (mask entries != 0 of `masks`, counted once over CP) and
         `num_sequences` (sequences with a loss token, reported by CP rank 0 only)."""
-        tokens = torch.stack([(m != 0).sum().to(torch.float64) for m in masks]).sum() if masks else torch.zeros(())
-        counts = self.own_metrics({NUM_LOSS_TOKENS: tokens.to(torch.float64)})
-        num_sequences = sum(int(n > 0) for n in full_token_counts(full_masks)) if self.cp_rank == 0 else 0
+        tokens = loss_token_counts(masks).sum().to(torch.float64)
+        counts = self.own_metrics({NUM_LOSS_TOKENS: tokens})
+        num_sequences = int((loss_token_counts(full_masks) > 0).sum()) if self.cp_rank == 0 else 0
         counts[NUM_SEQUENCES] = torch.tensor(float(num_sequences), dtype=torch.float64)
         return counts
 
 
-def check_response_field(batch: Mapping[str, Any], name: str, layout: PackedLayout) -> None:
+def check_response_field(batch: MicroBatch, name: str, layout: PackedLayout) -> None:
     """`batch[name]` is a list of one tensor per sequence whose first dim is the response length."""
-    if name not in batch or batch[name] is None:
+    values = batch.get(name)
+    if values is None:
         raise ValueError(f"batch field {name!r} is missing (needed by this specialization)")
-    values = batch[name]
     if isinstance(values, torch.Tensor) or not isinstance(values, Sequence):
         raise ValueError(f"batch field {name!r} must be a list with one tensor per sample, got {type(values).__name__}")
     if len(values) != len(layout.response_lengths):
@@ -305,8 +361,8 @@ def check_response_field(batch: Mapping[str, Any], name: str, layout: PackedLayo
 
 
 def full_token_counts(loss_masks: Sequence[torch.Tensor]) -> list[int]:
-    """n_i: loss tokens of each WHOLE response (the reducer's sequence_token_counts)."""
-    return [int((torch.as_tensor(m) != 0).sum()) for m in loss_masks]
+    """n_i of each WHOLE response as ints (`MicroBatch.sequence_token_counts`, for code written to the first API)."""
+    return [int(n) for n in loss_token_counts(loss_masks)]
 
 
 def masked_total(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -321,6 +377,7 @@ def masked_total(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) 
 __all__ = [
     "NUM_LOSS_TOKENS",
     "NUM_SEQUENCES",
+    "LossTerms",
     "ResponseView",
     "Specialization",
     "check_response_field",

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import torch
 
 from stacx.objectives.advantages_returns import gae_returns
 from stacx.objectives.registry import get_loss
-from stacx.specializations.base import Specialization, check_response_field, full_token_counts
+from stacx.specializations.base import LossTerms, Specialization
 
 
 class CriticSpecialization(Specialization):
@@ -25,33 +23,21 @@ class CriticSpecialization(Specialization):
     """
 
     outputs_values = True
-    base_required_fields = ("loss_masks", "returns")
+    base_required_fields = ("returns",)
 
-    def compute_loss(
-        self,
-        model_output: torch.Tensor,
-        batch: dict[str, Any],
-        reducer: Callable[..., torch.Tensor],
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        self.check_reducer(reducer)
-        layout = self.check_batch(batch)
-        if batch.get("values") is not None:
-            check_response_field(batch, "values", layout)
-        view = self.response_view(layout, self._values_local(model_output, layout), whole=False)
-        masks = view.field(batch, "loss_masks", dtype=torch.float32)
-        returns = view.field(batch, "returns", dtype=torch.float32)
-        old_values = (view.field(batch, "values", dtype=torch.float32) if batch.get("values") is not None
-                      else [v.detach() for v in view.values])
-        per_token, metrics = get_loss("value_clipped")(self.config, view.values, old_values, returns, masks)
-        loss = reducer(per_token, masks, sequence_token_counts=full_token_counts(batch["loss_masks"]))
-        metrics.update(view.count_metrics(masks, batch["loss_masks"]))
-        return loss, metrics
+    def local_values(self, model_output: torch.Tensor, batch) -> torch.Tensor:
+        return self._values_local(model_output, batch.layout)
+
+    def per_token_terms(self, view, batch) -> LossTerms:
+        old_values = view.cut(batch.values) if batch.values is not None else [v.detach() for v in view.values]
+        return LossTerms(*get_loss("value_clipped")(self.config, view.values, old_values, view.cut(batch.returns),
+                                                     view.loss_masks))
 
     @torch.no_grad()
-    def compute_values(self, model_output: torch.Tensor, batch: dict[str, Any]) -> list[torch.Tensor]:
+    def compute_values(self, model_output: torch.Tensor, batch) -> list[torch.Tensor]:
         """Values of each WHOLE response [R_i] (no grad; one CP all-gather when cp > 1), e.g. for
         the inject sync that hands `values` to the actor's batch."""
-        layout = batch["layout"]
+        layout = batch.layout
         return self.whole_responses(self._values_local(model_output, layout).float(), layout)
 
     def compute_returns(self, rollout_data) -> list[torch.Tensor]:

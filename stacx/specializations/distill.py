@@ -1,7 +1,7 @@
 """On-policy distillation: reverse KL from the student to a frozen teacher server.
 
 Two modes (config `distill_kl_mode`, overridden by the environment variable
-STACX_DISTILL_KL_MODE, see stacx.rollout.env_overrides):
+STACX_DISTILL_KL_MODE, see stacx.env_overrides):
 
 - `k3_sample` (default): the single-sample K3 estimate on the sampled token a_t,
   r_t = log pi_T(a_t) - log pi(a_t), l_t = exp(r_t) - 1 - r_t. Needs `teacher_log_probs` [R_i].
@@ -22,16 +22,16 @@ Per-token only: no CP communication (teacher fields are sliced like the tokens).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
-from stacx.objectives.distillation import TEACHER_ACTION_SENTINEL, union_topk_support
+from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL, union_topk_support
 from stacx.objectives.registry import get_loss
 from stacx.parallel.cp_fields import PackedLayout
 from stacx.parallel.vocab_parallel import vocab_parallel_log_probs_at_ids
 from stacx.parallel.vocab_parallel_topk import vocab_parallel_topk
-from stacx.specializations.base import Specialization, check_response_field, full_token_counts
+from stacx.specializations.base import LossTerms, Specialization, check_response_field
 
 DISTILL_KL_MODES = ("k3_sample", "topk")
 #: Teacher log-probs above this are not log-probs (rounding of values near 0 allowed).
@@ -42,11 +42,11 @@ def resolve_distill_kl_mode(config: Any, environ: Mapping[str, str] | None = Non
     """config.distill_kl_mode when set, else STACX_DISTILL_KL_MODE, else k3_sample.
 
     A run's resolved algorithm config already carries STACX_DISTILL_KL_MODE (applied once where the
-    run is resolved, stacx.trainer.resolved_config): a worker on another node must not read its
+    run is resolved, stacx.trainer.config.resolve): a worker on another node must not read its
     own environment and disagree with the driver. The environment is read only for a bare config.
     """
     # Imported here: the rollout package is not needed by the other specializations.
-    from stacx.rollout.env_overrides import read_env_overrides
+    from stacx.env_overrides import read_env_overrides
 
     mode = getattr(config, "distill_kl_mode", None) or read_env_overrides(environ).get("distill_kl_mode") or "k3_sample"
     if mode not in DISTILL_KL_MODES:
@@ -62,7 +62,7 @@ def check_teacher_log_probs(batch: Mapping[str, Any], layout: PackedLayout, name
         values = torch.as_tensor(values)
         bad = torch.isnan(values) | (values > _LOG_PROB_TOLERANCE)
         if allow_sentinel:
-            bad &= values != TEACHER_ACTION_SENTINEL
+            bad &= values != TEACHER_EXECUTED_SENTINEL
         if bad.any():
             position = int(torch.nonzero(bad.reshape(values.shape[0], -1).any(-1))[0])
             hint = " (only the +1.0 teacher-executed sentinel may be positive)" if allow_sentinel else ""
@@ -105,35 +105,34 @@ class DistillSpecialization(Specialization):
 
     def required_fields(self) -> tuple[str, ...]:
         if self.kl_mode == "topk":
-            return ("loss_masks", "teacher_top_ids", "teacher_top_log_probs")
-        return ("loss_masks", "teacher_log_probs")
+            return ("teacher_top_ids", "teacher_top_log_probs")
+        return ("teacher_log_probs",)
 
-    def compute_loss(
-        self,
-        model_output: torch.Tensor,
-        batch: dict[str, Any],
-        reducer: Callable[..., torch.Tensor],
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        self.check_reducer(reducer)
-        layout = self.check_batch(batch)
+    def check_fields(self, batch) -> None:
         if self.kl_mode == "topk":
-            per_token, masks, view, metrics = self._topk_terms(model_output, batch, layout)
-        else:
-            check_teacher_log_probs(batch, layout, "teacher_log_probs", allow_sentinel=False)
-            log_probs_local, _ = self.token_log_probs(model_output, batch)
-            view = self.response_view(layout, log_probs_local, whole=False)
-            masks = view.field(batch, "loss_masks", dtype=torch.float32)
-            teacher = view.field(batch, "teacher_log_probs", dtype=torch.float32)
-            per_token, metrics = get_loss("distill_reverse_kl_k3")(self.config, view.values, teacher, masks)
-        loss = reducer(per_token, masks, sequence_token_counts=full_token_counts(batch["loss_masks"]))
-        metrics.update(view.count_metrics(masks, batch["loss_masks"]))
-        return loss, metrics
+            check_teacher_top_fields(batch, batch.layout)
+        if self.kl_mode == "k3_sample" or batch.teacher_log_probs is not None:
+            check_teacher_log_probs(batch, batch.layout, "teacher_log_probs", allow_sentinel=False)
 
-    def _topk_terms(self, logits: torch.Tensor, batch, layout: PackedLayout):
-        k_teacher = check_teacher_top_fields(batch, layout)
-        has_sampled = batch.get("teacher_log_probs") is not None
-        if has_sampled:
-            check_teacher_log_probs(batch, layout, "teacher_log_probs", allow_sentinel=False)
+    def local_values(self, model_output: torch.Tensor, batch) -> torch.Tensor:
+        """k3_sample: the student's log-prob of each sampled token [T_local]. topk: per union id
+        [T_local, Ks+Kt, 3] = (student log-prob with gradient, teacher log-prob, in the support)."""
+        if self.kl_mode == "topk":
+            return self._topk_local_values(model_output, batch)
+        return super().local_values(model_output, batch)
+
+    def per_token_terms(self, view, batch) -> LossTerms:
+        if self.kl_mode == "topk":
+            student = [v[..., 0] for v in view.values]
+            teacher = [v[..., 1].detach() for v in view.values]
+            support = [v[..., 2].detach() != 0 for v in view.values]
+            return LossTerms(*get_loss("distill_topk_reverse_kl")(self.config, student, teacher, support, view.loss_masks))
+        return LossTerms(*get_loss("distill_reverse_kl_k3")(
+            self.config, view.values, view.cut(batch.teacher_log_probs), view.loss_masks))
+
+    def _topk_local_values(self, logits: torch.Tensor, batch) -> torch.Tensor:
+        layout = batch.layout
+        k_teacher = int(batch.teacher_top_ids[0].shape[1])  # one K for every sample (check_fields)
         student_top_k = self.setting("student_top_k")  # None: the teacher's K
         k_student = int(k_teacher if student_top_k is None else student_top_k)
         device = logits.device
@@ -141,11 +140,11 @@ class DistillSpecialization(Specialization):
         _, student_ids_local = vocab_parallel_topk(logits, k_student, tp_group=self.groups.tp,
                                                    temperature=self.temperature)  # [T_local, Ks], no grad
 
-        def local_rows(name, dtype):  # a per-response field -> this rank's response rows, concatenated
-            return torch.cat(layout.slice_responses([torch.as_tensor(t) for t in batch[name]])).to(device, dtype)
+        def local_rows(values, dtype):  # a per-response field -> this rank's response rows, concatenated
+            return torch.cat(layout.slice_responses([torch.as_tensor(t) for t in values])).to(device, dtype)
 
-        teacher_ids = local_rows("teacher_top_ids", torch.long)             # [N, Kt]
-        teacher_top = local_rows("teacher_top_log_probs", torch.float32)    # [N, Kt]
+        teacher_ids = local_rows(batch.teacher_top_ids, torch.long)             # [N, Kt]
+        teacher_top = local_rows(batch.teacher_top_log_probs, torch.float32)    # [N, Kt]
         ids, support = union_topk_support(student_ids_local.index_select(0, index), teacher_ids)  # [N, Ks+Kt]
 
         # Teacher log-probs on the union: listed values, the sampled token, else the residual mass.
@@ -154,9 +153,9 @@ class DistillSpecialization(Specialization):
         residual = torch.log((1.0 - teacher_top.double().exp().sum(-1)).clamp_min(1e-12)).float()
         fill = torch.minimum(teacher_top.amin(-1), residual)
         teacher_at_ids = fill.unsqueeze(-1).expand_as(ids).clone()
-        if has_sampled:
+        if batch.teacher_log_probs is not None:
             sampled_ids = self._sampled_ids(batch, layout).to(device)
-            sampled_lp = local_rows("teacher_log_probs", torch.float32)
+            sampled_lp = local_rows(batch.teacher_log_probs, torch.float32)
             is_sampled = ids == sampled_ids.unsqueeze(-1)
             teacher_at_ids = torch.where(is_sampled, sampled_lp.unsqueeze(-1).expand_as(ids), teacher_at_ids)
         listed = ids.unsqueeze(-1) == teacher_ids.unsqueeze(-2)             # [N, Ks+Kt, Kt]
@@ -168,16 +167,15 @@ class DistillSpecialization(Specialization):
         student_local, _ = vocab_parallel_log_probs_at_ids(
             logits, ids_local, tp_group=self.groups.tp, temperature=self.temperature
         )  # [T_local, Ks+Kt], differentiable
-        view = self.response_view(layout, student_local, whole=False)
-        sizes = [v.shape[0] for v in view.values]
-        masks = view.field(batch, "loss_masks", dtype=torch.float32)
-        per_token, metrics = get_loss("distill_topk_reverse_kl")(
-            self.config, view.values, list(teacher_at_ids.split(sizes)), list(support.split(sizes)), masks
-        )
-        return per_token, masks, view, metrics
+        teacher_local = torch.zeros_like(student_local, dtype=torch.float32)
+        teacher_local[index] = teacher_at_ids.to(teacher_local.dtype)
+        support_local = torch.zeros_like(teacher_local)
+        support_local[index] = support.to(support_local.dtype)
+        # The view cuts the three alike (no communication: per-token only).
+        return torch.stack([student_local, teacher_local.to(student_local.dtype), support_local.to(student_local.dtype)], -1)
 
     @staticmethod
     def _sampled_ids(batch, layout: PackedLayout) -> torch.Tensor:
         """The sampled (response) token ids of this rank's response rows, concatenated [N]."""
-        responses = [seq[p:] for seq, p in zip(batch["tokens"].split(layout.lengths), layout.prompt_lengths)]
+        responses = [seq[p:] for seq, p in zip(batch.tokens.split(layout.lengths), layout.prompt_lengths)]
         return torch.cat(layout.slice_responses(responses))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
+from stacx.objectives.aggregation import loss_token_counts
 from stacx.objectives.registry import get_loss
-from stacx.specializations.base import Specialization
+from stacx.specializations.base import LossTerms, Specialization
 
 NUM_PAIRS = "num_pairs"
 DPO_METRICS = ("dpo_loss", "chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy")
@@ -58,45 +59,37 @@ class DPOSpecialization(Specialization):
     rejected_reward, reward_margin, reward_accuracy.
     """
 
-    base_required_fields = ("loss_masks", "ref_log_probs")
+    base_required_fields = ("ref_log_probs",)
     metric_denominators = {name: NUM_PAIRS for name in DPO_METRICS}
 
     def needs_reference(self) -> bool:
         return True
 
+    def needs_whole_sequences(self) -> bool:
+        return True  # sequence-level: one CP all-gather when cp > 1
+
     def loss_agg_mode(self) -> str:
         return "seq-mean-token-sum"
 
-    def compute_loss(
-        self,
-        model_output: torch.Tensor,
-        batch: dict[str, Any],
-        reducer: Callable[..., torch.Tensor],
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        self.check_reducer(reducer)
-        layout = self.check_batch(batch)
-        pairs = pair_up(batch, len(layout.lengths))
-        for index, mask in enumerate(batch["loss_masks"]):
-            if not bool((torch.as_tensor(mask) != 0).any()):
+    def check_fields(self, batch) -> None:
+        pair_up(batch, len(batch.layout.lengths))
+        for index, count in enumerate(loss_token_counts(batch.loss_masks).tolist()):
+            if count == 0:
                 raise ValueError(f"batch field 'loss_masks': sample {index} has no loss token; DPO needs one per response")
-        log_probs_local, _ = self.token_log_probs(model_output, batch)
-        view = self.response_view(layout, log_probs_local, whole=True)
-        # With cp == 1 the local responses are already whole; with cp > 1 view.replicated is True.
-        log_probs, masks = view.values, view.field(batch, "loss_masks", dtype=torch.float32)
-        ref = view.field(batch, "ref_log_probs", dtype=torch.float32)
+
+    def per_token_terms(self, view, batch) -> LossTerms:
+        pairs = pair_up(batch, len(view.values))
+        log_probs, masks, ref = view.values, view.loss_masks, view.cut(batch.ref_log_probs)
         chosen, rejected = [c for c, _ in pairs], [r for _, r in pairs]
         pick = lambda values, indices: [values[i] for i in indices]  # noqa: E731
         pair_losses, metrics = get_loss("dpo")(
             self.config, pick(log_probs, chosen), pick(log_probs, rejected), pick(ref, chosen), pick(ref, rejected),
             pick(masks, chosen), pick(masks, rejected),
         )
-        per_sequence = [None] * len(layout.lengths)
+        # Each pair's loss is placed on both of its sequences, each counted as one token: N_seq = 2 x pairs.
+        per_sequence = [None] * len(view.values)
         for pair_loss, (c, r) in zip(pair_losses, pairs):
             per_sequence[c] = per_sequence[r] = pair_loss.reshape(1)
         ones = [torch.ones(1, dtype=pair_losses.dtype, device=pair_losses.device) for _ in per_sequence]
-        loss = reducer(per_sequence, ones, sequence_token_counts=[1] * len(per_sequence),
-                       replicated_across_cp=view.replicated)
         metrics[NUM_PAIRS] = torch.tensor(float(len(pairs)), dtype=torch.float64)
-        metrics = view.own_metrics(metrics)  # whole pairs on every CP rank: reported once
-        metrics.update(view.count_metrics(masks, batch["loss_masks"]))
-        return loss, metrics
+        return LossTerms(per_sequence, metrics, masks=ones, sequence_token_counts=[1] * len(per_sequence))

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import torch
 
-from stacx.objectives.distillation import TEACHER_ACTION_SENTINEL
+from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL
 from stacx.objectives.registry import get_loss
-from stacx.specializations.base import NUM_LOSS_TOKENS, Specialization, full_token_counts
+from stacx.specializations.base import NUM_LOSS_TOKENS, LossTerms, Specialization
 from stacx.specializations.distill import check_teacher_log_probs
 
 NUM_TEACHER_TOKENS = "num_teacher_tokens"
@@ -28,31 +26,21 @@ class MixedLossDaggerOPDSpecialization(Specialization):
     teacher_action_frac (teacher tokens / loss tokens).
     """
 
-    base_required_fields = ("loss_masks", "teacher_log_probs")
+    base_required_fields = ("teacher_log_probs",)
     metric_denominators = {
         "ce_mean": NUM_TEACHER_TOKENS,
         "k3_mean": NUM_STUDENT_TOKENS,
         "teacher_action_frac": NUM_LOSS_TOKENS,
     }
 
-    def compute_loss(
-        self,
-        model_output: torch.Tensor,
-        batch: dict[str, Any],
-        reducer: Callable[..., torch.Tensor],
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        self.check_reducer(reducer)
-        layout = self.check_batch(batch)
-        check_teacher_log_probs(batch, layout, "teacher_log_probs", allow_sentinel=True)
-        log_probs_local, _ = self.token_log_probs(model_output, batch)
-        view = self.response_view(layout, log_probs_local, whole=False)
-        masks = view.field(batch, "loss_masks", dtype=torch.float32)
-        teacher = view.field(batch, "teacher_log_probs", dtype=torch.float32)
+    def check_fields(self, batch) -> None:
+        check_teacher_log_probs(batch, batch.layout, "teacher_log_probs", allow_sentinel=True)
+
+    def per_token_terms(self, view, batch) -> LossTerms:
+        teacher, masks = view.cut(batch.teacher_log_probs), view.loss_masks
         per_token, metrics = get_loss("distill_mixed")(self.config, view.values, teacher, masks)
-        loss = reducer(per_token, masks, sequence_token_counts=full_token_counts(batch["loss_masks"]))
-        teacher_tokens = sum(((u == TEACHER_ACTION_SENTINEL) & (m != 0)).sum() for u, m in zip(teacher, masks))
-        student_tokens = sum(((u != TEACHER_ACTION_SENTINEL) & (m != 0)).sum() for u, m in zip(teacher, masks))
+        teacher_tokens = sum(((u == TEACHER_EXECUTED_SENTINEL) & (m != 0)).sum() for u, m in zip(teacher, masks))
+        student_tokens = sum(((u != TEACHER_EXECUTED_SENTINEL) & (m != 0)).sum() for u, m in zip(teacher, masks))
         metrics[NUM_TEACHER_TOKENS] = torch.as_tensor(teacher_tokens, dtype=torch.float64)
         metrics[NUM_STUDENT_TOKENS] = torch.as_tensor(student_tokens, dtype=torch.float64)
-        metrics.update(view.count_metrics(masks, batch["loss_masks"]))
-        return loss, metrics
+        return LossTerms(per_token, metrics)

@@ -12,12 +12,14 @@ def run_training(run_config) -> dict:
 
     `builtin:<task>` data (stacx.tasks) is resolved to files here, so Python callers get it too.
     """
+    # Imported here: `import stacx.trainer` stays light (no Ray, megatron-core or loop until a run starts).
     from stacx.tasks.data import resolve_builtin_data
     from stacx.trainer.spmd import launched_by_torchrun, run_spmd
 
     run_config = resolve_builtin_data(run_config)
     if launched_by_torchrun():
         return run_spmd(run_config)
+    # Imported here: Ray and the role workers load only for a Ray run (start-up time).
     from stacx.trainer.factory import create_trainer
 
     return create_trainer(run_config).run()
@@ -26,11 +28,11 @@ def run_training(run_config) -> dict:
 def __getattr__(name):
     # Lazy exports: `from stacx.trainer import StacxTrainer` without importing Ray at package import.
     lazy = {
-        "StacxTrainer": "stacx.trainer.trainer",
+        "StacxTrainer": "stacx.trainer.loop",
         "create_trainer": "stacx.trainer.factory",
         "run_spmd": "stacx.trainer.spmd",
         "RoleRuntime": "stacx.trainer.runtime",
-        "RolloutService": "stacx.trainer.rollout_service",
+        "RolloutService": "stacx.rollout.service",
     }
     if name in lazy:
         import importlib

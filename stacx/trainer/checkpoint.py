@@ -56,7 +56,8 @@ from typing import Any, Mapping
 
 import torch
 
-from stacx.trainer.config import TrainingConfig
+from stacx.trainer.config.layout import RankCoords, RoleLayout
+from stacx.trainer.config.recipe import TrainingConfig
 
 FORMAT_VERSION = 2
 """2: weights and optimizer state in torch_dist (`roles/<role>/model/`); 1: one torch.save pickle per rank."""
@@ -70,44 +71,6 @@ _STAGING_PREFIX = ".staging-"
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit the resuming run."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RoleLayout:
-    """How one role's ranks were laid out: world size = tp * cp * dp."""
-
-    tensor_parallel_size: int
-    """Ranks sharding each weight matrix."""
-    context_parallel_size: int
-    """Ranks sharing each sequence."""
-    data_parallel_size: int
-    """Model replicas."""
-    state_replicated_across_data_parallel: bool = True
-    """Whether ranks that differ only in (cp, dp) hold identical state (no distributed optimizer). Kept in the
-    manifest for the record: torch_dist state loads under any layout either way."""
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.context_parallel_size * self.data_parallel_size
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "RoleLayout":
-        return cls(**values)
-
-    def describe(self) -> str:
-        return f"tp={self.tensor_parallel_size} cp={self.context_parallel_size} dp={self.data_parallel_size}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankCoords:
-    """Where a rank sits in its role's (tp, cp, dp) grid."""
-
-    tp_rank: int
-    cp_rank: int
-    dp_rank: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +118,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate(_as_python_random_state(state["python"]))
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
-        import numpy as np
+        import numpy as np  # numpy is optional for Stacx (see capture_rng_state)
 
         numpy_state = state["numpy"]
         np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype("uint32"),
@@ -239,7 +202,7 @@ def write_rank_state(staging_dir: str | os.PathLike, role: str, rank: int, state
     coords = coords or RankCoords(tp_rank=0, cp_rank=0, dp_rank=rank)
     model_files: tuple[FileInfo, ...] = ()
     if model is not None:
-        from stacx.checkpointing.torch_dist import save_torch_dist
+        from stacx.checkpointing.torch_dist import save_torch_dist  # megatron-core's dist checkpointing: start-up time
 
         folder = role_model_folder(staging, role)
         written = save_torch_dist(folder, model, optimizer, groups=groups)
@@ -307,7 +270,7 @@ def commit_checkpoint(
                       for info in reported],
         }
         if any(info.model_files for info in reported):
-            from stacx.checkpointing.torch_dist import is_torch_dist_folder
+            from stacx.checkpointing.torch_dist import is_torch_dist_folder  # start-up time (megatron-core)
 
             if not is_torch_dist_folder(role_model_folder(staging, role)):
                 raise CheckpointError(f"role {role!r}: the torch_dist save of {role_model_folder(staging, role)} "

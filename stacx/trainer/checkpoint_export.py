@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import os
 
+from stacx.trainer.checkpoint import FORMAT_VERSION, CheckpointError, LoadedCheckpoint, read_manifest, role_model_folder
+
 
 def pick_role(manifest: dict, role: str | None) -> str:
     """`role` when given, else the checkpoint's only role, else 'policy' or 'actor' (the rollout roles)."""
-    from stacx.trainer.checkpoint import CheckpointError
-
     roles = sorted(manifest.get("roles", {}))
     if role is not None:
         if role not in roles:
@@ -36,8 +36,8 @@ def pick_role(manifest: dict, role: str | None) -> str:
 def base_checkpoint_of(step_folder: str | os.PathLike, override: str | None = None) -> str:
     """The Hugging Face folder the run started from (`model.hf_checkpoint` of its run_config.json),
     or `override`; a moved or deleted folder is named with the flag that fixes it."""
+    # Imported here: megatron-core is slow to import (start-up time).
     from stacx.models.checkpoint import CheckpointNotFoundError, require_hf_checkpoint_folder
-    from stacx.trainer.checkpoint import CheckpointError, LoadedCheckpoint, read_manifest
 
     if override is not None:
         return require_hf_checkpoint_folder(override)
@@ -55,8 +55,8 @@ def base_checkpoint_of(step_folder: str | os.PathLike, override: str | None = No
 
 def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_dir: str | os.PathLike) -> str:
     """Write `role`'s weights at `step_folder` as a Hugging Face checkpoint in `out_dir`; returns it."""
+    # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
     from stacx.checkpointing.convert import convert_torch_dist_to_hf
-    from stacx.trainer.checkpoint import FORMAT_VERSION, CheckpointError, read_manifest, role_model_folder
 
     version = read_manifest(step_folder).get("format_version")
     if version != FORMAT_VERSION:

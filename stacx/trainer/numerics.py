@@ -27,6 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+import torch
+import torch.distributed as dist
+
 logger = logging.getLogger(__name__)
 
 PRIORITY_METRICS = ("loss", "grad_norm")
@@ -61,8 +64,6 @@ def first_nonfinite_metric(metrics: Mapping[str, Any]) -> Optional[str]:
 def first_nonfinite_sample(values: Sequence[Any]) -> Optional[tuple[int, float]]:
     """(sample index, offending value) of the first sample whose value (a float or a tensor) is not
     finite, else None. Tensors [R_i] count as non-finite when any element is."""
-    import torch
-
     for index, value in enumerate(values):
         if isinstance(value, torch.Tensor):
             if value.numel() and not bool(torch.isfinite(value).all()):
@@ -102,9 +103,6 @@ def step_optimizer_if_finite(optimizer, loss_value: float) -> OptimizerStepOutco
 def parameters_are_finite(optimizer) -> bool:
     """All of the optimizer's (main) parameters are finite on every rank of the model-parallel group
     (TP shards differ; DP and CP replicas hold the same values after the same update)."""
-    import torch
-    import torch.distributed as dist
-
     params = optimizer.get_parameters()
     local_bad = any(not bool(torch.isfinite(p).all()) for p in params)
     flag = torch.tensor([1.0 if local_bad else 0.0])

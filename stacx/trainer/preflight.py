@@ -25,26 +25,38 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional, Sequence
+import urllib.error
+import urllib.request
+from typing import Any, Optional
 
-from stacx.trainer.run_config import ConfigError
+from stacx.checkpointing.folders import is_model_folder
+from stacx.env_overrides import apply_env_overrides
+from stacx.objectives import load_custom_modules
+from stacx.objectives.algorithm_config import AlgorithmConfig
+from stacx.rollout.data import MalformedRowError
+from stacx.rollout.http_client import API_KEY_ENV
+from stacx.rollout.rewards import resolve_reward_fn
+from stacx.rollout.rollin import check_supported
+from stacx.rollout.service import load_tokenizer
+from stacx.tasks.data import is_builtin, parse_builtin_spec, resolve_builtin_data
+from stacx.trainer.batch import StepDataSource
+from stacx.trainer.checkpoint import CheckpointError, check_save_folder, read_manifest, resolve_checkpoint_folder
+from stacx.trainer.config.checks import PreflightError
+from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
+from stacx.trainer.config.run import RunConfig
 
-MAX_ROWS_NAMED = 3
 """Offending rows named in a data error (the count says how many there are in all)."""
 
 TEACHER_TIMEOUT_S = 10.0
 """Seconds the preflight waits for the teacher's `/health` and `/get_model_info` answers."""
 
 
-class PreflightError(ConfigError):
-    """A setting would make the run fail after it started; the message names the flag and the fix."""
-
-
 def flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def run_preflight(run_config, training_config, algorithm, *, load_data: bool = True) -> None:
+def run_preflight(run_config: RunConfig, training_config: TrainingConfig, algorithm: AlgorithmConfig, *,
+                  load_data: bool = True) -> None:
     """Every check of the module doc; `load_data=False` skips reading the dataset (paths still checked)."""
     check_custom_modules(run_config)
     check_checkpoints(run_config, training_config, algorithm)
@@ -67,10 +79,8 @@ def _check_hf_folder(arg: str, path: str, role_name: str) -> None:
                              f"checkpoint (role {role_name!r} starts from it); point {flag(arg)} at one")
 
 
-def check_checkpoints(run_config, training_config, algorithm) -> None:
+def check_checkpoints(run_config: RunConfig, training_config: TrainingConfig, algorithm: AlgorithmConfig) -> None:
     """The folders every role starts from, and the reference when a KL term needs one."""
-    from stacx.trainer.runtime.role_runtime import role_checkpoint_path
-
     model = run_config.model
     if model.hf_checkpoint is None:
         raise PreflightError("--hf-checkpoint is not set: every role starts from it and the driver reads its "
@@ -91,17 +101,6 @@ def check_checkpoints(run_config, training_config, algorithm) -> None:
             _check_hf_folder(arg, reference, role.name)
 
 
-def role_wants_reference(role, training_config, algorithm) -> bool:
-    """True when a trainable role computes reference log-probs in its own workers: its specialization
-    needs them, or a KL term to the reference is on and the role holds an in-worker reference. A frozen
-    role has no loss, and a separate reference role that injects `ref_log_probs` makes them unneeded."""
-    if not role.trainable or any(s.target_role == role.name and "ref_log_probs" in s.keys
-                                 for s in training_config.role_graph().inject_syncs):
-        return False
-    kl = bool(getattr(algorithm, "use_kl_loss", False) or getattr(algorithm, "use_kl_in_reward", False))
-    return role.specialization_cls(algorithm, None).needs_reference() or (kl and role.reference_checkpoint_arg is not None)
-
-
 def read_model_config(hf_checkpoint: Optional[str]) -> dict:
     """The checkpoint's config.json as a dict ({} when absent or unreadable)."""
     if not hf_checkpoint:
@@ -114,7 +113,7 @@ def read_model_config(hf_checkpoint: Optional[str]) -> dict:
     return config if isinstance(config, dict) else {}
 
 
-def check_parallel_layout(run_config) -> None:
+def check_parallel_layout(run_config: RunConfig) -> None:
     """TP splits the attention heads (query and key/value) across ranks; CP (megatron's ring/a2a
     attention) needs the same heads per rank, so both degrees must divide the heads of config.json."""
     config = read_model_config(run_config.model.hf_checkpoint)
@@ -131,11 +130,10 @@ def check_parallel_layout(run_config) -> None:
                     f"({run_config.model.hf_checkpoint}/config.json); use one of {divisors}")
 
 
-def check_custom_modules(run_config) -> None:
+def check_custom_modules(run_config: RunConfig) -> None:
     """Every --custom-module imports (loading an already imported file again is a no-op)."""
     if not run_config.train.custom_module:
         return
-    from stacx.objectives import load_custom_modules
 
     try:
         load_custom_modules(list(run_config.train.custom_module))
@@ -143,18 +141,13 @@ def check_custom_modules(run_config) -> None:
         raise PreflightError(f"{err}; fix the module or drop --custom-module") from None
 
 
-def check_resume_and_save(run_config) -> None:
+def check_resume_and_save(run_config: RunConfig) -> None:
     """--load must hold a complete checkpoint with a readable manifest; --save must not be another run's."""
-    from stacx.trainer.checkpoint import (CheckpointError, check_save_folder, read_manifest,
-                                          resolve_checkpoint_folder)
-
     model = run_config.model
     if model.load:
         if not os.path.exists(model.load):
             raise PreflightError(f"--load {model.load}: no such folder; give a checkpoint root or step_* folder "
                                  "written by --save, or drop --load to start fresh")
-        from stacx.checkpointing.folders import is_model_folder
-
         if not is_model_folder(model.load):  # a Hugging Face or torch_dist model: the start weights
             try:
                 read_manifest(resolve_checkpoint_folder(model.load))
@@ -168,15 +161,13 @@ def check_resume_and_save(run_config) -> None:
 
 # ---- services and data ---------------------------------------------------------------------------
 
-def replays_trajectories(run_config, training_config) -> bool:
+def replays_trajectories(run_config: RunConfig, training_config: TrainingConfig) -> bool:
     """True when online_dagger replays a saved teacher corpus (no engine, no teacher server)."""
-    from stacx.rollout.env_overrides import apply_env_overrides
-
     teacher = apply_env_overrides(run_config.teacher)
     return training_config.rollin_protocol == "teacher_relabel" and teacher.dagger_sft_mode == "trajectory"
 
 
-def check_services(run_config, training_config) -> None:
+def check_services(run_config: RunConfig, training_config: TrainingConfig) -> None:
     """Teacher URL, rollout URLs, the reward function and the roll-in settings of rollout recipes."""
     if training_config.data_source != "rollout":
         return
@@ -195,13 +186,10 @@ def check_services(run_config, training_config) -> None:
     if run_config.rollout.rollout_engine == "http" and not run_config.rollout.rollout_urls:
         raise PreflightError("--rollout-engine http attaches to running servers; give them with --rollout-urls")
     if training_config.uses_reward:
-        from stacx.rollout.rewards import resolve_reward_fn
-
         try:
             resolve_reward_fn(run_config.rollout.reward_fn)
         except ValueError as err:
             raise PreflightError(f"--reward-fn: {err}") from None
-    from stacx.trainer.factory import check_supported
 
     try:
         check_supported(training_config, run_config)
@@ -211,11 +199,6 @@ def check_services(run_config, training_config) -> None:
 
 def _get_json(url: str, timeout_s: float) -> tuple[int, Any]:
     """(HTTP status, parsed JSON body or None) of a GET; raises OSError when nothing answers."""
-    import urllib.error
-    import urllib.request
-
-    from stacx.rollout.http_client import API_KEY_ENV
-
     request = urllib.request.Request(url)
     api_key = os.environ.get(API_KEY_ENV)
     if api_key:
@@ -292,11 +275,11 @@ def check_teacher(teacher_url: str, hf_checkpoint: Optional[str], *, timeout_s: 
             "tokenizer")
 
 
-def _needs_prompt_data(run_config, training_config) -> bool:
+def _needs_prompt_data(run_config: RunConfig, training_config: TrainingConfig) -> bool:
     return not (training_config.data_source == "rollout" and replays_trajectories(run_config, training_config))
 
 
-def check_data_paths(run_config, training_config) -> None:
+def check_data_paths(run_config: RunConfig, training_config: TrainingConfig) -> None:
     """--prompt-data (and --eval-data when evaluating) exist; built-in tasks are always there."""
     rollout = run_config.rollout
     if _needs_prompt_data(run_config, training_config):
@@ -309,8 +292,6 @@ def check_data_paths(run_config, training_config) -> None:
 
 
 def _check_data_file(field_name: str, path: str) -> None:
-    from stacx.tasks.data import is_builtin, parse_builtin_spec
-
     if is_builtin(path):
         try:
             parse_builtin_spec(path)
@@ -321,13 +302,8 @@ def _check_data_file(field_name: str, path: str) -> None:
         raise PreflightError(f"{flag(field_name)} {path}: no such file (a JSONL or Parquet file, or builtin:<task>)")
 
 
-def load_and_check_data(run_config, training_config) -> None:
+def load_and_check_data(run_config: RunConfig, training_config: TrainingConfig) -> None:
     """Read the data as the run will (StepDataSource, which calls `check_examples`); errors name the flag."""
-    from stacx.rollout.data import MalformedRowError
-    from stacx.tasks.data import resolve_builtin_data
-    from stacx.trainer.rollout_service import load_tokenizer
-    from stacx.trainer.step_data import StepDataSource
-
     run_config = resolve_builtin_data(run_config)
     try:
         tokenizer = load_tokenizer(run_config.model.hf_checkpoint)
@@ -336,65 +312,3 @@ def load_and_check_data(run_config, training_config) -> None:
         raise
     except (MalformedRowError, ValueError, FileNotFoundError, OSError) as err:
         raise PreflightError(f"--prompt-data {run_config.rollout.prompt_data}: {err}") from None
-
-
-def model_context_length(hf_checkpoint: Optional[str]) -> Optional[int]:
-    """max_position_embeddings of the checkpoint's config.json (None when absent or unreadable)."""
-    if not hf_checkpoint:
-        return None
-    path = os.path.join(hf_checkpoint, "config.json")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            value = json.load(handle).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return int(value) if isinstance(value, int) and value > 0 else None
-
-
-def _name_rows(sources: Sequence[str]) -> str:
-    named = ", ".join(sources[:MAX_ROWS_NAMED])
-    return named + (f" and {len(sources) - MAX_ROWS_NAMED} more" if len(sources) > MAX_ROWS_NAMED else "")
-
-
-def check_examples(examples: Sequence[Any], *, run_config, training_config, kind: str) -> None:
-    """Labels for a reward that needs them, and every sample within the model's context.
-
-    prompt rows: len(prompt_ids) + rollout_max_response_len <= max_position_embeddings;
-    sft / dpo rows: len(prompt_ids) + len(response) <= max_position_embeddings.
-    """
-    rollout = run_config.rollout
-    if kind == "prompt" and training_config.uses_reward:
-        from stacx.rollout.rewards import resolve_reward_fn, reward_needs_label
-
-        try:
-            reward_fn = resolve_reward_fn(rollout.reward_fn)
-        except ValueError as err:
-            raise PreflightError(f"--reward-fn: {err}") from None
-        unlabeled = [e.source for e in examples if e.label is None or (isinstance(e.label, str) and not e.label.strip())]
-        if unlabeled and reward_needs_label(reward_fn):
-            raise PreflightError(
-                f"{len(unlabeled)} of {len(examples)} rows of --prompt-data {rollout.prompt_data} have no label "
-                f"(key '{rollout.label_key}', --label-key), but --reward-fn {rollout.reward_fn} compares the "
-                f"response with it: {_name_rows(unlabeled)}. Add the labels, set --label-key to the right key, "
-                "or use a reward that needs none")
-    context = model_context_length(run_config.model.hf_checkpoint)
-    if context is None:
-        return
-    too_long = []
-    for example in examples:
-        if kind == "prompt":
-            length = len(example.prompt_ids) + rollout.rollout_max_response_len
-        elif kind == "dpo":
-            length = len(example.prompt_ids) + max(len(example.chosen_ids or ()), len(example.rejected_ids or ()))
-        else:
-            length = len(example.prompt_ids) + len(example.response_ids or ())
-        if length > context:
-            too_long.append(f"{example.source} ({length} tokens)")
-    if too_long:
-        budget = (f"its prompt plus --rollout-max-response-len {rollout.rollout_max_response_len}"
-                  if kind == "prompt" else "its prompt plus response")
-        raise PreflightError(
-            f"{len(too_long)} of {len(examples)} rows of --prompt-data {rollout.prompt_data} do not fit the model's "
-            f"context of {context} tokens (max_position_embeddings in {run_config.model.hf_checkpoint}/config.json) "
-            f"with {budget}: {_name_rows(too_long)}. Shorten or drop those rows"
-            + (", or lower --rollout-max-response-len" if kind == "prompt" else ""))

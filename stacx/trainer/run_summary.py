@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from stacx.trainer.checkpoint import latest_checkpoint
+
 
 def unsaved_model_warning(run_config) -> Optional[str]:
     """A warning when neither --save nor --export-hf is set: the trained weights end with the run."""
@@ -24,8 +26,6 @@ def unsaved_model_warning(run_config) -> Optional[str]:
 
 
 def _latest_step_folder(save_root: str) -> Optional[str]:
-    from stacx.trainer.checkpoint import latest_checkpoint
-
     return latest_checkpoint(save_root) if os.path.isdir(save_root) else None
 
 

@@ -14,6 +14,18 @@ from __future__ import annotations
 
 import os
 
+import torch.distributed as dist
+
+from stacx.parallel.groups import destroy_parallel_layout, init_distributed_from_env, initialize_parallel_layout
+from stacx.rollout.rollin import check_supported
+from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
+from stacx.trainer.cluster.node_interface import bind_collectives_to_node, local_address_toward
+from stacx.trainer.config.resolve import apply_run_env_overrides
+from stacx.trainer.config.run import RunConfig
+from stacx.trainer.factory import build_driver_side, build_metrics_logger, resolve_recipe
+from stacx.trainer.loop import StacxTrainer
+from stacx.trainer.runtime.role_runtime import RoleRuntime
+
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -24,19 +36,8 @@ def launched_by_torchrun(environ=None) -> bool:
     return has_rank_env and ("TORCHELASTIC_RUN_ID" in environ or "LOCAL_WORLD_SIZE" in environ)
 
 
-def build_spmd_trainer(run_config):
+def build_spmd_trainer(run_config: RunConfig):
     """Initialize torch.distributed from the environment and build this rank's StacxTrainer."""
-    import torch.distributed as dist
-
-    from stacx.parallel.groups import initialize_parallel_layout, init_distributed_from_env
-    from stacx.trainer.factory import build_driver_side, build_metrics_logger, check_supported, resolve_recipe
-    from stacx.trainer.role_groups import LocalRoleGroup, TorchrunChannel
-    from stacx.trainer.runtime.role_runtime import RoleRuntime
-    from stacx.trainer.trainer import StacxTrainer
-    from stacx.trainer.workers.node_interface import bind_collectives_to_node, local_address_toward
-
-    from stacx.trainer.resolved_config import apply_run_env_overrides
-
     run_config = apply_run_env_overrides(run_config)  # STACX_* read once, as on the Ray path
     training_config, algorithm = resolve_recipe(run_config)
     if len(training_config.roles) != 1:
@@ -58,7 +59,6 @@ def build_spmd_trainer(run_config):
 
     def close():
         runtime.close()
-        from stacx.parallel.groups import destroy_parallel_layout
 
         destroy_parallel_layout()
 
@@ -68,6 +68,6 @@ def build_spmd_trainer(run_config):
                         make_metrics_logger=lambda start_step: build_metrics_logger(run_config, start_step))
 
 
-def run_spmd(run_config) -> dict:
+def run_spmd(run_config: RunConfig) -> dict:
     """Train this torchrun rank to the end; returns the last step's metrics (the same on every rank)."""
     return build_spmd_trainer(run_config).run()

@@ -8,7 +8,7 @@ import argparse
 from stacx.launch.run_flags import add_run_config_arguments, resume_overrides, run_config_from_args
 from stacx.trainer.checkpoint import save_checkpoint
 from stacx.trainer.factory import resolve_recipe
-from stacx.trainer.resolved_config import resolved_run_config_dict
+from stacx.trainer.config.resolve import resolved_run_config_dict
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -19,7 +19,7 @@ TINY = ["--num-steps", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from stacx.trainer.ray_cluster import connect_ray
+    from stacx.trainer.cluster.ray.connect import connect_ray
 
     connection = connect_ray(num_cpus=2, object_store_memory_bytes=200 * MIB, log_to_driver=False)
     yield
@@ -67,7 +67,7 @@ def test_each_diffusion_recipe_trains_two_steps_on_ray(ray_cluster, tmp_path):
     from stacx.diffusion.checkpoint import load_diffusion_model
     from stacx.diffusion.loop import run_diffusion_training
     from stacx.diffusion.models import DiffusionModel
-    from stacx.trainer.factory import WorkerLayout, create_role_workers
+    from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
 
     from stacx.diffusion.worker import parameter_checksum
 

@@ -86,7 +86,7 @@ def test_custom_specialization_class_and_recipe_from_a_file_train_on_every_rank(
 
 RECIPE_IN_CUSTOM_FOLDER = '''
 from stacx.specializations.causal_decoder import CausalDecoderSpecialization
-from stacx.trainer.config import ModelRole, TrainingConfig
+from stacx.trainer.config.recipe import ModelRole, TrainingConfig
 from stacx.trainer.recipes import recipe
 
 
@@ -108,7 +108,7 @@ def folder_sft_config():
 
 def test_a_recipe_file_in_the_custom_folder_is_found_without_an_import_cycle(tiny_checkpoint, tmp_path):
     """It crashed `stacx train` with a circular import (stacx.objectives imported stacx/custom/ from its
-    __init__, while stacx.trainer.config was half-imported)."""
+    __init__, while stacx.trainer.config.recipe was half-imported)."""
     folder = tmp_path / "custom"
     folder.mkdir()
     (folder / "folder_recipe.py").write_text(RECIPE_IN_CUSTOM_FOLDER)

@@ -53,7 +53,7 @@ def test_guide_003_specialization_and_recipe_with_its_launch_line(launcher, tiny
                                        "--hf-checkpoint", tiny_checkpoint, "--ref-load", tiny_checkpoint, *SMALL_ROLLOUT],
                             str(tmp_path / "out"))
     for step in steps:
-        # `{"my_loss": reducer(loss).detach()}` has no count: logged as the step's loss, not 0.0.
+        # `my_loss` is a sum over loss tokens: with token-mean it is logged as the step's loss.
         assert step["policy/my_loss"] == pytest.approx(step["policy/loss"], rel=1e-6)
         assert step["policy/loss"] > 0.5  # the NLL of a barely trained tiny model
 

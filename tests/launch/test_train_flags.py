@@ -12,7 +12,7 @@ import pytest
 
 from stacx.launch.cli import build_parser, main
 from stacx.launch.run_flags import add_run_config_arguments, flag_name, run_config_from_args
-from stacx.trainer.run_config import ALGORITHM_FIELDS, FIELDS, ConfigError, RunConfig
+from stacx.trainer.config.run import ALGORITHM_FIELDS, FIELDS, ConfigError, RunConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -162,8 +162,8 @@ def tiny_teacher_url(tiny_flags):
     """A teacher server on the tiny checkpoint: the preflight checks a configured teacher answers."""
     import torch
 
-    from stacx.rollout.cpu_engine import CpuEngine
-    from stacx.rollout.server import EngineHttpServer
+    from stacx.rollout.engines.cpu import CpuEngine
+    from stacx.rollout.engines.server import EngineHttpServer
 
     checkpoint = tiny_flags[tiny_flags.index("--hf-checkpoint") + 1]
     engine = CpuEngine.from_hf_checkpoint(checkpoint, params_dtype=torch.float32, seed=0)

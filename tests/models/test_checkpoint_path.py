@@ -10,7 +10,7 @@ import pytest
 from stacx.launch.cli import main as stacx_main
 from stacx.models.checkpoint import CheckpointNotFoundError, require_hf_checkpoint_folder
 from stacx.tasks import write_tiny_checkpoint
-from stacx.trainer.rollout_service import load_tokenizer
+from stacx.rollout.service import load_tokenizer
 
 
 def test_missing_file_and_non_checkpoint_folders_are_named(tmp_path, monkeypatch):
@@ -51,8 +51,8 @@ def test_load_tokenizer_reads_a_local_checkpoint_offline(tmp_path, monkeypatch):
 
 
 def test_stacx_serve_names_a_missing_checkpoint_folder(tmp_path, monkeypatch):
-    import stacx.rollout.cpu_engine  # noqa: F401  (imported first: the bound below times the check, not imports)
-    import stacx.rollout.server  # noqa: F401
+    import stacx.rollout.engines.cpu  # noqa: F401  (imported first: the bound below times the check, not imports)
+    import stacx.rollout.engines.server  # noqa: F401
 
     monkeypatch.chdir(tmp_path)
     started = time.monotonic()

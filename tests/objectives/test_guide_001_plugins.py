@@ -12,7 +12,7 @@ import torch
 
 from stacx.objectives import load_custom_modules
 from stacx.objectives.registry import POLICY_LOSSES, get_advantage, get_policy_loss, register_policy_loss
-from stacx.trainer.run_config import AlgorithmConfig
+from stacx.trainer.config.run import AlgorithmConfig
 
 SEED_001 = pathlib.Path(__file__).resolve().parents[2] / "examples" / "seed_001"
 
@@ -79,7 +79,8 @@ def test_importance_weights_are_passed_to_a_plugin_that_takes_them_and_not_appli
 
 
 def test_the_advantage_plugins_returns_become_critic_targets():
-    from stacx.trainer.trainer import StacxTrainer
+    from stacx.trainer.batch import StepBatch
+    from stacx.trainer.loop import StacxTrainer
 
     lengths = [2, 3]
     rollout = {"rewards": torch.tensor([1.0, 3.0]), "response_lengths": lengths,
@@ -87,12 +88,13 @@ def test_the_advantage_plugins_returns_become_critic_targets():
     advantages = get_advantage("my_advantage")(AlgorithmConfig(), rollout)
     assert [a.tolist() for a in advantages] == [[-1.0, -1.0], [1.0, 1.0, 1.0]]
     assert [r.tolist() for r in advantages.returns] == [[-1.0, -1.0], [1.0, 1.0, 1.0]]
-    batch = {"rewards": [1.0, 3.0], "group_indices": [0, 0], "response_lengths": lengths,
-             "loss_masks": [torch.ones(n) for n in lengths], "rollout_log_probs": [torch.zeros(n) for n in lengths]}
+    batch = StepBatch(tokens=[torch.zeros(n + 1, dtype=torch.long) for n in lengths], rewards=[1.0, 3.0],
+                      prompt_id=[0, 0], response_lengths=lengths, loss_masks=[torch.ones(n) for n in lengths],
+                      rollout_log_probs=[torch.zeros(n) for n in lengths])
     trainer = SimpleNamespace(algorithm=AlgorithmConfig(advantage_estimator="my_advantage"),
                               training_config=SimpleNamespace(roles=[SimpleNamespace(outputs_values=True)]))
     StacxTrainer.compute_advantages(trainer, batch)
-    assert [r.tolist() for r in batch["returns"]] == [[-1.0, -1.0], [1.0, 1.0, 1.0]]
+    assert [r.tolist() for r in batch.returns] == [[-1.0, -1.0], [1.0, 1.0, 1.0]]
 
 
 def test_the_yaml_and_python_config_select_the_loss_by_name_and_accept_adv_estimator():
@@ -100,7 +102,7 @@ def test_the_yaml_and_python_config_select_the_loss_by_name_and_accept_adv_estim
 
     from stacx import StacxConfig
     from stacx.trainer.factory import resolve_recipe
-    from stacx.trainer.run_config import RunConfig
+    from stacx.trainer.config.run import RunConfig
 
     from_yaml = RunConfig.from_dict(yaml.safe_load((SEED_001 / "my_algorithm.yaml").read_text()), source="my_algorithm.yaml")
     from_python = StacxConfig(model_path="some/model", algorithm={"name": "my_loss", "adv_estimator": "my_advantage",

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from stacx.objectives.distillation import TEACHER_ACTION_SENTINEL, union_topk_support
+from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL, union_topk_support
 from stacx.objectives.registry import get_loss
 
 from tests.objectives.trajectories import config, random_lengths, random_log_probs, random_masks
@@ -115,7 +115,7 @@ def test_reverse_kl_k3_on_sampled_token():
         lambda *s: torch.cat(get_loss("distill_reverse_kl_k3")(None, list(s), teacher, masks)[0]),
         tuple(x.detach().requires_grad_() for x in student))
     bad = [t.clone() for t in teacher]
-    bad[2][0] = TEACHER_ACTION_SENTINEL
+    bad[2][0] = TEACHER_EXECUTED_SENTINEL
     with pytest.raises(ValueError, match=r"teacher_log_prob\[2\]\[0\] = 1.0 is not a log-prob"):
         get_loss("distill_reverse_kl_k3")(config(), student, bad, masks)
 
@@ -124,7 +124,7 @@ def test_mixed_dispatch_endpoints_and_metrics():
     lengths, student, teacher, masks = distill_batch(seed=4)
     mixed = get_loss("distill_mixed")
     # all teacher-executed: exactly SFT cross-entropy
-    all_teacher = [torch.full((n,), TEACHER_ACTION_SENTINEL, dtype=torch.float64) for n in lengths]
+    all_teacher = [torch.full((n,), TEACHER_EXECUTED_SENTINEL, dtype=torch.float64) for n in lengths]
     per_token, metrics = mixed(config(), student, all_teacher, masks)
     sft, _ = get_loss("sft_cross_entropy")(config(), student, masks)
     for a, b in zip(per_token, sft):
@@ -140,7 +140,7 @@ def test_mixed_dispatch_endpoints_and_metrics():
     assert metrics["k3_mean"].item() == pytest.approx(k3_metrics["k3_mean"].item())
     # a real mix: each token follows its own branch
     is_teacher = [torch.arange(n) % 2 == 0 for n in lengths]
-    field = [torch.where(w, torch.full_like(t, TEACHER_ACTION_SENTINEL), t) for w, t in zip(is_teacher, teacher)]
+    field = [torch.where(w, torch.full_like(t, TEACHER_EXECUTED_SENTINEL), t) for w, t in zip(is_teacher, teacher)]
     per_token, metrics = mixed(config(), student, field, masks)
     ce_sum = k3_sum = frac = 0.0
     for i, n in enumerate(lengths):

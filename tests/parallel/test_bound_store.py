@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from stacx.parallel.bound_store import host_bound_store
-from stacx.rollout.sglang_engine import WeightBroadcastGroup
+from stacx.rollout.engines.sglang import WeightBroadcastGroup
 from stacx.testing.distributed import find_free_port
 from stacx.testing.listening_sockets import listening_addresses
 

@@ -21,7 +21,7 @@ def tiny_checkpoints(tmp_path_factory):
 def single_process_world():
     """A one-rank gloo world with megatron's trivial layout, torn down after the module."""
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.cpu_engine import ensure_single_process_layout
+    from stacx.rollout.engines.cpu import ensure_single_process_layout
 
     groups = ensure_single_process_layout()
     yield groups

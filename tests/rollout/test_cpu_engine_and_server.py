@@ -6,12 +6,15 @@ import time
 import pytest
 import torch
 
-from stacx.rollout.cpu_engine import CpuEngine, filter_top_k_top_p
+from stacx.rollout.engines.cpu import CpuEngine, filter_top_k_top_p
 from stacx.rollout.http_client import RetryPolicy
-from stacx.rollout.http_engine import HttpEngine
-from stacx.rollout.manager import RolloutManager, samples_to_batch
-from stacx.rollout.server import EngineHttpServer
-from stacx.rollout.teacher import TEACHER_EXECUTED_SENTINEL, TeacherClient
+from stacx.rollout.engines.http import HttpEngine
+from stacx.rollout.manager import RolloutManager
+from stacx.rollout.service import RolloutService
+from stacx.trainer.batch import StepBatch
+from stacx.rollout.engines.server import EngineHttpServer
+from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL
+from stacx.rollout.teacher import TeacherClient
 from stacx.rollout.types import GenerateRequest, SamplingParams
 
 TOLERANCE = 1e-5  # fp32 engine vs fp32 trainer forward of the same tokens
@@ -109,7 +112,10 @@ def test_http_generation_weight_update_and_pause(tiny_checkpoints, single_proces
         load_hf_checkpoint(source, tiny_checkpoints[1], single_process_world)
         buckets = list(iter_hf_weight_buckets(source, single_process_world, bucket_bytes=20_000))
         assert len(buckets) > 5
-        RolloutManager(client).push_weights(iter(buckets), version=3)
+        service = RolloutService(client, engine_kind="cpu", url=client.url, tokenizer=None, rollout_section=None)
+        service.begin_weight_update()  # the one weight-update handshake: pause, stream, flush, resume, check
+        client.update_weights(iter(buckets), version=3)
+        service.finish_weight_update(3)
         assert client.weight_version() == 3
         greedy = [GenerateRequest(input_ids=(4, 15, 16), sampling=SamplingParams(max_new_tokens=5, temperature=0.0,
                                                                                  ignore_eos=True))]
@@ -189,6 +195,6 @@ def test_teacher_and_manager_against_served_teacher(tiny_checkpoints, single_pro
             expected = [ref[P - 1 + j, t].item() for j, t in enumerate(s.response_ids)]
             assert s.teacher_log_probs == pytest.approx(expected, abs=TOLERANCE)
             assert all(lp <= 0 and lp != TEACHER_EXECUTED_SENTINEL for lp in s.teacher_log_probs)
-        batch = samples_to_batch(samples)
+        batch = StepBatch.from_samples(samples)
         assert [t.numel() for t in batch["teacher_log_probs"]] == batch["response_lengths"] == [4, 4, 4, 4]
         assert batch["teacher_top_ids"][0].shape == (4, 2)

@@ -9,7 +9,7 @@ from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedul
 from stacx.rollout.environments import GuessNumberEnvironment, run_episode
 from stacx.rollout.tokenizer import build_char_tokenizer
 from stacx.rollout.types import GenerateOutput, SamplingParams
-from stacx.trainer.run_config import TeacherSection
+from stacx.trainer.config.run import TeacherSection
 
 
 def test_default_beta_is_linear_one_to_zero_over_five_iterations():

@@ -2,7 +2,8 @@
 
 import torch
 
-from stacx.rollout.manager import RolloutManager, samples_to_batch
+from stacx.rollout.manager import RolloutManager
+from stacx.trainer.batch import StepBatch
 from stacx.rollout.teacher import TeacherScores
 from stacx.rollout.types import GenerateOutput, SamplingParams
 
@@ -29,7 +30,7 @@ def test_an_empty_response_keeps_the_batch_teacher_top_fields():
     manager = RolloutManager(LengthScriptedEngine(), teacher=ScriptedTeacher(), teacher_top_k=NUM_TOP)
     samples = manager.generate([[2, 5], [0, 5]], SamplingParams(max_new_tokens=4))
     assert [s.response_length for s in samples] == [2, 0]
-    batch = samples_to_batch(samples)
+    batch = StepBatch.from_samples(samples)
     assert [tuple(t.shape) for t in batch["teacher_top_log_probs"]] == [(2, NUM_TOP), (0, NUM_TOP)]
     assert [tuple(t.shape) for t in batch["teacher_top_ids"]] == [(2, NUM_TOP), (0, NUM_TOP)]
     assert batch["teacher_top_ids"][1].dtype == torch.long

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from stacx.rollout.cpu_engine import GenerationCancelled
+from stacx.rollout.engines.cpu import GenerationCancelled
 from stacx.rollout.request_batching import GenerateBatcher
 
 
@@ -135,7 +135,7 @@ def test_a_batch_stops_only_when_every_caller_in_it_has_left():
 
 
 def test_cpu_engine_answers_batched_callers_as_it_answers_them_one_by_one(tiny_checkpoints, single_process_world):
-    from stacx.rollout.cpu_engine import CpuEngine
+    from stacx.rollout.engines.cpu import CpuEngine
     from stacx.rollout.types import GenerateRequest, SamplingParams
 
     engine = CpuEngine.from_hf_checkpoint(tiny_checkpoints[0])

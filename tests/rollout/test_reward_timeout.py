@@ -77,7 +77,7 @@ def test_the_run_configs_reward_timeout_reaches_the_manager():
     from types import SimpleNamespace
 
     from stacx.rollout.manager import RolloutManager
-    from stacx.trainer.run_config import ConfigError, RunConfig
+    from stacx.trainer.config.run import ConfigError, RunConfig
 
     manager = RolloutManager(engine=None, reward_fn=sleeps_forever, reward_timeout_s=0.3)
     hanging = SimpleNamespace(response_text="hang", label=None, metadata={})
@@ -87,9 +87,8 @@ def test_the_run_configs_reward_timeout_reaches_the_manager():
     with pytest.raises(ConfigError, match="--reward-timeout-s"):
         RunConfig.from_dict({"reward_timeout_s": 0})
 
-    from stacx.trainer.rollout_service import RolloutService
+    from stacx.rollout.service import RolloutService
 
-    service = RolloutService.__new__(RolloutService)
-    service.engine, service.tokenizer, service.teacher, service.teacher_top_k = None, None, None, 0
-    service.rollout = RunConfig.from_dict({"reward_timeout_s": 7, "reward_fn": "format"}).rollout
+    service = RolloutService(None, engine_kind="http", url="http://engine", tokenizer=None,
+                             rollout_section=RunConfig.from_dict({"reward_timeout_s": 7, "reward_fn": "format"}).rollout)
     assert service.manager(0).reward_timeout_s == 7.0

@@ -3,9 +3,9 @@
 import pytest
 
 from stacx.rollout.dynamic_sampling import collect_informative_groups, is_informative
-from stacx.rollout.env_overrides import apply_env_overrides, read_env_overrides
+from stacx.env_overrides import apply_env_overrides, read_env_overrides
 from stacx.rollout.rewards import batched_reward, compute_rewards, extract_math_answer, resolve_reward_fn
-from stacx.trainer.run_config import TeacherSection
+from stacx.trainer.config.run import TeacherSection
 
 
 def raising_reward(response, label, metadata):

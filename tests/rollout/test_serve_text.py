@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from stacx.rollout.cpu_engine import CpuEngine
-from stacx.rollout.server import EngineHttpServer
-from stacx.rollout.sglang_protocol import parse_generate_payload
+from stacx.rollout.engines.cpu import CpuEngine
+from stacx.rollout.engines.server import EngineHttpServer
+from stacx.rollout.engines.sglang_protocol import parse_generate_payload
 from stacx.tasks import write_tiny_checkpoint
 
 

@@ -10,10 +10,10 @@ import tracemalloc
 import pytest
 import requests as http
 
-from stacx.rollout.cpu_engine import CpuEngine
+from stacx.rollout.engines.cpu import CpuEngine
 from stacx.rollout.http_client import RetryPolicy, ServerRequestError
-from stacx.rollout.http_engine import HttpEngine
-from stacx.rollout.server import EngineHttpServer, ServerLimits
+from stacx.rollout.engines.http import HttpEngine
+from stacx.rollout.engines.server import EngineHttpServer, ServerLimits
 
 
 @pytest.fixture(scope="module")

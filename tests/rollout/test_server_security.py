@@ -11,10 +11,10 @@ import pytest
 import requests as http
 import torch
 
-from stacx.rollout.cpu_engine import CpuEngine
+from stacx.rollout.engines.cpu import CpuEngine
 from stacx.rollout.http_client import RetryPolicy, ServerRequestError
-from stacx.rollout.http_engine import HttpEngine
-from stacx.rollout.server import MUTATING_ENDPOINTS, EngineHttpServer
+from stacx.rollout.engines.http import HttpEngine
+from stacx.rollout.engines.server import MUTATING_ENDPOINTS, EngineHttpServer
 from stacx.rollout.weight_transfer import SharedMemoryRegistry
 
 API_KEY = "test-secret-key"
@@ -112,7 +112,7 @@ def test_registry_prefix_is_private_per_server(tmp_path):
 def test_mutating_endpoints_need_the_api_key(engine, monkeypatch):
     import hmac
 
-    from stacx.rollout import http_guard
+    from stacx.rollout.engines import http_guard
 
     compared = []
     real = hmac.compare_digest
@@ -192,10 +192,10 @@ def test_rejected_bucket_writes_nothing(engine, new_weights):
         url = f"{server.url}/stacx/update_weights_bucket"
         forged_bodies = {
             "not a parameter": bucket_body(valid + [("model.layers.99.bogus.weight", tensor)]),
-            "dtypes[0]": bucket_body(valid, header_overrides={"dtypes": ["float128"]}),
+            "field 'dtype' is 'float128'": bucket_body(valid, header_overrides={"dtypes": ["float128"]}),
             "one entry per tensor": bucket_body(valid, header_overrides={"shapes": []}),
-            "ends at byte": bucket_body(valid, header_overrides={"shapes": [[10 ** 6]]}),
-            "non-negative multiple": bucket_body(valid, header_overrides={"offsets": [1]}),
+            "are not inside the": bucket_body(valid, header_overrides={"shapes": [[10 ** 6]]}),
+            "is not a multiple of the": bucket_body(valid, header_overrides={"offsets": [1]}),
             "num_bytes": bucket_body(valid, header_overrides={"num_bytes": 10 ** 9}),
             "'final'": bucket_body(valid, header_overrides={"final": "yes"}),
             "'version'": bucket_body(valid, final=True, header_overrides={"version": "3"}),
@@ -214,7 +214,7 @@ def test_rejected_bucket_writes_nothing(engine, new_weights):
 # ---- SGLang servers --------------------------------------------------------------------------
 
 def test_sglang_servers_bind_the_node_address_with_the_api_key():
-    from stacx.rollout.sglang_engine import SglangServerSpec, build_launch_command, node_address
+    from stacx.rollout.engines.sglang import SglangServerSpec, build_launch_command, node_address
 
     command = build_launch_command(SglangServerSpec(model_path="/m", port=31000, api_key="k"))
     assert command[command.index("--host") + 1] == node_address() == "127.0.0.1"  # no Ray here
@@ -261,7 +261,7 @@ def test_resolve_api_key_rules(monkeypatch):
 def test_trainer_started_server_takes_its_secret_from_the_environment_and_cleans_up_on_sigterm(tiny_checkpoints):
     import secrets
 
-    from stacx.trainer.rollout_service import CpuServerProcess, engine_client
+    from stacx.rollout.service import CpuServerProcess, engine_client
 
     key = secrets.token_urlsafe(32)
     server = CpuServerProcess(tiny_checkpoints[0], api_key=key)
@@ -332,7 +332,7 @@ def test_serve_stops_and_removes_its_files_when_its_parent_is_killed(tiny_checkp
 
 
 def test_the_shm_transport_is_chosen_only_for_loopback_servers():
-    from stacx.rollout.http_engine import HttpEngine
+    from stacx.rollout.engines.http import HttpEngine
 
     assert HttpEngine("http://127.0.0.2:30000").weight_transport == "shm"  # all of 127.0.0.0/8 is this machine
     assert HttpEngine("http://10.0.0.2:30000").weight_transport == "http"

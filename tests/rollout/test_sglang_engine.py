@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from stacx.rollout.http_client import RetryPolicy
-from stacx.rollout.sglang_engine import (
+from stacx.rollout.engines.sglang import (
     SglangEngine,
     SglangServerSpec,
     WeightBroadcastGroup,
     build_launch_command,
 )
-from stacx.rollout.weight_transfer import _DTYPES
+from stacx.parallel.tensor_buckets import TENSOR_DTYPES
 
 
 class FakeSglang(BaseHTTPRequestHandler):
@@ -39,7 +39,7 @@ class FakeSglang(BaseHTTPRequestHandler):
                                                   world_size=body["world_size"], rank=body["rank_offset"], backend=body["backend"])
         elif self.path == "/update_weights_from_distributed":
             for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-                tensor = torch.empty(shape, dtype=_DTYPES[dtype])
+                tensor = torch.empty(shape, dtype=TENSOR_DTYPES[dtype])
                 state["group"].broadcast(tensor)
                 state.setdefault("received", {})[name] = tensor
             state["version"] = body["weight_version"]
@@ -123,7 +123,7 @@ def test_sglang_servers_that_never_come_up_fail_with_their_gpu_needs_and_are_kil
     needed, and kills every actor it started (no Ray cluster needed: ray's calls are replaced)."""
     import ray
 
-    from stacx.rollout import sglang_engine
+    from stacx.rollout.engines import sglang as sglang_engine
 
     killed = []
 

@@ -6,7 +6,7 @@ import pathlib
 import pytest
 import torch
 
-from stacx.rollout.sglang_protocol import (
+from stacx.rollout.engines.sglang_protocol import (
     build_generate_payload,
     parse_generate_payload,
     parse_generate_response,

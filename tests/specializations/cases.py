@@ -30,7 +30,7 @@ def make_samples(seed: int = 11) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.rand(*shape, generator=gen)  # noqa: E731
     sequences, fields = [], {name: [] for name in (
-        "loss_masks", "advantages", "old_log_probs", "rollout_log_probs", "rollout_log_probs_near", "ref_log_probs",
+        "loss_masks", "advantages", "log_probs", "rollout_log_probs", "rollout_log_probs_near", "ref_log_probs",
         "values", "returns", "teacher_log_probs", "teacher_log_probs_mixed", "teacher_top_ids",
         "teacher_top_log_probs",
     )}
@@ -41,7 +41,7 @@ def make_samples(seed: int = 11) -> dict[str, Any]:
         fields["loss_masks"].append(mask)
         fields["advantages"].append(float(torch.randn((), generator=gen)) + 0.1 * torch.randn(response, generator=gen))
         old = -4.6 + 0.6 * torch.randn(response, generator=gen)
-        fields["old_log_probs"].append(old)
+        fields["log_probs"].append(old)
         fields["rollout_log_probs"].append(old + 0.4 * torch.randn(response, generator=gen))
         fields["rollout_log_probs_near"].append(old + 0.08 * torch.randn(response, generator=gen))
         fields["ref_log_probs"].append(-4.6 + 0.5 * torch.randn(response, generator=gen))
@@ -118,7 +118,7 @@ def ref_actor_ppo_kl_entropy_tis(logits, samples, config):
     masks, terms, pg_sum = masks64(samples), [], 0.0
     low, high, c = config["clip_ratio_low"], config["clip_ratio_high"], config["clip_ratio_c"]
     for i, (log_softmax, lp) in enumerate(per_response(logits, samples)):
-        old, adv = samples["old_log_probs"][i].double(), samples["advantages"][i].double()
+        old, adv = samples["log_probs"][i].double(), samples["advantages"][i].double()
         ratio = torch.exp(lp - old)
         pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high))
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * c), pg)
@@ -135,7 +135,7 @@ def ref_actor_gspo_sequence_mis(logits, samples, config):
     """gspo on sequence_mis-corrected masks and weights, seq-mean-token-mean over the raw masks."""
     raw, terms, kept_masks = masks64(samples), [], []
     for i, (_, lp) in enumerate(per_response(logits, samples)):
-        old, adv, m = samples["old_log_probs"][i].double(), samples["advantages"][i].double(), raw[i]
+        old, adv, m = samples["log_probs"][i].double(), samples["advantages"][i].double(), raw[i]
         seq_ratio = torch.exp(((old - samples["rollout_log_probs_near"][i].double()) * m).sum())
         keep = float(config["mis_lower"] <= seq_ratio <= config["mis_upper"])
         kept = m * keep
@@ -247,14 +247,14 @@ CASES: dict[str, Case] = {
     "sft": Case("CausalDecoderSpecialization", {}, ("loss_masks",), ref_sft, checked_metrics=("num_loss_tokens", "nll")),
     "actor_ppo_kl_entropy_tis": Case(
         "ActorSpecialization", ACTOR_PPO,
-        ("loss_masks", "advantages", "old_log_probs", "rollout_log_probs", "ref_log_probs"),
+        ("loss_masks", "advantages", "log_probs", "rollout_log_probs", "ref_log_probs"),
         ref_actor_ppo_kl_entropy_tis, checked_metrics=("num_loss_tokens", "pg_loss"),
     ),
     "actor_gspo_sequence_mis": Case(
         "ActorSpecialization",
         dict(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.1, clip_ratio_high=0.1,
              off_policy_corrections="sequence_mis", mis_lower=0.8, mis_upper=1.25),
-        ("loss_masks", "advantages", "old_log_probs", "rollout_log_probs"), ref_actor_gspo_sequence_mis,
+        ("loss_masks", "advantages", "log_probs", "rollout_log_probs"), ref_actor_gspo_sequence_mis,
         renamed={"rollout_log_probs": "rollout_log_probs_near"},
         checked_metrics=("num_loss_tokens", "sequence_mis_masked"),
     ),
@@ -288,7 +288,7 @@ CASES: dict[str, Case] = {
 
 
 def algorithm_config(case: Case):
-    from stacx.trainer.run_config import AlgorithmConfig
+    from stacx.trainer.config.run import AlgorithmConfig
 
     return AlgorithmConfig.from_values(case.config)
 

@@ -84,7 +84,7 @@ def make_global_batch(seed: int = 5) -> dict[str, list]:
     noise = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     model = TinyTokenModel()
     batch: dict[str, list] = {name: [] for name in (
-        "tokens", "response_lengths", "loss_masks", "loss_masks_dpo", "advantages", "old_log_probs",
+        "tokens", "response_lengths", "loss_masks", "loss_masks_dpo", "advantages", "log_probs",
         "rollout_log_probs", "ref_log_probs", "values", "returns", "teacher_log_probs",
         "teacher_log_probs_mixed", "teacher_top_ids", "teacher_top_log_probs", "pair_ids", "is_chosen",
     )}
@@ -99,7 +99,7 @@ def make_global_batch(seed: int = 5) -> dict[str, list]:
         own = response_log_probs(model, tokens, response).float()
         old = own + 0.15 * noise(response)
         batch["advantages"].append(float(noise(())) + 0.2 * noise(response))
-        batch["old_log_probs"].append(old)
+        batch["log_probs"].append(old)
         batch["rollout_log_probs"].append(old + 0.05 * noise(response))
         batch["ref_log_probs"].append(own + 0.3 * noise(response))
         with torch.no_grad():
@@ -138,19 +138,19 @@ FAMILIES: dict[str, Family] = {
         dict(policy_loss="ppo_clip", clip_ratio_low=0.1, clip_ratio_high=0.15, clip_ratio_c=3.0, use_kl_loss=True,
              kl_loss_type="low_var_kl", kl_loss_coef=0.1, entropy_coef=0.01, off_policy_corrections=["token_tis"],
              tis_threshold=1.02),
-        ("loss_masks", "advantages", "old_log_probs", "rollout_log_probs", "ref_log_probs"),
+        ("loss_masks", "advantages", "log_probs", "rollout_log_probs", "ref_log_probs"),
     ),
     "actor_gspo_sequence_mis_opsm": Family(
         "ActorSpecialization",
         dict(policy_loss="gspo", clip_ratio_low=0.05, clip_ratio_high=0.05,
              off_policy_corrections=["sequence_mis", "opsm"], mis_lower=0.8, mis_upper=1.25, opsm_delta=0.01),
-        ("loss_masks", "advantages", "old_log_probs", "rollout_log_probs"),
+        ("loss_masks", "advantages", "log_probs", "rollout_log_probs"),
     ),
     "actor_cispo_token_mis": Family(
         "ActorSpecialization",
         dict(policy_loss="cispo", clip_ratio_low=0.1, clip_ratio_high=0.1, off_policy_corrections=["token_mis"],
              mis_lower=0.95, mis_upper=1.05),
-        ("loss_masks", "advantages", "old_log_probs", "rollout_log_probs"),
+        ("loss_masks", "advantages", "log_probs", "rollout_log_probs"),
     ),
     "actor_vanilla_pg_on_policy_k2": Family(
         "ActorSpecialization",
@@ -160,7 +160,7 @@ FAMILIES: dict[str, Family] = {
     # Issue 13: a custom sequence-level loss with no declared trait (whole responses under CP by
     # default), and guide 003's specialization (response_log_probs + sum_of_sample_mean + reducer(scalar)).
     "actor_custom_sequence_loss": Family("ActorSpecialization", dict(policy_loss=custom_sequence_loss.NAME, log_entropy=False),
-                                         ("loss_masks", "advantages", "old_log_probs")),
+                                         ("loss_masks", "advantages", "log_probs")),
     "guide_003_my_algo": Family(f"{SEED_003_EXAMPLE}:MyAlgoSpecialization", {}, ("loss_masks",), modes=("token-mean",)),
     "critic_value_clipped": Family("CriticSpecialization", dict(value_clip=0.2), ("loss_masks", "values", "returns"),
                                    value_head=True),
@@ -191,12 +191,12 @@ SPLIT_DEPENDENT_FAMILIES: dict[str, Family] = {
         "ActorSpecialization",
         dict(policy_loss="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.2, off_policy_corrections=["m2po"],
              m2po_threshold=0.005),
-        ("loss_masks", "advantages", "old_log_probs", "rollout_log_probs"),
+        ("loss_masks", "advantages", "log_probs", "rollout_log_probs"),
     ),
     # A sequence-level loss wrongly registered token_local=True: gets CP slices, so CP changes it.
     "actor_custom_sequence_loss_declared_token_local": Family(
         "ActorSpecialization", dict(policy_loss=custom_sequence_loss.WRONGLY_TOKEN_LOCAL_NAME, log_entropy=False),
-        ("loss_masks", "advantages", "old_log_probs")),
+        ("loss_masks", "advantages", "log_probs")),
 }
 
 
@@ -204,17 +204,19 @@ def family_by_name(name: str) -> Family:
     return FAMILIES[name] if name in FAMILIES else SPLIT_DEPENDENT_FAMILIES[name]
 
 
-def family_step_batch(family: Family, global_batch: dict[str, list]) -> dict[str, list]:
+def family_step_batch(family: Family, global_batch: dict[str, list]):
     """The step batch one role sees: tokens, response lengths and the family's fields only
     (optional fields change what the actor computes, so a family gets exactly its own)."""
-    batch = {"tokens": global_batch["tokens"], "response_lengths": global_batch["response_lengths"]}
-    batch.update({name: global_batch[family.renamed.get(name, name)] for name in family.fields})
+    from stacx.trainer.batch import StepBatch
+
+    batch = StepBatch(tokens=global_batch["tokens"], response_lengths=global_batch["response_lengths"],
+                      **{name: global_batch[family.renamed.get(name, name)] for name in family.fields})
     return batch
 
 
 def build_specialization(family: Family, mode: str, groups):
     import stacx.specializations as specializations
-    from stacx.trainer.run_config import AlgorithmConfig
+    from stacx.trainer.config.run import AlgorithmConfig
 
     config = dict(family.config)
     if mode in ALL_MODES and family.specialization != "DPOSpecialization":
@@ -273,7 +275,6 @@ def run_rank_train_step(model, specialization, family: Family, step_batch, micro
     from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
     from stacx.parallel.reduction import Reducer
     from stacx.trainer.runtime.role_runtime import LOSS_METRIC, RoleRuntime, normalize_uncounted_metrics
-    from stacx.trainer.step_data import select
 
     reducer = Reducer.for_step(mode=specialization.loss_agg_mode(), counts=counts, groups=groups,
                                norm_length=NORM_LENGTH)
@@ -282,7 +283,7 @@ def run_rank_train_step(model, specialization, family: Family, step_batch, micro
     totals = MetricTotals()
     uncounted: set[str] = set()
     for indices in micro_batches:
-        batch = RoleRuntime.pack(runtime, select(step_batch, indices))
+        batch = RoleRuntime.pack(runtime, step_batch.select(indices))
         output = model_output(model, batch, family.value_head)
         loss, metric_sums = specialization.compute_loss(output, batch, reducer)
         loss.backward()
@@ -322,16 +323,14 @@ class Split:
     max_tokens_per_micro_batch: int
     permutation_seed: int | None = None
 
-    def ordered(self, step_batch: dict[str, list]) -> dict[str, list]:
-        from stacx.trainer.step_data import num_samples, select
-
+    def ordered(self, step_batch):
         if self.permutation_seed is None:
             return step_batch
         gen = torch.Generator().manual_seed(self.permutation_seed)
-        return select(step_batch, torch.randperm(num_samples(step_batch), generator=gen).tolist())
+        return step_batch.select(torch.randperm(step_batch.num_samples, generator=gen).tolist())
 
     def plan(self, step_batch) -> list[list[list[int]]]:
-        from stacx.trainer.step_data import plan_micro_batches
+        from stacx.trainer.batch import plan_micro_batches
 
         return plan_micro_batches(step_batch, dp_size=self.dp_size, cp_size=self.cp_size,
                                   max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)
@@ -346,7 +345,7 @@ def run_split_in_process(family_name: str, mode: str, split: Split) -> dict:
     family = family_by_name(family_name)
     step_batch = split.ordered(family_step_batch(family, make_global_batch()))
     plan = split.plan(step_batch)
-    num_tokens, num_sequences = count_loss_tokens(step_batch["loss_masks"])  # the driver's counts
+    num_tokens, num_sequences = count_loss_tokens(step_batch.loss_masks)  # the driver's counts
     counts = StepCounts(num_tokens=num_tokens, num_sequences=num_sequences)
     gradient, sums, specialization = None, {}, None
     for dp_rank in range(split.dp_size):
@@ -372,7 +371,7 @@ def run_split_on_rank(groups, family_name: str, mode: str, split: Split) -> dict
     family = family_by_name(family_name)
     step_batch = split.ordered(family_step_batch(family, make_global_batch()))
     my_micro_batches = split.plan(step_batch)[groups.dp_rank]
-    counts = compute_step_counts([step_batch["loss_masks"][i] for mb in my_micro_batches for i in mb], groups.dp)
+    counts = compute_step_counts([step_batch.loss_masks[i] for mb in my_micro_batches for i in mb], groups.dp)
     model = TinyTokenModel()
     specialization = build_specialization(family, mode, groups)
     sums = run_rank_train_step(model, specialization, family, step_batch, my_micro_batches, counts, groups)

@@ -47,7 +47,7 @@ def train_with_the_example(groups, checkpoint: str):
     from stacx.parallel.reduction import Reducer, compute_step_counts
     from stacx.specializations import model_inputs, pack_micro_batch
     from stacx.trainer.recipes import get_recipe
-    from stacx.trainer.run_config import AlgorithmConfig
+    from stacx.trainer.config.run import AlgorithmConfig
 
     load_example()
     training_config = get_recipe("reward_weighted_sft")

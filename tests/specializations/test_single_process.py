@@ -118,17 +118,15 @@ def test_trainer_loop_hooks():
                                 recompute_old_log_probs=True, rollout_temperature=0.7, loss_agg_mode="seq-mean-token-mean"))()
     actor = ActorSpecialization(config)
     assert actor.needs_reference() and actor.needs_old_log_probs() and actor.needs_whole_sequences()
-    assert actor.required_fields() == ("loss_masks", "advantages", "ref_log_probs", "rollout_log_probs")
+    assert actor.required_fields() == ("advantages", "ref_log_probs", "rollout_log_probs")
     assert actor.temperature == 0.7 and actor.loss_agg_mode() == "seq-mean-token-mean"
     plain = ActorSpecialization()
     assert not plain.needs_reference() and not plain.needs_old_log_probs() and not plain.needs_whole_sequences()
     assert DPOSpecialization().needs_reference() and DPOSpecialization().loss_agg_mode() == "seq-mean-token-sum"
     assert CriticSpecialization.outputs_values and not ActorSpecialization.outputs_values
 
-    advantages = ActorSpecialization(type("C", (), {"advantage_estimator": "grpo"})()).compute_advantages(
-        {"rewards": [1.0, 0.0, 0.5, 0.5], "prompt_id": [0, 0, 1, 1], "response_lengths": [2, 3, 1, 2]}
-    )
-    assert [a.shape[0] for a in advantages] == [2, 3, 1, 2] and float(advantages[0][0]) > 0 > float(advantages[1][0])
+    # Advantages are the driver loop's (the registry, by name); the actor only reads them.
+    assert not hasattr(ActorSpecialization, "compute_advantages")
 
 
 def test_compute_log_probs_and_values_return_whole_responses_without_grad():
@@ -172,7 +170,7 @@ def test_actor_metrics_over_kept_tokens_are_divided_by_the_global_count_with_kep
     """With a correction that masks tokens, entropy and policy metrics are sums over the kept tokens
     divided by the global loss-token count; `<name>_kept_mean` divides them by the kept count."""
     samples = make_samples()
-    fields = {name: list(samples[name]) for name in ("loss_masks", "advantages", "old_log_probs", "rollout_log_probs")}
+    fields = {name: list(samples[name]) for name in ("loss_masks", "advantages", "log_probs", "rollout_log_probs")}
     config = type("C", (), {"policy_loss": "vanilla_pg", "off_policy_corrections": "token_mis", "mis_lower": 0.8,
                             "mis_upper": 1.25, "entropy_coef": 0.0, "log_entropy": True})()
     actor = ActorSpecialization(config)
@@ -185,7 +183,7 @@ def test_actor_metrics_over_kept_tokens_are_divided_by_the_global_count_with_kep
     kept_entropy = []
     offset = 0
     for sequence, response_length, mask, old, rollout in zip(samples["sequences"], samples["response_lengths"],
-                                                             fields["loss_masks"], fields["old_log_probs"],
+                                                             fields["loss_masks"], fields["log_probs"],
                                                              fields["rollout_log_probs"]):
         prompt = len(sequence) - response_length
         rows = logits.detach()[offset + prompt - 1: offset + len(sequence) - 1].double()

@@ -87,13 +87,14 @@ def test_the_splits_really_cut_the_batch_differently():
     counts = {split.label: len(split.plan(split.ordered(family_step_batch(FAMILIES["dpo_sigmoid"], make_global_batch())))[0])
               for split in [REFERENCE] + IN_PROCESS_SPLITS}
     assert len(set(counts.values())) >= 3, counts
-    orders = {tuple(int(t[0]) for t in split.ordered(make_global_batch())["tokens"]) for split in IN_PROCESS_SPLITS}
+    orders = {tuple(int(t[0]) for t in split.ordered(family_step_batch(FAMILIES["sft"], make_global_batch())).tokens)
+              for split in IN_PROCESS_SPLITS}
     assert len(orders) >= 3
     for split in IN_PROCESS_SPLITS:
         batch = split.ordered(family_step_batch(FAMILIES["dpo_sigmoid"], make_global_batch()))
         for rank in split.plan(batch):
             for micro_batch in rank:
-                pairs = [batch["pair_ids"][i] for i in micro_batch]
+                pairs = [batch.pair_ids[i] for i in micro_batch]
                 assert all(pairs.count(p) == 2 for p in pairs), (split.label, pairs)
 
 
@@ -109,7 +110,7 @@ def test_a_per_micro_batch_mean_would_be_caught(references):
     groups = ProcessGroups.single_process()
     model, specialization = TinyTokenModel(), build_specialization(family, "token-mean", groups)
     for micro_batch in micro_batches:
-        tokens, sequences = count_loss_tokens([step_batch["loss_masks"][i] for i in micro_batch])
+        tokens, sequences = count_loss_tokens([step_batch.loss_masks[i] for i in micro_batch])
         run_rank_train_step(model, specialization, family, step_batch, [micro_batch],
                             StepCounts(num_tokens=tokens, num_sequences=sequences), groups)
     want = references[("sft", "token-mean")]["gradient"]

@@ -66,7 +66,7 @@ def test_tiny_checkpoint_matches_transformers_in_stacx_engine(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stacx.rollout.cpu_engine import CpuEngine
+    from stacx.rollout.engines.cpu import CpuEngine
     from stacx.rollout.types import GenerateRequest, SamplingParams
 
     folder = write_tiny_checkpoint(str(tmp_path / "ckpt"), "sorting", seed=3)

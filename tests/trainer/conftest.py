@@ -12,7 +12,7 @@ def ray_address():
     """A small local Ray cluster (4 CPUs, 200 MB object store) for one test module."""
     import ray
 
-    from stacx.trainer.ray_cluster import connect_ray
+    from stacx.trainer.cluster.ray.connect import connect_ray
 
     connection = connect_ray(num_cpus=4, object_store_memory_bytes=200 * MIB, log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
@@ -29,7 +29,7 @@ def files(tmp_path_factory):
 def engine_world():
     """This (driver) process as a one-rank world, so it can host CPU engines for the tests."""
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.cpu_engine import ensure_single_process_layout
+    from stacx.rollout.engines.cpu import ensure_single_process_layout
 
     yield ensure_single_process_layout()
     destroy_parallel_layout()

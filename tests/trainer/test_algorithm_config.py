@@ -12,11 +12,11 @@ import pytest
 from stacx.launch.run_flags import add_run_config_arguments, run_config_from_args
 from stacx.objectives.algorithm_config import ALGORITHM_DEFAULTS, AlgorithmConfig, AlgorithmConfigError, hyperparameter_fields
 from stacx.objectives.validation import hyperparameter
-from stacx.trainer.config import RecipeError, TrainingConfig, recipe_algorithm
-from stacx.trainer.recipes import TRAINING_CONFIGS, _rl_recipe, get_recipe, recipe
-from stacx.trainer.resolved_config import resolve_algorithm_config
-from stacx.trainer.rollin import resolve_rollin
-from stacx.trainer.run_config import ALGORITHM_FIELD_TYPES, ALGORITHM_FIELDS, FIELDS, ConfigError, RunConfig
+from stacx.trainer.config.recipe import RecipeError, TrainingConfig, recipe_algorithm
+from stacx.trainer.recipes import TRAINING_CONFIGS, rl_recipe, get_recipe, recipe
+from stacx.trainer.config.resolve import resolve_algorithm_config
+from stacx.rollout.rollin import resolve_rollin
+from stacx.trainer.config.run import ALGORITHM_FIELD_TYPES, ALGORITHM_FIELDS, FIELDS, ConfigError, RunConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +68,7 @@ def test_run_config_tables_flags_and_yaml_keys_come_from_the_dataclass():
 
 def test_a_field_added_to_the_dataclass_is_a_known_key_with_its_type_and_default():
     """Adding one field to the dataclass is all it takes: the tables are computed from the class."""
-    from stacx.trainer.run_config import algorithm_field_tables
+    from stacx.trainer.config.run import algorithm_field_tables
 
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class Extended(AlgorithmConfig):
@@ -121,7 +121,7 @@ def test_a_bad_recipe_override_fails_at_recipe_time_naming_recipe_and_field(over
     with pytest.raises(RecipeError, match=message):
         @recipe("typo_recipe")
         def typo_recipe_config() -> TrainingConfig:
-            return _rl_recipe("typo_recipe", "a recipe with a bad override",
+            return rl_recipe("typo_recipe", "a recipe with a bad override",
                               recipe_algorithm(advantage_estimator="grpo", **overrides))
     assert "typo_recipe" not in TRAINING_CONFIGS
 
@@ -200,7 +200,7 @@ def test_a_specialization_reads_declared_knobs_without_a_default_and_custom_ones
 def test_the_checkpointed_config_is_the_resolved_one_and_resume_refuses_a_changed_knob():
     import json
 
-    from stacx.trainer.resolved_config import check_resumed_algorithm, resolved_run_config_dict
+    from stacx.trainer.config.resolve import check_resumed_algorithm, resolved_run_config_dict
 
     run_config = RunConfig.from_dict({"algorithm": {"lam": 0.9, "my_knob": [1, 2], "off_policy_corrections": ["tis"]}})
     algorithm = resolve_algorithm_config(get_recipe("ppo"), run_config)

@@ -80,7 +80,7 @@ def test_save_writes_manifest_with_layouts_sizes_and_hashes_and_loads_back(tmp_p
             assert got["optimizer"] == state["optimizer"]
     assert loaded.driver_state() == {"data_position": 24, "epoch": 0}
     assert loaded.run_config() == {"lr": 1e-5, "urls": ["a", "b"],
-                                   "specialization": "stacx.trainer.checkpoint.RoleLayout"}
+                                   "specialization": "stacx.trainer.config.layout.RoleLayout"}
 
 
 def test_half_written_staging_folder_is_ignored_and_a_crash_in_commit_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

@@ -52,17 +52,12 @@ def test_a_truncated_manifest_is_named_with_its_path(tmp_path):
 
 def test_the_trainers_first_save_with_overwrite_removes_the_older_runs_steps(tmp_path, monkeypatch):
     """Without it, the older run's later steps would look like this run's latest checkpoint on resume."""
-    from types import SimpleNamespace
-
-    from stacx.trainer.trainer import StacxTrainer
+    from stacx.trainer.config.run import RunConfig
+    from tests.trainer.fakes import make_trainer
 
     save = tmp_path / "ckpt"
     _fake_step(save, 5)
-    trainer = StacxTrainer.__new__(StacxTrainer)
-    trainer.run_config = SimpleNamespace(model=SimpleNamespace(save=str(save), overwrite=True, load=None))
-    trainer.channel = SimpleNamespace(is_driver=True, share=lambda value: value, barrier=lambda: None)
-    trainer._saved_once = False
-    trainer.roles = {}
+    trainer = make_trainer("sft", roles={}, run_config=RunConfig.from_dict({"save": str(save), "overwrite": True}))
     trainer.check_save_folder()  # --overwrite: allowed
     began = []
 
@@ -70,11 +65,11 @@ def test_the_trainers_first_save_with_overwrite_removes_the_older_runs_steps(tmp
         began.append(sorted(os.listdir(root)))
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr("stacx.trainer.checkpoint.begin_checkpoint", stop_after_removal)
+    monkeypatch.setattr("stacx.trainer.loop.begin_checkpoint", stop_after_removal)
     with pytest.raises(RuntimeError, match="stop here"):
         trainer.save_checkpoint(1)
     assert began == [[]]
-    trainer.run_config.model.overwrite = False
+    trainer.run_config = RunConfig.from_dict({"save": str(save)})
     _fake_step(save, 5)
     with pytest.raises(CheckpointError, match="already holds checkpoints of another run"):
         trainer.check_save_folder()

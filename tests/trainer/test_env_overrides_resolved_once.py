@@ -8,12 +8,13 @@ import dataclasses
 
 import pytest
 
-from stacx.rollout.env_overrides import ENV_OVERRIDES
-from stacx.trainer.factory import WorkerLayout, create_role_workers, resolve_recipe
-from stacx.trainer.ray_cluster import connect_ray
+from stacx.env_overrides import ENV_OVERRIDES
+from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
+from stacx.trainer.factory import resolve_recipe
+from stacx.trainer.cluster.ray.connect import connect_ray
 from stacx.trainer.recipes import get_recipe
-from stacx.trainer.resolved_config import apply_run_env_overrides
-from stacx.trainer.run_config import RunConfig
+from stacx.trainer.config.resolve import apply_run_env_overrides
+from stacx.trainer.config.run import RunConfig
 
 MIB = 1024 * 1024
 #: A non-default value per variable for the driver, and a conflicting one in the workers' environment.

@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600
 
 def _hf_weights_per_rank(role_group) -> list[dict[str, torch.Tensor]]:
     """Every rank's gathered full Hugging Face tensors ({} on ranks that only join the TP gathers)."""
-    from stacx.trainer.exchange_steps import WEIGHTS_KEY, produce_on_worker
+    from stacx.trainer.cluster.ray.group import produce_on_worker
+    from stacx.trainer.runtime.exchange_payloads import WEIGHTS_KEY
 
     results = role_group.workers.execute_all(functools.partial(produce_on_worker, keys=(WEIGHTS_KEY,)))
     return [{name.split("/", 1)[1]: t for name, t in result.items()} for result in results]
@@ -32,8 +33,8 @@ def _hf_weights_per_rank(role_group) -> list[dict[str, torch.Tensor]]:
 def test_reference_role_is_refreshed_from_the_policy_bitwise(ray_address, files, engine_world, tmp_path):
     from safetensors.torch import load_file
 
-    from stacx.rollout.cpu_engine import CpuEngine
-    from stacx.rollout.server import EngineHttpServer
+    from stacx.rollout.engines.cpu import CpuEngine
+    from stacx.rollout.engines.server import EngineHttpServer
     from stacx.trainer.factory import create_trainer
 
     server = EngineHttpServer(CpuEngine.from_hf_checkpoint(files["policy"], seed=0)).start()

@@ -10,14 +10,10 @@ import torch
 
 from stacx.specializations.actor import ActorSpecialization
 from stacx.specializations.critic import CriticSpecialization
-from stacx.trainer.config import AlgorithmDefaults, ExchangeSync, ModelRole, TrainingConfig
-from stacx.trainer.exchange_steps import (
-    ExchangeSchedule,
-    check_exchange_syncs,
-    consume_hf_weights,
-    produce_hf_weights,
-    sources_by_target,
-)
+from stacx.trainer.config.recipe import AlgorithmDefaults, ExchangeSync, ModelRole, TrainingConfig
+from stacx.trainer.config.layout import RankCoords
+from stacx.trainer.exchange import ExchangeSchedule, check_exchange_syncs, sources_by_target
+from stacx.trainer.runtime.exchange_payloads import consume_hf_weights, produce_hf_weights
 from stacx.trainer.recipes import get_recipe
 
 
@@ -56,7 +52,7 @@ def test_the_reference_refresh_recipe_injects_reference_log_probs_and_refreshes_
 
 def test_senders_are_tp0_cp0_ranks_round_robin():
     # tp=2, cp=2, dp=2 in megatron rank order (tp fastest, then cp, then dp)
-    coords = [{"tp_rank": r % 2, "cp_rank": (r // 2) % 2, "dp_rank": r // 4} for r in range(8)]
+    coords = [RankCoords(tp_rank=r % 2, cp_rank=(r // 2) % 2, dp_rank=r // 4) for r in range(8)]
     assert sources_by_target(coords, 3, tp_rank0_only=True) == [0, 4, 0]
     assert sources_by_target(coords, 3, tp_rank0_only=False) == [0, 1, 2]
 
@@ -68,7 +64,7 @@ class _Group:
 
 def test_schedule_runs_every_n_steps_and_the_run_flag_overrides_it():
     config = _recipe(every_n_steps=3)
-    roles = {"policy": _Group([{"tp_rank": 0, "cp_rank": 0, "dp_rank": 0}]), "shadow": _Group([])}
+    roles = {"policy": _Group([RankCoords(tp_rank=0, cp_rank=0, dp_rank=0)]), "shadow": _Group([])}
     schedule = ExchangeSchedule(config, {"policy_to_shadow": object()}, roles)
     sync = schedule.syncs[0]
     assert [s for s in range(7) if schedule.is_due(sync, s)] == [3, 6]
@@ -94,7 +90,7 @@ def _runtime(model, groups, name):
 def groups():
     """This process as a one-rank world (megatron-core builds layers from its global groups)."""
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.cpu_engine import ensure_single_process_layout
+    from stacx.rollout.engines.cpu import ensure_single_process_layout
 
     yield ensure_single_process_layout()
     destroy_parallel_layout()

@@ -40,8 +40,8 @@ def files(tmp_path_factory):
 def servers(files):
     """This driver process hosts the teacher server (and fresh student servers per test)."""
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.cpu_engine import CpuEngine, ensure_single_process_layout
-    from stacx.rollout.server import EngineHttpServer
+    from stacx.rollout.engines.cpu import CpuEngine, ensure_single_process_layout
+    from stacx.rollout.engines.server import EngineHttpServer
 
     ensure_single_process_layout()
     teacher_engine = CpuEngine.from_hf_checkpoint(files["teacher"], seed=11)

@@ -61,12 +61,12 @@ def _overlong_penalty_reference(length: int, max_length: int, buffer: int, facto
 
 
 def test_dapo_dynamic_sampling_overlong_penalty_and_eval(ray_address, files, engine_world, tmp_path):
-    from stacx.rollout.cpu_engine import CpuEngine
+    from stacx.rollout.engines.cpu import CpuEngine
     from stacx.rollout.data import DataConfig, load_examples
     from stacx.rollout.manager import RolloutManager
     from stacx.rollout.types import SamplingParams
     from stacx.trainer.factory import create_trainer
-    from stacx.trainer.rollout_service import load_tokenizer
+    from stacx.rollout.service import load_tokenizer
 
     cfg = run_config(str(tmp_path), algorithm={"name": "dapo", "overlong_buffer_length": 2, "overlong_penalty_factor": 0.5},
                      hf_checkpoint=files["policy"], prompt_data=files["dapo_prompts"], rollout_engine="cpu",
@@ -126,10 +126,10 @@ def _greedy(engine, prompt):
 
 
 def test_grpo_spreads_rollouts_over_two_servers_and_updates_both(ray_address, files, engine_world, tmp_path):
-    from stacx.rollout.cpu_engine import CpuEngine
-    from stacx.rollout.http_engine import HttpEngine
+    from stacx.rollout.engines.cpu import CpuEngine
+    from stacx.rollout.engines.http import HttpEngine
     from stacx.trainer.factory import create_trainer
-    from stacx.trainer.rollout_service import CpuServerProcess
+    from stacx.rollout.service import CpuServerProcess
 
     servers: list = [None, None]
 

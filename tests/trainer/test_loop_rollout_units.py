@@ -16,9 +16,9 @@ from stacx.rollout.dagger import Executor
 from stacx.rollout.data import Example
 from stacx.rollout.tokenizer import build_char_tokenizer
 from stacx.rollout.types import GenerateOutput
-from stacx.trainer import rollin
+from stacx.rollout import rollin
 from stacx.trainer.recipes import get_recipe
-from stacx.trainer.run_config import RunConfig
+from stacx.trainer.config.run import RunConfig
 
 TOKENIZER = build_char_tokenizer()
 EOS = TOKENIZER.eos_token_id
@@ -168,7 +168,7 @@ def test_online_dagger_relabels_every_visited_turn_with_the_teachers_action():
 
 @pytest.mark.parametrize("length,expected", [(0, 0.0), (6, 0.0), (7, -0.25), (8, -0.5), (10, -1.0), (12, -1.0)])
 def test_overlong_penalty_is_linear_in_the_buffer(length, expected):
-    from stacx.trainer.rollout_steps import overlong_penalty
+    from stacx.rollout.step_rollout import overlong_penalty
 
     assert overlong_penalty(length, max_length=10, buffer_length=4, factor=1.0) == pytest.approx(expected)
     assert overlong_penalty(length, max_length=10, buffer_length=4, factor=2.0) == pytest.approx(2 * expected)
@@ -176,7 +176,7 @@ def test_overlong_penalty_is_linear_in_the_buffer(length, expected):
 
 
 def test_overlong_buffer_longer_than_the_response_limit_is_refused():
-    from stacx.trainer.rollout_steps import overlong_penalty
+    from stacx.rollout.step_rollout import overlong_penalty
 
     with pytest.raises(ValueError, match="overlong_buffer_length"):
         overlong_penalty(1, max_length=4, buffer_length=8, factor=1.0)
@@ -199,7 +199,7 @@ class FakeData:
 def test_dynamic_sampling_keeps_informative_groups_and_dumps_rollouts(tmp_path):
     """Prompts with an even label get equal rewards in their group (dropped); odd ones differ (kept)."""
     from stacx.rollout.manager import RolloutManager
-    from stacx.trainer.rollout_steps import StepRollout
+    from stacx.rollout.step_rollout import StepRollout
 
     counter = iter(range(1, 1000))
     lock = threading.Lock()
@@ -246,7 +246,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_dumps_rollouts(tmp_path):
 
 def test_dynamic_sampling_gives_up_with_counts_when_every_group_is_uniform(tmp_path):
     from stacx.rollout.manager import RolloutManager
-    from stacx.trainer.rollout_steps import StepRollout
+    from stacx.rollout.step_rollout import StepRollout
 
     class Service:
         tokenizer = TOKENIZER
@@ -269,7 +269,7 @@ def test_dynamic_sampling_gives_up_with_counts_when_every_group_is_uniform(tmp_p
 
 
 def test_eval_interval_without_eval_data_names_the_flag(tmp_path):
-    from stacx.trainer.rollout_steps import StepRollout
+    from stacx.rollout.step_rollout import StepRollout
 
     service = SimpleNamespace(tokenizer=TOKENIZER)
     run_config = RunConfig.from_dict({"eval_interval": 2, "out": str(tmp_path)})
@@ -280,7 +280,7 @@ def test_eval_interval_without_eval_data_names_the_flag(tmp_path):
 
 def test_engine_pool_spreads_requests_and_keeps_their_order():
     from stacx.rollout.types import GenerateRequest
-    from stacx.trainer.engine_pool import EnginePool, split_balanced
+    from stacx.rollout.engine_pool import EnginePool, split_balanced
 
     requests = [GenerateRequest(input_ids=tuple(range(1, 2 + i % 3))) for i in range(10)]
     chunks = split_balanced(requests, 3)
@@ -311,7 +311,7 @@ def test_engine_pool_spreads_requests_and_keeps_their_order():
 
 
 def test_engine_pool_pause_failure_resumes_the_paused_engines_and_names_every_failure():
-    from stacx.trainer.engine_pool import EnginePool
+    from stacx.rollout.engine_pool import EnginePool
 
     class LifecycleEngine(ScriptedEngine):
         def __init__(self, *, fail_pause=False, fail_resume=False):
@@ -348,7 +348,7 @@ def test_engine_pool_pause_failure_resumes_the_paused_engines_and_names_every_fa
 
 
 def test_dapo_default_buffer_longer_than_the_response_limit_names_both_flags(tmp_path):
-    from stacx.trainer.rollout_steps import StepRollout
+    from stacx.rollout.step_rollout import StepRollout
 
     run_config = RunConfig.from_dict({"rollout_max_response_len": 64, "out": str(tmp_path)})
     algorithm = SimpleNamespace(filter_zero_variance_groups=True, overlong_buffer_length=4096, overlong_penalty_factor=1.0)
@@ -361,9 +361,9 @@ def test_overlong_buffer_is_a_length_or_a_fraction_of_the_response_limit():
     from types import SimpleNamespace
 
     from stacx.trainer.recipes import get_recipe
-    from stacx.trainer.resolved_config import resolve_algorithm_config
-    from stacx.trainer.rollout_steps import overlong_buffer_tokens
-    from stacx.trainer.run_config import RunConfig
+    from stacx.trainer.config.resolve import resolve_algorithm_config
+    from stacx.rollout.step_rollout import overlong_buffer_tokens
+    from stacx.trainer.config.run import RunConfig
 
     assert overlong_buffer_tokens(SimpleNamespace(overlong_buffer_length=None, overlong_buffer_fraction=0.2), 64) == 13
     assert overlong_buffer_tokens(SimpleNamespace(overlong_buffer_length=5, overlong_buffer_fraction=0.2), 64) == 5

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from stacx.trainer.metrics_logger import (
+from stacx.trainer.metrics import (
     MetricsLogger,
     MetricsLoggerError,
     draw_family_figure,

@@ -3,7 +3,7 @@
 import json
 import math
 
-from stacx.trainer.metrics_logger import NONFINITE_METRICS_KEY, MetricsLogger
+from stacx.trainer.metrics import NONFINITE_METRICS_KEY, MetricsLogger
 
 
 def _strict(text: str):

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from stacx.trainer.metrics_logger import (RAW_LINE_ALPHA, SMOOTHING_MIN_POINTS, MetricsLogger, draw_family_figure,
+from stacx.trainer.metrics import (RAW_LINE_ALPHA, SMOOTHING_MIN_POINTS, MetricsLogger, draw_family_figure,
                                           ema, plan_family_plot)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,30 +91,28 @@ def test_a_non_finite_gradient_or_loss_is_never_stepped_on():
     assert not step_optimizer_if_finite(overflow, 0.5).weights_finite
 
 
-def _driver_trainer(batch, *, skip: int, trained: list):
-    """A StacxTrainer with a fake driver channel whose step batch is `batch` (no workers)."""
-    from stacx.trainer.trainer import StacxTrainer
+def _driver_trainer(rewards, *, skip: int):
+    """An SFT StacxTrainer over a fake role group whose dataset's step batch carries `rewards` (no workers)."""
+    from stacx.trainer.batch import StepBatch
+    from stacx.trainer.config.run import RunConfig
+    from tests.trainer.fakes import FakeDataSource, make_trainer
 
-    policy = SimpleNamespace(name="policy")
-    trainer = StacxTrainer.__new__(StacxTrainer)
-    trainer.channel = SimpleNamespace(is_driver=True, share=lambda value: value)
-    trainer.collect_batch = lambda step: (dict(batch), {})
-    trainer.training_config = SimpleNamespace(rollout_role=policy, trainable_roles=[policy], algorithm=None)
-    trainer.nonfinite = NonFiniteGuard(skip)
-    trainer.fill_forward_fields = lambda batch: None
-    trainer.train_role = lambda name, batch: trained.append(name) or {"loss": 1.0, "grad_norm": 1.0}
-    return trainer
+    batch = StepBatch.supervised([[1, 2]] * len(rewards), [[3, 4]] * len(rewards))
+    batch.rewards = list(rewards)
+    return make_trainer("sft", data=FakeDataSource(batch), run_config=RunConfig.from_dict({"skip_nonfinite_steps": skip}))
 
 
 def test_a_nan_reward_stops_the_step_before_any_role_trains():
-    trained = []
-    trainer = _driver_trainer({"rewards": [1.0, NAN], "tokens": [0, 0]}, skip=0, trained=trained)
+    trainer = _driver_trainer([1.0, NAN], skip=0)
     with pytest.raises(NonFiniteError, match=r"step 7: role 'policy' produced a non-finite reward of sample 1"):
         trainer.train_one_step(7)
-    assert trained == []
-    trainer = _driver_trainer({"rewards": [1.0, NAN], "tokens": [0, 0]}, skip=1, trained=trained)
+    assert trainer.roles["policy"].calls == []
+    trainer = _driver_trainer([1.0, NAN], skip=1)
     metrics = trainer.train_one_step(7)
-    assert trained == [] and metrics["train/nonfinite_skipped_steps"] == 1.0
+    assert trainer.roles["policy"].calls == [] and metrics["train/nonfinite_skipped_steps"] == 1.0
+    trainer = _driver_trainer([1.0, 0.5], skip=0)
+    trainer.train_one_step(7)
+    assert trainer.roles["policy"].calls == ["train_step"]  # finite rewards: the role trains
 
 
 # ---- end to end: two gloo ranks of an SFT run (the skip must be the same on both) -----------------
@@ -135,14 +132,24 @@ def sft_run(groups, root: str, name: str, values: dict):
         return f"{type(err).__name__}: {err}", None
 
 
+def _model_tensors(model_folder: str) -> list[torch.Tensor]:
+    """The floating-point tensors of a step's torch_dist model folder (weights and optimizer state), by key."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "state.pt")
+        dcp_to_torch_save(model_folder, path)
+        state = torch.load(path, weights_only=False)
+    return [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor) and state[k].is_floating_point()]
+
+
 def _saved_tensors(checkpoint_root: str) -> list[torch.Tensor]:
     from glob import glob
 
-    tensors = []
-    for path in glob(os.path.join(checkpoint_root, "step_*", "roles", "*", "*.pt")):
-        state = torch.load(path, weights_only=False)
-        tensors += [t for t in state["model"].values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return tensors
+    return [t for folder in sorted(glob(os.path.join(checkpoint_root, "step_*", "roles", "*", "model")))
+            for t in _model_tensors(folder)]
 
 
 @pytest.fixture(scope="module")
@@ -196,9 +203,7 @@ def test_skipped_steps_apply_no_update_on_any_rank_and_the_run_finishes(sft_file
 def _saved_tensors_of(checkpoint_root: str, step: int) -> list[torch.Tensor]:
     from glob import glob
 
-    tensors = []
-    for path in sorted(glob(os.path.join(checkpoint_root, f"step_{step:09d}", "roles", "*", "*.pt"))):
-        state = torch.load(path, weights_only=False)
-        tensors += [state["model"][k] for k in sorted(state["model"]) if isinstance(state["model"][k], torch.Tensor)]
+    tensors = [t for folder in sorted(glob(os.path.join(checkpoint_root, f"step_{step:09d}", "roles", "*", "model")))
+               for t in _model_tensors(folder)]
     assert tensors, f"no model tensors in step {step} of {checkpoint_root}"
     return tensors

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from stacx.trainer.preflight import (PreflightError, check_custom_modules, check_parallel_layout, check_teacher)
-from stacx.trainer.run_config import RunConfig
+from stacx.trainer.config.run import RunConfig
 
 
 @pytest.fixture(scope="module")

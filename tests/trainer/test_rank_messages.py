@@ -13,7 +13,7 @@ import torch
 
 from stacx.testing.distributed import run_distributed
 from stacx.trainer.checkpoint import FileInfo, RankCoords, RankFileInfo
-from stacx.trainer.rank_messages import (
+from stacx.trainer.cluster.rank_messages import (
     LENGTH_BYTES,
     RankMessageError,
     decode_message,
@@ -105,12 +105,12 @@ def test_a_pickle_sent_as_a_message_is_refused_and_never_run(tmp_path):
      r"fields of RankCoords must be \['cp_rank', 'dp_rank', 'tp_rank'\]"),
     ({"version": 1, "value": {"tensor": 0}, "tensors": []}, b"", "names tensor 0; the message has 0"),
     ({"version": 1, "value": {"tensor": 0},
-      "tensors": [{"dtype": "object", "shape": [1], "offset": 0, "num_bytes": 8}]}, b"\0" * 8, "dtype 'object'"),
+      "tensors": [{"dtype": "object", "shape": [1], "offset": 0, "num_bytes": 8}]}, b"\0" * 8, "field 'dtype' is 'object'"),
     ({"version": 1, "value": {"tensor": 0},
       "tensors": [{"dtype": "float32", "shape": [4], "offset": 0, "num_bytes": 16}]}, b"\0" * 8,
-     "not inside the 8-byte data section"),
+     "not inside the 8-byte bucket"),
     ({"version": 1, "value": {"tensor": 0},
-      "tensors": [{"dtype": "float32", "shape": [3], "offset": 0, "num_bytes": 8}]}, b"\0" * 8, "needs 12"),
+      "tensors": [{"dtype": "float32", "shape": [3], "offset": 0, "num_bytes": 8}]}, b"\0" * 8, "holds 12 bytes"),
     ({"version": 2, "value": None, "tensors": []}, b"", "version 2"),
     ({"version": 1, "value": {"dict": [[[1], 2]]}, "tensors": []}, b"", "not a plain key"),
 ])
@@ -132,7 +132,7 @@ def _exchange_without_pickle(groups):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from stacx.trainer.rank_messages import all_gather_values, broadcast_value
+    from stacx.trainer.cluster.rank_messages import all_gather_values, broadcast_value
 
     def refuse(*args, **kwargs):
         raise AssertionError("something was unpickled")

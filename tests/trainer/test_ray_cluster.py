@@ -8,15 +8,15 @@ import sys
 import pytest
 
 from stacx.testing.listening_sockets import descendant_pids, listening_addresses
-from stacx.trainer import ray_cluster
-from stacx.trainer.ray_cluster import LOOPBACK_ADDRESS, connect_ray, is_loopback_address, node_addresses
+from stacx.trainer.cluster.ray import connect as ray_cluster
+from stacx.trainer.cluster.ray.connect import LOOPBACK_ADDRESS, connect_ray, is_loopback_address, node_addresses
 
 pytestmark = pytest.mark.slow
 LOOPBACK_FORMS = {LOOPBACK_ADDRESS, "::ffff:127.0.0.1"}  # the second: an IPv4 listener on an IPv6 socket
 ATTACH_SCRIPT = """
 import sys
 import ray
-from stacx.trainer.ray_cluster import connect_ray
+from stacx.trainer.cluster.ray.connect import connect_ray
 connection = connect_ray(sys.argv[1], log_to_driver=False)
 print("ATTACHED", ray.util.get_node_ip_address(), ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=120))
 connection.shutdown()

@@ -2,7 +2,7 @@
 
 Two `ray start --block` processes (each in its own session) form the cluster: the head with
 custom resource `node_a`, a second node with `node_b`. The cluster check entry point
-(`python -m stacx.trainer.workers.cluster_check`) pins rank 0 to node_a and rank 1 to node_b,
+(`python -m stacx.trainer.cluster.ray.cluster_check`) pins rank 0 to node_a and rank 1 to node_b,
 runs TP=2 and world all-reduces across them plus an exchange transfer, and verifies the results
 against exact float64 sums; the tests re-check them here. Unlike Stacx's private local clusters
 (127.0.0.1), a multi-node `ray start` cluster takes the host's address: Ray rewrites a loopback
@@ -28,7 +28,7 @@ import time
 import pytest
 
 from stacx.testing.ray_jobs import JobAgentNotReadyError, wait_until_jobs_are_accepted
-from stacx.trainer.workers.cluster_check import RESULT_PREFIX, rank_contribution
+from stacx.trainer.cluster.ray.cluster_check import RESULT_PREFIX, rank_contribution
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -162,7 +162,7 @@ def _check_result(output: str) -> dict:
 
 def test_one_role_spans_two_nodes_and_runs_collectives(two_node_cluster):
     completed = subprocess.run(
-        [sys.executable, "-m", "stacx.trainer.workers.cluster_check", f"--ray-address={two_node_cluster['address']}",
+        [sys.executable, "-m", "stacx.trainer.cluster.ray.cluster_check", f"--ray-address={two_node_cluster['address']}",
          "--num-ranks=2", "--tp=2", "--bundle-resources=node_a,node_b"],
         env=two_node_cluster["env"], capture_output=True, text=True, timeout=300,
     )
@@ -175,7 +175,7 @@ def test_ray_job_submit_runs_a_stacx_entry_on_the_cluster(two_node_cluster):
     # No --ray-address: the entry must find the cluster through the RAY_ADDRESS the job sets.
     completed = subprocess.run(
         [RAY, "job", "submit", f"--address={two_node_cluster['dashboard']}", "--",
-         sys.executable, "-m", "stacx.trainer.workers.cluster_check", "--num-ranks=2", "--tp=2",
+         sys.executable, "-m", "stacx.trainer.cluster.ray.cluster_check", "--num-ranks=2", "--tp=2",
          "--bundle-resources=node_a,node_b"],
         env=two_node_cluster["env"], capture_output=True, text=True, timeout=300,
     )

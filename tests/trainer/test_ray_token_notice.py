@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from stacx.trainer.ray_cluster import RAY_AUTH_SETUP_LOGGER, _quiet_token_auth_notice
+from stacx.trainer.cluster.ray.connect import RAY_AUTH_SETUP_LOGGER, _quiet_token_auth_notice
 
 
 def test_the_quieted_logger_is_the_one_ray_warns_with():

@@ -13,8 +13,8 @@ import pytest
 from stacx.specializations.actor import ActorSpecialization
 from stacx.specializations.base import Specialization
 from stacx.specializations.critic import CriticSpecialization
-from stacx.trainer.algorithm import ESTIMATOR_TO_RECIPE, infer_algorithm
-from stacx.trainer.config import (
+from stacx.trainer.config.algorithm import ESTIMATOR_TO_RECIPE, infer_algorithm
+from stacx.trainer.config.recipe import (
     AlgorithmDefaults,
     InjectSync,
     ModelRole,
@@ -112,7 +112,7 @@ def test_get_recipe_lists_known_names():
 _PREAMBLE = """
 from stacx.specializations.actor import ActorSpecialization
 from stacx.specializations.critic import CriticSpecialization
-from stacx.trainer.config import AlgorithmDefaults, ExchangeSync, InjectSync, ModelRole, TrainingConfig
+from stacx.trainer.config.recipe import AlgorithmDefaults, ExchangeSync, InjectSync, ModelRole, TrainingConfig
 from stacx.trainer.recipes import recipe
 
 def policy(**kw):
@@ -319,7 +319,7 @@ def test_every_estimator_mapping_points_at_a_recipe_using_that_estimator():
 
 
 def test_algorithm_defaults_use_the_run_config_algorithm_keys():
-    from stacx.trainer.run_config import ALGORITHM_FIELDS, AlgorithmConfig
+    from stacx.trainer.config.run import ALGORITHM_FIELDS, AlgorithmConfig
 
     for name, config in TRAINING_CONFIGS.items():
         if config.algorithm is None:
@@ -366,8 +366,8 @@ def test_a_custom_registered_policy_loss_can_be_named_by_a_recipe():
 def test_checkpoint_args_name_run_config_model_fields():
     from dataclasses import fields
 
-    from stacx.trainer.config import CHECKPOINT_ARGS
-    from stacx.trainer.run_config import ModelSection
+    from stacx.trainer.config.recipe import CHECKPOINT_ARGS
+    from stacx.trainer.config.run import ModelSection
 
     model_fields = {f.name for f in fields(ModelSection)}
     assert set(CHECKPOINT_ARGS) <= model_fields

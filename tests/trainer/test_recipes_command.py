@@ -55,7 +55,7 @@ def test_recipes_command_shows_recipes_from_a_custom_module(tmp_path, capsys):
     module = tmp_path / "my_recipe_plugin.py"
     module.write_text(
         "from stacx.specializations.causal_decoder import CausalDecoderSpecialization\n"
-        "from stacx.trainer.config import ModelRole, TrainingConfig\n"
+        "from stacx.trainer.config.recipe import ModelRole, TrainingConfig\n"
         "from stacx.trainer.recipes import recipe\n\n"
         "@recipe('plugin_sft_under_test')\n"
         "def build():\n"

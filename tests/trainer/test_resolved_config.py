@@ -12,8 +12,8 @@ import pytest
 
 from stacx.launch.run_flags import add_run_config_arguments, run_config_from_args
 from stacx.trainer.recipes import get_recipe
-from stacx.trainer.resolved_config import resolve_algorithm_config
-from stacx.trainer.run_config import ALGORITHM_FIELDS, FIELDS, AlgorithmConfig, ConfigError, RunConfig
+from stacx.trainer.config.resolve import resolve_algorithm_config
+from stacx.trainer.config.run import ALGORITHM_FIELDS, FIELDS, AlgorithmConfig, ConfigError, RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -153,7 +153,7 @@ def test_the_scan_sees_a_default_at_a_read_site(tmp_path):
 
 def test_a_key_close_to_a_known_one_is_refused_unless_declared_custom():
     """`kl_coef` would silently leave `kl_loss_coef` at its default: refused, naming both and the fix."""
-    from stacx.trainer.run_config import ConfigError, RunConfig
+    from stacx.trainer.config.run import ConfigError, RunConfig
 
     with pytest.raises(ConfigError, match=r"'kl_coef' in run.yaml looks like a misspelling of .*'kl_loss_coef'.*"
                                           r"custom_hyperparameters: \[kl_coef\]"):
@@ -164,3 +164,16 @@ def test_a_key_close_to_a_known_one_is_refused_unless_declared_custom():
         RunConfig.from_dict({"algorithm": {custom: 1.0}})
     with pytest.raises(ConfigError, match="custom_hyperparameters in config must be a list of names"):
         RunConfig.from_dict({"algorithm": {"custom_hyperparameters": "kl_coef"}})
+
+
+def test_recipe_defaults_yield_to_user_values_only_where_the_user_set_them():
+    ppo = get_recipe("ppo")
+    resolved = resolve_algorithm_config(ppo, RunConfig.from_dict({"algorithm": {"name": "ppo", "my_knob": 3}}))
+    assert resolved.lam == 0.95 and resolved.value_clip == 0.5  # ppo's defaults, not the generic 1.0 / 0.2
+    assert resolved.my_knob == 3 and resolved.name == "ppo"
+    user = resolve_algorithm_config(ppo, RunConfig.from_dict({"lam": 0.5, "clip_ratio_high": 0.3,
+                                                              "rollout_temperature": 0.7}))
+    assert user.lam == 0.5 and user.clip_ratio_high == 0.3 and user.clip_ratio_low == 0.2
+    assert user.rollout_temperature == 0.7  # the actor's training log-probs use the sampling temperature
+    gspo = resolve_algorithm_config(get_recipe("gspo"), RunConfig())
+    assert (gspo.clip_ratio_low, gspo.clip_ratio_high) == (3e-4, 4e-4)

@@ -1,6 +1,6 @@
 import pytest
 
-from stacx.trainer.run_config import ConfigError, RunConfig
+from stacx.trainer.config.run import ConfigError, RunConfig
 
 
 def test_flat_nested_and_dashed_keys_land_in_their_sections():

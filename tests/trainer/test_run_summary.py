@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from stacx.launch.cli import main
 from stacx.tasks import write_tiny_checkpoint
-from stacx.trainer.metrics_logger import MetricsLogger
-from stacx.trainer.run_config import RunConfig
+from stacx.trainer.metrics import MetricsLogger
+from stacx.trainer.config.run import RunConfig
 from stacx.trainer.run_summary import describe_run_outputs, unsaved_model_warning
 
 

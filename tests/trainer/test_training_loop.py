@@ -23,8 +23,8 @@ from tests.trainer.training_fixtures import VARIED_REWARD, read_metrics, run_con
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
 def _serve(engine_world, checkpoint: str, seed: int = 0):
-    from stacx.rollout.cpu_engine import CpuEngine
-    from stacx.rollout.server import EngineHttpServer
+    from stacx.rollout.engines.cpu import CpuEngine
+    from stacx.rollout.engines.server import EngineHttpServer
 
     engine = CpuEngine.from_hf_checkpoint(checkpoint, seed=seed)
     return engine, EngineHttpServer(engine).start()
@@ -68,7 +68,7 @@ def test_grpo_tp2_with_reference_trains_and_the_engine_follows(ray_address, file
         assert engine.weight_version() == 2
         # The engine's outputs follow the new weights: they equal those of the exported final policy, and differ
         # from the initial checkpoint's.
-        from stacx.rollout.cpu_engine import CpuEngine
+        from stacx.rollout.engines.cpu import CpuEngine
 
         exported = _greedy_log_probs(CpuEngine.from_hf_checkpoint(str(tmp_path / "export")), prompt)
         served = _greedy_log_probs(engine, prompt)
@@ -86,7 +86,7 @@ def test_ppo_actor_and_critic_with_injected_values_train_two_steps(ray_address, 
                      prompt_data=files["prompts"], rollout_engine="cpu", save=str(tmp_path / "ckpt"), reward_fn=VARIED_REWARD,
                      num_cpus_per_rank=2.0)
     trainer = create_trainer(cfg)
-    assert trainer.roles["critic"].layout.num_ranks == 1
+    assert trainer.roles["critic"].layout.world_size == 1
     last = trainer.run()
     _finite(last, "actor/loss", "actor/grad_norm", "critic/loss", "critic/vf_loss", "critic/grad_norm")
     from stacx.trainer.checkpoint import load_checkpoint
@@ -163,7 +163,7 @@ def test_a_killed_worker_ends_the_run_naming_role_and_rank(ray_address, files, t
     import ray
 
     from stacx.trainer.factory import create_trainer
-    from stacx.trainer.workers import RoleWorkerError
+    from stacx.trainer.cluster.ray import RoleWorkerError
 
     cfg = run_config(str(tmp_path), algorithm={"name": "sft"}, hf_checkpoint=files["policy"],
                      prompt_data=files["sft"], tensor_model_parallel_size=2, num_steps=10_000)

@@ -6,7 +6,11 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from stacx.trainer.rollout_steps import StepRollout, uniform_reward_warning
+from stacx.rollout.service import RolloutService
+from stacx.rollout.step_rollout import StepRollout, uniform_reward_warning
+from stacx.trainer.config.resolve import resolve_algorithm_config
+from stacx.trainer.config.run import RunConfig
+from stacx.trainer.recipes import get_recipe
 
 
 def _samples(rewards_per_group: list[list[float]]) -> list:
@@ -32,19 +36,20 @@ def test_one_informative_group_is_enough_to_stay_quiet():
     assert _warning([]) is None
 
 
-def _step_rollout(estimator: str, uses_reward: bool = True) -> StepRollout:
-    step_rollout = StepRollout.__new__(StepRollout)  # only what the warning reads
-    step_rollout.warned_uniform_rewards = False
-    step_rollout.training_config = SimpleNamespace(uses_reward=uses_reward)
-    step_rollout.algorithm = SimpleNamespace(advantage_estimator=estimator)
-    step_rollout.run_config = SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=2, rollout_temperature=1.0,
-                                                                      reward_fn="exact_match"))
-    return step_rollout
+def _step_rollout(recipe: str) -> StepRollout:
+    """The driver's StepRollout of a built-in recipe, over a service whose engine is never called."""
+    run_config = RunConfig.from_dict({"n_samples_per_prompt": 2, "rollout_temperature": 1.0,
+                                      "reward_fn": "exact_match"})
+    training_config = get_recipe(recipe)
+    service = RolloutService(None, engine_kind="http", url="http://engine", tokenizer=None,
+                             rollout_section=run_config.rollout)
+    return StepRollout(service, None, run_config=run_config, training_config=training_config,
+                       algorithm=resolve_algorithm_config(training_config, run_config, environ={}))
 
 
 def test_the_driver_warns_once_per_run(caplog):
     step_rollout = _step_rollout("grpo")
-    with caplog.at_level(logging.WARNING, logger="stacx.trainer.rollout_steps"):
+    with caplog.at_level(logging.WARNING, logger="stacx.rollout.step_rollout"):
         step_rollout.warn_if_rewards_are_uniform(0, _samples([[0.0, 1.0]]))
         step_rollout.warn_if_rewards_are_uniform(1, _samples([[0.0, 0.0]]))
         step_rollout.warn_if_rewards_are_uniform(2, _samples([[0.0, 0.0]]))
@@ -53,7 +58,7 @@ def test_the_driver_warns_once_per_run(caplog):
 
 
 def test_no_warning_where_uniform_rewards_do_not_zero_the_loss(caplog):
-    with caplog.at_level(logging.WARNING, logger="stacx.trainer.rollout_steps"):
-        _step_rollout("gae").warn_if_rewards_are_uniform(0, _samples([[0.0, 0.0]]))  # the critic's values
-        _step_rollout("grpo", uses_reward=False).warn_if_rewards_are_uniform(0, _samples([[0.0, 0.0]]))
+    with caplog.at_level(logging.WARNING, logger="stacx.rollout.step_rollout"):
+        _step_rollout("ppo").warn_if_rewards_are_uniform(0, _samples([[0.0, 0.0]]))  # gae: the critic's values
+        _step_rollout("opd").warn_if_rewards_are_uniform(0, _samples([[0.0, 0.0]]))  # no reward in the loss
     assert not [r for r in caplog.records if "identical" in r.getMessage()]

@@ -36,7 +36,7 @@ def write_tiny_run_files(root: str) -> dict[str, str]:
 
 def run_config(root: str, **values):
     """A RunConfig for a tiny run writing under `root`; `values` are flat run-config keys."""
-    from stacx.trainer.run_config import RunConfig
+    from stacx.trainer.config.run import RunConfig
 
     base = {
         "lr": 1e-3, "num_steps": 2, "rollout_batch_size": 2, "n_samples_per_prompt": 2,

@@ -144,7 +144,7 @@ def evaluate_checkpoint(args) -> dict:
     from stacx.rollout.manager import RolloutManager
     from stacx.rollout.rewards import resolve_reward_fn
     from stacx.rollout.types import SamplingParams
-    from stacx.trainer.rollout_service import load_tokenizer
+    from stacx.rollout.service import load_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="stacx-eval-") as scratch_dir:
         data_path, task_max_new_tokens = resolve_eval_data(args, scratch_dir)
@@ -189,11 +189,11 @@ def open_engine(args, model_folder: str):
     """The engine that generates: an `HttpEngine` on --engine-url (checked with /health), else the
     CPU engine with the model of `model_folder` loaded in this process."""
     if args.engine_url is None:
-        from stacx.rollout.cpu_engine import CpuEngine
+        from stacx.rollout.engines.cpu import CpuEngine
 
         return CpuEngine.from_hf_checkpoint(model_folder, seed=args.seed)
     from stacx.rollout.http_client import RetryPolicy
-    from stacx.rollout.http_engine import HttpEngine
+    from stacx.rollout.engines.http import HttpEngine
 
     engine = HttpEngine(args.engine_url, RetryPolicy(timeout_s=600.0, max_attempts=2))  # a batch may take minutes
     if not engine.health():

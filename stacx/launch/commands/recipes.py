@@ -15,7 +15,7 @@ HELP = "list the recipe catalog (roles, syncs, algorithm defaults) or describe o
 
 _MARKDOWN_HEADER = """# Recipe catalog
 
-Every algorithm Stacx runs is a recipe: a frozen `TrainingConfig` in `stacx/trainer/recipes.py`
+Every algorithm Stacx runs is a recipe: a frozen `TrainingConfig` in `stacx/trainer/recipes/`
 naming the run's model roles and the syncs between them (see `docs/architecture.md`). Select one
 with `--algorithm NAME`; without it, `--use-critic` selects `ppo` and otherwise
 `--advantage-estimator` picks the recipe built around that estimator (default `grpo`).
@@ -130,7 +130,7 @@ def render_catalog_markdown(configs: dict) -> str:
 
 
 def run(args) -> int:
-    from stacx.trainer.config import RecipeError
+    from stacx.trainer.config.recipe import RecipeError
     from stacx.trainer.recipes import TRAINING_CONFIGS, get_recipe
 
     if args.custom_module:

@@ -4,7 +4,7 @@
 
 Loads the Hugging Face checkpoint into Stacx's own megatron-core model (the trainer's model
 definition), and serves /generate with per-token log-probs, weight updates, pause/resume,
-flush_cache and health (see stacx.rollout.server). Use it as the CPU rollout engine or as a
+flush_cache and health (see stacx.rollout.engines.server). Use it as the CPU rollout engine or as a
 frozen teacher for distillation.
 
 Weight updates, pause, continue and flush need the `--api-key` secret (or `STACX_API_KEY`),
@@ -22,7 +22,7 @@ HELP = "serve a checkpoint on CPU through SGLang's /generate API (rollout engine
 
 
 def add_arguments(parser) -> None:
-    from stacx.rollout.server import ServerLimits
+    from stacx.rollout.engines.server import ServerLimits
 
     limits = ServerLimits()
     parser.add_argument("--hf-checkpoint", required=True, help="folder with config.json and safetensors weights")
@@ -67,7 +67,7 @@ def resolve_api_key(args) -> str | None:
 
 
 def build_limits(args):
-    from stacx.rollout.server import ServerLimits
+    from stacx.rollout.engines.server import ServerLimits
 
     try:
         return ServerLimits(max_body_bytes=args.max_body_bytes, max_weight_body_bytes=args.max_weight_body_bytes,
@@ -129,8 +129,8 @@ def run(args) -> int:
     import torch
 
     from stacx.models.checkpoint import CheckpointNotFoundError, require_hf_checkpoint_folder
-    from stacx.rollout.cpu_engine import CpuEngine
-    from stacx.rollout.server import EngineHttpServer
+    from stacx.rollout.engines.cpu import CpuEngine
+    from stacx.rollout.engines.server import EngineHttpServer
 
     api_key = resolve_api_key(args)
     limits = build_limits(args)

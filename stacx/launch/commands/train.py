@@ -6,7 +6,7 @@
     stacx train --load runs/x                                        # resume with the saved run config
     stacx train --load runs/x --num-steps 40                         # ... and a flag overriding it (printed)
 
-Flags are generated from the run configuration (stacx/trainer/run_config.py): one per field,
+Flags are generated from the run configuration (stacx/trainer/config/run.py): one per field,
 see `stacx train --help`. Under torchrun single-role recipes run SPMD in the
 launched processes; otherwise role workers run on Ray (`--ray-address`, RAY_ADDRESS, or a
 local cluster). The runtime picks; this command only resolves the configuration.
@@ -46,9 +46,9 @@ def describe_run(run_config, recipe, environ=None) -> str:
     where it would run, and the resolved run configuration as YAML."""
     import yaml
 
-    from stacx.trainer.factory import WorkerLayout, resolve_role_layouts
-    from stacx.trainer.ray_cluster import resolve_ray_address
-    from stacx.trainer.resolved_config import resolve_algorithm_config, resolved_run_config_dict
+    from stacx.trainer.cluster.ray.graph import WorkerLayout, resolve_role_layouts
+    from stacx.trainer.cluster.ray.connect import resolve_ray_address
+    from stacx.trainer.config.resolve import resolve_algorithm_config, resolved_run_config_dict
     from stacx.trainer.spmd import launched_by_torchrun
 
     environ = os.environ if environ is None else environ
@@ -67,13 +67,13 @@ def describe_run(run_config, recipe, environ=None) -> str:
         lines.append(f"  inject order: {' -> '.join(graph.inject_order)}")
     lines += ["", "placement:"]
     for pool, members in graph.pools.items():
-        num_bundles = max(layouts[name].num_ranks for name in members)
+        num_bundles = max(layouts[name].world_size for name in members)
         lines.append(f"  pool {pool}: {num_bundles} bundle(s) x ({parallel.num_cpus_per_rank:g} CPU, "
                      f"{parallel.num_gpus_per_rank:g} GPU)" + (f", shared by {len(members)} roles" if len(members) > 1 else ""))
         for name in members:
             layout = layouts[name]
             lines.append(f"    {name}: tp={layout.tensor_parallel_size} cp={layout.context_parallel_size} "
-                         f"dp={layout.data_parallel_size} -> {layout.num_ranks} rank(s)")
+                         f"dp={layout.data_parallel_size} -> {layout.world_size} rank(s)")
     if launched_by_torchrun(environ):
         where = f"torchrun SPMD, world size {environ.get('WORLD_SIZE', '?')} (no Ray)"
     else:
@@ -87,10 +87,10 @@ def describe_run(run_config, recipe, environ=None) -> str:
 
 def run(args) -> int:
     from stacx.launch.run_flags import resume_overrides, run_config_from_args
-    from stacx.trainer.config import RecipeError
+    from stacx.trainer.config.recipe import RecipeError
     from stacx.trainer.factory import resolve_recipe
     from stacx.trainer.preflight import run_preflight
-    from stacx.trainer.run_config import ConfigError
+    from stacx.trainer.config.run import ConfigError
 
     try:
         run_config = run_config_from_args(args)

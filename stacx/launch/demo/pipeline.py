@@ -25,6 +25,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from stacx.rollout.engines.processes import stop_process
+
 
 @dataclass(frozen=True, kw_only=True)
 class DemoSettings:
@@ -69,7 +71,7 @@ class PhaseResult:
 
 
 def _run_config(settings: DemoSettings, out_dir: str, phase: str, values: dict):
-    from stacx.trainer.run_config import RunConfig
+    from stacx.trainer.config.run import RunConfig
 
     base = {"out": os.path.join(out_dir, phase), "seed": settings.seed, "rollout_seed": settings.seed,
             "progress_bar": settings.progress_bar, "rollout_engine": "cpu", "max_tokens_per_micro_batch": 4096}
@@ -119,12 +121,7 @@ class TeacherServer:
         raise RuntimeError(f"stacx serve did not become ready (see {self.log.name})")
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        stop_process(self.process, timeout_s=30)
         self.log.close()
 
 
@@ -163,7 +160,7 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
     from stacx.rollout.teacher import TeacherClient
     from stacx.rollout.tokenizer import build_char_tokenizer
     from stacx.tasks import get_task
-    from stacx.trainer.ray_cluster import connect_ray
+    from stacx.trainer.cluster.ray.connect import connect_ray
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # checkpoint load/save bars would interleave with the demo's own

@@ -31,6 +31,7 @@ DECAY_STYLES = ("constant", "linear", "cosine")
 
 def wrap_ddp(model):
     """megatron DistributedDataParallel over DP x CP, fp32 grad buffers, one sync per step."""
+    # Imported here: megatron-core is slow to import (start-up time).
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     config = DistributedDataParallelConfig(
@@ -41,6 +42,7 @@ def wrap_ddp(model):
 
 def build_optimizer(ddp_model, optim: Any, *, total_steps: int):
     """(megatron optimizer, OptimizerParamScheduler) from an `OptimSection`-like object."""
+    # Imported here: megatron-core is slow to import (start-up time).
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

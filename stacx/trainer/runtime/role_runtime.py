@@ -1,17 +1,13 @@
 """`RoleRuntime`: one rank's model for one role - build, forward-only fields, train step, weights, state.
 
 A plain class with no Ray inside: a Ray `RoleWorker` keeps one in `worker.state["runtime"]`
-(see `stacx.trainer.runtime.calls`), and a torchrun process (`stacx.trainer.spmd`) holds one
+(see `stacx.trainer.cluster.ray.group`), and a torchrun process (`stacx.trainer.spmd`) holds one
 directly. Every method that runs a collective must be called on every rank of the role at once.
 
 Data it receives from the driver: a list of micro-batches for this rank's DP shard (TP and CP
-peers get the same list). A micro-batch is a dict of per-sample lists:
-    tokens            [L_i] int64, prompt then response
-    response_lengths  R_i
-    <per-response fields>  one WHOLE-response tensor per sample, [R_i] or [R_i, K]
-                           (loss_masks, rollout_log_probs, advantages, ref_log_probs, values, ...)
-    <per-sequence fields>  pair_ids / is_chosen (DPO)
-`stacx.specializations.batch.pack_micro_batch` turns it into the batch a specialization reads;
+peers get the same list), each a `StepBatch` of those samples (stacx.trainer.batch: tokens,
+response_lengths, one whole-response tensor per sample for each per-response field, DPO's
+per-sequence fields). `StepBatch.pack` turns one into the `MicroBatch` a specialization reads;
 the specialization slices the fields for this CP rank.
 
 One train step (`train_step`):
@@ -30,29 +26,29 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from stacx.checkpointing.folders import load_model_weights
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.groups import ProcessGroups
-from stacx.trainer.config import ModelRole
+from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
+from stacx.parallel.reduction import Reducer
+from stacx.rollout.service import engine_client
+from stacx.specializations.base import NUM_LOSS_TOKENS
+from stacx.specializations.batch import MicroBatch
+from stacx.trainer.batch import StepBatch
+from stacx.trainer.checkpoint import capture_rng_state, restore_rng_state, write_rank_state
+from stacx.trainer.config.layout import RankCoords
+from stacx.trainer.config.recipe import ModelRole, role_checkpoint_path
+from stacx.trainer.config.run import RunConfig
+from stacx.trainer.numerics import WEIGHTS_NONFINITE_METRIC, step_optimizer_if_finite
+from stacx.trainer.runtime.optim import build_optimizer, current_lr, wrap_ddp
+from stacx.trainer.runtime.value_head import attach_value_head
 
 logger = logging.getLogger(__name__)
 
-#: Per-sample keys of a micro-batch that are not handed to the specialization as batch fields.
-STRUCTURAL_KEYS = ("tokens", "response_lengths", "rewards", "group_indices", "sample_indices")
 #: Fields a forward-only pass can compute (`compute_fields`).
-COMPUTABLE_FIELDS = ("ref_log_probs", "old_log_probs", "log_probs", "values")
+COMPUTABLE_FIELDS = ("ref_log_probs", "log_probs", "values")
 #: Key of the loss in a step's reduced metric sums (the reducer's loss_value, summed over ranks).
 LOSS_METRIC = "loss"
-
-
-def role_checkpoint_path(role: ModelRole, model_section: Any, arg: str | None = None) -> str | None:
-    """The checkpoint folder the run config names for `arg` (default: the role's checkpoint_arg).
-
-    critic_load falls back to hf_checkpoint (a critic starts from the policy's weights).
-    """
-    arg = arg or role.checkpoint_arg
-    path = getattr(model_section, arg, None)
-    if path is None and arg == "critic_load":
-        path = model_section.hf_checkpoint
-    return path
 
 
 def normalize_uncounted_metrics(metric_sums: dict, specialization, reducer, uncounted: set[str]) -> dict:
@@ -63,8 +59,6 @@ def normalize_uncounted_metrics(metric_sums: dict, specialization, reducer, unco
     step's value (exactly how the logged `loss` is formed); their names are added to `uncounted`
     and logged as those sums. Metrics of a specialization that reports counts are untouched.
     """
-    from stacx.specializations.base import NUM_LOSS_TOKENS
-
     if NUM_LOSS_TOKENS in metric_sums:
         return metric_sums
     declared = specialization.metric_denominators
@@ -83,9 +77,9 @@ class RoleRuntime:
     """One rank of one role: model (+ DDP, optimizer, scheduler when trainable), specialization,
     optional in-worker reference weights."""
 
-    def __init__(self, role: ModelRole, run_config: Any, algorithm: Any, groups: ProcessGroups, *,
+    def __init__(self, role: ModelRole, run_config: RunConfig, algorithm: AlgorithmConfig, groups: ProcessGroups, *,
                  rank: int = 0):
-        from stacx.checkpointing.folders import load_model_weights
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import build_model
 
         self.role = role
@@ -115,15 +109,11 @@ class RoleRuntime:
             self.reference_weights = [p.detach().clone() for p in self._reference_params()]
         load_model_weights(self.model, path, groups, flag="--" + role.checkpoint_arg.replace("_", "-"))
         if role.outputs_values:
-            from stacx.trainer.runtime.value_head import attach_value_head
-
             attach_value_head(self.model)
         self.specialization = role.specialization_cls(algorithm, groups)
         self.num_steps = 0
         self._engine_clients: dict[tuple[str, str], Any] = {}
         if role.trainable:
-            from stacx.trainer.runtime.optim import build_optimizer, wrap_ddp
-
             self.ddp = wrap_ddp(self.model)
             self.optimizer, self.scheduler = build_optimizer(self.ddp, run_config.optim,
                                                              total_steps=run_config.train.num_steps)
@@ -140,23 +130,21 @@ class RoleRuntime:
 
     def _reference_params(self) -> list[torch.nn.Parameter]:
         """The decoder's parameters the reference replaces (all of the GPTModel's, before any value head)."""
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import unwrap_model
 
         return list(unwrap_model(self.model).parameters())
 
-    def pack(self, micro_batch: Mapping[str, Any]) -> dict[str, Any]:
-        """The specialization's batch dict for one micro-batch (see the module docstring)."""
-        from stacx.specializations.batch import pack_micro_batch
+    def pack(self, micro_batch: StepBatch) -> MicroBatch:
+        """The specialization's `MicroBatch` for one micro-batch (see the module docstring)."""
+        return micro_batch.pack(self.groups)
 
-        fields = {k: v for k, v in micro_batch.items() if k not in STRUCTURAL_KEYS and v is not None}
-        return pack_micro_batch(micro_batch["tokens"], micro_batch["response_lengths"], groups=self.groups, **fields)
-
-    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+    def forward(self, batch: MicroBatch) -> torch.Tensor:
         """TP-local logits [T_local, V_pad/tp] (fp32), or values [T_local] for a value-head role."""
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import forward_packed
-        from stacx.specializations.batch import model_inputs
 
-        tokens_local, padded_lengths = model_inputs(batch)
+        tokens_local, padded_lengths = batch.model_inputs()
         output = forward_packed(self.forward_module, tokens_local, padded_lengths, self.groups)
         return output[:, 0] if self.role.outputs_values else output
 
@@ -172,12 +160,11 @@ class RoleRuntime:
             param.data, held.data = held.data, param.data
 
     @torch.no_grad()
-    def compute_fields(self, micro_batches: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[dict] | None:
+    def compute_fields(self, micro_batches: Sequence[StepBatch], names: Sequence[str]) -> list[dict] | None:
         """Forward-only per-sample fields for each micro-batch: {name: [whole-response tensor per sample]}.
 
         names: ref_log_probs (reference weights swapped in; a frozen role without them uses its own
-        weights), old_log_probs / log_probs (current
-        weights), values (value-head roles). Every rank computes (TP/CP collectives inside); only
+        weights), log_probs (pi_old: current weights), values (value-head roles). Every rank computes (TP/CP collectives inside); only
         the rank with tp_rank == cp_rank == 0 returns the values (None elsewhere: peers hold copies).
         """
         unknown = [n for n in names if n not in COMPUTABLE_FIELDS]
@@ -200,7 +187,7 @@ class RoleRuntime:
                             raise ValueError(f"role {self.role.name!r} has no value head; it cannot compute 'values'")
                         compute_values = getattr(self.specialization, "compute_values", None)
                         values = (compute_values(output, batch) if compute_values is not None
-                                  else self.specialization.whole_responses(output, batch["layout"]))
+                                  else self.specialization.whole_responses(output, batch.layout))
                     else:
                         values = self.specialization.compute_log_probs(output, batch)
                     results[index][name] = [v.detach().float().cpu() for v in values]
@@ -211,17 +198,12 @@ class RoleRuntime:
 
     # ---- training --------------------------------------------------------------------------
 
-    def train_step(self, micro_batches: Sequence[Mapping[str, Any]], counts, norm_length: float | None = None) -> dict:
+    def train_step(self, micro_batches: Sequence[StepBatch], counts, norm_length: float | None = None) -> dict:
         """One optimizer step over this rank's micro-batches; returns the step's reduced metrics.
 
         counts: `StepCounts` of the whole global batch (known before the first backward).
         Every DP rank must pass the same number of micro-batches (pack_micro_batches does).
         """
-        from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
-        from stacx.parallel.reduction import Reducer
-        from stacx.trainer.runtime.optim import current_lr
-        from stacx.trainer.numerics import WEIGHTS_NONFINITE_METRIC, step_optimizer_if_finite
-
         if self.optimizer is None:
             raise RuntimeError(f"role {self.role.name!r} is frozen; it has no optimizer to step")
         if not micro_batches:
@@ -259,6 +241,7 @@ class RoleRuntime:
 
     def weight_buckets(self, bucket_bytes: int, *, only_to_tp_rank: int | None = 0) -> Iterator[list]:
         """Hugging Face-named full tensors in buckets (every TP rank of the model must iterate)."""
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import iter_hf_weight_buckets
 
         return iter_hf_weight_buckets(self.model, self.groups, bucket_bytes, only_to_tp_rank=only_to_tp_rank)
@@ -275,7 +258,6 @@ class RoleRuntime:
             for _ in buckets:  # take part in the TP gathers
                 pass
             return 0
-        from stacx.trainer.rollout_service import engine_client
 
         key = (engine_kind, url)
         if key not in self._engine_clients:
@@ -293,6 +275,7 @@ class RoleRuntime:
     def export_hf(self, out_dir: str) -> None:
         """Write the role's model as a Hugging Face checkpoint with the tokenizer of the checkpoint
         it started from (every rank calls; rank 0 writes)."""
+        # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import export_hf_checkpoint
 
         if self.role.outputs_values:
@@ -302,25 +285,19 @@ class RoleRuntime:
 
     # ---- checkpoint state ------------------------------------------------------------------
 
-    def coords(self):
-        from stacx.trainer.checkpoint import RankCoords
-
-        return RankCoords(tp_rank=self.groups.tp_rank, cp_rank=self.groups.cp_rank, dp_rank=self.groups.dp_rank)
+    def coords(self) -> RankCoords:
+        return RankCoords.of(self.groups)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's small state: scheduler, RNG and step count. The weights and optimizer state are
         saved apart, in the role's torch_dist folder (`save_rank_state`); the in-worker reference is
         frozen and read again from its flag when the run resumes."""
-        from stacx.trainer.checkpoint import capture_rng_state
-
         state: dict[str, Any] = {"rng": capture_rng_state(), "num_steps": self.num_steps}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        from stacx.trainer.checkpoint import restore_rng_state
-
         if self.scheduler is not None:
             if "scheduler" not in state:
                 raise ValueError(f"role {self.role.name!r}: checkpoint holds no scheduler state")
@@ -331,21 +308,18 @@ class RoleRuntime:
     def save_rank_state(self, staging_dir: str, role_name: str, rank: int):
         """Write this rank's state into a checkpoint staging folder (the weights and optimizer state in one
         torch_dist save with the role's other ranks); returns its RankFileInfo."""
-        from stacx.trainer.checkpoint import write_rank_state
-
         return write_rank_state(staging_dir, role_name, rank, self.state_dict(), self.coords(),
                                 model=self.model, optimizer=self.optimizer, groups=self.groups)
 
     def load_start_weights(self, path: str) -> None:
         """Replace the role's weights with those of model folder `path` (Hugging Face or torch_dist,
         detected; `--load` naming a model rather than a training checkpoint). Collective."""
-        from stacx.checkpointing.folders import load_model_weights
-
         load_model_weights(self.model, path, self.groups, flag="--load")
 
     def load_rank_state(self, loaded, role_name: str, rank: int) -> None:
         """Load this rank's state from a `LoadedCheckpoint`: weights and optimizer state resharded to this
         run's layout, then the small state (`LoadedCheckpoint.rank_state`)."""
+        # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
         from stacx.checkpointing.torch_dist import load_torch_dist
 
         optimizer_loaded = load_torch_dist(loaded.model_folder(role_name), self.model, self.optimizer,

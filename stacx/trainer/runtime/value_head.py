@@ -32,6 +32,7 @@ class ValueHead(torch.nn.Module):
 
 def attach_value_head(model) -> ValueHead:
     """Replace the GPTModel's language-model head with a ValueHead (call after loading HF weights)."""
+    # Imported here: megatron-core is slow to import (start-up time).
     from stacx.models import unwrap_model
 
     gpt = unwrap_model(model)

@@ -20,16 +20,9 @@ import torch
 import torch.distributed as dist
 
 from stacx.testing.listening_sockets import listening_addresses
-from stacx.trainer.workers.exchange import STORE_PREFIX, ExchangeEndpoint, host_store
-from stacx.trainer.workers.exchange_header import (
-    EXCHANGE_DTYPES,
-    MAC_DOMAIN,
-    ExchangeHeaderError,
-    TensorSlot,
-    check_secret,
-    decode_header,
-    encode_header,
-)
+from stacx.trainer.cluster.ray.exchange_endpoint import STORE_PREFIX, ExchangeEndpoint, host_store
+from stacx.parallel.tensor_buckets import TENSOR_DTYPES, TensorSlot, plan_buckets
+from stacx.trainer.cluster.ray.exchange_header import MAC_DOMAIN, ExchangeHeaderError, check_secret, decode_header, encode_header
 
 LOOPBACK = "127.0.0.1"
 TIMEOUT_S = 20.0
@@ -191,10 +184,8 @@ def test_an_authentic_but_malformed_header_names_the_field(slot, error):
 
 
 def test_every_table_dtype_round_trips_and_others_are_named():
-    from stacx.trainer.workers.exchange import plan_buckets
-
     secret = secrets.token_bytes(32)
-    tensors = {name: torch.zeros(3, dtype=dtype) for name, dtype in EXCHANGE_DTYPES.items()}
+    tensors = {name: torch.zeros(3, dtype=dtype) for name, dtype in TENSOR_DTYPES.items()}
     slots, _ = plan_buckets(tensors, 1 << 20)
     assert decode_header(secret, "k", encode_header(secret, "k", slots)) == slots
     with pytest.raises(ValueError, match="tensor 'q' has dtype torch.qint8.*supported: bool"):

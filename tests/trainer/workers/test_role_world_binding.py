@@ -16,9 +16,9 @@ import pytest
 import torch.multiprocessing as mp
 
 from stacx.testing.listening_sockets import listening_addresses
-from stacx.trainer.ray_cluster import connect_ray
-from stacx.trainer.workers import PlacedPool, ResourcePool, RolePlacement, RoleWorkers
-from stacx.trainer.workers.node_interface import (
+from stacx.trainer.cluster.ray.connect import connect_ray
+from stacx.trainer.cluster.ray import PlacedPool, ResourcePool, RolePlacement, RoleWorkers
+from stacx.trainer.cluster.node_interface import (
     _ipv4_address_of,
     bind_collectives_to_node,
     interface_for_address,
@@ -43,6 +43,7 @@ def _world_facts(worker) -> dict:
             "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME")}
 
 
+@pytest.mark.slow
 def test_a_ray_role_world_listens_on_loopback_only():
     connection = connect_ray(num_cpus=2, object_store_memory_bytes=80 * 1024 * 1024, log_to_driver=False)
     pool = None
@@ -68,7 +69,7 @@ def test_a_ray_role_world_listens_on_loopback_only():
 
 
 def test_only_rank_zero_hosts_and_rank_zero_needs_its_store():
-    from stacx.trainer.workers.role_worker import RoleWorker, join_role_world
+    from stacx.trainer.cluster.ray.role_worker import RoleWorker, join_role_world
 
     with pytest.raises(ValueError, match="host_rendezvous runs on rank 0, not rank 1"):
         RoleWorker("policy", 1, 2).host_rendezvous(5.0)
@@ -115,8 +116,8 @@ def _hold_world(rank: int, node_address: str, port_queue, results, release) -> N
     import torch
     import torch.distributed as dist
 
-    from stacx.trainer.workers.exchange import host_store
-    from stacx.trainer.workers.role_worker import join_role_world
+    from stacx.trainer.cluster.ray.exchange_endpoint import host_store
+    from stacx.trainer.cluster.ray.role_worker import join_role_world
 
     for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         os.environ.pop(variable, None)

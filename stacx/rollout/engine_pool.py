@@ -1,0 +1,141 @@
+"""Several rollout servers behind one `InferenceEngine`: requests spread, weights pushed to all.
+
+    pool = EnginePool([HttpEngine(u) for u in rollout_urls])
+    outputs = pool.generate(requests)     # split into one chunk per engine, sent concurrently
+    pool.pause(); ...; pool.resume()      # every engine
+    pool.weight_versions()                # {url: version}, one per engine
+
+Spreading: a call's requests are cut into `len(engines)` contiguous chunks of nearly equal total
+token count (prompt + max_new_tokens), and each chunk goes to the engine with the fewest requests
+in flight at that moment (ties: the engine that has received the fewest requests overall), so
+concurrent callers (rollout, evaluation, roll-in turns for student and teacher) share the fleet.
+Outputs come back in request order. `requests_sent` counts the requests each engine received.
+
+Weights are not streamed through the pool: the trainer's ranks stream the buckets to every URL
+(`StacxTrainer.push_policy_weights`); the pool pauses, flushes, resumes and version-checks each.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Sequence
+
+from stacx.rollout.engines.base import InferenceEngine, WeightBucket
+from stacx.rollout.types import GenerateOutput, GenerateRequest
+
+
+def split_balanced(requests: Sequence[GenerateRequest], num_chunks: int) -> list[list[int]]:
+    """Contiguous index chunks (at most `num_chunks`, none empty) of nearly equal token cost."""
+    costs = [len(r.input_ids) + r.sampling.max_new_tokens for r in requests]
+    total = sum(costs)
+    chunks: list[list[int]] = [[]]
+    done = 0
+    for index, cost in enumerate(costs):
+        # Start a new chunk once this one holds its share of the total.
+        share = total * len(chunks) / num_chunks
+        if chunks[-1] and done >= share and len(chunks) < num_chunks:
+            chunks.append([])
+        chunks[-1].append(index)
+        done += cost
+    return chunks
+
+
+class EnginePool(InferenceEngine):
+    """Least-loaded dispatch over several engines; lifecycle calls go to every engine."""
+
+    def __init__(self, engines: Sequence[InferenceEngine], names: Sequence[str] | None = None):
+        if not engines:
+            raise ValueError("EnginePool needs at least one engine (rollout_urls is empty)")
+        self.engines = list(engines)
+        self.names = list(names) if names is not None else [getattr(e, "url", f"engine {i}") for i, e in enumerate(engines)]
+        self.in_flight = [0] * len(self.engines)
+        self.requests_sent = [0] * len(self.engines)
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.engines)), thread_name_prefix="engine-pool")
+
+    def _acquire(self, num_requests: int) -> int:
+        with self._lock:
+            index = min(range(len(self.engines)), key=lambda i: (self.in_flight[i], self.requests_sent[i], i))
+            self.in_flight[index] += num_requests
+            self.requests_sent[index] += num_requests
+            return index
+
+    def _release(self, index: int, num_requests: int) -> None:
+        with self._lock:
+            self.in_flight[index] -= num_requests
+
+    def _generate_on_least_loaded(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+        index = self._acquire(len(requests))
+        try:
+            return self.engines[index].generate(requests)
+        finally:
+            self._release(index, len(requests))
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+        if not requests:
+            return []
+        chunks = split_balanced(requests, len(self.engines))
+        if len(chunks) == 1:
+            return self._generate_on_least_loaded(list(requests))
+        futures = [self._pool.submit(self._generate_on_least_loaded, [requests[i] for i in chunk]) for chunk in chunks]
+        outputs: list[GenerateOutput | None] = [None] * len(requests)
+        for chunk, future in zip(chunks, futures):
+            for index, output in zip(chunk, future.result()):
+                outputs[index] = output
+        return outputs  # type: ignore[return-value]
+
+    def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
+        """Materializes the buckets once and sends them to every engine (in-process use; the trainer
+        streams to each URL from its ranks instead)."""
+        materialized = [list(bucket) for bucket in buckets]
+        for engine in self.engines:
+            engine.update_weights(iter(materialized), version=version)
+
+    def weight_versions(self) -> dict[str, int]:
+        return {name: engine.weight_version() for name, engine in zip(self.names, self.engines)}
+
+    def weight_version(self) -> int:
+        """The lowest version any engine serves (all equal after a successful update)."""
+        return min(self.weight_versions().values())
+
+    def pause(self) -> None:
+        """Pauses every engine. If any fails, the ones already paused are resumed (so no engine is
+        left paused by a half-done pause) and one error names every engine that failed."""
+        paused, errors = [], []
+        for name, engine in zip(self.names, self.engines):
+            try:
+                engine.pause()
+                paused.append((name, engine))
+            except Exception as err:  # noqa: BLE001 - try every engine before reporting
+                errors.append(f"{name}: {err}")
+        if not errors:
+            return
+        for name, engine in paused:
+            try:
+                engine.resume()
+            except Exception as err:  # noqa: BLE001 - a failed undo is reported with the pause errors
+                errors.append(f"{name} (resuming after the failed pause): {err}")
+        raise RuntimeError("pausing rollout engines failed: " + "; ".join(errors))
+
+    def resume(self) -> None:
+        errors = []
+        for name, engine in zip(self.names, self.engines):
+            try:
+                engine.resume()
+            except Exception as err:  # noqa: BLE001 - resume every engine before reporting
+                errors.append(f"{name}: {err}")
+        if errors:
+            raise RuntimeError("resuming rollout engines failed: " + "; ".join(errors))
+
+    def flush_cache(self) -> None:
+        for engine in self.engines:
+            engine.flush_cache()
+
+    def health(self) -> bool:
+        return all(engine.health() for engine in self.engines)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False)
+        for engine in self.engines:
+            engine.shutdown()

@@ -1,0 +1,396 @@
+"""An in-process inference engine on CPU, built from the same model definition as the trainer.
+
+Two decoders, chosen by `decoding=`:
+
+- "kv_cache" (default): the batch's prompts run once (left-padded), then each step is one
+  forward of the newest token of every active row against a KV cache, on a `transformers`
+  mirror of the megatron model (stacx.rollout.engines.kv_cache_decoding). Its fp32 log-probs match the
+  trainer's packed forward to ~1e-6.
+- "packed": no KV cache; each step runs one packed forward of the trainer's own model over
+  every active sequence (prompt + tokens so far): O(steps) forwards of the whole rows, bit-for-bit
+  the trainer's kernel. The reference the cached path is tested against.
+
+Log-prob convention: see stacx.rollout.types (log_softmax(logits / T) over the real vocab).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from stacx.parallel.groups import ProcessGroups, initialize_parallel_layout
+from stacx.rollout.engines.base import InferenceEngine, WeightBucket
+from stacx.rollout.engines.kv_cache_decoding import KvCacheDecoder
+from stacx.rollout.engines.weight_loading import HfWeightReceiver
+from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
+
+DECODINGS = ("kv_cache", "packed")
+"""`CpuEngine(decoding=...)` values: see the module docstring."""
+
+WeightLoader = Callable[[torch.nn.Module, Sequence[tuple[str, torch.Tensor]]], None]
+
+
+class GenerationCancelled(Exception):
+    """`generate(..., should_stop=...)` stopped because should_stop() returned True (its client left)."""
+
+
+def sampling_log_probs(logits_V: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) [..., V]; T = 0 (greedy) reports T = 1 log-probs."""
+    scale = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits_V.float() / scale, dim=-1)
+
+
+def filter_top_k_top_p(log_probs_V: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Log-probs [V] with tokens outside top-k and outside the top-p nucleus set to -inf.
+
+    The nucleus is the smallest prefix of tokens sorted by probability whose mass reaches top_p
+    (the token that crosses the threshold is kept), as in SGLang and HF.
+    """
+    filtered = log_probs_V.clone()
+    if top_k > 0 and top_k < filtered.numel():
+        kth = torch.topk(filtered, top_k).values[-1]
+        filtered[filtered < kth] = float("-inf")
+    if top_p < 1.0:
+        sorted_lp, order = torch.sort(filtered, descending=True)
+        probs = sorted_lp.exp()
+        mass_before = torch.cumsum(probs, 0) - probs
+        drop = mass_before >= top_p
+        filtered[order[drop]] = float("-inf")
+    return filtered
+
+
+def sample_token(log_probs_V: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
+    """Greedy at T = 0, else a draw from the top-k/top-p filtered distribution after temperature."""
+    if sampling.temperature == 0:
+        return int(torch.argmax(log_probs_V))
+    filtered = filter_top_k_top_p(log_probs_V, sampling.top_k, sampling.top_p)
+    probs = torch.softmax(filtered.double(), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _top_pairs(log_probs_V: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    values, ids = torch.topk(log_probs_V, min(k, log_probs_V.numel()))
+    return [(float(v), int(i)) for v, i in zip(values, ids)]
+
+
+def _id_pairs(log_probs_V: torch.Tensor, token_ids: Sequence[int]) -> list[tuple[float, int]]:
+    return [(float(log_probs_V[t]), int(t)) for t in token_ids]
+
+
+def _first_prompt_logit(request: GenerateRequest) -> int:
+    """The first prompt position whose next-token logits the request needs: the last one always
+    (it predicts the first new token), and from logprob_start_len - 1 on when it asks for prompt
+    log-probs."""
+    last = len(request.input_ids) - 1
+    if request.return_logprob and request.logprob_start_len >= 0:
+        return min(max(request.logprob_start_len, 1) - 1, last)
+    return last
+
+
+def ensure_single_process_layout():
+    """megatron-core builds its layers from its global groups, even for one process: create a
+    world of one gloo rank (in-memory store, no port) and the trivial tp = cp = dp = 1 layout.
+
+    Raises if this process already belongs to a larger torch.distributed world (a trainer rank):
+    the CPU engine runs in the driver or in `stacx serve`, never inside a sharded worker.
+    """
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError(
+                f"CpuEngine needs a single-process world, but torch.distributed has {dist.get_world_size()} ranks; "
+                "run the engine in the driver or in `stacx serve`"
+            )
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # Imported here: megatron-core is slow to import (start-up time).
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        initialize_parallel_layout(1, 1)
+    return ProcessGroups.single_process()
+
+
+class CpuEngine(InferenceEngine):
+    """Generation with per-token log-probs from a single-process megatron GPTModel.
+
+    model: built by `stacx.models.build_model(..., ProcessGroups.single_process())`.
+    weight_loader: copies (hf_name, tensor) pairs into the model (default: stacx.models).
+    eos_token_id: generation stops after it unless a request sets ignore_eos.
+    decoding: "kv_cache" (default; a cached decoder that mirrors the model's weights) or
+        "packed" (no cache, the trainer's packed forward at every step).
+    """
+
+    def __init__(self, model, *, eos_token_id: Optional[int] = None, weight_loader: Optional[WeightLoader] = None,
+                 seed: int = 0, model_path: str = "", decoding: str = "kv_cache"):
+        # Imported here: megatron-core is slow to import (start-up time).
+        from stacx.models import hf_config_of
+
+
+        if decoding not in DECODINGS:
+            raise ValueError(f"CpuEngine decoding={decoding!r} is not one of {DECODINGS}")
+        self.model = model.eval()
+        self.groups = ProcessGroups.single_process()
+        self.vocab_size = int(hf_config_of(model).vocab_size)
+        self.context_length = int(getattr(hf_config_of(model), "max_position_embeddings", 0) or 0) or None
+        """Most tokens one sequence may hold (prompt + max_new_tokens); None when the config has none."""
+        self.eos_token_id = eos_token_id
+        self.model_path = model_path
+        self._weight_loader = weight_loader
+        self._receiver = HfWeightReceiver(model, self.groups)
+        self._generator = torch.Generator().manual_seed(seed)
+        self._lock = threading.Lock()  # one model call at a time; updates never interleave a batch
+        self._resumed = threading.Event()
+        self._resumed.set()
+        self._version = 0
+        self._progress_at: Optional[float] = None  # monotonic time of the last step while a call runs
+        self.decoding = decoding
+        self._cached_decoder = None
+        if decoding == "kv_cache":
+            self._cached_decoder = KvCacheDecoder(self.model, self.groups)
+
+    @classmethod
+    def from_hf_checkpoint(cls, path: str, *, params_dtype: torch.dtype = torch.float32, seed: int = 0,
+                           decoding: str = "kv_cache") -> "CpuEngine":
+        """Build the model from `path`'s config.json, load its weights, read eos from its config."""
+        # Imported here: megatron-core is slow to import (start-up time).
+        from stacx.models import build_model, load_hf_checkpoint
+        from stacx.models.architectures import load_hf_config
+
+        config = load_hf_config(path)
+        groups = ensure_single_process_layout()
+        model = build_model(config, groups, params_dtype=params_dtype)
+        load_hf_checkpoint(model, path, groups)
+        eos = getattr(config, "eos_token_id", None)
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        return cls(model, eos_token_id=eos, seed=seed, model_path=str(path), decoding=decoding)
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _logits(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Per sequence, fp32 logits [len, V] over the real vocab from one packed forward."""
+        # Imported here: megatron-core is slow to import (start-up time).
+        from stacx.models import forward_packed
+
+        lengths = [len(s) for s in sequences]
+        tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+        logits = forward_packed(self.model, tokens, lengths, self.groups)[:, : self.vocab_size]
+        return list(torch.split(logits, lengths))
+
+    def _model_call(self, forward: Callable, *args):
+        """Every model forward of both decoders goes through here (one per generated token, the
+        prefill included); tests slow or stall it to exercise cancellation and /health."""
+        return forward(*args)
+
+    # ---- InferenceEngine -------------------------------------------------------------------
+
+    def check_requests(self, requests: Sequence[GenerateRequest]) -> None:
+        """Raise ValueError naming the field when a request cannot be served by this model: token ids
+        outside the vocabulary, or prompt + max_new_tokens beyond the model's context length."""
+        for index, request in enumerate(requests):
+            for field, ids in (("input_ids", request.input_ids), ("token_ids_logprob", request.token_ids_logprob)):
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(f"request {index}: {field} hold token ids {bad[:5]} outside the vocabulary "
+                                     f"[0, {self.vocab_size})")
+            total = len(request.input_ids) + request.sampling.max_new_tokens
+            if self.context_length is not None and total > self.context_length:
+                raise ValueError(
+                    f"request {index}: input_ids ({len(request.input_ids)} tokens) + sampling_params.max_new_tokens "
+                    f"({request.sampling.max_new_tokens}) = {total} exceeds the model's context length "
+                    f"{self.context_length}; lower max_new_tokens")
+
+    def generate(self, requests: Sequence[GenerateRequest], *,
+                 should_stop: Optional[Callable[[], bool]] = None) -> list[GenerateOutput]:
+        """Generate for every request. `should_stop` (e.g. "the client disconnected") is polled while
+        waiting for the engine and before every decoding step; when it returns True the call raises
+        GenerationCancelled and the engine moves on to the next call."""
+        self.check_requests(requests)
+        self._resumed.wait()
+        while not self._lock.acquire(timeout=0.1):
+            if should_stop is not None and should_stop():
+                raise GenerationCancelled("the caller stopped waiting for the engine")
+        try:
+            self._progress_at = time.monotonic()
+            if self._cached_decoder is not None:
+                return self._generate_cached(requests, should_stop)
+            return self._generate_packed(requests, should_stop)
+        finally:
+            self._progress_at = None
+            self._lock.release()
+
+    def stalled_for_s(self) -> float:
+        """Seconds since the running call last made progress (0 when idle); `/health` reads it."""
+        progress_at = self._progress_at
+        return 0.0 if progress_at is None else time.monotonic() - progress_at
+
+    def _generate_packed(self, requests: Sequence[GenerateRequest],
+                         should_stop: Optional[Callable[[], bool]] = None) -> list[GenerateOutput]:
+        """The "packed" decoder: every step, one packed forward of all active (prompt + tokens) rows."""
+        outputs = [GenerateOutput(output_ids=[], weight_version=self._version) for _ in requests]
+        generators = [
+            torch.Generator().manual_seed(r.sampling.seed) if r.sampling.seed is not None else self._generator
+            for r in requests
+        ]
+        sequences = [list(r.input_ids) for r in requests]
+        active = list(range(len(requests)))
+        first_step = True
+        while active:
+            if should_stop is not None and should_stop():
+                raise GenerationCancelled(f"stopped after {len(outputs[active[0]].output_ids)} generated tokens")
+            logits = self._model_call(self._logits, [sequences[i] for i in active])
+            self._progress_at = time.monotonic()
+            still_active = []
+            for i, logits_LV in zip(active, logits):
+                request, out = requests[i], outputs[i]
+                log_probs_LV = sampling_log_probs(logits_LV, request.sampling.temperature)
+                if first_step and request.return_logprob and request.logprob_start_len >= 0:
+                    self._fill_prompt_fields(out, request, log_probs_LV)
+                if len(out.output_ids) >= request.sampling.max_new_tokens:
+                    out.finish_reason = "length"
+                    continue
+                last = log_probs_LV[-1]
+                token = sample_token(last, request.sampling, generators[i])
+                sequences[i].append(token)
+                if self._record_token(out, request, token, float(last[token]), last):
+                    still_active.append(i)
+            active = still_active
+            first_step = False
+        return outputs
+
+    def _generate_cached(self, requests: Sequence[GenerateRequest],
+                         should_stop: Optional[Callable[[], bool]] = None) -> list[GenerateOutput]:
+        """The "kv_cache" decoder: one prefill of the whole batch, then one cached forward per step.
+
+        Same choices as `_generate_packed` (same sampling helpers, same generator draws in request
+        order), so a seed reproduces a sample and greedy decoding picks the same tokens.
+        """
+        if not requests:
+            return []
+        outputs = [GenerateOutput(output_ids=[], weight_version=self._version) for _ in requests]
+        generators = [
+            torch.Generator().manual_seed(r.sampling.seed) if r.sampling.seed is not None else self._generator
+            for r in requests
+        ]
+        prompt_starts = [_first_prompt_logit(r) for r in requests]
+        num_prompt_logits = max(len(r.input_ids) - start for r, start in zip(requests, prompt_starts))
+        batch = self._model_call(self._cached_decoder.prefill, [r.input_ids for r in requests], num_prompt_logits,
+                                 max(r.sampling.max_new_tokens for r in requests))
+        self._progress_at = time.monotonic()
+        for i, (request, start) in enumerate(zip(requests, prompt_starts)):
+            if request.return_logprob and request.logprob_start_len >= 0:
+                first_index = num_prompt_logits - len(request.input_ids) + start
+                log_probs_LV = sampling_log_probs(batch.prompt_logits_BKV[i, first_index:],
+                                                  request.sampling.temperature)
+                self._fill_prompt_fields(outputs[i], request, log_probs_LV, first_position=start)
+        active = [i for i, r in enumerate(requests) if r.sampling.max_new_tokens > 0]
+        logits_BV = batch.prompt_logits_BKV[:, -1]
+        if len(active) < len(requests):  # max_new_tokens = 0: prompt fields only
+            for i in set(range(len(requests))) - set(active):
+                outputs[i].finish_reason = "length"
+            batch.keep_rows(active)
+            logits_BV = logits_BV[active]
+        while active:
+            if should_stop is not None and should_stop():
+                raise GenerationCancelled(f"stopped after {len(outputs[active[0]].output_ids)} generated tokens")
+            temperatures_B1 = torch.tensor([[requests[i].sampling.temperature or 1.0] for i in active])
+            log_probs_BV = torch.log_softmax(logits_BV / temperatures_B1, dim=-1)
+            greedy_B = log_probs_BV.argmax(dim=-1).tolist()
+            tokens = [greedy_B[row] if requests[i].sampling.temperature == 0
+                      else sample_token(log_probs_BV[row], requests[i].sampling, generators[i])
+                      for row, i in enumerate(active)]
+            chosen_B = log_probs_BV.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+            kept_rows = []
+            for row, i in enumerate(active):
+                if self._record_token(outputs[i], requests[i], tokens[row], chosen_B[row], log_probs_BV[row]):
+                    kept_rows.append(row)
+            if not kept_rows:
+                break
+            batch.keep_rows(kept_rows)
+            active = [active[row] for row in kept_rows]
+            logits_BV = self._model_call(batch.step, [tokens[row] for row in kept_rows])
+            self._progress_at = time.monotonic()
+        return outputs
+
+    def _record_token(self, out: GenerateOutput, request: GenerateRequest, token: int, log_prob: float,
+                      log_probs_V: torch.Tensor) -> bool:
+        """Append a generated token (and its log-prob fields); return whether the request goes on."""
+        out.output_ids.append(token)
+        if request.return_logprob:
+            out.output_log_probs.append(log_prob)
+            if request.top_logprobs_num:
+                out.output_top_log_probs.append(_top_pairs(log_probs_V, request.top_logprobs_num))
+            if request.token_ids_logprob:
+                out.output_token_ids_log_probs.append(_id_pairs(log_probs_V, request.token_ids_logprob))
+        stop_ids = set(request.sampling.stop_token_ids)
+        if not request.sampling.ignore_eos and self.eos_token_id is not None:
+            stop_ids.add(self.eos_token_id)
+        if token in stop_ids:
+            out.finish_reason = "stop"
+        elif len(out.output_ids) >= request.sampling.max_new_tokens:
+            out.finish_reason = "length"
+        else:
+            return True
+        return False
+
+    @staticmethod
+    def _fill_prompt_fields(out: GenerateOutput, request: GenerateRequest, log_probs_LV: torch.Tensor,
+                            first_position: int = 0) -> None:
+        """Prompt position p >= logprob_start_len: log p(prompt[p] | prompt[:p]); None at p = 0.
+
+        log_probs_LV[k] holds the log-probs after prompt position first_position + k.
+        """
+        prompt = request.input_ids
+        for p in range(request.logprob_start_len, len(prompt)):
+            if p == 0:
+                out.input_log_probs.append(None)
+                out.input_top_log_probs.append(None)
+                out.input_token_ids_log_probs.append(None)
+                continue
+            row = log_probs_LV[p - 1 - first_position]
+            out.input_log_probs.append(float(row[prompt[p]]))
+            out.input_top_log_probs.append(_top_pairs(row, request.top_logprobs_num) if request.top_logprobs_num else None)
+            out.input_token_ids_log_probs.append(
+                _id_pairs(row, request.token_ids_logprob) if request.token_ids_logprob else None
+            )
+
+    def load_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the model (no version change)."""
+        with self._lock:
+            if self._cached_decoder is not None:
+                self._cached_decoder.mark_stale()
+            if self._weight_loader is not None:
+                self._weight_loader(self.model, named_tensors)
+            else:
+                self._receiver.receive(named_tensors)
+
+    def set_weight_version(self, version: int) -> None:
+        """Mark the update finished; raises if a parameter received only part of its tensors."""
+        with self._lock:
+            self._receiver.check_complete()
+            self._version = int(version)
+
+    def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
+        for bucket in buckets:
+            self.load_weights(bucket)
+        self.set_weight_version(version)
+
+    def weight_version(self) -> int:
+        return self._version
+
+    def pause(self) -> None:
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self._resumed.set()
+
+    def flush_cache(self) -> None:
+        """Nothing to drop: this engine keeps no prefix cache."""
+
+    def health(self) -> bool:
+        return True

@@ -1,0 +1,174 @@
+"""`InferenceEngine` over SGLang's native HTTP API, served by `stacx serve` (CPU) or SGLang.
+
+Generation, pause/resume, flush and health use SGLang's own endpoints. Weight updates go to
+`stacx serve`'s binary bucket endpoint (`/stacx/update_weights_bucket`, see weight_transfer.py);
+the SGLang engine overrides `update_weights` with SGLang's tensor / distributed endpoints.
+
+Same-host shared memory: the client asks the server for a staging file (`POST /stacx/shm_staging`
+-> `{"staging_id", "path"}`), writes each bucket into it and posts only the metadata with the
+`staging_id`. `shutdown()` (alias `close()`) releases and removes that file; it is safe to call twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional, Sequence
+from urllib.parse import urlparse
+
+from stacx.network import is_loopback_host
+from stacx.rollout.engines.base import InferenceEngine, WeightBucket
+from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerRequestError
+from stacx.rollout.engines.sglang_protocol import build_generate_payload, parse_generate_response
+from stacx.rollout.types import GenerateOutput, GenerateRequest
+from stacx.rollout.weight_transfer import SharedMemoryStaging, bucket_wire_chunks
+
+logger = logging.getLogger(__name__)
+
+BUCKET_ENDPOINT = "/stacx/update_weights_bucket"
+SHM_BUCKET_ENDPOINT = "/stacx/update_weights_from_shm"
+SHM_STAGING_ENDPOINT = "/stacx/shm_staging"
+SHM_RELEASE_ENDPOINT = "/stacx/shm_staging/release"
+WEIGHT_TRANSPORTS = ("auto", "http", "shm")
+
+
+def summarize_requests(requests: Sequence[GenerateRequest]) -> str:
+    lengths = [len(r.input_ids) for r in requests]
+    return (f"{len(requests)} sequences, prompt lengths {lengths[:8]}{'...' if len(lengths) > 8 else ''}, "
+            f"max_new_tokens {requests[0].sampling.max_new_tokens}")
+
+
+class HttpEngine(InferenceEngine):
+    """Talks to one server URL."""
+
+    def __init__(self, url: str, retry: RetryPolicy = RetryPolicy(), *, weight_transport: str = "auto",
+                 api_key: Optional[str] = None):
+        """weight_transport: 'http' sends bucket bytes in the request body; 'shm' stages them in a
+        same-host shared-memory file the server creates and sends only metadata; 'auto' tries shm
+        for a loopback URL and falls back to http when the server offers no staging file.
+        api_key: the server's shared secret (None: `STACX_API_KEY` if set)."""
+        if weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight_transport must be one of {WEIGHT_TRANSPORTS}, got {weight_transport!r}")
+        self.transport = HttpTransport(url, retry, api_key=api_key)
+        host = urlparse(self.transport.url).hostname
+        self._shm_fallback = weight_transport == "auto"
+        self.weight_transport = ("shm" if is_loopback_host(host) else "http") \
+            if weight_transport == "auto" else weight_transport
+        self._staging: SharedMemoryStaging | None = None
+
+    @property
+    def url(self) -> str:
+        return self.transport.url
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+        if not requests:
+            return []
+        body = self.transport.post_json("/generate", build_generate_payload(requests), summary=summarize_requests(requests))
+        return parse_generate_response(body, requests)
+
+    def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
+        pending = None
+        for bucket in buckets:
+            if pending is not None:
+                self._send_bucket(pending, version=version, final=False)
+            pending = bucket
+        if pending is None:
+            raise ValueError("update_weights: no buckets given")
+        self._send_bucket(pending, version=version, final=True)
+
+    def _send_bucket(self, bucket: WeightBucket, *, version: int, final: bool) -> None:
+        if self.weight_transport == "shm" and self._staging is None:
+            self._staging = self._open_staging()
+        if self.weight_transport == "shm":
+            header = self._staging.write(bucket, version=version, final=final)
+            self.transport.post_json(SHM_BUCKET_ENDPOINT, header, summary=f"{len(bucket)} tensors via {self._staging.path}")
+            return
+        # the tensors' own memory goes to the socket; the server receives one flat buffer
+        chunks = bucket_wire_chunks(bucket, version=version, final=final)
+        body = _ChunkedBody(chunks)
+        self.transport.request(
+            "POST", BUCKET_ENDPOINT, data=body, summary=f"{len(bucket)} tensors, {body.len} bytes, version {version}",
+        )
+
+    def _open_staging(self) -> Optional[SharedMemoryStaging]:
+        """Handshake for a server-created staging file. With 'auto', a server that offers none (an
+        older server, another user's file, another host) switches this client to 'http'."""
+        try:
+            answer = self.transport.post_json(SHM_STAGING_ENDPOINT, {}, summary="shared-memory staging handshake")
+            staging_id, path = answer["staging_id"], answer["path"]
+        except (ServerRequestError, KeyError, TypeError) as err:
+            if isinstance(err, ServerRequestError) and err.status_code in (401, 403):
+                raise  # a wrong or missing API key: falling back to the body endpoint would fail the same way
+            if not self._shm_fallback:
+                raise RuntimeError(f"{self.url} offers no shared-memory staging file ({err}); "
+                                   "use weight_transport='http'") from err
+            logger.info("%s: no shared-memory staging (%s); sending weights in the request body", self.url, err)
+            self.weight_transport = "http"
+            return None
+        try:
+            return SharedMemoryStaging(path, staging_id)
+        except OSError as err:
+            self._release_staging(staging_id)
+            if not self._shm_fallback:
+                raise RuntimeError(f"cannot open the server's staging file {path} ({err}); "
+                                   "use weight_transport='http'") from err
+            logger.info("%s: cannot open staging file %s (%s); sending weights in the request body", self.url, path, err)
+            self.weight_transport = "http"
+            return None
+
+    def _release_staging(self, staging_id: str) -> None:
+        """Ask the server to remove its staging file (best effort: one short attempt)."""
+        try:
+            self.transport.post_json(SHM_RELEASE_ENDPOINT, {"staging_id": staging_id},
+                                     retry=RetryPolicy(timeout_s=5.0, max_attempts=1))
+        except Exception as err:  # noqa: BLE001 - teardown goes on; the server removes it when it stops
+            logger.debug("releasing staging file %s on %s failed: %s", staging_id, self.url, err)
+
+    def weight_version(self) -> int:
+        return int(self.transport.get("/get_weight_version")["weight_version"])
+
+    def pause(self) -> None:
+        self.transport.post_json("/pause_generation", {})
+
+    def resume(self) -> None:
+        self.transport.post_json("/continue_generation", {})
+
+    def flush_cache(self) -> None:
+        self.transport.post_json("/flush_cache", {})
+
+    def health(self) -> bool:
+        try:
+            self.transport.get("/health", retry=RetryPolicy(timeout_s=5.0, max_attempts=1))
+            return True
+        except Exception:
+            return False
+
+    def model_info(self) -> dict:
+        return self.transport.get("/get_model_info")
+
+    def shutdown(self) -> None:
+        """Remove the shared-memory staging file (here and on the server) and close the connection.
+        Safe to call twice."""
+        staging, self._staging = self._staging, None
+        try:
+            if staging is not None:
+                self._release_staging(staging.staging_id)
+        finally:
+            if staging is not None:
+                staging.close()
+            self.transport.close()
+
+    close = shutdown
+
+
+class _ChunkedBody:
+    """A request body made of a few buffers with a known total length (so no chunked encoding)."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+        self.len = sum(memoryview(c).nbytes for c in chunks)
+
+    def __len__(self):
+        return self.len
+
+    def __iter__(self):
+        return iter(self.chunks)

@@ -1,0 +1,219 @@
+"""Batched decoding with a KV cache on a `transformers` mirror of the engine's megatron GPTModel.
+
+The trainer's megatron model stays the one source of weights (checkpoint loads and weight
+updates land in it, with their name and completeness checks). `KvCacheDecoder` keeps a
+`transformers` causal LM of the same config whose parameters are copied from the megatron
+model, as Hugging Face-named tensors, the first time it decodes after any weight change
+(`mark_stale()`). Decoding then runs `transformers`' cached forward:
+
+    prefill:  one forward over the left-padded prompts [B, L_max] -> KV cache, logits of the
+              last K positions [B, K, V] (K = 1 unless prompt log-probs are asked for)
+    step:     one forward over the B newest tokens [B, 1] against the cache -> logits [B, V]
+
+so a batch of N new tokens costs N small forwards instead of N forwards of the whole
+(prompt + tokens so far) rows. Finished rows leave the cache (`CachedBatch.keep_rows`).
+
+Why this route (docs/performance.md, "Generation"): on CPU it is as fast as Hugging Face
+`generate` on the same weights, and its fp32 log-probs agree with the trainer's packed forward
+to about 1e-6 (tested to 1e-5). The cost is a second copy of the weights in the engine process.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Sequence
+
+import torch
+
+
+def _growing_layer_class():
+    """A `transformers` DynamicLayer that writes into a preallocated [B, H, capacity, D] buffer
+    instead of concatenating (which copies the whole cache at every step: O(steps^2) bytes).
+    None when this `transformers` has no per-layer cache API (< 4.56): the plain cache is used."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        return None
+
+    class GrowingLayer(DynamicLayer):
+        """Keys/values are views [B, H, length, D] of buffers [B, H, capacity, D]; capacity doubles
+        when a write would overflow it."""
+
+        def __init__(self, capacity: int):
+            super().__init__()
+            self._capacity = capacity
+            self._length = 0
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            self.device = key_states.device
+            batch, heads, _, _ = key_states.shape
+            self._key_buffer = key_states.new_empty(batch, heads, self._capacity, key_states.shape[-1])
+            self._value_buffer = value_states.new_empty(batch, heads, self._capacity, value_states.shape[-1])
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self._length + key_states.shape[-2]
+            if end > self._key_buffer.shape[2]:
+                self._key_buffer = self._grown(self._key_buffer, end)
+                self._value_buffer = self._grown(self._value_buffer, end)
+            self._key_buffer[:, :, self._length:end] = key_states
+            self._value_buffer[:, :, self._length:end] = value_states
+            self._length = end
+            self._set_views()
+            return self.keys, self.values
+
+        def _grown(self, buffer, needed: int):
+            grown = buffer.new_empty(*buffer.shape[:2], max(needed, 2 * buffer.shape[2]), buffer.shape[3])
+            grown[:, :, :self._length] = buffer[:, :, :self._length]
+            return grown
+
+        def _set_views(self) -> None:
+            self.keys = self._key_buffer[:, :, :self._length]
+            self.values = self._value_buffer[:, :, :self._length]
+
+        def batch_select_indices(self, indices) -> None:
+            if self.is_initialized:
+                self._key_buffer = self._key_buffer[indices]
+                self._value_buffer = self._value_buffer[indices]
+                self._set_views()
+
+    return GrowingLayer
+
+
+def new_cache(config, capacity: int):
+    """An empty KV cache for `config`'s model holding up to `capacity` positions without copying."""
+    # Imported here: transformers is slow to import (start-up time).
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
+    growing_layer = _growing_layer_class()
+    layers = getattr(cache, "layers", None)
+    if growing_layer is not None and layers and all(type(layer).__name__ == "DynamicLayer" for layer in layers):
+        cache.layers = [growing_layer(capacity) for _ in layers]
+    return cache
+
+
+class CachedBatch:
+    """One batch being decoded: its KV cache, its attention mask and the rows still in it.
+
+    Row r of every tensor is the r-th row still in the batch (rows leave with `keep_rows`).
+    """
+
+    def __init__(self, decoder: "KvCacheDecoder", attention_mask_BT: torch.Tensor, cache,
+                 prompt_logits_BKV: torch.Tensor):
+        self._decoder = decoder
+        self._attention_mask_BT = attention_mask_BT
+        # prompts of one length need no mask: the model's plain causal path is cheaper per step
+        self._padded = not bool(attention_mask_BT.all())
+        self._cache = cache
+        self.prompt_logits_BKV = prompt_logits_BKV
+        """fp32 logits [B, K, V] of each prompt's last K positions (left padding: position p of a
+        prompt of length L is at index K - L + p)."""
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Drop every row not in `rows` (indices into the current batch, in the order to keep)."""
+        if len(rows) == self._attention_mask_BT.shape[0]:
+            return
+        index = torch.tensor(list(rows), dtype=torch.long)
+        self._cache.batch_select_indices(index)
+        self._attention_mask_BT = self._attention_mask_BT[index]
+
+    @torch.inference_mode()
+    def step(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append one token per row; return the fp32 logits [B, V] of the next position."""
+        # position of the new token = number of real (non-pad) tokens before it
+        position_ids_B1 = self._attention_mask_BT.sum(dim=1, keepdim=True)
+        ones_B1 = torch.ones_like(position_ids_B1)
+        self._attention_mask_BT = torch.cat([self._attention_mask_BT, ones_B1], dim=1)
+        output = self._decoder.forward(
+            torch.tensor(list(tokens), dtype=torch.long).unsqueeze(1),
+            self._attention_mask_BT if self._padded else None, position_ids_B1, self._cache, num_logits=1)
+        return output.logits[:, -1].float()
+
+
+class KvCacheDecoder:
+    """A `transformers` model mirroring `gpt_model`'s weights, decoding batches with a KV cache.
+
+    gpt_model: a single-process megatron GPTModel built by `stacx.models.build_model`.
+    groups: its (trivial) ProcessGroups, used to read its weights under Hugging Face names.
+    """
+
+    def __init__(self, gpt_model, groups):
+        # Imported here: transformers is slow to import (start-up time).
+        from transformers import AutoModelForCausalLM
+
+        # Imported here: megatron-core is slow to import (start-up time).
+        from stacx.models import hf_config_of
+
+        self._gpt_model = gpt_model
+        self._groups = groups
+        dtype = next(gpt_model.parameters()).dtype
+        config = hf_config_of(gpt_model)
+        self.vocab_size = int(config.vocab_size)
+        self.hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        self.hf_model.requires_grad_(False)
+        self._stale = True
+        # transformers 5.x names the cache argument `cache` (`past_key_values` is deprecated there)
+        forward_arguments = inspect.signature(self.hf_model.forward).parameters
+        self._cache_argument = "cache" if "cache" in forward_arguments else "past_key_values"
+
+    def mark_stale(self) -> None:
+        """The megatron model's weights changed: copy them again before the next decoding."""
+        self._stale = True
+
+    @torch.no_grad()
+    def sync_weights(self) -> None:
+        """Copy every megatron parameter, under its Hugging Face name(s), into the mirror.
+
+        Raises AssertionError if a mirror parameter was not written (a mapping gap: a bug).
+        """
+        # Imported here: megatron-core is slow to import (start-up time).
+        from stacx.models import iter_hf_weight_buckets
+
+        params = dict(self.hf_model.named_parameters())  # tied weights appear once
+        written = set()
+        for bucket in iter_hf_weight_buckets(self._gpt_model, self._groups, bucket_bytes=1 << 62):
+            for name, tensor in bucket:
+                if name not in params:
+                    assert name == "lm_head.weight" and self.hf_model.config.tie_word_embeddings, name
+                    continue
+                params[name].copy_(tensor)
+                written.add(name)
+        missing = sorted(set(params) - written)
+        assert not missing, f"the KV-cache mirror received no weights for {missing[:5]}"
+        self._stale = False
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]], num_prompt_logits: int = 1,
+                max_new_tokens: int = 0) -> CachedBatch:
+        """Run the left-padded prompts [B, L_max] once; keep logits of the last `num_prompt_logits`.
+
+        Every prompt must hold at least one token. The cache is sized for L_max + max_new_tokens.
+        """
+        if self._stale:
+            self.sync_weights()
+        lengths = [len(p) for p in prompts]
+        assert min(lengths) > 0, "the KV-cache decoder needs a non-empty prompt"
+        max_length = max(lengths)
+        capacity = max_length + max(1, max_new_tokens)
+        input_ids_BT = torch.zeros(len(prompts), max_length, dtype=torch.long)
+        attention_mask_BT = torch.zeros(len(prompts), max_length, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids_BT[row, max_length - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+            attention_mask_BT[row, max_length - len(prompt):] = 1
+        position_ids_BT = (attention_mask_BT.cumsum(dim=1) - 1).clamp(min=0)
+        cache = new_cache(self.hf_model.config, capacity)
+        padded = min(lengths) < max_length
+        output = self.forward(input_ids_BT, attention_mask_BT if padded else None, position_ids_BT, cache,
+                              num_logits=max(1, min(num_prompt_logits, max_length)))
+        return CachedBatch(self, attention_mask_BT, cache, output.logits.float())
+
+    def forward(self, input_ids_BS, attention_mask_BT, position_ids_BS, cache, *, num_logits: int):
+        """The mirror's cached forward of S new tokens per row (T = cached + S mask columns)."""
+        return self.hf_model(input_ids=input_ids_BS, attention_mask=attention_mask_BT, position_ids=position_ids_BS,
+                             use_cache=True, logits_to_keep=num_logits, **{self._cache_argument: cache})

@@ -1,0 +1,299 @@
+"""The SGLang engine for GPU clusters: launch (or attach to) SGLang servers, update their weights.
+
+Generation, pause/resume, flush and health are `HttpEngine`'s (SGLang's native API). Weights go
+one of two ways (field names from SGLang's io_struct, see docs/sglang.md):
+
+- colocated (`weight_update="tensor"`): `POST /update_weights_from_tensor` with
+  `{"serialized_named_tensors": [one entry per SGLang TP rank], "load_format", "flush_cache",
+  "weight_version"}`; each entry is SGLang's `MultiprocessingSerializer` string of the bucket's
+  (name, tensor) list (CUDA tensors travel as IPC handles, no copy).
+- separate GPUs (`weight_update="distributed"`): once, `POST /init_weights_update_group`
+  `{"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}`
+  while the trainer joins the same group as rank 0 (`WeightBroadcastGroup`); then per bucket
+  `POST /update_weights_from_distributed` `{"names", "dtypes", "shapes", "group_name",
+  "flush_cache", "weight_version"}` and, concurrently, one broadcast per tensor from rank 0.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from stacx.parallel.bound_store import host_bound_store
+from stacx.parallel.tensor_buckets import dtype_name
+from stacx.rollout.engines.base import WeightBucket
+from stacx.rollout.engines.http import HttpEngine
+from stacx.rollout.engines.processes import stop_process
+from stacx.rollout.http_client import RetryPolicy
+
+WEIGHT_UPDATE_MODES = ("tensor", "distributed")
+
+
+def build_update_from_tensor_payload(serialized_per_rank: Sequence[str], *, version: int, final: bool) -> dict:
+    return {
+        "serialized_named_tensors": list(serialized_per_rank),
+        "load_format": None,
+        "flush_cache": bool(final),
+        "weight_version": str(version),
+    }
+
+
+def build_update_from_distributed_payload(bucket: WeightBucket, *, group_name: str, version: int, final: bool) -> dict:
+    return {
+        "names": [name for name, _ in bucket],
+        "dtypes": [dtype_name(t.dtype, name) for name, t in bucket],
+        "shapes": [list(t.shape) for _, t in bucket],
+        "group_name": group_name,
+        "flush_cache": bool(final),
+        "weight_version": str(version),
+    }
+
+
+def build_init_group_payload(*, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                             group_name: str, backend: str) -> dict:
+    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend}
+
+
+def default_serializer() -> Callable[[list], str]:
+    """SGLang's own serializer (imported only when the tensor path is used on a GPU node)."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+    except ImportError as err:
+        raise ImportError("weight_update='tensor' needs the sglang package (pip install 'stacx[sglang]')") from err
+    return lambda named_tensors: MultiprocessingSerializer.serialize(named_tensors, output_str=True)
+
+
+class WeightBroadcastGroup:
+    """The trainer's end (rank 0) of the weight-update group SGLang's ranks join.
+
+    A standalone process group over its own TCPStore, outside the trainer's default world:
+    NCCL on GPU, gloo on CPU (the tests use gloo).
+    """
+
+    def __init__(self, *, master_address: str, master_port: int, world_size: int, rank: int = 0,
+                 backend: str = "nccl", timeout_s: float = 600.0):
+        if rank == 0:  # the trainer hosts the group's store on the address SGLang's ranks were given, only there
+            store, _ = host_bound_store(master_address, timeout_s, port=master_port, world_size=world_size,
+                                        purpose="SGLang weight-update group")
+        else:
+            store = dist.TCPStore(master_address, master_port, world_size, is_master=False,
+                                  timeout=timedelta(seconds=timeout_s))
+        if backend == "gloo":
+            self.group = dist.ProcessGroupGloo(store, rank, world_size)
+        elif backend == "nccl":
+            self.group = dist.ProcessGroupNCCL(store, rank, world_size)
+        else:
+            raise ValueError(f"weight update backend must be 'nccl' or 'gloo', got {backend!r}")
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.group.broadcast([tensor], options).wait()
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SglangServerSpec:
+    """How to launch one SGLang server."""
+
+    model_path: str
+    port: int
+    host: Optional[str] = None
+    """Address to bind; None binds the address of the node it runs on, the one the trainer uses
+    (Ray's node IP, loopback outside Ray). A wildcard (0.0.0.0, ::) is refused."""
+    api_key: Optional[str] = None
+    """SGLang's `--api-key`: the shared secret its clients send as a bearer token (the trainer
+    generates one per run)."""
+    tensor_parallel_size: int = 1
+    mem_fraction_static: float = 0.7
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.host in WILDCARD_HOSTS:
+            raise ValueError(f"SglangServerSpec.host {self.host!r} would serve on every interface; leave it None "
+                             "(the node's own address) or name one address")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("SglangServerSpec.api_key is empty; pass None or a secret")
+        if any(arg in ("--host", "--api-key") for arg in self.extra_args):
+            raise ValueError("SglangServerSpec.extra_args: set --host and --api-key through the spec's "
+                             "'host' and 'api_key' fields")
+
+
+def node_address() -> str:
+    """The address of this node as the trainer reaches it: Ray's node IP inside a Ray worker or
+    driver, else loopback (a single-machine run)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def build_launch_command(spec: SglangServerSpec, host: Optional[str] = None) -> list[str]:
+    """The `sglang.launch_server` command line, bound to `host` (default: the spec's host, else
+    `node_address()`); with an api_key, SGLang itself requires it on every endpoint."""
+    host = host or spec.host or node_address()
+    command = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", host,
+        "--port", str(spec.port), "--tp-size", str(spec.tensor_parallel_size),
+        "--mem-fraction-static", str(spec.mem_fraction_static), "--skip-server-warmup",
+    ]
+    if spec.api_key:
+        command += ["--api-key", spec.api_key]
+    return command + list(spec.extra_args)
+
+
+class SglangServerProcess:
+    """Runs `python -m sglang.launch_server` and waits for /health (wrap in a Ray actor to place it)."""
+
+    def __init__(self, spec: SglangServerSpec, *, startup_timeout_s: float = 900.0):
+        self.spec = spec
+        host = spec.host or node_address()
+        self.process = subprocess.Popen(build_launch_command(spec, host))
+        url = f"http://{host}:{spec.port}"
+        probe = HttpEngine(url, RetryPolicy(timeout_s=10, max_attempts=max(1, int(startup_timeout_s // 5)),
+                                            backoff_s=5, backoff_max_s=5), api_key=spec.api_key)
+        try:
+            probe.transport.get("/health")
+        except Exception as err:
+            self.stop()
+            raise RuntimeError(f"SGLang server {url} ({spec.model_path}) did not become healthy: {err}") from err
+        self.url = url
+
+    def stop(self) -> None:
+        stop_process(self.process, timeout_s=60)
+
+
+SGLANG_SCHEDULING_MARGIN_S = 120.0
+"""Time on top of the server's own startup timeout for Ray to place the actor."""
+
+
+def launch_sglang_servers_on_ray(specs: Sequence[SglangServerSpec], *, num_gpus_per_server: Optional[int] = None,
+                                 startup_timeout_s: float = 900.0):
+    """One Ray actor per server on the rollout GPUs; returns (actors, urls). Needs a Ray cluster with GPUs.
+
+    Fails (instead of waiting forever) when the servers are not up within startup_timeout_s plus a
+    scheduling margin, e.g. because the cluster lacks the GPUs; every actor started is killed first.
+    """
+    # Imported here: Ray is slow to import (start-up time).
+    import ray
+
+    actor_cls = ray.remote(SglangServerProcess)
+    actors = []
+    try:
+        for spec in specs:
+            num_gpus = num_gpus_per_server or spec.tensor_parallel_size
+            actors.append(actor_cls.options(num_gpus=num_gpus).remote(spec, startup_timeout_s=startup_timeout_s))
+        wait_s = startup_timeout_s + SGLANG_SCHEDULING_MARGIN_S
+        try:
+            urls = ray.get([a.__ray_call__.remote(lambda self: self.url) for a in actors], timeout=wait_s)
+        except ray.exceptions.GetTimeoutError as err:
+            needs = ", ".join(f"{s.model_path}: {num_gpus_per_server or s.tensor_parallel_size} GPU(s)" for s in specs)
+            raise RuntimeError(f"SGLang servers were not ready within {wait_s:.0f}s ({needs}); "
+                               "does the Ray cluster have these GPUs free?") from err
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor)
+        raise
+    return actors, urls
+
+
+class SglangEngine(HttpEngine):
+    """An attached SGLang server (one URL; use one engine per server and a router for many)."""
+
+    def __init__(self, url: str, *, weight_update: str = "tensor", retry: RetryPolicy = RetryPolicy(),
+                 serializer: Optional[Callable[[list], str]] = None, server_tp_size: int = 1,
+                 broadcast_group: Optional[WeightBroadcastGroup] = None, group_name: str = "weight_update_group",
+                 api_key: Optional[str] = None):
+        """api_key: the server's `--api-key` (None: `STACX_API_KEY` if set)."""
+        if weight_update not in WEIGHT_UPDATE_MODES:
+            raise ValueError(f"weight_update must be one of {WEIGHT_UPDATE_MODES}, got {weight_update!r}")
+        super().__init__(url, retry, api_key=api_key)
+        self.weight_update = weight_update
+        self._serializer = serializer
+        self.server_tp_size = server_tp_size
+        self.broadcast_group = broadcast_group
+        self.group_name = group_name
+        self._version = 0
+
+    def init_weight_update_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 backend: str = "nccl") -> WeightBroadcastGroup:
+        """Ask the server to join the group while the trainer joins as rank 0 (both block until all joined)."""
+        payload = build_init_group_payload(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+                                           world_size=world_size, group_name=self.group_name, backend=backend)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            answer = pool.submit(self.transport.post_json, "/init_weights_update_group", payload,
+                                 summary=f"join {self.group_name} at {master_address}:{master_port}")
+            group = WeightBroadcastGroup(master_address=master_address, master_port=master_port,
+                                         world_size=world_size, backend=backend)
+            _check_success(answer.result(), "/init_weights_update_group")
+        self.broadcast_group = group
+        return group
+
+    def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
+        buckets = list(buckets)
+        if not buckets:
+            raise ValueError("update_weights: no buckets given")
+        for index, bucket in enumerate(buckets):
+            final = index == len(buckets) - 1
+            if self.weight_update == "tensor":
+                self._update_from_tensor(bucket, version=version, final=final)
+            else:
+                self._update_from_distributed(bucket, version=version, final=final)
+        self._version = version
+
+    def _update_from_tensor(self, bucket: WeightBucket, *, version: int, final: bool) -> None:
+        serialize = self._serializer or default_serializer()
+        serialized = serialize(list(bucket))
+        payload = build_update_from_tensor_payload([serialized] * self.server_tp_size, version=version, final=final)
+        answer = self.transport.post_json("/update_weights_from_tensor", payload,
+                                          summary=f"{len(bucket)} tensors, version {version}")
+        _check_success(answer, "/update_weights_from_tensor")
+
+    def _update_from_distributed(self, bucket: WeightBucket, *, version: int, final: bool) -> None:
+        if self.broadcast_group is None:
+            raise RuntimeError("weight_update='distributed' needs init_weight_update_group() first")
+        payload = build_update_from_distributed_payload(bucket, group_name=self.group_name, version=version, final=final)
+        errors = []
+
+        def post():
+            try:
+                _check_success(self.transport.post_json("/update_weights_from_distributed", payload,
+                                                        summary=f"{len(bucket)} tensors, version {version}"),
+                               "/update_weights_from_distributed")
+            except Exception as err:  # surfaced after the broadcasts
+                errors.append(err)
+
+        poster = threading.Thread(target=post)
+        poster.start()
+        for _, tensor in bucket:  # the server receives in `names` order
+            self.broadcast_group.broadcast(tensor.contiguous())
+        poster.join()
+        if errors:
+            raise errors[0]
+
+    def weight_version(self) -> int:
+        """The server's own report when it has one, else the last version pushed."""
+        info = self.model_info()
+        reported = info.get("weight_version") if isinstance(info, dict) else None
+        return int(reported) if reported not in (None, "", "default") else self._version
+
+
+def _check_success(answer, endpoint: str) -> None:
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise RuntimeError(f"{endpoint} failed: {answer.get('message')}")

@@ -1,0 +1,184 @@
+"""Start or attach to the Ray cluster a run uses.
+
+Where the cluster comes from, first match wins:
+
+1. `--ray-address ADDRESS` (run config `ray_address`): attach to that existing cluster.
+2. `RAY_ADDRESS` in the environment: attach. `ray job submit` sets it for the job's entry
+   command, so a Stacx entry script submitted as a job lands on the job's cluster unchanged.
+3. Neither: start a private local cluster sized by `num_cpus` / `num_gpus`. Its node address
+   is 127.0.0.1, so its GCS, raylet, object manager and agents listen on loopback only and
+   nothing on the network can reach them (`start_local_cluster`; docs/security.md).
+
+    connection = connect_ray(cli_address=args.ray_address, num_cpus=4)
+    ...
+    connection.shutdown()   # stops a local cluster; only disconnects from an attached one
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+from stacx.network import is_loopback_host
+
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
+LOOPBACK_ADDRESS = "127.0.0.1"
+"""The node address of every local cluster `connect_ray` starts."""
+RAY_AUTH_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
+"""Ray's logger that warns, on every new local cluster, that it turned token authentication on."""
+
+
+@contextlib.contextmanager
+def _quiet_token_auth_notice() -> Iterator[None]:
+    """Ray enables token authentication for a new local cluster (good: nobody else on the network can
+    run code on it) and logs a warning that it did, in every run; only that notice is hidden, errors
+    still show. A user's RAY_AUTH_MODE is honoured by Ray as before."""
+    notice_logger = logging.getLogger(RAY_AUTH_SETUP_LOGGER)
+    previous = notice_logger.level
+    notice_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        notice_logger.setLevel(previous)
+
+
+def resolve_ray_address(cli_address: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The address to attach to, or None to start a local cluster (see the module docstring)."""
+    environ = os.environ if environ is None else environ
+    for candidate in (cli_address, environ.get(RAY_ADDRESS_ENV)):
+        if candidate is not None and candidate.strip():
+            return candidate.strip()
+    return None
+
+
+@dataclass(frozen=True)
+class RayConnection:
+    """How this process is connected to Ray."""
+
+    address: str | None
+    """The attached cluster's address, or None for a cluster this process started."""
+    started_locally: bool
+    """True when this process started the cluster (and `shutdown` stops it)."""
+    already_connected: bool = False
+    """True when Ray was initialized before `connect_ray` was called (then `shutdown` leaves it)."""
+
+    def shutdown(self) -> None:
+        """Disconnect this process (which also stops a cluster it started)."""
+        # Imported here: Ray is slow to import (start-up time).
+        import ray
+
+        if not self.already_connected and ray.is_initialized():
+            ray.shutdown()
+
+
+@contextlib.contextmanager
+def _ray_keeps_loopback_node_addresses() -> Iterator[None]:
+    """While active, Ray takes 127.0.0.1 as the address of a node it starts, as asked.
+
+    Why: `ray.init(_node_ip_address="127.0.0.1")` is rewritten to the host's interface address
+    (Ray assumes a node must be reachable from other nodes), and every Ray process then listens
+    on all interfaces. Ray keeps a loopback address only where it does not support multi-node
+    clusters, a switch read from `ray._private.ray_constants.ENABLE_RAY_CLUSTER` (set from
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import). It is consulted only while resolving the new
+    node's address, so it is switched off for the `ray.init` call and restored after it;
+    `start_local_cluster` checks the result, so a Ray release that changes this fails loudly.
+    """
+    # Imported here: Ray is slow to import (start-up time).
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def is_loopback_address(address: str) -> bool:
+    """True for a `host:port` cluster address whose host only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    host = address.rsplit(":", 1)[0] if address.count(":") == 1 or address.startswith("[") else address
+    return is_loopback_host(host)
+
+
+def node_addresses() -> list[str]:
+    """The address of every node of the connected cluster, as Ray reports it."""
+    # Imported here: Ray is slow to import (start-up time).
+    import ray
+
+    return [node["NodeManagerAddress"] for node in ray.nodes()]
+
+
+def start_local_cluster(**init_kwargs) -> None:
+    """`ray.init(**init_kwargs)` for a new single-node cluster whose node address is 127.0.0.1.
+
+    RuntimeError (after shutting it down) if Ray reports any other node address.
+    """
+    # Imported here: Ray is slow to import (start-up time).
+    import ray
+
+    with _ray_keeps_loopback_node_addresses(), _quiet_token_auth_notice():
+        ray.init(_node_ip_address=LOOPBACK_ADDRESS, **init_kwargs)
+    addresses = node_addresses()
+    if any(address != LOOPBACK_ADDRESS for address in addresses):
+        ray.shutdown()
+        raise RuntimeError(
+            f"the local Ray cluster took node addresses {addresses} instead of {LOOPBACK_ADDRESS}, so it would listen "
+            f"on the network; this Ray release ({ray.__version__}) no longer honours the loopback switch in "
+            "stacx.trainer.cluster.ray.connect - update _ray_keeps_loopback_node_addresses, or start the cluster yourself "
+            "and pass --ray-address"
+        )
+
+
+def connect_ray(
+    cli_address: str | None = None,
+    *,
+    num_cpus: float | None = None,
+    num_gpus: float | None = None,
+    object_store_memory_bytes: int | None = None,
+    namespace: str = "stacx",
+    log_to_driver: bool = True,
+    environ: Mapping[str, str] | None = None,
+) -> RayConnection:
+    """Attach to an existing cluster or start a local one; returns how we are connected.
+
+    Sizing arguments apply to a local cluster only; passing them while attaching is an error
+    (an attached cluster's resources are set by its own `ray start`).
+    """
+    # Imported here: Ray is slow to import (start-up time).
+    import ray
+
+    address = resolve_ray_address(cli_address, environ)
+    sized = {name: value for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus),
+                                             ("object_store_memory_bytes", object_store_memory_bytes))
+             if value is not None}
+    if address is not None and sized:
+        raise ValueError(
+            f"attaching to the Ray cluster at {address!r} (from --ray-address or {RAY_ADDRESS_ENV}); "
+            f"{sorted(sized)} only size a local cluster - set them on that cluster's `ray start` instead"
+        )
+    if ray.is_initialized():
+        return RayConnection(address=None, started_locally=False, already_connected=True)
+    if address is not None:
+        # A loopback cluster (one `connect_ray` started, e.g. in another process) is reached on
+        # loopback too: Ray would rewrite 127.0.0.1 to the host's interface address, where it does not listen.
+        attach_loopback = _ray_keeps_loopback_node_addresses() if is_loopback_address(address) else contextlib.nullcontext()
+        try:
+            with attach_loopback:
+                ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
+        except ConnectionError as err:
+            raise ConnectionError(
+                f"cannot attach to the Ray cluster at {address!r} (from --ray-address or {RAY_ADDRESS_ENV}): {err}"
+            ) from err
+        return RayConnection(address=address, started_locally=False)
+    start_local_cluster(
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        object_store_memory=object_store_memory_bytes,
+        include_dashboard=False,
+        namespace=namespace,
+        log_to_driver=log_to_driver,
+    )
+    return RayConnection(address=None, started_locally=True)

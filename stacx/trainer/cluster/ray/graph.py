@@ -1,0 +1,191 @@
+"""From a recipe to running workers: one `RoleWorkers` group per role, exchange syncs connected.
+
+    graph = create_role_workers(training_config, WorkerLayout(data_parallel_size=1))
+    graph.workers["actor"].execute_all(build_model, ...)
+    graph.exchanges["actor_to_critic"].transfer(produce, consume)
+    graph.shutdown()
+
+Pools: every pool of `training_config.role_graph()` becomes one placement group of
+`max(tp * cp over its roles) * data_parallel_size` bundles. The roles colocated on it each take
+an equal share of every bundle and each uses all bundles: a role's tp and cp come from the role
+(run flags may override them for trainable roles) and its dp fills the pool
+(`resolve_role_layouts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from stacx.trainer.cluster.ray.exchange import ExchangeSyncGroup
+from stacx.trainer.config.layout import RoleLayout
+from stacx.trainer.config.recipe import TrainingConfig
+from stacx.trainer.cluster.ray.placement import PlacedPool, ResourcePool, RolePlacement
+from stacx.trainer.cluster.ray.role_workers import RoleWorkers, wait_all
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerLayout:
+    """How roles map onto the cluster (the Ray side of the run's parallel settings)."""
+
+    data_parallel_size: int = 1
+    """Data-parallel degree of the largest model-parallel role of each pool; a pool has
+    max(tp * cp) * data_parallel_size bundles and its other roles fill them with more dp."""
+    tensor_parallel_size: int | None = None
+    """Tensor-parallel degree of every trainable role; None keeps each role's own default."""
+    context_parallel_size: int | None = None
+    """Context-parallel degree of every trainable role; None keeps each role's own default."""
+    num_cpus_per_rank: float = 1.0
+    """CPUs per bundle (one bundle per rank), split between the roles colocated on it."""
+    num_gpus_per_rank: float = 0.0
+    """GPUs per bundle (1 on GPU clusters), split between the roles colocated on it."""
+    collective_timeout_s: float = 300.0
+    """Timeout of every collective inside a role and in exchange groups."""
+    call_timeout_s: float | None = None
+    """Deadline of every driver call on workers; None: calls end early only on death or error."""
+    placement_strategy: str = "PACK"
+    """Ray placement strategy of every pool (SPREAD to spread ranks over nodes)."""
+    pool_bundle_resources: Mapping[str, tuple[Mapping[str, float], ...]] = field(default_factory=dict)
+    """Per pool, custom resources of each bundle (pins ranks to nodes started with `--resources`)."""
+    worker_env_vars: Mapping[str, str] = field(default_factory=dict)
+    """Environment variables set in every worker process."""
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"worker layout: field 'data_parallel_size' must be >= 1, got {self.data_parallel_size}")
+        for name in ("tensor_parallel_size", "context_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"worker layout: field {name!r} must be >= 1 or None, got {value}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"worker layout: field 'collective_timeout_s' must be > 0, got {self.collective_timeout_s}")
+
+    @classmethod
+    def from_parallel_section(cls, section: Any, **overrides) -> "WorkerLayout":
+        """Build from the run config's `parallel` section (stacx.trainer.config.run.ParallelSection)."""
+        values = {field: getattr(section, SECTION_FIELD_NAMES.get(field, field)) for field in PARALLEL_SECTION_FIELDS}
+        return cls(**{**values, **overrides})
+
+
+PARALLEL_SECTION_FIELDS = ("data_parallel_size", "tensor_parallel_size", "context_parallel_size", "num_cpus_per_rank",
+                           "num_gpus_per_rank", "collective_timeout_s")
+"""The `WorkerLayout` fields the run config's `parallel` section sets."""
+SECTION_FIELD_NAMES = {"tensor_parallel_size": "tensor_model_parallel_size"}
+"""Where the section's name of a field differs from the layout's."""
+
+
+def resolve_role_layouts(training_config: TrainingConfig, layout: WorkerLayout) -> dict[str, RoleLayout]:
+    """(tp, cp, dp) of every role.
+
+    tp and cp come from the role, with the layout's overrides applied to trainable roles. A pool
+    has `max(tp * cp over its roles) * data_parallel_size` bundles, and every role on the pool
+    uses all of them (colocated roles time-share the same devices), so a role's dp is the pool
+    size divided by its own tp * cp.
+    """
+    model_parallel = {}
+    for role in training_config.roles:
+        tp, cp = role.tensor_parallel_size, role.context_parallel_size
+        if role.trainable:
+            tp = layout.tensor_parallel_size or tp
+            cp = layout.context_parallel_size or cp
+        model_parallel[role.name] = (tp, cp)
+    resolved = {}
+    for pool_name, members in training_config.role_graph().pools.items():
+        pool_size = max(tp * cp for tp, cp in (model_parallel[name] for name in members)) * layout.data_parallel_size
+        for name in members:
+            tp, cp = model_parallel[name]
+            if pool_size % (tp * cp):
+                raise ValueError(
+                    f"recipe {training_config.name!r}: role {name!r} (tp={tp}, cp={cp}) cannot fill pool "
+                    f"{pool_name!r} of {pool_size} ranks; colocated roles need tp * cp dividing the pool size"
+                )
+            resolved[name] = RoleLayout(tensor_parallel_size=tp, context_parallel_size=cp,
+                                        data_parallel_size=pool_size // (tp * cp))
+    return resolved
+
+
+@dataclass
+class RoleWorkerGraph:
+    """The running role graph: pools, one worker group per role, connected exchange syncs."""
+
+    training_config: TrainingConfig
+    layouts: dict[str, RoleLayout]
+    pools: dict[str, PlacedPool] = field(default_factory=dict)
+    workers: dict[str, RoleWorkers] = field(default_factory=dict)
+    exchanges: dict[str, ExchangeSyncGroup] = field(default_factory=dict)
+
+    def shutdown(self) -> None:
+        """Close exchanges, tear down every role's groups, kill the actors, free the pools."""
+        for exchange in self.exchanges.values():
+            exchange.close()
+        for workers in self.workers.values():
+            workers.shutdown()
+        for pool in self.pools.values():
+            pool.remove()
+
+    def kill(self) -> None:
+        """Kill every actor without teardown (after a failure) and free the pools."""
+        for workers in self.workers.values():
+            workers.kill()
+        for pool in self.pools.values():
+            pool.remove()
+
+
+def create_role_workers(training_config: TrainingConfig, layout: Any = None, *, pool_timeout_s: float = 120.0) -> RoleWorkerGraph:
+    """Start and set up one `RoleWorkers` per role of `training_config`, then connect its exchange syncs.
+
+    `layout` is a `WorkerLayout`, the run config's `parallel` section (converted with
+    `WorkerLayout.from_parallel_section`), or None for the defaults. Ray must be connected
+    (`stacx.trainer.cluster.ray.connect.connect_ray`). On any failure every actor and placement group
+    created so far is released before the error propagates.
+    """
+    if layout is None:
+        layout = WorkerLayout()
+    elif not isinstance(layout, WorkerLayout):
+        layout = WorkerLayout.from_parallel_section(layout)
+    role_graph = training_config.role_graph()
+    graph = RoleWorkerGraph(training_config, resolve_role_layouts(training_config, layout))
+    try:
+        for pool_name, members in role_graph.pools.items():
+            pool = ResourcePool(
+                name=pool_name,
+                num_bundles=max(graph.layouts[name].world_size for name in members),
+                num_cpus_per_bundle=layout.num_cpus_per_rank,
+                num_gpus_per_bundle=layout.num_gpus_per_rank,
+                bundle_resources=tuple(layout.pool_bundle_resources.get(pool_name, ())),
+                strategy=layout.placement_strategy,
+            )
+            graph.pools[pool_name] = PlacedPool.create(pool, num_sharing_roles=len(members), timeout_s=pool_timeout_s)
+        for role in training_config.roles:
+            role_layout = graph.layouts[role.name]
+            graph.workers[role.name] = RoleWorkers(
+                role.name,
+                role_layout.world_size,
+                RolePlacement(graph.pools[training_config.pool_of(role.name)]),
+                tensor_parallel_size=role_layout.tensor_parallel_size,
+                context_parallel_size=role_layout.context_parallel_size,
+                collective_timeout_s=layout.collective_timeout_s,
+                call_timeout_s=layout.call_timeout_s,
+                env_vars=dict(layout.worker_env_vars) or None,
+            )
+        wait_all(*(workers.submit_setup() for workers in graph.workers.values()), what="role worker setup")
+        for sync in role_graph.exchange_syncs:
+            colocated = training_config.pool_of(sync.source_role) == training_config.pool_of(sync.target_role)
+            # NCCL refuses two ranks on one GPU; colocated GPU roles exchange over gloo.
+            backend = "gloo" if colocated and layout.num_gpus_per_rank > 0 else "auto"
+            exchange = ExchangeSyncGroup(
+                sync.name,
+                graph.workers[sync.source_role],
+                graph.workers[sync.target_role],
+                backend=backend,
+                timeout_s=layout.collective_timeout_s,
+                bucket_bytes=sync.bucket_size_mb * MIB,
+            )
+            exchange.connect()
+            graph.exchanges[exchange.name] = exchange
+    except BaseException:
+        graph.kill()
+        raise
+    return graph

@@ -1,0 +1,83 @@
+"""Checks of a run's data against its config, raised as `PreflightError` (a `ConfigError`):
+labels for a reward that needs them, every sample within the model's context.
+
+Used by the dry run (`stacx.trainer.preflight`) and by the data source when it loads rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional, Sequence
+
+from stacx.rollout.rewards import resolve_reward_fn, reward_needs_label
+from stacx.trainer.config.recipe import TrainingConfig
+from stacx.trainer.config.run import ConfigError, RunConfig
+
+MAX_ROWS_NAMED = 3
+"""How many offending rows an error names."""
+
+
+class PreflightError(ConfigError):
+    """A setting would make the run fail after it started; the message names the flag and the fix."""
+
+
+def model_context_length(hf_checkpoint: Optional[str]) -> Optional[int]:
+    """max_position_embeddings of the checkpoint's config.json (None when absent or unreadable)."""
+    if not hf_checkpoint:
+        return None
+    path = os.path.join(hf_checkpoint, "config.json")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            value = json.load(handle).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def _name_rows(sources: Sequence[str]) -> str:
+    named = ", ".join(sources[:MAX_ROWS_NAMED])
+    return named + (f" and {len(sources) - MAX_ROWS_NAMED} more" if len(sources) > MAX_ROWS_NAMED else "")
+
+
+def check_examples(examples: Sequence[Any], *, run_config: RunConfig, training_config: TrainingConfig,
+                   kind: str) -> None:
+    """Labels for a reward that needs them, and every sample within the model's context.
+
+    prompt rows: len(prompt_ids) + rollout_max_response_len <= max_position_embeddings;
+    sft / dpo rows: len(prompt_ids) + len(response) <= max_position_embeddings.
+    """
+    rollout = run_config.rollout
+    if kind == "prompt" and training_config.uses_reward:
+        try:
+            reward_fn = resolve_reward_fn(rollout.reward_fn)
+        except ValueError as err:
+            raise PreflightError(f"--reward-fn: {err}") from None
+        unlabeled = [e.source for e in examples if e.label is None or (isinstance(e.label, str) and not e.label.strip())]
+        if unlabeled and reward_needs_label(reward_fn):
+            raise PreflightError(
+                f"{len(unlabeled)} of {len(examples)} rows of --prompt-data {rollout.prompt_data} have no label "
+                f"(key '{rollout.label_key}', --label-key), but --reward-fn {rollout.reward_fn} compares the "
+                f"response with it: {_name_rows(unlabeled)}. Add the labels, set --label-key to the right key, "
+                "or use a reward that needs none")
+    context = model_context_length(run_config.model.hf_checkpoint)
+    if context is None:
+        return
+    too_long = []
+    for example in examples:
+        if kind == "prompt":
+            length = len(example.prompt_ids) + rollout.rollout_max_response_len
+        elif kind == "dpo":
+            length = len(example.prompt_ids) + max(len(example.chosen_ids or ()), len(example.rejected_ids or ()))
+        else:
+            length = len(example.prompt_ids) + len(example.response_ids or ())
+        if length > context:
+            too_long.append(f"{example.source} ({length} tokens)")
+    if too_long:
+        budget = (f"its prompt plus --rollout-max-response-len {rollout.rollout_max_response_len}"
+                  if kind == "prompt" else "its prompt plus response")
+        raise PreflightError(
+            f"{len(too_long)} of {len(examples)} rows of --prompt-data {rollout.prompt_data} do not fit the model's "
+            f"context of {context} tokens (max_position_embeddings in {run_config.model.hf_checkpoint}/config.json) "
+            f"with {budget}: {_name_rows(too_long)}. Shorten or drop those rows"
+            + (", or lower --rollout-max-response-len" if kind == "prompt" else ""))

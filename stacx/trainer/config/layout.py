@@ -1,0 +1,54 @@
+"""Where ranks sit: one role's parallel layout (`RoleLayout`) and one rank's place in it (`RankCoords`).
+
+The factory resolves a `RoleLayout` per role, the loop plans micro-batches by it, each rank
+reports its `RankCoords`, and a checkpoint records both (so a resume can check or remap them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleLayout:
+    """How one role's ranks are laid out: world size = tp * cp * dp."""
+
+    tensor_parallel_size: int
+    """Ranks sharding each weight matrix."""
+    context_parallel_size: int
+    """Ranks sharing each sequence."""
+    data_parallel_size: int
+    """Model replicas."""
+    state_replicated_across_data_parallel: bool = True
+    """Whether ranks that differ only in (cp, dp) hold identical state (no distributed optimizer). Kept in the
+    manifest for the record: torch_dist state loads under any layout either way."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.context_parallel_size * self.data_parallel_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "RoleLayout":
+        return cls(**values)
+
+    def describe(self) -> str:
+        return f"tp={self.tensor_parallel_size} cp={self.context_parallel_size} dp={self.data_parallel_size}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankCoords:
+    """Where a rank sits in its role's (tp, cp, dp) grid."""
+
+    tp_rank: int
+    cp_rank: int
+    dp_rank: int
+
+    @classmethod
+    def of(cls, groups: Any) -> "RankCoords":
+        """The coordinates of the rank holding `groups` (a `stacx.parallel.groups.ProcessGroups`)."""
+        return cls(tp_rank=groups.tp_rank, cp_rank=groups.cp_rank, dp_rank=groups.dp_rank)

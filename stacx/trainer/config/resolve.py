@@ -1,0 +1,135 @@
+"""The algorithm hyperparameters a run trains with: the recipe's defaults under the user's settings.
+
+Precedence, lowest first:
+    the declared defaults (the AlgorithmConfig dataclass, stacx.objectives.algorithm_config)
+    < the recipe's overrides (`recipe_algorithm(...)`: grpo's clip ratios, ppo's value_clip, ...)
+    < settings of other sections the kernels read (rollout_temperature, distill_kl_mode, teacher_top_k)
+    < every key the user set (`RunConfig.algorithm.given_keys`), custom keys included
+    < the `STACX_*` environment overrides (`apply_run_env_overrides`), read once here.
+
+"Set" means given, not "different from the generic default": `lam: 1.0` under ppo stays 1.0.
+The resolved config's `given_keys` are the keys the user set (recipe defaults excluded).
+Guide 001's spelling is accepted: `algorithm: {name: my_loss, adv_estimator: my_advantage}`
+selects the registered policy loss `my_loss` and the estimator `my_advantage`.
+A user `clip_ratio` without explicit bounds sets both clip bounds (it is the more specific choice
+than the recipe's default bounds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from stacx.env_overrides import apply_env_overrides, read_env_overrides
+from stacx.objectives.registry import POLICY_LOSSES
+from stacx.trainer.config.recipe import TRAINING_CONFIGS, TrainingConfig
+from stacx.trainer.config.run import AlgorithmConfig, RunConfig
+
+CLIP_BOUNDS = ("clip_ratio_low", "clip_ratio_high")
+ESTIMATOR_ALIASES = ("adv_estimator",)
+"""Other frameworks' names for `advantage_estimator` (guide 001's `adv_estimator`), accepted as it."""
+
+
+def policy_loss_named_by_algorithm(run_config: RunConfig) -> str | None:
+    """Guide 001: `algorithm.name` (or --algorithm) naming a registered policy loss, not a recipe,
+    selects that loss (in the recipe its estimator infers). None otherwise."""
+    name = run_config.train.algorithm
+    if name and name not in TRAINING_CONFIGS and name in POLICY_LOSSES:
+        return name
+    return None
+
+
+def user_algorithm_values(run_config: RunConfig) -> dict[str, Any]:
+    """The algorithm keys the user set: a given clip_ratio expanded into unset clip bounds,
+    `adv_estimator` taken as `advantage_estimator`, and a policy loss named by `algorithm.name`."""
+    given = run_config.algorithm.given_values()
+    if "clip_ratio" in given:
+        for bound in CLIP_BOUNDS:
+            given.setdefault(bound, given["clip_ratio"])
+    for alias in ESTIMATOR_ALIASES:
+        if alias in given:
+            estimator = given.pop(alias)
+            if given.setdefault("advantage_estimator", estimator) != estimator:
+                raise ValueError(f"algorithm.{alias} is {estimator!r} but algorithm.advantage_estimator is "
+                                 f"{given['advantage_estimator']!r}; set only one of them")
+    named_loss = policy_loss_named_by_algorithm(run_config)
+    if named_loss is not None:
+        if given.setdefault("policy_loss", named_loss) != named_loss:
+            raise ValueError(f"algorithm.name {named_loss!r} names a policy loss but algorithm.policy_loss is "
+                             f"{given['policy_loss']!r}; set only one of them")
+        given.pop("name", None)
+    return given
+
+
+def apply_run_env_overrides(run_config: RunConfig, environ=None):
+    """The run config with the `STACX_*` overrides (stacx.env_overrides) applied to its
+    teacher section, read ONCE, in the process that resolves the run (the Ray driver, or each
+    torchrun rank), and recorded in `given_keys` (an override is a user setting). Everything
+    downstream (the driver's teacher top-K request, the roll-in, the workers, which receive this
+    object) sees the same values; workers never read their own env."""
+    teacher = apply_env_overrides(run_config.teacher, environ)
+    if teacher is run_config.teacher:
+        return run_config
+    given_keys = run_config.given_keys | frozenset(read_env_overrides(environ))
+    return dataclasses.replace(run_config, teacher=teacher, given_keys=given_keys)
+
+
+def resolve_algorithm_config(training_config: TrainingConfig, run_config: RunConfig, environ=None) -> AlgorithmConfig:
+    """The one AlgorithmConfig of a run, every rank's and every checkpoint's. Layers, lowest first:
+    the declared defaults < the recipe's overrides < the config file < flags < STACX_* overrides
+    (file and flags are already merged, flags over file, in `run_config`); `name` = the recipe.
+    Its `given_keys` are the keys the user set (file, flags, env), recorded, never guessed."""
+    run_config = apply_run_env_overrides(run_config, environ)
+    values = training_config.algorithm.to_dict() if training_config.algorithm else {}
+    # Settings of other sections the specializations read as config.<name> (the sampling temperature
+    # of training log-probs, the distillation mode): the user's section value (file, flag, env)
+    # overrides the recipe's; an unset one leaves the recipe's (or the declared default, the same
+    # as the section's) in place.
+    sections = {"rollout_temperature": run_config.rollout, "distill_kl_mode": run_config.teacher,
+                "teacher_top_k": run_config.teacher}
+    given_keys = set()
+    for key, section in sections.items():
+        if key in run_config.given_keys or key not in values:
+            values[key] = getattr(section, key)
+            given_keys |= {key} & run_config.given_keys
+    user_values = user_algorithm_values(run_config)
+    values.update(user_values)
+    given_keys |= set(user_values)
+    if "distill_kl_mode" in read_env_overrides(environ):  # STACX_* wins over file and flags
+        values["distill_kl_mode"] = run_config.teacher.distill_kl_mode
+        given_keys.add("distill_kl_mode")
+    values["name"] = training_config.name
+    # given_keys = what the USER set: plugin adapters pass a hyperparameter only when it was set, so a
+    # plugin's own default is not overwritten by ours.
+    return AlgorithmConfig.from_values(values, given_keys=given_keys)
+
+
+def resolved_run_config_dict(run_config: RunConfig, algorithm: AlgorithmConfig) -> dict[str, Any]:
+    """The run config as saved with checkpoints: every section, the algorithm as trained."""
+    out = run_config.to_dict()
+    out["algorithm"] = algorithm.to_dict()
+    return out
+
+
+def check_resumed_algorithm(saved_run_config: dict[str, Any], algorithm: AlgorithmConfig, *, where: str) -> None:
+    """Refuse to resume a checkpoint (`where`) whose saved algorithm hyperparameters differ from the
+    ones this run resolved: the optimizer state and the advantages so far belong to the saved ones.
+    The message names every changed key with both values. Keys the saved run did not record (a field
+    added since) are not compared."""
+    saved = saved_run_config.get("algorithm") or {}
+    current = algorithm.to_dict()
+    changed = [f"{key}: saved {saved[key]!r}, now {current.get(key)!r}"
+               for key in sorted(saved) if key in current and _differs(saved[key], current[key])]
+    changed += [f"{key}: saved {saved[key]!r}, now unset" for key in sorted(set(saved) - set(current))]
+    if changed:
+        raise ValueError(f"checkpoint {where} was trained with other algorithm settings ({'; '.join(changed)}); "
+                         "resume with the settings it was saved with (its run_config.json), or start a fresh run")
+
+
+def _differs(saved: Any, current: Any) -> bool:
+    # JSON turned tuples into lists and ints that were floats may read back as ints.
+    if isinstance(saved, (int, float)) and isinstance(current, (int, float)) and not isinstance(saved, bool):
+        return float(saved) != float(current)
+    if isinstance(saved, list) and isinstance(current, (list, tuple)):
+        return list(saved) != list(current)
+    return saved != current

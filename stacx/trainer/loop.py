@@ -1,0 +1,422 @@
+"""`StacxTrainer`: the training loop, one step at a time, reading like the algorithm.
+
+    for step in range(start, num_steps):
+        batch = rollout (responses, rewards, teacher log-probs)  |  the dataset's next batch
+        forward-only fields: reference log-probs (in-worker reference), old log-probs, inject syncs
+        advantages (registry, by name) and returns for a critic
+        train every trainable role (DP shards; TP/CP peers get the same shard)
+        push the policy's weights to the engine in buckets; the engine confirms the version
+        log; checkpoint every save_interval steps (and at the end)
+
+The loop talks to roles through `RoleGroup`s (Ray workers or torchrun processes, see
+role_groups.py), so the same code drives a Ray run and a torchrun SPMD job. Any failure kills the
+workers (`on_failure`) before the error propagates: a `RoleWorkerError` already names the role and
+rank, and surviving ranks blocked in a collective never keep the run alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import replace
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from stacx.checkpointing.folders import is_model_folder
+from stacx.objectives import get_advantage
+from stacx.objectives.advantages_returns import gae_returns
+from stacx.objectives.algorithm_config import AlgorithmConfig
+from stacx.parallel.reduction import StepCounts, count_loss_tokens
+from stacx.rollout.step_rollout import StepRollout
+from stacx.rollout.service import RolloutService
+from stacx.trainer.batch import StepBatch, StepDataSource, plan_micro_batches
+from stacx.trainer.checkpoint import (
+    CheckpointError,
+    begin_checkpoint,
+    capture_rng_state,
+    check_save_folder,
+    commit_checkpoint,
+    load_checkpoint,
+    remove_checkpoints,
+    remove_staging_folders,
+    restore_rng_state,
+)
+from stacx.trainer.cluster.protocol import Channel, ExchangeGroup, RoleGroup
+from stacx.trainer.config.layout import RoleLayout
+from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
+from stacx.trainer.config.resolve import check_resumed_algorithm, resolved_run_config_dict
+from stacx.trainer.config.run import RunConfig
+from stacx.trainer.exchange import ExchangeSchedule
+from stacx.trainer.interrupts import stop_on_termination_signals
+from stacx.trainer.metrics import MetricsLogger
+from stacx.trainer.numerics import NonFiniteGuard
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_BUCKET_BYTES = 256 * 1024 * 1024
+"""Weight-sync bucket size: hundreds of MB per message keeps large syncs fast."""
+
+
+class StacxTrainer:
+    """Drives one run. Build it with `stacx.trainer.factory.create_trainer` (Ray) or `run_spmd` (torchrun)."""
+
+    def __init__(self, *, run_config: RunConfig, training_config: TrainingConfig, algorithm: AlgorithmConfig,
+                 roles: Mapping[str, RoleGroup], channel: Channel, data: Optional[StepDataSource],
+                 rollout: Optional[RolloutService] = None,
+                 make_metrics_logger: Optional[Callable[[int], MetricsLogger]] = None,
+                 on_failure: Callable[[], None] = lambda: None, on_close: Callable[[], None] = lambda: None,
+                 exchanges: Optional[Mapping[str, ExchangeGroup]] = None):
+        self.run_config = run_config
+        self.training_config = training_config
+        self.algorithm = algorithm
+        self.roles = dict(roles)
+        self.channel = channel
+        self.data = data
+        self.rollout = rollout
+        self.make_metrics_logger = make_metrics_logger
+        """Builds the driver's MetricsLogger for the first step this run trains (after a resume)."""
+        self.metrics_logger = None
+        self.on_failure = on_failure
+        self.on_close = on_close
+        self.role_graph = training_config.role_graph()
+        self.exchange_schedule = ExchangeSchedule(training_config, exchanges, self.roles,
+                                                  every_n_steps_override=run_config.train.exchange_every_n_steps)
+        """Exchange syncs (e.g. a reference refreshed from the policy) run after the train phase when due."""
+        # Driver-side instances answer what each role needs (reference, old log-probs); they hold no model.
+        self.specializations = {role.name: role.specialization_cls(algorithm, None) for role in training_config.roles}
+        self._check_reference_inputs()
+        # (kind, urls, api key): every rank that streams weights needs the servers' shared secret
+        self.engine_target = channel.share((rollout.engine_kind, tuple(rollout.urls), rollout.api_key)
+                                           if rollout is not None else None)
+        self.step_rollout = self._build_step_rollout() if rollout is not None and channel.is_driver else None
+        """The driver's `rollout_steps.StepRollout`: roll-ins, DAPO shaping and sampling, eval, rollout dumps."""
+        self.step = 0
+        self.last_metrics: dict[str, float] = {}
+        self._saved_once = False
+        self.nonfinite = NonFiniteGuard(run_config.train.skip_nonfinite_steps)
+        """Stops the run at the first NaN/inf (or skips up to --skip-nonfinite-steps steps)."""
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def run(self) -> dict[str, float]:
+        """Train from the start (or the --load checkpoint) to train.num_steps; returns the last metrics.
+        SIGTERM/SIGINT raise `RunInterrupted` (stacx.trainer.interrupts) so that the teardown runs."""
+        with stop_on_termination_signals():
+            return self._run()
+
+    def _run(self) -> dict[str, float]:
+        try:
+            self.check_save_folder()
+            self.step = self.resume_if_requested()
+            if self.channel.is_driver and self.make_metrics_logger is not None:
+                self.metrics_logger = self.make_metrics_logger(self.step)
+            if self.step > 0 and self.engine_target is not None:
+                self.push_policy_weights(version=self.step)  # a fresh engine serves the initial weights
+            train = self.run_config.train
+            for step in range(self.step, train.num_steps):
+                metrics = self.train_one_step(step)
+                self.step = step + 1
+                self.log(step, metrics)
+                if self.should_save(self.step):
+                    self.save_checkpoint(self.step)
+            if train.export_hf:
+                self.export_policy(train.export_hf)
+        except BaseException:
+            # Teardown after a failure must not replace the failure's own error.
+            for teardown in (self.on_failure, self._close_driver_side):
+                try:
+                    teardown()
+                except Exception:  # noqa: BLE001 - the run's error is already propagating
+                    logger.exception("teardown after a failed run failed")
+            raise
+        self.close()
+        return self.last_metrics
+
+    def check_save_folder(self) -> None:
+        """Refuse (on every rank alike) a --save folder holding another run's checkpoints, see checkpoint.py."""
+        model = self.run_config.model
+        if not model.save:  # the same run config on every rank: all return here alike
+            return
+        problem = None
+        if self.channel.is_driver:
+            try:
+                check_save_folder(model.save, load=model.load, overwrite=model.overwrite)
+            except CheckpointError as err:
+                problem = str(err)
+        problem = self.channel.share(problem)
+        if problem:
+            raise CheckpointError(problem)
+
+    def train_one_step(self, step: int) -> dict[str, float]:
+        """One step; a non-finite reward, advantage, loss or grad norm stops the run (or skips the step,
+        see `stacx.trainer.numerics`) before any weights are saved, exported or pushed."""
+        started = time.monotonic()
+        batch, metrics = self.channel.share(self.collect_batch(step) if self.channel.is_driver else None)
+        sample_role = (self.training_config.rollout_role or self.training_config.trainable_roles[0]).name
+        if self.nonfinite.check_samples(step=step, role=sample_role, name="reward", values=batch.rewards or ()):
+            return self._skipped_step(metrics, started)
+        self.fill_forward_fields(batch)
+        if self.algorithm_has_advantages:
+            self.compute_advantages(batch)
+            if self.nonfinite.check_samples(step=step, role=sample_role, name="advantage", values=batch.advantages):
+                return self._skipped_step(metrics, started)
+        for role in self.training_config.trainable_roles:
+            role_metrics = self.train_role(role.name, batch)
+            metrics.update({f"{role.name}/{k}": v for k, v in role_metrics.items()})
+            self.nonfinite.check_metrics(step=step, role=role.name, metrics=role_metrics)
+        metrics["train/nonfinite_skipped_steps"] = float(len(self.nonfinite.skipped_steps))
+        metrics.update(self.exchange_schedule.run_due(completed_steps=step + 1))
+        if self.engine_target is not None:
+            self.push_policy_weights(version=step + 1)
+        if self.channel.is_driver and self.step_rollout is not None:
+            metrics.update(self.step_rollout.evaluate_if_due(step))  # on the weights just pushed
+        metrics["time/step_s"] = time.monotonic() - started
+        return metrics
+
+    def _skipped_step(self, metrics: dict[str, float], started: float) -> dict[str, float]:
+        """The metrics of a step skipped before training (non-finite rewards or advantages)."""
+        metrics["train/nonfinite_skipped_steps"] = float(len(self.nonfinite.skipped_steps))
+        metrics["time/step_s"] = time.monotonic() - started
+        return metrics
+
+    # ---- data ------------------------------------------------------------------------------
+
+    def collect_batch(self, step: int) -> tuple[StepBatch, dict]:
+        """(step batch, rollout metrics), on the driver."""
+        if self.training_config.data_source == "dataset" or self.data.kind == "trajectory":
+            batch = self.data.next_dataset_batch()
+            lengths = batch.response_lengths
+            return batch, {"data/response_length_mean": sum(lengths) / len(lengths)}
+        samples, metrics = self.step_rollout.collect(step)
+        batch = StepBatch.from_samples(samples)
+        batch.rewards = self.shaped_rewards(batch)
+        if batch.teacher_log_probs is not None:  # over student-executed tokens (teacher ones hold the +1.0 sentinel)
+            metrics["rollout/teacher_log_prob_mean"] = _masked_mean(
+                batch.teacher_log_probs, [m * (t <= 0) for t, m in zip(batch.teacher_log_probs, batch.loss_masks)])
+        return batch, metrics
+
+    def _build_step_rollout(self):
+        return StepRollout(self.rollout, self.data, run_config=self.run_config, training_config=self.training_config,
+                           algorithm=self.algorithm)
+
+    def shaped_rewards(self, batch: StepBatch) -> list[float]:
+        """opd_rl: R_i - teacher_kl_coef * sum_t m_it (log pi(a_t) - log pi_teacher(a_t)) (rollout log-probs)."""
+        rewards = list(batch.rewards)
+        coef = float(getattr(self.algorithm, "teacher_kl_coef", 0.0) or 0.0)
+        if coef == 0.0 or batch.teacher_log_probs is None:
+            return rewards
+        return [
+            r - coef * float(((lp - tlp) * m).sum())
+            for r, lp, tlp, m in zip(rewards, batch.rollout_log_probs, batch.teacher_log_probs, batch.loss_masks)
+        ]
+
+    # ---- forward-only fields and advantages ------------------------------------------------
+
+    @property
+    def algorithm_has_advantages(self) -> bool:
+        return self.training_config.algorithm is not None
+
+    def _wants_reference(self, role) -> bool:
+        return role_wants_reference(role, self.training_config, self.algorithm)
+
+    def _check_reference_inputs(self) -> None:
+        for role in self.training_config.roles:
+            if not self._wants_reference(role):
+                continue
+            arg = role.reference_checkpoint_arg
+            if arg is None or role_checkpoint_path(role, self.run_config.model, arg) is None:
+                flag = "--" + (arg or "ref_load").replace("_", "-")
+                raise ValueError(f"role {role.name!r} needs reference log-probs (KL to the reference); set {flag}")
+
+    def fill_forward_fields(self, batch: StepBatch) -> None:
+        """Reference/old log-probs of each trainable role, then inject syncs in dependency order."""
+        for role in self.training_config.trainable_roles:
+            names = []
+            if self._wants_reference(role):
+                names.append("ref_log_probs")
+            if self.specializations[role.name].needs_old_log_probs():
+                names.append("log_probs")
+            if names:
+                self.role_fields(role.name, batch, names)
+        for sync in self.role_graph.inject_syncs:
+            self.role_fields(sync.source_role, batch, list(sync.keys))
+
+    def role_fields(self, role_name: str, batch: StepBatch, names: list[str]) -> None:
+        """Run `compute_fields` on a role's ranks and write the per-sample results into `batch`."""
+        group = self.roles[role_name]
+        plan = self.plan(role_name, batch)
+        results = group.compute_fields(
+            [[batch.select(mb) for mb in plan[coords.dp_rank]] for coords in group.coords], names)
+        filled = {name: [None] * batch.num_samples for name in names}
+        for coords, result in zip(group.coords, results):
+            if result is None:
+                continue
+            for indices, fields in zip(plan[coords.dp_rank], result):
+                for name in names:
+                    for index, value in zip(indices, fields[name]):
+                        filled[name][index] = value
+        for name, values in filled.items():
+            batch.set_field(name, values)
+            missing = [i for i, value in enumerate(values) if value is None]
+            if missing:
+                raise RuntimeError(f"role {role_name!r} returned no {name!r} for samples {missing[:5]}")
+
+    def compute_advantages(self, batch: StepBatch) -> None:
+        """advantages (and returns for a value-head role) from the registry's estimator, by name.
+
+        The estimator reads the step batch itself (`prompt_id`, `log_probs`, ... under their one
+        name), its rewards as float64."""
+        rollout_data = replace(batch, rewards=torch.tensor(batch.rewards, dtype=torch.float64))
+        estimator = get_advantage(self.algorithm.advantage_estimator)
+        advantages = estimator(self.algorithm, rollout_data)
+        batch.advantages = [a.float() for a in advantages]
+        if any(role.outputs_values for role in self.training_config.roles):
+            # A plugin estimator's own returns (padded adapters keep them as `.returns`) are the critic targets.
+            plugin_returns = getattr(advantages, "returns", None)
+            batch.returns = ([r.float() for r in plugin_returns] if plugin_returns is not None
+                             else gae_returns(self.algorithm, rollout_data))
+
+    # ---- training --------------------------------------------------------------------------
+
+    def plan(self, role_name: str, batch: StepBatch) -> list[list[list[int]]]:
+        layout = self.roles[role_name].layout
+        return plan_micro_batches(
+            batch, dp_size=layout.data_parallel_size, cp_size=layout.context_parallel_size,
+            max_tokens_per_micro_batch=self.run_config.train.max_tokens_per_micro_batch)
+
+    def train_role(self, role_name: str, batch: StepBatch) -> dict[str, float]:
+        """One optimizer step of a role over the whole batch; metrics are identical on every rank."""
+        group = self.roles[role_name]
+        plan = self.plan(role_name, batch)
+        num_tokens, num_sequences = count_loss_tokens(batch.loss_masks)
+        counts = StepCounts(num_tokens=num_tokens, num_sequences=num_sequences)
+        norm_length = float(self.run_config.rollout.rollout_max_response_len)
+        results = group.train_step(
+            [[batch.select(mb) for mb in plan[coords.dp_rank]] for coords in group.coords], counts, norm_length)
+        return results[0]
+
+    # ---- weights, logging, checkpoints -----------------------------------------------------
+
+    def push_policy_weights(self, version: int) -> None:
+        """Pause the engine, stream the rollout role's weights in buckets, resume, check the version."""
+        kind, urls, api_key = self.engine_target
+        role = self.training_config.rollout_role
+        if self.channel.is_driver:
+            self.rollout.begin_weight_update()
+        try:
+            for url in urls:  # every rollout engine takes the update; finish_weight_update checks each version
+                self.roles[role.name].push_weights(kind, url, version, WEIGHT_BUCKET_BYTES, api_key)
+        except BaseException:
+            # Resume without the version check: a stale-version error would hide the push's own error.
+            if self.channel.is_driver:
+                self.rollout.abort_weight_update()
+            raise
+        if self.channel.is_driver:
+            self.rollout.finish_weight_update(version)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.last_metrics = metrics
+        if self.channel.is_driver and self.metrics_logger is not None:
+            self.metrics_logger.log(step, metrics)
+
+    def should_save(self, completed_steps: int) -> bool:
+        train = self.run_config.train
+        if not self.run_config.model.save:
+            return False
+        if completed_steps == train.num_steps:
+            return True
+        return bool(train.save_interval) and completed_steps % train.save_interval == 0
+
+    def role_layouts(self) -> dict[str, RoleLayout]:
+        return {name: group.layout for name, group in self.roles.items()}
+
+    def save_checkpoint(self, step: int) -> str | None:
+        """Every rank writes its state into a staging folder; the driver commits it atomically."""
+        root = self.run_config.model.save
+        if self.channel.is_driver and not self._saved_once and self.run_config.model.overwrite and not self.run_config.model.load:
+            # --overwrite: the older run's steps go at this run's first save (its later steps would look newer).
+            for path in remove_checkpoints(root):
+                logger.warning("--overwrite: removed %s of an earlier run", path)
+        self._saved_once = True
+        staging = self.channel.share(begin_checkpoint(root, step) if self.channel.is_driver else None)
+        rank_files = []
+        for group in self.roles.values():
+            rank_files += group.save(staging)
+        final = None
+        if self.channel.is_driver:
+            driver_state = {"step": step, "data": self.data.state_dict() if self.data is not None else {},
+                            "rng": capture_rng_state()}
+            final = commit_checkpoint(staging, step=step, recipe=self.training_config, role_layouts=self.role_layouts(),
+                                      rank_files=rank_files, driver_state=driver_state,
+                                      resolved_run_config=resolved_run_config_dict(self.run_config, self.algorithm))
+            logger.info("checkpoint of step %d written to %s", step, final)
+        self.channel.barrier()
+        return final
+
+    def resume_if_requested(self) -> int:
+        """Load `model.load` (a step folder or a root holding them) into every rank; returns the step."""
+        path = self.run_config.model.load
+        if not path:
+            return 0
+        if is_model_folder(path):  # a Hugging Face or torch_dist model, not a training checkpoint: start weights
+            role = self.training_config.rollout_role or self.training_config.trainable_roles[0]
+            self.roles[role.name].call_all("load_start_weights", os.fspath(path))
+            if self.channel.is_driver:
+                print(f"role {role.name!r} starts from the weights of --load {path} (step 0)", flush=True)
+            return 0
+        # Every file is read with torch.load(weights_only=True): a checkpoint cannot run code on resume.
+        loaded = load_checkpoint(path, expected_recipe=self.training_config, expected_layouts=self.role_layouts())
+        check_resumed_algorithm(loaded.run_config(), self.algorithm, where=loaded.path)
+        for group in self.roles.values():
+            group.load(loaded)
+        driver_state = loaded.driver_state()
+        if self.data is not None and driver_state.get("data"):
+            self.data.load_state_dict(driver_state["data"])
+        restore_rng_state(driver_state["rng"])
+        logger.info("resumed from %s at step %d", loaded.path, loaded.step)
+        if self.channel.is_driver:
+            print(f"resumed from step {loaded.step} ({loaded.path})", flush=True)
+        return loaded.step
+
+    def export_policy(self, out_dir: str) -> None:
+        role = self.training_config.rollout_role or self.training_config.trainable_roles[0]
+        self.roles[role.name].export_hf(os.fspath(out_dir))
+
+    # ---- teardown --------------------------------------------------------------------------
+
+    def _close_driver_side(self) -> None:
+        """Logger, rollout service (its clients and the servers it started) and this run's uncommitted
+        checkpoint staging folders; each step runs even when an earlier one fails."""
+        try:
+            self._close_logger_and_rollout()
+        finally:
+            if self.channel.is_driver and self.run_config.model.save:
+                for path in remove_staging_folders(self.run_config.model.save):
+                    logger.warning("removed the unfinished checkpoint staging folder %s", path)
+
+    def _close_logger_and_rollout(self) -> None:
+        if self.metrics_logger is not None:
+            try:
+                self.metrics_logger.close()
+            except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
+                logger.exception("closing the metrics logger failed")
+            self.metrics_logger = None
+        if self.rollout is not None:
+            rollout, self.rollout = self.rollout, None
+            rollout.close()
+
+    def close(self) -> None:
+        """Release workers, engine, teacher and logger after a finished run (workers even when the
+        engine's close fails)."""
+        try:
+            self._close_driver_side()
+        finally:
+            self.on_close()
+
+
+def _masked_mean(values, masks) -> float:
+    total = sum(float((v * (m != 0)).sum()) for v, m in zip(values, masks))
+    count = sum(float((m != 0).sum()) for m in masks)
+    return total / count if count else 0.0

@@ -1,0 +1,375 @@
+"""The driver's metrics sinks: JSONL, TensorBoard, wandb (when installed and asked for), PNG plots
+and a progress bar with step, reward, loss and ETA.
+
+    with MetricsLogger(out_dir, total_steps=100, wandb_project=None) as logger:
+        for step in range(100):
+            logger.log(step, {"rollout/reward_mean": 0.4, "train/loss": 1.2, "train/kl": 0.01})
+
+Files under `out_dir`:
+    metrics.jsonl           one JSON object per step: {"step": s, "time_s": t, <metric>: value, ...}
+    tensorboard/            event files (one scalar series per metric)
+    plots/{reward,loss,kl,eval}.png   every metric whose name has that word, against the step:
+                            values on the top axes, counts (num_*, *_errors, ...) on their own
+                            axes below, series that are 0 at every step not drawn (named in a note);
+                            a value series of SMOOTHING_MIN_POINTS or more is drawn faint (raw) under
+                            its exponential moving average (`ema`) in the same colour
+
+A run's outputs in `out_dir` are consistent with the run that last wrote them:
+- a new run (`start_step=0`) into a folder an earlier run wrote starts fresh files for all of
+  them: metrics.jsonl, rollouts.jsonl (the rollout dumps), tensorboard/ and plots/ are removed
+  first (a warning names them); nothing else in the folder is touched (checkpoints under --save
+  have their own guard, see stacx.trainer.checkpoint.check_save_folder);
+- resuming (`start_step=N`) keeps the rows of steps < N in metrics.jsonl and rollouts.jsonl and
+  drops later ones, which the interrupted run logged after its last checkpoint and the resumed
+  run will log again; TensorBoard drops its events of steps >= N (`purge_step`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, TextIO
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from tqdm import tqdm
+
+PLOT_FAMILIES = ("reward", "loss", "kl", "eval")
+"""Each family gets one PNG with every metric whose name has a word starting with it."""
+
+COUNT_PREFIXES = ("num_",)
+COUNT_SUFFIXES = ("_count", "_errors", "_tokens", "_samples", "_sequences")
+"""A metric is a count (drawn on its own axes, never next to a loss of another scale) when the last
+part of its name starts or ends with one of these, e.g. policy/num_loss_tokens, rollout/reward_errors."""
+
+SMOOTHING_WEIGHT = 0.8
+"""w of the plotted moving average s_t = w * s_(t-1) + (1 - w) * x_t (debiased, see `ema`): about the
+last 1 / (1 - w) = 5 points weigh in."""
+SMOOTHING_MIN_POINTS = 8
+"""Shorter series are drawn raw only: a handful of points is readable as it is."""
+RAW_LINE_ALPHA = 0.3
+"""Opacity of the raw line under its smoothed curve."""
+
+logger = logging.getLogger(__name__)
+
+ROLLOUTS_FILE = "rollouts.jsonl"
+"""Rollout dumps (stacx.rollout.evaluation.RolloutDumper), one JSON row per sample with its "step"."""
+RUN_OUTPUT_FOLDERS = ("tensorboard", "plots")
+"""Folders under out_dir that hold one run's sinks; removed when a new run starts there."""
+
+
+def reset_run_outputs(out_dir: str | os.PathLike, start_step: int) -> list[str]:
+    """Make out_dir's run outputs consistent for a run starting at `start_step` (module docstring);
+    returns the names of what a new run removed. metrics.jsonl is handled by MetricsLogger itself."""
+    out_dir = Path(out_dir)
+    if start_step > 0:
+        keep_rows_before(out_dir / ROLLOUTS_FILE, start_step)
+        return []
+    removed = []
+    for name in ("metrics.jsonl", ROLLOUTS_FILE):
+        if (out_dir / name).is_file():
+            (out_dir / name).unlink()
+            removed.append(name)
+    for name in RUN_OUTPUT_FOLDERS:
+        if (out_dir / name).is_dir():
+            shutil.rmtree(out_dir / name)
+            removed.append(f"{name}/")
+    if removed:
+        logger.warning("%s held an earlier run's %s; this new run (not resuming with --load) starts them fresh",
+                       out_dir, ", ".join(removed))
+    return removed
+
+
+def keep_rows_before(path: Path, start_step: int) -> list[dict[str, Any]]:
+    """Rewrite the JSONL file `path` (atomically) with only its rows of steps < start_step; returns them."""
+    if not path.exists():
+        return []
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if row.get("step", math.inf) < start_step:
+                kept.append(row)
+    temporary = path.with_suffix(".jsonl.tmp")
+    temporary.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
+    os.replace(temporary, path)
+    return kept
+
+
+class MetricsLoggerError(ValueError):
+    """A logging option or metric value is wrong; the message names it."""
+
+
+def _scalar(key: str, value: Any) -> float | int | str | None:
+    """A JSON-able scalar from a Python number, bool, string, None or a one-element tensor/array."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float)):
+        return value
+    numel = getattr(value, "numel", None) or getattr(value, "size", None)
+    count = numel() if callable(numel) else numel
+    if count == 1 and hasattr(value, "item"):
+        return value.item()
+    raise MetricsLoggerError(f"metric {key!r}: expected a number or a one-element tensor, got {type(value).__name__}"
+                             + (f" with {count} elements" if count is not None else ""))
+
+
+NONFINITE_METRICS_KEY = "nonfinite_metrics"
+"""Row key listing the metrics of a step that were NaN or inf (absent when all were finite)."""
+
+
+def _json_number(value: Any) -> Any:
+    """NaN, inf and -inf as the strings "nan", "inf", "-inf" (valid JSON); anything else unchanged."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def metric_family_members(keys: list[str], family: str) -> list[str]:
+    """Metric names with a word (split on non-alphanumerics) starting with `family`, e.g. 'train/pg_loss' for 'loss'."""
+    return [key for key in keys if any(word.startswith(family) for word in re.split(r"[^a-z0-9]+", key.lower()))]
+
+
+def headline_metric(metrics: Mapping[str, Any], family: str) -> tuple[str, float] | None:
+    """The metric that best stands for `family` in the progress bar: the key `family` itself, else
+    one ending in '/family' or 'family_mean', else the first name of that family that is not a count."""
+    numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for key in numeric:
+        if key == family or key.endswith(f"/{family}") or key.endswith(f"{family}_mean"):
+            return key, numeric[key]
+    members = [key for key in metric_family_members(list(numeric), family) if not is_count_metric(key)]
+    return (members[0], numeric[members[0]]) if members else None
+
+
+def is_count_metric(key: str) -> bool:
+    """Whether `key` names a count (COUNT_PREFIXES / COUNT_SUFFIXES on the part after the last '/')."""
+    leaf = key.rsplit("/", 1)[-1].lower()
+    return leaf.startswith(COUNT_PREFIXES) or leaf.endswith(COUNT_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class FamilyPlot:
+    """What one family's PNG draws: `value_keys` on the top axes, `count_keys` on the axes below
+    (absent when empty), and `zero_keys`, the members that were 0 at every logged step, named in a
+    note instead of drawn as a flat line at 0."""
+
+    family: str
+    value_keys: tuple[str, ...]
+    count_keys: tuple[str, ...]
+    zero_keys: tuple[str, ...]
+
+    @property
+    def drawn_keys(self) -> tuple[str, ...]:
+        return self.value_keys + self.count_keys
+
+
+def plan_family_plot(history: list[Mapping[str, Any]], family: str) -> FamilyPlot:
+    """Split the numeric metrics of `family` found in `history` rows into values, counts and always-zero."""
+    series = _numeric_series(history)
+    members = metric_family_members(sorted(series), family)
+    zero = tuple(key for key in members if all(value == 0 for _, value in series[key]))
+    drawn = [key for key in members if key not in zero]
+    return FamilyPlot(family=family, value_keys=tuple(k for k in drawn if not is_count_metric(k)),
+                      count_keys=tuple(k for k in drawn if is_count_metric(k)), zero_keys=zero)
+
+
+def _numeric_series(history: list[Mapping[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """metric name -> [(step, value)] over the rows where it is a number (not a bool or string)."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in history:
+        for key, value in row.items():
+            if key not in ("step", "time_s") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                series.setdefault(key, []).append((row["step"], value))
+    return series
+
+
+def ema(values: list[float], weight: float = SMOOTHING_WEIGHT) -> list[float]:
+    """Debiased exponential moving average, as TensorBoard's smoothing:
+
+        m_t = w * m_(t-1) + (1 - w) * x_t,  m_(-1) = 0;   s_t = m_t / (1 - w^(t+1))
+
+    so s_0 = x_0 (no pull towards 0 at the start) and a constant series stays constant."""
+    if not 0 <= weight < 1:
+        raise ValueError(f"smoothing weight must be in [0, 1), got {weight}")
+    smoothed, moving = [], 0.0
+    for index, value in enumerate(values):
+        moving = weight * moving + (1 - weight) * value
+        smoothed.append(moving / (1 - weight ** (index + 1)))
+    return smoothed
+
+
+def draw_family_figure(history: list[Mapping[str, Any]], plan: FamilyPlot):
+    """A matplotlib Figure (Agg canvas, no pyplot state) for `plan`: axes[0] the values (if any),
+    then axes for the counts (if any), sharing the step axis; the always-zero names in a footnote."""
+    series = _numeric_series(history)
+    panels = [(keys, label) for keys, label in ((plan.value_keys, plan.family), (plan.count_keys, "count")) if keys]
+    heights = [3 if label == plan.family else 1.6 for _, label in panels]
+    figure = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(figure)
+    axes_list = figure.subplots(len(panels), 1, sharex=True, squeeze=False,
+                                gridspec_kw={"height_ratios": heights})[:, 0]
+    for axes, (keys, label) in zip(axes_list, panels):
+        for key in keys:
+            steps, values = zip(*series[key])
+            if len(values) < SMOOTHING_MIN_POINTS or label == "count":  # counts: exact values, no lag
+                axes.plot(steps, values, marker="o", markersize=2, label=key)
+                continue
+            (raw,) = axes.plot(steps, values, alpha=RAW_LINE_ALPHA, linewidth=1, label=f"_{key} (raw)")
+            axes.plot(steps, ema(list(values)), color=raw.get_color(), linewidth=1.8, label=key)
+        axes.set_ylabel(label)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize="small")
+    smoothed = any(len(series[key]) >= SMOOTHING_MIN_POINTS for key in plan.value_keys)
+    axes_list[0].set_title(f"{plan.family} per step" + (" (faint: raw; solid: moving average)" if smoothed else ""))
+    axes_list[-1].set_xlabel("step")
+    axes_list[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    if plan.zero_keys:
+        figure.text(0.01, 0.01, "0 at every step (not drawn): " + ", ".join(plan.zero_keys), fontsize="x-small")
+    figure.tight_layout(rect=(0, 0.04 if plan.zero_keys else 0, 1, 1))
+    return figure
+
+
+class MetricsLogger:
+    """Writes every step's metrics to all enabled sinks; `close()` (or the with-block) writes the plots."""
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        wandb_run_name: str | None = None,
+        run_config: Mapping[str, Any] | None = None,
+        progress_bar: bool = True,
+        progress_file: TextIO | None = None,
+        plots: bool = True,
+    ):
+        """
+        Args:
+            out_dir: folder for metrics.jsonl, tensorboard/ and plots/ (created).
+            total_steps: steps of the whole run (the progress bar's total and ETA).
+            start_step: first step this process logs (> 0 when resuming; earlier JSONL rows are kept).
+            tensorboard: write TensorBoard event files.
+            wandb_project: log to this Weights & Biases project; requires the wandb package.
+            wandb_run_name: the wandb run's display name.
+            run_config: the resolved run configuration, attached to the wandb run.
+            progress_bar: show the progress bar (on stderr unless progress_file is given).
+            plots: write the PNG plots on close().
+        """
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+            raise MetricsLoggerError(f"total_steps must be an integer >= 1, got {total_steps!r}")
+        if not 0 <= start_step <= total_steps:
+            raise MetricsLoggerError(f"start_step must be in [0, total_steps={total_steps}], got {start_step!r}")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.out_dir / "metrics.jsonl"
+        self.plots_enabled = plots
+        self.replaced_outputs = reset_run_outputs(self.out_dir, start_step)
+        """What a new run removed from out_dir (names), see the module docstring."""
+        self.history: list[dict[str, Any]] = keep_rows_before(self.jsonl_path, start_step) if start_step else []
+        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        self._start_time = time.monotonic()
+        self._tensorboard = None
+        self._wandb = None
+        self._bar = None
+        if tensorboard:
+            # Imported here: TensorBoard is slow to import (start-up time).
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"), purge_step=start_step or None)
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise MetricsLoggerError(
+                    f"--wandb-project {wandb_project!r} was given but the wandb package is not installed; "
+                    f"install the wandb package or drop --wandb-project"
+                ) from None
+            self._wandb = wandb.init(project=wandb_project, name=wandb_run_name, dir=str(self.out_dir),
+                                     config=dict(run_config or {}), resume="allow")
+        if progress_bar:
+            self._bar = tqdm(
+                total=total_steps, initial=start_step, file=progress_file or sys.stderr, dynamic_ncols=True,
+                bar_format="step {n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}, ETA {remaining}]", mininterval=0,
+            )
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Record one step's metrics in every sink; returns the row written to JSONL."""
+        row: dict[str, Any] = {"step": int(step), "time_s": round(time.monotonic() - self._start_time, 3)}
+        for key, value in metrics.items():
+            if key in row or key == NONFINITE_METRICS_KEY:
+                raise MetricsLoggerError(f"metric name {key!r} is reserved by the logger")
+            row[key] = _scalar(key, value)
+        nonfinite = [key for key, value in row.items() if isinstance(value, float) and not math.isfinite(value)]
+        if nonfinite:  # named in the row; strict JSON has no NaN/inf, so the JSONL holds them as strings
+            row[NONFINITE_METRICS_KEY] = nonfinite
+        self._jsonl.write(json.dumps({key: _json_number(value) for key, value in row.items()}) + "\n")
+        self._jsonl.flush()
+        self.history.append(row)
+        numeric = {k: v for k, v in row.items()
+                   if k not in ("step", "time_s") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tensorboard is not None:
+            for key, value in numeric.items():
+                self._tensorboard.add_scalar(key, value, global_step=step)
+            self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+        if self._bar is not None:
+            shown = []
+            for family in ("reward", "loss"):
+                found = headline_metric(numeric, family)
+                if found is not None:
+                    shown.append(f"{family} {found[1]:.4g}")
+            self._bar.set_description_str(", ".join(shown), refresh=False)
+            self._bar.update(1)
+        return row
+
+    def write_plots(self) -> dict[str, FamilyPlot]:
+        """One PNG per family in PLOT_FAMILIES with a series to draw; returns {png path: what it draws}."""
+        written: dict[str, FamilyPlot] = {}
+        for family in PLOT_FAMILIES:
+            plan = plan_family_plot(self.history, family)
+            if not plan.drawn_keys:
+                continue
+            path = self.out_dir / "plots" / f"{family}.png"
+            path.parent.mkdir(exist_ok=True)
+            draw_family_figure(self.history, plan).savefig(path)
+            written[str(path)] = plan
+        return written
+
+    def close(self) -> None:
+        """Flush and close every sink and write the plots (safe to call twice)."""
+        if self._jsonl.closed:
+            return
+        self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._bar is not None:
+            self._bar.close()
+        if self.plots_enabled and self.history:
+            self.write_plots()
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+__all__ = ["ROLLOUTS_FILE", "RUN_OUTPUT_FOLDERS", "keep_rows_before", "reset_run_outputs", "COUNT_PREFIXES", "COUNT_SUFFIXES", "FamilyPlot", "MetricsLogger", "MetricsLoggerError", "PLOT_FAMILIES",
+           "draw_family_figure", "ema", "headline_metric", "is_count_metric", "metric_family_members", "plan_family_plot"]
