@@ -57,10 +57,10 @@ def _rank_main(rank, world_size, port, fn, args, kwargs, tp, cp, timeout_s, resu
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         groups = initialize_parallel_layout(tp, cp, timeout_s=timeout_s)
         value = fn(groups, *args, **kwargs)
-        # The queue pickles in a background thread and drops what fails, so the parent would wait
-        # until its deadline: pickle here, where a failure is reported with this rank's traceback.
-        pickle.dumps(value)
-        results.put((rank, True, value))
+        # Pickled here, to plain bytes: a failure is reported with this rank's traceback (the queue
+        # pickles in a background thread and drops what fails), and tensors travel as their bytes,
+        # not as shared-memory handles that vanish when this rank exits before the parent reads them.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent with its rank
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -119,7 +119,7 @@ def run_distributed(
                 continue
             if not ok:
                 raise DistributedRunError(f"rank {rank} raised:\n{value}", rank=rank)
-            collected[rank] = value
+            collected[rank] = pickle.loads(value)  # a rank's result, pickled by that rank (our own child)
     finally:
         for proc in procs:
             proc.join(timeout=5)
