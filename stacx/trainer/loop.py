@@ -362,7 +362,7 @@ class StacxTrainer:
             return 0
         if is_model_folder(path):  # a Hugging Face or torch_dist model, not a training checkpoint: start weights
             role = self.training_config.rollout_role or self.training_config.trainable_roles[0]
-            self.roles[role.name].call_all("load_start_weights", os.fspath(path))
+            self.roles[role.name].load_start_weights(os.fspath(path))
             if self.channel.is_driver:
                 print(f"role {role.name!r} starts from the weights of --load {path} (step 0)", flush=True)
             return 0

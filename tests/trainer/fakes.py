@@ -50,6 +50,9 @@ class FakeRoleGroup:
     def export_hf(self, out_dir) -> None:
         self._record("export_hf")
 
+    def load_start_weights(self, path) -> None:
+        self._record("load_start_weights")
+
 
 class DriverChannel:
     """The one process of a run (as on Ray)."""

@@ -14,6 +14,8 @@ and temp dir, and teardown signals only the two sessions it started (never a mac
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -105,8 +107,37 @@ def _agent_log_tails(temp_dir: str) -> str:
     return "\n".join(tails) or "(no dashboard_agent log found)"
 
 
+TWO_NODE_LOCK = os.path.join(tempfile.gettempdir(), "stacx-test-two-node-cluster.lock")
+"""One two-node cluster at a time on this machine: two test modules use this fixture, and on two pytest
+workers their four Ray nodes at once starve each other past Ray's fixed 30 s node-start limit."""
+
+
+@contextlib.contextmanager
+def _machine_wide_lock(path: str, timeout_s: float):
+    """Hold an exclusive lock on `path` (shared by every process on this machine), waiting at most `timeout_s`."""
+    with open(path, "a") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another test held {path} (its two-node Ray cluster) for over {timeout_s:.0f} s")
+                time.sleep(1.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="module")
 def two_node_cluster():
+    with _machine_wide_lock(TWO_NODE_LOCK, timeout_s=1200):
+        yield from _two_node_cluster()
+
+
+def _two_node_cluster():
     temp_dir = tempfile.mkdtemp(prefix="stacx-ray-")  # short: Ray's socket paths must stay < 108 chars
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_USAGE_STATS_ENABLED="0",
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))

@@ -56,6 +56,10 @@ class LocalRoleGroup:
         self.runtime.export_hf(out_dir)
         dist.barrier()
 
+    def load_start_weights(self, path: str) -> None:
+        self.runtime.load_start_weights(path)
+        dist.barrier()
+
 
 class TorchrunChannel:
     """Rank 0 drives; `share` broadcasts its value to every rank."""

@@ -63,6 +63,10 @@ class RoleGroup(Protocol):
         """Write the role's model as a Hugging Face checkpoint."""
         ...
 
+    def load_start_weights(self, path: str) -> None:
+        """Load a Hugging Face or torch_dist model folder as the role's weights (a fresh run's `--load`)."""
+        ...
+
 
 class ExchangeGroup(Protocol):
     """A connected exchange sync between two roles (Ray only): moves the named payloads bit for bit."""

@@ -69,6 +69,10 @@ def _export_hf(worker: RoleWorker, out_dir: str) -> None:
     runtime_of(worker).export_hf(out_dir)
 
 
+def _load_start_weights(worker: RoleWorker, path: str) -> None:
+    runtime_of(worker).load_start_weights(path)
+
+
 def produce_on_worker(worker: RoleWorker, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """An exchange's source side: every key's tensors from this rank's runtime."""
     return produce_payloads(runtime_of(worker), keys)
@@ -112,6 +116,9 @@ class RayRoleGroup:
 
     def export_hf(self, out_dir: str) -> None:
         self.workers.execute_all(_export_hf, out_dir)
+
+    def load_start_weights(self, path: str) -> None:
+        self.workers.execute_all(_load_start_weights, path)
 
 
 class RayChannel:
