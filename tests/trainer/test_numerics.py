@@ -141,7 +141,7 @@ def _model_tensors(model_folder: str) -> list[torch.Tensor]:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "state.pt")
         dcp_to_torch_save(model_folder, path)
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=True)
     return [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor) and state[k].is_floating_point()]
 
 
