@@ -39,6 +39,12 @@ accumulator [T, H] plus a few tile-sized temporaries (the recomputed logits in t
 dtype, two fp32 C x B buffers, the gradient cast back to the inputs' dtype): about
 12 bytes * C * B for bf16, with B <= V/tp / 64 by default — never [T, V/tp].
 
+Vocab padding: megatron pads the vocab to a multiple of tp, so the last shard's rows with a
+global id >= `vocab_size` are not tokens. The unfused path fills their logits with float32 min
+(exp of that is exactly 0: they add nothing to lse or entropy, and get no gradient); here the
+tiles simply stop at the last real row, and those rows' weight gradient is 0. A shard that is
+all padding contributes lse = -inf (and nothing else) to the combine.
+
 Not handled: an output-layer bias (Qwen/Llama heads have none) and sequence parallelism (the
 hidden states must be the full [T, H] on every TP rank, as without sequence parallelism).
 """
@@ -99,19 +105,21 @@ class _FusedLMHeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_TH, weight_VH, ids_TK, tp_group, temperature, chunk_tokens, vocab_block,
-                with_entropy, entropy_grad):
+                with_entropy, entropy_grad, vocab_size):
         ctx.set_materialize_grads(False)
         num_tokens = hidden_TH.shape[0]
         vocab_local = weight_VH.shape[0]
         vocab_start = group_rank(tp_group) * vocab_local
+        # Rows [real_local, V/tp) are vocab padding: no tile ever reads them.
+        real_local = real_rows(vocab_local, vocab_start, vocab_size)
         local_ids_TK = (ids_TK - vocab_start).clamp_(0, vocab_local - 1)
         owned_TK = (ids_TK >= vocab_start) & (ids_TK < vocab_start + vocab_local)
         rows = 1 + int(with_entropy) + ids_TK.shape[1]
-        block_starts = range(0, vocab_local, vocab_block)
+        block_starts = range(0, real_local, vocab_block)
         # Each vocab block is combined like one more shard: [blocks, rows, T], then over TP.
         stats_brT = torch.empty(len(block_starts), rows, num_tokens, dtype=torch.float32, device=hidden_TH.device)
         for block, block_start in enumerate(block_starts):
-            block_end = min(block_start + vocab_block, vocab_local)
+            block_end = min(block_start + vocab_block, real_local)
             weight_BH = weight_VH[block_start:block_end]
             ids_in_block_TK, owned_by_block_TK = block_ids(local_ids_TK, owned_TK, block_start, block_end)
             for start in range(0, num_tokens, chunk_tokens):
@@ -121,15 +129,19 @@ class _FusedLMHeadLogProbs(torch.autograd.Function):
                     logits_CB, temperature, ids_in_block_TK[start:end], owned_by_block_TK[start:end], with_entropy
                 )
                 del logits_CB
-        lse_T, entropy_T, s_ids_KT = combine_shard_statistics(stats_brT, with_entropy)
-        # This rank's statistics in the layout of one shard: E_r[s] = lse_r - H_r.
-        rank_rows = [lse_T.unsqueeze(0)] + ([(lse_T - entropy_T).unsqueeze(0)] if with_entropy else []) + [s_ids_KT]
-        stats_rT = torch.cat(rank_rows, dim=0)
+        if real_local:
+            lse_T, entropy_T, s_ids_KT = combine_shard_statistics(stats_brT, with_entropy)
+            # This rank's statistics in the layout of one shard: E_r[s] = lse_r - H_r.
+            rank_rows = [lse_T.unsqueeze(0)] + ([(lse_T - entropy_T).unsqueeze(0)] if with_entropy else []) + [s_ids_KT]
+            stats_rT = torch.cat(rank_rows, dim=0)
+        else:  # all padding: weight exp(-inf - lse) = 0 in the combine, no id owned
+            stats_rT = torch.zeros(rows, num_tokens, dtype=torch.float32, device=hidden_TH.device)
+            stats_rT[0] = -torch.inf
         lse_T, entropy_T, s_ids_KT = combine_shard_statistics(all_gather_stacked(stats_rT, tp_group), with_entropy)
         log_probs_TK = (s_ids_KT - lse_T).t().contiguous()
 
         ctx.tp_group, ctx.temperature = tp_group, temperature
-        ctx.chunk_tokens, ctx.vocab_block = chunk_tokens, vocab_block
+        ctx.chunk_tokens, ctx.vocab_block, ctx.real_local = chunk_tokens, vocab_block, real_local
         ctx.entropy_grad = with_entropy and entropy_grad
         ctx.save_for_backward(hidden_TH, weight_VH, local_ids_TK, owned_TK, lse_T, entropy_T if ctx.entropy_grad else None)
         if entropy_T is None:
@@ -145,7 +157,7 @@ class _FusedLMHeadLogProbs(torch.autograd.Function):
             grad_entropy_T = None
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_log_probs_TK is None and grad_entropy_T is None) or not (need_hidden or need_weight):
-            return (None,) * 9
+            return (None,) * 10
         grad_sum_T = None
         if grad_log_probs_TK is not None:
             # Every id's gradient reaches every shard through lse (the -p_v term: sum over all K);
@@ -158,8 +170,10 @@ class _FusedLMHeadLogProbs(torch.autograd.Function):
         # d/dhidden sums over vocab blocks: fp32 accumulator [T, H] (small next to [T, V/tp]).
         grad_hidden_TH = torch.zeros(hidden_TH.shape, dtype=torch.float32, device=hidden_TH.device) if need_hidden else None
         grad_weight_VH = torch.empty_like(weight_VH) if need_weight else None
-        for block_start in range(0, vocab_local, ctx.vocab_block):
-            block_end = min(block_start + ctx.vocab_block, vocab_local)
+        if need_weight:
+            grad_weight_VH[ctx.real_local:] = 0  # padding rows: masked logits carry no gradient
+        for block_start in range(0, ctx.real_local, ctx.vocab_block):
+            block_end = min(block_start + ctx.vocab_block, ctx.real_local)
             weight_BH = weight_VH[block_start:block_end]
             ids_in_block_TK, owned_by_block_TK = block_ids(local_ids_TK, owned_TK, block_start, block_end)
             # Several token chunks add into an fp32 block accumulator; one chunk writes the block directly.
@@ -191,7 +205,14 @@ class _FusedLMHeadLogProbs(torch.autograd.Function):
                 grad_weight_VH[block_start:block_end] = grad_weight_acc_BH
         if need_hidden:
             grad_hidden_TH = all_reduce_sum_(grad_hidden_TH, ctx.tp_group).to(hidden_TH.dtype)
-        return grad_hidden_TH, grad_weight_VH, None, None, None, None, None, None, None
+        return grad_hidden_TH, grad_weight_VH, None, None, None, None, None, None, None, None
+
+
+def real_rows(vocab_local: int, vocab_start: int, vocab_size: int | None) -> int:
+    """How many of the shard's rows [vocab_start, vocab_start + V/tp) are real tokens (< vocab_size)."""
+    if vocab_size is None:
+        return vocab_local
+    return max(0, min(vocab_local, vocab_size - vocab_start))
 
 
 def _tile_grad_logits(logits_CB, lse_C, temperature, grad_sum_C, entropy_terms, id_terms) -> torch.Tensor:
@@ -220,6 +241,7 @@ def fused_lm_head_log_probs_at_ids(
     vocab_block: int | None = None,
     with_entropy: bool = False,
     entropy_requires_grad: bool = True,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(ids[..., k]) for K global ids per position, from hidden states and the weight shard.
 
@@ -228,6 +250,8 @@ def fused_lm_head_log_probs_at_ids(
     Returns (log_probs [..., K] fp32, entropy [...] fp32 or None), differentiable w.r.t. hidden
     and weight. One all-gather over `tp_group` in forward, one all-reduce of d/dhidden in backward.
     The work goes in tiles of `chunk_tokens` x `vocab_block` logits (defaults: `default_tile`).
+    vocab_size: the real vocab when the weight's rows are padded (rows with a global id >=
+    vocab_size are excluded, as `mask_vocab_padding` excludes their logits); None: no padding.
     """
     if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
@@ -247,7 +271,13 @@ def fused_lm_head_log_probs_at_ids(
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1 (or None for the default), got {value}")
     vocab_local = weight.shape[0]
-    vocab_size = vocab_local * group_size(tp_group)
+    padded_vocab = vocab_local * group_size(tp_group)
+    if vocab_size is not None and not 0 < vocab_size <= padded_vocab:
+        raise ValueError(
+            f"vocab_size must be the real vocab, in (0, V/tp * tp = {padded_vocab}], got {vocab_size} "
+            f"(None when the weight has no padding rows)"
+        )
+    vocab_size = padded_vocab if vocab_size is None else int(vocab_size)
     ids = ids.long()
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ValueError(
@@ -260,6 +290,7 @@ def fused_lm_head_log_probs_at_ids(
     log_probs_TK, entropy_T = _FusedLMHeadLogProbs.apply(
         hidden_TH, weight, ids_TK, tp_group, float(temperature), chunk_tokens or default_chunk,
         min(vocab_block or default_block, vocab_local), with_entropy, entropy_requires_grad,
+        None if vocab_size == padded_vocab else vocab_size,
     )
     log_probs = log_probs_TK.view(*leading, ids_TK.shape[1])
     return log_probs, (entropy_T.view(leading) if with_entropy else None)
@@ -276,6 +307,7 @@ def fused_lm_head_log_probs_and_entropy(
     vocab_block: int | None = None,
     with_entropy: bool = True,
     entropy_requires_grad: bool = True,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log p(target) and (only when `with_entropy`) entropy, without the logits.
 
@@ -283,10 +315,11 @@ def fused_lm_head_log_probs_and_entropy(
     Returns (log_probs [...] fp32, entropy [...] fp32 or None). Same values and gradients as
     `vocab_parallel_log_probs_and_entropy(hidden @ weight.T, target_ids, ...)`;
     `entropy_requires_grad=False` returns a detached entropy and keeps no entropy state.
+    vocab_size: the real vocab when the weight holds padding rows (see `fused_lm_head_log_probs_at_ids`).
     """
     log_probs, entropy = fused_lm_head_log_probs_at_ids(
         hidden, weight, target_ids.unsqueeze(-1), tp_group=tp_group, temperature=temperature,
         chunk_tokens=chunk_tokens, vocab_block=vocab_block, with_entropy=with_entropy,
-        entropy_requires_grad=entropy_requires_grad,
+        entropy_requires_grad=entropy_requires_grad, vocab_size=vocab_size,
     )
     return log_probs.squeeze(-1), entropy

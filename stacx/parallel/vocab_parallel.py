@@ -49,12 +49,14 @@ def shifted_fp32_chunk(logits_CV: torch.Tensor, temperature: float, shift_C: tor
     """d = logits / temperature - shift[:, None] in fp32, as a fresh temporary or written into `out`.
 
     At temperature 1 this is one fused pass (the fp32 shift promotes bf16 logits); never an
-    in-place change of the logits themselves.
+    in-place change of the logits themselves. Below temperature 1 a vocab-padding column (float32
+    min, `mask_vocab_padding`) would overflow to -inf, and exp(d) * d = 0 * -inf to NaN in the
+    entropy: d is clamped back to float32 min, whose exp is still exactly 0.
     """
     if temperature == 1.0:
         return torch.sub(logits_CV, shift_C.unsqueeze(-1), out=out)
     d = logits_CV.to(torch.float32, copy=True) if out is None else out.copy_(logits_CV)
-    return d.div_(temperature).sub_(shift_C.unsqueeze(-1))
+    return d.div_(temperature).sub_(shift_C.unsqueeze(-1)).clamp_(min=torch.finfo(torch.float32).min)
 
 
 def local_chunk_statistics(

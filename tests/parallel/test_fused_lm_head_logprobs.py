@@ -10,6 +10,7 @@ from stacx.parallel.fused_lm_head_logprobs import (
     fused_lm_head_log_probs_and_entropy,
     fused_lm_head_log_probs_at_ids,
 )
+from stacx.parallel.lm_head import mask_vocab_padding
 from stacx.parallel.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from stacx.parallel.vocab_parallel_topk import vocab_parallel_log_probs_at_ids
 from stacx.testing.distributed import run_distributed
@@ -239,3 +240,94 @@ def test_tensor_parallel_matches_single_process_unfused_reference(tensor_paralle
             # Forward: one all-gather of the statistics; backward: one all-reduce of d/dhidden.
             assert forward_counts == {"all_gather": 1, "all_reduce": 0}
             assert backward_counts == {"all_gather": 0, "all_reduce": 1}
+
+
+# ---- vocab padding: rows with a global id >= vocab_size are excluded like the masked logits -----
+
+
+def padded_problem(vocab_size, padded_vocab=48, seed=4):
+    """The shared problem over `padded_vocab` weight rows, ids below the real `vocab_size`; the padding
+    rows are large, so any leak of theirs into lse, entropy or a gradient would show."""
+    hidden, weight, _, _, grad_lp, grad_h, grad_ids = make_problem(num_tokens=17, hidden_size=12, vocab=padded_vocab,
+                                                                   k=3, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    weight[vocab_size:] *= 8.0
+    targets = torch.randint(0, vocab_size, (17,), generator=gen)
+    ids = torch.randint(0, vocab_size, (17, 3), generator=gen)
+    return hidden, weight, targets, ids, grad_lp, grad_h, grad_ids
+
+
+def masked_unfused_results(hidden, weight, targets, ids, grad_lp, grad_h, grad_ids, temperature, vocab_size):
+    """The unfused path of the trainer: logits with float32 min in the padding columns (one process)."""
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    logits = mask_vocab_padding(h @ w.t(), vocab_size, 0)
+    log_probs, entropy = vocab_parallel_log_probs_and_entropy(logits, targets, temperature=temperature)
+    at_ids, _ = vocab_parallel_log_probs_at_ids(logits, ids, temperature=temperature)
+    objective = (log_probs * grad_lp).sum() + (entropy * grad_h).sum() + (at_ids * grad_ids).sum()
+    objective.backward()
+    return log_probs.detach(), entropy.detach(), at_ids.detach(), h.grad, w.grad
+
+
+def _padded_vocab_checks(groups, vocab_size):
+    """(relative errors, max |d/dW| over the padding rows) of this rank against the masked unfused path."""
+    tp, rank = groups.tp_size, groups.tp_rank
+    problem = padded_problem(vocab_size)
+    hidden, weight, targets, ids, grad_lp, grad_h, grad_ids = problem
+    vocab_local = weight.shape[0] // tp
+    rows = slice(rank * vocab_local, (rank + 1) * vocab_local)
+    errors, padding_grads = {}, []
+    for temperature in (1.0, 0.7):
+        expected = masked_unfused_results(*problem, temperature, vocab_size)
+        expected = expected[:4] + (expected[4][rows],)
+        for chunk_tokens, vocab_block in ((None, None), (4, 5)):
+            h, w = hidden.clone().requires_grad_(), weight[rows].clone().requires_grad_()
+            options = dict(tp_group=groups.tp, temperature=temperature, chunk_tokens=chunk_tokens,
+                           vocab_block=vocab_block, vocab_size=vocab_size)
+            log_probs, entropy = fused_lm_head_log_probs_and_entropy(h, w, targets, **options)
+            at_ids, _ = fused_lm_head_log_probs_at_ids(h, w, ids, **options)
+            ((log_probs * grad_lp).sum() + (entropy * grad_h).sum() + (at_ids * grad_ids).sum()).backward()
+            got = (log_probs.detach(), entropy.detach(), at_ids.detach(), h.grad, w.grad)
+            first_padding = max(0, vocab_size - rank * vocab_local)
+            # A shard of padding only has an all-zero d/dW: checked exactly below, not relatively.
+            names = NAMES if first_padding else NAMES[:4]
+            for name, ours, ref in zip(names, got, expected):
+                errors[f"{name}/T={temperature}/tile={chunk_tokens, vocab_block}"] = relative_error(ours, ref)
+            padding_grads.append(float(w.grad[first_padding:].abs().max()) if first_padding < vocab_local else 0.0)
+    return errors, padding_grads
+
+
+def _padded_vocab_checks_on_rank(groups, vocab_sizes):
+    return [_padded_vocab_checks(groups, vocab_size) for vocab_size in vocab_sizes]
+
+
+def check_padded_results(results):
+    for errors, padding_grads in results:
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= RELATIVE_TOLERANCE, f"{worst}: {errors[worst]}"
+        assert padding_grads and max(padding_grads) == 0.0  # padding rows get exactly no gradient
+
+
+def test_padded_vocab_rows_are_excluded_like_the_masked_logits_in_one_shard():
+    from stacx.parallel.groups import ProcessGroups
+
+    check_padded_results([_padded_vocab_checks(ProcessGroups.single_process(), 45)])
+
+
+@pytest.mark.distributed
+def test_padded_vocab_rows_are_excluded_like_the_masked_logits_over_two_tp_ranks():
+    # 48 padded rows: 45 real (the last shard partly padding, as megatron pads) and 20 real (the last
+    # shard all padding). One spawn for both.
+    per_rank = run_distributed(_padded_vocab_checks_on_rank, world_size=2, tensor_parallel_size=2, args=((45, 20),))
+    check_padded_results([result for rank_results in per_rank for result in rank_results])
+
+
+def test_padding_changes_the_result_and_padding_ids_or_sizes_are_refused():
+    hidden, weight, targets, *_ = padded_problem(45)
+    padded, _ = fused_lm_head_log_probs_and_entropy(hidden, weight, targets, vocab_size=45)
+    unpadded, _ = fused_lm_head_log_probs_and_entropy(hidden, weight, targets)
+    assert float((padded - unpadded).abs().max()) > 1e-3  # the guard: excluding the rows matters here
+    with pytest.raises(ValueError, match="vocab_size=45"):
+        fused_lm_head_log_probs_and_entropy(hidden, weight, torch.full_like(targets, 46), vocab_size=45)
+    with pytest.raises(ValueError, match="vocab_size must be the real vocab"):
+        fused_lm_head_log_probs_and_entropy(hidden, weight, targets, vocab_size=49)
