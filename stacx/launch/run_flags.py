@@ -24,7 +24,15 @@ import os
 import typing
 from typing import Any
 
-from stacx.trainer.config.run import ALGORITHM_FIELD_TYPES, ALGORITHM_FIELDS, FIELDS, SECTIONS, ConfigError, RunConfig
+from stacx.trainer.config.run import (
+    ALGORITHM_FIELD_TYPES,
+    ALGORITHM_FIELDS,
+    FIELD_CHOICES,
+    FIELDS,
+    SECTIONS,
+    ConfigError,
+    RunConfig,
+)
 
 CONFIG_DEST = "config"
 ALGORITHM_PARAM_DEST = "algorithm_param"
@@ -105,8 +113,10 @@ def _add_flag(group, name: str, base: Any, default: Any, help_text: str) -> None
         group.add_argument(flag, dest=name, action="append", default=argparse.SUPPRESS, metavar="VALUE",
                            help=help_text + " (repeatable)")
     else:
-        metavar = {int: "N", float: "X"}.get(base, "VALUE")
-        group.add_argument(flag, dest=name, type=base, default=argparse.SUPPRESS, metavar=metavar, help=help_text)
+        choices = FIELD_CHOICES.get(name)
+        metavar = "{" + ",".join(choices) + "}" if choices else {int: "N", float: "X"}.get(base, "VALUE")
+        group.add_argument(flag, dest=name, type=base, default=argparse.SUPPRESS, metavar=metavar, help=help_text,
+                           choices=choices)
 
 
 def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:

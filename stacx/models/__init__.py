@@ -2,7 +2,7 @@
 
 Public API:
 - build_model(hf_config, groups, *, params_dtype) -> GPTModel; hf_config_of(model)
-- forward_packed(model, tokens, padded_lengths, groups) -> TP-local fp32 logits
+- forward_packed(model, tokens, padded_lengths, groups, *, lm_head) -> TP-local fp32 logits (or an LMHeadShard)
 - load_hf_checkpoint / export_hf_checkpoint / iter_hf_weight_buckets
 - stacx.models.testing: tiny_hf_config, save_tiny_hf_checkpoint
 """

@@ -3,16 +3,19 @@
     padded = cp_padded_lengths(lengths, cp)
     tokens_local = pad_packed(tokens, lengths, padded)[local_positions(padded, cp_rank, cp)]
     logits = forward_packed(model, tokens_local, padded, groups)   # [T_local, V_pad/tp] fp32
+    shard = forward_packed(model, tokens_local, padded, groups, lm_head="hidden")  # LMHeadShard
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Sequence
 
 import torch
 
-from stacx.models.builder import hf_config_of
+from stacx.models.builder import hf_config_of, unwrap_model
 from stacx.parallel.cp_layout import cu_seqlens, local_positions, position_ids
+from stacx.parallel.lm_head import LMHeadShard, mask_vocab_padding
 
 
 def packed_seq_params_for(padded_lengths: Sequence[int], groups):
@@ -39,13 +42,26 @@ def packed_seq_params_for(padded_lengths: Sequence[int], groups):
     )
 
 
-def forward_packed(model, tokens: torch.Tensor, padded_lengths: Sequence[int], groups) -> torch.Tensor:
+#: What `forward_packed` returns: the logits shard, or the LM head's inputs (`LMHeadShard`).
+LM_HEAD_OUTPUTS = ("logits", "hidden")
+
+
+def forward_packed(model, tokens: torch.Tensor, padded_lengths: Sequence[int], groups, *,
+                   lm_head: str = "logits") -> torch.Tensor | LMHeadShard:
     """TP-local logits [T_local, V_pad/tp] (fp32) for this CP rank's slice `tokens` [T_local].
 
     padded_lengths: the GLOBAL per-sequence lengths, each a multiple of 2*cp (cp_padded_lengths).
     Columns of vocab padding (global id >= the real vocab size) hold float32 min, so a softmax
     over the padded vocab equals the softmax over the real vocab.
+
+    lm_head="hidden": the output layer's matmul is skipped for this call and the LM head's inputs
+    come back instead, `LMHeadShard(hidden [T_local, H] in the model's dtype, weight [V_pad/tp, H],
+    vocab_size, tp_rank)`, whose `logits()` equals what lm_head="logits" returns. The weight is the
+    parameter GPTModel hands its output layer (the tied embedding, or `output_layer.weight`), so a
+    loss computed from it sends its gradient through megatron's DDP hooks as the matmul would.
     """
+    if lm_head not in LM_HEAD_OUTPUTS:
+        raise ValueError(f"lm_head must be one of {list(LM_HEAD_OUTPUTS)}, got {lm_head!r}")
     padded_lengths = [int(n) for n in padded_lengths]
     cp_size = groups.cp_size
     expected = sum(padded_lengths) // cp_size
@@ -60,21 +76,56 @@ def forward_packed(model, tokens: torch.Tensor, padded_lengths: Sequence[int], g
     positions = position_ids(padded_lengths)[local_positions(padded_lengths, groups.cp_rank, cp_size)]
     params = packed_seq_params_for(padded_lengths, groups)
     device = params.cu_seqlens_q.device
-    logits = model(
-        tokens.to(device)[None],  # [1, T_local]
-        positions.to(device)[None],
-        None,
-        packed_seq_params=params,
-    )  # [1, T_local, V_pad/tp]
+    inputs = (tokens.to(device)[None], positions.to(device)[None], None)  # [1, T_local] each
+    vocab_size = hf_config_of(model).vocab_size
+    if lm_head == "hidden":
+        with output_layer_skipped(unwrap_model(model)) as head:
+            hidden = model(*inputs, packed_seq_params=params)  # [1, T_local, H]: GPTModel's [s, b, h] -> [b, s, h]
+        return LMHeadShard(hidden=hidden[0], weight=head.weight, vocab_size=vocab_size, tp_rank=groups.tp_rank)
+    logits = model(*inputs, packed_seq_params=params)  # [1, T_local, V_pad/tp]
     logits = logits[0].float()
-    return mask_vocab_padding(logits, hf_config_of(model).vocab_size, groups.tp_rank)
+    return mask_vocab_padding(logits, vocab_size, groups.tp_rank)
 
 
-def mask_vocab_padding(logits_local: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
-    """Fill the columns of this TP shard whose global vocab id is >= vocab_size with float32 min."""
-    shard_width = logits_local.shape[-1]
-    first_id = tp_rank * shard_width
-    if first_id + shard_width <= vocab_size:
-        return logits_local
-    column_ids = torch.arange(first_id, first_id + shard_width, device=logits_local.device)
-    return logits_local.masked_fill(column_ids >= vocab_size, torch.finfo(torch.float32).min)
+class _SkippedHead:
+    """What `output_layer_skipped` records: the weight GPTModel handed its output layer."""
+
+    weight: torch.Tensor | None = None
+
+
+@contextmanager
+def output_layer_skipped(gpt_model):
+    """For the calls inside, GPTModel's output layer returns its input `(hidden_states, None)` and
+    records the weight it was given (`weight=` for tied embeddings, else its own `weight`).
+
+    Only the instance's `forward` is replaced, and put back on exit. Refused where the hidden states
+    would not be the full LM-head input: sequence parallelism (they are split over TP), an output
+    bias (e.g. a value head) and multi-token prediction (its heads read the output layer too).
+    """
+    config = gpt_model.config
+    output_layer = gpt_model.output_layer
+    problems = [
+        what for what, present in (
+            ("sequence parallelism", bool(getattr(config, "sequence_parallel", False))),
+            ("an output-layer bias (e.g. a value head)", getattr(output_layer, "bias", None) is not None),
+            ("multi-token prediction", bool(getattr(gpt_model, "mtp_process", False) or getattr(config, "mtp_num_layers", None))),
+        ) if present
+    ]
+    if problems:
+        raise ValueError(f"forward_packed(lm_head='hidden') does not support {', '.join(problems)}; "
+                         f"use lm_head='logits' (run setting --lm-head-log-probs logits)")
+    head = _SkippedHead()
+
+    def skip(hidden_states, weight=None, runtime_gather_output=None):
+        head.weight = output_layer.weight if weight is None else weight
+        return hidden_states, None
+
+    previous = output_layer.__dict__.get("forward")
+    output_layer.forward = skip
+    try:
+        yield head
+    finally:
+        if previous is None:
+            del output_layer.forward
+        else:
+            output_layer.forward = previous

@@ -134,6 +134,10 @@ class ActorSpecialization(Specialization):
 
     # ---- the loss -----------------------------------------------------------------------------
 
+    def needs_logits(self) -> bool:
+        """False: `local_values` reads the model output only through `token_log_probs`."""
+        return False
+
     def local_values(self, model_output: torch.Tensor, batch) -> torch.Tensor:
         """log pi [T_local], stacked with the entropy [T_local, 2] when it is needed: both travel in
         the same (at most one) CP all-gather."""

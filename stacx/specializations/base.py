@@ -23,7 +23,8 @@ so a subclass writes `per_token_terms` (usually one kernel call) and, when it ne
 log-probs of the sampled tokens, `local_values`. Arguments of `compute_loss`:
 
 - `model_output`: the TP-local logits shard [T_local, V_pad/tp] of this CP rank's slice of the
-  packed micro-batch (values [T_local] for a critic, `outputs_values = True`).
+  packed micro-batch (values [T_local] for a critic, `outputs_values = True`), or, when the
+  specialization does not need the logits, the LM head's inputs (`LMHeadShard`, below).
 - `batch`: a `MicroBatch` (stacx.specializations.batch): `layout` (the `PackedLayout`), `tokens`
   (the WHOLE packed micro-batch), `response_lengths`, and the per-sample fields of `SampleFields`
   (one documented attribute each: `loss_masks`, `advantages`, `log_probs`, `ref_log_probs`, ...),
@@ -35,6 +36,21 @@ What the trainer loop needs besides the loss (all on this class): `required_fiel
 `needs_reference()` (fill `ref_log_probs` first), `needs_old_log_probs()` (fill `log_probs`, pi_old,
 first), `loss_agg_mode()`, `compute_log_probs(model_output, batch)` (whole-response log-probs, no
 grad) and `metric_means(totals)`.
+
+Logits or the LM head's inputs (`needs_logits`). The run setting `--lm-head-log-probs` lets the
+worker skip the output layer's matmul and pass a `stacx.parallel.lm_head.LMHeadShard` (final
+hidden states [T_local, H], output-weight shard [V_pad/tp, H], real vocab size, TP rank) instead
+of the logits; `token_log_probs` then runs the fused kernel, which never builds the
+[T_local, V_pad/tp] logits (same values and gradients). A specialization that reads only
+`token_log_probs` (or `response_log_probs`, or the view's default values) works unchanged with
+either. The contract:
+
+- `needs_logits()` False: `model_output` may be an `LMHeadShard`; read it only through
+  `token_log_probs` / `response_log_probs` (or `model_output.logits()`, which materializes them).
+- `needs_logits()` True: `model_output` is always the logits tensor.
+- A subclass that overrides `compute_loss`, `local_values` or `compute_log_probs` may read the
+  logits itself, so it gets them (`receives_logits()`) unless that same class, or one below it,
+  declares `needs_logits() -> False`.
 
 A specialization composes stateless kernels (stacx.objectives) with the vocab-parallel and CP
 utilities (stacx.parallel). It issues no collective of its own: the only communication is inside
@@ -53,6 +69,7 @@ from stacx.objectives.algorithm_config import ALGORITHM_DEFAULTS
 from stacx.objectives.validation import hyperparameter
 from stacx.parallel.cp_fields import PackedLayout, next_token_targets
 from stacx.parallel.groups import ProcessGroups
+from stacx.parallel.lm_head import LMHeadShard
 from stacx.parallel.reduction import Reducer
 from stacx.parallel.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from stacx.specializations.batch import PER_RESPONSE_FIELDS, PER_SEQUENCE_FIELDS, MicroBatch
@@ -60,6 +77,10 @@ from stacx.specializations.batch import PER_RESPONSE_FIELDS, PER_SEQUENCE_FIELDS
 #: Count metrics every specialization reports; logged as totals, and the denominators of the others.
 NUM_LOSS_TOKENS = "num_loss_tokens"
 NUM_SEQUENCES = "num_sequences"
+
+
+#: Methods that receive `model_output`: a subclass that overrides one may read the logits itself.
+LOGIT_READERS = ("compute_loss", "local_values", "compute_log_probs")
 
 
 _DECLARED = object()
@@ -115,6 +136,20 @@ class Specialization:
         """Whether `per_token_terms` needs whole responses on every CP rank (one all-gather when cp > 1)
         instead of this rank's part of each response."""
         return False
+
+    def needs_logits(self) -> bool:
+        """Whether `model_output` must be the logits shard rather than an `LMHeadShard` (the contract in
+        the module docstring). Default: True when this class overrides one of `LOGIT_READERS` (it may
+        read the logits), False otherwise (the template reads only `token_log_probs`). A class that
+        reads the logits only through `token_log_probs` overrides this to return False."""
+        return self.outputs_values or _overrides_below(type(self), Specialization, LOGIT_READERS)
+
+    def receives_logits(self) -> bool:
+        """What the worker asks before each forward (not meant to be overridden): `needs_logits()`, but
+        True whenever a class below the one that declared `needs_logits` overrides a logit reader (a
+        user subclass of `ActorSpecialization` with its own `local_values` gets logits)."""
+        declared_in = _defining_class(type(self), "needs_logits")
+        return self.needs_logits() or _overrides_below(type(self), declared_in, LOGIT_READERS)
 
     def loss_agg_mode(self) -> str:
         """The aggregation mode the step's Reducer must use (config `loss_agg_mode`, default token-mean)."""
@@ -240,24 +275,29 @@ class Specialization:
         return layout
 
     def token_log_probs(
-        self, logits: torch.Tensor, batch: MicroBatch, *, with_entropy: bool = False,
+        self, model_output: torch.Tensor | LMHeadShard, batch: MicroBatch, *, with_entropy: bool = False,
         entropy_requires_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(next token) at every local position [T_local] (and entropy [T_local] if asked).
 
-        One TP all-gather (inside the vocab-parallel kernel). The logits are not modified.
+        model_output: the logits shard [T_local, V/tp] (vocab-parallel kernel; the logits are not
+        modified) or an `LMHeadShard` (fused kernel from the hidden states and the weight shard,
+        same values and gradients, no logits built). One TP all-gather either way.
         """
         layout = batch.layout
-        if logits.dim() != 2 or logits.shape[0] != layout.num_local_tokens:
+        fused = isinstance(model_output, LMHeadShard)
+        rows = model_output.num_tokens if fused else (model_output.shape[0] if model_output.dim() == 2 else None)
+        if rows != layout.num_local_tokens:
             raise ValueError(
-                f"model_output must be the TP-local logits [T_local={layout.num_local_tokens}, V/tp], "
-                f"got {tuple(logits.shape)}"
+                f"model_output must be the TP-local logits [T_local={layout.num_local_tokens}, V/tp] (or an "
+                f"LMHeadShard of as many tokens), got {f'{rows} tokens' if fused else tuple(model_output.shape)}"
             )
-        targets_local = layout.slice_tokens(next_token_targets(batch.tokens, layout.lengths)).to(logits.device)
-        return vocab_parallel_log_probs_and_entropy(
-            logits, targets_local, tp_group=self.groups.tp, temperature=self.temperature,
-            with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad,
-        )
+        targets_local = layout.slice_tokens(next_token_targets(batch.tokens, layout.lengths)).to(model_output.device)
+        options = dict(tp_group=self.groups.tp, temperature=self.temperature, with_entropy=with_entropy,
+                       entropy_requires_grad=entropy_requires_grad)
+        if fused:
+            return model_output.log_probs_and_entropy(targets_local, **options)
+        return vocab_parallel_log_probs_and_entropy(model_output, targets_local, **options)
 
     def response_log_probs(self, model_output: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
         """log pi(y_t | y_<t, x) of every response token, whole responses concatenated: [N_response].
@@ -339,6 +379,18 @@ class ResponseView:
         return counts
 
 
+def _defining_class(cls: type, name: str) -> type:
+    """The class of `cls`'s MRO whose own body defines `name`."""
+    return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+
+def _overrides_below(cls: type, ancestor: type, names: Sequence[str]) -> bool:
+    """Whether a class that comes before `ancestor` in `cls`'s MRO (a subclass or a mixin of one) defines
+    one of `names`."""
+    mro = cls.__mro__
+    return any(mro.index(_defining_class(cls, name)) < mro.index(ancestor) for name in names)
+
+
 def check_response_field(batch: MicroBatch, name: str, layout: PackedLayout) -> None:
     """`batch[name]` is a list of one tensor per sequence whose first dim is the response length."""
     values = batch.get(name)
@@ -377,6 +429,7 @@ def masked_total(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) 
 __all__ = [
     "NUM_LOSS_TOKENS",
     "NUM_SEQUENCES",
+    "LOGIT_READERS",
     "LossTerms",
     "ResponseView",
     "Specialization",

@@ -29,6 +29,7 @@ import torch
 from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL, union_topk_support
 from stacx.objectives.registry import get_loss
 from stacx.parallel.cp_fields import PackedLayout
+from stacx.parallel.lm_head import LMHeadShard
 from stacx.parallel.vocab_parallel import vocab_parallel_log_probs_at_ids
 from stacx.parallel.vocab_parallel_topk import vocab_parallel_topk
 from stacx.specializations.base import LossTerms, Specialization, check_response_field
@@ -114,11 +115,16 @@ class DistillSpecialization(Specialization):
         if self.kl_mode == "k3_sample" or batch.teacher_log_probs is not None:
             check_teacher_log_probs(batch, batch.layout, "teacher_log_probs", allow_sentinel=False)
 
+    def needs_logits(self) -> bool:
+        """`topk` reads the student's top-K from the logits shard; `k3_sample` only `token_log_probs`."""
+        return self.kl_mode == "topk"
+
     def local_values(self, model_output: torch.Tensor, batch) -> torch.Tensor:
         """k3_sample: the student's log-prob of each sampled token [T_local]. topk: per union id
         [T_local, Ks+Kt, 3] = (student log-prob with gradient, teacher log-prob, in the support)."""
         if self.kl_mode == "topk":
-            return self._topk_local_values(model_output, batch)
+            logits = model_output.logits() if isinstance(model_output, LMHeadShard) else model_output
+            return self._topk_local_values(logits, batch)
         return super().local_values(model_output, batch)
 
     def per_token_terms(self, view, batch) -> LossTerms:

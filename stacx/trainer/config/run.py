@@ -185,6 +185,8 @@ class TrainSection:
     """Training steps (rollout + update each)."""
     max_tokens_per_micro_batch: int = 4096
     """Token budget of one packed micro-batch on one rank."""
+    lm_head_log_probs: str = "auto"
+    """How training log-probs are taken from the LM head: 'fused' (from the hidden states, never building the logits), 'logits' (materialize the logits shard) or 'auto' (fused on CUDA or when one micro-batch's fp32 logits shard would reach 1 GiB)."""
     seed: int = 1234
     """Seed of initialization, data order and sampling."""
     save_interval: int = 0
@@ -282,6 +284,11 @@ FIELD_MINIMUMS: dict[str, int | float] = {
     "save_interval": 0, "exchange_every_n_steps": 0, "skip_nonfinite_steps": 0, "reward_timeout_s": 0.001,
 }
 """Smallest allowed value of numeric run-config fields, checked when a value is given (file or flag)."""
+
+FIELD_CHOICES: dict[str, tuple[str, ...]] = {
+    "lm_head_log_probs": ("auto", "fused", "logits"),
+}
+"""Allowed values of string run-config fields with a fixed set of choices, checked when a value is given."""
 
 
 def _section_fields() -> dict[str, tuple[str, dataclasses.Field]]:
@@ -415,9 +422,13 @@ _ALGORITHM_FIELD_OBJECTS: dict[str, dataclasses.Field] = {f.name: f for f in hyp
 
 
 def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
-    """Check and convert a value to the field's declared type and its minimum (FIELD_MINIMUMS);
+    """Check and convert a value to the field's declared type, its choices (FIELD_CHOICES) and its minimum (FIELD_MINIMUMS);
     errors name the key and its flag."""
     converted = _coerce_type(f, value, source)
+    choices = FIELD_CHOICES.get(f.name)
+    if choices is not None and converted not in choices:
+        raise ConfigError(f"key '{f.name}' in {source} must be one of {list(choices)}, got {converted!r}; "
+                          f"set --{f.name.replace('_', '-')} to one of them")
     minimum = FIELD_MINIMUMS.get(f.name)
     if minimum is not None and converted is not None and converted < minimum:
         raise ConfigError(f"key '{f.name}' in {source} must be >= {minimum}, got {converted!r}; "

@@ -13,6 +13,7 @@ the specialization slices the fields for this CP rank.
 One train step (`train_step`):
     zero grads; reducer = Reducer.for_step(mode, counts)      # counts: global, from the driver
     for each micro-batch: forward_packed -> compute_loss -> backward
+                          (logits, or the LM head's inputs for fused log-probs: lm_head_mode)
                           -> metric sums + loss in ONE all-reduce over DP x CP
     finish_grad_sync (one DP x CP all-reduce of the grads) -> optimizer.step -> scheduler.step
     (both skipped when the loss or the grad norm is NaN/inf: stacx.trainer.numerics)
@@ -40,6 +41,7 @@ from stacx.trainer.config.layout import RankCoords
 from stacx.trainer.config.recipe import ModelRole, role_checkpoint_path
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.numerics import WEIGHTS_NONFINITE_METRIC, step_optimizer_if_finite
+from stacx.trainer.runtime.lm_head_mode import choose_lm_head_output
 from stacx.trainer.runtime.optim import build_optimizer, current_lr, wrap_ddp
 from stacx.trainer.runtime.value_head import attach_value_head
 
@@ -80,7 +82,7 @@ class RoleRuntime:
     def __init__(self, role: ModelRole, run_config: RunConfig, algorithm: AlgorithmConfig, groups: ProcessGroups, *,
                  rank: int = 0):
         # Imported here: megatron-core is slow to import (start-up time).
-        from stacx.models import build_model
+        from stacx.models import build_model, padded_vocab_size
 
         self.role = role
         self.run_config = run_config
@@ -111,6 +113,10 @@ class RoleRuntime:
         if role.outputs_values:
             attach_value_head(self.model)
         self.specialization = role.specialization_cls(algorithm, groups)
+        # V_pad/tp and the device, for the per-micro-batch choice of logits or fused log-probs.
+        self.vocab_local = padded_vocab_size(self._vocab_size(), groups.tp_size) // groups.tp_size
+        self.on_cuda = next(self.model.parameters()).device.type == "cuda"
+        self._logged_logits_fallback = False
         self.num_steps = 0
         self._engine_clients: dict[tuple[str, str], Any] = {}
         if role.trainable:
@@ -139,13 +145,35 @@ class RoleRuntime:
         """The specialization's `MicroBatch` for one micro-batch (see the module docstring)."""
         return micro_batch.pack(self.groups)
 
-    def forward(self, batch: MicroBatch) -> torch.Tensor:
-        """TP-local logits [T_local, V_pad/tp] (fp32), or values [T_local] for a value-head role."""
+    def _vocab_size(self) -> int:
+        # Imported here: megatron-core is slow to import (start-up time).
+        from stacx.models import hf_config_of
+
+        return int(hf_config_of(self.model).vocab_size)
+
+    def lm_head_output(self, batch: MicroBatch) -> str:
+        """"hidden" (fused log-probs from an LMHeadShard) or "logits" for this micro-batch: the run's
+        `lm_head_log_probs` setting, the specialization's needs and the size of the logits shard."""
+        if self.role.outputs_values:
+            return "logits"
+        mode = self.run_config.train.lm_head_log_probs
+        allows = not self.specialization.receives_logits()
+        if mode == "fused" and not allows and not self._logged_logits_fallback:
+            self._logged_logits_fallback = True
+            logger.info("role %r: --lm-head-log-probs fused, but %s needs the logits; it gets them",
+                        self.role.name, type(self.specialization).__name__)
+        return choose_lm_head_output(mode, specialization_allows=allows, on_cuda=self.on_cuda,
+                                     num_local_tokens=batch.layout.num_local_tokens, vocab_local=self.vocab_local)
+
+    def forward(self, batch: MicroBatch):
+        """TP-local logits [T_local, V_pad/tp] (fp32), or the LM head's inputs (`LMHeadShard`) when
+        `lm_head_output` picks fused log-probs, or values [T_local] for a value-head role."""
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import forward_packed
 
         tokens_local, padded_lengths = batch.model_inputs()
-        output = forward_packed(self.forward_module, tokens_local, padded_lengths, self.groups)
+        output = forward_packed(self.forward_module, tokens_local, padded_lengths, self.groups,
+                                lm_head=self.lm_head_output(batch))
         return output[:, 0] if self.role.outputs_values else output
 
     def swap_reference(self) -> None:
