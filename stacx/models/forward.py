@@ -81,7 +81,10 @@ def forward_packed(model, tokens: torch.Tensor, padded_lengths: Sequence[int], g
     if lm_head == "hidden":
         with output_layer_skipped(unwrap_model(model)) as head:
             hidden = model(*inputs, packed_seq_params=params)  # [1, T_local, H]: GPTModel's [s, b, h] -> [b, s, h]
-        return LMHeadShard(hidden=hidden[0], weight=head.weight, vocab_size=vocab_size, tp_rank=groups.tp_rank)
+        # A wrapper that returns fp32 outputs (megatron's Float16Module) would hand back upcast hidden
+        # states: the head computes in its weight's dtype, so they go back to it (exactly).
+        hidden = hidden[0].to(head.weight.dtype)
+        return LMHeadShard(hidden=hidden, weight=head.weight, vocab_size=vocab_size, tp_rank=groups.tp_rank)
     logits = model(*inputs, packed_seq_params=params)  # [1, T_local, V_pad/tp]
     logits = logits[0].float()
     return mask_vocab_padding(logits, vocab_size, groups.tp_rank)

@@ -34,8 +34,8 @@ log-probs of the sampled tokens, `local_values`. Arguments of `compute_loss`:
 
 What the trainer loop needs besides the loss (all on this class): `required_fields()`,
 `needs_reference()` (fill `ref_log_probs` first), `needs_old_log_probs()` (fill `log_probs`, pi_old,
-first), `loss_agg_mode()`, `compute_log_probs(model_output, batch)` (whole-response log-probs, no
-grad) and `metric_means(totals)`.
+first), `receives_logits()` (logits or the LM head's inputs, below), `loss_agg_mode()`,
+`compute_log_probs(model_output, batch)` (whole-response log-probs, no grad) and `metric_means(totals)`.
 
 Logits or the LM head's inputs (`needs_logits`). The run setting `--lm-head-log-probs` lets the
 worker skip the output layer's matmul and pass a `stacx.parallel.lm_head.LMHeadShard` (final
@@ -54,7 +54,7 @@ either. The contract:
 
 A specialization composes stateless kernels (stacx.objectives) with the vocab-parallel and CP
 utilities (stacx.parallel). It issues no collective of its own: the only communication is inside
-`vocab_parallel_*` (TP) and at most one `PackedLayout.gather_responses` (CP) per micro-batch.
+`vocab_parallel_*` or the fused LM-head kernel (TP) and at most one `PackedLayout.gather_responses` (CP) per micro-batch.
 """
 
 from __future__ import annotations
