@@ -34,7 +34,7 @@ def mask_vocab_padding(logits_local: torch.Tensor, vocab_size: int, tp_rank: int
     return logits_local.masked_fill(column_ids >= vocab_size, torch.finfo(torch.float32).min)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LMHeadShard:
     """The LM head's inputs on this rank: z = hidden @ weight^T would be the logits shard."""
 

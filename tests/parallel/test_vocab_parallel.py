@@ -184,3 +184,21 @@ def test_tensor_parallel_2_matches_full_vocab_reference_with_one_collective():
         assert forward_counts == {"all_gather": 1, "all_reduce": 0}
         assert backward_counts == {"all_gather": 0, "all_reduce": 0}
         assert topk_ids_equal
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_a_masked_padding_column_adds_nothing_at_any_temperature(temperature):
+    """A vocab-padding column holds float32 min (mask_vocab_padding); below temperature 1 it overflows
+    to -inf in s, and must still add nothing (not NaN) to the entropy and its gradient."""
+    gen = torch.Generator().manual_seed(2)
+    real = torch.randn(6, 9, generator=gen)
+    targets = torch.randint(0, 9, (6,), generator=gen)
+    padded = torch.cat([real, torch.full((6, 2), torch.finfo(torch.float32).min)], dim=1)
+    results = []
+    for logits in (real, padded):
+        logits = logits.clone().requires_grad_()
+        log_probs, entropy = vocab_parallel_log_probs_and_entropy(logits, targets, temperature=temperature)
+        (log_probs.sum() + entropy.sum()).backward()
+        results.append((log_probs.detach(), entropy.detach(), logits.grad[:, :9]))
+    for ours, reference in zip(results[1], results[0]):
+        torch.testing.assert_close(ours, reference)
