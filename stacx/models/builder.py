@@ -21,7 +21,6 @@ from stacx.models.architectures import (
     load_hf_config,
     padded_vocab_size,
 )
-from stacx.models.packed_attention import PackedCoreAttention
 
 _HF_CONFIG_ATTR = "stacx_hf_config"
 
@@ -82,6 +81,10 @@ def _layer_spec(shape: DecoderShape):
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+
+    # Imported here, like megatron above: `stacx.models` stays light for the driver, which reads
+    # checkpoint folders and configs but never builds a model (megatron-core takes seconds to import).
+    from stacx.models.packed_attention import PackedCoreAttention
 
     if transformer_engine_available():
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.architecture.qk_layernorm)
