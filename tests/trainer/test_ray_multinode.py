@@ -39,6 +39,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(600
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OBJECT_STORE_BYTES = 200_000_000
+NODE_START_ATTEMPTS = 3
+RAY_NODE_START_TIMED_OUT = "The current node timed out during startup"
+"""What `ray start` prints when its node missed Ray's fixed 30 s registration limit (ray/_private/node.py)."""
 
 
 def _free_port() -> int:
@@ -145,29 +148,45 @@ def _two_node_cluster():
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_USAGE_STATS_ENABLED="0",
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     env.pop("RAY_ADDRESS", None)
-    gcs_port, dashboard_port = _free_port(), _free_port()
     sessions = []
 
-    def start(name: str, args: list[str]) -> subprocess.Popen:
-        log_path = os.path.join(temp_dir, f"{name}.log")
-        process = subprocess.Popen([RAY, "start", "--block", *args], env=env, start_new_session=True,
-                                   stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-        sessions.append(process)
-        _wait_for_line(log_path, "Ray runtime started", process, timeout_s=120)
-        return process
+    def start(name: str, make_args) -> str:
+        """`ray start --block` with `make_args()`; returns its log. Ray gives a new node a fixed 30 s to
+        register with the GCS and then exits ("timed out during startup"), which a loaded 2-core machine can
+        exceed: that one failure is retried, on fresh ports, at most NODE_START_ATTEMPTS times."""
+        for attempt in range(1, NODE_START_ATTEMPTS + 1):
+            log_path = os.path.join(temp_dir, f"{name}-{attempt}.log")
+            process = subprocess.Popen([RAY, "start", "--block", *make_args()], env=env, start_new_session=True,
+                                       stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+            sessions.append(process)
+            try:
+                _wait_for_line(log_path, "Ray runtime started", process, timeout_s=120)
+                return log_path
+            except RuntimeError as err:
+                _stop_sessions([process])
+                sessions.remove(process)
+                if RAY_NODE_START_TIMED_OUT not in str(err) or attempt == NODE_START_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    ports = {}
+
+    def head_args() -> list[str]:
+        ports.update(gcs=_free_port(), dashboard=_free_port())
+        return ["--head", f"--port={ports['gcs']}", "--num-cpus=2", '--resources={"node_a": 2}',
+                f"--object-store-memory={OBJECT_STORE_BYTES}", "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}", f"--temp-dir={temp_dir}",
+                f"--ray-client-server-port={_free_port()}", *_private_agent_ports(), "--disable-usage-stats"]
 
     try:
-        start("head", ["--head", f"--port={gcs_port}", "--num-cpus=2", '--resources={"node_a": 2}',
-                       f"--object-store-memory={OBJECT_STORE_BYTES}", "--include-dashboard=true",
-                       "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}",
-                       f"--ray-client-server-port={_free_port()}", *_private_agent_ports(), "--disable-usage-stats"])
-        with open(os.path.join(temp_dir, "head.log")) as f:
+        with open(start("head", head_args)) as f:
             head_log = f.read()
         address = next(line.split("--address='")[1].split("'")[0] for line in head_log.splitlines()
                        if "ray start --address=" in line)
-        start("node_b", [f"--address={address}", "--num-cpus=2", '--resources={"node_b": 2}',
-                         f"--object-store-memory={OBJECT_STORE_BYTES}", *_private_agent_ports(),
-                         "--disable-usage-stats"])
+        start("node_b", lambda: [f"--address={address}", "--num-cpus=2", '--resources={"node_b": 2}',
+                                 f"--object-store-memory={OBJECT_STORE_BYTES}", *_private_agent_ports(),
+                                 "--disable-usage-stats"])
+        dashboard_port = ports["dashboard"]
         dashboard = f"http://127.0.0.1:{dashboard_port}"
         # "Ray runtime started" comes before the head's job agent registers; a job submitted in
         # between fails with "No available agent". Poll with a real (trivial) job, bounded.
