@@ -1,5 +1,6 @@
 """A two-node Ray cluster on this machine: one role's ranks on both nodes, `ray job submit`, and a
-two-step GRPO `stacx train` run whose workers land on both nodes, direct and through `ray job submit`.
+two-step GRPO `stacx train` run whose workers land on both nodes, attached with `--ray-address` and
+submitted with `ray job submit` (the cluster check's own entry runs through `--ray-address`).
 
 Two `ray start --block` processes (each in its own session) form the cluster: the head with
 custom resource `node_a`, a second node with `node_b`. The cluster check entry point
@@ -83,23 +84,27 @@ def _wait_for_line(log_path: str, text: str, process: subprocess.Popen, timeout_
         raise RuntimeError(f"`ray start` did not report {text!r} (exit {process.poll()}):\n{f.read()[-3000:]}")
 
 
-def _stop_sessions(processes: list[subprocess.Popen]) -> None:
+def _stop_sessions(processes: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     """SIGTERM the sessions `ray start --block` leads (it and the Ray processes it started), all at
-    once; SIGKILL what is still there after 10 s."""
+    once; SIGKILL every session still there `grace_s` after the signal (one deadline for all)."""
     for process in processes:
         if process.poll() is None:
             try:
                 os.killpg(process.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+    deadline = time.monotonic() + grace_s
     for process in processes:
         try:
-            process.wait(timeout=10)
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            pass
+    for process in processes:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the session's Ray processes, even when its leader exited
+        except ProcessLookupError:
+            pass
+        process.wait()
 
 
 def _agent_log_tails(temp_dir: str) -> str:
@@ -224,19 +229,6 @@ def test_one_role_spans_two_nodes_and_runs_collectives(two_node_cluster):
     assert result["attached_to"] == two_node_cluster["address"]
 
 
-def test_ray_job_submit_runs_a_stacx_entry_on_the_cluster(two_node_cluster):
-    # No --ray-address: the entry must find the cluster through the RAY_ADDRESS the job sets.
-    completed = subprocess.run(
-        [RAY, "job", "submit", f"--address={two_node_cluster['dashboard']}", "--",
-         sys.executable, "-m", "stacx.trainer.cluster.ray.cluster_check", "--num-ranks=2", "--tp=2",
-         "--bundle-resources=node_a,node_b"],
-        env=two_node_cluster["env"], capture_output=True, text=True, timeout=300,
-    )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    result = _check_result(completed.stdout)
-    assert result["attached_to"] is not None  # attached to the job's cluster, not a new local one
-
-
 # GRPO through `stacx train` on the same cluster (it lives here to share the module's two-node cluster:
 # starting one costs 80-110 s on two cores).
 
@@ -264,30 +256,40 @@ def _role_worker_nodes(dashboard: str, env: dict) -> dict[str, str]:
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
-def test_grpo_trains_two_steps_on_workers_of_both_nodes_directly_and_through_ray_job_submit(two_node_cluster, tmp_path):
-    checkpoint = write_tiny_checkpoint(str(tmp_path / "init"), "sorting", seed=0)
+def _train_grpo_and_check_both_nodes(launch: list[str], two_node_cluster, out: str) -> None:
+    """Run `launch` (a command that runs `stacx train` GRPO into `out`) and check that it trained 2 steps
+    on 2 new RoleWorkers, one per node (the module's other tests leave RoleWorker actors of their own on
+    this cluster: only new ones count)."""
     env = dict(two_node_cluster["env"], TOKENIZERS_PARALLELISM="false")
-    # The module's other tests left RoleWorker actors of their own on this cluster: only new ones count.
-    before_direct = _role_worker_nodes(two_node_cluster["dashboard"], env)
-    direct_out = str(tmp_path / "direct")
-    completed = subprocess.run(
-        [sys.executable, *_grpo_two_node_command(checkpoint, direct_out), "--ray-address", two_node_cluster["address"]],
-        env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
+    before = _role_worker_nodes(two_node_cluster["dashboard"], env)
+    completed = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    nodes_after_direct = _role_worker_nodes(two_node_cluster["dashboard"], env)
-    direct_nodes = {actor: node for actor, node in nodes_after_direct.items() if actor not in before_direct}
-    assert len(direct_nodes) == 2 and len(set(direct_nodes.values())) == 2, nodes_after_direct
+    after = _role_worker_nodes(two_node_cluster["dashboard"], env)
+    new_nodes = [node for actor, node in after.items() if actor not in before]
+    assert len(new_nodes) == 2 and len(set(new_nodes)) == 2, after
+    rewards = _series(os.path.join(out, "metrics.jsonl"), "rollout/reward_mean")
+    losses = _series(os.path.join(out, "metrics.jsonl"), "policy/loss")
+    assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards) and all(l == l for l in losses)
 
-    submit_out = str(tmp_path / "submitted")
-    completed = subprocess.run(
+
+@pytest.fixture(scope="module")
+def sorting_checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("init") / "sorting"), "sorting", seed=0)
+
+
+def test_grpo_trains_two_steps_on_workers_of_both_nodes_through_its_ray_address(two_node_cluster, sorting_checkpoint,
+                                                                                 tmp_path):
+    out = str(tmp_path / "direct")
+    _train_grpo_and_check_both_nodes(
+        [sys.executable, *_grpo_two_node_command(sorting_checkpoint, out), "--ray-address", two_node_cluster["address"]],
+        two_node_cluster, out)
+
+
+def test_ray_job_submit_runs_a_stacx_entry_on_the_cluster(two_node_cluster, sorting_checkpoint, tmp_path):
+    """`stacx train` submitted with `ray job submit` and no --ray-address: it must attach to the job's
+    cluster through the RAY_ADDRESS the job sets (a new local cluster would put both ranks on one node)."""
+    out = str(tmp_path / "submitted")
+    _train_grpo_and_check_both_nodes(
         [RAY, "job", "submit", f"--address={two_node_cluster['dashboard']}", "--",
-         sys.executable, *_grpo_two_node_command(checkpoint, submit_out)],  # no --ray-address: RAY_ADDRESS from the job
-        env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    all_workers = _role_worker_nodes(two_node_cluster["dashboard"], env)
-    new_nodes = [node for actor, node in all_workers.items() if actor not in nodes_after_direct]
-    assert len(new_nodes) == 2 and len(set(new_nodes)) == 2, all_workers
-    for out in (direct_out, submit_out):
-        rewards = _series(os.path.join(out, "metrics.jsonl"), "rollout/reward_mean")
-        losses = _series(os.path.join(out, "metrics.jsonl"), "policy/loss")
-        assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards) and all(l == l for l in losses)
+         sys.executable, *_grpo_two_node_command(sorting_checkpoint, out)],
+        two_node_cluster, out)
