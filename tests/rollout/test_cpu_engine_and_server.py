@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from stacx.rollout.engines.cpu import CpuEngine, filter_top_k_top_p
+from stacx.rollout.engines.cpu import CpuEngine, draw_index, filter_top_k_top_p
 from stacx.rollout.http_client import RetryPolicy
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.manager import RolloutManager
@@ -51,6 +51,22 @@ def test_filter_top_k_top_p():
     # nucleus 0.7: 0.5 alone is below, 0.5 + 0.3 crosses -> keep two
     assert torch.isinf(filter_top_k_top_p(log_probs, -1, 0.7)).tolist() == [False, False, True, True]
     assert torch.isinf(filter_top_k_top_p(log_probs, -1, 0.45)).tolist() == [False, True, True, True]
+
+
+def test_draw_index_follows_the_probabilities_and_never_draws_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.15, 0.05, 0.0], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.tensor([draw_index(probs * 3.0, generator) for _ in range(40_000)])  # any positive total
+    frequencies = torch.bincount(draws, minlength=probs.numel()).double() / draws.numel()
+    assert frequencies[probs == 0].sum() == 0
+    # 4 standard deviations of a frequency near 0.5 over 40,000 draws is 0.01
+    assert (frequencies - probs).abs().max() < 0.01, frequencies
+    # The same seed gives the same draws; all mass on one index draws it, even on the last index.
+    first = [draw_index(probs, torch.Generator().manual_seed(7)) for _ in range(3)]
+    assert first == [draw_index(probs, torch.Generator().manual_seed(7)) for _ in range(3)]
+    one_hot = torch.zeros(5, dtype=torch.float64)
+    one_hot[4] = 1.0
+    assert {draw_index(one_hot, generator) for _ in range(100)} == {4}
 
 
 def test_server_stop_returns_whether_or_not_it_was_started():

@@ -8,7 +8,7 @@ The run setting `lm_head_log_probs` (`--lm-head-log-probs`):
   False); a specialization that needs the logits still gets them.
 - `auto`: fused where the specialization allows it AND either the model runs on CUDA or the
   micro-batch's fp32 logits shard, T_local x V_pad/tp x 4 bytes, would reach
-  `AUTO_FUSED_LOGITS_BYTES`. On CPU the fused path costs 1.03-1.4x the unfused time (it recomputes
+  `AUTO_FUSED_LOGITS_BYTES`. On CPU the fused path costs 1.01-1.4x the unfused time (it recomputes
   the logits in backward; docs/performance.md), so there it is chosen only where the memory matters.
 
 A value-head role (critic) has no LM head: always its values.
