@@ -10,10 +10,8 @@ demo: venv
 	$(PY) -m stacx demo
 
 # Two pytest workers, one test file each at a time (module fixtures such as a tiny checkpoint or a
-# two-node Ray cluster stay with their file); one core each on a 2-core machine. Files go out in
-# collection order, which tests/conftest.py sets to the long end-to-end files first (xdist would
-# otherwise reorder them by test count, leaving the longest single-test files for the end).
-PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
+# two-node Ray cluster stay with their file); one core each on a 2-core machine.
+PARALLEL := -n 2 --dist loadfile
 
 test: venv
 	$(PY) -m pytest -q $(PARALLEL)

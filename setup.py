@@ -43,7 +43,7 @@ setup(
     extras_require={
         # The test extra pulls diffusers and TRL too: CI runs `pip install -e ".[test]"`, tests the diffusion
         # recipes and runs the peer benchmark's smoke comparison against TRL (tests/bench/test_peers_smoke.py).
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "pytest-xdist>=3.8", "diffusers>=0.35", "trl>=1.16,<1.17"],
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "diffusers>=0.35", "trl>=1.16,<1.17"],
         # The experimental diffusion recipes (stacx/diffusion): DiT and SD3-style MMDiT transformers.
         "diffusion": ["diffusers>=0.35"],
         # apex is an optional source build (fused kernels); it is detected at run time.

@@ -20,23 +20,12 @@ def pytest_collection_modifyitems(config, items):
     if unmarked:
         raise pytest.UsageError("tests that start Ray must be marked slow (@pytest.mark.slow or the module's "
                                 "pytestmark): " + ", ".join(unmarked))
-    _run_files_with_slow_tests_first(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA (marked gpu); run on a GPU machine with: pytest -m gpu")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-
-
-def _run_files_with_slow_tests_first(items) -> None:
-    """Files with `slow` tests (the end-to-end runs of 20-200 s) go first, each file kept whole and in
-    order. Two xdist workers take one file at a time in this order (`make test` passes
-    `--no-loadscope-reorder`), so the long files start early and the many short ones fill in at the
-    end, instead of one worker finishing a long file alone."""
-    slow_files = {item.nodeid.split("::", 1)[0] for item in items if "slow" in item.keywords}
-    order = {item.nodeid: index for index, item in enumerate(items)}
-    items.sort(key=lambda item: (item.nodeid.split("::", 1)[0] not in slow_files, order[item.nodeid]))
 
 
 @pytest.fixture(autouse=True)
