@@ -9,7 +9,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-RAY_STARTING_FIXTURES = ("ray_address", "ray_cluster")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RAY_STARTING_FIXTURES = ("shared_ray_address", "ray_address")
 """Fixtures that start a local Ray cluster: every test using them (directly or through another
 fixture) must be marked `slow`, so that `pytest -m "not slow"` never starts Ray."""
 
@@ -38,3 +39,40 @@ def _user_modules_stay_with_their_test():
     yield
     discovery._USER_MODULE_SOURCES.clear()
     discovery._USER_MODULE_SOURCES.update(before)
+
+
+@pytest.fixture(scope="session")
+def shared_ray_address():
+    """The address of one loopback Ray cluster (4 CPUs, 300 MB object store) for this pytest process
+    (each xdist worker has its own, so a test never shares it with a test running beside it).
+
+    End-to-end runs that do not test cluster start-up attach to it (`--ray-address`), instead of
+    paying a cluster start and stop each; a run's job ends when its driver detaches, and Ray then
+    kills that job's actors, so every test starts from an empty cluster."""
+    from stacx.testing.shared_ray_cluster import SharedRayCluster
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cluster = SharedRayCluster.start(num_cpus=4, object_store_mb=300, env=env, cwd=REPO)
+    # Drivers this process starts (in-process or as `stacx train` children) attach with Ray's auth switch.
+    saved = {name: os.environ.get(name) for name in cluster.attach_env}
+    os.environ.update(cluster.attach_env)
+    try:
+        yield cluster.address
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def ray_address(shared_ray_address):
+    """This test process attached to the shared cluster as a Ray driver for one test module; detaching
+    at the module's end ends its job, which kills the actors the module left."""
+    from stacx.trainer.cluster.ray.connect import connect_ray
+
+    connection = connect_ray(shared_ray_address, log_to_driver=False)
+    yield shared_ray_address
+    connection.shutdown()

@@ -1,5 +1,5 @@
-"""Each of the six diffusion recipes trains 2 steps end to end on Ray through `stacx train`, on ONE
-local Ray cluster, at tiny sizes (8x8 pixels, 2 layers, 3 denoising steps)."""
+"""Each of the six diffusion recipes trains 2 steps end to end on Ray through `stacx train`, on the
+shared test Ray cluster, at tiny sizes (8x8 pixels, 2 layers, 3 denoising steps)."""
 
 import json
 import math
@@ -9,21 +9,10 @@ import torch
 
 from stacx.launch.cli import main
 from stacx.trainer.recipes import TRAINING_CONFIGS
-
-MIB = 1024 * 1024
 DIFFUSION_RECIPES = ("flow_matching_sft", "flow_grpo", "dance_grpo", "mix_grpo", "diffusion_dpo", "diffusion_nft")
 TINY = ["--num-steps", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--lr", "1e-3",
         "--algorithm-param", "image_size=8", "--algorithm-param", "num_inference_steps=3",
         "--no-progress-bar", "--no-tensorboard"]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from stacx.trainer.cluster.ray.connect import connect_ray
-
-    connection = connect_ray(num_cpus=2, object_store_memory_bytes=200 * MIB, log_to_driver=False)
-    yield
-    connection.shutdown()
 
 
 def _metrics(out):
@@ -61,7 +50,7 @@ def test_stacx_train_sends_a_diffusion_recipe_to_its_loop(capsys):
 
 
 @pytest.mark.slow
-def test_each_diffusion_recipe_trains_two_steps_on_ray(ray_cluster, tmp_path):
+def test_each_diffusion_recipe_trains_two_steps_on_ray(ray_address, tmp_path):
     """One cluster and one set of policy workers, 2 data-parallel ranks (the six recipes share the role
     graph), six runs; the two replicas stay identical (gradients averaged over DP)."""
     from stacx.diffusion.checkpoint import load_diffusion_model

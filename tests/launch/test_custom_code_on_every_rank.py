@@ -30,10 +30,14 @@ def train_env(extra: dict | None = None) -> dict:
 
 
 def run_stacx_train(launcher: str, flags: list[str], out: str, *, custom_dirs: tuple[str, ...] = (),
-                    num_steps: int = 2) -> list[dict]:
-    """Train with `stacx train` on `launcher` (Ray: a local cluster; torchrun: 2 DP ranks) and return
-    the metrics of each step. `custom_dirs` are searched as part of `stacx/custom/`."""
+                    num_steps: int = 2, ray_address: str | None = None) -> list[dict]:
+    """Train with `stacx train` on `launcher` and return the metrics of each step. Ray: attached with
+    `--ray-address` to `ray_address` (the shared test cluster, whose workers see none of this driver's
+    environment or files), or a local cluster of its own when None; torchrun: 2 DP ranks.
+    `custom_dirs` are searched as part of `stacx/custom/`."""
     flags = [*flags, "--num-steps", str(num_steps), "--out", out]
+    if launcher == "ray" and ray_address is not None:
+        flags += ["--ray-address", ray_address]
     if custom_dirs:
         entry = [CUSTOM_FOLDER_LAUNCHER]
     else:
@@ -51,6 +55,11 @@ def run_stacx_train(launcher: str, flags: list[str], out: str, *, custom_dirs: t
     return steps
 
 
+def ray_address_for(launcher: str, request) -> str | None:
+    """The shared test cluster's address for a Ray launch (None for torchrun, which uses no Ray)."""
+    return request.getfixturevalue("shared_ray_address") if launcher == "ray" else None
+
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "sorting"), "sorting", seed=0)
@@ -59,14 +68,15 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_custom_estimator_and_loss_from_a_file_train_on_every_rank(launcher, tiny_checkpoint, tmp_path):
+def test_custom_estimator_and_loss_from_a_file_train_on_every_rank(launcher, tiny_checkpoint, tmp_path, request):
     """The issue's first command (the example's config, tiny sizes): failed in Ray workers with
     `unknown policy loss 'tempered_pg'` before the source was shipped."""
     steps = run_stacx_train(launcher, [
         "--custom-module", "examples/custom_algorithm/my_algo.py", "--config", "examples/configs/grpo.yaml",
         "--advantage-estimator", "rank_centered", "--policy-loss", "tempered_pg",
         "--algorithm-param", "pg_temperature=0.5", "--hf-checkpoint", tiny_checkpoint, "--ref-load", tiny_checkpoint,
-        "--save", str(tmp_path / "checkpoints"), *SMALL_ROLLOUT], str(tmp_path / "out"))
+        "--save", str(tmp_path / "checkpoints"), *SMALL_ROLLOUT], str(tmp_path / "out"),
+        ray_address=ray_address_for(launcher, request))
     # The kernel's own metric is logged (tempered ratio sum / loss tokens, 1 on policy).
     assert all(step["policy/tempered_ratio"] == pytest.approx(1.0, abs=1e-4) for step in steps)
 
@@ -74,13 +84,14 @@ def test_custom_estimator_and_loss_from_a_file_train_on_every_rank(launcher, tin
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_custom_specialization_class_and_recipe_from_a_file_train_on_every_rank(launcher, tiny_checkpoint, tmp_path):
+def test_custom_specialization_class_and_recipe_from_a_file_train_on_every_rank(launcher, tiny_checkpoint, tmp_path,
+                                                                               request):
     """docs/adding-an-algorithm.md §4: failed on Ray with `No module named 'stacx_user_module_...'`
     (the specialization class is pickled by reference to the user module)."""
     steps = run_stacx_train(launcher, [
         "--custom-module", "examples/custom_specialization/reward_weighted_sft.py", "--algorithm",
         "reward_weighted_sft", "--algorithm-param", "rwr_temperature=0.5", "--hf-checkpoint", tiny_checkpoint,
-        *SMALL_ROLLOUT], str(tmp_path / "out"))
+        *SMALL_ROLLOUT], str(tmp_path / "out"), ray_address=ray_address_for(launcher, request))
     assert all(step["policy/weighted_nll"] > 0 and step["policy/mean_weight"] > 0 for step in steps)
 
 

@@ -1,22 +1,8 @@
-"""Fixtures shared by the training-loop tests (one module-scoped local Ray cluster per test file)."""
+"""Fixtures shared by the training-loop tests (`ray_address`, the shared Ray cluster, is in tests/conftest.py)."""
 
 import pytest
 
 from tests.trainer.training_fixtures import write_tiny_run_files
-
-MIB = 1024 * 1024
-
-
-@pytest.fixture(scope="module")
-def ray_address():
-    """A small local Ray cluster (4 CPUs, 200 MB object store) for one test module."""
-    import ray
-
-    from stacx.trainer.cluster.ray.connect import connect_ray
-
-    connection = connect_ray(num_cpus=4, object_store_memory_bytes=200 * MIB, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    connection.shutdown()
 
 
 @pytest.fixture(scope="module")

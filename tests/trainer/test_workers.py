@@ -1,6 +1,6 @@
 """Ray role workers on a local CPU cluster: TP collectives, colocation, exchange syncs, failures.
 
-One local Ray cluster (4 CPUs) and one role graph are shared by the module: a 2-rank TP=2
+The shared test Ray cluster (4 CPUs, `ray_address`) and one role graph are used by the module: a 2-rank TP=2
 `policy` and a 2-rank DP=2 `reference` colocated on one pool, with an exchange sync
 policy -> reference. The failure tests start their own small role so that killing a worker
 does not disturb the shared graph.
@@ -18,7 +18,6 @@ import torch
 from stacx.specializations.base import Specialization
 from stacx.trainer.config.recipe import ExchangeSync, ModelRole, TrainingConfig
 from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
-from stacx.trainer.cluster.ray.connect import connect_ray
 from stacx.trainer.cluster.ray import (
     PlacedPool,
     ResourcePool,
@@ -31,8 +30,6 @@ from stacx.trainer.cluster.ray import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(400)]
-
-MIB = 1024 * 1024
 
 
 def _exchange_recipe() -> TrainingConfig:
@@ -50,14 +47,7 @@ def _exchange_recipe() -> TrainingConfig:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    connection = connect_ray(num_cpus=4, object_store_memory_bytes=200 * MIB, log_to_driver=False)
-    yield connection
-    connection.shutdown()
-
-
-@pytest.fixture(scope="module")
-def role_graph(ray_cluster):
+def role_graph(ray_address):
     # The pool has tp * dp = 2 bundles; the colocated reference (tp=1) fills them with dp=2.
     graph = create_role_workers(
         _exchange_recipe(),
@@ -184,7 +174,7 @@ def test_raising_method_names_role_and_rank_and_worker_survives(role_graph):
 
 
 @pytest.fixture()
-def disposable_role(ray_cluster):
+def disposable_role(ray_address):
     pool = PlacedPool.create(ResourcePool(name="disposable", num_bundles=2, num_cpus_per_bundle=0.5))
     workers = RoleWorkers("scratch", 2, RolePlacement(pool), collective_timeout_s=30.0)
     workers.setup()
