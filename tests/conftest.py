@@ -7,6 +7,10 @@ import torch
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray turns token authentication on for every local cluster it starts, by setting RAY_AUTH_MODE=token
+# in the starting process; a process reads the switch once (Ray caches its config), so a test process
+# that attaches to a cluster another process started (`shared_ray_address`) must have it from the start.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,22 +53,17 @@ def shared_ray_address():
     End-to-end runs that do not test cluster start-up attach to it (`--ray-address`), instead of
     paying a cluster start and stop each; a run's job ends when its driver detaches, and Ray then
     kills that job's actors, so every test starts from an empty cluster."""
-    from stacx.testing.shared_ray_cluster import SharedRayCluster
+    from tests.shared_ray_cluster import SharedRayCluster
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cluster = SharedRayCluster.start(num_cpus=4, object_store_mb=300, env=env, cwd=REPO)
-    # Drivers this process starts (in-process or as `stacx train` children) attach with Ray's auth switch.
-    saved = {name: os.environ.get(name) for name in cluster.attach_env}
-    os.environ.update(cluster.attach_env)
-    try:
-        yield cluster.address
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    mismatched = {name: value for name, value in cluster.attach_env.items() if os.environ.get(name) != value}
+    if mismatched:
         cluster.close()
+        raise RuntimeError(f"the shared Ray cluster needs {mismatched} to attach, which this test process "
+                           "lacks (set at conftest import, before Ray reads it)")
+    yield cluster.address
+    cluster.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ every child is killed before this returns or raises.
 
 Ranks are forked from a forkserver that imported torch and megatron-core once per parent process
 (`RANK_PRELOAD_MODULES`), so a rank starts in a fraction of a second instead of paying those
-imports again (about 4 s of CPU each). A forked rank does not see the parent's later environment
-changes on its own, so the parent's environment at call time is handed to every rank explicitly.
+imports again (about 4 s of CPU each). A forked rank would inherit the server's environment and
+standard output from when the server started; the parent's environment, stdout and stderr at call
+time are handed to every rank explicitly, so a rank behaves as a spawned one would.
 """
 
 from __future__ import annotations
@@ -54,7 +55,28 @@ def _rank_context():
     return ctx
 
 
-def _rank_main(rank, world_size, port, fn, args, kwargs, tp, cp, timeout_s, results, environ):
+class _ParentStdio:
+    """The parent's file descriptors 1 and 2 at `Process.start`, received by a forked rank as its own.
+
+    Pickled while the rank starts, when multiprocessing can pass descriptors along (`DupFd`)."""
+
+    def __init__(self, received=None):
+        self.received = received
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return (_ParentStdio, ((DupFd(1), DupFd(2)),))
+
+    def adopt(self) -> None:
+        for target, received in zip((1, 2), self.received):
+            fd = received.detach()
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _rank_main(rank, world_size, port, fn, args, kwargs, tp, cp, timeout_s, results, environ, stdio):
+    stdio.adopt()
     os.environ.clear()
     os.environ.update(environ)
     import torch
@@ -112,7 +134,7 @@ def run_distributed(
         ctx.Process(
             target=_rank_main,
             args=(rank, world_size, port, fn, args, kwargs or {}, tensor_parallel_size,
-                  context_parallel_size, timeout_s, results, dict(os.environ)),
+                  context_parallel_size, timeout_s, results, dict(os.environ), _ParentStdio()),
             # Not daemonic: megatron's torch_dist checkpoint writer starts processes of its own, which a
             # daemonic process may not; every child is killed in the `finally` below either way.
             daemon=False,

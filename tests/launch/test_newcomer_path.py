@@ -52,14 +52,26 @@ def _train_flags(checkpoint: str, data: str, out: str) -> list[str]:
             "--lr", "1e-4", "--num-cpus-per-rank", "1", "--out", out, "--no-progress-bar", "--no-tensorboard"]
 
 
-def _assert_refused(result: subprocess.CompletedProcess, *named: str) -> None:
+def _assert_refused(returncode: int, stderr: str, *named: str) -> None:
     """Exit 2 with one line on stderr (after any harmless tool notices), naming the flag, no traceback."""
-    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
-    assert "Traceback" not in result.stderr, result.stderr[-2000:]
-    refusals = [line for line in result.stderr.splitlines() if line.startswith("stacx train: ")]
-    assert len(refusals) == 1, result.stderr[-2000:]
+    assert returncode == 2, (returncode, stderr[-2000:])
+    assert "Traceback" not in stderr, stderr[-2000:]
+    refusals = [line for line in stderr.splitlines() if line.startswith("stacx train: ")]
+    assert len(refusals) == 1, stderr[-2000:]
     for text in named:
         assert text in refusals[0], refusals[0]
+
+
+def _stacx_in_process(capsys, *args: str) -> tuple[int, str]:
+    """`stacx ARGS` through the same entry point in this process: (exit code, stderr)."""
+    from stacx.launch.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:  # argparse refusals exit like the command does
+        code = exit_.code
+    return code, capsys.readouterr().err
 
 
 def _start_server(export: str):
@@ -91,7 +103,7 @@ def _start_server(export: str):
         time.sleep(0.2)
 
 
-def test_a_new_users_first_hour(tmp_path):
+def test_a_new_users_first_hour(tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from stacx.tasks import write_tiny_checkpoint
@@ -103,20 +115,22 @@ def test_a_new_users_first_hour(tmp_path):
     out, export = str(tmp_path / "run"), str(tmp_path / "export")
     flags = _train_flags(checkpoint, data, out) + ["--export-hf", export]
 
-    # 2. The dry run passes on good inputs, and refuses each bad one in one line naming the flag.
+    # 2. The dry run passes on good inputs, and refuses each bad one in one line naming the flag: the
+    # first refusal as a process (what the user's terminal shows), the rest through the same entry point.
     dry = _stacx(*flags, "--dry-run")
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert dry.stdout.startswith("recipe grpo:")
+    missing = _stacx(*flags, "--hf-checkpoint", str(tmp_path / "missing_model"), "--dry-run")
+    _assert_refused(missing.returncode, missing.stderr, "--hf-checkpoint", "missing_model: no such folder")
     bad_rows = _write_jsonl(str(tmp_path / "bad.jsonl"), rows[:2] + ['{"prompt": "1+1=", "label": '])
     for extra, named in [
-        (["--hf-checkpoint", str(tmp_path / "missing_model")], ("--hf-checkpoint", "missing_model: no such folder")),
         (["--prompt-data", str(tmp_path / "missing.jsonl")], ("--prompt-data", "missing.jsonl: no such file")),
         (["--prompt-data", bad_rows], ("--prompt-data", "bad.jsonl:3")),
         (["--algorithm", "opd"], ("--teacher-url is not set",)),
         (["--tensor-model-parallel-size", "3"], ("--tensor-model-parallel-size 3 does not divide",
                                                  "num_attention_heads 4", "use one of [1, 2, 4]")),
     ]:
-        _assert_refused(_stacx(*flags, *extra, "--dry-run"), *named)
+        _assert_refused(*_stacx_in_process(capsys, *flags, *extra, "--dry-run"), *named)
 
     # 3. A short GRPO run that keeps its model as a Hugging Face export.
     run = _stacx(*flags)

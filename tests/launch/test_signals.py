@@ -87,7 +87,9 @@ def checkpoint(tmp_path_factory) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoint, tmp_path, signum):
+def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoint, tmp_path, signum, request):
+    """SIGTERM reaches a driver that started its own local Ray cluster; Ctrl-C one attached to a running
+    cluster with --ray-address (the shared test cluster)."""
     marker = tmp_path / "hanging"
     save = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -99,6 +101,8 @@ def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoi
                "--max-tokens-per-micro-batch", "64", "--lr", "1e-4", "--num-cpus-per-rank", "1",
                "--reward-fn", "tests.launch.test_signals:hang_from_the_second_step", "--save", str(save),
                "--save-interval", "1", "--out", str(tmp_path / "out"), "--no-progress-bar", "--no-tensorboard"]
+    if signum == signal.SIGINT:
+        command += ["--ray-address", request.getfixturevalue("shared_ray_address")]
     driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output: list[str] = []
     threading.Thread(target=lambda: output.extend(driver.stdout), daemon=True).start()
@@ -140,7 +144,7 @@ def nan_reward(response: str, label, metadata: dict) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_an_rl_run_with_a_nan_reward_exits_non_zero_naming_step_role_and_metric(checkpoint, tmp_path):
+def test_an_rl_run_with_a_nan_reward_exits_non_zero_naming_step_role_and_metric(checkpoint, tmp_path, shared_ray_address):
     """Before: the NaN went into the advantages, the weights and the engine, and the run died a step
     later as 'server unavailable' (or exited 0 with NaN weights exported)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -151,7 +155,7 @@ def test_an_rl_run_with_a_nan_reward_exits_non_zero_naming_step_role_and_metric(
                "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--num-steps", "2",
                "--max-tokens-per-micro-batch", "64", "--reward-fn", "tests.launch.test_signals:nan_reward",
                "--export-hf", str(export), "--save", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
-               "--no-progress-bar", "--no-tensorboard"]
+               "--no-progress-bar", "--no-tensorboard", "--ray-address", shared_ray_address]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
     assert done.returncode == 1, done.stderr[-4000:]
     assert "stacx train: step 0: role 'policy' produced a non-finite reward of sample 0 (nan)" in done.stderr

@@ -87,3 +87,20 @@ def test_unpicklable_result_is_reported_not_waited_for():
     with pytest.raises(DistributedRunError, match=r"rank 0 raised:(.|\n)*(pickle|Pickl)"):
         run_distributed(return_an_unpicklable_value, 1, timeout_s=60)
     assert time.monotonic() - start < 45
+
+
+def print_and_read_the_environment(groups, name):
+    print(f"rank {dist.get_rank()} says hello", flush=True)
+    return os.environ.get(name)
+
+
+def test_ranks_write_to_the_callers_stdout_and_see_its_environment_at_call_time(capfd, monkeypatch):
+    """Ranks are forked from a forkserver started by an earlier call: they still write where the caller's
+    stdout points now (capfd here) and see the environment as it is now, like spawned ranks."""
+    run_distributed(print_and_read_the_environment, 1, args=("STACX_TEST_HARNESS_VALUE",))  # the server is up
+    capfd.readouterr()
+    monkeypatch.setenv("STACX_TEST_HARNESS_VALUE", "set after the server started")
+    values = run_distributed(print_and_read_the_environment, 2, args=("STACX_TEST_HARNESS_VALUE",))
+    assert values == ["set after the server started"] * 2
+    out = capfd.readouterr().out
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out

@@ -1,6 +1,7 @@
-"""A two-node Ray cluster on this machine: one role's ranks on both nodes, `ray job submit`, and a
-two-step GRPO `stacx train` run whose workers land on both nodes, attached with `--ray-address` and
-submitted with `ray job submit` (the cluster check's own entry runs through `--ray-address`).
+"""A two-node Ray cluster on this machine: one role's ranks on both nodes (the cluster check, attached
+with `--ray-address`), and a two-step GRPO `stacx train` run submitted with `ray job submit` whose
+workers land on both nodes. (`stacx train --ray-address` against a running single-node cluster runs
+in most end-to-end tests, which attach to the shared test cluster.)
 
 Two `ray start --block` processes (each in its own session) form the cluster: the head with
 custom resource `node_a`, a second node with `node_b`. The cluster check entry point
@@ -277,17 +278,10 @@ def sorting_checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(str(tmp_path_factory.mktemp("init") / "sorting"), "sorting", seed=0)
 
 
-def test_grpo_trains_two_steps_on_workers_of_both_nodes_through_its_ray_address(two_node_cluster, sorting_checkpoint,
-                                                                                 tmp_path):
-    out = str(tmp_path / "direct")
-    _train_grpo_and_check_both_nodes(
-        [sys.executable, *_grpo_two_node_command(sorting_checkpoint, out), "--ray-address", two_node_cluster["address"]],
-        two_node_cluster, out)
-
-
 def test_ray_job_submit_runs_a_stacx_entry_on_the_cluster(two_node_cluster, sorting_checkpoint, tmp_path):
     """`stacx train` submitted with `ray job submit` and no --ray-address: it must attach to the job's
-    cluster through the RAY_ADDRESS the job sets (a new local cluster would put both ranks on one node)."""
+    cluster through the RAY_ADDRESS the job sets (a new local cluster would put both ranks on one node),
+    and its two data-parallel ranks train on workers of both nodes."""
     out = str(tmp_path / "submitted")
     _train_grpo_and_check_both_nodes(
         [RAY, "job", "submit", f"--address={two_node_cluster['dashboard']}", "--",

@@ -19,7 +19,7 @@ from another process needs the same switch, which the holder reports as `attach_
 The holder is its own process (not the test process) so that a test may still start, check and
 stop a private cluster of its own in-process while the shared one runs. As a command:
 
-    python -m stacx.testing.shared_ray_cluster --num-cpus 4 --object-store-mb 300
+    python -m tests.shared_ray_cluster --num-cpus 4 --object-store-mb 300
 
 prints `attach_env=<JSON>` and `address=<GCS address>` once the cluster is up and stops it when its standard input closes
 or it receives SIGTERM.
@@ -60,7 +60,7 @@ class SharedRayCluster:
         RuntimeError with the holder's output if it exits or stays silent past the deadline.
         """
         process = subprocess.Popen(
-            [sys.executable, "-m", "stacx.testing.shared_ray_cluster", "--num-cpus", str(num_cpus),
+            [sys.executable, "-m", "tests.shared_ray_cluster", "--num-cpus", str(num_cpus),
              "--object-store-mb", str(object_store_mb)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=env, cwd=cwd, start_new_session=True)
@@ -127,7 +127,7 @@ def _hold(num_cpus: int, object_store_mb: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stacx.testing.shared_ray_cluster", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.shared_ray_cluster", description=__doc__.split("\n")[0])
     parser.add_argument("--num-cpus", type=int, default=4, help="logical CPUs the cluster offers (default 4)")
     parser.add_argument("--object-store-mb", type=int, default=300, help="object store size in MiB (default 300)")
     args = parser.parse_args(argv)
