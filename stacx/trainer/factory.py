@@ -8,6 +8,8 @@ The torchrun path is `stacx.trainer.spmd.build_spmd_trainer`; both share the dri
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from stacx.objectives import import_builtin_and_custom_modules, load_custom_modules
 from stacx.rollout.rollin import check_supported
 from stacx.rollout.service import RolloutService, load_tokenizer
@@ -64,6 +66,31 @@ def build_driver_side(run_config: RunConfig, training_config: TrainingConfig):
     return tokenizer, data, rollout
 
 
+class DriverSideStart:
+    """`build_driver_side` in a background thread, started at construction.
+
+    The rollout engine (a server process to start and load) and the role workers (processes that
+    import megatron-core and build their models) then start at the same time, neither waiting on the
+    other. The caller takes `result()` once its workers are up, or calls `close()` if they failed,
+    which waits for the thread and stops a rollout server it started.
+    """
+
+    def __init__(self, run_config: RunConfig, training_config: TrainingConfig):
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stacx-driver-side")
+        self._future = executor.submit(build_driver_side, run_config, training_config)
+        executor.shutdown(wait=False)
+
+    def result(self):
+        """(tokenizer, StepDataSource, RolloutService or None), or the error building them raised."""
+        return self._future.result()
+
+    def close(self) -> None:
+        if self._future.exception() is None:
+            rollout = self._future.result()[2]
+            if rollout is not None:
+                rollout.close()
+
+
 def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None):
     """A ready `StacxTrainer` for a Ray run: recipe, Ray, role workers with their runtimes, rollout, logger.
 
@@ -75,11 +102,16 @@ def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None)
     check_supported(training_config, run_config)
     connection = connect_ray(run_config.parallel.ray_address)
     graph, rollout = None, None
+    driver_side = DriverSideStart(run_config, training_config)  # starts now, beside the role workers
     try:
-        graph = create_role_workers(training_config, layout or WorkerLayout.from_parallel_section(run_config.parallel))
-        _, data, rollout = build_driver_side(run_config, training_config)
-        roles = {role.name: RayRoleGroup(graph.workers[role.name], role, run_config, algorithm)
-                 for role in training_config.roles}
+        try:
+            graph = create_role_workers(training_config, layout or WorkerLayout.from_parallel_section(run_config.parallel))
+            roles = {role.name: RayRoleGroup(graph.workers[role.name], role, run_config, algorithm)
+                     for role in training_config.roles}
+        except BaseException:
+            driver_side.close()
+            raise
+        _, data, rollout = driver_side.result()
 
         def close():
             graph.shutdown()
