@@ -13,8 +13,9 @@ demo: venv
 # two-node Ray cluster stay with their file); one core each on a 2-core machine.
 PARALLEL := -n 2 --dist loadfile
 
+# The whole suite; the 20 slowest tests are listed at the end of every run (CI prints them too).
 test: venv
-	$(PY) -m pytest -q $(PARALLEL)
+	$(PY) -m pytest -q $(PARALLEL) --durations=20
 
 test-fast: venv
 	$(PY) -m pytest -q $(PARALLEL) -m "not slow"

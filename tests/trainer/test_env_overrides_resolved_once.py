@@ -11,12 +11,10 @@ import pytest
 from stacx.env_overrides import ENV_OVERRIDES
 from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
 from stacx.trainer.factory import resolve_recipe
-from stacx.trainer.cluster.ray.connect import connect_ray
 from stacx.trainer.recipes import get_recipe
 from stacx.trainer.config.resolve import apply_run_env_overrides
 from stacx.trainer.config.run import RunConfig
 
-MIB = 1024 * 1024
 #: A non-default value per variable for the driver, and a conflicting one in the workers' environment.
 DRIVER_VALUES = {"STACX_DISTILL_KL_MODE": "topk", "STACX_DAGGER_SAMPLING_MODE": "kappa", "STACX_DAGGER_SFT_MODE": "trajectory"}
 WORKER_VALUES = {"STACX_DISTILL_KL_MODE": "k3_sample", "STACX_DAGGER_SAMPLING_MODE": "beta", "STACX_DAGGER_SFT_MODE": "live"}
@@ -48,9 +46,8 @@ def test_every_variable_is_covered():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_driver_and_a_ray_worker_resolve_the_same_configuration_under_each_stacx_variable(monkeypatch):
+def test_the_driver_and_a_ray_worker_resolve_the_same_configuration_under_each_stacx_variable(monkeypatch, ray_address):
     base = RunConfig.from_dict({"algorithm": {"name": "opd"}, "teacher_url": "http://127.0.0.1:1"})
-    connection = connect_ray(num_cpus=2, object_store_memory_bytes=200 * MIB, log_to_driver=False)
     graph = None
     try:
         graph = create_role_workers(get_recipe("opd"), WorkerLayout(num_cpus_per_rank=1.0, call_timeout_s=300.0,
@@ -75,4 +72,3 @@ def test_the_driver_and_a_ray_worker_resolve_the_same_configuration_under_each_s
     finally:
         if graph is not None:
             graph.shutdown()
-        connection.shutdown()
