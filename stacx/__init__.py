@@ -1,4 +1,14 @@
-"""Stacx: reinforcement learning and distillation post-training on megatron-core."""
+"""Stacx: reinforcement learning and distillation post-training on megatron-core.
+
+The public front door: everything a user writes a recipe, an objective or a run config with.
+
+    from stacx import recipe, TrainingConfig, ModelRole, InjectSync, ExchangeSync
+    from stacx import register_advantage, register_policy_loss, register_reward, StacxConfig
+
+Each name is imported on first use, so `import stacx` stays light (no torch, Ray or megatron-core).
+"""
+
+from importlib import import_module
 
 from stacx.backend_warnings import silence_expected_backend_warnings
 
@@ -6,11 +16,29 @@ __version__ = "0.1.0"
 
 silence_expected_backend_warnings()
 
+_PUBLIC = {
+    "recipe": "stacx.trainer.config.recipe",
+    "TrainingConfig": "stacx.trainer.config.recipe",
+    "ModelRole": "stacx.trainer.config.recipe",
+    "InjectSync": "stacx.trainer.config.recipe",
+    "ExchangeSync": "stacx.trainer.config.recipe",
+    "register_advantage": "stacx.objectives.registry",
+    "register_policy_loss": "stacx.objectives.registry",
+    "register_reward": "stacx.rollout.rewards",
+    "StacxConfig": "stacx.trainer.config.python",
+}
+"""Public name -> the module that defines it."""
+
+__all__ = sorted(_PUBLIC)
+
 
 def __getattr__(name: str):
-    # `from stacx import StacxConfig` without importing the trainer at `import stacx`.
-    if name == "StacxConfig":
-        from stacx.trainer.config.python import StacxConfig
-
-        return StacxConfig
+    if name in _PUBLIC:
+        value = getattr(import_module(_PUBLIC[name]), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
     raise AttributeError(f"module 'stacx' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

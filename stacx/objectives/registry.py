@@ -21,6 +21,8 @@ module was imported first.
 
 from __future__ import annotations
 
+import difflib
+
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, TypeVar
@@ -116,9 +118,9 @@ class Registry:
 
         import_builtin_and_custom_modules()
         if name not in self._functions:
-            raise ValueError(
-                f"unknown {self.kind} {name!r}; registered {self.kind} names: {self.names()}"
-            )
+            close = difflib.get_close_matches(str(name), self.names(), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"unknown {self.kind} {name!r}; {hint}registered {self.kind} names: {self.names()}")
         return self._functions[name]
 
     def traits(self, name: str) -> KernelTraits:

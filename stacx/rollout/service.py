@@ -86,9 +86,11 @@ class CpuServerProcess:
     """`stacx serve --hf-checkpoint PATH --port 0` as a child process; `url` once it is ready."""
 
     def __init__(self, hf_checkpoint: str, *, seed: int = 0, host: str = "127.0.0.1", num_threads: int = 1,
-                 timeout_s: float = SERVER_START_TIMEOUT_S, api_key: Optional[str] = None):
+                 timeout_s: float = SERVER_START_TIMEOUT_S, api_key: Optional[str] = None, wait: bool = True):
         """api_key: the secret the server requires on mutating endpoints, handed over in its
-        environment (STACX_API_KEY), never on its command line where other users could read it."""
+        environment (STACX_API_KEY), never on its command line where other users could read it.
+        wait=False returns once the process is started; `wait_until_ready()` then gives `url`
+        (a run starts its server this way while its role workers start)."""
         env = dict(os.environ, OMP_NUM_THREADS=str(num_threads), PYTHONUNBUFFERED="1")
         env.pop("STACX_API_KEY", None)
         if api_key:
@@ -96,9 +98,19 @@ class CpuServerProcess:
         command = [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", hf_checkpoint, "--port", "0",
                    "--host", host, "--seed", str(seed), "--parent-pid", str(os.getpid())]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.url = self._wait_for_url(timeout_s)
-        # Keep draining the server's output so a chatty server never blocks on a full pipe.
-        threading.Thread(target=self._drain, daemon=True).start()
+        self.url: Optional[str] = None
+        self._timeout_s = timeout_s
+        self._started = time.monotonic()
+        if wait:
+            self.wait_until_ready()
+
+    def wait_until_ready(self) -> str:
+        """The server's URL once it reports ready (the start timeout counts from the launch)."""
+        if self.url is None:
+            self.url = self._wait_for_url(max(0.0, self._timeout_s - (time.monotonic() - self._started)))
+            # Keep draining the server's output so a chatty server never blocks on a full pipe.
+            threading.Thread(target=self._drain, daemon=True).start()
+        return self.url
 
     def _wait_for_url(self, timeout_s: float) -> str:
         lines: list[str] = []
@@ -161,6 +173,14 @@ def teacher_retry_policy(teacher_section):
     return RetryPolicy(timeout_s=teacher_section.teacher_timeout_s, max_attempts=teacher_section.teacher_retries + 1)
 
 
+@dataclass(frozen=True)
+class LaunchedCpuServer:
+    """A CPU engine server started ahead of its run's `RolloutService` (`launch_cpu_server`)."""
+
+    process: CpuServerProcess
+    api_key: str
+
+
 @dataclass(eq=False)
 class RolloutService:
     """Generation, rewards and teacher scoring for the driver, plus the weight-update handshake."""
@@ -193,21 +213,42 @@ class RolloutService:
         self.sglang_actors = list(self.sglang_actors)
         self._teacher_engine = None
 
+    @staticmethod
+    def launch_cpu_server(run_config: RunConfig) -> Optional["LaunchedCpuServer"]:
+        """Start the CPU engine's `stacx serve` process without waiting for it (None for other engines):
+        a run launches it first, starts its role workers, then hands it to `start`, which waits for it."""
+        if resolve_engine_kind(run_config.rollout.rollout_engine) != "cpu" or run_config.model.hf_checkpoint is None:
+            return None
+        api_key = secrets.token_urlsafe(32)
+        process = CpuServerProcess(run_config.model.hf_checkpoint, seed=run_config.rollout.rollout_seed,
+                                   api_key=api_key, wait=False)
+        return LaunchedCpuServer(process=process, api_key=api_key)
+
     @classmethod
-    def start(cls, run_config: RunConfig, training_config: TrainingConfig, tokenizer=None) -> "RolloutService":
-        """Start or attach the engine named by `run_config.rollout.rollout_engine`."""
+    def start(cls, run_config: RunConfig, training_config: TrainingConfig, tokenizer=None,
+              launched: Optional["LaunchedCpuServer"] = None) -> "RolloutService":
+        """Start or attach the engine named by `run_config.rollout.rollout_engine`; `launched`: the CPU
+        server `launch_cpu_server` already started for this run (stopped here if anything fails)."""
         rollout = run_config.rollout
         kind = resolve_engine_kind(rollout.rollout_engine)
         hf_checkpoint = run_config.model.hf_checkpoint
         if hf_checkpoint is None:
             raise ValueError("the rollout engine serves --hf-checkpoint, which is not set")
-        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(hf_checkpoint)
+        try:
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(hf_checkpoint)
+        except BaseException:
+            if launched is not None:
+                launched.process.stop()
+            raise
         server, actors = None, ()
         # a server this run starts gets a fresh secret; attached servers use the driver's STACX_API_KEY
         api_key = secrets.token_urlsafe(32) if kind in ("cpu", "sglang") else (os.environ.get("STACX_API_KEY") or None)
         if kind == "cpu":
-            server = CpuServerProcess(hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key)
-            url = server.url
+            if launched is not None:
+                server, api_key = launched.process, launched.api_key
+            else:
+                server = CpuServerProcess(hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key, wait=False)
+            url = server.wait_until_ready()
         elif kind == "http":
             if not rollout.rollout_urls:
                 raise ValueError("rollout_engine 'http' needs --rollout-urls (the servers to attach to)")

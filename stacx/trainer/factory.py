@@ -8,12 +8,11 @@ The torchrun path is `stacx.trainer.spmd.build_spmd_trainer`; both share the dri
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 from stacx.objectives import import_builtin_and_custom_modules, load_custom_modules
 from stacx.rollout.rollin import check_supported
 from stacx.rollout.service import RolloutService, load_tokenizer
 from stacx.trainer.batch import StepDataSource
+from stacx.trainer.preflight import replays_trajectories
 from stacx.trainer.cluster.ray.connect import connect_ray
 from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
 from stacx.trainer.cluster.ray.group import RayChannel, RayRoleGroup
@@ -54,41 +53,33 @@ def build_metrics_logger(run_config: RunConfig, start_step: int = 0):
                          run_config=run_config.to_dict(), progress_bar=section.progress_bar)
 
 
-def build_driver_side(run_config: RunConfig, training_config: TrainingConfig):
-    """(tokenizer, StepDataSource, RolloutService or None) for the process that drives the run."""
-    if run_config.model.hf_checkpoint is None:
-        raise ValueError("--hf-checkpoint is not set (the model every role starts from, and its tokenizer)")
-    tokenizer = load_tokenizer(run_config.model.hf_checkpoint)
-    data = StepDataSource(run_config, training_config, tokenizer)
+def build_driver_side(run_config: RunConfig, training_config: TrainingConfig, *, launched=None):
+    """(tokenizer, StepDataSource, RolloutService or None) for the process that drives the run;
+    `launched`: the CPU rollout server `launch_rollout_server` started (stopped here on any failure)."""
+    try:
+        if run_config.model.hf_checkpoint is None:
+            raise ValueError("--hf-checkpoint is not set (the model every role starts from, and its tokenizer)")
+        tokenizer = load_tokenizer(run_config.model.hf_checkpoint)
+        data = StepDataSource(run_config, training_config, tokenizer)
+    except BaseException:
+        if launched is not None:
+            launched.process.stop()
+        raise
     rollout = None
     if training_config.data_source == "rollout" and data.kind != "trajectory":
-        rollout = RolloutService.start(run_config, training_config, tokenizer)
+        rollout = RolloutService.start(run_config, training_config, tokenizer, launched=launched)
+    elif launched is not None:
+        launched.process.stop()
     return tokenizer, data, rollout
 
 
-class DriverSideStart:
-    """`build_driver_side` in a background thread, started at construction.
-
-    The rollout engine (a server process to start and load) and the role workers (processes that
-    import megatron-core and build their models) then start at the same time, neither waiting on the
-    other. The caller takes `result()` once its workers are up, or calls `close()` if they failed,
-    which waits for the thread and stops a rollout server it started.
-    """
-
-    def __init__(self, run_config: RunConfig, training_config: TrainingConfig):
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stacx-driver-side")
-        self._future = executor.submit(build_driver_side, run_config, training_config)
-        executor.shutdown(wait=False)
-
-    def result(self):
-        """(tokenizer, StepDataSource, RolloutService or None), or the error building them raised."""
-        return self._future.result()
-
-    def close(self) -> None:
-        if self._future.exception() is None:
-            rollout = self._future.result()[2]
-            if rollout is not None:
-                rollout.close()
+def launch_rollout_server(run_config: RunConfig, training_config: TrainingConfig):
+    """The run's CPU rollout server process, started now without waiting for it (None when the run
+    starts none): it loads its model while the role workers start, and `build_driver_side` waits for it.
+    Only the process starts early; the driver itself does one thing at a time."""
+    if training_config.data_source != "rollout" or replays_trajectories(run_config, training_config):
+        return None
+    return RolloutService.launch_cpu_server(run_config)
 
 
 def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None):
@@ -102,16 +93,17 @@ def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None)
     check_supported(training_config, run_config)
     connection = connect_ray(run_config.parallel.ray_address)
     graph, rollout = None, None
-    driver_side = DriverSideStart(run_config, training_config)  # starts now, beside the role workers
+    launched = launch_rollout_server(run_config, training_config)
     try:
         try:
             graph = create_role_workers(training_config, layout or WorkerLayout.from_parallel_section(run_config.parallel))
             roles = {role.name: RayRoleGroup(graph.workers[role.name], role, run_config, algorithm)
                      for role in training_config.roles}
         except BaseException:
-            driver_side.close()
+            if launched is not None:
+                launched.process.stop()
             raise
-        _, data, rollout = driver_side.result()
+        _, data, rollout = build_driver_side(run_config, training_config, launched=launched)
 
         def close():
             graph.shutdown()

@@ -33,6 +33,7 @@ from stacx.checkpointing.folders import is_model_folder
 from stacx.env_overrides import apply_env_overrides
 from stacx.objectives import load_custom_modules
 from stacx.objectives.algorithm_config import AlgorithmConfig
+from stacx.objectives.registry import ADVANTAGES
 from stacx.rollout.data import MalformedRowError
 from stacx.rollout.http_client import API_KEY_ENV
 from stacx.rollout.rewards import resolve_reward_fn
@@ -59,6 +60,7 @@ def run_preflight(run_config: RunConfig, training_config: TrainingConfig, algori
                   load_data: bool = True) -> None:
     """Every check of the module doc; `load_data=False` skips reading the dataset (paths still checked)."""
     check_custom_modules(run_config)
+    check_objective_names(algorithm)
     check_checkpoints(run_config, training_config, algorithm)
     check_parallel_layout(run_config)
     check_resume_and_save(run_config)
@@ -66,6 +68,20 @@ def run_preflight(run_config: RunConfig, training_config: TrainingConfig, algori
     check_data_paths(run_config, training_config)
     if load_data:
         load_and_check_data(run_config, training_config)
+
+
+# ---- objectives ----------------------------------------------------------------------------------
+
+def check_objective_names(algorithm: AlgorithmConfig) -> None:
+    """The run's advantage estimator is registered (after --custom-module files were imported): the
+    loop looks it up only at its first step, after Ray and every worker have started."""
+    if algorithm.advantage_estimator is None:  # a recipe without advantages (sft, dpo, distillation)
+        return
+    try:
+        ADVANTAGES.get(algorithm.advantage_estimator)
+    except ValueError as err:
+        raise PreflightError(f"--advantage-estimator: {err} (register yours with @register_advantage and load its "
+                             "file with --custom-module)") from None
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
@@ -85,6 +101,9 @@ def check_checkpoints(run_config: RunConfig, training_config: TrainingConfig, al
     if model.hf_checkpoint is None:
         raise PreflightError("--hf-checkpoint is not set: every role starts from it and the driver reads its "
                              "tokenizer; give a Hugging Face checkpoint folder")
+    for arg, message in unread_checkpoint_flags(run_config, training_config).items():
+        if not os.path.exists(getattr(model, arg)):
+            raise PreflightError(f"{message}; and {getattr(model, arg)} does not exist")
     for role in training_config.roles:
         path = role_checkpoint_path(role, model)
         if path is None:
@@ -99,6 +118,20 @@ def check_checkpoints(run_config: RunConfig, training_config: TrainingConfig, al
                                  "checkpoint or turn the KL term off")
         if reference is not None:  # the role's workers load it whenever it is given
             _check_hf_folder(arg, reference, role.name)
+
+
+def unread_checkpoint_flags(run_config: RunConfig, training_config: TrainingConfig) -> dict[str, str]:
+    """Checkpoint flags that are set but that no role of the recipe reads (field -> what to tell the
+    user): the run ignores them. `stacx train` warns about each; preflight refuses one whose path is missing."""
+    read = {arg for role in training_config.roles for arg in (role.checkpoint_arg, role.reference_checkpoint_arg)}
+    unread = {}
+    for arg in ("ref_load", "critic_load"):
+        value = getattr(run_config.model, arg, None)
+        if value is not None and arg not in read:
+            unread[arg] = (f"{flag(arg)} {value} is set, but recipe {training_config.name!r} has no role that reads it "
+                           f"(its roles: {', '.join(r.name for r in training_config.roles)}), so the run ignores it: "
+                           f"drop {flag(arg)}, or pick a recipe that uses it (`stacx recipes` lists each recipe's roles)")
+    return unread
 
 
 def read_model_config(hf_checkpoint: Optional[str]) -> dict:
@@ -303,8 +336,22 @@ def _check_data_file(field_name: str, path: str) -> None:
 
 
 def load_and_check_data(run_config: RunConfig, training_config: TrainingConfig) -> None:
-    """Read the data as the run will (StepDataSource, which calls `check_examples`); errors name the flag."""
-    run_config = resolve_builtin_data(run_config)
+    """Read the data as the run will (StepDataSource, which calls `check_examples`); errors name the flag.
+
+    A dry run writes nothing: a built-in task's rows are written to a scratch folder for the check,
+    not under --out (a real run writes them there, where its rollouts name them)."""
+    if run_config.train.dry_run:
+        import dataclasses
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="stacx-dry-run-") as scratch:
+            scratch_config = dataclasses.replace(run_config, logging=dataclasses.replace(run_config.logging, out=scratch))
+            _load_and_check_resolved_data(resolve_builtin_data(scratch_config), training_config)
+        return
+    _load_and_check_resolved_data(resolve_builtin_data(run_config), training_config)
+
+
+def _load_and_check_resolved_data(run_config: RunConfig, training_config: TrainingConfig) -> None:
     try:
         tokenizer = load_tokenizer(run_config.model.hf_checkpoint)
         StepDataSource(run_config, training_config, tokenizer)

@@ -22,7 +22,7 @@ from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
 from stacx.trainer.cluster.node_interface import bind_collectives_to_node, local_address_toward
 from stacx.trainer.config.resolve import apply_run_env_overrides
 from stacx.trainer.config.run import RunConfig
-from stacx.trainer.factory import DriverSideStart, build_metrics_logger, resolve_recipe
+from stacx.trainer.factory import build_driver_side, build_metrics_logger, launch_rollout_server, resolve_recipe
 from stacx.trainer.loop import StacxTrainer
 from stacx.trainer.runtime.role_runtime import RoleRuntime
 
@@ -53,16 +53,16 @@ def build_spmd_trainer(run_config: RunConfig):
     role = training_config.roles[0]
     channel = TorchrunChannel()
     data, rollout = None, None
-    # The driver rank starts the rollout engine while this rank builds its model (DriverSideStart).
-    driver_side = DriverSideStart(run_config, training_config) if channel.is_driver else None
+    # The driver rank starts its rollout server's process first: it loads while this rank builds its model.
+    launched = launch_rollout_server(run_config, training_config) if channel.is_driver else None
     try:
         runtime = RoleRuntime(role, run_config, algorithm, groups, rank=dist.get_rank())
     except BaseException:
-        if driver_side is not None:
-            driver_side.close()
+        if launched is not None:
+            launched.process.stop()
         raise
-    if driver_side is not None:
-        _, data, rollout = driver_side.result()
+    if channel.is_driver:
+        _, data, rollout = build_driver_side(run_config, training_config, launched=launched)
 
     def close():
         runtime.close()

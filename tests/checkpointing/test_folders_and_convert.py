@@ -115,6 +115,17 @@ def test_retired_format_commands_name_their_replacement(capsys):
     assert "retired" in message and "stacx convert hf-to-torch-dist" in message
 
 
+def test_convert_help_lists_the_three_directions_and_nothing_hidden(capsys):
+    """It printed `==SUPPRESS==` twice, for the retired directions."""
+    import pytest
+
+    with pytest.raises(SystemExit):
+        stacx_main(["convert", "--help"])
+    out = capsys.readouterr().out
+    assert "SUPPRESS" not in out
+    assert all(direction in out for direction in ("hf-to-torch-dist", "torch-dist-to-hf", "checkpoint-to-hf"))
+
+
 def test_a_checkpoint_cut_short_at_any_file_is_never_picked_up(tmp_path):
     hf = str(tmp_path / "hf")
     save_tiny_hf_checkpoint(hf, "llama", seed=0)

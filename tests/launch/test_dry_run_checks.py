@@ -115,3 +115,41 @@ def test_the_header_and_the_resolved_config_agree_on_the_kl_loss(inputs, capsys)
     header = next(line for line in out.splitlines() if line.startswith("  algorithm:"))
     assert "KL loss low_var_kl x 0.05" in header and "no KL loss" not in out
     assert "use_kl_loss: true" in out
+
+
+def test_a_misspelled_advantage_estimator_is_refused_at_preflight_with_a_suggestion(inputs, capsys):
+    """It passed --dry-run and failed 22 s into the run, after Ray had started, with a traceback."""
+    code, out, err = _train(inputs, "--advantage-estimator", "grpp", capsys=capsys)
+    assert code == 2 and out == ""
+    assert "--advantage-estimator" in err and "'grpp'" in err and "did you mean 'grpo'?" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_empty_prompts_are_refused_naming_file_and_line(inputs, capsys, tmp_path):
+    """They passed --dry-run; the run failed 88 s later with `input_ids must not be empty` and no file."""
+    data = tmp_path / "empty.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in [{"prompt": "1+2=", "label": "3"}, {"prompt": "", "label": "4"}])
+                    + "\n")
+    code, _, err = _train(inputs, "--prompt-data", str(data), capsys=capsys)
+    assert code == 2 and "1 of 2 rows" in err and "empty.jsonl:2" in err and "empty prompt" in err
+
+
+def test_a_dry_run_writes_nothing(inputs, capsys, tmp_path, monkeypatch):
+    """A built-in task's rows were written under outputs/ by a dry run."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "fresh_out"
+    code = main(["train", "--algorithm", "grpo", "--hf-checkpoint", inputs["ckpt"], "--prompt-data", "builtin:addition",
+                 "--rollout-max-response-len", "8", "--out", str(out), "--dry-run"])
+    assert code == 0, capsys.readouterr().err
+    assert not out.exists() and os.listdir(tmp_path) == []  # no --out folder, no outputs/ in the working directory
+
+
+def test_a_ref_load_no_role_reads_is_named_and_refused_when_missing(inputs, capsys):
+    """It was silently ignored, even for a path that does not exist."""
+    code, _, err = _train(inputs, "--algorithm", "sft", "--ref-load", "/nonexistent/ref", capsys=capsys)
+    assert code == 2 and "--ref-load /nonexistent/ref is set, but recipe 'sft' has no role that reads it" in err
+    assert "/nonexistent/ref does not exist" in err
+    code, _, err = _train(inputs, "--algorithm", "sft", "--ref-load", inputs["ckpt"], capsys=capsys)
+    assert code == 0 and f"stacx train: warning: --ref-load {inputs['ckpt']} is set, but recipe 'sft'" in err
+    code, _, err = _train(inputs, "--ref-load", inputs["ckpt"], capsys=capsys)
+    assert code == 0 and "warning" not in err  # grpo's policy holds a reference

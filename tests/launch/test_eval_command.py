@@ -89,3 +89,20 @@ def test_eval_of_a_folder_and_of_a_training_step_matches_the_reference(tmp_path,
     assert report["checkpoint"] == f"{step} (role policy)"
     assert report["metrics"]["eval/pass@1"] == pytest.approx(0.5)
     assert report["metrics"]["eval/pass@2"] == pytest.approx(0.5)  # greedy: both samples agree
+
+
+def test_rows_without_labels_are_refused_when_the_reward_needs_them(tmp_path, capsys):
+    """It exited 0 with a mean reward of 0."""
+    import json
+
+    from stacx.launch.cli import main
+    from stacx.tasks import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint(str(tmp_path / "ckpt"), "addition")
+    data = tmp_path / "unlabeled.jsonl"
+    data.write_text(json.dumps({"prompt": "1+2=", "label": "3"}) + "\n" + json.dumps({"prompt": "2+2="}) + "\n")
+    code = main(["eval", "--hf-checkpoint", checkpoint, "--eval-data", str(data), "--max-new-tokens", "4",
+                 "--out", str(tmp_path / "report.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "1 of 2 rows" in err and "unlabeled.jsonl:2" in err and "--label-key" in err
+    assert not (tmp_path / "report.json").exists()

@@ -128,6 +128,7 @@ def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoi
     assert elapsed < 30, f"the driver took {elapsed:.0f} s to stop:\n{log}"
     assert code == 128 + signum, log
     assert f"stopped by {signal.Signals(signum).name}" in log
+    assert f"resume with the same command plus --load {save}" in log and "step_000000001" in log
     server_deadline = time.monotonic() + 10  # the server's own exit may trail the driver's by a moment
     while any(_alive(pid) for pid in servers) and time.monotonic() < server_deadline:
         time.sleep(0.2)

@@ -26,8 +26,11 @@ def test_a_rollout_service_that_fails_to_start_stops_the_server_it_started(monke
     stopped = []
 
     class FakeServer:
-        def __init__(self, hf_checkpoint, *, seed, api_key=None):
+        def __init__(self, hf_checkpoint, *, seed, api_key=None, wait=True):
             self.url = "http://127.0.0.1:1"
+
+        def wait_until_ready(self):
+            return self.url
 
         def stop(self):
             stopped.append(self.url)

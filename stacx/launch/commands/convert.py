@@ -13,7 +13,6 @@ The `stacx-megatron-tp` format (hf-to-stacx / stacx-to-hf) is retired.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -44,7 +43,7 @@ def add_arguments(parser) -> None:
                             help="config and tokenizer source (default: the run's own --hf-checkpoint)")
     step_to_hf.add_argument("--out", required=True, help="Hugging Face folder to write (new or empty)")
     for name in RETIRED:  # the old flags are accepted, so the answer is the retirement, not a flag error
-        retired = sub.add_parser(name, help=argparse.SUPPRESS)
+        retired = sub.add_parser(name)  # no help: argparse lists a subcommand only when it has one
         for flag in ("--hf-checkpoint", "--load", "--out", "--tensor-model-parallel-size", "--max-shard-gb"):
             retired.add_argument(flag, default=None)
 

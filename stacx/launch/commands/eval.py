@@ -145,6 +145,7 @@ def evaluate_checkpoint(args) -> dict:
     from stacx.rollout.rewards import resolve_reward_fn
     from stacx.rollout.types import SamplingParams
     from stacx.rollout.service import load_tokenizer
+    from stacx.trainer.config.checks import PreflightError, check_labels_for_reward, check_prompts_not_empty
 
     with tempfile.TemporaryDirectory(prefix="stacx-eval-") as scratch_dir:
         data_path, task_max_new_tokens = resolve_eval_data(args, scratch_dir)
@@ -158,6 +159,12 @@ def evaluate_checkpoint(args) -> dict:
                                             label_key=args.label_key, metadata_key=args.metadata_key,
                                             apply_chat_template=args.apply_chat_template), tokenizer)
         examples = examples[: args.num_prompts] if args.num_prompts else examples
+        try:  # the same refusals as training's preflight
+            check_prompts_not_empty(examples, data_flag="--eval-data", data_path=data_path)
+            check_labels_for_reward(examples, reward_fn, reward_name=args.reward_fn, data_flag="--eval-data",
+                                    data_path=data_path, label_key=args.label_key)
+        except PreflightError as err:
+            raise EvalUsageError(str(err)) from None
         engine = open_engine(args, model_folder)
     eos = getattr(tokenizer, "eos_token_id", None)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens or task_max_new_tokens or 64,

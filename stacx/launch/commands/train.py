@@ -85,11 +85,23 @@ def describe_run(run_config, recipe, environ=None) -> str:
     return "\n".join(lines)
 
 
+def resume_hint(run_config) -> str:
+    """What an interrupted run can do next: resume from its newest complete checkpoint, if it saved one."""
+    from stacx.trainer.checkpoint import latest_checkpoint
+
+    save = run_config.model.save
+    latest = latest_checkpoint(save) if save else None
+    if latest is None:
+        return ("no checkpoint was saved" + (f" under --save {save}" if save else " (no --save)")
+                + ", so a new run starts from the beginning")
+    return f"resume with the same command plus --load {save} (its newest complete checkpoint is {latest})"
+
+
 def run(args) -> int:
     from stacx.launch.run_flags import resume_overrides, run_config_from_args
     from stacx.trainer.config.recipe import RecipeError
     from stacx.trainer.factory import resolve_recipe
-    from stacx.trainer.preflight import run_preflight
+    from stacx.trainer.preflight import run_preflight, unread_checkpoint_flags
     from stacx.trainer.config.run import ConfigError
 
     try:
@@ -103,6 +115,9 @@ def run(args) -> int:
 
             return run_diffusion_command(run_config, recipe)
         run_preflight(run_config, recipe, algorithm)  # the same checks for --dry-run and the run itself
+        if os.environ.get("RANK", "0") == "0":
+            for message in unread_checkpoint_flags(run_config, recipe).values():
+                print(f"stacx train: warning: {message}", file=sys.stderr)
         if run_config.train.dry_run:
             print(describe_run(run_config, recipe))
             return 0
@@ -128,6 +143,8 @@ def run(args) -> int:
         except RunInterrupted as err:
             print(f"stacx train: stopped by {err.signal_name}; the run's workers and servers were stopped",
                   file=sys.stderr)
+            if is_first_rank:
+                print(f"stacx train: {resume_hint(run_config)}", file=sys.stderr)
             return err.exit_code
         except NonFiniteError as err:
             print(f"stacx train: {err}", file=sys.stderr)

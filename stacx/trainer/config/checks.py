@@ -40,6 +40,26 @@ def _name_rows(sources: Sequence[str]) -> str:
     return named + (f" and {len(sources) - MAX_ROWS_NAMED} more" if len(sources) > MAX_ROWS_NAMED else "")
 
 
+def check_prompts_not_empty(examples: Sequence[Any], *, data_flag: str, data_path: Any) -> None:
+    """Every row has a prompt of at least one token (an empty one fails deep inside the model)."""
+    empty = [e.source for e in examples if not len(e.prompt_ids)]
+    if empty:
+        raise PreflightError(f"{len(empty)} of {len(examples)} rows of {data_flag} {data_path} have an empty prompt: "
+                             f"{_name_rows(empty)}. Give every row a prompt, or drop those rows")
+
+
+def check_labels_for_reward(examples: Sequence[Any], reward_fn, *, reward_name: Any, data_flag: str, data_path: Any,
+                            label_key: str) -> None:
+    """Every row has a label when `reward_fn` compares the response with one (training and `stacx eval`)."""
+    unlabeled = [e.source for e in examples if e.label is None or (isinstance(e.label, str) and not e.label.strip())]
+    if unlabeled and reward_needs_label(reward_fn):
+        raise PreflightError(
+            f"{len(unlabeled)} of {len(examples)} rows of {data_flag} {data_path} have no label "
+            f"(key '{label_key}', --label-key), but --reward-fn {reward_name} compares the "
+            f"response with it: {_name_rows(unlabeled)}. Add the labels, set --label-key to the right key, "
+            "or use a reward that needs none")
+
+
 def check_examples(examples: Sequence[Any], *, run_config: RunConfig, training_config: TrainingConfig,
                    kind: str) -> None:
     """Labels for a reward that needs them, and every sample within the model's context.
@@ -48,18 +68,14 @@ def check_examples(examples: Sequence[Any], *, run_config: RunConfig, training_c
     sft / dpo rows: len(prompt_ids) + len(response) <= max_position_embeddings.
     """
     rollout = run_config.rollout
+    check_prompts_not_empty(examples, data_flag="--prompt-data", data_path=rollout.prompt_data)
     if kind == "prompt" and training_config.uses_reward:
         try:
             reward_fn = resolve_reward_fn(rollout.reward_fn)
         except ValueError as err:
             raise PreflightError(f"--reward-fn: {err}") from None
-        unlabeled = [e.source for e in examples if e.label is None or (isinstance(e.label, str) and not e.label.strip())]
-        if unlabeled and reward_needs_label(reward_fn):
-            raise PreflightError(
-                f"{len(unlabeled)} of {len(examples)} rows of --prompt-data {rollout.prompt_data} have no label "
-                f"(key '{rollout.label_key}', --label-key), but --reward-fn {rollout.reward_fn} compares the "
-                f"response with it: {_name_rows(unlabeled)}. Add the labels, set --label-key to the right key, "
-                "or use a reward that needs none")
+        check_labels_for_reward(examples, reward_fn, reward_name=rollout.reward_fn, data_flag="--prompt-data",
+                                data_path=rollout.prompt_data, label_key=rollout.label_key)
     context = model_context_length(run_config.model.hf_checkpoint)
     if context is None:
         return
