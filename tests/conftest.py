@@ -19,7 +19,30 @@ RAY_STARTING_FIXTURES = ("shared_ray_address", "ray_address")
 fixture) must be marked `slow`, so that `pytest -m "not slow"` never starts Ray."""
 
 
+FIRST_FILES = ("tests/launch/test_demo_end_to_end.py",)
+"""Files started before all others: the demo is the longest single test (about 100 s on a quiet machine),
+and one that starts last runs alone while the other pytest worker has nothing left to do."""
+
+
+def _order_files(items) -> None:
+    """Test files in the order xdist would send them (most tests first: many small tests fill the end
+    of the run), except FIRST_FILES, which go first. Used with `--no-loadscope-reorder`; the tests
+    of one file stay together and in their own order."""
+    counts: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        counts[path] = counts.get(path, 0) + 1
+    first_seen = {path: index for index, path in enumerate(counts)}
+
+    def key(item):
+        path = item.nodeid.split("::", 1)[0]
+        return (path not in FIRST_FILES, -counts[path], first_seen[path])
+
+    items.sort(key=key)
+
+
 def pytest_collection_modifyitems(config, items):
+    _order_files(items)
     unmarked = [item.nodeid for item in items
                 if set(RAY_STARTING_FIXTURES) & set(getattr(item, "fixturenames", ())) and "slow" not in item.keywords]
     if unmarked:
