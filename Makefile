@@ -1,10 +1,14 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv first.
 PY := .venv/bin/python
 
-.PHONY: venv demo test test-fast test-slow test-distributed test-gpu
+.PHONY: venv venv-test demo test test-fast test-slow test-distributed test-gpu
 
+# The demo installs only what it runs; the test extra (pytest, TRL, diffusers) is the tests' own.
 venv:
 	bash scripts/setup_venv.sh
+
+venv-test:
+	bash scripts/setup_venv.sh test
 
 demo: venv
 	$(PY) -m stacx demo
@@ -15,17 +19,17 @@ demo: venv
 PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 
 # The whole suite; the 20 slowest tests are listed at the end of every run (CI prints them too).
-test: venv
+test: venv-test
 	$(PY) -m pytest -q $(PARALLEL) --durations=20
 
-test-fast: venv
+test-fast: venv-test
 	$(PY) -m pytest -q $(PARALLEL) -m "not slow"
 
-test-slow: venv
+test-slow: venv-test
 	$(PY) -m pytest -q $(PARALLEL) -m slow
 
-test-distributed: venv
+test-distributed: venv-test
 	$(PY) -m pytest -q -m distributed
 
-test-gpu: venv
+test-gpu: venv-test
 	$(PY) -m pytest -q -m gpu

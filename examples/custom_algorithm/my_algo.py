@@ -1,9 +1,10 @@
 """A custom algorithm in one file: an advantage estimator and a policy loss, selected by name.
 
 Use it with
-    stacx train --custom-module examples/custom_algorithm/my_algo.py \
-        --config run.yaml      # algorithm: {advantage_estimator: rank_centered,
-                               #             policy_loss: tempered_pg, pg_temperature: 0.5}
+    stacx train --custom-module examples/custom_algorithm/my_algo.py --config examples/configs/grpo.yaml \
+        --advantage-estimator rank_centered --policy-loss tempered_pg --algorithm-param pg_temperature=0.5
+
+(in a config file: algorithm: {advantage_estimator: rank_centered, policy_loss: tempered_pg, pg_temperature: 0.5}).
 
 Both functions follow the Stacx contracts: per-trajectory lists of (response_len_i,) tensors
 in, per-token losses out (no aggregation), metrics as loss-mask-weighted sums. Custom

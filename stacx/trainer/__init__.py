@@ -14,9 +14,10 @@ def run_training(run_config) -> dict:
     """
     # Imported here: `import stacx.trainer` stays light (no Ray, megatron-core or loop until a run starts).
     from stacx.tasks.data import resolve_builtin_data
+    from stacx.trainer.config.checks import fit_response_length_to_context
     from stacx.trainer.spmd import launched_by_torchrun, run_spmd
 
-    run_config = resolve_builtin_data(run_config)
+    run_config = fit_response_length_to_context(resolve_builtin_data(run_config))
     if launched_by_torchrun():
         return run_spmd(run_config)
     # Imported here: Ray and the role workers load only for a Ray run (start-up time).

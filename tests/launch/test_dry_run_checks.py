@@ -153,3 +153,14 @@ def test_a_ref_load_no_role_reads_is_named_and_refused_when_missing(inputs, caps
     assert code == 0 and f"stacx train: warning: --ref-load {inputs['ckpt']} is set, but recipe 'sft'" in err
     code, _, err = _train(inputs, "--ref-load", inputs["ckpt"], capsys=capsys)
     assert code == 0 and "warning" not in err  # grpo's policy holds a reference
+
+
+def test_the_default_response_length_fits_a_small_context_and_a_given_one_is_kept(inputs, capsys):
+    base = ["train", "--algorithm", "grpo", "--hf-checkpoint", inputs["ckpt"], "--prompt-data", "builtin:addition",
+            "--out", os.path.join(inputs["root"], "out"), "--dry-run"]
+    code = main(base)  # no --rollout-max-response-len: 64 would not fit the 64-token context
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "rollout_max_response_len: 32" in captured.out
+    assert main(base + ["--rollout-max-response-len", "60"]) == 2
+    assert "--rollout-max-response-len 60" in capsys.readouterr().err

@@ -8,7 +8,9 @@ before and after on held-out prompts. See stacx/launch/demo/pipeline.py.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import time
 
 HELP = "run the embedded default on CPU: SFT -> GRPO -> on-policy distillation of a tiny model, with plots"
@@ -23,17 +25,37 @@ def add_arguments(parser) -> None:
                              "MMDiT on coloured shapes (stacx/diffusion/demo.py; default --out outputs/demo_diffusion)")
 
 
+def next_steps_hint() -> str:
+    """What to type next: `make demo` ran inside .venv, the user's shell is not in it yet."""
+    in_venv = sys.prefix != sys.base_prefix
+    activate = os.path.join(os.path.relpath(sys.prefix), "bin", "activate") if in_venv else None
+    lines = ["Next: `stacx recipes`, `stacx train --help`, docs/launching.md."]
+    if activate and not os.environ.get("VIRTUAL_ENV"):
+        lines.insert(0, f"`stacx` lives in the virtual environment: run `source {activate}` first "
+                        "(or call it as .venv/bin/stacx).")
+    return "\n".join(lines)
+
+
+def require_diffusers() -> None:
+    """The diffusion demo needs diffusers, an extra `make demo` does not install."""
+    if importlib.util.find_spec("diffusers") is None:
+        raise SystemExit("stacx demo --diffusion needs diffusers, which this environment lacks: "
+                         "pip install -e '.[diffusion]' (or .venv/bin/pip install diffusers), then run it again.")
+
+
 def run(args) -> int:
     from stacx.launch.demo import DemoSettings, format_table, run_demo
 
     started = time.monotonic()
     if args.diffusion:
+        require_diffusers()
         from stacx.diffusion.demo import DiffusionDemoSettings, format_summary, run_diffusion_demo
 
         out = args.out if args.out != "outputs/demo" else "outputs/demo_diffusion"
         summary = run_diffusion_demo(DiffusionDemoSettings(seed=args.seed), out)
         print("\n" + format_summary(summary))
         print(f"outputs: {os.path.abspath(os.path.join(out, 'summary.json'))}, samples.png, reward_curve.png")
+        print("\n" + next_steps_hint())
         return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     summary = run_demo(DemoSettings(seed=args.seed, progress_bar=not args.no_progress_bar), args.out)
@@ -49,4 +71,5 @@ def run(args) -> int:
         print(f"  {phase:<5} metrics {os.path.join(out, phase, 'metrics.jsonl')}, plots {os.path.join(out, phase, 'plots')}, "
               f"TensorBoard {os.path.join(out, phase, 'tensorboard')}")
     print(f"  checkpoints    {os.path.join(out, 'checkpoints')}")
+    print("\n" + next_steps_hint())
     return 0

@@ -99,6 +99,7 @@ def resume_hint(run_config) -> str:
 
 def run(args) -> int:
     from stacx.launch.run_flags import resume_overrides, run_config_from_args
+    from stacx.trainer.config.checks import fit_response_length_to_context
     from stacx.trainer.config.recipe import RecipeError
     from stacx.trainer.factory import resolve_recipe
     from stacx.trainer.preflight import run_preflight, unread_checkpoint_flags
@@ -109,6 +110,7 @@ def run(args) -> int:
         if os.environ.get("RANK", "0") == "0":
             for line in resume_overrides(args, run_config):
                 print(f"stacx train: {line} overrides the run config saved with --load {args.load}", file=sys.stderr)
+        run_config = fit_response_length_to_context(run_config)  # run_training does the same
         recipe, algorithm = resolve_recipe(run_config)  # also checks the algorithm settings against the recipe
         if recipe.modality == "image":  # an experimental diffusion recipe: its own loop (stacx.diffusion.loop)
             from stacx.diffusion.loop import run_diffusion_command

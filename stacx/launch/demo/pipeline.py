@@ -136,6 +136,7 @@ def _prepare(settings: DemoSettings, out_dir: str) -> dict:
         "student_init": os.path.join(out_dir, "checkpoints", "student_init"),
         "sft": os.path.join(out_dir, "checkpoints", "sft"),
         "grpo": os.path.join(out_dir, "checkpoints", "grpo"),
+        "grpo_run": os.path.join(out_dir, "grpo", "checkpoints"),
         "student": os.path.join(out_dir, "checkpoints", "student_opd"),
     }
     write_tiny_checkpoint(paths["init"], settings.task, hidden_size=settings.teacher_hidden_size,
@@ -208,7 +209,10 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
             "hf_checkpoint": paths["sft"], "ref_load": paths["sft"], "prompt_data": paths["train"],
             "rollout_batch_size": settings.grpo_prompts_per_step,
             "n_samples_per_prompt": settings.grpo_samples_per_prompt, "rollout_max_response_len": max_new_tokens,
-            "lr": settings.grpo_lr, "num_steps": settings.grpo_steps, "export_hf": paths["grpo"]}))
+            "lr": settings.grpo_lr, "num_steps": settings.grpo_steps, "export_hf": paths["grpo"],
+            # The run's own checkpoint too: `stacx train --load`, `stacx eval --load` and
+            # `stacx convert checkpoint-to-hf` in the docs work on it as written.
+            "save": paths["grpo_run"]}))
         _save_tokenizer(task.name, paths["grpo"])
         rewards = _metric_series(os.path.join(out_dir, "grpo", "metrics.jsonl"), "rollout/reward_mean")
         reward_first, reward_last = _head_tail_means(rewards)

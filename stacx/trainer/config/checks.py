@@ -6,6 +6,7 @@ Used by the dry run (`stacx.trainer.preflight`) and by the data source when it l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Optional, Sequence
@@ -33,6 +34,21 @@ def model_context_length(hf_checkpoint: Optional[str]) -> Optional[int]:
     except (OSError, ValueError, AttributeError):
         return None
     return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def fit_response_length_to_context(run_config: RunConfig) -> RunConfig:
+    """The default --rollout-max-response-len (64) capped at half the model's context.
+
+    A tiny model with a 64-token context (the demo's) then gets 32, so the documented commands run as
+    written; a value the user gave is kept, and `check_examples` names the rows it does not fit."""
+    rollout = run_config.rollout
+    if "rollout_max_response_len" in run_config.given_keys:
+        return run_config
+    context = model_context_length(run_config.model.hf_checkpoint)
+    if context is None or rollout.rollout_max_response_len <= context // 2:
+        return run_config
+    fitted = dataclasses.replace(rollout, rollout_max_response_len=max(1, context // 2))
+    return dataclasses.replace(run_config, rollout=fitted)
 
 
 def _name_rows(sources: Sequence[str]) -> str:

@@ -90,7 +90,8 @@ class RolloutSection:
     n_samples_per_prompt: int = 4
     """Responses sampled per prompt (the group size of GRPO-style estimators)."""
     rollout_max_response_len: int = 64
-    """Maximum response tokens per sample."""
+    """Maximum response tokens per sample. Unless given, at most half the model's context (a tiny
+    model with a 64-token context gets 32)."""
     rollout_temperature: float = 1.0
     """Sampling temperature; training log-probs use the same temperature."""
     rollout_top_p: float = 1.0
