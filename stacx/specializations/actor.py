@@ -29,7 +29,7 @@ from stacx.objectives.registry import (
     get_policy_loss,
     get_policy_loss_traits,
 )
-from stacx.specializations.base import LossTerms, Specialization
+from stacx.specializations.base import LossTerms, Specialization, _overrides_below
 
 NUM_KEPT_LOSS_TOKENS = "num_kept_loss_tokens"
 """Loss tokens left after the off-policy corrections masked some: the count the separate
@@ -145,6 +145,15 @@ class ActorSpecialization(Specialization):
             model_output, batch, with_entropy=self.with_entropy, entropy_requires_grad=self.entropy_coef != 0.0
         )
         return log_probs_local if entropy_local is None else torch.stack([log_probs_local, entropy_local], -1)
+
+    @classmethod
+    def reads_advantages(cls) -> bool:
+        return True
+
+    @classmethod
+    def policy_loss_in_use(cls) -> bool:
+        """True unless a subclass replaces the loss assembly (`per_token_terms` or `compute_loss`)."""
+        return not _overrides_below(cls, ActorSpecialization, ("per_token_terms", "compute_loss"))
 
     def per_token_terms(self, view, batch) -> LossTerms:
         if self.with_entropy:

@@ -112,6 +112,16 @@ class Specialization:
     #: (default NUM_LOSS_TOKENS; names starting with "num_" are counts, logged as totals).
     metric_denominators: Mapping[str, str] = {}
 
+    @classmethod
+    def policy_loss_in_use(cls) -> bool:
+        """Whether this class's loss is the registered `policy_loss` (recipe summaries name it only then)."""
+        return False
+
+    @classmethod
+    def reads_advantages(cls) -> bool:
+        """Whether this class's loss reads the advantage estimator's output."""
+        return "advantages" in cls.base_required_fields
+
     def __init__(self, config: Any = None, groups: ProcessGroups | None = None):
         """config: the run's algorithm section (any object with attributes; missing ones take
         defaults, read like the loss kernels do). groups: this rank's ProcessGroups (None: one process)."""

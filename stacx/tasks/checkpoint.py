@@ -5,7 +5,7 @@
 The folder holds config.json, model.safetensors and the tokenizer files, so every part of
 Stacx that takes `--hf-checkpoint` (trainer, `stacx serve`, the CPU engine) loads it. The
 vocabulary is the tokenizer's specials (<pad>=0, <eos>=1, ...) plus one token per character of
-the task's alphabet: 18 tokens for `sorting`.
+the task's alphabet: 17 tokens for `sorting`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""torchrun SPMD training for single-role recipes (sft, dpo, opd with an external teacher).
+"""torchrun SPMD training for recipes with one role (sft, dpo, the GRPO family, opd with an external teacher).
 
     torchrun --nnodes N --nproc-per-node G -m stacx.train --algorithm sft --hf-checkpoint ... 
 
@@ -42,7 +42,8 @@ def build_spmd_trainer(run_config: RunConfig):
     training_config, algorithm = resolve_recipe(run_config)
     if len(training_config.roles) != 1:
         raise ValueError(f"recipe {training_config.name!r} has roles {[r.name for r in training_config.roles]}; "
-                         "torchrun runs single-role recipes (sft, dpo, opd, ...); launch multi-role recipes on Ray")
+                         "torchrun runs recipes with one role (sft, dpo, grpo and its family, opd, ...); launch recipes with "
+                         "several roles on Ray (stacx train without torchrun)")
     check_supported(training_config, run_config)
     parallel = run_config.parallel
     if "MASTER_ADDR" in os.environ:  # gloo/NCCL listen on the interface toward the master, not the host name's

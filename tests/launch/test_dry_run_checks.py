@@ -164,3 +164,39 @@ def test_the_default_response_length_fits_a_small_context_and_a_given_one_is_kep
     assert "rollout_max_response_len: 32" in captured.out
     assert main(base + ["--rollout-max-response-len", "60"]) == 2
     assert "--rollout-max-response-len 60" in capsys.readouterr().err
+
+
+def test_the_dry_run_shows_the_settings_the_recipe_reads_and_every_given_one(inputs, capsys):
+    code, out, err = _train(inputs, "--algorithm-param", "dpo_beta=0.3", capsys=capsys)
+    assert code == 0, err
+    config = out.split("resolved run config", 1)[1]
+    for unread in ("teacher:", "dagger_", "distill_kl_mode", "label_smoothing", "value_clip", "critic_load"):
+        assert unread not in config, unread
+    assert "dpo_beta: 0.3" in config  # given, so shown although GRPO does not read it
+    assert "policy_loss: ppo_clip" in config and "rollout_temperature" in config
+    assert "settings it does not read are left out" in config
+    assert len(out.splitlines()) < 110
+
+
+def test_a_specialization_without_the_policy_loss_is_not_summarized_with_one():
+    from stacx.specializations.actor import ActorSpecialization
+    from stacx.specializations.base import Specialization
+    from stacx.trainer.config.recipe import ModelRole, TrainingConfig, recipe_algorithm
+
+    class WeightedNLL(Specialization):
+        base_required_fields = ("advantages",)
+
+    class CustomActorLoss(ActorSpecialization):
+        def per_token_terms(self, view, batch):
+            raise NotImplementedError
+
+    def described(cls) -> str:
+        return TrainingConfig(name="weighted_nll", description="test recipe", data_source="rollout", uses_reward=True,
+                              algorithm=recipe_algorithm(advantage_estimator="grpo"),
+                              roles=(ModelRole(name="policy", specialization_cls=cls, trainable=True,
+                                               sync_to_rollout=True),)).describe()
+
+    for cls in (WeightedNLL, CustomActorLoss):
+        line = next(line for line in described(cls).splitlines() if line.startswith("  algorithm:"))
+        assert "ppo_clip" not in line and f"{cls.__name__}.per_token_terms" in line and "advantages grpo" in line
+    assert "loss ppo_clip (clip 0.2/0.2)" in described(ActorSpecialization)

@@ -27,20 +27,6 @@ def add_arguments(parser) -> None:
     add_run_config_arguments(parser)
 
 
-ALGORITHM_LINE_PREFIX = "  algorithm:"
-"""The line of `TrainingConfig.describe()` that summarizes the recipe's algorithm defaults."""
-
-
-def algorithm_summary(algorithm) -> str:
-    """The run's resolved algorithm in the form of the recipe summary's algorithm line."""
-    a = algorithm
-    kl = f"KL loss {a.kl_loss_type} x {a.kl_loss_coef}" if a.use_kl_loss else "no KL loss"
-    if a.use_kl_in_reward:
-        kl += f", KL in reward {a.kl_in_reward_type} x {a.kl_in_reward_coef}"
-    return (f"{ALGORITHM_LINE_PREFIX} advantages {a.advantage_estimator}, loss {a.policy_loss} "
-            f"(clip {a.clip_ratio_low}/{a.clip_ratio_high}), aggregation {a.loss_agg_mode}, {kl}")
-
-
 def describe_run(run_config, recipe, environ=None) -> str:
     """What `--dry-run` prints: the recipe, its role graph, each role's (tp, cp, dp) placement,
     where it would run, and the resolved run configuration as YAML."""
@@ -48,6 +34,8 @@ def describe_run(run_config, recipe, environ=None) -> str:
 
     from stacx.trainer.cluster.ray.graph import WorkerLayout, resolve_role_layouts
     from stacx.trainer.cluster.ray.connect import resolve_ray_address
+    from stacx.trainer.config.recipe import ALGORITHM_LINE_PREFIX, algorithm_line
+    from stacx.trainer.config.relevance import settings_the_recipe_reads
     from stacx.trainer.config.resolve import resolve_algorithm_config, resolved_run_config_dict
     from stacx.trainer.spmd import launched_by_torchrun
 
@@ -58,7 +46,7 @@ def describe_run(run_config, recipe, environ=None) -> str:
     algorithm = resolve_algorithm_config(recipe, run_config)
     # The recipe's summary line shows its defaults; the run's resolved settings replace it so that
     # the header and the resolved config below agree (e.g. --use-kl-loss on a recipe without KL).
-    header = [algorithm_summary(algorithm) if line.startswith(ALGORITHM_LINE_PREFIX) else line
+    header = [algorithm_line(algorithm, recipe.roles) if line.startswith(ALGORITHM_LINE_PREFIX) else line
               for line in recipe.describe().splitlines()]
     lines = [*header, "", "role graph:"]
     for pool, members in graph.pools.items():
@@ -79,9 +67,12 @@ def describe_run(run_config, recipe, environ=None) -> str:
     else:
         address = resolve_ray_address(parallel.ray_address, environ)
         where = f"Ray cluster at {address}" if address else "a local Ray cluster started by the driver"
-    lines += ["", f"runs on: {where}", "", "resolved run config (algorithm: the recipe's defaults under your settings):",
-              yaml.safe_dump(resolved_run_config_dict(run_config, algorithm), sort_keys=False,
-                             default_flow_style=False).rstrip()]
+    shown, left_out = settings_the_recipe_reads(resolved_run_config_dict(run_config, algorithm), recipe, algorithm,
+                                                run_config.given_keys)
+    lines += ["", f"runs on: {where}", "",
+              f"resolved run config: the settings recipe {recipe.name} reads (algorithm: its defaults under your settings;"
+              f" {left_out} settings it does not read are left out, every setting you gave is shown):",
+              yaml.safe_dump(shown, sort_keys=False, default_flow_style=False).rstrip()]
     return "\n".join(lines)
 
 

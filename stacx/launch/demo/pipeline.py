@@ -2,7 +2,7 @@
 
     summary = run_demo(DemoSettings(), out_dir="outputs/demo")
 
-1. Data and models: the built-in `sorting` task (sort five digits; 18-token character
+1. Data and models: the built-in `sorting` task (sort five digits; 17-token character
    vocabulary), a random 2-layer hidden-64 teacher model and a smaller random student.
 2. SFT: `sft` recipe on (prompt, sorted digits) rows.                metric: held-out accuracy
 3. GRPO: `grpo` recipe from the SFT model, exact-match reward,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from stacx.objectives import registry
 from stacx.objectives.aggregation import BUILTIN_AGGREGATION_MODE_NAMES
@@ -479,13 +479,34 @@ class TrainingConfig:
         for sync in self.syncs:
             lines.append(f"    {sync.kind}: {sync.source_role} -> {sync.target_role} ({', '.join(sync.keys)})")
         if self.algorithm is not None:
-            a = self.algorithm
-            lines.append(
-                f"  algorithm: advantages {a.advantage_estimator}, loss {a.policy_loss} "
-                f"(clip {a.clip_ratio_low}/{a.clip_ratio_high}), aggregation {a.loss_agg_mode}, "
-                + (f"KL loss {a.kl_loss_type} x {a.kl_loss_coef}" if a.use_kl_loss else "no KL loss")
-            )
+            lines.append(algorithm_line(self.algorithm, self.roles))
         return "\n".join(lines)
+
+
+ALGORITHM_LINE_PREFIX = "  algorithm:"
+
+
+def algorithm_line(algorithm: AlgorithmConfig, roles: Sequence[ModelRole]) -> str:
+    """The algorithm settings the recipe's losses use: the policy loss and its clip bounds only when a
+    trainable role's specialization runs the registered policy loss; otherwise the class whose
+    `per_token_terms` is the loss (a custom specialization)."""
+    a = algorithm
+    trainable = [role.specialization_cls for role in roles if role.trainable]
+    runs_policy_loss = any(getattr(cls, "policy_loss_in_use", lambda: False)() for cls in trainable)
+    uses_advantages = any(getattr(cls, "reads_advantages", lambda: False)() for cls in trainable)
+    parts = [f"advantages {a.advantage_estimator}"] if uses_advantages or runs_policy_loss else []
+    if runs_policy_loss:
+        parts.append(f"loss {a.policy_loss} (clip {a.clip_ratio_low}/{a.clip_ratio_high})")
+        parts.append(f"aggregation {a.loss_agg_mode}")
+        kl = f"KL loss {a.kl_loss_type} x {a.kl_loss_coef}" if a.use_kl_loss else "no KL loss"
+        if a.use_kl_in_reward:
+            kl += f", KL in reward {a.kl_in_reward_type} x {a.kl_in_reward_coef}"
+        parts.append(kl)
+    else:
+        owners = ", ".join(sorted({cls.__name__ for cls in trainable}))
+        parts.append(f"loss {owners}.per_token_terms (no registered policy loss)")
+        parts.append(f"aggregation {a.loss_agg_mode}")
+    return f"{ALGORITHM_LINE_PREFIX} {', '.join(parts)}"
 
 
 class _CycleError(Exception):

@@ -1,0 +1,123 @@
+"""Which settings a recipe reads: what `stacx train --dry-run` shows of the resolved config.
+
+The full config is what a run saves (`run_config.json`); the dry run shows the settings the
+recipe's roles, data source and losses read, plus every setting the user gave (a setting is never
+hidden when it was set, even where this recipe ignores it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from stacx.objectives.algorithm_config import AlgorithmConfig
+from stacx.trainer.config.recipe import TrainingConfig
+
+SAMPLING_FIELDS = ("rollout_engine", "rollout_urls", "n_samples_per_prompt", "rollout_max_response_len",
+                   "rollout_temperature", "rollout_top_p", "rollout_top_k", "rollout_seed", "dynamic_sampling",
+                   "over_sampling_factor", "save_rollouts_per_step")
+REWARD_FIELDS = ("reward_fn", "reward_timeout_s")
+EVAL_DETAIL_FIELDS = ("eval_interval", "eval_n_samples", "eval_temperature")
+ROLLIN_FIELDS = ("dagger_sampling_mode", "dagger_sft_mode", "trajectory_corpus", "dagger_beta_schedule",
+                 "dagger_beta_start", "dagger_beta_end", "dagger_beta_iters", "dagger_kappa_start",
+                 "dagger_kappa_step", "dagger_kappa_cap")
+POLICY_LOSS_FIELDS = ("policy_loss", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
+                      "entropy_coef", "log_entropy", "recompute_old_log_probs", "use_kl_loss",
+                      "off_policy_corrections")
+KL_LOSS_FIELDS = ("kl_loss_type", "kl_loss_coef")
+CORRECTION_FIELDS = ("tis_threshold", "mis_lower", "mis_upper", "opsm_delta", "m2po_threshold")
+ADVANTAGE_FIELDS = ("advantage_estimator", "norm_adv_by_std", "whiten_advantages", "adv_eps",
+                    "use_kl_in_reward", "filter_zero_variance_groups")
+KL_IN_REWARD_FIELDS = ("kl_in_reward_type", "kl_in_reward_coef")
+OVERLONG_FIELDS = ("overlong_buffer_length", "overlong_buffer_fraction", "overlong_penalty_factor")
+RETURN_FIELDS = ("gamma", "lam")
+RETURN_ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+"""The built-in estimators that read gamma (and gae also lam)."""
+CRITIC_FIELDS = ("value_clip",)
+DPO_FIELDS = ("dpo_beta", "dpo_loss_type", "dpo_average_log_prob", "label_smoothing")
+DISTILL_FIELDS = ("teacher_kl_coef", "student_top_k", "distill_topk_renormalize", "distill_kl_mode", "teacher_top_k")
+
+
+def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
+                     resolved: Mapping[str, Any]) -> dict[str, Callable[[str], bool]]:
+    """section -> whether the recipe reads a field of it."""
+    rollout_values = resolved.get("rollout", {})
+    algorithm_engine_is_http = rollout_values.get("rollout_engine") == "http"
+    has_eval_data = rollout_values.get("eval_data") is not None
+    trainable = [role.specialization_cls for role in recipe.roles if role.trainable]
+    runs_policy_loss = any(getattr(cls, "policy_loss_in_use", lambda: False)() for cls in trainable)
+    uses_advantages = runs_policy_loss or any(getattr(cls, "reads_advantages", lambda: False)()
+                                              for cls in trainable)
+    has_critic = any(role.outputs_values for role in recipe.roles)
+    is_dpo = any(cls.__name__.endswith("DPOSpecialization") for cls in trainable)
+    rollout = recipe.data_source == "rollout"
+    checkpoint_args = {role.checkpoint_arg for role in recipe.roles}
+    checkpoint_args |= {role.reference_checkpoint_arg for role in recipe.roles if role.reference_checkpoint_arg}
+    a = algorithm
+
+    def model(name: str) -> bool:
+        return name not in ("ref_load", "critic_load") or name in checkpoint_args
+
+    def rollout_section(name: str) -> bool:
+        if name == "rollout_urls":
+            return rollout and algorithm_engine_is_http
+        if name in EVAL_DETAIL_FIELDS:
+            return has_eval_data
+        if name in SAMPLING_FIELDS:
+            return rollout
+        if name in REWARD_FIELDS:
+            return recipe.uses_reward
+        return True
+
+    def train(name: str) -> bool:
+        if name == "use_critic":
+            return has_critic
+        return name not in ("algorithm", "dry_run")  # algorithm.name says it; a dry run knows it is one
+
+    def teacher(name: str) -> bool:
+        if name in ROLLIN_FIELDS:
+            return recipe.rollin_protocol is not None
+        return recipe.uses_teacher
+
+    def algorithm_section(name: str) -> bool:
+        groups = [
+            (POLICY_LOSS_FIELDS, runs_policy_loss),
+            (KL_LOSS_FIELDS, runs_policy_loss and a.use_kl_loss),
+            (CORRECTION_FIELDS, runs_policy_loss and bool(a.off_policy_corrections)),
+            (ADVANTAGE_FIELDS, uses_advantages),
+            (KL_IN_REWARD_FIELDS, uses_advantages and a.use_kl_in_reward),
+            (OVERLONG_FIELDS, uses_advantages and (a.overlong_buffer_length is not None
+                                                   or a.overlong_buffer_fraction is not None)),
+            (RETURN_FIELDS, has_critic or a.advantage_estimator in RETURN_ESTIMATORS),
+            (CRITIC_FIELDS, has_critic),
+            (DPO_FIELDS, is_dpo),
+            (DISTILL_FIELDS, recipe.uses_teacher),
+            (("rollout_temperature",), rollout),
+        ]
+        for fields, used in groups:
+            if name in fields:
+                return used
+        return True  # name, loss_agg_mode, custom hyperparameters
+
+    return {"model": model, "rollout": rollout_section, "teacher": teacher, "train": train,
+            "algorithm": algorithm_section}
+
+
+def settings_the_recipe_reads(resolved: Mapping[str, Any], recipe: TrainingConfig, algorithm: AlgorithmConfig,
+                              given_keys: frozenset[str] = frozenset()) -> tuple[dict[str, Any], int]:
+    """(the resolved config without the settings the recipe does not read, how many were left out).
+
+    `resolved`: `resolved_run_config_dict`'s sections; `given_keys`: field names the user set."""
+    filters = _section_filters(recipe, algorithm, resolved)
+    given = set(given_keys) | set(algorithm.given_keys)
+    shown: dict[str, Any] = {}
+    left_out = 0
+    for section, values in resolved.items():
+        keep = filters.get(section, lambda name: True)
+        if not isinstance(values, Mapping):
+            shown[section] = values
+            continue
+        kept = {name: value for name, value in values.items() if keep(name) or name in given}
+        left_out += len(values) - len(kept)
+        if kept:
+            shown[section] = kept
+    return shown, left_out
