@@ -35,6 +35,18 @@ EXPECTED_BACKEND_WARNINGS = (
 )
 """Message prefixes (regular expressions) of megatron-core warnings about expected fallbacks."""
 
+EXPECTED_LIBRARY_NOTICES = (
+    # megatron-core's torch_dist loader calls torch's deprecated `load_state_dict` (every resume).
+    (FutureWarning, r"`load_state_dict` is deprecated", r"megatron\.core\.dist_checkpointing"),
+    # torch's checkpoint planner on megatron-core's ShardedTensors (every save and load).
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch\.distributed\.checkpoint"),
+    # megatron-core's advice for CUDA stream overlap with TP > 1 (docs/env-reference.md has it).
+    (UserWarning, r"When using (sequence parallelism|async grad allreduce) it is recommended to set the "
+                  r"environment variable CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\."),
+)
+"""(category, message, module) of deprecation notices and tuning advice inside the libraries, which
+a user can do nothing about in their own code: hidden with the fallback warnings."""
+
 
 def silence_expected_backend_warnings(environ=os.environ) -> bool:
     """Install 'ignore' filters for EXPECTED_BACKEND_WARNINGS from megatron modules, unless
@@ -43,6 +55,8 @@ def silence_expected_backend_warnings(environ=os.environ) -> bool:
         return False
     for message in EXPECTED_BACKEND_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning, module=r"megatron\.")
+    for category, message, module in EXPECTED_LIBRARY_NOTICES:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
     return True
 
 

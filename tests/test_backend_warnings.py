@@ -45,6 +45,24 @@ def test_only_megatrons_fallback_messages_are_filtered():
     assert not silence_expected_backend_warnings({SHOW_ENV: "1"})
 
 
+def test_library_deprecation_notices_a_user_cannot_act_on_are_filtered_where_they_arise():
+    notices = [
+        ("`load_state_dict` is deprecated and will be removed", FutureWarning,
+         "megatron.core.dist_checkpointing.strategies.torch"),
+        ("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning,
+         "torch.distributed.checkpoint.planner_helpers"),
+        ("When using async grad allreduce it is recommended to set the environment variable "
+         "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", UserWarning, "megatron.core.tensor_parallel.layers"),
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert silence_expected_backend_warnings({})
+        for message, category, module in notices:
+            warnings.warn_explicit(message, category, "lib.py", 1, module=module)
+            warnings.warn_explicit(message, category, "mine.py", 1, module="my_project.train")
+    assert [w.filename for w in caught] == ["mine.py"] * len(notices)
+
+
 def test_one_start_up_line_names_the_absent_gpu_packages():
     from stacx.backend_warnings import absent_gpu_packages, cpu_path_notice
 

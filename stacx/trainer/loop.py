@@ -67,6 +67,7 @@ class StacxTrainer:
                  rollout: Optional[RolloutService] = None,
                  make_metrics_logger: Optional[Callable[[int], MetricsLogger]] = None,
                  on_failure: Callable[[], None] = lambda: None, on_close: Callable[[], None] = lambda: None,
+                 close_engine_clients: Callable[[], None] = lambda: None,
                  exchanges: Optional[Mapping[str, ExchangeGroup]] = None):
         self.run_config = run_config
         self.training_config = training_config
@@ -80,6 +81,9 @@ class StacxTrainer:
         self.metrics_logger = None
         self.on_failure = on_failure
         self.on_close = on_close
+        self.close_engine_clients = close_engine_clients
+        """Closes the engine clients the driver's own role runtime holds (torchrun rank 0): before the
+        rollout service stops the servers they talk to."""
         self.role_graph = training_config.role_graph()
         self.exchange_schedule = ExchangeSchedule(training_config, exchanges, self.roles,
                                                   every_n_steps_override=run_config.train.exchange_every_n_steps)
@@ -125,7 +129,7 @@ class StacxTrainer:
                 self.export_policy(train.export_hf)
         except BaseException:
             # Teardown after a failure must not replace the failure's own error.
-            for teardown in (self.on_failure, self._close_driver_side):
+            for teardown in (self.close_engine_clients, self.on_failure, self._close_driver_side):
                 try:
                     teardown()
                 except Exception:  # noqa: BLE001 - the run's error is already propagating
@@ -411,7 +415,10 @@ class StacxTrainer:
         """Release workers, engine, teacher and logger after a finished run (workers even when the
         engine's close fails)."""
         try:
-            self._close_driver_side()
+            try:
+                self.close_engine_clients()
+            finally:
+                self._close_driver_side()
         finally:
             self.on_close()
 

@@ -211,3 +211,19 @@ def test_flag_prefixes_are_not_accepted(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--lr-warm", "5", "--dry-run"])
     assert "--lr-warm" in capsys.readouterr().err
+
+
+def test_under_torchrun_a_refused_config_is_printed_once_and_ends_torchruns_summary(tmp_path, capsys):
+    import json
+
+    from stacx.launch.commands.train import report_config_error
+
+    message = "stacx train: --rollout-batch-size must be 1 or more"
+    for rank in ("0", "1"):
+        error_file = tmp_path / f"error_{rank}.json"
+        report_config_error(message, {"RANK": rank, "TORCHELASTIC_ERROR_FILE": str(error_file)})
+        # torchrun's failure summary shows extraInfo.py_callstack as the rank's "traceback".
+        assert json.loads(error_file.read_text())["message"]["extraInfo"]["py_callstack"] == message
+    assert capsys.readouterr().err.count(message) == 1
+    report_config_error(message, {})  # a plain `stacx train`
+    assert capsys.readouterr().err.strip() == message

@@ -76,6 +76,23 @@ def describe_run(run_config, recipe, environ=None) -> str:
     return "\n".join(lines)
 
 
+def report_config_error(message: str, environ=None) -> None:
+    """Print a refused setting once. Under torchrun every rank refuses the same config: rank 0 prints it,
+    and each rank writes it to torchrun's error file, so torchrun's failure summary ends with the
+    message instead of "To enable traceback see ..."."""
+    environ = os.environ if environ is None else environ
+    if environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr)
+    error_file = environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        import json  # only under torchrun
+
+        record = {"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                "timestamp": str(int(time.time()))}}}
+        with open(error_file, "w") as handle:
+            json.dump(record, handle)
+
+
 def resume_hint(run_config) -> str:
     """What an interrupted run can do next: resume from its newest complete checkpoint, if it saved one."""
     from stacx.trainer.checkpoint import latest_checkpoint
@@ -115,7 +132,7 @@ def run(args) -> int:
             print(describe_run(run_config, recipe))
             return 0
     except (ConfigError, RecipeError, ValueError) as err:
-        print(f"stacx train: {err}", file=sys.stderr)
+        report_config_error(f"stacx train: {err}")
         return 2
     from stacx.trainer import run_training
     from stacx.trainer.interrupts import RunInterrupted, stop_on_termination_signals
