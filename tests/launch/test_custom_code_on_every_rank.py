@@ -49,6 +49,9 @@ def run_stacx_train(launcher: str, flags: list[str], out: str, *, custom_dirs: t
     env = train_env({"STACX_TEST_CUSTOM_DIRS": os.pathsep.join(custom_dirs)} if custom_dirs else None)
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert completed.returncode == 0, completed.stderr[-5000:]
+    # A successful run ends quietly: no failed teardown request, no library deprecation notices.
+    for noise in ("ConnectionError", "FutureWarning", "CUDA_DEVICE_MAX_CONNECTIONS", "Traceback"):
+        assert noise not in completed.stderr, completed.stderr[-5000:]
     with open(os.path.join(out, "metrics.jsonl")) as handle:
         steps = [json.loads(line) for line in handle]
     assert len(steps) == num_steps, steps
