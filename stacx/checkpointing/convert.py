@@ -79,7 +79,7 @@ def _hf_to_torch_dist_rank(groups, hf_dir: str, out_dir: str) -> None:
     load_hf_checkpoint(model, hf_dir, groups)
     save_torch_dist(out_dir, model, groups=groups)
     if dist.get_rank() == 0:
-        shutil.copy2(os.path.join(hf_dir, "config.json"), os.path.join(out_dir, "config.json"))
+        shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(out_dir, "config.json"))  # umask mode
         copy_tokenizer_files(hf_dir, out_dir)
     dist.barrier()
 
