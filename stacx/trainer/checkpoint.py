@@ -23,7 +23,9 @@ file, so the manifest lists every file of the checkpoint with its size and sha25
 Until the rename, everything lives in `<root>/.staging-step_000000012-<unique>/`; a crash at any
 point leaves either no new checkpoint or a complete one, and `latest_checkpoint` only sees
 complete ones (a `step_*` folder with a manifest). `load_checkpoint` checks the recipe and
-verifies every file against the manifest (a corrupt one is named). The model state loads at any
+verifies every file against the manifest (a corrupt one is named); every other reader checks what it
+reads the same way (`verify_checkpoint_files`: the export, a role's model folder given as a start
+or reference checkpoint). The model state loads at any
 (tp, cp, dp) layout the model allows, and so does the optimizer state: megatron maps each Adam
 moment onto its parameter's sharding, so both reshard together. The per-rank RNG state is
 restored exactly when the layout is unchanged (resume is then bitwise exact); after a layout
@@ -57,7 +59,7 @@ from typing import Any, Mapping
 import torch
 
 from stacx.trainer.config.layout import RankCoords, RoleLayout
-from stacx.trainer.config.recipe import TrainingConfig
+from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path
 
 FORMAT_VERSION = 2
 """2: weights and optimizer state in torch_dist (`roles/<role>/model/`); 1: one torch.save pickle per rank."""
@@ -553,15 +555,77 @@ def load_state_file(path: str | os.PathLike) -> Any:
         ) from None
 
 
-def _verify_file(folder: Path, entry: Mapping[str, Any], check_hash: bool) -> None:
+def _verify_file(folder: Path, entry: Mapping[str, Any], check_hash: bool, flag: str = "--load") -> None:
     path = folder / entry["path"]
+    fix = (f"the checkpoint was changed after its save (a damaged disk, an interrupted copy, an edit). Copy it again "
+           f"from where it was written, or give {flag} another step folder")
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {folder}: {entry['path']} is missing")
+        raise CheckpointError(f"{flag}: checkpoint {folder}: {entry['path']} is missing; {fix}")
     if path.stat().st_size != entry["size"]:
-        raise CheckpointError(f"checkpoint {folder}: {entry['path']} has {path.stat().st_size} bytes, "
-                              f"the manifest says {entry['size']}")
+        raise CheckpointError(f"{flag}: checkpoint {folder}: {entry['path']} has {path.stat().st_size} bytes, "
+                              f"the manifest says {entry['size']}; {fix}")
     if check_hash and _sha256(path) != entry["sha256"]:
-        raise CheckpointError(f"checkpoint {folder}: {entry['path']} does not match its sha256 in the manifest")
+        raise CheckpointError(f"{flag}: checkpoint {folder}: {entry['path']} does not match its sha256 in the "
+                              f"manifest; {fix}")
+
+
+def verify_checkpoint_files(folder: str | os.PathLike, manifest: Mapping[str, Any], *, roles=None,
+                            model_only: bool = False, run_config: bool | None = None, check_hash: bool = True,
+                            flag: str = "--load") -> None:
+    """Check the files the manifest of step folder `folder` lists against their size and sha256.
+
+    `roles` limits the check to those roles (default: every role, plus driver.pt and run_config.json);
+    `model_only` to their torch_dist files; `run_config` adds run_config.json to a limited check. CheckpointError naming `flag`, the file and the fix. Every
+    reader of a checkpoint calls this on what it reads before reading it (resume, export, a role's
+    model folder given as a start or reference checkpoint)."""
+    folder = Path(folder)
+    saved_roles = manifest.get("roles", {})
+    for name in (saved_roles if roles is None else roles):
+        if name not in saved_roles:
+            raise CheckpointError(f"{flag}: checkpoint {folder} has no role {name!r}; its roles: {sorted(saved_roles)}")
+        for entry in saved_roles[name]["ranks"]:
+            if not model_only:
+                _verify_file(folder, entry, check_hash, flag)
+            for model_file in entry.get("model_files", ()):
+                _verify_file(folder, model_file, check_hash, flag)
+    if roles is None:
+        _verify_file(folder, manifest["driver_state"], check_hash, flag)
+    if run_config or (run_config is None and roles is None):
+        _verify_file(folder, manifest["run_config"], check_hash, flag)
+
+
+def checkpoint_of_model_folder(path: str | os.PathLike) -> tuple[Path, str] | None:
+    """(step folder, role) when `path` is a role's torch_dist folder inside a training checkpoint
+    (`step_*/roles/<role>/model` next to a manifest), else None."""
+    folder = Path(path).resolve()
+    if folder.name != MODEL_DIR_NAME or folder.parent.parent.name != "roles":
+        return None
+    step = folder.parent.parent.parent
+    return (step, folder.parent.name) if (step / MANIFEST_NAME).is_file() else None
+
+
+def verify_model_folder(path: str | os.PathLike, *, flag: str) -> None:
+    """When model folder `path` is a role's folder inside a training checkpoint, check its files
+    against that checkpoint's manifest (as resuming does); other folders have no manifest to check."""
+    found = checkpoint_of_model_folder(path)
+    if found is not None:
+        step, role = found
+        verify_checkpoint_files(step, read_manifest(step), roles=[role], model_only=True, flag=flag)
+
+
+def verify_start_folders(model_section: Any, training_config: TrainingConfig) -> None:
+    """`verify_model_folder` on every folder a role starts from or takes its reference from, and on
+    --load: run by the driver (by every rank under torchrun) before any worker reads them."""
+    folders: dict[str, str] = {}  # path -> the first flag naming it (each folder is hashed once)
+    for role in training_config.roles:
+        for arg in (role.checkpoint_arg, role.reference_checkpoint_arg):
+            path = role_checkpoint_path(role, model_section, arg) if arg is not None else None
+            if path:
+                folders.setdefault(os.fspath(path), "--" + arg.replace("_", "-"))
+    if getattr(model_section, "load", None):
+        folders.setdefault(os.fspath(model_section.load), "--load")
+    for path, flag in folders.items():
+        verify_model_folder(path, flag=flag)
 
 
 def _differences(saved: Any, current: Any, path: str = "", limit: int = 5) -> list[str]:
@@ -612,13 +676,7 @@ def load_checkpoint(
     missing = sorted(set(expected_layouts) - set(manifest["roles"]))
     if missing:
         raise CheckpointError(f"checkpoint {folder} has no state for roles {missing}; it holds {sorted(manifest['roles'])}")
-    for role in manifest["roles"].values():
-        for entry in role["ranks"]:
-            _verify_file(folder, entry, verify_hashes)
-            for model_file in entry.get("model_files", ()):
-                _verify_file(folder, model_file, verify_hashes)
-    _verify_file(folder, manifest["driver_state"], verify_hashes)
-    _verify_file(folder, manifest["run_config"], verify_hashes)
+    verify_checkpoint_files(folder, manifest, check_hash=verify_hashes)
     return LoadedCheckpoint(path=str(folder), manifest=manifest, expected_layouts=dict(expected_layouts))
 
 
@@ -632,6 +690,7 @@ __all__ = [
     "begin_checkpoint",
     "capture_rng_state",
     "check_save_folder",
+    "checkpoint_of_model_folder",
     "commit_checkpoint",
     "load_state_file",
     "latest_checkpoint",
@@ -645,5 +704,8 @@ __all__ = [
     "restore_rng_state",
     "role_model_folder",
     "save_checkpoint",
+    "verify_checkpoint_files",
+    "verify_model_folder",
+    "verify_start_folders",
     "write_rank_state",
 ]
