@@ -358,6 +358,52 @@ def remove_staging_folders(root: str | os.PathLike, *, pid: int | None = None) -
     return removed
 
 
+STALE_STAGING_QUIET_S = 300.0
+"""Seconds without a write after which another process's staging folder counts as abandoned. A save
+writes its files one after another, so a folder that something still writes into is never this quiet;
+a killed driver's Ray workers can go on writing their shards into it for minutes, and then stop."""
+
+
+def _newest_write(folder: Path) -> float:
+    """The latest modification time of `folder` and of anything in it (0.0 when it has gone meanwhile)."""
+    newest = 0.0
+    for parent, dirs, files in os.walk(folder):
+        for path in (parent, *(os.path.join(parent, name) for name in dirs + files)):
+            try:
+                newest = max(newest, os.lstat(path).st_mtime)
+            except OSError:  # removed while we looked
+                pass
+    return newest
+
+
+def remove_stale_staging_folders(root: str | os.PathLike, *, quiet_s: float = STALE_STAGING_QUIET_S,
+                                 now: float | None = None) -> list[str]:
+    """Delete the staging folders under `root` that a killed or crashed run left, those in which nothing
+    was written for `quiet_s` seconds; returns what went.
+
+    A driver killed with SIGKILL (or a lost node) never runs its teardown, so its `.staging-*` folder
+    stays (a container's new driver may even have the same pid); the next run that saves into `root`
+    calls this at its start and before each save. A folder that a live save is writing (the workers a
+    killed driver left behind, while they still write) is kept, and so is one that holds a manifest but whose `step_*` folder is missing (a
+    commit cut short between its two renames: a complete checkpoint, renamed into place by hand).
+    Assumes one run at a time saves into a `--save` folder, as `check_save_folder` asks."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    now = time.time() if now is None else now
+    removed = []
+    for entry in sorted(root.iterdir()):
+        if not entry.name.startswith(_STAGING_PREFIX) or not entry.is_dir():
+            continue
+        match = re.match(rf"^{re.escape(_STAGING_PREFIX)}(step_\d{{9,}})-", entry.name)
+        if match and (entry / MANIFEST_NAME).is_file() and not (root / match.group(1)).exists():
+            continue
+        if now - _newest_write(entry) >= quiet_s:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(str(entry))
+    return removed
+
+
 def check_save_folder(save: str | os.PathLike | None, *, load: str | os.PathLike | None, overwrite: bool) -> None:
     """Refuse to start a run whose --save folder holds another run's checkpoints, unless --load
     resumes from that folder (or a step inside it) or --overwrite allows replacing them."""
@@ -699,6 +745,7 @@ __all__ = [
     "prune_checkpoints",
     "read_manifest",
     "remove_checkpoints",
+    "remove_stale_staging_folders",
     "remove_staging_folders",
     "resolve_checkpoint_folder",
     "restore_rng_state",
