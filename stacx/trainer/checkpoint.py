@@ -22,7 +22,9 @@ file, so the manifest lists every file of the checkpoint with its size and sha25
 
 Until the rename, everything lives in `<root>/.staging-step_000000012-<unique>/`; a crash at any
 point leaves either no new checkpoint or a complete one, and `latest_checkpoint` only sees
-complete ones (a `step_*` folder with a manifest). `load_checkpoint` checks the recipe and
+complete ones (a `step_*` folder with a manifest). A run's teardown removes its own unfinished
+staging folder (`remove_staging_folders`); a killed run's is removed by the next run into the
+folder once nothing writes into it any more (`remove_stale_staging_folders`). `load_checkpoint` checks the recipe and
 verifies every file against the manifest (a corrupt one is named); every other reader checks what it
 reads the same way (`verify_checkpoint_files`: the export, a role's model folder given as a start
 or reference checkpoint). The model state loads at any

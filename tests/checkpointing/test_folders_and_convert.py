@@ -66,6 +66,12 @@ def test_folder_kinds_are_detected_and_anything_else_names_both_layouts(tmp_path
         detect_model_folder(dist, flag="--ref-load")
     with pytest.raises(ModelFolderError, match=r"--load .*nowhere: folder not found"):
         detect_model_folder(tmp_path / "nowhere", flag="--load")
+    step = tmp_path / "step_000000004"  # a training checkpoint's step folder, not one role's weights
+    (step / "roles" / "policy" / "model").mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    with pytest.raises(ModelFolderError, match=r"--ref-load .*step_000000004: a training checkpoint's step folder.*"
+                                               r"step_000000004/roles/ROLE/model \(its roles: policy\)"):
+        detect_model_folder(step, flag="--ref-load")
     retired = tmp_path / "retired"
     retired.mkdir()
     (retired / "stacx_model.json").write_text(json.dumps({"format": "stacx-megatron-tp", "version": 1}))
