@@ -24,13 +24,13 @@ Until the rename, everything lives in `<root>/.staging-step_000000012-<unique>/`
 point leaves either no new checkpoint or a complete one, and `latest_checkpoint` only sees
 complete ones (a `step_*` folder with a manifest). A run's teardown removes its own unfinished
 staging folder (`remove_staging_folders`); a killed run's is removed by the next run into the
-folder once nothing writes into it any more (`remove_stale_staging_folders`). `load_checkpoint` checks the recipe and
-verifies every file against the manifest (a corrupt one is named); every other reader checks what it
-reads the same way (`verify_checkpoint_files`: the export, a role's model folder given as a start
-or reference checkpoint). The model state loads at any
-(tp, cp, dp) layout the model allows, and so does the optimizer state: megatron maps each Adam
-moment onto its parameter's sharding, so both reshard together. The per-rank RNG state is
-restored exactly when the layout is unchanged (resume is then bitwise exact); after a layout
+folder once nothing writes into it any more (`remove_stale_staging_folders`). `load_checkpoint`
+checks the recipe and verifies every file against the manifest (a corrupt one is named); every
+other reader checks what it reads the same way (`verify_checkpoint_files`: the export, a role's
+model folder given as a start or reference checkpoint). The model state loads at any (tp, cp, dp)
+layout the model allows, and so does the optimizer state: megatron maps each Adam moment onto its
+parameter's sharding, so both reshard together. The per-rank RNG state is restored exactly when
+the layout is unchanged (resume is then bitwise exact); after a layout
 change each rank takes the RNG state of the saved rank at the same grid position, or rank 0's.
 
 Stacx's own `.pt` files are read with `torch.load(weights_only=True)` (tensors and plain Python
