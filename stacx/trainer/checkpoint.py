@@ -386,8 +386,9 @@ def remove_stale_staging_folders(root: str | os.PathLike, *, quiet_s: float = ST
     A driver killed with SIGKILL (or a lost node) never runs its teardown, so its `.staging-*` folder
     stays (a container's new driver may even have the same pid); the next run that saves into `root`
     calls this at its start and before each save. A folder that a live save is writing (the workers a
-    killed driver left behind, while they still write) is kept, and so is one that holds a manifest but whose `step_*` folder is missing (a
-    commit cut short between its two renames: a complete checkpoint, renamed into place by hand).
+    killed driver left behind, while they still write) is kept, and so is one that holds a manifest
+    while its `step_*` folder is missing (a commit cut short between its two renames: a complete
+    checkpoint, to be renamed into place by hand).
     Assumes one run at a time saves into a `--save` folder, as `check_save_folder` asks."""
     root = Path(root)
     if not root.is_dir():
@@ -623,9 +624,10 @@ def verify_checkpoint_files(folder: str | os.PathLike, manifest: Mapping[str, An
     """Check the files the manifest of step folder `folder` lists against their size and sha256.
 
     `roles` limits the check to those roles (default: every role, plus driver.pt and run_config.json);
-    `model_only` to their torch_dist files; `run_config` adds run_config.json to a limited check. CheckpointError naming `flag`, the file and the fix. Every
-    reader of a checkpoint calls this on what it reads before reading it (resume, export, a role's
-    model folder given as a start or reference checkpoint)."""
+    `model_only` to their torch_dist files; `run_config` adds run_config.json to a limited check.
+    CheckpointError naming `flag`, the file and the fix. Every reader of a checkpoint calls this on
+    what it reads before reading it (resume, export, a role's model folder given as a start or
+    reference checkpoint)."""
     folder = Path(folder)
     saved_roles = manifest.get("roles", {})
     for name in (saved_roles if roles is None else roles):

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from stacx.checkpointing.convert import convert_torch_dist_to_hf, single_process_world
-from stacx.checkpointing.folders import TORCH_DIST, TRACKER_FILE, detect_model_folder, is_model_folder, load_model_weights
+from stacx.checkpointing.folders import (TORCH_DIST, TRACKER_FILE, detect_model_folder, is_model_folder,
+                                        load_model_weights)
 from stacx.models import build_model
 from stacx.models.builder import unwrap_model
 from stacx.models.checkpoint import load_hf_checkpoint
@@ -82,7 +83,8 @@ def test_megatron_lm_and_flat_folders_load_as_reference_start_weights_and_conver
         recipe, algorithm = resolve_recipe(config)
         runtime = RoleRuntime(recipe.roles[0], config, algorithm, groups)
         # The reference holds the folder's weights; the policy starts from --hf-checkpoint's (another seed).
-        assert [torch.equal(r, t) for r, t in zip(runtime.reference_weights, expected.values())] == [True] * len(expected)
+        same = [torch.equal(r, t) for r, t in zip(runtime.reference_weights, expected.values())]
+        assert same == [True] * len(expected)
         assert not torch.equal(runtime.reference_weights[0], next(unwrap_model(runtime.model).parameters()))
         runtime.load_start_weights(str(root / "release"))  # --load naming a model folder
         _assert_holds(runtime.model, expected)
@@ -90,7 +92,8 @@ def test_megatron_lm_and_flat_folders_load_as_reference_start_weights_and_conver
         out = convert_torch_dist_to_hf(root / "iter", tmp_path / "hf_out", hf_config=folders["hf"])
     from safetensors.torch import load_file
 
-    exported, original = load_file(Path(out) / "model.safetensors"), load_file(Path(folders["weights"]) / "model.safetensors")
+    exported = load_file(Path(out) / "model.safetensors")
+    original = load_file(Path(folders["weights"]) / "model.safetensors")
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(exported[key], original[key]) for key in original)
 
