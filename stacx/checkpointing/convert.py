@@ -79,7 +79,7 @@ def _hf_to_torch_dist_rank(groups, hf_dir: str, out_dir: str) -> None:
     load_hf_checkpoint(model, hf_dir, groups)
     save_torch_dist(out_dir, model, groups=groups)
     if dist.get_rank() == 0:
-        shutil.copy2(os.path.join(hf_dir, "config.json"), os.path.join(out_dir, "config.json"))
+        shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(out_dir, "config.json"))  # umask mode
         copy_tokenizer_files(hf_dir, out_dir)
     dist.barrier()
 
@@ -126,19 +126,21 @@ def _config_source(dist_dir: str | os.PathLike, hf_config: str | os.PathLike | N
 def convert_torch_dist_to_hf(dist_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                              hf_config: str | os.PathLike | None = None, tp_size: int = 1,
                              what: str = "--load", max_shard_bytes: int = 5 * 1024**3) -> str:
-    """Write torch_dist folder `dist_dir` as a Hugging Face folder `out_dir`; returns it.
+    """Write torch_dist folder `dist_dir` (flat, or Megatron-LM's tracker layout) as a Hugging Face
+    folder `out_dir`; returns it.
 
     The config, tokenizer files and generation_config.json come from `dist_dir` itself when it holds
     a config.json, else from Hugging Face folder `hf_config`."""
-    from stacx.checkpointing.folders import TORCH_DIST, detect_model_folder
+    from stacx.checkpointing.folders import TORCH_DIST, detect_model_folder, resolve_torch_dist_folder
 
     if detect_model_folder(dist_dir, flag=what) != TORCH_DIST:
         raise TorchDistCheckpointError(f"{what} {dist_dir}: is a Hugging Face folder, not torch_dist; it needs no "
                                        "conversion (or use hf-to-torch-dist)")
     config_dir = _config_source(dist_dir, hf_config, what)
     _require_empty_output(out_dir)
+    files_dir = resolve_torch_dist_folder(dist_dir, flag=what)  # Megatron-LM's iter_NNNNNNN/ or release/
     _run_on_ranks(_torch_dist_to_hf_rank, tp_size,
-                  (os.fspath(dist_dir), os.fspath(out_dir), config_dir, what, max_shard_bytes))
+                  (os.fspath(files_dir), os.fspath(out_dir), config_dir, what, max_shard_bytes))
     return os.fspath(out_dir)
 
 

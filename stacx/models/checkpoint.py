@@ -233,13 +233,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def copy_tokenizer_files(source: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
-    """Copy the TOKENIZER_FILES present in folder `source` into `out_dir`; returns their names."""
+    """Copy the TOKENIZER_FILES present in folder `source` into `out_dir`; returns their names.
+
+    Contents only: each copy is a new file with the umask's mode, not the source's (which may be 0600)."""
     import shutil
 
     copied = []
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(source, name)):
-            shutil.copy2(os.path.join(source, name), os.path.join(out_dir, name))
+            shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
             copied.append(name)
     return copied
 
@@ -274,10 +276,27 @@ def export_hf_checkpoint(model, out_dir: str, groups, hf_config=None, *, max_sha
         dist.barrier()
 
 
+def current_umask() -> int:
+    """This process's file-mode creation mask (Linux reports it in /proc; elsewhere set and restored)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _save_safetensors(tensors: dict[str, torch.Tensor], file: str) -> None:
     from safetensors.torch import save_file
 
     save_file(tensors, file, metadata={"format": "pt"})
+    # safetensors writes a private (0600) temporary and renames it into place; give the file the mode
+    # any other new file gets (0666 less the umask), so that those who may read config.json may read this.
+    os.chmod(file, 0o666 & ~current_umask())
 
 
 def _write_index_and_config(out_dir: str, shard_files, config) -> None:

@@ -22,11 +22,15 @@ file, so the manifest lists every file of the checkpoint with its size and sha25
 
 Until the rename, everything lives in `<root>/.staging-step_000000012-<unique>/`; a crash at any
 point leaves either no new checkpoint or a complete one, and `latest_checkpoint` only sees
-complete ones (a `step_*` folder with a manifest). `load_checkpoint` checks the recipe and
-verifies every file against the manifest (a corrupt one is named). The model state loads at any
-(tp, cp, dp) layout the model allows, and so does the optimizer state: megatron maps each Adam
-moment onto its parameter's sharding, so both reshard together. The per-rank RNG state is
-restored exactly when the layout is unchanged (resume is then bitwise exact); after a layout
+complete ones (a `step_*` folder with a manifest). A run's teardown removes its own unfinished
+staging folder (`remove_staging_folders`); a killed run's is removed by the next run into the
+folder once nothing writes into it any more (`remove_stale_staging_folders`). `load_checkpoint`
+checks the recipe and verifies every file against the manifest (a corrupt one is named); every
+other reader checks what it reads the same way (`verify_checkpoint_files`: the export, a role's
+model folder given as a start or reference checkpoint). The model state loads at any (tp, cp, dp)
+layout the model allows, and so does the optimizer state: megatron maps each Adam moment onto its
+parameter's sharding, so both reshard together. The per-rank RNG state is restored exactly when
+the layout is unchanged (resume is then bitwise exact); after a layout
 change each rank takes the RNG state of the saved rank at the same grid position, or rank 0's.
 
 Stacx's own `.pt` files are read with `torch.load(weights_only=True)` (tensors and plain Python
@@ -57,7 +61,7 @@ from typing import Any, Mapping
 import torch
 
 from stacx.trainer.config.layout import RankCoords, RoleLayout
-from stacx.trainer.config.recipe import TrainingConfig
+from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path
 
 FORMAT_VERSION = 2
 """2: weights and optimizer state in torch_dist (`roles/<role>/model/`); 1: one torch.save pickle per rank."""
@@ -356,6 +360,53 @@ def remove_staging_folders(root: str | os.PathLike, *, pid: int | None = None) -
     return removed
 
 
+STALE_STAGING_QUIET_S = 300.0
+"""Seconds without a write after which another process's staging folder counts as abandoned. A save
+writes its files one after another, so a folder that something still writes into is never this quiet;
+a killed driver's Ray workers can go on writing their shards into it for minutes, and then stop."""
+
+
+def _newest_write(folder: Path) -> float:
+    """The latest modification time of `folder` and of anything in it (0.0 when it has gone meanwhile)."""
+    newest = 0.0
+    for parent, dirs, files in os.walk(folder):
+        for path in (parent, *(os.path.join(parent, name) for name in dirs + files)):
+            try:
+                newest = max(newest, os.lstat(path).st_mtime)
+            except OSError:  # removed while we looked
+                pass
+    return newest
+
+
+def remove_stale_staging_folders(root: str | os.PathLike, *, quiet_s: float = STALE_STAGING_QUIET_S,
+                                 now: float | None = None) -> list[str]:
+    """Delete the staging folders under `root` that a killed or crashed run left, those in which nothing
+    was written for `quiet_s` seconds; returns what went.
+
+    A driver killed with SIGKILL (or a lost node) never runs its teardown, so its `.staging-*` folder
+    stays (a container's new driver may even have the same pid); the next run that saves into `root`
+    calls this at its start and before each save. A folder that a live save is writing (the workers a
+    killed driver left behind, while they still write) is kept, and so is one that holds a manifest
+    while its `step_*` folder is missing (a commit cut short between its two renames: a complete
+    checkpoint, to be renamed into place by hand).
+    Assumes one run at a time saves into a `--save` folder, as `check_save_folder` asks."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    now = time.time() if now is None else now
+    removed = []
+    for entry in sorted(root.iterdir()):
+        if not entry.name.startswith(_STAGING_PREFIX) or not entry.is_dir():
+            continue
+        match = re.match(rf"^{re.escape(_STAGING_PREFIX)}(step_\d{{9,}})-", entry.name)
+        if match and (entry / MANIFEST_NAME).is_file() and not (root / match.group(1)).exists():
+            continue
+        if now - _newest_write(entry) >= quiet_s:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(str(entry))
+    return removed
+
+
 def check_save_folder(save: str | os.PathLike | None, *, load: str | os.PathLike | None, overwrite: bool) -> None:
     """Refuse to start a run whose --save folder holds another run's checkpoints, unless --load
     resumes from that folder (or a step inside it) or --overwrite allows replacing them."""
@@ -553,15 +604,78 @@ def load_state_file(path: str | os.PathLike) -> Any:
         ) from None
 
 
-def _verify_file(folder: Path, entry: Mapping[str, Any], check_hash: bool) -> None:
+def _verify_file(folder: Path, entry: Mapping[str, Any], check_hash: bool, flag: str = "--load") -> None:
     path = folder / entry["path"]
+    fix = (f"the checkpoint was changed after its save (a damaged disk, an interrupted copy, an edit). Copy it again "
+           f"from where it was written, or give {flag} another step folder")
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {folder}: {entry['path']} is missing")
+        raise CheckpointError(f"{flag}: checkpoint {folder}: {entry['path']} is missing; {fix}")
     if path.stat().st_size != entry["size"]:
-        raise CheckpointError(f"checkpoint {folder}: {entry['path']} has {path.stat().st_size} bytes, "
-                              f"the manifest says {entry['size']}")
+        raise CheckpointError(f"{flag}: checkpoint {folder}: {entry['path']} has {path.stat().st_size} bytes, "
+                              f"the manifest says {entry['size']}; {fix}")
     if check_hash and _sha256(path) != entry["sha256"]:
-        raise CheckpointError(f"checkpoint {folder}: {entry['path']} does not match its sha256 in the manifest")
+        raise CheckpointError(f"{flag}: checkpoint {folder}: {entry['path']} does not match its sha256 in the "
+                              f"manifest; {fix}")
+
+
+def verify_checkpoint_files(folder: str | os.PathLike, manifest: Mapping[str, Any], *, roles=None,
+                            model_only: bool = False, run_config: bool | None = None, check_hash: bool = True,
+                            flag: str = "--load") -> None:
+    """Check the files the manifest of step folder `folder` lists against their size and sha256.
+
+    `roles` limits the check to those roles (default: every role, plus driver.pt and run_config.json);
+    `model_only` to their torch_dist files; `run_config` adds run_config.json to a limited check.
+    CheckpointError naming `flag`, the file and the fix. Every reader of a checkpoint calls this on
+    what it reads before reading it (resume, export, a role's model folder given as a start or
+    reference checkpoint)."""
+    folder = Path(folder)
+    saved_roles = manifest.get("roles", {})
+    for name in (saved_roles if roles is None else roles):
+        if name not in saved_roles:
+            raise CheckpointError(f"{flag}: checkpoint {folder} has no role {name!r}; its roles: {sorted(saved_roles)}")
+        for entry in saved_roles[name]["ranks"]:
+            if not model_only:
+                _verify_file(folder, entry, check_hash, flag)
+            for model_file in entry.get("model_files", ()):
+                _verify_file(folder, model_file, check_hash, flag)
+    if roles is None:
+        _verify_file(folder, manifest["driver_state"], check_hash, flag)
+    if run_config or (run_config is None and roles is None):
+        _verify_file(folder, manifest["run_config"], check_hash, flag)
+
+
+def checkpoint_of_model_folder(path: str | os.PathLike) -> tuple[Path, str] | None:
+    """(step folder, role) when `path` is a role's torch_dist folder inside a training checkpoint
+    (`step_*/roles/<role>/model` next to a manifest), else None."""
+    folder = Path(path).resolve()
+    if folder.name != MODEL_DIR_NAME or folder.parent.parent.name != "roles":
+        return None
+    step = folder.parent.parent.parent
+    return (step, folder.parent.name) if (step / MANIFEST_NAME).is_file() else None
+
+
+def verify_model_folder(path: str | os.PathLike, *, flag: str) -> None:
+    """When model folder `path` is a role's folder inside a training checkpoint, check its files
+    against that checkpoint's manifest (as resuming does); other folders have no manifest to check."""
+    found = checkpoint_of_model_folder(path)
+    if found is not None:
+        step, role = found
+        verify_checkpoint_files(step, read_manifest(step), roles=[role], model_only=True, flag=flag)
+
+
+def verify_start_folders(model_section: Any, training_config: TrainingConfig) -> None:
+    """`verify_model_folder` on every folder a role starts from or takes its reference from, and on
+    --load: run by the driver (by every rank under torchrun) before any worker reads them."""
+    folders: dict[str, str] = {}  # path -> the first flag naming it (each folder is hashed once)
+    for role in training_config.roles:
+        for arg in (role.checkpoint_arg, role.reference_checkpoint_arg):
+            path = role_checkpoint_path(role, model_section, arg) if arg is not None else None
+            if path:
+                folders.setdefault(os.fspath(path), "--" + arg.replace("_", "-"))
+    if getattr(model_section, "load", None):
+        folders.setdefault(os.fspath(model_section.load), "--load")
+    for path, flag in folders.items():
+        verify_model_folder(path, flag=flag)
 
 
 def _differences(saved: Any, current: Any, path: str = "", limit: int = 5) -> list[str]:
@@ -612,13 +726,7 @@ def load_checkpoint(
     missing = sorted(set(expected_layouts) - set(manifest["roles"]))
     if missing:
         raise CheckpointError(f"checkpoint {folder} has no state for roles {missing}; it holds {sorted(manifest['roles'])}")
-    for role in manifest["roles"].values():
-        for entry in role["ranks"]:
-            _verify_file(folder, entry, verify_hashes)
-            for model_file in entry.get("model_files", ()):
-                _verify_file(folder, model_file, verify_hashes)
-    _verify_file(folder, manifest["driver_state"], verify_hashes)
-    _verify_file(folder, manifest["run_config"], verify_hashes)
+    verify_checkpoint_files(folder, manifest, check_hash=verify_hashes)
     return LoadedCheckpoint(path=str(folder), manifest=manifest, expected_layouts=dict(expected_layouts))
 
 
@@ -632,6 +740,7 @@ __all__ = [
     "begin_checkpoint",
     "capture_rng_state",
     "check_save_folder",
+    "checkpoint_of_model_folder",
     "commit_checkpoint",
     "load_state_file",
     "latest_checkpoint",
@@ -640,10 +749,14 @@ __all__ = [
     "prune_checkpoints",
     "read_manifest",
     "remove_checkpoints",
+    "remove_stale_staging_folders",
     "remove_staging_folders",
     "resolve_checkpoint_folder",
     "restore_rng_state",
     "role_model_folder",
     "save_checkpoint",
+    "verify_checkpoint_files",
+    "verify_model_folder",
+    "verify_start_folders",
     "write_rank_state",
 ]

@@ -8,14 +8,21 @@ global tensors whatever the TP size it was saved at. The export loads them into 
 model and writes Hugging Face safetensors with the vocabulary padding stripped
 (`stacx.checkpointing.convert.convert_torch_dist_to_hf`). The config, the tokenizer files
 and generation_config.json come from the checkpoint the run started from (`base`), which the run
-config records.
+config records. Both functions check what they read against the manifest's sha256 first.
 """
 
 from __future__ import annotations
 
 import os
 
-from stacx.trainer.checkpoint import FORMAT_VERSION, CheckpointError, LoadedCheckpoint, read_manifest, role_model_folder
+from stacx.trainer.checkpoint import (
+    FORMAT_VERSION,
+    CheckpointError,
+    LoadedCheckpoint,
+    read_manifest,
+    role_model_folder,
+    verify_checkpoint_files,
+)
 
 
 def pick_role(manifest: dict, role: str | None) -> str:
@@ -41,7 +48,9 @@ def base_checkpoint_of(step_folder: str | os.PathLike, override: str | None = No
 
     if override is not None:
         return require_hf_checkpoint_folder(override)
-    loaded = LoadedCheckpoint(path=str(step_folder), manifest=read_manifest(step_folder), expected_layouts={})
+    manifest = read_manifest(step_folder)
+    verify_checkpoint_files(step_folder, manifest, roles=[], run_config=True)
+    loaded = LoadedCheckpoint(path=str(step_folder), manifest=manifest, expected_layouts={})
     base = (loaded.run_config().get("model") or {}).get("hf_checkpoint")
     if not base:
         raise CheckpointError(f"{step_folder}/run_config.json names no model.hf_checkpoint; pass --hf-checkpoint "
@@ -58,8 +67,11 @@ def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_
     # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
     from stacx.checkpointing.convert import convert_torch_dist_to_hf
 
-    version = read_manifest(step_folder).get("format_version")
+    manifest = read_manifest(step_folder)
+    version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {step_folder}: format version {version} (this Stacx reads {FORMAT_VERSION}, "
                               "torch_dist weights); export it with the Stacx version that wrote it")
+    # The same check as resuming (`load_checkpoint`): a damaged shard is named, never converted.
+    verify_checkpoint_files(step_folder, manifest, roles=[role], model_only=True)
     return convert_torch_dist_to_hf(role_model_folder(step_folder, role), out_dir, hf_config=base, what="--load")

@@ -12,6 +12,7 @@ from stacx.objectives import import_builtin_and_custom_modules, load_custom_modu
 from stacx.rollout.rollin import check_supported
 from stacx.rollout.service import RolloutService, load_tokenizer
 from stacx.trainer.batch import StepDataSource
+from stacx.trainer.checkpoint import verify_start_folders
 from stacx.trainer.preflight import replays_trajectories
 from stacx.trainer.cluster.ray.connect import connect_ray
 from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
@@ -91,6 +92,7 @@ def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None)
     run_config = apply_run_env_overrides(run_config)  # STACX_* read once; workers get the result
     training_config, algorithm = resolve_recipe(run_config)
     check_supported(training_config, run_config)
+    verify_start_folders(run_config.model, training_config)  # once, here, rather than on every worker
     connection = connect_ray(run_config.parallel.ray_address)
     graph, rollout = None, None
     launched = launch_rollout_server(run_config, training_config)

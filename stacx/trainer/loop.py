@@ -40,6 +40,7 @@ from stacx.trainer.checkpoint import (
     commit_checkpoint,
     load_checkpoint,
     remove_checkpoints,
+    remove_stale_staging_folders,
     remove_staging_folders,
     restore_rng_state,
 )
@@ -152,6 +153,13 @@ class StacxTrainer:
         problem = self.channel.share(problem)
         if problem:
             raise CheckpointError(problem)
+        if self.channel.is_driver:
+            self.remove_stale_staging()
+
+    def remove_stale_staging(self) -> None:
+        """The staging folders a killed run left under --save (driver; at the start and before each save)."""
+        for path in remove_stale_staging_folders(self.run_config.model.save):
+            logger.warning("removed %s, the unfinished save of a run that was killed or crashed", path)
 
     def train_one_step(self, step: int) -> dict[str, float]:
         """One step; a non-finite reward, advantage, loss or grad norm stops the run (or skips the step,
@@ -344,6 +352,8 @@ class StacxTrainer:
             for path in remove_checkpoints(root):
                 logger.warning("--overwrite: removed %s of an earlier run", path)
         self._saved_once = True
+        if self.channel.is_driver:
+            self.remove_stale_staging()
         staging = self.channel.share(begin_checkpoint(root, step) if self.channel.is_driver else None)
         rank_files = []
         for group in self.roles.values():

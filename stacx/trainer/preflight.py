@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Optional
 
-from stacx.checkpointing.folders import is_model_folder
+from stacx.checkpointing.folders import ModelFolderError, detect_model_folder, is_model_folder
 from stacx.env_overrides import apply_env_overrides
 from stacx.objectives import load_custom_modules
 from stacx.objectives.algorithm_config import AlgorithmConfig
@@ -92,7 +92,19 @@ def _check_hf_folder(arg: str, path: str, role_name: str) -> None:
                              "checkpoint: config.json, weights, tokenizer). Fix the path or write the checkpoint first")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise PreflightError(f"{flag(arg)} {path}: the folder has no config.json, so it is not a Hugging Face "
-                             f"checkpoint (role {role_name!r} starts from it); point {flag(arg)} at one")
+                             f"checkpoint (role {role_name!r} starts from it, and the tokenizer and the model's "
+                             f"config are read from it); point {flag(arg)} at one")
+
+
+def _check_model_folder(arg: str, path: str, use: str) -> None:
+    """A folder of either layout (Hugging Face, or torch_dist flat or in Megatron-LM's tracker layout);
+    one without config.json is built with --hf-checkpoint's config. `use` says which role reads it how."""
+    if not os.path.isdir(path):
+        raise PreflightError(f"{flag(arg)} {path}: no such folder ({use}). Fix the path or write the checkpoint first")
+    try:
+        detect_model_folder(path, flag=flag(arg))
+    except ModelFolderError as err:
+        raise PreflightError(f"{err} ({use})") from None
 
 
 def check_checkpoints(run_config: RunConfig, training_config: TrainingConfig, algorithm: AlgorithmConfig) -> None:
@@ -108,7 +120,10 @@ def check_checkpoints(run_config: RunConfig, training_config: TrainingConfig, al
         path = role_checkpoint_path(role, model)
         if path is None:
             raise PreflightError(f"{flag(role.checkpoint_arg)} is not set: role {role.name!r} starts from it")
-        _check_hf_folder(role.checkpoint_arg, path, role.name)
+        if role.checkpoint_arg == "hf_checkpoint":
+            _check_hf_folder(role.checkpoint_arg, path, role.name)
+        else:
+            _check_model_folder(role.checkpoint_arg, path, f"role {role.name!r} starts from its weights")
         arg = role.reference_checkpoint_arg
         wants = role_wants_reference(role, training_config, algorithm)
         reference = role_checkpoint_path(role, model, arg) if arg is not None else None
@@ -117,7 +132,8 @@ def check_checkpoints(run_config: RunConfig, training_config: TrainingConfig, al
                                  "log-probs (its loss, use_kl_loss or use_kl_in_reward); set it to the reference "
                                  "checkpoint or turn the KL term off")
         if reference is not None:  # the role's workers load it whenever it is given
-            _check_hf_folder(arg, reference, role.name)
+            _check_model_folder(arg, reference, f"role {role.name!r} computes its reference log-probs with these "
+                                                "weights")
 
 
 def unread_checkpoint_flags(run_config: RunConfig, training_config: TrainingConfig) -> dict[str, str]:
@@ -181,7 +197,10 @@ def check_resume_and_save(run_config: RunConfig) -> None:
         if not os.path.exists(model.load):
             raise PreflightError(f"--load {model.load}: no such folder; give a checkpoint root or step_* folder "
                                  "written by --save, or drop --load to start fresh")
-        if not is_model_folder(model.load):  # a Hugging Face or torch_dist model: the start weights
+        if is_model_folder(model.load):  # a Hugging Face or torch_dist model: the rollout role's start weights
+            _check_model_folder("load", model.load, "the rollout role, else the first trainable one, starts from its "
+                                                  "weights at step 0")
+        else:
             try:
                 read_manifest(resolve_checkpoint_folder(model.load))
             except CheckpointError as err:

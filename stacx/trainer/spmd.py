@@ -19,6 +19,7 @@ import torch.distributed as dist
 from stacx.parallel.groups import destroy_parallel_layout, init_distributed_from_env, initialize_parallel_layout
 from stacx.rollout.rollin import check_supported
 from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
+from stacx.trainer.checkpoint import verify_start_folders
 from stacx.trainer.cluster.node_interface import bind_collectives_to_node, local_address_toward
 from stacx.trainer.config.resolve import apply_run_env_overrides
 from stacx.trainer.config.run import RunConfig
@@ -45,6 +46,7 @@ def build_spmd_trainer(run_config: RunConfig):
                          "torchrun runs recipes with one role (sft, dpo, grpo and its family, opd, ...); launch recipes with "
                          "several roles on Ray (stacx train without torchrun)")
     check_supported(training_config, run_config)
+    verify_start_folders(run_config.model, training_config)
     parallel = run_config.parallel
     if "MASTER_ADDR" in os.environ:  # gloo/NCCL listen on the interface toward the master, not the host name's
         bind_collectives_to_node(local_address_toward(os.environ["MASTER_ADDR"]))

@@ -3,8 +3,10 @@ and the crash-safety and integrity of torch_dist training checkpoints."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -64,6 +66,12 @@ def test_folder_kinds_are_detected_and_anything_else_names_both_layouts(tmp_path
         detect_model_folder(dist, flag="--ref-load")
     with pytest.raises(ModelFolderError, match=r"--load .*nowhere: folder not found"):
         detect_model_folder(tmp_path / "nowhere", flag="--load")
+    step = tmp_path / "step_000000004"  # a training checkpoint's step folder, not one role's weights
+    (step / "roles" / "policy" / "model").mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    with pytest.raises(ModelFolderError, match=r"--ref-load .*step_000000004: a training checkpoint's step folder.*"
+                                               r"step_000000004/roles/ROLE/model \(its roles: policy\)"):
+        detect_model_folder(step, flag="--ref-load")
     retired = tmp_path / "retired"
     retired.mkdir()
     (retired / "stacx_model.json").write_text(json.dumps({"format": "stacx-megatron-tp", "version": 1}))
@@ -148,13 +156,34 @@ def test_a_checkpoint_cut_short_at_any_file_is_never_picked_up(tmp_path):
     assert latest_checkpoint(tmp_path / "complete") == str(complete)
 
 
-def test_a_corrupted_shard_is_named(tmp_path):
+def test_a_corrupted_shard_is_named_by_every_reader(tmp_path, capsys):
+    """`stacx train --load` refused the folder, but checkpoint-to-hf converted it with exit 0 (values up to
+    1.8e37) and `stacx eval --load` scored it: every reader now checks the manifest's sha256 first."""
+    from stacx.launch.commands.eval import resolve_model_folder
+    from stacx.trainer.checkpoint import verify_start_folders
+    from stacx.trainer.config.run import RunConfig
+    from stacx.trainer.recipes import get_recipe
+
     hf = str(tmp_path / "hf")
     save_tiny_hf_checkpoint(hf, "llama", seed=0)
     step = Path(write_training_checkpoint(hf, tmp_path / "run", 3))
-    shard = next((step / "roles" / "policy" / "model").glob("__0_*.distcp"))
+    model = step / "roles" / "policy" / "model"
+    shard = next(model.glob("__0_*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=rf"roles/policy/model/{shard.name} does not match its sha256"):
+    named = rf"roles/policy/model/{shard.name} does not match its sha256 in the manifest; .*Copy it again"
+    with pytest.raises(CheckpointError, match=named):
         load_checkpoint(tmp_path / "run", expected_recipe="sft", expected_layouts={})
+    for direction, load in (("checkpoint-to-hf", tmp_path / "run"), ("torch-dist-to-hf", model)):
+        out = tmp_path / f"out-{direction}"
+        assert stacx_main(["convert", direction, "--load", str(load), "--hf-checkpoint", hf, "--out", str(out)]) == 2
+        assert re.search(rf"--load: checkpoint .*{named}", capsys.readouterr().err), direction
+        assert not out.exists()
+    eval_args = argparse.Namespace(load=str(tmp_path / "run"), role=None, hf_checkpoint=None)
+    with pytest.raises(CheckpointError, match=named):
+        resolve_model_folder(eval_args, str(tmp_path / "scratch"))
+    for field in ("ref_load", "load"):  # a role's folder of a training checkpoint as start or reference weights
+        run_config = RunConfig.from_dict({"hf_checkpoint": hf, field: str(model)})
+        with pytest.raises(CheckpointError, match="--" + field.replace("_", "-") + f": checkpoint .*{named}"):
+            verify_start_folders(run_config.model, get_recipe("dpo"))

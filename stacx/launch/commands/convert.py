@@ -56,13 +56,16 @@ def _retired_message(direction: str) -> str:
 
 
 def _convert(args) -> str:
+    # Imported here: `stacx --help` and the other commands start without torch and megatron-core.
     from stacx.checkpointing.convert import convert_hf_to_torch_dist, convert_torch_dist_to_hf
+    from stacx.trainer.checkpoint import verify_model_folder
 
     if args.direction == "hf-to-torch-dist":
         return convert_hf_to_torch_dist(args.hf_checkpoint, args.out, args.tensor_model_parallel_size)
     if args.direction == "torch-dist-to-hf":
         if args.tensor_model_parallel_size < 1:
             raise ValueError(f"--tensor-model-parallel-size must be >= 1, got {args.tensor_model_parallel_size}")
+        verify_model_folder(args.load, flag="--load")  # a role's folder inside a training checkpoint: its manifest
         return convert_torch_dist_to_hf(args.load, args.out, hf_config=args.hf_checkpoint,
                                         tp_size=args.tensor_model_parallel_size,
                                         max_shard_bytes=int(args.max_shard_gb * 1024**3))
