@@ -115,3 +115,29 @@ def test_the_yaml_and_python_config_select_the_loss_by_name_and_accept_adv_estim
         assert algorithm.given_keys == {"policy_loss", "advantage_estimator", "clip_ratio", "clip_ratio_low", "clip_ratio_high"}
     with pytest.raises(ValueError, match="StacxConfig: algorithm must be a mapping"):
         StacxConfig(algorithm=["my_loss"])
+
+
+def test_the_plugins_own_entropy_metric_is_kept_beside_the_frameworks():
+    """`reinforce_pg` logs its own `entropy` (mean of -log pi); the framework's (the policy's
+    entropy H) was written over it. Now the plugin's keeps its name, the framework's is `entropy_framework`."""
+    from stacx.parallel.groups import ProcessGroups
+    from tests.specializations.cases import VOCAB, Case, make_samples, run_case
+
+    samples = make_samples()
+    total = sum(len(s) for s in samples["sequences"])
+    logits = 2.0 * torch.randn(total, VOCAB, generator=torch.Generator().manual_seed(5))
+    case = Case("ActorSpecialization", dict(policy_loss="reinforce_pg", loss_agg_mode="token-mean"),
+                ("loss_masks", "advantages"), reference=None)
+    metrics = run_case(lambda tokens, padded: logits.clone().requires_grad_(), ProcessGroups.single_process(), case,
+                       samples)["metrics"]
+
+    neg_log_prob, entropy = 0.0, 0.0
+    for row, (sequence, response, mask) in enumerate(zip(samples["sequences"], samples["response_lengths"],
+                                                         samples["loss_masks"])):
+        start = sum(len(s) for s in samples["sequences"][:row])
+        log_softmax = torch.log_softmax(logits[start + len(sequence) - response - 1: start + len(sequence) - 1].double(), -1)
+        neg_log_prob -= float((log_softmax.gather(-1, sequence[-response:, None]).squeeze(-1) * mask).sum())
+        entropy += float((-(log_softmax.exp() * log_softmax).sum(-1) * mask).sum())
+    assert abs(neg_log_prob - entropy) > 0.1 * entropy  # the two are different quantities here
+    assert float(metrics["entropy"]) == pytest.approx(neg_log_prob, rel=1e-4)
+    assert float(metrics["entropy_framework"]) == pytest.approx(entropy, rel=1e-4)
