@@ -200,13 +200,14 @@ def _module_name_for_file(path: str) -> str:
     return f"stacx_user_module_{safe_stem}_{digest}"
 
 
-def _load_file(path: str, flag: str) -> ModuleType:
+def _load_file(path: str, flag: str, ship_to_workers: bool = True) -> ModuleType:
     resolved = os.path.realpath(path)
     if not os.path.isfile(resolved):
         raise ValueError(f"{flag} {path!r}: no such file")
     module_name = _module_name_for_file(resolved)
     if module_name in sys.modules:  # loading the same file twice must not re-register names
-        _record_source(sys.modules[module_name])  # but it is shipped to workers (again) all the same
+        if ship_to_workers:
+            _record_source(sys.modules[module_name])  # but it is shipped to workers (again) all the same
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, resolved)
     if spec is None or spec.loader is None:
@@ -221,16 +222,25 @@ def _load_file(path: str, flag: str) -> ModuleType:
         # that did not import must never be shipped to (and re-raise in) every worker.
         _USER_MODULE_SOURCES.pop(module_name, None)
         raise ValueError(f"{flag} {path!r}: importing the file failed: {type(error).__name__}: {error}") from error
-    _record_source(module)
+    if ship_to_workers:
+        _record_source(module)
     return module
 
 
-def load_custom_modules(paths_or_module_names: Iterable[str] | str, *, flag: str = "--custom-module") -> list[ModuleType]:
+def is_file_path(entry: str) -> bool:
+    """Whether a `--custom-module` (or `--reward-fn`) entry names a file rather than a dotted module."""
+    return entry.endswith(".py") or os.sep in entry or "/" in entry
+
+
+def load_custom_modules(paths_or_module_names: Iterable[str] | str, *, flag: str = "--custom-module",
+                        ship_to_workers: bool = True) -> list[ModuleType]:
     """Import user modules so their `@register_*` decorators run; returns the modules.
 
     Each entry is a path to a `.py` file (anything ending in `.py` or containing a path
     separator) or a dotted module name importable from `sys.path`. Loading the same file again
     is a no-op. Errors are `ValueError`s naming `flag` and the offending entry.
+    `ship_to_workers=False`: code only the driver runs (a `--reward-fn` file) is not sent to the
+    role workers (a kernel or recipe it registers still is).
     """
     if isinstance(paths_or_module_names, str):
         paths_or_module_names = [paths_or_module_names]
@@ -239,14 +249,15 @@ def load_custom_modules(paths_or_module_names: Iterable[str] | str, *, flag: str
     for entry in paths_or_module_names:
         if not isinstance(entry, str) or not entry:
             raise ValueError(f"{flag}: expected a file path or module name, got {entry!r}")
-        if entry.endswith(".py") or os.sep in entry or "/" in entry:
-            modules.append(_load_file(entry, flag))
+        if is_file_path(entry):
+            modules.append(_load_file(entry, flag, ship_to_workers))
             continue
         try:
             module = importlib.import_module(entry)
         except Exception as error:
             _USER_MODULE_SOURCES.pop(entry, None)
             raise ValueError(f"{flag} {entry!r}: importing the module failed: {type(error).__name__}: {error}") from error
-        _record_source(module)
+        if ship_to_workers:
+            _record_source(module)
         modules.append(module)
     return modules
