@@ -9,10 +9,11 @@ only the first; see `import_builtin_modules` for why):
 
 User code must reach every process that builds a role runtime, including Ray workers on other
 nodes whose file system may not hold the file. So every user module imported here (sources 2
-and 3) is recorded with its *source text* (`user_module_sources()`); the driver ships those
-records to each Ray worker at creation, and the worker executes them under the same module
-names (`import_user_module_sources`) before any call arrives, so a custom kernel, recipe or
-specialization class pickled by reference resolves there. A user file that raises while it is
+and 3) is recorded with its *source text* (`user_module_sources()`), in import order; the driver
+ships those records to each Ray worker at creation, and the worker makes them importable by name
+(`ShippedSourceFinder`, so one user module may import another: a recipe file importing its
+specialization file) and imports them (`import_user_module_sources`) before any call arrives, so
+a custom kernel, recipe or specialization class pickled by reference resolves there. A user file that raises while it is
 auto-imported from `stacx/custom/` never breaks `import stacx`: it is skipped with a warning
 naming the file (a `--custom-module` file that raises is an error naming the flag).
 """
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.abc
 import importlib.util
 import os
 import pkgutil
 import sys
+import traceback
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
@@ -86,38 +89,69 @@ def user_module_sources() -> tuple[UserModuleSource, ...]:
     return tuple(_USER_MODULE_SOURCES.values())
 
 
-def import_user_module_sources(sources) -> list[str]:
-    """Execute shipped user modules under their own names (in a worker, before any call arrives).
+class ShippedSourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports shipped user modules by name, from their source text, whenever they are imported.
 
-    A module already in `sys.modules` (the worker imported the same `stacx/custom/` file from its
-    own disk) is kept as is, so no name is registered twice. Returns the names executed here.
-    Raises `ImportError` naming the module and the file it came from when one fails.
+    Installed (last on `sys.meta_path`, so a file on this machine's disk wins) by
+    `import_user_module_sources`. A user module that imports another one (a recipe file doing
+    `from stacx.custom.my_algo_spec import MySpec`) then finds it here, whatever the order the
+    two are executed in: the shipped folder behaves as a package."""
+
+    def __init__(self):
+        self.sources: dict[str, UserModuleSource] = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        entry = self.sources.get(fullname)
+        if entry is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self, origin=entry.origin, is_package=entry.is_package)
+
+    def create_module(self, spec):
+        return None  # the default module object
+
+    def exec_module(self, module) -> None:
+        entry = self.sources[module.__name__]
+        module.__file__ = entry.origin
+        if entry.is_package:
+            module.__path__ = []  # its submodules come from this finder
+        exec(compile(entry.source, entry.origin, "exec"), module.__dict__)  # noqa: S102 - the user's own module
+
+
+_SHIPPED_SOURCES = ShippedSourceFinder()
+
+
+def import_user_module_sources(sources) -> list[str]:
+    """Import shipped user modules under their own names (in a worker, before any call arrives).
+
+    Every source is made importable first (`ShippedSourceFinder`), then each is imported in the
+    order given (the driver's import order). A module already in `sys.modules` (the worker
+    imported the same `stacx/custom/` file from its own disk) is kept as is, so no name is
+    registered twice. Returns the names imported here. Raises `ImportError` naming the module,
+    the file it came from and the error, with the user file's own traceback, when one fails.
     """
     import_builtin_and_custom_modules()
-    executed = []
+    sources = tuple(sources)
+    for entry in sources:
+        _SHIPPED_SOURCES.sources.setdefault(entry.module_name, entry)
+    if _SHIPPED_SOURCES not in sys.meta_path:
+        sys.meta_path.append(_SHIPPED_SOURCES)
+    already_imported = {entry.module_name for entry in sources if entry.module_name in sys.modules}
     for entry in sources:
         if entry.module_name in sys.modules:
             continue
-        spec = importlib.util.spec_from_loader(entry.module_name, loader=None, origin=entry.origin,
-                                               is_package=entry.is_package)
-        module = importlib.util.module_from_spec(spec)
-        module.__file__ = entry.origin
-        if entry.is_package:
-            module.__path__ = []
-        sys.modules[entry.module_name] = module
         try:
-            exec(compile(entry.source, entry.origin, "exec"), module.__dict__)  # noqa: S102 - the user's own module
+            importlib.import_module(entry.module_name)
         except Exception as error:
-            del sys.modules[entry.module_name]
+            sys.modules.pop(entry.module_name, None)
+            trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             raise ImportError(
-                f"custom module {entry.module_name!r} (from {entry.origin}) failed to import in this process: "
-                f"{type(error).__name__}: {error}"
+                f"custom module {entry.module_name!r} (from {entry.origin}) failed to import in this process, "
+                f"which executes the source the driver shipped: {type(error).__name__}: {error}\n{trace}"
             ) from error
-        parent, _, child = entry.module_name.rpartition(".")
-        if parent and parent in sys.modules:
-            setattr(sys.modules[parent], child, module)
-        _USER_MODULE_SOURCES.setdefault(entry.module_name, entry)
-        executed.append(entry.module_name)
+    executed = [entry.module_name for entry in sources if entry.module_name not in already_imported]
+    for entry in sources:
+        if entry.module_name in executed:
+            _USER_MODULE_SOURCES.setdefault(entry.module_name, entry)
     return executed
 
 
@@ -139,6 +173,7 @@ def _import_user_package() -> None:
     package = importlib.import_module(USER_PACKAGE)
     for info in pkgutil.walk_packages(package.__path__, prefix=USER_PACKAGE + ".",
                                       onerror=lambda name: warnings.warn(f"stacx/custom: package {name!r} failed to import")):
+        recorded_before = set(_USER_MODULE_SOURCES)
         try:
             module = importlib.import_module(info.name)
         except Exception as error:  # noqa: BLE001 - a user file must never break `import stacx`
@@ -151,6 +186,11 @@ def _import_user_package() -> None:
             )
             sys.modules.pop(info.name, None)
             continue
+        # In import order: a `stacx/custom/` module this one imported (a recipe file importing its
+        # specialization file) is recorded before it, so workers import the two in the same order.
+        for name in [n for n in list(sys.modules) if n.startswith(USER_PACKAGE + ".") and n != info.name]:
+            if name not in recorded_before and sys.modules[name] is not None:
+                _record_source(sys.modules[name])
         _record_source(module)
 
 
