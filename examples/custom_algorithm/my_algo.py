@@ -8,7 +8,9 @@ Use it with
 
 Both functions follow the Stacx contracts: per-trajectory lists of (response_len_i,) tensors
 in, per-token losses out (no aggregation), metrics as loss-mask-weighted sums. Custom
-hyperparameters (`rank_scale`, `pg_temperature`) are read from the algorithm config.
+hyperparameters (`rank_scale`, `pg_temperature`) are read from the algorithm config and declared
+at registration (`hyperparameters=`), so a misspelled `--algorithm-param pg_temprature=0.5` is
+refused before the run starts, with a "did you mean".
 """
 
 import torch
@@ -16,7 +18,7 @@ import torch
 from stacx.objectives.registry import register_advantage, register_policy_loss
 
 
-@register_advantage("rank_centered")
+@register_advantage("rank_centered", hyperparameters=("rank_scale",))
 def rank_centered(config, rollout_data):
     """A_i = rank_scale * (rank of r_i within its prompt group, scaled to [-1, 1]).
 
@@ -40,7 +42,7 @@ def rank_centered(config, rollout_data):
     return [torch.full((n,), float(a), dtype=torch.float32) for a, n in zip(advantages.tolist(), lengths)]
 
 
-@register_policy_loss("tempered_pg")
+@register_policy_loss("tempered_pg", hyperparameters=("pg_temperature",))
 def tempered_pg(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     """l_t = -A_t * rho_t^tau with rho_t = exp(log pi_t - log pi_old_t), tau = pg_temperature.
 

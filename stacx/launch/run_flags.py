@@ -32,6 +32,7 @@ from stacx.trainer.config.run import (
     SECTIONS,
     ConfigError,
     RunConfig,
+    is_flux_style_section,
 )
 
 CONFIG_DEST = "config"
@@ -205,10 +206,14 @@ def merge_run_config(file_values: dict[str, Any] | None, flag_values: dict[str, 
     flags = _nested_overrides(flag_values, flag_source)
     for section, values in flags.items():
         merged[section].update(values)
-    # --algorithm names the recipe; keep algorithm.name in step so the file's name cannot win.
+    # --algorithm names the recipe; keep algorithm.name in step so the file's name cannot win. In a
+    # Flux-style algorithm section, name is the policy loss: it stays, beside the recipe.
+    flux_style = is_flux_style_section(merged["algorithm"])
     if "algorithm" in flags["train"]:
-        merged["algorithm"]["name"] = flags["train"]["algorithm"]
-    elif merged["algorithm"].get("name") and merged["train"].get("algorithm") not in (None, merged["algorithm"]["name"]):
+        if not flux_style:
+            merged["algorithm"]["name"] = flags["train"]["algorithm"]
+    elif (not flux_style and merged["algorithm"].get("name")
+          and merged["train"].get("algorithm") not in (None, merged["algorithm"]["name"])):
         raise ConfigError(f"{file_source}: train.algorithm {merged['train']['algorithm']!r} and algorithm.name "
                           f"{merged['algorithm']['name']!r} disagree; set one of them")
     source = f"{file_source} + {flag_source}" if file_values else flag_source

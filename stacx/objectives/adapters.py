@@ -63,6 +63,14 @@ def _accepted(fn: Callable) -> tuple[set[str], bool, list[str]]:
     return names, var_kw, positional
 
 
+def _declared_knobs(fn: Callable, skip: set[str]) -> tuple[str, ...]:
+    """The plugin's named parameters with a default, but for the tensors the adapter passes: the
+    knobs it reads from the config (`KernelTraits.hyperparameters`)."""
+    parameters = inspect.signature(fn).parameters
+    return tuple(n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                 and p.default is not inspect.Parameter.empty and n not in skip)
+
+
 def _hyperparameters_from_config(config, fn: Callable, names: set[str], skip: set[str]) -> dict:
     """Values for the plugin's named parameters: those the user set (or that have no default)."""
     parameters = inspect.signature(fn).parameters
@@ -176,9 +184,10 @@ def register_padded_policy_loss(name: str, *, aggregation: str = "token-mean", a
     """Decorator: register the adapted plugin under `name`; returns the plugin unchanged."""
 
     def decorator(fn):
-        names, _, _ = _accepted(fn)
+        names, _, positional = _accepted(fn)
+        knobs = _declared_knobs(fn, set(positional[:4]) | set(_POLICY_TENSOR_KWARGS) | {"importance_weights"})
         traits = KernelTraits(applies_entropy_bonus="entropy_coef" in names,
-                              applies_importance_weights="importance_weights" in names)
+                              applies_importance_weights="importance_weights" in names, hyperparameters=knobs)
         register_policy_loss(name, aliases=aliases, traits=traits)(adapt_padded_policy_loss(fn, aggregation=aggregation))
         return fn
 
@@ -246,7 +255,9 @@ def register_padded_advantage(name: str, *, aliases=()):
     """Decorator: register the adapted advantage plugin under `name`; returns it unchanged."""
 
     def decorator(fn):
-        register_advantage(name, aliases=aliases)(adapt_padded_advantage(fn))
+        _, _, positional = _accepted(fn)
+        knobs = _declared_knobs(fn, set(positional[:2]) | {"index", "values"})
+        register_advantage(name, aliases=aliases, hyperparameters=knobs)(adapt_padded_advantage(fn))
         return fn
 
     return decorator

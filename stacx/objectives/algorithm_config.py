@@ -203,8 +203,9 @@ class AlgorithmConfig:
         return cls(**known, extras=extras, given_keys=given)
 
     def given_values(self) -> dict[str, Any]:
-        """{key: value} of the keys the user set."""
-        return {key: getattr(self, key) for key in sorted(self.given_keys)}
+        """{key: value} of the keys the user set (a custom key read from `extras`, even one named like a
+        method of this class: `custom_hyperparameters`)."""
+        return {key: self.extras[key] if key in self.extras else getattr(self, key) for key in sorted(self.given_keys)}
 
     def custom_hyperparameters(self) -> dict[str, Any]:
         """The custom keys (`extras`) as a plain dict."""

@@ -9,10 +9,11 @@ only the first; see `import_builtin_modules` for why):
 
 User code must reach every process that builds a role runtime, including Ray workers on other
 nodes whose file system may not hold the file. So every user module imported here (sources 2
-and 3) is recorded with its *source text* (`user_module_sources()`); the driver ships those
-records to each Ray worker at creation, and the worker executes them under the same module
-names (`import_user_module_sources`) before any call arrives, so a custom kernel, recipe or
-specialization class pickled by reference resolves there. A user file that raises while it is
+and 3) is recorded with its *source text* (`user_module_sources()`), in import order; the driver
+ships those records to each Ray worker at creation, and the worker makes them importable by name
+(`ShippedSourceFinder`, so one user module may import another: a recipe file importing its
+specialization file) and imports them (`import_user_module_sources`) before any call arrives, so
+a custom kernel, recipe or specialization class pickled by reference resolves there. A user file that raises while it is
 auto-imported from `stacx/custom/` never breaks `import stacx`: it is skipped with a warning
 naming the file (a `--custom-module` file that raises is an error naming the flag).
 """
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.abc
 import importlib.util
 import os
 import pkgutil
 import sys
+import traceback
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
@@ -86,38 +89,69 @@ def user_module_sources() -> tuple[UserModuleSource, ...]:
     return tuple(_USER_MODULE_SOURCES.values())
 
 
-def import_user_module_sources(sources) -> list[str]:
-    """Execute shipped user modules under their own names (in a worker, before any call arrives).
+class ShippedSourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports shipped user modules by name, from their source text, whenever they are imported.
 
-    A module already in `sys.modules` (the worker imported the same `stacx/custom/` file from its
-    own disk) is kept as is, so no name is registered twice. Returns the names executed here.
-    Raises `ImportError` naming the module and the file it came from when one fails.
+    Installed (last on `sys.meta_path`, so a file on this machine's disk wins) by
+    `import_user_module_sources`. A user module that imports another one (a recipe file doing
+    `from stacx.custom.my_algo_spec import MySpec`) then finds it here, whatever the order the
+    two are executed in: the shipped folder behaves as a package."""
+
+    def __init__(self):
+        self.sources: dict[str, UserModuleSource] = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        entry = self.sources.get(fullname)
+        if entry is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self, origin=entry.origin, is_package=entry.is_package)
+
+    def create_module(self, spec):
+        return None  # the default module object
+
+    def exec_module(self, module) -> None:
+        entry = self.sources[module.__name__]
+        module.__file__ = entry.origin
+        if entry.is_package:
+            module.__path__ = []  # its submodules come from this finder
+        exec(compile(entry.source, entry.origin, "exec"), module.__dict__)  # noqa: S102 - the user's own module
+
+
+_SHIPPED_SOURCES = ShippedSourceFinder()
+
+
+def import_user_module_sources(sources) -> list[str]:
+    """Import shipped user modules under their own names (in a worker, before any call arrives).
+
+    Every source is made importable first (`ShippedSourceFinder`), then each is imported in the
+    order given (the driver's import order). A module already in `sys.modules` (the worker
+    imported the same `stacx/custom/` file from its own disk) is kept as is, so no name is
+    registered twice. Returns the names imported here. Raises `ImportError` naming the module,
+    the file it came from and the error, with the user file's own traceback, when one fails.
     """
     import_builtin_and_custom_modules()
-    executed = []
+    sources = tuple(sources)
+    for entry in sources:
+        _SHIPPED_SOURCES.sources.setdefault(entry.module_name, entry)
+    if _SHIPPED_SOURCES not in sys.meta_path:
+        sys.meta_path.append(_SHIPPED_SOURCES)
+    already_imported = {entry.module_name for entry in sources if entry.module_name in sys.modules}
     for entry in sources:
         if entry.module_name in sys.modules:
             continue
-        spec = importlib.util.spec_from_loader(entry.module_name, loader=None, origin=entry.origin,
-                                               is_package=entry.is_package)
-        module = importlib.util.module_from_spec(spec)
-        module.__file__ = entry.origin
-        if entry.is_package:
-            module.__path__ = []
-        sys.modules[entry.module_name] = module
         try:
-            exec(compile(entry.source, entry.origin, "exec"), module.__dict__)  # noqa: S102 - the user's own module
+            importlib.import_module(entry.module_name)
         except Exception as error:
-            del sys.modules[entry.module_name]
+            sys.modules.pop(entry.module_name, None)
+            trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             raise ImportError(
-                f"custom module {entry.module_name!r} (from {entry.origin}) failed to import in this process: "
-                f"{type(error).__name__}: {error}"
+                f"custom module {entry.module_name!r} (from {entry.origin}) failed to import in this process, "
+                f"which executes the source the driver shipped: {type(error).__name__}: {error}\n{trace}"
             ) from error
-        parent, _, child = entry.module_name.rpartition(".")
-        if parent and parent in sys.modules:
-            setattr(sys.modules[parent], child, module)
-        _USER_MODULE_SOURCES.setdefault(entry.module_name, entry)
-        executed.append(entry.module_name)
+    executed = [entry.module_name for entry in sources if entry.module_name not in already_imported]
+    for entry in sources:
+        if entry.module_name in executed:
+            _USER_MODULE_SOURCES.setdefault(entry.module_name, entry)
     return executed
 
 
@@ -139,6 +173,7 @@ def _import_user_package() -> None:
     package = importlib.import_module(USER_PACKAGE)
     for info in pkgutil.walk_packages(package.__path__, prefix=USER_PACKAGE + ".",
                                       onerror=lambda name: warnings.warn(f"stacx/custom: package {name!r} failed to import")):
+        recorded_before = set(_USER_MODULE_SOURCES)
         try:
             module = importlib.import_module(info.name)
         except Exception as error:  # noqa: BLE001 - a user file must never break `import stacx`
@@ -151,6 +186,11 @@ def _import_user_package() -> None:
             )
             sys.modules.pop(info.name, None)
             continue
+        # In import order: a `stacx/custom/` module this one imported (a recipe file importing its
+        # specialization file) is recorded before it, so workers import the two in the same order.
+        for name in [n for n in list(sys.modules) if n.startswith(USER_PACKAGE + ".") and n != info.name]:
+            if name not in recorded_before and sys.modules[name] is not None:
+                _record_source(sys.modules[name])
         _record_source(module)
 
 
@@ -200,13 +240,14 @@ def _module_name_for_file(path: str) -> str:
     return f"stacx_user_module_{safe_stem}_{digest}"
 
 
-def _load_file(path: str, flag: str) -> ModuleType:
+def _load_file(path: str, flag: str, ship_to_workers: bool = True) -> ModuleType:
     resolved = os.path.realpath(path)
     if not os.path.isfile(resolved):
         raise ValueError(f"{flag} {path!r}: no such file")
     module_name = _module_name_for_file(resolved)
     if module_name in sys.modules:  # loading the same file twice must not re-register names
-        _record_source(sys.modules[module_name])  # but it is shipped to workers (again) all the same
+        if ship_to_workers:
+            _record_source(sys.modules[module_name])  # but it is shipped to workers (again) all the same
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, resolved)
     if spec is None or spec.loader is None:
@@ -221,16 +262,25 @@ def _load_file(path: str, flag: str) -> ModuleType:
         # that did not import must never be shipped to (and re-raise in) every worker.
         _USER_MODULE_SOURCES.pop(module_name, None)
         raise ValueError(f"{flag} {path!r}: importing the file failed: {type(error).__name__}: {error}") from error
-    _record_source(module)
+    if ship_to_workers:
+        _record_source(module)
     return module
 
 
-def load_custom_modules(paths_or_module_names: Iterable[str] | str, *, flag: str = "--custom-module") -> list[ModuleType]:
+def is_file_path(entry: str) -> bool:
+    """Whether a `--custom-module` (or `--reward-fn`) entry names a file rather than a dotted module."""
+    return entry.endswith(".py") or os.sep in entry or "/" in entry
+
+
+def load_custom_modules(paths_or_module_names: Iterable[str] | str, *, flag: str = "--custom-module",
+                        ship_to_workers: bool = True) -> list[ModuleType]:
     """Import user modules so their `@register_*` decorators run; returns the modules.
 
     Each entry is a path to a `.py` file (anything ending in `.py` or containing a path
     separator) or a dotted module name importable from `sys.path`. Loading the same file again
     is a no-op. Errors are `ValueError`s naming `flag` and the offending entry.
+    `ship_to_workers=False`: code only the driver runs (a `--reward-fn` file) is not sent to the
+    role workers (a kernel or recipe it registers still is).
     """
     if isinstance(paths_or_module_names, str):
         paths_or_module_names = [paths_or_module_names]
@@ -239,14 +289,15 @@ def load_custom_modules(paths_or_module_names: Iterable[str] | str, *, flag: str
     for entry in paths_or_module_names:
         if not isinstance(entry, str) or not entry:
             raise ValueError(f"{flag}: expected a file path or module name, got {entry!r}")
-        if entry.endswith(".py") or os.sep in entry or "/" in entry:
-            modules.append(_load_file(entry, flag))
+        if is_file_path(entry):
+            modules.append(_load_file(entry, flag, ship_to_workers))
             continue
         try:
             module = importlib.import_module(entry)
         except Exception as error:
             _USER_MODULE_SOURCES.pop(entry, None)
             raise ValueError(f"{flag} {entry!r}: importing the module failed: {type(error).__name__}: {error}") from error
-        _record_source(module)
+        if ship_to_workers:
+            _record_source(module)
         modules.append(module)
     return modules

@@ -49,6 +49,11 @@ class KernelTraits:
     applies_importance_weights: bool = False
     """Policy losses only: the kernel multiplies by the `importance_weights` it is passed (a padded
     plugin taking `importance_weights`), so the framework does not apply them again."""
+    hyperparameters: tuple[str, ...] = ()
+    """The knobs the kernel reads from its config (`pg_temperature`), declared so that a misspelled
+    `--algorithm-param` (or `algorithm:` key) is refused before the run starts, with a "did you mean"
+    (`stacx.trainer.preflight.check_objective_names`). A padded plugin declares its named parameters.
+    Empty: the kernel declares nothing, and no custom key is checked against it."""
 
 
 def is_builtin_entry(entry: object) -> bool:
@@ -165,18 +170,21 @@ AGGREGATIONS = Registry("aggregation mode", entries_are_callable=False)
 """Loss aggregation modes (`token-mean`, ...): `AggregationMode` objects, see aggregation.py."""
 
 
-def register_advantage(name: str, *, aliases: Iterable[str] = ()):
-    return ADVANTAGES.register(name, aliases=aliases)
+def register_advantage(name: str, *, aliases: Iterable[str] = (), hyperparameters: Iterable[str] = ()):
+    """`hyperparameters`: the knobs the estimator reads from its config (see `KernelTraits.hyperparameters`)."""
+    return ADVANTAGES.register(name, aliases=aliases, traits=KernelTraits(hyperparameters=tuple(hyperparameters)))
 
 
 def register_policy_loss(name: str, *, aliases: Iterable[str] = (), token_local: bool = False,
-                         traits: KernelTraits | None = None):
+                         hyperparameters: Iterable[str] = (), traits: KernelTraits | None = None):
     """`token_local=True` declares that loss_t depends only on token t (it may then run on CP
-    slices); without it the loss gets whole responses under context parallelism. `traits`
-    (adapters) replaces `token_local`. A function whose first parameter is `old_log_prob` (a padded
+    slices); without it the loss gets whole responses under context parallelism. `hyperparameters`:
+    the knobs the loss reads from its config (`KernelTraits.hyperparameters`). `traits` (adapters)
+    replaces both. A function whose first parameter is `old_log_prob` (a padded
     plugin, `fn(old_log_prob, log_prob, advantages, response_mask, ...)`) is refused here, at
     registration, instead of failing when it is first called."""
-    traits = traits if traits is not None else KernelTraits(token_local=token_local)
+    if traits is None:
+        traits = KernelTraits(token_local=token_local, hyperparameters=tuple(hyperparameters))
     register = POLICY_LOSSES.register(name, aliases=aliases, traits=traits)
 
     def decorator(fn: F) -> F:
@@ -207,10 +215,11 @@ def register_kl_estimator(name: str, *, aliases: Iterable[str] = ()):
 
 
 def register_off_policy_correction(name: str, *, aliases: Iterable[str] = (), token_local: bool = False,
-                                   uses_current_policy: bool = False):
+                                   uses_current_policy: bool = False, hyperparameters: Iterable[str] = ()):
     """Traits as for policy losses; `uses_current_policy=True`: the correction compares the current
     policy (not pi_old) with the rollout engine."""
-    traits = KernelTraits(token_local=token_local, uses_current_policy=uses_current_policy)
+    traits = KernelTraits(token_local=token_local, uses_current_policy=uses_current_policy,
+                          hyperparameters=tuple(hyperparameters))
     return OFF_POLICY_CORRECTIONS.register(name, aliases=aliases, traits=traits)
 
 
@@ -244,6 +253,10 @@ def get_policy_loss_traits(name: str) -> KernelTraits:
 
 def get_off_policy_correction_traits(name: str) -> KernelTraits:
     return OFF_POLICY_CORRECTIONS.traits(name)
+
+
+def get_advantage_traits(name: str) -> KernelTraits:
+    return ADVANTAGES.traits(name)
 
 
 def _listing(registry: Registry) -> list[str]:

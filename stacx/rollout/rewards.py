@@ -13,6 +13,7 @@ DEFAULT_REWARD_TIMEOUT_S) stops the run with `RewardTimeoutError` naming the fun
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 import re
@@ -22,6 +23,8 @@ import traceback
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Optional, Sequence
+
+from stacx.objectives.discovery import import_builtin_and_custom_modules, is_file_path, load_custom_modules
 
 logger = logging.getLogger(__name__)
 
@@ -53,19 +56,36 @@ def batched_reward(fn):
 
 
 def resolve_reward_fn(spec: str) -> RewardFn:
-    """A registered name (e.g. 'exact_match') or an import path 'package.module:function'."""
+    """A registered name ('exact_match', or one a `--custom-module` file or `stacx/custom/` registers
+    with `@register_reward`), an import path 'package.module:function', or a file and a function
+    'path/to/my_reward.py:function' (loaded as `--custom-module` loads files). Rewards are computed
+    where rollouts are collected (the driver), so a reward file is not shipped to the role workers."""
     if spec in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[spec]
-    if ":" not in spec:
-        raise ValueError(f"reward_fn {spec!r} is neither a built-in ({sorted(REWARD_FUNCTIONS)}) nor 'module:function'")
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"reward_fn {spec!r}: cannot import module {module_name!r}: {err}") from err
+    import_builtin_and_custom_modules()  # stacx/custom/ files may register rewards
+    if spec in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[spec]
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        close = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        file_hint = (f"give the function too ({spec}:my_reward), " if is_file_path(spec) else "")
+        raise ValueError(f"reward_fn {spec!r} is neither a built-in or registered reward nor 'module:function' or "
+                         f"'path/to/file.py:function'; {hint}{file_hint}registered rewards: "
+                         f"{', '.join(sorted(REWARD_FUNCTIONS))} (register yours with @register_reward)")
+    if is_file_path(module_name):
+        module = load_custom_modules([module_name], flag="--reward-fn", ship_to_workers=False)[0]
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ValueError(f"reward_fn {spec!r}: cannot import module {module_name!r}: {err} (a file is given "
+                             "as path/to/file.py:function)") from err
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward_fn {spec!r}: module {module_name!r} has no callable {attr!r}")
+        close = difflib.get_close_matches(attr, [n for n in dir(module) if callable(getattr(module, n))], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"reward_fn {spec!r}: {module_name!r} has no callable {attr!r}{hint}")
     return fn
 
 

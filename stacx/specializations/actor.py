@@ -36,7 +36,21 @@ NUM_KEPT_LOSS_TOKENS = "num_kept_loss_tokens"
 `<metric>_kept_mean` metrics are divided by. The metrics themselves (sums over the kept tokens,
 0 on dropped ones) are divided by the global loss-token count, as every other metric."""
 KEPT_MEAN_SUFFIX = "_kept_mean"
+FRAMEWORK_METRIC_SUFFIX = "_framework"
+"""A framework metric (`entropy`, `kl_loss`, the mismatch metrics) whose name a plugin kernel's own
+metric already uses is logged as `<name>_framework`: the plugin's value keeps its name, never replaced."""
 
+
+def merge_kernel_and_framework_metrics(kernel_metrics: dict[str, torch.Tensor],
+                                       framework_metrics: dict[str, torch.Tensor]) -> tuple[dict, dict[str, str]]:
+    """(both merged, framework name -> the name it is logged under). A kernel's (plugin's) metric keeps
+    its name; a framework metric of the same name moves to `<name>_framework`, so both are logged."""
+    merged = dict(kernel_metrics)
+    logged_as = {}
+    for name, value in framework_metrics.items():
+        logged_as[name] = name + FRAMEWORK_METRIC_SUFFIX if name in kernel_metrics else name
+        merged[logged_as[name]] = value
+    return merged, logged_as
 
 
 class _WithoutEntropyBonus:
@@ -166,18 +180,19 @@ class ActorSpecialization(Specialization):
         rollout = view.cut(batch.rollout_log_probs) if batch.rollout_log_probs is not None else None
         ref = view.cut(batch.ref_log_probs) if self.use_kl_loss else None
 
-        metrics: dict[str, torch.Tensor] = {}
+        kernel_metrics: dict[str, torch.Tensor] = {}  # the corrections' and the policy loss's own
+        framework_metrics: dict[str, torch.Tensor] = {}  # mismatch, KL and entropy, computed here
         masks, weights = raw_masks, None
         if rollout is not None:
             # Train/rollout mismatch: the trainer's log-probs of pi_old against the engine's.
-            metrics.update(mismatch_metrics(old, rollout, raw_masks))
+            framework_metrics.update(mismatch_metrics(old, rollout, raw_masks))
             for correction, traits in zip(self.correction_fns, self.correction_traits):
                 train = current if traits.uses_current_policy else old
                 result = correction(self.config, train, rollout, masks, advantages=advantages)
                 masks = result.loss_masks
                 if result.weights is not None:
                     weights = result.weights if weights is None else [a * b for a, b in zip(weights, result.weights)]
-                metrics.update({k: v for k, v in result.metrics.items() if not k.startswith("mismatch_")})
+                kernel_metrics.update({k: v for k, v in result.metrics.items() if not k.startswith("mismatch_")})
 
         traits = self.policy_loss_traits
         extra = {"importance_weights": weights} if traits.applies_importance_weights else {}
@@ -192,13 +207,14 @@ class ActorSpecialization(Specialization):
         per_token, kl_entropy_metrics = add_kl_and_entropy_terms(
             term_config, per_token, log_probs, masks, ref_log_prob=ref, entropy=entropy
         )
-        metrics.update(policy_metrics)
-        metrics.update(kl_entropy_metrics)
+        kernel_metrics.update(policy_metrics)
+        framework_metrics.update(kl_entropy_metrics)
+        metrics, logged_as = merge_kernel_and_framework_metrics(kernel_metrics, framework_metrics)
         if self.corrections:
             # The policy/KL/entropy sums are logged over the global loss-token count (guide 000);
             # their means over the tokens the corrections kept are separate metrics.
             metrics[NUM_KEPT_LOSS_TOKENS] = loss_token_counts(masks).sum().to(torch.float64)
-            for name in (*policy_metrics, *kl_entropy_metrics):
+            for name in (*policy_metrics, *(logged_as[name] for name in kl_entropy_metrics)):
                 metrics[name + KEPT_MEAN_SUFFIX] = metrics[name]
                 self.kept_token_metrics.add(name + KEPT_MEAN_SUFFIX)
         return LossTerms(per_token, metrics, masks=masks)

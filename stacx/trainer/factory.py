@@ -8,6 +8,8 @@ The torchrun path is `stacx.trainer.spmd.build_spmd_trainer`; both share the dri
 
 from __future__ import annotations
 
+import warnings
+
 from stacx.objectives import import_builtin_and_custom_modules, load_custom_modules
 from stacx.rollout.rollin import check_supported
 from stacx.rollout.service import RolloutService, load_tokenizer
@@ -21,7 +23,8 @@ from stacx.trainer.config.algorithm import infer_algorithm
 from stacx.trainer.config.recipe import TrainingConfig
 from stacx.trainer.config.resolve import (
     apply_run_env_overrides,
-    policy_loss_named_by_algorithm,
+    flux_name_also_a_recipe,
+    recipe_named_by_config,
     resolve_algorithm_config,
     user_algorithm_values,
 )
@@ -40,8 +43,10 @@ def resolve_recipe(run_config: RunConfig):
         load_custom_modules(list(run_config.train.custom_module))
 
     estimator = user_algorithm_values(run_config).get("advantage_estimator", run_config.algorithm.advantage_estimator)
-    algorithm = None if policy_loss_named_by_algorithm(run_config) else run_config.train.algorithm
-    name = infer_algorithm({"algorithm": algorithm, "use_critic": run_config.train.use_critic,
+    warning = flux_name_also_a_recipe(run_config)
+    if warning:
+        warnings.warn(warning, UserWarning, stacklevel=2)
+    name = infer_algorithm({"algorithm": recipe_named_by_config(run_config), "use_critic": run_config.train.use_critic,
                             "advantage_estimator": estimator})
     training_config = get_recipe(name)
     return training_config, resolve_algorithm_config(training_config, run_config)

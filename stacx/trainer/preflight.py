@@ -9,7 +9,9 @@ What it checks (each failure is one paragraph naming the flag and the fix):
 - --save does not hold another run's checkpoints (unless --load resumes it or --overwrite);
 - a recipe that scores rollouts with a teacher has --teacher-url (or a trajectory corpus to replay),
   the teacher answers `/health` within TEACHER_TIMEOUT_S, and its vocabulary matches the student's;
-  --rollout-engine http has --rollout-urls; --reward-fn resolves;
+  --rollout-engine http has --rollout-urls; --reward-fn resolves; --wandb-project has the wandb package;
+- the advantage estimator is registered, and no custom key is a misspelling of a knob the run's
+  kernels declare (`check_objective_names`);
 - --tensor-model-parallel-size and --context-parallel-size divide the model's attention heads
   (num_attention_heads and num_key_value_heads of --hf-checkpoint's config.json);
 - every --custom-module imports;
@@ -23,8 +25,11 @@ refused earlier, by `RunConfig.from_dict` (FIELD_MINIMUMS).
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import json
 import os
+import sys
 import urllib.error
 import urllib.request
 from typing import Any, Optional
@@ -33,18 +38,19 @@ from stacx.checkpointing.folders import ModelFolderError, detect_model_folder, i
 from stacx.env_overrides import apply_env_overrides
 from stacx.objectives import load_custom_modules
 from stacx.objectives.algorithm_config import AlgorithmConfig
-from stacx.objectives.registry import ADVANTAGES
+from stacx.objectives.registry import ADVANTAGES, OFF_POLICY_CORRECTIONS, POLICY_LOSSES, Registry
 from stacx.rollout.data import MalformedRowError
 from stacx.rollout.http_client import API_KEY_ENV
 from stacx.rollout.rewards import resolve_reward_fn
 from stacx.rollout.rollin import check_supported
 from stacx.rollout.service import load_tokenizer
+from stacx.specializations.actor import correction_names
 from stacx.tasks.data import is_builtin, parse_builtin_spec, resolve_builtin_data
 from stacx.trainer.batch import StepDataSource
 from stacx.trainer.checkpoint import CheckpointError, check_save_folder, read_manifest, resolve_checkpoint_folder
 from stacx.trainer.config.checks import PreflightError
 from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
-from stacx.trainer.config.run import RunConfig
+from stacx.trainer.config.run import CUSTOM_HYPERPARAMETERS_KEY, RunConfig
 
 """Offending rows named in a data error (the count says how many there are in all)."""
 
@@ -61,6 +67,7 @@ def run_preflight(run_config: RunConfig, training_config: TrainingConfig, algori
     """Every check of the module doc; `load_data=False` skips reading the dataset (paths still checked)."""
     check_custom_modules(run_config)
     check_objective_names(algorithm)
+    check_logging_sinks(run_config)
     check_checkpoints(run_config, training_config, algorithm)
     check_parallel_layout(run_config)
     check_resume_and_save(run_config)
@@ -74,14 +81,63 @@ def run_preflight(run_config: RunConfig, training_config: TrainingConfig, algori
 
 def check_objective_names(algorithm: AlgorithmConfig) -> None:
     """The run's advantage estimator is registered (after --custom-module files were imported): the
-    loop looks it up only at its first step, after Ray and every worker have started."""
-    if algorithm.advantage_estimator is None:  # a recipe without advantages (sft, dpo, distillation)
+    loop looks it up only at its first step, after Ray and every worker have started. Then the
+    custom keys the user set against the knobs the run's kernels declare (`check_algorithm_params`)."""
+    if algorithm.advantage_estimator is not None:  # None: a recipe without advantages (sft, dpo, distillation)
+        try:
+            ADVANTAGES.get(algorithm.advantage_estimator)
+        except ValueError as err:
+            raise PreflightError(f"--advantage-estimator: {err} (register yours with @register_advantage and load "
+                                 "its file with --custom-module)") from None
+    check_algorithm_params(algorithm)
+
+
+def run_kernels(algorithm: AlgorithmConfig) -> list[tuple[str, str, Registry]]:
+    """(kind, name, registry) of every registered kernel the run's algorithm names: the advantage
+    estimator, the policy loss and each off-policy correction (unknown names are left to their own checks)."""
+    named = [("advantage estimator", algorithm.advantage_estimator, ADVANTAGES),
+             ("policy loss", algorithm.policy_loss, POLICY_LOSSES)]
+    named += [("off-policy correction", name, OFF_POLICY_CORRECTIONS)
+              for name in correction_names(algorithm.off_policy_corrections)]
+    return [(kind, name, registry) for kind, name, registry in named if name and name in registry]
+
+
+def check_algorithm_params(algorithm: AlgorithmConfig) -> None:
+    """A custom key the user set (--algorithm-param NAME=VALUE, `algorithm:` in YAML) that is a
+    near-miss of a knob one of the run's kernels declares (`hyperparameters=` at registration, a
+    padded plugin's named parameters) is a misspelling: the kernel would read its default. Keys
+    listed in `algorithm.custom_hyperparameters` are meant as written. A key near no declared knob
+    is left alone (a custom recipe's specialization may read it)."""
+    knobs = {knob: (kind, name) for kind, name, registry in run_kernels(algorithm)
+             for knob in registry.traits(name).hyperparameters}
+    if not knobs:
         return
-    try:
-        ADVANTAGES.get(algorithm.advantage_estimator)
-    except ValueError as err:
-        raise PreflightError(f"--advantage-estimator: {err} (register yours with @register_advantage and load its "
-                             "file with --custom-module)") from None
+    declared_custom = set(algorithm.extras.get(CUSTOM_HYPERPARAMETERS_KEY) or ())
+    for key in sorted(set(algorithm.extras) & set(algorithm.given_keys)):
+        if key in knobs or key == CUSTOM_HYPERPARAMETERS_KEY or key in declared_custom:
+            continue
+        close = difflib.get_close_matches(key, list(knobs), n=1, cutoff=0.75)
+        if close:
+            kind, name = knobs[close[0]]
+            raise PreflightError(
+                f"--algorithm-param {key}: no kernel of this run reads '{key}', so it would have no effect; did you "
+                f"mean '{close[0]}'? ({kind} {name!r} declares {', '.join(sorted(k for k in knobs if knobs[k] == knobs[close[0]]))}). "
+                f"Fix the name, or list '{key}' under algorithm.{CUSTOM_HYPERPARAMETERS_KEY} if it is meant as written")
+
+
+def is_importable(module_name: str) -> bool:
+    """Whether `import module_name` would find the package, without importing it (wandb is slow to import)."""
+    if module_name in sys.modules:
+        return sys.modules[module_name] is not None
+    return importlib.util.find_spec(module_name) is not None
+
+
+def check_logging_sinks(run_config: RunConfig) -> None:
+    """--wandb-project needs the wandb package; without it the run would fail after its workers started."""
+    project = run_config.logging.wandb_project
+    if project and not is_importable("wandb"):
+        raise PreflightError(f"--wandb-project {project} is set, but the wandb package is not installed in this "
+                             "Python environment; install it (pip install wandb) or drop --wandb-project")
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

@@ -90,12 +90,15 @@ def test_custom_estimator_and_loss_from_a_file_train_on_every_rank(launcher, tin
 def test_custom_specialization_class_and_recipe_from_a_file_train_on_every_rank(launcher, tiny_checkpoint, tmp_path,
                                                                                request):
     """docs/adding-an-algorithm.md §4: failed on Ray with `No module named 'stacx_user_module_...'`
-    (the specialization class is pickled by reference to the user module)."""
+    (the specialization class is pickled by reference to the user module). The reward comes from a
+    file (`--reward-fn FILE.py:fn`), which was refused with `No module named '<path>'` (issue 27)."""
     steps = run_stacx_train(launcher, [
         "--custom-module", "examples/custom_specialization/reward_weighted_sft.py", "--algorithm",
         "reward_weighted_sft", "--algorithm-param", "rwr_temperature=0.5", "--hf-checkpoint", tiny_checkpoint,
-        *SMALL_ROLLOUT], str(tmp_path / "out"), ray_address=ray_address_for(launcher, request))
+        *SMALL_ROLLOUT, "--reward-fn", "tests/launch/constant_reward.py:quarter"], str(tmp_path / "out"),
+        ray_address=ray_address_for(launcher, request))
     assert all(step["policy/weighted_nll"] > 0 and step["policy/mean_weight"] > 0 for step in steps)
+    assert all(step["rollout/reward_mean"] == pytest.approx(0.25) for step in steps)
 
 
 RECIPE_IN_CUSTOM_FOLDER = '''

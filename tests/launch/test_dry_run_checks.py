@@ -200,3 +200,36 @@ def test_a_specialization_without_the_policy_loss_is_not_summarized_with_one():
         line = next(line for line in described(cls).splitlines() if line.startswith("  algorithm:"))
         assert "ppo_clip" not in line and f"{cls.__name__}.per_token_terms" in line and "advantages grpo" in line
     assert "loss ppo_clip (clip 0.2/0.2)" in described(ActorSpecialization)
+
+
+@pytest.mark.parametrize("module, flags, typo, knob", [
+    ("examples/custom_algorithm/my_algo.py", ["--advantage-estimator", "rank_centered", "--policy-loss", "tempered_pg"],
+     "pg_temprature", "pg_temperature"),
+    ("examples/seed_001/custom_reinforce.py", ["--advantage-estimator", "reinforce_baseline", "--policy-loss",
+                                               "reinforce_pg"], "basline", "baseline"),
+])
+def test_a_misspelled_algorithm_param_of_a_plugin_that_declares_its_knobs_is_refused(inputs, capsys, module, flags,
+                                                                                      typo, knob):
+    """It ran with the kernel's default, silently: the misspelled key was kept as an unread custom key."""
+    code, out, err = _train(inputs, "--custom-module", module, *flags, "--algorithm-param", f"{typo}=0.5",
+                            capsys=capsys)
+    assert code == 2 and out == ""
+    assert f"--algorithm-param {typo}" in err and f"did you mean '{knob}'?" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    # Spelled right, or declared as meant, it passes.
+    code, out, err = _train(inputs, "--custom-module", module, *flags, "--algorithm-param", f"{knob}=0.5", capsys=capsys)
+    assert code == 0, err
+    code, out, err = _train(inputs, "--custom-module", module, *flags, "--algorithm-param", f"{typo}=0.5",
+                            "--algorithm-param", f"custom_hyperparameters=[{typo}]", capsys=capsys)
+    assert code == 0, err
+
+
+def test_wandb_project_without_the_wandb_package_is_refused_at_preflight(inputs, capsys, monkeypatch):
+    """It failed after the workers and the rollout server had started."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as where the package is not installed
+    code, out, err = _train(inputs, "--wandb-project", "my-project", capsys=capsys)
+    assert code == 2 and out == ""
+    assert "--wandb-project my-project" in err and "pip install wandb" in err
+    assert err.count("\n") == 1 and "Traceback" not in err

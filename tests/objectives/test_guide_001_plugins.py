@@ -115,3 +115,69 @@ def test_the_yaml_and_python_config_select_the_loss_by_name_and_accept_adv_estim
         assert algorithm.given_keys == {"policy_loss", "advantage_estimator", "clip_ratio", "clip_ratio_low", "clip_ratio_high"}
     with pytest.raises(ValueError, match="StacxConfig: algorithm must be a mapping"):
         StacxConfig(algorithm=["my_loss"])
+
+
+def test_the_plugins_own_entropy_metric_is_kept_beside_the_frameworks():
+    """`reinforce_pg` logs its own `entropy` (mean of -log pi); the framework's (the policy's
+    entropy H) was written over it. Now the plugin's keeps its name, the framework's is `entropy_framework`."""
+    from stacx.parallel.groups import ProcessGroups
+    from tests.specializations.cases import VOCAB, Case, make_samples, run_case
+
+    samples = make_samples()
+    total = sum(len(s) for s in samples["sequences"])
+    logits = 2.0 * torch.randn(total, VOCAB, generator=torch.Generator().manual_seed(5))
+    case = Case("ActorSpecialization", dict(policy_loss="reinforce_pg", loss_agg_mode="token-mean"),
+                ("loss_masks", "advantages"), reference=None)
+    metrics = run_case(lambda tokens, padded: logits.clone().requires_grad_(), ProcessGroups.single_process(), case,
+                       samples)["metrics"]
+
+    neg_log_prob, entropy = 0.0, 0.0
+    for row, (sequence, response, mask) in enumerate(zip(samples["sequences"], samples["response_lengths"],
+                                                         samples["loss_masks"])):
+        start = sum(len(s) for s in samples["sequences"][:row])
+        log_softmax = torch.log_softmax(logits[start + len(sequence) - response - 1: start + len(sequence) - 1].double(), -1)
+        neg_log_prob -= float((log_softmax.gather(-1, sequence[-response:, None]).squeeze(-1) * mask).sum())
+        entropy += float((-(log_softmax.exp() * log_softmax).sum(-1) * mask).sum())
+    assert abs(neg_log_prob - entropy) > 0.1 * entropy  # the two are different quantities here
+    assert float(metrics["entropy"]) == pytest.approx(neg_log_prob, rel=1e-4)
+    assert float(metrics["entropy_framework"]) == pytest.approx(entropy, rel=1e-4)
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo"])
+def test_in_a_flux_style_algorithm_section_name_is_the_policy_loss_even_where_it_names_a_recipe(name):
+    """`algorithm: {name: ppo, adv_estimator: grpo}` picked the two-role PPO recipe (a critic); Flux
+    users mean the PPO-clip loss. It now selects the loss, with a warning saying how to get the recipe."""
+    import warnings
+
+    from stacx.launch.run_flags import merge_run_config
+    from stacx.trainer.config.run import RunConfig
+    from stacx.trainer.factory import resolve_recipe
+
+    flux = {"algorithm": {"name": name, "adv_estimator": "grpo", "clip_ratio": 0.2}}
+    with pytest.warns(UserWarning, match=rf"algorithm.name '{name}' is taken as the policy loss.*--algorithm {name}"):
+        recipe, algorithm = resolve_recipe(RunConfig.from_dict(flux, source="flux.yaml"))
+    assert (recipe.name, algorithm.policy_loss, algorithm.advantage_estimator) == ("grpo", name, "grpo")
+    # --algorithm still names the recipe, beside the file's loss.
+    run_config = merge_run_config(flux, {"train": {"algorithm": "dr_grpo"}}, file_source="flux.yaml")
+    with pytest.warns(UserWarning, match="the recipe is 'dr_grpo'"):
+        recipe, algorithm = resolve_recipe(run_config)
+    assert (recipe.name, algorithm.policy_loss) == ("dr_grpo", name)
+    # A Stacx-style section (no adv_estimator) keeps the Stacx meaning: the recipe.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        recipe, _ = resolve_recipe(RunConfig.from_dict({"algorithm": {"name": name}}))
+    assert recipe.name == name
+
+
+def test_a_flux_style_name_that_is_only_a_recipe_stays_the_recipe_and_an_unknown_one_is_named():
+    import warnings
+
+    from stacx.trainer.config.run import RunConfig
+    from stacx.trainer.factory import resolve_recipe
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        recipe, algorithm = resolve_recipe(RunConfig.from_dict({"algorithm": {"name": "rloo", "adv_estimator": "grpo"}}))
+    assert (recipe.name, algorithm.policy_loss) == ("rloo", "ppo_clip")
+    with pytest.raises(ValueError, match=r"algorithm.name 'ppo_clp'.*Flux-style.*did you mean 'ppo_clip'\?"):
+        resolve_recipe(RunConfig.from_dict({"algorithm": {"name": "ppo_clp", "adv_estimator": "grpo"}}))

@@ -104,3 +104,43 @@ def test_pass_at_k_and_evaluate_with_a_scripted_engine(tmp_path):
     RolloutDumper(str(tmp_path), per_step=2).write(5, samples)
     rows = [json.loads(line) for line in open(tmp_path / "rollouts.jsonl")]
     assert len(rows) == 2 and rows[0]["step"] == 5 and rows[0]["reward"] == 1.0
+
+
+REWARD_FILE = '''
+from stacx import register_reward
+
+
+def length_reward(response, label, metadata=None):
+    return float(len(response))
+
+
+@register_reward("file_registered_reward", needs_label=True)
+def registered(response, label, metadata=None):
+    return float(response == label)
+'''
+
+
+def test_reward_fn_accepts_a_file_path_and_a_reward_the_file_registers(tmp_path):
+    """`--reward-fn my_reward.py:fn` was refused with `No module named 'my_reward'`."""
+    from stacx.objectives import discovery
+    from stacx.rollout.rewards import REWARD_FUNCTIONS
+
+    path = tmp_path / "my_reward.py"
+    path.write_text(REWARD_FILE)
+    try:
+        fn = resolve_reward_fn(f"{path}:length_reward")
+        assert fn("abcd", None, {}) == 4.0
+        # The file is imported once: its @register_reward name is then known (and needs its label).
+        assert resolve_reward_fn(f"{path}:length_reward") is fn
+        assert resolve_reward_fn("file_registered_reward")("3", "3", {}) == 1.0
+        assert REWARD_FUNCTIONS["file_registered_reward"].needs_label
+        # Rewards run in the driver: the file is not shipped to the role workers.
+        assert not any(entry.origin == str(path) for entry in discovery.user_module_sources())
+        with pytest.raises(ValueError, match=r"'length_rewrd'; did you mean 'length_reward'\?"):
+            resolve_reward_fn(f"{path}:length_rewrd")
+        with pytest.raises(ValueError, match=r"--reward-fn '.*missing.py': no such file"):
+            resolve_reward_fn(f"{tmp_path / 'missing.py'}:f")
+        with pytest.raises(ValueError, match=r"did you mean 'exact_match'\?"):
+            resolve_reward_fn("exact_mach")
+    finally:
+        REWARD_FUNCTIONS.pop("file_registered_reward", None)

@@ -85,3 +85,49 @@ def test_recipes_listing_shows_the_whole_first_sentence_of_every_recipe(capsys):
     for line in listed.values():
         description = line.split("]  ", 1)[1]
         assert len(description) > 20, f"listing cut a description short: {line!r}"
+
+
+OBJECTIVES_PLUGIN = '''
+from stacx import register_advantage, register_policy_loss, register_reward
+
+
+@register_advantage("listed_adv_under_test")
+def listed_adv(config, rollout_data):
+    return []
+
+
+@register_policy_loss("listed_loss_under_test", hyperparameters=("listed_temperature",))
+def listed_loss(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
+    return list(log_prob), {}
+
+
+@register_reward("listed_reward_under_test", needs_label=True)
+def listed_reward(response, label, metadata=None):
+    return 0.0
+'''
+
+
+def test_recipes_objectives_lists_built_in_and_custom_estimators_losses_and_rewards(tmp_path, capsys):
+    from stacx.objectives.registry import ADVANTAGES, POLICY_LOSSES
+    from stacx.rollout.rewards import REWARD_FUNCTIONS
+
+    module = tmp_path / "listed_plugin.py"
+    module.write_text(OBJECTIVES_PLUGIN)
+    try:
+        assert main(["recipes", "--objectives", "--custom-module", str(module)]) == 0
+        out = capsys.readouterr().out
+    finally:
+        for registry, name in ((ADVANTAGES, "listed_adv_under_test"), (POLICY_LOSSES, "listed_loss_under_test")):
+            if name in registry:
+                registry.unregister(name)
+        REWARD_FUNCTIONS.pop("listed_reward_under_test", None)
+    sections = {block.split(":", 1)[0]: block for block in re.split(r"\n(?=\S)", out)}
+    assert {"advantage estimators (--advantage-estimator)", "policy losses (--policy-loss)",
+            "rewards (--reward-fn)"} <= set(sections)
+    assert "\n  grpo\n" in sections["advantage estimators (--advantage-estimator)"]
+    assert f"  listed_adv_under_test  (custom, {module})" in sections["advantage estimators (--advantage-estimator)"]
+    assert "\n  ppo_clip\n" in sections["policy losses (--policy-loss)"]
+    assert (f"  listed_loss_under_test  (custom, {module}; knobs: listed_temperature)"
+            in sections["policy losses (--policy-loss)"])
+    assert "  exact_match  (needs a label)" in sections["rewards (--reward-fn)"]
+    assert f"  listed_reward_under_test  (custom, {module}; needs a label)" in sections["rewards (--reward-fn)"]

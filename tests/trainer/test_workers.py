@@ -205,3 +205,71 @@ def test_dead_or_slow_workers_fail_the_call_fast_with_role_and_rank(disposable_r
         pending.result()
     assert time.monotonic() - start < 60.0
     assert (info.value.role_name, info.value.rank) == ("scratch", 0)
+
+
+# ---- user code shipped to workers -------------------------------------------------------
+
+TWO_FILE_SPEC = "class TwoFileSpecialization:\n    SCALE = 7\n"
+TWO_FILE_RECIPE = ("from stacx.custom.twofile_algo_spec import TwoFileSpecialization\n\n"
+                   "RESULT = TwoFileSpecialization.SCALE * 6\n")
+FAILING_FILE = ("def helper():\n    raise RuntimeError('deliberate failure inside the user file: ' + 'x' * 800)\n\n"
+                "helper()\n")
+
+
+def read_two_file_result(worker):
+    import sys
+
+    return sys.modules["stacx.custom.twofile_algo"].RESULT, list(worker.user_module_names)
+
+
+@pytest.fixture()
+def two_file_custom_folder(tmp_path):
+    """A `stacx/custom/` folder of two files, the recipe importing the specialization file (the
+    guide's layout), imported here as `stacx train` imports the folder. Ray workers do not see it."""
+    import sys
+
+    import stacx.custom
+    from stacx.objectives import discovery
+
+    (tmp_path / "twofile_algo.py").write_text(TWO_FILE_RECIPE)  # sorts (and is walked) first
+    (tmp_path / "twofile_algo_spec.py").write_text(TWO_FILE_SPEC)
+    stacx.custom.__path__.append(str(tmp_path))
+    try:
+        discovery._import_user_package()
+        yield [entry for entry in discovery.user_module_sources() if entry.module_name.startswith("stacx.custom.twofile")]
+    finally:
+        stacx.custom.__path__.remove(str(tmp_path))
+        for name in ("stacx.custom.twofile_algo", "stacx.custom.twofile_algo_spec"):
+            sys.modules.pop(name, None)
+
+
+def test_a_two_file_custom_folder_reaches_workers_and_a_failing_file_is_shown_whole(ray_address,
+                                                                                    two_file_custom_folder):
+    """Issue 27: the recipe file's `from stacx.custom.my_algo_spec import ...` failed on workers
+    (`No module named 'stacx.custom.my_algo_spec'`): the files were executed in walk order, the
+    recipe before the file it imports. And the driver cut the worker's error to its first 600 characters."""
+    from stacx.objectives.discovery import UserModuleSource
+
+    assert [entry.module_name for entry in two_file_custom_folder] == ["stacx.custom.twofile_algo_spec",
+                                                                       "stacx.custom.twofile_algo"]
+    pool = PlacedPool.create(ResourcePool(name="shipped_code", num_bundles=1, num_cpus_per_bundle=1.0),
+                             num_sharing_roles=2)
+    failing = UserModuleSource("stacx.custom.failing_user_file", FAILING_FILE, "/driver/only/failing_user_file.py")
+    good = bad = None
+    try:  # both start at once (the two actors' start-up overlaps)
+        # Shipped in walk order (recipe first) all the same: the folder is importable as a package.
+        good = RoleWorkers("custom_code", 1, RolePlacement(pool), user_modules=list(reversed(two_file_custom_folder)))
+        bad = RoleWorkers("failing_code", 1, RolePlacement(pool), user_modules=[failing])
+        result, names = good.execute_rank0(read_two_file_result, timeout_s=120.0)
+        assert result == 42 and set(names) == {"stacx.custom.twofile_algo", "stacx.custom.twofile_algo_spec"}
+        with pytest.raises(RoleWorkerDied) as info:
+            bad.execute_rank0(RoleWorker.ping, timeout_s=120.0)
+    finally:
+        for workers in (good, bad):
+            if workers is not None:
+                workers.kill()
+        pool.remove()
+    message = str(info.value)
+    assert "custom module 'stacx.custom.failing_user_file' (from /driver/only/failing_user_file.py)" in message
+    assert "deliberate failure inside the user file: " + "x" * 800 in message  # whole, not cut
+    assert "line 2, in helper" in message  # the user file's own traceback

@@ -4,6 +4,8 @@
     stacx recipes ppo             the recipe's roles, pools, syncs and algorithm defaults
     stacx recipes --markdown      the catalog page (docs/recipes.md is this output)
     stacx recipes --custom-module my_algo.py    include recipes registered by a user module
+    stacx recipes --objectives    the registered estimators, losses, corrections and rewards
+                                  (built-in, stacx/custom/ and --custom-module ones, marked custom)
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import re
 import sys
 
-HELP = "list the recipe catalog (roles, syncs, algorithm defaults) or describe one recipe"
+HELP = ("list the recipe catalog (roles, syncs, algorithm defaults) or describe one recipe; --objectives lists "
+        "the registered estimators, losses and rewards")
 
 _MARKDOWN_HEADER = """# Recipe catalog
 
@@ -35,8 +38,11 @@ An **inject** sync adds per-token fields computed by one role to another role's 
 def add_arguments(parser) -> None:
     parser.add_argument("name", nargs="?", help="a recipe to describe (default: list them all)")
     parser.add_argument("--markdown", action="store_true", help="print the whole catalog as Markdown")
+    parser.add_argument("--objectives", action="store_true",
+                        help="list the registered advantage estimators, policy losses, off-policy corrections, KL "
+                             "estimators, other losses and rewards (custom ones marked, with their file and knobs)")
     parser.add_argument("--custom-module", action="append", default=[], metavar="FILE_OR_MODULE",
-                        help="import a user module first so that its @recipe registrations show (repeatable)")
+                        help="import a user module first so that its registrations show (repeatable)")
 
 
 def _role_cell(config, role) -> str:
@@ -129,6 +135,50 @@ def render_catalog_markdown(configs: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _origin(fn) -> str:
+    """'custom, FILE' for a user entry (stacx/custom/, --custom-module), '' for a built-in."""
+    from stacx.objectives.registry import is_builtin_entry
+
+    if is_builtin_entry(fn):
+        return ""
+    module = sys.modules.get(getattr(fn, "__module__", ""), None)
+    return f"custom, {getattr(module, '__file__', None) or getattr(fn, '__module__', '?')}"
+
+
+def render_objectives() -> str:
+    """Every registered name, one section per registry: built-ins plain, custom ones with their
+    file and the knobs they declare (`hyperparameters=`)."""
+    from stacx.objectives.discovery import import_builtin_and_custom_modules
+    from stacx.objectives.registry import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LOSSES, OFF_POLICY_CORRECTIONS,
+                                           POLICY_LOSSES)
+    from stacx.rollout.rewards import REWARD_FUNCTIONS
+
+    import_builtin_and_custom_modules()  # stacx/custom/ registrations count too
+    sections = [("advantage estimators (--advantage-estimator)", ADVANTAGES),
+                ("policy losses (--policy-loss)", POLICY_LOSSES),
+                ("off-policy corrections (--off-policy-corrections)", OFF_POLICY_CORRECTIONS),
+                ("KL estimators (--kl-loss-type)", KL_ESTIMATORS), ("other losses", LOSSES),
+                ("loss aggregation modes (--loss-agg-mode)", AGGREGATIONS)]
+    lines = []
+    for title, registry in sections:
+        lines.append(f"{title}:")
+        for name in registry.names():
+            notes = []
+            if registry.entries_are_callable:
+                notes.append(_origin(registry.get(name)))
+                knobs = registry.traits(name).hyperparameters
+                notes.append(f"knobs: {', '.join(knobs)}" if knobs else "")
+            notes = [note for note in notes if note]
+            lines.append(f"  {name}" + (f"  ({'; '.join(notes)})" if notes else ""))
+    lines.append("rewards (--reward-fn):")
+    for name in sorted(REWARD_FUNCTIONS):
+        notes = [note for note in (_origin(REWARD_FUNCTIONS[name]),
+                                   "needs a label" if getattr(REWARD_FUNCTIONS[name], "needs_label", False) else "")
+                 if note]
+        lines.append(f"  {name}" + (f"  ({'; '.join(notes)})" if notes else ""))
+    return "\n".join(lines) + "\n"
+
+
 def run(args) -> int:
     from stacx.trainer.config.recipe import RecipeError
     from stacx.trainer.recipes import TRAINING_CONFIGS, get_recipe
@@ -136,7 +186,14 @@ def run(args) -> int:
     if args.custom_module:
         from stacx.objectives.discovery import load_custom_modules
 
-        load_custom_modules(args.custom_module)
+        try:
+            load_custom_modules(args.custom_module)
+        except ValueError as err:
+            print(f"stacx recipes: {err}", file=sys.stderr)
+            return 2
+    if args.objectives:
+        print(render_objectives(), end="")
+        return 0
     if args.markdown:
         print(render_catalog_markdown(TRAINING_CONFIGS), end="")
         return 0

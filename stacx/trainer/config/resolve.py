@@ -10,7 +10,9 @@ Precedence, lowest first:
 "Set" means given, not "different from the generic default": `lam: 1.0` under ppo stays 1.0.
 The resolved config's `given_keys` are the keys the user set (recipe defaults excluded).
 Guide 001's spelling is accepted: `algorithm: {name: my_loss, adv_estimator: my_advantage}`
-selects the registered policy loss `my_loss` and the estimator `my_advantage`.
+selects the registered policy loss `my_loss` and the estimator `my_advantage`. In such a Flux-style
+section (one with `adv_estimator`) `name` is the policy loss even where it also names a recipe
+(`name: ppo` is the PPO-clip loss, with a warning), as Flux users mean it.
 A user `clip_ratio` without explicit bounds sets both clip bounds (it is the more specific choice
 than the recipe's default bounds).
 """
@@ -18,25 +20,75 @@ than the recipe's default bounds).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any
 
 from stacx.env_overrides import apply_env_overrides, read_env_overrides
 from stacx.objectives.registry import POLICY_LOSSES
 from stacx.trainer.config.recipe import TRAINING_CONFIGS, TrainingConfig
-from stacx.trainer.config.run import AlgorithmConfig, RunConfig
+from stacx.trainer.config.run import AlgorithmConfig, RunConfig, is_flux_style_section
 
 CLIP_BOUNDS = ("clip_ratio_low", "clip_ratio_high")
 ESTIMATOR_ALIASES = ("adv_estimator",)
 """Other frameworks' names for `advantage_estimator` (guide 001's `adv_estimator`), accepted as it."""
 
 
+def flux_style_name(run_config: RunConfig) -> str | None:
+    """`algorithm.name` of a Flux-style `algorithm:` section (one with `adv_estimator`), else None."""
+    algorithm = run_config.algorithm
+    if "name" in algorithm.given_keys and algorithm.name and is_flux_style_section(algorithm.given_keys):
+        return algorithm.name
+    return None
+
+
 def policy_loss_named_by_algorithm(run_config: RunConfig) -> str | None:
-    """Guide 001: `algorithm.name` (or --algorithm) naming a registered policy loss, not a recipe,
-    selects that loss (in the recipe its estimator infers). None otherwise."""
+    """The policy loss `algorithm.name` selects, or None.
+
+    In a Flux-style `algorithm:` section (it sets `adv_estimator`) `name` is the policy loss, as in
+    Flux, even where it also names a recipe (`ppo`, `gspo`, `cispo`; see `flux_name_also_a_recipe`):
+    the recipe is then --algorithm / train.algorithm, or the one its estimator infers. A name there
+    that is a recipe and no policy loss (`grpo`) stays the recipe. Elsewhere (guide 001), a name that
+    is a registered policy loss and not a recipe selects that loss. Raises ValueError for a
+    Flux-style name that is neither, suggesting the closest policy loss."""
+    flux_name = flux_style_name(run_config)
+    if flux_name is not None:
+        if flux_name in POLICY_LOSSES:
+            return flux_name
+        if flux_name in TRAINING_CONFIGS:
+            return None
+        close = difflib.get_close_matches(flux_name, POLICY_LOSSES.names(), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(
+            f"algorithm.name {flux_name!r}: in a Flux-style algorithm section (it sets adv_estimator) name is the "
+            f"policy loss, and no policy loss {flux_name!r} is registered; {hint}registered policy losses: "
+            f"{', '.join(POLICY_LOSSES.names())} (load a custom one with --custom-module)")
     name = run_config.train.algorithm
     if name and name not in TRAINING_CONFIGS and name in POLICY_LOSSES:
         return name
     return None
+
+
+def recipe_named_by_config(run_config: RunConfig) -> str | None:
+    """The recipe the config names (--algorithm, train.algorithm, a recipe-only algorithm.name), or
+    None when the estimator (or use_critic) picks it (`infer_algorithm`)."""
+    flux_name = flux_style_name(run_config)
+    if flux_name is not None:
+        named_loss = policy_loss_named_by_algorithm(run_config)
+        return run_config.train.algorithm or (None if named_loss else flux_name)
+    return None if policy_loss_named_by_algorithm(run_config) else run_config.train.algorithm
+
+
+def flux_name_also_a_recipe(run_config: RunConfig) -> str | None:
+    """A warning when a Flux-style `algorithm.name` selects a policy loss that is also a recipe's name."""
+    flux_name = flux_style_name(run_config)
+    if flux_name is None or flux_name not in TRAINING_CONFIGS or policy_loss_named_by_algorithm(run_config) is None:
+        return None
+    return (f"algorithm.name {flux_name!r} is taken as the policy loss {flux_name!r}, as in Flux (the algorithm "
+            f"section sets adv_estimator), not as the recipe {flux_name!r}; the recipe is "
+            f"{run_config.train.algorithm!r} (--algorithm)" if run_config.train.algorithm else
+            f"algorithm.name {flux_name!r} is taken as the policy loss {flux_name!r}, as in Flux (the algorithm "
+            f"section sets adv_estimator), not as the recipe {flux_name!r}; the recipe follows the advantage "
+            f"estimator. To run the recipe {flux_name!r}, pass --algorithm {flux_name} (or set train.algorithm)")
 
 
 def user_algorithm_values(run_config: RunConfig) -> dict[str, Any]:

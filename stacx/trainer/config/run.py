@@ -238,6 +238,17 @@ CUSTOM_KEY_SIMILARITY_CUTOFF = 0.85
 """A custom algorithm key at least this similar (difflib ratio) to a known one is taken for a typo."""
 
 
+FLUX_STYLE_KEYS = ("adv_estimator",)
+"""Keys only a Flux-style `algorithm:` section uses (Flux's name for `advantage_estimator`). In such a
+section `name` is the policy loss, as in Flux (`name: ppo` is the PPO-clip loss, not the two-role
+`ppo` recipe); see `stacx.trainer.config.resolve.policy_loss_named_by_algorithm`."""
+
+
+def is_flux_style_section(keys) -> bool:
+    """Whether an `algorithm:` section with these keys is Flux-style (it uses a FLUX_STYLE_KEYS key)."""
+    return any(key in keys for key in FLUX_STYLE_KEYS)
+
+
 CUSTOM_HYPERPARAMETERS_KEY = "custom_hyperparameters"
 """`algorithm.custom_hyperparameters: [kl_coef, ...]` declares custom keys that are near a known one
 on purpose; they are exempt from the near-miss check."""
@@ -354,8 +365,9 @@ class RunConfig:
                 algorithm[key] = _coerce_algorithm(key, value, source)
             else:
                 raise ConfigError(_unknown(raw_key, key, source))
-        # The recipe name may come from --algorithm (train section) or algorithm.name.
-        if algorithm.get("name") and not per_section["train"].get("algorithm"):
+        # The recipe name may come from --algorithm (train section) or algorithm.name; in a Flux-style
+        # section algorithm.name is the policy loss instead (resolved once custom modules are loaded).
+        if algorithm.get("name") and not per_section["train"].get("algorithm") and not is_flux_style_section(algorithm):
             per_section["train"]["algorithm"] = algorithm["name"]
         sections = {name: SECTIONS[name](**kwargs) for name, kwargs in per_section.items()}
         try:

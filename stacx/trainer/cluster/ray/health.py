@@ -127,11 +127,17 @@ def _describe_failures(failures, what: str) -> RoleWorkerError:
     others = [str(other) for other, _ in failures if other != label]
     also = f" (also failed: {', '.join(others)})" if others else ""
     if deaths:
-        return RoleWorkerDied(
-            f"{what}: worker {label} died{also}: {_short(err, keep='head')}", role_name=label.role_name, rank=label.rank
-        )
+        # A worker whose start raised (a shipped user file that fails to import) carries that error, with
+        # its traceback, at the end of a long message: it is shown whole. Other deaths are cut short.
+        text = str(err).strip() if _died_in_its_start(err) else _short(err, keep="head")
+        return RoleWorkerDied(f"{what}: worker {label} died{also}: {text}", role_name=label.role_name, rank=label.rank)
     return RoleWorkerRaised(f"{what}: worker {label} raised{also}:\n{_short(err, 4000)}",
                             role_name=label.role_name, rank=label.rank)
+
+
+def _died_in_its_start(err: BaseException) -> bool:
+    """Whether the actor died because its constructor raised (Ray's 'creation task' error)."""
+    return "creation task" in str(err)
 
 
 def _short(err: BaseException, limit: int = 600, keep: str = "tail") -> str:
