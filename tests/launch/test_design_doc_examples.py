@@ -1,11 +1,11 @@
 """The design documents' examples as written (package path changed only), each trained for 2 steps
-through `stacx train` (issue 13, item 3). The example files live in `examples/seed_000/`,
-`examples/seed_001/` and `examples/seed_003/`; docs/objectives.md and docs/adding-an-algorithm.md
+through `stacx train` (issue 13, item 3). The example files live in `examples/estimator_and_loss/`,
+`examples/padded_plugins/` and `examples/specialization_in_one_file/`; docs/objectives.md and docs/adding-an-algorithm.md
 show them.
 
 Each example runs once, on one launcher, and each way of bringing user code in runs at least once:
-a `--custom-module` file (torchrun: seed_001's YAML; Ray: seed_003, seed_001's REINFORCE), the
-custom folder (Ray, seed_000: the folder must reach workers that never see the driver's files) and a
+a `--custom-module` file (torchrun: padded_plugins/my_algorithm.yaml; Ray: specialization_in_one_file, padded_plugins/custom_reinforce.py), the
+custom folder (Ray, estimator_and_loss: the folder must reach workers that never see the driver's files) and a
 Python config object (Ray, where the module it imports must be shipped to the workers; under
 torchrun every rank runs the script itself). The Ray runs attach to the shared test cluster. How
 user code reaches every rank is tested on both launchers in test_custom_code_on_every_rank.py."""
@@ -21,8 +21,8 @@ from tests.launch.test_custom_code_on_every_rank import REPO, SMALL_ROLLOUT, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-SEED_000 = [os.path.join(REPO, "examples", "seed_000", name) for name in ("reward_centered.py", "vanilla_pg.py")]
-SEED_003 = os.path.join(REPO, "examples", "seed_003", "my_algo.py")
+SEED_000 = [os.path.join(REPO, "examples", "estimator_and_loss", name) for name in ("reward_centered.py", "vanilla_pg.py")]
+SEED_003 = os.path.join(REPO, "examples", "specialization_in_one_file", "my_algo.py")
 
 
 def _check_guide_000_run(steps: list[dict]) -> None:
@@ -57,7 +57,7 @@ def test_guide_003_specialization_and_recipe_with_its_launch_line(launcher, tiny
         assert step["policy/loss"] > 0.5  # the NLL of a barely trained tiny model
 
 
-SEED_001 = os.path.join(REPO, "examples", "seed_001")
+SEED_001 = os.path.join(REPO, "examples", "padded_plugins")
 
 
 @pytest.mark.parametrize("launcher", ["torchrun"])

@@ -205,7 +205,7 @@ def test_a_specialization_without_the_policy_loss_is_not_summarized_with_one():
 @pytest.mark.parametrize("module, flags, typo, knob", [
     ("examples/custom_algorithm/my_algo.py", ["--advantage-estimator", "rank_centered", "--policy-loss", "tempered_pg"],
      "pg_temprature", "pg_temperature"),
-    ("examples/seed_001/custom_reinforce.py", ["--advantage-estimator", "reinforce_baseline", "--policy-loss",
+    ("examples/padded_plugins/custom_reinforce.py", ["--advantage-estimator", "reinforce_baseline", "--policy-loss",
                                                "reinforce_pg"], "basline", "baseline"),
 ])
 def test_a_misspelled_algorithm_param_of_a_plugin_that_declares_its_knobs_is_refused(inputs, capsys, module, flags,

@@ -9,7 +9,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "examples", "seed_001"))
+                                "examples", "padded_plugins"))
 
 # Import to register
 import my_algorithm  # noqa: E402,F401

@@ -1,4 +1,4 @@
-"""Guide 001's padded plugins as written (examples/seed_001), and the semantics they need
+"""Guide 001's padded plugins as written (examples/padded_plugins), and the semantics they need
 (issue 13, item 4): name selects the loss, adv_estimator is accepted, plugin defaults hold unless
 the user set the key, no term counted twice, importance weights passed, returns kept."""
 
@@ -14,7 +14,7 @@ from stacx.objectives import load_custom_modules
 from stacx.objectives.registry import POLICY_LOSSES, get_advantage, get_policy_loss, register_policy_loss
 from stacx.trainer.config.run import AlgorithmConfig
 
-SEED_001 = pathlib.Path(__file__).resolve().parents[2] / "examples" / "seed_001"
+SEED_001 = pathlib.Path(__file__).resolve().parents[2] / "examples" / "padded_plugins"
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -26,7 +26,7 @@ import torch
 from tests.specializations import custom_sequence_loss
 
 SEED_003_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "examples", "seed_003", "my_algo.py")
+                                "examples", "specialization_in_one_file", "my_algo.py")
 
 VOCAB = 37  # odd, unrelated to the hidden size
 HIDDEN = 8

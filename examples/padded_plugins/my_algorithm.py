@@ -1,6 +1,6 @@
-# Guide 001, steps 1 and 2, as written (package path changed only:
-# flux.training.algorithms.base -> stacx.objectives.padded_api).
-#   stacx train --custom-module examples/seed_001/my_algorithm.py --config examples/seed_001/my_algorithm.yaml ...
+# An estimator and a loss written against the padded plugin API ([B, T] tensors with masks,
+# stacx.objectives.padded_api), as plugins of other frameworks are.
+#   stacx train --custom-module examples/padded_plugins/my_algorithm.py --config examples/padded_plugins/my_algorithm.yaml ...
 import torch
 from stacx.objectives.padded_api import register_adv_estimator
 

@@ -1,12 +1,12 @@
-"""Guide 003, "5 Adding an algorithm", steps 1 and 2, written to the specialization template: the
-base class checks the batch, cuts the responses for TP/CP, reduces the loss and counts tokens; the
-algorithm writes only its per-token terms (`per_token_terms`). `my_kernel`, which the guide leaves to
-the reader, is a negative log-likelihood. The guide's own form (overriding `compute_loss`, reading
+"""A whole algorithm in one file, written to the specialization template: the base class checks
+the batch, cuts the responses for TP/CP, reduces the loss and counts tokens; the algorithm writes
+only its per-token terms (`per_token_terms`). `my_kernel` here is the negative log-likelihood of the
+policy's own samples (self-imitation); put your kernel in its place. The older form (overriding `compute_loss`, reading
 `batch["loss_masks"]`, `reducer(sum_of_sample_mean(...))`) still runs; see docs/adding-an-algorithm.md.
-Specialization and recipe share this one file, so the recipe needs no import of the class. Step 3:
+Specialization and recipe share this one file, so the recipe needs no import of the class. Run it:
 
-    stacx train --custom-module examples/seed_003/my_algo.py --algorithm my_algo \
-        --hf-checkpoint <student> --ref-load <student> ...
+    stacx train --custom-module examples/specialization_in_one_file/my_algo.py --algorithm my_algo \
+        --hf-checkpoint <student> --prompt-data builtin:sorting
 """
 
 import torch
@@ -39,5 +39,5 @@ def my_algo_config():
             ),
         ),
         syncs=(),                                # single role → no cross-model sync
-        description="My custom reverse-KL algorithm",
+        description="Self-imitation: the negative log-likelihood of the policy's own samples",
     )

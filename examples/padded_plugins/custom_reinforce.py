@@ -1,7 +1,6 @@
-# Guide 001, "Complete Example", as written (package path changed only:
-# flux.training.algorithms.base -> stacx.objectives.padded_api). The plugin's entropy bonus is its own:
+# REINFORCE with a baseline as a padded plugin (stacx.objectives.padded_api). The plugin's entropy bonus is its own:
 # Stacx adds none on top, and its default entropy_coef=0.01 holds unless the run sets entropy_coef.
-#   stacx train --custom-module examples/seed_001/custom_reinforce.py \
+#   stacx train --custom-module examples/padded_plugins/custom_reinforce.py \
 #       --advantage-estimator reinforce_baseline --policy-loss reinforce_pg ...
 import torch
 from stacx.objectives.padded_api import (

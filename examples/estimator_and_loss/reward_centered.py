@@ -1,6 +1,6 @@
-# Guide 000, "2. Custom Advantage", as written (package path changed only: coda.algorithms -> stacx.objectives).
+# A custom advantage estimator: each reward minus the batch's mean reward, registered by name.
 # `reward_centered` is also a built-in name: this registration replaces it (with a warning).
-#   stacx train --custom-module examples/seed_000/reward_centered.py --advantage-estimator reward_centered ...
+#   stacx train --custom-module examples/estimator_and_loss/reward_centered.py --advantage-estimator reward_centered ...
 import torch
 
 from stacx.objectives.registry import register_advantage

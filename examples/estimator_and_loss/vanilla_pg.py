@@ -1,6 +1,6 @@
-# Guide 000, "3. Custom GRPO-like Loss", as written (package path changed only: coda.algorithms -> stacx.objectives).
+# A custom policy loss: the unclipped importance-weighted policy gradient -ratio_t * A_t, registered by name.
 # `vanilla_pg` is also a built-in name: this registration replaces it (with a warning).
-#   stacx train --custom-module examples/seed_000/vanilla_pg.py --policy-loss vanilla_pg ...
+#   stacx train --custom-module examples/estimator_and_loss/vanilla_pg.py --policy-loss vanilla_pg ...
 import torch
 
 from stacx.objectives.registry import register_policy_loss
