@@ -6,6 +6,8 @@
 Submodules import their heavy dependencies (Ray, megatron-core) where they use them.
 """
 
+import os
+
 
 def run_training(run_config) -> dict:
     """Train with the right launcher: SPMD under torchrun, Ray otherwise. Returns the last metrics.
@@ -15,15 +17,21 @@ def run_training(run_config) -> dict:
     # Imported here: `import stacx.trainer` stays light (no Ray, megatron-core or loop until a run starts).
     from stacx.tasks.data import resolve_builtin_data
     from stacx.trainer.config.checks import fit_response_length_to_context
-    from stacx.trainer.spmd import launched_by_torchrun, run_spmd
+    from stacx.trainer.heartbeat import Heartbeat
+    from stacx.trainer.spmd import build_spmd_trainer, launched_by_torchrun
 
     run_config = fit_response_length_to_context(resolve_builtin_data(run_config))
     if launched_by_torchrun():
-        return run_spmd(run_config)
+        with Heartbeat("starting", "the process group, this rank's model and the rollout engine",
+                       enabled=os.environ.get("RANK", "0") == "0"):
+            trainer = build_spmd_trainer(run_config)
+        return trainer.run()
     # Imported here: Ray and the role workers load only for a Ray run (start-up time).
     from stacx.trainer.factory import create_trainer
 
-    return create_trainer(run_config).run()
+    with Heartbeat("starting", "Ray, the role workers and their models, the rollout engine"):
+        trainer = create_trainer(run_config)
+    return trainer.run()
 
 
 def __getattr__(name):

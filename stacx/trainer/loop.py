@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Callable, Mapping, Optional
 
@@ -50,6 +51,7 @@ from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, ro
 from stacx.trainer.config.resolve import check_resumed_algorithm, resolved_run_config_dict
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.exchange import ExchangeSchedule
+from stacx.trainer.heartbeat import Heartbeat
 from stacx.trainer.interrupts import stop_on_termination_signals
 from stacx.trainer.metrics import MetricsLogger
 from stacx.trainer.numerics import NonFiniteGuard
@@ -100,6 +102,8 @@ class StacxTrainer:
         self.step = 0
         self.last_metrics: dict[str, float] = {}
         self._saved_once = False
+        self.heartbeat = Heartbeat("", enabled=False)
+        """The running phase's heartbeat (stacx.trainer.heartbeat); `beat` starts one."""
         self.nonfinite = NonFiniteGuard(run_config.train.skip_nonfinite_steps)
         """Stops the run at the first NaN/inf (or skips up to --skip-nonfinite-steps steps)."""
 
@@ -114,20 +118,24 @@ class StacxTrainer:
     def _run(self) -> dict[str, float]:
         try:
             self.check_save_folder()
-            self.step = self.resume_if_requested()
+            with self.beat("resuming", "loading the checkpoint") if self.run_config.model.load else nullcontext():
+                self.step = self.resume_if_requested()
             if self.channel.is_driver and self.make_metrics_logger is not None:
                 self.metrics_logger = self.make_metrics_logger(self.step)
             if self.step > 0 and self.engine_target is not None:
                 self.push_policy_weights(version=self.step)  # a fresh engine serves the initial weights
             train = self.run_config.train
             for step in range(self.step, train.num_steps):
-                metrics = self.train_one_step(step)
-                self.step = step + 1
-                self.log(step, metrics)
-                if self.should_save(self.step):
-                    self.save_checkpoint(self.step)
+                with self.beat(f"step {step + 1}/{train.num_steps}", "batch"):
+                    metrics = self.train_one_step(step)
+                    self.step = step + 1
+                    self.log(step, metrics)
+                    if self.should_save(self.step):
+                        self.heartbeat.phase = "saving the checkpoint"
+                        self.save_checkpoint(self.step)
             if train.export_hf:
-                self.export_policy(train.export_hf)
+                with self.beat("exporting", train.export_hf):
+                    self.export_policy(train.export_hf)
         except BaseException:
             # Teardown after a failure must not replace the failure's own error.
             for teardown in (self.close_engine_clients, self.on_failure, self._close_driver_side):
@@ -138,6 +146,11 @@ class StacxTrainer:
             raise
         self.close()
         return self.last_metrics
+
+    def beat(self, prefix: str, phase: str) -> Heartbeat:
+        """A heartbeat for one phase of the run, printed by the driver (`self.heartbeat.phase` renames it)."""
+        self.heartbeat = Heartbeat(prefix, phase, enabled=self.channel.is_driver)
+        return self.heartbeat
 
     def check_save_folder(self) -> None:
         """Refuse (on every rank alike) a --save folder holding another run's checkpoints, see checkpoint.py."""
@@ -165,6 +178,7 @@ class StacxTrainer:
         """One step; a non-finite reward, advantage, loss or grad norm stops the run (or skips the step,
         see `stacx.trainer.numerics`) before any weights are saved, exported or pushed."""
         started = time.monotonic()
+        self.heartbeat.phase = "rollout" if self.training_config.data_source == "rollout" else "batch"
         batch, metrics = self.channel.share(self.collect_batch(step) if self.channel.is_driver else None)
         sample_role = (self.training_config.rollout_role or self.training_config.trainable_roles[0]).name
         if self.nonfinite.check_samples(step=step, role=sample_role, name="reward", values=batch.rewards or ()):
@@ -175,14 +189,17 @@ class StacxTrainer:
             if self.nonfinite.check_samples(step=step, role=sample_role, name="advantage", values=batch.advantages):
                 return self._skipped_step(metrics, started)
         for role in self.training_config.trainable_roles:
+            self.heartbeat.phase = f"training {role.name}"
             role_metrics = self.train_role(role.name, batch)
             metrics.update({f"{role.name}/{k}": v for k, v in role_metrics.items()})
             self.nonfinite.check_metrics(step=step, role=role.name, metrics=role_metrics)
         metrics["train/nonfinite_skipped_steps"] = float(len(self.nonfinite.skipped_steps))
         metrics.update(self.exchange_schedule.run_due(completed_steps=step + 1))
         if self.engine_target is not None:
+            self.heartbeat.phase = "weight sync"
             self.push_policy_weights(version=step + 1)
         if self.channel.is_driver and self.step_rollout is not None:
+            self.heartbeat.phase = "eval"
             metrics.update(self.step_rollout.evaluate_if_due(step))  # on the weights just pushed
         metrics["time/step_s"] = time.monotonic() - started
         return metrics
