@@ -7,7 +7,8 @@ builds the endpoints on top of it.
   that has not sent a whole request head within `read_timeout_s`, a fresh one or one idle
   between requests, is closed) and a 400 that names what was malformed.
 - `PerClientLimit`: an ASGI middleware that keeps one client address (keyed by host) to
-  `max_requests_per_client` requests in flight; more get 503 with Retry-After.
+  `max_requests_per_client` requests in flight; more get 503 with Retry-After (and the
+  connection closed).
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ class PerClientLimit:
                                         f"(--max-requests-per-client {self.max_requests}); retry later"}).encode()
             await send({"type": "http.response.start", "status": 503,
                         "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
-                                    (b"content-length", str(len(body)).encode())]})
+                                    (b"connection", b"close"), (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
             return
         self.in_flight[host] += 1
