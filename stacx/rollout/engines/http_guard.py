@@ -85,8 +85,9 @@ def check_bearer_token(api_key: Optional[str], header: Optional[str]) -> Optiona
 def error_head(status: int, reason: str, message: str) -> bytes:
     """A whole HTTP/1.1 answer `{"error": message}` that closes the connection (written raw, outside h11)."""
     body = json.dumps({"error": message}).encode()
+    retry = "Retry-After: 1\r\n" if status == 503 else ""
     return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"Retry-After: 1\r\nConnection: close\r\n\r\n").encode() + body
+            f"{retry}Connection: close\r\n\r\n").encode() + body
 
 
 class ConnectionCounter:
@@ -145,8 +146,9 @@ def guarded_h11_protocol(limits: ServerLimits, counter: ConnectionCounter) -> ty
             self._arm_head_deadline()
 
         def send_400_response(self, msg: str) -> None:
-            detail = self._protocol_error.encode("ascii", "replace").decode()
-            super().send_400_response(f"{msg} {detail}".strip())
+            """A JSON 400 naming what h11 refused, with its Content-Length, then close."""
+            self.transport.write(error_head(400, "Bad Request", f"{msg} {self._protocol_error}".strip()))
+            self.transport.close()
 
         def _arm_head_deadline(self) -> None:
             self._cancel_head_deadline()
