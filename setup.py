@@ -9,6 +9,8 @@ Why each dependency is here (docs/dependencies.md has the long form):
 - pyyaml: `--config run.yaml`.
 - tensorboard / matplotlib / tqdm: metrics, plots and the driver's progress bar.
 - requests: HTTP client for inference and teacher servers.
+- fastapi / uvicorn: the HTTP layer of `stacx serve` (request validation, OpenAPI schema, an
+  asyncio server with keep-alive timeouts and a deep listen backlog).
 
 torch is deliberately left without an upper bound but is never resolved here on its own:
 the install scripts pin `torch==2.13.0` (the CPU wheel) before installing Stacx.
@@ -37,6 +39,8 @@ setup(
         "matplotlib>=3.8",
         "tqdm>=4.66",
         "requests>=2.31",
+        "fastapi>=0.115,<1",
+        "uvicorn>=0.30,<1",
         "einops>=0.8",
         "psutil>=5.9",
     ],

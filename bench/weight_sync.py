@@ -72,7 +72,8 @@ def main(argv=None) -> int:
                "in_process": best_seconds(lambda: engine.update_weights(buckets, version=next(version)), args.repeats)}
     with EngineHttpServer(engine) as server:
         for transport in ("shm", "http"):
-            client = HttpEngine(server.url, RetryPolicy(timeout_s=600, max_attempts=1), weight_transport=transport)
+            client = HttpEngine(server.url, RetryPolicy(timeout_s=600, max_attempts=1), weight_transport=transport,
+                                api_key=server.api_key)
             results[f"serve_{transport}"] = best_seconds(
                 lambda: client.update_weights(buckets, version=next(version)), args.repeats)
             assert client.weight_version() == engine.weight_version()

@@ -44,11 +44,13 @@ class ServerUnavailableError(RuntimeError):
 
 
 class ServerRequestError(RuntimeError):
-    """The server rejected the request (HTTP 4xx); retrying would not help."""
+    """The server rejected the request (HTTP 4xx); retrying would not help. `answer`: the server's
+    decoded JSON answer (None when it sent none)."""
 
-    def __init__(self, message: str, status_code: int = 400):
+    def __init__(self, message: str, status_code: int = 400, answer: Any = None):
         super().__init__(message)
         self.status_code = status_code
+        self.answer = answer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +122,7 @@ class HttpTransport:
                 raise ServerRequestError(
                     f"server {self.url} rejected {endpoint} (request: {summary or '-'}): "
                     f"HTTP {response.status_code}: {response.text[:500]}",
-                    response.status_code,
+                    response.status_code, _json_or_none(response),
                 )
             try:
                 return response.json()
@@ -136,3 +138,10 @@ class HttpTransport:
 
     def close(self) -> None:
         self._session.close()
+
+
+def _json_or_none(response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None

@@ -35,7 +35,6 @@ import os
 import secrets
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Optional, Sequence, TYPE_CHECKING
@@ -45,7 +44,7 @@ import torch
 from stacx.rollout.engine_pool import EnginePool
 from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.engines.http import HttpEngine
-from stacx.rollout.engines.processes import stop_process
+from stacx.rollout.engines.processes import ReadyLineWatch, stop_process
 from stacx.rollout.engines.sglang import SglangEngine, SglangServerSpec, launch_sglang_servers_on_ray
 from stacx.rollout.http_client import RetryPolicy
 from stacx.rollout.manager import RolloutManager
@@ -98,6 +97,7 @@ class CpuServerProcess:
         command = [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", hf_checkpoint, "--port", "0",
                    "--host", host, "--seed", str(seed), "--parent-pid", str(os.getpid())]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.output = ReadyLineWatch(self.process, name="the CPU rollout server (stacx serve)")
         self.url: Optional[str] = None
         self._timeout_s = timeout_s
         self._started = time.monotonic()
@@ -105,40 +105,15 @@ class CpuServerProcess:
             self.wait_until_ready()
 
     def wait_until_ready(self) -> str:
-        """The server's URL once it reports ready (the start timeout counts from the launch)."""
+        """The server's URL once it reports ready (the start timeout counts from the launch); a
+        server that exits first is reported at once with its own output."""
         if self.url is None:
-            self.url = self._wait_for_url(max(0.0, self._timeout_s - (time.monotonic() - self._started)))
-            # Keep draining the server's output so a chatty server never blocks on a full pipe.
-            threading.Thread(target=self._drain, daemon=True).start()
+            try:
+                self.url = self.output.wait(max(0.0, self._timeout_s - (time.monotonic() - self._started)))
+            except BaseException:
+                self.stop()
+                raise
         return self.url
-
-    def _wait_for_url(self, timeout_s: float) -> str:
-        lines: list[str] = []
-        found: list[str] = []
-
-        def read():
-            for line in self.process.stdout:
-                lines.append(line.rstrip())
-                if "(ready)" in line and " at " in line:
-                    found.append(line.split(" at ", 1)[1].split(" ", 1)[0])
-                    return
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if found:
-            return found[0]
-        self.stop()
-        tail = "\n".join(lines[-20:])
-        raise RuntimeError(f"the CPU rollout server (stacx serve) did not become ready within {timeout_s:.0f}s; "
-                           f"its output:\n{tail}")
-
-    def _drain(self) -> None:
-        try:
-            for line in self.process.stdout:
-                logger.debug("stacx serve: %s", line.rstrip())
-        except (ValueError, OSError):
-            pass
 
     def stop(self) -> None:
         stop_process(self.process, timeout_s=10)

@@ -5,8 +5,9 @@ sync fast (per-tensor sends are ~10x slower at scale). The HTTP body of a bucket
 
     [8-byte little-endian header length][JSON header][raw bytes of all tensors, back to back]
 
-with header `{"names", "dtypes", "shapes", "offsets", "num_bytes", "version", "final"}` (offsets in
-bytes). The layout, the dtype table and the per-tensor checks are the one codec of
+with header `{"names", "dtypes", "shapes", "offsets", "num_bytes", "version", "bucket", "final"}`
+(offsets in bytes; `bucket` numbers the update's buckets from 0, so that a server can refuse a
+replayed one, see stacx.rollout.engines.weight_versions). The layout, the dtype table and the per-tensor checks are the one codec of
 `stacx.parallel.tensor_buckets` (also used by exchange syncs and torchrun rank messages): each
 tensor starts at a 64-byte aligned offset. The receiver views the raw bytes as tensors without
 copying and copies each into its parameter.
@@ -35,6 +36,7 @@ from typing import Sequence
 import torch
 
 from stacx.parallel.tensor_buckets import (
+    ALIGN_BYTES,
     TENSOR_DTYPES,
     TensorSlot,
     bucket_chunks,
@@ -67,15 +69,28 @@ def header_columns(slots: Sequence[TensorSlot]) -> dict[str, list]:
             "shapes": [list(s.shape) for s in slots], "offsets": [s.offset for s in slots]}
 
 
-def bucket_wire_chunks(bucket: Sequence[tuple[str, torch.Tensor]], *, version: int, final: bool) -> list:
-    """The HTTP body of a bucket as buffers to send back to back: the length-prefixed header, then
-    each tensor's bytes in place (no concatenation copy; the receiver gets one flat buffer)."""
+def bucket_wire_chunks(bucket: Sequence[tuple[str, torch.Tensor]], *, version: int, final: bool,
+                       index: int = 0) -> list:
+    """The HTTP body of bucket number `index` of an update as buffers to send back to back: the
+    length-prefixed header, then each tensor's bytes in place (no concatenation copy; the receiver
+    gets one flat buffer)."""
     if not bucket:
         raise ValueError("bucket_wire_chunks: empty bucket")
     slots, (num_bytes,) = plan_buckets(bucket)
     header = json.dumps({**header_columns(slots), "num_bytes": num_bytes, "version": int(version),
-                         "final": bool(final)}).encode()
+                         "bucket": int(index), "final": bool(final)}).encode()
     return [struct.pack("<Q", len(header)) + header, *bucket_chunks(bucket, slots)]
+
+
+HEADER_BYTES_PER_TENSOR = 1024
+"""Room for one tensor's header entry (name, dtype, shape, offset; ~150 bytes for real names)."""
+
+
+def max_bucket_body_bytes(num_tensor_bytes: int, num_tensors: int) -> int:
+    """The largest body a bucket of at most `num_tensors` tensors and `num_tensor_bytes` tensor
+    bytes can need: the 8-byte length, the header (4 KiB + HEADER_BYTES_PER_TENSOR per tensor) and
+    the tensors, each at an ALIGN_BYTES-aligned offset."""
+    return 8 + 4096 + num_tensors * (HEADER_BYTES_PER_TENSOR + ALIGN_BYTES) + num_tensor_bytes
 
 
 def validate_bucket_header(header, num_bytes_available: int, *, where: str) -> FlatBucket:
@@ -84,8 +99,8 @@ def validate_bucket_header(header, num_bytes_available: int, *, where: str) -> F
     Every field is checked before any tensor is viewed: `names`, `dtypes`, `shapes`, `offsets`
     are lists of one length, and each tensor's entry passes `tensor_buckets.check_slot` (a known
     dtype, a shape of non-negative ints, an offset that is a multiple of the itemsize, bytes inside
-    [0, num_bytes)); `num_bytes` is an int no larger than the bytes available; `version` an int
-    and `final` a bool. Raises ValueError naming the field (`where` names the endpoint). Returns
+    [0, num_bytes)); `num_bytes` is an int no larger than the bytes available; `version` an int,
+    `bucket` (optional: older senders omit it) a non-negative int and `final` a bool. Raises ValueError naming the field (`where` names the endpoint). Returns
     the slots with an empty `data` placeholder.
     """
     if not isinstance(header, dict):
@@ -95,6 +110,8 @@ def validate_bucket_header(header, num_bytes_available: int, *, where: str) -> F
         raise ValueError(f"{where}: request is missing field(s) {missing}")
     if not _is_int(header["version"]) or header["version"] < 0:
         raise ValueError(f"{where}: 'version' must be a non-negative integer, got {header['version']!r}")
+    if "bucket" in header and (not _is_int(header["bucket"]) or header["bucket"] < 0):
+        raise ValueError(f"{where}: 'bucket' must be a non-negative integer, got {header['bucket']!r}")
     if not isinstance(header["final"], bool):
         raise ValueError(f"{where}: 'final' must be true or false, got {header['final']!r}")
     num_bytes = header["num_bytes"]
@@ -125,6 +142,16 @@ def _is_int(value) -> bool:
 def unflatten_bucket(flat: FlatBucket) -> list[tuple[str, torch.Tensor]]:
     """Views into `flat.data`, one per tensor (no copy); the header must have been validated."""
     return list(unpack_bucket(flat.data, flat.slots).items())
+
+
+def refuse_non_finite(named_tensors: Sequence[tuple[str, torch.Tensor]], *, where: str) -> None:
+    """Raise ValueError naming the first tensor that holds NaN or infinity (a diverged sender:
+    loaded, it would make the server generate padding)."""
+    for name, tensor in named_tensors:
+        if tensor.dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
+            num_bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"{where}: tensor {name!r} holds {num_bad} NaN or infinite values; the bucket was "
+                             "not loaded (the sender's weights diverged)")
 
 
 def decode_bucket_body(body: bytearray | bytes | memoryview, *, where: str = "weight bucket") -> tuple[FlatBucket, dict]:
@@ -173,8 +200,9 @@ class SharedMemoryStaging:
         self.capacity = 0
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
-    def write(self, bucket: Sequence[tuple[str, torch.Tensor]], *, version: int, final: bool) -> dict:
-        """Copy the bucket into the file; return the header the receiver needs (with `staging_id`)."""
+    def write(self, bucket: Sequence[tuple[str, torch.Tensor]], *, version: int, final: bool, index: int = 0) -> dict:
+        """Copy bucket number `index` of an update into the file; return the header the receiver
+        needs (with `staging_id`)."""
         if self._fd is None:
             raise RuntimeError(f"shared-memory staging {self.path} is closed")
         slots, sizes = plan_buckets(bucket)
@@ -186,7 +214,7 @@ class SharedMemoryStaging:
         if total:
             pack_bucket(bucket, slots, 0, total, out=self.buffer)
         header = {"staging_id": self.staging_id, **header_columns(slots), "num_bytes": total,
-                  "version": int(version), "final": bool(final)}
+                  "version": int(version), "bucket": int(index), "final": bool(final)}
         return header
 
     def close(self) -> None:

@@ -114,7 +114,7 @@ def test_http_generation_weight_update_and_pause(tiny_checkpoints, single_proces
 
     engine = CpuEngine.from_hf_checkpoint(tiny_checkpoints[0])
     with EngineHttpServer(engine) as server:
-        client = HttpEngine(server.url, RetryPolicy(timeout_s=60, max_attempts=2, backoff_s=0.05))
+        client = HttpEngine(server.url, RetryPolicy(timeout_s=60, max_attempts=2, backoff_s=0.05), api_key=server.api_key)
         assert client.health() and client.weight_version() == 0
         requests = requests_for_test()
         over_http = client.generate(requests)
@@ -147,7 +147,7 @@ def test_http_generation_weight_update_and_pause(tiny_checkpoints, single_proces
         engine.load_weights(q_only)  # leave linear_qkv waiting for k and v ...
         with pytest.raises(ValueError, match="weight update incomplete: parameter .*linear_qkv"):
             engine.set_weight_version(99)
-        body_client = HttpEngine(server.url, weight_transport="http")
+        body_client = HttpEngine(server.url, weight_transport="http", api_key=server.api_key)
         body_client.update_weights(iter(buckets), version=4)  # ... the full push repairs it
         (again,) = body_client.generate(greedy)
         assert again.output_ids == after.output_ids and again.weight_version == 4
@@ -169,8 +169,9 @@ def test_http_generation_weight_update_and_pause(tiny_checkpoints, single_proces
         # a malformed shared-memory update is the caller's mistake: 400 naming the missing field
         import requests as http
 
-        staging = http.post(f"{server.url}/stacx/shm_staging", json={}, timeout=10).json()
-        reply = http.post(f"{server.url}/stacx/update_weights_from_shm", timeout=10,
+        key = {"Authorization": f"Bearer {server.api_key}"}
+        staging = http.post(f"{server.url}/stacx/shm_staging", json={}, headers=key, timeout=10).json()
+        reply = http.post(f"{server.url}/stacx/update_weights_from_shm", timeout=10, headers=key,
                           json={"staging_id": staging["staging_id"], "names": [], "dtypes": [], "shapes": [],
                                 "offsets": [], "num_bytes": 0, "version": 5})
         assert reply.status_code == 400 and "final" in reply.json()["error"]

@@ -75,7 +75,7 @@ def test_killed_teacher_server_raises_named_error_after_retry_budget(tiny_checkp
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     process = subprocess.Popen([sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", tiny_checkpoints[1],
-                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+                                "--port", str(port), "--no-weight-updates"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         startup = HttpTransport(url, RetryPolicy(timeout_s=5, max_attempts=240, backoff_s=0.25, backoff_max_s=0.25))

@@ -112,7 +112,8 @@ def test_oversized_body_is_413_before_any_allocation(engine):
         try:
             answer = raw_request(server.port, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 500000000\r\n\r\n")
             weights = raw_request(server.port, b"POST /stacx/update_weights_bucket HTTP/1.1\r\nHost: x\r\n"
-                                               b"Content-Length: 500000000\r\n\r\n")
+                                               b"Authorization: Bearer %s\r\n"
+                                               b"Content-Length: 500000000\r\n\r\n" % server.api_key.encode())
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
@@ -134,7 +135,7 @@ def test_slow_clients_time_out_and_connections_are_capped(engine):
             sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")
             slow.append(sock)
         deadline = time.monotonic() + 30  # poll until the server holds all four, not a blind sleep
-        while server._httpd.num_free_connection_slots > 0:
+        while server.connections.open < 4:
             assert time.monotonic() < deadline, "the server never accepted the four slow connections"
             time.sleep(0.01)
         refused = raw_request(server.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -237,11 +238,14 @@ def test_serve_flags_map_to_limits():
 
     from stacx.launch.commands.serve import build_limits
 
-    args = Namespace(max_body_bytes=10, max_weight_body_bytes=20, read_timeout_s=1.5, max_connections=3,
-                     max_queued_requests=4, stall_timeout_s=9.0)
+    args = Namespace(max_body_bytes=10, max_weight_body_bytes=20, read_timeout_s=1.5, keep_alive_timeout_s=2.5,
+                     max_connections=3, max_requests_per_client=5, max_queued_requests=4, stall_timeout_s=9.0)
     assert build_limits(args) == ServerLimits(max_body_bytes=10, max_weight_body_bytes=20, read_timeout_s=1.5,
-                                              max_connections=3, max_queued_requests=4, stall_timeout_s=9.0)
+                                              keep_alive_timeout_s=2.5, max_connections=3, max_requests_per_client=5,
+                                              max_queued_requests=4, stall_timeout_s=9.0)
     with pytest.raises(SystemExit, match="--max-queued-requests: .*must be >= 1"):
         build_limits(Namespace(**{**vars(args), "max_queued_requests": 0}))
     with pytest.raises(SystemExit, match="--read-timeout-s"):
         build_limits(Namespace(**{**vars(args), "read_timeout_s": 0}))
+    with pytest.raises(SystemExit, match="--max-requests-per-client"):
+        build_limits(Namespace(**{**vars(args), "max_requests_per_client": 0}))

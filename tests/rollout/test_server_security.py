@@ -44,7 +44,7 @@ def assert_unchanged(engine, before):
         assert torch.equal(p, before[name]), f"parameter {name} changed"
 
 
-def bucket_body(named, *, version=1, final=False, header_overrides=None):
+def bucket_body(named, *, version=10 ** 6, final=False, header_overrides=None):
     """The wire body of a bucket, with header fields optionally forged."""
     raw = [t.contiguous().reshape(-1).view(torch.uint8) for _, t in named]
     offsets, offset = [], 0
@@ -75,20 +75,20 @@ def test_shm_endpoint_never_reads_a_path_the_client_names(engine, tmp_path):
               "num_bytes": hidden * 4, "version": 7, "final": True}
     before = snapshot(engine)
     with EngineHttpServer(engine) as server:
-        url = f"{server.url}/stacx/update_weights_from_shm"
-        reply = http.post(url, json={**forged, "path": str(secret)}, timeout=10)
+        url, key = f"{server.url}/stacx/update_weights_from_shm", auth(server.api_key)
+        reply = http.post(url, json={**forged, "path": str(secret)}, headers=key, timeout=10)
         assert reply.status_code == 400 and "'path' is not accepted" in reply.json()["error"]
         for staging_id in ("made-up", str(secret), None, 3):
-            reply = http.post(url, json={**forged, "staging_id": staging_id}, timeout=10)
+            reply = http.post(url, json={**forged, "staging_id": staging_id}, headers=key, timeout=10)
             assert reply.status_code == 400 and "staging_id" in reply.json()["error"]
         # a staging file of this server, swapped for a link to the secret after the handshake
-        staging = http.post(f"{server.url}/stacx/shm_staging", json={}, timeout=10).json()
+        staging = http.post(f"{server.url}/stacx/shm_staging", json={}, headers=key, timeout=10).json()
         assert os.path.dirname(staging["path"]) == server.shm_registry.directory
         assert os.path.basename(staging["path"]).startswith(server.shm_registry.prefix)
         assert (os.stat(staging["path"]).st_mode & 0o777) == 0o600
         os.unlink(staging["path"])
         os.symlink(secret, staging["path"])
-        reply = http.post(url, json={**forged, "staging_id": staging["staging_id"]}, timeout=10)
+        reply = http.post(url, json={**forged, "staging_id": staging["staging_id"]}, headers=key, timeout=10)
         assert reply.status_code == 400 and "replaced" in reply.json()["error"]
         assert engine.weight_version() != 7
     assert_unchanged(engine, before)
@@ -204,7 +204,7 @@ def test_rejected_bucket_writes_nothing(engine, new_weights):
             "JSON object": struct.pack("<Q", 2) + b"[]",
         }
         for expected, body in forged_bodies.items():
-            reply = http.post(url, data=body, timeout=10)
+            reply = http.post(url, data=body, headers=auth(server.api_key), timeout=10)
             assert reply.status_code == 400, (expected, reply.text)
             assert expected in reply.json()["error"], (expected, reply.json())
     assert_unchanged(engine, before)
@@ -294,17 +294,18 @@ def test_a_client_without_the_key_is_refused_not_silently_downgraded(engine, new
 
 
 @pytest.mark.slow
-def test_serve_stops_and_removes_its_files_when_its_parent_is_killed(tiny_checkpoints):
+def test_serve_stops_and_removes_its_files_when_its_parent_is_killed(tiny_checkpoints, tmp_path):
     import time
 
     # a stand-in driver that starts `stacx serve --parent-pid <its own pid>`, as CpuServerProcess does
     driver_script = (
         "import os, subprocess, sys\n"
         "subprocess.Popen([sys.executable, '-m', 'stacx', 'serve', '--hf-checkpoint', sys.argv[1], '--port', '0',"
-        " '--parent-pid', str(os.getpid())]).wait()\n"
+        " '--api-key-file', sys.argv[2], '--parent-pid', str(os.getpid())]).wait()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "STACX_API_KEY"}
-    driver = subprocess.Popen([sys.executable, "-c", driver_script, tiny_checkpoints[0]],
+    key_file = tmp_path / "serve.key"
+    driver = subprocess.Popen([sys.executable, "-c", driver_script, tiny_checkpoints[0], str(key_file)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = None
     try:
@@ -313,7 +314,9 @@ def test_serve_stops_and_removes_its_files_when_its_parent_is_killed(tiny_checkp
                 url = line.split(" at ", 1)[1].split(" ", 1)[0]
                 break
         assert url is not None, "stacx serve did not start"
-        staging = http.post(url + "/stacx/shm_staging", json={}, timeout=10).json()
+        assert (os.stat(key_file).st_mode & 0o777) == 0o600  # the generated key, private to the user
+        staging = http.post(url + "/stacx/shm_staging", json={}, headers=auth(key_file.read_text().strip()),
+                            timeout=10).json()
         assert os.path.exists(staging["path"])
         driver.kill()  # SIGKILL: the driver runs no teardown at all
         driver.wait(timeout=10)
@@ -321,6 +324,10 @@ def test_serve_stops_and_removes_its_files_when_its_parent_is_killed(tiny_checkp
         while os.path.exists(staging["path"]) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not os.path.exists(staging["path"]), "the orphaned server kept its staging file"
+        deadline = time.monotonic() + 30
+        while key_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not key_file.exists(), "the orphaned server kept its generated key file"
         with pytest.raises(http.ConnectionError):
             for _ in range(100):  # the socket closes right after the files are removed
                 http.get(url + "/health", timeout=2)

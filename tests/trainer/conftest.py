@@ -2,13 +2,20 @@
 
 import pytest
 
-from tests.trainer.training_fixtures import write_tiny_run_files
+from tests.trainer.training_fixtures import ATTACHED_SERVER_KEY, write_tiny_run_files
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """Tiny policy/teacher checkpoints and prompt files (modules may override with richer ones)."""
     return write_tiny_run_files(str(tmp_path_factory.mktemp("run_files")))
+
+
+@pytest.fixture
+def attached_server_key(monkeypatch):
+    """The key of the servers a test attaches its run to, given to the driver as STACX_API_KEY."""
+    monkeypatch.setenv("STACX_API_KEY", ATTACHED_SERVER_KEY)
+    return ATTACHED_SERVER_KEY
 
 
 @pytest.fixture(scope="module")

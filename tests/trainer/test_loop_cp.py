@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from tests.trainer.training_fixtures import VARIED_REWARD, read_metrics, run_config
+from tests.trainer.training_fixtures import ATTACHED_SERVER_KEY, VARIED_REWARD, read_metrics, run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -30,17 +30,19 @@ def _train(files, root, *, tp: int, cp: int, num_steps: int) -> list[dict]:
     from stacx.rollout.engines.server import EngineHttpServer
     from stacx.trainer.factory import create_trainer
 
-    server = EngineHttpServer(CpuEngine.from_hf_checkpoint(files["policy"], seed=0)).start()
+    server = EngineHttpServer(CpuEngine.from_hf_checkpoint(files["policy"], seed=0), api_key=ATTACHED_SERVER_KEY).start()
     try:
-        cfg = run_config(str(root), algorithm={"name": "grpo", "use_kl_loss": True, "kl_loss_coef": 0.1,
-                                               "entropy_coef": 0.01},
-                         hf_checkpoint=files["policy"], ref_load=files["teacher"], prompt_data=files["prompts"],
-                         rollout_engine="http", rollout_urls=[server.url], reward_fn=VARIED_REWARD,
-                         tensor_model_parallel_size=tp, context_parallel_size=cp, num_steps=num_steps)
-        trainer = create_trainer(cfg)
-        layout = trainer.roles["policy"].layout
-        assert (layout.tensor_parallel_size, layout.context_parallel_size) == (tp, cp)
-        trainer.run()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("STACX_API_KEY", ATTACHED_SERVER_KEY)  # the driver's key for the attached server
+            cfg = run_config(str(root), algorithm={"name": "grpo", "use_kl_loss": True, "kl_loss_coef": 0.1,
+                                                   "entropy_coef": 0.01},
+                             hf_checkpoint=files["policy"], ref_load=files["teacher"], prompt_data=files["prompts"],
+                             rollout_engine="http", rollout_urls=[server.url], reward_fn=VARIED_REWARD,
+                             tensor_model_parallel_size=tp, context_parallel_size=cp, num_steps=num_steps)
+            trainer = create_trainer(cfg)
+            layout = trainer.roles["policy"].layout
+            assert (layout.tensor_parallel_size, layout.context_parallel_size) == (tp, cp)
+            trainer.run()
     finally:
         server.stop()
     return read_metrics(str(root / "out"))

@@ -30,14 +30,15 @@ def _hf_weights_per_rank(role_group) -> list[dict[str, torch.Tensor]]:
     return [{name.split("/", 1)[1]: t for name, t in result.items()} for result in results]
 
 
-def test_reference_role_is_refreshed_from_the_policy_bitwise(ray_address, files, engine_world, tmp_path):
+def test_reference_role_is_refreshed_from_the_policy_bitwise(ray_address, files, engine_world, tmp_path,
+                                                             attached_server_key):
     from safetensors.torch import load_file
 
     from stacx.rollout.engines.cpu import CpuEngine
     from stacx.rollout.engines.server import EngineHttpServer
     from stacx.trainer.factory import create_trainer
 
-    server = EngineHttpServer(CpuEngine.from_hf_checkpoint(files["policy"], seed=0)).start()
+    server = EngineHttpServer(CpuEngine.from_hf_checkpoint(files["policy"], seed=0), api_key=attached_server_key).start()
     try:
         cfg = run_config(str(tmp_path), algorithm={"name": "grpo_reference_refresh", "kl_loss_coef": 0.1},
                          hf_checkpoint=files["policy"], prompt_data=files["prompts"], rollout_engine="http",

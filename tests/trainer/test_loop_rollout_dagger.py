@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from tests.trainer.training_fixtures import read_metrics, run_config, write_tiny_run_files
+from tests.trainer.training_fixtures import ATTACHED_SERVER_KEY, read_metrics, run_config, write_tiny_run_files
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -49,7 +49,7 @@ def servers(files):
     started = []
 
     def student():
-        server = EngineHttpServer(CpuEngine.from_hf_checkpoint(files["policy"], seed=3)).start()
+        server = EngineHttpServer(CpuEngine.from_hf_checkpoint(files["policy"], seed=3), api_key=ATTACHED_SERVER_KEY).start()
         started.append(server)
         return server
 
@@ -75,7 +75,9 @@ def _run(tmp_path, files, servers, **values):
     cfg = run_config(str(tmp_path), hf_checkpoint=files["policy"], rollout_engine="http", rollout_urls=[student.url],
                      teacher_url=servers["teacher"].url, save_rollouts_per_step=100, max_tokens_per_micro_batch=128,
                      **values)
-    last = create_trainer(cfg).run()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STACX_API_KEY", ATTACHED_SERVER_KEY)  # the driver's key for the attached student server
+        last = create_trainer(cfg).run()
     return last, read_metrics(str(tmp_path / "out")), _dumps(str(tmp_path / "out"))
 
 

@@ -17,7 +17,13 @@ import threading
 
 import pytest
 
-from tests.trainer.training_fixtures import read_metrics, run_config, varied_reward, write_tiny_run_files
+from tests.trainer.training_fixtures import (
+    ATTACHED_SERVER_KEY,
+    read_metrics,
+    run_config,
+    varied_reward,
+    write_tiny_run_files,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -125,7 +131,8 @@ def _greedy(engine, prompt):
     return out.output_ids, out.output_log_probs
 
 
-def test_grpo_spreads_rollouts_over_two_servers_and_updates_both(ray_address, files, engine_world, tmp_path):
+def test_grpo_spreads_rollouts_over_two_servers_and_updates_both(ray_address, files, engine_world, tmp_path,
+                                                                attached_server_key):
     from stacx.rollout.engines.cpu import CpuEngine
     from stacx.rollout.engines.http import HttpEngine
     from stacx.trainer.factory import create_trainer
@@ -134,7 +141,7 @@ def test_grpo_spreads_rollouts_over_two_servers_and_updates_both(ray_address, fi
     servers: list = [None, None]
 
     def start(index):
-        servers[index] = CpuServerProcess(files["policy"], seed=index)
+        servers[index] = CpuServerProcess(files["policy"], seed=index, api_key=attached_server_key)
 
     threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
     for t in threads:

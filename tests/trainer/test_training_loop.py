@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from tests.trainer.training_fixtures import VARIED_REWARD, read_metrics, run_config
+from tests.trainer.training_fixtures import ATTACHED_SERVER_KEY, VARIED_REWARD, read_metrics, run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -27,7 +27,7 @@ def _serve(engine_world, checkpoint: str, seed: int = 0):
     from stacx.rollout.engines.server import EngineHttpServer
 
     engine = CpuEngine.from_hf_checkpoint(checkpoint, seed=seed)
-    return engine, EngineHttpServer(engine).start()
+    return engine, EngineHttpServer(engine, api_key=ATTACHED_SERVER_KEY).start()
 
 
 def _greedy_log_probs(engine, prompt: list[int]) -> tuple[list[int], list[float]]:
@@ -45,7 +45,8 @@ def _finite(metrics: dict, *names: str) -> None:
         assert math.isfinite(metrics[name]), (name, metrics[name])
 
 
-def test_grpo_tp2_with_reference_trains_and_the_engine_follows(ray_address, files, engine_world, tmp_path):
+def test_grpo_tp2_with_reference_trains_and_the_engine_follows(ray_address, files, engine_world, tmp_path,
+                                                               attached_server_key):
     from stacx.trainer.factory import create_trainer
 
     engine, server = _serve(engine_world, files["policy"])

@@ -58,3 +58,8 @@ def varied_reward(response: str, label, metadata: dict) -> float:
 
 
 VARIED_REWARD = "tests.trainer.training_fixtures:varied_reward"
+
+ATTACHED_SERVER_KEY = "trainer-tests-attached-server-key"
+"""The API key of the rollout servers these tests start and attach to (`rollout_engine: http`): a
+server that takes weight updates always has one, and the driver reads it from STACX_API_KEY
+(the `attached_server_key` fixture)."""

@@ -8,11 +8,19 @@ flush_cache and health (see stacx.rollout.engines.server). Use it as the CPU rol
 frozen teacher for distillation.
 
 Weight updates, pause, continue and flush need the `--api-key` secret (or `STACX_API_KEY`),
-required whenever `--host` is not a loopback address. SIGTERM and Ctrl-C stop the server and
-remove its shared-memory staging files.
+required whenever `--host` is not a loopback address. Without one, the server generates a random
+key, writes it to a mode-0600 file (`--api-key-file`) and prints where; `--no-weight-updates`
+serves a frozen model (a teacher) with no key and no weight endpoints. SIGTERM and Ctrl-C stop
+the server and remove its shared-memory staging files and its generated key file.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import stat
+import tempfile
+import threading
 
 from stacx.network import is_loopback_host
 
@@ -22,7 +30,8 @@ HELP = "serve a checkpoint on CPU through SGLang's /generate API (rollout engine
 
 
 def add_arguments(parser) -> None:
-    from stacx.rollout.engines.server import ServerLimits
+    # Imported here: the HTTP stack is slow to import (`stacx --help` stays fast).
+    from stacx.rollout.engines.http_guard import ServerLimits
 
     limits = ServerLimits()
     parser.add_argument("--hf-checkpoint", required=True, help="folder with config.json and safetensors weights")
@@ -32,7 +41,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--api-key", default=None,
                         help="shared secret required (as 'Authorization: Bearer KEY') by weight updates, pause, "
                              f"continue and flush; default: the {API_KEY_ENV} environment variable, which keeps "
-                             "the key out of the process list")
+                             "the key out of the process list, else a generated key written to --api-key-file")
+    parser.add_argument("--api-key-file", default=None,
+                        help="where a generated key is written (mode 0600; removed when the server stops); "
+                             "default: stacx-serve-PORT.key in $XDG_RUNTIME_DIR, else in a private stacx-UID "
+                             "folder of the temp folder")
+    parser.add_argument("--no-weight-updates", action="store_true",
+                        help="serve a frozen model (a teacher): the weight endpoints are refused and no key is "
+                             "needed or generated (without --api-key, pause, continue and flush are refused too)")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="stop (removing the shared-memory staging files) when the process with this id ends; "
                              "the trainer passes its own so a killed driver leaves no server behind")
@@ -44,8 +60,12 @@ def add_arguments(parser) -> None:
                         help="largest weight-bucket body (default: %(default)s)")
     parser.add_argument("--read-timeout-s", type=float, default=limits.read_timeout_s,
                         help="longest wait for a client's bytes, and for a whole JSON body (default: %(default)s)")
+    parser.add_argument("--keep-alive-timeout-s", type=float, default=limits.keep_alive_timeout_s,
+                        help="an idle keep-alive connection closes after this long (default: %(default)s)")
     parser.add_argument("--max-connections", type=int, default=limits.max_connections,
-                        help="connections served at once; more get 503 (default: %(default)s)")
+                        help="connections open at once, idle ones included; more get 503 (default: %(default)s)")
+    parser.add_argument("--max-requests-per-client", type=int, default=limits.max_requests_per_client,
+                        help="requests one client address may have in flight; more get 503 (default: %(default)s)")
     parser.add_argument("--max-queued-requests", type=int, default=limits.max_queued_requests,
                         help="/generate calls running or waiting at once; more get 503 (default: %(default)s)")
     parser.add_argument("--stall-timeout-s", type=float, default=limits.stall_timeout_s,
@@ -54,8 +74,6 @@ def add_arguments(parser) -> None:
 
 def resolve_api_key(args) -> str | None:
     """--api-key, else STACX_API_KEY; refuses a non-loopback --host without one (SystemExit naming the flag)."""
-    import os
-
     api_key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
     if args.api_key is not None and not args.api_key:
         raise SystemExit("--api-key is empty; give a secret (e.g. python -c 'import secrets; print(secrets.token_urlsafe())')")
@@ -67,15 +85,48 @@ def resolve_api_key(args) -> str | None:
 
 
 def build_limits(args):
-    from stacx.rollout.engines.server import ServerLimits
+    # Imported here: the HTTP stack is slow to import (`stacx --help` stays fast).
+    from stacx.rollout.engines.http_guard import ServerLimits
 
     try:
         return ServerLimits(max_body_bytes=args.max_body_bytes, max_weight_body_bytes=args.max_weight_body_bytes,
-                            read_timeout_s=args.read_timeout_s, max_connections=args.max_connections,
+                            read_timeout_s=args.read_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
+                            max_connections=args.max_connections, max_requests_per_client=args.max_requests_per_client,
                             max_queued_requests=args.max_queued_requests, stall_timeout_s=args.stall_timeout_s)
     except ValueError as err:  # ServerLimits.<field> -> the flag
         field = str(err).split(" ", 1)[0].removeprefix("ServerLimits.")
         raise SystemExit(f"--{field.replace('_', '-')}: {err}") from None
+
+
+def default_api_key_file(port: int) -> str:
+    """stacx-serve-PORT.key in $XDG_RUNTIME_DIR (private to the user), else in a stacx-UID folder of
+    the temp folder, created mode 0700 and refused when another user made it first."""
+    name = f"stacx-serve-{port}.key"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, name)
+    folder = os.path.join(tempfile.gettempdir(), f"stacx-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise SystemExit(f"stacx serve: {folder} is not a private folder of this user (another user may read a key "
+                         "written there); pass --api-key-file PATH or --api-key")
+    return os.path.join(folder, name)
+
+
+def write_api_key_file(path: str, api_key: str) -> str:
+    """Write the key to `path`, mode 0600, atomically (a new file renamed over the name, so a link
+    planted there is replaced, never followed). Returns the absolute path."""
+    path = os.path.abspath(path)
+    try:
+        handle, staged = tempfile.mkstemp(prefix=".stacx-key-", dir=os.path.dirname(path))  # O_EXCL, mode 0600
+        with os.fdopen(handle, "w") as out:
+            out.write(api_key + "\n")
+        os.replace(staged, path)
+    except OSError as err:
+        raise SystemExit(f"stacx serve: cannot write the generated API key to {path} ({err}); pass "
+                         "--api-key-file PATH in a folder you own, or --api-key") from None
+    return path
 
 
 PARENT_POLL_S = 1.0
@@ -84,10 +135,6 @@ PARENT_POLL_S = 1.0
 def watch_parent(parent_pid: int) -> None:
     """A daemon thread that sends this process SIGTERM once `parent_pid` is gone (checked every
     PARENT_POLL_S), so the server's normal shutdown removes its files even after a SIGKILLed driver."""
-    import os
-    import signal
-    import threading
-
     was_child = os.getppid() == parent_pid
 
     def parent_alive() -> bool:
@@ -124,8 +171,7 @@ def load_tokenizer_if_saved(path: str):
 
 
 def run(args) -> int:
-    import signal
-
+    # Imported here: torch, megatron-core and the HTTP stack are slow to import (`stacx --help` stays fast).
     import torch
 
     from stacx.models.checkpoint import CheckpointNotFoundError, require_hf_checkpoint_folder
@@ -144,7 +190,17 @@ def run(args) -> int:
         print_cpu_path_notice()
     engine = CpuEngine.from_hf_checkpoint(args.hf_checkpoint, params_dtype=getattr(torch, args.dtype), seed=args.seed)
     server = EngineHttpServer(engine, host=args.host, port=args.port, model_path=args.hf_checkpoint,
-                              api_key=api_key, limits=limits, tokenizer=load_tokenizer_if_saved(args.hf_checkpoint))
+                              api_key=api_key, weight_updates=not args.no_weight_updates, limits=limits,
+                              tokenizer=load_tokenizer_if_saved(args.hf_checkpoint))
+    key_file = None
+    if api_key is None and server.api_key is not None:
+        try:
+            key_file = write_api_key_file(args.api_key_file or default_api_key_file(server.port), server.api_key)
+        except BaseException:
+            server.close()
+            raise
+        print(f"stacx serve: no --api-key given; weight updates, pause, continue and flush need the generated key "
+              f"in {key_file} (mode 0600), e.g. {API_KEY_ENV}=$(cat {key_file})", flush=True)
 
     def stop_on_sigterm(signum, frame):  # the trainer's teardown: leave no staging file behind
         raise KeyboardInterrupt
@@ -152,11 +208,21 @@ def run(args) -> int:
     signal.signal(signal.SIGTERM, stop_on_sigterm)
     if args.parent_pid is not None:
         watch_parent(args.parent_pid)
-    print(f"stacx serve: {args.hf_checkpoint} at {server.url} (ready)", flush=True)
     try:
+        server.start()
+        print(f"stacx serve: {args.hf_checkpoint} at {server.url} (ready)", flush=True)
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        server.close()
+        server.stop()
+        if key_file is not None:
+            remove_quietly(key_file)
     return 0
+
+
+def remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -105,7 +105,8 @@ class TeacherServer:
     def __init__(self, checkpoint: str, log_path: str, seed: int):
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", checkpoint, "--port", "0", "--seed", str(seed)],
+            [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", checkpoint, "--port", "0", "--seed", str(seed),
+             "--no-weight-updates"],  # a frozen teacher: no weight endpoints, no key
             stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.url = self._wait_ready(timeout_s=180)
 

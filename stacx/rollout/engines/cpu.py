@@ -385,6 +385,10 @@ class CpuEngine(InferenceEngine):
             else:
                 self._receiver.receive(named_tensors)
 
+    def weight_update_size(self) -> tuple[int, int]:
+        """(tensor bytes, tensors) of the largest weight update this model takes (`HfWeightReceiver.update_size`)."""
+        return self._receiver.update_size()
+
     def set_weight_version(self, version: int) -> None:
         """Mark the update finished; raises if a parameter received only part of its tensors."""
         with self._lock:

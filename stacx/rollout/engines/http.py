@@ -19,6 +19,7 @@ from stacx.network import is_loopback_host
 from stacx.rollout.engines.base import InferenceEngine, WeightBucket
 from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerRequestError
 from stacx.rollout.engines.sglang_protocol import build_generate_payload, parse_generate_response
+from stacx.rollout.engines.weight_versions import is_own_accepted_bucket
 from stacx.rollout.types import GenerateOutput, GenerateRequest
 from stacx.rollout.weight_transfer import SharedMemoryStaging, bucket_wire_chunks
 
@@ -66,27 +67,39 @@ class HttpEngine(InferenceEngine):
         return parse_generate_response(body, requests)
 
     def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
-        pending = None
+        """Send the buckets numbered 0, 1, ... under `version`, the last one marked final (the server
+        refuses a version it serves already, or older: stacx.rollout.engines.weight_versions)."""
+        pending, index = None, -1
         for bucket in buckets:
             if pending is not None:
-                self._send_bucket(pending, version=version, final=False)
-            pending = bucket
+                self._send_bucket(pending, version=version, index=index, final=False)
+            pending, index = bucket, index + 1
         if pending is None:
             raise ValueError("update_weights: no buckets given")
-        self._send_bucket(pending, version=version, final=True)
+        self._send_bucket(pending, version=version, index=index, final=True)
 
-    def _send_bucket(self, bucket: WeightBucket, *, version: int, final: bool) -> None:
+    def _send_bucket(self, bucket: WeightBucket, *, version: int, index: int, final: bool) -> None:
+        try:
+            self._post_bucket(bucket, version=version, index=index, final=final)
+        except ServerRequestError as err:
+            # a retried bucket whose first attempt landed (only its answer was lost) is refused as a replay
+            if err.status_code == 409 and is_own_accepted_bucket(err.answer, version=version, bucket=index):
+                return
+            raise
+
+    def _post_bucket(self, bucket: WeightBucket, *, version: int, index: int, final: bool) -> None:
         if self.weight_transport == "shm" and self._staging is None:
             self._staging = self._open_staging()
         if self.weight_transport == "shm":
-            header = self._staging.write(bucket, version=version, final=final)
+            header = self._staging.write(bucket, version=version, final=final, index=index)
             self.transport.post_json(SHM_BUCKET_ENDPOINT, header, summary=f"{len(bucket)} tensors via {self._staging.path}")
             return
         # the tensors' own memory goes to the socket; the server receives one flat buffer
-        chunks = bucket_wire_chunks(bucket, version=version, final=final)
+        chunks = bucket_wire_chunks(bucket, version=version, final=final, index=index)
         body = _ChunkedBody(chunks)
         self.transport.request(
-            "POST", BUCKET_ENDPOINT, data=body, summary=f"{len(bucket)} tensors, {body.len} bytes, version {version}",
+            "POST", BUCKET_ENDPOINT, data=body,
+            summary=f"{len(bucket)} tensors, {body.len} bytes, version {version} bucket {index}",
         )
 
     def _open_staging(self) -> Optional[SharedMemoryStaging]:

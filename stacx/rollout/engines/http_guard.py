@@ -1,15 +1,27 @@
-"""The protective layer of `stacx serve`'s HTTP server: limits, refusals, the connection cap and the
-bearer-token check. `stacx.rollout.engines.server` builds the endpoints on top of it.
+"""The protective layer of `stacx serve`'s HTTP server: limits, refusals, the bearer-token check and
+the two pieces that bound what connections and clients can hold. `stacx.rollout.engines.server`
+builds the endpoints on top of it.
+
+- `guarded_h11_protocol(limits)`: uvicorn's h11 connection protocol with a connection cap (one
+  more connection is answered 503 at once and closed), a deadline on request heads (a connection
+  that has not sent a whole request head within `read_timeout_s`, a fresh one or one idle
+  between requests, is closed) and a 400 that names what was malformed.
+- `PerClientLimit`: an ASGI middleware that keeps one client address (keyed by host) to
+  `max_requests_per_client` requests in flight; more get 503 with Retry-After (and the
+  connection closed).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
-import threading
+from collections import Counter
 from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
 from typing import Optional
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,87 +31,172 @@ class ServerLimits:
     max_body_bytes: int = 64 * 1024 * 1024
     """Largest JSON request body; a larger Content-Length is answered 413 before any allocation."""
     max_weight_body_bytes: int = 16 * 1024 ** 3
-    """Largest binary weight-bucket body (`/stacx/update_weights_bucket`, authenticated)."""
+    """Upper cap of a binary weight-bucket body (`/stacx/update_weights_bucket`, authenticated). The
+    server's own bound is lower: its model's parameter bytes plus a header (`EngineHttpServer`)."""
     read_timeout_s: float = 60.0
-    """Longest wait for any socket read, and for a whole JSON body; idle keep-alive connections close after it."""
-    max_connections: int = 64
-    """Connections served at once (one thread each); more are answered 503 and closed."""
+    """Longest wait for a request head (on a new connection, or between requests), for a whole JSON
+    body, and for each part of a weight body."""
+    keep_alive_timeout_s: float = 15.0
+    """An idle keep-alive connection is closed after this long without a new request."""
+    max_connections: int = 1024
+    """Open connections at once (idle ones included); one more is answered 503 and closed."""
+    max_requests_per_client: int = 64
+    """Requests one client address may have in flight at once; more get 503 with Retry-After.
+    Every local process shares the address 127.0.0.1."""
     max_queued_requests: int = 64
     """`/generate` calls admitted at once (running or waiting for the engine); more get 503."""
     stall_timeout_s: float = 300.0
     """`/health` reports the engine wedged when a call made no progress for this long."""
 
     def __post_init__(self):
-        for name in ("max_body_bytes", "max_weight_body_bytes", "max_connections", "max_queued_requests"):
+        for name in ("max_body_bytes", "max_weight_body_bytes", "max_connections", "max_requests_per_client",
+                     "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerLimits.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("read_timeout_s", "stall_timeout_s"):
+        for name in ("read_timeout_s", "keep_alive_timeout_s", "stall_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerLimits.{name} must be > 0, got {getattr(self, name)}")
 
 
 class HttpError(Exception):
-    """A protocol-level refusal with its status (413, 411, 503, ...) and message."""
+    """A protocol-level refusal with its status (413, 411, 401, 503, ...), message and extra answer
+    headers; `close`: the connection closes after the answer (a body was left unread)."""
 
-    def __init__(self, status: int, message: str, *, close: bool = False):
+    def __init__(self, status: int, message: str, *, close: bool = False, headers: Optional[dict] = None):
         super().__init__(message)
-        self.status, self.close = status, close
-
-
-class BoundedHTTPServer(ThreadingHTTPServer):
-    """One thread per connection, at most `max_connections` of them; the rest get 503 and are closed."""
-
-    daemon_threads = True
-
-    def __init__(self, address, handler_cls, *, max_connections: int):
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self.max_connections = max_connections
-        super().__init__(address, handler_cls)
-
-    @property
-    def num_free_connection_slots(self) -> int:
-        """Connections this server would still accept now (max_connections minus those held)."""
-        return self._slots._value
-
-    def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
-            refuse_connection(request, f"the server is serving its maximum of {self.max_connections} connections")
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
-def refuse_connection(sock, message: str) -> None:
-    body = json.dumps({"error": message}).encode()
-    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode()
-    try:
-        sock.settimeout(1.0)
-        sock.sendall(head + body)
-    except OSError:
-        pass
+        self.status, self.close, self.headers = status, close, dict(headers or {})
 
 
 def check_bearer_token(api_key: Optional[str], header: Optional[str]) -> Optional[tuple[int, str]]:
-    """None when allowed (no key configured, or `Authorization: Bearer <api_key>`); else
-    (401 when the header is missing, 403 when the key is wrong, message). Compared in constant
-    time (`hmac.compare_digest`), so the answer time does not reveal how much of a guess matched."""
-    if api_key is None:
-        return None
+    """None when `Authorization: Bearer <api_key>` is presented; else (401 when the header is
+    missing, 403 when the key is wrong, message). Compared in constant time
+    (`hmac.compare_digest`), so the answer time does not reveal how much of a guess matched.
+    `api_key` None (a server without a key) allows nothing: the caller refuses before asking."""
     if not header:
         return 401, "this endpoint needs 'Authorization: Bearer <api key>' (the server's --api-key / STACX_API_KEY)"
     scheme, _, token = header.strip().partition(" ")
     presented = token.strip().encode("utf-8", "surrogateescape")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(presented, api_key.encode()):
+    expected = (api_key or "").encode()
+    if scheme.lower() != "bearer" or not api_key or not hmac.compare_digest(presented, expected):
         return 403, "the API key is wrong"
     return None
+
+
+def error_head(status: int, reason: str, message: str) -> bytes:
+    """A whole HTTP/1.1 answer `{"error": message}` that closes the connection (written raw, outside h11)."""
+    body = json.dumps({"error": message}).encode()
+    retry = "Retry-After: 1\r\n" if status == 503 else ""
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"{retry}Connection: close\r\n\r\n").encode() + body
+
+
+class ConnectionCounter:
+    """Open connections of one server (the event loop's thread only touches it)."""
+
+    def __init__(self, max_connections: int):
+        self.max_connections = max_connections
+        self.open = 0
+
+
+def guarded_h11_protocol(limits: ServerLimits, counter: ConnectionCounter) -> type:
+    """uvicorn's h11 protocol class with the connection cap and the request-head deadline (module docstring)."""
+
+    class GuardedH11Protocol(H11Protocol):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._admitted = False
+            self._head_deadline: Optional[asyncio.TimerHandle] = None
+            self._protocol_error = ""
+            parse = self.conn.next_event
+
+            def next_event():  # remember why h11 refused a request, for the 400 answer
+                try:
+                    return parse()
+                except h11.RemoteProtocolError as err:
+                    self._protocol_error = str(err)
+                    raise
+
+            self.conn.next_event = next_event
+
+        def connection_made(self, transport) -> None:
+            if counter.open >= counter.max_connections:
+                transport.write(error_head(503, "Service Unavailable", "the server is serving its maximum of "
+                                           f"{counter.max_connections} connections (--max-connections); retry later"))
+                transport.close()
+                return
+            counter.open += 1
+            self._admitted = True
+            super().connection_made(transport)
+            self._arm_head_deadline()
+
+        def connection_lost(self, exc) -> None:
+            if not self._admitted:
+                return
+            self._admitted = False
+            counter.open -= 1
+            self._cancel_head_deadline()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._admitted:
+                super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_head_deadline()
+
+        def send_400_response(self, msg: str) -> None:
+            """A JSON 400 naming what h11 refused, with its Content-Length, then close."""
+            self.transport.write(error_head(400, "Bad Request", f"{msg} {self._protocol_error}".strip()))
+            self.transport.close()
+
+        def _arm_head_deadline(self) -> None:
+            self._cancel_head_deadline()
+            if not self.transport.is_closing():
+                self._head_deadline = self.loop.call_later(limits.read_timeout_s, self._head_deadline_passed)
+
+        def _cancel_head_deadline(self) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
+
+        def _head_deadline_passed(self) -> None:
+            """No whole request head arrived within read_timeout_s: close (a request in progress is
+            the endpoint's to time out)."""
+            self._head_deadline = None
+            waiting_for_head = self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+            if waiting_for_head and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
+class PerClientLimit:
+    """ASGI middleware: at most `max_requests` requests in flight per client host; more get 503.
+    Runs on the event loop's one thread, so the counts need no lock."""
+
+    def __init__(self, app, *, max_requests: int):
+        self.app = app
+        self.max_requests = max_requests
+        self.in_flight: Counter = Counter()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        host = (scope.get("client") or ("unknown", 0))[0]
+        if self.in_flight[host] >= self.max_requests:
+            body = json.dumps({"error": f"client {host} already has {self.in_flight[host]} requests in flight "
+                                        f"(--max-requests-per-client {self.max_requests}); retry later"}).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                                    (b"connection", b"close"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        self.in_flight[host] += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight[host] -= 1
+            if not self.in_flight[host]:
+                del self.in_flight[host]

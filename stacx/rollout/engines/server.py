@@ -1,25 +1,32 @@
-"""A small HTTP server exposing an in-process engine through SGLang's native API subset.
+"""An HTTP server exposing an in-process engine through SGLang's native API subset (`stacx serve`).
 
-Built on the standard library's `ThreadingHTTPServer` (docs/dependencies.md says why not
-FastAPI/uvicorn): the endpoints are few, requests are JSON or one binary body, and it adds no
-dependency or event loop to the trainer's processes. The hardening a maintained stack would give
-is here, each limit in `ServerLimits`:
+FastAPI on uvicorn, run in-process (docs/dependencies.md says why): one asyncio thread holds every
+connection, blocking work (generation, weight loads) runs in worker threads. The limits, each in
+`ServerLimits` (stacx.rollout.engines.http_guard):
 
-- a body larger than `max_body_bytes` (`max_weight_body_bytes` for a weight bucket) is answered
-  413 from its Content-Length, before anything is allocated; JSON bodies are read in chunks
-  within `read_timeout_s`, so memory follows the bytes that really arrived;
-- every socket read waits at most `read_timeout_s` (slow or idle clients release their thread),
-  and at most `max_connections` connections are served at once (more get 503 at once);
+- a body larger than `max_body_bytes` is answered 413 from its Content-Length, before anything is
+  allocated; JSON bodies are read within `read_timeout_s`, memory following the bytes that arrived;
+- a weight body may be no larger than the model's own parameter bytes plus a header
+  (`weight_body_limit`), is read in chunks straight into one buffer of its Content-Length, one
+  weight request at a time;
+- a connection must send a whole request head within `read_timeout_s`, idle keep-alive
+  connections close after `keep_alive_timeout_s`, at most `max_connections` are open (one more
+  gets 503 at once) and one client address has at most `max_requests_per_client` requests in
+  flight (more get 503); the listen backlog is `LISTEN_BACKLOG`;
 - at most `max_queued_requests` `/generate` calls wait for the engine (more get 503, which
   Stacx's client retries with backoff); a call whose client disconnected stops generating;
 - a client's mistake is a 400 naming the field (sglang_protocol validates every field);
+- weight versions only move forward: a replayed or stale bucket gets 409 (weight_versions.py);
+  a bucket holding NaN or infinity gets 400 naming the tensor;
 - `/health` answers 503 when the engine has made no progress for `stall_timeout_s`.
 
-Authentication: with an `api_key`, every mutating endpoint (weight updates, the shared-memory
-handshake, pause, continue, flush) needs `Authorization: Bearer <key>` (401 when missing, 403
-when wrong, compared with `hmac.compare_digest`). Generation and the read-only endpoints stay open.
+Authentication: every mutating endpoint (weight updates, the shared-memory handshake, pause,
+continue, flush) needs `Authorization: Bearer <key>` (401 when missing, 403 when wrong, compared
+with `hmac.compare_digest`). A server that takes weight updates always has a key (a random one
+when none is given, `api_key`); one started with `weight_updates=False` refuses the weight
+endpoints, and without a key every mutating endpoint. Generation and the reads stay open.
 
-Endpoints (SGLang's names unless marked stacx):
+Endpoints (SGLang's names unless marked stacx; the schema is at GET /openapi.json):
   GET  /health, /health_generate        200 when the engine can serve, 503 when it is wedged
   GET  /get_model_info                   {"model_path", "weight_version", "is_generation"}
   GET  /get_weight_version               {"weight_version"}
@@ -36,32 +43,56 @@ Endpoints (SGLang's names unless marked stacx):
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import select
+import secrets
 import socket
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler
-from typing import Optional
+from typing import Awaitable, Callable, Optional
+
+import anyio
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stacx.rollout.engines.cpu import GenerationCancelled
-from stacx.rollout.engines.http_guard import BoundedHTTPServer, HttpError, ServerLimits, check_bearer_token
 from stacx.rollout.engines.http import BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_RELEASE_ENDPOINT, SHM_STAGING_ENDPOINT
+from stacx.rollout.engines.http_guard import (
+    ConnectionCounter,
+    HttpError,
+    PerClientLimit,
+    ServerLimits,
+    check_bearer_token,
+    guarded_h11_protocol,
+)
+from stacx.rollout.engines.request_bodies import content_length, read_body_into, read_json
 from stacx.rollout.engines.sglang_protocol import parse_generate_payload, render_generate_item
+from stacx.rollout.engines.weight_versions import StaleWeightsError, WeightVersionGate
 from stacx.rollout.request_batching import GenerateBatcher
-from stacx.rollout.weight_transfer import SharedMemoryRegistry, decode_bucket_body, unflatten_bucket
+from stacx.rollout.weight_transfer import (
+    SharedMemoryRegistry,
+    decode_bucket_body,
+    max_bucket_body_bytes,
+    refuse_non_finite,
+    unflatten_bucket,
+)
+
+__all__ = ["EngineHttpServer", "ServerLimits", "MUTATING_ENDPOINTS", "WEIGHT_ENDPOINTS"]
 
 logger = logging.getLogger(__name__)
 
-MUTATING_ENDPOINTS = frozenset({
-    "/pause_generation", "/continue_generation", "/flush_cache",
-    BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_STAGING_ENDPOINT, SHM_RELEASE_ENDPOINT,
-})
-"""Endpoints that change the server's state; with an api_key they need the bearer token."""
-
-_READ_CHUNK_BYTES = 1 << 20
+WEIGHT_ENDPOINTS = frozenset({BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_STAGING_ENDPOINT, SHM_RELEASE_ENDPOINT})
+"""Endpoints that change the served weights; refused by a server started with weight_updates=False."""
+MUTATING_ENDPOINTS = WEIGHT_ENDPOINTS | {"/pause_generation", "/continue_generation", "/flush_cache"}
+"""Endpoints that change the server's state; they need the bearer token."""
+LISTEN_BACKLOG = 2048
+"""Connections the kernel queues before the server accepts them (the standard library's 5 reset
+5-10 % of requests from 32 parallel clients)."""
+START_TIMEOUT_S = 30.0
 
 
 class PauseGate:
@@ -81,68 +112,108 @@ class PauseGate:
         return self._open.wait(timeout_s)
 
 
+def weight_body_limit(engine, limits: ServerLimits) -> int:
+    """The largest weight body this server reads: the model's parameter bytes plus a header
+    (`max_bucket_body_bytes`), never more than `limits.max_weight_body_bytes`."""
+    size = getattr(engine, "weight_update_size", None)
+    if size is None:
+        return limits.max_weight_body_bytes
+    return min(limits.max_weight_body_bytes, max_bucket_body_bytes(*size()))
+
+
 class EngineHttpServer:
     """Serves `engine` (a CpuEngine or anything with generate / load_weights / set_weight_version).
 
-    Use as a context manager or call `start()` / `stop()`; port 0 picks a free port.
-    api_key: the shared secret every mutating endpoint requires (None: no authentication; only
-    sensible on a loopback address, which `stacx serve` enforces).
+    Use as a context manager or call `start()` / `stop()`; port 0 picks a free port (bound here, so
+    `url` is known before `start()`).
+    api_key: the shared secret every mutating endpoint requires; None: a random one
+    (`secrets.token_urlsafe`, read it from `api_key`) when weight_updates, else no key and no
+    mutating endpoint at all.
+    weight_updates: False refuses the weight endpoints (a teacher, or a frozen model).
     tokenizer: encodes `/generate`'s `text` prompts and decodes each answer's `text` (None: token
     ids only, `text` refused, answers carry "").
     """
 
     def __init__(self, engine, *, host: str = "127.0.0.1", port: int = 0, model_path: str = "",
-                 pause_timeout_s: float = 600.0, api_key: Optional[str] = None,
+                 pause_timeout_s: float = 600.0, api_key: Optional[str] = None, weight_updates: bool = True,
                  limits: ServerLimits = ServerLimits(), tokenizer=None):
         if api_key is not None and not api_key:
-            raise ValueError("EngineHttpServer: api_key is empty; pass None for no authentication")
+            raise ValueError("EngineHttpServer: api_key is empty; pass None for a generated one")
         self.engine = engine
         self.model_path = model_path
         self.tokenizer = tokenizer
+        self.weight_updates = weight_updates
+        self.api_key = api_key if api_key is not None or not weight_updates else secrets.token_urlsafe(32)
         self.gate = PauseGate()
         self.shm_registry = SharedMemoryRegistry()
         self.pause_timeout_s = pause_timeout_s
-        self.api_key = api_key
         self.limits = limits
+        self.weight_body_limit = weight_body_limit(engine, limits)
+        self.versions = WeightVersionGate()
+        self.connections = ConnectionCounter(limits.max_connections)
         self._admitted = 0
-        self._admitted_lock = threading.Lock()
+        self._weight_lock = asyncio.Lock()  # one weight body in memory at a time
+        self._generate_threads: Optional[anyio.CapacityLimiter] = None  # made on the event loop
         # Concurrent /generate calls run as one engine batch (stacx.rollout.request_batching).
         self.batcher = GenerateBatcher(engine) if engine is not None else None
-        self._httpd = BoundedHTTPServer((host, port), _make_handler(self), max_connections=limits.max_connections)
+        self.app = build_app(self)
+        self._socket = _listening_socket(host, port)
+        config = uvicorn.Config(
+            PerClientLimit(self.app, max_requests=limits.max_requests_per_client),
+            http=guarded_h11_protocol(limits, self.connections), loop="asyncio", ws="none", lifespan="off",
+            log_config=None, access_log=False, proxy_headers=False,  # the client address is the socket's
+            timeout_keep_alive=limits.keep_alive_timeout_s, backlog=LISTEN_BACKLOG, timeout_graceful_shutdown=2,
+            # the protocol refuses connection max_connections + 1 itself (503 naming the flag); this is a backstop
+            limit_concurrency=limits.max_connections + 1, server_header=False,
+        )
+        self._uvicorn = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     @property
     def port(self) -> int:
-        return self._httpd.server_address[1]
+        return self._socket.getsockname()[1]
 
     @property
     def url(self) -> str:
-        host = self._httpd.server_address[0]
-        return f"http://{host}:{self.port}"
+        host = self._socket.getsockname()[0]
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def start(self) -> "EngineHttpServer":
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="stacx-serve", daemon=True)
+        """Serve from a background thread; returns once the server accepts requests."""
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._socket]},
+                                        name="stacx-serve", daemon=True)
         self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the HTTP server on {self.url} did not start within {START_TIMEOUT_S:.0f}s")
+            time.sleep(0.005)
         return self
 
     def serve_forever(self) -> None:
-        self._httpd.serve_forever()
+        """Serve until interrupted (KeyboardInterrupt, which `stacx serve` raises on SIGTERM)."""
+        if self._thread is None:
+            self.start()
+        while self._thread.is_alive():
+            self._thread.join(0.5)
 
     def stop(self) -> None:
         """Stop serving, release the socket and remove the shared-memory staging files. Safe before
-        `start()` (`shutdown()` waits for a running `serve_forever` loop and would block forever when
-        none was started) and safe to call twice."""
+        `start()` and safe to call twice."""
         if self._thread is not None:
-            self._httpd.shutdown()
+            self._uvicorn.should_exit = True
             self._thread.join(timeout=10)
+            if self._thread.is_alive():
+                self._uvicorn.force_exit = True
+                self._thread.join(timeout=5)
             self._thread = None
         self.close()
 
     def close(self) -> None:
-        """Release the socket and remove the staging files after `serve_forever` returned (the
-        foreground `stacx serve` path). Safe to call twice."""
+        """Release the socket and remove the staging files. Safe to call twice."""
         try:
-            self._httpd.server_close()
+            self._socket.close()
         finally:
             self.shm_registry.close()
 
@@ -152,19 +223,40 @@ class EngineHttpServer:
     def __exit__(self, *exc):
         self.stop()
 
-    # ---- admission and health ----------------------------------------------------------------
+    # ---- admission, access and health ------------------------------------------------------------
 
     def admit_generate(self) -> None:
-        """Count one more `/generate` call in, or raise 503 when `max_queued_requests` are admitted."""
-        with self._admitted_lock:
-            if self._admitted >= self.limits.max_queued_requests:
-                raise HttpError(503, f"/generate queue is full ({self._admitted} requests admitted, "
-                                     f"max_queued_requests {self.limits.max_queued_requests}); retry later")
-            self._admitted += 1
+        """Count one more `/generate` call in, or raise 503 when `max_queued_requests` are admitted
+        (the event loop's thread only)."""
+        if self._admitted >= self.limits.max_queued_requests:
+            raise HttpError(503, f"/generate queue is full ({self._admitted} requests admitted, "
+                                 f"max_queued_requests {self.limits.max_queued_requests}); retry later",
+                            headers={"Retry-After": "1"})
+        self._admitted += 1
 
     def release_generate(self) -> None:
-        with self._admitted_lock:
-            self._admitted -= 1
+        self._admitted -= 1
+
+    def generate_threads(self) -> anyio.CapacityLimiter:
+        """Worker threads for /generate: one per admitted call, so a full queue never starves the rest."""
+        if self._generate_threads is None:
+            self._generate_threads = anyio.CapacityLimiter(self.limits.max_queued_requests)
+        return self._generate_threads
+
+    def check_access(self, path: str, authorization: Optional[str]) -> None:
+        """Raise HttpError (403, 401) unless `path` may be called with this Authorization header."""
+        if path not in MUTATING_ENDPOINTS:
+            return
+        if path in WEIGHT_ENDPOINTS and not self.weight_updates:
+            raise HttpError(403, f"{path}: this server takes no weight updates (started with --no-weight-updates); "
+                                 "restart it without that flag to push weights", close=True)
+        if self.api_key is None:
+            raise HttpError(403, f"{path}: this server has no API key (--no-weight-updates without --api-key), so "
+                                 "nobody may pause, continue or flush it; restart it with --api-key KEY", close=True)
+        refusal = check_bearer_token(self.api_key, authorization)
+        if refusal is not None:
+            status, message = refusal
+            raise HttpError(status, f"{path}: {message}", close=True, headers={"WWW-Authenticate": "Bearer"})
 
     def health_report(self) -> tuple[int, dict]:
         """(200, ok) when the engine can serve; (503, why) when it reports unhealthy or wedged."""
@@ -178,244 +270,221 @@ class EngineHttpServer:
             return 503, {"status": "unhealthy", "error": "the engine reports it cannot serve"}
         return 200, {"status": "ok"}
 
-    def check_authorization(self, header: Optional[str]) -> Optional[tuple[int, str]]:
-        """None when allowed; else (401 or 403, message), see `check_bearer_token`."""
-        return check_bearer_token(self.api_key, header)
+    # ---- weights (worker threads) ----------------------------------------------------------------
+
+    def apply_bucket(self, flat, header: dict, *, where: str) -> dict:
+        """Load one validated bucket if it moves the version forward (409 otherwise); the engine
+        checks every name and shape, and this every value, before writing any."""
+        with self.versions.lock:
+            self.versions.admit(header, self.engine.weight_version(), where=where)
+            named = unflatten_bucket(flat)
+            refuse_non_finite(named, where=where)
+            self.engine.load_weights(named)
+            if header["final"]:
+                self.engine.set_weight_version(header["version"])
+            self.versions.record(header)
+        return {"success": True, "message": f"loaded {len(flat.slots)} tensors",
+                "weight_version": str(self.engine.weight_version())}
 
 
-def _make_handler(server: EngineHttpServer):
-    limits = server.limits
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        # headers and body are separate writes; with Nagle on, keep-alive clients stall ~40 ms per reply
-        disable_nagle_algorithm = True
-        timeout = limits.read_timeout_s  # every socket read and write, idle keep-alive included
 
-        def log_message(self, fmt, *args):  # route access logs to logging, not stderr
-            logger.debug("%s - %s", self.address_string(), fmt % args)
+class JsonResponse(Response):
+    """JSON like the standard library writes it (Starlette's refuses -inf, a legal log-prob)."""
 
-        def _send_json(self, status: int, body, headers: dict | None = None) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for key, value in (headers or {}).items():
-                self.send_header(key, value)
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
+    media_type = "application/json"
 
-        # ---- bodies --------------------------------------------------------------------------
+    def render(self, content) -> bytes:
+        return json.dumps(content).encode()
 
-        def _content_length(self, limit: int) -> int:
-            if self.headers.get("Transfer-Encoding"):
-                raise HttpError(411, "chunked request bodies are not supported; send Content-Length", close=True)
-            raw = self.headers.get("Content-Length")
-            if raw is None:
-                return 0
+
+Handler = Callable[[Request], Awaitable[tuple[int, object]]]
+
+
+def build_app(server: EngineHttpServer) -> FastAPI:
+    """The FastAPI application: SGLang's endpoints and Stacx's weight endpoints over `server`."""
+    app = FastAPI(title="stacx serve", summary="Stacx's CPU engine behind SGLang's native HTTP API subset",
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    endpoints = _Endpoints(server)
+    json_body = {"requestBody": {"content": {"application/json": {"schema": {"type": "object"}}}}}
+    routes = [
+        (("GET",), "/health", endpoints.health, "200 when the engine can serve, 503 when it is wedged", None),
+        (("GET",), "/health_generate", endpoints.health, "the same as /health", None),
+        (("GET", "POST"), "/get_model_info", endpoints.model_info, "model path and served weight version", None),
+        (("GET",), "/get_weight_version", endpoints.weight_version, "the served weight version", None),
+        (("POST",), "/generate", endpoints.generate,
+         "SGLang's generate: `text` or `input_ids` (one or a list), `sampling_params`, log-prob fields", json_body),
+        (("POST",), "/pause_generation", endpoints.pause, "new /generate calls wait (needs the API key)", None),
+        (("POST",), "/continue_generation", endpoints.resume, "release paused calls (needs the API key)", None),
+        (("GET", "POST"), "/flush_cache", endpoints.flush_cache, "drop cached state (needs the API key)", None),
+        (("POST",), BUCKET_ENDPOINT, endpoints.update_bucket,
+         "one weight bucket: 8-byte header length, JSON header, raw tensors (needs the API key)",
+         {"requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}),
+        (("POST",), SHM_STAGING_ENDPOINT, endpoints.shm_staging,
+         "create a same-host staging file: {} -> {staging_id, path} (needs the API key)", None),
+        (("POST",), SHM_BUCKET_ENDPOINT, endpoints.update_from_shm,
+         "load the bucket staged under staging_id: bucket header + staging_id (needs the API key)", json_body),
+        (("POST",), SHM_RELEASE_ENDPOINT, endpoints.shm_release, "{staging_id}: remove that staging file", json_body),
+    ]
+    for methods, path, handler, summary, extra in routes:
+        app.add_api_route(path, endpoints.answering(handler), methods=list(methods), summary=summary,
+                          name=path.strip("/").replace("/", "_"), openapi_extra=extra,
+                          response_class=JsonResponse)
+    known = sorted({path for _, path, *_ in routes})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def unknown_endpoint(request: Request, err: StarletteHTTPException):
+        if err.status_code == 404:
+            message = f"unknown endpoint {request.method} {request.url.path}; known: {known}"
+        else:
+            message = f"{request.method} {request.url.path}: {err.detail}"
+        return JsonResponse({"error": message}, err.status_code, headers=getattr(err, "headers", None))
+
+    return app
+
+
+async def _watch_disconnect(request: Request, gone: threading.Event) -> None:
+    """Set `gone` when the client closes the connection (once the body is read, the next ASGI
+    message is the disconnect or nothing)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            gone.set()
+            return
+
+
+class _Endpoints:
+    """The endpoint handlers: each returns (status, JSON body); `answering` maps errors to answers."""
+
+    def __init__(self, server: EngineHttpServer):
+        self.server = server
+        self.limits = server.limits
+
+    def answering(self, handler: Handler):
+        server = self.server
+
+        async def endpoint(request: Request) -> Response:
+            path = request.url.path
+            headers: dict = {}
             try:
-                length = int(raw)
-            except ValueError:
-                raise HttpError(400, f"Content-Length {raw[:40]!r} is not an integer", close=True) from None
-            if length < 0:
-                raise HttpError(400, f"Content-Length {length} is negative", close=True)
-            if length > limit:
-                raise HttpError(413, f"request body of {length} bytes exceeds the server's limit of {limit} bytes",
-                                close=True)
-            return length
-
-        def _read_json_bytes(self) -> bytes:
-            """The body in chunks, all of it within read_timeout_s (memory follows what arrived)."""
-            length = self._content_length(limits.max_body_bytes)
-            deadline = time.monotonic() + limits.read_timeout_s
-            chunks, read = [], 0
-            while read < length:
-                if time.monotonic() > deadline:
-                    raise HttpError(408, f"request body not received within {limits.read_timeout_s:.0f}s", close=True)
-                try:
-                    chunk = self.rfile.read1(min(_READ_CHUNK_BYTES, length - read))
-                except TimeoutError:
-                    raise HttpError(408, f"request body stalled for {limits.read_timeout_s:.0f}s after {read} of "
-                                         f"{length} bytes", close=True) from None
-                if not chunk:
-                    raise HttpError(400, f"request body ended after {read} of {length} bytes", close=True)
-                chunks.append(chunk)
-                read += len(chunk)
-            return b"".join(chunks)
-
-        def _read_weight_body(self) -> bytearray:
-            """The (authenticated) binary body in one buffer, received in place."""
-            length = self._content_length(limits.max_weight_body_bytes)
-            buffer = bytearray(length)
-            view, read = memoryview(buffer), 0
-            while read < length:
-                try:
-                    n = self.rfile.readinto(view[read:])
-                except TimeoutError:
-                    raise HttpError(408, f"request body stalled for {limits.read_timeout_s:.0f}s after {read} of "
-                                         f"{length} bytes", close=True) from None
-                if not n:
-                    raise HttpError(400, f"request body ended after {read} of {length} bytes", close=True)
-                read += n
-            return buffer
-
-        def _discard_body(self) -> None:
-            """Skip a small body we will not use (keeps the connection usable), else close it."""
-            try:
-                self._read_json_bytes()
-            except HttpError:
-                self.close_connection = True
-
-        def _json_body(self):
-            raw = self._read_json_bytes()
-            if not raw:
-                return {}
-            try:
-                return json.loads(raw, parse_constant=_reject_json_constant)
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise ValueError(f"request body is not JSON: {err}") from err
-
-        # ---- routing -------------------------------------------------------------------------
-
-        def do_GET(self):
-            self._dispatch(self._get_routes())
-
-        def do_POST(self):
-            self._dispatch(self._post_routes())
-
-        def _get_routes(self):
-            return {
-                "/health": self._health, "/health_generate": self._health,
-                "/get_model_info": self._model_info, "/get_weight_version": self._weight_version,
-                "/flush_cache": self._flush_cache,
-            }
-
-        def _post_routes(self):
-            return {
-                "/generate": self._generate, "/pause_generation": self._pause,
-                "/continue_generation": self._continue, "/flush_cache": self._flush_cache,
-                BUCKET_ENDPOINT: self._update_bucket, SHM_BUCKET_ENDPOINT: self._update_from_shm,
-                SHM_STAGING_ENDPOINT: self._shm_staging, SHM_RELEASE_ENDPOINT: self._shm_release,
-                "/get_model_info": self._model_info,
-            }
-
-        def _dispatch(self, routes):
-            path = self.path.split("?", 1)[0]
-            handler = routes.get(path)
-            if handler is None:
-                self._discard_body()
-                self._send_json(404, {"error": f"unknown endpoint {self.command} {path}; known: {sorted(routes)}"})
-                return
-            if path in MUTATING_ENDPOINTS:
-                refusal = server.check_authorization(self.headers.get("Authorization"))
-                if refusal is not None:
-                    self._discard_body()
-                    status, message = refusal
-                    self._send_json(status, {"error": f"{path}: {message}"}, {"WWW-Authenticate": "Bearer"})
-                    return
-            try:
-                status, body = handler()
+                server.check_access(path, request.headers.get("authorization"))
+                status, body = await handler(request)
             except GenerationCancelled:
-                logger.info("%s %s: the client disconnected; generation stopped", self.command, path)
-                self.close_connection = True
-                return
+                logger.info("%s %s: the client disconnected; generation stopped", request.method, path)
+                return JsonResponse({"error": "the client disconnected"}, 503, headers={"Connection": "close"})
             except HttpError as err:
-                self.close_connection = self.close_connection or err.close
-                status, body = err.status, {"error": str(err)}
+                status, body, headers = err.status, {"error": str(err)}, dict(err.headers)
+                if err.close:
+                    headers["Connection"] = "close"
+            except StaleWeightsError as err:
+                status, body = 409, {"error": str(err), **err.fields}
             except ValueError as err:  # the caller's mistake
                 status, body = 400, {"error": str(err)}
             except Exception as err:  # an engine failure: the client may retry
-                logger.exception("%s %s failed", self.command, path)
+                logger.exception("%s %s failed", request.method, path)
                 status, body = 500, {"error": f"{type(err).__name__}: {err}"}
-            self._send_json(status, body)
+            return JsonResponse(body, status, headers=headers)
 
-        # ---- endpoints -----------------------------------------------------------------------
+        return endpoint
 
-        def _health(self):
-            self._discard_body()
-            return server.health_report()
+    async def _small_body(self, request: Request) -> None:
+        """Endpoints that take no body: refuse a large one (413) before any of it is read."""
+        content_length(request, self.limits.max_body_bytes)
 
-        def _model_info(self):
-            self._discard_body()
-            return 200, {"model_path": server.model_path, "is_generation": True,
-                         "weight_version": str(server.engine.weight_version())}
+    async def _json(self, request: Request):
+        return await read_json(request, limit=self.limits.max_body_bytes, timeout_s=self.limits.read_timeout_s)
 
-        def _weight_version(self):
-            self._discard_body()
-            return 200, {"weight_version": str(server.engine.weight_version())}
+    async def health(self, request: Request):
+        return self.server.health_report()
 
-        def _client_gone(self) -> bool:
-            """True once the client closed its end (a readable socket with nothing to read)."""
-            try:
-                poller = select.poll()  # unlike select(), no limit on the descriptor number
-                poller.register(self.connection, select.POLLIN)
-                return bool(poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
-            except OSError:
-                return True
+    async def model_info(self, request: Request):
+        await self._small_body(request)
+        return 200, {"model_path": self.server.model_path, "is_generation": True,
+                     "weight_version": str(self.server.engine.weight_version())}
 
-        def _generate(self):
-            requests, is_batch = parse_generate_payload(self._json_body(), server.tokenizer)
-            server.admit_generate()
-            try:
-                if not server.gate.wait(server.pause_timeout_s):
-                    return 503, {"error": "generation is paused"}
-                if self._client_gone():
-                    raise GenerationCancelled()
-                outputs = server.batcher.generate(requests, should_stop=self._client_gone)
-            finally:
-                server.release_generate()
-            items = [render_generate_item(o, r, uuid.uuid4().hex, server.tokenizer) for o, r in zip(outputs, requests)]
-            return 200, items if is_batch else items[0]
+    async def weight_version(self, request: Request):
+        return 200, {"weight_version": str(self.server.engine.weight_version())}
 
-        def _pause(self):
-            self._discard_body()
-            server.gate.pause()
-            return 200, {"success": True, "message": "Generation paused successfully."}
+    async def generate(self, request: Request):
+        server = self.server
+        requests, is_batch = parse_generate_payload(await self._json(request), server.tokenizer)
+        server.admit_generate()
+        gone = threading.Event()
+        watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
 
-        def _continue(self):
-            self._discard_body()
-            server.gate.resume()
-            return 200, {"success": True, "message": "Generation continued successfully."}
+        def run():
+            if not server.gate.wait(server.pause_timeout_s):
+                return None
+            if gone.is_set():
+                raise GenerationCancelled()
+            return server.batcher.generate(requests, should_stop=gone.is_set)
 
-        def _flush_cache(self):
-            self._discard_body()
-            server.engine.flush_cache()
-            return 200, {"success": True}
+        try:
+            outputs = await anyio.to_thread.run_sync(run, limiter=server.generate_threads())
+        finally:
+            watcher.cancel()
+            server.release_generate()
+        if outputs is None:
+            return 503, {"error": "generation is paused"}
+        items = [render_generate_item(o, r, uuid.uuid4().hex, server.tokenizer) for o, r in zip(outputs, requests)]
+        return 200, items if is_batch else items[0]
 
-        def _update_bucket(self):
-            body = self._read_weight_body()
-            flat, header = decode_bucket_body(body, where=BUCKET_ENDPOINT)
-            return _apply_bucket(server.engine, flat, header)
+    async def pause(self, request: Request):
+        await self._small_body(request)
+        self.server.gate.pause()
+        return 200, {"success": True, "message": "Generation paused successfully."}
 
-        def _shm_staging(self):
-            self._discard_body()
-            staging_id, path = server.shm_registry.create()
-            return 200, {"staging_id": staging_id, "path": path}
+    async def resume(self, request: Request):
+        await self._small_body(request)
+        self.server.gate.resume()
+        return 200, {"success": True, "message": "Generation continued successfully."}
 
-        def _shm_release(self):
-            body = self._json_body()
-            if not isinstance(body, dict) or not isinstance(body.get("staging_id"), str):
-                raise ValueError(f"{SHM_RELEASE_ENDPOINT}: body must be {{\"staging_id\": <string>}}")
-            return 200, {"success": server.shm_registry.release(body["staging_id"])}
+    async def flush_cache(self, request: Request):
+        await self._small_body(request)
+        await anyio.to_thread.run_sync(self.server.engine.flush_cache)
+        return 200, {"success": True}
 
-        def _update_from_shm(self):
-            header = self._json_body()
-            flat = server.shm_registry.read(header, where=SHM_BUCKET_ENDPOINT)
-            return _apply_bucket(server.engine, flat, header)
+    async def update_bucket(self, request: Request):
+        server = self.server
+        length = content_length(request, server.weight_body_limit)  # 413 before anything is allocated
+        async with server._weight_lock:
+            body = bytearray(length)
+            await read_body_into(request, body, timeout_s=self.limits.read_timeout_s)
 
-    return Handler
+            def apply():
+                flat, header = decode_bucket_body(body, where=BUCKET_ENDPOINT)
+                return server.apply_bucket(flat, header, where=BUCKET_ENDPOINT)
 
+            return 200, await anyio.to_thread.run_sync(apply)
 
-def _apply_bucket(engine, flat, header: dict) -> tuple[int, dict]:
-    """Load one validated bucket (the engine checks every name and shape before writing any)."""
-    engine.load_weights(unflatten_bucket(flat))
-    if header["final"]:
-        engine.set_weight_version(header["version"])
-    return 200, {"success": True, "message": f"loaded {len(flat.slots)} tensors",
-                 "weight_version": str(engine.weight_version())}
+    async def shm_staging(self, request: Request):
+        await self._small_body(request)
+        staging_id, path = await anyio.to_thread.run_sync(self.server.shm_registry.create)
+        return 200, {"staging_id": staging_id, "path": path}
 
+    async def shm_release(self, request: Request):
+        body = await self._json(request)
+        if not isinstance(body, dict) or not isinstance(body.get("staging_id"), str):
+            raise ValueError(f"{SHM_RELEASE_ENDPOINT}: body must be {{\"staging_id\": <string>}}")
+        return 200, {"success": await anyio.to_thread.run_sync(self.server.shm_registry.release, body["staging_id"])}
 
-def _reject_json_constant(name: str):
-    raise ValueError(f"request body holds {name}, which is not valid JSON; send finite numbers")
+    async def update_from_shm(self, request: Request):
+        server = self.server
+        header = await self._json(request)
+        async with server._weight_lock:
+            def apply():
+                flat = server.shm_registry.read(header, where=SHM_BUCKET_ENDPOINT)
+                return server.apply_bucket(flat, header, where=SHM_BUCKET_ENDPOINT)
+
+            return 200, await anyio.to_thread.run_sync(apply)

@@ -197,9 +197,14 @@ def encode_text_prompts(payload: dict, tokenizer: Any) -> list:
     if not texts:
         raise ValueError("/generate: 'text' must be a non-empty string or a non-empty list of strings")
     for i, item in enumerate(texts):
+        where = f"text[{i}]" if is_batch else "text"
         if not isinstance(item, str) or not item:
-            where = f"text[{i}]" if is_batch else "text"
             raise ValueError(f"/generate: '{where}' must be a non-empty string, got {item!r}")
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate ("\ud800"): JSON allows it, UTF-8 does not
+            raise ValueError(f"/generate: '{where}' holds a lone surrogate {item[err.start]!r} at character "
+                             f"{err.start}, which is not text; send valid Unicode") from None
     encoded = [list(tokenizer.encode(item)) for item in texts]
     return encoded if is_batch else encoded[0]
 

@@ -36,6 +36,17 @@ class HfWeightReceiver:
                 self.targets[hf_name].append((mapping, index))
         self.pending: dict[str, dict[int, torch.Tensor]] = {}
 
+    def update_size(self) -> tuple[int, int]:
+        """(tensor bytes, tensors) of the largest weight update this model takes: every parameter
+        element at the widest of fp32 and the parameters' dtype (a trainer may push fp32 into a
+        bf16 server), the tied output layer counted again (a sender may include it), and every
+        Hugging Face tensor name once."""
+        num_elements = sum(p.numel() for p in self.params.values())
+        if self.shape.tie_word_embeddings:
+            num_elements += max(p.numel() for name, p in self.params.items() if "word_embeddings" in name)
+        itemsize = max([4] + [p.element_size() for p in self.params.values()])
+        return num_elements * itemsize, len(self.targets) + 1
+
     def _is_ignored(self, hf_name: str) -> bool:
         return hf_name.endswith(self.ignored_suffixes) or (hf_name == "lm_head.weight" and self.shape.tie_word_embeddings)
 
