@@ -3,7 +3,7 @@ dynamic sampling, rollout dumps; held-out evaluation every `eval_interval` steps
 
     step_rollout = StepRollout(service, data, run_config=..., training_config=..., algorithm=...)
     samples, metrics = step_rollout.collect(step)       # rewards and teacher fields filled
-    metrics.update(step_rollout.evaluate_if_due(step))  # after the step's weights reached the engine
+    metrics.update(step_rollout.evaluate_if_due(step))  # the model after `step` steps, before step `step`
 
 DAPO (the `dapo` recipe's algorithm overrides, or the flags):
 - overlong penalty, with L = rollout_max_response_len, B = overlong_buffer_length, f = overlong_penalty_factor
@@ -235,14 +235,14 @@ class StepRollout:
                             apply_chat_template=rollout.apply_chat_template, malformed_rows=rollout.malformed_rows)
         return load_examples(config, self.service.tokenizer)
 
-    def evaluate_if_due(self, step: int) -> dict[str, float]:
-        """eval/mean_reward, eval/pass@1, eval/pass@<n>, eval/reward_errors after every eval_interval-th step."""
+    def evaluate_if_due(self, completed_steps: int) -> dict[str, float]:
+        """eval/mean_reward, eval/pass@1, eval/pass@<n>, eval/reward_errors of the model the engine
+        serves after `completed_steps` training steps, when that is a multiple of eval_interval
+        (0 included: the starting model); else {}. The loop logs them at step `completed_steps`."""
         rollout = self.run_config.rollout
-        if self.eval_examples is None or (step + 1) % rollout.eval_interval:
+        if self.eval_examples is None or completed_steps % rollout.eval_interval:
             return {}
-
-
-        manager = self.service.manager(step, seed_offset=EVAL_SEED_OFFSET, with_teacher=False)
+        manager = self.service.manager(completed_steps, seed_offset=EVAL_SEED_OFFSET, with_teacher=False)
         sampling = dataclasses.replace(self.service.sampling_params(), temperature=rollout.eval_temperature)
         return evaluate(manager, self.eval_examples, sampling, n_samples=rollout.eval_n_samples, prefix="eval")
 

@@ -1,12 +1,19 @@
 """`StacxTrainer`: the training loop, one step at a time, reading like the algorithm.
 
     for step in range(start, num_steps):
+        eval/* of the model after `step` steps, every eval_interval steps (step 0: the starting model)
         batch = rollout (responses, rewards, teacher log-probs)  |  the dataset's next batch
         forward-only fields: reference log-probs (in-worker reference), old log-probs, inject syncs
         advantages (registry, by name) and returns for a critic
         train every trainable role (DP shards; TP/CP peers get the same shard)
         push the policy's weights to the engine in buckets; the engine confirms the version
-        log; checkpoint every save_interval steps (and at the end)
+        log at `step`; checkpoint every save_interval steps (and at the end)
+    eval/* of the final model at num_steps (its own row) when due
+
+A metrics row's `step` is the number of training steps done before it, the weight version its
+rollouts and eval/* come from: row 0 holds the starting model's eval and the first step's
+training, and the eval of the model the progress bar reports as "step k/N" (k steps done) is in
+row k. A run resumed at its checkpoint's step N starts at row N: no second eval of step 0.
 
 The loop talks to roles through `RoleGroup`s (Ray workers or torchrun processes, see
 role_groups.py), so the same code drives a Ray run and a torchrun SPMD job. Any failure kills the
@@ -127,12 +134,18 @@ class StacxTrainer:
             train = self.run_config.train
             for step in range(self.step, train.num_steps):
                 with self.beat(f"step {step + 1}/{train.num_steps}", "batch"):
+                    evaluated = self.evaluate_if_due(step)  # the weights the engine serves now: `step` steps done
                     metrics = self.train_one_step(step)
+                    metrics.update(evaluated)
                     self.step = step + 1
                     self.log(step, metrics)
                     if self.should_save(self.step):
                         self.heartbeat.phase = "saving the checkpoint"
                         self.save_checkpoint(self.step)
+            with self.beat("the final model", "eval"):
+                final_eval = self.evaluate_if_due(train.num_steps)
+            if final_eval:  # the trained model's own row; the progress bar stays at num_steps
+                self.log(train.num_steps, final_eval, trained=False)
             if train.export_hf:
                 with self.beat("exporting", train.export_hf):
                     self.export_policy(train.export_hf)
@@ -198,9 +211,6 @@ class StacxTrainer:
         if self.engine_target is not None:
             self.heartbeat.phase = "weight sync"
             self.push_policy_weights(version=step + 1)
-        if self.channel.is_driver and self.step_rollout is not None:
-            self.heartbeat.phase = "eval"
-            metrics.update(self.step_rollout.evaluate_if_due(step))  # on the weights just pushed
         metrics["time/step_s"] = time.monotonic() - started
         return metrics
 
@@ -345,10 +355,20 @@ class StacxTrainer:
         if self.channel.is_driver:
             self.rollout.finish_weight_update(version)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.last_metrics = metrics
+    def evaluate_if_due(self, completed_steps: int) -> dict[str, float]:
+        """eval/* of the model after `completed_steps` steps when due (the driver's StepRollout
+        decides, see evaluate_if_due there); {} on other ranks and in runs without rollouts."""
+        if self.channel.is_driver and self.step_rollout is not None:
+            self.heartbeat.phase = "eval"
+            return self.step_rollout.evaluate_if_due(completed_steps)
+        return {}
+
+    def log(self, step: int, metrics: dict[str, float], *, trained: bool = True) -> None:
+        """Log row `step`; `trained=False`: a row of the final model's eval/* only (merged into
+        last_metrics, the progress bar does not advance)."""
+        self.last_metrics = metrics if trained else {**self.last_metrics, **metrics}
         if self.channel.is_driver and self.metrics_logger is not None:
-            self.metrics_logger.log(step, metrics)
+            self.metrics_logger.log(step, metrics, trained=trained)
 
     def should_save(self, completed_steps: int) -> bool:
         train = self.run_config.train

@@ -306,8 +306,9 @@ class MetricsLogger:
                 bar_format="step {n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}, ETA {remaining}]", mininterval=0,
             )
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        """Record one step's metrics in every sink; returns the row written to JSONL."""
+    def log(self, step: int, metrics: Mapping[str, Any], *, trained: bool = True) -> dict[str, Any]:
+        """Record one step's metrics in every sink; returns the row written to JSONL. `trained=False`:
+        a row that ends no training step (the final model's eval): the progress bar stays as it is."""
         row: dict[str, Any] = {"step": int(step), "time_s": round(time.monotonic() - self._start_time, 3)}
         for key, value in metrics.items():
             if key in row or key == NONFINITE_METRICS_KEY:
@@ -327,7 +328,7 @@ class MetricsLogger:
             self._tensorboard.flush()
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
-        if self._bar is not None:
+        if self._bar is not None and trained:
             shown = []
             for family in ("reward", "loss"):
                 found = headline_metric(numeric, family)

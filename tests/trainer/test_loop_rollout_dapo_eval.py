@@ -82,9 +82,9 @@ def test_dapo_dynamic_sampling_overlong_penalty_and_eval(ray_address, files, eng
     assert trainer.step_rollout.dynamic  # the dapo recipe's filter_zero_variance_groups
     trainer.run()
     rows, dumps = read_metrics(str(tmp_path / "out")), _dumps(str(tmp_path / "out"))
-    assert [row["step"] for row in rows] == [0, 1]
+    assert [row["step"] for row in rows] == [0, 1, 2]  # two steps' rows, then the final model's eval row
     # Dynamic sampling: each step trains on rollout_batch_size groups that all have differing rewards.
-    for step, row in enumerate(rows):
+    for step, row in enumerate(rows[:2]):
         assert row["rollout/dynamic_groups_kept"] == 2
         assert row["rollout/dynamic_groups_drawn"] == (row["rollout/dynamic_groups_kept"] + row["rollout/dynamic_groups_dropped"]
                                                        + row["rollout/dynamic_groups_surplus"])
@@ -95,7 +95,7 @@ def test_dapo_dynamic_sampling_overlong_penalty_and_eval(ray_address, files, eng
         assert sorted(groups) == [0, 1] and all(len(set(r)) > 1 for r in groups.values())
         assert row["rollout/num_samples"] == 4
     # Both uniform prompts are drawn within the first epoch (4 prompts over the two steps' first rounds).
-    assert sum(row["rollout/dynamic_groups_dropped"] for row in rows) >= 2
+    assert sum(row["rollout/dynamic_groups_dropped"] for row in rows[:2]) >= 2
     # Overlong penalty: L = 4, B = 2, factor 0.5, on top of the reward function.
     for step in (0, 1):
         for sample in dumps[step]:
@@ -104,8 +104,10 @@ def test_dapo_dynamic_sampling_overlong_penalty_and_eval(ray_address, files, eng
             assert sample["reward"] == pytest.approx(expected, abs=1e-12)
             assert sample["metadata"]["overlong_penalty"] == pytest.approx(penalty)
     assert any(s["metadata"]["overlong_penalty"] < 0 for s in dumps[0] + dumps[1])
-    # Evaluation after every step, beside the training metrics; the last one equals a greedy evaluation of
-    # the exported final weights.
+    # Evaluation of the starting model (row 0) and after every step (row k: k steps done), beside the
+    # training metrics; the last one, the final model's own row, equals a greedy evaluation of the
+    # exported final weights.
+    assert set(rows[2]) == {"step", "time_s", "eval/mean_reward", "eval/pass@1", "eval/pass@2", "eval/reward_errors"}
     for row in rows:
         for name in ("eval/mean_reward", "eval/pass@1", "eval/pass@2", "eval/reward_errors"):
             assert name in row

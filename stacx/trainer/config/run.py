@@ -113,7 +113,7 @@ class RolloutSection:
     eval_data: str | None = None
     """Held-out prompts evaluated every eval_interval steps."""
     eval_interval: int = 0
-    """Steps between evaluations (0: never)."""
+    """Steps between evaluations, the first of the starting model before step 1 (0: never)."""
     eval_n_samples: int = 1
     """Samples per eval prompt (pass@k uses them)."""
     eval_temperature: float = 0.0
