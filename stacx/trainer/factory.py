@@ -52,11 +52,12 @@ def resolve_recipe(run_config: RunConfig):
     return training_config, resolve_algorithm_config(training_config, run_config)
 
 
-def build_metrics_logger(run_config: RunConfig, start_step: int = 0):
+def build_metrics_logger(run_config: RunConfig, recipe: str, start_step: int = 0):
+    """The driver's MetricsLogger for a run of `recipe` (named in the plots' titles with the --out folder)."""
     section = run_config.logging
     return MetricsLogger(section.out, total_steps=run_config.train.num_steps, start_step=start_step,
                          tensorboard=section.tensorboard, wandb_project=section.wandb_project,
-                         run_config=run_config.to_dict(), progress_bar=section.progress_bar)
+                         run_config=run_config.to_dict(), progress_bar=section.progress_bar, recipe=recipe)
 
 
 def build_driver_side(run_config: RunConfig, training_config: TrainingConfig, *, launched=None):
@@ -122,7 +123,8 @@ def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None)
 
         return StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm,
                             roles=roles, channel=RayChannel(), data=data, rollout=rollout,
-                            make_metrics_logger=lambda start_step: build_metrics_logger(run_config, start_step),
+                            make_metrics_logger=lambda start_step: build_metrics_logger(
+                                run_config, training_config.name, start_step),
                             on_failure=fail, on_close=close, exchanges=graph.exchanges)
     except BaseException:
         try:

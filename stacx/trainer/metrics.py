@@ -12,7 +12,17 @@ Files under `out_dir`:
                             values on the top axes, counts (num_*, *_errors, ...) on their own
                             axes below, series that are 0 at every step not drawn (named in a note);
                             a value series of SMOOTHING_MIN_POINTS or more is drawn faint (raw) under
-                            its exponential moving average (`ema`) in the same colour
+                            its exponential moving average (`ema`) in the same colour (one of whole
+                            numbers only, e.g. a weight version, exactly as it is); series equal
+                            at every step drawn once, all their names in one legend entry ("a = b")
+    plots/other.png         every metric of none of those families (a plugin's own metrics, grad norm,
+                            lr, timings, ...) the same way, its values on axes grouped by scale
+                            (SCALE_GROUP_RATIO)
+    Each plot's title names the run (`run_name`, default out_dir's folder) and its `recipe`.
+
+The progress bar shows "step k/N" once k steps are done, with the headline reward and loss of the
+last row (`headline_metric`), each named by what it is (`headline_label`: "reward" for the
+rollouts' mean reward, else the metric's own name, e.g. DPO's "reward margin").
 
 A run's outputs in `out_dir` are consistent with the run that last wrote them:
 - a new run (`start_step=0`) into a folder an earlier run wrote starts fresh files for all of
@@ -143,13 +153,24 @@ def metric_family_members(keys: list[str], family: str) -> list[str]:
 
 def headline_metric(metrics: Mapping[str, Any], family: str) -> tuple[str, float] | None:
     """The metric that best stands for `family` in the progress bar: the key `family` itself, else
-    one ending in '/family' or 'family_mean', else the first name of that family that is not a count."""
+    one ending in '/family' or 'family_mean', else the first name of that family that is not a count,
+    one whose last part starts with the word (DPO's 'policy/reward_margin') before one that only
+    has it later ('policy/chosen_reward')."""
     numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     for key in numeric:
         if key == family or key.endswith(f"/{family}") or key.endswith(f"{family}_mean"):
             return key, numeric[key]
     members = [key for key in metric_family_members(list(numeric), family) if not is_count_metric(key)]
+    members.sort(key=lambda key: not key.rsplit("/", 1)[-1].lower().startswith(family))  # stable: keeps the order
     return (members[0], numeric[members[0]]) if members else None
+
+
+def headline_label(key: str, family: str) -> str:
+    """The progress bar's name for the headline `key` of `family`: the family word when the metric is
+    the family itself ('loss', 'policy/loss', 'rollout/reward_mean'), else the metric's own short
+    name ('policy/reward_margin' -> 'reward margin'), so a column never passes for what it is not."""
+    leaf = key.rsplit("/", 1)[-1]
+    return family if leaf in (family, f"{family}_mean") else leaf.replace("_", " ")
 
 
 def is_count_metric(key: str) -> bool:
@@ -158,30 +179,91 @@ def is_count_metric(key: str) -> bool:
     return leaf.startswith(COUNT_PREFIXES) or leaf.endswith(COUNT_SUFFIXES)
 
 
+OTHER_PLOT = "other"
+"""Name of the PNG with every metric that is in no family of PLOT_FAMILIES (a plugin's or a
+specialization's own metrics, timings, ...), its values split over axes by scale."""
+SCALE_GROUP_RATIO = 10.0
+"""In the `other` plot, value series share axes while the largest |value| of each is within this
+factor of the smallest one's: a series never looks flat because another is 100x larger."""
+
+
 @dataclass(frozen=True)
 class FamilyPlot:
-    """What one family's PNG draws: `value_keys` on the top axes, `count_keys` on the axes below
-    (absent when empty), and `zero_keys`, the members that were 0 at every logged step, named in a
-    note instead of drawn as a flat line at 0."""
+    """What one PNG draws: each of `value_panels` on its own axes from the top (one panel for a
+    family, panels by scale for `other`), `count_keys` on the axes below (absent when empty),
+    `zero_keys`, the members that were 0 at every logged step, named in a note instead of drawn as
+    a flat line at 0, and `identical`, groups of drawn names whose series are equal at every step:
+    each group is drawn once (by its first name) with all its names in the legend."""
 
     family: str
-    value_keys: tuple[str, ...]
+    value_panels: tuple[tuple[str, ...], ...]
     count_keys: tuple[str, ...]
     zero_keys: tuple[str, ...]
+    identical: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def value_keys(self) -> tuple[str, ...]:
+        return tuple(key for panel in self.value_panels for key in panel)
 
     @property
     def drawn_keys(self) -> tuple[str, ...]:
         return self.value_keys + self.count_keys
 
+    def legend_label(self, key: str) -> str | None:
+        """The legend entry of `key`: its name, the names of its identical group joined by ' = '
+        (for the group's first name), or None for a later name of a group (not drawn)."""
+        for group in self.identical:
+            if key in group:
+                return " = ".join(group) if key == group[0] else None
+        return key
+
 
 def plan_family_plot(history: list[Mapping[str, Any]], family: str) -> FamilyPlot:
-    """Split the numeric metrics of `family` found in `history` rows into values, counts and always-zero."""
+    """Split the numeric metrics of `family` found in `history` rows into values, counts and
+    always-zero; `family` OTHER_PLOT takes every metric of no family, its values split by scale."""
     series = _numeric_series(history)
-    members = metric_family_members(sorted(series), family)
+    if family == OTHER_PLOT:
+        in_families = {key for name in PLOT_FAMILIES for key in metric_family_members(list(series), name)}
+        members = [key for key in sorted(series) if key not in in_families]
+    else:
+        members = metric_family_members(sorted(series), family)
     zero = tuple(key for key in members if all(value == 0 for _, value in series[key]))
     drawn = [key for key in members if key not in zero]
-    return FamilyPlot(family=family, value_keys=tuple(k for k in drawn if not is_count_metric(k)),
-                      count_keys=tuple(k for k in drawn if is_count_metric(k)), zero_keys=zero)
+    values = [key for key in drawn if not is_count_metric(key)]
+    counts = tuple(key for key in drawn if is_count_metric(key))
+    panels = group_by_scale(series, values) if family == OTHER_PLOT else ([tuple(values)] if values else [])
+    return FamilyPlot(family=family, value_panels=tuple(panels), count_keys=counts, zero_keys=zero,
+                      identical=identical_series(series, list(values), list(counts)))
+
+
+def group_by_scale(series: Mapping[str, list[tuple[int, float]]], keys: list[str],
+                   ratio: float = SCALE_GROUP_RATIO) -> list[tuple[str, ...]]:
+    """`keys` in groups of similar scale (largest finite |value|), smallest scale first: a group
+    takes the next larger series while its scale is within `ratio` of the group's smallest."""
+    def scale(key: str) -> float:
+        return max((abs(value) for _, value in series[key] if math.isfinite(value)), default=0.0)
+
+    groups: list[list[str]] = []
+    smallest = 0.0
+    for key in sorted(keys, key=scale):
+        if not groups or scale(key) > ratio * smallest:
+            groups.append([])
+            smallest = scale(key)
+        groups[-1].append(key)
+    return [tuple(sorted(group)) for group in groups]
+
+
+def identical_series(series: Mapping[str, list[tuple[int, float]]], *panels: list[str]) -> tuple[tuple[str, ...], ...]:
+    """Groups (2 or more names, in the given order) of the same panel whose (step, value) series are
+    equal, e.g. one loss logged under two names; NaN equals NaN here."""
+    groups = []
+    for keys in panels:
+        by_series: dict[tuple, list[str]] = {}
+        for key in keys:
+            points = tuple((step, "nan" if value != value else value) for step, value in series[key])
+            by_series.setdefault(points, []).append(key)
+        groups += [tuple(group) for group in by_series.values() if len(group) > 1]
+    return tuple(groups)
 
 
 def _numeric_series(history: list[Mapping[str, Any]]) -> dict[str, list[tuple[int, float]]]:
@@ -209,33 +291,53 @@ def ema(values: list[float], weight: float = SMOOTHING_WEIGHT) -> list[float]:
     return smoothed
 
 
-def draw_family_figure(history: list[Mapping[str, Any]], plan: FamilyPlot):
-    """A matplotlib Figure (Agg canvas, no pyplot state) for `plan`: axes[0] the values (if any),
-    then axes for the counts (if any), sharing the step axis; the always-zero names in a footnote."""
+def _whole_numbers(values) -> bool:
+    """Whether every value is a whole number (a version, a count of rounds): drawn exactly, never
+    smoothed into fractions that lag behind it."""
+    return all(float(value).is_integer() for value in values)
+
+
+FAMILY_FIGURE_SIZE = (7, 4)
+"""Inches at 100 dpi (700 x 400 pixels); the `other` plot grows by OTHER_PANEL_HEIGHT per value panel past the first."""
+OTHER_PANEL_HEIGHT = 2.2
+
+
+def draw_family_figure(history: list[Mapping[str, Any]], plan: FamilyPlot, *, title: str | None = None):
+    """A matplotlib Figure (Agg canvas, no pyplot state) for `plan`: one axes per value panel (if
+    any), then the counts' (if any), sharing the step axis; the always-zero names in a footnote;
+    `title` (the run and its recipe) above it all."""
     series = _numeric_series(history)
-    panels = [(keys, label) for keys, label in ((plan.value_keys, plan.family), (plan.count_keys, "count")) if keys]
-    heights = [3 if label == plan.family else 1.6 for _, label in panels]
-    figure = Figure(figsize=(7, 4), dpi=100)
+    panels = [(keys, plan.family) for keys in plan.value_panels] + ([(plan.count_keys, "count")] if plan.count_keys else [])
+    heights = [3 if label != "count" else 1.6 for _, label in panels]
+    width, height = FAMILY_FIGURE_SIZE
+    figure = Figure(figsize=(width, height + OTHER_PANEL_HEIGHT * max(0, len(plan.value_panels) - 1)), dpi=100)
     FigureCanvasAgg(figure)
     axes_list = figure.subplots(len(panels), 1, sharex=True, squeeze=False,
                                 gridspec_kw={"height_ratios": heights})[:, 0]
     for axes, (keys, label) in zip(axes_list, panels):
         for key in keys:
-            steps, values = zip(*series[key])
-            if len(values) < SMOOTHING_MIN_POINTS or label == "count":  # counts: exact values, no lag
-                axes.plot(steps, values, marker="o", markersize=2, label=key)
+            legend = plan.legend_label(key)
+            if legend is None:  # drawn under the first name of its identical group
                 continue
-            (raw,) = axes.plot(steps, values, alpha=RAW_LINE_ALPHA, linewidth=1, label=f"_{key} (raw)")
-            axes.plot(steps, ema(list(values)), color=raw.get_color(), linewidth=1.8, label=key)
-        axes.set_ylabel(label)
+            steps, values = zip(*series[key])
+            if len(values) < SMOOTHING_MIN_POINTS or label == "count" or _whole_numbers(values):  # exact, no lag
+                axes.plot(steps, values, marker="o", markersize=2, label=legend)
+                continue
+            (raw,) = axes.plot(steps, values, alpha=RAW_LINE_ALPHA, linewidth=1, label=f"_{legend} (raw)")
+            axes.plot(steps, ema(list(values)), color=raw.get_color(), linewidth=1.8, label=legend)
+        axes.set_ylabel(label if label == "count" or plan.family != OTHER_PLOT else "value")
         axes.grid(alpha=0.3)
         axes.legend(fontsize="small")
-    smoothed = any(len(series[key]) >= SMOOTHING_MIN_POINTS for key in plan.value_keys)
-    axes_list[0].set_title(f"{plan.family} per step" + (" (faint: raw; solid: moving average)" if smoothed else ""))
+    smoothed = any(len(series[key]) >= SMOOTHING_MIN_POINTS and not _whole_numbers([v for _, v in series[key]])
+                   for key in plan.value_keys)
+    heading = f"{plan.family} metrics per step" if plan.family == OTHER_PLOT else f"{plan.family} per step"
+    heading += (" (faint: raw; solid: moving average)" if smoothed else "")
+    axes_list[0].set_title(f"{title}\n{heading}" if title else heading, fontsize="medium")
     axes_list[-1].set_xlabel("step")
     axes_list[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     if plan.zero_keys:
-        figure.text(0.01, 0.01, "0 at every step (not drawn): " + ", ".join(plan.zero_keys), fontsize="x-small")
+        figure.text(0.01, 0.01, "0 at every step (not drawn): " + ", ".join(plan.zero_keys), fontsize="x-small",
+                    wrap=True)
     figure.tight_layout(rect=(0, 0.04 if plan.zero_keys else 0, 1, 1))
     return figure
 
@@ -256,6 +358,8 @@ class MetricsLogger:
         progress_bar: bool = True,
         progress_file: TextIO | None = None,
         plots: bool = True,
+        recipe: str | None = None,
+        run_name: str | None = None,
     ):
         """
         Args:
@@ -268,6 +372,8 @@ class MetricsLogger:
             run_config: the resolved run configuration, attached to the wandb run.
             progress_bar: show the progress bar (on stderr unless progress_file is given).
             plots: write the PNG plots on close().
+            recipe: the recipe's name, in every plot's title.
+            run_name: the run's name in every plot's title; default: out_dir's folder name.
         """
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise MetricsLoggerError(f"total_steps must be an integer >= 1, got {total_steps!r}")
@@ -277,6 +383,9 @@ class MetricsLogger:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.out_dir / "metrics.jsonl"
         self.plots_enabled = plots
+        self.plot_title = " · ".join(part for part in (run_name or self.out_dir.resolve().name,
+                                                     recipe and f"recipe {recipe}") if part)
+        """First line of every plot's title: the run and its recipe, e.g. 'grpo_math · recipe grpo'."""
         self.replaced_outputs = reset_run_outputs(self.out_dir, start_step)
         """What a new run removed from out_dir (names), see the module docstring."""
         self.history: list[dict[str, Any]] = keep_rows_before(self.jsonl_path, start_step) if start_step else []
@@ -333,23 +442,28 @@ class MetricsLogger:
             for family in ("reward", "loss"):
                 found = headline_metric(numeric, family)
                 if found is not None:
-                    shown.append(f"{family} {found[1]:.4g}")
+                    shown.append(f"{headline_label(found[0], family)} {found[1]:.4g}")
             self._bar.set_description_str(", ".join(shown), refresh=False)
             self._bar.update(1)
         return row
 
     def write_plots(self) -> dict[str, FamilyPlot]:
-        """One PNG per family in PLOT_FAMILIES with a series to draw; returns {png path: what it draws}."""
+        """One PNG per family in PLOT_FAMILIES, then OTHER_PLOT, with a series to draw; returns
+        {png path: what it draws}."""
         written: dict[str, FamilyPlot] = {}
-        for family in PLOT_FAMILIES:
+        for family in PLOT_FAMILIES + (OTHER_PLOT,):
             plan = plan_family_plot(self.history, family)
             if not plan.drawn_keys:
                 continue
             path = self.out_dir / "plots" / f"{family}.png"
             path.parent.mkdir(exist_ok=True)
-            draw_family_figure(self.history, plan).savefig(path)
+            self.draw_plot(plan).savefig(path)
             written[str(path)] = plan
         return written
+
+    def draw_plot(self, plan: FamilyPlot):
+        """The Figure of `plan` over the rows logged so far, titled with the run and its recipe."""
+        return draw_family_figure(self.history, plan, title=self.plot_title)
 
     def close(self) -> None:
         """Flush and close every sink and write the plots (safe to call twice)."""
@@ -372,5 +486,7 @@ class MetricsLogger:
         self.close()
 
 
-__all__ = ["ROLLOUTS_FILE", "RUN_OUTPUT_FOLDERS", "keep_rows_before", "reset_run_outputs", "COUNT_PREFIXES", "COUNT_SUFFIXES", "FamilyPlot", "MetricsLogger", "MetricsLoggerError", "PLOT_FAMILIES",
-           "draw_family_figure", "ema", "headline_metric", "is_count_metric", "metric_family_members", "plan_family_plot"]
+__all__ = ["ROLLOUTS_FILE", "RUN_OUTPUT_FOLDERS", "keep_rows_before", "reset_run_outputs", "COUNT_PREFIXES",
+           "COUNT_SUFFIXES", "FamilyPlot", "MetricsLogger", "MetricsLoggerError", "OTHER_PLOT", "PLOT_FAMILIES",
+           "SCALE_GROUP_RATIO", "draw_family_figure", "ema", "group_by_scale", "headline_label", "headline_metric",
+           "identical_series", "is_count_metric", "metric_family_members", "plan_family_plot"]

@@ -75,7 +75,8 @@ def build_spmd_trainer(run_config: RunConfig):
     return StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm,
                         roles={role.name: LocalRoleGroup(runtime, role.name)}, channel=channel, data=data,
                         rollout=rollout, on_failure=runtime.close, on_close=close, close_engine_clients=runtime.close,
-                        make_metrics_logger=lambda start_step: build_metrics_logger(run_config, start_step))
+                        make_metrics_logger=lambda start_step: build_metrics_logger(run_config, training_config.name,
+                                                                                   start_step))
 
 
 def run_spmd(run_config: RunConfig) -> dict:

@@ -56,7 +56,7 @@ def test_logger_writes_jsonl_tensorboard_plots_and_a_progress_bar(tmp_path):
     assert [v for _, v in scalars["train/pg_loss"]] == pytest.approx([2.0, 1.75, 1.5])
 
     plots = {path.name: path for path in (tmp_path / "plots").iterdir()}
-    assert sorted(plots) == ["kl.png", "loss.png", "reward.png"]  # no eval/* metric: no eval.png
+    assert sorted(plots) == ["kl.png", "loss.png", "other.png", "reward.png"]  # no eval/* metric: no eval.png
     from matplotlib.image import imread
 
     for path in plots.values():
@@ -65,7 +65,7 @@ def test_logger_writes_jsonl_tensorboard_plots_and_a_progress_bar(tmp_path):
         assert (width, height) == (700, 400)
 
     text = bar.getvalue()
-    assert "step 3/4" in text and "reward 0.2, loss 1.5" in text and "ETA" in text
+    assert "step 3/4" in text and "reward 0.2, pg loss 1.5" in text and "ETA" in text  # the loss named by its metric
 
 
 def test_plot_families_pick_metrics_by_word(tmp_path):
@@ -78,6 +78,7 @@ def test_plot_families_pick_metrics_by_word(tmp_path):
         "reward.png": ("rollout/reward_mean",),
         "loss.png": ("train/kl_loss", "train/pg_loss"),
         "kl.png": ("train/kl_loss",),
+        "other.png": ("train/clipped", "train/grad_norm"),  # in no family, still drawn
     }
 
 
@@ -115,7 +116,8 @@ def test_counts_get_their_own_axes_and_always_zero_series_are_not_drawn():
     assert "rollout/reward_errors" not in [line.get_label() for line in reward_figure.axes[0].get_lines()]
     assert any("rollout/reward_errors" in text.get_text() for text in reward_figure.texts)  # named in the note
     eval_lines = draw_family_figure(history, plan_family_plot(history, "eval")).axes[0].get_lines()
-    assert [list(line.get_xdata()) for line in eval_lines] == [[1, 3, 5], [1, 3, 5]]  # only the evaluated steps
+    assert [list(line.get_xdata()) for line in eval_lines] == [[1, 3, 5]]  # only the evaluated steps
+    assert [line.get_label() for line in eval_lines] == ["eval/mean_reward = eval/pass@1"]  # equal: drawn once
 
 
 def test_a_count_is_recognised_by_its_name_and_never_the_progress_bar_headline():
