@@ -38,8 +38,19 @@ def test_overview_draws_heldout_accuracy_first_then_one_panel_per_curve(tmp_path
     assert "held-out accuracy" in accuracy_axes.get_title().lower()
     heights = [patch.get_height() for patch in accuracy_axes.patches]
     assert heights == pytest.approx([0.0, 0.41, 0.63, 0.02, 0.22])
-    assert [axis.get_title() for axis in curve_axes] == [label for _, _, label in PANELS]
+    assert [axis.get_title() for axis in curve_axes] == [title for _, _, title, _ in PANELS]
     assert list(curve_axes[0].get_lines()[0].get_ydata()) == [3.0, 2.0, 1.0, 0.0]
 
-    path = write_demo_plot(str(tmp_path), ["sft"], PHASE_RESULTS[:1])  # one curve panel still works
+    path = write_demo_plot(str(tmp_path), ["sft"], PHASE_RESULTS[:1], task="sorting")  # one curve panel still works
     assert path.endswith("plots/demo.png") and open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_overview_has_a_title_and_every_axis_a_y_label(tmp_path):
+    out = tmp_path / "demo"
+    out.mkdir()
+    _write_metrics(out)
+    figure = draw_demo_figure(str(out), ["sft", "grpo", "opd"], PHASE_RESULTS, task="sorting")
+    assert figure._suptitle.get_text() == "stacx demo: SFT -> GRPO -> on-policy distillation on task 'sorting' (demo)"
+    labels = [axis.get_ylabel() for axis in figure.axes]
+    assert labels == ["fraction of prompts solved"] + [unit for _, _, _, unit in PANELS]
+    assert all(labels)

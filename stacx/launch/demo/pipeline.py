@@ -252,7 +252,7 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
     finally:
         connection.shutdown()
 
-    plot = write_demo_plot(out_dir, ["sft", "grpo", "opd"], [asdict(result) for result in results])
+    plot = write_demo_plot(out_dir, ["sft", "grpo", "opd"], [asdict(result) for result in results], task=task.name)
     summary = {
         "task": task.name,
         "settings": asdict(settings),

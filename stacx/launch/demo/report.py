@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 
-# (phase, metric name in metrics.jsonl, label) per panel: what each phase optimizes, plus its KL.
+# (phase, metric name in metrics.jsonl, title, y-axis label) per panel: what each phase optimizes, plus its KL.
 PANELS = (
-    ("sft", "policy/loss", "SFT: cross-entropy loss"),
-    ("grpo", "rollout/reward_mean", "GRPO: mean reward (exact match)"),
-    ("grpo", "policy/kl_loss", "GRPO: KL(policy || SFT model)"),
-    ("opd", "policy/loss", "OPD: distillation loss (reverse KL)"),
+    ("sft", "policy/loss", "SFT: cross-entropy loss", "nats per token"),
+    ("grpo", "rollout/reward_mean", "GRPO: mean reward (exact match)", "mean reward of the rollouts"),
+    ("grpo", "policy/kl_loss", "GRPO: KL(policy || SFT model)", "KL per token"),
+    ("opd", "policy/loss", "OPD: distillation loss (reverse KL)", "reverse KL per token"),
 )
+PHASE_NAMES = {"sft": "SFT", "grpo": "GRPO", "opd": "on-policy distillation"}
 
 
 def read_series(path: str, name: str) -> tuple[list[int], list[float]]:
@@ -56,16 +57,25 @@ def heldout_accuracy_bars(phase_results: list[dict]) -> list[tuple[str, float]]:
     return bars
 
 
-def draw_demo_figure(out_dir: str, phases: list[str], phase_results: list[dict] = ()):
-    """The overview Figure (Agg canvas, no pyplot state): first the held-out accuracy bars (when
-    `phase_results` has them), then one panel per PANELS entry of a phase in `phases`, metric against step."""
+def demo_title(out_dir: str, phases: list[str], task: str | None = None) -> str:
+    """The overview's title: the phases in order, the task and the output folder's name."""
+    steps = " -> ".join(PHASE_NAMES.get(phase, phase) for phase in phases)
+    where = os.path.basename(os.path.normpath(out_dir))
+    return f"stacx demo: {steps}" + (f" on task '{task}'" if task else "") + f" ({where})"
+
+
+def draw_demo_figure(out_dir: str, phases: list[str], phase_results: list[dict] = (), *, task: str | None = None):
+    """The overview Figure (Agg canvas, no pyplot state) under `demo_title`: first the held-out
+    accuracy bars (when `phase_results` has them), then one panel per PANELS entry of a phase in
+    `phases`, metric against step, each axis labelled."""
+    # matplotlib only when the demo draws: importing it costs start-up time the other commands need not pay
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     bars = heldout_accuracy_bars(list(phase_results))
     panels = [p for p in PANELS if p[0] in phases]
     num_axes = len(panels) + bool(bars)
-    figure = Figure(figsize=(4 * num_axes, 3.4))
+    figure = Figure(figsize=(4 * num_axes, 3.6))
     FigureCanvasAgg(figure)
     axes_list = list(figure.subplots(1, num_axes, squeeze=False)[0])
     if bars:
@@ -77,22 +87,25 @@ def draw_demo_figure(out_dir: str, phases: list[str], phase_results: list[dict] 
         axis.set_xticks(range(len(bars)), labels, fontsize=7)
         axis.set_ylim(0, 1.1)
         axis.set_title("Held-out accuracy (greedy exact match)", fontsize=9, fontweight="bold")
+        axis.set_ylabel("fraction of prompts solved", fontsize=8)
         axis.grid(alpha=0.3, axis="y")
-    for axis, (phase, name, label) in zip(axes_list, panels):
+    for axis, (phase, name, label, unit) in zip(axes_list, panels):
         steps, values = read_series(os.path.join(out_dir, phase, "metrics.jsonl"), name)
         axis.plot(steps, values, marker=".", linewidth=1)
         axis.set_title(label, fontsize=9)
         axis.set_xlabel("step")
+        axis.set_ylabel(unit, fontsize=8)
         axis.grid(alpha=0.3)
+    figure.suptitle(demo_title(out_dir, phases, task), fontsize=11)
     figure.tight_layout()
     return figure
 
 
-def write_demo_plot(out_dir: str, phases: list[str], phase_results: list[dict] = ()) -> str:
+def write_demo_plot(out_dir: str, phases: list[str], phase_results: list[dict] = (), *, task: str | None = None) -> str:
     """out_dir/plots/demo.png: `draw_demo_figure`; returns its path."""
     path = os.path.join(out_dir, "plots", "demo.png")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    draw_demo_figure(out_dir, phases, phase_results).savefig(path, dpi=100)
+    draw_demo_figure(out_dir, phases, phase_results, task=task).savefig(path, dpi=100)
     return path
 
 
