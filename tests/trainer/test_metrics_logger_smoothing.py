@@ -52,3 +52,13 @@ def test_the_logger_writes_the_smoothed_png(tmp_path):
         for row in _noisy_history(60):
             metrics_logger.log(row["step"], {k: v for k, v in row.items() if k != "step"})
     assert (tmp_path / "plots" / "loss.png").stat().st_size > 0
+
+
+def test_a_series_of_whole_numbers_is_drawn_exactly_not_smoothed():
+    history = [{"step": s, "rollout/weight_version": float(s), "rollout/dynamic_rounds": 1 + s % 3}
+               for s in range(2 * SMOOTHING_MIN_POINTS)]
+    plan = plan_family_plot(history, "other")
+    lines = draw_family_figure(history, plan).axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["rollout/dynamic_rounds", "rollout/weight_version"]
+    assert [list(line.get_ydata()) for line in lines] == [[row[key] for row in history] for key in
+                                                         ("rollout/dynamic_rounds", "rollout/weight_version")]
