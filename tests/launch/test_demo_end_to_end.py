@@ -57,7 +57,8 @@ def test_demo_learns_in_every_phase_and_reports_it(demo):
 
 def test_every_documented_command_runs_as_written(demo, monkeypatch, tmp_path, capsys):
     """README, docs and examples: each `stacx train` passes --dry-run on the demo's outputs, each
-    fragment (`...`) and every other command parses (tests/launch/doc_commands.py)."""
+    `stacx eval` runs on 4 prompts, each fragment (`...`) and every other command parses
+    (tests/launch/doc_commands.py)."""
     from stacx.launch.cli import build_parser, main
     from stacx.launch.demo.pipeline import TeacherServer
 
@@ -89,6 +90,16 @@ def test_every_documented_command_runs_as_written(demo, monkeypatch, tmp_path, c
                     write_diffusion_checkpoint("ckpt/sft")
                 try:
                     code = main(argv)
+                except SystemExit as exit_:
+                    code = exit_.code
+                captured = capsys.readouterr()
+                if code != 0:
+                    failures.append(f"{command.where}: {command.text}\n  -> exit {code}: {captured.err.strip()[-600:]}")
+                continue
+            if command.text.startswith("stacx eval") and not command.is_fragment and "--engine-url" not in argv:
+                # Evaluated for real on 4 prompts: the defaults must fit the demo's 64-token models.
+                try:
+                    code = main(argv + ["--num-prompts", "4", "--no-progress-bar"])
                 except SystemExit as exit_:
                     code = exit_.code
                 captured = capsys.readouterr()

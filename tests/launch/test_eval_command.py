@@ -106,3 +106,15 @@ def test_rows_without_labels_are_refused_when_the_reward_needs_them(tmp_path, ca
     err = capsys.readouterr().err
     assert code == 2 and "1 of 2 rows" in err and "unlabeled.jsonl:2" in err and "--label-key" in err
     assert not (tmp_path / "report.json").exists()
+
+
+def test_the_default_response_budget_fits_the_models_context():
+    from types import SimpleNamespace
+
+    from stacx.launch.commands.eval import DEFAULT_MAX_NEW_TOKENS, default_response_budget
+
+    prompts = [SimpleNamespace(prompt_ids=[1] * 6), SimpleNamespace(prompt_ids=[1] * 10)]
+    assert default_response_budget(prompts, 64) == 54  # a demo model: 64 tokens of context
+    assert default_response_budget(prompts, 4096) == DEFAULT_MAX_NEW_TOKENS
+    assert default_response_budget(prompts, None) == DEFAULT_MAX_NEW_TOKENS
+    assert default_response_budget(prompts, 8) == 1

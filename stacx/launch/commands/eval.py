@@ -57,7 +57,8 @@ def add_arguments(parser) -> None:
                                                                    "(default: %(default)s)")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     sampling.add_argument("--max-new-tokens", type=int, default=None,
-                          help="longest response (default: the task's longest answer + 1 with --task, else 64)")
+                          help="longest response (default: the task's longest answer + 1 with --task, else 64 "
+                               "or what the model's context leaves after the longest prompt, if less)")
     sampling.add_argument("--reward-fn", default="exact_match",
                           help="registered reward name or module:function (default: %(default)s)")
     sampling.add_argument("--correct-threshold", type=float, default=0.5,
@@ -118,6 +119,17 @@ def resolve_model_folder(args, scratch_dir: str) -> tuple[str, str]:
     return folder, f"{step_folder} (role {role})"
 
 
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+def default_response_budget(examples, context: int | None) -> int:
+    """DEFAULT_MAX_NEW_TOKENS, or what the model's context leaves after the longest prompt if less (at least 1)."""
+    if context is None or not examples:
+        return DEFAULT_MAX_NEW_TOKENS
+    longest_prompt = max(len(example.prompt_ids) for example in examples)
+    return max(1, min(DEFAULT_MAX_NEW_TOKENS, context - longest_prompt))
+
+
 def resolve_eval_data(args, scratch_dir: str) -> tuple[str, int | None]:
     """(prompt file, default max_new_tokens of its task or None); --task is builtin:TASK/eval."""
     from stacx.tasks.data import is_builtin, parse_builtin_spec, resolve_data_path
@@ -145,7 +157,8 @@ def evaluate_checkpoint(args) -> dict:
     from stacx.rollout.rewards import resolve_reward_fn
     from stacx.rollout.types import SamplingParams
     from stacx.rollout.service import load_tokenizer
-    from stacx.trainer.config.checks import PreflightError, check_labels_for_reward, check_prompts_not_empty
+    from stacx.trainer.config.checks import (PreflightError, check_labels_for_reward, check_prompts_not_empty,
+                                             model_context_length)
 
     with tempfile.TemporaryDirectory(prefix="stacx-eval-") as scratch_dir:
         data_path, task_max_new_tokens = resolve_eval_data(args, scratch_dir)
@@ -165,9 +178,10 @@ def evaluate_checkpoint(args) -> dict:
                                     data_path=data_path, label_key=args.label_key)
         except PreflightError as err:
             raise EvalUsageError(str(err)) from None
+        default_max_new_tokens = default_response_budget(examples, model_context_length(model_folder))
         engine = open_engine(args, model_folder)
     eos = getattr(tokenizer, "eos_token_id", None)
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens or task_max_new_tokens or 64,
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens or task_max_new_tokens or default_max_new_tokens,
                               temperature=args.temperature, stop_token_ids=(eos,) if eos is not None else ())
     manager = RolloutManager(engine, tokenizer=tokenizer, reward_fn=reward_fn, seed=args.seed)
     try:
