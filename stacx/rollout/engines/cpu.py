@@ -327,10 +327,6 @@ class CpuEngine(InferenceEngine):
         while active:
             if should_stop is not None and should_stop():
                 raise GenerationCancelled(f"stopped after {len(outputs[active[0]].output_ids)} generated tokens")
-            if not first_step:  # the first forward also fills the prompt fields
-                active = self._drop_aborted(active, outputs, abort_flags)
-                if not active:
-                    break
             logits = self._model_call(self._logits, [sequences[i] for i in active])
             self._progress_at = time.monotonic()
             still_active = []
@@ -341,6 +337,9 @@ class CpuEngine(InferenceEngine):
                     self._fill_prompt_fields(out, request, log_probs_LV)
                 if len(out.output_ids) >= request.sampling.max_new_tokens:
                     out.finish_reason = "length"
+                    continue
+                if abort_flags[i].is_set():  # checked after the forward, as the cached decoder does
+                    out.finish_reason = "abort"
                     continue
                 last = log_probs_LV[-1]
                 token = sample_token(last, request.sampling, generators[i])
