@@ -28,7 +28,7 @@ import dataclasses
 
 from stacx.rollout.types import GenerateOutput, GenerateRequest
 
-_MASK_63 = (1 << 63) - 1
+_SEED_MASK = (1 << 31) - 1  # SGLang has kept sampling seeds in int32 tensors
 
 
 def continuation_seed(seed: int, num_generated: int) -> int:
@@ -36,12 +36,12 @@ def continuation_seed(seed: int, num_generated: int) -> int:
 
     Re-using `seed` would replay the draws the first segment already used (the continued tokens
     would depend on the earlier ones through the same uniforms); a hash of (seed, num_generated)
-    gives fresh, reproducible draws (64-bit mix, then kept non-negative for torch and SGLang).
+    gives fresh, reproducible draws (a 64-bit mix, kept to 31 bits: a non-negative int32 for SGLang).
     """
     x = (seed * 0x9E3779B97F4A7C15 + num_generated + 1) & ((1 << 64) - 1)
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    return (x ^ (x >> 31)) & _MASK_63
+    return (x ^ (x >> 31)) & _SEED_MASK
 
 
 def continuation_request(request: GenerateRequest, so_far: GenerateOutput) -> GenerateRequest:
