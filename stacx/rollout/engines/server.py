@@ -259,7 +259,7 @@ class EngineHttpServer:
                                  "restart it without that flag to push weights", close=True)
         if self.api_key is None:
             raise HttpError(403, f"{path}: this server has no API key (--no-weight-updates without --api-key), so "
-                                 "nobody may pause, continue or flush it; restart it with --api-key KEY", close=True)
+                                 "nobody may pause, continue, abort or flush it; restart it with --api-key KEY", close=True)
         refusal = check_bearer_token(self.api_key, authorization)
         if refusal is not None:
             status, message = refusal
