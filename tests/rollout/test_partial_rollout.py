@@ -2,6 +2,7 @@
 continue them; every token keeps its behaviour log-prob and the weight version that produced it."""
 
 import threading
+import time
 
 import pytest
 import requests as http
@@ -222,9 +223,44 @@ def test_stacx_serve_aborts_over_http_takes_the_weight_update_and_continues_unde
 
 
 def _wait_until(predicate, timeout_s=TIMEOUT_S):
-    import time
-
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
+
+
+def test_default_submit_runs_requests_concurrently_and_the_pool_aborts_on_every_engine():
+    """The base class's `submit` (HttpEngine, SglangEngine, EnginePool use it) reaches the engine from
+    several threads at once; EnginePool forwards abort to each engine; an engine without abort says so."""
+    from stacx.rollout.engine_pool import EnginePool
+    from stacx.rollout.engines.base import InferenceEngine
+    from stacx.rollout.types import GenerateOutput
+
+    class Barrier(InferenceEngine):  # each generate waits until two are running at once
+        def __init__(self):
+            self.barrier, self.aborted = threading.Barrier(2, timeout=TIMEOUT_S), []
+
+        def generate(self, requests):
+            self.barrier.wait()
+            return [GenerateOutput(output_ids=[len(r.input_ids)]) for r in requests]
+
+        def abort(self, rids=None):
+            self.aborted.append(rids)
+
+        update_weights = weight_version = pause = resume = flush_cache = health = lambda *a, **k: None
+
+    engine = Barrier()
+    futures = [engine.submit(greedy((4,) * n)) for n in (1, 2)]
+    assert [f.result(TIMEOUT_S).output_ids for f in futures] == [[1], [2]]
+    engine.shutdown()
+    pool = EnginePool([Barrier(), Barrier()], names=["a", "b"])
+    pool.abort(["r1"])
+    pool.abort()
+    assert [e.aborted for e in pool.engines] == [[["r1"], None]] * 2
+    pool.shutdown()
+
+    class NoAbort(Barrier):
+        abort = InferenceEngine.abort
+
+    with pytest.raises(NotImplementedError, match="NoAbort does not implement abort"):
+        NoAbort().abort()

@@ -32,9 +32,6 @@ from stacx.rollout.types import GenerateOutput, GenerateRequest
 WeightBucket = Sequence[tuple[str, torch.Tensor]]
 """A list of (Hugging Face parameter name, full unsharded tensor)."""
 
-MAX_CONCURRENT_SUBMISSIONS = 256
-"""Requests `InferenceEngine.submit` keeps in flight at once (one waiting thread each); more wait
-for a free thread."""
 
 
 class GenerationCancelled(Exception):
@@ -44,6 +41,8 @@ class GenerationCancelled(Exception):
 class InferenceEngine(abc.ABC):
     """Generation with per-token log-probs, weight updates, and lifecycle control."""
 
+    max_concurrent_submissions: int = 256
+    """Requests `submit` keeps in flight at once (one waiting thread each); more wait for a thread."""
     _submission_pool: Optional[ThreadPoolExecutor] = None
     _submission_pool_lock = threading.Lock()
 
@@ -56,7 +55,7 @@ class InferenceEngine(abc.ABC):
     def submit(self, request: GenerateRequest) -> "Future[GenerateOutput]":
         """Start one request and return at once; the future's result is its output. Thread-safe.
 
-        The default runs `generate([request])` on one of up to `MAX_CONCURRENT_SUBMISSIONS` threads,
+        The default runs `generate([request])` on one of up to `max_concurrent_submissions` threads,
         so concurrent submissions reach the engine concurrently (a server batches them)."""
         return self._submissions().submit(lambda: self.generate([request])[0])
 
@@ -71,7 +70,7 @@ class InferenceEngine(abc.ABC):
     def _submissions(self) -> ThreadPoolExecutor:
         with InferenceEngine._submission_pool_lock:
             if self._submission_pool is None:
-                self._submission_pool = ThreadPoolExecutor(max_workers=MAX_CONCURRENT_SUBMISSIONS,
+                self._submission_pool = ThreadPoolExecutor(max_workers=self.max_concurrent_submissions,
                                                            thread_name_prefix=f"{type(self).__name__}-submit")
             return self._submission_pool
 

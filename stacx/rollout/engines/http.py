@@ -42,6 +42,10 @@ def summarize_requests(requests: Sequence[GenerateRequest]) -> str:
 class HttpEngine(InferenceEngine):
     """Talks to one server URL."""
 
+    max_concurrent_submissions = 64
+    """`submit`'s requests in flight at once: `stacx serve`'s default bound per client
+    (`--max-requests-per-client`, `--max-queued-requests`); more wait here instead of drawing 503s."""
+
     def __init__(self, url: str, retry: RetryPolicy = RetryPolicy(), *, weight_transport: str = "auto",
                  api_key: Optional[str] = None):
         """weight_transport: 'http' sends bucket bytes in the request body; 'shm' stages them in a
@@ -50,7 +54,7 @@ class HttpEngine(InferenceEngine):
         api_key: the server's shared secret (None: `STACX_API_KEY` if set)."""
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight_transport must be one of {WEIGHT_TRANSPORTS}, got {weight_transport!r}")
-        self.transport = HttpTransport(url, retry, api_key=api_key)
+        self.transport = HttpTransport(url, retry, api_key=api_key, max_connections=self.max_concurrent_submissions + 2)
         host = urlparse(self.transport.url).hostname
         self._shm_fallback = weight_transport == "auto"
         self.weight_transport = ("shm" if is_loopback_host(host) else "http") \
