@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from stacx.rollout.engines.base import InferenceEngine, WeightBucket
 from stacx.rollout.types import GenerateOutput, GenerateRequest
@@ -92,6 +92,11 @@ class EnginePool(InferenceEngine):
         for engine in self.engines:
             engine.update_weights(iter(materialized), version=version)
 
+    def abort(self, rids: Optional[Sequence[str]] = None) -> None:
+        """Abort on every engine (a rid is in flight on at most one of them; the others ignore it)."""
+        for engine in self.engines:
+            engine.abort(rids)
+
     def weight_versions(self) -> dict[str, int]:
         return {name: engine.weight_version() for name, engine in zip(self.names, self.engines)}
 
@@ -136,6 +141,7 @@ class EnginePool(InferenceEngine):
         return all(engine.health() for engine in self.engines)
 
     def shutdown(self) -> None:
+        self._shutdown_submissions()
         self._pool.shutdown(wait=False)
         for engine in self.engines:
             engine.shutdown()

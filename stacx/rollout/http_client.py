@@ -82,11 +82,17 @@ class RetryPolicy:
 class HttpTransport:
     """JSON and binary requests to one server URL (e.g. http://127.0.0.1:30000)."""
 
-    def __init__(self, url: str, retry: RetryPolicy = RetryPolicy(), *, api_key: Optional[str] = None):
-        """api_key: the server's shared secret (None: `STACX_API_KEY` if set, else no header)."""
+    def __init__(self, url: str, retry: RetryPolicy = RetryPolicy(), *, api_key: Optional[str] = None,
+                 max_connections: int = 10):
+        """api_key: the server's shared secret (None: `STACX_API_KEY` if set, else no header).
+        max_connections: connections kept open for reuse (as many as threads calling at once)."""
         self.url = url.rstrip("/")
         self.retry = retry
         self._session = requests.Session()
+        if max_connections != 10:  # requests' default pool size
+            adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=max_connections)
+            self._session.mount("http://", adapter)
+            self._session.mount("https://", adapter)
         api_key = api_key or api_key_from_env()
         if api_key:
             self._session.headers["Authorization"] = f"Bearer {api_key}"

@@ -16,6 +16,9 @@ as ONE `engine.generate`, and hands each submission its own slice of the outputs
   Once its requests are in a running batch they finish with the batch; the batch itself stops
   (every caller in it gets `GenerationCancelled`) only when every caller in it has stopped.
 - An engine error fails every caller of that batch with the same exception.
+- Abort: a submission's requests carry abort flags (`abort_flags`, else registered here with an
+  engine that keeps an `aborts` book), passed with the batch to the engine, which stops each
+  flagged request between decoding steps; the rest of the batch goes on.
 Seeded requests draw from their own generators, so batching does not change their samples.
 """
 
@@ -25,13 +28,14 @@ import inspect
 import threading
 from typing import Any, Callable, Optional, Sequence
 
-from stacx.rollout.engines.cpu import GenerationCancelled
+from stacx.rollout.engines.base import GenerationCancelled
 
 
 class _Submission:
-    def __init__(self, requests: list, should_stop: Optional[Callable[[], bool]]):
+    def __init__(self, requests: list, should_stop: Optional[Callable[[], bool]], abort_flags: Optional[list]):
         self.requests = requests
         self.should_stop = should_stop
+        self.abort_flags = abort_flags
         self.outputs: Optional[list] = None
         self.error: Optional[BaseException] = None
         self.done = False
@@ -48,18 +52,31 @@ class GenerateBatcher:
             raise ValueError(f"max_batch_requests must be >= 1, got {max_batch_requests}")
         self.engine = engine
         self.max_batch_requests = max_batch_requests
-        self._engine_cancels = _accepts_should_stop(engine)
+        self._engine_cancels = _accepts(engine, "should_stop")
+        self._engine_aborts = _accepts(engine, "abort_flags")
         self._condition = threading.Condition()
         self._queue: list[_Submission] = []
         self._running = False
         self.num_engine_calls = 0
         """Engine calls made so far (fewer than the callers when requests were batched)."""
 
-    def generate(self, requests: Sequence[Any], *, should_stop: Optional[Callable[[], bool]] = None) -> list:
-        submission = _Submission(list(requests), should_stop)
+    def generate(self, requests: Sequence[Any], *, should_stop: Optional[Callable[[], bool]] = None,
+                 abort_flags: Optional[Sequence[Any]] = None) -> list:
+        """abort_flags: one `AbortFlag` per request (registered by the caller); None registers them
+        here for the time of the call when the engine keeps an `aborts` book."""
         check = getattr(self.engine, "check_requests", None)
         if check is not None:
-            check(submission.requests)
+            check(list(requests))
+        book = getattr(self.engine, "aborts", None) if self._engine_aborts else None
+        if abort_flags is None and book is not None:
+            flags = book.register([getattr(r, "rid", None) for r in requests])
+            try:
+                return self.generate(requests, should_stop=should_stop, abort_flags=flags)
+            finally:
+                book.release(flags)
+        if abort_flags is not None and len(abort_flags) != len(requests):
+            raise ValueError(f"generate: {len(abort_flags)} abort_flags for {len(requests)} requests")
+        submission = _Submission(list(requests), should_stop, None if abort_flags is None else list(abort_flags))
         with self._condition:
             self._queue.append(submission)
         while True:
@@ -92,11 +109,13 @@ class GenerateBatcher:
     def _run(self, batch: list[_Submission]) -> None:
         requests = [request for submission in batch for request in submission.requests]
         self.num_engine_calls += 1
+        options: dict = {}
+        if self._engine_cancels:
+            options["should_stop"] = lambda: all(s.stopped() for s in batch)
+        if self._engine_aborts and all(s.abort_flags is not None for s in batch):
+            options["abort_flags"] = [flag for s in batch for flag in s.abort_flags]
         try:
-            if self._engine_cancels:
-                outputs = self.engine.generate(requests, should_stop=lambda: all(s.stopped() for s in batch))
-            else:
-                outputs = self.engine.generate(requests)
+            outputs = self.engine.generate(requests, **options)
         except BaseException as error:  # noqa: BLE001 - handed to every caller of the batch
             for submission in batch:
                 submission.error, submission.done = error, True
@@ -114,5 +133,5 @@ class GenerateBatcher:
         return submission.outputs
 
 
-def _accepts_should_stop(engine: Any) -> bool:
-    return engine is not None and "should_stop" in inspect.signature(engine.generate).parameters
+def _accepts(engine: Any, option: str) -> bool:
+    return engine is not None and option in inspect.signature(engine.generate).parameters

@@ -93,10 +93,15 @@ class GenerateRequest:
     """Also return the K most likely tokens (log-prob, id) at each returned position."""
     token_ids_logprob: tuple[int, ...] = ()
     """Also return the log-probs of these token ids at each returned position."""
+    rid: Optional[str] = None
+    """Request id (SGLang's `rid`): `InferenceEngine.abort([rid])` stops this request; None: it can
+    only be stopped by aborting every request."""
 
     def __post_init__(self):
         if len(self.input_ids) == 0:
             raise ValueError("input_ids must not be empty")
+        if self.rid is not None and (not isinstance(self.rid, str) or not self.rid):
+            raise ValueError(f"rid must be a non-empty string or None, got {self.rid!r}")
         if not -1 <= self.logprob_start_len <= len(self.input_ids):
             raise ValueError(
                 f"logprob_start_len must be -1 or in [0, {len(self.input_ids)}], got {self.logprob_start_len}"
@@ -115,12 +120,17 @@ class GenerateOutput:
 
     output_ids: list[int]
     output_log_probs: list[float] = field(default_factory=list)
+    """The behaviour log-prob of each output token (under the weights of `output_token_versions`)."""
     finish_reason: str = "length"
-    """"length" (max_new_tokens reached), "stop" (eos or a stop token), or "abort"."""
+    """"length" (max_new_tokens reached), "stop" (eos or a stop token), or "abort" (stopped by
+    `InferenceEngine.abort`: the fields hold what was generated until then)."""
     input_log_probs: list[Optional[float]] = field(default_factory=list)
     input_top_log_probs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
     output_top_log_probs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_token_ids_log_probs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
     output_token_ids_log_probs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_token_versions: list[int] = field(default_factory=list)
+    """Per output token, the weight version that produced it (`InferenceEngine.weight_version`)."""
     weight_version: int = 0
-    """Version of the weights that produced this output (see `InferenceEngine.weight_version`)."""
+    """The oldest weight version among the output's tokens (the engine's version when it started,
+    for an output without tokens); one engine call uses one version for all of its tokens."""

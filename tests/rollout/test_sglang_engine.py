@@ -1,6 +1,7 @@
 """SGLang engine: weight-update requests and the trainer's broadcast group, against a fake SGLang server."""
 
 import json
+import pathlib
 import socket
 import threading
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from stacx.rollout.http_client import RetryPolicy
+from stacx.rollout.types import GenerateRequest, SamplingParams
 from stacx.rollout.engines.sglang import (
     SglangEngine,
     SglangServerSpec,
@@ -45,10 +47,14 @@ class FakeSglang(BaseHTTPRequestHandler):
             state["version"] = body["weight_version"]
         elif self.path == "/update_weights_from_tensor":
             state["version"] = body["weight_version"]
+        elif self.path == "/abort_request":
+            return self._answer(None)  # SGLang answers an empty 200
+        elif self.path == "/generate":
+            return self._answer(state["generate_answer"])
         self._answer({"success": True, "message": "ok"})
 
     def _answer(self, body):
-        data = json.dumps(body).encode()
+        data = b"" if body is None else json.dumps(body).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -148,3 +154,24 @@ def test_sglang_servers_that_never_come_up_fail_with_their_gpu_needs_and_are_kil
     with pytest.raises(RuntimeError, match=r"policy: 2 GPU\(s\), teacher: 1 GPU\(s\)"):
         sglang_engine.launch_sglang_servers_on_ray(specs, startup_timeout_s=5)
     assert killed == ["policy", "teacher"]
+
+
+def test_abort_requests_and_an_aborted_answer(fake_sglang):
+    """SglangEngine.abort posts SGLang's /abort_request shapes; the aborted request's own /generate
+    answer (recorded shape) comes back as a partial output with a version per token."""
+    recorded = json.loads((pathlib.Path(__file__).parent / "payloads" / "sglang_generate_abort.json").read_text())
+    fake_sglang.state["generate_answer"] = recorded["response"]
+    engine = SglangEngine(f"http://127.0.0.1:{fake_sglang.server_address[1]}", retry=RetryPolicy(max_attempts=1))
+    requests = [GenerateRequest(input_ids=tuple(ids), rid=rid, sampling=SamplingParams(
+        max_new_tokens=8, temperature=0.8, seed=params["sampling_seed"]))
+        for ids, rid, params in zip(recorded["request"]["input_ids"], recorded["request"]["rid"],
+                                    recorded["request"]["sampling_params"])]
+    partial, queued = engine.generate(requests)
+    engine.abort(["rollout-0"])
+    engine.abort()
+    calls = fake_sglang.state["calls"]
+    assert calls == [("/generate", recorded["request"]), ("/abort_request", recorded["abort_one"]),
+                     ("/abort_request", recorded["abort_all"])]
+    assert partial.finish_reason == "abort" and partial.output_token_versions == [7, 7, 7]
+    assert queued.finish_reason == "abort" and queued.output_ids == []
+    engine.shutdown()

@@ -6,8 +6,11 @@ import pathlib
 import pytest
 import torch
 
+from stacx.rollout.continuation import continuation_request, join_outputs
 from stacx.rollout.engines.sglang_protocol import (
+    build_abort_payload,
     build_generate_payload,
+    parse_abort_payload,
     parse_generate_payload,
     parse_generate_response,
     render_generate_item,
@@ -98,3 +101,60 @@ def test_teacher_client_against_recorded_scoring_payload(monkeypatch):
     assert scores.top_ids.tolist() == [[7, 22], [31, 40]]
     assert scores.top_log_probs.tolist() == [[-0.5, -1.5], [-0.25, -2.0]]
     assert scores.id_log_probs.tolist() == [[-1.5, -0.5], [-2.0, -5.0]]
+
+
+def _abort_requests():
+    sampling = dict(max_new_tokens=8, temperature=0.8)
+    return [GenerateRequest(input_ids=(151644, 872, 198), rid="rollout-0", sampling=SamplingParams(seed=11, **sampling)),
+            GenerateRequest(input_ids=(151644, 77091), rid="rollout-1", sampling=SamplingParams(seed=12, **sampling))]
+
+
+def test_abort_and_continuation_map_onto_sglangs_recorded_payloads():
+    """rid on /generate, /abort_request's two shapes, an aborted answer (mid-decode and still queued),
+    the continuation's input_ids and budget, and the joined output with a version per token."""
+    recorded = _load("sglang_generate_abort.json")
+    requests = _abort_requests()
+    assert build_generate_payload(requests) == recorded["request"]
+    assert build_abort_payload("rollout-0") == recorded["abort_one"]
+    assert build_abort_payload(None) == recorded["abort_all"]
+    assert parse_abort_payload(recorded["abort_one"]) == ["rollout-0"]
+    assert parse_abort_payload(recorded["abort_all"]) is None
+
+    partial, queued = parse_generate_response(recorded["response"], requests)
+    assert partial.finish_reason == queued.finish_reason == "abort"
+    assert partial.output_ids == [21927, 0, 13] and partial.output_log_probs == [-0.52, -1.25, -0.75]
+    assert partial.output_token_versions == [7, 7, 7] and partial.weight_version == 7
+    assert queued.output_ids == [] and queued.output_token_versions == []
+
+    follow_up = continuation_request(requests[0], partial)
+    assert build_generate_payload([follow_up]) == recorded["continuation_request"]
+    (rest,) = parse_generate_response(recorded["continuation_response"], [follow_up])
+    whole = join_outputs(partial, rest)
+    assert whole.output_ids == [21927, 0, 13, 0, 151645] and whole.finish_reason == "stop"
+    assert whole.output_log_probs == [-0.52, -1.25, -0.75, -0.31, -0.05]
+    assert whole.output_token_versions == [7, 7, 7, 8, 8] and whole.weight_version == 7
+    # stacx serve answers an aborted request in the same shape, and reads the same rid field
+    rendered = render_generate_item(partial, requests[0], "rollout-0")
+    assert rendered["meta_info"]["finish_reason"]["type"] == "abort" and rendered["meta_info"]["id"] == "rollout-0"
+    assert parse_generate_response([rendered], requests[:1]) == [partial]
+    parsed, _ = parse_generate_payload(recorded["request"])
+    assert parsed == requests
+
+
+def test_abort_payload_and_continuation_mistakes_name_the_field():
+    with pytest.raises(ValueError, match="'rid' must be a non-empty string.*abort_all"):
+        parse_abort_payload({})
+    with pytest.raises(ValueError, match="'abort_all' must be true or false"):
+        parse_abort_payload({"abort_all": "yes"})
+    with pytest.raises(ValueError, match="'rid\\[1\\]' must be a non-empty string"):
+        parse_generate_payload({"input_ids": [[1], [2]], "rid": ["a", 3]})
+    with pytest.raises(ValueError, match="rid must be a non-empty string"):
+        GenerateRequest(input_ids=(1,), rid="")
+    recorded = _load("sglang_generate_abort.json")
+    request = _abort_requests()[0]
+    finished = parse_generate_response(recorded["continuation_response"], [request])[0]
+    with pytest.raises(ValueError, match="finished with 'stop', not 'abort'"):
+        continuation_request(request, finished)
+    # a request without a rid in a batch that has some: SGLang takes all rids or none, so it gets one
+    mixed = build_generate_payload([request, GenerateRequest(input_ids=(5,))])
+    assert mixed["rid"][0] == "rollout-0" and isinstance(mixed["rid"][1], str) and mixed["rid"][1]

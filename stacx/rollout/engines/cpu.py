@@ -11,6 +11,11 @@ Two decoders, chosen by `decoding=`:
   the trainer's kernel. The reference the cached path is tested against.
 
 Log-prob convention: see stacx.rollout.types (log_softmax(logits / T) over the real vocab).
+
+Abort: every request carries an `AbortFlag` (stacx.rollout.engines.aborts), polled between
+decoding steps; an aborted row leaves the batch with what it generated (finish_reason "abort")
+while the other rows go on. One call runs under one weight version (weight loads wait for the
+call), and every token records it (`output_token_versions`).
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ import torch
 import torch.distributed as dist
 
 from stacx.parallel.groups import ProcessGroups, initialize_parallel_layout
-from stacx.rollout.engines.base import InferenceEngine, WeightBucket
+from stacx.rollout.engines.aborts import AbortBook, AbortFlag
+from stacx.rollout.engines.base import GenerationCancelled, InferenceEngine, WeightBucket
 from stacx.rollout.engines.kv_cache_decoding import KvCacheDecoder
 from stacx.rollout.engines.weight_loading import HfWeightReceiver
+from stacx.rollout.request_batching import GenerateBatcher
 from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
 
 DECODINGS = ("kv_cache", "packed")
@@ -33,9 +40,9 @@ DECODINGS = ("kv_cache", "packed")
 
 WeightLoader = Callable[[torch.nn.Module, Sequence[tuple[str, torch.Tensor]]], None]
 
-
-class GenerationCancelled(Exception):
-    """`generate(..., should_stop=...)` stopped because should_stop() returned True (its client left)."""
+# GenerationCancelled lives in engines/base.py (request_batching, which this module uses, raises it too);
+# it stays importable from here.
+__all__ = ["CpuEngine", "GenerationCancelled", "DECODINGS", "ensure_single_process_layout"]
 
 
 def sampling_log_probs(logits_V: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -163,6 +170,9 @@ class CpuEngine(InferenceEngine):
         self._resumed.set()
         self._version = 0
         self._progress_at: Optional[float] = None  # monotonic time of the last step while a call runs
+        self.aborts = AbortBook()
+        """The requests in flight, by rid, for `abort` (registered where they enter the engine)."""
+        self._batcher = GenerateBatcher(self)  # `submit`: concurrent submissions decode as one batch
         self.decoding = decoding
         self._cached_decoder = None
         if decoding == "kv_cache":
@@ -221,32 +231,92 @@ class CpuEngine(InferenceEngine):
                     f"({request.sampling.max_new_tokens}) = {total} exceeds the model's context length "
                     f"{self.context_length}; lower max_new_tokens")
 
-    def generate(self, requests: Sequence[GenerateRequest], *,
-                 should_stop: Optional[Callable[[], bool]] = None) -> list[GenerateOutput]:
+    def generate(self, requests: Sequence[GenerateRequest], *, should_stop: Optional[Callable[[], bool]] = None,
+                 abort_flags: Optional[Sequence[AbortFlag]] = None) -> list[GenerateOutput]:
         """Generate for every request. `should_stop` (e.g. "the client disconnected") is polled while
         waiting for the engine and before every decoding step; when it returns True the call raises
-        GenerationCancelled and the engine moves on to the next call."""
+        GenerationCancelled and the engine moves on to the next call.
+
+        abort_flags: one per request, from `self.aborts.register` where the requests entered (the
+        server, `submit`); None registers them here. A request whose flag is set (`abort`) stops
+        before its next decoding step and returns what it has, finish_reason "abort"; one aborted
+        before it started returns no tokens, at once (a paused engine does not hold it).
+        """
         self.check_requests(requests)
-        self._resumed.wait()
-        while not self._lock.acquire(timeout=0.1):
-            if should_stop is not None and should_stop():
-                raise GenerationCancelled("the caller stopped waiting for the engine")
+        if abort_flags is None:
+            flags = self.aborts.register([r.rid for r in requests])
+            try:
+                return self.generate(requests, should_stop=should_stop, abort_flags=flags)
+            finally:
+                self.aborts.release(flags)
+        if len(abort_flags) != len(requests):
+            raise ValueError(f"generate: {len(abort_flags)} abort_flags for {len(requests)} requests")
+        if not self._acquire_unpaused(should_stop, abort_flags):
+            return [self._aborted_before_start() for _ in requests]
         try:
             self._progress_at = time.monotonic()
-            if self._cached_decoder is not None:
-                return self._generate_cached(requests, should_stop)
-            return self._generate_packed(requests, should_stop)
+            outputs: list[Optional[GenerateOutput]] = [None] * len(requests)
+            live = []
+            for i, flag in enumerate(abort_flags):
+                if flag.is_set():
+                    outputs[i] = self._aborted_before_start()
+                else:
+                    live.append(i)
+            decode = self._generate_cached if self._cached_decoder is not None else self._generate_packed
+            for i, output in zip(live, decode([requests[i] for i in live], should_stop,
+                                              [abort_flags[i] for i in live])):
+                outputs[i] = output
+            return outputs
         finally:
             self._progress_at = None
             self._lock.release()
+
+    def _acquire_unpaused(self, should_stop: Optional[Callable[[], bool]], abort_flags: Sequence[AbortFlag]) -> bool:
+        """Take the model lock while the engine is not paused (checked again under the lock, so no
+        call starts between a pause and the weight update after it). False, without the lock, when
+        every request was aborted meanwhile."""
+        while True:
+            if all(flag.is_set() for flag in abort_flags):
+                return False
+            if should_stop is not None and should_stop():
+                raise GenerationCancelled("the caller stopped waiting for the engine")
+            if not self._resumed.wait(timeout=0.1) or not self._lock.acquire(timeout=0.1):
+                continue
+            if self._resumed.is_set():
+                return True
+            self._lock.release()
+
+    def _aborted_before_start(self) -> GenerateOutput:
+        return GenerateOutput(output_ids=[], finish_reason="abort", weight_version=self._version)
+
+    def submit(self, request: GenerateRequest):
+        """Start one request (registered for `abort` at once); concurrent submissions that wait
+        for the engine decode together as one batch (stacx.rollout.request_batching)."""
+        self.check_requests([request])
+        (flag,) = self.aborts.register([request.rid])
+
+        def run() -> GenerateOutput:
+            try:
+                return self._batcher.generate([request], abort_flags=[flag])[0]
+            finally:
+                self.aborts.release([flag])
+
+        try:
+            return self._submissions().submit(run)
+        except BaseException:
+            self.aborts.release([flag])
+            raise
+
+    def abort(self, rids: Optional[Sequence[str]] = None) -> None:
+        self.aborts.abort(rids)
 
     def stalled_for_s(self) -> float:
         """Seconds since the running call last made progress (0 when idle); `/health` reads it."""
         progress_at = self._progress_at
         return 0.0 if progress_at is None else time.monotonic() - progress_at
 
-    def _generate_packed(self, requests: Sequence[GenerateRequest],
-                         should_stop: Optional[Callable[[], bool]] = None) -> list[GenerateOutput]:
+    def _generate_packed(self, requests: Sequence[GenerateRequest], should_stop: Optional[Callable[[], bool]],
+                         abort_flags: Sequence[AbortFlag]) -> list[GenerateOutput]:
         """The "packed" decoder: every step, one packed forward of all active (prompt + tokens) rows."""
         outputs = [GenerateOutput(output_ids=[], weight_version=self._version) for _ in requests]
         generators = [
@@ -270,6 +340,9 @@ class CpuEngine(InferenceEngine):
                 if len(out.output_ids) >= request.sampling.max_new_tokens:
                     out.finish_reason = "length"
                     continue
+                if abort_flags[i].is_set():  # checked after the forward, as the cached decoder does
+                    out.finish_reason = "abort"
+                    continue
                 last = log_probs_LV[-1]
                 token = sample_token(last, request.sampling, generators[i])
                 sequences[i].append(token)
@@ -279,8 +352,8 @@ class CpuEngine(InferenceEngine):
             first_step = False
         return outputs
 
-    def _generate_cached(self, requests: Sequence[GenerateRequest],
-                         should_stop: Optional[Callable[[], bool]] = None) -> list[GenerateOutput]:
+    def _generate_cached(self, requests: Sequence[GenerateRequest], should_stop: Optional[Callable[[], bool]],
+                         abort_flags: Sequence[AbortFlag]) -> list[GenerateOutput]:
         """The "kv_cache" decoder: one prefill of the whole batch, then one cached forward per step.
 
         Same choices as `_generate_packed` (same sampling helpers, same generator draws in request
@@ -314,6 +387,15 @@ class CpuEngine(InferenceEngine):
         while active:
             if should_stop is not None and should_stop():
                 raise GenerationCancelled(f"stopped after {len(outputs[active[0]].output_ids)} generated tokens")
+            still = self._drop_aborted(active, outputs, abort_flags)
+            if len(still) < len(active):
+                if not still:
+                    break
+                kept = set(still)
+                kept_rows = [row for row, i in enumerate(active) if i in kept]
+                batch.keep_rows(kept_rows)
+                logits_BV = logits_BV[kept_rows]
+                active = still
             temperatures_B1 = torch.tensor([[requests[i].sampling.temperature or 1.0] for i in active])
             log_probs_BV = torch.log_softmax(logits_BV / temperatures_B1, dim=-1)
             greedy_B = log_probs_BV.argmax(dim=-1).tolist()
@@ -333,10 +415,23 @@ class CpuEngine(InferenceEngine):
             self._progress_at = time.monotonic()
         return outputs
 
+    @staticmethod
+    def _drop_aborted(active: list[int], outputs: list[GenerateOutput], abort_flags: Sequence[AbortFlag]) -> list[int]:
+        """The active requests whose abort flag is not set; the others finish with "abort"."""
+        still = []
+        for i in active:
+            if abort_flags[i].is_set():
+                outputs[i].finish_reason = "abort"
+            else:
+                still.append(i)
+        return still
+
     def _record_token(self, out: GenerateOutput, request: GenerateRequest, token: int, log_prob: float,
                       log_probs_V: torch.Tensor) -> bool:
-        """Append a generated token (and its log-prob fields); return whether the request goes on."""
+        """Append a generated token (its log-prob fields, the version producing it); return whether
+        the request goes on."""
         out.output_ids.append(token)
+        out.output_token_versions.append(out.weight_version)
         if request.return_logprob:
             out.output_log_probs.append(log_prob)
             if request.top_logprobs_num:
@@ -404,6 +499,7 @@ class CpuEngine(InferenceEngine):
         return self._version
 
     def pause(self) -> None:
+        """New calls wait (and a call waiting for the running one does not start) until `resume`."""
         self._resumed.clear()
 
     def resume(self) -> None:

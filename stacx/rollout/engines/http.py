@@ -1,6 +1,7 @@
 """`InferenceEngine` over SGLang's native HTTP API, served by `stacx serve` (CPU) or SGLang.
 
-Generation, pause/resume, flush and health use SGLang's own endpoints. Weight updates go to
+Generation, pause/resume, abort (`POST /abort_request`), flush and health use SGLang's own endpoints;
+`submit` runs one `/generate` per request on a client thread, so a server batches concurrent ones. Weight updates go to
 `stacx serve`'s binary bucket endpoint (`/stacx/update_weights_bucket`, see weight_transfer.py);
 the SGLang engine overrides `update_weights` with SGLang's tensor / distributed endpoints.
 
@@ -18,7 +19,7 @@ from urllib.parse import urlparse
 from stacx.network import is_loopback_host
 from stacx.rollout.engines.base import InferenceEngine, WeightBucket
 from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerRequestError
-from stacx.rollout.engines.sglang_protocol import build_generate_payload, parse_generate_response
+from stacx.rollout.engines.sglang_protocol import build_abort_payload, build_generate_payload, parse_generate_response
 from stacx.rollout.engines.weight_versions import is_own_accepted_bucket
 from stacx.rollout.types import GenerateOutput, GenerateRequest
 from stacx.rollout.weight_transfer import SharedMemoryStaging, bucket_wire_chunks
@@ -41,6 +42,10 @@ def summarize_requests(requests: Sequence[GenerateRequest]) -> str:
 class HttpEngine(InferenceEngine):
     """Talks to one server URL."""
 
+    max_concurrent_submissions = 64
+    """`submit`'s requests in flight at once: `stacx serve`'s default bound per client
+    (`--max-requests-per-client`, `--max-queued-requests`); more wait here instead of drawing 503s."""
+
     def __init__(self, url: str, retry: RetryPolicy = RetryPolicy(), *, weight_transport: str = "auto",
                  api_key: Optional[str] = None):
         """weight_transport: 'http' sends bucket bytes in the request body; 'shm' stages them in a
@@ -49,7 +54,7 @@ class HttpEngine(InferenceEngine):
         api_key: the server's shared secret (None: `STACX_API_KEY` if set)."""
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight_transport must be one of {WEIGHT_TRANSPORTS}, got {weight_transport!r}")
-        self.transport = HttpTransport(url, retry, api_key=api_key)
+        self.transport = HttpTransport(url, retry, api_key=api_key, max_connections=self.max_concurrent_submissions + 2)
         host = urlparse(self.transport.url).hostname
         self._shm_fallback = weight_transport == "auto"
         self.weight_transport = ("shm" if is_loopback_host(host) else "http") \
@@ -136,6 +141,12 @@ class HttpEngine(InferenceEngine):
         except Exception as err:  # noqa: BLE001 - teardown goes on; the server removes it when it stops
             logger.debug("releasing staging file %s on %s failed: %s", staging_id, self.url, err)
 
+    def abort(self, rids: Optional[Sequence[str]] = None) -> None:
+        """`POST /abort_request`: `{"abort_all": true}` when rids is None, else one `{"rid": ...}` per rid."""
+        for rid in [None] if rids is None else list(rids):
+            self.transport.post_json("/abort_request", build_abort_payload(rid),
+                                     summary="abort every request" if rid is None else f"abort request {rid}")
+
     def weight_version(self) -> int:
         return int(self.transport.get("/get_weight_version")["weight_version"])
 
@@ -162,6 +173,7 @@ class HttpEngine(InferenceEngine):
         """Remove the shared-memory staging file (here and on the server) and close the connection.
         Safe to call twice."""
         staging, self._staging = self._staging, None
+        self._shutdown_submissions()
         try:
             if staging is not None:
                 self._release_staging(staging.staging_id)

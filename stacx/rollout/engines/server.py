@@ -21,7 +21,7 @@ connection, blocking work (generation, weight loads) runs in worker threads. The
 - `/health` answers 503 when the engine has made no progress for `stall_timeout_s`.
 
 Authentication: every mutating endpoint (weight updates, the shared-memory handshake, pause,
-continue, flush) needs `Authorization: Bearer <key>` (401 when missing, 403 when wrong, compared
+continue, abort, flush) needs `Authorization: Bearer <key>` (401 when missing, 403 when wrong, compared
 with `hmac.compare_digest`). A server that takes weight updates always has a key (a random one
 when none is given, `api_key`); one started with `weight_updates=False` refuses the weight
 endpoints, and without a key every mutating endpoint. Generation and the reads stay open.
@@ -31,8 +31,12 @@ Endpoints (SGLang's names unless marked stacx; the schema is at GET /openapi.jso
   GET  /get_model_info                   {"model_path", "weight_version", "is_generation"}
   GET  /get_weight_version               {"weight_version"}
   POST /generate                         SGLang request fields -> SGLang answers (see sglang_protocol)
-  POST /pause_generation                 new /generate requests wait until /continue_generation
+  POST /pause_generation                 new /generate requests wait until /continue_generation (in-flight
+                                         ones finish, or stop at /abort_request)
   POST /continue_generation
+  POST /abort_request                    {"rid": id} or {"abort_all": true}: those /generate requests stop
+                                         between decoding steps and answer what they generated so far
+                                         (finish_reason "abort")
   POST /flush_cache
   POST /stacx/update_weights_bucket      (stacx) one flattened bucket in the body, see weight_transfer.py
   POST /stacx/shm_staging                (stacx) same-host handshake: {} -> {"staging_id", "path"} of a
@@ -59,6 +63,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from stacx.rollout.engines.aborts import AbortBook
 from stacx.rollout.engines.cpu import GenerationCancelled
 from stacx.rollout.engines.http import BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_RELEASE_ENDPOINT, SHM_STAGING_ENDPOINT
 from stacx.rollout.engines.http_guard import (
@@ -70,7 +75,7 @@ from stacx.rollout.engines.http_guard import (
     guarded_h11_protocol,
 )
 from stacx.rollout.engines.request_bodies import content_length, read_body_into, read_json
-from stacx.rollout.engines.sglang_protocol import parse_generate_payload, render_generate_item
+from stacx.rollout.engines.sglang_protocol import parse_abort_payload, parse_generate_payload, render_generate_item
 from stacx.rollout.engines.weight_versions import StaleWeightsError, WeightVersionGate
 from stacx.rollout.request_batching import GenerateBatcher
 from stacx.rollout.weight_transfer import (
@@ -87,7 +92,7 @@ logger = logging.getLogger(__name__)
 
 WEIGHT_ENDPOINTS = frozenset({BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_STAGING_ENDPOINT, SHM_RELEASE_ENDPOINT})
 """Endpoints that change the served weights; refused by a server started with weight_updates=False."""
-MUTATING_ENDPOINTS = WEIGHT_ENDPOINTS | {"/pause_generation", "/continue_generation", "/flush_cache"}
+MUTATING_ENDPOINTS = WEIGHT_ENDPOINTS | {"/pause_generation", "/continue_generation", "/abort_request", "/flush_cache"}
 """Endpoints that change the server's state; they need the bearer token."""
 LISTEN_BACKLOG = 2048
 """Connections the kernel queues before the server accepts them (the standard library's 5 reset
@@ -156,6 +161,8 @@ class EngineHttpServer:
         self._generate_threads: Optional[anyio.CapacityLimiter] = None  # made on the event loop
         # Concurrent /generate calls run as one engine batch (stacx.rollout.request_batching).
         self.batcher = GenerateBatcher(engine) if engine is not None else None
+        self.aborts: AbortBook = getattr(engine, "aborts", None) or AbortBook()
+        """Every /generate request from its arrival to its answer, for /abort_request."""
         self.app = build_app(self)
         self._socket = _listening_socket(host, port)
         config = uvicorn.Config(
@@ -252,7 +259,7 @@ class EngineHttpServer:
                                  "restart it without that flag to push weights", close=True)
         if self.api_key is None:
             raise HttpError(403, f"{path}: this server has no API key (--no-weight-updates without --api-key), so "
-                                 "nobody may pause, continue or flush it; restart it with --api-key KEY", close=True)
+                                 "nobody may pause, continue, abort or flush it; restart it with --api-key KEY", close=True)
         refusal = check_bearer_token(self.api_key, authorization)
         if refusal is not None:
             status, message = refusal
@@ -327,6 +334,9 @@ def build_app(server: EngineHttpServer) -> FastAPI:
          "SGLang's generate: `text` or `input_ids` (one or a list), `sampling_params`, log-prob fields", json_body),
         (("POST",), "/pause_generation", endpoints.pause, "new /generate calls wait (needs the API key)", None),
         (("POST",), "/continue_generation", endpoints.resume, "release paused calls (needs the API key)", None),
+        (("POST",), "/abort_request", endpoints.abort,
+         "{rid} or {abort_all: true}: stop those /generate calls; each answers its tokens so far (needs the API key)",
+         json_body),
         (("GET", "POST"), "/flush_cache", endpoints.flush_cache, "drop cached state (needs the API key)", None),
         (("POST",), BUCKET_ENDPOINT, endpoints.update_bucket,
          "one weight bucket: 8-byte header length, JSON header, raw tensors (needs the API key)",
@@ -422,33 +432,54 @@ class _Endpoints:
         server.admit_generate()
         gone = threading.Event()
         watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
+        flags = server.aborts.register([r.rid for r in requests])  # abortable from arrival on
 
         def run():
-            if not server.gate.wait(server.pause_timeout_s):
-                return None
+            deadline = time.monotonic() + server.pause_timeout_s
+            while not server.gate.wait(0.1):  # paused: wait, unless every request is aborted meanwhile
+                if all(flag.is_set() for flag in flags):
+                    break
+                if gone.is_set():
+                    raise GenerationCancelled()
+                if time.monotonic() > deadline:
+                    return None
             if gone.is_set():
                 raise GenerationCancelled()
-            return server.batcher.generate(requests, should_stop=gone.is_set)
+            return server.batcher.generate(requests, should_stop=gone.is_set, abort_flags=flags)
 
         try:
             outputs = await anyio.to_thread.run_sync(run, limiter=server.generate_threads())
         finally:
+            server.aborts.release(flags)
             watcher.cancel()
             server.release_generate()
         if outputs is None:
-            return 503, {"error": "generation is paused"}
-        items = [render_generate_item(o, r, uuid.uuid4().hex, server.tokenizer) for o, r in zip(outputs, requests)]
+            return 503, {"error": f"generation stayed paused for pause_timeout_s ({server.pause_timeout_s:.0f}s); "
+                                  "send /continue_generation"}
+        items = [render_generate_item(o, r, r.rid or uuid.uuid4().hex, server.tokenizer)
+                 for o, r in zip(outputs, requests)]
         return 200, items if is_batch else items[0]
 
     async def pause(self, request: Request):
         await self._small_body(request)
         self.server.gate.pause()
+        engine_pause = getattr(self.server.engine, "pause", None)
+        if engine_pause is not None:  # calls already queued for the engine do not start either
+            engine_pause()
         return 200, {"success": True, "message": "Generation paused successfully."}
 
     async def resume(self, request: Request):
         await self._small_body(request)
+        engine_resume = getattr(self.server.engine, "resume", None)
+        if engine_resume is not None:
+            engine_resume()
         self.server.gate.resume()
         return 200, {"success": True, "message": "Generation continued successfully."}
+
+    async def abort(self, request: Request):
+        rids = parse_abort_payload(await self._json(request))
+        num_aborted = self.server.aborts.abort(rids)
+        return 200, {"success": True, "num_aborted": num_aborted}
 
     async def flush_cache(self, request: Request):
         await self._small_body(request)

@@ -11,11 +11,18 @@ A batch request carries one list entry per sequence for every per-request field:
 
 and the answer is a list of `{"output_ids": [...], "meta_info": {...}}`. Log-prob entries are
 `[logprob, token_id, text_or_null]` triples; the first prompt position's log-prob is null.
+
+Abort (partial rollout): requests with an id carry `"rid": [...]` (one per sequence; SGLang needs
+all or none, so the ones without get a fresh id); `POST /abort_request` takes `{"rid": id}` or
+`{"abort_all": true}`, and the aborted request's own `/generate` answer holds the tokens generated
+so far with `meta_info.finish_reason.type == "abort"`. An answer is produced under one weight
+version (`meta_info.weight_version`), which every one of its tokens records.
 """
 
 from __future__ import annotations
 
 import math
+import uuid
 from typing import Any, Optional, Sequence
 
 from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
@@ -38,7 +45,36 @@ def build_generate_payload(requests: Sequence[GenerateRequest]) -> dict:
     }
     if any(r.token_ids_logprob for r in requests):
         payload["token_ids_logprob"] = [list(r.token_ids_logprob) or None for r in requests]
+    if any(r.rid is not None for r in requests):
+        payload["rid"] = [r.rid if r.rid is not None else uuid.uuid4().hex for r in requests]
     return payload
+
+
+def build_abort_payload(rid: Optional[str] = None) -> dict:
+    """SGLang's `POST /abort_request` body: one request by its rid, or every request (rid None)."""
+    if rid is None:
+        return {"abort_all": True}
+    if not isinstance(rid, str) or not rid:
+        raise ValueError(f"abort: rid must be a non-empty string, got {rid!r}")
+    return {"rid": rid}
+
+
+def parse_abort_payload(payload: Any) -> Optional[list[str]]:
+    """A `/abort_request` body -> the rids to abort (None: every request). SGLang's shape:
+    `{"rid": "<id>"}` or `{"abort_all": true}`; a list of rids is taken as well."""
+    if not isinstance(payload, dict):
+        raise ValueError('/abort_request: body must be a JSON object, {"rid": "<id>"} or {"abort_all": true}')
+    abort_all = payload.get("abort_all", False)
+    if not isinstance(abort_all, bool):
+        raise ValueError(f"/abort_request: 'abort_all' must be true or false, got {abort_all!r}")
+    rid = payload.get("rid")
+    if abort_all:
+        return None
+    rids = rid if isinstance(rid, list) else [rid]
+    if rid in (None, "", []) or not all(isinstance(r, str) and r for r in rids):
+        raise ValueError(f"/abort_request: 'rid' must be a non-empty string (or a list of them), got {rid!r}; "
+                         'send {"abort_all": true} to abort every request')
+    return rids
 
 
 def _entries_to_pairs(entries: Optional[list]) -> Optional[list[tuple[float, int]]]:
@@ -68,10 +104,12 @@ def parse_generate_item(item: dict, request: GenerateRequest) -> GenerateOutput:
         output_ids = [int(t) for t in item["output_ids"]]
     except (KeyError, TypeError) as err:
         raise ValueError(f"/generate answer lacks 'output_ids' or 'meta_info': {str(item)[:200]}") from err
+    version = int(meta.get("weight_version") or 0)
     out = GenerateOutput(
         output_ids=output_ids,
         finish_reason=parse_finish_reason(meta.get("finish_reason")),
-        weight_version=int(meta.get("weight_version") or 0),
+        weight_version=version,
+        output_token_versions=[version] * len(output_ids),
     )
     if request.return_logprob:
         output_entries = meta.get("output_token_logprobs") or []
@@ -111,7 +149,7 @@ def parse_generate_response(body: Any, requests: Sequence[GenerateRequest]) -> l
 
 # ---- server side: the same format read and written by `stacx serve` --------------------------
 
-_BATCHABLE = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
+_BATCHABLE = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "rid")
 
 
 def parse_generate_payload(payload: Any, tokenizer: Any = None) -> tuple[list[GenerateRequest], bool]:
@@ -159,7 +197,7 @@ def parse_generate_payload(payload: Any, tokenizer: Any = None) -> tuple[list[Ge
         return [default if v is None else v for v in value]
 
     fields = {key: per_request(key, default) for key, default in
-              zip(_BATCHABLE, ({}, False, -1, 0, None))}
+              zip(_BATCHABLE, ({}, False, -1, 0, None, None))}
     requests = []
     for i in range(n):
         suffix = f"[{i}]" if is_batch else ""
@@ -173,11 +211,14 @@ def parse_generate_payload(payload: Any, tokenizer: Any = None) -> tuple[list[Ge
             raise ValueError(f"/generate: 'token_ids_logprob{suffix}' must be a list of token ids, got {token_ids!r}")
         _check_token_ids(token_ids, f"token_ids_logprob{suffix}")
         sampling = parse_sampling_params(fields["sampling_params"][i], f"sampling_params{suffix}")
+        rid = fields["rid"][i]
+        if rid is not None and (not isinstance(rid, str) or not rid):
+            raise ValueError(f"/generate: 'rid{suffix}' must be a non-empty string, got {rid!r}")
         try:
             requests.append(GenerateRequest(
                 input_ids=tuple(sequences[i]), sampling=sampling, return_logprob=return_logprob,
                 logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                token_ids_logprob=tuple(token_ids),
+                token_ids_logprob=tuple(token_ids), rid=rid,
             ))
         except ValueError as err:
             raise ValueError(f"/generate: request {i}: {err}") from err
