@@ -26,9 +26,9 @@ def server(checkpoint):
     calls: list[int] = []
     generate = engine.generate
 
-    def counting_generate(requests):
+    def counting_generate(requests, **options):  # options: the server's abort hook (should_stop)
         calls.append(len(requests))
-        return generate(requests)
+        return generate(requests, **options)
 
     engine.generate = counting_generate
     http_server = EngineHttpServer(engine, port=0, model_path=checkpoint).start()
