@@ -246,11 +246,16 @@ class CpuEngine(InferenceEngine):
         if abort_flags is None:
             flags = self.aborts.register([r.rid for r in requests])
             try:
-                return self.generate(requests, should_stop=should_stop, abort_flags=flags)
+                return self._generate_flagged(requests, should_stop, flags)
             finally:
                 self.aborts.release(flags)
         if len(abort_flags) != len(requests):
             raise ValueError(f"generate: {len(abort_flags)} abort_flags for {len(requests)} requests")
+        return self._generate_flagged(requests, should_stop, abort_flags)
+
+    def _generate_flagged(self, requests: Sequence[GenerateRequest], should_stop: Optional[Callable[[], bool]],
+                          abort_flags: Sequence[AbortFlag]) -> list[GenerateOutput]:
+        """`generate` once every request has its abort flag."""
         if not self._acquire_unpaused(should_stop, abort_flags):
             return [self._aborted_before_start() for _ in requests]
         try:
