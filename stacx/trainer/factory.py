@@ -9,6 +9,7 @@ The torchrun path is `stacx.trainer.spmd.build_spmd_trainer`; both share the dri
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 from stacx.objectives import import_builtin_and_custom_modules, load_custom_modules
 from stacx.rollout.rollin import check_supported
@@ -28,9 +29,14 @@ from stacx.trainer.config.resolve import (
     resolve_algorithm_config,
     user_algorithm_values,
 )
+from stacx.trainer.config.mini_batches import (
+    num_optimizer_steps,
+    optimizer_steps_per_rollout,
+    with_resolved_mini_batches,
+)
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.loop import StacxTrainer
-from stacx.trainer.metrics import MetricsLogger
+from stacx.trainer.metrics import ROLLOUTS_FILE, MetricsLogger, keep_rows_before
 from stacx.trainer.recipes import get_recipe
 
 # ---- the whole run: recipe -> workers + runtimes + rollout + logger -> StacxTrainer ----------
@@ -53,11 +59,19 @@ def resolve_recipe(run_config: RunConfig):
 
 
 def build_metrics_logger(run_config: RunConfig, recipe: str, start_step: int = 0):
-    """The driver's MetricsLogger for a run of `recipe` (named in the plots' titles with the --out folder)."""
+    """The driver's MetricsLogger for a run of `recipe` (named in the plots' titles with the --out
+    folder) that starts (or resumes) at rollout step `start_step`. Its rows, steps and progress bar
+    count optimizer steps (`StacxTrainer.log`); rollouts.jsonl keeps the rows of the rollout steps
+    before `start_step`."""
     section = run_config.logging
-    return MetricsLogger(section.out, total_steps=run_config.train.num_steps, start_step=start_step,
-                         tensorboard=section.tensorboard, wandb_project=section.wandb_project,
-                         run_config=run_config.to_dict(), progress_bar=section.progress_bar, recipe=recipe)
+    per_rollout = optimizer_steps_per_rollout(run_config.train)
+    logger = MetricsLogger(section.out, total_steps=num_optimizer_steps(run_config.train),
+                           start_step=start_step * per_rollout, tensorboard=section.tensorboard,
+                           wandb_project=section.wandb_project, run_config=run_config.to_dict(),
+                           progress_bar=section.progress_bar, recipe=recipe)
+    if start_step and per_rollout > 1:  # the logger kept the dumps of rollout steps < start_step * per_rollout
+        keep_rows_before(Path(section.out) / ROLLOUTS_FILE, start_step)
+    return logger
 
 
 def build_driver_side(run_config: RunConfig, training_config: TrainingConfig, *, launched=None):
@@ -97,6 +111,7 @@ def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None)
     """
     run_config = apply_run_env_overrides(run_config)  # STACX_* read once; workers get the result
     training_config, algorithm = resolve_recipe(run_config)
+    run_config = with_resolved_mini_batches(run_config, training_config.data_source)  # what every rank reads
     check_supported(training_config, run_config)
     verify_start_folders(run_config.model, training_config)  # once, here, rather than on every worker
     connection = connect_ray(run_config.parallel.ray_address)

@@ -1,19 +1,27 @@
 """`StacxTrainer`: the training loop, one step at a time, reading like the algorithm.
 
-    for step in range(start, num_steps):
-        eval/* of the model after `step` steps, every eval_interval steps (step 0: the starting model)
+    for step in range(start, num_steps):                       # rollout steps
+        eval/* of the model after `step` rollout steps, every eval_interval steps (0: the starting model)
         batch = rollout (responses, rewards, teacher log-probs)  |  the dataset's next batch
         forward-only fields: reference log-probs (in-worker reference), old log-probs, inject syncs
         advantages (registry, by name) and returns for a critic
-        train every trainable role (DP shards; TP/CP peers get the same shard)
+        for each mini-batch (num_epochs x num_steps_per_rollout of them, config/mini_batches.py):
+            train every trainable role one optimizer step (DP shards; TP/CP peers get the same shard)
         push the policy's weights to the engine in buckets; the engine confirms the version
-        log at `step`; checkpoint every save_interval steps (and at the end)
-    eval/* of the final model at num_steps (its own row) when due
+        log one row per optimizer step; checkpoint every save_interval rollout steps (and at the end)
+    eval/* of the final model after num_steps rollouts (its own row) when due
 
-A metrics row's `step` is the number of training steps done before it, the weight version its
-rollouts and eval/* come from: row 0 holds the starting model's eval and the first step's
-training, and the eval of the model the progress bar reports as "step k/N" (k steps done) is in
-row k. A run resumed at its checkpoint's step N starts at row N: no second eval of step 0.
+A metrics row's `step` is the number of optimizer steps done before it (what the progress bar
+counts); `rollout_step` groups a rollout's rows. Row 0 holds the starting model's eval and the first
+optimizer step; the eval of the model after k rollout steps is in row k x optimizer_steps_per_rollout,
+the first row of rollout k; the rollout's own metrics (rollout/*, time/*, exchange/*) are in its last
+row. With one optimizer step per rollout both counts are the same. A run resumed at its checkpoint's
+rollout step N starts at row N x optimizer_steps_per_rollout: no second eval of step 0.
+
+Old log-probs (pi_old) are computed once per rollout, before its first update: with several
+optimizer steps per rollout they are the proximal policy of every mini-batch (the resolved
+`recompute_old_log_probs`), while the engine's log-probs stay the behaviour policy of the
+off-policy corrections.
 
 The loop talks to roles through `RoleGroup`s (Ray workers or torchrun processes, see
 role_groups.py), so the same code drives a Ray run and a torchrun SPMD job. Any failure kills the
@@ -54,6 +62,7 @@ from stacx.trainer.checkpoint import (
 )
 from stacx.trainer.cluster.protocol import Channel, ExchangeGroup, RoleGroup
 from stacx.trainer.config.layout import RoleLayout
+from stacx.trainer.config.mini_batches import mini_batch_indices, resolve_mini_batch_schedule, sample_groups
 from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
 from stacx.trainer.config.resolve import check_resumed_algorithm, resolved_run_config_dict
 from stacx.trainer.config.run import RunConfig
@@ -65,6 +74,8 @@ from stacx.trainer.numerics import NonFiniteGuard
 
 logger = logging.getLogger(__name__)
 
+ROLLOUT_STEP_METRIC = "rollout_step"
+"""Key of the rollout step in every metrics row (a row's `step` is its optimizer step)."""
 WEIGHT_BUCKET_BYTES = 256 * 1024 * 1024
 """Weight-sync bucket size: hundreds of MB per message keeps large syncs fast."""
 
@@ -106,7 +117,13 @@ class StacxTrainer:
                                            if rollout is not None else None)
         self.step_rollout = self._build_step_rollout() if rollout is not None and channel.is_driver else None
         """The driver's `rollout_steps.StepRollout`: roll-ins, DAPO shaping and sampling, eval, rollout dumps."""
+        self.mini_batches = resolve_mini_batch_schedule(run_config.rollout, run_config.train,
+                                                        data_source=training_config.data_source)
+        """global_batch_size, num_steps_per_rollout, num_epochs: the optimizer steps of each rollout."""
         self.step = 0
+        self.update_rows: list[dict[str, float]] = []
+        """The role metrics of a rollout step's optimizer steps before its last one (`log` writes them
+        as their own rows; the last one's are in the step's metrics)."""
         self.last_metrics: dict[str, float] = {}
         self._saved_once = False
         self.heartbeat = Heartbeat("", enabled=False)
@@ -188,8 +205,11 @@ class StacxTrainer:
             logger.warning("removed %s, the unfinished save of a run that was killed or crashed", path)
 
     def train_one_step(self, step: int) -> dict[str, float]:
-        """One step; a non-finite reward, advantage, loss or grad norm stops the run (or skips the step,
-        see `stacx.trainer.numerics`) before any weights are saved, exported or pushed."""
+        """One rollout step; a non-finite reward, advantage, loss or grad norm stops the run (or skips the
+        step, see `stacx.trainer.numerics`) before any weights are saved, exported or pushed. Returns the
+        step's metrics with its last optimizer step's role metrics; the earlier optimizer steps' role
+        metrics are left in `self.update_rows`."""
+        self.update_rows = []
         started = time.monotonic()
         self.heartbeat.phase = "rollout" if self.training_config.data_source == "rollout" else "batch"
         batch, metrics = self.channel.share(self.collect_batch(step) if self.channel.is_driver else None)
@@ -201,11 +221,16 @@ class StacxTrainer:
             self.compute_advantages(batch)
             if self.nonfinite.check_samples(step=step, role=sample_role, name="advantage", values=batch.advantages):
                 return self._skipped_step(metrics, started)
-        for role in self.training_config.trainable_roles:
-            self.heartbeat.phase = f"training {role.name}"
-            role_metrics = self.train_role(role.name, batch)
-            metrics.update({f"{role.name}/{k}": v for k, v in role_metrics.items()})
-            self.nonfinite.check_metrics(step=step, role=role.name, metrics=role_metrics)
+        updates = [{} for _ in range(self.mini_batches.optimizer_steps_per_rollout)]
+        for index, indices in enumerate(self.plan_mini_batches(batch, step)):
+            mini_batch = batch if len(updates) == 1 else batch.select(indices)
+            for role in self.training_config.trainable_roles:
+                self.heartbeat.phase = f"training {role.name}" + (f" ({index + 1}/{len(updates)})" if len(updates) > 1 else "")
+                role_metrics = self.train_role(role.name, mini_batch)
+                updates[index].update({f"{role.name}/{k}": v for k, v in role_metrics.items()})
+                self.nonfinite.check_metrics(step=step, role=role.name, metrics=role_metrics)
+        self.update_rows = updates[:-1]
+        metrics.update(updates[-1])
         metrics["train/nonfinite_skipped_steps"] = float(len(self.nonfinite.skipped_steps))
         metrics.update(self.exchange_schedule.run_due(completed_steps=step + 1))
         if self.engine_target is not None:
@@ -215,7 +240,9 @@ class StacxTrainer:
         return metrics
 
     def _skipped_step(self, metrics: dict[str, float], started: float) -> dict[str, float]:
-        """The metrics of a step skipped before training (non-finite rewards or advantages)."""
+        """The metrics of a step skipped before training (non-finite rewards or advantages); its
+        optimizer steps' rows are empty but for the rollout step (`log`)."""
+        self.update_rows = [{} for _ in range(self.mini_batches.optimizer_steps_per_rollout - 1)]
         metrics["train/nonfinite_skipped_steps"] = float(len(self.nonfinite.skipped_steps))
         metrics["time/step_s"] = time.monotonic() - started
         return metrics
@@ -325,8 +352,19 @@ class StacxTrainer:
             batch, dp_size=layout.data_parallel_size, cp_size=layout.context_parallel_size,
             max_tokens_per_micro_batch=self.run_config.train.max_tokens_per_micro_batch)
 
+    def plan_mini_batches(self, batch: StepBatch, step: int) -> list[list[int]]:
+        """Sample indices of each optimizer step of rollout step `step` (seeded: the same on every rank)."""
+        schedule = self.mini_batches
+        if schedule.optimizer_steps_per_rollout == 1:
+            return [list(range(batch.num_samples))]
+        groups, whole = sample_groups(batch.prompt_id, batch.pair_ids, batch.num_samples)
+        return mini_batch_indices(groups, num_steps_per_rollout=schedule.num_steps_per_rollout,
+                                  num_epochs=schedule.num_epochs, seed=self.run_config.train.seed,
+                                  rollout_step=step, keep_groups_whole=whole)
+
     def train_role(self, role_name: str, batch: StepBatch) -> dict[str, float]:
-        """One optimizer step of a role over the whole batch; metrics are identical on every rank."""
+        """One optimizer step of a role over `batch` (a mini-batch of the rollout): its loss is normalized
+        by this batch's own token and sequence counts. Metrics are identical on every rank."""
         group = self.roles[role_name]
         plan = self.plan(role_name, batch)
         num_tokens, num_sequences = count_loss_tokens(batch.loss_masks)
@@ -356,7 +394,7 @@ class StacxTrainer:
             self.rollout.finish_weight_update(version)
 
     def evaluate_if_due(self, completed_steps: int) -> dict[str, float]:
-        """eval/* of the model after `completed_steps` steps when due (the driver's StepRollout
+        """eval/* of the model after `completed_steps` rollout steps when due (the driver's StepRollout
         decides, see evaluate_if_due there); {} on other ranks and in runs without rollouts."""
         if self.channel.is_driver and self.step_rollout is not None:
             self.heartbeat.phase = "eval"
@@ -364,11 +402,26 @@ class StacxTrainer:
         return {}
 
     def log(self, step: int, metrics: dict[str, float], *, trained: bool = True) -> None:
-        """Log row `step`; `trained=False`: a row of the final model's eval/* only (merged into
-        last_metrics, the progress bar does not advance)."""
-        self.last_metrics = metrics if trained else {**self.last_metrics, **metrics}
+        """The rows of rollout step `step`, one per optimizer step (see the module docstring): the
+        earlier optimizer steps' role metrics from `self.update_rows`, then `metrics`; eval/* (of the
+        model before this rollout's updates) goes to the rollout's first row. `trained=False`: the
+        final model's eval/* only, in its own row (merged into last_metrics; the bar does not advance)."""
+        per_rollout = self.mini_batches.optimizer_steps_per_rollout
+        first = step * per_rollout
+        if not trained:
+            self.last_metrics = {**self.last_metrics, **metrics}
+            if self.channel.is_driver and self.metrics_logger is not None:
+                self.metrics_logger.log(first, {ROLLOUT_STEP_METRIC: step, **metrics}, trained=False)
+            return
+        self.last_metrics = metrics
+        rows = [*self.update_rows, dict(metrics)]
+        self.update_rows = []
+        if len(rows) > 1:
+            evaluated = {key: rows[-1].pop(key) for key in list(rows[-1]) if key.startswith("eval/")}
+            rows[0] = {**rows[0], **evaluated}
         if self.channel.is_driver and self.metrics_logger is not None:
-            self.metrics_logger.log(step, metrics, trained=trained)
+            for index, row in enumerate(rows):
+                self.metrics_logger.log(first + index, {ROLLOUT_STEP_METRIC: step, **row})
 
     def should_save(self, completed_steps: int) -> bool:
         train = self.run_config.train
@@ -420,6 +473,7 @@ class StacxTrainer:
         # Every file is read with torch.load(weights_only=True): a checkpoint cannot run code on resume.
         loaded = load_checkpoint(path, expected_recipe=self.training_config, expected_layouts=self.role_layouts())
         check_resumed_algorithm(loaded.run_config(), self.algorithm, where=loaded.path)
+        self.check_resumed_mini_batches(loaded.run_config(), where=loaded.path)
         for group in self.roles.values():
             group.load(loaded)
         driver_state = loaded.driver_state()
@@ -430,6 +484,23 @@ class StacxTrainer:
         if self.channel.is_driver:
             print(f"resumed from step {loaded.step} ({loaded.path})", flush=True)
         return loaded.step
+
+    def check_resumed_mini_batches(self, saved_run_config: dict, where: str) -> None:
+        """Refuse to resume a checkpoint trained with another mini-batch schedule: its LR schedule, optimizer
+        state and metrics rows count the saved run's optimizer steps. Checkpoints are written at rollout
+        boundaries only, so a resume with the same schedule continues exactly."""
+        saved = saved_run_config.get("train") or {}
+        current = self.mini_batches
+        changed = [f"--{name.replace('_', '-')}: saved {saved[name]}, now {getattr(current, name)}"
+                   for name in ("global_batch_size", "num_steps_per_rollout", "num_epochs")
+                   if saved.get(name) is not None and saved[name] != getattr(current, name)]
+        if current.optimizer_steps_per_rollout > 1 and saved.get("num_steps_per_rollout") is None:
+            changed.append(f"--num-steps-per-rollout: saved 1 (one optimizer step per rollout), now "
+                           f"{current.num_steps_per_rollout} x --num-epochs {current.num_epochs}")
+        if changed:
+            raise CheckpointError(f"checkpoint {where} was trained with another mini-batch schedule ({'; '.join(changed)}); "
+                                  "its LR schedule and optimizer state count those optimizer steps. Resume with the "
+                                  "flags it was saved with (its run_config.json) or start a fresh run")
 
     def export_policy(self, out_dir: str) -> None:
         role = self.training_config.rollout_role or self.training_config.trainable_roles[0]

@@ -15,6 +15,8 @@ What it checks (each failure is one paragraph naming the flag and the fix):
 - --tensor-model-parallel-size and --context-parallel-size divide the model's attention heads
   (num_attention_heads and num_key_value_heads of --hf-checkpoint's config.json);
 - every --custom-module imports;
+- --global-batch-size x --num-steps-per-rollout equals the samples of a rollout (either one alone must
+  divide them), see `stacx.trainer.config.mini_batches`;
 - the data: --prompt-data exists and parses, and through `check_examples` (also called by
   `StepDataSource`, so Python callers get it too) every row has a label when the reward compares
   with one, and no prompt (plus --rollout-max-response-len) exceeds the model's context.
@@ -50,7 +52,8 @@ from stacx.trainer.batch import StepDataSource
 from stacx.trainer.checkpoint import CheckpointError, check_save_folder, read_manifest, resolve_checkpoint_folder
 from stacx.trainer.config.checks import PreflightError
 from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
-from stacx.trainer.config.run import CUSTOM_HYPERPARAMETERS_KEY, RunConfig
+from stacx.trainer.config.mini_batches import resolve_mini_batch_schedule
+from stacx.trainer.config.run import CUSTOM_HYPERPARAMETERS_KEY, ConfigError, RunConfig
 
 """Offending rows named in a data error (the count says how many there are in all)."""
 
@@ -70,6 +73,7 @@ def run_preflight(run_config: RunConfig, training_config: TrainingConfig, algori
     check_logging_sinks(run_config)
     check_checkpoints(run_config, training_config, algorithm)
     check_parallel_layout(run_config)
+    check_mini_batches(run_config, training_config)
     check_resume_and_save(run_config)
     check_services(run_config, training_config)
     check_data_paths(run_config, training_config)
@@ -233,6 +237,21 @@ def check_parallel_layout(run_config: RunConfig) -> None:
                 raise PreflightError(
                     f"{flag(field_name)} {size} does not divide the model's {key} {num_heads} "
                     f"({run_config.model.hf_checkpoint}/config.json); use one of {divisors}")
+
+
+def check_mini_batches(run_config: RunConfig, training_config: TrainingConfig) -> None:
+    """--global-batch-size / --num-steps-per-rollout fit the rollout (`resolve_mini_batch_schedule`), and a
+    mini-batch holds a sample for every data-parallel rank."""
+    try:
+        schedule = resolve_mini_batch_schedule(run_config.rollout, run_config.train,
+                                               data_source=training_config.data_source)
+    except ConfigError as err:
+        raise PreflightError(str(err)) from None
+    dp_size = run_config.parallel.data_parallel_size
+    if schedule.optimizer_steps_per_rollout > 1 and schedule.global_batch_size < dp_size:
+        raise PreflightError(f"--global-batch-size {schedule.global_batch_size} gives each optimizer step fewer samples "
+                             f"than --data-parallel-size {dp_size} ranks; lower --num-steps-per-rollout or "
+                             "--data-parallel-size")
 
 
 def check_custom_modules(run_config: RunConfig) -> None:

@@ -22,6 +22,7 @@ from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
 from stacx.trainer.checkpoint import verify_start_folders
 from stacx.trainer.cluster.node_interface import bind_collectives_to_node, local_address_toward
 from stacx.trainer.config.resolve import apply_run_env_overrides
+from stacx.trainer.config.mini_batches import with_resolved_mini_batches
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.factory import build_driver_side, build_metrics_logger, launch_rollout_server, resolve_recipe
 from stacx.trainer.loop import StacxTrainer
@@ -41,6 +42,7 @@ def build_spmd_trainer(run_config: RunConfig):
     """Initialize torch.distributed from the environment and build this rank's StacxTrainer."""
     run_config = apply_run_env_overrides(run_config)  # STACX_* read once, as on the Ray path
     training_config, algorithm = resolve_recipe(run_config)
+    run_config = with_resolved_mini_batches(run_config, training_config.data_source)  # what every rank reads
     if len(training_config.roles) != 1:
         raise ValueError(f"recipe {training_config.name!r} has roles {[r.name for r in training_config.roles]}; "
                          "torchrun runs recipes with one role (sft, dpo, grpo and its family, opd, ...); launch recipes with "

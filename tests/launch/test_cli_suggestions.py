@@ -8,7 +8,7 @@ from stacx.launch.cli import main
 
 
 @pytest.mark.parametrize("argv, suggestion", [
-    (["train", "--num-step", "3"], "--num-step: did you mean --num-steps?"),
+    (["train", "--num-step", "3"], "--num-step: did you mean --num-steps or --num-epochs"),
     (["train", "--lrr=1e-4"], "--lrr: did you mean --lr"),
     (["eval", "--hf-chekpoint", "ckpt"], "--hf-chekpoint: did you mean --hf-checkpoint?"),
     (["recipes", "--markdow"], "--markdow: did you mean --markdown?"),

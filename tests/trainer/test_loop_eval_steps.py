@@ -82,3 +82,30 @@ def test_a_resumed_run_does_not_evaluate_step_0_again(tmp_path):
     _trainer(tmp_path, start_step=0, bar=io.StringIO()).run()
     _trainer(tmp_path, start_step=2, bar=io.StringIO()).run()  # resumed from the checkpoint of step 2
     assert _eval_rows(tmp_path) == [(0, 0.0), (2, 2.0), (4, 4.0)]
+
+
+def test_with_two_optimizer_steps_per_rollout_an_eval_lands_in_its_models_row(tmp_path):
+    """Rows count optimizer steps: the eval of the model after k rollouts (2k optimizer steps) is row 2k."""
+    eval_data = tmp_path / "eval.jsonl"
+    eval_data.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    run_config = RunConfig.from_dict({"num_steps": NUM_STEPS, "eval_interval": EVAL_INTERVAL, "rollout_batch_size": 2,
+                                      "num_steps_per_rollout": 2, "eval_data": str(eval_data),
+                                      "out": str(tmp_path / "out")})
+    policy = FakeRoleGroup("policy")
+    trainer = make_trainer("sft", roles={"policy": policy}, run_config=run_config,
+                           data=FakeDataSource(StepBatch.supervised([[1, 2], [1, 3]], [[3, 4], [5, 6]])))
+    engine = StepsDoneEngine(policy)
+    service = SimpleNamespace(
+        tokenizer=TOKENIZER, sampling_params=lambda: SamplingParams(max_new_tokens=4),
+        manager=lambda step, **_: RolloutManager(engine, tokenizer=TOKENIZER, reward_fn=lambda r, l, m: float(r)))
+    trainer.step_rollout = StepRollout(service, None, run_config=run_config, training_config=get_recipe("grpo"),
+                                       algorithm=SimpleNamespace())
+    trainer.make_metrics_logger = lambda start: MetricsLogger(run_config.logging.out, total_steps=2 * NUM_STEPS,
+                                                              start_step=start, tensorboard=False,
+                                                              progress_bar=False, plots=False)
+    trainer.resume_if_requested = lambda: 0
+    trainer.run()
+    assert _eval_rows(tmp_path) == [(0, 0.0), (4, 4.0), (8, 8.0)]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(2 * NUM_STEPS + 1))
+    assert [row["rollout_step"] for row in rows] == [0, 0, 1, 1, 2, 2, 3, 3, 4]

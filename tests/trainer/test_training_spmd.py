@@ -1,4 +1,5 @@
-"""The torchrun SPMD path: SFT over 2 gloo ranks matches one rank step by step; resume guards.
+"""The torchrun SPMD path: SFT over 2 gloo ranks matches one rank step by step (2 mini-batches, so 2
+optimizer steps, per rollout step); resume guards.
 
 Each rank runs `run_spmd` (the same StacxTrainer loop as a Ray run, with LocalRoleGroup); the
 reference is the same run on a world of one.
@@ -22,7 +23,8 @@ def train_sft_spmd(groups, root: str, out_name: str, num_steps: int, extra: dict
 
     paths = {"policy": os.path.join(root, "policy"), "sft": os.path.join(root, "sft.jsonl")}
     values = dict(algorithm={"name": "sft"}, hf_checkpoint=paths["policy"], prompt_data=paths["sft"],
-                  rollout_batch_size=4, num_steps=num_steps, out=os.path.join(root, out_name), **extra)
+                  rollout_batch_size=4, num_steps=num_steps, num_steps_per_rollout=2, out=os.path.join(root, out_name),
+                  **extra)
     last = run_spmd(run_config(root, **values))
     return last
 
@@ -49,12 +51,14 @@ def test_sft_two_ranks_match_one_rank_loss_curve(tmp_path):
     write_tiny_run_files(root)
     single = run_distributed(train_sft_spmd, 1, args=(root, "out_dp1", 3, {"save": os.path.join(root, "ckpt_dp1")}))
     double = run_distributed(train_sft_spmd, 2, args=(root, "out_dp2", 3, {}))
-    curve_1 = [row["policy/loss"] for row in read_metrics(os.path.join(root, "out_dp1"))]
+    rows_1 = read_metrics(os.path.join(root, "out_dp1"))
+    curve_1 = [row["policy/loss"] for row in rows_1]
     curve_2 = [row["policy/loss"] for row in read_metrics(os.path.join(root, "out_dp2"))]
-    assert len(curve_1) == len(curve_2) == 3
+    assert len(curve_1) == len(curve_2) == 6  # 3 rollout steps x 2 mini-batches of 2 rows
+    assert [(row["step"], row["rollout_step"]) for row in rows_1] == [(i, i // 2) for i in range(6)]
     assert all(math.isfinite(x) for x in curve_1)
-    # Same global batch, split over 2 DP ranks: the reduction contract makes every step's loss (and
-    # gradient) equal up to float32 summation order.
+    # Same mini-batches, split over 2 DP ranks: the reduction contract (each mini-batch normalized by its
+    # own global counts) makes every optimizer step's loss (and gradient) equal up to float32 summation order.
     assert curve_2 == pytest.approx(curve_1, rel=1e-5, abs=1e-6)
     assert curve_1[-1] < curve_1[0]  # lr 1e-3 on 8 examples: the loss goes down
     assert double[0]["policy/loss"] == pytest.approx(double[1]["policy/loss"])  # every rank sees the metrics

@@ -25,8 +25,9 @@ from typing import Any
 
 from stacx.env_overrides import apply_env_overrides, read_env_overrides
 from stacx.objectives.registry import POLICY_LOSSES
+from stacx.trainer.config.mini_batches import resolve_mini_batch_schedule
 from stacx.trainer.config.recipe import TRAINING_CONFIGS, TrainingConfig
-from stacx.trainer.config.run import AlgorithmConfig, RunConfig, is_flux_style_section
+from stacx.trainer.config.run import AlgorithmConfig, ConfigError, RunConfig, is_flux_style_section
 
 CLIP_BOUNDS = ("clip_ratio_low", "clip_ratio_high")
 ESTIMATOR_ALIASES = ("adv_estimator",)
@@ -150,10 +151,29 @@ def resolve_algorithm_config(training_config: TrainingConfig, run_config: RunCon
     if "distill_kl_mode" in read_env_overrides(environ):  # STACX_* wins over file and flags
         values["distill_kl_mode"] = run_config.teacher.distill_kl_mode
         given_keys.add("distill_kl_mode")
+    values.update(proximal_policy_values(training_config, run_config, user_values))
     values["name"] = training_config.name
     # given_keys = what the USER set: plugin adapters pass a hyperparameter only when it was set, so a
     # plugin's own default is not overwritten by ours.
     return AlgorithmConfig.from_values(values, given_keys=given_keys)
+
+
+def proximal_policy_values(training_config: TrainingConfig, run_config: RunConfig,
+                           user_values: dict[str, Any]) -> dict[str, Any]:
+    """`recompute_old_log_probs: True` when a rollout feeds several optimizer steps: pi_old is then the
+    policy before the rollout's first update, computed once (without it each mini-batch's pi_old would
+    be its own detached forward, the ratio 1 and every clip inert). An explicit False is refused."""
+    schedule = resolve_mini_batch_schedule(run_config.rollout, run_config.train, data_source=training_config.data_source)
+    if schedule.optimizer_steps_per_rollout == 1:
+        return {}
+    if user_values.get("recompute_old_log_probs") is False:
+        raise ConfigError(
+            f"--no-recompute-old-log-probs with {schedule.optimizer_steps_per_rollout} optimizer steps per rollout "
+            f"(--num-steps-per-rollout {schedule.num_steps_per_rollout} x --num-epochs {schedule.num_epochs}): "
+            "pi_old would be each mini-batch's own detached forward, so the importance ratio stays 1 and the clip "
+            "never acts; drop --no-recompute-old-log-probs (pi_old is then computed once per rollout, before the "
+            "first update) or train one optimizer step per rollout")
+    return {"recompute_old_log_probs": True}
 
 
 def resolved_run_config_dict(run_config: RunConfig, algorithm: AlgorithmConfig) -> dict[str, Any]:

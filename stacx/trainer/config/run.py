@@ -86,7 +86,8 @@ class RolloutSection:
     apply_chat_template: bool = False
     """Format prompts with the checkpoint tokenizer's chat template."""
     rollout_batch_size: int = 8
-    """Prompts per training step."""
+    """Prompts per rollout step (rollout_batch_size x n_samples_per_prompt samples, trained on in
+    num_steps_per_rollout optimizer steps of global_batch_size samples)."""
     n_samples_per_prompt: int = 4
     """Responses sampled per prompt (the group size of GRPO-style estimators)."""
     rollout_max_response_len: int = 64
@@ -183,7 +184,16 @@ class TrainSection:
     use_critic: bool = False
     """Train a critic (selects the ppo recipe when no algorithm is given)."""
     num_steps: int = 10
-    """Training steps (rollout + update each)."""
+    """Rollout steps (one rollout, then num_steps_per_rollout x num_epochs optimizer steps each)."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step; rollout_batch_size x n_samples_per_prompt = global_batch_size x
+    num_steps_per_rollout (unset: derived from num_steps_per_rollout, or the whole rollout)."""
+    num_steps_per_rollout: int | None = None
+    """Optimizer steps per pass over a rollout's samples, one mini-batch each (unset: derived from
+    global_batch_size, or 1)."""
+    num_epochs: int = 1
+    """Passes over each rollout's samples, reshuffled (seeded) each pass; the old log-probs stay
+    those computed before the rollout's first update."""
     max_tokens_per_micro_batch: int = 4096
     """Token budget of one packed micro-batch on one rank."""
     lm_head_log_probs: str = "auto"
@@ -191,7 +201,7 @@ class TrainSection:
     seed: int = 1234
     """Seed of initialization, data order and sampling."""
     save_interval: int = 0
-    """Steps between checkpoints (0: only at the end when save is set)."""
+    """Rollout steps between checkpoints (0: only at the end when save is set)."""
     exchange_every_n_steps: int = 0
     """Steps between the recipe's exchange syncs, e.g. reference refreshes (0: each sync's own every_n_steps)."""
     custom_module: tuple[str, ...] = ()
@@ -293,7 +303,8 @@ FIELD_MINIMUMS: dict[str, int | float] = {
     "rollout_batch_size": 1, "n_samples_per_prompt": 1, "rollout_max_response_len": 1,
     "eval_interval": 0, "eval_n_samples": 1, "save_rollouts_per_step": 0, "teacher_top_k": 1,
     "teacher_retries": 0, "lr_warmup_steps": 0, "num_steps": 0, "max_tokens_per_micro_batch": 1,
-    "save_interval": 0, "exchange_every_n_steps": 0, "skip_nonfinite_steps": 0, "reward_timeout_s": 0.001,
+    "save_interval": 0, "exchange_every_n_steps": 0,
+    "global_batch_size": 1, "num_steps_per_rollout": 1, "num_epochs": 1, "skip_nonfinite_steps": 0, "reward_timeout_s": 0.001,
 }
 """Smallest allowed value of numeric run-config fields, checked when a value is given (file or flag)."""
 

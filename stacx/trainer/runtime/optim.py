@@ -1,7 +1,7 @@
 """megatron-core DDP, optimizer and LR scheduler for one trainable role, from the run's `optim` section.
 
     ddp = wrap_ddp(model)
-    optimizer, scheduler = build_optimizer(ddp, optim_section, total_steps=train.num_steps)
+    optimizer, scheduler = build_optimizer(ddp, optim_section, total_steps=num_optimizer_steps(train))
 
 DDP: gradients accumulate in fp32 buffers over a step's micro-batches and are all-reduced over
 DP x CP once, in `finish_grad_sync` (no overlap: the step's micro-batches run back to back and a
@@ -15,9 +15,10 @@ another DP or CP degree. Without transformer-engine and apex (the CPU path) mega
 time on CPU; `use_fused_adamw_on_cpu` switches those groups to torch's fused kernel (the same
 update formula, ~1e-8 apart in fp32; 5-7x faster on the S and M shapes of bench/peers).
 
-Schedule (megatron's OptimizerParamScheduler, stepped once per optimizer step):
+Schedule (megatron's OptimizerParamScheduler, stepped once per optimizer step; `step` and the
+warm-up count optimizer steps, num_steps_per_rollout x num_epochs of them per rollout step):
     step < warmup:  lr = lr_peak * step / warmup
-    then            constant | linear | cosine decay from lr_peak to min_lr at step = num_steps
+    then            constant | linear | cosine decay from lr_peak to min_lr at step = total optimizer steps
 """
 
 from __future__ import annotations

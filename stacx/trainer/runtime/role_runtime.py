@@ -38,6 +38,7 @@ from stacx.specializations.batch import MicroBatch
 from stacx.trainer.batch import StepBatch
 from stacx.trainer.checkpoint import capture_rng_state, restore_rng_state, write_rank_state
 from stacx.trainer.config.layout import RankCoords
+from stacx.trainer.config.mini_batches import num_optimizer_steps
 from stacx.trainer.config.recipe import ModelRole, role_checkpoint_path
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.numerics import WEIGHTS_NONFINITE_METRIC, step_optimizer_if_finite
@@ -121,8 +122,9 @@ class RoleRuntime:
         self._engine_clients: dict[tuple[str, str], Any] = {}
         if role.trainable:
             self.ddp = wrap_ddp(self.model)
+            # The LR schedule counts optimizer steps: num_steps_per_rollout x num_epochs per rollout step.
             self.optimizer, self.scheduler = build_optimizer(self.ddp, run_config.optim,
-                                                             total_steps=run_config.train.num_steps)
+                                                             total_steps=num_optimizer_steps(run_config.train))
         else:
             self.ddp, self.optimizer, self.scheduler = None, None, None
             for p in self.model.parameters():
