@@ -93,7 +93,8 @@ def test_a_real_training_checkpoint_needs_nothing_beyond_torchs_defaults(tmp_pat
         assert torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) == [], path
     loaded = load_checkpoint(Path(root, "ckpt"), expected_recipe="sft", expected_layouts={"policy": LAYOUT})
     state = loaded.rank_state("policy", 0)
-    assert state["num_steps"] == 2 and state["scheduler"]["num_steps"] == 2
+    # 2 rollout steps of 2 optimizer steps each (train_sft_spmd): the scheduler counts optimizer steps.
+    assert state["num_steps"] == 4 and state["scheduler"]["num_steps"] == 4
     from tests.checkpointing.helpers import read_torch_dist_tensors
 
     saved = read_torch_dist_tensors(loaded.model_folder("policy"))

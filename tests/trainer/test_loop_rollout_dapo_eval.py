@@ -107,7 +107,8 @@ def test_dapo_dynamic_sampling_overlong_penalty_and_eval(ray_address, files, eng
     # Evaluation of the starting model (row 0) and after every step (row k: k steps done), beside the
     # training metrics; the last one, the final model's own row, equals a greedy evaluation of the
     # exported final weights.
-    assert set(rows[2]) == {"step", "time_s", "eval/mean_reward", "eval/pass@1", "eval/pass@2", "eval/reward_errors"}
+    assert set(rows[2]) == {"step", "rollout_step", "time_s", "eval/mean_reward", "eval/pass@1", "eval/pass@2",
+                            "eval/reward_errors"}
     for row in rows:
         for name in ("eval/mean_reward", "eval/pass@1", "eval/pass@2", "eval/reward_errors"):
             assert name in row
