@@ -107,6 +107,7 @@ class CostModelEngine:
         self._paused = False
         self._stepping = False
         self._closed = False
+        self._clock: float | None = None
         self.steps: list[StepRecord] = []
         self.resumed_prefill_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="cost-model-engine", daemon=True)
@@ -153,10 +154,23 @@ class CostModelEngine:
 
     # ---- the engine thread ---------------------------------------------------------------------
 
+    def _ready(self) -> bool:
+        return self._closed or (not self._paused and bool(self._queue or self._running))
+
+    def _spend(self, seconds: float) -> None:
+        """Advance the engine's clock by `seconds` of work and sleep until it: a late wake-up on a busy
+        host is made up by the next step's shorter sleep, so the engine keeps the cost model's pace."""
+        self._clock += seconds * self.cost.time_scale
+        delay = self._clock - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or (not self._paused and (self._queue or self._running)))
+                if not self._ready():
+                    self._clock = None  # idle time is not owed
+                    self._cond.wait_for(self._ready)
                 if self._closed:
                     return
                 self._stepping = True
@@ -164,6 +178,8 @@ class CostModelEngine:
                 del self._queue[: len(joining)]
                 self._running += joining
                 running, version = list(self._running), self.version
+            if self._clock is None:
+                self._clock = time.monotonic()
             finished = self._step(joining, running, version)
             for request in finished:
                 self.on_done(request)
@@ -176,10 +192,10 @@ class CostModelEngine:
             tokens = sum(r.prompt_len + len(r.versions) for r in joining)
             self.resumed_prefill_tokens += sum(len(r.versions) for r in joining)
             start = time.monotonic()
-            self.cost.sleep(self.cost.prefill_token_s * tokens)
+            self._spend(self.cost.prefill_token_s * tokens)
             self.steps.append(StepRecord(start, time.monotonic(), len(running), "prefill", version))
         start = time.monotonic()
-        self.cost.sleep(self.cost.decode_step_s + self.cost.decode_per_seq_s * len(running))
+        self._spend(self.cost.decode_step_s + self.cost.decode_per_seq_s * len(running))
         for request in running:
             request.versions.append(version)
         self.steps.append(StepRecord(start, time.monotonic(), len(running), "decode", version))

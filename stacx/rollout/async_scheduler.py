@@ -425,6 +425,7 @@ class AsyncRolloutScheduler:
             counts = collections.Counter(g.state for g in self._groups.values())
             return {
                 "async/trained_groups": float(self._num_trained_groups),
+                "async/trained_samples": float(self._num_trained_groups * self.config.samples_per_group),
                 "async/off_policy_token_frac_total": self._off_policy_tokens / max(1, self._tokens),
                 "async/interrupts_total": float(self._num_interrupts),
                 "async/running_groups": float(counts[GroupState.RUNNING]),
