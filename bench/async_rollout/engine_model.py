@@ -211,12 +211,6 @@ def busy_seconds(steps: list[StepRecord], start: float, end: float) -> float:
     return sum(max(0.0, min(s.end, end) - max(s.start, start)) for s in steps if s.kind != "update")
 
 
-def running_at(steps: list[StepRecord], moment: float) -> int:
-    """Requests in the last prefill/decode step that started at or before `moment`."""
-    before = [s for s in steps if s.kind != "update" and s.start <= moment]
-    return before[-1].running if before else 0
-
-
 def slot_idle_seconds(steps: list[StepRecord], start: float, end: float, slots: int) -> float:
     """Integral over [start, end] of (1 - running / slots): decode capacity left unused, in seconds."""
     if slots <= 0:

@@ -12,7 +12,8 @@ the steps after `warmup` (the pipeline filling up is not the steady state):
 samples/s, trainer idle fraction (not in an optimizer step), engine idle fraction (no request
 running), and per weight update the stall (from the update request until the engine serves the
 new version: it takes no new work meanwhile) and the decode capacity idle in it (integral of
-1 - running / running-at-the-request).
+1 - running / (B x n), a full batch's width: a drain that decodes a 2-request tail at full step
+cost is nearly idle).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine_model import CostModel, CostModelEngine, Request, Workload, busy_seconds, running_at, slot_idle_seconds, wait_limit_s
+from engine_model import CostModel, CostModelEngine, Request, Workload, busy_seconds, slot_idle_seconds, wait_limit_s
 
 from stacx.rollout.async_scheduler import AsyncRolloutConfig, AsyncRolloutScheduler
 
@@ -44,7 +45,7 @@ class ModeResult:
     update_stall_s: float
     """Mean per update: from the update request until the engine serves the new version."""
     update_slot_idle_s: float
-    """Mean per update: decode capacity left unused in that window, relative to what ran at the request."""
+    """Mean per update: decode capacity left unused in that window, in seconds of a full batch's width (B x n requests)."""
     staleness_histogram: dict[int, int] = field(default_factory=dict)
     off_policy_token_frac: float = 0.0
     resumed_prefill_tokens: int = 0
@@ -64,16 +65,17 @@ class _Timeline:
 
     def __init__(self):
         self.train: list[tuple[float, float]] = []
-        self.updates: list[tuple[float, float, int]] = []  # start, end, engine requests running at the start
+        self.updates: list[tuple[float, float]] = []  # from the update request to the new version served
         self.step_ends: list[float] = []
 
     def result(self, mode: str, engine: CostModelEngine, shape: RunShape, **extra) -> ModeResult:
         start, end = self.step_ends[shape.warmup - 1], self.step_ends[-1]
         wall = end - start
         trained = sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.train)
-        updates = [(a, b, r) for a, b, r in self.updates if a >= start]
-        stall = sum(b - a for a, b, _ in updates) / len(updates)
-        slot_idle = sum(slot_idle_seconds(engine.steps, a, b, r) for a, b, r in updates) / len(updates)
+        updates = [(a, b) for a, b in self.updates if a >= start]
+        stall = sum(b - a for a, b in updates) / len(updates)
+        width = shape.groups_per_step * shape.samples_per_group
+        slot_idle = sum(slot_idle_seconds(engine.steps, a, b, width) for a, b in updates) / len(updates)
         samples = (len(self.step_ends) - shape.warmup) * shape.groups_per_step * shape.samples_per_group
         return ModeResult(mode=mode, samples_per_s=samples / wall, trainer_idle_frac=1 - trained / wall,
                           engine_idle_frac=1 - busy_seconds(engine.steps, start, end) / wall,
@@ -108,9 +110,8 @@ def run_sync(cost: CostModel, workload: Workload, shape: RunShape) -> ModeResult
             batches.append(prompts)
             timeline.train_step(cost)
             begin = time.monotonic()
-            running = running_at(engine.steps, begin) if engine.num_unfinished() else 0
             engine.update_weights(step + 1)
-            timeline.updates.append((begin, time.monotonic(), running))
+            timeline.updates.append((begin, time.monotonic()))
             timeline.step_ends.append(time.monotonic())
     finally:
         engine.close()
@@ -183,7 +184,6 @@ def run_async(cost: CostModel, workload: Workload, shape: RunShape, *, max_stale
             batches.append([g.payload for g in batch.groups])
             timeline.train_step(cost)
             begin = time.monotonic()
-            running = running_at(engine.steps, begin) if engine.num_unfinished() else 0
             with submit_lock:
                 scheduler.begin_update()
             if partial:
@@ -196,7 +196,7 @@ def run_async(cost: CostModel, workload: Workload, shape: RunShape, *, max_stale
                 assert scheduler.wait_until_drained(timeout=wait_limit_s(cost)), "the engine did not drain"
             engine.update_weights(step + 1)
             scheduler.publish_version(step + 1)
-            timeline.updates.append((begin, time.monotonic(), running))
+            timeline.updates.append((begin, time.monotonic()))
             timeline.step_ends.append(time.monotonic())
     finally:
         scheduler.close()
