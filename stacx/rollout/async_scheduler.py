@@ -387,7 +387,8 @@ class AsyncRolloutScheduler:
             self._updating = True
 
     def wait_until_drained(self, timeout: Optional[float] = None) -> bool:
-        """Block until no group is running on the engine (an update without partial rollout): True; False if closed or timed out."""
+        """Block until no group runs on the engine (an update without partial rollout): True; False if
+        closed or timed out."""
         with self._cond:
             self._cond.wait_for(self._drained_or_closed, timeout)
             return not self._closed and self._drained_or_closed()
@@ -407,7 +408,8 @@ class AsyncRolloutScheduler:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Wake every waiter; afterwards waits return None / False and admission is refused. Unconsumed groups stay listed."""
+        """Wake every waiter; afterwards waits return None / False and admission is refused. Unconsumed
+        groups stay listed (`unconsumed_group_ids`): closing discards nothing."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
