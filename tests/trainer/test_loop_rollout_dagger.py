@@ -161,16 +161,19 @@ def test_mixture_aggrevate_opd_student_leads_kappa_turns(ray_address, files, ser
 
 
 def test_online_dagger_live_trains_on_teacher_relabels(ray_address, files, servers, tmp_path):
+    """One rollout step split into two optimizer steps (--num-steps-per-rollout 2): the relabeled
+    samples, however many the roll-in produced, are trained across the two."""
     last, rows, dumps = _run(tmp_path, files, servers, algorithm={"name": "online_dagger"},
-                             prompt_data=files["episodes"], rollout_batch_size=2, n_samples_per_prompt=2, num_steps=1,
+                             prompt_data=files["episodes"], rollout_batch_size=2, n_samples_per_prompt=2, num_steps=1, num_steps_per_rollout=2,
                              dagger_beta_schedule="linear", dagger_beta_start=0.5, dagger_beta_end=0.5)
     samples = dumps[0]
-    assert rows[0]["rollin/relabeled_samples"] == len(samples) == round(rows[0]["rollin/turns_mean"] * 4)
+    assert [row["rollout_step"] for row in rows] == [0, 0]  # the rollout's metrics are in its last row
+    assert rows[-1]["rollin/relabeled_samples"] == len(samples) == round(rows[-1]["rollin/turns_mean"] * 4)
     assert {row["metadata"]["relabeled_turn_executor"] for row in samples} == {"student", "teacher"}
     for row in samples:  # every trained token is the teacher's
         assert {e for e, m in zip(row["executors"], row["loss_mask"]) if m} == {TEACHER}
     assert math.isfinite(last["policy/loss"]) and last["policy/loss"] > 0
-    assert last["policy/num_loss_tokens"] == sum(sum(row["loss_mask"]) for row in samples)
+    assert sum(row["policy/num_loss_tokens"] for row in rows) == sum(sum(row["loss_mask"]) for row in samples)
     # A student-executed state's label is a fresh teacher action at that state (prompt = the visited prefix).
     prefixes = [row["prompt_ids"] for row in samples]
     assert len({len(p) for p in prefixes}) > 1

@@ -81,11 +81,12 @@ def test_grpo_tp2_with_reference_trains_and_the_engine_follows(ray_address, file
 
 
 def test_ppo_actor_and_critic_with_injected_values_train_two_steps(ray_address, files, tmp_path):
+    """Two rollout steps of two optimizer steps each (--num-steps-per-rollout 2), on Ray, for both roles."""
     from stacx.trainer.factory import create_trainer
 
     cfg = run_config(str(tmp_path), algorithm={"name": "ppo"}, hf_checkpoint=files["policy"],
                      prompt_data=files["prompts"], rollout_engine="cpu", save=str(tmp_path / "ckpt"), reward_fn=VARIED_REWARD,
-                     num_cpus_per_rank=2.0)
+                     num_cpus_per_rank=2.0, num_steps_per_rollout=2)
     trainer = create_trainer(cfg)
     assert trainer.roles["critic"].layout.world_size == 1
     last = trainer.run()
@@ -100,9 +101,12 @@ def test_ppo_actor_and_critic_with_injected_values_train_two_steps(ray_address, 
     # which exist only because the actor's batch received the critic's values (GAE).
     from tests.checkpointing.helpers import read_torch_dist_tensors
 
-    assert critic["num_steps"] == 2
+    assert critic["num_steps"] == 4  # optimizer steps: 2 rollouts x 2 mini-batches
     assert read_torch_dist_tensors(loaded.model_folder("critic"))["output_layer.weight"].abs().sum() > 0
-    assert loaded.rank_state("actor", 0)["num_steps"] == 2
+    assert loaded.rank_state("actor", 0)["num_steps"] == 4
+    rows = read_metrics(str(tmp_path / "out"))
+    assert [row["rollout_step"] for row in rows] == [0, 0, 1, 1] and [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert all("actor/loss" in row and "critic/loss" in row for row in rows)
 
 
 def test_opd_step_scores_rollouts_with_a_teacher_server(ray_address, files, engine_world, tmp_path):
