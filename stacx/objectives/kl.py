@@ -74,7 +74,7 @@ def add_kl_and_entropy_terms(
 
         loss_t = policy_loss_t + kl_loss_coef * KL_est(log pi_t, log pi_ref_t) - entropy_coef * H_t
 
-    config: `use_kl_loss` (default False; True needs ref_log_prob), `kl_loss_coef` (0),
+    config: `use_kl_loss` (default False; True needs ref_log_prob), `kl_loss_coef` (0.001),
     `kl_loss_type` (estimator name, default `low_var_kl`), `entropy_coef` (0; > 0 needs
     entropy). Metrics (loss-mask-weighted sums): `kl_loss` when the KL term is on,
     `entropy` when entropy is given.

@@ -60,7 +60,7 @@ def ppo_clip(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
         if A_t < 0 and clip_ratio_c is set:  l_t = min(l_t, -A_t * clip_ratio_c)
 
     config: `clip_ratio` (0.2), `clip_ratio_low`, `clip_ratio_high`, `clip_ratio_c` (dual clip
-    bound, must be > 1; None turns it off; the run config defaults it to 3.0).
+    bound, must be > 1; None, the default, turns it off; verl's dual-clip value is 3.0).
     Metrics: `pg_loss`, `pg_clipfrac` (tokens where the clipped branch is active),
     `pg_clipfrac_lower` (dual clip active), `ppo_kl` (log pi_old - log pi).
     """

@@ -169,7 +169,8 @@ def test_a_key_close_to_a_known_one_is_refused_unless_declared_custom():
 def test_recipe_defaults_yield_to_user_values_only_where_the_user_set_them():
     ppo = get_recipe("ppo")
     resolved = resolve_algorithm_config(ppo, RunConfig.from_dict({"algorithm": {"name": "ppo", "my_knob": 3}}))
-    assert resolved.lam == 0.95 and resolved.value_clip == 0.5  # ppo's defaults, not the generic 1.0 / 0.2
+    assert resolved.value_clip == 0.5  # ppo's declared default, not the generic None
+    assert ALGORITHM_FIELDS["value_clip"] is None and resolved.lam == 0.95
     assert resolved.my_knob == 3 and resolved.name == "ppo"
     user = resolve_algorithm_config(ppo, RunConfig.from_dict({"lam": 0.5, "clip_ratio_high": 0.3,
                                                               "rollout_temperature": 0.7}))
