@@ -15,7 +15,7 @@ from stacx.trainer.recipes import get_recipe
 from stacx.trainer.config.resolve import resolve_algorithm_config
 from stacx.trainer.config.run import ALGORITHM_FIELDS, FIELDS, AlgorithmConfig, ConfigError, RunConfig
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _from_flags(argv: list[str]) -> RunConfig:

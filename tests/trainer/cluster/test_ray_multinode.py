@@ -39,7 +39,7 @@ from stacx.trainer.cluster.ray.cluster_check import RESULT_PREFIX, rank_contribu
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(600)]
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 OBJECT_STORE_BYTES = 200_000_000
 NODE_START_ATTEMPTS = 4
 RAY_NODE_START_TIMED_OUT = "The current node timed out during startup"
