@@ -144,13 +144,18 @@ class StepRollout:
                             "rollout/dynamic_rounds": float(result.num_rounds)})
         else:
             samples = draw(batch_size)
+        self.summarize(step, samples, metrics)
+        return samples, metrics
+
+    def summarize(self, step: int, samples: Sequence[Any], metrics: dict[str, float]) -> None:
+        """The step's sample metrics into `metrics`, the uniform-reward warning and the rollout dump
+        (also for the batches of an asynchronous rollout)."""
         metrics.update(sample_metrics(samples))
         self.warn_if_rewards_are_uniform(step, samples)
         for index, count in enumerate(getattr(self.service.engine, "requests_sent", ())):
             metrics[f"rollout/engine{index}_requests"] = float(count)  # cumulative, per rollout engine
         if self.dumper is not None:
             self.dumper.write(step, samples)
-        return samples, metrics
 
     def generate(self, manager, examples: Sequence[Any], step: int, rng: random.Random, metrics: dict) -> list:
         """Samples of `examples` (rewards, overlong penalty, teacher fields); roll-in metrics into `metrics`."""

@@ -195,6 +195,16 @@ class StepDataSource:
     def state_dict(self) -> dict:
         return self.loader.state_dict()
 
+    @property
+    def prompt_index(self) -> int:
+        """Index of the next example in the run's data order, counted across epochs (epoch x N + position)."""
+        return self.loader.epoch * len(self.loader.examples) + self.loader.position
+
+    def state_at(self, prompt_index: int) -> dict:
+        """The `state_dict` of this source positioned at example `prompt_index` of the data order."""
+        epoch, position = divmod(prompt_index, len(self.loader.examples))
+        return {**self.loader.state_dict(), "epoch": epoch, "position": position}
+
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state)
 

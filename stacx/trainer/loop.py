@@ -45,6 +45,7 @@ from stacx.objectives import get_advantage
 from stacx.objectives.advantages_returns import gae_returns
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.reduction import StepCounts, count_loss_tokens
+from stacx.rollout.async_rollout import AsyncRollout, importance_weight_metrics
 from stacx.rollout.step_rollout import StepRollout
 from stacx.rollout.service import RolloutService
 from stacx.trainer.batch import StepBatch, StepDataSource, plan_micro_batches
@@ -130,6 +131,9 @@ class StacxTrainer:
         """The running phase's heartbeat (stacx.trainer.heartbeat); `beat` starts one."""
         self.nonfinite = NonFiniteGuard(run_config.train.skip_nonfinite_steps)
         """Stops the run at the first NaN/inf (or skips up to --skip-nonfinite-steps steps)."""
+        self.async_rollout: Optional[AsyncRollout] = None
+        """--rollout-mode async: the driver's producer thread and scheduler (`start_async_rollout`)."""
+        self._async_resume_state: dict = {}
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -148,6 +152,7 @@ class StacxTrainer:
                 self.metrics_logger = self.make_metrics_logger(self.step)
             if self.step > 0 and self.engine_target is not None:
                 self.push_policy_weights(version=self.step)  # a fresh engine serves the initial weights
+            self.start_async_rollout()
             train = self.run_config.train
             for step in range(self.step, train.num_steps):
                 with self.beat(f"step {step + 1}/{train.num_steps}", "batch"):
@@ -217,6 +222,10 @@ class StacxTrainer:
         if self.nonfinite.check_samples(step=step, role=sample_role, name="reward", values=batch.rewards or ()):
             return self._skipped_step(metrics, started)
         self.fill_forward_fields(batch)
+        if self.run_config.rollout.rollout_mode == "async" and batch.log_probs is not None \
+                and batch.rollout_log_probs is not None:
+            metrics.update(importance_weight_metrics(batch.log_probs, batch.rollout_log_probs, batch.loss_masks,
+                                                     threshold=float(self.algorithm.tis_threshold)))
         if self.algorithm_has_advantages:
             self.compute_advantages(batch)
             if self.nonfinite.check_samples(step=step, role=sample_role, name="advantage", values=batch.advantages):
@@ -250,18 +259,32 @@ class StacxTrainer:
     # ---- data ------------------------------------------------------------------------------
 
     def collect_batch(self, step: int) -> tuple[StepBatch, dict]:
-        """(step batch, rollout metrics), on the driver."""
+        """(step batch, rollout metrics), on the driver: async mode takes the scheduler's batch of `step`."""
         if self.training_config.data_source == "dataset" or self.data.kind == "trajectory":
             batch = self.data.next_dataset_batch()
             lengths = batch.response_lengths
             return batch, {"data/response_length_mean": sum(lengths) / len(lengths)}
-        samples, metrics = self.step_rollout.collect(step)
+        if self.async_rollout is not None:
+            samples, metrics = self.async_rollout.take_batch(step)
+            self.step_rollout.summarize(step, samples, metrics)
+        else:
+            samples, metrics = self.step_rollout.collect(step)
         batch = StepBatch.from_samples(samples)
         batch.rewards = self.shaped_rewards(batch)
         if batch.teacher_log_probs is not None:  # over student-executed tokens (teacher ones hold the +1.0 sentinel)
             metrics["rollout/teacher_log_prob_mean"] = _masked_mean(
                 batch.teacher_log_probs, [m * (t <= 0) for t, m in zip(batch.teacher_log_probs, batch.loss_masks)])
         return batch, metrics
+
+    def start_async_rollout(self) -> None:
+        """--rollout-mode async (driver): start the producer at the current step's version, so that it
+        generates while the trainer trains; in-flight groups of a checkpoint are regenerated."""
+        if self.run_config.rollout.rollout_mode != "async" or self.step_rollout is None:
+            return
+        self.async_rollout = AsyncRollout(self.rollout, self.data, self.step_rollout,
+                                          rollout_section=self.run_config.rollout, start_version=self.step,
+                                          resume_state=self._async_resume_state)
+        self.async_rollout.start()
 
     def _build_step_rollout(self):
         return StepRollout(self.rollout, self.data, run_config=self.run_config, training_config=self.training_config,
@@ -377,9 +400,13 @@ class StacxTrainer:
     # ---- weights, logging, checkpoints -----------------------------------------------------
 
     def push_policy_weights(self, version: int) -> None:
-        """Pause the engine, stream the rollout role's weights in buckets, resume, check the version."""
+        """Pause the engine, stream the rollout role's weights in buckets, resume, check the version.
+        In async mode the scheduler's update window brackets it: begin_update (abort the in-flight
+        requests with partial rollout, else wait for them) ... publish_version."""
         kind, urls, api_key = self.engine_target
         role = self.training_config.rollout_role
+        if self.async_rollout is not None:
+            self.async_rollout.begin_update()
         if self.channel.is_driver:
             self.rollout.begin_weight_update()
         try:
@@ -392,6 +419,8 @@ class StacxTrainer:
             raise
         if self.channel.is_driver:
             self.rollout.finish_weight_update(version)
+        if self.async_rollout is not None:
+            self.async_rollout.publish_version(version)
 
     def evaluate_if_due(self, completed_steps: int) -> dict[str, float]:
         """eval/* of the model after `completed_steps` rollout steps when due (the driver's StepRollout
@@ -452,6 +481,9 @@ class StacxTrainer:
         if self.channel.is_driver:
             driver_state = {"step": step, "data": self.data.state_dict() if self.data is not None else {},
                             "rng": capture_rng_state()}
+            if self.async_rollout is not None:  # in-flight groups are not saved: a resumed run regenerates them
+                driver_state["data"] = self.async_rollout.data_state()
+                driver_state["async"] = self.async_rollout.resume_state()
             final = commit_checkpoint(staging, step=step, recipe=self.training_config, role_layouts=self.role_layouts(),
                                       rank_files=rank_files, driver_state=driver_state,
                                       resolved_run_config=resolved_run_config_dict(self.run_config, self.algorithm))
@@ -480,6 +512,7 @@ class StacxTrainer:
         if self.data is not None and driver_state.get("data"):
             self.data.load_state_dict(driver_state["data"])
         restore_rng_state(driver_state["rng"])
+        self._async_resume_state = driver_state.get("async") or {}
         logger.info("resumed from %s at step %d", loaded.path, loaded.step)
         if self.channel.is_driver:
             print(f"resumed from step {loaded.step} ({loaded.path})", flush=True)
@@ -519,6 +552,12 @@ class StacxTrainer:
                     logger.warning("removed the unfinished checkpoint staging folder %s", path)
 
     def _close_logger_and_rollout(self) -> None:
+        if self.async_rollout is not None:  # first: it aborts its requests on the engine closed below
+            async_rollout, self.async_rollout = self.async_rollout, None
+            try:
+                async_rollout.close()
+            except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
+                logger.exception("closing the asynchronous rollout failed")
         if self.metrics_logger is not None:
             try:
                 self.metrics_logger.close()

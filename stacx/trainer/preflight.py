@@ -15,6 +15,8 @@ What it checks (each failure is one paragraph naming the flag and the fix):
 - --tensor-model-parallel-size and --context-parallel-size divide the model's attention heads
   (num_attention_heads and num_key_value_heads of --hf-checkpoint's config.json);
 - every --custom-module imports;
+- --rollout-mode async is not combined with what it does not run yet (dataset recipes, roll-ins,
+  dynamic sampling), and --partial-rollout comes with it;
 - --global-batch-size x --num-steps-per-rollout equals the samples of a rollout (either one alone must
   divide them), see `stacx.trainer.config.mini_batches`;
 - the data: --prompt-data exists and parses, and through `check_examples` (also called by
@@ -41,6 +43,7 @@ from stacx.env_overrides import apply_env_overrides
 from stacx.objectives import load_custom_modules
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import ADVANTAGES, OFF_POLICY_CORRECTIONS, POLICY_LOSSES, Registry
+from stacx.rollout.async_rollout import check_async_supported
 from stacx.rollout.data import MalformedRowError
 from stacx.rollout.http_client import API_KEY_ENV
 from stacx.rollout.rewards import resolve_reward_fn
@@ -74,6 +77,7 @@ def run_preflight(run_config: RunConfig, training_config: TrainingConfig, algori
     check_checkpoints(run_config, training_config, algorithm)
     check_parallel_layout(run_config)
     check_mini_batches(run_config, training_config)
+    check_rollout_mode(run_config, training_config, algorithm)
     check_resume_and_save(run_config)
     check_services(run_config, training_config)
     check_data_paths(run_config, training_config)
@@ -252,6 +256,15 @@ def check_mini_batches(run_config: RunConfig, training_config: TrainingConfig) -
         raise PreflightError(f"--global-batch-size {schedule.global_batch_size} gives each optimizer step fewer samples "
                              f"than --data-parallel-size {dp_size} ranks; lower --num-steps-per-rollout or "
                              "--data-parallel-size")
+
+
+def check_rollout_mode(run_config: RunConfig, training_config: TrainingConfig, algorithm: AlgorithmConfig) -> None:
+    """--rollout-mode async refuses what it does not run yet (dataset recipes, roll-ins, dynamic
+    sampling) and --partial-rollout without it (`check_async_supported`)."""
+    try:
+        check_async_supported(run_config, training_config, algorithm)
+    except ValueError as err:
+        raise PreflightError(str(err)) from None
 
 
 def check_custom_modules(run_config: RunConfig) -> None:

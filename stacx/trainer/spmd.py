@@ -17,7 +17,9 @@ import os
 import torch.distributed as dist
 
 from stacx.parallel.groups import destroy_parallel_layout, init_distributed_from_env, initialize_parallel_layout
+from stacx.rollout.async_rollout import check_async_supported
 from stacx.rollout.rollin import check_supported
+from stacx.rollout.service import resolve_engine_kind
 from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
 from stacx.trainer.checkpoint import verify_start_folders
 from stacx.trainer.cluster.node_interface import bind_collectives_to_node, local_address_toward
@@ -48,6 +50,8 @@ def build_spmd_trainer(run_config: RunConfig):
                          "torchrun runs recipes with one role (sft, dpo, grpo and its family, opd, ...); launch recipes with "
                          "several roles on Ray (stacx train without torchrun)")
     check_supported(training_config, run_config)
+    check_async_supported(run_config, training_config, algorithm, torchrun=True,
+                          engine_kind=resolve_engine_kind(run_config.rollout.rollout_engine))
     verify_start_folders(run_config.model, training_config)
     parallel = run_config.parallel
     if "MASTER_ADDR" in os.environ:  # gloo/NCCL listen on the interface toward the master, not the host name's

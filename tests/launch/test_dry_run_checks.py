@@ -233,3 +233,23 @@ def test_wandb_project_without_the_wandb_package_is_refused_at_preflight(inputs,
     assert code == 2 and out == ""
     assert "--wandb-project my-project" in err and "pip install wandb" in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_async_rollout_flags_in_the_dry_run_and_their_refusals(inputs, capsys):
+    code, out, err = _train(inputs, capsys=capsys)
+    assert code == 0 and "max_staleness" not in out  # sync: the async settings are not read
+    code, out, err = _train(inputs, "--rollout-mode", "async", "--max-staleness", "2", "--partial-rollout",
+                            capsys=capsys)
+    assert code == 0, err
+    config = out.split("resolved run config", 1)[1]
+    assert "rollout_mode: async" in config and "max_staleness: 2" in config and "partial_rollout: true" in config
+    assert "off_policy_corrections: token_tis" in config and "recompute_old_log_probs: true" in config
+    code, _, err = _train(inputs, "--rollout-mode", "async", "--dynamic-sampling", capsys=capsys)
+    assert code == 2 and "--dynamic-sampling" in err and "--rollout-mode async" in err
+    code, _, err = _train(inputs, "--partial-rollout", capsys=capsys)
+    assert code == 2 and "add --rollout-mode async" in err
+    code, _, err = _train(inputs, "--rollout-mode", "async", "--no-recompute-old-log-probs", capsys=capsys)
+    assert code == 2 and "--no-recompute-old-log-probs" in err
+    with pytest.raises(SystemExit):  # argparse names the choices
+        _train(inputs, "--rollout-mode", "later", capsys=capsys)
+    assert "--rollout-mode: invalid choice: 'later'" in capsys.readouterr().err

@@ -264,3 +264,58 @@ def test_default_submit_runs_requests_concurrently_and_the_pool_aborts_on_every_
 
     with pytest.raises(NotImplementedError, match="NoAbort does not implement abort"):
         NoAbort().abort()
+
+
+def test_the_async_producer_continues_an_interrupted_group_through_stacx_serve_with_two_versions(
+        engine, policies, monkeypatch):
+    """`AsyncRollout` (K = 1, one prompt per step) over `stacx serve`: group 1 is aborted mid-generation
+    while group 0 finishes; after the weight update its continuation runs under the new version, so
+    its response holds tokens of both versions, each with its behaviour log-prob."""
+    from types import SimpleNamespace
+
+    from stacx.rollout.async_rollout import AsyncRollout
+    from stacx.rollout.data import Example
+    from stacx.rollout.service import RolloutService
+    from stacx.trainer.config.run import RunConfig
+
+    config = RunConfig.from_dict({"rollout_batch_size": 1, "n_samples_per_prompt": 1, "rollout_max_response_len": 6,
+                                  "rollout_mode": "async", "max_staleness": 1, "partial_rollout": True,
+                                  "reward_fn": "tests.trainer.training_fixtures:varied_reward"})
+    examples = iter([Example(prompt_ids=[4, 15 + i, 16], source="t") for i in range(8)])
+    data = SimpleNamespace(batch_size=1, prompt_index=0, next_examples=lambda count: [next(examples)])
+    old = load_policy(engine, policies, 0)
+    with EngineHttpServer(engine) as server:
+        client = HttpEngine(server.url, RetryPolicy(timeout_s=TIMEOUT_S, max_attempts=1), api_key=server.api_key)
+        service = RolloutService(client, engine_kind="http", url=server.url, tokenizer=None,
+                                 rollout_section=config.rollout)
+        producer = AsyncRollout(service, data, SimpleNamespace(apply_overlong_penalty=lambda samples: None),
+                                rollout_section=config.rollout, start_version=old)
+        try:
+            client.pause()  # both groups' requests wait, then start as one batch
+            producer.start()
+            _wait_until(lambda: server.aborts.num_registered() == 2)
+            stall = Stall(engine, monkeypatch, at_call=3)  # held after a few tokens of each
+            client.resume()
+            stall.wait()
+            (rid,) = [rid for rid, group in producer._in_flight.items() if group == 1]
+            client.abort([rid])
+            stall.release.set()
+            first, _ = producer.take_batch(old)
+            assert first[0].metadata["prompt_index"] == 0
+            producer.begin_update()
+            client.pause()
+            new = load_policy(client, policies, 1)
+            client.resume()
+            producer.publish_version(new)
+            second, metrics = producer.take_batch(new)
+        finally:
+            producer.close()
+            client.shutdown()
+    (sample,) = second
+    versions = sample.metadata["token_versions"]
+    # Tokens before the abort keep the old version (its continuation may run, and be aborted again by
+    # begin_update, before the update); the rest are the new version's.
+    assert sample.metadata["prompt_index"] == 1 and versions == sorted(versions) and set(versions) == {old, new}
+    assert len(sample.rollout_log_probs) == len(versions) == len(sample.response_ids)
+    assert metrics["async/interrupted_groups"] == 1.0 and metrics["async/staleness_max"] == 1.0
+    assert not producer.thread.is_alive()

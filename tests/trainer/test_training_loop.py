@@ -128,11 +128,11 @@ RESUME_SCRIPT = """
 import sys
 from stacx.trainer.factory import create_trainer
 from tests.trainer.training_fixtures import run_config
-root, policy, prompts, address, load = sys.argv[1:6]
+root, policy, prompts, address, load, mode = sys.argv[1:7]
 cfg = run_config(root, algorithm={"name": "grpo"}, hf_checkpoint=policy, prompt_data=prompts, rollout_engine="cpu",
                  reward_fn="tests.trainer.training_fixtures:varied_reward",
                  num_steps=4, save_interval=2, save=root + "/ckpt", load=load, ray_address=address,
-                 out=root + "/out")
+                 out=root + "/out", rollout_mode=mode, max_staleness=0)
 create_trainer(cfg).run()
 """
 
@@ -145,15 +145,19 @@ def _model_state(checkpoint_root: str, step: int) -> dict:
 
 
 def test_resume_in_a_fresh_driver_gives_bitwise_identical_weights(ray_address, files, tmp_path):
+    """The straight run is asynchronous with --max-staleness 0, the resumed one synchronous: the two
+    modes train steps 2 and 3 to bitwise-identical weights and losses, and the async checkpoint of
+    step 2 (taken while step 2's prompts were already generating) resumes at the right prompts."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     resumed.mkdir()
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=repo_root)
     common = [files["policy"], files["prompts"], ray_address]
-    subprocess.run([sys.executable, "-c", RESUME_SCRIPT, str(straight), *common, ""], check=True, env=env, timeout=300)
+    subprocess.run([sys.executable, "-c", RESUME_SCRIPT, str(straight), *common, "", "async"], check=True, env=env,
+                   timeout=300)
     # A new driver process (and new workers) resumes from the straight run's step-2 checkpoint.
     subprocess.run([sys.executable, "-c", RESUME_SCRIPT, str(resumed), *common,
-                    str(straight / "ckpt" / "step_000000002")], check=True, env=env, timeout=300)
+                    str(straight / "ckpt" / "step_000000002"), "sync"], check=True, env=env, timeout=300)
     a, b = _model_state(str(straight / "ckpt"), 4), _model_state(str(resumed / "ckpt"), 4)
     assert a["model"].keys() == b["model"].keys()
     for name in a["model"]:
@@ -162,6 +166,9 @@ def test_resume_in_a_fresh_driver_gives_bitwise_identical_weights(ray_address, f
                            _model_state(str(straight / "ckpt"), 2)["model"]["embedding.word_embeddings.weight"])
     rows = read_metrics(str(resumed / "out"))
     assert [row["step"] for row in rows][-2:] == [2, 3]
+    straight_rows = read_metrics(str(straight / "out"))
+    assert "async/staleness_max" in straight_rows[-1] and "async/staleness_max" not in rows[-1]
+    assert [row["policy/loss"] for row in rows][-2:] == [row["policy/loss"] for row in straight_rows][-2:]
 
 
 def test_a_killed_worker_ends_the_run_naming_role_and_rank(ray_address, files, tmp_path):

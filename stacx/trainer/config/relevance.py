@@ -14,7 +14,9 @@ from stacx.trainer.config.recipe import TrainingConfig
 
 SAMPLING_FIELDS = ("rollout_engine", "rollout_urls", "n_samples_per_prompt", "rollout_max_response_len",
                    "rollout_temperature", "rollout_top_p", "rollout_top_k", "rollout_seed", "dynamic_sampling",
-                   "over_sampling_factor", "save_rollouts_per_step")
+                   "over_sampling_factor", "save_rollouts_per_step", "rollout_mode")
+ASYNC_FIELDS = ("max_staleness", "partial_rollout")
+"""Read only in --rollout-mode async."""
 REWARD_FIELDS = ("reward_fn", "reward_timeout_s")
 EVAL_DETAIL_FIELDS = ("eval_interval", "eval_n_samples", "eval_temperature")
 ROLLIN_FIELDS = ("dagger_sampling_mode", "dagger_sft_mode", "trajectory_corpus", "dagger_beta_schedule",
@@ -62,6 +64,8 @@ def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
             return rollout and algorithm_engine_is_http
         if name in EVAL_DETAIL_FIELDS:
             return has_eval_data
+        if name in ASYNC_FIELDS:
+            return rollout and rollout_values.get("rollout_mode") == "async"
         if name in SAMPLING_FIELDS:
             return rollout
         if name in REWARD_FIELDS:

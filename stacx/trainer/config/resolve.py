@@ -164,6 +164,8 @@ def proximal_policy_values(training_config: TrainingConfig, run_config: RunConfi
     policy before the rollout's first update, computed once (without it each mini-batch's pi_old would
     be its own detached forward, the ratio 1 and every clip inert). An explicit False is refused."""
     schedule = resolve_mini_batch_schedule(run_config.rollout, run_config.train, data_source=training_config.data_source)
+    if runs_off_policy_rollouts(run_config.rollout) and training_config.data_source == "rollout":
+        return decoupled_objective_values(run_config.rollout, user_values)
     if schedule.optimizer_steps_per_rollout == 1:
         return {}
     if user_values.get("recompute_old_log_probs") is False:
@@ -174,6 +176,36 @@ def proximal_policy_values(training_config: TrainingConfig, run_config: RunConfi
             "never acts; drop --no-recompute-old-log-probs (pi_old is then computed once per rollout, before the "
             "first update) or train one optimizer step per rollout")
     return {"recompute_old_log_probs": True}
+
+
+def runs_off_policy_rollouts(rollout) -> bool:
+    """--rollout-mode async with --max-staleness >= 1 or --partial-rollout: a batch may hold tokens of
+    older policy versions. (Async with K = 0 and no partial rollout is the synchronous schedule and
+    resolves exactly like a sync run.)"""
+    return rollout.rollout_mode == "async" and (rollout.max_staleness >= 1 or rollout.partial_rollout)
+
+
+ASYNC_DEFAULT_CORRECTION = "token_tis"
+"""The off-policy correction asynchronous runs get unless --off-policy-corrections is given."""
+
+
+def decoupled_objective_values(rollout, user_values: dict[str, Any]) -> dict[str, Any]:
+    """The decoupled objective of an off-policy (async) run: pi_old is recomputed by the trainer before the
+    step (the proximal policy, in the clip), and the engine's per-token log-probs (the behaviour policy)
+    weigh each token by min(pi_prox / pi_behav, C) (`token_tis`) unless the user chose corrections.
+    An explicit --no-recompute-old-log-probs is refused: the clip would be centred on the behaviour
+    policy of a stale version."""
+    if user_values.get("recompute_old_log_probs") is False:
+        raise ConfigError(
+            f"--no-recompute-old-log-probs with --rollout-mode async --max-staleness {rollout.max_staleness}"
+            f"{' --partial-rollout' if rollout.partial_rollout else ''}: samples come from older policy versions, "
+            "so pi_old must be the trainer's own (proximal) policy, recomputed before the step; drop "
+            "--no-recompute-old-log-probs (the engine's log-probs stay the behaviour policy of the off-policy "
+            "correction)")
+    values: dict[str, Any] = {"recompute_old_log_probs": True}
+    if "off_policy_corrections" not in user_values:
+        values["off_policy_corrections"] = ASYNC_DEFAULT_CORRECTION
+    return values
 
 
 def resolved_run_config_dict(run_config: RunConfig, algorithm: AlgorithmConfig) -> dict[str, Any]:
