@@ -77,6 +77,31 @@ class Stall:
         assert self.reached.wait(TIMEOUT_S), "the engine never reached the stalled forward"
 
 
+class StallPrompt:
+    """Holds the `after_steps`-th decode step of the batch whose prefill held `prompt` (the request then
+    has `after_steps` tokens), however the engine batched the concurrent requests."""
+
+    def __init__(self, engine, monkeypatch, prompt, after_steps: int):
+        self.reached, self.release = threading.Event(), threading.Event()
+        forward, steps = engine._model_call, []
+
+        def model_call(fn, *args):
+            if getattr(fn, "__name__", "") == "prefill":
+                if tuple(prompt) in [tuple(ids) for ids in args[0]] and not steps:
+                    steps.append(0)
+            elif steps and not self.reached.is_set():
+                steps[0] += 1
+                if steps[0] == after_steps:
+                    self.reached.set()
+                    assert self.release.wait(TIMEOUT_S), "the test never released the stalled forward"
+            return forward(fn, *args)
+
+        monkeypatch.setattr(engine, "_model_call", model_call)
+
+    def wait(self):
+        assert self.reached.wait(TIMEOUT_S), "the engine never reached the stalled forward"
+
+
 def greedy(prompt, max_new_tokens=10, rid=None):
     return GenerateRequest(input_ids=tuple(prompt), rid=rid, top_logprobs_num=2,
                            sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True))
@@ -291,11 +316,9 @@ def test_the_async_producer_continues_an_interrupted_group_through_stacx_serve_w
         producer = AsyncRollout(service, data, SimpleNamespace(apply_overlong_penalty=lambda samples: None),
                                 rollout_section=config.rollout, start_version=old)
         try:
-            client.pause()  # both groups' requests wait, then start as one batch
+            # Held after two tokens of group 1 (prompt [4, 16, 16]), batched with group 0 or not.
+            stall = StallPrompt(engine, monkeypatch, (4, 16, 16), after_steps=2)
             producer.start()
-            _wait_until(lambda: server.aborts.num_registered() == 2)
-            stall = Stall(engine, monkeypatch, at_call=3)  # held after a few tokens of each
-            client.resume()
             stall.wait()
             (rid,) = [rid for rid, group in producer._in_flight.items() if group == 1]
             client.abort([rid])
