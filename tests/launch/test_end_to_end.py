@@ -40,17 +40,31 @@ def _sft_flags(checkpoint: str, out: str) -> list[str]:
             "--save", os.path.join(out, "checkpoints")]
 
 
+def _train_in_a_one_rank_world(groups, flags: list[str]) -> int:
+    """`stacx train FLAGS` as torchrun's only rank would run it, in a forked one-rank gloo world."""
+    from stacx.launch.cli import main
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # what torchrun sets: `stacx train` takes the SPMD path
+    return main(["train", *flags])
+
+
 @pytest.mark.distributed
 def test_torchrun_sft_with_two_ranks_matches_the_single_rank_loss_curve(tmp_path):
+    """A real torchrun launch of two ranks against the same command on one rank (forked in-process, the
+    same `stacx train` entry point): the loss curves agree."""
+    from stacx.testing.distributed import run_distributed
+
     checkpoint = write_tiny_checkpoint(str(tmp_path / "init"), "sorting", seed=0)
     curves = {}
     for num_ranks in (1, 2):
         out = str(tmp_path / f"ranks{num_ranks}")
-        completed = subprocess.run(
-            [TORCHRUN, "--standalone", f"--nproc-per-node={num_ranks}", "-m", "stacx.train",
-             *_sft_flags(checkpoint, out), "--data-parallel-size", str(num_ranks)],
-            env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
-        assert completed.returncode == 0, completed.stderr[-4000:]
+        flags = [*_sft_flags(checkpoint, out), "--data-parallel-size", str(num_ranks)]
+        if num_ranks == 1:
+            assert run_distributed(_train_in_a_one_rank_world, 1, args=(flags,)) == [0]
+        else:
+            completed = subprocess.run([TORCHRUN, "--standalone", f"--nproc-per-node={num_ranks}", "-m", "stacx.train",
+                                        *flags], env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+            assert completed.returncode == 0, completed.stderr[-4000:]
         curves[num_ranks] = _series(os.path.join(out, "metrics.jsonl"), "policy/loss")
         manifests = [name for name in os.listdir(os.path.join(out, "checkpoints")) if not name.startswith(".")]
         assert manifests, f"no checkpoint written under {out}/checkpoints"

@@ -117,9 +117,11 @@ def test_a_new_users_first_hour(tmp_path, capsys):
 
     # 2. The dry run passes on good inputs, and refuses each bad one in one line naming the flag: the
     # first refusal as a process (what the user's terminal shows), the rest through the same entry point.
-    dry = _stacx(*flags, "--dry-run")
-    assert dry.returncode == 0, dry.stderr[-2000:]
-    assert dry.stdout.startswith("recipe grpo:")
+    from stacx.launch.cli import main
+
+    capsys.readouterr()
+    assert main([*flags, "--dry-run"]) == 0
+    assert capsys.readouterr().out.startswith("recipe grpo:")
     missing = _stacx(*flags, "--hf-checkpoint", str(tmp_path / "missing_model"), "--dry-run")
     _assert_refused(missing.returncode, missing.stderr, "--hf-checkpoint", "missing_model: no such folder")
     bad_rows = _write_jsonl(str(tmp_path / "bad.jsonl"), rows[:2] + ['{"prompt": "1+1=", "label": '])
@@ -147,11 +149,13 @@ def test_a_new_users_first_hour(tmp_path, capsys):
     if not torch.cuda.is_available() and absent_gpu_packages():  # ...one line names what is absent
         assert run.stderr.count("stacx: CPU path; optional GPU packages not installed:") == 1, run.stderr[-3000:]
 
-    # 4. `stacx eval` of the export writes a JSON report with the held-out metrics.
+    # 4. `stacx eval` of the export writes a JSON report with the held-out metrics (the same entry
+    # point, in this process).
     report_path = str(tmp_path / "eval.json")
-    evaluation = _stacx("eval", "--hf-checkpoint", export, "--eval-data", data, "--max-new-tokens", "4",
-                        "--n-samples", "2", "--temperature", "1.0", "--out", report_path)
-    assert evaluation.returncode == 0, evaluation.stderr[-2000:]
+    code, stderr = _stacx_in_process(capsys, "eval", "--hf-checkpoint", export, "--eval-data", data,
+                                     "--max-new-tokens", "4", "--n-samples", "2", "--temperature", "1.0",
+                                     "--out", report_path)
+    assert code == 0, stderr[-2000:]
     with open(report_path) as handle:
         report = json.load(handle)
     assert report["num_prompts"] == len(rows) and report["n_samples"] == 2
