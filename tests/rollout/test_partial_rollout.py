@@ -293,9 +293,11 @@ def test_default_submit_runs_requests_concurrently_and_the_pool_aborts_on_every_
 
 def test_the_async_producer_continues_an_interrupted_group_through_stacx_serve_with_two_versions(
         engine, policies, monkeypatch):
-    """`AsyncRollout` (K = 1, one prompt per step) over `stacx serve`: group 1 is aborted mid-generation
-    while group 0 finishes; after the weight update its continuation runs under the new version, so
-    its response holds tokens of both versions, each with its behaviour log-prob."""
+    """`AsyncRollout` (K = 1, one prompt per step) over `stacx serve`: group 0 is trained at the old
+    version while group 1 generates; the weight update's `begin_update` aborts group 1 after its first
+    tokens, and after the update its continuation runs under the new version, so its response holds
+    tokens of both versions, each with its behaviour log-prob. The client sends one request at a time,
+    so group 1 starts after group 0 ends (the order a busy engine gives, made certain)."""
     from types import SimpleNamespace
 
     from stacx.rollout.async_rollout import AsyncRollout
@@ -311,34 +313,32 @@ def test_the_async_producer_continues_an_interrupted_group_through_stacx_serve_w
     old = load_policy(engine, policies, 0)
     with EngineHttpServer(engine) as server:
         client = HttpEngine(server.url, RetryPolicy(timeout_s=TIMEOUT_S, max_attempts=1), api_key=server.api_key)
+        client.max_concurrent_submissions = 1
         service = RolloutService(client, engine_kind="http", url=server.url, tokenizer=None,
                                  rollout_section=config.rollout)
         producer = AsyncRollout(service, data, SimpleNamespace(apply_overlong_penalty=lambda samples: None),
                                 rollout_section=config.rollout, start_version=old)
         try:
-            # Held after two tokens of group 1 (prompt [4, 16, 16]), batched with group 0 or not.
-            stall = StallPrompt(engine, monkeypatch, (4, 16, 16), after_steps=2)
+            stall = StallPrompt(engine, monkeypatch, (4, 16, 16), after_steps=2)  # group 1's prompt
             producer.start()
-            stall.wait()
-            (rid,) = [rid for rid, group in producer._in_flight.items() if group == 1]
-            client.abort([rid])
-            stall.release.set()
             first, _ = producer.take_batch(old)
             assert first[0].metadata["prompt_index"] == 0
-            producer.begin_update()
+            stall.wait()
+            producer.begin_update()  # the update window: group 1, in flight, is aborted
+            stall.release.set()
+            _wait_until(lambda: not producer._in_flight)  # its aborted answer came back, kept
             client.pause()
             new = load_policy(client, policies, 1)
             client.resume()
-            producer.publish_version(new)
+            producer.publish_version(new)  # the interrupted group continues first
             second, metrics = producer.take_batch(new)
         finally:
             producer.close()
             client.shutdown()
     (sample,) = second
     versions = sample.metadata["token_versions"]
-    # Tokens before the abort keep the old version (its continuation may run, and be aborted again by
-    # begin_update, before the update); the rest are the new version's.
-    assert sample.metadata["prompt_index"] == 1 and versions == sorted(versions) and set(versions) == {old, new}
+    assert sample.metadata["prompt_index"] == 1
+    assert versions == sorted(versions) and set(versions) == {old, new}, versions
     assert len(sample.rollout_log_probs) == len(versions) == len(sample.response_ids)
     assert metrics["async/interrupted_groups"] == 1.0 and metrics["async/staleness_max"] == 1.0
     assert not producer.thread.is_alive()
