@@ -70,10 +70,13 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", ["ray"])
 def test_custom_estimator_and_loss_from_a_file_train_on_every_rank(launcher, tiny_checkpoint, tmp_path, request):
     """The issue's first command (the example's config, tiny sizes): failed in Ray workers with
-    `unknown policy loss 'tempered_pg'` before the source was shipped."""
+    `unknown policy loss 'tempered_pg'` before the source was shipped. Under torchrun every rank imports
+    the file itself; a file registering an estimator and a loss runs there in
+    test_design_doc_examples.py (padded_plugins/my_algorithm.py with its YAML), and a specialization
+    file below."""
     steps = run_stacx_train(launcher, [
         "--custom-module", "examples/custom_algorithm/my_algo.py", "--config", "examples/configs/grpo.yaml",
         "--advantage-estimator", "rank_centered", "--policy-loss", "tempered_pg",
