@@ -16,7 +16,6 @@ from stacx.tasks import write_tiny_checkpoint
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 CUSTOM_FOLDER_LAUNCHER = os.path.join(REPO, "tests", "launch", "train_with_custom_folder.py")
-LAUNCHERS = ("ray", "torchrun")
 
 SMALL_ROLLOUT = ["--prompt-data", "builtin:sorting", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
                  "--rollout-max-response-len", "6", "--rollout-engine", "cpu", "--no-progress-bar"]
