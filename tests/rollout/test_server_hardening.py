@@ -279,6 +279,16 @@ def test_one_client_is_bounded_and_another_is_still_served(engine):
             refused = raw_answer(flood[2])  # the third call is over that client's bound
             assert status_of(refused) == 503 and b"127.0.0.2 already has 2 requests in flight" in refused
             assert http.get(server.url + "/health", timeout=5).status_code == 200  # 127.0.0.1 is served
+            # The bound counts generations only: the same client can still abort the ones it has in flight.
+            abort = json.dumps({"abort_all": True}).encode()
+            control = socket.socket()
+            control.bind(("127.0.0.2", 0))
+            control.settimeout(30)
+            control.connect(("127.0.0.1", server.port))
+            control.sendall(b"POST /abort_request HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                            b"Content-Length: %d\r\n\r\n%s" % (server.api_key.encode(), len(abort), abort))
+            assert status_of(control.recv(65536)) == 200
+            control.close()
         finally:
             engine._lock.release()
         for sock in flood[:2]:

@@ -171,9 +171,15 @@ def guarded_h11_protocol(limits: ServerLimits, counter: ConnectionCounter) -> ty
     return GuardedH11Protocol
 
 
+BOUNDED_PATHS = frozenset({"/generate"})
+"""The requests `PerClientLimit` counts: generation, the work one client could hog. Control requests
+(abort, pause, continue, weight updates, health, reads) are never refused for it: a client whose
+generations fill its bound must still be able to abort them."""
+
+
 class PerClientLimit:
-    """ASGI middleware: at most `max_requests` requests in flight per client host; more get 503.
-    Runs on the event loop's one thread, so the counts need no lock."""
+    """ASGI middleware: at most `max_requests` BOUNDED_PATHS requests in flight per client host; more
+    get 503. Runs on the event loop's one thread, so the counts need no lock."""
 
     def __init__(self, app, *, max_requests: int):
         self.app = app
@@ -181,7 +187,7 @@ class PerClientLimit:
         self.in_flight: Counter = Counter()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") not in BOUNDED_PATHS:
             await self.app(scope, receive, send)
             return
         host = (scope.get("client") or ("unknown", 0))[0]
