@@ -129,7 +129,7 @@ def draw(result: dict, path: str) -> None:
         axes.set_xticks(range(len(seeds)), [f"seed {s}" for s in seeds])
         axes.set_ylabel(label)
         axes.grid(alpha=0.3, axis="y")
-        axes.legend(fontsize="small")
+        axes.legend(fontsize="small", loc="lower right")
     figure.suptitle("demo task, 40 GRPO steps: sync vs async (max staleness 1), no cost model")
     figure.tight_layout()
     figure.savefig(path)
