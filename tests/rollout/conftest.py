@@ -26,3 +26,20 @@ def single_process_world():
     groups = ensure_single_process_layout()
     yield groups
     destroy_parallel_layout()
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(tiny_checkpoints, single_process_world):
+    """The CPU engine serving the first tiny checkpoint (one per test module)."""
+    from stacx.rollout.engines.cpu import CpuEngine
+
+    return CpuEngine.from_hf_checkpoint(tiny_checkpoints[0])
+
+
+def second_checkpoint_buckets(tiny_checkpoints, world, *, bucket_bytes: int) -> list[list]:
+    """The second tiny checkpoint's weights as buckets of Hugging Face names (a weight update)."""
+    from stacx.models import build_model, iter_hf_weight_buckets, load_hf_checkpoint
+
+    source = build_model(tiny_checkpoints[1], world)
+    load_hf_checkpoint(source, tiny_checkpoints[1], world)
+    return [list(b) for b in iter_hf_weight_buckets(source, world, bucket_bytes=bucket_bytes)]

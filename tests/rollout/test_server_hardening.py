@@ -15,27 +15,22 @@ import pytest
 import requests as http
 import torch
 
-from stacx.rollout.engines.cpu import CpuEngine
 from stacx.rollout.engines.http import BUCKET_ENDPOINT, HttpEngine
 from stacx.rollout.engines.processes import ReadyLineWatch
 from stacx.rollout.engines.server import MUTATING_ENDPOINTS, WEIGHT_ENDPOINTS, EngineHttpServer, ServerLimits
 from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerRequestError
 from stacx.rollout.weight_transfer import bucket_wire_chunks, max_bucket_body_bytes
+from tests.rollout.conftest import second_checkpoint_buckets
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoints, single_process_world):
-    return CpuEngine.from_hf_checkpoint(tiny_checkpoints[0])
+def engine(cpu_engine):
+    return cpu_engine
 
 
 @pytest.fixture(scope="module")
 def new_weights(tiny_checkpoints, single_process_world):
-    """The second checkpoint's weights as buckets (Hugging Face names)."""
-    from stacx.models import build_model, iter_hf_weight_buckets, load_hf_checkpoint
-
-    source = build_model(tiny_checkpoints[1], single_process_world)
-    load_hf_checkpoint(source, tiny_checkpoints[1], single_process_world)
-    return [list(b) for b in iter_hf_weight_buckets(source, single_process_world, bucket_bytes=40_000)]
+    return second_checkpoint_buckets(tiny_checkpoints, single_process_world, bucket_bytes=40_000)
 
 
 def auth(key):
