@@ -134,3 +134,13 @@ class GenerateOutput:
     weight_version: int = 0
     """The oldest weight version among the output's tokens (the engine's version when it started,
     for an output without tokens); one engine call uses one version for all of its tokens."""
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """Where a run's rollout weights go: the engine kind (`cpu` for a `stacx serve` child, `http`,
+    `sglang`), its servers' URLs and the key their weight endpoints need (never shown in a repr)."""
+
+    kind: str
+    urls: tuple[str, ...]
+    api_key: Optional[str] = field(default=None, repr=False)

@@ -47,6 +47,7 @@ from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.reduction import StepCounts, count_loss_tokens
 from stacx.rollout.async_rollout import AsyncRollout, importance_weight_metrics
 from stacx.rollout.step_rollout import StepRollout
+from stacx.rollout.types import EngineTarget
 from stacx.rollout.service import RolloutService
 from stacx.trainer.batch import StepBatch, StepDataSource, plan_micro_batches
 from stacx.trainer.checkpoint import (
@@ -113,9 +114,10 @@ class StacxTrainer:
         # Driver-side instances answer what each role needs (reference, old log-probs); they hold no model.
         self.specializations = {role.name: role.specialization_cls(algorithm, None) for role in training_config.roles}
         self._check_reference_inputs()
-        # (kind, urls, api key): every rank that streams weights needs the servers' shared secret
-        self.engine_target = channel.share((rollout.engine_kind, tuple(rollout.urls), rollout.api_key)
-                                           if rollout is not None else None)
+        # Every rank that streams weights needs the servers' URLs and shared secret (shared as plain
+        # values: rank messages carry no rollout types).
+        shared = channel.share((rollout.engine_kind, tuple(rollout.urls), rollout.api_key) if rollout is not None else None)
+        self.engine_target: Optional[EngineTarget] = EngineTarget(*shared) if shared is not None else None
         self.step_rollout = self._build_step_rollout() if rollout is not None and channel.is_driver else None
         """The driver's `rollout_steps.StepRollout`: roll-ins, DAPO shaping and sampling, eval, rollout dumps."""
         self.mini_batches = resolve_mini_batch_schedule(run_config.rollout, run_config.train,
@@ -403,15 +405,15 @@ class StacxTrainer:
         """Pause the engine, stream the rollout role's weights in buckets, resume, check the version.
         In async mode the scheduler's update window brackets it: begin_update (abort the in-flight
         requests with partial rollout, else wait for them) ... publish_version."""
-        kind, urls, api_key = self.engine_target
+        target = self.engine_target
         role = self.training_config.rollout_role
         if self.async_rollout is not None:
             self.async_rollout.begin_update()
         if self.channel.is_driver:
             self.rollout.begin_weight_update()
         try:
-            for url in urls:  # every rollout engine takes the update; finish_weight_update checks each version
-                self.roles[role.name].push_weights(kind, url, version, WEIGHT_BUCKET_BYTES, api_key)
+            for url in target.urls:  # every rollout engine takes the update; finish_weight_update checks each version
+                self.roles[role.name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key)
         except BaseException:
             # Resume without the version check: a stale-version error would hide the push's own error.
             if self.channel.is_driver:

@@ -17,7 +17,8 @@ import os
 
 import pytest
 
-from tests.trainer.training_fixtures import ATTACHED_SERVER_KEY, read_metrics, run_config, write_tiny_run_files
+from tests.trainer.training_fixtures import (ATTACHED_SERVER_KEY, read_metrics, read_rollout_dumps, run_config,
+                                             write_tiny_run_files)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -59,15 +60,6 @@ def servers(files):
     destroy_parallel_layout()
 
 
-def _dumps(out_dir: str) -> dict[int, list[dict]]:
-    by_step: dict[int, list[dict]] = {}
-    with open(os.path.join(out_dir, "rollouts.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            by_step.setdefault(row["step"], []).append(row)
-    return by_step
-
-
 def _run(tmp_path, files, servers, **values):
     from stacx.trainer.factory import create_trainer
 
@@ -78,7 +70,7 @@ def _run(tmp_path, files, servers, **values):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STACX_API_KEY", ATTACHED_SERVER_KEY)  # the driver's key for the attached student server
         last = create_trainer(cfg).run()
-    return last, read_metrics(str(tmp_path / "out")), _dumps(str(tmp_path / "out"))
+    return last, read_metrics(str(tmp_path / "out")), read_rollout_dumps(str(tmp_path / "out"))
 
 
 def _check_sentinel_and_teacher_scores(rows, teacher_engine):

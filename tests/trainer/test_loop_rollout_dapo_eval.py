@@ -20,6 +20,7 @@ import pytest
 from tests.trainer.training_fixtures import (
     ATTACHED_SERVER_KEY,
     read_metrics,
+    read_rollout_dumps,
     run_config,
     varied_reward,
     write_tiny_run_files,
@@ -51,15 +52,6 @@ def files(tmp_path_factory):
     return paths
 
 
-def _dumps(out_dir: str) -> dict[int, list[dict]]:
-    by_step: dict[int, list[dict]] = {}
-    with open(os.path.join(out_dir, "rollouts.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            by_step.setdefault(row["step"], []).append(row)
-    return by_step
-
-
 def _overlong_penalty_reference(length: int, max_length: int, buffer: int, factor: float) -> float:
     if length <= max_length - buffer:
         return 0.0
@@ -81,7 +73,7 @@ def test_dapo_dynamic_sampling_overlong_penalty_and_eval(ray_address, files, eng
     trainer = create_trainer(cfg)
     assert trainer.step_rollout.dynamic  # the dapo recipe's filter_zero_variance_groups
     trainer.run()
-    rows, dumps = read_metrics(str(tmp_path / "out")), _dumps(str(tmp_path / "out"))
+    rows, dumps = read_metrics(str(tmp_path / "out")), read_rollout_dumps(str(tmp_path / "out"))
     assert [row["step"] for row in rows] == [0, 1, 2]  # two steps' rows, then the final model's eval row
     # Dynamic sampling: each step trains on rollout_batch_size groups that all have differing rewards.
     for step, row in enumerate(rows[:2]):

@@ -47,6 +47,16 @@ def run_config(root: str, **values):
     return RunConfig.from_dict(base, source="test")
 
 
+def read_rollout_dumps(out_dir: str) -> dict[int, list[dict]]:
+    """rollouts.jsonl's rows by their step."""
+    by_step: dict[int, list[dict]] = {}
+    with open(os.path.join(out_dir, "rollouts.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            by_step.setdefault(row["step"], []).append(row)
+    return by_step
+
+
 def read_metrics(out_dir: str) -> list[dict]:
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
