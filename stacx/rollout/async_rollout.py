@@ -39,7 +39,7 @@ import dataclasses
 import logging
 import threading
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, TYPE_CHECKING
 
@@ -65,6 +65,8 @@ ENGINES_IN_OWN_PROCESS = ("cpu", "http")
 """Engine kinds a torchrun job can run asynchronously: a `stacx serve` child ('cpu') or attached servers."""
 CLOSE_TIMEOUT_S = 30.0
 """How long `close` waits for the producer thread after aborting its requests."""
+GROUP_CALL_THREADS = 64
+"""Groups whose engine call may be in flight at once (a call is one group's samples)."""
 TAKE_POLL_S = 0.5
 """`take_batch` waits in slices this long, so Ctrl-C reaches the loop while it waits."""
 
@@ -164,6 +166,9 @@ class AsyncRollout:
         self._lock = threading.Lock()  # the runs and rids below (engine callbacks run on engine threads)
         self._runs: dict[int, _GroupRun] = {}
         self._in_flight: dict[str, int] = {}  # rid -> group id
+        self._calls: Optional[ThreadPoolExecutor] = None
+        self.group_call_threads = GROUP_CALL_THREADS
+        """Groups whose engine call may be in flight at once (1: one group after the other)."""
         self._manager = service.manager(0)  # rewards and teacher scoring only: seeds are set per request
         self._sampling = service.sampling_params()
         self._rid_prefix = f"stacx-{uuid.uuid4().hex[:8]}"  # distinct from other runs on a shared server
@@ -251,6 +256,8 @@ class AsyncRollout:
             self._thread.join(CLOSE_TIMEOUT_S)
             if self._thread.is_alive():
                 logger.warning("the asynchronous rollout thread did not stop within %.0fs", CLOSE_TIMEOUT_S)
+        if self._calls is not None:  # the aborted calls answer at once; a dead engine's time out
+            self._calls.shutdown(wait=False, cancel_futures=True)
 
     # ---- the producer thread -----------------------------------------------------------------------
 
@@ -308,20 +315,30 @@ class AsyncRollout:
             for sample, request in requests:
                 run.pending.add(sample)
                 self._in_flight[request.rid] = group_id
-        for sample, request in requests:
-            future = self.engine.submit(request)
-            future.add_done_callback(lambda f, g=group_id, s=sample, rid=request.rid: self._on_output(g, s, rid, f))
+        # One engine call per group: its samples decode in one batch (a server merges the concurrent
+        # calls of several groups), and each keeps its own rid, so `abort` still reaches it alone.
+        samples, batch = [sample for sample, _ in requests], [request for _, request in requests]
+        future = self._group_calls().submit(self.engine.generate, batch)
+        future.add_done_callback(lambda f, g=group_id: self._on_outputs(g, samples, batch, f))
 
-    def _on_output(self, group_id: int, sample: int, rid: str, future: Future) -> None:
-        """Engine thread: one response arrived; the group's last one completes or interrupts it."""
+    def _group_calls(self) -> ThreadPoolExecutor:
+        """The threads that wait on the engine, one call per group in flight."""
+        if self._calls is None:
+            self._calls = ThreadPoolExecutor(max_workers=self.group_call_threads,
+                                             thread_name_prefix="stacx-async-group")
+        return self._calls
+
+    def _on_outputs(self, group_id: int, samples: list[int], requests: list[GenerateRequest], future: Future) -> None:
+        """Engine thread: a group's call answered; complete the group, or interrupt it when aborted."""
         try:
-            output = future.result()
+            outputs = future.result()
             with self._lock:
-                self._in_flight.pop(rid, None)
                 run = self._runs[group_id]
-                so_far = run.outputs[sample]
-                run.outputs[sample] = join_outputs(so_far, output) if so_far is not None else output
-                run.pending.discard(sample)
+                for sample, request, output in zip(samples, requests, outputs):
+                    self._in_flight.pop(request.rid, None)
+                    so_far = run.outputs[sample]
+                    run.outputs[sample] = join_outputs(so_far, output) if so_far is not None else output
+                    run.pending.discard(sample)
                 if run.pending:
                     return
                 interrupted = any(_resumable(o, r) for o, r in zip(run.outputs, run.requests))

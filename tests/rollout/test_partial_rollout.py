@@ -296,8 +296,8 @@ def test_the_async_producer_continues_an_interrupted_group_through_stacx_serve_w
     """`AsyncRollout` (K = 1, one prompt per step) over `stacx serve`: group 0 is trained at the old
     version while group 1 generates; the weight update's `begin_update` aborts group 1 after its first
     tokens, and after the update its continuation runs under the new version, so its response holds
-    tokens of both versions, each with its behaviour log-prob. The client sends one request at a time,
-    so group 1 starts after group 0 ends (the order a busy engine gives, made certain)."""
+    tokens of both versions, each with its behaviour log-prob. The producer makes one group's engine
+    call at a time, so group 1 starts after group 0 ends (the order a busy engine gives, made certain)."""
     from types import SimpleNamespace
 
     from stacx.rollout.async_rollout import AsyncRollout
@@ -313,11 +313,11 @@ def test_the_async_producer_continues_an_interrupted_group_through_stacx_serve_w
     old = load_policy(engine, policies, 0)
     with EngineHttpServer(engine) as server:
         client = HttpEngine(server.url, RetryPolicy(timeout_s=TIMEOUT_S, max_attempts=1), api_key=server.api_key)
-        client.max_concurrent_submissions = 1
         service = RolloutService(client, engine_kind="http", url=server.url, tokenizer=None,
                                  rollout_section=config.rollout)
         producer = AsyncRollout(service, data, SimpleNamespace(apply_overlong_penalty=lambda samples: None),
                                 rollout_section=config.rollout, start_version=old)
+        producer.group_call_threads = 1
         try:
             stall = StallPrompt(engine, monkeypatch, (4, 16, 16), after_steps=2)  # group 1's prompt
             producer.start()
