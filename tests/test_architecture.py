@@ -33,8 +33,9 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imported_modules(name: str, path: Path) -> list[tuple[str, int, bool]]:
-    """(imported stacx module, line, function-local) for every import of `name`'s source."""
+def imported_modules(name: str, path: Path, *, with_type_checking: bool = False) -> list[tuple[str, int, bool]]:
+    """(imported stacx module, line, function-local) for every import of `name`'s source; imports under
+    `if TYPE_CHECKING:` only with `with_type_checking`."""
     found: list[tuple[str, int, bool]] = []
     is_package = path.name == "__init__.py"
 
@@ -46,7 +47,7 @@ def imported_modules(name: str, path: Path) -> list[tuple[str, int, bool]]:
         return ".".join(base + ([node.module] if node.module else []))
 
     def visit(node: ast.AST, local: bool) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not with_type_checking:
             for child in node.orelse:
                 visit(child, local)
             return
@@ -139,6 +140,36 @@ def test_every_import_follows_the_package_table():
     assert not violations, "imports outside docs/architecture.md's package table:\n" + "\n".join(violations)
 
 
+NEVER_IMPORTS = (
+    ("stacx.trainer", "stacx.diffusion"),
+    ("stacx.rollout", "stacx.diffusion"),
+    ("stacx.diffusion", "stacx.launch"),
+)
+"""(importer, imported) pairs forbidden outright: the core never names a workload's package, and a
+workload never reaches into the command line. Counted here with function-local AND `TYPE_CHECKING`
+imports, which the table test skips."""
+
+
+def test_the_core_never_imports_a_workload_and_a_workload_never_imports_launch():
+    violations = []
+    for module, path in MODULES.items():
+        for importer, imported in NEVER_IMPORTS:
+            if not within(module, importer):
+                continue
+            for target, line, _ in imported_modules(module, path, with_type_checking=True):
+                if within(target, imported):
+                    violations.append(f"{path.relative_to(REPO)}:{line}: import of {target} ({importer} never imports "
+                                      f"{imported})")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_forbidden_pairs_are_also_forbidden_by_the_package_table():
+    for importer, imported in NEVER_IMPORTS:
+        own, allowed = row_of(importer)
+        assert allowed is not None and not any(within(imported, a) for a in allowed), (
+            f"docs/architecture.md lets {own[6:]} import {imported[6:]}; the layering rule forbids it")
+
+
 COMMENTED_LOCAL_IMPORTS = ("stacx.trainer", "stacx.rollout")
 """Packages whose function-local imports must each say why they are there (start-up time)."""
 
@@ -210,3 +241,9 @@ def test_imports_are_read_with_function_local_ones(tmp_path, source, expected):
     path = tmp_path / "probe.py"
     path.write_text(source)
     assert imported_modules("stacx.probe", path) == expected
+
+
+def test_type_checking_imports_are_read_when_asked(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stacx.diffusion import loop\n")
+    assert imported_modules("stacx.probe", path, with_type_checking=True) == [("stacx.diffusion.loop", 3, False)]

@@ -181,7 +181,10 @@ def render_objectives() -> str:
 
 def run(args) -> int:
     from stacx.trainer.config.recipe import RecipeError
+    from stacx.launch.workloads import discover_workloads
     from stacx.trainer.recipes import TRAINING_CONFIGS, get_recipe
+
+    discover_workloads()  # the workloads' recipes (the experimental diffusion ones) join the catalog
 
     if args.custom_module:
         from stacx.objectives.discovery import load_custom_modules
