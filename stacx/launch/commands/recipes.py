@@ -130,8 +130,8 @@ def render_catalog_markdown(configs: dict) -> str:
                              + ", ".join(f"`{key}`" for key in sync.keys))
         else:
             lines.append("- syncs: none")
-        if config.algorithm is not None:
-            lines.append(f"- algorithm defaults: {_algorithm_cell(config.algorithm)}")
+        if config.algorithm is not None and config.algorithm.advantage_estimator is not None:
+            lines.append(f"- algorithm defaults: {_algorithm_cell(config.algorithm)}")  # (a recipe without RL has none)
     return "\n".join(lines) + "\n"
 
 
