@@ -91,6 +91,7 @@ MODULES_ALLOCATING_ON_CUDA = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.utils",
+    "megatron.core.pipeline_parallel.schedules",
 )
 
 
