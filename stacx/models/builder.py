@@ -69,12 +69,9 @@ def build_transformer_config(
         context_parallel_size=groups.cp_size,
         pipeline_model_parallel_size=groups.pp_size,
         # Between stages megatron sends activations of a packed micro-batch, whose length varies:
-        # with variable_seq_lengths it sends each one's shape first. calculate_per_token_loss keeps
-        # the schedule from dividing the loss by the micro-batch count: Stacx's reducer already
-        # normalized it by the step's global counts (stacx.parallel.pipeline_schedule).
+        # with variable_seq_lengths it sends each one's shape first (stacx.parallel.pipeline).
         pipeline_dtype=params_dtype if pipelined else None,
         variable_seq_lengths=pipelined,
-        calculate_per_token_loss=pipelined,
         # megatron refuses variable_seq_lengths with its default allgather MoE dispatcher.
         moe_token_dispatcher_type="alltoall" if pipelined else "allgather",
         use_cpu_initialization=on_cpu,

@@ -13,9 +13,11 @@ head. One train step on every rank of the pipeline:
 
 The loss is used as `last_stage_loss` returns it: Stacx's reducer has already normalized it by
 the step's global counts (`stacx.parallel.reduction`), so the schedule must not divide it by the
-micro-batch count (the model is built with `calculate_per_token_loss`, and `last_stage_loss`'s
-loss goes to the schedule with a token count of one). A PP=2 step therefore equals the PP=1 step
-bitwise in fp32 (tests/parallel/test_pipeline.py).
+micro-batch count. megatron skips that division when the config's `calculate_per_token_loss` is
+set; `run_pipeline` sets it for the schedule call only, because megatron's DDP reads the same flag
+when it is built and then sums gradients over DP instead of averaging them, which the reducer's
+scale already assumes (`Reducer.gradient_scale`). A PP=2 step equals the PP=1 step in fp32 up to
+the order in which the grad norm adds its squares (tests/parallel/test_pipeline.py).
 
     for name, tensor in stream_to_first_stage(local_named_tensors, groups): ...
         # every stage's tensors, in stage order, on the first stage (weight sync, Hugging Face export)
@@ -66,10 +68,16 @@ def run_pipeline(
         return output, loss_func
 
     schedule = get_forward_backward_func()
-    # seq_length / micro_batch_size only size the activations of fixed-length runs; with
-    # variable_seq_lengths each micro-batch's shape travels with it.
-    schedule(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
-             num_microbatches=len(micro_batches), seq_length=1, micro_batch_size=1, forward_only=forward_only)
+    config = model.config
+    divides_loss = config.calculate_per_token_loss
+    config.calculate_per_token_loss = True  # see the module docstring
+    try:
+        # seq_length / micro_batch_size only size the activations of fixed-length runs; with
+        # variable_seq_lengths each micro-batch's shape travels with it.
+        schedule(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+                 num_microbatches=len(micro_batches), seq_length=1, micro_batch_size=1, forward_only=forward_only)
+    finally:
+        config.calculate_per_token_loss = divides_loss
     return records
 
 
