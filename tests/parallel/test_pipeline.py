@@ -4,8 +4,9 @@
   schedule) with PP=2 x DP=2 on a tied-embedding 4-layer model gives the PP=1 run's first step to
   1e-6 relative (fp32 rounding: the grad norm adds its squares stage by stage) and the later steps,
   after AdamW updates, to 1e-5.
-- Weights stream to the first stage in Hugging Face names, equal to the checkpoint bit for bit
-  (the tied LM head is sent once); a torch_dist checkpoint written at PP=2 loads at PP=1 exactly.
+- PP=2 x TP=2 x CP=2: forward-only log-probs through the schedule equal transformers' (1e-5);
+  weights stream to the first stage in Hugging Face names, equal to the checkpoint bit for bit
+  (the tied LM head is sent once); the torch_dist checkpoint written there loads at PP=1 exactly.
 - Unit level: the micro-batch plan fills the pipeline, and the preflight names the flag.
 """
 
@@ -35,17 +36,41 @@ def _hf_tensors(path: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(path, "model.safetensors"))
 
 
+SEQUENCES = ([5, 9, 2, 7, 7, 3, 1], [4, 4, 8, 1, 6], [2, 3, 5, 7, 11, 13, 17, 19, 23])
+RESPONSE_LENGTHS = (4, 2, 6)
+
+
 def stream_and_save_stages(groups, checkpoint: str, folder: str):
-    """Load the HF checkpoint into this stage, stream every stage's weights to the first, save torch_dist."""
+    """Load the HF checkpoint into this rank's stage and TP/CP shard; forward-only log-probs through the
+    schedule; stream every stage's weights to the first; save torch_dist."""
     from stacx.checkpointing.torch_dist import save_torch_dist
-    from stacx.models import build_model
+    from stacx.models import build_model, forward_packed
     from stacx.models.checkpoint import iter_hf_weight_buckets, load_hf_checkpoint
+    from stacx.objectives.algorithm_config import AlgorithmConfig
+    from stacx.parallel.pipeline import run_pipeline
+    from stacx.specializations.batch import MicroBatch
+    from stacx.trainer.recipes import get_recipe
 
     model = build_model(checkpoint, groups, initialize_weights=False)
     load_hf_checkpoint(model, checkpoint, groups)
+    specialization = get_recipe("sft").roles[0].specialization_cls(AlgorithmConfig(), groups)
+    def packed(indices):
+        return MicroBatch.pack([torch.tensor(SEQUENCES[i]) for i in indices], [RESPONSE_LENGTHS[i] for i in indices],
+                               groups=groups, loss_masks=[torch.ones(RESPONSE_LENGTHS[i]) for i in indices])
+
+    batches = [packed([0, 1]), packed([2])]
+
+    def stage_forward(batch):
+        return forward_packed(model, *batch.model_inputs(), groups)
+
+    with torch.no_grad():
+        log_probs = run_pipeline(model, batches, stage_forward,
+                                 lambda output, batch: (output.new_zeros(()), specialization.compute_log_probs(output, batch)),
+                                 forward_only=True)
     streamed = [pair for bucket in iter_hf_weight_buckets(model, groups, 1 << 16) for pair in bucket]
     save_torch_dist(folder, model, groups=groups)
-    return {"stage": groups.pp_rank, "layers": len(model.decoder.layers), "streamed": streamed}
+    return {"stage": groups.pp_rank, "tp": groups.tp_rank, "cp": groups.cp_rank, "layers": len(model.decoder.layers),
+            "log_probs": [lp for per_batch in log_probs for lp in per_batch], "streamed": streamed}
 
 
 def load_at_one_stage(groups, checkpoint: str, folder: str):
@@ -62,6 +87,8 @@ def load_at_one_stage(groups, checkpoint: str, folder: str):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_pp2_dp2_grpo_steps_equal_the_pp1_run_and_weights_reshard(tmp_path):
+    from transformers import AutoModelForCausalLM
+
     from stacx.rollout.tokenizer import build_char_tokenizer
     from stacx.testing.distributed import run_distributed
     from tests.trainer import mini_batch_reference as reference
@@ -85,14 +112,29 @@ def test_pp2_dp2_grpo_steps_equal_the_pp1_run_and_weights_reshard(tmp_path):
         assert piped_row["policy/pg_clipfrac"] == row["policy/pg_clipfrac"]
     assert piped_rows[1]["policy/pg_clipfrac"] > 0  # the second mini-batch of a rollout clips: real updates
 
-    # Weights: every stage's tensors reach the first stage in HF names, bit for bit; PP=2 -> PP=1 torch_dist.
+    # PP=2 x TP=2 x CP=2: forward-only log-probs from the last stage equal transformers'; every stage's
+    # tensors reach the first stage in HF names, bit for bit; a torch_dist checkpoint loads at PP=1.
     folder = os.path.join(root, "torch_dist_pp2")
-    stages = run_distributed(stream_and_save_stages, 2, pipeline_parallel_size=2, args=(checkpoint, folder))
-    assert [s["layers"] for s in stages] == [2, 2]
-    assert stages[1]["streamed"] == []  # the last stage sent its tensors to the first
+    ranks = run_distributed(stream_and_save_stages, 8, tensor_parallel_size=2, context_parallel_size=2,
+                            pipeline_parallel_size=2, args=(checkpoint, folder))
+    assert all(r["layers"] == 2 for r in ranks)
+    hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for r in ranks:
+        if r["stage"] == 0:
+            assert r["log_probs"] == []
+            continue
+        for sequence, response_length, log_probs in zip(SEQUENCES, RESPONSE_LENGTHS, r["log_probs"], strict=True):
+            ids = torch.tensor([sequence])
+            with torch.no_grad():
+                logits = hf_model(input_ids=ids).logits[0].float()
+            expected_log_probs = torch.log_softmax(logits[-response_length - 1:-1], -1).gather(
+                -1, ids[0, -response_length:, None])[:, 0]
+            torch.testing.assert_close(log_probs, expected_log_probs, rtol=1e-5, atol=1e-5)
+    first_stage = next(r for r in ranks if r["stage"] == 0 and r["tp"] == 0 and r["cp"] == 0)
+    assert all(r["streamed"] == [] for r in ranks if r["stage"] == 1)  # the last stage sent its tensors to the first
     expected = _hf_tensors(checkpoint)
-    streamed = dict(stages[0]["streamed"])
-    assert len(streamed) == len(stages[0]["streamed"])  # the tied head is sent once, as the embedding
+    streamed = dict(first_stage["streamed"])
+    assert len(streamed) == len(first_stage["streamed"])  # the tied head is sent once, as the embedding
     assert set(streamed) == set(expected)
     assert all(torch.equal(streamed[name], expected[name]) for name in expected)
     loaded = dict(run_distributed(load_at_one_stage, 1, args=(checkpoint, folder))[0])
