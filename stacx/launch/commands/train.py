@@ -62,8 +62,7 @@ def describe_run(run_config, recipe, environ=None) -> str:
                      f"{parallel.num_gpus_per_rank:g} GPU)" + (f", shared by {len(members)} roles" if len(members) > 1 else ""))
         for name in members:
             layout = layouts[name]
-            lines.append(f"    {name}: tp={layout.tensor_parallel_size} cp={layout.context_parallel_size} "
-                         f"dp={layout.data_parallel_size} -> {layout.world_size} rank(s)")
+            lines.append(f"    {name}: {layout.describe()} -> {layout.world_size} rank(s)")
     if launched_by_torchrun(environ):
         where = f"torchrun SPMD, world size {environ.get('WORLD_SIZE', '?')} (no Ray)"
     else:
