@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import re
 
-from stacx.rollout.environments import Environment, StepResult, register_environment
-from stacx.rollout.tools import register_tool
+from stacx import Environment, StepResult, register_environment, register_tool
 
 
 @register_tool(timeout_s=2.0)
