@@ -37,7 +37,7 @@ from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.environments import Environment, Messages, StepResult
 from stacx.rollout.manager import Sample
 from stacx.rollout.tokenizer import apply_chat_template
-from stacx.rollout.tool_calls import parse_tool_calls, tool_call_style_for
+from stacx.rollout.tool_calls import TOOL_CALL_STYLES, parse_tool_calls, tool_call_style_for
 from stacx.rollout.types import GenerateRequest, SamplingParams
 
 _PLACEHOLDER_REPLY = {"role": "assistant", "content": "."}
@@ -80,12 +80,16 @@ class AgentSession:
         self.environment, self.tokenizer = environment, tokenizer
         self.counts = EpisodeCounts()
         self.turn_rewards: list[float] = []
+        self.turn_infos: list[dict] = []
         self.first_messages = as_messages(environment.reset(task, rng))
         specs = environment.tool_specs()
         self.tool_schemas = [spec.schema() for spec in specs] or None
         self.tool_call_style = None
         if specs:
             self.tool_call_style = tool_call_style or environment.tool_call_style or tool_call_style_for(tokenizer)
+            if self.tool_call_style not in TOOL_CALL_STYLES:
+                raise ValueError(f"tool_call_style {self.tool_call_style!r} (of {type(environment).__name__} or the "
+                                 f"prompt row's metadata) is unknown; known styles: {list(TOOL_CALL_STYLES)}")
         self.prompt_ids = apply_chat_template(tokenizer, self.first_messages, tools=self.tool_schemas)
         self._end_of_turn = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False)
 
@@ -119,6 +123,7 @@ class AgentSession:
 
     def _finish_turn(self, result: StepResult, last_turn: bool) -> Reply:
         self.turn_rewards.append(float(result.reward))
+        self.turn_infos.append(dict(result.info))
         if result.done or last_turn:  # no action follows: no observation to show
             return Reply([], float(result.reward), bool(result.done), dict(result.info))
         return Reply(self.observation_ids(as_messages(result.observation)), float(result.reward), False,
@@ -144,8 +149,9 @@ class AgentSession:
                                                   add_generation_prompt=add_generation_prompt)
 
     def record(self, sample: Sample) -> None:
-        """Keep the episode's counts and per-turn rewards in `sample.metadata['episode']`."""
-        sample.metadata["episode"] = {**dataclasses.asdict(self.counts), "turn_rewards": list(self.turn_rewards)}
+        """Keep the episode's counts, per-turn rewards and per-turn `info` in `sample.metadata['episode']`."""
+        sample.metadata["episode"] = {**dataclasses.asdict(self.counts), "turn_rewards": list(self.turn_rewards),
+                                      "turn_infos": list(self.turn_infos)}
 
 
 def append_action(sample: Sample, executor: Executor, output, eos: int) -> tuple[int, int]:

@@ -102,6 +102,7 @@ def test_trained_ids_are_the_engines_ids_turn_by_turn(style, turns_of):
     if style == "qwen":
         assert (counts["turns"], counts["tool_calls"], counts["parse_errors"]) == (3, 1, 1)
         assert "could not parse the tool call" in observation and counts["turn_rewards"] == [0.0, 0.0, 1.0]
+        assert counts["turn_infos"] == [{}, {}, {"expected": "12"}]
     else:
         assert (counts["turns"], counts["tool_calls"], counts["parse_errors"]) == (2, 1, 0)
         assert "<|start_header_id|>ipython<|end_header_id|>" in tok.decode(sample.response_ids)
@@ -193,4 +194,9 @@ def test_the_batched_roll_in_plays_the_same_episode_as_run_episode():
     bad = Example(prompt_ids=[5], source="rows.jsonl:2", metadata={"environment": "calculator", "max_turns": 2})
     with pytest.raises(ValueError, match=r"prompt row rows.jsonl:2: .*missing required field 'expression'"):
         rollin.start_episodes([bad], n_samples_per_prompt=1, spec=rollin.RollInSpec("student"), iteration=0,
+                              rng=rng, tokenizer=tok)
+    unknown_style = Example(prompt_ids=[5], source="rows.jsonl:3", metadata={"environment": "calculator", "expression": "1",
+                                                                            "tool_call_style": "xml"})
+    with pytest.raises(ValueError, match=r"tool_call_style 'xml' .*known styles: \['hermes', 'llama3'\]"):
+        rollin.start_episodes([unknown_style], n_samples_per_prompt=1, spec=rollin.RollInSpec("student"), iteration=0,
                               rng=rng, tokenizer=tok)
