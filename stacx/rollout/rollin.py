@@ -6,11 +6,13 @@ multi-turn episode (the row names it, as agent datasets do, so one dataset may m
 
     {"prompt": "...", "label": ..., "metadata": {"environment": "guess_number", "max_turns": 3, "target": 4}}
 
-`environment` is a built-in name (`guess_number`) or 'module:Class' of a
+`environment` is a registered name (`guess_number`, `calculator`, or one `@register_environment`
+adds from a `--custom-module` file or `stacx/custom/`) or 'module:Class' of a
 `stacx.rollout.environments.Environment`; the rest of the metadata, plus `label`, is the task
 given to `reset`. The environment's observation follows each action, up to `max_turns` actions
-(default DEFAULT_MAX_TURNS). Without an environment an episode is the single turn answering the
-dataset prompt.
+(default DEFAULT_MAX_TURNS); each episode's environment side is an `AgentSession`
+(`stacx.rollout.episode`: tools, token-in/token-out). Without an environment an episode is the
+single turn answering the dataset prompt.
 
 Who executes turn t comes from a roll-in plan (stacx.rollout.dagger), drawn per episode:
 - `mixture_dagger_opd` (mode 'beta'): each turn the teacher acts with probability beta(i),
