@@ -28,6 +28,7 @@ goes to `env.step`, whose reward is the turn's reward. Every turn is counted in 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
@@ -123,7 +124,8 @@ class AgentSession:
 
     def _finish_turn(self, result: StepResult, last_turn: bool) -> Reply:
         self.turn_rewards.append(float(result.reward))
-        self.turn_infos.append(dict(result.info))
+        # Kept with the sample and dumped to rollouts.jsonl: a value JSON cannot hold is kept as its repr.
+        self.turn_infos.append(json.loads(json.dumps(dict(result.info), default=repr)))
         if result.done or last_turn:  # no action follows: no observation to show
             return Reply([], float(result.reward), bool(result.done), dict(result.info))
         return Reply(self.observation_ids(as_messages(result.observation)), float(result.reward), False,

@@ -145,7 +145,7 @@ def test_tool_failures_inside_an_episode_are_counted_and_the_run_goes_on():
             return "use the tool"
 
         def step(self, action):
-            return StepResult("", 0.5, True)
+            return StepResult("", 0.5, True, info={"handle": object(), "attempts": 2})
 
     tok = build_tool_chat_tokenizer("qwen")
     eos = [tok.eos_token_id]
@@ -169,6 +169,7 @@ def test_tool_failures_inside_an_episode_are_counted_and_the_run_goes_on():
     assert "KeyError: 'no such row'" in observation and "did not answer within 0.2 s" in observation
     assert "unknown tool 'nope'" in observation and "\nok\n" in observation
     assert sample.reward == 0.5 and sample.finish_reason == "stop"
+    assert counts["turn_infos"][-1]["attempts"] == 2 and counts["turn_infos"][-1]["handle"].startswith("<object")
     metrics = episode_metrics([sample, sample])
     assert metrics["agent/tool_timeouts"] == 2.0 and metrics["agent/turns_mean"] == 3.0
     assert metrics["agent/turn_reward_mean"] == pytest.approx(0.5 / 3)
