@@ -113,10 +113,10 @@ def resolve_environment(name: str, *, where: str = "metadata") -> type:
 
 def check_task(cls: type, task: dict, *, where: str) -> None:
     """ValueError naming the row and the fields when `task` breaks the environment's `task_schema`."""
-    problems = argument_errors(cls.task_schema, task) if cls.task_schema else []
+    problems = argument_errors(cls.task_schema, task, noun="field") if cls.task_schema else []
     if problems:
-        raise ValueError(f"{where}: task of environment {cls.__name__}: {'; '.join(problems).replace('argument', 'field')} "
-                         "(task fields are the row's metadata besides 'environment' and 'max_turns', plus 'label')")
+        raise ValueError(f"{where}: task of environment {cls.__name__}: {'; '.join(problems)} (task fields are the "
+                         "row's metadata besides 'environment', 'max_turns' and 'tool_call_style', plus 'label')")
 
 
 # ---- built-in toy environments ------------------------------------------------------------------

@@ -108,18 +108,19 @@ class ToolResult:
     """None on success; else 'raised', 'timeout', 'bad_output', 'bad_arguments' or 'unknown_tool'."""
 
 
-def argument_errors(schema: dict, arguments: dict) -> list[str]:
+def argument_errors(schema: dict, arguments: dict, *, noun: str = "argument") -> list[str]:
     """What the arguments object breaks of its schema: required keys, unknown keys when
-    `additionalProperties` is false, and the JSON type of each top-level property."""
+    `additionalProperties` is false, and the JSON type of each top-level property (`noun` names a key
+    in the messages: 'argument', or 'field' for an environment's task)."""
     properties = schema.get("properties", {})
-    errors = [f"missing required argument {key!r}" for key in schema.get("required", []) if key not in arguments]
+    errors = [f"missing required {noun} {key!r}" for key in schema.get("required", []) if key not in arguments]
     if schema.get("additionalProperties") is False:
-        errors += [f"unknown argument {key!r} (known: {sorted(properties)})" for key in arguments if key not in properties]
+        errors += [f"unknown {noun} {key!r} (known: {sorted(properties)})" for key in arguments if key not in properties]
     for key, value in arguments.items():
         expected = properties.get(key, {}).get("type")
         allowed = _PYTHON_TYPES.get(expected) if isinstance(expected, str) else None
         if allowed and (not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)):
-            errors.append(f"argument {key!r} must be of type {expected}, got {type(value).__name__}")
+            errors.append(f"{noun} {key!r} must be of type {expected}, got {type(value).__name__}")
     return errors
 
 
