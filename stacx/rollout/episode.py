@@ -31,14 +31,14 @@ import dataclasses
 import json
 import random
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 from stacx.rollout.dagger import Executor, TurnExecutor
 from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.environments import Environment, Messages, StepResult
 from stacx.rollout.manager import Sample
 from stacx.rollout.tokenizer import apply_chat_template
-from stacx.rollout.tool_calls import TOOL_CALL_STYLES, parse_tool_calls, tool_call_style_for
+from stacx.rollout.tool_calls import TOOL_CALL_STYLES, ParsedToolCalls, parse_tool_calls, tool_call_style_for
 from stacx.rollout.types import GenerateRequest, SamplingParams
 
 _PLACEHOLDER_REPLY = {"role": "assistant", "content": "."}
@@ -95,24 +95,31 @@ class AgentSession:
         self._end_of_turn = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False)
 
     def respond(self, action_ids: Sequence[int], *, last_turn: bool = False) -> Reply:
-        """Answer the model's reply `action_ids`; `last_turn`: no further action follows, so no observation."""
-        self.counts.turns += 1
-        text = self.tokenizer.decode(list(action_ids), skip_special_tokens=False)
-        text = text.removesuffix(self._end_of_turn)
-        if self.tool_call_style is not None:
-            parsed = parse_tool_calls(text, self.tool_call_style)
-            if parsed.calls or parsed.errors:
-                return self._run_tools(parsed, last_turn)
-            text = parsed.content
-        result = self.environment.step(text)
-        return self._finish_turn(result, last_turn)
+        """Answer the model's reply `action_ids`; `last_turn`: no further action follows, so no observation.
 
-    def _run_tools(self, parsed, last_turn: bool) -> Reply:
+        Three steps, which a batched caller may split: `read` and `reply` touch the tokenizer (one
+        thread at a time: a fast tokenizer's settings are shared state), `act` runs the tools or
+        `step` and may run concurrently with other sessions' `act`."""
+        return self.reply(self.act(self.read(action_ids)), last_turn=last_turn)
+
+    def read(self, action_ids: Sequence[int]) -> Union[str, ParsedToolCalls]:
+        """The reply's text without its end-of-turn token; parsed when the environment offers tools."""
+        self.counts.turns += 1
+        text = self.tokenizer.decode(list(action_ids), skip_special_tokens=False).removesuffix(self._end_of_turn)
+        if self.tool_call_style is None:
+            return text
+        parsed = parse_tool_calls(text, self.tool_call_style)
+        return parsed if parsed.calls or parsed.errors else parsed.content
+
+    def act(self, reply: Union[str, ParsedToolCalls]) -> StepResult:
+        """The environment's answer: tool messages for the calls (and errors) of a parsed reply, else `step`."""
+        if isinstance(reply, str):
+            return self.environment.step(reply)
         messages = []
-        self.counts.parse_errors += len(parsed.errors)
-        for error in parsed.errors:
+        self.counts.parse_errors += len(reply.errors)
+        for error in reply.errors:
             messages.append({"role": "tool", "name": "error", "content": f"error: could not parse the tool call: {error}"})
-        for call in parsed.calls:
+        for call in reply.calls:
             self.counts.tool_calls += 1
             result = self.environment.call_tool(call)
             if result.error == "timeout":
@@ -120,9 +127,10 @@ class AgentSession:
             elif result.error is not None:
                 self.counts.tool_errors += 1
             messages.append({"role": "tool", "name": call.name, "tool_call_id": call.call_id, "content": result.content})
-        return self._finish_turn(StepResult(messages, 0.0, False), last_turn)
+        return StepResult(messages, 0.0, False)
 
-    def _finish_turn(self, result: StepResult, last_turn: bool) -> Reply:
+    def reply(self, result: StepResult, *, last_turn: bool) -> Reply:
+        """The turn's reward and end, and the observation's ids unless no action follows."""
         self.turn_rewards.append(float(result.reward))
         # Kept with the sample and dumped to rollouts.jsonl: a value JSON cannot hold is kept as its repr.
         self.turn_infos.append(json.loads(json.dumps(dict(result.info), default=repr)))

@@ -59,6 +59,8 @@ DEFAULT_SAMPLING_MODE = "beta"
 ENVIRONMENT_KEY, MAX_TURNS_KEY, TOOL_CALL_STYLE_KEY = "environment", "max_turns", "tool_call_style"
 """Metadata keys of a prompt row that make it a multi-turn episode (the rest is the task)."""
 DEFAULT_MAX_TURNS = 4
+MAX_CONCURRENT_ENVIRONMENT_STEPS = 64
+"""Episodes whose tools (or `step`) run at the same time within one turn of a batched roll-in."""
 
 
 @dataclass(frozen=True)
@@ -180,10 +182,10 @@ def _append_action(episode: Episode, executor: Executor, output, eos: int) -> No
         episode.student_versions.append(output.weight_version)
 
 
-def _append_observation(episode: Episode, turn: int) -> None:
-    """The environment's reply to the last action; its observation ids unless the episode ends."""
-    sample, last = episode.sample, episode.turns[-1]
-    reply = episode.session.respond(sample.response_ids[last.start:last.end], last_turn=turn == episode.max_turns - 1)
+def _append_observation(episode: Episode, result, turn: int) -> None:
+    """The environment's `result` for the last action: its reward, and its observation ids unless the episode ends."""
+    sample = episode.sample
+    reply = episode.session.reply(result, last_turn=turn == episode.max_turns - 1)
     sample.reward = (sample.reward or 0.0) + reply.reward
     if reply.done or turn == episode.max_turns - 1:
         episode.done = True
@@ -218,13 +220,22 @@ def run_turns(episodes: Sequence[Episode], *, engines: Mapping[Executor, Any], s
                                       sampling=dataclasses.replace(sampling, seed=rng.randrange(2**31)))
             work.setdefault(executor, []).append((episode, request))
         outputs = generate_grouped(engines, {ex: [r for _, r in items] for ex, items in work.items()})
+        playing, replies = [], []
         for executor, items in work.items():
             for (episode, _), output in zip(items, outputs[executor]):
                 _append_action(episode, executor, output, eos)
                 if episode.session is None:
                     episode.done = True
-                else:
-                    _append_observation(episode, turn)
+                    continue
+                last = episode.turns[-1]
+                playing.append(episode)
+                replies.append(episode.session.read(episode.sample.response_ids[last.start:last.end]))
+        # The environments act concurrently (a slow or hanging tool delays its own episode only);
+        # reading and tokenizing stay in this thread.
+        with ThreadPoolExecutor(max_workers=max(1, min(MAX_CONCURRENT_ENVIRONMENT_STEPS, len(playing)))) as pool:
+            results = list(pool.map(lambda pair: pair[0].session.act(pair[1]), zip(playing, replies)))
+        for episode, result in zip(playing, results):
+            _append_observation(episode, result, turn)
 
 
 def relabel_with_teacher(episodes: Sequence[Episode], *, teacher_engine, sampling: SamplingParams,

@@ -201,3 +201,43 @@ def test_the_batched_roll_in_plays_the_same_episode_as_run_episode():
     with pytest.raises(ValueError, match=r"tool_call_style 'xml' .*known styles: \['hermes', 'llama3'\]"):
         rollin.start_episodes([unknown_style], n_samples_per_prompt=1, spec=rollin.RollInSpec("student"), iteration=0,
                               rng=rng, tokenizer=tok)
+
+
+def test_a_batched_turn_runs_the_episodes_tools_concurrently():
+    import threading
+
+    together = threading.Barrier(4, timeout=5.0)  # passes only when 4 calls wait at once
+
+    @register_tool(timeout_s=20.0)
+    def meet_under_test() -> str:
+        """Returns once four calls are running."""
+        together.wait()
+        return "met"
+
+    @register_environment("meet_under_test")
+    class MeetEnvironment(Environment):
+        tools = ("meet_under_test",)
+
+        def reset(self, task, rng):
+            return "meet"
+
+        def step(self, action):
+            return StepResult("", 1.0, True)
+
+    tok = build_tool_chat_tokenizer("qwen")
+    turns = [_chars(tok, '<tool_call>{"name": "meet_under_test", "arguments": {}}</tool_call>') + [tok.eos_token_id]] * 4
+    turns += [_chars(tok, "ok") + [tok.eos_token_id]] * 4
+    example = Example(prompt_ids=[5], source="rows.jsonl:1", metadata={"environment": "meet_under_test", "max_turns": 2})
+    rng = random.Random(0)
+    try:
+        episodes = rollin.start_episodes([example], n_samples_per_prompt=4, spec=rollin.RollInSpec("student"),
+                                         iteration=0, rng=rng, tokenizer=tok)
+        rollin.run_turns(episodes, engines={Executor.STUDENT: ScriptedEngine(turns)}, sampling=SamplingParams(),
+                         tokenizer=tok, rng=rng)
+    finally:
+        ENVIRONMENTS.unregister("meet_under_test")
+        TOOLS.unregister("meet_under_test")
+    for episode in episodes:
+        counts = episode.sample.metadata["episode"]
+        assert (counts["tool_calls"], counts["tool_errors"], counts["tool_timeouts"]) == (1, 0, 0)
+        assert "\nmet\n" in tok.decode(episode.sample.response_ids) and episode.sample.reward == 1.0
