@@ -36,7 +36,6 @@ scoring, the +1.0 sentinel in `teacher_log_probs`.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
