@@ -4,6 +4,7 @@ ids, in the Qwen and Llama 3 formats; tool failures inside an episode are observ
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -127,14 +128,15 @@ def test_observation_ids_are_the_templates_rendering_of_the_conversation():
 
 
 def test_tool_failures_inside_an_episode_are_counted_and_the_run_goes_on():
+    release = threading.Event()  # set at the end, so the abandoned call's thread ends with the test
+
     @register_tool(timeout_s=0.2)
     def flaky_under_test(mode: str) -> str:
         """Fails on demand."""
         if mode == "raise":
             raise KeyError("no such row")
         if mode == "hang":
-            import time  # only the hanging branch sleeps
-            time.sleep(30)
+            release.wait(30)
         return "ok"
 
     @register_environment("flaky_under_test")
@@ -160,6 +162,7 @@ def test_tool_failures_inside_an_episode_are_counted_and_the_run_goes_on():
                              turn_executor=lambda t: Executor.STUDENT, sampling=SamplingParams(), max_turns=5,
                              rng=random.Random(0))
     finally:
+        release.set()
         ENVIRONMENTS.unregister("flaky_under_test")
         TOOLS.unregister("flaky_under_test")
     counts = sample.metadata["episode"]
@@ -204,8 +207,6 @@ def test_the_batched_roll_in_plays_the_same_episode_as_run_episode():
 
 
 def test_a_batched_turn_runs_the_episodes_tools_concurrently():
-    import threading
-
     together = threading.Barrier(4, timeout=5.0)  # passes only when 4 calls wait at once
 
     @register_tool(timeout_s=20.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import textwrap
-import time
+import threading
 
 import pytest
 
@@ -59,8 +59,10 @@ def test_failing_tools_become_error_observations(scratch_tools):
     def explode() -> str:
         raise RuntimeError("disk on fire")
 
+    release = threading.Event()  # set at the end, so the abandoned call's thread ends with the test
+
     def sleepy() -> str:
-        time.sleep(30)
+        release.wait(30)
         return "late"
 
     def garbage():
@@ -72,8 +74,11 @@ def test_failing_tools_become_error_observations(scratch_tools):
     for fn in (explode, garbage, chatty):
         scratch_tools(fn)
     scratch_tools(sleepy, timeout_s=0.2)
-    results = {fn.__name__: run_tool_call(_call(fn.__name__), fn, fn.tool_spec)
-               for fn in (explode, sleepy, garbage, chatty)}
+    try:
+        results = {fn.__name__: run_tool_call(_call(fn.__name__), fn, fn.tool_spec)
+                   for fn in (explode, sleepy, garbage, chatty)}
+    finally:
+        release.set()
     assert results["explode"].error == "raised" and "RuntimeError: disk on fire" in results["explode"].content
     assert results["sleepy"].error == "timeout" and "0.2 s" in results["sleepy"].content
     assert results["garbage"].error == "bad_output" and "neither text nor JSON" in results["garbage"].content
