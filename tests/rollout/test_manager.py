@@ -27,7 +27,7 @@ class ScriptedTeacher:
 
 
 def test_an_empty_response_keeps_the_batch_teacher_top_fields():
-    manager = RolloutManager(LengthScriptedEngine(), teacher=ScriptedTeacher(), teacher_top_k=NUM_TOP)
+    manager = RolloutManager(LengthScriptedEngine(), teacher=ScriptedTeacher(), num_teacher_top_log_probs=NUM_TOP)
     samples = manager.generate([[2, 5], [0, 5]], SamplingParams(max_new_tokens=4))
     assert [s.response_length for s in samples] == [2, 0]
     batch = StepBatch.from_samples(samples)
