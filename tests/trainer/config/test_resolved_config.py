@@ -27,9 +27,9 @@ def _from_flags(argv: list[str]) -> RunConfig:
 def test_a_user_value_equal_to_the_generic_default_still_wins_over_the_recipe():
     ppo = get_recipe("ppo")
     assert ppo.algorithm.lam == 0.95
-    unset = resolve_algorithm_config(ppo, RunConfig.from_dict({"algorithm": {"name": "ppo"}}))
+    unset = resolve_algorithm_config(ppo, RunConfig.from_dict({"train": {"algorithm": "ppo"}}))
     assert unset.lam == 0.95
-    for cfg in (RunConfig.from_dict({"algorithm": {"name": "ppo", "lam": 1.0}}),
+    for cfg in (RunConfig.from_dict({"train": {"algorithm": "ppo"}, "algorithm": {"lam": 1.0}}),
                 RunConfig.from_dict({"lam": 1.0}),
                 _from_flags(["--algorithm", "ppo", "--lam", "1.0"])):
         assert resolve_algorithm_config(ppo, cfg).lam == 1.0
@@ -64,7 +64,7 @@ def test_clip_ratio_sets_unset_bounds_and_explicit_bounds_win():
 
 
 def test_given_keys_survive_replace_and_pickling():
-    cfg = RunConfig.from_dict({"algorithm": {"name": "ppo", "lam": 1.0, "my_knob": 2}}).replace(num_steps=3)
+    cfg = RunConfig.from_dict({"train": {"algorithm": "ppo"}, "algorithm": {"lam": 1.0, "my_knob": 2}}).replace(num_steps=3)
     assert cfg.algorithm.given_keys == {"name", "lam", "my_knob"}
     changed = cfg.replace(gamma=0.9)
     assert changed.algorithm.given_keys == {"name", "lam", "my_knob", "gamma"}
@@ -168,7 +168,7 @@ def test_a_key_close_to_a_known_one_is_refused_unless_declared_custom():
 
 def test_recipe_defaults_yield_to_user_values_only_where_the_user_set_them():
     ppo = get_recipe("ppo")
-    resolved = resolve_algorithm_config(ppo, RunConfig.from_dict({"algorithm": {"name": "ppo", "my_knob": 3}}))
+    resolved = resolve_algorithm_config(ppo, RunConfig.from_dict({"train": {"algorithm": "ppo"}, "algorithm": {"my_knob": 3}}))
     assert resolved.value_clip == 0.5  # ppo's declared default, not the generic None
     assert ALGORITHM_FIELDS["value_clip"] is None and resolved.lam == 0.95
     assert resolved.my_knob == 3 and resolved.name == "ppo"
