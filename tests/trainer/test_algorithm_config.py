@@ -216,3 +216,39 @@ def test_the_checkpointed_config_is_the_resolved_one_and_resume_refuses_a_change
     with pytest.raises(ValueError, match=r"checkpoint ckpt/step_1 .*lam: saved 0.9, now 1.0; my_knob: saved \[1, 2\], "
                                          r"now unset.*run_config.json"):
         check_resumed_algorithm(saved, resumed, where="ckpt/step_1")
+
+
+def test_an_object_of_another_type_is_refused_where_the_config_enters_the_loss_code():
+    """Typed for real: a specialization and a padded plugin refuse a config that is not an AlgorithmConfig
+    when they receive it, naming the receiver and the fix, instead of a kernel failing on a missing knob
+    mid-step (or, worse, reading a default). The trainer's check: tests/trainer/test_loop.py."""
+    from types import SimpleNamespace
+
+    from stacx.objectives.adapters import adapt_padded_policy_loss
+    from stacx.specializations.actor import ActorSpecialization
+
+    look_alike = SimpleNamespace(policy_loss="ppo_clip", loss_agg_mode="token-mean")
+    fix = r"needs a stacx.objectives.algorithm_config.AlgorithmConfig .*AlgorithmConfig.from_values.*got SimpleNamespace"
+    with pytest.raises(TypeError, match=r"ActorSpecialization\(config\) " + fix):
+        ActorSpecialization(look_alike)
+
+    def plugin(old_log_prob, log_prob, advantages, response_mask, clip_ratio=0.2):
+        raise AssertionError("never called with a look-alike config")
+
+    with pytest.raises(TypeError, match=r"padded policy loss .*plugin " + fix):
+        adapt_padded_policy_loss(plugin)(look_alike, [], [], [], [])
+    # None stays "the declared defaults" (a bare specialization, a kernel called in a test).
+    assert ActorSpecialization(None).config == AlgorithmConfig()
+
+
+def test_a_run_config_saved_with_the_recipe_in_algorithm_name_loads_with_it_in_train_algorithm():
+    from stacx.trainer.config.resolve import current_run_config_keys
+
+    old = {"train": {"algorithm": None, "num_steps": 3}, "algorithm": {"name": "rloo", "lam": 0.9}}
+    loaded = RunConfig.from_dict(current_run_config_keys(old), source="run_config.json")
+    assert loaded.train.algorithm == "rloo" and loaded.algorithm.lam == 0.9 and loaded.train.num_steps == 3
+    assert old["algorithm"]["name"] == "rloo"  # the saved values are not modified
+    flux = {"algorithm": {"name": "my_loss", "adv_estimator": "grpo"}}
+    assert current_run_config_keys(flux) is flux  # a Flux-style name is the policy loss: it stays
+    with pytest.raises(ConfigError, match=r"algorithm.name in run_config.json: .*train.algorithm"):
+        RunConfig.from_dict(old, source="run_config.json")
