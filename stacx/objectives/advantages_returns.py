@@ -25,7 +25,8 @@ from stacx.objectives.validation import (
 )
 
 
-def token_level_rewards(config: AlgorithmConfig, rollout_data, scalar_rewards: torch.Tensor | None = None) -> list[torch.Tensor]:
+def token_level_rewards(config: AlgorithmConfig, rollout_data,
+                        scalar_rewards: torch.Tensor | None = None) -> list[torch.Tensor]:
     """r_it as in the module docstring, float64; `scalar_rewards` overrides `rewards`."""
     lengths = [int(n) for n in rollout_field(rollout_data, "response_lengths")]
     if scalar_rewards is None:

@@ -279,5 +279,5 @@ ALGORITHM_DEFAULTS: dict[str, Any] = {
 """Hyperparameter name -> its one default, derived from the dataclass."""
 
 
-__all__ = ["ALGORITHM_DEFAULTS", "AlgorithmConfig", "AlgorithmConfigError", "as_algorithm_config", "hyperparameter_fields",
-           "scalar_type"]
+__all__ = ["ALGORITHM_DEFAULTS", "AlgorithmConfig", "AlgorithmConfigError", "as_algorithm_config",
+           "hyperparameter_fields", "scalar_type"]

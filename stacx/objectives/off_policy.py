@@ -151,7 +151,8 @@ def sequence_mis(config: AlgorithmConfig, train_log_prob, rollout_log_prob, loss
 
 
 @register_off_policy_correction("opsm", uses_current_policy=True)
-def opsm(config: AlgorithmConfig, train_log_prob, rollout_log_prob, loss_masks, *, advantages, **kwargs) -> OffPolicyCorrection:
+def opsm(config: AlgorithmConfig, train_log_prob, rollout_log_prob, loss_masks, *, advantages,
+         **kwargs) -> OffPolicyCorrection:
     """Off-policy sequence masking (DeepSeek-V3.2).
 
     Sequence i is masked when sum_t m_it A_it < 0 (a negative-advantage sample) and its mean
