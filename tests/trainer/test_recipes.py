@@ -328,7 +328,7 @@ def test_algorithm_defaults_use_the_run_config_algorithm_keys():
         if config.algorithm is None:
             continue
         values = config.algorithm.to_dict()
-        shared = {"name", "advantage_estimator", "policy_loss", "loss_agg_mode", "clip_ratio_low", "clip_ratio_high",
+        shared = {"advantage_estimator", "policy_loss", "loss_agg_mode", "clip_ratio_low", "clip_ratio_high",
                   "clip_ratio_c", "use_kl_loss", "kl_loss_type", "kl_loss_coef", "use_kl_in_reward",
                   "kl_in_reward_coef", "entropy_coef", "gamma", "lam", "norm_adv_by_std", "value_clip"}
         assert shared <= set(values) and shared <= set(ALGORITHM_FIELDS)

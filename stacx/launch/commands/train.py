@@ -68,8 +68,8 @@ def describe_run(run_config, recipe, environ=None) -> str:
     else:
         address = resolve_ray_address(parallel.ray_address, environ)
         where = f"Ray cluster at {address}" if address else "a local Ray cluster started by the driver"
-    shown, left_out = settings_the_recipe_reads(resolved_run_config_dict(run_config, algorithm), recipe, algorithm,
-                                                run_config.given_keys)
+    resolved = resolved_run_config_dict(run_config, algorithm, recipe=recipe.name)
+    shown, left_out = settings_the_recipe_reads(resolved, recipe, algorithm, run_config.given_keys)
     lines += ["", f"runs on: {where}", "",
               f"resolved run config: the settings recipe {recipe.name} reads (algorithm: its defaults under your settings;"
               f" {left_out} settings it does not read are left out, every setting you gave is shown):",

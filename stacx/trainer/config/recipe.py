@@ -31,7 +31,12 @@ from typing import Any, Callable, Sequence
 
 from stacx.objectives import registry
 from stacx.objectives.aggregation import BUILTIN_AGGREGATION_MODE_NAMES
-from stacx.objectives.algorithm_config import AlgorithmConfig, AlgorithmConfigError, hyperparameter_fields
+from stacx.objectives.algorithm_config import (
+    AlgorithmConfig,
+    AlgorithmConfigError,
+    as_algorithm_config,
+    hyperparameter_fields,
+)
 from stacx.objectives.discovery import record_user_module
 from stacx.trainer.config.workload import TEXT_MODALITY, get_workload, known_modalities
 from stacx.specializations.base import Specialization
@@ -557,7 +562,8 @@ def role_wants_reference(role, training_config, algorithm) -> bool:
     if not role.trainable or any(s.target_role == role.name and "ref_log_probs" in s.keys
                                  for s in training_config.role_graph().inject_syncs):
         return False
-    kl = bool(getattr(algorithm, "use_kl_loss", False) or getattr(algorithm, "use_kl_in_reward", False))
+    algorithm = as_algorithm_config(algorithm, "role_wants_reference(algorithm)")
+    kl = algorithm.use_kl_loss or algorithm.use_kl_in_reward
     return role.specialization_cls(algorithm, None).needs_reference() or (kl and role.reference_checkpoint_arg is not None)
 
 
