@@ -1,0 +1,131 @@
+"""Running one sandbox launcher process on the host: wall-time limit, output cap, tree kill, slots.
+
+The launcher (`unshare ...`, `bwrap ...`) is started in its own process group and becomes the
+parent of the sandbox's PID namespace; killing the group with SIGKILL ends the namespace's init,
+and the kernel then kills every process left in the namespace. Output is read from both pipes
+with one selector loop, so neither can fill up and block the command.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from typing import Optional
+
+from stacx.sandbox.limits import SandboxLimits
+from stacx.sandbox.protocol import RunResult
+
+_READ_CHUNK = 1 << 16
+
+
+class RunSlots:
+    """At most `max_concurrent_runs` sandboxed commands at once (the others wait for a slot)."""
+
+    def __init__(self, max_concurrent_runs: int):
+        if isinstance(max_concurrent_runs, bool) or not isinstance(max_concurrent_runs, int) or max_concurrent_runs < 1:
+            raise ValueError(f"sandbox max_concurrent_runs must be an integer >= 1, got {max_concurrent_runs!r}")
+        self.max_concurrent_runs = max_concurrent_runs
+        self._semaphore = threading.BoundedSemaphore(max_concurrent_runs)
+        self._lock = threading.Lock()
+        self.running = 0
+        self.peak_running = 0
+        """The most commands that ran at once since this object was made (a check for tests and metrics)."""
+
+    @contextmanager
+    def slot(self):
+        with self._semaphore:
+            with self._lock:
+                self.running += 1
+                self.peak_running = max(self.peak_running, self.running)
+            try:
+                yield
+            finally:
+                with self._lock:
+                    self.running -= 1
+
+
+def kill_process_group(process: subprocess.Popen) -> None:
+    """SIGKILL the launcher's process group (the namespace's init dies with it, and the kernel kills the rest)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _feed_stdin(process: subprocess.Popen, data: bytes) -> None:
+    try:
+        process.stdin.write(data)
+    except (BrokenPipeError, OSError):
+        pass  # the command exited without reading all of it
+    finally:
+        try:
+            process.stdin.close()
+        except OSError:
+            pass
+
+
+def run_launcher(argv: list[str], limits: SandboxLimits, *, stdin: Optional[bytes] = None,
+                 on_start=None, on_exit=None) -> RunResult:
+    """Run the launcher `argv` under the host-side limits (wall time, output cap) and collect its result.
+
+    on_start(process) / on_exit(process) let a session track its live launchers so `close()` can kill them.
+    """
+    started = time.monotonic()
+    process = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    if on_start is not None:
+        on_start(process)
+    try:
+        if stdin is not None:
+            threading.Thread(target=_feed_stdin, args=(process, stdin), daemon=True).start()
+        outputs = {process.stdout: bytearray(), process.stderr: bytearray()}
+        cap = int(limits.max_output_bytes)
+        timed_out = truncated = False
+        deadline = started + float(limits.wall_time_s)
+        with selectors.DefaultSelector() as selector:
+            for pipe in outputs:
+                os.set_blocking(pipe.fileno(), False)
+                selector.register(pipe, selectors.EVENT_READ)
+            while selector.get_map():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    timed_out = True
+                    break
+                for key, _ in selector.select(timeout=remaining):
+                    chunk = key.fileobj.read(_READ_CHUNK)
+                    if not chunk:
+                        selector.unregister(key.fileobj)
+                        continue
+                    kept = outputs[key.fileobj]
+                    if len(kept) + len(chunk) > cap:
+                        truncated = True
+                    kept += chunk[: max(0, cap - len(kept))]
+                if truncated:
+                    break
+        killed = timed_out or truncated
+        if killed:
+            kill_process_group(process)
+        try:
+            returncode = process.wait(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        except subprocess.TimeoutExpired:  # output closed but the launcher lingers past the deadline
+            kill_process_group(process)
+            returncode = process.wait()
+            killed = timed_out = True
+        kill_process_group(process)  # nothing of the group may outlive the command
+        exit_code = None if killed else (128 - returncode if returncode < 0 else returncode)
+        return RunResult(exit_code=exit_code, stdout=bytes(outputs[process.stdout]).decode("utf-8", "replace"),
+                         stderr=bytes(outputs[process.stderr]).decode("utf-8", "replace"), timed_out=timed_out,
+                         killed=killed, output_truncated=truncated, duration_s=time.monotonic() - started)
+    finally:
+        for pipe in (process.stdout, process.stderr):
+            pipe.close()
+        if process.poll() is None:
+            kill_process_group(process)
+            process.wait()
+        if on_exit is not None:
+            on_exit(process)
