@@ -66,9 +66,8 @@ class LocalSession:
             self.working_copy.mkdir()
             self.root_mount.mkdir()
             make_working_copy(source, self.working_copy)
-            if host_runs_as_root():
-                os.chmod(self.directory, 0o755)  # the sandbox user must reach its working copy
-                give_to(self.working_copy, SANDBOX_UID_WHEN_ROOT, SANDBOX_UID_WHEN_ROOT)
+            if host_runs_as_root():  # the sandbox user must reach its working copy, and nobody else
+                give_to(self.directory, SANDBOX_UID_WHEN_ROOT, SANDBOX_UID_WHEN_ROOT)
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
