@@ -55,7 +55,7 @@ def _loop(name, doc, init, op, term, reference):
     body = "    result = {init}\n    for k in range({stop}):\n        result = result {op} {term}\n    return result\n"
     return Variant(name, "n", doc, body.format(init=init, stop="1, n", op=op, term=term),
                    body.format(init=init, stop="1, n + 1", op=op, term=term),
-                   keeps=((f"{name}(0)", reference(0)),), breaks=((f"{name}(1)", reference(1)), (f"{name}(4)", reference(4))))
+                   keeps=((f"{name}(0)", reference(0)),), breaks=((f"{name}(2)", reference(2)), (f"{name}(4)", reference(4))))
 
 
 INCLUSIVE_RANGE = Family("inclusive_range", "seriescalc", "`{name}(n)` leaves out the last term, n itself.", (

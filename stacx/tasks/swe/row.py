@@ -19,6 +19,7 @@ PASS_TO_PASS test still passes.
 from __future__ import annotations
 
 import json
+import posixpath
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,6 @@ class SweTask:
             return file.read_text(encoding="utf-8") if file.is_file() else None
         with tarfile.open(root, mode="r:*") as archive:
             for member in archive.getmembers():
-                if member.isfile() and member.name.lstrip("./") == path:
+                if member.isfile() and posixpath.normpath(member.name) == posixpath.normpath(path):
                     return archive.extractfile(member).read().decode("utf-8")
         return None
