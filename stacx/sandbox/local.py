@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from stacx.sandbox.limits import SandboxLimits
-from stacx.sandbox.process import RunSlots, kill_process_group, run_launcher
+from stacx.sandbox.process import RunSlots, kill_tree, run_launcher
 from stacx.sandbox.protocol import Command, RunResult, SandboxClosedError, SandboxUnavailableError, Source
 from stacx.sandbox.working_copy import give_to, make_working_copy
 
@@ -88,7 +88,7 @@ class LocalSession:
         with self._lock:
             self._live.add(process)
         if self._closed:  # close() ran while this launcher was starting
-            kill_process_group(process)
+            kill_tree(process)
 
     def _exited(self, process: subprocess.Popen) -> None:
         with self._lock:
@@ -99,7 +99,7 @@ class LocalSession:
         with self._lock:
             live = list(self._live)
         for process in live:
-            kill_process_group(process)
+            kill_tree(process)
         for process in live:
             process.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -120,6 +120,9 @@ class LocalSandbox:
                  scratch_dir: Optional[str] = None):
         self.default_limits = default_limits
         self.slots = slots
+        missing = [path for path in read_only_paths if not os.path.exists(path)]
+        if missing:
+            raise ValueError(f"sandbox.read_only_paths names {', '.join(missing)}, which does not exist on this host")
         self.read_only_paths = tuple(read_only_paths)
         self.scratch_dir = scratch_dir
         self.setpriv = require_tool("setpriv", self.name, "install util-linux") if host_runs_as_root() else "setpriv"

@@ -49,12 +49,60 @@ class RunSlots:
                     self.running -= 1
 
 
-def kill_process_group(process: subprocess.Popen) -> None:
-    """SIGKILL the launcher's process group (the namespace's init dies with it, and the kernel kills the rest)."""
+def _descendants(pid: int) -> list[int]:
+    """Host PIDs of every descendant of `pid`, parents before children (from /proc/PID/task/TID/children)."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop(0)
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    children = [int(child) for child in f.read().split()]
+            except OSError:
+                continue
+            found += children
+            queue += children
+    return found
+
+
+def _is_gone(pid: int) -> bool:
+    """True when `pid` has exited (no such process, or a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+KILL_WAIT_S = 5.0
+"""How long killing a tree waits for the sandbox's processes to be gone."""
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL the launcher, its group and every descendant, and wait until they are gone.
+
+    Killing the launcher alone would be enough in the end (the namespace's init gets SIGKILL as its
+    parent-death signal, and the kernel then kills the whole namespace), but that happens after the
+    launcher is reaped; killing the init from here makes the tree's end part of this call: the
+    namespace's init exits only once every process of its namespace has.
+    """
+    tree = _descendants(process.pid)
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + KILL_WAIT_S
+    while not all(_is_gone(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _feed_stdin(process: subprocess.Popen, data: bytes) -> None:
@@ -109,14 +157,13 @@ def run_launcher(argv: list[str], limits: SandboxLimits, *, stdin: Optional[byte
                     break
         killed = timed_out or truncated
         if killed:
-            kill_process_group(process)
+            kill_tree(process)
         try:
             returncode = process.wait(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         except subprocess.TimeoutExpired:  # output closed but the launcher lingers past the deadline
-            kill_process_group(process)
+            kill_tree(process)
             returncode = process.wait()
             killed = timed_out = True
-        kill_process_group(process)  # nothing of the group may outlive the command
         exit_code = None if killed else (128 - returncode if returncode < 0 else returncode)
         return RunResult(exit_code=exit_code, stdout=bytes(outputs[process.stdout]).decode("utf-8", "replace"),
                          stderr=bytes(outputs[process.stderr]).decode("utf-8", "replace"), timed_out=timed_out,
@@ -125,7 +172,7 @@ def run_launcher(argv: list[str], limits: SandboxLimits, *, stdin: Optional[byte
         for pipe in (process.stdout, process.stderr):
             pipe.close()
         if process.poll() is None:
-            kill_process_group(process)
+            kill_tree(process)
             process.wait()
         if on_exit is not None:
             on_exit(process)

@@ -7,6 +7,7 @@ HTTP timeout of the command's wall time plus REQUEST_MARGIN_S.
 
 from __future__ import annotations
 
+import base64
 from typing import Optional
 
 import requests
@@ -32,7 +33,7 @@ class RemoteSession:
             raise SandboxClosedError("this sandbox session is closed; create a new one")
         limits = limits or self._sandbox.default_limits
         body = {"command": command, "limits": limits.to_dict(),
-                "stdin": stdin.decode("utf-8") if stdin is not None else None}
+                "stdin_base64": base64.b64encode(stdin).decode("ascii") if stdin is not None else None}
         with self._sandbox.slots.slot():
             answer = self._sandbox.request("POST", f"/sessions/{self.session_id}/run", json=body,
                                            timeout=float(limits.wall_time_s) + REQUEST_MARGIN_S)

@@ -4,7 +4,7 @@
 
     GET    /health                   {"backend": "namespace"}
     POST   /sessions                 body: a .tar[.gz] of the working copy  -> {"session_id": "..."}
-    POST   /sessions/{id}/run        {"command": str | [str], "limits": {...}, "stdin": str | null} -> RunResult
+    POST   /sessions/{id}/run        {"command": str | [str], "limits": {...}, "stdin_base64": str | null} -> RunResult
     DELETE /sessions/{id}            kills the session's processes, deletes its working copy
 
 A Docker, Modal or cloud sandbox service is served the same way by answering these four routes.
@@ -14,6 +14,8 @@ A non-loopback address needs a bearer key (--api-key-env NAME: the key is read f
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import os
 import threading
 import uuid
@@ -26,7 +28,7 @@ from pydantic import BaseModel
 from stacx.network import is_loopback_host
 from stacx.sandbox.config import SandboxConfig, build_sandbox
 from stacx.sandbox.limits import SandboxLimits
-from stacx.sandbox.protocol import Sandbox, SandboxSession
+from stacx.sandbox.protocol import Sandbox, SandboxClosedError, SandboxSession
 
 MAX_UPLOAD_BYTES = 256 << 20
 """Largest working-copy tarball the server accepts."""
@@ -35,7 +37,7 @@ MAX_UPLOAD_BYTES = 256 << 20
 class RunRequest(BaseModel):
     command: Union[str, list[str]]
     limits: Optional[dict] = None
-    stdin: Optional[str] = None
+    stdin_base64: Optional[str] = None
 
 
 def create_app(sandbox: Sandbox, *, api_key: Optional[str] = None, max_sessions: int = 64) -> FastAPI:
@@ -85,10 +87,12 @@ def create_app(sandbox: Sandbox, *, api_key: Optional[str] = None, max_sessions:
         session = session_of(session_id)
         try:
             limits = SandboxLimits.from_dict(body.limits) if body.limits is not None else None
-            stdin = body.stdin.encode() if body.stdin is not None else None
+            stdin = base64.b64decode(body.stdin_base64, validate=True) if body.stdin_base64 is not None else None
             return session.run(body.command, limits, stdin=stdin).to_dict()
-        except ValueError as err:
+        except (ValueError, binascii.Error) as err:
             raise HTTPException(400, str(err)) from None
+        except SandboxClosedError:
+            raise HTTPException(404, f"sandbox session {session_id!r} was closed") from None
 
     @app.delete("/sessions/{session_id}", dependencies=[Depends(authorize)])
     def close(session_id: str) -> dict:

@@ -3,7 +3,6 @@ PASS_TO_PASS tests pass; with the reference patch applied (by `patch`, in the sa
 The reward path (test patch, test command, log parsing) is run for one task of every family."""
 
 import json
-from collections import defaultdict
 
 import pytest
 
@@ -12,7 +11,7 @@ from stacx.sandbox import SandboxConfig, SandboxLimits, build_sandbox
 from stacx.tasks.swe import FAMILIES, builtin_swe_tasks, evaluate_patch, evaluate_session
 from stacx.tasks.swe.evaluate import files_tarball
 from stacx.tasks.swe.log_parsers import parse_unittest
-from stacx.tasks.swe.reward import swe_tests_reward
+from stacx.tasks.swe.reward import sandbox_for, swe_tests_reward
 
 LIMITS = SandboxLimits(wall_time_s=20, cpu_time_s=20, memory_bytes=512 << 20)
 
@@ -66,20 +65,6 @@ def test_every_task_fails_on_its_snapshot_and_its_reference_fix_resolves_it(sand
             assert buggy.get(test) == "passed" and fixed.get(test) == "passed", (task.instance_id, test, buggy, fixed)
 
 
-def _first_of_each_family():
-    by_family = defaultdict(list)
-    for task in builtin_swe_tasks():
-        by_family[task.metadata["family"]].append(task)
-    return [tasks[0] for tasks in by_family.values()]
-
-
-@pytest.mark.parametrize("task", _first_of_each_family(), ids=lambda t: t.metadata["family"])
-def test_the_reward_path_resolves_the_reference_fix(sandbox, task):
-    evaluation = evaluate_patch(task, task.reference_patch, sandbox, limits=LIMITS)
-    assert evaluation.resolved and evaluation.reward == 1.0 and evaluation.error is None, evaluation
-    assert set(evaluation.test_statuses) == set(task.fail_to_pass + task.pass_to_pass)
-
-
 def test_no_edit_and_edits_to_the_hidden_tests_are_not_rewarded(sandbox):
     task = builtin_swe_tasks()[0]
     with sandbox.create(files_tarball(task.snapshot)) as session:
@@ -93,10 +78,19 @@ def test_no_edit_and_edits_to_the_hidden_tests_are_not_rewarded(sandbox):
     assert all(evaluation.test_statuses[t] == "passed" for t in task.pass_to_pass)
 
 
-def test_the_registered_reward_reads_a_fenced_diff_and_zeroes_a_patch_that_does_not_apply():
-    task = builtin_swe_tasks()[-1]
-    metadata = {"swe_task": task.to_row(), "sandbox": {"backend": "namespace", "max_concurrent_runs": 2}}
-    responses = [f"Here is the fix:\n```diff\n{task.reference_patch}```\n",
-                 "```diff\n--- a/nowhere.py\n+++ b/nowhere.py\n@@ -1 +1 @@\n-x\n+y\n```"]
-    results = compute_rewards(swe_tests_reward, responses, [task.instance_id] * 2, [metadata] * 2)
-    assert [r.reward for r in results] == [1.0, 0.0] and all(r.error is None for r in results)
+def test_the_reward_resolves_one_task_of_every_family_and_zeroes_a_patch_that_does_not_apply():
+    """The registered reward, through compute_rewards (concurrent calls, bounded by max_concurrent_runs)."""
+    by_family = {}
+    for task in builtin_swe_tasks():
+        by_family.setdefault(task.metadata["family"], task)
+    tasks = list(by_family.values()) + [builtin_swe_tasks()[-1]]
+    setting = {"backend": "namespace", "max_concurrent_runs": 2, "limits": LIMITS.to_dict()}
+    responses = [f"Here is the fix:\n```diff\n{task.reference_patch}```\n" for task in tasks[:-1]]
+    responses.append("```diff\n--- a/nowhere.py\n+++ b/nowhere.py\n@@ -1 +1 @@\n-x\n+y\n```")
+    results = compute_rewards(swe_tests_reward, responses, [t.instance_id for t in tasks],
+                              [{"swe_task": t.to_row(), "sandbox": setting} for t in tasks])
+    assert [r.error for r in results] == [None] * len(tasks)
+    assert [r.reward for r in results] == [1.0] * len(FAMILIES) + [0.0]
+    assert sandbox_for(setting).slots.peak_running <= 2
+    evaluation = evaluate_patch(tasks[-1], responses[-1], sandbox_for(setting))  # why the last one got 0.0
+    assert not evaluation.resolved and "does not apply" in evaluation.error
