@@ -8,9 +8,11 @@ import uvicorn
 from stacx.sandbox import SandboxConfig, SandboxLimits, build_sandbox
 from stacx.sandbox.server import create_app
 
-TIGHT = SandboxLimits(wall_time_s=2, cpu_time_s=2, memory_bytes=256 << 20, max_processes=32,
+TIGHT = SandboxLimits(wall_time_s=10, cpu_time_s=2, memory_bytes=256 << 20, max_processes=32,
                       max_file_bytes=1 << 20, max_output_bytes=64 << 10)
-"""Each escape attempt's limits: tight, so the whole file stays fast."""
+"""Each escape attempt's limits: tight, so the whole file stays fast. The wall time is a guard for attempts
+that end on their own (it includes the sandbox's start-up, slow on a loaded machine); the attempts that run
+until the wall time kills them use test_escapes.SHORT."""
 
 
 def free_port() -> int:

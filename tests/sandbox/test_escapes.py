@@ -1,5 +1,6 @@
 """Every escape attempt fails, on every backend (namespace, bubblewrap, and remote: a reference server
-running the namespace backend), under tight limits (conftest.TIGHT: 2 s wall, 256 MB, 32 processes).
+running the namespace backend), under tight limits (conftest.TIGHT: 2 CPU seconds, 256 MB, 32 processes; SHORT:
+a 0.5 s wall time for the attempts that never end).
 
 What each attempt would do if the sandbox let it is checked from the host side where it can be (a
 file that must not exist, a listening socket that must not get a connection, a process that must not
@@ -91,10 +92,10 @@ def test_a_fork_bomb_is_bounded_and_leaves_nothing(sandbox, repo):
     with sandbox.create(repo) as session:
         counted = session.run(["python3", "-c", counter, token])
         started = time.monotonic()
-        bomb = session.run(f"bomb() {{ bomb | bomb & }}; bomb; sleep 5 # {token}", SHORT)
+        bomb = session.run(f"bomb() {{ bomb | bomb & }}; bomb; sleep 30 # {token}", SHORT)
         elapsed = time.monotonic() - started
     assert int(counted.stdout) < TIGHT.max_processes, counted
-    assert elapsed < SHORT.wall_time_s + 2
+    assert elapsed < 10  # the wall time ended it, not the sleep
     assert bomb.exit_code != 0 or bomb.killed
     assert processes_with(token) == []
 
@@ -111,7 +112,7 @@ def test_an_infinite_loop_is_killed_at_the_wall_time(sandbox, repo):
         started = time.monotonic()
         result = session.run("while :; do :; done", SHORT)
     assert result.timed_out and result.killed and result.exit_code is None
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 10
 
 
 def test_a_gigabyte_of_output_is_cut_at_the_cap(sandbox, repo):
@@ -120,7 +121,7 @@ def test_a_gigabyte_of_output_is_cut_at_the_cap(sandbox, repo):
         result = session.run("head -c 1000000000 /dev/zero | tr '\\0' x")
     assert result.output_truncated and result.killed
     assert len(result.stdout) == TIGHT.max_output_bytes
-    assert time.monotonic() - started < TIGHT.wall_time_s + 1
+    assert time.monotonic() - started < 5
 
 
 def test_a_file_past_the_size_limit_is_refused(sandbox, repo):
