@@ -6,9 +6,12 @@ import difflib
 from dataclasses import dataclass, field, fields
 from typing import Callable, Optional
 
+from stacx.sandbox.bubblewrap import BubblewrapSandbox
 from stacx.sandbox.limits import SandboxLimits
+from stacx.sandbox.namespace import NamespaceSandbox
 from stacx.sandbox.process import RunSlots
 from stacx.sandbox.protocol import Sandbox
+from stacx.sandbox.remote import RemoteSandbox
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,19 +66,16 @@ class SandboxConfig:
 
 
 def _namespace(config: SandboxConfig) -> Sandbox:
-    from stacx.sandbox.namespace import NamespaceSandbox
     return NamespaceSandbox(default_limits=config.limits, slots=RunSlots(config.max_concurrent_runs),
                             read_only_paths=config.read_only_paths, scratch_dir=config.scratch_dir)
 
 
 def _bubblewrap(config: SandboxConfig) -> Sandbox:
-    from stacx.sandbox.bubblewrap import BubblewrapSandbox
     return BubblewrapSandbox(default_limits=config.limits, slots=RunSlots(config.max_concurrent_runs),
                              read_only_paths=config.read_only_paths, scratch_dir=config.scratch_dir)
 
 
 def _remote(config: SandboxConfig) -> Sandbox:
-    from stacx.sandbox.remote import RemoteSandbox
     return RemoteSandbox(config.remote_url, default_limits=config.limits,
                          slots=RunSlots(config.max_concurrent_runs), api_key=config.remote_api_key)
 

@@ -6,8 +6,10 @@ import tarfile
 
 import pytest
 
+from stacx.rollout.rewards import REWARD_FUNCTIONS, resolve_reward_fn
 from stacx.tasks.swe import SweTask, builtin_swe_tasks, extract_patch, files_touched, get_swe_task, swe_prompt_rows
 from stacx.tasks.swe.log_parsers import parse_pytest, parse_unittest
+from stacx.tasks.swe.reward import swe_tests_reward
 
 
 def _row(**overrides):
@@ -79,3 +81,8 @@ def test_prompt_rows_carry_the_task_and_unknown_builtins_are_named():
     assert "test_regression" not in row["prompt"]  # the hidden tests stay hidden
     with pytest.raises(ValueError, match="did you mean 'statkit__average'"):
         get_swe_task("statkit__averag")
+
+
+def test_the_reward_is_found_by_import_path_and_then_by_name():
+    assert resolve_reward_fn("stacx.tasks.swe.reward:swe_tests_reward") is swe_tests_reward
+    assert REWARD_FUNCTIONS["swe_tests"] is swe_tests_reward
