@@ -7,6 +7,7 @@ file that must not exist, a listening socket that must not get a connection, a p
 be alive), not only from what the command reports.
 """
 
+import os
 import socket
 import threading
 import time
@@ -45,9 +46,10 @@ def test_writing_outside_the_working_copy_fails(sandbox, repo):
     with sandbox.create(repo) as session:
         result = session.run(f"echo x > {outside}; echo x > ../escaped.txt; touch /usr/escaped /escaped; "
                              "mount -o remount,rw /usr; umount /workspace; echo x > /proc/sys/kernel/pid_max; "
-                             "touch /usr/escaped; echo done")
+                             "unshare -Urm sh -c 'mount -o remount,rw /usr; touch /usr/escaped'; "
+                             "unshare -Um sh -c 'umount -l /usr; touch /usr/escaped'; echo done")
     assert result.stdout.strip() == "done"
-    assert not outside.exists()
+    assert not outside.exists() and not os.path.exists("/usr/escaped") and not os.path.exists("/escaped")
     assert not any(repo.parent.glob("escaped*")) and not any(repo.glob("../*/escaped*"))
     assert "Read-only file system" in result.stderr or "Permission denied" in result.stderr
 
