@@ -33,7 +33,8 @@ class SandboxConfig:
     remote_api_key: Optional[str] = None
     """Bearer key the server was started with, if any."""
     scratch_dir: Optional[str] = None
-    """Host folder for working copies of local sandboxes (default: the system temp folder)."""
+    """Host folder for working copies of local sandboxes (default: the system temp folder); when the host runs
+    as root, uid 65534 must be able to traverse it."""
 
     def __post_init__(self) -> None:
         if self.backend not in SANDBOX_BACKENDS:

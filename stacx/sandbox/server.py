@@ -24,6 +24,7 @@ from typing import Optional, Union
 import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 from stacx.network import is_loopback_host
 from stacx.sandbox.config import SandboxConfig, build_sandbox
@@ -73,7 +74,7 @@ def create_app(sandbox: Sandbox, *, api_key: Optional[str] = None, max_sessions:
             session_id = uuid.uuid4().hex
             sessions[session_id] = None  # reserved while the copy is made
         try:
-            session = sandbox.create(body)
+            session = await run_in_threadpool(sandbox.create, body)  # copying is blocking work
         except ValueError as err:
             with lock:
                 sessions.pop(session_id, None)

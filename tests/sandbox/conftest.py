@@ -48,9 +48,17 @@ def sandbox_server():
 
 @pytest.fixture(params=["namespace", "bubblewrap", "remote"])
 def sandbox(request):
+    """Every backend; 'remote' is the reference server running the namespace backend."""
     if request.param == "remote":
         url = request.getfixturevalue("sandbox_server")
         return build_sandbox(SandboxConfig(backend="remote", remote_url=url, remote_api_key="test-key", limits=TIGHT))
+    return build_sandbox(SandboxConfig(backend=request.param, limits=TIGHT))
+
+
+@pytest.fixture(params=["namespace", "bubblewrap"])
+def local_sandbox(request):
+    """The local backends only: for the kernel rlimits, which 'remote' forwards as it forwards every limit
+    (the wall time and the output cap are checked through it)."""
     return build_sandbox(SandboxConfig(backend=request.param, limits=TIGHT))
 
 

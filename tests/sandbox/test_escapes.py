@@ -1,5 +1,5 @@
 """Every escape attempt fails, on every backend (namespace, bubblewrap, and remote: a reference server
-running the namespace backend), under tight limits (conftest.TIGHT: 2 CPU seconds, 256 MB, 32 processes; SHORT:
+running the namespace backend; the rlimit attempts on the local two), under tight limits (conftest.TIGHT: 2 CPU seconds, 256 MB, 32 processes; SHORT:
 a 0.5 s wall time for the attempts that never end).
 
 What each attempt would do if the sandbox let it is checked from the host side where it can be (a
@@ -79,7 +79,7 @@ def test_no_socket_reaches_anything(sandbox, repo):
     assert result.stdout.count("BLOCKED") == 3, result
 
 
-def test_a_fork_bomb_is_bounded_and_leaves_nothing(sandbox, repo):
+def test_a_fork_bomb_is_bounded_and_leaves_nothing(local_sandbox, repo):
     token = f"bomb{uuid.uuid4().hex[:8]}"
     counter = ("import os, time\n"
                "n = 0\n"
@@ -91,7 +91,7 @@ def test_a_fork_bomb_is_bounded_and_leaves_nothing(sandbox, repo):
                "except OSError:\n"
                "    pass\n"
                "print(n, flush=True)\n")
-    with sandbox.create(repo) as session:
+    with local_sandbox.create(repo) as session:
         counted = session.run(["python3", "-c", counter, token])
         started = time.monotonic()
         bomb = session.run(f"bomb() {{ bomb | bomb & }}; bomb; sleep 30 # {token}", SHORT)
@@ -102,8 +102,8 @@ def test_a_fork_bomb_is_bounded_and_leaves_nothing(sandbox, repo):
     assert processes_with(token) == []
 
 
-def test_a_memory_bomb_fails_inside_the_sandbox(sandbox, repo):
-    with sandbox.create(repo) as session:
+def test_a_memory_bomb_fails_inside_the_sandbox(local_sandbox, repo):
+    with local_sandbox.create(repo) as session:
         result = session.run(["python3", "-c", "x = bytearray(1 << 30); print('ALLOCATED')"])
     assert "ALLOCATED" not in result.stdout
     assert "MemoryError" in result.stderr and result.exit_code == 1, result
@@ -126,8 +126,8 @@ def test_a_gigabyte_of_output_is_cut_at_the_cap(sandbox, repo):
     assert time.monotonic() - started < 5
 
 
-def test_a_file_past_the_size_limit_is_refused(sandbox, repo):
-    with sandbox.create(repo) as session:
+def test_a_file_past_the_size_limit_is_refused(local_sandbox, repo):
+    with local_sandbox.create(repo) as session:
         result = session.run("head -c 3000000 /dev/zero > big; wc -c < big")
     assert int(result.stdout) <= TIGHT.max_file_bytes
 
