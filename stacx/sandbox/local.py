@@ -1,6 +1,6 @@
 """What the two local backends share: the session (working copy, live launchers, close) and the host user.
 
-A backend subclass writes only `launcher_argv`: the host command that enters the sandbox and runs
+A backend subclass writes only `launch`: the host command that enters the sandbox and runs
 the user's command in `/workspace` under the kernel-enforced limits. When the host runs as root,
 every launcher first drops to SANDBOX_UID_WHEN_ROOT (setpriv): a user namespace then maps the
 sandbox's root to that unprivileged user, so RLIMIT_NPROC applies (the kernel exempts the real
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from stacx.sandbox.limits import SandboxLimits
-from stacx.sandbox.process import RunSlots, kill_tree, run_launcher
+from stacx.sandbox.process import Launch, RunSlots, kill_tree, run_launcher
 from stacx.sandbox.protocol import Command, RunResult, SandboxClosedError, SandboxUnavailableError, Source
 from stacx.sandbox.working_copy import give_to, make_working_copy
 
@@ -32,6 +32,11 @@ SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "
 
 def host_runs_as_root() -> bool:
     return os.geteuid() == 0
+
+
+def drop_root_argv() -> list[str]:
+    """`setpriv` options that make a root launcher run as SANDBOX_UID_WHEN_ROOT, without supplementary groups."""
+    return [f"--reuid={SANDBOX_UID_WHEN_ROOT}", f"--regid={SANDBOX_UID_WHEN_ROOT}", "--clear-groups", "--"]
 
 
 def require_tool(name: str, backend: str, fix: str) -> str:
@@ -77,12 +82,11 @@ class LocalSession:
         if self._closed:
             raise SandboxClosedError("this sandbox session is closed; create a new one")
         limits = limits or self._sandbox.default_limits
-        argv = self._sandbox.launcher_argv(self, as_argv(command), limits)
-        if host_runs_as_root():
-            argv = [self._sandbox.setpriv, f"--reuid={SANDBOX_UID_WHEN_ROOT}", f"--regid={SANDBOX_UID_WHEN_ROOT}",
-                    "--clear-groups", "--"] + argv
         with self._sandbox.slots.slot():
-            return run_launcher(argv, limits, stdin=stdin, on_start=self._started, on_exit=self._exited)
+            launch = self._sandbox.launch(self, as_argv(command), limits)
+            if host_runs_as_root():
+                launch.argv = [self._sandbox.setpriv, *drop_root_argv()] + launch.argv
+            return run_launcher(launch, limits, stdin=stdin, on_start=self._started, on_exit=self._exited)
 
     def _started(self, process: subprocess.Popen) -> None:
         with self._lock:
@@ -130,7 +134,8 @@ class LocalSandbox:
     def create(self, source: Source) -> LocalSession:
         return LocalSession(self, source)
 
-    def launcher_argv(self, session: LocalSession, command: list[str], limits: SandboxLimits) -> list[str]:
+    def launch(self, session: LocalSession, command: list[str], limits: SandboxLimits) -> Launch:
+        """The launcher that runs `command` in `session`'s working copy under `limits`."""
         raise NotImplementedError
 
 

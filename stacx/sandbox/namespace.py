@@ -25,7 +25,9 @@ import subprocess
 from functools import lru_cache
 
 from stacx.sandbox.limits import SandboxLimits
-from stacx.sandbox.local import SANDBOX_ENV, LocalSandbox, LocalSession, require_tool, system_paths
+from stacx.sandbox.local import (SANDBOX_ENV, LocalSandbox, LocalSession, drop_root_argv, host_runs_as_root, require_tool,
+                                 system_paths)
+from stacx.sandbox.process import Launch
 from stacx.sandbox.protocol import WORKDIR, SandboxUnavailableError
 
 PID_MAX_MIN = 301
@@ -35,10 +37,10 @@ _UNSHARE_FLAGS = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--mo
 
 
 @lru_cache(maxsize=None)
-def _probe(unshare: str) -> str:
-    """'' when unprivileged namespaces work here, else the reason."""
+def _probe(launcher_prefix: tuple[str, ...]) -> str:
+    """'' when unprivileged namespaces work here for the sandbox's user, else the reason."""
     try:
-        probe = subprocess.run([unshare, *_UNSHARE_FLAGS, "true"], capture_output=True, timeout=30)
+        probe = subprocess.run([*launcher_prefix, *_UNSHARE_FLAGS, "true"], capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as err:
         return str(err)
     return "" if probe.returncode == 0 else probe.stderr.decode(errors="replace").strip()
@@ -55,7 +57,7 @@ def setup_script(session: LocalSession, read_only_paths: tuple[str, ...], limits
         if kind == "link":
             lines.append(f"ln -s {shlex.quote(os.readlink(path))} {inside}")
             continue
-        make = f"mkdir -p {inside}" if os.path.isdir(path) else f"mkdir -p $(dirname {inside}); touch {inside}"
+        make = f"mkdir -p {inside}" if os.path.isdir(path) else f'mkdir -p "$(dirname {inside})"; touch {inside}'
         lines += [make, f"mount --rbind {shlex.quote(path)} {inside}", f"mount -o remount,bind,ro {inside}"]
     lines += [
         f'mkdir -p "$r{WORKDIR}" "$r/tmp" "$r/dev" "$r/proc" "$r/.host"',
@@ -85,7 +87,8 @@ class NamespaceSandbox(LocalSandbox):
         self.prlimit = require_tool("prlimit", self.name, fix)
         self.setpriv_inside = require_tool("setpriv", self.name, fix)
         super().__init__(**kwargs)
-        reason = _probe(self.unshare)
+        as_user = [self.setpriv, *drop_root_argv()] if host_runs_as_root() else []
+        reason = _probe((*as_user, self.unshare))
         if reason:
             raise SandboxUnavailableError(
                 f"sandbox backend 'namespace' (setting sandbox.backend) needs unprivileged user namespaces, and "
@@ -93,7 +96,8 @@ class NamespaceSandbox(LocalSandbox):
                 "(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0), or set sandbox.backend "
                 "to 'remote'")
 
-    def launcher_argv(self, session: LocalSession, command: list[str], limits: SandboxLimits) -> list[str]:
+    def launch(self, session: LocalSession, command: list[str], limits: SandboxLimits) -> Launch:
         script = setup_script(session, self.read_only_paths, limits, self.setpriv_inside, self.prlimit)
-        return ["env", "-i", *(f"{k}={v}" for k, v in SANDBOX_ENV.items()),
-                self.unshare, *_UNSHARE_FLAGS, "sh", "-c", script, "sandbox-setup", *command]
+        # unshare --fork waits for the namespace's init, which ends only after its whole namespace.
+        return Launch(["env", "-i", *(f"{k}={v}" for k, v in SANDBOX_ENV.items()),
+                       self.unshare, *_UNSHARE_FLAGS, "sh", "-c", script, "sandbox-setup", *command])

@@ -1,21 +1,24 @@
 """Running one sandbox launcher process on the host: wall-time limit, output cap, tree kill, slots.
 
 The launcher (`unshare ...`, `bwrap ...`) is started in its own process group and becomes the
-parent of the sandbox's PID namespace; killing the group with SIGKILL ends the namespace's init,
-and the kernel then kills every process left in the namespace. Output is read from both pipes
-with one selector loop, so neither can fill up and block the command.
+parent of the sandbox's PID namespace. To kill a sandbox, its launcher group and every descendant
+(the namespace's init among them) get SIGKILL, and the call waits until they are gone: the kernel
+ends a PID namespace's init only after every process of the namespace has ended. Output is read
+from both pipes with one selector loop, so neither can fill up and block the command.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import selectors
 import signal
 import subprocess
 import threading
 import time
 from contextlib import contextmanager
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 from stacx.sandbox.limits import SandboxLimits
 from stacx.sandbox.protocol import RunResult
@@ -117,15 +120,57 @@ def _feed_stdin(process: subprocess.Popen, data: bytes) -> None:
             pass
 
 
-def run_launcher(argv: list[str], limits: SandboxLimits, *, stdin: Optional[bytes] = None,
+@dataclass
+class Launch:
+    """How to start one sandboxed command: the launcher's argv, and how to learn its namespace's init."""
+
+    argv: list[str]
+    pass_fds: tuple[int, ...] = ()
+    """File descriptors the launcher inherits (closed here once it started)."""
+    read_init_pid: Optional[Callable[[], Optional[int]]] = None
+    """Called once the launcher started: the host PID of the sandbox's PID-namespace init, for a launcher that
+    may exit before its namespace is gone (bwrap); None for one that waits for it (unshare --fork)."""
+
+
+def _open_init(launch: Launch) -> Optional[int]:
+    """A pidfd of the namespace's init (race-free signalling, and readable once it and its namespace ended)."""
+    pid = launch.read_init_pid() if launch.read_init_pid is not None else None
+    if pid is None:
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None  # already ended, and its namespace with it
+
+
+def _end_init(pidfd: int) -> None:
+    """SIGKILL the namespace's init and wait until it (so every process of its namespace) has ended."""
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    poller.poll(KILL_WAIT_S * 1000)
+    os.close(pidfd)
+
+
+def run_launcher(launch: Launch, limits: SandboxLimits, *, stdin: Optional[bytes] = None,
                  on_start=None, on_exit=None) -> RunResult:
-    """Run the launcher `argv` under the host-side limits (wall time, output cap) and collect its result.
+    """Run the launcher under the host-side limits (wall time, output cap) and collect its result; when it
+    returns, nothing of the sandbox's process tree is left.
 
     on_start(process) / on_exit(process) let a session track its live launchers so `close()` can kill them.
     """
     started = time.monotonic()
-    process = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        process = subprocess.Popen(launch.argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                   pass_fds=launch.pass_fds)
+    finally:
+        for fd in launch.pass_fds:
+            os.close(fd)
+    init_pidfd = _open_init(launch)
     if on_start is not None:
         on_start(process)
     try:
@@ -174,5 +219,7 @@ def run_launcher(argv: list[str], limits: SandboxLimits, *, stdin: Optional[byte
         if process.poll() is None:
             kill_tree(process)
             process.wait()
+        if init_pidfd is not None:
+            _end_init(init_pidfd)
         if on_exit is not None:
             on_exit(process)

@@ -8,6 +8,7 @@ HTTP timeout of the command's wall time plus REQUEST_MARGIN_S.
 from __future__ import annotations
 
 import base64
+from dataclasses import fields
 from typing import Optional
 
 import requests
@@ -16,6 +17,8 @@ from stacx.sandbox.limits import SandboxLimits
 from stacx.sandbox.process import RunSlots
 from stacx.sandbox.protocol import Command, RunResult, SandboxClosedError, SandboxUnavailableError, Source
 from stacx.sandbox.working_copy import pack_folder
+
+RESULT_FIELDS = tuple(field.name for field in fields(RunResult))
 
 REQUEST_MARGIN_S = 30.0
 """Seconds an HTTP call may take beyond the command's wall-time limit (upload, start-up, queueing)."""
@@ -37,7 +40,7 @@ class RemoteSession:
         with self._sandbox.slots.slot():
             answer = self._sandbox.request("POST", f"/sessions/{self.session_id}/run", json=body,
                                            timeout=float(limits.wall_time_s) + REQUEST_MARGIN_S)
-        return RunResult(**answer)
+        return RunResult(**{name: answer[name] for name in RESULT_FIELDS if name in answer})
 
     def close(self) -> None:
         if self._closed:

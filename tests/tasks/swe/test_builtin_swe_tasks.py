@@ -2,6 +2,7 @@
 PASS_TO_PASS tests pass; with the reference patch applied (by `patch`, in the sandbox) all of them pass.
 The reward path (test patch, test command, log parsing) is run for one task of every family."""
 
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,8 @@ from stacx.tasks.swe.evaluate import files_tarball
 from stacx.tasks.swe.log_parsers import parse_unittest
 from stacx.tasks.swe.reward import sandbox_for, swe_tests_reward
 
-LIMITS = SandboxLimits(wall_time_s=20, cpu_time_s=20, memory_bytes=512 << 20)
+LIMITS = SandboxLimits(wall_time_s=60, cpu_time_s=20, memory_bytes=512 << 20)
+"""The wall time is a guard only: a loaded machine slows the sandbox's start-up, never the checks."""
 
 # Runs inside the sandbox: for every task and both states, materialise the repository, apply the test patch
 # (and, for 'fixed', the reference patch) with `patch`, and run its unittest suite in this one interpreter.
@@ -65,9 +67,14 @@ def test_every_task_fails_on_its_snapshot_and_its_reference_fix_resolves_it(sand
             assert buggy.get(test) == "passed" and fixed.get(test) == "passed", (task.instance_id, test, buggy, fixed)
 
 
-def test_no_edit_and_edits_to_the_hidden_tests_are_not_rewarded(sandbox):
+def test_edits_to_the_hidden_tests_are_not_rewarded(sandbox, tmp_path):
+    """Through a folder snapshot and a session (the multi-turn path: edits made by commands)."""
     task = builtin_swe_tasks()[0]
-    with sandbox.create(files_tarball(task.snapshot)) as session:
+    for path, text in task.snapshot.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    task = dataclasses.replace(task, snapshot=str(tmp_path))
+    with sandbox.create(task.snapshot) as session:
         # The agent writes its own "regression" tests that pass on the buggy code: they are replaced.
         fake = "import unittest\nclass TestRegression(unittest.TestCase):\n" + "".join(
             f"    def {test.rsplit('.', 1)[1]}(self):\n        pass\n" for test in task.fail_to_pass)
