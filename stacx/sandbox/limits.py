@@ -56,7 +56,8 @@ class SandboxLimits:
         return {field.name: getattr(self, field.name) for field in fields(self)}
 
     def prlimit_args(self) -> list[str]:
-        """`prlimit` options that set every kernel-enforced limit (soft = hard, so a command cannot raise it; the CPU hard limit is one second later, so SIGXCPU comes first)."""
+        """`prlimit` options that set every kernel-enforced limit, soft = hard so a command cannot raise it (the
+        CPU hard limit is one second later, so SIGXCPU comes first)."""
         return [f"--cpu={int(self.cpu_time_s)}:{int(self.cpu_time_s) + 1}", f"--as={int(self.memory_bytes)}",
                 f"--nproc={int(self.max_processes)}", f"--fsize={int(self.max_file_bytes)}",
                 f"--nofile={int(self.max_open_files)}", "--core=0"]

@@ -68,7 +68,8 @@ def setup_script(session: LocalSession, read_only_paths: tuple[str, ...], limits
         # Per-namespace pid_max (Linux 6.14+) bounds the process count even where RLIMIT_NPROC does not.
         f'echo {max(PID_MAX_MIN, int(limits.max_processes) + 1)} > "$r/proc/sys/kernel/pid_max" 2>/dev/null || true',
         'mount --bind "$r/proc/sys" "$r/proc/sys"', 'mount -o remount,bind,ro "$r/proc/sys"',
-        'cd "$r"', "PATH=/usr/sbin:/sbin:$PATH pivot_root . .host", "umount -l /.host", "rmdir /.host", "mount -o remount,bind,ro /",
+        'cd "$r"', "PATH=/usr/sbin:/sbin:$PATH pivot_root . .host", "umount -l /.host", "rmdir /.host",
+        "mount -o remount,bind,ro /",
         f"exec {shlex.quote(setpriv)} --no-new-privs --inh-caps=-all --ambient-caps=-all --bounding-set=-all -- "
         f"{shlex.quote(prlimit)} {' '.join(limits.prlimit_args())} -- "
         f"sh -c 'cd {WORKDIR} || exit 125; \"$@\"; exit $?' sandbox \"$@\"",

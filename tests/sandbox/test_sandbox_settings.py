@@ -86,7 +86,8 @@ def test_the_remote_server_refuses_a_wrong_key_and_a_closed_session(sandbox_serv
     result = session.run(["sh", "-c", "cat > note.txt && cat note.txt hello.py"], stdin=b"via stdin\n")
     assert result.stdout == "via stdin\nprint('hello from the repo')\n"
     with pytest.raises(ValueError, match="SandboxLimits.wall_time_s"):
-        sandbox.request("POST", f"/sessions/{session.session_id}/run", json={"command": "true", "limits": {"wall_time_s": -1}})
+        sandbox.request("POST", f"/sessions/{session.session_id}/run",
+                        json={"command": "true", "limits": {"wall_time_s": -1}})
     session.close()
     with pytest.raises(SandboxClosedError):
         session.run("true")

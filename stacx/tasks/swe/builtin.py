@@ -55,7 +55,8 @@ def _loop(name, doc, init, op, term, reference):
     body = "    result = {init}\n    for k in range({stop}):\n        result = result {op} {term}\n    return result\n"
     return Variant(name, "n", doc, body.format(init=init, stop="1, n", op=op, term=term),
                    body.format(init=init, stop="1, n + 1", op=op, term=term),
-                   keeps=((f"{name}(0)", reference(0)),), breaks=((f"{name}(2)", reference(2)), (f"{name}(4)", reference(4))))
+                   keeps=((f"{name}(0)", reference(0)),),
+                   breaks=((f"{name}(2)", reference(2)), (f"{name}(4)", reference(4))))
 
 
 INCLUSIVE_RANGE = Family("inclusive_range", "seriescalc", "`{name}(n)` leaves out the last term, n itself.", (
@@ -69,7 +70,8 @@ INCLUSIVE_RANGE = Family("inclusive_range", "seriescalc", "`{name}(n)` leaves ou
 
 def _threshold(name, limit, what):
     return Variant(name, "value", f"True when value is at least {limit} ({what}).", f"    return value > {limit}\n",
-                   f"    return value >= {limit}\n", keeps=((f"{name}({limit + 10})", True), (f"{name}({limit - 1})", False)),
+                   f"    return value >= {limit}\n",
+                   keeps=((f"{name}({limit + 10})", True), (f"{name}({limit - 1})", False)),
                    breaks=((f"{name}({limit})", True),))
 
 
@@ -174,7 +176,8 @@ def _test_file(variant: Variant, package: str, cases, class_name: str, prefix: s
              f"class {class_name}(unittest.TestCase):"]
     for index, (call, expected) in enumerate(cases):
         compare = "assertAlmostEqual" if isinstance(expected, float) else "assertEqual"
-        lines += [f"    def test_{prefix}_{index}(self):", f"        self.{compare}({_call_expression(call)}, {expected!r})", ""]
+        lines += [f"    def test_{prefix}_{index}(self):",
+                  f"        self.{compare}({_call_expression(call)}, {expected!r})", ""]
     return "\n".join(lines)
 
 

@@ -33,7 +33,7 @@ for task in json.load(sys.stdin):
         stream = io.StringIO()
         unittest.TextTestRunner(stream=stream, verbosity=2).run(unittest.TestLoader().discover(root, top_level_dir=root))
         sys.path.remove(root)
-        for name in [m for m in sys.modules if m in ("tests", task["package"]) or m.split(".")[0] in ("tests", task["package"])]:
+        for name in [m for m in sys.modules if m.split(".")[0] in ("tests", task["package"])]:
             del sys.modules[name]
         print(f"=== {task['id']} {state}\n{stream.getvalue()}")
 """
