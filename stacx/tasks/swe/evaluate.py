@@ -27,7 +27,7 @@ AGENT_PATCH_FAILED = 90
 TEST_PATCH_FAILED = 91
 
 _EVALUATE = r"""
-import json, os, subprocess, sys
+import json, os, shutil, subprocess, sys
 job = json.load(sys.stdin)
 def apply(diff, what, code):
     done = subprocess.run(["patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch", "-r", "-"],
@@ -38,9 +38,11 @@ def apply(diff, what, code):
 if job["agent_patch"]:
     apply(job["agent_patch"], "agent's patch", %(agent)d)
 for path, text in job["restore"].items():
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
     if text is None:
-        if os.path.lexists(path):
-            os.remove(path)
         continue
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as out:
