@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Optional
 
 from stacx.tasks.swe.row import SweTask
 
@@ -40,6 +40,8 @@ class Variant:
     breaks: tuple[tuple[str, Any], ...]
     """(call, expected result) pairs only the fixed version gets right: FAIL_TO_PASS. A call may be
     several statements separated by ';' (the last one's value is compared)."""
+    buggy_signature: Optional[str] = None
+    """The buggy version's parameters, when the bug is in them (default: `signature`)."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,8 @@ def _accumulator(name, item, bucket):
     fixed = f"    if {bucket} is None:\n        {bucket} = []\n    {bucket}.append({item})\n    return {bucket}\n"
     return Variant(name, f"{item}, {bucket}=None", f"{bucket} (a new list when not given) with {item} appended.",
                    buggy, fixed, keeps=((f"{name}('x', ['a'])", ["a", "x"]),),
-                   breaks=((f"{name}('a'); {name}('b')", ["b"]),))
+                   breaks=((f"{name}('a'); {name}('b')", ["b"]),),
+                   buggy_signature=f"{item}, {bucket}=[]")  # the bug: one list shared by every call
 
 
 MUTABLE_DEFAULT = Family("mutable_default", "collector",
@@ -157,10 +160,8 @@ TEXT_CASE = Family("text_normalisation", "textnorm", "`{name}` treats upper and 
 FAMILIES = (INCLUSIVE_RANGE, BOUNDARY, EMPTY_INPUT, MUTABLE_DEFAULT, INTEGER_DIVISION, TEXT_CASE)
 
 
-def _module(variant: Variant, fixed: bool, family: Family) -> str:
-    signature = variant.signature
-    if family is MUTABLE_DEFAULT and not fixed:
-        signature = signature.replace("=None", "=[]")  # the bug: one list shared by every call
+def _module(variant: Variant, fixed: bool) -> str:
+    signature = variant.signature if fixed else (variant.buggy_signature or variant.signature)
     body = variant.fixed if fixed else variant.buggy
     return f'def {variant.name}({signature}):\n    """{variant.doc}"""\n{body}'
 
@@ -201,7 +202,7 @@ def _test_ids(module: str, class_name: str, prefix: str, cases) -> tuple[str, ..
 
 def _task(family: Family, variant: Variant) -> SweTask:
     package = family.package
-    buggy, fixed = _module(variant, False, family), _module(variant, True, family)
+    buggy, fixed = _module(variant, False), _module(variant, True)
     keeps_test = _test_file(variant, package, variant.keeps, "TestCore", variant.name)
     new_test = _test_file(variant, package, variant.breaks, "TestRegression", f"{variant.name}_regression")
     snapshot = {
