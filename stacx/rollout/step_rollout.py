@@ -32,6 +32,7 @@ import random
 from typing import Any, Optional, Sequence, TYPE_CHECKING
 
 from stacx.rollout import rollin
+from stacx.rollout.episode import episode_metrics
 from stacx.rollout.dagger import Executor
 from stacx.rollout.data import DataConfig, load_examples
 from stacx.rollout.dynamic_sampling import collect_informative_groups
@@ -183,9 +184,10 @@ class StepRollout:
         for episode in episodes:
             episode.sample.weight_version = min(episode.student_versions, default=min(versions, default=0))
         manager.decode(samples)
-        single_turn = [e.sample for e in episodes if e.environment is None]
+        single_turn = [e.sample for e in episodes if e.session is None]
         manager.score_rewards(single_turn)  # an environment's episodes carry the sum of its step rewards
         metrics.update(rollin.rollin_metrics(self.spec, episodes, step))
+        metrics.update(episode_metrics(samples))
         if self.spec.mode == "relabel":
             samples = rollin.relabel_with_teacher(episodes, teacher_engine=engines[Executor.TEACHER],
                                                   sampling=sampling, tokenizer=tokenizer, rng=rng)

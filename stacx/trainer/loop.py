@@ -375,7 +375,8 @@ class StacxTrainer:
         layout = self.roles[role_name].layout
         return plan_micro_batches(
             batch, dp_size=layout.data_parallel_size, cp_size=layout.context_parallel_size,
-            max_tokens_per_micro_batch=self.run_config.train.max_tokens_per_micro_batch)
+            max_tokens_per_micro_batch=self.run_config.train.max_tokens_per_micro_batch,
+            pp_size=layout.pipeline_model_parallel_size)
 
     def plan_mini_batches(self, batch: StepBatch, step: int) -> list[list[int]]:
         """Sample indices of each optimizer step of rollout step `step` (seeded: the same on every rank)."""

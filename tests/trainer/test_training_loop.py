@@ -81,14 +81,16 @@ def test_grpo_tp2_with_reference_trains_and_the_engine_follows(ray_address, file
 
 
 def test_ppo_actor_and_critic_with_injected_values_train_two_steps(ray_address, files, tmp_path):
-    """Two rollout steps of two optimizer steps each (--num-steps-per-rollout 2), on Ray, for both roles."""
+    """Two rollout steps of two optimizer steps each (--num-steps-per-rollout 2), on Ray, for both roles, each
+    split into two pipeline stages: the critic's values come from its last stage's value head."""
     from stacx.trainer.factory import create_trainer
 
     cfg = run_config(str(tmp_path), algorithm={"name": "ppo"}, hf_checkpoint=files["policy"],
                      prompt_data=files["prompts"], rollout_engine="cpu", save=str(tmp_path / "ckpt"), reward_fn=VARIED_REWARD,
-                     num_cpus_per_rank=2.0, num_steps_per_rollout=2)
+                     num_cpus_per_rank=1.0, num_steps_per_rollout=2, pipeline_model_parallel_size=2)
     trainer = create_trainer(cfg)
-    assert trainer.roles["critic"].layout.world_size == 1
+    assert trainer.roles["critic"].layout.world_size == 2
+    assert [c.pp_rank for c in trainer.roles["critic"].coords] == [0, 1]
     last = trainer.run()
     _finite(last, "actor/loss", "actor/grad_norm", "critic/loss", "critic/vf_loss", "critic/grad_norm")
     from stacx.trainer.checkpoint import load_checkpoint

@@ -57,8 +57,10 @@ class ParallelSection:
     """Tensor-parallel degree of every trainable role."""
     context_parallel_size: int = 1
     """Context-parallel degree of every trainable role."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel degree of every trainable role: its layers are split into this many stages."""
     data_parallel_size: int = 1
-    """Data-parallel degree; a role uses tp * cp * dp ranks."""
+    """Data-parallel degree; a role uses tp * cp * pp * dp ranks."""
     ray_address: str | None = None
     """Address of an existing Ray cluster; unset starts a local one (or uses RAY_ADDRESS)."""
     num_cpus_per_rank: float = 1.0
@@ -309,7 +311,8 @@ SECTIONS: dict[str, type] = {
 
 
 FIELD_MINIMUMS: dict[str, int | float] = {
-    "tensor_model_parallel_size": 1, "context_parallel_size": 1, "data_parallel_size": 1,
+    "tensor_model_parallel_size": 1, "context_parallel_size": 1, "pipeline_model_parallel_size": 1,
+    "data_parallel_size": 1,
     "rollout_batch_size": 1, "n_samples_per_prompt": 1, "rollout_max_response_len": 1,
     "eval_interval": 0, "eval_n_samples": 1, "save_rollouts_per_step": 0, "teacher_top_k": 1,
     "teacher_retries": 0, "lr_warmup_steps": 0, "num_steps": 0, "max_tokens_per_micro_batch": 1,
