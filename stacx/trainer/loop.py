@@ -483,9 +483,8 @@ class StacxTrainer:
         if self.channel.is_driver:
             driver_state = {"step": step, "data": self.data.state_dict() if self.data is not None else {},
                             "rng": capture_rng_state()}
-            if self.async_rollout is not None:  # in-flight groups are not saved: a resumed run regenerates them
-                driver_state["data"] = self.async_rollout.data_state()
-                driver_state["async"] = self.async_rollout.resume_state()
+            if self.async_rollout is not None:  # the generated, untrained groups: a resumed run trains them
+                driver_state["data"], driver_state["async"] = self.async_rollout.checkpoint_state()
             final = commit_checkpoint(staging, step=step, recipe=self.training_config, role_layouts=self.role_layouts(),
                                       rank_files=rank_files, driver_state=driver_state,
                                       resolved_run_config=resolved_run_config_dict(self.run_config, self.algorithm))
