@@ -253,11 +253,11 @@ class AsyncRollout:
         self.scheduler.publish_version(version)
 
     def checkpoint_state(self) -> tuple[dict, dict]:
-        """(data state, async state) of a checkpoint written between steps: admission is held until the
-        groups on the engine have finished (continuations included), then the data source's state at the
-        oldest untrained prompt and, for `resume_state`, the generated untrained groups (their samples,
-        admission versions, token counts per version), the run totals and the prompts after the oldest
-        untrained one that were trained already. Admission reopens before it returns."""
+        """(data state, async state) of a checkpoint written between steps. Admission is held until the
+        groups on the engine have finished (continuations included); then the data source's state at the
+        oldest untrained prompt and the async state (the `resume_state` of the resumed run): the generated,
+        untrained groups (samples, admission versions, tokens per version), the run totals, and the prompts
+        after the oldest untrained one that were trained already. Admission reopens before it returns."""
         self.scheduler.hold_admission()
         try:
             if not self.scheduler.wait_until_settled():
@@ -470,7 +470,6 @@ class AsyncRollout:
         for group_id, group in zip(self.scheduler.load_state_dict(state), state["groups"]):
             self._admitted[group_id] = group["payload"].index
             self._skip.add(group["payload"].index)  # generated already: not drawn again
-
 
     def _oldest_untrained(self) -> int:
         """Index of the oldest prompt drawn and not trained (or the next one to draw); under submit_lock."""
