@@ -178,11 +178,11 @@ def varied_reward(response: str, label, metadata: dict) -> float:
 
 def train(mode: str, *, max_staleness: int = 0, partial: bool = False, num_steps: int = 4, token_s: float = 0.0,
           train_s: float = 0.0, max_len: int = 6, fail_at: int | None = None, settle: bool = False,
-          checkpoints: dict | None = None, metadata: dict | None = None):
+          settings: dict | None = None, metadata: dict | None = None):
     config = RunConfig.from_dict({
         "num_steps": num_steps, "rollout_batch_size": 2, "n_samples_per_prompt": 3, "rollout_max_response_len": max_len,
         "save_rollouts_per_step": 0, "rollout_mode": mode, "max_staleness": max_staleness, "partial_rollout": partial,
-        "reward_fn": f"{__name__}:varied_reward", **(checkpoints or {})})
+        "reward_fn": f"{__name__}:varied_reward", **(settings or {})})
     engine = ScriptedEngine(token_s)
     policy = DigestPolicy(engine, train_s, settle)
     service = RolloutService(engine, engine_kind="cpu", url="scripted", tokenizer=TOKENIZER,
@@ -246,17 +246,24 @@ def test_max_staleness_0_reproduces_the_sync_runs_losses_and_weights_bitwise():
     assert _no_producer_threads()
 
 
-@pytest.mark.parametrize("max_staleness", [1, 2])
-def test_no_group_is_trained_beyond_its_bound_and_generation_overlaps_training(max_staleness):
-    trainer, policy, rows, _ = train("async", max_staleness=max_staleness, num_steps=6, token_s=0.002, train_s=0.05)
+@pytest.mark.parametrize("max_staleness,steps_per_rollout", [(1, 1), (2, 1), (1, 2)])
+def test_no_group_is_trained_beyond_its_bound_and_generation_overlaps_training(max_staleness, steps_per_rollout):
+    trainer, policy, rows, _ = train("async", max_staleness=max_staleness, num_steps=6, token_s=0.002, train_s=0.05,
+                                     settings={"num_steps_per_rollout": steps_per_rollout,
+                                               "global_batch_size": 6 // steps_per_rollout})
+    rows = [row for row in rows if "async/staleness_max" in row]  # each rollout step's last row
     staleness = [row["async/staleness_max"] for row in rows]
     assert max(staleness) <= max_staleness
     assert max(staleness) >= 1  # batches generated while an earlier step trained
-    assert sum(row["async/trained_groups"] for row in rows[-1:]) == 6 * 2
-    # The decoupled objective: pi_old recomputed each step, the behaviour log-probs weigh the tokens.
-    assert trainer.algorithm.recompute_old_log_probs and trainer.algorithm.off_policy_corrections == "token_tis"
-    assert policy.old_log_prob_calls == 6
-    assert rows[0]["async/iw_mean"] == pytest.approx(float(torch.exp(torch.tensor(0.01))), rel=1e-5)
+    assert rows[-1]["async/trained_groups"] == 6 * 2
+    # The decoupled objective: the behaviour log-probs weigh the tokens by pi_prox / pi_behav ...
+    assert trainer.algorithm.off_policy_corrections == "token_tis"
+    if steps_per_rollout == 1:  # ... pi_prox is the weights the step's own forward runs with: no extra forward
+        assert not trainer.algorithm.recompute_old_log_probs and policy.old_log_prob_calls == 0
+        assert "async/iw_mean" not in rows[0]
+    else:  # ... pi_prox is recomputed once before the rollout's first optimizer step
+        assert trainer.algorithm.recompute_old_log_probs and policy.old_log_prob_calls == 6
+        assert rows[0]["async/iw_mean"] == pytest.approx(float(torch.exp(torch.tensor(0.01))), rel=1e-5)
     assert _no_producer_threads()
 
 
@@ -337,9 +344,9 @@ def test_an_async_run_checkpointed_and_resumed_trains_what_the_uninterrupted_run
     _, straight_policy, straight_rows, _ = train("async", max_staleness=max_staleness, num_steps=5, settle=True)
     with pytest.raises(KeyboardInterrupt):
         train("async", max_staleness=max_staleness, num_steps=5, settle=True, fail_at=2,
-              checkpoints={"save": str(tmp_path), "save_interval": 2})
+              settings={"save": str(tmp_path), "save_interval": 2})
     resumed, resumed_policy, resumed_rows, _ = train("async", max_staleness=max_staleness, num_steps=5, settle=True,
-                                                     checkpoints={"save": str(tmp_path), "load": str(tmp_path)})
+                                                     settings={"save": str(tmp_path), "load": str(tmp_path)})
     assert resumed_policy.weights == straight_policy.weights  # every step trained the same batch
     assert [row["policy/loss"] for row in resumed_rows] == [row["policy/loss"] for row in straight_rows[2:]]
     for straight, again in zip(straight_rows[2:], resumed_rows):
