@@ -21,7 +21,8 @@ rollout step N starts at row N x optimizer_steps_per_rollout: no second eval of 
 Old log-probs (pi_old) are computed once per rollout, before its first update: with several
 optimizer steps per rollout they are the proximal policy of every mini-batch (the resolved
 `recompute_old_log_probs`), while the engine's log-probs stay the behaviour policy of the
-off-policy corrections.
+off-policy corrections. With one optimizer step per rollout (async included) pi_old is the
+training forward's own detached log-probs: the same weights, no extra forward.
 
 The loop talks to roles through `RoleGroup`s (Ray workers or torchrun processes, see
 role_groups.py), so the same code drives a Ray run and a torchrun SPMD job. Any failure kills the
