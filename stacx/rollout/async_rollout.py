@@ -464,6 +464,11 @@ class AsyncRollout:
         """Put a checkpoint's generated, untrained groups back as complete, oldest first (before start)."""
         if not state:
             return
+        sizes = sorted({len(group["result"]) for group in state["groups"]})
+        if sizes and sizes != [self.samples_per_group]:
+            raise ValueError(f"the checkpoint holds generated, untrained groups of {sizes} samples per prompt but this "
+                             f"run has --n-samples-per-prompt {self.samples_per_group}; resume with the "
+                             "--n-samples-per-prompt the checkpoint was written with")
         state = {**state, "groups": [{**group, "payload": _Prompt(int(group["payload"]), None),
                                       "result": [Sample(**fields) for fields in group["result"]]}
                                      for group in state["groups"]]}

@@ -374,3 +374,13 @@ def test_multi_turn_episodes_run_in_async_mode_as_one_unit_of_work_per_prompt(pa
         assert set(actions) == {sample.weight_version}
     assert {s.reward for s in samples} == {0.0, 1.0}  # the environment's rewards, not the reward function's
     assert _no_producer_threads()
+
+
+def test_a_resume_with_another_group_size_than_the_saved_groups_is_refused_naming_the_flag(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        train("async", max_staleness=1, num_steps=4, settle=True, fail_at=2,
+              settings={"save": str(tmp_path), "save_interval": 2})
+    with pytest.raises(ValueError, match="groups of \\[3\\] samples per prompt.*--n-samples-per-prompt 2"):
+        train("async", max_staleness=1, num_steps=4, settings={"save": str(tmp_path), "load": str(tmp_path),
+                                                                "n_samples_per_prompt": 2})
+    assert _no_producer_threads()
