@@ -21,7 +21,8 @@ rollout step N starts at row N x optimizer_steps_per_rollout: no second eval of 
 Old log-probs (pi_old) are computed once per rollout, before its first update: with several
 optimizer steps per rollout they are the proximal policy of every mini-batch (the resolved
 `recompute_old_log_probs`), while the engine's log-probs stay the behaviour policy of the
-off-policy corrections.
+off-policy corrections. With one optimizer step per rollout (async included) pi_old is the
+training forward's own detached log-probs: the same weights, no extra forward.
 
 The loop talks to roles through `RoleGroup`s (Ray workers or torchrun processes, see
 role_groups.py), so the same code drives a Ray run and a torchrun SPMD job. Any failure kills the
@@ -484,9 +485,8 @@ class StacxTrainer:
         if self.channel.is_driver:
             driver_state = {"step": step, "data": self.data.state_dict() if self.data is not None else {},
                             "rng": capture_rng_state()}
-            if self.async_rollout is not None:  # in-flight groups are not saved: a resumed run regenerates them
-                driver_state["data"] = self.async_rollout.data_state()
-                driver_state["async"] = self.async_rollout.resume_state()
+            if self.async_rollout is not None:  # the generated, untrained groups: a resumed run trains them
+                driver_state["data"], driver_state["async"] = self.async_rollout.checkpoint_state()
             final = commit_checkpoint(staging, step=step, recipe=self.training_config, role_layouts=self.role_layouts(),
                                       rank_files=rank_files, driver_state=driver_state,
                                       resolved_run_config=resolved_run_config_dict(
