@@ -262,7 +262,8 @@ class StacxTrainer:
 
     def collect_batch(self, step: int) -> tuple[StepBatch, dict]:
         """(step batch, rollout metrics), on the driver: async mode takes the scheduler's batch of `step`."""
-        if self.training_config.data_source == "dataset" or self.data.kind == "trajectory":
+        # data is None when the step rollout draws its own tasks (stacx.rollout.agent_rollout.AgentRollout)
+        if self.training_config.data_source == "dataset" or (self.data is not None and self.data.kind == "trajectory"):
             batch = self.data.next_dataset_batch()
             lengths = batch.response_lengths
             return batch, {"data/response_length_mean": sum(lengths) / len(lengths)}
