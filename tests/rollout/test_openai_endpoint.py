@@ -137,8 +137,8 @@ def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, p
         messages = [{"role": "user", "content": task["question"]}]
         first = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
         messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
-        second = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
-        return float(sum(c.isdigit() for c in second.choices[0].message.content or ""))
+        second = client.chat.completions.create(model="policy", messages=messages, max_tokens=6, logprobs=True)
+        return -sum(entry.logprob for entry in second.choices[0].logprobs.content)  # varies with every sample
 
     tasks = [{"question": "1+1?"}, {"question": "2*3?"}]
     rollout = AgentRollout(agent, server_url=server.url, next_tasks=lambda step: tasks, n_samples_per_task=2,
@@ -155,7 +155,14 @@ def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, p
     trainer.step_rollout = rollout
     seen = []
     fill = trainer.fill_forward_fields
-    trainer.fill_forward_fields = lambda batch: (fill(batch), seen.append(batch))
+
+    def fill_and_score(batch):  # the trainer's log-probs of the batch, before its step changes the weights
+        fill(batch)
+        scored = batch.select(range(batch.num_samples))
+        trainer.role_fields(role.name, scored, ["log_probs"])
+        seen.append(scored)
+
+    trainer.fill_forward_fields = fill_and_score
     before = [p.detach().clone() for p in runtime.model.parameters()]
     metrics = trainer.run()
 
