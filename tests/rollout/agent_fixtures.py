@@ -42,3 +42,50 @@ def save_policy(path, tokenizer, seed: int = 0) -> str:
 BASH_TOOL = {"type": "function", "function": {"name": "bash", "description": "run a command",
                                               "parameters": {"type": "object",
                                                              "properties": {"command": {"type": "string"}}}}}
+
+
+def train_one_grpo_step(server, rollout, out, *, num_tasks: int, n_samples_per_task: int):
+    """One GRPO step of the real loop (StacxTrainer over a RoleRuntime in this process, on the served
+    checkpoint) whose step rollout is `rollout`; returns (the step's batch, scored by the trainer before
+    it trained, the step's metrics). Checks that the trainer's log-probs of every generated id equal the
+    engine's (atol 2e-4: fp32 CPU forwards of the same weights, packed vs incremental)."""
+    import torch
+
+    from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
+    from stacx.trainer.config.resolve import resolve_algorithm_config
+    from stacx.trainer.config.run import RunConfig
+    from stacx.trainer.loop import StacxTrainer
+    from stacx.trainer.recipes import get_recipe
+    from stacx.trainer.runtime.role_runtime import RoleRuntime
+
+    training_config = get_recipe("grpo")
+    run_config = RunConfig.from_dict({"algorithm": {"name": "grpo"}, "hf_checkpoint": server.model_path, "num_steps": 1,
+                                      "rollout_batch_size": num_tasks, "n_samples_per_prompt": n_samples_per_task, "lr": 1e-3,
+                                      "out": str(out), "progress_bar": False, "tensorboard": False}, source="test")
+    algorithm = resolve_algorithm_config(training_config, run_config, environ={})
+    role = training_config.roles[0]
+    runtime = RoleRuntime(role, run_config, algorithm, server.engine.groups, rank=0)
+    trainer = StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm,
+                           roles={role.name: LocalRoleGroup(runtime, role.name)}, channel=TorchrunChannel(), data=None)
+    trainer.step_rollout = rollout
+    seen = []
+    fill = trainer.fill_forward_fields
+
+    def fill_and_score(batch):  # the trainer's log-probs of the batch, before its step changes the weights
+        fill(batch)
+        scored = batch.select(range(batch.num_samples))
+        trainer.role_fields(role.name, scored, ["log_probs"])
+        seen.append(scored)
+
+    trainer.fill_forward_fields = fill_and_score
+    before = [p.detach().clone() for p in runtime.model.parameters()]
+    metrics = trainer.run()
+    (batch,) = seen
+    for mask, engine_log_probs, trainer_log_probs in zip(batch.loss_masks, batch.rollout_log_probs, batch.log_probs):
+        assert 0 < mask.sum() < mask.numel()  # generated ids are trained on, the template's ids between turns are not
+        generated = mask.bool()
+        torch.testing.assert_close(trainer_log_probs[generated], engine_log_probs[generated], atol=2e-4, rtol=0)
+    assert torch.isfinite(torch.tensor(metrics["policy/loss"]))
+    metrics["test/weights_changed"] = float(any(not torch.equal(a, b.detach())
+                                                for a, b in zip(before, runtime.model.parameters())))
+    return batch, metrics

@@ -7,7 +7,7 @@ import pytest
 import requests
 import torch
 
-from tests.rollout.agent_fixtures import BASH_TOOL, save_policy, tool_tokenizer
+from tests.rollout.agent_fixtures import BASH_TOOL, save_policy, tool_tokenizer, train_one_grpo_step
 
 openai = pytest.importorskip("openai", reason="the test extra installs openai: pip install -e '.[test]'")
 
@@ -119,18 +119,10 @@ def test_unsupported_requests_get_a_400_naming_the_field(server, field, value, n
     assert client_for(server).models.list().data[0].owned_by == "stacx"
 
 
-def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, policy, tmp_path):
+def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, tmp_path):
     """AgentRollout runs a two-turn agent (the openai client) per task; the real loop trains one GRPO step on
     the assembled sessions, and its recomputed log-probs of the generated ids equal the engine's."""
     from stacx.rollout.agent_rollout import AgentRollout
-    from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
-    from stacx.trainer.config.resolve import resolve_algorithm_config
-    from stacx.trainer.config.run import RunConfig
-    from stacx.trainer.loop import StacxTrainer
-    from stacx.trainer.recipes import get_recipe
-    from stacx.trainer.runtime.role_runtime import RoleRuntime
-
-    path, _ = policy
 
     def agent(base_url: str, task: dict) -> float:
         client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
@@ -143,36 +135,7 @@ def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, p
     tasks = [{"question": "1+1?"}, {"question": "2*3?"}]
     rollout = AgentRollout(agent, server_url=server.url, next_tasks=lambda step: tasks, n_samples_per_task=2,
                            max_parallel_episodes=4)
-    training_config = get_recipe("grpo")
-    run_config = RunConfig.from_dict({"algorithm": {"name": "grpo"}, "hf_checkpoint": path, "num_steps": 1,
-                                      "rollout_batch_size": 2, "n_samples_per_prompt": 2, "lr": 1e-3,
-                                      "out": str(tmp_path), "progress_bar": False, "tensorboard": False}, source="test")
-    algorithm = resolve_algorithm_config(training_config, run_config, environ={})
-    role = training_config.roles[0]
-    runtime = RoleRuntime(role, run_config, algorithm, server.engine.groups, rank=0)
-    trainer = StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm,
-                           roles={role.name: LocalRoleGroup(runtime, role.name)}, channel=TorchrunChannel(), data=None)
-    trainer.step_rollout = rollout
-    seen = []
-    fill = trainer.fill_forward_fields
-
-    def fill_and_score(batch):  # the trainer's log-probs of the batch, before its step changes the weights
-        fill(batch)
-        scored = batch.select(range(batch.num_samples))
-        trainer.role_fields(role.name, scored, ["log_probs"])
-        seen.append(scored)
-
-    trainer.fill_forward_fields = fill_and_score
-    before = [p.detach().clone() for p in runtime.model.parameters()]
-    metrics = trainer.run()
-
-    (batch,) = seen
+    batch, metrics = train_one_grpo_step(server, rollout, tmp_path, num_tasks=2, n_samples_per_task=2)
     assert batch.num_samples == 4 and batch.prompt_id == [0, 0, 1, 1]
     assert len(set(batch.rewards[:2])) > 1 or len(set(batch.rewards[2:])) > 1, "every group uniform: nothing to learn"
-    for tokens, mask, engine_lp, trainer_lp in zip(batch.tokens, batch.loss_masks, batch.rollout_log_probs,
-                                                   batch.log_probs):
-        assert 0 < mask.sum() < mask.numel()      # generated ids trained on, template ids between turns not
-        generated = mask.bool()
-        torch.testing.assert_close(trainer_lp[generated], engine_lp[generated], atol=2e-4, rtol=0)
-    assert torch.isfinite(torch.tensor(metrics["policy/loss"]))
-    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, runtime.model.parameters()))
+    assert metrics["test/weights_changed"] == 1.0 and metrics["rollout/agent_turns_mean"] == 2.0
