@@ -1,7 +1,13 @@
 """`stacx serve`'s OpenAI-compatible endpoint, through the official `openai` client: chat with tools,
-completions, sessions recorded token-in/token-out, and a GRPO step trained on an agent's sessions."""
+completions, sessions recorded token-in/token-out, and a GRPO step trained on an agent's sessions; then
+mini-swe-agent, unmodified, solving a task through the endpoint, its trajectory trained on.
 
-import json
+The served tiny policy learns that task first: a few SFT steps in-process on one demonstration
+transcript (the task, a `touch done.txt` tool call, its observation, the submit call), rendered by the
+chat template the server uses. Served greedily, it drives mini-swe-agent's own loop (litellm client,
+bash tool calls, its local environment): the file is really created and the agent really submits.
+The other tests only need a served model, and share this one.
+"""
 
 import pytest
 import requests
@@ -9,13 +15,77 @@ import torch
 
 from tests.rollout.agent_fixtures import BASH_TOOL, save_policy, tool_tokenizer, train_one_grpo_step
 
-openai = pytest.importorskip("openai", reason="the test extra installs openai: pip install -e '.[test]'")
+try:
+    import openai
+except ImportError as missing:  # a failure with the fix, never a skip
+    raise ImportError("these tests drive the endpoint with the official openai client, in the test extra: "
+                      "pip install -e '.[test]'") from missing
+
+
+SYSTEM = "You run bash."
+TASK = "Create done.txt"
+OBSERVATION = "{{output.returncode}}{{output.output}}"
+"""mini-swe-agent's observation template for this test: the return code, then the output."""
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+BASH = {"type": "function", "function": {"name": "bash"}}
+"""What the template reads of mini-swe-agent's bash tool (its name)."""
+
+
+def demonstration() -> list[dict]:
+    def call(command, index):
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"id": f"call{index}", "type": "function", "function": {"name": "bash", "arguments": {"command": command}}}]}
+
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}, call("touch done.txt", 0),
+            {"role": "tool", "tool_call_id": "call0", "content": "0"}, call(SUBMIT, 1)]
+
+
+def teach(path: str, tokenizer, *, max_steps: int = 300) -> int:
+    """SFT on the assistant turns of the demonstration until greedy decoding reproduces them; returns the steps."""
+    from transformers import AutoModelForCausalLM
+
+    messages = demonstration()
+
+    def length(upto, generation_prompt):
+        text = tokenizer.apply_chat_template(messages[:upto], tools=[BASH], tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    ids = torch.tensor(tokenizer(tokenizer.apply_chat_template(messages, tools=[BASH], tokenize=False),
+                                 add_special_tokens=False)["input_ids"])
+    mask = torch.zeros(len(ids))
+    for turn in (2, 4):
+        mask[length(turn, True):length(turn + 1, False)] = 1.0
+    mask = mask[1:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one sequence of 250 tokens: threads only contend
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for step in range(max_steps):
+            logits = model(input_ids=ids[None]).logits[0, :-1]
+            log_probs = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0]
+            loss = -(log_probs * mask).sum() / mask.sum()
+            if bool(((logits.argmax(-1) == ids[1:]) | (mask == 0)).all()) and float(loss) < 0.05:
+                break
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        else:
+            raise AssertionError(f"the demonstration was not learned in {max_steps} steps (loss {float(loss):.3f})")
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(path, safe_serialization=True)
+    return step
 
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     tokenizer = tool_tokenizer()
-    return save_policy(tmp_path_factory.mktemp("agent_policy"), tokenizer), tokenizer
+    path = save_policy(tmp_path_factory.mktemp("agent_policy"), tokenizer)
+    teach(path, tokenizer)
+    return path, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +209,52 @@ def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, t
     assert batch.num_samples == 4 and batch.prompt_id == [0, 0, 1, 1]
     assert len(set(batch.rewards[:2])) > 1 or len(set(batch.rewards[2:])) > 1, "every group uniform: nothing to learn"
     assert metrics["test/weights_changed"] == 1.0 and metrics["rollout/agent_turns_mean"] == 2.0
+
+
+def mini_swe_agent(workdirs):
+    """mini-swe-agent's DefaultAgent, LitellmModel and LocalEnvironment as shipped, configured for the task;
+    each episode works in a fresh folder under `workdirs` (appended to `made`)."""
+    import tempfile
+    from pathlib import Path
+
+    from minisweagent.agents.default import DefaultAgent
+    from minisweagent.environments.local import LocalEnvironment
+    from minisweagent.models.litellm_model import LitellmModel
+
+    made = []
+
+    def agent(base_url: str, task: dict) -> float:
+        workdir = Path(tempfile.mkdtemp(dir=workdirs))
+        made.append(workdir)
+        model = LitellmModel(model_name="openai/policy", cost_tracking="ignore_errors",
+                             observation_template=OBSERVATION, format_error_template="{{error}}",
+                             model_kwargs={"api_base": base_url, "api_key": "unused", "temperature": 0.0,
+                                           "max_tokens": 120})
+        runner = DefaultAgent(model, LocalEnvironment(cwd=str(workdir)), system_template=SYSTEM,
+                              instance_template="{{task}}", step_limit=4, cost_limit=0)
+        result = runner.run(task["task"])
+        return float(result.get("exit_status") == "Submitted" and (workdir / "done.txt").exists())
+
+    return agent, made
+
+
+@pytest.mark.slow  # litellm's import alone is about 3 s of CPU
+def test_mini_swe_agent_solves_the_task_through_the_endpoint_and_grpo_trains_on_it(server, tmp_path, monkeypatch):
+    from stacx.rollout.agent_rollout import AgentRollout
+
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would download its price list
+    monkeypatch.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path / "mswea"))
+    monkeypatch.setenv("MSWEA_SILENT_STARTUP", "1")
+    agent, workdirs = mini_swe_agent(tmp_path)
+    rollout = AgentRollout(agent, server_url=server.url, next_tasks=lambda step: [{"task": TASK}], n_samples_per_task=2)
+    batch, metrics = train_one_grpo_step(server, rollout, tmp_path / "run", num_tasks=1, n_samples_per_task=2)
+
+    assert len(workdirs) == 2 and all((workdir / "done.txt").exists() for workdir in workdirs)
+    assert batch.rewards == [1.0, 1.0]            # each agent submitted after creating its file
+    tokens, mask = batch.tokens[0].tolist(), batch.loss_masks[0]
+    text = server.tokenizer.decode(tokens, skip_special_tokens=False)
+    assert text.endswith('{"command": "touch done.txt"}}</tool_call><eos><|user|>tool: 0<eos><|assistant|><tool_call>'
+                         '{"name": "bash", "arguments": {"command": "' + SUBMIT + '"}}</tool_call><eos>')
+    generated = server.tokenizer.decode([t for t, m in zip(tokens[-len(mask):], mask) if m], skip_special_tokens=False)
+    assert "<|user|>" not in generated and generated.count("<tool_call>") == 2   # both calls, no observation
+    assert metrics["rollout/agent_turns_mean"] == 2.0 and batch.tokens[1].tolist() == tokens
