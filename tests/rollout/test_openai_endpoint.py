@@ -217,9 +217,12 @@ def mini_swe_agent(workdirs):
     import tempfile
     from pathlib import Path
 
-    from minisweagent.agents.default import DefaultAgent
-    from minisweagent.environments.local import LocalEnvironment
-    from minisweagent.models.litellm_model import LitellmModel
+    try:
+        from minisweagent.agents.default import DefaultAgent
+        from minisweagent.environments.local import LocalEnvironment
+        from minisweagent.models.litellm_model import LitellmModel
+    except ImportError as missing:  # a failure with the fix, never a skip
+        raise ImportError("this test runs mini-swe-agent, in the test extra: pip install -e '.[test]'") from missing
 
     made = []
 
