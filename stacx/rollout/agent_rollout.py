@@ -69,7 +69,8 @@ class AgentCommand:
 
     def __call__(self, base_url: str, task: dict) -> Optional[float]:
         task_json = json.dumps(task)
-        argv = [part.format(base_url=base_url, task_json=task_json) for part in self.argv]
+        # replaced literally (not str.format): an inline script's own braces stay as they are
+        argv = [part.replace("{base_url}", base_url).replace("{task_json}", task_json) for part in self.argv]
         env = dict(os.environ, OPENAI_BASE_URL=base_url, OPENAI_API_KEY=os.environ.get("OPENAI_API_KEY", "stacx"),
                    STACX_TASK=task_json)
         done = subprocess.run(argv, env=env, cwd=self.cwd, capture_output=True, text=True, timeout=self.timeout_s)
