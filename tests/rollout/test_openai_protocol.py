@@ -91,9 +91,11 @@ def test_the_session_book_forgets_the_oldest_sessions_and_hands_turns_over_once(
     book = SessionBook(max_sessions=2)
     turn = RecordedTurn(prompt_ids=(1,), output_ids=(2,), output_log_probs=(0.0,), weight_version=0)
     for session in ("a", "b", "c"):
-        book.record(session, SessionTurn(turn))
-    assert book.turns("a") == [] and book.turns("c") == [turn]
-    assert book.turns("c", remove=True) == [turn] and book.turns("c") == []
+        book.record(session, SessionTurn(turn, messages=[{"role": "user", "content": session}]))
+    book.record("c", SessionTurn(turn, messages=[]))
+    assert book.turns("a") == [] and book.turns("c") == [turn, turn]
+    assert book.last("c").messages == [] and book._sessions["c"][0].messages is None  # older turns keep ids only
+    assert book.turns("c", remove=True) == [turn, turn] and book.turns("c") == []
 
 
 def test_a_failing_episode_keeps_its_turns_with_reward_zero_and_a_missing_reward_is_an_error(monkeypatch):

@@ -59,7 +59,8 @@ class SessionTurn:
 
 
 class SessionBook:
-    """The recorded turns of every session, oldest sessions dropped beyond `max_sessions` (thread-safe)."""
+    """The recorded turns of every session, oldest sessions dropped beyond `max_sessions` (thread-safe).
+    Only the last turn of a session keeps its messages (a request can only continue that one)."""
 
     def __init__(self, *, max_sessions: int = 4096, max_turns_per_session: int = 4096):
         self.max_sessions = max_sessions
@@ -79,6 +80,8 @@ class SessionBook:
             if len(turns) >= self.max_turns_per_session:
                 raise ValueError(f"session {session_id}: more than {self.max_turns_per_session} turns; "
                                  "start a new session (a new base URL) per episode")
+            if turns:  # only the last turn is ever continued: drop what the older ones kept for that
+                turns[-1] = SessionTurn(turns[-1].turn)
             turns.append(turn)
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
