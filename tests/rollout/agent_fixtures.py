@@ -66,8 +66,8 @@ def train_one_grpo_step(server, rollout, out, *, num_tasks: int, n_samples_per_t
     role = training_config.roles[0]
     runtime = RoleRuntime(role, run_config, algorithm, server.engine.groups, rank=0)
     trainer = StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm,
-                           roles={role.name: LocalRoleGroup(runtime, role.name)}, channel=TorchrunChannel(), data=None)
-    trainer.step_rollout = rollout
+                           roles={role.name: LocalRoleGroup(runtime, role.name)}, channel=TorchrunChannel(), data=None,
+                           step_rollout=rollout)
     seen = []
     fill = trainer.fill_forward_fields
 
