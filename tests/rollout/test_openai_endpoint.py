@@ -170,6 +170,9 @@ def test_completions_return_the_engine_ids_and_continue_a_session_prompt(server,
     client.completions.create(model="policy", prompt="count: 1 2" + first.choices[0].text + " 3", max_tokens=3, seed=8)
     turns = recorded(server, "text-1")
     assert turns[1].prompt_ids[:len(turns[0].prompt_ids) + len(ids)] == turns[0].prompt_ids + tuple(ids)
+    assert client_for(server).models.list().data[0].owned_by == "stacx"
+    paths = requests.get(f"{server.url}/openapi.json", timeout=30).json()["paths"]
+    assert {"/v1/completions", "/sessions/{session_id}/v1/chat/completions", "/stacx/sessions/{session_id}"} <= set(paths)
 
 
 @pytest.mark.parametrize("field, value, named", [
@@ -186,7 +189,6 @@ def test_unsupported_requests_get_a_400_naming_the_field(server, field, value, n
     bad_session = requests.post(f"{server.url}/sessions/a%20b/v1/chat/completions",
                                 json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
     assert bad_session.status_code == 400 and "session id" in bad_session.json()["error"]
-    assert client_for(server).models.list().data[0].owned_by == "stacx"
 
 
 def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, tmp_path):

@@ -70,7 +70,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from stacx.rollout.engines.aborts import AbortBook
 from stacx.rollout.engines.cpu import GenerationCancelled
 from stacx.rollout.engines.http import BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_RELEASE_ENDPOINT, SHM_STAGING_ENDPOINT
-from stacx.rollout.engines.openai_endpoints import OpenAIEndpoints
 from stacx.rollout.engines.http_guard import (
     ConnectionCounter,
     HttpError,
@@ -79,6 +78,7 @@ from stacx.rollout.engines.http_guard import (
     check_bearer_token,
     guarded_h11_protocol,
 )
+from stacx.rollout.engines.openai_endpoints import OpenAIEndpoints
 from stacx.rollout.engines.request_bodies import content_length, read_body_into, read_json
 from stacx.rollout.engines.sglang_protocol import parse_abort_payload, parse_generate_payload, render_generate_item
 from stacx.rollout.engines.weight_versions import StaleWeightsError, WeightVersionGate
