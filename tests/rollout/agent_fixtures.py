@@ -88,4 +88,12 @@ def train_one_grpo_step(server, rollout, out, *, num_tasks: int, n_samples_per_t
     assert torch.isfinite(torch.tensor(metrics["policy/loss"]))
     metrics["test/weights_changed"] = float(any(not torch.equal(a, b.detach())
                                                 for a, b in zip(before, runtime.model.parameters())))
-    return batch, metrics
+    return batch, metrics, runtime
+
+
+def engine_weight_buckets(model, groups) -> list[list]:
+    """A copy of a model's weights as Hugging Face-named buckets (what a weight push streams)."""
+    from stacx.models import iter_hf_weight_buckets
+
+    return [[(name, tensor.detach().clone()) for name, tensor in bucket]  # a bucket may view the parameters
+            for bucket in iter_hf_weight_buckets(model, groups, bucket_bytes=1 << 20)]

@@ -13,7 +13,13 @@ import pytest
 import requests
 import torch
 
-from tests.rollout.agent_fixtures import BASH_TOOL, save_policy, tool_tokenizer, train_one_grpo_step
+from tests.rollout.agent_fixtures import (
+    BASH_TOOL,
+    engine_weight_buckets,
+    save_policy,
+    tool_tokenizer,
+    train_one_grpo_step,
+)
 
 try:
     import openai
@@ -207,10 +213,24 @@ def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, t
     tasks = [{"question": "1+1?"}, {"question": "2*3?"}]
     rollout = AgentRollout(agent, server_url=server.url, next_tasks=lambda step: tasks, n_samples_per_task=2,
                            max_parallel_episodes=4)
-    batch, metrics = train_one_grpo_step(server, rollout, tmp_path, num_tasks=2, n_samples_per_task=2)
+    batch, metrics, runtime = train_one_grpo_step(server, rollout, tmp_path, num_tasks=2, n_samples_per_task=2)
     assert batch.num_samples == 4 and batch.prompt_id == [0, 0, 1, 1]
     assert len(set(batch.rewards[:2])) > 1 or len(set(batch.rewards[2:])) > 1, "every group uniform: nothing to learn"
     assert metrics["test/weights_changed"] == 1.0 and metrics["rollout/agent_turns_mean"] == 2.0
+
+    # The trained weights reach the engine as version 1 (what the loop's weight push does): the next turn
+    # is recorded under that policy version. The engine gets its own weights back afterwards (version 2).
+    engine = server.engine
+    served = engine_weight_buckets(engine.model, engine.groups)
+    engine.update_weights(engine_weight_buckets(runtime.model, runtime.groups), version=engine.weight_version() + 1)
+    try:
+        answer = client_for(server, "after-step").chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "1+1?"}], max_tokens=3)
+        (turn,) = recorded(server, "after-step")
+        assert turn.weight_version == engine.weight_version() >= 1
+        assert answer.system_fingerprint == f"weights-v{turn.weight_version}"
+    finally:
+        engine.update_weights(served, version=engine.weight_version() + 1)
 
 
 def mini_swe_agent(workdirs):
@@ -252,7 +272,7 @@ def test_mini_swe_agent_solves_the_task_through_the_endpoint_and_grpo_trains_on_
     monkeypatch.setenv("MSWEA_SILENT_STARTUP", "1")
     agent, workdirs = mini_swe_agent(tmp_path)
     rollout = AgentRollout(agent, server_url=server.url, next_tasks=lambda step: [{"task": TASK}], n_samples_per_task=2)
-    batch, metrics = train_one_grpo_step(server, rollout, tmp_path / "run", num_tasks=1, n_samples_per_task=2)
+    batch, metrics, _ = train_one_grpo_step(server, rollout, tmp_path / "run", num_tasks=1, n_samples_per_task=2)
 
     assert len(workdirs) == 2 and all((workdir / "done.txt").exists() for workdir in workdirs)
     assert batch.rewards == [1.0, 1.0]            # each agent submitted after creating its file
