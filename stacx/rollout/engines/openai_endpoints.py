@@ -103,8 +103,8 @@ class OpenAIEndpoints:
         prompt_ids, _ = chat_prompt_ids(tokenizer, chat.messages, chat.tools, previous)
         output = await self._generate(request, prompt_ids, chat.sampling)
         text = tokenizer.decode(list(output.output_ids), skip_special_tokens=True)
-        parsed = parse_tool_calls(text, tool_call_style_for(tokenizer)) if chat.tools and chat.use_tools \
-            else ParsedToolCalls(content=text)
+        parsed = parse_tool_calls(text, self._tool_call_style()) if chat.tools and chat.use_tools \
+            else ParsedToolCalls(content=text, calls=(), errors=())
         answer = render_chat_response(output, parsed, num_prompt_tokens=len(prompt_ids), model=self.model_name,
                                       token_texts=self._token_texts(output) if chat.logprobs else None)
         if session_id:
@@ -135,6 +135,13 @@ class OpenAIEndpoints:
             raise ValueError(f"{endpoint} needs a server with a tokenizer (saved in its --hf-checkpoint folder, "
                              "with a chat template for chat completions)")
         return self.server.tokenizer
+
+    def _tool_call_style(self) -> str:
+        try:
+            return tool_call_style_for(self.server.tokenizer)
+        except ValueError as err:
+            raise ValueError(f"/v1/chat/completions: 'tools' were given, but the served tokenizer's chat template "
+                             f"does not show how the model writes tool calls ({err})") from None
 
     @staticmethod
     def _session_of(request: "Request") -> Optional[str]:
