@@ -37,7 +37,7 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -92,7 +92,10 @@ class StacxTrainer:
                  make_metrics_logger: Optional[Callable[[int], MetricsLogger]] = None,
                  on_failure: Callable[[], None] = lambda: None, on_close: Callable[[], None] = lambda: None,
                  close_engine_clients: Callable[[], None] = lambda: None,
-                 exchanges: Optional[Mapping[str, ExchangeGroup]] = None):
+                 exchanges: Optional[Mapping[str, ExchangeGroup]] = None, step_rollout: Optional[Any] = None):
+        """step_rollout: where the driver's samples come from instead of a StepRollout over `rollout` and
+        `data` (anything with `collect(step)` and `evaluate_if_due(step)`, e.g. an external agent's
+        sessions, stacx.rollout.agent_rollout.AgentRollout); weights still go to `rollout`'s engine."""
         self.run_config = run_config
         self.training_config = training_config
         self.algorithm = as_algorithm_config(algorithm, "StacxTrainer(algorithm=...)")
@@ -119,7 +122,11 @@ class StacxTrainer:
         # values: rank messages carry no rollout types).
         shared = channel.share((rollout.engine_kind, tuple(rollout.urls), rollout.api_key) if rollout is not None else None)
         self.engine_target: Optional[EngineTarget] = EngineTarget(*shared) if shared is not None else None
-        self.step_rollout = self._build_step_rollout() if rollout is not None and channel.is_driver else None
+        if step_rollout is not None and run_config.rollout.rollout_mode == "async":
+            raise ValueError("--rollout-mode async draws its own prompts; a given step_rollout (an agent's sessions) "
+                             "needs --rollout-mode sync")
+        self.step_rollout = step_rollout if step_rollout is not None else (
+            self._build_step_rollout() if rollout is not None and channel.is_driver else None)
         """The driver's `rollout_steps.StepRollout`: roll-ins, DAPO shaping and sampling, eval, rollout dumps."""
         self.mini_batches = resolve_mini_batch_schedule(run_config.rollout, run_config.train,
                                                         data_source=training_config.data_source)
@@ -263,7 +270,8 @@ class StacxTrainer:
 
     def collect_batch(self, step: int) -> tuple[StepBatch, dict]:
         """(step batch, rollout metrics), on the driver: async mode takes the scheduler's batch of `step`."""
-        if self.training_config.data_source == "dataset" or self.data.kind == "trajectory":
+        # data is None when the step rollout draws its own tasks (stacx.rollout.agent_rollout.AgentRollout)
+        if self.training_config.data_source == "dataset" or (self.data is not None and self.data.kind == "trajectory"):
             batch = self.data.next_dataset_batch()
             lengths = batch.response_lengths
             return batch, {"data/response_length_mean": sum(lengths) / len(lengths)}
