@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import subprocess
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -34,10 +35,11 @@ from typing import Callable, Optional, Sequence, Union
 
 import requests
 
+from stacx.objectives.discovery import resolve_callable
 from stacx.rollout.agent_trajectories import RecordedTurn, assemble_trajectories
 from stacx.rollout.manager import Sample
 
-__all__ = ["Agent", "AgentCommand", "AgentRollout", "session_base_url"]
+__all__ = ["Agent", "AgentCommand", "AgentRollout", "agent_from_settings", "last_turn_reward", "session_base_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,29 @@ class AgentCommand:
             return None
         reward = last.get("reward") if isinstance(last, dict) else None
         return float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
+
+
+def agent_from_settings(agent: Optional[str], agent_command: Optional[str]) -> Union[Agent, AgentCommand]:
+    """The run's agent: `--agent file.py:function | module:function`, or `--agent-command "program args"`."""
+    if agent and agent_command:
+        raise ValueError("--agent and --agent-command are both set; give one (a Python function, or a program)")
+    if agent:
+        return resolve_callable(agent, flag="--agent")
+    if agent_command:
+        return AgentCommand(argv=tuple(shlex.split(agent_command)))
+    raise ValueError("no agent: set --agent file.py:function or --agent-command 'program args'")
+
+
+def last_turn_reward(reward_fn: Callable[[str, object, dict], float], decode: Callable[[Sequence[int]], str]) -> RewardFn:
+    """An episode reward from a run's reward function (`--reward-fn`): the last sample's last turn,
+    decoded, against the task's label and metadata."""
+
+    def score(task: dict, samples: Sequence[Sample]) -> float:
+        last = samples[-1]
+        answer = decode(last.response_ids[last.metadata.get("last_turn_start", 0):])
+        return float(reward_fn(answer, task.get("label"), task.get("metadata") or {}))
+
+    return score
 
 
 class AgentRollout:

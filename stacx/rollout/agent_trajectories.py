@@ -70,7 +70,8 @@ def assemble_trajectories(turns: Sequence[RecordedTurn], *, group_index: int = 0
     """The session's turns, in order, as one `Sample` per unbroken run of turns (module doc).
 
     Each sample's `weight_version` is the oldest version among its turns; `metadata` holds
-    `turn_weight_versions` (one per turn) and `num_turns`."""
+    `turn_weight_versions` (one per turn), `num_turns` and `last_turn_start` (where the last turn's
+    output begins in `response_ids`: what a reward of the final answer reads)."""
     samples: list[Sample] = []
     previous = None
     for turn in turns:
@@ -85,6 +86,7 @@ def assemble_trajectories(turns: Sequence[RecordedTurn], *, group_index: int = 0
             sample.rollout_log_probs += [0.0] * len(between)
             sample.loss_mask += [0] * len(between)
             sample.executors += [int(Executor.ENVIRONMENT)] * len(between)
+        sample.metadata["last_turn_start"] = len(sample.response_ids)
         sample.response_ids += turn.output_ids
         sample.rollout_log_probs += turn.output_log_probs
         sample.loss_mask += [1] * len(turn.output_ids)

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from stacx.objectives import import_builtin_and_custom_modules, load_custom_modules
 from stacx.rollout.async_rollout import check_async_supported
+from stacx.trainer.config.checks import check_agent_supported
 from stacx.rollout.rollin import check_supported
-from stacx.rollout.service import RolloutService, load_tokenizer
+from stacx.rollout.service import RolloutService, load_tokenizer, resolve_engine_kind
 from stacx.trainer.batch import StepDataSource
 from stacx.trainer.checkpoint import verify_start_folders
 from stacx.trainer.preflight import replays_trajectories
@@ -115,6 +116,7 @@ def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None)
     run_config = with_resolved_mini_batches(run_config, training_config.data_source)  # what every rank reads
     check_supported(training_config, run_config)
     check_async_supported(run_config, training_config, algorithm)
+    check_agent_supported(run_config, training_config, resolve_engine_kind(run_config.rollout.rollout_engine))
     verify_start_folders(run_config.model, training_config)  # once, here, rather than on every worker
     connection = connect_ray(run_config.parallel.ray_address)
     graph, rollout = None, None

@@ -46,7 +46,9 @@ from stacx.objectives import get_advantage
 from stacx.objectives.advantages_returns import gae_returns
 from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
 from stacx.parallel.reduction import StepCounts, count_loss_tokens
+from stacx.rollout.agent_rollout import AgentRollout, agent_from_settings, last_turn_reward
 from stacx.rollout.async_rollout import AsyncRollout, importance_weight_metrics
+from stacx.rollout.rewards import resolve_reward_fn
 from stacx.rollout.step_rollout import StepRollout
 from stacx.rollout.types import EngineTarget
 from stacx.rollout.service import RolloutService
@@ -298,8 +300,26 @@ class StacxTrainer:
         self.async_rollout.start()
 
     def _build_step_rollout(self):
+        section = self.run_config.rollout
+        if section.agent or section.agent_command:
+            return self._build_agent_rollout()
         return StepRollout(self.rollout, self.data, run_config=self.run_config, training_config=self.training_config,
                            algorithm=self.algorithm)
+
+    def _build_agent_rollout(self) -> AgentRollout:
+        """--agent / --agent-command: each prompt row is a task the user's agent runs n_samples_per_prompt
+        times against the engine's OpenAI-compatible endpoint; its recorded turns are the samples."""
+        section, tokenizer = self.run_config.rollout, self.rollout.tokenizer
+
+        def next_tasks(step: int) -> list[dict]:
+            return [{"prompt": tokenizer.decode(example.prompt_ids), "label": example.label,
+                     "metadata": dict(example.metadata), "source": example.source}
+                    for example in self.data.next_examples(self.data.batch_size)]
+
+        return AgentRollout(agent_from_settings(section.agent, section.agent_command), server_url=self.rollout.url,
+                            next_tasks=next_tasks, n_samples_per_task=section.n_samples_per_prompt,
+                            reward_fn=last_turn_reward(resolve_reward_fn(section.reward_fn), tokenizer.decode),
+                            max_parallel_episodes=section.agent_max_parallel_episodes)
 
     def shaped_rewards(self, batch: StepBatch) -> list[float]:
         """opd_rl: R_i - teacher_kl_coef * sum_t m_it (log pi(a_t) - log pi_teacher(a_t)) (rollout log-probs)."""

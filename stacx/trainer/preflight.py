@@ -49,12 +49,12 @@ from stacx.rollout.data import MalformedRowError
 from stacx.rollout.http_client import API_KEY_ENV
 from stacx.rollout.rewards import resolve_reward_fn
 from stacx.rollout.rollin import check_supported
-from stacx.rollout.service import load_tokenizer
+from stacx.rollout.service import load_tokenizer, resolve_engine_kind
 from stacx.specializations.actor import correction_names
 from stacx.tasks.data import is_builtin, parse_builtin_spec, resolve_builtin_data
 from stacx.trainer.batch import StepDataSource
 from stacx.trainer.checkpoint import CheckpointError, check_save_folder, read_manifest, resolve_checkpoint_folder
-from stacx.trainer.config.checks import PreflightError
+from stacx.trainer.config.checks import PreflightError, check_agent_supported
 from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
 from stacx.trainer.config.mini_batches import resolve_mini_batch_schedule
 from stacx.trainer.config.run import CUSTOM_HYPERPARAMETERS_KEY, ConfigError, RunConfig
@@ -275,6 +275,7 @@ def check_rollout_mode(run_config: RunConfig, training_config: TrainingConfig, a
         check_async_supported(run_config, training_config, algorithm)
     except ValueError as err:
         raise PreflightError(str(err)) from None
+    check_agent_supported(run_config, training_config, resolve_engine_kind(run_config.rollout.rollout_engine))
 
 
 def check_custom_modules(run_config: RunConfig) -> None:

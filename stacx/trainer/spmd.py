@@ -20,6 +20,7 @@ from stacx.parallel.groups import destroy_parallel_layout, init_distributed_from
 from stacx.rollout.async_rollout import check_async_supported
 from stacx.rollout.rollin import check_supported
 from stacx.rollout.service import resolve_engine_kind
+from stacx.trainer.config.checks import check_agent_supported
 from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
 from stacx.trainer.checkpoint import verify_start_folders
 from stacx.trainer.cluster.node_interface import bind_collectives_to_node, local_address_toward
@@ -52,6 +53,7 @@ def build_spmd_trainer(run_config: RunConfig):
     check_supported(training_config, run_config)
     check_async_supported(run_config, training_config, algorithm, torchrun=True,
                           engine_kind=resolve_engine_kind(run_config.rollout.rollout_engine))
+    check_agent_supported(run_config, training_config, resolve_engine_kind(run_config.rollout.rollout_engine))
     verify_start_folders(run_config.model, training_config)
     parallel = run_config.parallel
     if "MASTER_ADDR" in os.environ:  # gloo/NCCL listen on the interface toward the master, not the host name's

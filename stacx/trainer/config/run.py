@@ -79,6 +79,17 @@ class RolloutSection:
     """'cpu' (in-process), 'sglang', 'http' (attach to rollout_urls) or 'auto' (sglang on GPU, else cpu)."""
     rollout_urls: tuple[str, ...] = ()
     """URLs of running inference servers to attach to."""
+    agent: str | None = None
+    """Bring your own scaffold: 'path/to/file.py:function' or 'module:function', called once per episode as
+    function(base_url, task) -> reward (or None: --reward-fn scores the last turn). It talks to the
+    run's engine through the OpenAI-compatible base URL it is given; its turns are trained on
+    (docs/openai-endpoint.md). `task` is the prompt row: prompt, label and metadata."""
+    agent_command: str | None = None
+    """Bring your own scaffold as a program: a command line run once per episode ('{base_url}' and
+    '{task_json}' are replaced; OPENAI_BASE_URL and STACX_TASK are set); a last stdout line
+    {"reward": x} is the episode's reward, else --reward-fn scores the last turn."""
+    agent_max_parallel_episodes: int = 8
+    """Agent episodes run at once (--agent / --agent-command)."""
     prompt_data: str | None = None
     """JSONL or Parquet file of prompts, or 'builtin:<task>' for a built-in task."""
     input_key: str = "prompt"
@@ -327,7 +338,7 @@ FIELD_MINIMUMS: dict[str, int | float] = {
     "teacher_retries": 0, "lr_warmup_steps": 0, "num_steps": 0, "max_tokens_per_micro_batch": 1,
     "save_interval": 0, "exchange_every_n_steps": 0,
     "global_batch_size": 1, "num_steps_per_rollout": 1, "num_epochs": 1, "skip_nonfinite_steps": 0, "reward_timeout_s": 0.001,
-    "max_staleness": 0,
+    "max_staleness": 0, "agent_max_parallel_episodes": 1,
 }
 """Smallest allowed value of numeric run-config fields, checked when a value is given (file or flag)."""
 
