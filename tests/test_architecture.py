@@ -1,8 +1,9 @@
 """The package table of docs/architecture.md holds for every import in stacx/, and no import cycle exists.
 
 Imports are read from the source (ast), function-local ones included: an import deferred into a
-function still ties the two modules together. Imports under `if TYPE_CHECKING:` are annotations
-only and are skipped.
+function still ties the two modules together. Imports under `if TYPE_CHECKING:` count for the table
+too (a type named in a signature is still a dependency on its package: the rollout once annotated
+with the trainer's run config); only the cycle check skips them, since they never run.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imported_modules(name: str, path: Path) -> list[tuple[str, int, bool]]:
-    """(imported stacx module, line, function-local) for every import of `name`'s source."""
+def imported_modules(name: str, path: Path, *, annotations: bool = True) -> list[tuple[str, int, bool]]:
+    """(imported stacx module, line, function-local) for every import of `name`'s source; those under
+    `if TYPE_CHECKING:` only with `annotations`."""
     found: list[tuple[str, int, bool]] = []
     is_package = path.name == "__init__.py"
 
@@ -46,7 +48,7 @@ def imported_modules(name: str, path: Path) -> list[tuple[str, int, bool]]:
         return ".".join(base + ([node.module] if node.module else []))
 
     def visit(node: ast.AST, local: bool) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not annotations:
             for child in node.orelse:
                 visit(child, local)
             return
@@ -112,6 +114,8 @@ def row_of(module: str) -> tuple[str, list[str] | None]:
 
 
 IMPORTS = {name: imported_modules(name, path) for name, path in MODULES.items()}
+RUNTIME_IMPORTS = {name: imported_modules(name, path, annotations=False) for name, path in MODULES.items()}
+"""The imports that run (TYPE_CHECKING ones left out): what an import cycle is made of."""
 
 
 def test_the_table_names_real_packages_and_covers_every_module():
@@ -187,7 +191,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_there_are_no_import_cycles_not_even_through_function_local_imports():
     edges = {module: set() for module in MODULES}
-    for module, imports in IMPORTS.items():
+    for module, imports in RUNTIME_IMPORTS.items():
         for imported, _, _ in imports:
             target = owning_module(imported)
             if target != module:
@@ -201,12 +205,24 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"b"}}) is None
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from stacx.trainer import checkpoint\n", [("stacx.trainer.checkpoint", 1, False)]),
-    ("def f():\n    import stacx.models\n", [("stacx.models", 2, True)]),
-    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import stacx.launch\n", []),
+TYPE_CHECKING_SOURCE = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import stacx.launch\n"
+
+
+@pytest.mark.parametrize("source, annotations, expected", [
+    ("from stacx.trainer import checkpoint\n", True, [("stacx.trainer.checkpoint", 1, False)]),
+    ("def f():\n    import stacx.models\n", True, [("stacx.models", 2, True)]),
+    (TYPE_CHECKING_SOURCE, True, [("stacx.launch", 3, False)]),
+    (TYPE_CHECKING_SOURCE, False, []),
 ])
-def test_imports_are_read_with_function_local_ones(tmp_path, source, expected):
+def test_imports_are_read_with_function_local_and_annotation_ones(tmp_path, source, annotations, expected):
     path = tmp_path / "probe.py"
     path.write_text(source)
-    assert imported_modules("stacx.probe", path) == expected
+    assert imported_modules("stacx.probe", path, annotations=annotations) == expected
+
+
+def test_the_rollout_imports_nothing_of_the_trainer_not_even_for_annotations():
+    """The rollout receives the sections and the plan it reads (`stacx.rollout.sections`, `.plan`)."""
+    upward = [f"{MODULES[module].relative_to(REPO)}:{line}: {imported}"
+              for module, imports in IMPORTS.items() if within(module, "stacx.rollout")
+              for imported, line, _ in imports if within(imported, "stacx.trainer") or within(imported, "stacx.launch")]
+    assert not upward, "the rollout imports the trainer:\n" + "\n".join(upward)

@@ -67,6 +67,7 @@ from stacx.trainer.config.layout import RoleLayout
 from stacx.trainer.config.mini_batches import mini_batch_indices, resolve_mini_batch_schedule, sample_groups
 from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
 from stacx.trainer.config.resolve import check_resumed_algorithm, resolved_run_config_dict
+from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.exchange import ExchangeSchedule
 from stacx.trainer.heartbeat import Heartbeat
@@ -289,8 +290,9 @@ class StacxTrainer:
         self.async_rollout.start()
 
     def _build_step_rollout(self):
-        return StepRollout(self.rollout, self.data, run_config=self.run_config, training_config=self.training_config,
-                           algorithm=self.algorithm)
+        return StepRollout(self.rollout, self.data, rollout=self.run_config.rollout,
+                           plan=rollout_plan(self.training_config, self.run_config), algorithm=self.algorithm,
+                           out_dir=self.run_config.logging.out)
 
     def shaped_rewards(self, batch: StepBatch) -> list[float]:
         """opd_rl: R_i - teacher_kl_coef * sum_t m_it (log pi(a_t) - log pi_teacher(a_t)) (rollout log-probs)."""
