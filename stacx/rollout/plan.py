@@ -29,8 +29,8 @@ class RolloutPlan:
     """The recipe's roll-in protocol ('beta_mixture', 'aggrevate', 'teacher_relabel'): the teacher
     acts in some turns; None: the student acts in every turn."""
     rollin: Optional[RollInSpec] = None
-    """The resolved roll-in (mode and schedule) of a rollout run; None when the run samples nothing
-    or replays a teacher trajectory corpus instead."""
+    """The resolved roll-in (mode and schedule; 'student' without a protocol); None when the run
+    replays a teacher trajectory corpus instead of sampling."""
 
     @property
     def samples_rollouts(self) -> bool:

@@ -91,8 +91,8 @@ class StepRollout:
         """rollout: the run's rollout section; plan: the recipe's view (the trainer's `rollout_plan`);
         out_dir: where rollouts.jsonl is written (--out)."""
         if plan.rollin is None:
-            raise ValueError(f"recipe {plan.recipe!r}: this run samples no rollouts (data source {plan.data_source!r} "
-                             "or a replayed trajectory corpus)")
+            raise ValueError(f"recipe {plan.recipe!r}: this run replays a teacher trajectory corpus "
+                             "(dagger_sft_mode 'trajectory') and samples no rollouts")
         self.service = service
         self.data = data
         self.rollout = rollout
