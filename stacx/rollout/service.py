@@ -139,7 +139,8 @@ class RolloutService:
 
     @classmethod
     def start(cls, rollout: RolloutSection, teacher_section: TeacherSection, *, plan: RolloutPlan,
-              hf_checkpoint: Optional[str], tokenizer=None, launched: Optional[LaunchedEngine] = None) -> "RolloutService":
+              hf_checkpoint: Optional[str], tokenizer=None,
+              launched: Optional[LaunchedEngine] = None) -> "RolloutService":
         """Start or attach the engine named by `rollout.rollout_engine` for a run of `plan`, serving
         `hf_checkpoint`; `launched`: the servers `launch_beside_workers` already started for this run
         (stopped here if anything fails)."""

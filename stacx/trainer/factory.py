@@ -89,7 +89,8 @@ def build_driver_side(run_config: RunConfig, training_config: TrainingConfig, *,
         raise
     rollout = None
     if training_config.data_source == "rollout" and data.kind != "trajectory":
-        rollout = RolloutService.start(run_config.rollout, run_config.teacher, plan=rollout_plan(training_config, run_config),
+        rollout = RolloutService.start(run_config.rollout, run_config.teacher,
+                                       plan=rollout_plan(training_config, run_config),
                                        hf_checkpoint=run_config.model.hf_checkpoint, tokenizer=tokenizer,
                                        launched=launched)
     elif launched is not None:

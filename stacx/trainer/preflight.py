@@ -9,7 +9,8 @@ What it checks (each failure is one paragraph naming the flag and the fix):
 - --save does not hold another run's checkpoints (unless --load resumes it or --overwrite);
 - a recipe that scores rollouts with a teacher has --teacher-url (or a trajectory corpus to replay),
   the teacher answers `/health` within TEACHER_TIMEOUT_S, and its vocabulary matches the student's;
-  --rollout-engine is a registered engine kind, and one that attaches (http) has --rollout-urls; --reward-fn resolves; --wandb-project has the wandb package;
+  --rollout-engine is a registered engine kind, and one that attaches (http) has --rollout-urls;
+  --reward-fn resolves; --wandb-project has the wandb package;
 - the advantage estimator is registered, and no custom key is a misspelling of a knob the run's
   kernels declare (`check_objective_names`);
 - --tensor-model-parallel-size and --context-parallel-size divide the model's attention heads

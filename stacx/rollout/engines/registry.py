@@ -8,8 +8,9 @@ the rollout service and the policy ranks' weight pushes ask.
         def __init__(self, url: str, *, api_key: str | None = None): ...
 
 A kind declares, where it is registered:
-- its **client**: `client(url, *, api_key=None)` -> `InferenceEngine`, the driver's generation
-  client and the policy ranks' weight-push client for one server of the kind;
+- its **client**: `client(url, *, api_key=None, retry=RetryPolicy())` -> `InferenceEngine`, the
+  driver's generation client and the policy ranks' weight-push client for one server of the kind
+  (`retry`: `stacx eval` passes a longer timeout; subclassing `HttpEngine` gives all of this);
 - its **launcher** (optional): `launcher(ServerLaunch) -> LaunchedServers`
   (`stacx.rollout.engines.launchers`), the servers a run starts; a kind without one attaches to
   the running servers of `--rollout-urls`;
@@ -40,12 +41,14 @@ from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch, launch_cpu_server, launch_sglang_servers
 from stacx.rollout.engines.sglang import SglangEngine
+from stacx.rollout.http_client import RetryPolicy
 
 AUTO = "auto"
 """Not a kind: 'sglang' when CUDA is present, else 'cpu'."""
 
 EngineClient = Callable[..., InferenceEngine]
-"""`client(url, *, api_key=None)` -> the InferenceEngine for one server (usually the client class)."""
+"""`client(url, *, api_key=None, retry=RetryPolicy())` -> the InferenceEngine for one server (usually
+the client class)."""
 Launcher = Callable[[ServerLaunch], LaunchedServers]
 C = TypeVar("C", bound=EngineClient)
 
@@ -56,7 +59,7 @@ class EngineKind:
 
     name: str
     client: EngineClient
-    """`client(url, *, api_key=None)`: the InferenceEngine talking to one server of this kind."""
+    """`client(url, *, api_key=None, retry=RetryPolicy())`: the InferenceEngine talking to one server of this kind."""
     launcher: Optional[Launcher] = None
     """Starts the run's servers; None: the run attaches to `--rollout-urls`."""
     owns_secret: bool = True
@@ -77,9 +80,13 @@ class EngineKind:
         """The run starts no server of this kind: it attaches to `--rollout-urls`."""
         return self.launcher is None
 
-    def connect(self, url: str, *, api_key: Optional[str] = None) -> InferenceEngine:
-        """The client for the server at `url`; `api_key` is the server's secret."""
-        return self.client(url, api_key=api_key)
+    def connect(self, url: str, *, api_key: Optional[str] = None,
+                retry: Optional[RetryPolicy] = None) -> InferenceEngine:
+        """The client for the server at `url`; `api_key` is the server's secret; `retry` replaces the
+        client's default timeouts and attempts."""
+        if retry is None:
+            return self.client(url, api_key=api_key)
+        return self.client(url, api_key=api_key, retry=retry)
 
 
 _KINDS: dict[str, EngineKind] = {}
@@ -134,7 +141,7 @@ def resolve_engine_kind(name: str, *, flag: str = "--rollout-engine") -> EngineK
     if name not in _KINDS:
         close = difflib.get_close_matches(str(name), known, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"{flag} {name!r} (rollout_engine) is not a registered engine kind; {hint}known: "
+        raise ValueError(f"{flag} {name!r} is not a registered engine kind; {hint}known: "
                          f"{[AUTO, *known]}. Register a new kind with @register_engine in a --custom-module file "
                          "(docs/adding-an-engine.md)")
     return _KINDS[name]
