@@ -3,7 +3,7 @@
 The public front door: everything a user writes a recipe, an objective or a run config with.
 
     from stacx import recipe, TrainingConfig, ModelRole, InjectSync, ExchangeSync
-    from stacx import register_advantage, register_policy_loss, register_reward, StacxConfig
+    from stacx import register_advantage, register_policy_loss, register_reward, register_engine, StacxConfig
 
 Each name is imported on first use, so `import stacx` stays light (no torch, Ray or megatron-core).
 """
@@ -25,6 +25,7 @@ _PUBLIC = {
     "register_advantage": "stacx.objectives.registry",
     "register_policy_loss": "stacx.objectives.registry",
     "register_reward": "stacx.rollout.rewards",
+    "register_engine": "stacx.rollout.engines.registry",
     "StacxConfig": "stacx.trainer.config.python",
 }
 """Public name -> the module that defines it."""
