@@ -50,6 +50,7 @@ from stacx.rollout.continuation import continuation_request, join_outputs
 from stacx.rollout.dagger import Executor
 from stacx.rollout.manager import Sample
 from stacx.rollout.data import ExampleSource
+from stacx.rollout.engines.registry import resolve_engine_kind
 from stacx.rollout.plan import RolloutPlan
 from stacx.rollout.rollin import has_environment
 from stacx.rollout.sections import RolloutSection
@@ -61,8 +62,6 @@ if TYPE_CHECKING:  # annotations only
 
 logger = logging.getLogger(__name__)
 
-ENGINES_IN_OWN_PROCESS = ("cpu", "http")
-"""Engine kinds a torchrun job can run asynchronously: a `stacx serve` child ('cpu') or attached servers."""
 CLOSE_TIMEOUT_S = 30.0
 """How long `close` waits for the producer thread after aborting its requests."""
 GROUP_CALL_THREADS = 64
@@ -103,7 +102,9 @@ def check_async_supported(rollout: RolloutSection, plan: RolloutPlan, algorithm:
         raise ValueError("--rollout-mode async does not combine with dynamic sampling yet (--dynamic-sampling or "
                          "filter_zero_variance_groups: dropping groups would change which prompts a step trains); "
                          f"drop dynamic sampling or {drop}")
-    if torchrun and engine_kind is not None and engine_kind not in ENGINES_IN_OWN_PROCESS:
+    # A torchrun job runs asynchronously with an engine in its own process (a `stacx serve` child, attached
+    # servers), not one whose launcher places its servers on a Ray cluster.
+    if torchrun and engine_kind is not None and resolve_engine_kind(engine_kind).launches_on_ray:
         raise ValueError(f"--rollout-mode async under torchrun needs a rollout engine in its own process: "
                          f"--rollout-engine cpu (a `stacx serve` child of rank 0) or --rollout-engine http "
                          f"--rollout-urls (running servers); this run's engine is {engine_kind!r}. Attach the "

@@ -18,7 +18,9 @@ A kind declares, where it is registered:
   client sends it); otherwise the clients send the driver's STACX_API_KEY, if set;
 - **starts_beside_workers**: the launcher returns at once and the servers load while the role
   workers start (the CPU engine); False: they are launched after the workers hold their
-  resources (SGLang's GPUs).
+  resources (SGLang's GPUs);
+- **launches_on_ray**: the launcher places the servers on the Ray cluster (SGLang's), so a
+  torchrun job cannot overlap it with training (`--rollout-mode async`).
 
 Built-ins: 'cpu' (`stacx serve` as a child of the driver), 'http' (attach to --rollout-urls),
 'sglang' (SGLang servers on the Ray cluster's GPUs). 'auto' is no kind: it resolves to 'sglang'
@@ -66,6 +68,9 @@ class EngineKind:
     """The servers the run launches get a fresh shared secret (only meaningful with a launcher)."""
     starts_beside_workers: bool = False
     """The launcher returns at once, and the servers load while the role workers start."""
+    launches_on_ray: bool = False
+    """The launcher places the servers on the Ray cluster, which a torchrun job does not have (its
+    asynchronous rollout needs an engine in its own process)."""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or self.name == AUTO:
@@ -105,13 +110,13 @@ def add_engine_kind(kind: EngineKind) -> EngineKind:
 
 
 def register_engine(name: str, *, launcher: Optional[Launcher] = None, owns_secret: bool = True,
-                    starts_beside_workers: bool = False) -> Callable[[C], C]:
+                    starts_beside_workers: bool = False, launches_on_ray: bool = False) -> Callable[[C], C]:
     """Class (or factory) decorator registering an engine kind whose client is the decorated object;
     the traits are those of `EngineKind`. Returns the client unchanged."""
 
     def decorator(client: C) -> C:
         add_engine_kind(EngineKind(name=name, client=client, launcher=launcher, owns_secret=owns_secret,
-                                   starts_beside_workers=starts_beside_workers))
+                                   starts_beside_workers=starts_beside_workers, launches_on_ray=launches_on_ray))
         return client
 
     return decorator
@@ -155,4 +160,4 @@ def engine_client(kind: str, url: str, *, api_key: Optional[str] = None) -> Infe
 
 add_engine_kind(EngineKind(name="cpu", client=HttpEngine, launcher=launch_cpu_server, starts_beside_workers=True))
 add_engine_kind(EngineKind(name="http", client=HttpEngine))
-add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers))
+add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True))
