@@ -34,10 +34,16 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imported_modules(name: str, path: Path, *, annotations: bool = True) -> list[tuple[str, int, bool]]:
-    """(imported stacx module, line, function-local) for every import of `name`'s source; those under
-    `if TYPE_CHECKING:` only with `annotations`."""
-    found: list[tuple[str, int, bool]] = []
+def imported_modules(name: str, path: Path, *, with_type_checking: bool = False) -> list[tuple[str, int, bool]]:
+    """(imported stacx module, line, function-local) for every import of `name`'s source; imports under
+    `if TYPE_CHECKING:` only with `with_type_checking`."""
+    return [(module, line, local) for module, line, local, annotation in every_import(name, path)
+            if with_type_checking or not annotation]
+
+
+def every_import(name: str, path: Path) -> list[tuple[str, int, bool, bool]]:
+    """(imported stacx module, line, function-local, under `if TYPE_CHECKING:`) for every import of `name`'s source."""
+    found: list[tuple[str, int, bool, bool]] = []
     is_package = path.name == "__init__.py"
 
     def absolute(node: ast.ImportFrom) -> str:
@@ -47,24 +53,26 @@ def imported_modules(name: str, path: Path, *, annotations: bool = True) -> list
         base = base[: len(base) - node.level + (1 if is_package else 0)]
         return ".".join(base + ([node.module] if node.module else []))
 
-    def visit(node: ast.AST, local: bool) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test) and not annotations:
+    def visit(node: ast.AST, local: bool, annotation: bool) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, local, True)
             for child in node.orelse:
-                visit(child, local)
+                visit(child, local, annotation)
             return
         if isinstance(node, ast.Import):
-            found.extend((alias.name, node.lineno, local) for alias in node.names)
+            found.extend((alias.name, node.lineno, local, annotation) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             module = absolute(node)
             for alias in node.names:  # `from stacx.trainer import checkpoint` imports a module
                 submodule = f"{module}.{alias.name}"
-                found.append((submodule if submodule in MODULES else module, node.lineno, local))
+                found.append((submodule if submodule in MODULES else module, node.lineno, local, annotation))
         local = local or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         for child in ast.iter_child_nodes(node):
-            visit(child, local)
+            visit(child, local, annotation)
 
-    visit(ast.parse(path.read_text(encoding="utf-8")), False)
-    return [(module, line, local) for module, line, local in found if module == "stacx" or module.startswith("stacx.")]
+    visit(ast.parse(path.read_text(encoding="utf-8")), False, False)
+    return [entry for entry in found if entry[0] == "stacx" or entry[0].startswith("stacx.")]
 
 
 def owning_module(module: str) -> str:
@@ -113,9 +121,11 @@ def row_of(module: str) -> tuple[str, list[str] | None]:
     return best
 
 
-IMPORTS = {name: imported_modules(name, path) for name, path in MODULES.items()}
-RUNTIME_IMPORTS = {name: imported_modules(name, path, annotations=False) for name, path in MODULES.items()}
-"""The imports that run (TYPE_CHECKING ones left out): what an import cycle is made of."""
+EVERY_IMPORT = {name: every_import(name, path) for name, path in MODULES.items()}
+"""Every module's imports, `TYPE_CHECKING` ones marked (read once)."""
+IMPORTS = {name: [(module, line, local) for module, line, local, annotation in imports if not annotation]
+           for name, imports in EVERY_IMPORT.items()}
+"""Every module's imports that run (what an import cycle is made of)."""
 
 
 def test_the_table_names_real_packages_and_covers_every_module():
@@ -128,12 +138,13 @@ def test_the_table_names_real_packages_and_covers_every_module():
 
 
 def test_every_import_follows_the_package_table():
+    """Function-local and `TYPE_CHECKING` imports included."""
     violations = []
-    for module, imports in IMPORTS.items():
+    for module, imports in EVERY_IMPORT.items():
         own, allowed = row_of(module)
         if allowed is None:
             continue
-        for imported, line, local in imports:
+        for imported, line, local, _ in imports:
             target = owning_module(imported)
             if row_of(target)[0] == own or any(within(target, a) for a in allowed):
                 continue
@@ -141,6 +152,39 @@ def test_every_import_follows_the_package_table():
             violations.append(f"{MODULES[module].relative_to(REPO)}:{line}: {where}import of {target} "
                               f"({own[6:] or 'stacx'} may import {', '.join(a[6:] for a in allowed) or 'no stacx package'})")
     assert not violations, "imports outside docs/architecture.md's package table:\n" + "\n".join(violations)
+
+
+NEVER_IMPORTS = (
+    ("stacx.trainer", "stacx.diffusion"),
+    ("stacx.rollout", "stacx.diffusion"),
+    ("stacx.diffusion", "stacx.launch"),
+    ("stacx.rollout", "stacx.trainer"),
+    ("stacx.rollout", "stacx.launch"),
+)
+"""(importer, imported) pairs forbidden outright: the core never names a workload's package, a
+workload never reaches into the command line, and the rollout never reaches up into the trainer
+(it receives the sections and the plan it reads: `stacx.rollout.sections`, `stacx.rollout.plan`).
+Counted with function-local and `TYPE_CHECKING` imports, as the table test counts them."""
+
+
+def test_the_core_never_imports_a_workload_and_a_workload_never_imports_launch():
+    violations = []
+    for module, path in MODULES.items():
+        for importer, imported in NEVER_IMPORTS:
+            if not within(module, importer):
+                continue
+            for target, line, _, _ in EVERY_IMPORT[module]:
+                if within(target, imported):
+                    violations.append(f"{path.relative_to(REPO)}:{line}: import of {target} ({importer} never imports "
+                                      f"{imported})")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_forbidden_pairs_are_also_forbidden_by_the_package_table():
+    for importer, imported in NEVER_IMPORTS:
+        own, allowed = row_of(importer)
+        assert allowed is not None and not any(within(imported, a) for a in allowed), (
+            f"docs/architecture.md lets {own[6:]} import {imported[6:]}; the layering rule forbids it")
 
 
 COMMENTED_LOCAL_IMPORTS = ("stacx.trainer", "stacx.rollout")
@@ -191,7 +235,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_there_are_no_import_cycles_not_even_through_function_local_imports():
     edges = {module: set() for module in MODULES}
-    for module, imports in RUNTIME_IMPORTS.items():
+    for module, imports in IMPORTS.items():
         for imported, _, _ in imports:
             target = owning_module(imported)
             if target != module:
@@ -205,24 +249,18 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"b"}}) is None
 
 
-TYPE_CHECKING_SOURCE = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import stacx.launch\n"
-
-
-@pytest.mark.parametrize("source, annotations, expected", [
-    ("from stacx.trainer import checkpoint\n", True, [("stacx.trainer.checkpoint", 1, False)]),
-    ("def f():\n    import stacx.models\n", True, [("stacx.models", 2, True)]),
-    (TYPE_CHECKING_SOURCE, True, [("stacx.launch", 3, False)]),
-    (TYPE_CHECKING_SOURCE, False, []),
+@pytest.mark.parametrize("source, expected", [
+    ("from stacx.trainer import checkpoint\n", [("stacx.trainer.checkpoint", 1, False)]),
+    ("def f():\n    import stacx.models\n", [("stacx.models", 2, True)]),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import stacx.launch\n", []),
 ])
-def test_imports_are_read_with_function_local_and_annotation_ones(tmp_path, source, annotations, expected):
+def test_imports_are_read_with_function_local_ones(tmp_path, source, expected):
     path = tmp_path / "probe.py"
     path.write_text(source)
-    assert imported_modules("stacx.probe", path, annotations=annotations) == expected
+    assert imported_modules("stacx.probe", path) == expected
 
 
-def test_the_rollout_imports_nothing_of_the_trainer_not_even_for_annotations():
-    """The rollout receives the sections and the plan it reads (`stacx.rollout.sections`, `.plan`)."""
-    upward = [f"{MODULES[module].relative_to(REPO)}:{line}: {imported}"
-              for module, imports in IMPORTS.items() if within(module, "stacx.rollout")
-              for imported, line, _ in imports if within(imported, "stacx.trainer") or within(imported, "stacx.launch")]
-    assert not upward, "the rollout imports the trainer:\n" + "\n".join(upward)
+def test_type_checking_imports_are_read_when_asked(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stacx.diffusion import loop\n")
+    assert imported_modules("stacx.probe", path, with_type_checking=True) == [("stacx.diffusion.loop", 3, False)]

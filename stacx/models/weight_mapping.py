@@ -156,20 +156,42 @@ class ParamMapping:
         raise AssertionError(self.kind)
 
 
-def _match(name: str) -> tuple[str, tuple[str, ...]]:
+def _match(name: str, layer_offset: int = 0) -> tuple[str, tuple[str, ...]]:
     for pattern, kind, templates in _RULES:
         found = re.fullmatch(pattern, name)
         if found:
-            layer = found.group(1) if found.groups() else None
+            layer = int(found.group(1)) + layer_offset if found.groups() else None
             return kind, tuple(t.format(i=layer) for t in templates)
     raise ValueError(f"megatron parameter {name!r} has no Hugging Face mapping in stacx.models.weight_mapping")
 
 
+def layer_offset(gpt_model) -> int:
+    """The global index of the model's first layer: 0, or where this pipeline stage's layers start
+    (megatron numbers a stage's `decoder.layers.{i}` from 0 and keeps the global 1-based
+    `layer_number` on each layer)."""
+    layers = gpt_model.decoder.layers
+    return int(layers[0].layer_number) - 1 if len(layers) else 0
+
+
+def holds_tied_head_copy(gpt_model) -> bool:
+    """True on the last pipeline stage of a tied-embedding model: its `output_layer.weight` is a copy
+    of the first stage's embedding (megatron keeps the two equal), which Hugging Face stores once."""
+    return bool(getattr(gpt_model, "share_embeddings_and_output_weights", False)) and not gpt_model.pre_process
+
+
 def param_mappings(gpt_model) -> list[ParamMapping]:
-    """One mapping per parameter of an (unwrapped) megatron GPTModel, in parameter order."""
+    """One mapping per parameter of an (unwrapped) megatron GPTModel, in parameter order.
+
+    On a pipeline stage the layers map to their global Hugging Face indices; the tied LM-head copy
+    on the last stage maps to `model.embed_tokens.weight`.
+    """
+    offset = layer_offset(gpt_model)
+    tied_copy = holds_tied_head_copy(gpt_model)
     mappings = []
     for name, param in gpt_model.named_parameters():
-        kind, hf_names = _match(name)
+        kind, hf_names = _match(name, offset)
+        if tied_copy and name == "output_layer.weight":
+            hf_names = ("model.embed_tokens.weight",)
         mappings.append(ParamMapping(name, kind, hf_names, tuple(param.shape)))
     return mappings
 

@@ -29,6 +29,8 @@ class ProcessGroups:
     """Data-parallel group: ranks that hold different samples."""
     dp_cp: dist.ProcessGroup | None
     """DP x CP group: ranks whose gradients are summed together (the loss normalization group)."""
+    pp: dist.ProcessGroup | None = None
+    """Pipeline-parallel group: ranks that hold consecutive stages (layer ranges) of the same model."""
 
     @property
     def tp_size(self) -> int:
@@ -62,6 +64,24 @@ class ProcessGroups:
     def dp_cp_rank(self) -> int:
         return group_rank(self.dp_cp)
 
+    @property
+    def pp_size(self) -> int:
+        return group_size(self.pp)
+
+    @property
+    def pp_rank(self) -> int:
+        return group_rank(self.pp)
+
+    @property
+    def is_first_stage(self) -> bool:
+        """This rank holds the embedding (the first pipeline stage; always true without PP)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank holds the final norm and the LM head: the loss and log-probs are computed here."""
+        return self.pp_rank == self.pp_size - 1
+
     @classmethod
     def single_process(cls) -> "ProcessGroups":
         """Groups for a run without torch.distributed: every axis has size 1."""
@@ -89,11 +109,12 @@ def initialize_parallel_layout(
     tensor_parallel_size: int = 1,
     context_parallel_size: int = 1,
     *,
+    pipeline_parallel_size: int = 1,
     timeout_s: float = 600.0,
 ) -> ProcessGroups:
-    """Build megatron-core's model-parallel groups for (tp, cp, dp) and return them explicitly.
+    """Build megatron-core's model-parallel groups for (tp, cp, pp, dp) and return them explicitly.
 
-    The world size must be a multiple of tp * cp; dp is what remains. Must be called on every
+    The world size must be a multiple of tp * cp * pp; dp is what remains. Must be called on every
     rank after the default process group exists.
     """
     from megatron.core import parallel_state
@@ -101,16 +122,16 @@ def initialize_parallel_layout(
     from stacx.parallel import megatron_cpu_compat
 
     world_size = dist.get_world_size()
-    model_parallel = tensor_parallel_size * context_parallel_size
-    if tensor_parallel_size < 1 or context_parallel_size < 1:
+    model_parallel = tensor_parallel_size * context_parallel_size * pipeline_parallel_size
+    if min(tensor_parallel_size, context_parallel_size, pipeline_parallel_size) < 1:
         raise ValueError(
-            f"tensor_parallel_size ({tensor_parallel_size}) and context_parallel_size "
-            f"({context_parallel_size}) must be >= 1"
+            f"tensor_parallel_size ({tensor_parallel_size}), context_parallel_size "
+            f"({context_parallel_size}) and pipeline_parallel_size ({pipeline_parallel_size}) must be >= 1"
         )
     if world_size % model_parallel != 0:
         raise ValueError(
-            f"world size {world_size} is not divisible by tensor_parallel_size * context_parallel_size "
-            f"= {tensor_parallel_size} * {context_parallel_size}"
+            f"world size {world_size} is not divisible by tensor_parallel_size * context_parallel_size * "
+            f"pipeline_parallel_size = {tensor_parallel_size} * {context_parallel_size} * {pipeline_parallel_size}"
         )
     megatron_cpu_compat.apply_if_needed()
     if parallel_state.model_parallel_is_initialized():
@@ -118,6 +139,7 @@ def initialize_parallel_layout(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel_size,
         context_parallel_size=context_parallel_size,
+        pipeline_model_parallel_size=pipeline_parallel_size,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
         create_gloo_process_groups=True,
     )
@@ -126,6 +148,7 @@ def initialize_parallel_layout(
         cp=parallel_state.get_context_parallel_group(),
         dp=parallel_state.get_data_parallel_group(),
         dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        pp=parallel_state.get_pipeline_model_parallel_group() if pipeline_parallel_size > 1 else None,
     )
 
 

@@ -45,6 +45,7 @@ from typing import Any, Optional, Sequence, TYPE_CHECKING
 
 import torch
 
+from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
 from stacx.rollout.async_scheduler import AsyncRolloutConfig, AsyncRolloutScheduler
 from stacx.rollout.continuation import continuation_request, join_outputs
 from stacx.rollout.dagger import Executor
@@ -82,7 +83,7 @@ def prompt_sample_seed(rollout_seed: int, prompt_index: int, sample: int, *, pro
     return (rollout_seed * 100_003 + step) * 1_000_003 + position * samples_per_prompt + sample
 
 
-def check_async_supported(rollout: RolloutSection, plan: RolloutPlan, algorithm: Any = None, *,
+def check_async_supported(rollout: RolloutSection, plan: RolloutPlan, algorithm: AlgorithmConfig | None = None, *,
                           torchrun: bool = False, engine_kind: Optional[str] = None) -> None:
     """Refuse, before anything starts, the combinations `--rollout-mode async` does not run (ValueError
     naming the flag and the fix). `engine_kind`: the resolved engine ('cpu', 'http', 'sglang')."""
@@ -98,7 +99,7 @@ def check_async_supported(rollout: RolloutSection, plan: RolloutPlan, algorithm:
     if plan.rollin_protocol is not None:
         raise ValueError(f"--rollout-mode async does not run roll-ins yet (recipe {plan.recipe!r} lets the "
                          f"teacher act, DAgger-style); {drop}")
-    if rollout.dynamic_sampling or getattr(algorithm, "filter_zero_variance_groups", False):
+    if rollout.dynamic_sampling or as_algorithm_config(algorithm, "check_async_supported").filter_zero_variance_groups:
         raise ValueError("--rollout-mode async does not combine with dynamic sampling yet (--dynamic-sampling or "
                          "filter_zero_variance_groups: dropping groups would change which prompts a step trains); "
                          f"drop dynamic sampling or {drop}")

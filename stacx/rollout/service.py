@@ -113,8 +113,9 @@ class RolloutService:
     rollout_section: Optional[RolloutSection]
     """The run's rollout settings (sampling, rewards, seeds)."""
     teacher: Optional[TeacherClient] = None
-    teacher_top_k: int = 0
-    """K of the teacher's top-K log-probs (topk distillation), else 0."""
+    num_teacher_top_log_probs: int = 0
+    """How many of the teacher's top log-probs to fetch per token: teacher.teacher_top_k in topk
+    distillation, else 0 (only the sampled token's)."""
     servers: Optional[LaunchedServers] = None
     """The servers this run started (`stacx serve`, SGLang actors, ...), stopped by `close`."""
     urls: Sequence[str] = ()
@@ -177,13 +178,13 @@ class RolloutService:
             if servers is not None:
                 servers.stop()  # a server this call started must not outlive the error
             raise
-        top_k = teacher_section.teacher_top_k if teacher_section.distill_kl_mode == "topk" else 0
+        num_top = teacher_section.teacher_top_k if teacher_section.distill_kl_mode == "topk" else 0
         if len(urls) > 1:
             engine = EnginePool([kind.connect(u, api_key=api_key) for u in urls], names=urls)
         else:
             engine = kind.connect(urls[0], api_key=api_key)
         service = cls(engine, engine_kind=kind.name, url=urls[0], tokenizer=tokenizer,
-                      rollout_section=rollout, teacher=teacher, teacher_top_k=top_k, servers=servers,
+                      rollout_section=rollout, teacher=teacher, num_teacher_top_log_probs=num_top, servers=servers,
                       urls=urls, teacher_section=teacher_section, api_key=api_key)
         try:
             service.wait_until_healthy()
@@ -211,7 +212,7 @@ class RolloutService:
         return RolloutManager(
             self.engine, tokenizer=self.tokenizer, reward_fn=self.rollout_section.reward_fn,
             reward_timeout_s=self.rollout_section.reward_timeout_s,
-            teacher=self.teacher if with_teacher else None, teacher_top_k=self.teacher_top_k,
+            teacher=self.teacher if with_teacher else None, num_teacher_top_log_probs=self.num_teacher_top_log_probs,
             seed=self.rollout_section.rollout_seed * 100_003 + step + seed_offset,
         )
 

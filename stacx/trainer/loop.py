@@ -43,7 +43,7 @@ import torch
 from stacx.checkpointing.folders import is_model_folder
 from stacx.objectives import get_advantage
 from stacx.objectives.advantages_returns import gae_returns
-from stacx.objectives.algorithm_config import AlgorithmConfig
+from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
 from stacx.parallel.reduction import StepCounts, count_loss_tokens
 from stacx.rollout.async_rollout import AsyncRollout, importance_weight_metrics
 from stacx.rollout.step_rollout import StepRollout
@@ -95,7 +95,7 @@ class StacxTrainer:
                  exchanges: Optional[Mapping[str, ExchangeGroup]] = None):
         self.run_config = run_config
         self.training_config = training_config
-        self.algorithm = algorithm
+        self.algorithm = as_algorithm_config(algorithm, "StacxTrainer(algorithm=...)")
         self.roles = dict(roles)
         self.channel = channel
         self.data = data
@@ -297,7 +297,7 @@ class StacxTrainer:
     def shaped_rewards(self, batch: StepBatch) -> list[float]:
         """opd_rl: R_i - teacher_kl_coef * sum_t m_it (log pi(a_t) - log pi_teacher(a_t)) (rollout log-probs)."""
         rewards = list(batch.rewards)
-        coef = float(getattr(self.algorithm, "teacher_kl_coef", 0.0) or 0.0)
+        coef = self.algorithm.teacher_kl_coef
         if coef == 0.0 or batch.teacher_log_probs is None:
             return rewards
         return [
@@ -377,7 +377,8 @@ class StacxTrainer:
         layout = self.roles[role_name].layout
         return plan_micro_batches(
             batch, dp_size=layout.data_parallel_size, cp_size=layout.context_parallel_size,
-            max_tokens_per_micro_batch=self.run_config.train.max_tokens_per_micro_batch)
+            max_tokens_per_micro_batch=self.run_config.train.max_tokens_per_micro_batch,
+            pp_size=layout.pipeline_model_parallel_size)
 
     def plan_mini_batches(self, batch: StepBatch, step: int) -> list[list[int]]:
         """Sample indices of each optimizer step of rollout step `step` (seeded: the same on every rank)."""
@@ -490,7 +491,8 @@ class StacxTrainer:
                 driver_state["async"] = self.async_rollout.resume_state()
             final = commit_checkpoint(staging, step=step, recipe=self.training_config, role_layouts=self.role_layouts(),
                                       rank_files=rank_files, driver_state=driver_state,
-                                      resolved_run_config=resolved_run_config_dict(self.run_config, self.algorithm))
+                                      resolved_run_config=resolved_run_config_dict(
+                                          self.run_config, self.algorithm, recipe=self.training_config.name))
             logger.info("checkpoint of step %d written to %s", step, final)
         self.channel.barrier()
         return final

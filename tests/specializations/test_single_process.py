@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.reduction import Reducer, StepCounts
 from stacx.specializations import (
@@ -75,7 +76,7 @@ def test_teacher_fields_of_the_wrong_length_name_the_field_and_sample(kl_mode, f
                                                       "teacher_top_log_probs")}
     bad = fields[field][2]
     fields[field][2] = bad[:-1] if shape_change == "drop_last" else torch.cat([bad, bad[:, :1]], dim=1)
-    specialization = DistillSpecialization(type("C", (), {"distill_kl_mode": kl_mode})())
+    specialization = DistillSpecialization(AlgorithmConfig.from_values({"distill_kl_mode": kl_mode}))
     with pytest.raises(ValueError, match=rf"'{field}'.*sample 2"):
         specialization.compute_loss(random_logits(samples), _batch(samples, **fields), _reducer())
 
@@ -110,12 +111,12 @@ def test_contract_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match="model_output must be the TP-local logits"):
         CausalDecoderSpecialization().compute_loss(logits[:-1], batch, _reducer())
     with pytest.raises(ValueError, match="unknown policy loss 'nope'"):
-        ActorSpecialization(type("C", (), {"policy_loss": "nope"})())
+        ActorSpecialization(AlgorithmConfig.from_values({"policy_loss": "nope"}))
 
 
 def test_trainer_loop_hooks():
-    config = type("C", (), dict(use_kl_loss=True, off_policy_corrections="token_tis,opsm", policy_loss="ppo_clip",
-                                recompute_old_log_probs=True, rollout_temperature=0.7, loss_agg_mode="seq-mean-token-mean"))()
+    config = AlgorithmConfig.from_values(dict(use_kl_loss=True, off_policy_corrections="token_tis,opsm", policy_loss="ppo_clip",
+                                recompute_old_log_probs=True, rollout_temperature=0.7, loss_agg_mode="seq-mean-token-mean"))
     actor = ActorSpecialization(config)
     assert actor.needs_reference() and actor.needs_old_log_probs() and actor.needs_whole_sequences()
     assert actor.required_fields() == ("advantages", "ref_log_probs", "rollout_log_probs")
@@ -154,7 +155,7 @@ def test_metric_means_divide_by_their_counts():
 
 
 def test_distill_mode_comes_from_the_resolved_config_and_the_environment_only_for_a_bare_one():
-    config = type("C", (), {"distill_kl_mode": "topk"})()
+    config = AlgorithmConfig.from_values({"distill_kl_mode": "topk"})
     assert resolve_distill_kl_mode(None, environ={}) == "k3_sample"
     assert resolve_distill_kl_mode(config, environ={}) == "topk"
     # The resolved config already carries the override: a worker never re-reads its own environment.
@@ -163,7 +164,7 @@ def test_distill_mode_comes_from_the_resolved_config_and_the_environment_only_fo
     with pytest.raises(ValueError, match="STACX_DISTILL_KL_MODE"):
         resolve_distill_kl_mode(None, environ={"STACX_DISTILL_KL_MODE": "exact"})
     with pytest.raises(ValueError, match="distill_kl_mode 'exact'"):
-        resolve_distill_kl_mode(type("C", (), {"distill_kl_mode": "exact"})(), environ={})
+        resolve_distill_kl_mode(AlgorithmConfig.from_values({"distill_kl_mode": "exact"}), environ={})
 
 
 def test_actor_metrics_over_kept_tokens_are_divided_by_the_global_count_with_kept_means_apart():
@@ -171,8 +172,8 @@ def test_actor_metrics_over_kept_tokens_are_divided_by_the_global_count_with_kep
     divided by the global loss-token count; `<name>_kept_mean` divides them by the kept count."""
     samples = make_samples()
     fields = {name: list(samples[name]) for name in ("loss_masks", "advantages", "log_probs", "rollout_log_probs")}
-    config = type("C", (), {"policy_loss": "vanilla_pg", "off_policy_corrections": "token_mis", "mis_lower": 0.8,
-                            "mis_upper": 1.25, "entropy_coef": 0.0, "log_entropy": True})()
+    config = AlgorithmConfig.from_values({"policy_loss": "vanilla_pg", "off_policy_corrections": "token_mis", "mis_lower": 0.8,
+                            "mis_upper": 1.25, "entropy_coef": 0.0, "log_entropy": True})
     actor = ActorSpecialization(config)
     logits = random_logits(samples)
     _, metrics = actor.compute_loss(logits, _batch(samples, **fields), _reducer())

@@ -9,6 +9,7 @@ import io
 import json
 from types import SimpleNamespace
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.rollout.manager import RolloutManager
 from stacx.rollout.step_rollout import StepRollout
 from stacx.rollout.tokenizer import build_char_tokenizer
@@ -54,7 +55,7 @@ def _trainer(tmp_path, *, start_step: int, bar: io.StringIO):
         manager=lambda step, **_: RolloutManager(engine, tokenizer=TOKENIZER, reward_fn=lambda r, l, m: float(r)))
     trainer.step_rollout = StepRollout(service, None, rollout=run_config.rollout,
                                        plan=rollout_plan(get_recipe("grpo"), run_config),
-                                       out_dir=run_config.logging.out, algorithm=SimpleNamespace())
+                                       out_dir=run_config.logging.out, algorithm=AlgorithmConfig())
     trainer.make_metrics_logger = lambda start: MetricsLogger(run_config.logging.out, total_steps=NUM_STEPS,
                                                               start_step=start, tensorboard=False, progress_file=bar,
                                                               plots=False)
@@ -102,7 +103,7 @@ def test_with_two_optimizer_steps_per_rollout_an_eval_lands_in_its_models_row(tm
         manager=lambda step, **_: RolloutManager(engine, tokenizer=TOKENIZER, reward_fn=lambda r, l, m: float(r)))
     trainer.step_rollout = StepRollout(service, None, rollout=run_config.rollout,
                                        plan=rollout_plan(get_recipe("grpo"), run_config),
-                                       out_dir=run_config.logging.out, algorithm=SimpleNamespace())
+                                       out_dir=run_config.logging.out, algorithm=AlgorithmConfig())
     trainer.make_metrics_logger = lambda start: MetricsLogger(run_config.logging.out, total_steps=2 * NUM_STEPS,
                                                               start_step=start, tensorboard=False,
                                                               progress_bar=False, plots=False)
