@@ -58,20 +58,19 @@ from stacx.rollout.async_scheduler import AsyncRolloutConfig, AsyncRolloutSchedu
 from stacx.rollout.continuation import continuation_request, join_outputs
 from stacx.rollout.dagger import Executor
 from stacx.rollout.manager import Sample
+from stacx.rollout.data import ExampleSource
+from stacx.rollout.engines.registry import resolve_engine_kind
+from stacx.rollout.plan import RolloutPlan
 from stacx.rollout.rollin import has_environment, run_turns, start_episodes
+from stacx.rollout.sections import RolloutSection
 from stacx.rollout.types import GenerateOutput, GenerateRequest
 
-if TYPE_CHECKING:  # annotations only: the rollout never imports the trainer at run time
+if TYPE_CHECKING:  # annotations only
     from stacx.rollout.service import RolloutService
     from stacx.rollout.step_rollout import StepRollout
-    from stacx.trainer.batch import StepDataSource
-    from stacx.trainer.config.recipe import TrainingConfig
-    from stacx.trainer.config.run import RolloutSection, RunConfig
 
 logger = logging.getLogger(__name__)
 
-ENGINES_IN_OWN_PROCESS = ("cpu", "http")
-"""Engine kinds a torchrun job can run asynchronously: a `stacx serve` child ('cpu') or attached servers."""
 CLOSE_TIMEOUT_S = 30.0
 """How long `close` waits for the producer thread after aborting its requests."""
 GROUP_CALL_THREADS = 64
@@ -92,29 +91,29 @@ def prompt_sample_seed(rollout_seed: int, prompt_index: int, sample: int, *, pro
     return (rollout_seed * 100_003 + step) * 1_000_003 + position * samples_per_prompt + sample
 
 
-def check_async_supported(run_config: RunConfig, training_config: TrainingConfig,
-                          algorithm: AlgorithmConfig | None = None, *,
+def check_async_supported(rollout: RolloutSection, plan: RolloutPlan, algorithm: AlgorithmConfig | None = None, *,
                           torchrun: bool = False, engine_kind: Optional[str] = None) -> None:
     """Refuse, before anything starts, the combinations `--rollout-mode async` does not run (ValueError
     naming the flag and the fix). `engine_kind`: the resolved engine ('cpu', 'http', 'sglang')."""
-    rollout = run_config.rollout
     if rollout.rollout_mode != "async":
         if rollout.partial_rollout:
             raise ValueError("--partial-rollout interrupts generations at asynchronous weight updates; add "
                              "--rollout-mode async (or drop --partial-rollout)")
         return
     drop = "drop --rollout-mode async"
-    if training_config.data_source != "rollout":
-        raise ValueError(f"--rollout-mode async overlaps generation with training, but recipe {training_config.name!r} "
+    if not plan.samples_rollouts:
+        raise ValueError(f"--rollout-mode async overlaps generation with training, but recipe {plan.recipe!r} "
                          f"trains on a dataset and samples nothing; {drop}")
-    if training_config.rollin_protocol is not None:
-        raise ValueError(f"--rollout-mode async does not run roll-ins yet (recipe {training_config.name!r} lets the "
+    if plan.rollin_protocol is not None:
+        raise ValueError(f"--rollout-mode async does not run roll-ins yet (recipe {plan.recipe!r} lets the "
                          f"teacher act, DAgger-style); {drop}")
     if rollout.dynamic_sampling or as_algorithm_config(algorithm, "check_async_supported").filter_zero_variance_groups:
         raise ValueError("--rollout-mode async does not combine with dynamic sampling yet (--dynamic-sampling or "
                          "filter_zero_variance_groups: dropping groups would change which prompts a step trains); "
                          f"drop dynamic sampling or {drop}")
-    if torchrun and engine_kind is not None and engine_kind not in ENGINES_IN_OWN_PROCESS:
+    # A torchrun job runs asynchronously with an engine in its own process (a `stacx serve` child, attached
+    # servers), not one whose launcher places its servers on a Ray cluster.
+    if torchrun and engine_kind is not None and resolve_engine_kind(engine_kind).launches_on_ray:
         raise ValueError(f"--rollout-mode async under torchrun needs a rollout engine in its own process: "
                          f"--rollout-engine cpu (a `stacx serve` child of rank 0) or --rollout-engine http "
                          f"--rollout-urls (running servers); this run's engine is {engine_kind!r}. Attach the "
@@ -158,7 +157,7 @@ class _GroupRun:
 class AsyncRollout:
     """The producer thread and the scheduler of one async run (driver only)."""
 
-    def __init__(self, service: RolloutService, data: StepDataSource, step_rollout: StepRollout, *,
+    def __init__(self, service: RolloutService, data: ExampleSource, step_rollout: StepRollout, *,
                  rollout_section: RolloutSection, start_version: int, resume_state: Optional[dict] = None):
         self.service = service
         self.engine = service.engine

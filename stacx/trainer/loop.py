@@ -70,6 +70,7 @@ from stacx.trainer.config.layout import RoleLayout
 from stacx.trainer.config.mini_batches import mini_batch_indices, resolve_mini_batch_schedule, sample_groups
 from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
 from stacx.trainer.config.resolve import check_resumed_algorithm, resolved_run_config_dict
+from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.exchange import ExchangeSchedule
 from stacx.trainer.heartbeat import Heartbeat
@@ -303,8 +304,9 @@ class StacxTrainer:
         section = self.run_config.rollout
         if section.agent or section.agent_command:
             return self._build_agent_rollout()
-        return StepRollout(self.rollout, self.data, run_config=self.run_config, training_config=self.training_config,
-                           algorithm=self.algorithm)
+        return StepRollout(self.rollout, self.data, rollout=self.run_config.rollout,
+                           plan=rollout_plan(self.training_config, self.run_config), algorithm=self.algorithm,
+                           out_dir=self.run_config.logging.out)
 
     def _build_agent_rollout(self) -> AgentRollout:
         """--agent / --agent-command: each prompt row is a task the user's agent runs n_samples_per_prompt

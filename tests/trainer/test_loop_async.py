@@ -29,6 +29,7 @@ from stacx.rollout.types import GenerateOutput, SamplingParams
 from stacx.trainer.checkpoint import write_rank_state
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.recipes import get_recipe
+from stacx.trainer.config.rollout_plan import rollout_plan
 from tests.trainer.fakes import FakeRoleGroup, make_trainer
 from tests.trainer.test_loop_mini_batches import RecordingLogger
 
@@ -302,10 +303,12 @@ def test_seeds_are_the_sync_managers_seeds_of_the_same_prompt():
 ])
 def test_unsupported_async_combinations_are_refused_naming_the_flag(values, recipe, torchrun, engine, match):
     with pytest.raises(ValueError, match=match) as caught:
-        check_async_supported(RunConfig.from_dict(values), get_recipe(recipe), torchrun=torchrun, engine_kind=engine)
+        config = RunConfig.from_dict(values)
+        check_async_supported(config.rollout, rollout_plan(get_recipe(recipe), config), torchrun=torchrun,
+                              engine_kind=engine)
     assert "--rollout-mode async" in str(caught.value)
-    check_async_supported(RunConfig.from_dict({"rollout_mode": "async"}), get_recipe("grpo"), torchrun=True,
-                          engine_kind="cpu")
+    config = RunConfig.from_dict({"rollout_mode": "async"})
+    check_async_supported(config.rollout, rollout_plan(get_recipe("grpo"), config), torchrun=True, engine_kind="cpu")
 
 
 def test_a_checkpoint_position_is_the_oldest_untrained_prompt_and_resume_skips_the_trained_ones():

@@ -82,7 +82,7 @@ from stacx.rollout.engines.openai_endpoints import OpenAIEndpoints
 from stacx.rollout.engines.request_bodies import content_length, read_body_into, read_json
 from stacx.rollout.engines.sglang_protocol import parse_abort_payload, parse_generate_payload, render_generate_item
 from stacx.rollout.engines.weight_versions import StaleWeightsError, WeightVersionGate
-from stacx.rollout.request_batching import GenerateBatcher
+from stacx.rollout.engines.request_batching import GenerateBatcher
 from stacx.rollout.weight_transfer import (
     SharedMemoryRegistry,
     decode_bucket_body,
@@ -164,7 +164,7 @@ class EngineHttpServer:
         self._admitted = 0
         self._weight_lock = asyncio.Lock()  # one weight body in memory at a time
         self._generate_threads: Optional[anyio.CapacityLimiter] = None  # made on the event loop
-        # Concurrent /generate calls run as one engine batch (stacx.rollout.request_batching).
+        # Concurrent /generate calls run as one engine batch (stacx.rollout.engines.request_batching).
         self.batcher = GenerateBatcher(engine) if engine is not None else None
         self.aborts: AbortBook = getattr(engine, "aborts", None) or AbortBook()
         """Every /generate request from its arrival to its answer, for /abort_request."""

@@ -13,6 +13,7 @@ import shutil
 from typing import Any, Optional, Sequence
 
 from stacx.rollout.agent_rollout import AgentCommand, agent_from_settings
+from stacx.rollout.engines.registry import resolve_engine_kind
 from stacx.rollout.rollin import has_environment
 from stacx.rollout.rewards import resolve_reward_fn, reward_needs_label
 from stacx.trainer.config.recipe import TrainingConfig
@@ -120,7 +121,7 @@ def check_examples(examples: Sequence[Any], *, run_config: RunConfig, training_c
             + (", or lower --rollout-max-response-len" if kind == "prompt" else ""))
 
 
-def check_agent_supported(run_config: RunConfig, training_config: TrainingConfig, engine_kind: str) -> None:
+def check_agent_supported(run_config: RunConfig, training_config: TrainingConfig) -> None:
     """--agent / --agent-command: the agent's sessions replace the generation of a rollout recipe, so
     the recipe draws prompts and rolls in nothing, the rollout is synchronous, and the engine is a
     `stacx serve` (the CPU server a run starts, or attached ones): it records the sessions."""
@@ -139,6 +140,10 @@ def check_agent_supported(run_config: RunConfig, training_config: TrainingConfig
                              f"drop --rollout-mode {rollout.rollout_mode}")
     if rollout.dynamic_sampling:
         raise PreflightError(f"{flag} does not combine with --dynamic-sampling; drop one")
+    try:
+        engine_kind = resolve_engine_kind(rollout.rollout_engine).name
+    except ValueError:
+        return  # an unknown --rollout-engine is reported by the engine check, with the known kinds
     if engine_kind not in ("cpu", "http"):
         raise PreflightError(f"{flag} needs an engine served by `stacx serve`, which records the agent's "
                              f"sessions: --rollout-engine cpu, or http with --rollout-urls of stacx serve "
