@@ -24,6 +24,10 @@ Patches (each covered by tests/parallel/test_megatron_cpu_compat.py):
 5. `torch.cuda.synchronize()` -> a no-op. megatron's torch_dist checkpoint writer
    (`FileSystemWriterAsync.preload_tensors`) waits for device copies before writing; on CPU
    there is nothing to wait for, and on a CPU-only build the original raises.
+6. `megatron.core.transformer.moe.moe_utils.te_general_gemm` -> None when transformer-engine is
+   absent. The MoE router's gating linear (`RouterGatingLinearFunction`) reads that name, which
+   the module defines only when its transformer-engine import succeeds; None selects its plain
+   torch matmul, as the module intends.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ def apply_if_needed() -> bool:
     _patch_grad_clipping()
     _patch_cp_rope_slicing()
     _patch_synchronize()
+    _patch_moe_router_gemm()
     _applied = True
     return True
 
@@ -142,3 +147,10 @@ def _synchronize_nothing(device=None) -> None:
 
 def _patch_synchronize() -> None:
     torch.cuda.synchronize = _synchronize_nothing
+
+
+def _patch_moe_router_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
