@@ -84,11 +84,37 @@ def _reduced_grads_by_hf_name(model, groups):
             p.data = weight
 
 
+def _runtime_step(path, ep):
+    """One GRPO `RoleRuntime.train_step` (two micro-batches) at ep: the run settings' path into the model."""
+    from stacx.objectives.algorithm_config import AlgorithmConfig
+    from stacx.parallel.groups import initialize_parallel_layout
+    from stacx.parallel.reduction import compute_step_counts
+    from stacx.trainer.config.recipe import ModelRole
+    from stacx.trainer.config.run import RunConfig
+    from stacx.trainer.runtime.role_runtime import RoleRuntime
+    from stacx.specializations.actor import ActorSpecialization
+    from tests.trainer.runtime.test_lm_head_mode import step_batch
+
+    groups = initialize_parallel_layout(1, 1, expert_parallel_size=ep)
+    run_config = RunConfig.from_dict({"hf_checkpoint": path, "clip_grad": 0.0, "expert_model_parallel_size": ep,
+                                      "moe_aux_loss_coeff": COEFFS["aux_loss_coeff"],
+                                      "moe_z_loss_coeff": COEFFS["z_loss_coeff"]})
+    algorithm = AlgorithmConfig.from_values({"advantage_estimator": "grpo", "rollout_temperature": 0.7})
+    runtime = RoleRuntime(ModelRole(name="policy", specialization_cls=ActorSpecialization), run_config, algorithm,
+                          groups, rank=torch.distributed.get_rank())
+    batch = step_batch()
+    counts = compute_step_counts(batch.loss_masks, groups.dp)
+    metrics = runtime.train_step([batch.select([0, 1]), batch.select([2, 3])], counts)
+    return metrics, _reduced_grads_by_hf_name(runtime.model, groups)
+
+
 def step_at_each_expert_layout(_groups, path, tokens_by_rank):
     return {
         "ep1": _one_step(path, tokens_by_rank, 1, COEFFS),
         "ep2": _one_step(path, tokens_by_rank, 2, COEFFS),
         "ep2_no_router_losses": _one_step(path, tokens_by_rank, 2, {}),
+        "runtime_ep1": _runtime_step(path, 1),
+        "runtime_ep2": _runtime_step(path, 2),
     }
 
 
@@ -121,6 +147,15 @@ def test_expert_parallel_step_equals_plain_step_with_router_losses(tmp_path):
     without = results[0]["ep2_no_router_losses"][0]
     router = "model.layers.0.mlp.gate.weight"
     assert (without[router] - plain[router]).abs().max() > 1e-6, "router losses did not reach the router's gradient"
+    # The run settings reach the model through RoleRuntime: its ep=2 step equals its ep=1 step.
+    metrics_ep1, grads_ep1 = results[0]["runtime_ep1"]
+    for rank_results in results:
+        metrics, grads = rank_results["runtime_ep2"]
+        assert metrics["loss"] == pytest.approx(metrics_ep1["loss"], rel=1e-6)
+        assert metrics["moe/max_imbalance"] == pytest.approx(metrics_ep1["moe/max_imbalance"])
+        for name, grad in grads.items():
+            error = (grad - grads_ep1[name]).abs().max().item()
+            assert error <= 1e-5 * grads_ep1[name].abs().max().item(), f"runtime grad {name}: |diff| {error:.2e}"
     # Every token slot is counted: top-k slots per routed token, over both ranks and micro-batches.
     routed = 2 * sum(sum(lengths) for lengths in MICRO_BATCH_LENGTHS)
     for layer in range(config.num_hidden_layers):

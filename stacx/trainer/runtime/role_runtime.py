@@ -21,13 +21,18 @@ One train step (`train_step`):
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from stacx.checkpointing.folders import load_model_weights
+from stacx.models.builder import RouterLosses
+from stacx.models.moe import ExpertLoadRecorder, expert_load_metrics, is_mixture_of_experts, set_router_loss_scale
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
@@ -96,7 +101,14 @@ class RoleRuntime:
         torch.manual_seed(run_config.train.seed)
         # A torch_dist folder from another framework carries no config.json: the policy's config describes it.
         config_source = path if os.path.isfile(os.path.join(path, "config.json")) else run_config.model.hf_checkpoint
-        self.model = build_model(config_source, groups, initialize_weights=False)
+        self.model = build_model(config_source, groups, initialize_weights=False, router_losses=RouterLosses(
+            aux_loss_coeff=run_config.model.moe_aux_loss_coeff, z_loss_coeff=run_config.model.moe_z_loss_coeff))
+        self.mixture_of_experts = is_mixture_of_experts(self.model)
+        expert_parallel = run_config.parallel.expert_model_parallel_size
+        if self.mixture_of_experts and expert_parallel != groups.ep_size:
+            raise ValueError(f"role {role.name!r}: --expert-model-parallel-size {expert_parallel} was not applied to "
+                             f"this role's process groups (ep={groups.ep_size}); roles on Ray do not spread experts "
+                             "yet: launch a one-role recipe with torchrun, or use --expert-model-parallel-size 1")
         self.reference_weights: list[torch.Tensor] | None = None
         reference_path = (
             role_checkpoint_path(role, run_config.model, role.reference_checkpoint_arg)
@@ -245,14 +257,19 @@ class RoleRuntime:
                                    norm_length=norm_length)
         totals = MetricTotals()
         uncounted: set[str] = set()
-        for micro_batch in micro_batches:
-            batch = self.pack(micro_batch)
-            output = self.forward(batch)
-            loss, metric_sums = self.specialization.compute_loss(output, batch, reducer)
-            loss.backward()
-            metric_sums = normalize_uncounted_metrics(dict(metric_sums), self.specialization, reducer, uncounted)
-            metric_sums[LOSS_METRIC] = reducer.loss_value(loss)
-            totals.add(all_reduce_metric_sums(metric_sums, self.groups.dp_cp))
+        batches = [self.pack(micro_batch) for micro_batch in micro_batches]
+        if self.mixture_of_experts:
+            reducer = self._with_routed_token_count(reducer, batches)
+        with self._expert_load() as load:
+            for batch in batches:
+                if self.mixture_of_experts:
+                    set_router_loss_scale(reducer.router_loss_scale(sum(batch.layout.padded_lengths)))
+                output = self.forward(batch)
+                loss, metric_sums = self.specialization.compute_loss(output, batch, reducer)
+                loss.backward()
+                metric_sums = normalize_uncounted_metrics(dict(metric_sums), self.specialization, reducer, uncounted)
+                metric_sums[LOSS_METRIC] = reducer.loss_value(loss)
+                totals.add(all_reduce_metric_sums(metric_sums, self.groups.dp_cp))
         self.ddp.finish_grad_sync()
         loss_total = totals.sums.pop(LOSS_METRIC)
         # Never step on NaN/inf (megatron's fp32/bf16 step would apply it); the same decision on every rank.
@@ -265,7 +282,22 @@ class RoleRuntime:
         metrics.update(loss=loss_total, grad_norm=outcome.grad_norm, lr=current_lr(self.optimizer),
                        update_skipped=float(not outcome.applied))
         metrics[WEIGHTS_NONFINITE_METRIC] = float(not outcome.weights_finite)
+        if load is not None:
+            metrics.update(expert_load_metrics(load.tokens_per_expert(self.groups), load.layers))
         return metrics
+
+    def _with_routed_token_count(self, reducer: Reducer, batches) -> Reducer:
+        """The reducer with StepCounts.num_routed_tokens: every packed position of the step, over the DP ranks
+        (one all-reduce; CP peers hold the same sequences)."""
+        local = torch.tensor([float(sum(sum(batch.layout.padded_lengths) for batch in batches))], dtype=torch.float64)
+        if self.groups.dp is not None and self.groups.dp_size > 1:
+            dist.all_reduce(local, group=self.groups.dp)
+        counts = dataclasses.replace(reducer.counts, num_routed_tokens=int(local.item()))
+        return dataclasses.replace(reducer, counts=counts)
+
+    def _expert_load(self):
+        """Counts tokens per expert for a mixture-of-experts model (else records nothing)."""
+        return ExpertLoadRecorder(self.model) if self.mixture_of_experts else contextlib.nullcontext()
 
     # ---- weights ---------------------------------------------------------------------------
 
