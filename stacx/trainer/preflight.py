@@ -252,7 +252,9 @@ def check_expert_layout(run_config: RunConfig) -> None:
     parallel = run_config.parallel
     ep = parallel.expert_model_parallel_size
     etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
-    num_experts = config.get("num_experts") if isinstance(config.get("num_experts"), int) else 0
+    # Hub configs name it num_experts; transformers 5 writes num_local_experts.
+    num_experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    num_experts = num_experts if isinstance(num_experts, int) else 0
     if not num_experts:
         if ep > 1 or (parallel.expert_tensor_parallel_size or 1) > 1:
             raise PreflightError(f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size "
