@@ -145,3 +145,21 @@ def test_moe_log_probs_conversion_and_resharding_match_transformers(tmp_path):
             if exported is not None:
                 assert set(exported) == set(saved["qwen3_moe"])
                 assert all(torch.equal(exported[n], t) for n, t in saved["qwen3_moe"].items()), f"torch_dist tp={tp} ep={ep}"
+
+
+def test_moe_checkpoint_converts_to_torch_dist_and_back_bitwise(tmp_path):
+    """`stacx convert` both ways (in this process, tp=1) on Qwen2-MoE: routed experts, shared expert and
+    its gate come back under their Hugging Face names, bitwise, and the folder loads in `transformers`."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from stacx.checkpointing.convert import convert_hf_to_torch_dist, convert_torch_dist_to_hf
+
+    save_moe_checkpoint("qwen2_moe", str(tmp_path / "hf"))
+    convert_hf_to_torch_dist(tmp_path / "hf", tmp_path / "dist")
+    convert_torch_dist_to_hf(tmp_path / "dist", tmp_path / "back")
+    original, back = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(back) == set(original)
+    assert any(".mlp.experts.3." in name for name in back) and any("shared_expert_gate" in name for name in back)
+    assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "back").config.model_type == "qwen2_moe"
