@@ -311,12 +311,15 @@ class RoleRuntime:
     def push_weights_to_engine(self, engine_kind: str, url: str, version: int, bucket_bytes: int,
                                api_key: str | None = None) -> int:
         """Stream this role's weights to an inference server: ranks with cp = dp = 0 gather over TP,
-        TP rank 0 sends the buckets (the driver pauses, flushes and checks the version around this).
+        TP rank 0 sends the buckets (the driver pauses, flushes and checks the version around this). With
+        experts spread over ep > 1 every rank takes part in the gathers (each holds experts the sender's
+        TP group lacks), so the sender streams every expert under its Hugging Face name.
         Returns the number of tensors sent (0 on ranks that do not send)."""
-        if self.groups.cp_rank != 0 or self.groups.dp_rank != 0:
+        sender_group = self.groups.cp_rank == 0 and self.groups.dp_rank == 0
+        if not sender_group and self.groups.ep_size == 1:
             return 0
         buckets = self.weight_buckets(bucket_bytes)
-        if self.groups.tp_rank != 0:
+        if not sender_group or self.groups.tp_rank != 0:
             for _ in buckets:  # take part in the TP gathers
                 pass
             return 0
