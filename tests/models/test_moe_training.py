@@ -162,3 +162,43 @@ def test_expert_parallel_step_equals_plain_step_with_router_losses(tmp_path):
         tokens = sum(plain_load[f"moe/layer{layer}/expert{e}_tokens"] for e in range(config.num_experts))
         assert tokens == TOP_K * routed
         assert 1.0 <= plain_load[f"moe/layer{layer}/imbalance"] <= config.num_experts
+
+
+def test_router_z_loss_gradient_does_not_depend_on_the_micro_batch_split(tmp_path):
+    """The z-loss is a mean over each micro-batch's tokens; weighted by `Reducer.router_loss_scale` (the
+    micro-batch's share of the step's routed tokens) the step's gradient is that of the mean over all
+    tokens, however the sequences are split into micro-batches. The main loss is zero here, so the
+    router loss is the whole gradient."""
+    from stacx.checkpointing.convert import single_process_world
+    from stacx.models import build_model, forward_packed, load_hf_checkpoint
+    from stacx.models.builder import RouterLosses
+    from stacx.models.moe import set_router_loss_scale
+    from stacx.parallel.reduction import Reducer, StepCounts
+
+    config, _ = save_moe_checkpoint("qwen3_moe", str(tmp_path))
+    lengths = [9, 5, 12]
+    tokens = torch.randint(0, config.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(4))
+    grads = {}
+    with single_process_world() as groups:
+        model = build_model(str(tmp_path), groups, initialize_weights=False,
+                            router_losses=RouterLosses(z_loss_coeff=0.1))
+        load_hf_checkpoint(model, str(tmp_path), groups)
+        counts = StepCounts(num_tokens=1, num_sequences=1, num_routed_tokens=sum(lengths))
+        reducer = Reducer.for_step(mode="token-mean", counts=counts, groups=groups)
+        for split in ([lengths], [lengths[:2], lengths[2:]], [[n] for n in lengths]):
+            model.zero_grad()
+            start = 0
+            for micro_lengths in split:
+                size = sum(micro_lengths)
+                set_router_loss_scale(reducer.router_loss_scale(size))
+                logits = forward_packed(model, tokens[start:start + size], micro_lengths, groups)
+                (logits[:, :config.vocab_size] * 0.0).sum().backward()
+                start += size
+            grads[len(split)] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        set_router_loss_scale(1.0)
+    router = "decoder.layers.0.mlp.router.weight"
+    assert grads[1][router].abs().max() > 0, "the z-loss gave the router no gradient"
+    for num_micro_batches in (2, 3):
+        for name, grad in grads[1].items():
+            error = (grads[num_micro_batches][name] - grad).abs().max().item()
+            assert error <= 1e-5 * grad.abs().max().item() + 1e-12, f"{num_micro_batches} micro-batches, {name}"
