@@ -4,6 +4,7 @@ The public front door: everything a user writes a recipe, an objective or a run 
 
     from stacx import recipe, TrainingConfig, ModelRole, InjectSync, ExchangeSync
     from stacx import register_advantage, register_policy_loss, register_reward, StacxConfig
+    from stacx import Environment, StepResult, register_environment, register_tool   # agents (docs/agents.md)
 
 Each name is imported on first use, so `import stacx` stays light (no torch, Ray or megatron-core).
 """
@@ -25,6 +26,10 @@ _PUBLIC = {
     "register_advantage": "stacx.objectives.registry",
     "register_policy_loss": "stacx.objectives.registry",
     "register_reward": "stacx.rollout.rewards",
+    "Environment": "stacx.rollout.environments",
+    "StepResult": "stacx.rollout.environments",
+    "register_environment": "stacx.rollout.environments",
+    "register_tool": "stacx.rollout.tools",
     "StacxConfig": "stacx.trainer.config.python",
 }
 """Public name -> the module that defines it."""

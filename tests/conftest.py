@@ -12,6 +12,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # that attaches to a cluster another process started (`shared_ray_address`) must have it from the start.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
+from stacx.launch.workloads import discover_workloads  # noqa: E402 (after the environment above)
+
+# The catalog as `stacx train` sees it (the workloads' recipes included), in every test process and
+# before collection: tests parametrized over the recipes collect the same list on every xdist worker.
+discover_workloads()
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RAY_STARTING_FIXTURES = ("shared_ray_address", "ray_address")

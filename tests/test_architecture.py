@@ -33,9 +33,16 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imported_modules(name: str, path: Path) -> list[tuple[str, int, bool]]:
-    """(imported stacx module, line, function-local) for every import of `name`'s source."""
-    found: list[tuple[str, int, bool]] = []
+def imported_modules(name: str, path: Path, *, with_type_checking: bool = False) -> list[tuple[str, int, bool]]:
+    """(imported stacx module, line, function-local) for every import of `name`'s source; imports under
+    `if TYPE_CHECKING:` only with `with_type_checking`."""
+    return [(module, line, local) for module, line, local, annotation in every_import(name, path)
+            if with_type_checking or not annotation]
+
+
+def every_import(name: str, path: Path) -> list[tuple[str, int, bool, bool]]:
+    """(imported stacx module, line, function-local, under `if TYPE_CHECKING:`) for every import of `name`'s source."""
+    found: list[tuple[str, int, bool, bool]] = []
     is_package = path.name == "__init__.py"
 
     def absolute(node: ast.ImportFrom) -> str:
@@ -45,24 +52,26 @@ def imported_modules(name: str, path: Path) -> list[tuple[str, int, bool]]:
         base = base[: len(base) - node.level + (1 if is_package else 0)]
         return ".".join(base + ([node.module] if node.module else []))
 
-    def visit(node: ast.AST, local: bool) -> None:
+    def visit(node: ast.AST, local: bool, annotation: bool) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, local, True)
             for child in node.orelse:
-                visit(child, local)
+                visit(child, local, annotation)
             return
         if isinstance(node, ast.Import):
-            found.extend((alias.name, node.lineno, local) for alias in node.names)
+            found.extend((alias.name, node.lineno, local, annotation) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             module = absolute(node)
             for alias in node.names:  # `from stacx.trainer import checkpoint` imports a module
                 submodule = f"{module}.{alias.name}"
-                found.append((submodule if submodule in MODULES else module, node.lineno, local))
+                found.append((submodule if submodule in MODULES else module, node.lineno, local, annotation))
         local = local or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         for child in ast.iter_child_nodes(node):
-            visit(child, local)
+            visit(child, local, annotation)
 
-    visit(ast.parse(path.read_text(encoding="utf-8")), False)
-    return [(module, line, local) for module, line, local in found if module == "stacx" or module.startswith("stacx.")]
+    visit(ast.parse(path.read_text(encoding="utf-8")), False, False)
+    return [entry for entry in found if entry[0] == "stacx" or entry[0].startswith("stacx.")]
 
 
 def owning_module(module: str) -> str:
@@ -111,7 +120,11 @@ def row_of(module: str) -> tuple[str, list[str] | None]:
     return best
 
 
-IMPORTS = {name: imported_modules(name, path) for name, path in MODULES.items()}
+EVERY_IMPORT = {name: every_import(name, path) for name, path in MODULES.items()}
+"""Every module's imports, `TYPE_CHECKING` ones marked (read once)."""
+IMPORTS = {name: [(module, line, local) for module, line, local, annotation in imports if not annotation]
+           for name, imports in EVERY_IMPORT.items()}
+"""Every module's imports that run (the package table's rule skips annotation-only ones)."""
 
 
 def test_the_table_names_real_packages_and_covers_every_module():
@@ -137,6 +150,36 @@ def test_every_import_follows_the_package_table():
             violations.append(f"{MODULES[module].relative_to(REPO)}:{line}: {where}import of {target} "
                               f"({own[6:] or 'stacx'} may import {', '.join(a[6:] for a in allowed) or 'no stacx package'})")
     assert not violations, "imports outside docs/architecture.md's package table:\n" + "\n".join(violations)
+
+
+NEVER_IMPORTS = (
+    ("stacx.trainer", "stacx.diffusion"),
+    ("stacx.rollout", "stacx.diffusion"),
+    ("stacx.diffusion", "stacx.launch"),
+)
+"""(importer, imported) pairs forbidden outright: the core never names a workload's package, and a
+workload never reaches into the command line. Counted here with function-local AND `TYPE_CHECKING`
+imports, which the table test skips."""
+
+
+def test_the_core_never_imports_a_workload_and_a_workload_never_imports_launch():
+    violations = []
+    for module, path in MODULES.items():
+        for importer, imported in NEVER_IMPORTS:
+            if not within(module, importer):
+                continue
+            for target, line, _, _ in EVERY_IMPORT[module]:
+                if within(target, imported):
+                    violations.append(f"{path.relative_to(REPO)}:{line}: import of {target} ({importer} never imports "
+                                      f"{imported})")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_forbidden_pairs_are_also_forbidden_by_the_package_table():
+    for importer, imported in NEVER_IMPORTS:
+        own, allowed = row_of(importer)
+        assert allowed is not None and not any(within(imported, a) for a in allowed), (
+            f"docs/architecture.md lets {own[6:]} import {imported[6:]}; the layering rule forbids it")
 
 
 COMMENTED_LOCAL_IMPORTS = ("stacx.trainer", "stacx.rollout")
@@ -210,3 +253,9 @@ def test_imports_are_read_with_function_local_ones(tmp_path, source, expected):
     path = tmp_path / "probe.py"
     path.write_text(source)
     assert imported_modules("stacx.probe", path) == expected
+
+
+def test_type_checking_imports_are_read_when_asked(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stacx.diffusion import loop\n")
+    assert imported_modules("stacx.probe", path, with_type_checking=True) == [("stacx.diffusion.loop", 3, False)]

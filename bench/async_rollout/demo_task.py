@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     runs = []
     try:
         _train(_run_config(settings, work, "sft", {
-            "algorithm": {"name": "sft"}, "hf_checkpoint": paths["init"], "prompt_data": paths["train"],
+            "train": {"algorithm": "sft"}, "hf_checkpoint": paths["init"], "prompt_data": paths["train"],
             "rollout_batch_size": settings.sft_batch_size, "lr": settings.sft_lr, "num_steps": settings.sft_steps,
             "export_hf": paths["sft"]}))
         _save_tokenizer(task.name, paths["sft"])
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
                 name = f"grpo_{mode.replace(' ', '').replace('=', '')}_seed{seed}"
                 export = os.path.join(work, "checkpoints", name)
                 config = _run_config(dataclasses_replace(settings, seed=seed), work, name, {
-                    "algorithm": {"name": "grpo", "use_kl_loss": True, "kl_loss_coef": settings.grpo_kl_coef},
+                    "train": {"algorithm": "grpo"}, "algorithm": {"use_kl_loss": True, "kl_loss_coef": settings.grpo_kl_coef},
                     "hf_checkpoint": paths["sft"], "ref_load": paths["sft"], "prompt_data": paths["train"],
                     "rollout_batch_size": settings.grpo_prompts_per_step,
                     "n_samples_per_prompt": settings.grpo_samples_per_prompt,

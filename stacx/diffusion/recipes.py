@@ -12,38 +12,36 @@ catalog with `@recipe` like the LLM ones and launched with `stacx train --algori
 
 Each recipe has one trainable `policy` role whose Ray workers hold the model (data parallel; no
 tensor parallelism), with an in-worker reference (`--ref-load`, else a frozen copy of the initial
-policy) where KL or DPO needs one. `DIFFUSION_SETTINGS` holds each recipe's sampler and data
-defaults (`stacx.diffusion.settings.DiffusionSettings`).
+policy) where KL or DPO needs one. Each recipe's `algorithm` is a `DiffusionAlgorithmConfig` holding
+its sampler, data and loss defaults (`stacx.diffusion.algorithm_config`); the recipes run in the
+`image` workload (`stacx.diffusion.workload`), registered before them.
 """
 
 from __future__ import annotations
 
-from stacx.diffusion.settings import DiffusionSettings
-from stacx.diffusion.specialization import (
-    DiffusionDPOSpecialization,
-    DiffusionNFTSpecialization,
-    FlowGRPOSpecialization,
-    FlowMatchingSFTSpecialization,
+from stacx.diffusion.algorithm_config import DiffusionAlgorithmConfig, diffusion_algorithm
+from stacx.diffusion.objective import (
+    DiffusionDPOObjective,
+    DiffusionNFTObjective,
+    FlowGRPOObjective,
+    FlowMatchingSFTObjective,
 )
+from stacx.diffusion.workload import IMAGE_MODALITY
 from stacx.objectives import diffusion_loss  # noqa: F401  (registers flow_grpo_clip before the recipes name it)
-from stacx.trainer.config.recipe import ModelRole, TrainingConfig, recipe, recipe_algorithm
-
-DIFFUSION_SETTINGS: dict[str, DiffusionSettings] = {}
-"""Recipe name -> its declared DiffusionSettings (runs override them with --algorithm-param)."""
+from stacx.trainer.config.recipe import ModelRole, TrainingConfig, recipe
 
 
-def _policy(specialization_cls, *, samples: bool, with_reference: bool, description: str) -> ModelRole:
-    return ModelRole(name="policy", specialization_cls=specialization_cls, trainable=True, sync_to_rollout=samples,
+def _policy(objective_cls, *, samples: bool, with_reference: bool, description: str) -> ModelRole:
+    return ModelRole(name="policy", specialization_cls=objective_cls, trainable=True, sync_to_rollout=samples,
                      checkpoint_arg="hf_checkpoint", reference_checkpoint_arg="ref_load" if with_reference else None,
                      description=description)
 
 
-def _diffusion_recipe(name: str, *, description: str, role: ModelRole, settings: DiffusionSettings,
-                      algorithm=None) -> TrainingConfig:
-    DIFFUSION_SETTINGS[name] = settings
+def _diffusion_recipe(name: str, *, description: str, role: ModelRole,
+                      algorithm: DiffusionAlgorithmConfig) -> TrainingConfig:
     rollout = role.sync_to_rollout
     return TrainingConfig(name=name, roles=(role,), syncs=(), description=description, algorithm=algorithm,
-                          data_source="rollout" if rollout else "dataset", uses_reward=rollout, modality="image",
+                          data_source="rollout" if rollout else "dataset", uses_reward=rollout, modality=IMAGE_MODALITY,
                           experimental=True)
 
 
@@ -51,7 +49,7 @@ def _grpo_algorithm(**overrides):
     values = dict(advantage_estimator="grpo", policy_loss="flow_grpo_clip", loss_agg_mode="token-mean",
                   clip_ratio_low=1e-4, clip_ratio_high=1e-4)
     values.update(overrides)
-    return recipe_algorithm(**values)
+    return diffusion_algorithm(**values)
 
 
 @recipe("flow_matching_sft")
@@ -60,9 +58,9 @@ def flow_matching_sft_config() -> TrainingConfig:
         "flow_matching_sft",
         description=("Flow-matching SFT of a DiT / MMDiT image model: the velocity v_theta(x_t, t, prompt) regresses "
                      "eps - x0 on dataset images (built-in: coloured shapes named by the prompt)."),
-        role=_policy(FlowMatchingSFTSpecialization, samples=False, with_reference=False,
+        role=_policy(FlowMatchingSFTObjective, samples=False, with_reference=False,
                      description="image model trained by velocity regression (loss flow_matching)"),
-        settings=DiffusionSettings(kind="sft"))
+        algorithm=diffusion_algorithm())
 
 
 @recipe("flow_grpo")
@@ -72,10 +70,9 @@ def flow_grpo_config() -> TrainingConfig:
         description=("Flow-GRPO: the ODE sampler turned into an SDE with sigma_t = eta sqrt(t / (1 - t)); each "
                      "prompt's group of images is scored, rewards are normalized within the group, and the clipped "
                      "policy loss runs over every SDE step, with the Gaussian KL of each step to the reference."),
-        role=_policy(FlowGRPOSpecialization, samples=True, with_reference=True,
+        role=_policy(FlowGRPOObjective, samples=True, with_reference=True,
                      description="image model sampling its own SDE trajectories; loss flow_grpo_clip"),
-        settings=DiffusionSettings(kind="grpo", sde_sigma_schedule="flow_grpo", sde_eta=0.7),
-        algorithm=_grpo_algorithm(use_kl_loss=True, kl_loss_coef=0.04))
+        algorithm=_grpo_algorithm(use_kl_loss=True, kl_loss_coef=0.04, sde_sigma_schedule="flow_grpo", sde_eta=0.7))
 
 
 @recipe("dance_grpo")
@@ -84,10 +81,9 @@ def dance_grpo_config() -> TrainingConfig:
         "dance_grpo",
         description=("DanceGRPO: GRPO over SDE steps with a constant sigma_t = eta, every image of a prompt's group "
                      "starting from the same initial noise (the group differs only by the SDE's noise); no KL."),
-        role=_policy(FlowGRPOSpecialization, samples=True, with_reference=True,
+        role=_policy(FlowGRPOObjective, samples=True, with_reference=True,
                      description="image model sampling its own SDE trajectories; loss flow_grpo_clip"),
-        settings=DiffusionSettings(kind="grpo", sde_sigma_schedule="dance_grpo", sde_eta=0.3, shared_group_noise=True),
-        algorithm=_grpo_algorithm())
+        algorithm=_grpo_algorithm(sde_sigma_schedule="dance_grpo", sde_eta=0.3, shared_group_noise=True))
 
 
 @recipe("mix_grpo")
@@ -97,11 +93,10 @@ def mix_grpo_config() -> TrainingConfig:
         description=("MixGRPO: SDE sampling only inside a sliding window of denoising steps (ODE elsewhere); the "
                      "window moves from the noisiest steps toward t = 0 as training goes on, and the clipped policy "
                      "loss covers the window's steps only."),
-        role=_policy(FlowGRPOSpecialization, samples=True, with_reference=True,
+        role=_policy(FlowGRPOObjective, samples=True, with_reference=True,
                      description="image model sampling mixed ODE-SDE trajectories; loss flow_grpo_clip"),
-        settings=DiffusionSettings(kind="grpo", sde_sigma_schedule="flow_grpo", sde_eta=0.7, sde_window_size=2,
-                                   sde_window_shift_every=2, shared_group_noise=True),
-        algorithm=_grpo_algorithm())
+        algorithm=_grpo_algorithm(sde_sigma_schedule="flow_grpo", sde_eta=0.7, sde_window_size=2,
+                                  sde_window_shift_every=2, shared_group_noise=True))
 
 
 @recipe("diffusion_dpo")
@@ -111,9 +106,9 @@ def diffusion_dpo_config() -> TrainingConfig:
         description=("Flow / Diffusion-DPO: on (chosen, rejected) image pairs noised with the same t and eps, the "
                      "policy's velocity error is pushed below the frozen reference's on the chosen image and above it "
                      "on the rejected one (built-in pairs: the named colour vs another colour)."),
-        role=_policy(DiffusionDPOSpecialization, samples=False, with_reference=True,
+        role=_policy(DiffusionDPOObjective, samples=False, with_reference=True,
                      description="image model trained on preference pairs; loss diffusion_dpo"),
-        settings=DiffusionSettings(kind="dpo"))
+        algorithm=diffusion_algorithm())
 
 
 @recipe("diffusion_nft")
@@ -123,7 +118,6 @@ def diffusion_nft_config() -> TrainingConfig:
         description=("DiffusionNFT: forward-process RL; the policy samples clean images with the ODE solver, "
                      "rewards become an optimality probability per image, and flow matching on those images "
                      "contrasts an implicit positive and negative policy (no likelihoods, no SDE)."),
-        role=_policy(DiffusionNFTSpecialization, samples=True, with_reference=False,
+        role=_policy(DiffusionNFTObjective, samples=True, with_reference=False,
                      description="image model trained on its own clean samples; loss diffusion_nft"),
-        settings=DiffusionSettings(kind="nft"),
         algorithm=_grpo_algorithm())

@@ -32,16 +32,14 @@ from stacx.trainer.config.run import (
     SECTIONS,
     ConfigError,
     RunConfig,
-    is_flux_style_section,
 )
+from stacx.trainer.config.resolve import current_run_config_keys
 
 CONFIG_DEST = "config"
 ALGORITHM_PARAM_DEST = "algorithm_param"
 
 # Algorithm fields whose default is None: their value type, for argparse conversion.
 _UNTYPED_ALGORITHM_FIELDS = {**ALGORITHM_FIELD_TYPES, "off_policy_corrections": str}  # comma-separated names
-# `name` is the recipe: `--algorithm` sets it (one flag per field).
-_ALGORITHM_FIELDS_WITHOUT_FLAG = {"name"}
 
 _SECTION_TITLES = {
     "model": "model and checkpoints",
@@ -131,7 +129,7 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
         _add_flag(groups[section_name], name, _field_base_type(f), default, _first_docstring_sentence(name))
     algorithm_group = parser.add_argument_group("algorithm hyperparameters (the `algorithm:` section)")
     for name, default in ALGORITHM_FIELDS.items():
-        if name in _ALGORITHM_FIELDS_WITHOUT_FLAG or name in FIELDS:
+        if name in FIELDS:
             continue
         base = type(default) if default is not None else _UNTYPED_ALGORITHM_FIELDS[name]
         _add_flag(algorithm_group, name, base, default, f"algorithm.{name}")
@@ -191,8 +189,11 @@ def parse_algorithm_params(items: list[str]) -> dict[str, Any]:
         name = name.strip().replace("-", "_")
         if not sep or not name.isidentifier():
             raise ConfigError(f"--algorithm-param {item!r}: expected NAME=VALUE with NAME a Python identifier")
-        if name in FIELDS or name == "name":
-            raise ConfigError(f"--algorithm-param {item!r}: {name!r} has its own flag {flag_name(name if name != 'name' else 'algorithm')}")
+        if name in FIELDS:
+            raise ConfigError(f"--algorithm-param {item!r}: {name!r} has its own flag {flag_name(name)}")
+        if name == "name":
+            raise ConfigError(f"--algorithm-param {item!r}: the recipe is train.algorithm; pass --algorithm "
+                              f"{text.strip() or 'NAME'}")
         params[name] = yaml.safe_load(text) if text.strip() else None
     return params
 
@@ -206,16 +207,6 @@ def merge_run_config(file_values: dict[str, Any] | None, flag_values: dict[str, 
     flags = _nested_overrides(flag_values, flag_source)
     for section, values in flags.items():
         merged[section].update(values)
-    # --algorithm names the recipe; keep algorithm.name in step so the file's name cannot win. In a
-    # Flux-style algorithm section, name is the policy loss: it stays, beside the recipe.
-    flux_style = is_flux_style_section(merged["algorithm"])
-    if "algorithm" in flags["train"]:
-        if not flux_style:
-            merged["algorithm"]["name"] = flags["train"]["algorithm"]
-    elif (not flux_style and merged["algorithm"].get("name")
-          and merged["train"].get("algorithm") not in (None, merged["algorithm"]["name"])):
-        raise ConfigError(f"{file_source}: train.algorithm {merged['train']['algorithm']!r} and algorithm.name "
-                          f"{merged['algorithm']['name']!r} disagree; set one of them")
     source = f"{file_source} + {flag_source}" if file_values else flag_source
     return RunConfig.from_dict({name: values for name, values in merged.items() if values}, source=source)
 
@@ -227,8 +218,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     # `algorithm` is both the recipe flag (train.algorithm) and the hyperparameter section's key.
     if "algorithm" in given:
         flag_values["train"] = {"algorithm": given["algorithm"]}
-    algorithm_section = {name: value for name, value in given.items()
-                         if name in ALGORITHM_FIELDS and name not in FIELDS and name not in _ALGORITHM_FIELDS_WITHOUT_FLAG}
+    algorithm_section = {name: value for name, value in given.items() if name in ALGORITHM_FIELDS and name not in FIELDS}
     algorithm_section.update(parse_algorithm_params(given.get(ALGORITHM_PARAM_DEST) or []))
     if algorithm_section:
         flag_values["algorithm"] = algorithm_section
@@ -256,7 +246,7 @@ def saved_run_config(load: str) -> tuple[dict[str, Any], str] | None:
             values = json.load(f)
     except (CheckpointError, OSError, ValueError):
         return None
-    return (values, path) if isinstance(values, dict) else None
+    return (current_run_config_keys(values), path) if isinstance(values, dict) else None
 
 
 def resume_overrides(args: argparse.Namespace, run_config: RunConfig) -> list[str]:

@@ -224,6 +224,15 @@ def check_expert_parallel_sizes(shape: DecoderShape, ep_size: int, etp_size: int
                          f"moe_intermediate_size={shape.moe.expert_ffn_hidden_size}")
 
 
+def check_pipeline_parallel_size(shape: DecoderShape, pp_size: int) -> None:
+    """Raise naming the flag when pp does not divide the layers (every stage holds as many)."""
+    if shape.num_layers % pp_size:
+        raise ValueError(
+            f"--pipeline-model-parallel-size {pp_size} does not divide num_hidden_layers={shape.num_layers}: "
+            f"each pipeline stage holds the same number of layers; pick a divisor of {shape.num_layers}"
+        )
+
+
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     """The vocab rounded up to a multiple of tp (the smallest padding that shards evenly)."""
     return -(-vocab_size // tp_size) * tp_size

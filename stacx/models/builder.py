@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from stacx.models.architectures import (
     DecoderShape,
     check_expert_parallel_sizes,
+    check_pipeline_parallel_size,
     check_tensor_parallel_size,
     decoder_shape,
     load_hf_config,
@@ -86,6 +87,7 @@ def build_transformer_config(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = not torch.cuda.is_available()
+    pipelined = groups.pp_size > 1
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -109,6 +111,13 @@ def build_transformer_config(
         fp16=params_dtype == torch.float16,
         tensor_model_parallel_size=groups.tp_size,
         context_parallel_size=groups.cp_size,
+        pipeline_model_parallel_size=groups.pp_size,
+        # Between stages megatron sends activations of a packed micro-batch, whose length varies:
+        # with variable_seq_lengths it sends each one's shape first (stacx.parallel.pipeline).
+        pipeline_dtype=params_dtype if pipelined else None,
+        variable_seq_lengths=pipelined,
+        # megatron refuses variable_seq_lengths with its default allgather MoE dispatcher.
+        moe_token_dispatcher_type="alltoall" if pipelined else "allgather",
         use_cpu_initialization=on_cpu,
         # The fused kernels below are CUDA-only.
         apply_rope_fusion=False,
@@ -176,6 +185,7 @@ def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32,
     shape = decoder_shape(config)
     check_tensor_parallel_size(shape, groups.tp_size)
     check_expert_parallel_sizes(shape, groups.ep_size, groups.etp_size)
+    check_pipeline_parallel_size(shape, groups.pp_size)
     transformer_config = build_transformer_config(
         shape, groups, params_dtype, float(getattr(config, "initializer_range", 0.02)), initialize_weights,
         router_losses,
@@ -188,6 +198,8 @@ def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32,
         position_embedding_type="rope",
         rotary_base=shape.rope_theta,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
     )
     if not initialize_weights:
         mark_tensor_parallel_params(model)

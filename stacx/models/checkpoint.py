@@ -19,7 +19,13 @@ import torch.distributed as dist
 
 from stacx.models.architectures import decoder_shape, load_hf_config
 from stacx.models.builder import hf_config_of, unwrap_model
-from stacx.models.weight_mapping import IGNORED_HF_SUFFIXES, param_mappings
+from stacx.models.weight_mapping import (
+    IGNORED_HF_SUFFIXES,
+    expected_param_mappings,
+    holds_tied_head_copy,
+    param_mappings,
+)
+from stacx.parallel.pipeline import stream_to_first_stage
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -156,7 +162,9 @@ def load_hf_checkpoint(model, path: str, groups) -> None:
     shape = decoder_shape(hf_config_of(gpt))
     mappings = param_mappings(gpt)
     reader = HFTensorReader(path)
-    reader.check_names(mappings, shape)
+    # A pipeline stage holds some of the layers: the checkpoint is checked against the whole model.
+    whole_model = mappings if groups.pp_size == 1 else expected_param_mappings(shape, groups.tp_size)
+    reader.check_names(whole_model, shape)
     params = dict(gpt.named_parameters())
     for mapping in mappings:
         rank, size = mapping.shard_rank_and_size(groups)
@@ -202,7 +210,9 @@ def iter_hf_weight_buckets(
     tensors (default: the parameters' own dtype).
     """
     gpt = unwrap_model(model)
-    yield from split_into_buckets(_iter_hf_tensors(gpt, groups, dtype, only_to_tp_rank), bucket_bytes)
+    # Under PP each stage gathers its own layers over TP; the first stage receives the others' in layer order.
+    named = stream_to_first_stage(_iter_hf_tensors(gpt, groups, dtype, only_to_tp_rank), groups)
+    yield from split_into_buckets(named, bucket_bytes)
 
 
 def _iter_hf_tensors(gpt, groups, dtype, only_to_tp_rank) -> Iterator[tuple[str, torch.Tensor]]:
@@ -210,6 +220,8 @@ def _iter_hf_tensors(gpt, groups, dtype, only_to_tp_rank) -> Iterator[tuple[str,
     shape = decoder_shape(hf_config_of(gpt))
     params = dict(gpt.named_parameters())
     for mapping in param_mappings(gpt):
+        if holds_tied_head_copy(gpt) and mapping.megatron_name == "output_layer.weight":
+            continue  # the first stage sends the embedding, which Hugging Face stores once
         if mapping.routed_expert:
             named = _routed_expert_hf_tensors(mapping, params[mapping.megatron_name].detach(), groups, shape)
             if only_to_tp_rank is None or groups.tp_rank == only_to_tp_rank:

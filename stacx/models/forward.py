@@ -77,6 +77,10 @@ def forward_packed(model, tokens: torch.Tensor, padded_lengths: Sequence[int], g
     params = packed_seq_params_for(padded_lengths, groups)
     device = params.cu_seqlens_q.device
     inputs = (tokens.to(device)[None], positions.to(device)[None], None)  # [1, T_local] each
+    if not unwrap_model(model).post_process:
+        # A pipeline stage before the last: its hidden states [T_local, 1, H] are the next stage's
+        # input, handed on as they are (stacx.parallel.pipeline).
+        return model(*inputs, packed_seq_params=params)
     vocab_size = hf_config_of(model).vocab_size
     if lm_head == "hidden":
         with output_layer_skipped(unwrap_model(model)) as head:

@@ -183,17 +183,32 @@ class ParamMapping:
         raise AssertionError(self.kind)
 
 
-def _match(name: str, first_local_expert: int = 0) -> tuple[str, tuple[str, ...], bool]:
-    """(kind, HF names, routed expert?) of megatron parameter `name`; a routed expert's local index j is
-    Hugging Face expert `first_local_expert + j`."""
+def _match(name: str, layer_offset: int = 0, first_local_expert: int = 0) -> tuple[str, tuple[str, ...], bool]:
+    """(kind, HF names, routed expert?) of megatron parameter `name`: its layer index shifted by `layer_offset`
+    (a pipeline stage's first layer), a routed expert's local index j mapped to Hugging Face expert
+    `first_local_expert + j`."""
     for pattern, kind, templates in _RULES:
         found = re.fullmatch(pattern, name)
         if found:
-            layer = found.group(1) if found.groups() else None
+            layer = int(found.group(1)) + layer_offset if found.groups() else None
             routed = len(found.groups()) == 2
             expert = first_local_expert + int(found.group(2)) if routed else None
             return kind, tuple(t.format(i=layer, e=expert) for t in templates), routed
     raise ValueError(f"megatron parameter {name!r} has no Hugging Face mapping in stacx.models.weight_mapping")
+
+
+def layer_offset(gpt_model) -> int:
+    """The global index of the model's first layer: 0, or where this pipeline stage's layers start
+    (megatron numbers a stage's `decoder.layers.{i}` from 0 and keeps the global 1-based
+    `layer_number` on each layer)."""
+    layers = gpt_model.decoder.layers
+    return int(layers[0].layer_number) - 1 if len(layers) else 0
+
+
+def holds_tied_head_copy(gpt_model) -> bool:
+    """True on the last pipeline stage of a tied-embedding model: its `output_layer.weight` is a copy
+    of the first stage's embedding (megatron keeps the two equal), which Hugging Face stores once."""
+    return bool(getattr(gpt_model, "share_embeddings_and_output_weights", False)) and not gpt_model.pre_process
 
 
 def _first_local_experts(gpt_model) -> dict[str, int]:
@@ -203,12 +218,20 @@ def _first_local_experts(gpt_model) -> dict[str, int]:
 
 
 def param_mappings(gpt_model) -> list[ParamMapping]:
-    """One mapping per parameter of an (unwrapped) megatron GPTModel, in parameter order."""
+    """One mapping per parameter of an (unwrapped) megatron GPTModel, in parameter order.
+
+    On a pipeline stage the layers map to their global Hugging Face indices; the tied LM-head copy
+    on the last stage maps to `model.embed_tokens.weight`; routed experts to their global expert index.
+    """
+    offset = layer_offset(gpt_model)
+    tied_copy = holds_tied_head_copy(gpt_model)
     first_experts = _first_local_experts(gpt_model)
     mappings = []
     for name, param in gpt_model.named_parameters():
         layer_mlp = name.split(".experts.local_experts.")[0]
-        kind, hf_names, routed = _match(name, first_experts.get(layer_mlp, 0))
+        kind, hf_names, routed = _match(name, offset, first_experts.get(layer_mlp, 0))
+        if tied_copy and name == "output_layer.weight":
+            hf_names = ("model.embed_tokens.weight",)
         mappings.append(ParamMapping(name, kind, hf_names, tuple(param.shape), routed))
     return mappings
 
@@ -255,7 +278,7 @@ def expected_param_mappings(shape: DecoderShape, tp_size: int, *, ep_size: int =
     first_expert = ep_rank * (shape.moe.num_experts // ep_size) if shape.moe is not None else 0
     mappings = []
     for name, local_shape in local_shapes:
-        kind, hf_names, routed = _match(name, first_expert)
+        kind, hf_names, routed = _match(name, first_local_expert=first_expert)
         mappings.append(ParamMapping(name, kind, hf_names, local_shape, routed))
     return mappings
 

@@ -15,7 +15,7 @@ What the adapters do:
 - Pass hyperparameters: a named parameter of the plugin is passed from the config
   (`clip_ratio` <- `config.clip_ratio`) when the user SET that key (`config.given_keys`) or the
   parameter has no default; otherwise the plugin's own default holds (`entropy_coef=0.01` stays
-  0.01 unless the run sets it). A config without `given_keys` passes every non-None value.
+  0.01 unless the run sets it). The config must be an `AlgorithmConfig` (None: its defaults).
   Padded `rollout_log_prob`, `ref_log_prob`, `entropy` are passed when given and the plugin
   accepts them (by name or **kwargs); advantage plugins get `index` (the prompt ids) and padded
   `values` the same way.
@@ -47,6 +47,7 @@ import torch
 
 from stacx.objectives.advantages_returns import token_level_rewards
 from stacx.objectives.aggregation import aggregate_sum, count_normalizer, get_aggregation_mode
+from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
 from stacx.objectives.padding import pad_trajectories, unpad_trajectories
 from stacx.objectives.registry import KernelTraits, register_advantage, register_policy_loss
 from stacx.objectives.validation import check_trajectory_lists, rollout_field
@@ -71,17 +72,17 @@ def _declared_knobs(fn: Callable, skip: set[str]) -> tuple[str, ...]:
                  and p.default is not inspect.Parameter.empty and n not in skip)
 
 
-def _hyperparameters_from_config(config, fn: Callable, names: set[str], skip: set[str]) -> dict:
+def _hyperparameters_from_config(config: AlgorithmConfig, fn: Callable, names: set[str], skip: set[str]) -> dict:
     """Values for the plugin's named parameters: those the user set (or that have no default)."""
     parameters = inspect.signature(fn).parameters
-    given = config.given_keys if hasattr(config, "given_keys") else None  # keys the user set, when known
     found = {}
     for name in names - skip:
-        value = getattr(config, name, None) if config is not None else None
+        # A plugin's own knob may be absent from the config: its default in the signature holds then.
+        value = getattr(config, name, None)
         if value is None:
             continue
         has_default = parameters[name].default is not inspect.Parameter.empty
-        if given is None or name in given or not has_default:
+        if name in config.given_keys or not has_default:
             found[name] = value
     return found
 
@@ -128,7 +129,8 @@ def adapt_padded_policy_loss(fn: Callable, *, aggregation: str = "token-mean") -
         )
     tensor_slots = set(positional[:4])
 
-    def policy_loss(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
+    def policy_loss(config: AlgorithmConfig, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
+        config = as_algorithm_config(config, f"padded policy loss {fn.__qualname__}")
         lengths = check_trajectory_lists(
             "log_prob", log_prob, old_log_prob=old_log_prob, advantages=advantages, loss_masks=loss_masks
         )
@@ -155,8 +157,8 @@ def adapt_padded_policy_loss(fn: Callable, *, aggregation: str = "token-mean") -
             return unpad_trajectories(loss, lengths), metric_sums
         if loss.dim() != 0:
             raise ValueError(f"padded policy loss {fn.__qualname__} returned shape {tuple(loss.shape)}; expected (batch, seq_len) or a scalar")
-        run_mode = getattr(config, "loss_agg_mode", None) if config is not None else None
-        if run_mode is not None and run_mode != aggregation:
+        run_mode = config.loss_agg_mode
+        if run_mode != aggregation:
             raise ValueError(
                 f"padded policy loss {fn.__qualname__} aggregates with {aggregation!r} but loss_agg_mode is "
                 f"{run_mode!r}; set loss_agg_mode to {aggregation!r} or adapt it with aggregation={run_mode!r}"
@@ -213,7 +215,8 @@ def adapt_padded_advantage(fn: Callable) -> Callable:
             f"padded advantage {fn.__qualname__} must take (token_level_rewards, response_mask, ...), got {positional}"
         )
 
-    def advantage(config, rollout_data):
+    def advantage(config: AlgorithmConfig, rollout_data):
+        config = as_algorithm_config(config, f"padded advantage {fn.__qualname__}")
         lengths = [int(n) for n in rollout_field(rollout_data, "response_lengths")]
         if not lengths:
             return []

@@ -12,8 +12,9 @@ from collections import defaultdict
 
 import torch
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import register_advantage
-from stacx.objectives.validation import check_scalars_per_trajectory, hyperparameter, rollout_field
+from stacx.objectives.validation import check_scalars_per_trajectory, rollout_field
 
 
 def _rewards_and_lengths(rollout_data) -> tuple[torch.Tensor, list[int]]:
@@ -60,21 +61,21 @@ def group_normalized_rewards(rollout_data, *, normalize_std: bool, eps: float, l
 
 
 @register_advantage("grpo")
-def grpo(config, rollout_data) -> list[torch.Tensor]:
+def grpo(config: AlgorithmConfig, rollout_data) -> list[torch.Tensor]:
     """GRPO: A_i = (r_i - mean_g(r)) / (std_g(r) + eps), broadcast to every response token.
 
     g is the prompt group of trajectory i; std is the unbiased sample std of the group.
     config: `norm_adv_by_std` (default True; False gives Dr. GRPO), `adv_eps` (1e-6).
     A group of one gets A = 0; a zero-variance group gets A = 0 (numerator 0, no NaN).
     """
-    normalize = bool(hyperparameter(config, "norm_adv_by_std"))
-    eps = float(hyperparameter(config, "adv_eps"))
+    normalize = bool(config.norm_adv_by_std)
+    eps = float(config.adv_eps)
     _, lengths = _rewards_and_lengths(rollout_data)
     return broadcast_to_tokens(group_normalized_rewards(rollout_data, normalize_std=normalize, eps=eps), lengths)
 
 
 @register_advantage("dr_grpo")
-def dr_grpo(config, rollout_data) -> list[torch.Tensor]:
+def dr_grpo(config: AlgorithmConfig, rollout_data) -> list[torch.Tensor]:
     """Dr. GRPO: A_i = r_i - mean_g(r) (no std division), broadcast to tokens.
 
     Pair it with `loss_agg_mode: seq-mean-token-sum-norm` to also drop the length bias.
@@ -84,7 +85,7 @@ def dr_grpo(config, rollout_data) -> list[torch.Tensor]:
 
 
 @register_advantage("rloo")
-def rloo(config, rollout_data) -> list[torch.Tensor]:
+def rloo(config: AlgorithmConfig, rollout_data) -> list[torch.Tensor]:
     """RLOO: A_i = r_i - mean_{j in g, j != i} r_j = n/(n-1) (r_i - mean_g(r)), broadcast.
 
     A group of one gets A = 0.
@@ -96,7 +97,7 @@ def rloo(config, rollout_data) -> list[torch.Tensor]:
 
 
 @register_advantage("reward_centered")
-def reward_centered(config, rollout_data) -> list[torch.Tensor]:
+def reward_centered(config: AlgorithmConfig, rollout_data) -> list[torch.Tensor]:
     """The minimal estimator: A_i = r_i - mean_batch(r), broadcast to tokens."""
     rewards, lengths = _rewards_and_lengths(rollout_data)
     return broadcast_to_tokens(rewards - rewards.mean(), lengths)

@@ -16,16 +16,17 @@ from __future__ import annotations
 import torch
 
 from stacx.objectives.advantages_group import group_normalized_rewards
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import get_kl_estimator, register_advantage
 from stacx.objectives.validation import (
     check_scalars_per_trajectory,
     check_trajectory_lists,
-    hyperparameter,
     rollout_field,
 )
 
 
-def token_level_rewards(config, rollout_data, scalar_rewards: torch.Tensor | None = None) -> list[torch.Tensor]:
+def token_level_rewards(config: AlgorithmConfig, rollout_data,
+                        scalar_rewards: torch.Tensor | None = None) -> list[torch.Tensor]:
     """r_it as in the module docstring, float64; `scalar_rewards` overrides `rewards`."""
     lengths = [int(n) for n in rollout_field(rollout_data, "response_lengths")]
     if scalar_rewards is None:
@@ -37,8 +38,8 @@ def token_level_rewards(config, rollout_data, scalar_rewards: torch.Tensor | Non
         per_token = [t.detach().to(torch.float64).clone() for t in token_rewards]
     else:
         per_token = [torch.zeros(n, dtype=torch.float64) for n in lengths]
-    if hyperparameter(config, "use_kl_in_reward"):
-        beta = float(hyperparameter(config, "kl_in_reward_coef"))
+    if config.use_kl_in_reward:
+        beta = float(config.kl_in_reward_coef)
         log_probs = rollout_field(rollout_data, "log_probs", required=False)
         if log_probs is None:
             log_probs = rollout_field(rollout_data, "rollout_log_probs", required=False)
@@ -47,7 +48,7 @@ def token_level_rewards(config, rollout_data, scalar_rewards: torch.Tensor | Non
         ref_log_probs = rollout_field(rollout_data, "ref_log_probs")
         _check_lengths("log_probs", log_probs, lengths)
         _check_lengths("ref_log_probs", ref_log_probs, lengths)
-        estimator = get_kl_estimator(hyperparameter(config, "kl_in_reward_type"))
+        estimator = get_kl_estimator(config.kl_in_reward_type)
         for rewards_t, lp, ref in zip(per_token, log_probs, ref_log_probs):
             rewards_t -= beta * estimator(lp.detach().to(torch.float64), ref.detach().to(torch.float64))
     for index, (rewards_t, reward) in enumerate(zip(per_token, scalar_rewards.tolist())):
@@ -99,34 +100,34 @@ def _as_float32(values: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @register_advantage("reinforce_plus_plus")
-def reinforce_plus_plus(config, rollout_data) -> list[torch.Tensor]:
+def reinforce_plus_plus(config: AlgorithmConfig, rollout_data) -> list[torch.Tensor]:
     """REINFORCE++: A_it = whiten(G_it), G_it = sum_{k >= t} gamma^(k-t) r_ik.
 
     r_ik as in the module docstring (KL-in-reward included when enabled); whitening uses the
     mean and std over every loss-masked token of the batch (`loss_masks`, default all ones).
     config: `gamma` (1.0), `use_kl_in_reward`, `kl_in_reward_coef`, `adv_eps` (1e-6).
     """
-    gamma = float(hyperparameter(config, "gamma"))
+    gamma = float(config.gamma)
     rewards = token_level_rewards(config, rollout_data)
     lengths = [r.shape[0] for r in rewards]
     returns = [discounted_returns(r, gamma) for r in rewards]
-    eps = float(hyperparameter(config, "adv_eps"))
+    eps = float(config.adv_eps)
     return _as_float32(masked_whiten(returns, _loss_masks(rollout_data, lengths), eps))
 
 
 @register_advantage("reinforce_plus_plus_baseline")
-def reinforce_plus_plus_baseline(config, rollout_data) -> list[torch.Tensor]:
+def reinforce_plus_plus_baseline(config: AlgorithmConfig, rollout_data) -> list[torch.Tensor]:
     """REINFORCE++-baseline: REINFORCE++ with R_i replaced by R_i - mean_g(R) (prompt group g).
 
     A_it = whiten(G_it) where the last-token reward is the group-centred R_i; groups of one
     get a centred reward of 0. Same config as `reinforce_plus_plus`.
     """
     centered = group_normalized_rewards(rollout_data, normalize_std=False, eps=0.0)
-    gamma = float(hyperparameter(config, "gamma"))
+    gamma = float(config.gamma)
     rewards = token_level_rewards(config, rollout_data, scalar_rewards=centered)
     lengths = [r.shape[0] for r in rewards]
     returns = [discounted_returns(r, gamma) for r in rewards]
-    eps = float(hyperparameter(config, "adv_eps"))
+    eps = float(config.adv_eps)
     return _as_float32(masked_whiten(returns, _loss_masks(rollout_data, lengths), eps))
 
 
@@ -149,14 +150,14 @@ def gae_advantages_and_returns(
     return advantages, advantages + values
 
 
-def gae_returns(config, rollout_data) -> list[torch.Tensor]:
+def gae_returns(config: AlgorithmConfig, rollout_data) -> list[torch.Tensor]:
     """The value targets A_t + V_t of `gae` (unwhitened), for the critic's value loss."""
     return [ret.to(torch.float32) for _, ret in _gae_all(config, rollout_data)]
 
 
-def _gae_all(config, rollout_data):
-    gamma = float(hyperparameter(config, "gamma"))
-    lam = float(hyperparameter(config, "lam"))
+def _gae_all(config: AlgorithmConfig, rollout_data):
+    gamma = float(config.gamma)
+    lam = float(config.lam)
     rewards = token_level_rewards(config, rollout_data)
     values = rollout_field(rollout_data, "values")
     check_trajectory_lists("token_level_rewards", rewards, values=values)
@@ -164,7 +165,7 @@ def _gae_all(config, rollout_data):
 
 
 @register_advantage("gae")
-def gae(config, rollout_data) -> list[torch.Tensor]:
+def gae(config: AlgorithmConfig, rollout_data) -> list[torch.Tensor]:
     """PPO's generalized advantage estimation with a critic's `values` (one per response token).
 
     delta_t = r_t + gamma V_{t+1} - V_t (V_T = 0), A_t = sum_k (gamma lam)^k delta_{t+k}.
@@ -172,8 +173,8 @@ def gae(config, rollout_data) -> list[torch.Tensor]:
     masked tokens as in REINFORCE++), KL-in-reward as in the module docstring.
     """
     advantages = [adv for adv, _ in _gae_all(config, rollout_data)]
-    if hyperparameter(config, "whiten_advantages"):
+    if config.whiten_advantages:
         lengths = [a.shape[0] for a in advantages]
-        eps = float(hyperparameter(config, "adv_eps"))
+        eps = float(config.adv_eps)
         advantages = masked_whiten(advantages, _loss_masks(rollout_data, lengths), eps)
     return _as_float32(advantages)

@@ -6,8 +6,10 @@ specializations read: its type, its one default and a docstring. Everything else
 
 - the run configuration's known `algorithm:` keys and their value types (`stacx.trainer.config.run`),
 - the `stacx train` flags of the algorithm section and their defaults (`stacx.launch.run_flags`),
-- the default a kernel gets when its `config` lacks a knob (`hyperparameter(config, name)`, which
-  takes no default argument: the read site never restates one).
+- what a kernel reads: every kernel, estimator and specialization receives an `AlgorithmConfig` as
+  `config` and reads `config.<knob>`, so no read site restates a default (`as_algorithm_config`
+  refuses any other object where a config enters the loss code: a specialization's constructor,
+  the trainer's advantage call, the padded-plugin adapters).
 
 Custom hyperparameters (a plugin's `rwr_temperature`) live in `extras` and read like fields
 (`config.rwr_temperature`). `given_keys` records which keys the user set (file, flags, env), so a
@@ -40,9 +42,7 @@ class AlgorithmConfig:
     as `config` and read attributes; custom keys come from `extras`.
     """
 
-    # ---- recipe and kernels (names in the stacx.objectives registries) ----
-    name: str | None = None
-    """The recipe the run trains (set by resolution; `--algorithm` on the command line)."""
+    # ---- kernels (names in the stacx.objectives registries; the recipe is train.algorithm) ----
     advantage_estimator: str | None = None
     """Name in the advantage registry: grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gae, reward_centered."""
     policy_loss: str = "ppo_clip"
@@ -216,6 +216,19 @@ class AlgorithmConfig:
         return {**{f.name: getattr(self, f.name) for f in hyperparameter_fields()}, **self.extras}
 
 
+def as_algorithm_config(config: "AlgorithmConfig | None", where: str) -> "AlgorithmConfig":
+    """`config` itself when it is an `AlgorithmConfig`, the declared defaults for None; TypeError naming
+    `where` (the code that received it) and the fix for anything else. Called where a config enters
+    the loss code, once, so that a kernel never finds a missing knob deep inside its math."""
+    if config is None:
+        return AlgorithmConfig()
+    if isinstance(config, AlgorithmConfig):
+        return config
+    raise TypeError(f"{where} needs a stacx.objectives.algorithm_config.AlgorithmConfig (the run's algorithm section; "
+                    f"build one with AlgorithmConfig(...) or AlgorithmConfig.from_values({{...}})), "
+                    f"got {type(config).__name__}")
+
+
 def _rebuild(values: dict[str, Any], given_keys: tuple[str, ...]) -> AlgorithmConfig:
     return AlgorithmConfig.from_values(values, given_keys=given_keys)
 
@@ -266,4 +279,5 @@ ALGORITHM_DEFAULTS: dict[str, Any] = {
 """Hyperparameter name -> its one default, derived from the dataclass."""
 
 
-__all__ = ["ALGORITHM_DEFAULTS", "AlgorithmConfig", "AlgorithmConfigError", "hyperparameter_fields", "scalar_type"]
+__all__ = ["ALGORITHM_DEFAULTS", "AlgorithmConfig", "AlgorithmConfigError", "as_algorithm_config",
+           "hyperparameter_fields", "scalar_type"]

@@ -18,7 +18,7 @@ log-densities) are MEANS over the image's elements, as in the papers' reference 
 Kernels that are losses are registered: the clipped policy loss in POLICY_LOSSES (its signature
 is the LLM one, with denoising steps in place of tokens), the others in LOSSES. Hyperparameters
 are read from `config` (clip ratios, `kl_loss_coef` are declared algorithm fields; `nft_beta`,
-`diffusion_dpo_beta` are declared by the diffusion recipes' settings, stacx.diffusion.settings).
+`diffusion_dpo_beta` are fields of the diffusion recipes' `DiffusionAlgorithmConfig`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _check_same_shapes(name: str, reference: Sequence[torch.Tensor], **others: S
 
 
 def _setting(config, name: str):
-    """`config.<name>` for diffusion-only knobs (declared in the diffusion recipes' settings), else a
+    """`config.<name>` for diffusion-only knobs (fields of the diffusion recipes' algorithm config), else a
     declared algorithm hyperparameter."""
     value = getattr(config, name, None) if config is not None else None
     return value if value is not None else hyperparameter(config, name)

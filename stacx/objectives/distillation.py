@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import register_loss
-from stacx.objectives.validation import check_trajectory_lists, hyperparameter, split_like
+from stacx.objectives.validation import check_trajectory_lists, split_like
 
 LOG_RATIO_CLAMP = 20.0
 TEACHER_EXECUTED_SENTINEL = 1.0
@@ -43,7 +44,7 @@ def _flatten(log_prob, teacher_log_prob, loss_masks):
 
 
 @register_loss("distill_reverse_kl_k3")
-def distill_reverse_kl_k3(config, log_prob, teacher_log_prob, loss_masks):
+def distill_reverse_kl_k3(config: AlgorithmConfig, log_prob, teacher_log_prob, loss_masks):
     """Per-token K3 reverse KL on the sampled token (see the module docstring).
 
     log_prob, teacher_log_prob, loss_masks: lists of (response_len_i,). teacher_log_prob
@@ -78,7 +79,7 @@ def _check_real_log_probs(teacher: torch.Tensor, lengths, *, allow_sentinel: boo
 
 
 @register_loss("distill_mixed")
-def distill_mixed(config, log_prob, teacher_log_prob, loss_masks):
+def distill_mixed(config: AlgorithmConfig, log_prob, teacher_log_prob, loss_masks):
     """Mixed per-token dispatch: cross-entropy on teacher-executed tokens, K3 on student ones.
 
         l_t = -s_t                       if u_t == +1.0 (teacher executed the token)
@@ -128,7 +129,7 @@ def union_topk_support(student_topk_ids: torch.Tensor, teacher_topk_ids: torch.T
 
 
 @register_loss("distill_topk_reverse_kl")
-def distill_topk_reverse_kl(config, student_log_probs, teacher_log_probs, support_masks, loss_masks):
+def distill_topk_reverse_kl(config: AlgorithmConfig, student_log_probs, teacher_log_probs, support_masks, loss_masks):
     """Reverse KL over a per-token support S_t (e.g. `union_topk_support`), per token.
 
         q_tk = softmax_{k in S_t}(s_tk),  p_tk = softmax_{k in S_t}(u_tk)
@@ -156,7 +157,7 @@ def distill_topk_reverse_kl(config, student_log_probs, teacher_log_probs, suppor
                 raise ValueError(f"{name}[{index}] has shape {tuple(other.shape)} but student_log_probs[{index}] has {tuple(s.shape)}")
         if m.dim() != 1 or m.shape[0] != s.shape[0]:
             raise ValueError(f"loss_masks[{index}] has shape {tuple(m.shape)} but student_log_probs[{index}] has {s.shape[0]} tokens")
-    renormalize = bool(hyperparameter(config, "distill_topk_renormalize"))
+    renormalize = bool(config.distill_topk_renormalize)
     lengths = [s.shape[0] for s in student_log_probs]
     s = torch.cat(list(student_log_probs))
     u = torch.cat(list(teacher_log_probs)).detach().to(s.dtype)

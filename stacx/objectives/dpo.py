@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import register_loss
-from stacx.objectives.validation import check_trajectory_lists, hyperparameter
+from stacx.objectives.validation import check_trajectory_lists
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 
@@ -33,7 +34,7 @@ def sequence_log_probs(log_prob, loss_masks, *, average: bool) -> torch.Tensor:
 
 
 def dpo_pair_losses(
-    config,
+    config: AlgorithmConfig,
     policy_chosen_log_prob,
     policy_rejected_log_prob,
     ref_chosen_log_prob,
@@ -63,16 +64,16 @@ def dpo_pair_losses(
         )
     if not policy_chosen_log_prob:
         raise ValueError("policy_chosen_log_prob is empty: DPO needs at least one pair")
-    loss_type = loss_type or hyperparameter(config, "dpo_loss_type")
+    loss_type = loss_type or config.dpo_loss_type
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"dpo_loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
-    beta = float(hyperparameter(config, "dpo_beta"))
+    beta = float(config.dpo_beta)
     if beta <= 0:
         raise ValueError(f"dpo_beta must be > 0, got {beta}")
-    smoothing = float(hyperparameter(config, "label_smoothing"))
+    smoothing = float(config.label_smoothing)
     if not 0.0 <= smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {smoothing}")
-    average = bool(hyperparameter(config, "dpo_average_log_prob"))
+    average = bool(config.dpo_average_log_prob)
 
     detached_ref = lambda xs: [x.detach() for x in xs]  # noqa: E731 - the reference is frozen
     chosen = sequence_log_probs(policy_chosen_log_prob, chosen_loss_masks, average=average)
@@ -99,18 +100,18 @@ def dpo_pair_losses(
 
 
 @register_loss("dpo")
-def dpo(config, *args, **kwargs):
+def dpo(config: AlgorithmConfig, *args, **kwargs):
     """DPO with `dpo_loss_type` read from the config (see `dpo_pair_losses`)."""
     return dpo_pair_losses(config, *args, **kwargs)
 
 
 @register_loss("dpo_sigmoid")
-def dpo_sigmoid(config, *args, **kwargs):
+def dpo_sigmoid(config: AlgorithmConfig, *args, **kwargs):
     """DPO, sigmoid (Bradley-Terry) loss with optional label smoothing."""
     return dpo_pair_losses(config, *args, loss_type="sigmoid", **kwargs)
 
 
 @register_loss("dpo_ipo")
-def dpo_ipo(config, *args, **kwargs):
+def dpo_ipo(config: AlgorithmConfig, *args, **kwargs):
     """IPO: squared loss pulling h towards 1 / (2 beta)."""
     return dpo_pair_losses(config, *args, loss_type="ipo", **kwargs)

@@ -17,8 +17,9 @@ from typing import Sequence
 
 import torch
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import get_kl_estimator, register_kl_estimator
-from stacx.objectives.validation import check_trajectory_lists, hyperparameter
+from stacx.objectives.validation import check_trajectory_lists
 
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
@@ -63,7 +64,7 @@ def kl_per_trajectory(
 
 
 def add_kl_and_entropy_terms(
-    config,
+    config: AlgorithmConfig,
     per_token_loss: Sequence[torch.Tensor],
     log_prob: Sequence[torch.Tensor],
     loss_masks: Sequence[torch.Tensor],
@@ -85,14 +86,14 @@ def add_kl_and_entropy_terms(
     )
     total = list(per_token_loss)
     metrics: dict[str, torch.Tensor] = {}
-    if hyperparameter(config, "use_kl_loss"):
+    if config.use_kl_loss:
         if ref_log_prob is None:
             raise ValueError("use_kl_loss is set but ref_log_prob was not provided")
-        coef = float(hyperparameter(config, "kl_loss_coef"))
-        kl = kl_per_trajectory(log_prob, ref_log_prob, hyperparameter(config, "kl_loss_type"))
+        coef = float(config.kl_loss_coef)
+        kl = kl_per_trajectory(log_prob, ref_log_prob, config.kl_loss_type)
         total = [loss + coef * k for loss, k in zip(total, kl)]
         metrics["kl_loss"] = sum((k.detach() * m).sum() for k, m in zip(kl, loss_masks))
-    entropy_coef = float(hyperparameter(config, "entropy_coef"))
+    entropy_coef = float(config.entropy_coef)
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError(f"entropy_coef is {entropy_coef} but entropy was not provided")
     if entropy is not None:

@@ -33,8 +33,9 @@ from typing import Sequence
 
 import torch
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import get_off_policy_correction, register_off_policy_correction
-from stacx.objectives.validation import check_trajectory_lists, hyperparameter, split_like
+from stacx.objectives.validation import check_trajectory_lists, split_like
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -88,23 +89,23 @@ def _result(lengths, mask, weights, metrics, like) -> OffPolicyCorrection:
     )
 
 
-def _bounds(config) -> tuple[float, float]:
-    lower = float(hyperparameter(config, "mis_lower"))
-    upper = float(hyperparameter(config, "mis_upper"))
+def _bounds(config: AlgorithmConfig) -> tuple[float, float]:
+    lower = float(config.mis_lower)
+    upper = float(config.mis_upper)
     if not 0.0 <= lower < upper:
         raise ValueError(f"need 0 <= mis_lower < mis_upper, got mis_lower={lower}, mis_upper={upper}")
     return lower, upper
 
 
-def _threshold(config) -> float:
-    threshold = float(hyperparameter(config, "tis_threshold"))
+def _threshold(config: AlgorithmConfig) -> float:
+    threshold = float(config.tis_threshold)
     if threshold <= 0:
         raise ValueError(f"tis_threshold must be > 0, got {threshold}")
     return threshold
 
 
 @register_off_policy_correction("token_tis", token_local=True)
-def token_tis(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection:
+def token_tis(config: AlgorithmConfig, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection:
     """Token-level truncated IS: w_t = min(exp(delta_t), tis_threshold)."""
     lengths, delta, mask = _prepare(train_log_prob, rollout_log_prob, loss_masks)
     ratio = torch.exp(delta)
@@ -115,7 +116,7 @@ def token_tis(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) ->
 
 
 @register_off_policy_correction("sequence_tis")
-def sequence_tis(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection:
+def sequence_tis(config: AlgorithmConfig, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection:
     """Sequence-level truncated IS: w_i = min(exp(sum_t m_it delta_t), tis_threshold) on every token."""
     lengths, delta, mask = _prepare(train_log_prob, rollout_log_prob, loss_masks)
     ratio = torch.exp(_sequence_sums(delta, mask, lengths).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
@@ -126,7 +127,7 @@ def sequence_tis(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs)
 
 
 @register_off_policy_correction("token_mis", token_local=True)
-def token_mis(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection:
+def token_mis(config: AlgorithmConfig, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection:
     """Token-level masked IS: drop tokens whose ratio is outside [mis_lower, mis_upper]."""
     lengths, delta, mask = _prepare(train_log_prob, rollout_log_prob, loss_masks)
     lower, upper = _bounds(config)
@@ -138,7 +139,7 @@ def token_mis(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) ->
 
 
 @register_off_policy_correction("sequence_mis")
-def sequence_mis(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection:
+def sequence_mis(config: AlgorithmConfig, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection:
     """Sequence-level masked IS: drop sequences whose ratio exp(sum_t m delta) is outside bounds."""
     lengths, delta, mask = _prepare(train_log_prob, rollout_log_prob, loss_masks)
     lower, upper = _bounds(config)
@@ -150,7 +151,8 @@ def sequence_mis(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs)
 
 
 @register_off_policy_correction("opsm", uses_current_policy=True)
-def opsm(config, train_log_prob, rollout_log_prob, loss_masks, *, advantages, **kwargs) -> OffPolicyCorrection:
+def opsm(config: AlgorithmConfig, train_log_prob, rollout_log_prob, loss_masks, *, advantages,
+         **kwargs) -> OffPolicyCorrection:
     """Off-policy sequence masking (DeepSeek-V3.2).
 
     Sequence i is masked when sum_t m_it A_it < 0 (a negative-advantage sample) and its mean
@@ -159,7 +161,7 @@ def opsm(config, train_log_prob, rollout_log_prob, loss_masks, *, advantages, **
     """
     lengths, delta, mask = _prepare(train_log_prob, rollout_log_prob, loss_masks)
     check_trajectory_lists("train_log_prob", train_log_prob, advantages=advantages)
-    opsm_delta = float(hyperparameter(config, "opsm_delta"))
+    opsm_delta = float(config.opsm_delta)
     adv = torch.cat(list(advantages)).detach().to(torch.float64) if lengths else delta.new_zeros(0)
     tokens = _sequence_sums(torch.ones_like(mask), mask, lengths).clamp_min(1.0)
     mean_kl = _sequence_sums(-delta, mask, lengths) / tokens
@@ -190,7 +192,7 @@ def m2po_keep_mask(squared_log_ratio: torch.Tensor, threshold: float) -> torch.T
 
 
 @register_off_policy_correction("m2po", uses_current_policy=True)
-def m2po(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection:
+def m2po(config: AlgorithmConfig, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection:
     """M2PO: bound the second moment of the log-ratio by masking its largest tokens.
 
     Over the loss-masked tokens of all trajectories given, M2 = mean_t delta_t^2. If
@@ -199,7 +201,7 @@ def m2po(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffP
     whole step's batch for a split-independent result).
     """
     lengths, delta, mask = _prepare(train_log_prob, rollout_log_prob, loss_masks)
-    threshold = float(hyperparameter(config, "m2po_threshold"))
+    threshold = float(config.m2po_threshold)
     if threshold < 0:
         raise ValueError(f"m2po_threshold must be >= 0, got {threshold}")
     active = mask > 0
@@ -212,7 +214,7 @@ def m2po(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffP
 
 
 def apply_off_policy_corrections(
-    config,
+    config: AlgorithmConfig,
     names: Sequence[str],
     train_log_prob: Sequence[torch.Tensor],
     rollout_log_prob: Sequence[torch.Tensor],

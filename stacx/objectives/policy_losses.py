@@ -16,17 +16,16 @@ from __future__ import annotations
 import torch
 
 from stacx.objectives.aggregation import sum_of_sample_mean  # noqa: F401  (where guide 003 imports it from)
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import register_policy_loss
-from stacx.objectives.validation import check_trajectory_lists, hyperparameter, split_like
+from stacx.objectives.validation import check_trajectory_lists, split_like
 
 LOG_RATIO_CLAMP = 20.0
 
 
-def _clip_bounds(config) -> tuple[float, float]:
-    both = hyperparameter(config, "clip_ratio")  # the bound an unset clip_ratio_low / _high takes
-    low = hyperparameter(config, "clip_ratio_low")
-    high = hyperparameter(config, "clip_ratio_high")
-    low, high = float(both if low is None else low), float(both if high is None else high)
+def _clip_bounds(config: AlgorithmConfig) -> tuple[float, float]:
+    # AlgorithmConfig fills an unset clip_ratio_low / _high with clip_ratio.
+    low, high = float(config.clip_ratio_low), float(config.clip_ratio_high)
     if low < 0 or high < 0:
         raise ValueError(f"clip_ratio_low ({low}) and clip_ratio_high ({high}) must be >= 0")
     return low, high
@@ -53,7 +52,7 @@ def _msum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @register_policy_loss("ppo_clip", aliases=("ppo",), token_local=True)
-def ppo_clip(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
+def ppo_clip(config: AlgorithmConfig, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     """PPO clipped surrogate with asymmetric clip and dual-clip.
 
         l_t = max(-A_t rho_t, -A_t clip(rho_t, 1 - clip_ratio_low, 1 + clip_ratio_high))
@@ -66,7 +65,7 @@ def ppo_clip(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     """
     lengths, old, new, adv, mask = _flatten(old_log_prob, log_prob, advantages, loss_masks)
     low, high = _clip_bounds(config)
-    clip_c = hyperparameter(config, "clip_ratio_c")
+    clip_c = config.clip_ratio_c
     log_ratio = (new - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
@@ -87,7 +86,7 @@ def ppo_clip(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
 
 
 @register_policy_loss("gspo")
-def gspo(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
+def gspo(config: AlgorithmConfig, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     """GSPO: a sequence-level ratio with a token-level gradient path.
 
         s_i  = exp( sum_t m_it (log pi_it - log pi_old_it) / n_i )     (n_i = sum_t m_it)
@@ -119,7 +118,7 @@ def gspo(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
 
 
 @register_policy_loss("cispo", token_local=True)
-def cispo(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
+def cispo(config: AlgorithmConfig, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     """CISPO: clip the importance weight, not the update; every token keeps a gradient.
 
         l_t = -sg(clip(rho_t, 1 - clip_ratio_low, 1 + clip_ratio_high)) * A_t * log pi_t
@@ -141,7 +140,7 @@ def cispo(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
 
 
 @register_policy_loss("vanilla_pg", token_local=True)
-def vanilla_pg(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
+def vanilla_pg(config: AlgorithmConfig, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     """Importance-weighted policy gradient without clipping: l_t = -A_t rho_t.
 
     Metrics: `pg_loss`, `ppo_kl`.
@@ -153,7 +152,7 @@ def vanilla_pg(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs)
 
 
 @register_policy_loss("reinforce", token_local=True)
-def reinforce(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
+def reinforce(config: AlgorithmConfig, old_log_prob, log_prob, advantages, loss_masks, **kwargs):
     """REINFORCE, no ratio: l_t = -A_t log pi_t (on-policy; `old_log_prob` only feeds metrics).
 
     Metrics: `pg_loss`, `ppo_kl`.

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import register_loss
 from stacx.objectives.validation import check_trajectory_lists, split_like
 
 
 @register_loss("sft_cross_entropy")
-def sft_cross_entropy(config, log_prob, loss_masks):
+def sft_cross_entropy(config: AlgorithmConfig, log_prob, loss_masks):
     """Token cross-entropy of the target tokens: l_t = -log pi(y_t).
 
     log_prob: list of (response_len_i,) log-probs of the target tokens (with gradients; the

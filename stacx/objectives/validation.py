@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from stacx.objectives.algorithm_config import ALGORITHM_DEFAULTS
+from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
 
 
 def check_trajectory_lists(reference_name: str, reference: Sequence[torch.Tensor], **others) -> list[int]:
@@ -54,17 +54,12 @@ def check_scalars_per_trajectory(name: str, values, num_trajectories: int) -> to
     return tensor
 
 
-def hyperparameter(config, name: str):
-    """`config.<name>`, or the one default declared in `AlgorithmConfig` when `config` is None, lacks
-    the knob, or holds None for a knob whose declared default is not None. No read site restates a
-    default. A name that is not a declared hyperparameter must be a custom key of `config`."""
-    value = getattr(config, name, None) if config is not None else None
-    if value is not None:
-        return value
-    if name not in ALGORITHM_DEFAULTS:
-        raise ValueError(f"{name!r} is not a declared algorithm hyperparameter (stacx.objectives.algorithm_config) "
-                         f"and the config does not set it")
-    return ALGORITHM_DEFAULTS[name]
+def hyperparameter(config: AlgorithmConfig | None, name: str):
+    """`config.<name>` of an `AlgorithmConfig` (None: the declared defaults), for code that reads a knob
+    by a name held in a string (a plugin's declared knobs); kernels read `config.<name>` directly. A
+    config of any other type is refused (`as_algorithm_config`); a name that is neither a declared
+    hyperparameter nor a custom key of `config` raises AttributeError listing both."""
+    return getattr(as_algorithm_config(config, f"hyperparameter(config, {name!r})"), name)
 
 
 def split_like(flat: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:

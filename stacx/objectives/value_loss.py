@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import register_loss
-from stacx.objectives.validation import check_trajectory_lists, hyperparameter, split_like
+from stacx.objectives.validation import check_trajectory_lists, split_like
 
 
 @register_loss("value_clipped")
-def value_clipped(config, values, old_values, returns, loss_masks):
+def value_clipped(config: AlgorithmConfig, values, old_values, returns, loss_masks):
     """PPO clipped value loss, per token.
 
         V_clip_t = V_old_t + clip(V_t - V_old_t, -value_clip, +value_clip)
@@ -28,7 +29,7 @@ def value_clipped(config, values, old_values, returns, loss_masks):
     target = torch.cat(list(returns)).detach()
     mask = torch.cat(list(loss_masks)).detach().to(v.dtype)
     unclipped = (v - target).square()
-    clip = hyperparameter(config, "value_clip")  # None (the declared default): unclipped
+    clip = config.value_clip  # None (the declared default): unclipped
     if clip is None:
         clipped = unclipped
     else:

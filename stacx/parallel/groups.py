@@ -40,6 +40,8 @@ class ProcessGroups:
     """Expert-tensor-parallel group: ranks that hold shards of the same experts."""
     edp: dist.ProcessGroup | None = None
     """Expert-data-parallel group: ranks that hold the same expert shard (its gradients are summed over it)."""
+    pp: dist.ProcessGroup | None = None
+    """Pipeline-parallel group: ranks that hold consecutive stages (layer ranges) of the same model."""
 
     @property
     def tp_size(self) -> int:
@@ -92,6 +94,22 @@ class ProcessGroups:
     @property
     def edp_size(self) -> int:
         return group_size(self.edp)
+    def pp_size(self) -> int:
+        return group_size(self.pp)
+
+    @property
+    def pp_rank(self) -> int:
+        return group_rank(self.pp)
+
+    @property
+    def is_first_stage(self) -> bool:
+        """This rank holds the embedding (the first pipeline stage; always true without PP)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank holds the final norm and the LM head: the loss and log-probs are computed here."""
+        return self.pp_rank == self.pp_size - 1
 
     @classmethod
     def single_process(cls) -> "ProcessGroups":
@@ -135,34 +153,36 @@ def initialize_parallel_layout(
     *,
     expert_parallel_size: int = 1,
     expert_tensor_parallel_size: int | None = None,
+    pipeline_parallel_size: int = 1,
     timeout_s: float = 600.0,
 ) -> ProcessGroups:
-    """Build megatron-core's model-parallel groups for (tp, cp, dp) and the expert grid (etp, ep, edp),
+    """Build megatron-core's model-parallel groups for (tp, cp, pp, dp) and the expert grid (etp, ep, edp),
     and return them explicitly.
 
-    The world size must be a multiple of tp * cp; dp is what remains. It must also be a multiple of
-    ep * etp (etp defaults to tp, megatron's default); edp is what remains there. Must be called on
-    every rank after the default process group exists.
+    The world size must be a multiple of tp * cp * pp; dp is what remains. Each pipeline stage's ranks
+    must also be a multiple of ep * etp (etp defaults to tp, megatron's default); edp is what remains
+    there. Must be called on every rank after the default process group exists.
     """
     from megatron.core import parallel_state
 
     from stacx.parallel import megatron_cpu_compat
 
     world_size = dist.get_world_size()
-    model_parallel = tensor_parallel_size * context_parallel_size
-    if tensor_parallel_size < 1 or context_parallel_size < 1:
+    model_parallel = tensor_parallel_size * context_parallel_size * pipeline_parallel_size
+    if min(tensor_parallel_size, context_parallel_size, pipeline_parallel_size) < 1:
         raise ValueError(
-            f"tensor_parallel_size ({tensor_parallel_size}) and context_parallel_size "
-            f"({context_parallel_size}) must be >= 1"
+            f"tensor_parallel_size ({tensor_parallel_size}), context_parallel_size "
+            f"({context_parallel_size}) and pipeline_parallel_size ({pipeline_parallel_size}) must be >= 1"
         )
     if world_size % model_parallel != 0:
         raise ValueError(
-            f"world size {world_size} is not divisible by tensor_parallel_size * context_parallel_size "
-            f"= {tensor_parallel_size} * {context_parallel_size}"
+            f"world size {world_size} is not divisible by tensor_parallel_size * context_parallel_size * "
+            f"pipeline_parallel_size = {tensor_parallel_size} * {context_parallel_size} * {pipeline_parallel_size}"
         )
     if expert_tensor_parallel_size is None:
         expert_tensor_parallel_size = tensor_parallel_size
-    check_expert_layout(world_size, tensor_parallel_size, expert_parallel_size, expert_tensor_parallel_size)
+    check_expert_layout(world_size // pipeline_parallel_size, tensor_parallel_size, expert_parallel_size,
+                        expert_tensor_parallel_size)
     megatron_cpu_compat.apply_if_needed()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -171,6 +191,7 @@ def initialize_parallel_layout(
         context_parallel_size=context_parallel_size,
         expert_model_parallel_size=expert_parallel_size,
         expert_tensor_parallel_size=expert_tensor_parallel_size,
+        pipeline_model_parallel_size=pipeline_parallel_size,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
         create_gloo_process_groups=True,
     )
@@ -182,6 +203,7 @@ def initialize_parallel_layout(
         ep=parallel_state.get_expert_model_parallel_group(),
         etp=parallel_state.get_expert_tensor_parallel_group(),
         edp=parallel_state.get_expert_data_parallel_group(),
+        pp=parallel_state.get_pipeline_model_parallel_group() if pipeline_parallel_size > 1 else None,
     )
 
 

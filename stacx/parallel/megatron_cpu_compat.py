@@ -24,7 +24,11 @@ Patches (each covered by tests/parallel/test_megatron_cpu_compat.py):
 5. `torch.cuda.synchronize()` -> a no-op. megatron's torch_dist checkpoint writer
    (`FileSystemWriterAsync.preload_tensors`) waits for device copies before writing; on CPU
    there is nothing to wait for, and on a CPU-only build the original raises.
-6. `megatron.core.transformer.moe.moe_utils.te_general_gemm` -> None when transformer-engine is
+6. Pipeline parallelism: the schedule module's `torch` gets the view of patch 2 (it counts
+   tokens in a `device="cuda"` tensor), and `LanguageModule.setup_embeddings_and_output_layer`
+   runs with `Tensor.cuda` as the identity: with tied embeddings it moves the last stage's copy
+   of the embedding to the GPU before the all-reduce that makes it equal the first stage's.
+7. `megatron.core.transformer.moe.moe_utils.te_general_gemm` -> None when transformer-engine is
    absent. The MoE router's gating linear (`RouterGatingLinearFunction`) reads that name, which
    the module defines only when its transformer-engine import succeeds; None selects its plain
    torch matmul, as the module intends.
@@ -56,6 +60,7 @@ def apply_if_needed() -> bool:
     _patch_grad_clipping()
     _patch_cp_rope_slicing()
     _patch_synchronize()
+    _patch_tied_embedding_setup()
     _patch_moe_router_gemm()
     _applied = True
     return True
@@ -96,6 +101,7 @@ MODULES_ALLOCATING_ON_CUDA = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.utils",
+    "megatron.core.pipeline_parallel.schedules",
 )
 
 
@@ -147,6 +153,32 @@ def _synchronize_nothing(device=None) -> None:
 
 def _patch_synchronize() -> None:
     torch.cuda.synchronize = _synchronize_nothing
+
+
+def _run_with_tensor_cuda_as_identity(method):
+    @functools.wraps(method)
+    def on_cpu(*args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = _tensor_stays_on_cpu
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    on_cpu.stacx_cpu_stand_in = True
+    return on_cpu
+
+
+def _tensor_stays_on_cpu(tensor, *args, **kwargs):
+    return tensor
+
+
+def _patch_tied_embedding_setup() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    method = LanguageModule.setup_embeddings_and_output_layer
+    if not getattr(method, "stacx_cpu_stand_in", False):
+        LanguageModule.setup_embeddings_and_output_layer = _run_with_tensor_cuda_as_identity(method)
 
 
 def _patch_moe_router_gemm() -> None:

@@ -1,4 +1,4 @@
-"""Inference engines, teacher scoring, rewards, data, environments and DAgger roll-ins.
+"""Inference engines, teacher scoring, rewards, data, environments and tools (agent episodes), DAgger roll-ins.
 
 Imports are light: torch and the standard library only; megatron-core and the models package are
 loaded when a CPU engine is built. See docs/rollout.md.

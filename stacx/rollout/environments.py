@@ -1,50 +1,127 @@
-"""Multi-turn environments and the agent loop that records who produced every token.
+"""Multi-turn environments: the task side of an agent episode, registered by name.
 
-An environment is a text game: `reset(task, rng)` gives the first observation, `step(action)`
-answers with (observation, reward, done). `run_episode` alternates model turns and
-observations in the tokenizer's chat format:
+    @register_environment("my_game", task_schema={"type": "object", "required": ["target"]})
+    class MyGame(Environment):
+        tools = ("calculator",)                       # registered tools offered to the model
+        def reset(self, task, rng): return [{"role": "user", "content": "..."}]   # or a str
+        def step(self, action): return StepResult("...", reward=0.0, done=False)
 
-    prompt   = chat([user: obs_0]) + "<|assistant|>"              (the sample's prompt_ids)
-    response = action_0 <eos> chat([user: obs_1]) "<|assistant|>" action_1 <eos> ...
+`reset(task, rng)` gives the first messages (a str is one user message); `step(action)` answers a
+model reply that called no tool with the observation (a str is one user message, or a list of
+messages), the turn's reward, whether the episode ended, and free-form `info`. Tool calls do not
+reach `step`: the episode runner (`stacx.rollout.episode`) parses them and answers with
+`call_tool`'s results (override it to bind tools to per-episode state, such as a sandbox).
 
-Only action tokens are trained on (loss_mask 1); observations and chat markup get loss_mask 0
-and executor ENVIRONMENT. Each turn's executor (student or teacher engine) comes from a
-roll-in plan (stacx.rollout.dagger); a student-only rollout uses `lambda turn: STUDENT`.
+A prompt row plays an environment by naming it in its metadata; the other metadata fields, plus
+the row's `label`, are the task (checked against `task_schema` before the episode starts):
+
+    {"prompt": "...", "label": "7", "metadata": {"environment": "calculator", "max_turns": 3, "expression": "3+4"}}
+
+Environments are found like every other plugin (`--custom-module`, `stacx/custom/`), or by
+'module:Class'.
 """
 
 from __future__ import annotations
 
 import abc
+import ast
+import importlib
+import operator
 import random
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, field
+from typing import Optional, Union
 
-from stacx.rollout.dagger import Executor, TurnExecutor
-from stacx.rollout.engines.base import InferenceEngine
-from stacx.rollout.manager import Sample
-from stacx.rollout.tokenizer import apply_chat_template
-from stacx.rollout.types import GenerateRequest, SamplingParams
+from stacx.objectives.registry import Registry
+from stacx.rollout.tool_calls import ToolCall
+from stacx.rollout.tools import ToolResult, ToolSpec, argument_errors, get_tool, register_tool, run_tool_call
+
+Messages = list[dict]
+ENVIRONMENTS = Registry("environment")
 
 
 @dataclass
 class StepResult:
-    observation: str
+    observation: Union[str, Messages]
+    """The environment's answer: a str is one user message; or a list of chat messages."""
     reward: float
+    """This turn's reward; the episode's reward is the sum over its turns."""
     done: bool
+    info: dict = field(default_factory=dict)
+    """Anything to keep with the trajectory (recorded per turn in the sample's metadata)."""
 
 
 class Environment(abc.ABC):
-    """One episode of a text game; a fresh instance (or `reset`) per episode."""
+    """One episode of a task; a fresh instance per episode."""
+
+    tools: tuple[str, ...] = ()
+    """Names of registered tools offered to the model (rendered by the chat template's `tools=`)."""
+    tool_call_style: Optional[str] = None
+    """'hermes' or 'llama3'; None reads it from the tokenizer's chat template."""
+    task_schema: Optional[dict] = None
+    """JSON schema of the task fields (set by `register_environment`); None checks nothing."""
 
     @abc.abstractmethod
-    def reset(self, task: dict, rng: random.Random) -> str:
-        """Start an episode for `task`; return the first observation."""
+    def reset(self, task: dict, rng: random.Random) -> Union[str, Messages]:
+        """Start an episode for `task`; return the first messages (a str is one user message)."""
 
     @abc.abstractmethod
     def step(self, action: str) -> StepResult:
-        """Apply the model's action text; return the next observation, the reward and whether it ended."""
+        """Answer a model reply that called no tool (its text without the end-of-turn token)."""
+
+    def tool_specs(self) -> list[ToolSpec]:
+        """The offered tools' specs, in `tools` order (ValueError naming an unregistered one)."""
+        return [get_tool(name).tool_spec for name in self.tools]
+
+    def call_tool(self, call: ToolCall) -> ToolResult:
+        """Run one call of an offered, registered tool (contained: never raises; see `run_tool_call`)."""
+        if call.name not in self.tools:
+            return ToolResult(call, f"error: unknown tool {call.name!r}; available: {list(self.tools)}", "unknown_tool")
+        function = get_tool(call.name)
+        return run_tool_call(call, function, function.tool_spec)
 
 
+def register_environment(name: str, *, task_schema: Optional[dict] = None):
+    """Class decorator: register an `Environment` subclass under `name`, with the JSON schema of its task."""
+
+    def decorator(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise ValueError(f"register_environment({name!r}): {cls!r} is not a stacx.rollout.environments.Environment")
+        if task_schema is not None:
+            cls.task_schema = task_schema
+        return ENVIRONMENTS.register(name)(cls)
+
+    return decorator
+
+
+def resolve_environment(name: str, *, where: str = "metadata") -> type:
+    """The Environment class registered as `name`, or named by 'module:Class'."""
+    if ":" not in name:
+        try:
+            return ENVIRONMENTS.get(name)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error} (register one with @register_environment, or name it "
+                             "'module:Class')") from None
+    module_name, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{where}: environment {name!r}: cannot import it ({err})") from err
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"{where}: environment {name!r} is not a stacx.rollout.environments.Environment")
+    return cls
+
+
+def check_task(cls: type, task: dict, *, where: str) -> None:
+    """ValueError naming the row and the fields when `task` breaks the environment's `task_schema`."""
+    problems = argument_errors(cls.task_schema, task, noun="field") if cls.task_schema else []
+    if problems:
+        raise ValueError(f"{where}: task of environment {cls.__name__}: {'; '.join(problems)} (task fields are the "
+                         "row's metadata besides 'environment', 'max_turns' and 'tool_call_style', plus 'label')")
+
+
+# ---- built-in toy environments ------------------------------------------------------------------
+
+@register_environment("guess_number")
 class GuessNumberEnvironment(Environment):
     """Guess a hidden digit 0-9; after each guess the environment says higher, lower or correct.
 
@@ -53,7 +130,7 @@ class GuessNumberEnvironment(Environment):
     """
 
     def reset(self, task: dict, rng: random.Random) -> str:
-        self.target = int(task["target"]) if "target" in task else rng.randint(0, 9)
+        self.target = int(task["target"]) if task.get("target") is not None else rng.randint(0, 9)
         return "guess a digit"
 
     def step(self, action: str) -> StepResult:
@@ -66,56 +143,44 @@ class GuessNumberEnvironment(Environment):
         return StepResult("higher" if guess < self.target else "lower", 0.0, False)
 
 
-def run_episode(
-    env: Environment,
-    task: dict,
-    *,
-    tokenizer,
-    engines: Mapping[Executor, InferenceEngine],
-    turn_executor: TurnExecutor,
-    sampling: SamplingParams,
-    max_turns: int,
-    rng: random.Random,
-) -> Sample:
-    """Play one episode; returns a Sample whose reward is the sum of step rewards."""
-    eos = tokenizer.eos_token_id
-    prompt = apply_chat_template(tokenizer, [{"role": "user", "content": env.reset(task, rng)}])
-    sample = Sample(prompt_ids=list(prompt), response_ids=[], rollout_log_probs=[], loss_mask=[], executors=[],
-                    metadata={"task": task, "turn_executors": []})
-    total_reward, finish = 0.0, "length"
-    for turn in range(max_turns):
-        executor = Executor(turn_executor(turn))
-        if executor not in engines:
-            raise ValueError(f"turn {turn}: no engine for executor {executor.name}; have {[e.name for e in engines]}")
-        sample.metadata["turn_executors"].append(executor.name.lower())
-        request = GenerateRequest(input_ids=tuple(sample.tokens),
-                                  sampling=SamplingParams(**{**sampling.__dict__, "seed": rng.randrange(2**31)}))
-        (output,) = engines[executor].generate([request])
-        action_ids = list(output.output_ids)
-        if not action_ids or action_ids[-1] != eos:
-            action_ids.append(eos)  # close the turn so the next observation starts cleanly
-            log_probs = list(output.output_log_probs) + [0.0]
-            mask = [1] * len(output.output_ids) + [0]
-        else:
-            log_probs, mask = list(output.output_log_probs), [1] * len(action_ids)
-        if executor == Executor.TEACHER:
-            log_probs = [0.0] * len(action_ids)  # the student's log-probs there are recomputed by the trainer
-        sample.response_ids += action_ids
-        sample.rollout_log_probs += log_probs
-        sample.loss_mask += mask
-        sample.executors += [int(executor) if m else int(Executor.ENVIRONMENT) for m in mask]
-        result = env.step(tokenizer.decode(action_ids, skip_special_tokens=True))
-        total_reward += result.reward
-        if result.done:
-            finish = "stop"
-            break
-        if turn == max_turns - 1:
-            break  # no further action would follow the observation
-        observation = apply_chat_template(tokenizer, [{"role": "user", "content": result.observation}])
-        sample.response_ids += observation
-        sample.rollout_log_probs += [0.0] * len(observation)
-        sample.loss_mask += [0] * len(observation)
-        sample.executors += [int(Executor.ENVIRONMENT)] * len(observation)
-    sample.reward, sample.finish_reason = total_reward, finish
-    sample.response_text = tokenizer.decode(sample.response_ids, skip_special_tokens=False)
-    return sample
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+              ast.USub: operator.neg}
+
+
+def evaluate_arithmetic(expression: str) -> float:
+    """+ - * / and parentheses over numbers, without `eval` (ValueError for anything else)."""
+
+    def walk(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](walk(node.left), walk(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](walk(node.operand))
+        raise ValueError(f"not arithmetic: {ast.dump(node)[:80]}")
+
+    return walk(ast.parse(expression, mode="eval").body)
+
+
+@register_tool
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression (+ - * / and parentheses)."""
+    value = evaluate_arithmetic(expression)
+    return f"{value:g}"
+
+
+@register_environment("calculator", task_schema={"type": "object", "required": ["expression"],
+                                                 "properties": {"expression": {"type": "string"}}})
+class CalculatorEnvironment(Environment):
+    """Compute task['expression'] with the `calculator` tool; reward 1.0 when the final answer (a
+    reply without a tool call) contains the value, and the episode ends with that answer."""
+
+    tools = ("calculator",)
+
+    def reset(self, task: dict, rng: random.Random) -> Messages:
+        self.expected = f"{evaluate_arithmetic(task['expression']):g}"
+        return [{"role": "user", "content": f"what is {task['expression']}? use the calculator"}]
+
+    def step(self, action: str) -> StepResult:
+        correct = self.expected in action
+        return StepResult("", 1.0 if correct else 0.0, True, info={"expected": self.expected})

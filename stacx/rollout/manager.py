@@ -52,7 +52,7 @@ class Sample:
     teacher_log_probs: Optional[list[float]] = None
     """Teacher log p(token); TEACHER_EXECUTED_SENTINEL (+1.0) where the teacher executed."""
     teacher_top_log_probs: Optional[torch.Tensor] = None
-    """[R, K] teacher top-K log-probs (with teacher_top_ids [R, K]) when teacher_top_k > 0."""
+    """[R, K] teacher top-K log-probs (with teacher_top_ids [R, K]) when num_teacher_top_log_probs = K > 0."""
     teacher_top_ids: Optional[torch.Tensor] = None
 
     @property
@@ -84,17 +84,25 @@ class RolloutManager:
         tokenizer=None,
         reward_fn: Optional[str | RewardFn] = None,
         teacher: Optional[TeacherClient] = None,
-        teacher_top_k: int = 0,
+        num_teacher_top_log_probs: int = 0,
         seed: int = 0,
         reward_workers: int = 8,
         reward_timeout_s: Optional[float] = None,
+        teacher_top_k: None = None,
     ):
-        """reward_timeout_s: per-call limit of the reward function (None: its @reward_timeout, else the default)."""
+        """num_teacher_top_log_probs: how many of the teacher's top log-probs (and their ids) to fetch per
+        response token, for top-K distillation (0: only the sampled token's log-prob).
+        reward_timeout_s: per-call limit of the reward function (None: its @reward_timeout, else the default).
+        teacher_top_k: the former name of num_teacher_top_log_probs, refused (the run config's
+        teacher_top_k is another setting: the teacher's K of top-K distillation, never 0)."""
+        if teacher_top_k is not None:
+            raise TypeError(f"RolloutManager(teacher_top_k={teacher_top_k!r}) is now "
+                            f"RolloutManager(num_teacher_top_log_probs={teacher_top_k!r}) (0 fetches none)")
         self.engine = engine
         self.tokenizer = tokenizer
         self.reward_fn = resolve_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn
         self.teacher = teacher
-        self.teacher_top_k = teacher_top_k
+        self.num_teacher_top_log_probs = num_teacher_top_log_probs
         self.reward_workers = reward_workers
         self.reward_timeout_s = reward_timeout_s
         self._seeds = itertools.count(seed * 1_000_003)
@@ -163,7 +171,7 @@ class RolloutManager:
             return
         scorable = [s for s in samples if s.response_length > 0]
         scores = self.teacher.score([s.tokens for s in scorable], [s.response_length for s in scorable],
-                                    top_k=self.teacher_top_k)
+                                    top_k=self.num_teacher_top_log_probs)
         for s, sc in zip(scorable, scores):
             log_probs = sc.log_probs.tolist()
             s.teacher_log_probs = [TEACHER_EXECUTED_SENTINEL if e == Executor.TEACHER else lp

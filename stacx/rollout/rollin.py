@@ -6,11 +6,13 @@ multi-turn episode (the row names it, as agent datasets do, so one dataset may m
 
     {"prompt": "...", "label": ..., "metadata": {"environment": "guess_number", "max_turns": 3, "target": 4}}
 
-`environment` is a built-in name (`guess_number`) or 'module:Class' of a
+`environment` is a registered name (`guess_number`, `calculator`, or one `@register_environment`
+adds from a `--custom-module` file or `stacx/custom/`) or 'module:Class' of a
 `stacx.rollout.environments.Environment`; the rest of the metadata, plus `label`, is the task
 given to `reset`. The environment's observation follows each action, up to `max_turns` actions
-(default DEFAULT_MAX_TURNS). Without an environment an episode is the single turn answering the
-dataset prompt.
+(default DEFAULT_MAX_TURNS); each episode's environment side is an `AgentSession`
+(`stacx.rollout.episode`: tools, token-in/token-out). Without an environment an episode is the
+single turn answering the dataset prompt.
 
 Who executes turn t comes from a roll-in plan (stacx.rollout.dagger), drawn per episode:
 - `mixture_dagger_opd` (mode 'beta'): each turn the teacher acts with probability beta(i),
@@ -34,7 +36,6 @@ scoring, the +1.0 sentinel in `teacher_log_probs`.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,9 +43,9 @@ from typing import Any, Mapping, Optional, Sequence, TYPE_CHECKING
 
 from stacx.env_overrides import apply_env_overrides, read_env_overrides
 from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, Executor, KappaPlan, build_roll_in
-from stacx.rollout.environments import Environment
+from stacx.rollout.environments import check_task, resolve_environment
+from stacx.rollout.episode import AgentSession, append_action, append_observation
 from stacx.rollout.manager import Sample
-from stacx.rollout.tokenizer import apply_chat_template
 from stacx.rollout.types import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:  # annotations only: the rollout never imports the trainer at run time
@@ -54,10 +55,11 @@ if TYPE_CHECKING:  # annotations only: the rollout never imports the trainer at 
 RECIPE_SAMPLING_MODES = {"beta_mixture": "beta", "aggrevate": "kappa"}
 """rollin_protocol of a recipe -> the dagger_sampling_mode it runs by default."""
 DEFAULT_SAMPLING_MODE = "beta"
-BUILTIN_ENVIRONMENTS = {"guess_number": "stacx.rollout.environments:GuessNumberEnvironment"}
-ENVIRONMENT_KEY, MAX_TURNS_KEY = "environment", "max_turns"
-"""Metadata keys of a prompt row that make it a multi-turn episode."""
+ENVIRONMENT_KEY, MAX_TURNS_KEY, TOOL_CALL_STYLE_KEY = "environment", "max_turns", "tool_call_style"
+"""Metadata keys of a prompt row that make it a multi-turn episode (the rest is the task)."""
 DEFAULT_MAX_TURNS = 4
+MAX_CONCURRENT_ENVIRONMENT_STEPS = 64
+"""Episodes whose tools (or `step`) run at the same time within one turn of a batched roll-in."""
 
 
 @dataclass(frozen=True)
@@ -105,23 +107,6 @@ def check_supported(training_config: TrainingConfig, run_config: RunConfig) -> N
         resolve_rollin(training_config, run_config.teacher, given_keys=run_config.given_keys)
 
 
-def resolve_environment(name: str, *, where: str = "metadata"):
-    """The Environment class named `name` (a built-in name or 'module:Class')."""
-    path = BUILTIN_ENVIRONMENTS.get(name, name)
-    module_name, _, attr = path.partition(":")
-    if not attr:
-        raise ValueError(f"{where}: environment {name!r} is neither built-in ({sorted(BUILTIN_ENVIRONMENTS)}) "
-                         "nor 'module:Class'")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"{where}: environment {name!r}: cannot import {path} ({err})") from err
-
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ValueError(f"{where}: environment {name!r}: {path} is not a stacx.rollout.environments.Environment")
-    return cls
-
-
 def has_environment(example) -> bool:
     return bool((example.metadata or {}).get(ENVIRONMENT_KEY))
 
@@ -139,7 +124,8 @@ class Turn:
 class Episode:
     sample: Sample
     plan: Any
-    environment: Any = None
+    session: Optional[AgentSession] = None
+    """The environment side of a multi-turn episode (None: one turn answering the dataset prompt)."""
     max_turns: int = 1
     done: bool = False
     turns: list[Turn] = field(default_factory=list)
@@ -154,16 +140,10 @@ def start_episodes(examples: Sequence[Any], *, n_samples_per_prompt: int, spec: 
     for index, example in enumerate(examples):
         metadata = dict(example.metadata or {})
         for _ in range(n_samples_per_prompt):
-            environment, prompt, max_turns = None, list(example.prompt_ids), 1
+            session, prompt, max_turns = None, list(example.prompt_ids), 1
             if metadata.get(ENVIRONMENT_KEY):
-                where = f"prompt row {example.source}"
-                environment = resolve_environment(str(metadata[ENVIRONMENT_KEY]), where=where)()
-                max_turns = int(metadata.get(MAX_TURNS_KEY, DEFAULT_MAX_TURNS))
-                if max_turns < 1:
-                    raise ValueError(f"{where}: metadata {MAX_TURNS_KEY} must be >= 1, got {max_turns}")
-                task = {k: v for k, v in metadata.items() if k not in (ENVIRONMENT_KEY, MAX_TURNS_KEY)}
-                task["label"] = example.label
-                prompt = apply_chat_template(tokenizer, [{"role": "user", "content": environment.reset(task, rng)}])
+                session, max_turns = _start_session(example, metadata, rng=rng, tokenizer=tokenizer)
+                prompt = list(session.prompt_ids)
             if spec.roll_in is None:
                 plan, kappa = (lambda turn: Executor.STUDENT), None
             else:
@@ -173,45 +153,45 @@ def start_episodes(examples: Sequence[Any], *, n_samples_per_prompt: int, spec: 
                             group_index=index, label=example.label, metadata={**metadata, "turn_executors": []})
             if kappa is not None:
                 sample.metadata["kappa"] = kappa
-            episodes.append(Episode(sample=sample, plan=plan, environment=environment, max_turns=max_turns,
-                                    kappa=kappa))
+            episodes.append(Episode(sample=sample, plan=plan, session=session, max_turns=max_turns, kappa=kappa))
     return episodes
 
 
+def _start_session(example, metadata: dict, *, rng: random.Random, tokenizer) -> tuple[AgentSession, int]:
+    """The environment session a prompt row names, and its max_turns (ValueErrors name the row and field)."""
+    where = f"prompt row {example.source}"
+    environment_class = resolve_environment(str(metadata[ENVIRONMENT_KEY]), where=where)
+    max_turns = int(metadata.get(MAX_TURNS_KEY, DEFAULT_MAX_TURNS))
+    if max_turns < 1:
+        raise ValueError(f"{where}: metadata {MAX_TURNS_KEY} must be >= 1, got {max_turns}")
+    task = {k: v for k, v in metadata.items() if k not in (ENVIRONMENT_KEY, MAX_TURNS_KEY, TOOL_CALL_STYLE_KEY)}
+    task["label"] = example.label
+    check_task(environment_class, task, where=where)
+    session = AgentSession(environment_class(), task, tokenizer=tokenizer, rng=rng,
+                           tool_call_style=metadata.get(TOOL_CALL_STYLE_KEY))
+    return session, max_turns
+
+
 def _append_action(episode: Episode, executor: Executor, output, eos: int) -> None:
-    """Add one turn's action; an action that did not end in eos gets one (mask 0) to close the turn."""
-    sample = episode.sample
-    action = list(output.output_ids)
-    log_probs = list(output.output_log_probs) if executor == Executor.STUDENT else [0.0] * len(action)
-    mask = [1] * len(action)
-    if not action or action[-1] != eos:
-        action, log_probs, mask = action + [eos], log_probs + [0.0], mask + [0]
-    start = len(sample.response_ids)
-    sample.response_ids += action
-    sample.rollout_log_probs += log_probs
-    sample.loss_mask += mask
-    sample.executors += [int(executor) if m else int(Executor.ENVIRONMENT) for m in mask]
-    sample.metadata["turn_executors"].append(executor.name.lower())
-    sample.finish_reason = output.finish_reason
-    episode.turns.append(Turn(executor, start, len(sample.response_ids)))
+    """Add one turn's action as the engine generated it (`stacx.rollout.episode.append_action`)."""
+    start, end = append_action(episode.sample, executor, output, eos)
+    episode.sample.finish_reason = output.finish_reason
+    episode.turns.append(Turn(executor, start, end))
     if executor == Executor.STUDENT:
         episode.student_versions.append(output.weight_version)
 
 
-def _append_observation(episode: Episode, tokenizer, turn: int) -> None:
-    """Step the environment with the last action; add its observation unless the episode ends."""
-    sample, last = episode.sample, episode.turns[-1]
-    result = episode.environment.step(tokenizer.decode(sample.response_ids[last.start:last.end], skip_special_tokens=True))
-    sample.reward = (sample.reward or 0.0) + result.reward
-    if result.done or turn == episode.max_turns - 1:
+def _append_observation(episode: Episode, result, turn: int) -> None:
+    """The environment's `result` for the last action: its reward, and its observation ids unless the episode ends."""
+    sample = episode.sample
+    reply = episode.session.reply(result, last_turn=turn == episode.max_turns - 1)
+    sample.reward = (sample.reward or 0.0) + reply.reward
+    if reply.done or turn == episode.max_turns - 1:
         episode.done = True
-        sample.finish_reason = "stop" if result.done else "length"
+        sample.finish_reason = "stop" if reply.done else "length"
+        episode.session.record(sample)
         return
-    observation = apply_chat_template(tokenizer, [{"role": "user", "content": result.observation}])
-    sample.response_ids += observation
-    sample.rollout_log_probs += [0.0] * len(observation)
-    sample.loss_mask += [0] * len(observation)
-    sample.executors += [int(Executor.ENVIRONMENT)] * len(observation)
+    append_observation(sample, reply.observation_ids)
 
 
 def generate_grouped(engines: Mapping[Executor, Any], work: Mapping[Executor, list[GenerateRequest]]) -> dict:
@@ -239,13 +219,22 @@ def run_turns(episodes: Sequence[Episode], *, engines: Mapping[Executor, Any], s
                                       sampling=dataclasses.replace(sampling, seed=rng.randrange(2**31)))
             work.setdefault(executor, []).append((episode, request))
         outputs = generate_grouped(engines, {ex: [r for _, r in items] for ex, items in work.items()})
+        playing, replies = [], []
         for executor, items in work.items():
             for (episode, _), output in zip(items, outputs[executor]):
                 _append_action(episode, executor, output, eos)
-                if episode.environment is None:
+                if episode.session is None:
                     episode.done = True
-                else:
-                    _append_observation(episode, tokenizer, turn)
+                    continue
+                last = episode.turns[-1]
+                playing.append(episode)
+                replies.append(episode.session.read(episode.sample.response_ids[last.start:last.end]))
+        # The environments act concurrently (a slow or hanging tool delays its own episode only);
+        # reading and tokenizing stay in this thread.
+        with ThreadPoolExecutor(max_workers=max(1, min(MAX_CONCURRENT_ENVIRONMENT_STEPS, len(playing)))) as pool:
+            results = list(pool.map(lambda pair: pair[0].session.act(pair[1]), zip(playing, replies)))
+        for episode, result in zip(playing, results):
+            _append_observation(episode, result, turn)
 
 
 def relabel_with_teacher(episodes: Sequence[Episode], *, teacher_engine, sampling: SamplingParams,

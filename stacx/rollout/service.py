@@ -171,8 +171,9 @@ class RolloutService:
     rollout_section: Optional[RolloutSection]
     """The run's rollout settings (sampling, rewards, seeds)."""
     teacher: Optional[TeacherClient] = None
-    teacher_top_k: int = 0
-    """K of the teacher's top-K log-probs (topk distillation), else 0."""
+    num_teacher_top_log_probs: int = 0
+    """How many of the teacher's top log-probs to fetch per token: teacher.teacher_top_k in topk
+    distillation, else 0 (only the sampled token's)."""
     server: Optional[CpuServerProcess] = None
     """The `stacx serve` child this run started, stopped by `close`."""
     sglang_actors: Sequence[Any] = ()
@@ -241,14 +242,14 @@ class RolloutService:
         except BaseException:
             _stop_started_servers(server, actors)  # a server this call started must not outlive the error
             raise
-        top_k = run_config.teacher.teacher_top_k if run_config.teacher.distill_kl_mode == "topk" else 0
+        num_top = run_config.teacher.teacher_top_k if run_config.teacher.distill_kl_mode == "topk" else 0
         urls = tuple(rollout.rollout_urls) if kind == "http" else (url,)
         if len(urls) > 1:
             engine = EnginePool([engine_client(kind, u, api_key=api_key) for u in urls], names=urls)
         else:
             engine = engine_client(kind, url, api_key=api_key)
         service = cls(engine, engine_kind=kind, url=url, tokenizer=tokenizer,
-                      rollout_section=rollout, teacher=teacher, teacher_top_k=top_k, server=server,
+                      rollout_section=rollout, teacher=teacher, num_teacher_top_log_probs=num_top, server=server,
                       sglang_actors=actors, urls=urls, teacher_section=run_config.teacher, api_key=api_key)
         try:
             service.wait_until_healthy()
@@ -276,7 +277,7 @@ class RolloutService:
         return RolloutManager(
             self.engine, tokenizer=self.tokenizer, reward_fn=self.rollout_section.reward_fn,
             reward_timeout_s=self.rollout_section.reward_timeout_s,
-            teacher=self.teacher if with_teacher else None, teacher_top_k=self.teacher_top_k,
+            teacher=self.teacher if with_teacher else None, num_teacher_top_log_probs=self.num_teacher_top_log_probs,
             seed=self.rollout_section.rollout_seed * 100_003 + step + seed_offset,
         )
 

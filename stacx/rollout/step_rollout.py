@@ -31,14 +31,15 @@ import logging
 import random
 from typing import Any, Optional, Sequence, TYPE_CHECKING
 
+from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
 from stacx.rollout import rollin
+from stacx.rollout.episode import episode_metrics
 from stacx.rollout.dagger import Executor
 from stacx.rollout.data import DataConfig, load_examples
 from stacx.rollout.dynamic_sampling import collect_informative_groups
 from stacx.rollout.evaluation import RolloutDumper, evaluate
 
 if TYPE_CHECKING:  # annotations only: the rollout never imports the trainer at run time
-    from stacx.objectives.algorithm_config import AlgorithmConfig
     from stacx.trainer.config.recipe import TrainingConfig
     from stacx.rollout.service import RolloutService
     from stacx.trainer.batch import StepDataSource
@@ -52,10 +53,9 @@ DYNAMIC_SAMPLING_MAX_ROUNDS = 8
 
 def overlong_buffer_tokens(algorithm: AlgorithmConfig, max_response_len: int) -> int:
     """B in tokens: overlong_buffer_length when given, else overlong_buffer_fraction * L, else 0 (off)."""
-    length = getattr(algorithm, "overlong_buffer_length", None)
-    if length is not None:
-        return int(length)
-    fraction = getattr(algorithm, "overlong_buffer_fraction", None)
+    if algorithm.overlong_buffer_length is not None:
+        return algorithm.overlong_buffer_length
+    fraction = algorithm.overlong_buffer_fraction
     return int(round(fraction * max_response_len)) if fraction else 0
 
 
@@ -73,7 +73,7 @@ def overlong_penalty(response_length: int, *, max_length: int, buffer_length: in
 
 
 def dynamic_sampling_enabled(run_config: RunConfig, algorithm: AlgorithmConfig) -> bool:
-    return bool(run_config.rollout.dynamic_sampling or getattr(algorithm, "filter_zero_variance_groups", False))
+    return run_config.rollout.dynamic_sampling or algorithm.filter_zero_variance_groups
 
 
 def split_groups(samples: Sequence[Any]) -> list[list[Any]]:
@@ -93,12 +93,12 @@ class StepRollout:
         self.data = data
         self.run_config = run_config
         self.training_config = training_config
-        self.algorithm = algorithm
+        self.algorithm = algorithm = as_algorithm_config(algorithm, "StepRollout(algorithm=...)")
         rollout = run_config.rollout
         self.spec = rollin.resolve_rollin(training_config, run_config.teacher, given_keys=run_config.given_keys)
         self.dynamic = dynamic_sampling_enabled(run_config, algorithm)
         self.overlong_buffer = overlong_buffer_tokens(algorithm, rollout.rollout_max_response_len)
-        self.overlong_factor = float(getattr(algorithm, "overlong_penalty_factor", 1.0))
+        self.overlong_factor = algorithm.overlong_penalty_factor
         if self.overlong_buffer > rollout.rollout_max_response_len or self.overlong_buffer < 0:
             # Fail at start, not mid-run.
             raise ValueError(
@@ -183,9 +183,10 @@ class StepRollout:
         for episode in episodes:
             episode.sample.weight_version = min(episode.student_versions, default=min(versions, default=0))
         manager.decode(samples)
-        single_turn = [e.sample for e in episodes if e.environment is None]
+        single_turn = [e.sample for e in episodes if e.session is None]
         manager.score_rewards(single_turn)  # an environment's episodes carry the sum of its step rewards
         metrics.update(rollin.rollin_metrics(self.spec, episodes, step))
+        metrics.update(episode_metrics(samples))
         if self.spec.mode == "relabel":
             samples = rollin.relabel_with_teacher(episodes, teacher_engine=engines[Executor.TEACHER],
                                                   sampling=sampling, tokenizer=tokenizer, rng=rng)
@@ -210,7 +211,7 @@ class StepRollout:
         not zero when the rewards of a group agree."""
         if self.warned_uniform_rewards or not self.training_config.uses_reward:
             return
-        if getattr(self.algorithm, "advantage_estimator", None) == "gae":
+        if self.algorithm.advantage_estimator == "gae":
             return
         message = uniform_reward_warning(step, samples,
                                          n_samples_per_prompt=self.run_config.rollout.n_samples_per_prompt,

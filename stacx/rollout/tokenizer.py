@@ -47,7 +47,10 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     return tokenizer
 
 
-def apply_chat_template(tokenizer, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's chat template."""
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+def apply_chat_template(tokenizer, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                        tools: Sequence[dict] | None = None) -> list[int]:
+    """Token ids of `messages` rendered with the tokenizer's chat template (`tools`: the JSON schemas
+    of the functions the model may call, as the template renders them)."""
+    text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -15,11 +15,13 @@ reducer with config.loss_agg_mode. Advantages come from the advantage registry
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import torch
 
 from stacx.objectives.aggregation import loss_token_counts
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.kl import add_kl_and_entropy_terms
 from stacx.objectives.off_policy import mismatch_metrics
 from stacx.objectives.registry import (
@@ -53,18 +55,6 @@ def merge_kernel_and_framework_metrics(kernel_metrics: dict[str, torch.Tensor],
     return merged, logged_as
 
 
-class _WithoutEntropyBonus:
-    """The algorithm config with entropy_coef = 0 (for a policy loss that applies its own bonus)."""
-
-    def __init__(self, config: Any):
-        self._config = config
-
-    entropy_coef = 0.0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._config, name)
-
-
 def correction_names(value: Any) -> tuple[str, ...]:
     """config.off_policy_corrections as a tuple of names ("a,b", ["a", "b"] or None)."""
     if value is None or value == "":
@@ -93,20 +83,23 @@ class ActorSpecialization(Specialization):
     even when entropy_coef is 0).
     """
 
-    def __init__(self, config: Any = None, groups=None):
+    def __init__(self, config: AlgorithmConfig | None = None, groups=None):
         super().__init__(config, groups)
         # Resolve every name now: an unknown one fails at construction, listing the known names.
-        self.policy_loss_name = str(self.setting("policy_loss"))
+        self.policy_loss_name = str(self.config.policy_loss)
         self.policy_loss_fn = get_policy_loss(self.policy_loss_name)
-        self.corrections = correction_names(self.setting("off_policy_corrections"))
+        self.corrections = correction_names(self.config.off_policy_corrections)
         self.correction_fns = [get_off_policy_correction(name) for name in self.corrections]
         # Traits come from each kernel's registry entry (declared where it is registered).
         self.policy_loss_traits = get_policy_loss_traits(self.policy_loss_name)
         self.correction_traits = [get_off_policy_correction_traits(name) for name in self.corrections]
-        self.use_kl_loss = bool(self.setting("use_kl_loss"))
+        self.use_kl_loss = bool(self.config.use_kl_loss)
         if self.use_kl_loss:
-            get_kl_estimator(str(self.setting("kl_loss_type")))
-        self.entropy_coef = float(self.setting("entropy_coef"))
+            get_kl_estimator(str(self.config.kl_loss_type))
+        self.entropy_coef = float(self.config.entropy_coef)
+        # A kernel with its own entropy bonus gets none from the framework (no term counted twice).
+        self.kl_and_entropy_config = (dataclasses.replace(self.config, entropy_coef=0.0)
+                                      if self.policy_loss_traits.applies_entropy_bonus else self.config)
         self.kept_token_metrics: set[str] = set()
         """`<metric>_kept_mean` names: policy/KL/entropy sums over kept tokens, divided by the
         kept-token count (filled by compute_loss when corrections are on)."""
@@ -129,12 +122,12 @@ class ActorSpecialization(Specialization):
         return self.use_kl_loss
 
     def needs_old_log_probs(self) -> bool:
-        return bool(self.setting("recompute_old_log_probs"))
+        return bool(self.config.recompute_old_log_probs)
 
     @property
     def temperature(self) -> float:
         """Training log-probs use the sampling temperature, like the rollout engine's."""
-        return float(self.setting("rollout_temperature"))
+        return float(self.config.rollout_temperature)
 
     def needs_whole_sequences(self) -> bool:
         """Whether the loss needs whole responses (one CP all-gather per micro-batch when cp > 1):
@@ -144,7 +137,7 @@ class ActorSpecialization(Specialization):
     @property
     def with_entropy(self) -> bool:
         """Entropy is computed only when it carries a coefficient or is logged (`log_entropy`)."""
-        return self.entropy_coef != 0.0 or bool(self.setting("log_entropy"))
+        return self.entropy_coef != 0.0 or bool(self.config.log_entropy)
 
     # ---- the loss -----------------------------------------------------------------------------
 
@@ -202,10 +195,8 @@ class ActorSpecialization(Specialization):
         )
         if weights is not None and not traits.applies_importance_weights:
             per_token = [loss * w.to(loss.dtype) for loss, w in zip(per_token, weights)]
-        # A kernel with its own entropy bonus gets none from the framework (no term counted twice).
-        term_config = _WithoutEntropyBonus(self.config) if traits.applies_entropy_bonus else self.config
         per_token, kl_entropy_metrics = add_kl_and_entropy_terms(
-            term_config, per_token, log_probs, masks, ref_log_prob=ref, entropy=entropy
+            self.kl_and_entropy_config, per_token, log_probs, masks, ref_log_prob=ref, entropy=entropy
         )
         kernel_metrics.update(policy_metrics)
         framework_metrics.update(kl_entropy_metrics)

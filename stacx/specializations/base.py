@@ -65,8 +65,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from stacx.objectives.aggregation import loss_token_counts
-from stacx.objectives.algorithm_config import ALGORITHM_DEFAULTS
-from stacx.objectives.validation import hyperparameter
+from stacx.objectives.algorithm_config import ALGORITHM_DEFAULTS, AlgorithmConfig, as_algorithm_config
 from stacx.parallel.cp_fields import PackedLayout, next_token_targets
 from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.lm_head import LMHeadShard
@@ -122,10 +121,11 @@ class Specialization:
         """Whether this class's loss reads the advantage estimator's output."""
         return "advantages" in cls.base_required_fields
 
-    def __init__(self, config: Any = None, groups: ProcessGroups | None = None):
-        """config: the run's algorithm section (any object with attributes; missing ones take
-        defaults, read like the loss kernels do). groups: this rank's ProcessGroups (None: one process)."""
-        self.config = config
+    def __init__(self, config: AlgorithmConfig | None = None, groups: ProcessGroups | None = None):
+        """config: the run's algorithm section (None: the declared defaults; any other type than
+        `AlgorithmConfig` is refused here, before a kernel reads it). groups: this rank's ProcessGroups
+        (None: one process)."""
+        self.config: AlgorithmConfig = as_algorithm_config(config, f"{type(self).__name__}(config)")
         self.groups = groups if groups is not None else ProcessGroups.single_process()
 
     # ---- what the trainer loop asks ------------------------------------------------------------
@@ -163,7 +163,7 @@ class Specialization:
 
     def loss_agg_mode(self) -> str:
         """The aggregation mode the step's Reducer must use (config `loss_agg_mode`, default token-mean)."""
-        return str(self.setting("loss_agg_mode"))
+        return self.config.loss_agg_mode
 
     @property
     def temperature(self) -> float:
@@ -236,18 +236,19 @@ class Specialization:
     # ---- shared helpers -----------------------------------------------------------------------
 
     def setting(self, name: str, custom_default: Any = _DECLARED) -> Any:
-        """`config.<name>`. A knob declared in `AlgorithmConfig` takes its one default from there (see
-        `hyperparameter`) and refuses a second one here; a custom hyperparameter (`rwr_temperature`, set
-        under `algorithm:`) needs `custom_default`, which the plugin that invents the knob declares."""
+        """`config.<name>` for a knob named by a string. A knob declared in `AlgorithmConfig` is read as
+        `self.config.<name>` (its one default is the field's) and refuses a second default here; a custom
+        hyperparameter (`rwr_temperature`, set under `algorithm:`) needs `custom_default`, which the
+        plugin that invents the knob declares."""
         if name in ALGORITHM_DEFAULTS:
             if custom_default is not _DECLARED:
                 raise TypeError(f"{type(self).__name__}.setting({name!r}, ...): {name!r} is declared in AlgorithmConfig "
-                                f"(default {ALGORITHM_DEFAULTS[name]!r}); read it as self.setting({name!r})")
-            return hyperparameter(self.config, name)
+                                f"(default {ALGORITHM_DEFAULTS[name]!r}); read it as self.config.{name}")
+            return getattr(self.config, name)
         if custom_default is _DECLARED:
             raise TypeError(f"{type(self).__name__}.setting({name!r}): {name!r} is a custom hyperparameter (not in "
                             f"AlgorithmConfig); give its default: self.setting({name!r}, DEFAULT)")
-        value = getattr(self.config, name, None) if self.config is not None else None
+        value = self.config.extras.get(name)
         return custom_default if value is None else value
 
     def check_reducer(self, reducer: Reducer) -> None:

@@ -26,6 +26,8 @@ from typing import Any, Mapping
 
 import torch
 
+from stacx.env_overrides import read_env_overrides
+from stacx.objectives.algorithm_config import ALGORITHM_DEFAULTS, AlgorithmConfig, as_algorithm_config
 from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL, union_topk_support
 from stacx.objectives.registry import get_loss
 from stacx.parallel.cp_fields import PackedLayout
@@ -39,17 +41,17 @@ DISTILL_KL_MODES = ("k3_sample", "topk")
 _LOG_PROB_TOLERANCE = 1e-4
 
 
-def resolve_distill_kl_mode(config: Any, environ: Mapping[str, str] | None = None) -> str:
-    """config.distill_kl_mode when set, else STACX_DISTILL_KL_MODE, else k3_sample.
+def resolve_distill_kl_mode(config: AlgorithmConfig | None, environ: Mapping[str, str] | None = None) -> str:
+    """config.distill_kl_mode; for no config (None), STACX_DISTILL_KL_MODE, else the declared default.
 
     A run's resolved algorithm config already carries STACX_DISTILL_KL_MODE (applied once where the
     run is resolved, stacx.trainer.config.resolve): a worker on another node must not read its
-    own environment and disagree with the driver. The environment is read only for a bare config.
+    own environment and disagree with the driver. The environment is read only without a config.
     """
-    # Imported here: the rollout package is not needed by the other specializations.
-    from stacx.env_overrides import read_env_overrides
-
-    mode = getattr(config, "distill_kl_mode", None) or read_env_overrides(environ).get("distill_kl_mode") or "k3_sample"
+    if config is not None:
+        mode = as_algorithm_config(config, "resolve_distill_kl_mode(config)").distill_kl_mode
+    else:
+        mode = read_env_overrides(environ).get("distill_kl_mode") or ALGORITHM_DEFAULTS["distill_kl_mode"]
     if mode not in DISTILL_KL_MODES:
         raise ValueError(f"distill_kl_mode {mode!r} is not one of {list(DISTILL_KL_MODES)}")
     return mode
@@ -100,9 +102,9 @@ class DistillSpecialization(Specialization):
     Metrics (sums): k3_mean and log_ratio, or topk_reverse_kl and student_support_mass.
     """
 
-    def __init__(self, config: Any = None, groups=None):
+    def __init__(self, config: AlgorithmConfig | None = None, groups=None):
         super().__init__(config, groups)
-        self.kl_mode = resolve_distill_kl_mode(config)
+        self.kl_mode = resolve_distill_kl_mode(config)  # the given config: None reads STACX_DISTILL_KL_MODE
 
     def required_fields(self) -> tuple[str, ...]:
         if self.kl_mode == "topk":
@@ -139,7 +141,7 @@ class DistillSpecialization(Specialization):
     def _topk_local_values(self, logits: torch.Tensor, batch) -> torch.Tensor:
         layout = batch.layout
         k_teacher = int(batch.teacher_top_ids[0].shape[1])  # one K for every sample (check_fields)
-        student_top_k = self.setting("student_top_k")  # None: the teacher's K
+        student_top_k = self.config.student_top_k  # None: the teacher's K
         k_student = int(k_teacher if student_top_k is None else student_top_k)
         device = logits.device
         index = layout.local_response_index.to(device)  # local rows that predict a response token

@@ -75,7 +75,7 @@ class _ParentStdio:
             os.close(fd)
 
 
-def _rank_main(rank, world_size, port, fn, args, kwargs, tp, cp, timeout_s, results, environ, stdio):
+def _rank_main(rank, world_size, port, fn, args, kwargs, layout, timeout_s, results, environ, stdio):
     stdio.adopt()
     os.environ.clear()
     os.environ.update(environ)
@@ -95,7 +95,8 @@ def _rank_main(rank, world_size, port, fn, args, kwargs, tp, cp, timeout_s, resu
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-        groups = initialize_parallel_layout(tp, cp, timeout_s=timeout_s)
+        tp, cp, pp = layout
+        groups = initialize_parallel_layout(tp, cp, pipeline_parallel_size=pp, timeout_s=timeout_s)
         value = fn(groups, *args, **kwargs)
         # Pickled here, to plain bytes: a failure is reported with this rank's traceback (the queue
         # pickles in a background thread and drops what fails), and tensors travel as their bytes,
@@ -116,6 +117,7 @@ def run_distributed(
     *,
     tensor_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
     args: tuple = (),
     kwargs: dict | None = None,
     timeout_s: float = 180.0,
@@ -133,8 +135,8 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, fn, args, kwargs or {}, tensor_parallel_size,
-                  context_parallel_size, timeout_s, results, dict(os.environ), _ParentStdio()),
+            args=(rank, world_size, port, fn, args, kwargs or {},
+                  (tensor_parallel_size, context_parallel_size, pipeline_parallel_size), timeout_s, results, dict(os.environ), _ParentStdio()),
             # Not daemonic: megatron's torch_dist checkpoint writer starts processes of its own, which a
             # daemonic process may not; every child is killed in the `finally` below either way.
             daemon=False,

@@ -497,8 +497,9 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[str]:
 
 
 def _same_grid(saved: RoleLayout, expected: RoleLayout) -> bool:
-    return (saved.tensor_parallel_size, saved.context_parallel_size, saved.data_parallel_size) == (
-        expected.tensor_parallel_size, expected.context_parallel_size, expected.data_parallel_size)
+    return (saved.tensor_parallel_size, saved.context_parallel_size, saved.pipeline_model_parallel_size,
+            saved.data_parallel_size) == (expected.tensor_parallel_size, expected.context_parallel_size,
+                                          expected.pipeline_model_parallel_size, expected.data_parallel_size)
 
 
 def _source_entry(entries: list[Mapping[str, Any]], saved: RoleLayout, expected: RoleLayout, rank: int,
@@ -510,8 +511,9 @@ def _source_entry(entries: list[Mapping[str, Any]], saved: RoleLayout, expected:
     if _same_grid(saved, expected):
         return next((entry for entry in entries if entry["rank"] == rank), None)
     coords = coords or RankCoords(tp_rank=0, cp_rank=0, dp_rank=rank)
-    by_position = {(entry["tp_rank"], entry["cp_rank"], entry["dp_rank"]): entry for entry in entries}
-    for position in ((coords.tp_rank, coords.cp_rank, coords.dp_rank), (coords.tp_rank, 0, 0)):
+    by_position = {(entry["tp_rank"], entry["cp_rank"], entry["dp_rank"], entry.get("pp_rank", 0)): entry
+                   for entry in entries}
+    for position in ((coords.tp_rank, coords.cp_rank, coords.dp_rank, coords.pp_rank), (coords.tp_rank, 0, 0, 0)):
         if position in by_position:
             return by_position[position]
     return next((entry for entry in entries if entry["rank"] == 0), None)

@@ -13,7 +13,8 @@ What it checks (each failure is one paragraph naming the flag and the fix):
 - the advantage estimator is registered, and no custom key is a misspelling of a knob the run's
   kernels declare (`check_objective_names`);
 - --tensor-model-parallel-size and --context-parallel-size divide the model's attention heads
-  (num_attention_heads and num_key_value_heads of --hf-checkpoint's config.json);
+  (num_attention_heads and num_key_value_heads of --hf-checkpoint's config.json), and
+  --pipeline-model-parallel-size divides its num_hidden_layers;
 - every --custom-module imports;
 - --rollout-mode async is not combined with what it does not run yet (dataset recipes, roll-ins,
   dynamic sampling), and --partial-rollout comes with it;
@@ -229,7 +230,8 @@ def read_model_config(hf_checkpoint: Optional[str]) -> dict:
 
 def check_parallel_layout(run_config: RunConfig) -> None:
     """TP splits the attention heads (query and key/value) across ranks; CP (megatron's ring/a2a
-    attention) needs the same heads per rank, so both degrees must divide the heads of config.json."""
+    attention) needs the same heads per rank, so both degrees must divide the heads of config.json;
+    PP gives each stage the same number of layers, so it must divide num_hidden_layers."""
     config = read_model_config(run_config.model.hf_checkpoint)
     heads = {key: config.get(key) for key in ("num_attention_heads", "num_key_value_heads")}
     heads = {key: value for key, value in heads.items() if isinstance(value, int) and value > 0}
@@ -242,6 +244,14 @@ def check_parallel_layout(run_config: RunConfig) -> None:
                 raise PreflightError(
                     f"{flag(field_name)} {size} does not divide the model's {key} {num_heads} "
                     f"({run_config.model.hf_checkpoint}/config.json); use one of {divisors}")
+    num_layers = config.get("num_hidden_layers")
+    stages = parallel.pipeline_model_parallel_size
+    if isinstance(num_layers, int) and num_layers > 0 and num_layers % stages:
+        divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+        raise PreflightError(
+            f"{flag('pipeline_model_parallel_size')} {stages} does not divide the model's num_hidden_layers "
+            f"{num_layers} ({run_config.model.hf_checkpoint}/config.json): every stage holds as many layers; "
+            f"use one of {divisors}")
 
 
 def check_expert_layout(run_config: RunConfig) -> None:

@@ -60,6 +60,7 @@ def build_spmd_trainer(run_config: RunConfig):
     groups = initialize_parallel_layout(parallel.tensor_model_parallel_size, parallel.context_parallel_size,
                                         expert_parallel_size=parallel.expert_model_parallel_size,
                                         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+                                        pipeline_parallel_size=parallel.pipeline_model_parallel_size,
                                         timeout_s=parallel.collective_timeout_s)
     role = training_config.roles[0]
     channel = TorchrunChannel()

@@ -78,7 +78,7 @@ def test_megatron_lm_and_flat_folders_load_as_reference_start_weights_and_conver
             model = build_model(folders["hf"], groups, initialize_weights=False)  # the config of --hf-checkpoint
             load_model_weights(model, root / name, groups, flag="--ref-load")
             _assert_holds(model, expected)
-        config = run_config(str(tmp_path), algorithm={"name": "dpo"}, hf_checkpoint=folders["hf"],
+        config = run_config(str(tmp_path), train={"algorithm": "dpo"}, hf_checkpoint=folders["hf"],
                             ref_load=str(root / "iter"))
         recipe, algorithm = resolve_recipe(config)
         runtime = RoleRuntime(recipe.roles[0], config, algorithm, groups)
@@ -106,7 +106,7 @@ def test_preflight_accepts_them_without_config_json_and_names_the_flag_and_role(
 
     root = folders["root"]
     for reference, load in ((root / "iter", root / "release"), (root / "flat", root / "iter")):
-        config = run_config(str(tmp_path), algorithm={"name": "dpo"}, hf_checkpoint=folders["hf"],
+        config = run_config(str(tmp_path), train={"algorithm": "dpo"}, hf_checkpoint=folders["hf"],
                             ref_load=str(reference), load=str(load))
         recipe, algorithm = resolve_recipe(config)
         check_checkpoints(config, recipe, algorithm)
@@ -114,7 +114,7 @@ def test_preflight_accepts_them_without_config_json_and_names_the_flag_and_role(
     broken = tmp_path / "broken"
     (broken / "iter_0000007").mkdir(parents=True)
     (broken / TRACKER_FILE).write_text("9")
-    config = run_config(str(tmp_path), algorithm={"name": "dpo"}, hf_checkpoint=folders["hf"], ref_load=str(broken))
+    config = run_config(str(tmp_path), train={"algorithm": "dpo"}, hf_checkpoint=folders["hf"], ref_load=str(broken))
     recipe, algorithm = resolve_recipe(config)
     with pytest.raises(PreflightError, match=rf"--ref-load .*broken: {TRACKER_FILE} names '9', but iter_0000009/ does "
                                              r"not exist \(its folders: iter_0000007\).*\(role 'policy' computes its "

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600
 def dpo_from_torch_dist(groups, root: str, dist_dir: str):
     from stacx.trainer.spmd import run_spmd
 
-    values = dict(algorithm={"name": "dpo"}, hf_checkpoint=os.path.join(root, "policy"), ref_load=dist_dir,
+    values = dict(train={"algorithm": "dpo"}, hf_checkpoint=os.path.join(root, "policy"), ref_load=dist_dir,
                   load=dist_dir, prompt_data=os.path.join(root, "dpo.jsonl"), out=os.path.join(root, "out"),
                   num_steps=1)
     return run_spmd(run_config(root, **values))

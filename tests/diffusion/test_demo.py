@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from stacx.diffusion.demo import DiffusionDemoSettings, format_summary, run_diffusion_demo
+from stacx.launch.demo.diffusion import DiffusionDemoSettings, format_summary, run_diffusion_demo
 
 
 @pytest.mark.slow

@@ -54,11 +54,10 @@ def test_each_diffusion_recipe_trains_two_steps_on_ray(ray_address, tmp_path):
     """One cluster and one set of policy workers, 2 data-parallel ranks (the six recipes share the role
     graph), six runs; the two replicas stay identical (gradients averaged over DP)."""
     from stacx.diffusion.checkpoint import load_diffusion_model
+    from stacx.diffusion.group import DiffusionPolicyGroup
     from stacx.diffusion.loop import run_diffusion_training
     from stacx.diffusion.models import DiffusionModel
     from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
-
-    from stacx.diffusion.worker import parameter_checksum
 
     graph = create_role_workers(TRAINING_CONFIGS["flow_grpo"], WorkerLayout(data_parallel_size=2))
     try:
@@ -82,7 +81,7 @@ def test_each_diffusion_recipe_trains_two_steps_on_ray(ray_address, tmp_path):
             assert all(math.isfinite(row["loss"]) and row["grad_norm"] > 0 for row in rows), (name, rows)
             if TRAINING_CONFIGS[name].uses_reward:
                 assert all(0.0 <= row["reward_mean"] <= 1.0 for row in rows), name
-            first, second = graph.workers["policy"].execute_all(parameter_checksum)
+            first, second = DiffusionPolicyGroup.on_built_workers(graph.workers["policy"]).parameter_checksums()
             assert first == pytest.approx(second, rel=1e-6), name
         # the DiT family (label conditioner) built from scratch, no checkpoint
         run_config = _run_config("--algorithm", "diffusion_nft", *TINY, "--algorithm-param", "model_family=dit",

@@ -1,13 +1,13 @@
 """Every diffusion loss gives the same gradient on 1 vs 2 data-parallel gloo ranks and for any split
-into micro-batches (the one reduction contract), through the specializations the workers run."""
+into micro-batches (the one reduction contract), through the objectives the workers run."""
 
 import pytest
 import torch
 from torch import nn
 
 from stacx.diffusion.sampling import sample_trajectories
-from stacx.diffusion.specialization import SPECIALIZATIONS
-from stacx.diffusion.worker import _average_gradients, _global_step_counts, _slice_batch
+from stacx.diffusion.objective import OBJECTIVES
+from stacx.diffusion.runtime import average_gradients, global_step_counts, slice_batch
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.reduction import Reducer
@@ -65,20 +65,20 @@ def global_batch(kind):
 def gradient(kind, groups, num_micro_batches):
     """(flat gradient, loss) of this rank's share of the global batch, split into micro-batches."""
     model, reference = ToyVelocity(), ToyVelocity(shift=0.05)
-    specialization = SPECIALIZATIONS[kind](config(), groups)
+    objective = OBJECTIVES[kind](config())
     batch = global_batch(kind)
     per_rank = NUM // groups.dp_size
-    mine = _slice_batch(batch, groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
-    counts = _global_step_counts(specialization.loss_terms(mine), groups, torch.device("cpu"))
+    mine = slice_batch(batch, groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
+    counts = global_step_counts(objective.loss_terms(mine), groups, torch.device("cpu"))
     reducer = Reducer.for_step(mode="token-mean", counts=counts, groups=groups)
     size = -(-per_rank // num_micro_batches)
     total = 0.0
     for start in range(0, per_rank, size):
-        loss, _ = specialization.compute_loss(model, reference, _slice_batch(mine, start, min(start + size, per_rank)),
+        loss, _ = objective.compute_loss(model, reference, slice_batch(mine, start, min(start + size, per_rank)),
                                               reducer)
         loss.backward()
         total += reducer.loss_value(loss)
-    _average_gradients(model, groups)
+    average_gradients(model, groups)
     return torch.cat([p.grad.flatten() for p in model.parameters()]), total
 
 

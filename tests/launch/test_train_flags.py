@@ -64,7 +64,7 @@ def test_flags_fill_the_run_config_with_typed_values():
                   "--kl-loss-coef", "0.01", "--custom-module", "a.py", "--custom-module", "b", "--lr", "3e-4",
                   "--no-tensorboard", "--max-tokens-per-micro-batch", "512", "--teacher-url", "http://t:1",
                   "--algorithm-param", "my_temperature=0.3", "--algorithm-param", "my_flag=true"])
-    assert cfg.train.algorithm == "grpo" and cfg.algorithm.name == "grpo"
+    assert cfg.train.algorithm == "grpo" and "name" not in cfg.algorithm.to_dict()
     assert (cfg.model.hf_checkpoint, cfg.model.ref_load) == ("ckpt", "ref")
     assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size) == (2, 2)
     assert cfg.algorithm.use_kl_loss is True and cfg.algorithm.kl_loss_coef == 0.01
@@ -83,8 +83,8 @@ model: {hf_checkpoint: from_file}
 rollout:
   n_samples_per_prompt: 8
 lr: 0.001                      # flat keys work too
+train: {algorithm: grpo}
 algorithm:
-  name: grpo
   clip_ratio_high: 0.28
   pg_temperature: 0.5          # custom hyperparameter: reaches the kernels as config.pg_temperature
 """)
@@ -93,9 +93,9 @@ algorithm:
     assert cfg.optim.lr == 0.5 and cfg.rollout.n_samples_per_prompt == 2  # flags win
     assert cfg.algorithm.clip_ratio_high == 0.28 and cfg.algorithm.clip_ratio_low == 0.2
     assert cfg.algorithm.pg_temperature == 0.5 and cfg.train.algorithm == "grpo"
-    # --algorithm overrides the file's algorithm.name and keeps both in step.
+    # --algorithm overrides the file's train.algorithm.
     cfg = _parse(["--config", path, "--algorithm", "rloo"])
-    assert cfg.train.algorithm == "rloo" and cfg.algorithm.name == "rloo"
+    assert cfg.train.algorithm == "rloo"
     assert cfg.algorithm.pg_temperature == 0.5
     # A flag for a known algorithm field overrides the file's value; --clip-ratio then fills low/high
     # only where the file did not set them.
@@ -118,8 +118,12 @@ def test_unknown_keys_flags_and_bad_values_are_named(tmp_path, capsys):
         _parse(["--algorithm-param", "oops"])
     with pytest.raises(ConfigError, match=r"'lr' has its own flag --lr"):
         _parse(["--algorithm-param", "lr=1"])
-    with pytest.raises(ConfigError, match=r"train.algorithm 'grpo' and algorithm.name 'rloo' disagree"):
+    # The recipe has one field, train.algorithm: algorithm.name is refused naming it, in a file or a flag.
+    with pytest.raises(ConfigError, match=r"algorithm.name in .*run.yaml: .*one place, train.algorithm; write "
+                                          r"`train: \{algorithm: rloo\}` \(flag --algorithm rloo\)"):
         _parse(["--config", _write(tmp_path, "train: {algorithm: grpo}\nalgorithm: {name: rloo}\n")])
+    with pytest.raises(ConfigError, match=r"--algorithm-param 'name=rloo': the recipe is train.algorithm; pass --algorithm rloo"):
+        _parse(["--algorithm-param", "name=rloo"])
     for argv, named in ((["train", "--tensor-model-paralel-size", "2"], "--tensor-model-paralel-size"),
                         (["train", "--num-steps", "ten"], "--num-steps")):
         with pytest.raises(SystemExit) as exit_info:
@@ -131,7 +135,7 @@ def test_unknown_keys_flags_and_bad_values_are_named(tmp_path, capsys):
 def test_dry_run_prints_recipe_role_graph_and_placement_without_starting_workers(tmp_path, capsys, tiny_flags):
     import ray
 
-    path = _write(tmp_path, "algorithm: {name: ppo}\ndata_parallel_size: 2\n")
+    path = _write(tmp_path, "train: {algorithm: ppo}\ndata_parallel_size: 2\n")
     assert main(["train", "--config", path, "--tensor-model-parallel-size", "2", "--dry-run", *tiny_flags]) == 0
     out = capsys.readouterr().out
     assert out.startswith("recipe ppo:")

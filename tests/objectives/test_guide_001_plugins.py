@@ -64,7 +64,7 @@ def test_importance_weights_are_passed_to_a_plugin_that_takes_them_and_not_appli
     old, new, adv, masks = _trajectories(1)
     assert POLICY_LOSSES.traits("my_loss").applies_importance_weights
     loss_fn = get_policy_loss("my_loss")
-    config = SimpleNamespace(loss_agg_mode="token-mean")
+    config = AlgorithmConfig.from_values({"loss_agg_mode": "token-mean"})
     weights = [torch.full((len(m),), w, dtype=torch.float64) for m, w in zip(masks, [0.5, 1.0, 2.0])]
     plain, _ = loss_fn(config, old, new, adv, masks)
     weighted, _ = loss_fn(config, old, new, adv, masks, importance_weights=weights)
@@ -74,7 +74,7 @@ def test_importance_weights_are_passed_to_a_plugin_that_takes_them_and_not_appli
     want = float(sum((t * w).sum() for t, w in zip(terms, weights)))
     assert float(sum(t.sum() for t in weighted)) == pytest.approx(want, rel=1e-9)
     assert float(sum(t.sum() for t in plain)) == pytest.approx(float(sum(t.sum() for t in terms)), rel=1e-9)
-    actor = ActorSpecialization(SimpleNamespace(policy_loss="my_loss"))
+    actor = ActorSpecialization(AlgorithmConfig(policy_loss="my_loss"))
     assert actor.policy_loss_traits.applies_importance_weights
 
 
@@ -162,10 +162,12 @@ def test_in_a_flux_style_algorithm_section_name_is_the_policy_loss_even_where_it
     with pytest.warns(UserWarning, match="the recipe is 'dr_grpo'"):
         recipe, algorithm = resolve_recipe(run_config)
     assert (recipe.name, algorithm.policy_loss) == ("dr_grpo", name)
-    # A Stacx-style section (no adv_estimator) keeps the Stacx meaning: the recipe.
+    # Outside a Flux-style section the recipe has one field, train.algorithm: algorithm.name is refused.
+    with pytest.raises(ValueError, match=rf"algorithm.name in config: .*train: {{algorithm: {name}}}.*--algorithm {name}"):
+        RunConfig.from_dict({"algorithm": {"name": name}})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        recipe, _ = resolve_recipe(RunConfig.from_dict({"algorithm": {"name": name}}))
+        recipe, _ = resolve_recipe(RunConfig.from_dict({"train": {"algorithm": name}}))
     assert recipe.name == name
 
 

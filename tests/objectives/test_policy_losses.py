@@ -131,5 +131,5 @@ def test_mismatched_lengths_name_argument_and_trajectory():
         get_policy_loss("ppo_clip")(config(), old[:5], new, adv, masks)
     with pytest.raises(ValueError, match=r"loss_masks\[0\] must be a 1-D tensor"):
         get_policy_loss("ppo_clip")(config(), old, new, adv, [torch.ones(1, 1)] + masks[1:])
-    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+    with pytest.raises(ValueError, match="algorithm.clip_ratio_c must be a number > 1"):  # refused by the config
         get_policy_loss("ppo_clip")(config(clip_ratio_c=0.5), old, new, adv, masks)

@@ -1,8 +1,8 @@
 """Random per-trajectory data for objective tests (float64 so references are exact)."""
 
-from types import SimpleNamespace
-
 import torch
+
+from stacx.objectives.algorithm_config import AlgorithmConfig
 
 
 def random_lengths(generator: torch.Generator, num: int, low: int = 1, high: int = 7) -> list[int]:
@@ -18,5 +18,6 @@ def random_masks(generator: torch.Generator, lengths, keep: float = 0.8) -> list
     return [(torch.rand(n, generator=generator, dtype=torch.float64) < keep).to(torch.float64) for n in lengths]
 
 
-def config(**values) -> SimpleNamespace:
-    return SimpleNamespace(**values)
+def config(**values) -> AlgorithmConfig:
+    """The kernels' config as a run builds it: the given knobs (custom ones in extras), recorded as set."""
+    return AlgorithmConfig.from_values(values)

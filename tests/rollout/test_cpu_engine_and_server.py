@@ -200,7 +200,8 @@ def test_teacher_and_manager_against_served_teacher(tiny_checkpoints, single_pro
             expected_ids = torch.stack([ref[p - 1][id_rows[j]] for j, p in enumerate(positions)])
             assert torch.allclose(sc.id_log_probs.double(), expected_ids, atol=TOLERANCE)
 
-        manager = RolloutManager(student, tokenizer=tokenizer, reward_fn="exact_match", teacher=teacher, teacher_top_k=2)
+        manager = RolloutManager(student, tokenizer=tokenizer, reward_fn="exact_match", teacher=teacher,
+                                 num_teacher_top_log_probs=2)
         prompts = [[4, 10, 11], [4, 12]]
         samples = manager.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True),
                                    n_samples_per_prompt=2, labels=["ab", "cd"])

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, Executor, TMaxSchedule, build_roll_in
-from stacx.rollout.environments import GuessNumberEnvironment, run_episode
+from stacx.rollout.environments import GuessNumberEnvironment
+from stacx.rollout.episode import run_episode
 from stacx.rollout.tokenizer import build_char_tokenizer
 from stacx.rollout.types import GenerateOutput, SamplingParams
 from stacx.trainer.config.run import TeacherSection

@@ -1,5 +1,6 @@
 """RolloutManager units with a scripted engine and teacher (no model)."""
 
+import pytest
 import torch
 
 from stacx.rollout.manager import RolloutManager
@@ -27,7 +28,7 @@ class ScriptedTeacher:
 
 
 def test_an_empty_response_keeps_the_batch_teacher_top_fields():
-    manager = RolloutManager(LengthScriptedEngine(), teacher=ScriptedTeacher(), teacher_top_k=NUM_TOP)
+    manager = RolloutManager(LengthScriptedEngine(), teacher=ScriptedTeacher(), num_teacher_top_log_probs=NUM_TOP)
     samples = manager.generate([[2, 5], [0, 5]], SamplingParams(max_new_tokens=4))
     assert [s.response_length for s in samples] == [2, 0]
     batch = StepBatch.from_samples(samples)
@@ -35,3 +36,12 @@ def test_an_empty_response_keeps_the_batch_teacher_top_fields():
     assert [tuple(t.shape) for t in batch["teacher_top_ids"]] == [(2, NUM_TOP), (0, NUM_TOP)]
     assert batch["teacher_top_ids"][1].dtype == torch.long
     assert [t.tolist() for t in batch["teacher_log_probs"]] == [[-1.0, -1.0], []]
+
+
+def test_the_former_teacher_top_k_keyword_is_refused_naming_the_new_one():
+    """The run config's teacher_top_k is the K of top-K distillation (default 8); the manager's count of
+    teacher top log-probs to fetch (0: none) is another setting with its own name."""
+    with pytest.raises(TypeError, match=r"RolloutManager\(teacher_top_k=8\) is now "
+                                        r"RolloutManager\(num_teacher_top_log_probs=8\)"):
+        RolloutManager(LengthScriptedEngine(), teacher=ScriptedTeacher(), teacher_top_k=8)
+    assert RolloutManager(LengthScriptedEngine()).num_teacher_top_log_probs == 0

@@ -4,9 +4,12 @@ The CP=2 / DP=2 invariance of the same pieces is in test_split_invariance.py (fa
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives import sum_of_sample_mean
 from stacx.objectives.registry import POLICY_LOSSES, get_off_policy_correction_traits, get_policy_loss_traits, register_policy_loss
 from stacx.parallel.reduction import Reducer, StepCounts
@@ -66,12 +69,12 @@ def test_builtin_traits_are_declared_at_registration_and_a_custom_loss_defaults_
     register_policy_loss("traits_default_test")(loss)
     register_policy_loss("traits_local_test", token_local=True)(loss)
     try:
-        config = type("C", (), {"policy_loss": "traits_default_test", "log_entropy": False})
-        assert ActorSpecialization(config()).needs_whole_sequences()
-        config.policy_loss = "traits_local_test"
-        assert not ActorSpecialization(config()).needs_whole_sequences()
-        config.off_policy_corrections = "token_tis,sequence_mis"
-        assert ActorSpecialization(config()).needs_whole_sequences()
+        config = AlgorithmConfig(policy_loss="traits_default_test", log_entropy=False)
+        assert ActorSpecialization(config).needs_whole_sequences()
+        config = dataclasses.replace(config, policy_loss="traits_local_test")
+        assert not ActorSpecialization(config).needs_whole_sequences()
+        config = dataclasses.replace(config, off_policy_corrections="token_tis,sequence_mis")
+        assert ActorSpecialization(config).needs_whole_sequences()
     finally:
         POLICY_LOSSES.unregister("traits_default_test")
         POLICY_LOSSES.unregister("traits_local_test")

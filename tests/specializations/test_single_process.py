@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.reduction import Reducer, StepCounts
 from stacx.specializations import (
@@ -75,7 +76,7 @@ def test_teacher_fields_of_the_wrong_length_name_the_field_and_sample(kl_mode, f
                                                       "teacher_top_log_probs")}
     bad = fields[field][2]
     fields[field][2] = bad[:-1] if shape_change == "drop_last" else torch.cat([bad, bad[:, :1]], dim=1)
-    specialization = DistillSpecialization(type("C", (), {"distill_kl_mode": kl_mode})())
+    specialization = DistillSpecialization(AlgorithmConfig.from_values({"distill_kl_mode": kl_mode}))
     with pytest.raises(ValueError, match=rf"'{field}'.*sample 2"):
         specialization.compute_loss(random_logits(samples), _batch(samples, **fields), _reducer())
 
@@ -110,12 +111,12 @@ def test_contract_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match="model_output must be the TP-local logits"):
         CausalDecoderSpecialization().compute_loss(logits[:-1], batch, _reducer())
     with pytest.raises(ValueError, match="unknown policy loss 'nope'"):
-        ActorSpecialization(type("C", (), {"policy_loss": "nope"})())
+        ActorSpecialization(AlgorithmConfig.from_values({"policy_loss": "nope"}))
 
 
 def test_trainer_loop_hooks():
-    config = type("C", (), dict(use_kl_loss=True, off_policy_corrections="token_tis,opsm", policy_loss="ppo_clip",
-                                recompute_old_log_probs=True, rollout_temperature=0.7, loss_agg_mode="seq-mean-token-mean"))()
+    config = AlgorithmConfig.from_values(dict(use_kl_loss=True, off_policy_corrections="token_tis,opsm", policy_loss="ppo_clip",
+                                recompute_old_log_probs=True, rollout_temperature=0.7, loss_agg_mode="seq-mean-token-mean"))
     actor = ActorSpecialization(config)
     assert actor.needs_reference() and actor.needs_old_log_probs() and actor.needs_whole_sequences()
     assert actor.required_fields() == ("advantages", "ref_log_probs", "rollout_log_probs")
@@ -154,7 +155,7 @@ def test_metric_means_divide_by_their_counts():
 
 
 def test_distill_mode_comes_from_the_resolved_config_and_the_environment_only_for_a_bare_one():
-    config = type("C", (), {"distill_kl_mode": "topk"})()
+    config = AlgorithmConfig.from_values({"distill_kl_mode": "topk"})
     assert resolve_distill_kl_mode(None, environ={}) == "k3_sample"
     assert resolve_distill_kl_mode(config, environ={}) == "topk"
     # The resolved config already carries the override: a worker never re-reads its own environment.
@@ -163,7 +164,7 @@ def test_distill_mode_comes_from_the_resolved_config_and_the_environment_only_fo
     with pytest.raises(ValueError, match="STACX_DISTILL_KL_MODE"):
         resolve_distill_kl_mode(None, environ={"STACX_DISTILL_KL_MODE": "exact"})
     with pytest.raises(ValueError, match="distill_kl_mode 'exact'"):
-        resolve_distill_kl_mode(type("C", (), {"distill_kl_mode": "exact"})(), environ={})
+        resolve_distill_kl_mode(AlgorithmConfig.from_values({"distill_kl_mode": "exact"}), environ={})
 
 
 def test_actor_metrics_over_kept_tokens_are_divided_by_the_global_count_with_kept_means_apart():
@@ -171,8 +172,8 @@ def test_actor_metrics_over_kept_tokens_are_divided_by_the_global_count_with_kep
     divided by the global loss-token count; `<name>_kept_mean` divides them by the kept count."""
     samples = make_samples()
     fields = {name: list(samples[name]) for name in ("loss_masks", "advantages", "log_probs", "rollout_log_probs")}
-    config = type("C", (), {"policy_loss": "vanilla_pg", "off_policy_corrections": "token_mis", "mis_lower": 0.8,
-                            "mis_upper": 1.25, "entropy_coef": 0.0, "log_entropy": True})()
+    config = AlgorithmConfig.from_values({"policy_loss": "vanilla_pg", "off_policy_corrections": "token_mis", "mis_lower": 0.8,
+                            "mis_upper": 1.25, "entropy_coef": 0.0, "log_entropy": True})
     actor = ActorSpecialization(config)
     logits = random_logits(samples)
     _, metrics = actor.compute_loss(logits, _batch(samples, **fields), _reducer())
@@ -198,3 +199,23 @@ def test_actor_metrics_over_kept_tokens_are_divided_by_the_global_count_with_kep
     # Guide 000: the metric is the kept sum over the GLOBAL loss-token count; the kept-token mean is separate.
     assert means["entropy"] == pytest.approx(float(expected.sum()) / raw, rel=1e-5)
     assert means["entropy_kept_mean"] == pytest.approx(float(expected.mean()), rel=1e-5)
+
+
+def test_pi_old_from_the_step_forward_gives_the_loss_and_gradient_of_a_recomputed_pi_old():
+    """Why an async run with one optimizer step per rollout spends no forward on pi_old
+    (`decoupled_objective_values`): the step's own detached log-probs (no `log_probs` field) give the
+    PPO-clip + token_tis loss and gradient that a pi_old recomputed on the same weights gives."""
+    import dataclasses
+
+    case, samples = CASES["actor_ppo_kl_entropy_tis"], make_samples()
+    logits = random_logits(samples)
+    recomputed = ActorSpecialization().compute_log_probs(logits, _batch(samples, loss_masks=samples["loss_masks"]))
+    forward = lambda tokens, padded: logits * 1.0  # noqa: E731
+    with_recomputed = run_case(forward, SINGLE, case, {**samples, "log_probs": [lp.float() for lp in recomputed]})
+    from_the_step = run_case(forward, SINGLE, dataclasses.replace(
+        case, fields=tuple(f for f in case.fields if f != "log_probs")), samples)
+    assert from_the_step["loss"] == pytest.approx(with_recomputed["loss"], rel=1e-6, abs=1e-7)
+    scale = float(with_recomputed["logits_grad"].abs().max())
+    torch.testing.assert_close(from_the_step["logits_grad"], with_recomputed["logits_grad"], atol=1e-6 * scale, rtol=0)
+    # Not trivial: another pi_old (the samples' own) gives another loss.
+    assert run_case(forward, SINGLE, case, samples)["loss"] != pytest.approx(from_the_step["loss"], rel=1e-3)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import stacx.specializations.base as base
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives import sum_of_sample_mean
 from stacx.parallel.reduction import Reducer, StepCounts
 from stacx.specializations import ActorSpecialization, CausalDecoderSpecialization, MicroBatch
@@ -114,7 +115,7 @@ def test_actor_computes_entropy_only_when_it_has_a_coefficient_or_is_logged(
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(base, "vocab_parallel_log_probs_and_entropy", recording)
-    config = type("C", (), {"policy_loss": "ppo_clip", "entropy_coef": entropy_coef, "log_entropy": log_entropy})()
+    config = AlgorithmConfig.from_values({"policy_loss": "ppo_clip", "entropy_coef": entropy_coef, "log_entropy": log_entropy})
     batch = MicroBatch.pack(SEQUENCES, RESPONSES, loss_masks=MASKS, advantages=[torch.ones(r) for r in RESPONSES])
     _, metrics = ActorSpecialization(config).compute_loss(_logits(2), batch, _reducer())
     assert calls == [(computed, with_grad)]

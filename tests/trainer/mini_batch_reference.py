@@ -77,7 +77,7 @@ def train_stacx(groups, root: str, checkpoint: str, rollouts: list[dict], values
     from stacx.trainer.runtime.role_runtime import RoleRuntime
 
     out = os.path.join(root, "out")
-    base = dict(SETTINGS, algorithm={"name": "grpo"}, hf_checkpoint=checkpoint, num_steps=len(rollouts),
+    base = dict(SETTINGS, train={"algorithm": "grpo"}, hf_checkpoint=checkpoint, num_steps=len(rollouts),
                 rollout_batch_size=NUM_PROMPTS, n_samples_per_prompt=GROUP_SIZE, out=out, progress_bar=False,
                 tensorboard=False, collective_timeout_s=120.0)
     training_config = get_recipe("grpo")

@@ -59,7 +59,7 @@ def test_run_config_tables_flags_and_yaml_keys_come_from_the_dataclass():
     assert set(ALGORITHM_FIELD_TYPES) == set(ALGORITHM_FIELDS)
     flags = {action.dest: action for action in _parser()._actions}
     for f in fields:
-        if f.name == "name" or f.name in FIELDS:  # the recipe flag; section settings have their section's flag
+        if f.name in FIELDS:  # section settings have their section's flag
             continue
         assert f.name in flags, f"algorithm field {f.name} has no flag"
         # Every field is a YAML key checked against its annotation.
@@ -80,11 +80,13 @@ def test_a_field_added_to_the_dataclass_is_a_known_key_with_its_type_and_default
     assert algorithm_field_tables() == (ALGORITHM_FIELDS, ALGORITHM_FIELD_TYPES)
 
 
-def test_kernels_get_the_declared_default_when_config_lacks_a_knob():
+def test_hyperparameter_reads_an_algorithm_config_and_refuses_any_other_object():
     assert hyperparameter(None, "lam") == AlgorithmConfig().lam == 0.95
-    assert hyperparameter(argparse.Namespace(gamma=0.5), "lam") == 0.95
     assert hyperparameter(AlgorithmConfig(lam=0.5), "lam") == 0.5
-    with pytest.raises(ValueError, match="'my_knob' is not a declared algorithm hyperparameter"):
+    assert hyperparameter(AlgorithmConfig.from_values({"my_knob": 2}), "my_knob") == 2
+    with pytest.raises(TypeError, match=r"hyperparameter\(config, 'lam'\) needs a .*AlgorithmConfig.*got Namespace"):
+        hyperparameter(argparse.Namespace(gamma=0.5), "lam")
+    with pytest.raises(AttributeError, match="no hyperparameter 'my_knob'"):
         hyperparameter(None, "my_knob")
 
 
@@ -182,13 +184,11 @@ def test_an_algorithm_key_layers_recipe_then_file_then_flag(tmp_path):
 
 
 def test_a_specialization_reads_declared_knobs_without_a_default_and_custom_ones_with_the_plugins():
-    from types import SimpleNamespace
-
     from stacx.specializations.base import Specialization
 
-    holder = SimpleNamespace(config=AlgorithmConfig.from_values({"lam": 0.5, "rwr_temperature": 0.2}))
-    assert Specialization.setting(holder, "lam") == 0.5
-    assert Specialization.setting(SimpleNamespace(config=None), "lam") == ALGORITHM_DEFAULTS["lam"]
+    holder = Specialization(AlgorithmConfig.from_values({"lam": 0.5, "rwr_temperature": 0.2}))
+    assert Specialization.setting(holder, "lam") == holder.config.lam == 0.5
+    assert Specialization.setting(Specialization(None), "lam") == ALGORITHM_DEFAULTS["lam"]
     assert Specialization.setting(holder, "rwr_temperature", 1.0) == 0.2
     assert Specialization.setting(holder, "rwr_max_weight", 5.0) == 5.0
     with pytest.raises(TypeError, match=r"'lam' is declared in AlgorithmConfig \(default 0.95\)"):
@@ -204,12 +204,51 @@ def test_the_checkpointed_config_is_the_resolved_one_and_resume_refuses_a_change
 
     run_config = RunConfig.from_dict({"algorithm": {"lam": 0.9, "my_knob": [1, 2], "off_policy_corrections": ["tis"]}})
     algorithm = resolve_algorithm_config(get_recipe("ppo"), run_config)
-    saved = json.loads(json.dumps(resolved_run_config_dict(run_config, algorithm)))  # as run_config.json
+    saved = json.loads(json.dumps(resolved_run_config_dict(run_config, algorithm, recipe="ppo")))  # as run_config.json
     assert saved["algorithm"]["lam"] == 0.9 and saved["algorithm"]["value_clip"] == 0.5
-    assert saved["algorithm"]["name"] == "ppo" and saved["algorithm"]["my_knob"] == [1, 2]
+    assert saved["train"]["algorithm"] == "ppo" and "name" not in saved["algorithm"]
+    assert saved["algorithm"]["my_knob"] == [1, 2]
     check_resumed_algorithm(saved, algorithm, where="ckpt/step_1")  # the same settings resume
+    # A run saved while the recipe had two fields also carries it as algorithm.name: it still resumes.
+    check_resumed_algorithm({**saved, "algorithm": {**saved["algorithm"], "name": "ppo"}}, algorithm, where="old")
     resumed = resolve_algorithm_config(get_recipe("ppo"), RunConfig.from_dict({"algorithm": {
         "lam": 1.0, "off_policy_corrections": ["tis"]}}))
     with pytest.raises(ValueError, match=r"checkpoint ckpt/step_1 .*lam: saved 0.9, now 1.0; my_knob: saved \[1, 2\], "
                                          r"now unset.*run_config.json"):
         check_resumed_algorithm(saved, resumed, where="ckpt/step_1")
+
+
+def test_an_object_of_another_type_is_refused_where_the_config_enters_the_loss_code():
+    """Typed for real: a specialization and a padded plugin refuse a config that is not an AlgorithmConfig
+    when they receive it, naming the receiver and the fix, instead of a kernel failing on a missing knob
+    mid-step (or, worse, reading a default). The trainer's check: tests/trainer/test_loop.py."""
+    from types import SimpleNamespace
+
+    from stacx.objectives.adapters import adapt_padded_policy_loss
+    from stacx.specializations.actor import ActorSpecialization
+
+    look_alike = SimpleNamespace(policy_loss="ppo_clip", loss_agg_mode="token-mean")
+    fix = r"needs a stacx.objectives.algorithm_config.AlgorithmConfig .*AlgorithmConfig.from_values.*got SimpleNamespace"
+    with pytest.raises(TypeError, match=r"ActorSpecialization\(config\) " + fix):
+        ActorSpecialization(look_alike)
+
+    def plugin(old_log_prob, log_prob, advantages, response_mask, clip_ratio=0.2):
+        raise AssertionError("never called with a look-alike config")
+
+    with pytest.raises(TypeError, match=r"padded policy loss .*plugin " + fix):
+        adapt_padded_policy_loss(plugin)(look_alike, [], [], [], [])
+    # None stays "the declared defaults" (a bare specialization, a kernel called in a test).
+    assert ActorSpecialization(None).config == AlgorithmConfig()
+
+
+def test_a_run_config_saved_with_the_recipe_in_algorithm_name_loads_with_it_in_train_algorithm():
+    from stacx.trainer.config.resolve import current_run_config_keys
+
+    old = {"train": {"algorithm": None, "num_steps": 3}, "algorithm": {"name": "rloo", "lam": 0.9}}
+    loaded = RunConfig.from_dict(current_run_config_keys(old), source="run_config.json")
+    assert loaded.train.algorithm == "rloo" and loaded.algorithm.lam == 0.9 and loaded.train.num_steps == 3
+    assert old["algorithm"]["name"] == "rloo"  # the saved values are not modified
+    flux = {"algorithm": {"name": "my_loss", "adv_estimator": "grpo"}}
+    assert current_run_config_keys(flux) is flux  # a Flux-style name is the policy loss: it stays
+    with pytest.raises(ConfigError, match=r"algorithm.name in run_config.json: .*train.algorithm"):
+        RunConfig.from_dict(old, source="run_config.json")

@@ -47,7 +47,7 @@ def test_every_variable_is_covered():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_driver_and_a_ray_worker_resolve_the_same_configuration_under_each_stacx_variable(monkeypatch, ray_address):
-    base = RunConfig.from_dict({"algorithm": {"name": "opd"}, "teacher_url": "http://127.0.0.1:1"})
+    base = RunConfig.from_dict({"train": {"algorithm": "opd"}, "teacher_url": "http://127.0.0.1:1"})
     graph = None
     try:
         graph = create_role_workers(get_recipe("opd"), WorkerLayout(num_cpus_per_rank=1.0, call_timeout_s=300.0,

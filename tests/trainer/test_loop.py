@@ -71,3 +71,21 @@ def test_teardown_errors_never_hide_the_runs_error_and_workers_are_always_releas
     with pytest.raises(OSError, match="socket already gone"):
         trainer.run()
     assert released == ["shut down"]  # the workers went down although the engine's close failed
+
+
+def test_the_trainer_and_the_async_check_refuse_an_algorithm_config_of_another_type():
+    """The estimator and the driver's rollout read `algorithm.<knob>`: a look-alike object is refused when
+    the trainer (or the async check) receives it, naming the receiver and the fix."""
+    from types import SimpleNamespace
+
+    from stacx.rollout.async_rollout import check_async_supported
+    from stacx.trainer.loop import StacxTrainer
+    from stacx.trainer.recipes import get_recipe
+
+    look_alike = SimpleNamespace(advantage_estimator="grpo", filter_zero_variance_groups=False)
+    fix = r"needs a stacx.objectives.algorithm_config.AlgorithmConfig .*got SimpleNamespace"
+    with pytest.raises(TypeError, match=r"StacxTrainer\(algorithm=...\) " + fix):
+        StacxTrainer(run_config=RunConfig(), training_config=get_recipe("grpo"), algorithm=look_alike, roles={},
+                     channel=None, data=None)
+    with pytest.raises(TypeError, match=r"check_async_supported " + fix):
+        check_async_supported(RunConfig.from_dict({"rollout_mode": "async"}), get_recipe("grpo"), look_alike)

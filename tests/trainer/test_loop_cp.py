@@ -34,7 +34,7 @@ def _train(files, root, *, tp: int, cp: int, num_steps: int) -> list[dict]:
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("STACX_API_KEY", ATTACHED_SERVER_KEY)  # the driver's key for the attached server
-            cfg = run_config(str(root), algorithm={"name": "grpo", "use_kl_loss": True, "kl_loss_coef": 0.1,
+            cfg = run_config(str(root), train={"algorithm": "grpo"}, algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1,
                                                    "entropy_coef": 0.01},
                              hf_checkpoint=files["policy"], ref_load=files["teacher"], prompt_data=files["prompts"],
                              rollout_engine="http", rollout_urls=[server.url], reward_fn=VARIED_REWARD,

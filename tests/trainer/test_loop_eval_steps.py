@@ -9,6 +9,7 @@ import io
 import json
 from types import SimpleNamespace
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.rollout.manager import RolloutManager
 from stacx.rollout.step_rollout import StepRollout
 from stacx.rollout.tokenizer import build_char_tokenizer
@@ -52,7 +53,7 @@ def _trainer(tmp_path, *, start_step: int, bar: io.StringIO):
         tokenizer=TOKENIZER, sampling_params=lambda: SamplingParams(max_new_tokens=4),
         manager=lambda step, **_: RolloutManager(engine, tokenizer=TOKENIZER, reward_fn=lambda r, l, m: float(r)))
     trainer.step_rollout = StepRollout(service, None, run_config=run_config, training_config=get_recipe("grpo"),
-                                       algorithm=SimpleNamespace())
+                                       algorithm=AlgorithmConfig())
     trainer.make_metrics_logger = lambda start: MetricsLogger(run_config.logging.out, total_steps=NUM_STEPS,
                                                               start_step=start, tensorboard=False, progress_file=bar,
                                                               plots=False)
@@ -99,7 +100,7 @@ def test_with_two_optimizer_steps_per_rollout_an_eval_lands_in_its_models_row(tm
         tokenizer=TOKENIZER, sampling_params=lambda: SamplingParams(max_new_tokens=4),
         manager=lambda step, **_: RolloutManager(engine, tokenizer=TOKENIZER, reward_fn=lambda r, l, m: float(r)))
     trainer.step_rollout = StepRollout(service, None, run_config=run_config, training_config=get_recipe("grpo"),
-                                       algorithm=SimpleNamespace())
+                                       algorithm=AlgorithmConfig())
     trainer.make_metrics_logger = lambda start: MetricsLogger(run_config.logging.out, total_steps=2 * NUM_STEPS,
                                                               start_step=start, tensorboard=False,
                                                               progress_bar=False, plots=False)

@@ -40,7 +40,7 @@ def test_reference_role_is_refreshed_from_the_policy_bitwise(ray_address, files,
 
     server = EngineHttpServer(CpuEngine.from_hf_checkpoint(files["policy"], seed=0), api_key=attached_server_key).start()
     try:
-        cfg = run_config(str(tmp_path), algorithm={"name": "grpo_reference_refresh", "kl_loss_coef": 0.1},
+        cfg = run_config(str(tmp_path), train={"algorithm": "grpo_reference_refresh"}, algorithm={"kl_loss_coef": 0.1},
                          hf_checkpoint=files["policy"], prompt_data=files["prompts"], rollout_engine="http",
                          rollout_urls=[server.url], tensor_model_parallel_size=2, reward_fn=VARIED_REWARD,
                          exchange_every_n_steps=2)

@@ -107,7 +107,7 @@ def _check_loss_metrics_match_executors(metrics_row, rows):
 
 
 def test_mixture_dagger_opd_beta_one_then_zero(ray_address, files, servers, tmp_path):
-    last, rows, dumps = _run(tmp_path, files, servers, algorithm={"name": "mixture_dagger_opd"},
+    last, rows, dumps = _run(tmp_path, files, servers, train={"algorithm": "mixture_dagger_opd"},
                              prompt_data=files["prompts"], dagger_beta_schedule="step", dagger_beta_start=1.0,
                              dagger_beta_end=0.0, dagger_beta_iters=1)
     assert [row["step"] for row in rows] == [0, 1]
@@ -127,7 +127,7 @@ def test_mixture_dagger_opd_beta_one_then_zero(ray_address, files, servers, tmp_
 
 
 def test_mixture_aggrevate_opd_student_leads_kappa_turns(ray_address, files, servers, tmp_path):
-    last, rows, dumps = _run(tmp_path, files, servers, algorithm={"name": "mixture_aggrevate_opd"},
+    last, rows, dumps = _run(tmp_path, files, servers, train={"algorithm": "mixture_aggrevate_opd"},
                              prompt_data=files["episodes"], rollout_batch_size=3, n_samples_per_prompt=2,
                              dagger_kappa_start=1, dagger_kappa_step=1, dagger_kappa_cap=3)
     assert [row["rollin/t_max"] for row in rows] == [1.0, 2.0]
@@ -155,7 +155,7 @@ def test_mixture_aggrevate_opd_student_leads_kappa_turns(ray_address, files, ser
 def test_online_dagger_live_trains_on_teacher_relabels(ray_address, files, servers, tmp_path):
     """One rollout step split into two optimizer steps (--num-steps-per-rollout 2): the relabeled
     samples, however many the roll-in produced, are trained across the two."""
-    last, rows, dumps = _run(tmp_path, files, servers, algorithm={"name": "online_dagger"},
+    last, rows, dumps = _run(tmp_path, files, servers, train={"algorithm": "online_dagger"},
                              prompt_data=files["episodes"], rollout_batch_size=2, n_samples_per_prompt=2, num_steps=1, num_steps_per_rollout=2,
                              dagger_beta_schedule="linear", dagger_beta_start=0.5, dagger_beta_end=0.5)
     samples = dumps[0]

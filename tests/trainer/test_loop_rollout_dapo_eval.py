@@ -66,7 +66,7 @@ def test_dapo_dynamic_sampling_overlong_penalty_and_eval(ray_address, files, eng
     from stacx.trainer.factory import create_trainer
     from stacx.rollout.service import load_tokenizer
 
-    cfg = run_config(str(tmp_path), algorithm={"name": "dapo", "overlong_buffer_length": 2, "overlong_penalty_factor": 0.5},
+    cfg = run_config(str(tmp_path), train={"algorithm": "dapo"}, algorithm={"overlong_buffer_length": 2, "overlong_penalty_factor": 0.5},
                      hf_checkpoint=files["policy"], prompt_data=files["dapo_prompts"], rollout_engine="cpu",
                      reward_fn=HALF_UNIFORM_REWARD, save_rollouts_per_step=100, eval_data=files["eval_prompts"],
                      eval_interval=1, eval_n_samples=2, eval_temperature=0.0, export_hf=str(tmp_path / "export"))
@@ -148,7 +148,7 @@ def test_grpo_spreads_rollouts_over_two_servers_and_updates_both(ray_address, fi
         urls = [s.url for s in servers]
         prompt = [5, 7, 9, 11]
         before = _greedy(CpuEngine.from_hf_checkpoint(files["policy"]), prompt)
-        cfg = run_config(str(tmp_path), algorithm={"name": "grpo"}, hf_checkpoint=files["policy"],
+        cfg = run_config(str(tmp_path), train={"algorithm": "grpo"}, hf_checkpoint=files["policy"],
                          prompt_data=files["prompts"], rollout_engine="http", rollout_urls=urls,
                          reward_fn="tests.trainer.training_fixtures:varied_reward")
         trainer = create_trainer(cfg)

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.rollout.dagger import Executor
 from stacx.rollout.data import Example
 from stacx.rollout.tokenizer import build_char_tokenizer
@@ -223,7 +224,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_dumps_rollouts(tmp_path):
     run_config = RunConfig.from_dict({"rollout_batch_size": 3, "n_samples_per_prompt": 2, "over_sampling_factor": 1.0,
                                       "rollout_max_response_len": 4, "save_rollouts_per_step": 100,
                                       "out": str(tmp_path)})
-    algorithm = SimpleNamespace(filter_zero_variance_groups=True, overlong_buffer_length=2, overlong_penalty_factor=1.0)
+    algorithm = AlgorithmConfig(filter_zero_variance_groups=True, overlong_buffer_length=2, overlong_penalty_factor=1.0)
     data = FakeData(batch_size=3)
     step_rollout = StepRollout(Service(), data, run_config=run_config, training_config=get_recipe("dapo"),
                                algorithm=algorithm)
@@ -263,7 +264,7 @@ def test_dynamic_sampling_gives_up_with_counts_when_every_group_is_uniform(tmp_p
     run_config = RunConfig.from_dict({"rollout_batch_size": 2, "n_samples_per_prompt": 2, "dynamic_sampling": True,
                                       "save_rollouts_per_step": 0, "out": str(tmp_path)})
     step_rollout = StepRollout(Service(), FakeData(2), run_config=run_config, training_config=get_recipe("grpo"),
-                               algorithm=SimpleNamespace())
+                               algorithm=AlgorithmConfig())
     with pytest.raises(RuntimeError, match="dynamic sampling: only 0 of 2 groups"):
         step_rollout.collect(step=0)
 
@@ -275,7 +276,7 @@ def test_eval_interval_without_eval_data_names_the_flag(tmp_path):
     run_config = RunConfig.from_dict({"eval_interval": 2, "out": str(tmp_path)})
     with pytest.raises(ValueError, match="--eval-data"):
         StepRollout(service, FakeData(2), run_config=run_config, training_config=get_recipe("grpo"),
-                    algorithm=SimpleNamespace())
+                    algorithm=AlgorithmConfig())
 
 
 def test_engine_pool_spreads_requests_and_keeps_their_order():
@@ -351,7 +352,7 @@ def test_dapo_default_buffer_longer_than_the_response_limit_names_both_flags(tmp
     from stacx.rollout.step_rollout import StepRollout
 
     run_config = RunConfig.from_dict({"rollout_max_response_len": 64, "out": str(tmp_path)})
-    algorithm = SimpleNamespace(filter_zero_variance_groups=True, overlong_buffer_length=4096, overlong_penalty_factor=1.0)
+    algorithm = AlgorithmConfig(filter_zero_variance_groups=True, overlong_buffer_length=4096, overlong_penalty_factor=1.0)
     with pytest.raises(ValueError, match="overlong-buffer-length.*rollout-max-response-len"):
         StepRollout(SimpleNamespace(tokenizer=TOKENIZER), FakeData(2), run_config=run_config,
                     training_config=get_recipe("dapo"), algorithm=algorithm)
@@ -365,9 +366,9 @@ def test_overlong_buffer_is_a_length_or_a_fraction_of_the_response_limit():
     from stacx.rollout.step_rollout import overlong_buffer_tokens
     from stacx.trainer.config.run import RunConfig
 
-    assert overlong_buffer_tokens(SimpleNamespace(overlong_buffer_length=None, overlong_buffer_fraction=0.2), 64) == 13
-    assert overlong_buffer_tokens(SimpleNamespace(overlong_buffer_length=5, overlong_buffer_fraction=0.2), 64) == 5
-    assert overlong_buffer_tokens(SimpleNamespace(overlong_buffer_length=None, overlong_buffer_fraction=None), 64) == 0
+    assert overlong_buffer_tokens(AlgorithmConfig(overlong_buffer_length=None, overlong_buffer_fraction=0.2), 64) == 13
+    assert overlong_buffer_tokens(AlgorithmConfig(overlong_buffer_length=5, overlong_buffer_fraction=0.2), 64) == 5
+    assert overlong_buffer_tokens(AlgorithmConfig(overlong_buffer_length=None, overlong_buffer_fraction=None), 64) == 0
     # dapo's default (a fifth, as in the DAPO paper's 4096 of 20480) fits the default response limit.
     dapo = resolve_algorithm_config(get_recipe("dapo"), RunConfig())
     limit = RunConfig().rollout.rollout_max_response_len

@@ -122,7 +122,7 @@ def sft_run(groups, root: str, name: str, values: dict):
     from stacx.trainer.spmd import run_spmd
     from tests.trainer.training_fixtures import run_config
 
-    config = run_config(root, algorithm={"name": "sft"}, hf_checkpoint=os.path.join(root, "policy"),
+    config = run_config(root, train={"algorithm": "sft"}, hf_checkpoint=os.path.join(root, "policy"),
                         prompt_data=os.path.join(root, "sft.jsonl"), rollout_batch_size=4,
                         out=os.path.join(root, name, "out"), save=os.path.join(root, name, "ckpt"), save_interval=1,
                         export_hf=os.path.join(root, name, "export"), **values)

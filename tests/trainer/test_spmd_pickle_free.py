@@ -47,7 +47,7 @@ def train_sft_with_guarded_unpickling(groups, root: str):
 
     unpickled_for: list[str] = []
     _guard_object_collectives(unpickled_for)
-    values = dict(algorithm={"name": "sft"}, hf_checkpoint=os.path.join(root, "policy"),
+    values = dict(train={"algorithm": "sft"}, hf_checkpoint=os.path.join(root, "policy"),
                   prompt_data=os.path.join(root, "sft.jsonl"), rollout_batch_size=4, num_steps=2,
                   out=os.path.join(root, "out"), save=os.path.join(root, "ckpt"))
     last = run_spmd(run_config(root, **values))

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives import get_advantage
 from stacx.rollout.manager import Sample
 from stacx.trainer.batch import StepBatch, plan_micro_batches
@@ -42,7 +43,7 @@ def test_from_samples_select_and_pack_keep_every_field_under_one_name():
 def test_the_advantage_estimator_reads_the_step_batch_itself():
     batch = StepBatch.from_samples(_samples())
     rollout_data = replace(batch, rewards=torch.tensor(batch.rewards, dtype=torch.float64))
-    advantages = get_advantage("grpo")(type("C", (), {})(), rollout_data)
+    advantages = get_advantage("grpo")(AlgorithmConfig(), rollout_data)
     assert [a.shape[0] for a in advantages] == [3, 1, 2]
     assert float(advantages[0][0]) > 0 > float(advantages[1][0])  # group 0: reward 1 beats reward 0
     assert rollout_data["prompt_id"] == [0, 0, 1]  # the first API's mapping reads still work

@@ -53,7 +53,7 @@ def test_grpo_tp2_with_reference_trains_and_the_engine_follows(ray_address, file
     prompt = [5, 7, 9, 11]
     before = _greedy_log_probs(engine, prompt)
     try:
-        cfg = run_config(str(tmp_path), algorithm={"name": "grpo", "use_kl_loss": True, "kl_loss_coef": 0.1},
+        cfg = run_config(str(tmp_path), train={"algorithm": "grpo"}, algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1},
                          hf_checkpoint=files["policy"], ref_load=files["policy"], prompt_data=files["prompts"],
                          rollout_engine="http", rollout_urls=[server.url], tensor_model_parallel_size=2,
                          reward_fn=VARIED_REWARD, export_hf=str(tmp_path / "export"))
@@ -81,14 +81,16 @@ def test_grpo_tp2_with_reference_trains_and_the_engine_follows(ray_address, file
 
 
 def test_ppo_actor_and_critic_with_injected_values_train_two_steps(ray_address, files, tmp_path):
-    """Two rollout steps of two optimizer steps each (--num-steps-per-rollout 2), on Ray, for both roles."""
+    """Two rollout steps of two optimizer steps each (--num-steps-per-rollout 2), on Ray, for both roles, each
+    split into two pipeline stages: the critic's values come from its last stage's value head."""
     from stacx.trainer.factory import create_trainer
 
-    cfg = run_config(str(tmp_path), algorithm={"name": "ppo"}, hf_checkpoint=files["policy"],
+    cfg = run_config(str(tmp_path), train={"algorithm": "ppo"}, hf_checkpoint=files["policy"],
                      prompt_data=files["prompts"], rollout_engine="cpu", save=str(tmp_path / "ckpt"), reward_fn=VARIED_REWARD,
-                     num_cpus_per_rank=2.0, num_steps_per_rollout=2)
+                     num_cpus_per_rank=1.0, num_steps_per_rollout=2, pipeline_model_parallel_size=2)
     trainer = create_trainer(cfg)
-    assert trainer.roles["critic"].layout.world_size == 1
+    assert trainer.roles["critic"].layout.world_size == 2
+    assert [c.pp_rank for c in trainer.roles["critic"].coords] == [0, 1]
     last = trainer.run()
     _finite(last, "actor/loss", "actor/grad_norm", "critic/loss", "critic/vf_loss", "critic/grad_norm")
     from stacx.trainer.checkpoint import load_checkpoint
@@ -114,7 +116,7 @@ def test_opd_step_scores_rollouts_with_a_teacher_server(ray_address, files, engi
 
     _, teacher = _serve(engine_world, files["teacher"])
     try:
-        cfg = run_config(str(tmp_path), algorithm={"name": "opd"}, hf_checkpoint=files["policy"],
+        cfg = run_config(str(tmp_path), train={"algorithm": "opd"}, hf_checkpoint=files["policy"],
                          prompt_data=files["prompts"], rollout_engine="cpu", teacher_url=teacher.url, num_steps=1)
         last = create_trainer(cfg).run()
     finally:
@@ -129,7 +131,7 @@ import sys
 from stacx.trainer.factory import create_trainer
 from tests.trainer.training_fixtures import run_config
 root, policy, prompts, address, load, mode = sys.argv[1:7]
-cfg = run_config(root, algorithm={"name": "grpo"}, hf_checkpoint=policy, prompt_data=prompts, rollout_engine="cpu",
+cfg = run_config(root, train={"algorithm": "grpo"}, hf_checkpoint=policy, prompt_data=prompts, rollout_engine="cpu",
                  reward_fn="tests.trainer.training_fixtures:varied_reward",
                  num_steps=4, save_interval=2, save=root + "/ckpt", load=load, ray_address=address,
                  out=root + "/out", rollout_mode=mode, max_staleness=0)
@@ -177,7 +179,7 @@ def test_a_killed_worker_ends_the_run_naming_role_and_rank(ray_address, files, t
     from stacx.trainer.factory import create_trainer
     from stacx.trainer.cluster.ray import RoleWorkerError
 
-    cfg = run_config(str(tmp_path), algorithm={"name": "sft"}, hf_checkpoint=files["policy"],
+    cfg = run_config(str(tmp_path), train={"algorithm": "sft"}, hf_checkpoint=files["policy"],
                      prompt_data=files["sft"], tensor_model_parallel_size=2, num_steps=10_000)
     trainer = create_trainer(cfg)
     killed_at = []

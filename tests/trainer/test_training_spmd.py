@@ -22,7 +22,7 @@ def train_sft_spmd(groups, root: str, out_name: str, num_steps: int, extra: dict
     from stacx.trainer.spmd import run_spmd
 
     paths = {"policy": os.path.join(root, "policy"), "sft": os.path.join(root, "sft.jsonl")}
-    values = dict(algorithm={"name": "sft"}, hf_checkpoint=paths["policy"], prompt_data=paths["sft"],
+    values = dict(train={"algorithm": "sft"}, hf_checkpoint=paths["policy"], prompt_data=paths["sft"],
                   rollout_batch_size=4, num_steps=num_steps, num_steps_per_rollout=2, out=os.path.join(root, out_name),
                   **extra)
     last = run_spmd(run_config(root, **values))
@@ -34,7 +34,7 @@ def dpo_runs(groups, root: str):
     (pairs packed together, reference log-probs from the in-worker reference)."""
     from stacx.trainer.spmd import run_spmd
 
-    values = dict(algorithm={"name": "dpo"}, hf_checkpoint=os.path.join(root, "policy"),
+    values = dict(train={"algorithm": "dpo"}, hf_checkpoint=os.path.join(root, "policy"),
                   ref_load=os.path.join(root, "policy"), prompt_data=os.path.join(root, "dpo.jsonl"),
                   out=os.path.join(root, "out_dpo"), num_steps=1)
     try:

@@ -22,7 +22,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-progress-bar", action="store_true", help="plain log lines instead of progress bars")
     parser.add_argument("--diffusion", action="store_true",
                         help="the experimental diffusion demo instead: flow-matching SFT then Flow-GRPO of a tiny "
-                             "MMDiT on coloured shapes (stacx/diffusion/demo.py; default --out outputs/demo_diffusion)")
+                             "MMDiT on coloured shapes (stacx/launch/demo/diffusion.py; default --out outputs/demo_diffusion)")
 
 
 def next_steps_hint() -> str:
@@ -49,7 +49,7 @@ def run(args) -> int:
     started = time.monotonic()
     if args.diffusion:
         require_diffusers()
-        from stacx.diffusion.demo import DiffusionDemoSettings, format_summary, run_diffusion_demo
+        from stacx.launch.demo.diffusion import DiffusionDemoSettings, format_summary, run_diffusion_demo
 
         out = args.out if args.out != "outputs/demo" else "outputs/demo_diffusion"
         summary = run_diffusion_demo(DiffusionDemoSettings(seed=args.seed), out)

@@ -130,8 +130,8 @@ def render_catalog_markdown(configs: dict) -> str:
                              + ", ".join(f"`{key}`" for key in sync.keys))
         else:
             lines.append("- syncs: none")
-        if config.algorithm is not None:
-            lines.append(f"- algorithm defaults: {_algorithm_cell(config.algorithm)}")
+        if config.algorithm is not None and config.algorithm.advantage_estimator is not None:
+            lines.append(f"- algorithm defaults: {_algorithm_cell(config.algorithm)}")  # (a recipe without RL has none)
     return "\n".join(lines) + "\n"
 
 
@@ -181,7 +181,10 @@ def render_objectives() -> str:
 
 def run(args) -> int:
     from stacx.trainer.config.recipe import RecipeError
+    from stacx.launch.workloads import discover_workloads
     from stacx.trainer.recipes import TRAINING_CONFIGS, get_recipe
+
+    discover_workloads()  # the workloads' recipes (the experimental diffusion ones) join the catalog
 
     if args.custom_module:
         from stacx.objectives.discovery import load_custom_modules

@@ -18,6 +18,8 @@ import os
 import sys
 import time
 
+from stacx.launch.workloads import discover_workloads
+
 HELP = "train with a recipe (RL, distillation, SFT, DPO); flags or --config run.yaml, --dry-run to inspect"
 
 
@@ -60,15 +62,14 @@ def describe_run(run_config, recipe, environ=None) -> str:
                      f"{parallel.num_gpus_per_rank:g} GPU)" + (f", shared by {len(members)} roles" if len(members) > 1 else ""))
         for name in members:
             layout = layouts[name]
-            lines.append(f"    {name}: tp={layout.tensor_parallel_size} cp={layout.context_parallel_size} "
-                         f"dp={layout.data_parallel_size} -> {layout.world_size} rank(s)")
+            lines.append(f"    {name}: {layout.describe()} -> {layout.world_size} rank(s)")
     if launched_by_torchrun(environ):
         where = f"torchrun SPMD, world size {environ.get('WORLD_SIZE', '?')} (no Ray)"
     else:
         address = resolve_ray_address(parallel.ray_address, environ)
         where = f"Ray cluster at {address}" if address else "a local Ray cluster started by the driver"
-    shown, left_out = settings_the_recipe_reads(resolved_run_config_dict(run_config, algorithm), recipe, algorithm,
-                                                run_config.given_keys)
+    resolved = resolved_run_config_dict(run_config, algorithm, recipe=recipe.name)
+    shown, left_out = settings_the_recipe_reads(resolved, recipe, algorithm, run_config.given_keys)
     lines += ["", f"runs on: {where}", "",
               f"resolved run config: the settings recipe {recipe.name} reads (algorithm: its defaults under your settings;"
               f" {left_out} settings it does not read are left out, every setting you gave is shown):",
@@ -105,6 +106,21 @@ def resume_hint(run_config) -> str:
     return f"resume with the same command plus --load {save} (its newest complete checkpoint is {latest})"
 
 
+def run_workload(workload, run_config, recipe) -> int:
+    """`stacx train` for a recipe of a registered workload (not 'text'): its driver checks the configuration
+    (exit status 2 with the message), prints it for --dry-run, or trains."""
+    try:
+        driver = workload.driver(run_config, recipe)
+    except ValueError as err:
+        report_config_error(f"stacx train: {err}")
+        return 2
+    if run_config.train.dry_run:
+        print(driver.describe())
+        return 0
+    driver.run()
+    return 0
+
+
 def run(args) -> int:
     from stacx.launch.run_flags import resume_overrides, run_config_from_args
     from stacx.trainer.config.checks import fit_response_length_to_context
@@ -112,7 +128,9 @@ def run(args) -> int:
     from stacx.trainer.factory import resolve_recipe
     from stacx.trainer.preflight import run_preflight, unread_checkpoint_flags
     from stacx.trainer.config.run import ConfigError
+    from stacx.trainer.config.workload import TEXT_MODALITY, get_workload
 
+    discover_workloads()  # the recipes of every workload, before the run's recipe is looked up
     try:
         run_config = run_config_from_args(args)
         if os.environ.get("RANK", "0") == "0":
@@ -120,10 +138,8 @@ def run(args) -> int:
                 print(f"stacx train: {line} overrides the run config saved with --load {args.load}", file=sys.stderr)
         run_config = fit_response_length_to_context(run_config)  # run_training does the same
         recipe, algorithm = resolve_recipe(run_config)  # also checks the algorithm settings against the recipe
-        if recipe.modality == "image":  # an experimental diffusion recipe: its own loop (stacx.diffusion.loop)
-            from stacx.diffusion.loop import run_diffusion_command
-
-            return run_diffusion_command(run_config, recipe)
+        if recipe.modality != TEXT_MODALITY:  # a registered workload's own driver loop
+            return run_workload(get_workload(recipe.modality), run_config, recipe)
         run_preflight(run_config, recipe, algorithm)  # the same checks for --dry-run and the run itself
         if os.environ.get("RANK", "0") == "0":
             for message in unread_checkpoint_flags(run_config, recipe).values():

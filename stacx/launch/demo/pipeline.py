@@ -191,7 +191,7 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
         phase_start = time.monotonic()
         before = accuracy(paths["init"])
         _train(_run_config(settings, out_dir, "sft", {
-            "algorithm": {"name": "sft"}, "hf_checkpoint": paths["init"], "prompt_data": paths["train"],
+            "train": {"algorithm": "sft"}, "hf_checkpoint": paths["init"], "prompt_data": paths["train"],
             "rollout_batch_size": settings.sft_batch_size, "lr": settings.sft_lr, "num_steps": settings.sft_steps,
             "export_hf": paths["sft"]}))
         _save_tokenizer(task.name, paths["sft"])
@@ -206,7 +206,7 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
             f"{settings.grpo_samples_per_prompt} samples, exact-match reward")
         phase_start = time.monotonic()
         _train(_run_config(settings, out_dir, "grpo", {
-            "algorithm": {"name": "grpo", "use_kl_loss": True, "kl_loss_coef": settings.grpo_kl_coef},
+            "train": {"algorithm": "grpo"}, "algorithm": {"use_kl_loss": True, "kl_loss_coef": settings.grpo_kl_coef},
             "hf_checkpoint": paths["sft"], "ref_load": paths["sft"], "prompt_data": paths["train"],
             "rollout_batch_size": settings.grpo_prompts_per_step,
             "n_samples_per_prompt": settings.grpo_samples_per_prompt, "rollout_max_response_len": max_new_tokens,
@@ -236,7 +236,7 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
 
             kl_before, accuracy_before = reverse_kl(paths["student_init"]), accuracy(paths["student_init"])
             _train(_run_config(settings, out_dir, "opd", {
-                "algorithm": {"name": "opd"}, "hf_checkpoint": paths["student_init"], "prompt_data": paths["train"],
+                "train": {"algorithm": "opd"}, "hf_checkpoint": paths["student_init"], "prompt_data": paths["train"],
                 "teacher_url": server.url, "distill_kl_mode": settings.opd_kl_mode, "rollout_batch_size": settings.opd_prompts_per_step,
                 "n_samples_per_prompt": settings.opd_samples_per_prompt, "rollout_max_response_len": max_new_tokens,
                 "lr": settings.opd_lr, "num_steps": settings.opd_steps, "export_hf": paths["student"]}))

@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
+from stacx.rollout.rollin import has_environment
 from stacx.rollout.rewards import resolve_reward_fn, reward_needs_label
 from stacx.trainer.config.recipe import TrainingConfig
 from stacx.trainer.config.run import ConfigError, RunConfig
@@ -66,8 +67,10 @@ def check_prompts_not_empty(examples: Sequence[Any], *, data_flag: str, data_pat
 
 def check_labels_for_reward(examples: Sequence[Any], reward_fn, *, reward_name: Any, data_flag: str, data_path: Any,
                             label_key: str) -> None:
-    """Every row has a label when `reward_fn` compares the response with one (training and `stacx eval`)."""
-    unlabeled = [e.source for e in examples if e.label is None or (isinstance(e.label, str) and not e.label.strip())]
+    """Every row has a label when `reward_fn` compares the response with one (training and `stacx eval`).
+    A row naming an environment is not checked: its episode's reward is the environment's."""
+    unlabeled = [e.source for e in examples if not has_environment(e)
+                 and (e.label is None or (isinstance(e.label, str) and not e.label.strip()))]
     if unlabeled and reward_needs_label(reward_fn):
         raise PreflightError(
             f"{len(unlabeled)} of {len(examples)} rows of {data_flag} {data_path} have no label "

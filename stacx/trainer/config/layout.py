@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 @dataclass(frozen=True, kw_only=True)
 class RoleLayout:
-    """How one role's ranks are laid out: world size = tp * cp * dp."""
+    """How one role's ranks are laid out: world size = tp * cp * pp * dp."""
 
     tensor_parallel_size: int
     """Ranks sharding each weight matrix."""
@@ -21,13 +21,16 @@ class RoleLayout:
     """Ranks sharing each sequence."""
     data_parallel_size: int
     """Model replicas."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages each replica's layers are split into (1 in checkpoints written before PP existed)."""
     state_replicated_across_data_parallel: bool = True
     """Whether ranks that differ only in (cp, dp) hold identical state (no distributed optimizer). Kept in the
     manifest for the record: torch_dist state loads under any layout either way."""
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.context_parallel_size * self.data_parallel_size
+        return (self.tensor_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
+                * self.data_parallel_size)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -37,18 +40,20 @@ class RoleLayout:
         return cls(**values)
 
     def describe(self) -> str:
-        return f"tp={self.tensor_parallel_size} cp={self.context_parallel_size} dp={self.data_parallel_size}"
+        pp = f" pp={self.pipeline_model_parallel_size}" if self.pipeline_model_parallel_size > 1 else ""
+        return f"tp={self.tensor_parallel_size} cp={self.context_parallel_size}{pp} dp={self.data_parallel_size}"
 
 
 @dataclass(frozen=True, kw_only=True)
 class RankCoords:
-    """Where a rank sits in its role's (tp, cp, dp) grid."""
+    """Where a rank sits in its role's (tp, cp, pp, dp) grid."""
 
     tp_rank: int
     cp_rank: int
     dp_rank: int
+    pp_rank: int = 0
 
     @classmethod
     def of(cls, groups: Any) -> "RankCoords":
         """The coordinates of the rank holding `groups` (a `stacx.parallel.groups.ProcessGroups`)."""
-        return cls(tp_rank=groups.tp_rank, cp_rank=groups.cp_rank, dp_rank=groups.dp_rank)
+        return cls(tp_rank=groups.tp_rank, cp_rank=groups.cp_rank, dp_rank=groups.dp_rank, pp_rank=groups.pp_rank)

@@ -31,8 +31,14 @@ from typing import Any, Callable, Sequence
 
 from stacx.objectives import registry
 from stacx.objectives.aggregation import BUILTIN_AGGREGATION_MODE_NAMES
-from stacx.objectives.algorithm_config import AlgorithmConfig, AlgorithmConfigError, hyperparameter_fields
+from stacx.objectives.algorithm_config import (
+    AlgorithmConfig,
+    AlgorithmConfigError,
+    as_algorithm_config,
+    hyperparameter_fields,
+)
 from stacx.objectives.discovery import record_user_module
+from stacx.trainer.config.workload import TEXT_MODALITY, get_workload, known_modalities
 from stacx.specializations.base import Specialization
 
 # Names provided by the objectives registries (stacx.objectives). Recipes name kernels; the
@@ -57,8 +63,6 @@ CHECKPOINT_ARGS = ("hf_checkpoint", "ref_load", "critic_load")
 DATA_SOURCES = ("rollout", "dataset")
 #: How a rollout is produced when the teacher takes part (None: the student alone).
 ROLLIN_PROTOCOLS = ("teacher_relabel", "beta_mixture", "aggrevate")
-#: What a recipe's policy generates: text (LLM recipes) or images (the diffusion recipes).
-MODALITIES = ("text", "image")
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -140,7 +144,8 @@ class ModelRole:
     name: str
     """Role name, unique in the recipe (an identifier: it names Ray actors, log keys and checkpoint folders)."""
     specialization_cls: type[Specialization]
-    """The per-algorithm loss assembly the role's workers call on every micro-batch (a Specialization subclass)."""
+    """The per-algorithm loss assembly the role's workers call on every micro-batch: a Specialization subclass
+    in a text recipe, a subclass of the workload's `objective_base` in a recipe of another modality."""
     trainable: bool = True
     """Whether the role's weights are updated (a frozen role only computes fields for other roles)."""
     sync_to_rollout: bool = False
@@ -176,9 +181,8 @@ class ModelRole:
     def __post_init__(self) -> None:
         _check_identifier("role.name", self.name)
         where = f"roles[{self.name}]"
-        if not (isinstance(self.specialization_cls, type) and issubclass(self.specialization_cls, Specialization)):
-            _fail(f"{where}.specialization_cls",
-                  f"must be a subclass of stacx.specializations.base.Specialization, got {self.specialization_cls!r}")
+        if not isinstance(self.specialization_cls, type):
+            _fail(f"{where}.specialization_cls", f"must be a class, got {self.specialization_cls!r}")
         for flag in ("trainable", "sync_to_rollout"):
             if not isinstance(getattr(self, flag), bool):
                 _fail(f"{where}.{flag}", f"must be True or False, got {getattr(self, flag)!r}")
@@ -287,8 +291,9 @@ class TrainingConfig:
     """Whether a reward function scores each rollout (RL recipes)."""
     rollin_protocol: str | None = None
     """How the teacher shares rollouts with the student: teacher_relabel (DAgger), beta_mixture, aggrevate; None: student only."""
-    modality: str = "text"
-    """What the policy generates: 'text' (an LLM recipe) or 'image' (a diffusion recipe, run by stacx.diffusion's loop)."""
+    modality: str = TEXT_MODALITY
+    """What the policy generates: 'text' (an LLM recipe, run by the core) or the modality of a registered
+    workload ('image': the diffusion recipes; `stacx.trainer.config.workload`)."""
     experimental: bool = False
     """Marked experimental by `stacx recipes` and docs/recipes.md (the diffusion recipes)."""
 
@@ -334,8 +339,15 @@ class TrainingConfig:
                 fail("rollin_protocol", f"{self.rollin_protocol!r} needs uses_teacher=True")
         if self.uses_reward and self.data_source != "rollout":
             fail("uses_reward", "rewards score rollouts; a 'dataset' recipe has none")
-        if self.modality not in MODALITIES:
-            fail("modality", f"unknown name {self.modality!r}; known: {', '.join(MODALITIES)}")
+        if self.modality not in known_modalities():
+            fail("modality", f"unknown name {self.modality!r}; known: {', '.join(known_modalities())} (a modality "
+                             "other than 'text' needs its workload registered first: register_workload)")
+        loss_base = Specialization if self.modality == TEXT_MODALITY else get_workload(self.modality).objective_base
+        for role in self.roles:
+            if not issubclass(role.specialization_cls, loss_base):
+                fail(f"roles[{role.name}].specialization_cls",
+                     f"must be a subclass of {loss_base.__module__}.{loss_base.__qualname__} (the loss base of "
+                     f"{self.modality!r} recipes), got {role.specialization_cls!r}")
 
     def _check_pools(self, fail) -> None:
         by_name = {role.name: role for role in self.roles}
@@ -478,7 +490,7 @@ class TrainingConfig:
         lines.append("  syncs:" + ("" if self.syncs else " none"))
         for sync in self.syncs:
             lines.append(f"    {sync.kind}: {sync.source_role} -> {sync.target_role} ({', '.join(sync.keys)})")
-        if self.algorithm is not None:
+        if self.algorithm is not None and self.modality == TEXT_MODALITY:  # a workload's driver describes its own
             lines.append(algorithm_line(self.algorithm, self.roles))
         return "\n".join(lines)
 
@@ -550,7 +562,8 @@ def role_wants_reference(role, training_config, algorithm) -> bool:
     if not role.trainable or any(s.target_role == role.name and "ref_log_probs" in s.keys
                                  for s in training_config.role_graph().inject_syncs):
         return False
-    kl = bool(getattr(algorithm, "use_kl_loss", False) or getattr(algorithm, "use_kl_in_reward", False))
+    algorithm = as_algorithm_config(algorithm, "role_wants_reference(algorithm)")
+    kl = algorithm.use_kl_loss or algorithm.use_kl_in_reward
     return role.specialization_cls(algorithm, None).needs_reference() or (kl and role.reference_checkpoint_arg is not None)
 
 

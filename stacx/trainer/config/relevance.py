@@ -75,7 +75,7 @@ def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
     def train(name: str) -> bool:
         if name == "use_critic":
             return has_critic
-        return name not in ("algorithm", "dry_run")  # algorithm.name says it; a dry run knows it is one
+        return name != "dry_run"  # a dry run knows it is one
 
     def teacher(name: str) -> bool:
         if name in ROLLIN_FIELDS:

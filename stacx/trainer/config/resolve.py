@@ -35,10 +35,12 @@ ESTIMATOR_ALIASES = ("adv_estimator",)
 
 
 def flux_style_name(run_config: RunConfig) -> str | None:
-    """`algorithm.name` of a Flux-style `algorithm:` section (one with `adv_estimator`), else None."""
+    """`algorithm.name` of a Flux-style `algorithm:` section (one with `adv_estimator`), else None. (Only
+    such a section holds a `name`, as a custom key: elsewhere `RunConfig.from_dict` refuses it.)"""
     algorithm = run_config.algorithm
-    if "name" in algorithm.given_keys and algorithm.name and is_flux_style_section(algorithm.given_keys):
-        return algorithm.name
+    name = algorithm.extras.get("name")
+    if name and is_flux_style_section(algorithm.given_keys):
+        return str(name)
     return None
 
 
@@ -70,7 +72,7 @@ def policy_loss_named_by_algorithm(run_config: RunConfig) -> str | None:
 
 
 def recipe_named_by_config(run_config: RunConfig) -> str | None:
-    """The recipe the config names (--algorithm, train.algorithm, a recipe-only algorithm.name), or
+    """The recipe the config names (--algorithm = train.algorithm, a Flux-style recipe-only name), or
     None when the estimator (or use_critic) picks it (`infer_algorithm`)."""
     flux_name = flux_style_name(run_config)
     if flux_name is not None:
@@ -106,11 +108,10 @@ def user_algorithm_values(run_config: RunConfig) -> dict[str, Any]:
                 raise ValueError(f"algorithm.{alias} is {estimator!r} but algorithm.advantage_estimator is "
                                  f"{given['advantage_estimator']!r}; set only one of them")
     named_loss = policy_loss_named_by_algorithm(run_config)
-    if named_loss is not None:
-        if given.setdefault("policy_loss", named_loss) != named_loss:
-            raise ValueError(f"algorithm.name {named_loss!r} names a policy loss but algorithm.policy_loss is "
-                             f"{given['policy_loss']!r}; set only one of them")
-        given.pop("name", None)
+    if named_loss is not None and given.setdefault("policy_loss", named_loss) != named_loss:
+        raise ValueError(f"algorithm.name {named_loss!r} names a policy loss but algorithm.policy_loss is "
+                         f"{given['policy_loss']!r}; set only one of them")
+    given.pop("name", None)  # a Flux-style name: the policy loss above, or the recipe (recipe_named_by_config)
     return given
 
 
@@ -130,7 +131,8 @@ def apply_run_env_overrides(run_config: RunConfig, environ=None):
 def resolve_algorithm_config(training_config: TrainingConfig, run_config: RunConfig, environ=None) -> AlgorithmConfig:
     """The one AlgorithmConfig of a run, every rank's and every checkpoint's. Layers, lowest first:
     the declared defaults < the recipe's overrides < the config file < flags < STACX_* overrides
-    (file and flags are already merged, flags over file, in `run_config`); `name` = the recipe.
+    (file and flags are already merged, flags over file, in `run_config`). The recipe it belongs
+    to is `training_config.name` (train.algorithm), not a field of it.
     Its `given_keys` are the keys the user set (file, flags, env), recorded, never guessed."""
     run_config = apply_run_env_overrides(run_config, environ)
     values = training_config.algorithm.to_dict() if training_config.algorithm else {}
@@ -152,7 +154,6 @@ def resolve_algorithm_config(training_config: TrainingConfig, run_config: RunCon
         values["distill_kl_mode"] = run_config.teacher.distill_kl_mode
         given_keys.add("distill_kl_mode")
     values.update(proximal_policy_values(training_config, run_config, user_values))
-    values["name"] = training_config.name
     # given_keys = what the USER set: plugin adapters pass a hyperparameter only when it was set, so a
     # plugin's own default is not overwritten by ours.
     return AlgorithmConfig.from_values(values, given_keys=given_keys)
@@ -165,7 +166,8 @@ def proximal_policy_values(training_config: TrainingConfig, run_config: RunConfi
     be its own detached forward, the ratio 1 and every clip inert). An explicit False is refused."""
     schedule = resolve_mini_batch_schedule(run_config.rollout, run_config.train, data_source=training_config.data_source)
     if runs_off_policy_rollouts(run_config.rollout) and training_config.data_source == "rollout":
-        return decoupled_objective_values(run_config.rollout, user_values)
+        return decoupled_objective_values(run_config.rollout, user_values,
+                                          optimizer_steps_per_rollout=schedule.optimizer_steps_per_rollout)
     if schedule.optimizer_steps_per_rollout == 1:
         return {}
     if user_values.get("recompute_old_log_probs") is False:
@@ -189,12 +191,22 @@ ASYNC_DEFAULT_CORRECTION = "token_tis"
 """The off-policy correction asynchronous runs get unless --off-policy-corrections is given."""
 
 
-def decoupled_objective_values(rollout, user_values: dict[str, Any]) -> dict[str, Any]:
-    """The decoupled objective of an off-policy (async) run: pi_old is recomputed by the trainer before the
+def decoupled_objective_values(rollout, user_values: dict[str, Any], *,
+                               optimizer_steps_per_rollout: int = 1) -> dict[str, Any]:
+    """The decoupled objective of an off-policy (async) run: pi_old is the trainer's own policy before the
     step (the proximal policy, in the clip), and the engine's per-token log-probs (the behaviour policy)
     weigh each token by min(pi_prox / pi_behav, C) (`token_tis`) unless the user chose corrections.
-    An explicit --no-recompute-old-log-probs is refused: the clip would be centred on the behaviour
-    policy of a stale version."""
+
+    With one optimizer step per rollout pi_prox is the weights the step's own forward runs with, so the
+    training forward's detached log-probs are pi_prox exactly and no extra forward is spent on it
+    (`recompute_old_log_probs` stays as resolved). With several, pi_old is recomputed once before the
+    first update, and an explicit --no-recompute-old-log-probs is refused: the clip would be centred on
+    the behaviour policy of a stale version."""
+    values: dict[str, Any] = {}
+    if "off_policy_corrections" not in user_values:
+        values["off_policy_corrections"] = ASYNC_DEFAULT_CORRECTION
+    if optimizer_steps_per_rollout == 1:
+        return values
     if user_values.get("recompute_old_log_probs") is False:
         raise ConfigError(
             f"--no-recompute-old-log-probs with --rollout-mode async --max-staleness {rollout.max_staleness}"
@@ -202,17 +214,33 @@ def decoupled_objective_values(rollout, user_values: dict[str, Any]) -> dict[str
             "so pi_old must be the trainer's own (proximal) policy, recomputed before the step; drop "
             "--no-recompute-old-log-probs (the engine's log-probs stay the behaviour policy of the off-policy "
             "correction)")
-    values: dict[str, Any] = {"recompute_old_log_probs": True}
-    if "off_policy_corrections" not in user_values:
-        values["off_policy_corrections"] = ASYNC_DEFAULT_CORRECTION
-    return values
+    return {**values, "recompute_old_log_probs": True}
 
 
-def resolved_run_config_dict(run_config: RunConfig, algorithm: AlgorithmConfig) -> dict[str, Any]:
-    """The run config as saved with checkpoints: every section, the algorithm as trained."""
+def resolved_run_config_dict(run_config: RunConfig, algorithm: AlgorithmConfig, *,
+                             recipe: str | None = None) -> dict[str, Any]:
+    """The run config as saved with checkpoints: every section, the algorithm as trained and, given
+    `recipe`, the recipe it resolved to as train.algorithm (a resumed run then names it explicitly)."""
     out = run_config.to_dict()
     out["algorithm"] = algorithm.to_dict()
+    if recipe is not None:
+        out["train"]["algorithm"] = recipe
     return out
+
+
+def current_run_config_keys(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved run_config.json in today's keys. Runs saved while the recipe had two fields also carry it
+    as algorithm.name (the resolved recipe); it moves to train.algorithm, its one field now (a value
+    already there wins: it is what that run was launched with)."""
+    algorithm = saved.get("algorithm")
+    if not isinstance(algorithm, dict) or "name" not in algorithm or is_flux_style_section(algorithm):
+        return saved
+    algorithm = dict(algorithm)
+    name = algorithm.pop("name")
+    train = dict(saved.get("train") or {})
+    if not train.get("algorithm"):
+        train["algorithm"] = name
+    return {**saved, "train": train, "algorithm": algorithm}
 
 
 def check_resumed_algorithm(saved_run_config: dict[str, Any], algorithm: AlgorithmConfig, *, where: str) -> None:
@@ -220,7 +248,7 @@ def check_resumed_algorithm(saved_run_config: dict[str, Any], algorithm: Algorit
     ones this run resolved: the optimizer state and the advantages so far belong to the saved ones.
     The message names every changed key with both values. Keys the saved run did not record (a field
     added since) are not compared."""
-    saved = saved_run_config.get("algorithm") or {}
+    saved = current_run_config_keys(saved_run_config).get("algorithm") or {}
     current = algorithm.to_dict()
     changed = [f"{key}: saved {saved[key]!r}, now {current.get(key)!r}"
                for key in sorted(saved) if key in current and _differs(saved[key], current[key])]

@@ -6,12 +6,14 @@ so each field has exactly one command-line flag (`--tensor-model-parallel-size` 
 nested under its section). The `algorithm:` section also takes any custom hyperparameter,
 which the loss kernels read as `config.<name>`.
 
-    cfg = RunConfig.from_dict({"algorithm": {"name": "grpo", "my_temp": 0.3},
+    cfg = RunConfig.from_dict({"train": {"algorithm": "grpo"}, "algorithm": {"my_temp": 0.3},
                                "tensor_model_parallel_size": 2})
     cfg.parallel.tensor_model_parallel_size  # 2
     cfg.algorithm.my_temp                    # 0.3
 
-Unknown keys raise `ConfigError` naming the key (and the closest known names).
+Unknown keys raise `ConfigError` naming the key (and the closest known names). The recipe is named
+once, by `train.algorithm` (`--algorithm`); `algorithm.name` is refused with that fix, except in a
+Flux-style `algorithm:` section, where `name` is Flux's policy loss (see `FLUX_STYLE_KEYS`).
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ class ParallelSection:
     """Tensor-parallel degree of every trainable role."""
     context_parallel_size: int = 1
     """Context-parallel degree of every trainable role."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel degree of every trainable role: its layers are split into this many stages."""
     data_parallel_size: int = 1
-    """Data-parallel degree; a role uses tp * cp * dp ranks."""
+    """Data-parallel degree; a role uses tp * cp * pp * dp ranks."""
     expert_model_parallel_size: int = 1
     """Mixture-of-experts models: ranks the routed experts are spread over (divides num_experts and tp * cp * dp)."""
     expert_tensor_parallel_size: int | None = None
@@ -198,7 +202,8 @@ class OptimSection:
 @dataclass(frozen=True, kw_only=True)
 class TrainSection:
     algorithm: str | None = None
-    """Recipe name; wins verbatim over use_critic and advantage_estimator (see infer_algorithm)."""
+    """The recipe (`stacx recipes`), the one place a run names it; wins verbatim over use_critic and
+    advantage_estimator (see infer_algorithm)."""
     use_critic: bool = False
     """Train a critic (selects the ppo recipe when no algorithm is given)."""
     num_steps: int = 10
@@ -277,6 +282,12 @@ def is_flux_style_section(keys) -> bool:
     return any(key in keys for key in FLUX_STYLE_KEYS)
 
 
+def recipe_named_in_algorithm_section(name: Any, source: str) -> str:
+    """The refusal of `algorithm.name` outside a Flux-style section: the recipe has one field, train.algorithm."""
+    return (f"algorithm.name in {source}: the recipe is named in one place, train.algorithm; write "
+            f"`train: {{algorithm: {name}}}` (flag --algorithm {name}) and drop algorithm.name")
+
+
 CUSTOM_HYPERPARAMETERS_KEY = "custom_hyperparameters"
 """`algorithm.custom_hyperparameters: [kl_coef, ...]` declares custom keys that are near a known one
 on purpose; they are exempt from the near-miss check."""
@@ -294,7 +305,7 @@ def check_custom_algorithm_key(key: str, source: str, declared=frozenset()) -> N
     instead. Keys in `declared` (algorithm.custom_hyperparameters) are accepted as custom."""
     if key in ALGORITHM_FIELDS or key in declared or key == CUSTOM_HYPERPARAMETERS_KEY:
         return
-    known = [k for k in ALGORITHM_FIELDS if k != "name"]
+    known = list(ALGORITHM_FIELDS)
     close = difflib.get_close_matches(key, known, n=1, cutoff=CUSTOM_KEY_SIMILARITY_CUTOFF)
     close = close or [k for k in known if _is_word_subsequence(key, k)][:1]
     if close:
@@ -317,7 +328,8 @@ SECTIONS: dict[str, type] = {
 
 
 FIELD_MINIMUMS: dict[str, int | float] = {
-    "tensor_model_parallel_size": 1, "context_parallel_size": 1, "data_parallel_size": 1,
+    "tensor_model_parallel_size": 1, "context_parallel_size": 1, "pipeline_model_parallel_size": 1,
+    "data_parallel_size": 1,
     "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1, "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 0.0,
     "rollout_batch_size": 1, "n_samples_per_prompt": 1, "rollout_max_response_len": 1,
     "eval_interval": 0, "eval_n_samples": 1, "save_rollouts_per_step": 0, "teacher_top_k": 1,
@@ -380,6 +392,8 @@ class RunConfig:
                     raise ConfigError(f"algorithm.{CUSTOM_HYPERPARAMETERS_KEY} in {source} must be a list of names, "
                                       f"got {declared!r}")
                 declared = frozenset(str(name).replace("-", "_") for name in declared)
+                if "name" in value and not is_flux_style_section(value):
+                    raise ConfigError(recipe_named_in_algorithm_section(value["name"], source))
                 for sub_key, sub_value in value.items():
                     sub_key = str(sub_key).replace("-", "_")
                     check_custom_algorithm_key(sub_key, source, declared)
@@ -397,10 +411,6 @@ class RunConfig:
                 algorithm[key] = _coerce_algorithm(key, value, source)
             else:
                 raise ConfigError(_unknown(raw_key, key, source))
-        # The recipe name may come from --algorithm (train section) or algorithm.name; in a Flux-style
-        # section algorithm.name is the policy loss instead (resolved once custom modules are loaded).
-        if algorithm.get("name") and not per_section["train"].get("algorithm") and not is_flux_style_section(algorithm):
-            per_section["train"]["algorithm"] = algorithm["name"]
         sections = {name: SECTIONS[name](**kwargs) for name, kwargs in per_section.items()}
         try:
             algorithm_config = AlgorithmConfig.from_values(algorithm)

@@ -10,14 +10,14 @@ module defining it) is imported, never mid-run. The RL recipes share `ActorSpeci
 differ only in their `recipe_algorithm(...)` overrides (data, not code).
 
 The catalog, by family: `supervised` (sft, dpo), `distillation` (opd, DAgger and AggreVaTe
-roll-ins), `policy_gradient` (GRPO and its variants, PPO), and the experimental diffusion family
-(`stacx.diffusion.recipes`, next to its models and loop). The registry itself (`recipe`,
+roll-ins), `policy_gradient` (GRPO and its variants, PPO). Recipes of other modalities come with
+their workload (`stacx.trainer.config.workload`; the experimental diffusion family registers from
+`stacx.diffusion.recipes` when `stacx.launch.workloads` discovers it). The registry itself (`recipe`,
 `get_recipe`, `TRAINING_CONFIGS`) lives with the recipe model in `stacx.trainer.config.recipe`.
 """
 
 from stacx.trainer.config.recipe import TRAINING_CONFIGS, get_recipe, recipe
 from stacx.trainer.recipes import distillation, policy_gradient, supervised  # noqa: F401 (registers the catalog)
-from stacx.diffusion import recipes as diffusion  # noqa: F401,E402 (the six experimental diffusion recipes)
 from stacx.trainer.recipes.blocks import policy_role, rl_recipe
 from stacx.trainer.recipes.policy_gradient import REFERENCE_REFRESH_EVERY_N_STEPS
 

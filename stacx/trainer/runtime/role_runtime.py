@@ -36,6 +36,7 @@ from stacx.models.moe import ExpertLoadRecorder, expert_load_metrics, is_mixture
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
+from stacx.parallel.pipeline import from_last_stage, run_pipeline
 from stacx.parallel.reduction import Reducer
 from stacx.rollout.service import engine_client
 from stacx.specializations.base import NUM_LOSS_TOKENS
@@ -105,6 +106,10 @@ class RoleRuntime:
             aux_loss_coeff=run_config.model.moe_aux_loss_coeff, z_loss_coeff=run_config.model.moe_z_loss_coeff))
         self.mixture_of_experts = is_mixture_of_experts(self.model)
         expert_parallel = run_config.parallel.expert_model_parallel_size
+        if self.mixture_of_experts and groups.pp_size > 1:
+            raise ValueError(f"role {role.name!r}: --pipeline-model-parallel-size {groups.pp_size} with a mixture-of-experts "
+                             "model is not supported yet (the router losses are scaled per micro-batch outside the "
+                             "pipeline schedule); use --pipeline-model-parallel-size 1")
         if self.mixture_of_experts and expert_parallel != groups.ep_size:
             raise ValueError(f"role {role.name!r}: --expert-model-parallel-size {expert_parallel} was not applied to "
                              f"this role's process groups (ep={groups.ep_size}); roles on Ray do not spread experts "
@@ -123,7 +128,7 @@ class RoleRuntime:
                                flag="--" + role.reference_checkpoint_arg.replace("_", "-"))
             self.reference_weights = [p.detach().clone() for p in self._reference_params()]
         load_model_weights(self.model, path, groups, flag="--" + role.checkpoint_arg.replace("_", "-"))
-        if role.outputs_values:
+        if role.outputs_values and self.groups.is_last_stage:
             attach_value_head(self.model)
         self.specialization = role.specialization_cls(algorithm, groups)
         # V_pad/tp and the device, for the per-micro-batch choice of logits or fused log-probs.
@@ -187,7 +192,9 @@ class RoleRuntime:
 
         tokens_local, padded_lengths = batch.model_inputs()
         output = forward_packed(self.forward_module, tokens_local, padded_lengths, self.groups,
-                                lm_head=self.lm_head_output(batch))
+                                lm_head=self.lm_head_output(batch) if self.groups.is_last_stage else "logits")
+        if not self.groups.is_last_stage:
+            return output  # hidden states for the next pipeline stage
         return output[:, 0] if self.role.outputs_values else output
 
     def swap_reference(self) -> None:
@@ -214,6 +221,18 @@ class RoleRuntime:
             raise ValueError(f"role {self.role.name!r}: cannot compute fields {unknown}; known: {list(COMPUTABLE_FIELDS)}")
         self.forward_module.eval()
         results = [dict() for _ in micro_batches]
+
+        def fields_of(output, batch, name):
+            if name == "values":
+                if not self.role.outputs_values:
+                    raise ValueError(f"role {self.role.name!r} has no value head; it cannot compute 'values'")
+                compute_values = getattr(self.specialization, "compute_values", None)
+                values = (compute_values(output, batch) if compute_values is not None
+                          else self.specialization.whole_responses(output, batch.layout))
+            else:
+                values = self.specialization.compute_log_probs(output, batch)
+            return [v.detach().float().cpu() for v in values]
+
         for name in names:
             # A frozen role without an in-worker reference is itself a reference model (e.g. a `reference`
             # role refreshed from the policy by an exchange sync): its own log-probs are the reference's.
@@ -221,26 +240,31 @@ class RoleRuntime:
             if swapped:
                 self.swap_reference()
             try:
-                for index, micro_batch in enumerate(micro_batches):
-                    batch = self.pack(micro_batch)
-                    output = self.forward(batch)
-                    if name == "values":
-                        if not self.role.outputs_values:
-                            raise ValueError(f"role {self.role.name!r} has no value head; it cannot compute 'values'")
-                        compute_values = getattr(self.specialization, "compute_values", None)
-                        values = (compute_values(output, batch) if compute_values is not None
-                                  else self.specialization.whole_responses(output, batch.layout))
-                    else:
-                        values = self.specialization.compute_log_probs(output, batch)
-                    results[index][name] = [v.detach().float().cpu() for v in values]
+                if self.groups.pp_size > 1:
+                    # The fields come out of the last stage; the schedule passes activations along.
+                    def last_stage_fields(output, batch, name=name):
+                        return output.new_zeros(()), fields_of(output, batch, name)
+
+                    per_batch = run_pipeline(self.forward_module, [self.pack(mb) for mb in micro_batches],
+                                             self.forward, last_stage_fields, forward_only=True)
+                    for index, values in enumerate(per_batch):
+                        results[index][name] = values
+                else:
+                    for index, micro_batch in enumerate(micro_batches):
+                        batch = self.pack(micro_batch)
+                        results[index][name] = fields_of(self.forward(batch), batch, name)
             finally:
                 if swapped:
                     self.swap_reference()
-        return results if self.groups.tp_rank == 0 and self.groups.cp_rank == 0 else None
+        holds_results = self.groups.tp_rank == 0 and self.groups.cp_rank == 0 and self.groups.is_last_stage
+        return results if holds_results else None
 
     # ---- training --------------------------------------------------------------------------
 
     def train_step(self, micro_batches: Sequence[StepBatch], counts, norm_length: float | None = None) -> dict:
+        # Imported here: megatron-core is slow to import (start-up time).
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
         """One optimizer step over this rank's micro-batches; returns the step's reduced metrics.
 
         counts: `StepCounts` of the whole global batch (known before the first backward).
@@ -260,17 +284,28 @@ class RoleRuntime:
         batches = [self.pack(micro_batch) for micro_batch in micro_batches]
         if self.mixture_of_experts:
             reducer = self._with_routed_token_count(reducer, batches)
+
+        def micro_batch_loss(output, batch):
+            loss, metric_sums = self.specialization.compute_loss(output, batch, reducer)
+            metric_sums = normalize_uncounted_metrics(dict(metric_sums), self.specialization, reducer, uncounted)
+            metric_sums[LOSS_METRIC] = reducer.loss_value(loss)
+            totals.add(all_reduce_metric_sums(metric_sums, self.groups.dp_cp))
+            return loss, None
+
         with self._expert_load() as load:
-            for batch in batches:
-                if self.mixture_of_experts:
-                    set_router_loss_scale(reducer.router_loss_scale(sum(batch.layout.padded_lengths)))
-                output = self.forward(batch)
-                loss, metric_sums = self.specialization.compute_loss(output, batch, reducer)
-                loss.backward()
-                metric_sums = normalize_uncounted_metrics(dict(metric_sums), self.specialization, reducer, uncounted)
-                metric_sums[LOSS_METRIC] = reducer.loss_value(loss)
-                totals.add(all_reduce_metric_sums(metric_sums, self.groups.dp_cp))
-        self.ddp.finish_grad_sync()
+            if self.groups.pp_size > 1:
+                run_pipeline(self.ddp, batches, self.forward, micro_batch_loss, forward_only=False)
+                # Grad sync over DP x CP, plus the tied embedding's grads between the first and last stage.
+                finalize_model_grads([self.ddp])
+                # The metrics (and the loss the finite check reads) exist on the last stage only.
+                totals.sums, uncounted = from_last_stage((totals.sums, uncounted), self.groups)
+            else:
+                for batch in batches:
+                    if self.mixture_of_experts:
+                        set_router_loss_scale(reducer.router_loss_scale(sum(batch.layout.padded_lengths)))
+                    loss, _ = micro_batch_loss(self.forward(batch), batch)
+                    loss.backward()
+                self.ddp.finish_grad_sync()
         loss_total = totals.sums.pop(LOSS_METRIC)
         # Never step on NaN/inf (megatron's fp32/bf16 step would apply it); the same decision on every rank.
         outcome = step_optimizer_if_finite(self.optimizer, loss_total)
@@ -319,8 +354,8 @@ class RoleRuntime:
         if not sender_group and self.groups.ep_size == 1:
             return 0
         buckets = self.weight_buckets(bucket_bytes)
-        if not sender_group or self.groups.tp_rank != 0:
-            for _ in buckets:  # take part in the TP gathers
+        if not sender_group or self.groups.tp_rank != 0 or self.groups.pp_rank != 0:
+            for _ in buckets:  # take part in the TP (and expert) gathers; send this stage's tensors to the first
                 pass
             return 0
 

@@ -102,7 +102,7 @@ def test_a_pickle_sent_as_a_message_is_refused_and_never_run(tmp_path):
     ({"version": 1, "value": {"object": "os.system"}, "tensors": []}, b"", "expected a plain value or an object tagged"),
     ({"version": 1, "value": {"record": "Popen", "fields": {}}, "tensors": []}, b"", "record 'Popen' is not one of"),
     ({"version": 1, "value": {"record": "RankCoords", "fields": {"tp_rank": 0}}, "tensors": []}, b"",
-     r"fields of RankCoords must be \['cp_rank', 'dp_rank', 'tp_rank'\]"),
+     r"fields of RankCoords must be \['cp_rank', 'dp_rank', 'pp_rank', 'tp_rank'\]"),
     ({"version": 1, "value": {"tensor": 0}, "tensors": []}, b"", "names tensor 0; the message has 0"),
     ({"version": 1, "value": {"tensor": 0},
       "tensors": [{"dtype": "object", "shape": [1], "offset": 0, "num_bytes": 8}]}, b"\0" * 8, "field 'dtype' is 'object'"),

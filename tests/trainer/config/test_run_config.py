@@ -8,7 +8,7 @@ def test_flat_nested_and_dashed_keys_land_in_their_sections():
         "tensor-model-parallel-size": 2,
         "rollout": {"n_samples_per_prompt": 8},
         "custom_module": "my_algo.py",
-        "algorithm": {"name": "grpo", "clip_ratio_high": 0.28, "my_temperature": 0.3},
+        "train": {"algorithm": "grpo"}, "algorithm": {"clip_ratio_high": 0.28, "my_temperature": 0.3},
         "use_kl_loss": "true",
     })
     assert cfg.parallel.tensor_model_parallel_size == 2
@@ -38,7 +38,7 @@ def test_wrong_types_are_named():
 
 
 def test_round_trip_and_replace():
-    cfg = RunConfig.from_dict({"lr": 3e-4, "algorithm": {"name": "ppo", "extra": 1}})
+    cfg = RunConfig.from_dict({"lr": 3e-4, "train": {"algorithm": "ppo"}, "algorithm": {"extra": 1}})
     again = RunConfig.from_dict(cfg.to_dict())
     assert again == cfg or again.to_dict() == cfg.to_dict()
     changed = cfg.replace(num_steps=3, kl_loss_coef=0.01)

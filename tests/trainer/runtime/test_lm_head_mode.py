@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.lm_head import LMHeadShard
 from stacx.specializations import ActorSpecialization, CausalDecoderSpecialization, CriticSpecialization
 from stacx.specializations.base import Specialization
@@ -93,9 +93,9 @@ class OwnComputeLoss(Specialization):
 
 
 def test_only_specializations_that_read_the_logits_receive_them():
-    topk = SimpleNamespace(distill_kl_mode="topk")
+    topk = AlgorithmConfig(distill_kl_mode="topk")
     fused_ok = [ActorSpecialization(), CausalDecoderSpecialization(), DPOSpecialization(),
-                MixedLossDaggerOPDSpecialization(), DistillSpecialization(SimpleNamespace(distill_kl_mode="k3_sample")),
+                MixedLossDaggerOPDSpecialization(), DistillSpecialization(AlgorithmConfig(distill_kl_mode="k3_sample")),
                 DeclaredFused()]
     needs = [DistillSpecialization(topk), CriticSpecialization(), OwnLocalValues(), ActorWithOwnLocalValues(),
              OwnComputeLoss()]
@@ -239,7 +239,7 @@ def test_under_fused_a_specialization_that_reads_logits_gets_them(single_process
     runtime.specialization = DeclaredFused()
     assert isinstance(runtime.forward(batch), LMHeadShard)
     # Distillation's top-K mode reads the logits shard (its student top-K) and gets it under `fused`.
-    runtime.specialization = DistillSpecialization(SimpleNamespace(distill_kl_mode="topk"), single_process_groups)
+    runtime.specialization = DistillSpecialization(AlgorithmConfig(distill_kl_mode="topk"), single_process_groups)
     assert isinstance(runtime.forward(batch), torch.Tensor)
-    runtime.specialization = DistillSpecialization(SimpleNamespace(distill_kl_mode="k3_sample"), single_process_groups)
+    runtime.specialization = DistillSpecialization(AlgorithmConfig(distill_kl_mode="k3_sample"), single_process_groups)
     assert isinstance(runtime.forward(batch), LMHeadShard)

@@ -37,6 +37,8 @@ class WorkerLayout:
     """Tensor-parallel degree of every trainable role; None keeps each role's own default."""
     context_parallel_size: int | None = None
     """Context-parallel degree of every trainable role; None keeps each role's own default."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel degree of every trainable role (frozen roles keep one stage)."""
     num_cpus_per_rank: float = 1.0
     """CPUs per bundle (one bundle per rank), split between the roles colocated on it."""
     num_gpus_per_rank: float = 0.0
@@ -55,6 +57,9 @@ class WorkerLayout:
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"worker layout: field 'data_parallel_size' must be >= 1, got {self.data_parallel_size}")
+        if self.pipeline_model_parallel_size < 1:
+            raise ValueError("worker layout: field 'pipeline_model_parallel_size' must be >= 1, "
+                             f"got {self.pipeline_model_parallel_size}")
         for name in ("tensor_parallel_size", "context_parallel_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -69,40 +74,42 @@ class WorkerLayout:
         return cls(**{**values, **overrides})
 
 
-PARALLEL_SECTION_FIELDS = ("data_parallel_size", "tensor_parallel_size", "context_parallel_size", "num_cpus_per_rank",
-                           "num_gpus_per_rank", "collective_timeout_s")
+PARALLEL_SECTION_FIELDS = ("data_parallel_size", "tensor_parallel_size", "context_parallel_size",
+                           "pipeline_model_parallel_size", "num_cpus_per_rank", "num_gpus_per_rank", "collective_timeout_s")
 """The `WorkerLayout` fields the run config's `parallel` section sets."""
 SECTION_FIELD_NAMES = {"tensor_parallel_size": "tensor_model_parallel_size"}
 """Where the section's name of a field differs from the layout's."""
 
 
 def resolve_role_layouts(training_config: TrainingConfig, layout: WorkerLayout) -> dict[str, RoleLayout]:
-    """(tp, cp, dp) of every role.
+    """(tp, cp, pp, dp) of every role.
 
-    tp and cp come from the role, with the layout's overrides applied to trainable roles. A pool
-    has `max(tp * cp over its roles) * data_parallel_size` bundles, and every role on the pool
-    uses all of them (colocated roles time-share the same devices), so a role's dp is the pool
-    size divided by its own tp * cp.
+    tp and cp come from the role, with the layout's overrides applied to trainable roles (pp too:
+    frozen roles keep one stage). A pool has `max(tp * cp * pp over its roles) * data_parallel_size`
+    bundles, and every role on the pool uses all of them (colocated roles time-share the same
+    devices), so a role's dp is the pool size divided by its own tp * cp * pp.
     """
     model_parallel = {}
     for role in training_config.roles:
-        tp, cp = role.tensor_parallel_size, role.context_parallel_size
+        tp, cp, pp = role.tensor_parallel_size, role.context_parallel_size, 1
         if role.trainable:
             tp = layout.tensor_parallel_size or tp
             cp = layout.context_parallel_size or cp
-        model_parallel[role.name] = (tp, cp)
+            pp = layout.pipeline_model_parallel_size
+        model_parallel[role.name] = (tp, cp, pp)
     resolved = {}
     for pool_name, members in training_config.role_graph().pools.items():
-        pool_size = max(tp * cp for tp, cp in (model_parallel[name] for name in members)) * layout.data_parallel_size
+        pool_size = max(tp * cp * pp for tp, cp, pp in (model_parallel[name] for name in members)) * layout.data_parallel_size
         for name in members:
-            tp, cp = model_parallel[name]
-            if pool_size % (tp * cp):
+            tp, cp, pp = model_parallel[name]
+            if pool_size % (tp * cp * pp):
                 raise ValueError(
-                    f"recipe {training_config.name!r}: role {name!r} (tp={tp}, cp={cp}) cannot fill pool "
-                    f"{pool_name!r} of {pool_size} ranks; colocated roles need tp * cp dividing the pool size"
+                    f"recipe {training_config.name!r}: role {name!r} (tp={tp}, cp={cp}, pp={pp}) cannot fill pool "
+                    f"{pool_name!r} of {pool_size} ranks; colocated roles need tp * cp * pp dividing the pool size"
                 )
             resolved[name] = RoleLayout(tensor_parallel_size=tp, context_parallel_size=cp,
-                                        data_parallel_size=pool_size // (tp * cp))
+                                        pipeline_model_parallel_size=pp,
+                                        data_parallel_size=pool_size // (tp * cp * pp))
     return resolved
 
 
@@ -166,6 +173,7 @@ def create_role_workers(training_config: TrainingConfig, layout: Any = None, *, 
                 RolePlacement(graph.pools[training_config.pool_of(role.name)]),
                 tensor_parallel_size=role_layout.tensor_parallel_size,
                 context_parallel_size=role_layout.context_parallel_size,
+                pipeline_model_parallel_size=role_layout.pipeline_model_parallel_size,
                 collective_timeout_s=layout.collective_timeout_s,
                 call_timeout_s=layout.call_timeout_s,
                 env_vars=dict(layout.worker_env_vars) or None,

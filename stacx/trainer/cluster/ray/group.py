@@ -94,6 +94,7 @@ class RayRoleGroup:
         self.workers = workers
         self.layout = RoleLayout(tensor_parallel_size=workers.tensor_parallel_size,
                                  context_parallel_size=workers.context_parallel_size,
+                                 pipeline_model_parallel_size=workers.pipeline_model_parallel_size,
                                  data_parallel_size=workers.data_parallel_size)
         self.coords: list[RankCoords] = workers.execute_all(_build_runtime, role, run_config, algorithm)
 

@@ -60,6 +60,7 @@ class RoleWorkers:
         *,
         tensor_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
         collective_timeout_s: float = 300.0,
         call_timeout_s: float | None = None,
         worker_cls: type = RoleWorker,
@@ -83,17 +84,19 @@ class RoleWorkers:
         if user_modules is None:
             user_modules = user_module_sources()
 
-        model_parallel = tensor_parallel_size * context_parallel_size
+        model_parallel = tensor_parallel_size * context_parallel_size * pipeline_model_parallel_size
         if num_ranks < 1 or num_ranks % model_parallel != 0:
             raise ValueError(
                 f"role {role_name!r}: num_ranks ({num_ranks}) must be a positive multiple of "
-                f"tensor_parallel_size * context_parallel_size = {tensor_parallel_size} * {context_parallel_size}"
+                f"tensor_parallel_size * context_parallel_size * pipeline_model_parallel_size = "
+                f"{tensor_parallel_size} * {context_parallel_size} * {pipeline_model_parallel_size}"
             )
         self.role_name = role_name
         self.num_ranks = num_ranks
         self.placement = placement
         self.tensor_parallel_size = tensor_parallel_size
         self.context_parallel_size = context_parallel_size
+        self.pipeline_model_parallel_size = pipeline_model_parallel_size
         self.collective_timeout_s = collective_timeout_s
         self.call_timeout_s = call_timeout_s
         self.labels = [WorkerLabel(role_name, rank) for rank in range(num_ranks)]
@@ -110,7 +113,8 @@ class RoleWorkers:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.num_ranks // (self.tensor_parallel_size * self.context_parallel_size)
+        return self.num_ranks // (self.tensor_parallel_size * self.context_parallel_size
+                                  * self.pipeline_model_parallel_size)
 
     # ---- calls --------------------------------------------------------------------------
     def submit_all(self, fn: Callable[..., Any], *args, timeout_s: float | None = None, **kwargs) -> PendingCall:
@@ -153,7 +157,8 @@ class RoleWorkers:
                                                       timeout_s=timeout_s or 300.0)
         refs = [
             actor.setup.remote(rank, self.num_ranks, master_addr, master_port, self.tensor_parallel_size,
-                               self.context_parallel_size, self.collective_timeout_s)
+                               self.context_parallel_size, self.collective_timeout_s,
+                               self.pipeline_model_parallel_size)
             for rank, actor in enumerate(self.actors)
         ]
         # Startup includes process launch and imports; allow for it beyond the collective timeout.

@@ -77,10 +77,12 @@ def run_diffusion_demo(settings: DiffusionDemoSettings, out: str, *, log=print) 
     """Run both phases on one local Ray cluster and one set of policy workers; returns the summary."""
     from stacx.diffusion.loop import DiffusionRun
     from stacx.diffusion.prompts import HELD_OUT_PROMPTS
-    from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
+    from stacx.launch.workloads import discover_workloads
     from stacx.trainer.cluster.ray.connect import connect_ray
+    from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
     from stacx.trainer.recipes import get_recipe
 
+    discover_workloads()
     started = time.monotonic()
     os.makedirs(out, exist_ok=True)
     checkpoints = os.path.join(out, "checkpoints")

@@ -1,13 +1,18 @@
-"""Loss assembly of the diffusion recipes' policy role: one `Specialization` subclass per kind of
+"""Loss assembly of the diffusion recipes' policy role: one `DiffusionObjective` subclass per kind of
 step, composing the kernels of `stacx.objectives.diffusion_loss` (looked up in the registries by
 name) with the one reduction contract (`stacx.parallel.reduction.Reducer`).
 
-`compute_loss(model, reference, batch, reducer)` runs on one micro-batch of one data-parallel rank
-and returns (loss to call backward on, detached metric sums). The Reducer is built once per step
-from the GLOBAL number of loss terms (SDE steps of all images for `grpo`; images or pairs
-otherwise, each a one-entry "token"), so the summed gradient is the same for every split of the
-batch over ranks and micro-batches. Per-sample randomness (t and eps of the forward process) is
-drawn by the driver per sample, never per rank.
+`DiffusionObjective` is its own base, not a `Specialization`: an LLM specialization turns the model's
+output on a packed token batch into per-token terms, a diffusion objective calls the model itself
+(velocities at noised latents, SDE step log-probs) on a batch of images. Its one call is
+
+    loss, metric_sums = objective.compute_loss(model, reference, batch, reducer)
+
+on one micro-batch of one data-parallel rank: the loss to call backward on and detached metric
+sums. The Reducer is built once per step from the GLOBAL number of loss terms (`loss_terms`: SDE
+steps of all images for `grpo`; images or pairs otherwise, each a one-entry "token"), so the summed
+gradient is the same for every split of the batch over ranks and micro-batches. Per-sample
+randomness (t and eps of the forward process) is drawn by the driver per sample, never per rank.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import torch
 
 from stacx.diffusion.sampling import step_mean_and_log_prob
 from stacx.objectives.diffusion_loss import noised_latent, nft_optimality
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import get_loss, get_policy_loss
-from stacx.specializations.base import Specialization
+from stacx.parallel.reduction import Reducer
 
 
 def _ones(n: int) -> list[torch.Tensor]:
@@ -31,14 +37,18 @@ def _velocity_at(model, clean_BCHW, noise_BCHW, t_B, conditioning) -> torch.Tens
     return model.velocity(x_t, t_B.to(clean_BCHW.dtype), conditioning)
 
 
-class DiffusionSpecialization(Specialization):
-    """Base of the diffusion policy specializations (see the module docstring)."""
+class DiffusionObjective:
+    """Base of the diffusion policy objectives (see the module docstring). Subclasses set `kind` and
+    `loss_name` and write `compute_loss`; `uses_reference` and `loss_terms` have the common answers."""
 
     kind: str = ""
-    """Which step the driver runs: sft, grpo, dpo or nft (stacx.diffusion.settings.KINDS)."""
+    """Which step the driver runs: sft, grpo, dpo or nft (`KINDS`)."""
     loss_name: str = ""
-    """The registered kernel this specialization calls."""
-    modality = "image"
+    """The registered kernel this objective calls."""
+
+    def __init__(self, config: AlgorithmConfig):
+        self.config = config
+        """The run's algorithm config (a `DiffusionAlgorithmConfig`; tests pass a plain one): what the kernels read."""
 
     def uses_reference(self) -> bool:
         """Whether a frozen reference model is needed (KL, DPO)."""
@@ -48,11 +58,13 @@ class DiffusionSpecialization(Specialization):
         """One (n_i,) mask per sample of the WHOLE batch of this rank (for the global count)."""
         return _ones(len(batch["prompts"]))
 
-    def compute_loss(self, model, reference, batch, reducer):  # noqa: D102 - see the module docstring
-        raise NotImplementedError
+    def compute_loss(self, model, reference, batch: dict[str, Any],
+                     reducer: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss of this micro-batch under the step's reducer, detached metric sums)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement compute_loss")
 
 
-class FlowMatchingSFTSpecialization(DiffusionSpecialization):
+class FlowMatchingSFTObjective(DiffusionObjective):
     """Flow-matching regression of the velocity on dataset images."""
 
     kind, loss_name = "sft", "flow_matching"
@@ -64,7 +76,7 @@ class FlowMatchingSFTSpecialization(DiffusionSpecialization):
         return reducer(losses, _ones(len(losses))), metrics
 
 
-class FlowGRPOSpecialization(DiffusionSpecialization):
+class FlowGRPOObjective(DiffusionObjective):
     """The clipped policy loss over the SDE steps of each sampled image (Flow-GRPO, DanceGRPO, MixGRPO),
     with the Gaussian KL of each step to the reference when `use_kl_loss`."""
 
@@ -72,10 +84,10 @@ class FlowGRPOSpecialization(DiffusionSpecialization):
 
     @property
     def loss_name(self) -> str:  # the run's policy loss (flow_grpo_clip unless the user registers another)
-        return str(getattr(self.config, "policy_loss", "flow_grpo_clip"))
+        return self.config.policy_loss
 
     def uses_reference(self) -> bool:
-        return bool(getattr(self.config, "use_kl_loss", False))
+        return self.config.use_kl_loss
 
     def loss_terms(self, batch):
         num_sde_steps = int(batch["sde_mask"].sum())
@@ -113,7 +125,7 @@ class FlowGRPOSpecialization(DiffusionSpecialization):
         return reducer(losses, masks), metrics
 
 
-class DiffusionDPOSpecialization(DiffusionSpecialization):
+class DiffusionDPOObjective(DiffusionObjective):
     """Diffusion-DPO on (chosen, rejected) image pairs against the frozen reference."""
 
     kind, loss_name = "dpo", "diffusion_dpo"
@@ -138,7 +150,7 @@ class DiffusionDPOSpecialization(DiffusionSpecialization):
         return reducer(losses, _ones(len(losses))), metrics
 
 
-class DiffusionNFTSpecialization(DiffusionSpecialization):
+class DiffusionNFTObjective(DiffusionObjective):
     """DiffusionNFT on the policy's own clean samples; the sampling policy's velocity is v_old (one
     optimizer step per rollout: v_old = sg(v_theta) at the step's start)."""
 
@@ -148,11 +160,16 @@ class DiffusionNFTSpecialization(DiffusionSpecialization):
         clean, noise = batch["images"], batch["noise"]
         velocity = _velocity_at(model, clean, noise, batch["t"], model.encode(batch["prompts"]))
         optimality = nft_optimality(batch["advantages"].to(velocity.dtype),
-                                    float(getattr(self.config, "nft_advantage_clip")))
+                                    float(self.config.nft_advantage_clip))
         losses, metrics = get_loss(self.loss_name)(self.config, list(velocity), list(velocity.detach()), list(clean),
                                                    list(noise), list(optimality))
         return reducer(losses, _ones(len(losses))), metrics
 
 
-SPECIALIZATIONS = {cls.kind: cls for cls in (FlowMatchingSFTSpecialization, FlowGRPOSpecialization,
-                                             DiffusionDPOSpecialization, DiffusionNFTSpecialization)}
+OBJECTIVES = {cls.kind: cls for cls in (FlowMatchingSFTObjective, FlowGRPOObjective, DiffusionDPOObjective,
+                                        DiffusionNFTObjective)}
+"""kind -> its objective class."""
+
+KINDS = tuple(OBJECTIVES)
+"""How a step trains: flow-matching regression on data, the clipped policy loss over SDE steps,
+preference pairs, or forward-process RL on the policy's own clean samples."""

@@ -1,0 +1,168 @@
+"""Pipeline parallelism on spawned gloo ranks against one process.
+
+- The real training loop (GRPO, 2 rollouts x 2 optimizer steps, old log-probs computed through the
+  schedule) with PP=2 x DP=2 on a tied-embedding 4-layer model gives the PP=1 run's first step to
+  1e-6 relative (fp32 rounding: the grad norm adds its squares stage by stage) and the later steps,
+  after AdamW updates, to 1e-5.
+- PP=2 x TP=2 x CP=2: forward-only log-probs through the schedule equal transformers' (1e-5);
+  weights stream to the first stage in Hugging Face names, equal to the checkpoint bit for bit
+  (the tied LM head is sent once); the torch_dist checkpoint written there loads at PP=1 exactly.
+- Unit level: the micro-batch plan fills the pipeline, and the preflight names the flag.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def _write_tied_checkpoint(root: str) -> str:
+    from stacx.models.testing import save_tiny_hf_checkpoint
+    from stacx.rollout.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    path = os.path.join(root, "tied")
+    save_tiny_hf_checkpoint(path, "qwen3", seed=3, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                            tie_word_embeddings=True, num_hidden_layers=4)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _hf_tensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+SEQUENCES = ([5, 9, 2, 7, 7, 3, 1], [4, 4, 8, 1, 6], [2, 3, 5, 7, 11, 13, 17, 19, 23])
+RESPONSE_LENGTHS = (4, 2, 6)
+
+
+def stream_and_save_stages(groups, checkpoint: str, folder: str):
+    """Load the HF checkpoint into this rank's stage and TP/CP shard; forward-only log-probs through the
+    schedule; stream every stage's weights to the first; save torch_dist."""
+    from stacx.checkpointing.torch_dist import save_torch_dist
+    from stacx.models import build_model, forward_packed
+    from stacx.models.checkpoint import iter_hf_weight_buckets, load_hf_checkpoint
+    from stacx.objectives.algorithm_config import AlgorithmConfig
+    from stacx.parallel.pipeline import run_pipeline
+    from stacx.specializations.batch import MicroBatch
+    from stacx.trainer.recipes import get_recipe
+
+    model = build_model(checkpoint, groups, initialize_weights=False)
+    load_hf_checkpoint(model, checkpoint, groups)
+    specialization = get_recipe("sft").roles[0].specialization_cls(AlgorithmConfig(), groups)
+    def packed(indices):
+        return MicroBatch.pack([torch.tensor(SEQUENCES[i]) for i in indices], [RESPONSE_LENGTHS[i] for i in indices],
+                               groups=groups, loss_masks=[torch.ones(RESPONSE_LENGTHS[i]) for i in indices])
+
+    batches = [packed([0, 1]), packed([2])]
+
+    def stage_forward(batch):
+        return forward_packed(model, *batch.model_inputs(), groups)
+
+    with torch.no_grad():
+        log_probs = run_pipeline(model, batches, stage_forward,
+                                 lambda output, batch: (output.new_zeros(()), specialization.compute_log_probs(output, batch)),
+                                 forward_only=True)
+    streamed = [pair for bucket in iter_hf_weight_buckets(model, groups, 1 << 16) for pair in bucket]
+    save_torch_dist(folder, model, groups=groups)
+    return {"stage": groups.pp_rank, "tp": groups.tp_rank, "cp": groups.cp_rank, "layers": len(model.decoder.layers),
+            "log_probs": [lp for per_batch in log_probs for lp in per_batch], "streamed": streamed}
+
+
+def load_at_one_stage(groups, checkpoint: str, folder: str):
+    from stacx.checkpointing.torch_dist import load_torch_dist
+    from stacx.models import build_model
+    from stacx.models.checkpoint import iter_hf_weight_buckets
+
+    model = build_model(checkpoint, groups)  # random weights: the load must replace every one
+    load_torch_dist(folder, model)
+    return [pair for bucket in iter_hf_weight_buckets(model, groups, 1 << 16) for pair in bucket]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pp2_dp2_grpo_steps_equal_the_pp1_run_and_weights_reshard(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from stacx.rollout.tokenizer import build_char_tokenizer
+    from stacx.testing.distributed import run_distributed
+    from tests.trainer import mini_batch_reference as reference
+
+    root = str(tmp_path)
+    checkpoint = _write_tied_checkpoint(root)
+    rollouts = reference.make_rollouts(2, len(build_char_tokenizer()))
+    values = {"num_steps_per_rollout": 2, "max_tokens_per_micro_batch": 40}
+    single = run_distributed(reference.train_stacx, 1, args=(os.path.join(root, "pp1"), checkpoint, rollouts, values))
+    piped = run_distributed(reference.train_stacx, 4, pipeline_parallel_size=2,
+                            args=(os.path.join(root, "pp2"), checkpoint, rollouts, values))
+    rows, piped_rows = single[0]["rows"], piped[0]["rows"]
+    assert len(rows) == len(piped_rows) == 4
+    assert all(result["calls"] == [["log_probs"]] * 2 for result in piped)
+    for index, (row, piped_row) in enumerate(zip(rows, piped_rows)):
+        # The first step starts from the same weights: fp32 rounding. Later steps follow AdamW updates of
+        # gradients summed in another order (over stages and DP ranks): 1e-5, as the DP=2 peer check.
+        rel = 1e-6 if index == 0 else 1e-5
+        for name in ("policy/loss", "policy/pg_loss", "policy/entropy", "policy/grad_norm"):
+            assert piped_row[name] == pytest.approx(row[name], rel=rel, abs=1e-7), (index, name)
+        assert piped_row["policy/pg_clipfrac"] == row["policy/pg_clipfrac"]
+    assert piped_rows[1]["policy/pg_clipfrac"] > 0  # the second mini-batch of a rollout clips: real updates
+
+    # PP=2 x TP=2 x CP=2: forward-only log-probs from the last stage equal transformers'; every stage's
+    # tensors reach the first stage in HF names, bit for bit; a torch_dist checkpoint loads at PP=1.
+    folder = os.path.join(root, "torch_dist_pp2")
+    ranks = run_distributed(stream_and_save_stages, 8, tensor_parallel_size=2, context_parallel_size=2,
+                            pipeline_parallel_size=2, args=(checkpoint, folder))
+    assert all(r["layers"] == 2 for r in ranks)
+    hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for r in ranks:
+        if r["stage"] == 0:
+            assert r["log_probs"] == []
+            continue
+        for sequence, response_length, log_probs in zip(SEQUENCES, RESPONSE_LENGTHS, r["log_probs"], strict=True):
+            ids = torch.tensor([sequence])
+            with torch.no_grad():
+                logits = hf_model(input_ids=ids).logits[0].float()
+            expected_log_probs = torch.log_softmax(logits[-response_length - 1:-1], -1).gather(
+                -1, ids[0, -response_length:, None])[:, 0]
+            torch.testing.assert_close(log_probs, expected_log_probs, rtol=1e-5, atol=1e-5)
+    first_stage = next(r for r in ranks if r["stage"] == 0 and r["tp"] == 0 and r["cp"] == 0)
+    assert all(r["streamed"] == [] for r in ranks if r["stage"] == 1)  # the last stage sent its tensors to the first
+    expected = _hf_tensors(checkpoint)
+    streamed = dict(first_stage["streamed"])
+    assert len(streamed) == len(first_stage["streamed"])  # the tied head is sent once, as the embedding
+    assert set(streamed) == set(expected)
+    assert all(torch.equal(streamed[name], expected[name]) for name in expected)
+    loaded = dict(run_distributed(load_at_one_stage, 1, args=(checkpoint, folder))[0])
+    assert set(loaded) == set(expected)
+    assert all(torch.equal(loaded[name], expected[name]) for name in expected)
+
+
+def test_the_micro_batch_plan_gives_each_stage_a_full_pipeline():
+    from stacx.trainer.batch import plan_micro_batches
+    from tests.trainer.mini_batch_reference import make_rollouts, step_batch
+
+    batch = step_batch(make_rollouts(1, 50)[0])  # 16 samples of at most 14 tokens
+    roomy = dict(dp_size=2, cp_size=1, max_tokens_per_micro_batch=1000)
+    assert [len(rank) for rank in plan_micro_batches(batch, **roomy)] == [1, 1]
+    assert [len(rank) for rank in plan_micro_batches(batch, **roomy, pp_size=4)] == [4, 4]
+    # Never more micro-batches than a rank has samples.
+    assert [len(rank) for rank in plan_micro_batches(batch, **roomy, pp_size=64)] == [8, 8]
+
+
+def test_preflight_names_the_pipeline_flag_when_it_does_not_divide_the_layers(tmp_path):
+    from stacx.models.testing import save_tiny_hf_checkpoint
+    from stacx.trainer.config.run import RunConfig
+    from stacx.trainer.preflight import PreflightError, check_parallel_layout
+
+    save_tiny_hf_checkpoint(tmp_path, "llama", num_hidden_layers=4)
+    run_config = RunConfig.from_dict({"hf_checkpoint": str(tmp_path), "pipeline_model_parallel_size": 3}, source="test")
+    with pytest.raises(PreflightError, match=r"--pipeline-model-parallel-size 3 does not divide .* num_hidden_layers "
+                                             r"4 .*use one of \[1, 2, 4\]"):
+        check_parallel_layout(run_config)
+    check_parallel_layout(RunConfig.from_dict({"hf_checkpoint": str(tmp_path), "pipeline_model_parallel_size": 2},
+                                              source="test"))
