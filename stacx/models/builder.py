@@ -70,8 +70,6 @@ def _moe_fields(shape: DecoderShape, groups, router_losses: RouterLosses) -> dic
         moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
         moe_shared_expert_gate=moe.shared_expert_ffn_hidden_size > 0,
         moe_grouped_gemm=False,
-        # all-to-all needs CUDA streams; all-gather runs over gloo (each rank then keeps its experts' tokens).
-        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
         moe_router_load_balancing_type="aux_loss" if router_losses.aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=router_losses.aux_loss_coeff,
         moe_z_loss_coeff=router_losses.z_loss_coeff or None,
@@ -116,8 +114,9 @@ def build_transformer_config(
         # with variable_seq_lengths it sends each one's shape first (stacx.parallel.pipeline).
         pipeline_dtype=params_dtype if pipelined else None,
         variable_seq_lengths=pipelined,
-        # megatron refuses variable_seq_lengths with its default allgather MoE dispatcher.
-        moe_token_dispatcher_type="alltoall" if pipelined else "allgather",
+        # megatron refuses variable_seq_lengths with its allgather MoE dispatcher. MoE layers: all-to-all
+        # needs CUDA streams; all-gather runs over gloo (each rank then keeps its experts' tokens).
+        moe_token_dispatcher_type="alltoall" if (pipelined or not on_cpu) else "allgather",
         use_cpu_initialization=on_cpu,
         # The fused kernels below are CUDA-only.
         apply_rope_fusion=False,

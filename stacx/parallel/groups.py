@@ -94,6 +94,8 @@ class ProcessGroups:
     @property
     def edp_size(self) -> int:
         return group_size(self.edp)
+
+    @property
     def pp_size(self) -> int:
         return group_size(self.pp)
 

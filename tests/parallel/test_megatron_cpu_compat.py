@@ -141,7 +141,7 @@ def test_patches_are_not_applied_when_cuda_is_present():
 def router_gating_on_cpu(_groups):
     from megatron.core.transformer.moe import moe_utils
 
-    # Patch 6: without transformer-engine the module never defines the name the router reads.
+    # Patch 7: without transformer-engine the module never defines the name the router reads.
     assert moe_utils.te_general_gemm is None
     inputs = torch.randn(5, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
     weight = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
