@@ -115,7 +115,7 @@ def test_convert_command_errors_name_the_problem(tmp_path, capsys):
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     message = _convert_error(capsys, "hf-to-torch-dist", "--hf-checkpoint", str(gpt2), "--out", out)
-    assert "'gpt2'" in message and "['llama', 'qwen2', 'qwen3']" in message
+    assert "'gpt2'" in message and "['llama', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe']" in message
 
 
 @pytest.mark.parametrize(
