@@ -100,8 +100,9 @@ def _runtime_step(path, ep):
                                       "moe_aux_loss_coeff": COEFFS["aux_loss_coeff"],
                                       "moe_z_loss_coeff": COEFFS["z_loss_coeff"]})
     algorithm = AlgorithmConfig.from_values({"advantage_estimator": "grpo", "rollout_temperature": 0.7})
-    runtime = RoleRuntime(ModelRole(name="policy", specialization_cls=ActorSpecialization), run_config, algorithm,
-                          groups, rank=torch.distributed.get_rank())
+    runtime = RoleRuntime(ModelRole(name="policy", specialization_cls=ActorSpecialization), algorithm, groups,
+                          model=run_config.model, optim=run_config.optim, train=run_config.train,
+                          rank=torch.distributed.get_rank())
     batch = step_batch()
     counts = compute_step_counts(batch.loss_masks, groups.dp)
     metrics = runtime.train_step([batch.select([0, 1]), batch.select([2, 3])], counts)
