@@ -136,26 +136,26 @@ def init_distributed_from_env(timeout_s: float = 600.0) -> None:
     dist.init_process_group(backend=default_backend(), timeout=timedelta(seconds=timeout_s))
 
 
-def check_expert_layout(world_size: int, tensor_parallel_size: int, expert_parallel_size: int,
+def check_expert_layout(world_size: int, tensor_model_parallel_size: int, expert_model_parallel_size: int,
                         expert_tensor_parallel_size: int) -> None:
     """Raise naming the flags when ep x etp does not divide the world (megatron's expert grid)."""
-    if expert_parallel_size < 1 or expert_tensor_parallel_size < 1:
-        raise ValueError(f"--expert-model-parallel-size ({expert_parallel_size}) and --expert-tensor-parallel-size "
+    if expert_model_parallel_size < 1 or expert_tensor_parallel_size < 1:
+        raise ValueError(f"--expert-model-parallel-size ({expert_model_parallel_size}) and --expert-tensor-parallel-size "
                          f"({expert_tensor_parallel_size}) must be >= 1")
-    if world_size % (expert_parallel_size * expert_tensor_parallel_size):
+    if world_size % (expert_model_parallel_size * expert_tensor_parallel_size):
         raise ValueError(
             f"world size {world_size} is not divisible by --expert-model-parallel-size * --expert-tensor-parallel-size "
-            f"= {expert_parallel_size} * {expert_tensor_parallel_size}; choose sizes whose product divides the "
+            f"= {expert_model_parallel_size} * {expert_tensor_parallel_size}; choose sizes whose product divides the "
             "role's ranks")
 
 
 def initialize_parallel_layout(
-    tensor_parallel_size: int = 1,
+    tensor_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
     *,
-    expert_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int | None = None,
-    pipeline_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
     timeout_s: float = 600.0,
 ) -> ProcessGroups:
     """Build megatron-core's model-parallel groups for (tp, cp, pp, dp) and the expert grid (etp, ep, edp),
@@ -170,30 +170,30 @@ def initialize_parallel_layout(
     from stacx.parallel import megatron_cpu_compat
 
     world_size = dist.get_world_size()
-    model_parallel = tensor_parallel_size * context_parallel_size * pipeline_parallel_size
-    if min(tensor_parallel_size, context_parallel_size, pipeline_parallel_size) < 1:
+    model_parallel = tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size
+    if min(tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size) < 1:
         raise ValueError(
-            f"tensor_parallel_size ({tensor_parallel_size}), context_parallel_size "
-            f"({context_parallel_size}) and pipeline_parallel_size ({pipeline_parallel_size}) must be >= 1"
+            f"tensor_model_parallel_size ({tensor_model_parallel_size}), context_parallel_size "
+            f"({context_parallel_size}) and pipeline_model_parallel_size ({pipeline_model_parallel_size}) must be >= 1"
         )
     if world_size % model_parallel != 0:
         raise ValueError(
-            f"world size {world_size} is not divisible by tensor_parallel_size * context_parallel_size * "
-            f"pipeline_parallel_size = {tensor_parallel_size} * {context_parallel_size} * {pipeline_parallel_size}"
+            f"world size {world_size} is not divisible by tensor_model_parallel_size * context_parallel_size * "
+            f"pipeline_model_parallel_size = {tensor_model_parallel_size} * {context_parallel_size} * {pipeline_model_parallel_size}"
         )
     if expert_tensor_parallel_size is None:
-        expert_tensor_parallel_size = tensor_parallel_size
-    check_expert_layout(world_size // pipeline_parallel_size, tensor_parallel_size, expert_parallel_size,
+        expert_tensor_parallel_size = tensor_model_parallel_size
+    check_expert_layout(world_size // pipeline_model_parallel_size, tensor_model_parallel_size, expert_model_parallel_size,
                         expert_tensor_parallel_size)
     megatron_cpu_compat.apply_if_needed()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel_size,
+        tensor_model_parallel_size=tensor_model_parallel_size,
         context_parallel_size=context_parallel_size,
-        expert_model_parallel_size=expert_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
         expert_tensor_parallel_size=expert_tensor_parallel_size,
-        pipeline_model_parallel_size=pipeline_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
         create_gloo_process_groups=True,
     )
@@ -205,7 +205,7 @@ def initialize_parallel_layout(
         ep=parallel_state.get_expert_model_parallel_group(),
         etp=parallel_state.get_expert_tensor_parallel_group(),
         edp=parallel_state.get_expert_data_parallel_group(),
-        pp=parallel_state.get_pipeline_model_parallel_group() if pipeline_parallel_size > 1 else None,
+        pp=parallel_state.get_pipeline_model_parallel_group() if pipeline_model_parallel_size > 1 else None,
     )
 
 

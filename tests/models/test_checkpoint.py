@@ -177,7 +177,7 @@ def test_tp2_export_is_byte_identical_and_buckets_stream_every_tensor(tmp_path):
     hf_dir, out_dir, dist_dir, bad_dir = (str(tmp_path / n) for n in ("hf", "export", "dist", "bad"))
     save_tiny_hf_checkpoint(hf_dir, "qwen3", seed=5, tie_word_embeddings=True)
     save_tiny_hf_checkpoint(bad_dir, "qwen3", seed=5, tie_word_embeddings=True, intermediate_size=64)
-    results = run_distributed(export_buckets_and_torch_dist, 2, tensor_parallel_size=2,
+    results = run_distributed(export_buckets_and_torch_dist, 2, tensor_model_parallel_size=2,
                               args=(hf_dir, out_dir, dist_dir, bad_dir))
     original = _read_hf_folder(hf_dir)
     _assert_identical(_read_hf_folder(out_dir), original)

@@ -50,7 +50,7 @@ def _hf_tensors(model, groups) -> dict[str, torch.Tensor]:
 def _layout(tp, cp, ep, etp):
     from stacx.parallel.groups import initialize_parallel_layout
 
-    return initialize_parallel_layout(tp, cp, expert_parallel_size=ep, expert_tensor_parallel_size=etp)
+    return initialize_parallel_layout(tp, cp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
 
 
 def run_every_moe_layout(_groups, checkpoints, tokens_by_arch, dist_dir):

@@ -38,7 +38,7 @@ def _one_step(path, tokens_by_rank, ep, router_losses):
     from stacx.parallel.reduction import Reducer, StepCounts
     from stacx.trainer.runtime.optim import build_optimizer, wrap_ddp
 
-    groups = initialize_parallel_layout(1, 1, expert_parallel_size=ep)
+    groups = initialize_parallel_layout(1, 1, expert_model_parallel_size=ep)
     torch.manual_seed(0)
     model = build_model(path, groups, initialize_weights=False, router_losses=RouterLosses(**router_losses))
     load_hf_checkpoint(model, path, groups)
@@ -95,7 +95,7 @@ def _runtime_step(path, ep):
     from stacx.specializations.actor import ActorSpecialization
     from tests.trainer.runtime.test_lm_head_mode import step_batch
 
-    groups = initialize_parallel_layout(1, 1, expert_parallel_size=ep)
+    groups = initialize_parallel_layout(1, 1, expert_model_parallel_size=ep)
     run_config = RunConfig.from_dict({"hf_checkpoint": path, "clip_grad": 0.0, "expert_model_parallel_size": ep,
                                       "moe_aux_loss_coeff": COEFFS["aux_loss_coeff"],
                                       "moe_z_loss_coeff": COEFFS["z_loss_coeff"]})

@@ -58,7 +58,7 @@ def train_one_step_with_megatron_ddp_and_optimizer(groups):
 
 
 def test_tp2_model_trains_one_step_with_megatron_optimizer_on_cpu():
-    results = run_distributed(train_one_step_with_megatron_ddp_and_optimizer, 2, tensor_parallel_size=2)
+    results = run_distributed(train_one_step_with_megatron_ddp_and_optimizer, 2, tensor_model_parallel_size=2)
     for gathered, updated, grad_norm, changed, grads_after_clip in results:
         assert torch.equal(gathered, torch.cat([torch.zeros(2, 3), torch.ones(2, 3)], dim=-1))
         assert updated and changed
