@@ -61,6 +61,8 @@ from stacx.parallel.collectives import all_gather_stacked, all_reduce_sum_, grou
 from stacx.parallel.vocab_parallel import (
     _chunk_grad_s,
     combine_shard_statistics,
+    entropy_output,
+    gathered_log_probs,
     local_chunk_statistics,
     shifted_fp32_chunk,
 )
@@ -137,18 +139,13 @@ class _FusedLMHeadLogProbs(torch.autograd.Function):
         else:  # all padding: weight exp(-inf - lse) = 0 in the combine, no id owned
             stats_rT = torch.zeros(rows, num_tokens, dtype=torch.float32, device=hidden_TH.device)
             stats_rT[0] = -torch.inf
-        lse_T, entropy_T, s_ids_KT = combine_shard_statistics(all_gather_stacked(stats_rT, tp_group), with_entropy)
-        log_probs_TK = (s_ids_KT - lse_T).t().contiguous()
+        log_probs_TK, lse_T, entropy_T = gathered_log_probs(stats_rT, tp_group, with_entropy)
 
         ctx.tp_group, ctx.temperature = tp_group, temperature
         ctx.chunk_tokens, ctx.vocab_block, ctx.real_local = chunk_tokens, vocab_block, real_local
         ctx.entropy_grad = with_entropy and entropy_grad
         ctx.save_for_backward(hidden_TH, weight_VH, local_ids_TK, owned_TK, lse_T, entropy_T if ctx.entropy_grad else None)
-        if entropy_T is None:
-            entropy_T = log_probs_TK.new_empty(0)
-        if not ctx.entropy_grad:
-            ctx.mark_non_differentiable(entropy_T)
-        return log_probs_TK, entropy_T
+        return log_probs_TK, entropy_output(ctx, entropy_T, log_probs_TK)
 
     @staticmethod
     def backward(ctx, grad_log_probs_TK, grad_entropy_T):

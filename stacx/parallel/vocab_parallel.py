@@ -115,18 +115,13 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             stats_rT[:, start:end] = local_chunk_statistics(
                 logits_TV[start:end], temperature, local_ids_TK[start:end], owned_TK[start:end], with_entropy
             )
-        lse_T, entropy_T, s_ids_KT = combine_shard_statistics(all_gather_stacked(stats_rT, tp_group), with_entropy)
-        log_probs_TK = (s_ids_KT - lse_T).t().contiguous()
+        log_probs_TK, lse_T, entropy_T = gathered_log_probs(stats_rT, tp_group, with_entropy)
 
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         ctx.entropy_grad = with_entropy and entropy_grad
         saved_entropy = entropy_T if ctx.entropy_grad else None
         ctx.save_for_backward(logits_TV, local_ids_TK, owned_TK, lse_T, saved_entropy)
-        if entropy_T is None:
-            entropy_T = log_probs_TK.new_empty(0)
-        if not ctx.entropy_grad:
-            ctx.mark_non_differentiable(entropy_T)
-        return log_probs_TK, entropy_T
+        return log_probs_TK, entropy_output(ctx, entropy_T, log_probs_TK)
 
     @staticmethod
     def backward(ctx, grad_log_probs_TK, grad_entropy_T):
@@ -162,6 +157,22 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 grad_logits_TV[start:end].copy_(grad_s_CV)
             del log_p_CV, grad_s_CV
         return grad_logits_TV, None, None, None, None, None, None
+
+
+def gathered_log_probs(stats_rT: torch.Tensor, tp_group, with_entropy: bool):
+    """(log_probs_TK, lse_T, entropy_T or None) from every TP shard's statistics: ONE all-gather."""
+    lse_T, entropy_T, s_ids_KT = combine_shard_statistics(all_gather_stacked(stats_rT, tp_group), with_entropy)
+    return (s_ids_KT - lse_T).t().contiguous(), lse_T, entropy_T
+
+
+def entropy_output(ctx, entropy_T: torch.Tensor | None, log_probs_TK: torch.Tensor) -> torch.Tensor:
+    """The entropy a forward returns: an empty tensor when not computed, non-differentiable when no
+    gradient flows through it (autograd then skips its backward terms)."""
+    if entropy_T is None:
+        entropy_T = log_probs_TK.new_empty(0)
+    if not ctx.entropy_grad:
+        ctx.mark_non_differentiable(entropy_T)
+    return entropy_T
 
 
 def _chunk_grad_s(log_p_CV: torch.Tensor, grad_sum_C, entropy_terms) -> torch.Tensor:
