@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from stacx.parallel.collectives import all_gather_stacked, all_reduce_sum_, group_rank, group_size
+from stacx.parallel.collectives import all_reduce_sum_, group_rank, group_size
 
 # The softmax-gradient helper is the one `vocab_parallel` uses in its own backward: shared on
 # purpose, so the fused and unfused gradients cannot drift apart.
