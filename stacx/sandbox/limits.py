@@ -1,0 +1,63 @@
+"""The resource limits of one sandboxed command, and how they become setrlimit values.
+
+Each limit is enforced by the kernel inside the sandbox (setrlimit through `prlimit`), except the
+wall time and the output cap, which the host enforces while it reads the command's pipes:
+
+    wall_time_s       host timer; the whole process tree is killed when it expires (`timed_out`)
+    cpu_time_s        RLIMIT_CPU: SIGXCPU, then SIGKILL one second later, per process
+    memory_bytes      RLIMIT_AS: allocations past it fail (MemoryError, ENOMEM), per process
+    max_processes     RLIMIT_NPROC inside the sandbox's own user namespace (and, where the kernel
+                      has a per-namespace pid_max, the PID namespace's pid_max)
+    max_file_bytes    RLIMIT_FSIZE: a write past it fails with EFBIG (SIGXFSZ is ignored)
+    max_output_bytes  host: stdout and stderr are each kept up to this many bytes; a command that
+                      writes more is killed (`output_truncated`, `killed`)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxLimits:
+    """Limits of one `SandboxSession.run` call; every field must be > 0."""
+
+    wall_time_s: float = 60.0
+    """Seconds from start until the whole process tree is killed (`RunResult.timed_out`)."""
+    cpu_time_s: int = 60
+    """CPU seconds each process may use (RLIMIT_CPU)."""
+    memory_bytes: int = 1 << 30
+    """Address space of each process (RLIMIT_AS), in bytes."""
+    max_processes: int = 64
+    """Processes and threads the sandbox may hold at once (RLIMIT_NPROC in its user namespace)."""
+    max_file_bytes: int = 64 << 20
+    """Largest file a process may write (RLIMIT_FSIZE), in bytes."""
+    max_output_bytes: int = 1 << 20
+    """Bytes of stdout, and of stderr, kept; a command that writes more is killed."""
+    max_open_files: int = 256
+    """File descriptors per process (RLIMIT_NOFILE)."""
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"SandboxLimits.{field.name} must be a number > 0, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SandboxLimits":
+        """Limits from a mapping (a config section or a JSON body); unknown keys are named in the error."""
+        known = {field.name for field in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sandbox limit(s) {', '.join(unknown)}; known limits: {', '.join(sorted(known))}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+    def prlimit_args(self) -> list[str]:
+        """`prlimit` options that set every kernel-enforced limit, soft = hard so a command cannot raise it (the
+        CPU hard limit is one second later, so SIGXCPU comes first)."""
+        return [f"--cpu={int(self.cpu_time_s)}:{int(self.cpu_time_s) + 1}", f"--as={int(self.memory_bytes)}",
+                f"--nproc={int(self.max_processes)}", f"--fsize={int(self.max_file_bytes)}",
+                f"--nofile={int(self.max_open_files)}", "--core=0"]
