@@ -1,9 +1,9 @@
 # Shared by grpo.sh, opd.sh and mixed_dagger.sh (sourced, not run): reads the STACX_* variables
 # (ENV_REFERENCE.md lists them), writes the built-in SWE tasks as prompt rows unless STACX_PROMPT_DATA
 # names a file, and runs `stacx train` on Ray or `torchrun ... -m stacx.train` with the flags every
-# SWE launcher shares plus the caller's: swe_train ALGORITHM_FLAGS... -- EXTRA_FLAGS...
+# SWE launcher shares plus the caller's: swe_train RECIPE [stacx train flags...]
 
-STACX_MODEL=${STACX_MODEL:?set STACX_MODEL to the policy's Hugging Face checkpoint folder}
+STACX_MODEL=${STACX_MODEL:?set STACX_MODEL to the Hugging Face checkpoint folder of the policy}
 STACX_LAUNCHER=${STACX_LAUNCHER:-ray}
 STACX_NPROC=${STACX_NPROC:-1}
 STACX_NUM_STEPS=${STACX_NUM_STEPS:-100}
