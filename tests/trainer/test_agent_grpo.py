@@ -25,7 +25,7 @@ WORDS = (("banana", "a"), ("letter", "t"))
 def train_grpo_on_episodes(groups, root: str, url: str):
     from stacx.trainer.spmd import run_spmd
 
-    values = dict(train={"algorithm": "grpo"}, algorithm={"off_policy_corrections": "token_tis"},
+    values = dict(algorithm={"name": "grpo", "off_policy_corrections": "token_tis"},
                   hf_checkpoint=os.path.join(root, "policy"), prompt_data=os.path.join(root, "episodes.jsonl"),
                   custom_module=[os.path.abspath(EXAMPLE)], rollout_engine="http", rollout_urls=[url],
                   rollout_batch_size=2, n_samples_per_prompt=4, rollout_max_response_len=6, rollout_temperature=1.0,
