@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     from stacx.rollout.engines.cpu import CpuEngine, ensure_single_process_layout
-    from stacx.rollout.request_batching import GenerateBatcher
+    from stacx.rollout.engines.request_batching import GenerateBatcher
     from stacx.rollout.types import GenerateRequest, SamplingParams
 
     groups = ensure_single_process_layout()

@@ -3,7 +3,7 @@
 The public front door: everything a user writes a recipe, an objective or a run config with.
 
     from stacx import recipe, TrainingConfig, ModelRole, InjectSync, ExchangeSync
-    from stacx import register_advantage, register_policy_loss, register_reward, StacxConfig
+    from stacx import register_advantage, register_policy_loss, register_reward, register_engine, StacxConfig
     from stacx import Environment, StepResult, register_environment, register_tool   # agents (docs/agents.md)
 
 Each name is imported on first use, so `import stacx` stays light (no torch, Ray or megatron-core).
@@ -26,6 +26,7 @@ _PUBLIC = {
     "register_advantage": "stacx.objectives.registry",
     "register_policy_loss": "stacx.objectives.registry",
     "register_reward": "stacx.rollout.rewards",
+    "register_engine": "stacx.rollout.engines.registry",
     "Environment": "stacx.rollout.environments",
     "StepResult": "stacx.rollout.environments",
     "register_environment": "stacx.rollout.environments",

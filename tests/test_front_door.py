@@ -6,11 +6,12 @@ import sys
 
 from stacx.objectives import registry
 from stacx.rollout import environments, rewards, tools
+from stacx.rollout.engines import registry as engine_registry
 from stacx.trainer.config import python as python_config
 from stacx.trainer.config import recipe as recipe_module
 
 FRONT_DOOR = ("recipe", "TrainingConfig", "ModelRole", "InjectSync", "ExchangeSync", "register_advantage",
-              "register_policy_loss", "register_reward", "StacxConfig", "Environment", "StepResult",
+              "register_policy_loss", "register_reward", "register_engine", "StacxConfig", "Environment", "StepResult",
               "register_environment", "register_tool")
 
 
@@ -18,8 +19,8 @@ def test_every_front_door_name_is_the_defining_modules_object():
     import stacx
 
     owners = {"register_advantage": registry, "register_policy_loss": registry, "register_reward": rewards,
-              "StacxConfig": python_config, "Environment": environments, "StepResult": environments,
-              "register_environment": environments, "register_tool": tools}
+              "register_engine": engine_registry, "StacxConfig": python_config, "Environment": environments,
+              "StepResult": environments, "register_environment": environments, "register_tool": tools}
     for name in FRONT_DOOR:
         assert getattr(stacx, name) is getattr(owners.get(name, recipe_module), name), name
     assert set(FRONT_DOOR) <= set(stacx.__all__) and set(FRONT_DOOR) <= set(dir(stacx))

@@ -187,7 +187,8 @@ class StacxSide:
         }, source="bench")
         training_config, algorithm = resolve_recipe(run_config)
         policy = next(role for role in training_config.roles if role.trainable)
-        self.runtime = RoleRuntime(policy, run_config, algorithm, groups)
+        self.runtime = RoleRuntime(policy, algorithm, groups, model=run_config.model, optim=run_config.optim,
+                                   train=run_config.train)
         self.optimizer_kind = optimizer_kind_of(self.runtime.optimizer)
         batch = StepBatch(tokens=[], response_lengths=[], loss_masks=[], advantages=[], log_probs=[],
                           rollout_log_probs=[])

@@ -78,15 +78,15 @@ def _first_docstring_sentence(field_name: str) -> str:
 
 
 def _collect_field_help() -> dict[str, str]:
-    """field name -> the docstring line under it in stacx/trainer/config/run.py."""
+    """field name -> the docstring under it in its section's module (stacx/trainer/config/run.py;
+    the rollout's sections in stacx/rollout/sections.py)."""
     import ast
     import inspect
+    import sys
 
-    import stacx.trainer.config.run as module
-
-    tree = ast.parse(inspect.getsource(module))
+    modules = {sys.modules[section.__module__] for section in SECTIONS.values()}
     found: dict[str, str] = {}
-    for node in ast.walk(tree):
+    for node in (node for module in modules for node in ast.walk(ast.parse(inspect.getsource(module)))):
         if not isinstance(node, ast.ClassDef):
             continue
         body = node.body
@@ -101,6 +101,19 @@ def _collect_field_help() -> dict[str, str]:
 _FIELD_HELP = _collect_field_help()
 
 
+def _engine_kinds_shown() -> list[str]:
+    """--rollout-engine's choices as its help shows them: 'auto' and the registered kinds, plus '...'
+    for the kinds a --custom-module file registers (checked once it is loaded, by the preflight)."""
+    # Imported here: the engine clients import the HTTP stack, which only this flag's help needs.
+    from stacx.rollout.engines.registry import AUTO, engine_kind_names
+
+    return [AUTO, *engine_kind_names(discover=False), "..."]
+
+
+_REGISTERED_CHOICES = {"rollout_engine": _engine_kinds_shown}
+"""Fields whose values are registry names: shown as choices, checked against the registry later."""
+
+
 def _add_flag(group, name: str, base: Any, default: Any, help_text: str) -> None:
     flag = flag_name(name)
     shown_default = f" (default: {default})" if default not in (None, (), "") else ""
@@ -113,7 +126,8 @@ def _add_flag(group, name: str, base: Any, default: Any, help_text: str) -> None
                            help=help_text + " (repeatable)")
     else:
         choices = FIELD_CHOICES.get(name)
-        metavar = "{" + ",".join(choices) + "}" if choices else {int: "N", float: "X"}.get(base, "VALUE")
+        shown = choices or _REGISTERED_CHOICES.get(name, lambda: None)()
+        metavar = "{" + ",".join(shown) + "}" if shown else {int: "N", float: "X"}.get(base, "VALUE")
         group.add_argument(flag, dest=name, type=base, default=argparse.SUPPRESS, metavar=metavar, help=help_text,
                            choices=choices)
 

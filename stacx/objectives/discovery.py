@@ -20,6 +20,7 @@ naming the file (a `--custom-module` file that raises is an error naming the fla
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.abc
@@ -31,7 +32,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Iterable
+from typing import Callable, Iterable
 
 BUILTIN_PACKAGE = "stacx.objectives"
 USER_PACKAGE = "stacx.custom"
@@ -270,6 +271,30 @@ def _load_file(path: str, flag: str, ship_to_workers: bool = True) -> ModuleType
 def is_file_path(entry: str) -> bool:
     """Whether a `--custom-module` (or `--reward-fn`) entry names a file rather than a dotted module."""
     return entry.endswith(".py") or os.sep in entry or "/" in entry
+
+
+def resolve_callable(spec: str, *, flag: str, ship_to_workers: bool = False) -> Callable:
+    """The function a 'package.module:function' or 'path/to/file.py:function' spec names (a file is
+    loaded as `--custom-module` loads files). Errors are `ValueError`s naming `flag`, with the closest
+    name when the function is misspelled."""
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        file_hint = f" (give the function too: {spec}:my_function)" if is_file_path(spec) else ""
+        raise ValueError(f"{flag} {spec!r} is not 'module:function' or 'path/to/file.py:function'{file_hint}")
+    if is_file_path(module_name):
+        module = load_custom_modules([module_name], flag=flag, ship_to_workers=ship_to_workers)[0]
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ValueError(f"{flag} {spec!r}: cannot import module {module_name!r}: {err} (a file is given "
+                             "as path/to/file.py:function)") from err
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        close = difflib.get_close_matches(attr, [n for n in dir(module) if callable(getattr(module, n))], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"{flag} {spec!r}: {module_name!r} has no callable {attr!r}{hint}")
+    return fn
 
 
 def load_custom_modules(paths_or_module_names: Iterable[str] | str, *, flag: str = "--custom-module",

@@ -18,6 +18,10 @@ when an update aborts or drains it. When a group's last response arrives (an eng
 the callback), its `Sample`s are built (decoded, rewarded, teacher-scored, DAPO overlong penalty)
 and handed to the scheduler with each token's policy version.
 
+A prompt row that names an environment plays its n multi-turn episodes as one unit of work
+(`rollin.start_episodes` / `run_turns` on a group thread): admitted, completed and trained as a group;
+an update waits for its episodes to end, so their actions all come from the admission version.
+
 Partial rollout: `begin_update` aborts the in-flight rids; a group whose responses come back
 "abort" is `interrupt`ed with them and, after `publish_version`, continued (`continuation_request`)
 before any new prompt; the joined response keeps each token's behaviour log-prob and version.
@@ -28,15 +32,19 @@ run, across epochs) with B prompts per step gets, for its sample j, the seed the
 --max-staleness 0 (the synchronous schedule: the same prompts in the same steps) an async run
 samples exactly what a sync run samples.
 
-Checkpoints: groups in flight or buffered are not saved. The data position saved is that of the
-oldest prompt not yet trained (`data_state`), with the prompts after it that were already trained
-(`resume_state`): a resumed async run regenerates the rest, with the same seeds, and skips those.
+Checkpoints (`checkpoint_state`): admission is held while the groups on the engine finish, then every
+generated, untrained group is saved with its samples and admission version, so a resumed run trains
+exactly the batches the uninterrupted run trains (same data, same versions, same staleness). The data
+position saved is that of the oldest prompt not yet trained, with the prompts after it that were
+already trained or are saved: a resumed async run skips those (a sync run resumed from it trains them,
+regenerated). A checkpoint without saved groups (written before they were saved) regenerates them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,20 +58,19 @@ from stacx.rollout.async_scheduler import AsyncRolloutConfig, AsyncRolloutSchedu
 from stacx.rollout.continuation import continuation_request, join_outputs
 from stacx.rollout.dagger import Executor
 from stacx.rollout.manager import Sample
-from stacx.rollout.rollin import has_environment
+from stacx.rollout.data import ExampleSource
+from stacx.rollout.engines.registry import resolve_engine_kind
+from stacx.rollout.plan import RolloutPlan
+from stacx.rollout.rollin import has_environment, run_turns, start_episodes
+from stacx.rollout.sections import RolloutSection
 from stacx.rollout.types import GenerateOutput, GenerateRequest
 
-if TYPE_CHECKING:  # annotations only: the rollout never imports the trainer at run time
+if TYPE_CHECKING:  # annotations only
     from stacx.rollout.service import RolloutService
     from stacx.rollout.step_rollout import StepRollout
-    from stacx.trainer.batch import StepDataSource
-    from stacx.trainer.config.recipe import TrainingConfig
-    from stacx.trainer.config.run import RolloutSection, RunConfig
 
 logger = logging.getLogger(__name__)
 
-ENGINES_IN_OWN_PROCESS = ("cpu", "http")
-"""Engine kinds a torchrun job can run asynchronously: a `stacx serve` child ('cpu') or attached servers."""
 CLOSE_TIMEOUT_S = 30.0
 """How long `close` waits for the producer thread after aborting its requests."""
 GROUP_CALL_THREADS = 64
@@ -84,29 +91,29 @@ def prompt_sample_seed(rollout_seed: int, prompt_index: int, sample: int, *, pro
     return (rollout_seed * 100_003 + step) * 1_000_003 + position * samples_per_prompt + sample
 
 
-def check_async_supported(run_config: RunConfig, training_config: TrainingConfig,
-                          algorithm: AlgorithmConfig | None = None, *,
+def check_async_supported(rollout: RolloutSection, plan: RolloutPlan, algorithm: AlgorithmConfig | None = None, *,
                           torchrun: bool = False, engine_kind: Optional[str] = None) -> None:
     """Refuse, before anything starts, the combinations `--rollout-mode async` does not run (ValueError
     naming the flag and the fix). `engine_kind`: the resolved engine ('cpu', 'http', 'sglang')."""
-    rollout = run_config.rollout
     if rollout.rollout_mode != "async":
         if rollout.partial_rollout:
             raise ValueError("--partial-rollout interrupts generations at asynchronous weight updates; add "
                              "--rollout-mode async (or drop --partial-rollout)")
         return
     drop = "drop --rollout-mode async"
-    if training_config.data_source != "rollout":
-        raise ValueError(f"--rollout-mode async overlaps generation with training, but recipe {training_config.name!r} "
+    if not plan.samples_rollouts:
+        raise ValueError(f"--rollout-mode async overlaps generation with training, but recipe {plan.recipe!r} "
                          f"trains on a dataset and samples nothing; {drop}")
-    if training_config.rollin_protocol is not None:
-        raise ValueError(f"--rollout-mode async does not run roll-ins yet (recipe {training_config.name!r} lets the "
+    if plan.rollin_protocol is not None:
+        raise ValueError(f"--rollout-mode async does not run roll-ins yet (recipe {plan.recipe!r} lets the "
                          f"teacher act, DAgger-style); {drop}")
     if rollout.dynamic_sampling or as_algorithm_config(algorithm, "check_async_supported").filter_zero_variance_groups:
         raise ValueError("--rollout-mode async does not combine with dynamic sampling yet (--dynamic-sampling or "
                          "filter_zero_variance_groups: dropping groups would change which prompts a step trains); "
                          f"drop dynamic sampling or {drop}")
-    if torchrun and engine_kind is not None and engine_kind not in ENGINES_IN_OWN_PROCESS:
+    # A torchrun job runs asynchronously with an engine in its own process (a `stacx serve` child, attached
+    # servers), not one whose launcher places its servers on a Ray cluster.
+    if torchrun and engine_kind is not None and resolve_engine_kind(engine_kind).launches_on_ray:
         raise ValueError(f"--rollout-mode async under torchrun needs a rollout engine in its own process: "
                          f"--rollout-engine cpu (a `stacx serve` child of rank 0) or --rollout-engine http "
                          f"--rollout-urls (running servers); this run's engine is {engine_kind!r}. Attach the "
@@ -150,7 +157,7 @@ class _GroupRun:
 class AsyncRollout:
     """The producer thread and the scheduler of one async run (driver only)."""
 
-    def __init__(self, service: RolloutService, data: StepDataSource, step_rollout: StepRollout, *,
+    def __init__(self, service: RolloutService, data: ExampleSource, step_rollout: StepRollout, *,
                  rollout_section: RolloutSection, start_version: int, resume_state: Optional[dict] = None):
         self.service = service
         self.engine = service.engine
@@ -168,6 +175,8 @@ class AsyncRollout:
         self._lock = threading.Lock()  # the runs and rids below (engine callbacks run on engine threads)
         self._runs: dict[int, _GroupRun] = {}
         self._in_flight: dict[str, int] = {}  # rid -> group id
+        self._episode_groups: set[int] = set()  # groups of multi-turn episodes playing (their requests have no rid)
+        self._episodes_ended = threading.Condition(self._lock)
         self._calls: Optional[ThreadPoolExecutor] = None
         self.group_call_threads = GROUP_CALL_THREADS
         """Groups whose engine call may be in flight at once (1: one group after the other)."""
@@ -177,9 +186,11 @@ class AsyncRollout:
         self._next_index = data.prompt_index
         self._pending: Optional[_Prompt] = None  # drawn, not yet admitted
         self._admitted: dict[int, int] = {}  # group id -> prompt index, admitted and not yet trained
-        self._trained_ahead: set[int] = set((resume_state or {}).get("trained_prompts_ahead", ()))
+        resume_state = resume_state or {}
+        self._trained_ahead: set[int] = set(resume_state.get("trained_prompts_ahead", ()))
         """Prompt indices trained beyond the oldest untrained prompt (skipped when drawn again after a resume)."""
         self._skip = set(self._trained_ahead)
+        self._restore_buffer(resume_state.get("scheduler"))
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._produce, name="stacx-async-rollout", daemon=True)
 
@@ -215,7 +226,8 @@ class AsyncRollout:
 
     def begin_update(self) -> None:
         """Open the update window; partial rollout aborts the in-flight requests (their groups are
-        interrupted as they answer), otherwise wait until no group runs."""
+        interrupted as they answer) and waits until no multi-turn episode runs, otherwise wait until no
+        group runs."""
         with self.submit_lock:
             self.scheduler.begin_update()
             with self._lock:
@@ -223,25 +235,45 @@ class AsyncRollout:
         if self.section.partial_rollout:
             if rids:
                 self.engine.abort(rids)
-        elif not self.scheduler.wait_until_drained():
+            drained = self._wait_until_no_episode_runs()  # episodes carry no rids: they end their turns
+        else:
+            drained = self.scheduler.wait_until_drained()
+        if not drained:
             self._raise_if_failed()
             raise RuntimeError("the asynchronous rollout was closed during a weight update")
+
+    def _wait_until_no_episode_runs(self) -> bool:
+        """True once no episode group runs; False if the rollout was closed meanwhile."""
+        with self._episodes_ended:
+            while self._episode_groups and not self.scheduler.closed:
+                self._episodes_ended.wait(TAKE_POLL_S)
+        return not self.scheduler.closed
 
     def publish_version(self, version: int) -> None:
         """The engine serves `version`: admission reopens, interrupted groups first."""
         self.scheduler.publish_version(version)
 
-    def data_state(self) -> dict:
-        """The data source's state at the oldest prompt not yet trained (what a checkpoint saves)."""
-        with self.submit_lock:
-            return self.data.state_at(self._oldest_untrained())
-
-    def resume_state(self) -> dict:
-        """What a resumed async run needs besides the data state: the prompts after the oldest untrained
-        one that were already trained (a sync run resumed from it trains them again)."""
-        with self.submit_lock:
-            self._prune_trained_ahead()
-            return {"trained_prompts_ahead": sorted(self._trained_ahead)}
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        """(data state, async state) of a checkpoint written between steps. Admission is held until the
+        groups on the engine have finished (continuations included); then the data source's state at the
+        oldest untrained prompt and the async state (the `resume_state` of the resumed run): the generated,
+        untrained groups (samples, admission versions, tokens per version), the run totals, and the prompts
+        after the oldest untrained one that were trained already. Admission reopens before it returns."""
+        self.scheduler.hold_admission()
+        try:
+            if not self.scheduler.wait_until_settled():
+                self._raise_if_failed()
+                raise RuntimeError("the asynchronous rollout was closed while a checkpoint waited for its groups")
+            with self.submit_lock:
+                self._prune_trained_ahead()
+                state = self.scheduler.state_dict()
+                for group in state["groups"]:
+                    group["payload"] = group["payload"].index  # the example is read again from the data
+                    group["result"] = [_sample_state(sample) for sample in group["result"]]
+                return (self.data.state_at(self._oldest_untrained()),
+                        {"trained_prompts_ahead": sorted(self._trained_ahead), "scheduler": state})
+        finally:
+            self.scheduler.release_admission()
 
     def close(self) -> None:
         """Stop admitting, abort what runs on the engine and join the thread (idempotent; discards
@@ -289,12 +321,12 @@ class AsyncRollout:
             if index in self._skip:  # trained before the checkpoint this run resumed from
                 self._skip.discard(index)
                 continue
-            if has_environment(example):
-                raise ValueError("--rollout-mode async does not run multi-turn environments yet (a prompt row names "
-                                 f"environment {example.metadata.get('environment')!r}); drop --rollout-mode async")
             return _Prompt(index, example)
 
     def _submit_group(self, group_id: int, prompt: _Prompt) -> None:
+        if has_environment(prompt.example):
+            self._submit_episodes(group_id, prompt)
+            return
         requests = []
         for sample in range(self.samples_per_group):
             seed = prompt_sample_seed(self.section.rollout_seed, prompt.index, sample,
@@ -322,6 +354,56 @@ class AsyncRollout:
         samples, batch = [sample for sample, _ in requests], [request for _, request in requests]
         future = self._group_calls().submit(self.engine.generate, batch)
         future.add_done_callback(lambda f, g=group_id: self._on_outputs(g, samples, batch, f))
+
+    def _submit_episodes(self, group_id: int, prompt: _Prompt) -> None:
+        """A prompt row that names an environment: its n episodes are one unit of work, played turn by
+        turn on a group thread (each turn one engine call for the episodes still running). Its requests
+        carry no rid: an update waits for the episodes to end (with partial rollout too), so each
+        episode's actions come from the weights it was admitted under."""
+        with self._lock:
+            self._episode_groups.add(group_id)
+        future = self._group_calls().submit(self._play_episodes, prompt)
+        future.add_done_callback(lambda f, g=group_id: self._on_episodes(g, f))
+
+    def _play_episodes(self, prompt: _Prompt) -> tuple[list[Sample], list[list[int]]]:
+        """(samples, each sample's per-action-token versions) of a prompt's n episodes. The episodes'
+        randomness (the environment's reset, each turn's seed) comes from the prompt's first sample
+        seed, so a prompt plays the same episodes whenever it is drawn."""
+        rng = random.Random(prompt_sample_seed(self.section.rollout_seed, prompt.index, 0,
+                                               prompts_per_step=self.groups_per_step,
+                                               samples_per_prompt=self.samples_per_group))
+        tokenizer = self.service.tokenizer
+        episodes = start_episodes([prompt.example], n_samples_per_prompt=self.samples_per_group,
+                                  spec=self.step_rollout.spec, iteration=0, rng=rng, tokenizer=tokenizer)
+        run_turns(episodes, engines={Executor.STUDENT: self.engine}, sampling=self._sampling, tokenizer=tokenizer,
+                  rng=rng)
+        samples, versions = [], []
+        for episode in episodes:
+            sample = episode.sample
+            sample.weight_version = min(episode.student_versions, default=0)
+            per_token = [0] * len(sample.response_ids)
+            for turn, version in zip(episode.turns, episode.student_versions):
+                per_token[turn.start:turn.end] = [version] * (turn.end - turn.start)
+            sample.metadata.update(prompt_index=prompt.index, token_versions=per_token)
+            versions.append([v for v, m in zip(per_token, sample.loss_mask) if m])  # the tokens a version sampled
+            samples.append(sample)
+        self._manager.decode(samples)  # rewards: the sum of the environment's step rewards, already in place
+        self._manager.score_with_teacher(samples)
+        self.step_rollout.apply_overlong_penalty(samples)
+        return samples, versions
+
+    def _on_episodes(self, group_id: int, future: Future) -> None:
+        try:
+            samples, versions = future.result()
+            if not self.scheduler.closed:
+                self.scheduler.complete(group_id, samples, versions)
+        except BaseException as err:  # noqa: BLE001 - handed to the trainer through take_batch
+            if not self.scheduler.closed:
+                self._fail(err)
+        finally:
+            with self._episodes_ended:
+                self._episode_groups.discard(group_id)
+                self._episodes_ended.notify_all()
 
     def _group_calls(self) -> ThreadPoolExecutor:
         """The threads that wait on the engine, one call per group in flight."""
@@ -379,6 +461,22 @@ class AsyncRollout:
 
     # ---- bookkeeping -----------------------------------------------------------------------------
 
+    def _restore_buffer(self, state: Optional[dict]) -> None:
+        """Put a checkpoint's generated, untrained groups back as complete, oldest first (before start)."""
+        if not state:
+            return
+        sizes = sorted({len(group["result"]) for group in state["groups"]})
+        if sizes and sizes != [self.samples_per_group]:
+            raise ValueError(f"the checkpoint holds generated, untrained groups of {sizes} samples per prompt but this "
+                             f"run has --n-samples-per-prompt {self.samples_per_group}; resume with the "
+                             "--n-samples-per-prompt the checkpoint was written with")
+        state = {**state, "groups": [{**group, "payload": _Prompt(int(group["payload"]), None),
+                                      "result": [Sample(**fields) for fields in group["result"]]}
+                                     for group in state["groups"]]}
+        for group_id, group in zip(self.scheduler.load_state_dict(state), state["groups"]):
+            self._admitted[group_id] = group["payload"].index
+            self._skip.add(group["payload"].index)  # generated already: not drawn again
+
     def _oldest_untrained(self) -> int:
         """Index of the oldest prompt drawn and not trained (or the next one to draw); under submit_lock."""
         next_index = self._next_index
@@ -402,6 +500,11 @@ class AsyncRollout:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"the asynchronous rollout failed: {self._error}") from self._error
+
+
+def _sample_state(sample: Sample) -> dict:
+    """A `Sample` as plain fields (lists, numbers, strings, tensors) for a checkpoint's driver state."""
+    return {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample)}
 
 
 def _resumable(output: Optional[GenerateOutput], request: GenerateRequest) -> bool:

@@ -57,6 +57,13 @@ Partial rollout: `begin_update()` closes admission and continuation (the update 
 driver interrupts the engine's in-flight groups and hands each one's state to `interrupt`; after
 `publish_version`, `pop_continuation` returns them, oldest first, ahead of any new admission. An
 interrupted group keeps its deadline, so continuing it needs no capacity.
+
+Checkpoints: `hold_admission()` stops admission (continuations still run), `wait_until_settled()`
+waits until every unconsumed group is complete, and `state_dict()` then lists them with their
+admission versions (plus the run totals); `release_admission()` reopens. A fresh scheduler of the
+resumed run (start_version = the saved step t) takes them back with `load_state_dict` before anything
+is admitted: they keep their deadlines, and F(t) is checked for them, so the resumed run trains the
+batches the uninterrupted run would have trained.
 """
 
 from __future__ import annotations
@@ -213,6 +220,7 @@ class AsyncRolloutScheduler:
         self._next_train_version = config.start_version
         self._next_group_id = 0
         self._updating = False
+        self._holding = False
         self._closed = False
         self._staleness_histogram: collections.Counter[int] = collections.Counter()
         self._tokens = 0
@@ -260,7 +268,7 @@ class AsyncRolloutScheduler:
             return self._can_admit()
 
     def _can_admit(self) -> bool:
-        return not (self._closed or self._updating or self._continuations) and self._capacity() > 0
+        return not (self._closed or self._updating or self._holding or self._continuations) and self._capacity() > 0
 
     def admit(self, payload: Any) -> Optional[int]:
         """Record a new group at the published version and return its id; None when `can_admit()` is
@@ -413,6 +421,82 @@ class AsyncRolloutScheduler:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def hold_admission(self) -> None:
+        """Admit no new group until `release_admission` (a checkpoint is written); continuations still run."""
+        with self._cond:
+            self._holding = True
+
+    def release_admission(self) -> None:
+        with self._cond:
+            self._holding = False
+            self._cond.notify_all()
+
+    def wait_until_settled(self, timeout: Optional[float] = None) -> bool:
+        """Block until every unconsumed group is complete (none running or interrupted): True; False if
+        closed or timed out. With admission held, the buffer then stays as it is until the trainer acts."""
+        with self._cond:
+            self._cond.wait_for(self._settled_or_closed, timeout)
+            return not self._closed and self._settled_or_closed()
+
+    def _settled_or_closed(self) -> bool:
+        return self._closed or all(g.state is GroupState.COMPLETE for g in self._groups.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The buffered groups (oldest first: payload, result, admission version, version -> tokens,
+        interrupts) and the run totals; only when settled (`wait_until_settled`), so nothing is lost."""
+        with self._cond:
+            unsettled = [g.group_id for g in self._groups.values() if g.state is not GroupState.COMPLETE]
+            if unsettled:
+                raise ValueError(f"state_dict: groups {unsettled} are running or interrupted; hold admission and "
+                                 "wait_until_settled first")
+            return {
+                "groups": [{"payload": g.payload, "result": g.result, "admit_version": g.admit_version,
+                            "version_tokens": dict(g.version_tokens), "num_interrupts": g.num_interrupts}
+                           for g in self._groups.values()],
+                "staleness_histogram": dict(self._staleness_histogram), "tokens": self._tokens,
+                "off_policy_tokens": self._off_policy_tokens, "num_interrupts": self._num_interrupts,
+                "num_trained_groups": self._num_trained_groups,
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> list[int]:
+        """Restore a `state_dict` into a fresh scheduler (nothing admitted yet; its start_version is the
+        step the checkpoint was written after). Returns the restored groups' ids, oldest first.
+
+        The groups must still be trainable in order under this run's K and B: the i-th oldest (1-based)
+        needs i <= (admit_version + K - t + 1) * B, the invariant `take_batch` keeps (module docstring);
+        otherwise ValueError naming the flags."""
+        with self._cond:
+            if self._groups or self._next_group_id:
+                raise ValueError("load_state_dict: the scheduler has admitted groups already; restore before start")
+            t, k, batch_size = self._next_train_version, self.config.max_staleness, self.config.groups_per_step
+            groups = list(state.get("groups", ()))
+            for position, saved in enumerate(groups, start=1):
+                if position > (saved["admit_version"] + k - t + 1) * batch_size:
+                    raise ValueError(
+                        f"the checkpoint holds {len(groups)} generated, untrained groups (admitted at versions "
+                        f"{[g['admit_version'] for g in groups]}) that this run cannot train by step {t} + K with "
+                        f"--max-staleness {k} and {batch_size} groups per step; resume with the --max-staleness and "
+                        "--rollout-batch-size the checkpoint was written with")
+            ids = []
+            for saved in groups:
+                group = _Group(self._next_group_id, saved["payload"], int(saved["admit_version"]),
+                               state=GroupState.COMPLETE, result=saved["result"],
+                               version_tokens={int(v): int(n) for v, n in saved["version_tokens"].items()},
+                               num_interrupts=int(saved["num_interrupts"]))
+                self._groups[group.group_id] = group
+                ids.append(group.group_id)
+                self._next_group_id += 1
+            self._staleness_histogram = collections.Counter(
+                {int(s): int(n) for s, n in state.get("staleness_histogram", {}).items()})
+            self._tokens = int(state.get("tokens", 0))
+            self._off_policy_tokens = int(state.get("off_policy_tokens", 0))
+            self._num_interrupts = int(state.get("num_interrupts", 0))
+            self._num_trained_groups = int(state.get("num_trained_groups", 0))
+            self._cond.notify_all()
+            return ids
 
     # ---- metrics -------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
@@ -28,6 +28,16 @@ from stacx.rollout.tokenizer import apply_chat_template
 logger = logging.getLogger(__name__)
 
 KINDS = ("prompt", "sft", "dpo")
+
+
+class ExampleSource(Protocol):
+    """Where a run's prompts come from, as the rollout reads them (the trainer's `StepDataSource`)."""
+
+    batch_size: int
+    """Prompts per rollout step (rollout_batch_size)."""
+
+    def next_examples(self, count: Optional[int] = None) -> list:
+        """The next `count` examples (default: one step's `batch_size`)."""
 
 
 class MalformedRowError(ValueError):

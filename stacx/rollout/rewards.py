@@ -14,7 +14,6 @@ DEFAULT_REWARD_TIMEOUT_S) stops the run with `RewardTimeoutError` naming the fun
 from __future__ import annotations
 
 import difflib
-import importlib
 import logging
 import re
 import threading
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Optional, Sequence
 
-from stacx.objectives.discovery import import_builtin_and_custom_modules, is_file_path, load_custom_modules
+from stacx.objectives.discovery import import_builtin_and_custom_modules, is_file_path, resolve_callable
 
 logger = logging.getLogger(__name__)
 
@@ -73,20 +72,7 @@ def resolve_reward_fn(spec: str) -> RewardFn:
         raise ValueError(f"reward_fn {spec!r} is neither a built-in or registered reward nor 'module:function' or "
                          f"'path/to/file.py:function'; {hint}{file_hint}registered rewards: "
                          f"{', '.join(sorted(REWARD_FUNCTIONS))} (register yours with @register_reward)")
-    if is_file_path(module_name):
-        module = load_custom_modules([module_name], flag="--reward-fn", ship_to_workers=False)[0]
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise ValueError(f"reward_fn {spec!r}: cannot import module {module_name!r}: {err} (a file is given "
-                             "as path/to/file.py:function)") from err
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        close = difflib.get_close_matches(attr, [n for n in dir(module) if callable(getattr(module, n))], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"reward_fn {spec!r}: {module_name!r} has no callable {attr!r}{hint}")
-    return fn
+    return resolve_callable(spec, flag="--reward-fn")
 
 
 def reward_needs_label(reward_fn) -> bool:

@@ -39,18 +39,15 @@ import dataclasses
 import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, TYPE_CHECKING
+from typing import Any, Mapping, Optional, Sequence
 
 from stacx.env_overrides import apply_env_overrides, read_env_overrides
 from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, Executor, KappaPlan, build_roll_in
 from stacx.rollout.environments import check_task, resolve_environment
 from stacx.rollout.episode import AgentSession, append_action, append_observation
 from stacx.rollout.manager import Sample
+from stacx.rollout.sections import TeacherSection
 from stacx.rollout.types import GenerateRequest, SamplingParams
-
-if TYPE_CHECKING:  # annotations only: the rollout never imports the trainer at run time
-    from stacx.trainer.config.recipe import TrainingConfig
-    from stacx.trainer.config.run import RunConfig
 
 RECIPE_SAMPLING_MODES = {"beta_mixture": "beta", "aggrevate": "kappa"}
 """rollin_protocol of a recipe -> the dagger_sampling_mode it runs by default."""
@@ -76,13 +73,15 @@ class RollInSpec:
         return self.mode != "student"
 
 
-def resolve_rollin(training_config: TrainingConfig, teacher_section, environ: Optional[Mapping[str, str]] = None, *,
-                   given_keys: frozenset[str] = frozenset()) -> Optional[RollInSpec]:
-    """The roll-in of a rollout run, or None when the run replays a trajectory corpus instead.
-    `given_keys` (RunConfig.given_keys) says whether the user set dagger_sampling_mode.
+def resolve_rollin(rollin_protocol: Optional[str], teacher_section: TeacherSection,
+                   environ: Optional[Mapping[str, str]] = None, *, given_keys: frozenset[str] = frozenset(),
+                   recipe: str = "") -> Optional[RollInSpec]:
+    """The roll-in of a rollout run whose recipe has `rollin_protocol`, or None when the run replays a
+    trajectory corpus instead. `given_keys` (RunConfig.given_keys) says whether the user set
+    dagger_sampling_mode; `recipe` names the recipe in errors.
 
     Raises ValueError naming the field for a bad schedule or mode."""
-    protocol = training_config.rollin_protocol
+    protocol = rollin_protocol
     teacher = apply_env_overrides(teacher_section, environ)
     if protocol is None:
         return RollInSpec("student")
@@ -95,16 +94,10 @@ def resolve_rollin(training_config: TrainingConfig, teacher_section, environ: Op
                                 end=teacher.dagger_beta_end, num_iters=teacher.dagger_beta_iters)
         return RollInSpec("relabel", BetaMixtureRollIn(schedule))
     if protocol not in RECIPE_SAMPLING_MODES:
-        raise ValueError(f"recipe {training_config.name!r}: unknown rollin_protocol {protocol!r}")
+        raise ValueError(f"recipe {recipe!r}: unknown rollin_protocol {protocol!r}")
     explicit = "dagger_sampling_mode" in read_env_overrides(environ) or "dagger_sampling_mode" in given_keys
     mode = teacher.dagger_sampling_mode if explicit else RECIPE_SAMPLING_MODES[protocol]
     return RollInSpec(mode, build_roll_in(dataclasses.replace(teacher, dagger_sampling_mode=mode)))
-
-
-def check_supported(training_config: TrainingConfig, run_config: RunConfig) -> None:
-    """Fail before any worker starts on a roll-in the loop cannot run (bad mode or schedule)."""
-    if training_config.data_source == "rollout":
-        resolve_rollin(training_config, run_config.teacher, given_keys=run_config.given_keys)
 
 
 def has_environment(example) -> bool:

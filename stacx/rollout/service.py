@@ -1,25 +1,23 @@
 """The rollout side of a run: the inference engine (started or attached), prompts, rewards, teacher.
 
-    service = RolloutService.start(run_config, training_config)
+    service = RolloutService.start(run_config.rollout, run_config.teacher, plan=plan, hf_checkpoint=...)
     samples = service.generate(examples, step=3)      # responses + log-probs + rewards (+ teacher fields)
     service.begin_weight_update()                      # pause generation
-    ... the policy's ranks stream buckets to service.url (RoleRuntime.push_weights_to_engine) ...
+    ... the policy's ranks stream buckets to service.urls (RoleRuntime.push_weights_to_engine) ...
     service.finish_weight_update(version=4)            # flush, resume, confirm the engine serves 4
     service.close()
 
-Engines (`rollout.rollout_engine`):
-- 'cpu': `stacx serve` started as a child process on loopback (Stacx's CPU engine behind SGLang's
-  HTTP API); the driver and the trainer's ranks talk to it over HTTP like to any server.
-- 'http': attach to every URL of `rollout.rollout_urls` (running `stacx serve` or SGLang servers);
-  with several, an `EnginePool` spreads requests (least-loaded) and every engine takes each
-  weight update and confirms its version.
-- 'sglang': launch SGLang servers on the Ray cluster's GPUs and attach to the first.
-- 'auto': 'sglang' when CUDA is present, else 'cpu'.
+Engines (`rollout.rollout_engine`) are kinds of the engine registry (`stacx.rollout.engines.registry`):
+a kind with a launcher has its servers started by the run ('cpu': `stacx serve` as a child process
+on loopback; 'sglang': SGLang servers on the Ray cluster's GPUs), a kind without one attaches to
+every URL of `rollout.rollout_urls` ('http': running `stacx serve` or SGLang servers). With
+several URLs an `EnginePool` spreads requests (least-loaded) and every engine takes each weight
+update and confirms its version. 'auto' is 'sglang' when CUDA is present, else 'cpu'.
 
-Authentication: a server this run starts ('cpu', 'sglang') gets a fresh shared secret
-(`secrets.token_urlsafe`, in the child's environment for `stacx serve`, SGLang's `--api-key`), and
-every client of it (the driver's, the policy ranks' weight pushes) sends it. Attached servers
-('http') use the `STACX_API_KEY` environment variable of the driver, if set.
+Authentication: the servers a run starts of a kind that owns its secret ('cpu', 'sglang') get a
+fresh shared secret (`secrets.token_urlsafe`, in the child's environment for `stacx serve`, SGLang's
+`--api-key`), and every client of them (the driver's, the policy ranks' weight pushes) sends it.
+Attached servers use the `STACX_API_KEY` environment variable of the driver, if set.
 
 Roll-in recipes also get a teacher engine (`teacher_engine()`): the teacher server at
 `teacher_url` generates the teacher-executed turns through the same `/generate` API.
@@ -33,90 +31,23 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import subprocess
-import sys
 import time
-from dataclasses import KW_ONLY, dataclass
-from typing import Any, Optional, Sequence, TYPE_CHECKING
-
-import torch
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, Optional, Sequence
 
 from stacx.rollout.engine_pool import EnginePool
 from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.engines.http import HttpEngine
-from stacx.rollout.engines.processes import ReadyLineWatch, stop_process
-from stacx.rollout.engines.sglang import SglangEngine, SglangServerSpec, launch_sglang_servers_on_ray
+from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch
+from stacx.rollout.engines.registry import EngineKind, resolve_engine_kind
 from stacx.rollout.http_client import RetryPolicy
 from stacx.rollout.manager import RolloutManager
+from stacx.rollout.plan import RolloutPlan
+from stacx.rollout.sections import RolloutSection, TeacherSection
 from stacx.rollout.teacher import TeacherClient
 from stacx.rollout.types import SamplingParams
 
-if TYPE_CHECKING:  # annotations only: the rollout never imports the trainer at run time
-    from stacx.trainer.config.recipe import TrainingConfig
-    from stacx.trainer.config.run import RolloutSection, RunConfig, TeacherSection
-
 logger = logging.getLogger(__name__)
-
-ENGINE_KINDS = ("auto", "cpu", "http", "sglang")
-SERVER_START_TIMEOUT_S = 180.0
-SGLANG_PORT = 30000
-"""Port of the SGLang server a run launches on its GPU node."""
-
-
-def resolve_engine_kind(kind: str) -> str:
-    """'auto' -> 'sglang' with CUDA, else 'cpu'; other names are checked."""
-    if kind not in ENGINE_KINDS:
-        raise ValueError(f"rollout_engine {kind!r} is not one of {ENGINE_KINDS}")
-    if kind == "auto":
-        return "sglang" if torch.cuda.is_available() else "cpu"
-    return kind
-
-
-def engine_client(kind: str, url: str, *, api_key: Optional[str] = None):
-    """The InferenceEngine client for a server of `kind` at `url` (an SGLang server gets SGLang's
-    weight-update endpoints; `stacx serve` gets the bucket endpoint); `api_key` is the server's secret."""
-    if kind == "sglang":
-        return SglangEngine(url, api_key=api_key)
-
-    return HttpEngine(url, api_key=api_key)
-
-
-class CpuServerProcess:
-    """`stacx serve --hf-checkpoint PATH --port 0` as a child process; `url` once it is ready."""
-
-    def __init__(self, hf_checkpoint: str, *, seed: int = 0, host: str = "127.0.0.1", num_threads: int = 1,
-                 timeout_s: float = SERVER_START_TIMEOUT_S, api_key: Optional[str] = None, wait: bool = True):
-        """api_key: the secret the server requires on mutating endpoints, handed over in its
-        environment (STACX_API_KEY), never on its command line where other users could read it.
-        wait=False returns once the process is started; `wait_until_ready()` then gives `url`
-        (a run starts its server this way while its role workers start)."""
-        env = dict(os.environ, OMP_NUM_THREADS=str(num_threads), PYTHONUNBUFFERED="1")
-        env.pop("STACX_API_KEY", None)
-        if api_key:
-            env["STACX_API_KEY"] = api_key
-        command = [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", hf_checkpoint, "--port", "0",
-                   "--host", host, "--seed", str(seed), "--parent-pid", str(os.getpid())]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.output = ReadyLineWatch(self.process, name="the CPU rollout server (stacx serve)")
-        self.url: Optional[str] = None
-        self._timeout_s = timeout_s
-        self._started = time.monotonic()
-        if wait:
-            self.wait_until_ready()
-
-    def wait_until_ready(self) -> str:
-        """The server's URL once it reports ready (the start timeout counts from the launch); a
-        server that exits first is reported at once with its own output."""
-        if self.url is None:
-            try:
-                self.url = self.output.wait(max(0.0, self._timeout_s - (time.monotonic() - self._started)))
-            except BaseException:
-                self.stop()
-                raise
-        return self.url
-
-    def stop(self) -> None:
-        stop_process(self.process, timeout_s=10)
 
 
 def load_tokenizer(path: str):
@@ -149,11 +80,22 @@ def teacher_retry_policy(teacher_section):
 
 
 @dataclass(frozen=True)
-class LaunchedCpuServer:
-    """A CPU engine server started ahead of its run's `RolloutService` (`launch_cpu_server`)."""
+class LaunchedEngine:
+    """The servers of a run's engine kind, started (and given their secret) before its `RolloutService`."""
 
-    process: CpuServerProcess
-    api_key: str
+    kind: str
+    servers: LaunchedServers
+    api_key: Optional[str] = field(default=None, repr=False)
+
+    def stop(self) -> None:
+        self.servers.stop()
+
+
+def launch_engine(kind: EngineKind, rollout: RolloutSection, *, hf_checkpoint: str) -> LaunchedEngine:
+    """Start the servers of `kind` (which has a launcher), with a fresh secret when the kind owns one."""
+    api_key = secrets.token_urlsafe(32) if kind.owns_secret else None
+    servers = kind.launcher(ServerLaunch(hf_checkpoint=hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key))
+    return LaunchedEngine(kind=kind.name, servers=servers, api_key=api_key)
 
 
 @dataclass(eq=False)
@@ -164,7 +106,7 @@ class RolloutService:
     """The engine client (an `EnginePool` over several servers)."""
     _: KW_ONLY
     engine_kind: str
-    """'cpu', 'http' or 'sglang' (`resolve_engine_kind`)."""
+    """The registered kind ('cpu', 'http', 'sglang', or a user's; 'auto' already resolved)."""
     url: str
     """The first engine's URL."""
     tokenizer: Any
@@ -174,10 +116,8 @@ class RolloutService:
     num_teacher_top_log_probs: int = 0
     """How many of the teacher's top log-probs to fetch per token: teacher.teacher_top_k in topk
     distillation, else 0 (only the sampled token's)."""
-    server: Optional[CpuServerProcess] = None
-    """The `stacx serve` child this run started, stopped by `close`."""
-    sglang_actors: Sequence[Any] = ()
-    """The SGLang server actors this run started, killed by `close`."""
+    servers: Optional[LaunchedServers] = None
+    """The servers this run started (`stacx serve`, SGLang actors, ...), stopped by `close`."""
     urls: Sequence[str] = ()
     """Every engine URL (default: `url`); weight updates go to each."""
     teacher_section: Optional[TeacherSection] = None
@@ -186,71 +126,66 @@ class RolloutService:
 
     def __post_init__(self) -> None:
         self.urls = tuple(self.urls) or (self.url,)
-        self.sglang_actors = list(self.sglang_actors)
         self._teacher_engine = None
 
     @staticmethod
-    def launch_cpu_server(run_config: RunConfig) -> Optional["LaunchedCpuServer"]:
-        """Start the CPU engine's `stacx serve` process without waiting for it (None for other engines):
-        a run launches it first, starts its role workers, then hands it to `start`, which waits for it."""
-        if resolve_engine_kind(run_config.rollout.rollout_engine) != "cpu" or run_config.model.hf_checkpoint is None:
+    def launch_beside_workers(rollout: RolloutSection, *, hf_checkpoint: Optional[str]) -> Optional[LaunchedEngine]:
+        """Start the servers of an engine kind that loads beside the role workers (the CPU engine's
+        `stacx serve`) without waiting for them; None for other kinds. A run launches them first,
+        starts its role workers, then hands them to `start`, which waits for them."""
+        kind = resolve_engine_kind(rollout.rollout_engine)
+        if kind.launcher is None or not kind.starts_beside_workers or hf_checkpoint is None:
             return None
-        api_key = secrets.token_urlsafe(32)
-        process = CpuServerProcess(run_config.model.hf_checkpoint, seed=run_config.rollout.rollout_seed,
-                                   api_key=api_key, wait=False)
-        return LaunchedCpuServer(process=process, api_key=api_key)
+        return launch_engine(kind, rollout, hf_checkpoint=hf_checkpoint)
 
     @classmethod
-    def start(cls, run_config: RunConfig, training_config: TrainingConfig, tokenizer=None,
-              launched: Optional["LaunchedCpuServer"] = None) -> "RolloutService":
-        """Start or attach the engine named by `run_config.rollout.rollout_engine`; `launched`: the CPU
-        server `launch_cpu_server` already started for this run (stopped here if anything fails)."""
-        rollout = run_config.rollout
-        kind = resolve_engine_kind(rollout.rollout_engine)
-        hf_checkpoint = run_config.model.hf_checkpoint
-        if hf_checkpoint is None:
-            raise ValueError("the rollout engine serves --hf-checkpoint, which is not set")
+    def start(cls, rollout: RolloutSection, teacher_section: TeacherSection, *, plan: RolloutPlan,
+              hf_checkpoint: Optional[str], tokenizer=None,
+              launched: Optional[LaunchedEngine] = None) -> "RolloutService":
+        """Start or attach the engine named by `rollout.rollout_engine` for a run of `plan`, serving
+        `hf_checkpoint`; `launched`: the servers `launch_beside_workers` already started for this run
+        (stopped here if anything fails)."""
         try:
+            kind = resolve_engine_kind(rollout.rollout_engine)
+            if hf_checkpoint is None:
+                raise ValueError("the rollout engine serves --hf-checkpoint, which is not set")
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(hf_checkpoint)
         except BaseException:
             if launched is not None:
-                launched.process.stop()
+                launched.stop()
             raise
-        server, actors = None, ()
-        # a server this run starts gets a fresh secret; attached servers use the driver's STACX_API_KEY
-        api_key = secrets.token_urlsafe(32) if kind in ("cpu", "sglang") else (os.environ.get("STACX_API_KEY") or None)
-        if kind == "cpu":
-            if launched is not None:
-                server, api_key = launched.process, launched.api_key
-            else:
-                server = CpuServerProcess(hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key, wait=False)
-            url = server.wait_until_ready()
-        elif kind == "http":
+        if kind.attaches:
             if not rollout.rollout_urls:
-                raise ValueError("rollout_engine 'http' needs --rollout-urls (the servers to attach to)")
+                raise ValueError(f"rollout_engine {kind.name!r} attaches to running servers; give them with "
+                                 "--rollout-urls")
             if len(set(rollout.rollout_urls)) != len(rollout.rollout_urls):
                 raise ValueError(f"--rollout-urls lists a server twice: {list(rollout.rollout_urls)}")
-            url = rollout.rollout_urls[0]
-        else:  # sglang
-            actors, urls = launch_sglang_servers_on_ray([SglangServerSpec(model_path=hf_checkpoint, port=SGLANG_PORT,
-                                                                          api_key=api_key)])
-            url = urls[0]
-        try:
-            teacher = build_teacher(run_config.teacher) if training_config.uses_teacher else None
-            if training_config.uses_teacher and teacher is None:
-                raise ValueError(f"recipe {training_config.name!r} scores rollouts with a teacher; set --teacher-url")
-        except BaseException:
-            _stop_started_servers(server, actors)  # a server this call started must not outlive the error
-            raise
-        num_top = run_config.teacher.teacher_top_k if run_config.teacher.distill_kl_mode == "topk" else 0
-        urls = tuple(rollout.rollout_urls) if kind == "http" else (url,)
-        if len(urls) > 1:
-            engine = EnginePool([engine_client(kind, u, api_key=api_key) for u in urls], names=urls)
+            urls, api_key = tuple(rollout.rollout_urls), os.environ.get("STACX_API_KEY") or None
         else:
-            engine = engine_client(kind, url, api_key=api_key)
-        service = cls(engine, engine_kind=kind, url=url, tokenizer=tokenizer,
-                      rollout_section=rollout, teacher=teacher, num_teacher_top_log_probs=num_top, server=server,
-                      sglang_actors=actors, urls=urls, teacher_section=run_config.teacher, api_key=api_key)
+            launched = launched if launched is not None else launch_engine(kind, rollout, hf_checkpoint=hf_checkpoint)
+            try:
+                urls = tuple(launched.servers.wait_until_ready())
+            except BaseException:
+                launched.stop()
+                raise
+            api_key = launched.api_key
+        servers = launched.servers if launched is not None else None
+        try:
+            teacher = build_teacher(teacher_section) if plan.uses_teacher else None
+            if plan.uses_teacher and teacher is None:
+                raise ValueError(f"recipe {plan.recipe!r} scores rollouts with a teacher; set --teacher-url")
+        except BaseException:
+            if servers is not None:
+                servers.stop()  # a server this call started must not outlive the error
+            raise
+        num_top = teacher_section.teacher_top_k if teacher_section.distill_kl_mode == "topk" else 0
+        if len(urls) > 1:
+            engine = EnginePool([kind.connect(u, api_key=api_key) for u in urls], names=urls)
+        else:
+            engine = kind.connect(urls[0], api_key=api_key)
+        service = cls(engine, engine_kind=kind.name, url=urls[0], tokenizer=tokenizer,
+                      rollout_section=rollout, teacher=teacher, num_teacher_top_log_probs=num_top, servers=servers,
+                      urls=urls, teacher_section=teacher_section, api_key=api_key)
         try:
             service.wait_until_healthy()
         except BaseException:
@@ -335,20 +270,5 @@ class RolloutService:
             if self._teacher_engine is not None:
                 self._teacher_engine.shutdown()
         finally:
-            _stop_started_servers(self.server, self.sglang_actors)
-
-
-def _stop_started_servers(server: Optional[CpuServerProcess], sglang_actors: Sequence[Any]) -> None:
-    """Stop the `stacx serve` child and kill the SGLang server actors a run started (best effort:
-    a failure to stop one never keeps the others alive)."""
-    try:
-        if server is not None:
-            server.stop()
-    finally:
-        for actor in sglang_actors:
-            try:
-                import ray
-
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001 - best-effort teardown
-                pass
+            if self.servers is not None:
+                self.servers.stop()

@@ -1,7 +1,7 @@
 """One step's samples on the driver: roll-in or plain sampling, DAPO's reward shaping and
 dynamic sampling, rollout dumps; held-out evaluation every `eval_interval` steps.
 
-    step_rollout = StepRollout(service, data, run_config=..., training_config=..., algorithm=...)
+    step_rollout = StepRollout(service, data, rollout=run_config.rollout, plan=plan, algorithm=..., out_dir=...)
     samples, metrics = step_rollout.collect(step)       # rewards and teacher fields filled
     metrics.update(step_rollout.evaluate_if_due(step))  # the model after `step` steps, before step `step`
 
@@ -35,15 +35,14 @@ from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_conf
 from stacx.rollout import rollin
 from stacx.rollout.episode import episode_metrics
 from stacx.rollout.dagger import Executor
-from stacx.rollout.data import DataConfig, load_examples
+from stacx.rollout.data import DataConfig, ExampleSource, load_examples
 from stacx.rollout.dynamic_sampling import collect_informative_groups
 from stacx.rollout.evaluation import RolloutDumper, evaluate
+from stacx.rollout.plan import RolloutPlan
+from stacx.rollout.sections import RolloutSection
 
-if TYPE_CHECKING:  # annotations only: the rollout never imports the trainer at run time
-    from stacx.trainer.config.recipe import TrainingConfig
+if TYPE_CHECKING:  # annotations only
     from stacx.rollout.service import RolloutService
-    from stacx.trainer.batch import StepDataSource
-    from stacx.trainer.config.run import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +71,8 @@ def overlong_penalty(response_length: int, *, max_length: int, buffer_length: in
     return max(free - response_length, -buffer_length) / buffer_length * factor
 
 
-def dynamic_sampling_enabled(run_config: RunConfig, algorithm: AlgorithmConfig) -> bool:
-    return run_config.rollout.dynamic_sampling or algorithm.filter_zero_variance_groups
+def dynamic_sampling_enabled(rollout: RolloutSection, algorithm: AlgorithmConfig) -> bool:
+    return rollout.dynamic_sampling or algorithm.filter_zero_variance_groups
 
 
 def split_groups(samples: Sequence[Any]) -> list[list[Any]]:
@@ -87,28 +86,32 @@ def split_groups(samples: Sequence[Any]) -> list[list[Any]]:
 class StepRollout:
     """The driver's per-step sample producer (built once per run)."""
 
-    def __init__(self, service: RolloutService, data: Optional[StepDataSource], *, run_config: RunConfig,
-                 training_config: TrainingConfig, algorithm: AlgorithmConfig):
+    def __init__(self, service: RolloutService, data: Optional[ExampleSource], *, rollout: RolloutSection,
+                 plan: RolloutPlan, algorithm: AlgorithmConfig, out_dir: str):
+        """rollout: the run's rollout section; plan: the recipe's view (the trainer's `rollout_plan`);
+        out_dir: where rollouts.jsonl is written (--out)."""
+        if plan.rollin is None:
+            raise ValueError(f"recipe {plan.recipe!r}: this run replays a teacher trajectory corpus "
+                             "(dagger_sft_mode 'trajectory') and samples no rollouts")
         self.service = service
         self.data = data
-        self.run_config = run_config
-        self.training_config = training_config
+        self.rollout = rollout
+        self.plan = plan
         self.algorithm = algorithm = as_algorithm_config(algorithm, "StepRollout(algorithm=...)")
-        rollout = run_config.rollout
-        self.spec = rollin.resolve_rollin(training_config, run_config.teacher, given_keys=run_config.given_keys)
-        self.dynamic = dynamic_sampling_enabled(run_config, algorithm)
+        self.spec = plan.rollin
+        self.dynamic = dynamic_sampling_enabled(rollout, algorithm)
         self.overlong_buffer = overlong_buffer_tokens(algorithm, rollout.rollout_max_response_len)
         self.overlong_factor = algorithm.overlong_penalty_factor
         if self.overlong_buffer > rollout.rollout_max_response_len or self.overlong_buffer < 0:
             # Fail at start, not mid-run.
             raise ValueError(
-                f"recipe {training_config.name!r}: overlong_buffer_length={self.overlong_buffer} must be in "
+                f"recipe {plan.recipe!r}: overlong_buffer_length={self.overlong_buffer} must be in "
                 f"[0, rollout_max_response_len={rollout.rollout_max_response_len}]; set --overlong-buffer-length "
                 f"(DAPO uses a fifth of the limit, here {rollout.rollout_max_response_len // 5}) or raise "
                 "--rollout-max-response-len")
         self.dumper = None
         if rollout.save_rollouts_per_step > 0:
-            self.dumper = RolloutDumper(run_config.logging.out, per_step=rollout.save_rollouts_per_step,
+            self.dumper = RolloutDumper(out_dir, per_step=rollout.save_rollouts_per_step,
                                         tokenizer=service.tokenizer)
         self.eval_examples = self._load_eval_examples()
         self.warned_uniform_rewards = False
@@ -118,7 +121,7 @@ class StepRollout:
     def collect(self, step: int) -> tuple[list, dict[str, float]]:
         """(samples with rewards and teacher fields, rollout metrics) of training step `step`."""
         manager = self.service.manager(step)
-        rng = random.Random(self.run_config.rollout.rollout_seed * 1_000_003 + step)
+        rng = random.Random(self.rollout.rollout_seed * 1_000_003 + step)
         metrics: dict[str, float] = {}
         batch_size = self.data.batch_size
 
@@ -128,7 +131,7 @@ class StepRollout:
         if self.dynamic:
             result = collect_informative_groups(
                 lambda k: split_groups(draw(k)), lambda group: [s.reward for s in group], target_groups=batch_size,
-                over_sampling_factor=self.run_config.rollout.over_sampling_factor,
+                over_sampling_factor=self.rollout.over_sampling_factor,
                 max_rounds=DYNAMIC_SAMPLING_MAX_ROUNDS)
             samples = []
             for index, group in enumerate(result.groups):
@@ -159,7 +162,7 @@ class StepRollout:
 
     def generate(self, manager, examples: Sequence[Any], step: int, rng: random.Random, metrics: dict) -> list:
         """Samples of `examples` (rewards, overlong penalty, teacher fields); roll-in metrics into `metrics`."""
-        rollout = self.run_config.rollout
+        rollout = self.rollout
         if self.spec.mode == "student" and not any(rollin.has_environment(e) for e in examples):
             samples = manager.generate([e.prompt_ids for e in examples], self.service.sampling_params(),
                                        n_samples_per_prompt=rollout.n_samples_per_prompt,
@@ -172,7 +175,7 @@ class StepRollout:
     def roll_in(self, manager, examples: Sequence[Any], step: int, rng: random.Random, metrics: dict) -> list:
         tokenizer = self.service.tokenizer
         sampling = self.service.sampling_params()
-        episodes = rollin.start_episodes(examples, n_samples_per_prompt=self.run_config.rollout.n_samples_per_prompt,
+        episodes = rollin.start_episodes(examples, n_samples_per_prompt=self.rollout.n_samples_per_prompt,
                                          spec=self.spec, iteration=step, rng=rng, tokenizer=tokenizer)
         engines = {Executor.STUDENT: self.service.engine}
         if self.spec.uses_teacher_engine:
@@ -191,7 +194,7 @@ class StepRollout:
             samples = rollin.relabel_with_teacher(episodes, teacher_engine=engines[Executor.TEACHER],
                                                   sampling=sampling, tokenizer=tokenizer, rng=rng)
             metrics["rollin/relabeled_samples"] = float(len(samples))
-        elif self.training_config.uses_teacher:
+        elif self.plan.uses_teacher:
             manager.score_with_teacher(samples)
         return samples
 
@@ -199,7 +202,7 @@ class StepRollout:
         if not self.overlong_buffer:
             return
         for sample in samples:
-            penalty = overlong_penalty(sample.response_length, max_length=self.run_config.rollout.rollout_max_response_len,
+            penalty = overlong_penalty(sample.response_length, max_length=self.rollout.rollout_max_response_len,
                                        buffer_length=self.overlong_buffer, factor=self.overlong_factor)
             sample.metadata["overlong_penalty"] = penalty
             sample.reward = (sample.reward if sample.reward is not None else 0.0) + penalty
@@ -209,14 +212,14 @@ class StepRollout:
 
         Only for reward recipes without a critic: GAE's advantages come from the value model and are
         not zero when the rewards of a group agree."""
-        if self.warned_uniform_rewards or not self.training_config.uses_reward:
+        if self.warned_uniform_rewards or not self.plan.uses_reward:
             return
         if self.algorithm.advantage_estimator == "gae":
             return
         message = uniform_reward_warning(step, samples,
-                                         n_samples_per_prompt=self.run_config.rollout.n_samples_per_prompt,
-                                         temperature=self.run_config.rollout.rollout_temperature,
-                                         reward_fn=self.run_config.rollout.reward_fn)
+                                         n_samples_per_prompt=self.rollout.n_samples_per_prompt,
+                                         temperature=self.rollout.rollout_temperature,
+                                         reward_fn=self.rollout.reward_fn)
         if message is not None:
             self.warned_uniform_rewards = True
             logger.warning(message)
@@ -224,7 +227,7 @@ class StepRollout:
     # ---- evaluation --------------------------------------------------------------------------
 
     def _load_eval_examples(self) -> Optional[list]:
-        rollout = self.run_config.rollout
+        rollout = self.rollout
         if rollout.eval_interval < 0:
             raise ValueError(f"eval_interval must be >= 0, got {rollout.eval_interval}")
         if rollout.eval_interval == 0:
@@ -245,7 +248,7 @@ class StepRollout:
         """eval/mean_reward, eval/pass@1, eval/pass@<n>, eval/reward_errors of the model the engine
         serves after `completed_steps` training steps, when that is a multiple of eval_interval
         (0 included: the starting model); else {}. The loop logs them at step `completed_steps`."""
-        rollout = self.run_config.rollout
+        rollout = self.rollout
         if self.eval_examples is None or completed_steps % rollout.eval_interval:
             return {}
         manager = self.service.manager(completed_steps, seed_offset=EVAL_SEED_OFFSET, with_teacher=False)

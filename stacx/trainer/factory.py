@@ -13,8 +13,8 @@ from pathlib import Path
 
 from stacx.objectives import import_builtin_and_custom_modules, load_custom_modules
 from stacx.rollout.async_rollout import check_async_supported
-from stacx.rollout.rollin import check_supported
 from stacx.rollout.service import RolloutService, load_tokenizer
+from stacx.trainer.config.checks import check_agent_supported
 from stacx.trainer.batch import StepDataSource
 from stacx.trainer.checkpoint import verify_start_folders
 from stacx.trainer.preflight import replays_trajectories
@@ -35,6 +35,7 @@ from stacx.trainer.config.mini_batches import (
     optimizer_steps_per_rollout,
     with_resolved_mini_batches,
 )
+from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.loop import StacxTrainer
 from stacx.trainer.metrics import ROLLOUTS_FILE, MetricsLogger, keep_rows_before
@@ -77,7 +78,7 @@ def build_metrics_logger(run_config: RunConfig, recipe: str, start_step: int = 0
 
 def build_driver_side(run_config: RunConfig, training_config: TrainingConfig, *, launched=None):
     """(tokenizer, StepDataSource, RolloutService or None) for the process that drives the run;
-    `launched`: the CPU rollout server `launch_rollout_server` started (stopped here on any failure)."""
+    `launched`: the rollout servers `launch_rollout_server` started (stopped here on any failure)."""
     try:
         if run_config.model.hf_checkpoint is None:
             raise ValueError("--hf-checkpoint is not set (the model every role starts from, and its tokenizer)")
@@ -85,23 +86,27 @@ def build_driver_side(run_config: RunConfig, training_config: TrainingConfig, *,
         data = StepDataSource(run_config, training_config, tokenizer)
     except BaseException:
         if launched is not None:
-            launched.process.stop()
+            launched.stop()
         raise
     rollout = None
     if training_config.data_source == "rollout" and data.kind != "trajectory":
-        rollout = RolloutService.start(run_config, training_config, tokenizer, launched=launched)
+        rollout = RolloutService.start(run_config.rollout, run_config.teacher,
+                                       plan=rollout_plan(training_config, run_config),
+                                       hf_checkpoint=run_config.model.hf_checkpoint, tokenizer=tokenizer,
+                                       launched=launched)
     elif launched is not None:
-        launched.process.stop()
+        launched.stop()
     return tokenizer, data, rollout
 
 
 def launch_rollout_server(run_config: RunConfig, training_config: TrainingConfig):
-    """The run's CPU rollout server process, started now without waiting for it (None when the run
-    starts none): it loads its model while the role workers start, and `build_driver_side` waits for it.
+    """The run's rollout servers that load beside the role workers (the CPU engine's `stacx serve`),
+    started now without waiting for them (None when the run starts none such): they load their model
+    while the role workers start, and `build_driver_side` waits for them.
     Only the process starts early; the driver itself does one thing at a time."""
     if training_config.data_source != "rollout" or replays_trajectories(run_config, training_config):
         return None
-    return RolloutService.launch_cpu_server(run_config)
+    return RolloutService.launch_beside_workers(run_config.rollout, hf_checkpoint=run_config.model.hf_checkpoint)
 
 
 def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None):
@@ -113,8 +118,9 @@ def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None)
     run_config = apply_run_env_overrides(run_config)  # STACX_* read once; workers get the result
     training_config, algorithm = resolve_recipe(run_config)
     run_config = with_resolved_mini_batches(run_config, training_config.data_source)  # what every rank reads
-    check_supported(training_config, run_config)
-    check_async_supported(run_config, training_config, algorithm)
+    plan = rollout_plan(training_config, run_config)  # a bad roll-in fails before anything starts
+    check_async_supported(run_config.rollout, plan, algorithm)
+    check_agent_supported(run_config, training_config)
     verify_start_folders(run_config.model, training_config)  # once, here, rather than on every worker
     connection = connect_ray(run_config.parallel.ray_address)
     graph, rollout = None, None
@@ -126,7 +132,7 @@ def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None)
                      for role in training_config.roles}
         except BaseException:
             if launched is not None:
-                launched.process.stop()
+                launched.stop()
             raise
         _, data, rollout = build_driver_side(run_config, training_config, launched=launched)
 

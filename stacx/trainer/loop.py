@@ -21,7 +21,8 @@ rollout step N starts at row N x optimizer_steps_per_rollout: no second eval of 
 Old log-probs (pi_old) are computed once per rollout, before its first update: with several
 optimizer steps per rollout they are the proximal policy of every mini-batch (the resolved
 `recompute_old_log_probs`), while the engine's log-probs stay the behaviour policy of the
-off-policy corrections.
+off-policy corrections. With one optimizer step per rollout (async included) pi_old is the
+training forward's own detached log-probs: the same weights, no extra forward.
 
 The loop talks to roles through `RoleGroup`s (Ray workers or torchrun processes, see
 role_groups.py), so the same code drives a Ray run and a torchrun SPMD job. Any failure kills the
@@ -36,7 +37,7 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -45,7 +46,9 @@ from stacx.objectives import get_advantage
 from stacx.objectives.advantages_returns import gae_returns
 from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
 from stacx.parallel.reduction import StepCounts, count_loss_tokens
+from stacx.rollout.agent_rollout import AgentRollout, agent_from_settings, last_turn_reward
 from stacx.rollout.async_rollout import AsyncRollout, importance_weight_metrics
+from stacx.rollout.rewards import resolve_reward_fn
 from stacx.rollout.step_rollout import StepRollout
 from stacx.rollout.types import EngineTarget
 from stacx.rollout.service import RolloutService
@@ -67,6 +70,7 @@ from stacx.trainer.config.layout import RoleLayout
 from stacx.trainer.config.mini_batches import mini_batch_indices, resolve_mini_batch_schedule, sample_groups
 from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
 from stacx.trainer.config.resolve import check_resumed_algorithm, resolved_run_config_dict
+from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.exchange import ExchangeSchedule
 from stacx.trainer.heartbeat import Heartbeat
@@ -91,7 +95,10 @@ class StacxTrainer:
                  make_metrics_logger: Optional[Callable[[int], MetricsLogger]] = None,
                  on_failure: Callable[[], None] = lambda: None, on_close: Callable[[], None] = lambda: None,
                  close_engine_clients: Callable[[], None] = lambda: None,
-                 exchanges: Optional[Mapping[str, ExchangeGroup]] = None):
+                 exchanges: Optional[Mapping[str, ExchangeGroup]] = None, step_rollout: Optional[Any] = None):
+        """step_rollout: where the driver's samples come from instead of a StepRollout over `rollout` and
+        `data` (anything with `collect(step)` and `evaluate_if_due(step)`, e.g. an external agent's
+        sessions, stacx.rollout.agent_rollout.AgentRollout); weights still go to `rollout`'s engine."""
         self.run_config = run_config
         self.training_config = training_config
         self.algorithm = as_algorithm_config(algorithm, "StacxTrainer(algorithm=...)")
@@ -118,7 +125,11 @@ class StacxTrainer:
         # values: rank messages carry no rollout types).
         shared = channel.share((rollout.engine_kind, tuple(rollout.urls), rollout.api_key) if rollout is not None else None)
         self.engine_target: Optional[EngineTarget] = EngineTarget(*shared) if shared is not None else None
-        self.step_rollout = self._build_step_rollout() if rollout is not None and channel.is_driver else None
+        if step_rollout is not None and run_config.rollout.rollout_mode == "async":
+            raise ValueError("--rollout-mode async draws its own prompts; a given step_rollout (an agent's sessions) "
+                             "needs --rollout-mode sync")
+        self.step_rollout = step_rollout if step_rollout is not None else (
+            self._build_step_rollout() if rollout is not None and channel.is_driver else None)
         """The driver's `rollout_steps.StepRollout`: roll-ins, DAPO shaping and sampling, eval, rollout dumps."""
         self.mini_batches = resolve_mini_batch_schedule(run_config.rollout, run_config.train,
                                                         data_source=training_config.data_source)
@@ -262,7 +273,8 @@ class StacxTrainer:
 
     def collect_batch(self, step: int) -> tuple[StepBatch, dict]:
         """(step batch, rollout metrics), on the driver: async mode takes the scheduler's batch of `step`."""
-        if self.training_config.data_source == "dataset" or self.data.kind == "trajectory":
+        # data is None when the step rollout draws its own tasks (stacx.rollout.agent_rollout.AgentRollout)
+        if self.training_config.data_source == "dataset" or (self.data is not None and self.data.kind == "trajectory"):
             batch = self.data.next_dataset_batch()
             lengths = batch.response_lengths
             return batch, {"data/response_length_mean": sum(lengths) / len(lengths)}
@@ -289,8 +301,27 @@ class StacxTrainer:
         self.async_rollout.start()
 
     def _build_step_rollout(self):
-        return StepRollout(self.rollout, self.data, run_config=self.run_config, training_config=self.training_config,
-                           algorithm=self.algorithm)
+        section = self.run_config.rollout
+        if section.agent or section.agent_command:
+            return self._build_agent_rollout()
+        return StepRollout(self.rollout, self.data, rollout=self.run_config.rollout,
+                           plan=rollout_plan(self.training_config, self.run_config), algorithm=self.algorithm,
+                           out_dir=self.run_config.logging.out)
+
+    def _build_agent_rollout(self) -> AgentRollout:
+        """--agent / --agent-command: each prompt row is a task the user's agent runs n_samples_per_prompt
+        times against the engine's OpenAI-compatible endpoint; its recorded turns are the samples."""
+        section, tokenizer = self.run_config.rollout, self.rollout.tokenizer
+
+        def next_tasks(step: int) -> list[dict]:
+            return [{"prompt": tokenizer.decode(example.prompt_ids), "label": example.label,
+                     "metadata": dict(example.metadata), "source": example.source}
+                    for example in self.data.next_examples(self.data.batch_size)]
+
+        return AgentRollout(agent_from_settings(section.agent, section.agent_command), server_url=self.rollout.url,
+                            next_tasks=next_tasks, n_samples_per_task=section.n_samples_per_prompt,
+                            reward_fn=last_turn_reward(resolve_reward_fn(section.reward_fn), tokenizer.decode),
+                            max_parallel_episodes=section.agent_max_parallel_episodes)
 
     def shaped_rewards(self, batch: StepBatch) -> list[float]:
         """opd_rl: R_i - teacher_kl_coef * sum_t m_it (log pi(a_t) - log pi_teacher(a_t)) (rollout log-probs)."""
@@ -484,9 +515,8 @@ class StacxTrainer:
         if self.channel.is_driver:
             driver_state = {"step": step, "data": self.data.state_dict() if self.data is not None else {},
                             "rng": capture_rng_state()}
-            if self.async_rollout is not None:  # in-flight groups are not saved: a resumed run regenerates them
-                driver_state["data"] = self.async_rollout.data_state()
-                driver_state["async"] = self.async_rollout.resume_state()
+            if self.async_rollout is not None:  # the generated, untrained groups: a resumed run trains them
+                driver_state["data"], driver_state["async"] = self.async_rollout.checkpoint_state()
             final = commit_checkpoint(staging, step=step, recipe=self.training_config, role_layouts=self.role_layouts(),
                                       rank_files=rank_files, driver_state=driver_state,
                                       resolved_run_config=resolved_run_config_dict(

@@ -9,7 +9,8 @@ What it checks (each failure is one paragraph naming the flag and the fix):
 - --save does not hold another run's checkpoints (unless --load resumes it or --overwrite);
 - a recipe that scores rollouts with a teacher has --teacher-url (or a trajectory corpus to replay),
   the teacher answers `/health` within TEACHER_TIMEOUT_S, and its vocabulary matches the student's;
-  --rollout-engine http has --rollout-urls; --reward-fn resolves; --wandb-project has the wandb package;
+  --rollout-engine is a registered engine kind, and one that attaches (http) has --rollout-urls;
+  --reward-fn resolves; --wandb-project has the wandb package;
 - the advantage estimator is registered, and no custom key is a misspelling of a knob the run's
   kernels declare (`check_objective_names`);
 - --tensor-model-parallel-size and --context-parallel-size divide the model's attention heads
@@ -46,17 +47,18 @@ from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import ADVANTAGES, OFF_POLICY_CORRECTIONS, POLICY_LOSSES, Registry
 from stacx.rollout.async_rollout import check_async_supported
 from stacx.rollout.data import MalformedRowError
+from stacx.rollout.engines.registry import resolve_engine_kind
 from stacx.rollout.http_client import API_KEY_ENV
 from stacx.rollout.rewards import resolve_reward_fn
-from stacx.rollout.rollin import check_supported
 from stacx.rollout.service import load_tokenizer
 from stacx.specializations.actor import correction_names
 from stacx.tasks.data import is_builtin, parse_builtin_spec, resolve_builtin_data
 from stacx.trainer.batch import StepDataSource
 from stacx.trainer.checkpoint import CheckpointError, check_save_folder, read_manifest, resolve_checkpoint_folder
-from stacx.trainer.config.checks import PreflightError
+from stacx.trainer.config.checks import PreflightError, check_agent_supported
 from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
 from stacx.trainer.config.mini_batches import resolve_mini_batch_schedule
+from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import CUSTOM_HYPERPARAMETERS_KEY, ConfigError, RunConfig
 
 """Offending rows named in a data error (the count says how many there are in all)."""
@@ -272,9 +274,10 @@ def check_rollout_mode(run_config: RunConfig, training_config: TrainingConfig, a
     """--rollout-mode async refuses what it does not run yet (dataset recipes, roll-ins, dynamic
     sampling) and --partial-rollout without it (`check_async_supported`)."""
     try:
-        check_async_supported(run_config, training_config, algorithm)
+        check_async_supported(run_config.rollout, rollout_plan(training_config, run_config), algorithm)
     except ValueError as err:
         raise PreflightError(str(err)) from None
+    check_agent_supported(run_config, training_config)
 
 
 def check_custom_modules(run_config: RunConfig) -> None:
@@ -333,8 +336,13 @@ def check_services(run_config: RunConfig, training_config: TrainingConfig) -> No
                              "teacher server; start one (`stacx serve --hf-checkpoint TEACHER`) and pass its URL")
     if training_config.uses_teacher:
         check_teacher(run_config.teacher.teacher_url, run_config.model.hf_checkpoint)
-    if run_config.rollout.rollout_engine == "http" and not run_config.rollout.rollout_urls:
-        raise PreflightError("--rollout-engine http attaches to running servers; give them with --rollout-urls")
+    try:
+        engine_kind = resolve_engine_kind(run_config.rollout.rollout_engine)  # custom modules are loaded by now
+    except ValueError as err:
+        raise PreflightError(str(err)) from None
+    if engine_kind.attaches and not run_config.rollout.rollout_urls:
+        raise PreflightError(f"--rollout-engine {engine_kind.name} attaches to running servers; give them with "
+                             "--rollout-urls")
     if training_config.uses_reward:
         try:
             resolve_reward_fn(run_config.rollout.reward_fn)
@@ -342,7 +350,7 @@ def check_services(run_config: RunConfig, training_config: TrainingConfig) -> No
             raise PreflightError(f"--reward-fn: {err}") from None
 
     try:
-        check_supported(training_config, run_config)
+        rollout_plan(training_config, run_config)  # resolves the roll-in: its mode and schedule
     except ValueError as err:
         raise PreflightError(str(err)) from None
 

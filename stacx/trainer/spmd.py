@@ -18,13 +18,14 @@ import torch.distributed as dist
 
 from stacx.parallel.groups import destroy_parallel_layout, init_distributed_from_env, initialize_parallel_layout
 from stacx.rollout.async_rollout import check_async_supported
-from stacx.rollout.rollin import check_supported
-from stacx.rollout.service import resolve_engine_kind
+from stacx.rollout.engines.registry import resolve_engine_kind
+from stacx.trainer.config.checks import check_agent_supported
 from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
 from stacx.trainer.checkpoint import verify_start_folders
 from stacx.trainer.cluster.node_interface import bind_collectives_to_node, local_address_toward
 from stacx.trainer.config.resolve import apply_run_env_overrides
 from stacx.trainer.config.mini_batches import with_resolved_mini_batches
+from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.factory import build_driver_side, build_metrics_logger, launch_rollout_server, resolve_recipe
 from stacx.trainer.loop import StacxTrainer
@@ -49,9 +50,10 @@ def build_spmd_trainer(run_config: RunConfig):
         raise ValueError(f"recipe {training_config.name!r} has roles {[r.name for r in training_config.roles]}; "
                          "torchrun runs recipes with one role (sft, dpo, grpo and its family, opd, ...); launch recipes with "
                          "several roles on Ray (stacx train without torchrun)")
-    check_supported(training_config, run_config)
-    check_async_supported(run_config, training_config, algorithm, torchrun=True,
-                          engine_kind=resolve_engine_kind(run_config.rollout.rollout_engine))
+    plan = rollout_plan(training_config, run_config)  # a bad roll-in fails before anything starts
+    check_async_supported(run_config.rollout, plan, algorithm, torchrun=True,
+                          engine_kind=resolve_engine_kind(run_config.rollout.rollout_engine).name)
+    check_agent_supported(run_config, training_config)
     verify_start_folders(run_config.model, training_config)
     parallel = run_config.parallel
     if "MASTER_ADDR" in os.environ:  # gloo/NCCL listen on the interface toward the master, not the host name's
@@ -66,10 +68,11 @@ def build_spmd_trainer(run_config: RunConfig):
     # The driver rank starts its rollout server's process first: it loads while this rank builds its model.
     launched = launch_rollout_server(run_config, training_config) if channel.is_driver else None
     try:
-        runtime = RoleRuntime(role, run_config, algorithm, groups, rank=dist.get_rank())
+        runtime = RoleRuntime(role, algorithm, groups, model=run_config.model, optim=run_config.optim,
+                              train=run_config.train, rank=dist.get_rank())
     except BaseException:
         if launched is not None:
-            launched.process.stop()
+            launched.stop()
         raise
     if channel.is_driver:
         _, data, rollout = build_driver_side(run_config, training_config, launched=launched)

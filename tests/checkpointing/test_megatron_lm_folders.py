@@ -81,7 +81,8 @@ def test_megatron_lm_and_flat_folders_load_as_reference_start_weights_and_conver
         config = run_config(str(tmp_path), train={"algorithm": "dpo"}, hf_checkpoint=folders["hf"],
                             ref_load=str(root / "iter"))
         recipe, algorithm = resolve_recipe(config)
-        runtime = RoleRuntime(recipe.roles[0], config, algorithm, groups)
+        runtime = RoleRuntime(recipe.roles[0], algorithm, groups, model=config.model, optim=config.optim,
+                              train=config.train)
         # The reference holds the folder's weights; the policy starts from --hf-checkpoint's (another seed).
         same = [torch.equal(r, t) for r, t in zip(runtime.reference_weights, expected.values())]
         assert same == [True] * len(expected)

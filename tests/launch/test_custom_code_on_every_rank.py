@@ -1,6 +1,9 @@
 """User code reaches every rank (issue 13, item 2): the two commands users hit first, trained for
 2 steps through `stacx train` on Ray (workers get the module *source* from the driver) and under
-torchrun (every rank imports it), plus a recipe file in `stacx/custom/` (no import cycle)."""
+torchrun (every rank imports it), plus a recipe file in `stacx/custom/` (no import cycle). Both runs
+also roll out on a toy engine kind registered in a `--custom-module` file (toy_engine.py, issue 29):
+its launcher starts the servers, the driver generates through its client, and the policy ranks push
+their weights through it."""
 
 from __future__ import annotations
 
@@ -20,6 +23,19 @@ CUSTOM_FOLDER_LAUNCHER = os.path.join(REPO, "tests", "launch", "train_with_custo
 SMALL_ROLLOUT = ["--prompt-data", "builtin:sorting", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
                  "--rollout-max-response-len", "6", "--rollout-engine", "cpu", "--no-progress-bar"]
 
+TOY_ENGINE = os.path.join(REPO, "tests", "launch", "toy_engine.py")
+
+
+def toy_engine_flags(tmp_path) -> tuple[list[str], str]:
+    """(flags rolling out on the toy engine kind of a --custom-module file, the file its calls are noted in)."""
+    return ["--custom-module", TOY_ENGINE, "--rollout-engine", "toy"], str(tmp_path / "toy_engine.log")
+
+
+def toy_engine_calls(log: str) -> list[tuple[str, int]]:
+    """(call, process id) of every call the toy engine noted."""
+    with open(log) as handle:
+        return [(call, int(pid)) for call, pid in (line.split() for line in handle)]
+
 
 def train_env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -29,7 +45,7 @@ def train_env(extra: dict | None = None) -> dict:
 
 
 def run_stacx_train(launcher: str, flags: list[str], out: str, *, custom_dirs: tuple[str, ...] = (),
-                    num_steps: int = 2, ray_address: str | None = None) -> list[dict]:
+                    num_steps: int = 2, ray_address: str | None = None, env: dict | None = None) -> list[dict]:
     """Train with `stacx train` on `launcher` and return the metrics of each step. Ray: attached with
     `--ray-address` to `ray_address` (the shared test cluster, whose workers see none of this driver's
     environment or files), or a local cluster of its own when None; torchrun: 2 DP ranks.
@@ -45,7 +61,8 @@ def run_stacx_train(launcher: str, flags: list[str], out: str, *, custom_dirs: t
         command = [sys.executable, *entry, *flags]
     else:
         command = [TORCHRUN, "--standalone", "--nproc-per-node=2", *entry, *flags, "--data-parallel-size", "2"]
-    env = train_env({"STACX_TEST_CUSTOM_DIRS": os.pathsep.join(custom_dirs)} if custom_dirs else None)
+    env = train_env({**(env or {}),
+                     **({"STACX_TEST_CUSTOM_DIRS": os.pathsep.join(custom_dirs)} if custom_dirs else {})})
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert completed.returncode == 0, completed.stderr[-5000:]
     # A successful run ends quietly: no failed teardown request, no library deprecation notices.
@@ -76,14 +93,20 @@ def test_custom_estimator_and_loss_from_a_file_train_on_every_rank(launcher, tin
     the file itself; a file registering an estimator and a loss runs there in
     test_design_doc_examples.py (padded_plugins/my_algorithm.py with its YAML), and a specialization
     file below."""
+    toy_flags, toy_log = toy_engine_flags(tmp_path)
     steps = run_stacx_train(launcher, [
         "--custom-module", "examples/custom_algorithm/my_algo.py", "--config", "examples/configs/grpo.yaml",
         "--advantage-estimator", "rank_centered", "--policy-loss", "tempered_pg",
         "--algorithm-param", "pg_temperature=0.5", "--hf-checkpoint", tiny_checkpoint, "--ref-load", tiny_checkpoint,
-        "--save", str(tmp_path / "checkpoints"), *SMALL_ROLLOUT], str(tmp_path / "out"),
-        ray_address=ray_address_for(launcher, request))
+        "--save", str(tmp_path / "checkpoints"), *SMALL_ROLLOUT, *toy_flags], str(tmp_path / "out"),
+        ray_address=ray_address_for(launcher, request), env={"STACX_TEST_TOY_ENGINE_LOG": toy_log})
     # The kernel's own metric is logged (tempered ratio sum / loss tokens, 1 on policy).
     assert all(step["policy/tempered_ratio"] == pytest.approx(1.0, abs=1e-4) for step in steps)
+    # The driver launched and sampled through the toy kind; the Ray workers (which see none of this
+    # environment, so note nothing) looked it up in the shipped file to push weights 1 and 2: an
+    # unknown kind would have failed the run, and the engine confirms each version it serves.
+    calls = [call for call, _ in toy_engine_calls(toy_log)]
+    assert calls[0] == "launch" and calls.count("launch") == 1 and calls.count("generate") >= 2
 
 
 @pytest.mark.slow
@@ -96,13 +119,21 @@ def test_custom_specialization_class_and_recipe_from_a_file_train_on_every_rank(
     file (`--reward-fn FILE.py:fn`), which was refused with `No module named '<path>'` (issue 27); it runs
     on the driver, so the launcher does not matter for it. On Ray, a specialization and its recipe from
     a file train in test_design_doc_examples.py (specialization_in_one_file/my_algo.py)."""
+    toy_flags, toy_log = toy_engine_flags(tmp_path)
     steps = run_stacx_train(launcher, [
         "--custom-module", "examples/custom_specialization/reward_weighted_sft.py", "--algorithm",
         "reward_weighted_sft", "--algorithm-param", "rwr_temperature=0.5", "--hf-checkpoint", tiny_checkpoint,
-        *SMALL_ROLLOUT, "--reward-fn", "tests/launch/constant_reward.py:quarter"], str(tmp_path / "out"),
-        ray_address=ray_address_for(launcher, request))
+        *SMALL_ROLLOUT, "--reward-fn", "tests/launch/constant_reward.py:quarter", *toy_flags], str(tmp_path / "out"),
+        ray_address=ray_address_for(launcher, request), env={"STACX_TEST_TOY_ENGINE_LOG": toy_log})
     assert all(step["policy/weighted_nll"] > 0 and step["policy/mean_weight"] > 0 for step in steps)
     assert all(step["rollout/reward_mean"] == pytest.approx(0.25) for step in steps)
+    # Rank 0 drives: it launched the toy servers and sampled through the toy client; as the policy's
+    # TP/DP rank 0 it pushed weights 1 and 2 through the same kind.
+    calls = toy_engine_calls(toy_log)
+    assert [call for call, _ in calls if call.startswith(("launch", "update_weights"))] == [
+        "launch", "update_weights_1", "update_weights_2"]
+    assert {call for call, _ in calls} == {"launch", "generate", "update_weights_1", "update_weights_2"}
+    assert len({pid for _, pid in calls}) == 1  # one process: the driver rank
 
 
 RECIPE_IN_CUSTOM_FOLDER = '''

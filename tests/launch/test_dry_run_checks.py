@@ -243,12 +243,18 @@ def test_async_rollout_flags_in_the_dry_run_and_their_refusals(inputs, capsys):
     assert code == 0, err
     config = out.split("resolved run config", 1)[1]
     assert "rollout_mode: async" in config and "max_staleness: 2" in config and "partial_rollout: true" in config
-    assert "off_policy_corrections: token_tis" in config and "recompute_old_log_probs: true" in config
+    # One optimizer step per rollout: pi_prox is the step's own forward (no recompute); several: recomputed.
+    assert "off_policy_corrections: token_tis" in config and "recompute_old_log_probs: false" in config
+    code, out, err = _train(inputs, "--rollout-mode", "async", "--max-staleness", "1", "--num-steps-per-rollout", "2",
+                            capsys=capsys)
+    assert code == 0, err
+    assert "recompute_old_log_probs: true" in out.split("resolved run config", 1)[1]
     code, _, err = _train(inputs, "--rollout-mode", "async", "--dynamic-sampling", capsys=capsys)
     assert code == 2 and "--dynamic-sampling" in err and "--rollout-mode async" in err
     code, _, err = _train(inputs, "--partial-rollout", capsys=capsys)
     assert code == 2 and "add --rollout-mode async" in err
-    code, _, err = _train(inputs, "--rollout-mode", "async", "--no-recompute-old-log-probs", capsys=capsys)
+    code, _, err = _train(inputs, "--rollout-mode", "async", "--no-recompute-old-log-probs", "--num-steps-per-rollout",
+                          "2", capsys=capsys)
     assert code == 2 and "--no-recompute-old-log-probs" in err
     with pytest.raises(SystemExit):  # argparse names the choices
         _train(inputs, "--rollout-mode", "later", capsys=capsys)

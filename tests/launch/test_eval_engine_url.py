@@ -43,7 +43,12 @@ def _eval(checkpoint, out, *flags) -> dict:
         return json.load(handle)
 
 
-def test_a_server_gives_the_cpu_engines_numbers_in_batches_with_a_progress_bar(checkpoint, server, tmp_path, capsys):
+TOY_ENGINE = "tests/launch/toy_engine.py"
+"""A toy engine kind registered from a --custom-module file (docs/adding-an-engine.md)."""
+
+
+def test_a_server_gives_the_cpu_engines_numbers_in_batches_with_a_progress_bar(checkpoint, server, tmp_path, capsys,
+                                                                                monkeypatch):
     url, calls = server
     local = _eval(checkpoint, tmp_path / "local.json", "--batch-size", "100", "--no-progress-bar")
     assert "stacx eval:" not in capsys.readouterr().err  # no bar when asked for none
@@ -53,6 +58,12 @@ def test_a_server_gives_the_cpu_engines_numbers_in_batches_with_a_progress_bar(c
     assert remote["engine"] == url and local["engine"] == "cpu"
     assert remote["metrics"] == local["metrics"]  # greedy, same weights, same seeds
     assert [s["response"] for s in remote["samples"]] == [s["response"] for s in local["samples"]]
+    # The client of an engine kind a --custom-module file registers talks to the server just the same.
+    monkeypatch.setenv("STACX_TEST_TOY_ENGINE_LOG", str(tmp_path / "toy.log"))
+    toy = _eval(checkpoint, tmp_path / "toy.json", "--engine-url", url, "--batch-size", "4", "--no-progress-bar",
+                "--custom-module", TOY_ENGINE, "--engine-kind", "toy")
+    assert calls == [8, 4, 8, 4] and toy["metrics"] == local["metrics"]
+    assert (tmp_path / "toy.log").read_text().split()[::2] == ["generate", "generate"]
 
 
 def test_engine_url_mistakes_are_named(checkpoint, tmp_path, capsys):
@@ -60,6 +71,9 @@ def test_engine_url_mistakes_are_named(checkpoint, tmp_path, capsys):
         (["--engine-url", "127.0.0.1:1"], "--engine-url '127.0.0.1:1': give an http:// or https:// URL"),
         (["--engine-url", "http://127.0.0.1:9"], "--engine-url http://127.0.0.1:9: the server does not answer /health"),
         (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--engine-kind", "http"], "--engine-kind http names the client of a running server; add --engine-url"),
+        (["--engine-url", "http://127.0.0.1:9", "--engine-kind", "sglan"],
+         "--engine-kind 'sglan' is not a registered engine kind; did you mean 'sglang'?"),
     ]
     for flags, message in cases:
         assert main(["eval", "--hf-checkpoint", checkpoint, "--task", "addition", "--out",

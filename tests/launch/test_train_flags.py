@@ -12,6 +12,7 @@ import pytest
 
 from stacx.launch.cli import build_parser, main
 from stacx.launch.run_flags import add_run_config_arguments, flag_name, run_config_from_args
+from stacx.rollout.engines.registry import engine_kind_names
 from stacx.trainer.config.run import ALGORITHM_FIELDS, FIELDS, ConfigError, RunConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,6 +57,13 @@ def test_every_run_config_field_and_known_algorithm_field_has_one_flag():
                      "--algorithm", "--advantage-estimator", "--kl-loss-type", "--kl-loss-coef", "--custom-module",
                      "--max-tokens-per-micro-batch", "--teacher-url", "--rollout-batch-size", "--dry-run"):
         assert expected in flags, expected
+    # --rollout-engine shows the engine registry's kinds (and '...' for those of --custom-module files),
+    # and its help is the field's docstring from the rollout's own section (stacx/rollout/sections.py).
+    engine = next(action for action in parser._actions if "--rollout-engine" in action.option_strings)
+    shown = engine.metavar.strip("{}").split(",")
+    assert shown[0] == "auto" and shown[-1] == "..." and {"cpu", "http", "sglang"} <= set(shown)
+    assert shown[1:-1] == engine_kind_names(discover=False) and engine.choices is None
+    assert engine.help.startswith("Engine kind: 'cpu'")
 
 
 def test_flags_fill_the_run_config_with_typed_values():

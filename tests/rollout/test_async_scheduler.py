@@ -225,6 +225,38 @@ def test_mistakes_are_refused_with_what_was_wrong():
         s3.complete(99, "r", [])
 
 
+def test_a_checkpoint_holds_admission_saves_the_settled_buffer_and_a_resumed_scheduler_trains_it_the_same():
+    s = scheduler(k=1, b=1, partial=True)
+    old, new = s.admit("old"), s.admit("new")
+    s.complete(old, "r-old", [[0, 0]])
+    s.take_batch(0)
+    s.begin_update()
+    s.interrupt(new, "partial")
+    s.publish_version(1)
+    s.hold_admission()
+    assert s.pop_continuation().state == "partial"  # continuations still run while admission is held
+    assert not s.can_admit() and not s.wait_until_settled(timeout=0)
+    with pytest.raises(ValueError, match="running or interrupted"):
+        s.state_dict()
+    s.complete(new, "r-new", [[0, 1]])
+    assert s.wait_until_settled(timeout=0)
+    state = s.state_dict()
+    s.release_admission()
+    assert s.can_admit()
+    resumed = AsyncRolloutScheduler(AsyncRolloutConfig(max_staleness=1, groups_per_step=1, partial_rollout=True,
+                                                       start_version=1))
+    assert resumed.load_state_dict(state) == [0]
+    assert resumed.can_admit() and s.can_admit()  # one more: (a + K - t + 1) * B - U = 2 - 1, in both
+    assert resumed.metrics() == s.metrics()  # the buffer and the run totals
+    expected, again = s.take_batch(1, timeout=0), resumed.take_batch(1, timeout=0)
+    assert (again.groups[0].payload, again.groups[0].result, again.staleness, again.metrics()["async/interrupted_groups"]) \
+        == (expected.groups[0].payload, expected.groups[0].result, expected.staleness, 1.0) == ("new", "r-new", [1], 1.0)
+    # A smaller K could not train the saved group (admitted at version 0) at step 1: refused, naming the flag.
+    strict = AsyncRolloutScheduler(AsyncRolloutConfig(max_staleness=0, groups_per_step=1, start_version=1))
+    with pytest.raises(ValueError, match="--max-staleness 0 .*resume with the --max-staleness"):
+        strict.load_state_dict(state)
+
+
 def test_close_wakes_a_waiting_trainer_and_producer():
     s = scheduler(k=0, b=1)
     s.admit("a")  # never completes

@@ -342,3 +342,49 @@ def test_the_async_producer_continues_an_interrupted_group_through_stacx_serve_w
     assert len(sample.rollout_log_probs) == len(versions) == len(sample.response_ids)
     assert metrics["async/interrupted_groups"] == 1.0 and metrics["async/staleness_max"] == 1.0
     assert not producer.thread.is_alive()
+
+
+def test_async_rollout_over_a_pool_of_two_cpu_engines_uses_both_and_keeps_the_bound(
+        tiny_checkpoints, policies, single_process_world):
+    """`AsyncRollout` (K = 1, partial rollout, 2 prompts x 2 samples per step) over an `EnginePool` of two
+    CPU engines: every group call is cut over the engines, both generate, every weight update aborts
+    and updates both, and no group is trained beyond K (step 1 trains groups of version 0)."""
+    from types import SimpleNamespace
+
+    from stacx.rollout.async_rollout import AsyncRollout
+    from stacx.rollout.data import Example
+    from stacx.rollout.engine_pool import EnginePool
+    from stacx.rollout.service import RolloutService
+    from stacx.trainer.config.run import RunConfig
+
+    config = RunConfig.from_dict({"rollout_batch_size": 2, "n_samples_per_prompt": 2, "rollout_max_response_len": 6,
+                                  "rollout_mode": "async", "max_staleness": 1, "partial_rollout": True,
+                                  "reward_fn": "tests.trainer.training_fixtures:varied_reward"})
+    examples = iter([Example(prompt_ids=[4, 15 + i % 8, 16], source="t") for i in range(64)])
+    data = SimpleNamespace(batch_size=2, prompt_index=0, next_examples=lambda count: [next(examples)])
+    engines = [CpuEngine.from_hf_checkpoint(tiny_checkpoints[0]) for _ in range(2)]
+    pool = EnginePool(engines, names=["engine a", "engine b"])
+    service = RolloutService(pool, engine_kind="http", url="pool", tokenizer=None, rollout_section=config.rollout)
+    producer = AsyncRollout(service, data, SimpleNamespace(apply_overlong_penalty=lambda samples: None),
+                            rollout_section=config.rollout, start_version=0)
+    staleness, trained = [], 0
+    producer.start()
+    try:
+        for step in range(4):
+            samples, metrics = producer.take_batch(step)
+            staleness.append(metrics["async/staleness_max"])
+            trained += len(samples)
+            for sample in samples:
+                assert min(sample.metadata["token_versions"], default=step) >= step - 1
+            producer.begin_update()
+            pool.pause()
+            load_policy(pool, policies, (step + 1) % 2)
+            pool.resume()
+            producer.publish_version(step + 1)
+    finally:
+        producer.close()
+        pool.shutdown()
+    assert staleness[1] == 1.0 and max(staleness) <= 1.0
+    assert trained == 4 * 2 * 2
+    assert min(pool.requests_sent) > 0 and sum(pool.requests_sent) >= trained, pool.requests_sent
+    assert [engine.weight_version() for engine in engines] == [4, 4]

@@ -1,4 +1,4 @@
-"""Concurrent generate calls share one engine batch (stacx.rollout.request_batching)."""
+"""Concurrent generate calls share one engine batch (stacx.rollout.engines.request_batching)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from stacx.rollout.engines.cpu import GenerationCancelled
-from stacx.rollout.request_batching import GenerateBatcher
+from stacx.rollout.engines.request_batching import GenerateBatcher
 
 
 class RecordingEngine:

@@ -256,7 +256,8 @@ def test_resolve_api_key_rules(monkeypatch):
 def test_trainer_started_server_takes_its_secret_from_the_environment_and_cleans_up_on_sigterm(tiny_checkpoints):
     import secrets
 
-    from stacx.rollout.service import CpuServerProcess, engine_client
+    from stacx.rollout.engines.launchers import CpuServerProcess
+    from stacx.rollout.engines.registry import engine_client
 
     key = secrets.token_urlsafe(32)
     server = CpuServerProcess(tiny_checkpoints[0], api_key=key)

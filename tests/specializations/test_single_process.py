@@ -199,3 +199,23 @@ def test_actor_metrics_over_kept_tokens_are_divided_by_the_global_count_with_kep
     # Guide 000: the metric is the kept sum over the GLOBAL loss-token count; the kept-token mean is separate.
     assert means["entropy"] == pytest.approx(float(expected.sum()) / raw, rel=1e-5)
     assert means["entropy_kept_mean"] == pytest.approx(float(expected.mean()), rel=1e-5)
+
+
+def test_pi_old_from_the_step_forward_gives_the_loss_and_gradient_of_a_recomputed_pi_old():
+    """Why an async run with one optimizer step per rollout spends no forward on pi_old
+    (`decoupled_objective_values`): the step's own detached log-probs (no `log_probs` field) give the
+    PPO-clip + token_tis loss and gradient that a pi_old recomputed on the same weights gives."""
+    import dataclasses
+
+    case, samples = CASES["actor_ppo_kl_entropy_tis"], make_samples()
+    logits = random_logits(samples)
+    recomputed = ActorSpecialization().compute_log_probs(logits, _batch(samples, loss_masks=samples["loss_masks"]))
+    forward = lambda tokens, padded: logits * 1.0  # noqa: E731
+    with_recomputed = run_case(forward, SINGLE, case, {**samples, "log_probs": [lp.float() for lp in recomputed]})
+    from_the_step = run_case(forward, SINGLE, dataclasses.replace(
+        case, fields=tuple(f for f in case.fields if f != "log_probs")), samples)
+    assert from_the_step["loss"] == pytest.approx(with_recomputed["loss"], rel=1e-6, abs=1e-7)
+    scale = float(with_recomputed["logits_grad"].abs().max())
+    torch.testing.assert_close(from_the_step["logits_grad"], with_recomputed["logits_grad"], atol=1e-6 * scale, rtol=0)
+    # Not trivial: another pi_old (the samples' own) gives another loss.
+    assert run_case(forward, SINGLE, case, samples)["loss"] != pytest.approx(from_the_step["loss"], rel=1e-3)

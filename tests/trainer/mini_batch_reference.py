@@ -84,7 +84,8 @@ def train_stacx(groups, root: str, checkpoint: str, rollouts: list[dict], values
     run_config = with_resolved_mini_batches(RunConfig.from_dict({**base, **values}, source="test"), "rollout")
     algorithm = resolve_algorithm_config(training_config, run_config, environ={})
     role = training_config.roles[0]
-    group = LocalRoleGroup(RoleRuntime(role, run_config, algorithm, groups, rank=dist.get_rank()), role.name)
+    group = LocalRoleGroup(RoleRuntime(role, algorithm, groups, model=run_config.model, optim=run_config.optim,
+                                       train=run_config.train, rank=dist.get_rank()), role.name)
     calls = []
     compute_fields = group.compute_fields
 

@@ -3,7 +3,9 @@
 process, the torchrun loop on one forked gloo rank (no Ray). Checks: the dumped trajectories mask
 exactly the model's tokens, the per-episode counts reach the `agent/*` metrics, rewards vary so the
 policy gets a gradient, and the trainer's log-probs of the trained tokens equal the engine's (zero
-drift end to end: a re-tokenized trajectory would score other tokens)."""
+drift end to end: a re-tokenized trajectory would score other tokens). Then, on the same server, an
+external agent given with --agent (a file:function using the official openai client, two turns per
+episode) is the rollout: its sessions train one GRPO step, scored by a --reward-fn file function."""
 
 from __future__ import annotations
 
@@ -25,11 +27,42 @@ WORDS = (("banana", "a"), ("letter", "t"))
 def train_grpo_on_episodes(groups, root: str, url: str):
     from stacx.trainer.spmd import run_spmd
 
-    values = dict(algorithm={"name": "grpo", "off_policy_corrections": "token_tis"},
+    values = dict(algorithm={"off_policy_corrections": "token_tis"}, train={"algorithm": "grpo"},
                   hf_checkpoint=os.path.join(root, "policy"), prompt_data=os.path.join(root, "episodes.jsonl"),
                   custom_module=[os.path.abspath(EXAMPLE)], rollout_engine="http", rollout_urls=[url],
                   rollout_batch_size=2, n_samples_per_prompt=4, rollout_max_response_len=6, rollout_temperature=1.0,
                   max_tokens_per_micro_batch=4096, save_rollouts_per_step=100, num_steps=2)
+    return run_spmd(run_config(root, **values))
+
+
+AGENT_FILE = """
+import openai
+
+
+def two_turns(base_url, task):
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": task["prompt"]}]
+    first = client.chat.completions.create(model="policy", messages=messages, max_tokens=5)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                 {"role": "user", "content": "again"}]
+    client.chat.completions.create(model="policy", messages=messages, max_tokens=5)
+    return None  # --reward-fn scores the last turn
+
+
+def length_reward(response, label, metadata):
+    return float(len(response) % 3)
+"""
+
+
+def train_grpo_on_agent_sessions(groups, root: str, url: str):
+    from stacx.trainer.spmd import run_spmd
+
+    agent = os.path.join(root, "my_agent.py")
+    values = dict(train={"algorithm": "grpo"}, hf_checkpoint=os.path.join(root, "policy"),
+                  prompt_data=os.path.join(root, "episodes.jsonl"), agent=f"{agent}:two_turns",
+                  reward_fn=f"{agent}:length_reward", rollout_engine="http", rollout_urls=[url],
+                  rollout_batch_size=2, n_samples_per_prompt=4, max_tokens_per_micro_batch=4096, num_steps=1,
+                  out=os.path.join(root, "out_agent"))
     return run_spmd(run_config(root, **values))
 
 
@@ -51,10 +84,20 @@ def test_grpo_trains_on_multi_turn_tool_episodes(tmp_path, monkeypatch):
             f.write(json.dumps({"prompt": "count", "metadata": {"environment": "letter_count", "max_turns": 3,
                                                                  "word": word, "letter": letter}}) + "\n")
     ensure_single_process_layout()
-    server = EngineHttpServer(CpuEngine.from_hf_checkpoint(policy, seed=3), api_key=ATTACHED_SERVER_KEY).start()
+    server = EngineHttpServer(CpuEngine.from_hf_checkpoint(policy, seed=3), api_key=ATTACHED_SERVER_KEY,
+                              tokenizer=tokenizer).start()
     try:
         monkeypatch.setenv("STACX_API_KEY", ATTACHED_SERVER_KEY)
         run_distributed(train_grpo_on_episodes, 1, args=(root, server.url), timeout_s=240)
+    finally:
+        server.stop()
+    # A fresh server (the first run moved its weight version on): the agent's run starts at version 0.
+    server = EngineHttpServer(CpuEngine.from_hf_checkpoint(policy, seed=3), api_key=ATTACHED_SERVER_KEY,
+                              tokenizer=tokenizer).start()
+    try:
+        with open(os.path.join(root, "my_agent.py"), "w") as f:
+            f.write(AGENT_FILE)
+        run_distributed(train_grpo_on_agent_sessions, 1, args=(root, server.url), timeout_s=240)
     finally:
         server.stop()
         destroy_parallel_layout()
@@ -82,3 +125,10 @@ def test_grpo_trains_on_multi_turn_tool_episodes(tmp_path, monkeypatch):
     # Step 0 trains the weights that generated it: the trainer's log-probs of the dumped tokens are the
     # engine's (float32 rounding apart) only if the tokens are the engine's own.
     assert rows[0]["policy/mismatch_abs_log_ratio"] < 1e-3
+
+    # --agent: the external agent's two-turn sessions are the samples; the trained ids are the engine's.
+    (agent_row,) = read_metrics(os.path.join(root, "out_agent"))
+    assert agent_row["rollout/agent_episodes"] == 8.0 and agent_row["rollout/agent_failed_episodes"] == 0.0
+    assert agent_row["rollout/agent_turns_mean"] == 2.0
+    assert agent_row["policy/mismatch_abs_log_ratio"] < 1e-3
+    assert agent_row["policy/grad_norm"] > 0  # the --reward-fn scores differed within a group

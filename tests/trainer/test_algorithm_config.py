@@ -141,10 +141,10 @@ def test_a_dagger_sampling_mode_equal_to_the_default_overrides_a_kappa_recipe():
     aggrevate = get_recipe("mixture_aggrevate_opd")
     assert aggrevate.rollin_protocol == "aggrevate"
     unset = _from_flags(["--algorithm", "mixture_aggrevate_opd"])
-    assert resolve_rollin(aggrevate, unset.teacher, environ={}, given_keys=unset.given_keys).mode == "kappa"
+    assert resolve_rollin(aggrevate.rollin_protocol, unset.teacher, environ={}, given_keys=unset.given_keys).mode == "kappa"
     beta = _from_flags(["--algorithm", "mixture_aggrevate_opd", "--dagger-sampling-mode", "beta"])
     assert "dagger_sampling_mode" in beta.given_keys
-    assert resolve_rollin(aggrevate, beta.teacher, environ={}, given_keys=beta.given_keys).mode == "beta"
+    assert resolve_rollin(aggrevate.rollin_protocol, beta.teacher, environ={}, given_keys=beta.given_keys).mode == "beta"
     # The record survives replace() (which rebuilds every section).
     assert "dagger_sampling_mode" in beta.replace(num_steps=2).given_keys
 

@@ -79,6 +79,7 @@ def test_the_trainer_and_the_async_check_refuse_an_algorithm_config_of_another_t
     from types import SimpleNamespace
 
     from stacx.rollout.async_rollout import check_async_supported
+    from stacx.trainer.config.rollout_plan import rollout_plan
     from stacx.trainer.loop import StacxTrainer
     from stacx.trainer.recipes import get_recipe
 
@@ -88,4 +89,5 @@ def test_the_trainer_and_the_async_check_refuse_an_algorithm_config_of_another_t
         StacxTrainer(run_config=RunConfig(), training_config=get_recipe("grpo"), algorithm=look_alike, roles={},
                      channel=None, data=None)
     with pytest.raises(TypeError, match=r"check_async_supported " + fix):
-        check_async_supported(RunConfig.from_dict({"rollout_mode": "async"}), get_recipe("grpo"), look_alike)
+        config = RunConfig.from_dict({"rollout_mode": "async"})
+        check_async_supported(config.rollout, rollout_plan(get_recipe("grpo"), config), look_alike)

@@ -18,6 +18,7 @@ from stacx.trainer.batch import StepBatch
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.metrics import MetricsLogger
 from stacx.trainer.recipes import get_recipe
+from stacx.trainer.config.rollout_plan import rollout_plan
 from tests.trainer.fakes import FakeDataSource, FakeRoleGroup, make_trainer
 
 TOKENIZER = build_char_tokenizer()
@@ -52,8 +53,9 @@ def _trainer(tmp_path, *, start_step: int, bar: io.StringIO):
     service = SimpleNamespace(
         tokenizer=TOKENIZER, sampling_params=lambda: SamplingParams(max_new_tokens=4),
         manager=lambda step, **_: RolloutManager(engine, tokenizer=TOKENIZER, reward_fn=lambda r, l, m: float(r)))
-    trainer.step_rollout = StepRollout(service, None, run_config=run_config, training_config=get_recipe("grpo"),
-                                       algorithm=AlgorithmConfig())
+    trainer.step_rollout = StepRollout(service, None, rollout=run_config.rollout,
+                                       plan=rollout_plan(get_recipe("grpo"), run_config),
+                                       out_dir=run_config.logging.out, algorithm=AlgorithmConfig())
     trainer.make_metrics_logger = lambda start: MetricsLogger(run_config.logging.out, total_steps=NUM_STEPS,
                                                               start_step=start, tensorboard=False, progress_file=bar,
                                                               plots=False)
@@ -99,8 +101,9 @@ def test_with_two_optimizer_steps_per_rollout_an_eval_lands_in_its_models_row(tm
     service = SimpleNamespace(
         tokenizer=TOKENIZER, sampling_params=lambda: SamplingParams(max_new_tokens=4),
         manager=lambda step, **_: RolloutManager(engine, tokenizer=TOKENIZER, reward_fn=lambda r, l, m: float(r)))
-    trainer.step_rollout = StepRollout(service, None, run_config=run_config, training_config=get_recipe("grpo"),
-                                       algorithm=AlgorithmConfig())
+    trainer.step_rollout = StepRollout(service, None, rollout=run_config.rollout,
+                                       plan=rollout_plan(get_recipe("grpo"), run_config),
+                                       out_dir=run_config.logging.out, algorithm=AlgorithmConfig())
     trainer.make_metrics_logger = lambda start: MetricsLogger(run_config.logging.out, total_steps=2 * NUM_STEPS,
                                                               start_step=start, tensorboard=False,
                                                               progress_bar=False, plots=False)

@@ -131,7 +131,7 @@ def test_grpo_spreads_rollouts_over_two_servers_and_updates_both(ray_address, fi
     from stacx.rollout.engines.cpu import CpuEngine
     from stacx.rollout.engines.http import HttpEngine
     from stacx.trainer.factory import create_trainer
-    from stacx.rollout.service import CpuServerProcess
+    from stacx.rollout.engines.launchers import CpuServerProcess
 
     servers: list = [None, None]
 

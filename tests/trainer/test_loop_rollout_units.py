@@ -20,6 +20,7 @@ from stacx.rollout.types import GenerateOutput
 from stacx.rollout import rollin
 from stacx.trainer.recipes import get_recipe
 from stacx.trainer.config.run import RunConfig
+from stacx.trainer.config.rollout_plan import rollout_plan
 
 TOKENIZER = build_char_tokenizer()
 EOS = TOKENIZER.eos_token_id
@@ -66,24 +67,28 @@ def _turn_segments(sample) -> list[tuple[int, list[int]]]:
     return segments
 
 
+def protocol_of(recipe: str):
+    return get_recipe(recipe).rollin_protocol
+
+
 def test_rollin_mode_comes_from_the_recipe_unless_overridden():
     teacher = RunConfig().teacher
-    assert rollin.resolve_rollin(get_recipe("grpo"), teacher).mode == "student"
-    assert rollin.resolve_rollin(get_recipe("mixture_dagger_opd"), teacher).mode == "beta"
-    assert rollin.resolve_rollin(get_recipe("mixture_aggrevate_opd"), teacher).mode == "kappa"
-    assert rollin.resolve_rollin(get_recipe("online_dagger"), teacher).mode == "relabel"
+    assert rollin.resolve_rollin(protocol_of("grpo"), teacher).mode == "student"
+    assert rollin.resolve_rollin(protocol_of("mixture_dagger_opd"), teacher).mode == "beta"
+    assert rollin.resolve_rollin(protocol_of("mixture_aggrevate_opd"), teacher).mode == "kappa"
+    assert rollin.resolve_rollin(protocol_of("online_dagger"), teacher).mode == "relabel"
     # STACX_DAGGER_SAMPLING_MODE swaps the protocol of a mixture recipe; STACX_DAGGER_SFT_MODE selects replay.
-    swapped = rollin.resolve_rollin(get_recipe("mixture_dagger_opd"), teacher, {"STACX_DAGGER_SAMPLING_MODE": "kappa"})
+    swapped = rollin.resolve_rollin(protocol_of("mixture_dagger_opd"), teacher, {"STACX_DAGGER_SAMPLING_MODE": "kappa"})
     assert swapped.mode == "kappa" and swapped.roll_in.schedule(1) == 20
-    assert rollin.resolve_rollin(get_recipe("mixture_aggrevate_opd"), teacher,
+    assert rollin.resolve_rollin(protocol_of("mixture_aggrevate_opd"), teacher,
                                  {"STACX_DAGGER_SAMPLING_MODE": "mixture_dagger_opd"}).mode == "beta"
-    assert rollin.resolve_rollin(get_recipe("online_dagger"), teacher, {"STACX_DAGGER_SFT_MODE": "trajectory"}) is None
+    assert rollin.resolve_rollin(protocol_of("online_dagger"), teacher, {"STACX_DAGGER_SFT_MODE": "trajectory"}) is None
     # A value the user set (RunConfig.given_keys records it) also wins over the recipe.
     explicit = RunConfig.from_dict({"dagger_sampling_mode": "kappa"})
-    assert rollin.resolve_rollin(get_recipe("mixture_dagger_opd"), explicit.teacher,
+    assert rollin.resolve_rollin(protocol_of("mixture_dagger_opd"), explicit.teacher,
                                  given_keys=explicit.given_keys).mode == "kappa"
     with pytest.raises(ValueError, match="STACX_DAGGER_SAMPLING_MODE"):
-        rollin.resolve_rollin(get_recipe("mixture_dagger_opd"), teacher, {"STACX_DAGGER_SAMPLING_MODE": "delta"})
+        rollin.resolve_rollin(protocol_of("mixture_dagger_opd"), teacher, {"STACX_DAGGER_SAMPLING_MODE": "delta"})
 
 
 def test_aggrevate_turns_follow_kappa_in_a_multi_turn_environment():
@@ -226,8 +231,9 @@ def test_dynamic_sampling_keeps_informative_groups_and_dumps_rollouts(tmp_path):
                                       "out": str(tmp_path)})
     algorithm = AlgorithmConfig(filter_zero_variance_groups=True, overlong_buffer_length=2, overlong_penalty_factor=1.0)
     data = FakeData(batch_size=3)
-    step_rollout = StepRollout(Service(), data, run_config=run_config, training_config=get_recipe("dapo"),
-                               algorithm=algorithm)
+    step_rollout = StepRollout(Service(), data, rollout=run_config.rollout,
+                               plan=rollout_plan(get_recipe("dapo"), run_config),
+                               out_dir=run_config.logging.out, algorithm=algorithm)
     samples, metrics = step_rollout.collect(step=0)
     # Round 1 draws labels 0,1,2 (keeps 1); round 2 draws 3,4 (keeps 3); round 3 draws 5 (keeps 5).
     assert [s.label for s in samples] == [1, 1, 3, 3, 5, 5]
@@ -263,8 +269,9 @@ def test_dynamic_sampling_gives_up_with_counts_when_every_group_is_uniform(tmp_p
 
     run_config = RunConfig.from_dict({"rollout_batch_size": 2, "n_samples_per_prompt": 2, "dynamic_sampling": True,
                                       "save_rollouts_per_step": 0, "out": str(tmp_path)})
-    step_rollout = StepRollout(Service(), FakeData(2), run_config=run_config, training_config=get_recipe("grpo"),
-                               algorithm=AlgorithmConfig())
+    step_rollout = StepRollout(Service(), FakeData(2), rollout=run_config.rollout,
+                               plan=rollout_plan(get_recipe("grpo"), run_config),
+                               out_dir=run_config.logging.out, algorithm=AlgorithmConfig())
     with pytest.raises(RuntimeError, match="dynamic sampling: only 0 of 2 groups"):
         step_rollout.collect(step=0)
 
@@ -275,8 +282,9 @@ def test_eval_interval_without_eval_data_names_the_flag(tmp_path):
     service = SimpleNamespace(tokenizer=TOKENIZER)
     run_config = RunConfig.from_dict({"eval_interval": 2, "out": str(tmp_path)})
     with pytest.raises(ValueError, match="--eval-data"):
-        StepRollout(service, FakeData(2), run_config=run_config, training_config=get_recipe("grpo"),
-                    algorithm=AlgorithmConfig())
+        StepRollout(service, FakeData(2), rollout=run_config.rollout,
+                    plan=rollout_plan(get_recipe("grpo"), run_config),
+                    out_dir=run_config.logging.out, algorithm=AlgorithmConfig())
 
 
 def test_engine_pool_spreads_requests_and_keeps_their_order():
@@ -354,8 +362,9 @@ def test_dapo_default_buffer_longer_than_the_response_limit_names_both_flags(tmp
     run_config = RunConfig.from_dict({"rollout_max_response_len": 64, "out": str(tmp_path)})
     algorithm = AlgorithmConfig(filter_zero_variance_groups=True, overlong_buffer_length=4096, overlong_penalty_factor=1.0)
     with pytest.raises(ValueError, match="overlong-buffer-length.*rollout-max-response-len"):
-        StepRollout(SimpleNamespace(tokenizer=TOKENIZER), FakeData(2), run_config=run_config,
-                    training_config=get_recipe("dapo"), algorithm=algorithm)
+        StepRollout(SimpleNamespace(tokenizer=TOKENIZER), FakeData(2), rollout=run_config.rollout,
+                    plan=rollout_plan(get_recipe("dapo"), run_config),
+                    out_dir=run_config.logging.out, algorithm=algorithm)
 
 
 def test_overlong_buffer_is_a_length_or_a_fraction_of_the_response_limit():

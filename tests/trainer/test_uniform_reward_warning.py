@@ -11,6 +11,7 @@ from stacx.rollout.step_rollout import StepRollout, uniform_reward_warning
 from stacx.trainer.config.resolve import resolve_algorithm_config
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.recipes import get_recipe
+from stacx.trainer.config.rollout_plan import rollout_plan
 
 
 def _samples(rewards_per_group: list[list[float]]) -> list:
@@ -43,7 +44,8 @@ def _step_rollout(recipe: str) -> StepRollout:
     training_config = get_recipe(recipe)
     service = RolloutService(None, engine_kind="http", url="http://engine", tokenizer=None,
                              rollout_section=run_config.rollout)
-    return StepRollout(service, None, run_config=run_config, training_config=training_config,
+    return StepRollout(service, None, rollout=run_config.rollout, plan=rollout_plan(training_config, run_config),
+                       out_dir=run_config.logging.out,
                        algorithm=resolve_algorithm_config(training_config, run_config, environ={}))
 
 

@@ -13,9 +13,11 @@ decoded so the answers can be read. `--load` takes a training checkpoint (a `ste
 `--save`, or the folder holding them); its config and tokenizer come from the checkpoint the run
 started from (recorded in its run_config.json; --hf-checkpoint names it if it moved).
 
-`--engine-url URL` generates on a running SGLang-compatible server (SGLang, or `stacx serve`)
-through `HttpEngine` instead of loading the model here; --hf-checkpoint then names the folder
-whose tokenizer encodes the prompts and decodes the answers (the model the server runs).
+`--engine-url URL` generates on a running server instead of loading the model here, through the
+client of the engine kind `--engine-kind` names (default 'http': any SGLang-compatible server,
+SGLang or `stacx serve`; a kind registered in a `--custom-module` file works the same way, see
+docs/adding-an-engine.md); --hf-checkpoint then names the folder whose tokenizer encodes the
+prompts and decodes the answers (the model the server runs).
 Prompts go to the engine --batch-size at a time; a progress bar on stderr counts them.
 """
 
@@ -69,6 +71,12 @@ def add_arguments(parser) -> None:
     engine.add_argument("--engine-url", default=None,
                         help="generate on this running SGLang-compatible server (SGLang or `stacx serve`) instead of "
                              "the CPU engine in this process; needs --hf-checkpoint for the tokenizer")
+    engine.add_argument("--engine-kind", default=None, metavar="KIND",
+                        help="the registered engine kind whose client talks to --engine-url (default: http; "
+                             "kinds of --custom-module files count)")
+    engine.add_argument("--custom-module", action="append", default=[], metavar="FILE_OR_MODULE",
+                        help="a Python file or module to import first, e.g. one registering an engine kind or a "
+                             "reward (repeatable)")
     engine.add_argument("--batch-size", type=int, default=8,
                         help="prompts sent to the engine at once; the progress bar advances per batch "
                              "(default: %(default)s)")
@@ -93,6 +101,9 @@ def validate_args(args) -> None:
         if not args.engine_url.startswith(("http://", "https://")):
             raise EvalUsageError(f"--engine-url {args.engine_url!r}: give an http:// or https:// URL, e.g. "
                                  "http://127.0.0.1:30000")
+    elif args.engine_kind is not None:
+        raise EvalUsageError(f"--engine-kind {args.engine_kind} names the client of a running server; add "
+                             "--engine-url URL, or drop --engine-kind to run the model here on the CPU engine")
     for flag, value, minimum in (("--n-samples", args.n_samples, 1), ("--num-prompts", args.num_prompts, 1),
                                  ("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 1)):
         if value is not None and value < minimum:
@@ -213,10 +224,15 @@ def open_engine(args, model_folder: str):
         from stacx.rollout.engines.cpu import CpuEngine
 
         return CpuEngine.from_hf_checkpoint(model_folder, seed=args.seed)
+    from stacx.rollout.engines.registry import resolve_engine_kind
     from stacx.rollout.http_client import RetryPolicy
-    from stacx.rollout.engines.http import HttpEngine
 
-    engine = HttpEngine(args.engine_url, RetryPolicy(timeout_s=600.0, max_attempts=2))  # a batch may take minutes
+    try:
+        kind = resolve_engine_kind(args.engine_kind or "http", flag="--engine-kind")
+    except ValueError as err:
+        raise EvalUsageError(str(err)) from None
+    # A batch may take minutes.
+    engine = kind.connect(args.engine_url, retry=RetryPolicy(timeout_s=600.0, max_attempts=2))
     if not engine.health():
         raise EvalUsageError(f"--engine-url {args.engine_url}: the server does not answer /health with 200; "
                              "start it (`stacx serve --hf-checkpoint FOLDER` or SGLang) or fix the URL")
@@ -260,6 +276,10 @@ def run(args) -> int:
 
     try:
         validate_args(args)
+        if args.custom_module:
+            from stacx.objectives.discovery import load_custom_modules
+
+            load_custom_modules(args.custom_module, ship_to_workers=False)  # no workers: eval is one process
         if args.engine_url is None:  # the model runs here
             print_cpu_path_notice()
         report = evaluate_checkpoint(args)

@@ -32,7 +32,7 @@ from stacx.rollout.engines.aborts import AbortBook, AbortFlag
 from stacx.rollout.engines.base import GenerationCancelled, InferenceEngine, WeightBucket
 from stacx.rollout.engines.kv_cache_decoding import KvCacheDecoder
 from stacx.rollout.engines.weight_loading import HfWeightReceiver
-from stacx.rollout.request_batching import GenerateBatcher
+from stacx.rollout.engines.request_batching import GenerateBatcher
 from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
 
 DECODINGS = ("kv_cache", "packed")
@@ -296,7 +296,7 @@ class CpuEngine(InferenceEngine):
 
     def submit(self, request: GenerateRequest):
         """Start one request (registered for `abort` at once); concurrent submissions that wait
-        for the engine decode together as one batch (stacx.rollout.request_batching)."""
+        for the engine decode together as one batch (stacx.rollout.engines.request_batching)."""
         self.check_requests([request])
         (flag,) = self.aborts.register([request.rid])
 

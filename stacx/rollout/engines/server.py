@@ -43,6 +43,10 @@ Endpoints (SGLang's names unless marked stacx; the schema is at GET /openapi.jso
                                          file this server created in its own shared-memory prefix
   POST /stacx/update_weights_from_shm    (stacx) bucket metadata + the `staging_id` (never a path)
   POST /stacx/shm_staging/release        (stacx) {"staging_id"}: remove that staging file
+  POST [/sessions/ID]/v1/chat/completions, [/sessions/ID]/v1/completions, GET [/sessions/ID]/v1/models
+                                         the OpenAI-compatible API (openai_endpoints.py); a turn under
+                                         a session is recorded for training
+  GET, DELETE /stacx/sessions/ID         (stacx) a session's recorded turns (DELETE: and forget them)
 """
 
 from __future__ import annotations
@@ -74,10 +78,11 @@ from stacx.rollout.engines.http_guard import (
     check_bearer_token,
     guarded_h11_protocol,
 )
+from stacx.rollout.engines.openai_endpoints import OpenAIEndpoints
 from stacx.rollout.engines.request_bodies import content_length, read_body_into, read_json
 from stacx.rollout.engines.sglang_protocol import parse_abort_payload, parse_generate_payload, render_generate_item
 from stacx.rollout.engines.weight_versions import StaleWeightsError, WeightVersionGate
-from stacx.rollout.request_batching import GenerateBatcher
+from stacx.rollout.engines.request_batching import GenerateBatcher
 from stacx.rollout.weight_transfer import (
     SharedMemoryRegistry,
     decode_bucket_body,
@@ -159,10 +164,12 @@ class EngineHttpServer:
         self._admitted = 0
         self._weight_lock = asyncio.Lock()  # one weight body in memory at a time
         self._generate_threads: Optional[anyio.CapacityLimiter] = None  # made on the event loop
-        # Concurrent /generate calls run as one engine batch (stacx.rollout.request_batching).
+        # Concurrent /generate calls run as one engine batch (stacx.rollout.engines.request_batching).
         self.batcher = GenerateBatcher(engine) if engine is not None else None
         self.aborts: AbortBook = getattr(engine, "aborts", None) or AbortBook()
         """Every /generate request from its arrival to its answer, for /abort_request."""
+        self.openai: Optional[OpenAIEndpoints] = None
+        """The OpenAI-compatible endpoint and its session book (set by build_app)."""
         self.app = build_app(self)
         self._socket = _listening_socket(host, port)
         config = uvicorn.Config(
@@ -249,6 +256,39 @@ class EngineHttpServer:
         if self._generate_threads is None:
             self._generate_threads = anyio.CapacityLimiter(self.limits.max_queued_requests)
         return self._generate_threads
+
+    async def run_engine(self, request: Request, requests: list) -> list:
+        """Generate for `requests` on behalf of the HTTP `request` (the event loop's thread): admitted
+        against max_queued_requests, waiting while paused, abortable by rid, stopped when the client
+        leaves; 503 when generation stays paused for pause_timeout_s."""
+        self.admit_generate()
+        gone = threading.Event()
+        watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
+        flags = self.aborts.register([r.rid for r in requests])  # abortable from arrival on
+
+        def run():
+            deadline = time.monotonic() + self.pause_timeout_s
+            while not self.gate.wait(0.1):  # paused: wait, unless every request is aborted meanwhile
+                if all(flag.is_set() for flag in flags):
+                    break
+                if gone.is_set():
+                    raise GenerationCancelled()
+                if time.monotonic() > deadline:
+                    return None
+            if gone.is_set():
+                raise GenerationCancelled()
+            return self.batcher.generate(requests, should_stop=gone.is_set, abort_flags=flags)
+
+        try:
+            outputs = await anyio.to_thread.run_sync(run, limiter=self.generate_threads())
+        finally:
+            self.aborts.release(flags)
+            watcher.cancel()
+            self.release_generate()
+        if outputs is None:
+            raise HttpError(503, f"generation stayed paused for pause_timeout_s ({self.pause_timeout_s:.0f}s); "
+                                 "send /continue_generation")
+        return outputs
 
     def check_access(self, path: str, authorization: Optional[str]) -> None:
         """Raise HttpError (403, 401) unless `path` may be called with this Authorization header."""
@@ -347,6 +387,8 @@ def build_app(server: EngineHttpServer) -> FastAPI:
          "load the bucket staged under staging_id: bucket header + staging_id (needs the API key)", json_body),
         (("POST",), SHM_RELEASE_ENDPOINT, endpoints.shm_release, "{staging_id}: remove that staging file", json_body),
     ]
+    server.openai = OpenAIEndpoints(server, endpoints._json)
+    routes += server.openai.routes(json_body)
     for methods, path, handler, summary, extra in routes:
         app.add_api_route(path, endpoints.answering(handler), methods=list(methods), summary=summary,
                           name=path.strip("/").replace("/", "_"), openapi_extra=extra,
@@ -429,33 +471,7 @@ class _Endpoints:
     async def generate(self, request: Request):
         server = self.server
         requests, is_batch = parse_generate_payload(await self._json(request), server.tokenizer)
-        server.admit_generate()
-        gone = threading.Event()
-        watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
-        flags = server.aborts.register([r.rid for r in requests])  # abortable from arrival on
-
-        def run():
-            deadline = time.monotonic() + server.pause_timeout_s
-            while not server.gate.wait(0.1):  # paused: wait, unless every request is aborted meanwhile
-                if all(flag.is_set() for flag in flags):
-                    break
-                if gone.is_set():
-                    raise GenerationCancelled()
-                if time.monotonic() > deadline:
-                    return None
-            if gone.is_set():
-                raise GenerationCancelled()
-            return server.batcher.generate(requests, should_stop=gone.is_set, abort_flags=flags)
-
-        try:
-            outputs = await anyio.to_thread.run_sync(run, limiter=server.generate_threads())
-        finally:
-            server.aborts.release(flags)
-            watcher.cancel()
-            server.release_generate()
-        if outputs is None:
-            return 503, {"error": f"generation stayed paused for pause_timeout_s ({server.pause_timeout_s:.0f}s); "
-                                  "send /continue_generation"}
+        outputs = await server.run_engine(request, requests)
         items = [render_generate_item(o, r, r.rid or uuid.uuid4().hex, server.tokenizer)
                  for o, r in zip(outputs, requests)]
         return 200, items if is_batch else items[0]

@@ -9,8 +9,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from typing import Any, Optional, Sequence
 
+from stacx.rollout.agent_rollout import AgentCommand, agent_from_settings
+from stacx.rollout.engines.registry import resolve_engine_kind
 from stacx.rollout.rollin import has_environment
 from stacx.rollout.rewards import resolve_reward_fn, reward_needs_label
 from stacx.trainer.config.recipe import TrainingConfig
@@ -116,3 +119,38 @@ def check_examples(examples: Sequence[Any], *, run_config: RunConfig, training_c
             f"context of {context} tokens (max_position_embeddings in {run_config.model.hf_checkpoint}/config.json) "
             f"with {budget}: {_name_rows(too_long)}. Shorten or drop those rows"
             + (", or lower --rollout-max-response-len" if kind == "prompt" else ""))
+
+
+def check_agent_supported(run_config: RunConfig, training_config: TrainingConfig) -> None:
+    """--agent / --agent-command: the agent's sessions replace the generation of a rollout recipe, so
+    the recipe draws prompts and rolls in nothing, the rollout is synchronous, and the engine is a
+    `stacx serve` (the CPU server a run starts, or attached ones): it records the sessions."""
+    rollout = run_config.rollout
+    flag = "--agent" if rollout.agent else "--agent-command"
+    if not (rollout.agent or rollout.agent_command):
+        return
+    if rollout.agent and rollout.agent_command:
+        raise PreflightError("--agent and --agent-command are both set; give one (a Python function, or a program)")
+    if training_config.data_source != "rollout" or training_config.rollin_protocol is not None:
+        raise PreflightError(f"{flag}: recipe {training_config.name!r} does not take its samples from the rollout "
+                             "engine alone; an agent's sessions can replace the rollout of grpo, rloo, ppo and "
+                             "the other policy-gradient recipes")
+    if rollout.rollout_mode != "sync":
+        raise PreflightError(f"{flag} runs with --rollout-mode sync (the agent draws its own turns); "
+                             f"drop --rollout-mode {rollout.rollout_mode}")
+    if rollout.dynamic_sampling:
+        raise PreflightError(f"{flag} does not combine with --dynamic-sampling; drop one")
+    try:
+        engine_kind = resolve_engine_kind(rollout.rollout_engine).name
+    except ValueError:
+        return  # an unknown --rollout-engine is reported by the engine check, with the known kinds
+    if engine_kind not in ("cpu", "http"):
+        raise PreflightError(f"{flag} needs an engine served by `stacx serve`, which records the agent's "
+                             f"sessions: --rollout-engine cpu, or http with --rollout-urls of stacx serve "
+                             f"servers (got {engine_kind!r})")
+    try:
+        agent = agent_from_settings(rollout.agent, rollout.agent_command)
+    except ValueError as err:
+        raise PreflightError(str(err)) from None
+    if isinstance(agent, AgentCommand) and shutil.which(agent.argv[0]) is None:
+        raise PreflightError(f"--agent-command: program {agent.argv[0]!r} is not found (not a file, not on PATH)")

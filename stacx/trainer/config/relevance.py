@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from stacx.objectives.algorithm_config import AlgorithmConfig
+from stacx.rollout.engines.registry import resolve_engine_kind
 from stacx.trainer.config.recipe import TrainingConfig
 
 SAMPLING_FIELDS = ("rollout_engine", "rollout_urls", "n_samples_per_prompt", "rollout_max_response_len",
@@ -39,11 +40,19 @@ DPO_FIELDS = ("dpo_beta", "dpo_loss_type", "dpo_average_log_prob", "label_smooth
 DISTILL_FIELDS = ("teacher_kl_coef", "student_top_k", "distill_topk_renormalize", "distill_kl_mode", "teacher_top_k")
 
 
+def _engine_attaches(name: str) -> bool:
+    """Whether the engine kind `name` attaches to --rollout-urls (False for a name the preflight refuses)."""
+    try:
+        return resolve_engine_kind(name).attaches
+    except ValueError:
+        return False
+
+
 def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
                      resolved: Mapping[str, Any]) -> dict[str, Callable[[str], bool]]:
     """section -> whether the recipe reads a field of it."""
     rollout_values = resolved.get("rollout", {})
-    algorithm_engine_is_http = rollout_values.get("rollout_engine") == "http"
+    engine_attaches = _engine_attaches(rollout_values.get("rollout_engine", "auto"))
     has_eval_data = rollout_values.get("eval_data") is not None
     trainable = [role.specialization_cls for role in recipe.roles if role.trainable]
     runs_policy_loss = any(getattr(cls, "policy_loss_in_use", lambda: False)() for cls in trainable)
@@ -61,7 +70,7 @@ def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
 
     def rollout_section(name: str) -> bool:
         if name == "rollout_urls":
-            return rollout and algorithm_engine_is_http
+            return rollout and engine_attaches
         if name in EVAL_DETAIL_FIELDS:
             return has_eval_data
         if name in ASYNC_FIELDS:

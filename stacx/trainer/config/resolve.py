@@ -166,7 +166,8 @@ def proximal_policy_values(training_config: TrainingConfig, run_config: RunConfi
     be its own detached forward, the ratio 1 and every clip inert). An explicit False is refused."""
     schedule = resolve_mini_batch_schedule(run_config.rollout, run_config.train, data_source=training_config.data_source)
     if runs_off_policy_rollouts(run_config.rollout) and training_config.data_source == "rollout":
-        return decoupled_objective_values(run_config.rollout, user_values)
+        return decoupled_objective_values(run_config.rollout, user_values,
+                                          optimizer_steps_per_rollout=schedule.optimizer_steps_per_rollout)
     if schedule.optimizer_steps_per_rollout == 1:
         return {}
     if user_values.get("recompute_old_log_probs") is False:
@@ -190,12 +191,22 @@ ASYNC_DEFAULT_CORRECTION = "token_tis"
 """The off-policy correction asynchronous runs get unless --off-policy-corrections is given."""
 
 
-def decoupled_objective_values(rollout, user_values: dict[str, Any]) -> dict[str, Any]:
-    """The decoupled objective of an off-policy (async) run: pi_old is recomputed by the trainer before the
+def decoupled_objective_values(rollout, user_values: dict[str, Any], *,
+                               optimizer_steps_per_rollout: int = 1) -> dict[str, Any]:
+    """The decoupled objective of an off-policy (async) run: pi_old is the trainer's own policy before the
     step (the proximal policy, in the clip), and the engine's per-token log-probs (the behaviour policy)
     weigh each token by min(pi_prox / pi_behav, C) (`token_tis`) unless the user chose corrections.
-    An explicit --no-recompute-old-log-probs is refused: the clip would be centred on the behaviour
-    policy of a stale version."""
+
+    With one optimizer step per rollout pi_prox is the weights the step's own forward runs with, so the
+    training forward's detached log-probs are pi_prox exactly and no extra forward is spent on it
+    (`recompute_old_log_probs` stays as resolved). With several, pi_old is recomputed once before the
+    first update, and an explicit --no-recompute-old-log-probs is refused: the clip would be centred on
+    the behaviour policy of a stale version."""
+    values: dict[str, Any] = {}
+    if "off_policy_corrections" not in user_values:
+        values["off_policy_corrections"] = ASYNC_DEFAULT_CORRECTION
+    if optimizer_steps_per_rollout == 1:
+        return values
     if user_values.get("recompute_old_log_probs") is False:
         raise ConfigError(
             f"--no-recompute-old-log-probs with --rollout-mode async --max-staleness {rollout.max_staleness}"
@@ -203,10 +214,7 @@ def decoupled_objective_values(rollout, user_values: dict[str, Any]) -> dict[str
             "so pi_old must be the trainer's own (proximal) policy, recomputed before the step; drop "
             "--no-recompute-old-log-probs (the engine's log-probs stay the behaviour policy of the off-policy "
             "correction)")
-    values: dict[str, Any] = {"recompute_old_log_probs": True}
-    if "off_policy_corrections" not in user_values:
-        values["off_policy_corrections"] = ASYNC_DEFAULT_CORRECTION
-    return values
+    return {**values, "recompute_old_log_probs": True}
 
 
 def resolved_run_config_dict(run_config: RunConfig, algorithm: AlgorithmConfig, *,

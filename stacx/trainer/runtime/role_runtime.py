@@ -33,7 +33,7 @@ from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
 from stacx.parallel.pipeline import from_last_stage, run_pipeline
 from stacx.parallel.reduction import Reducer
-from stacx.rollout.service import engine_client
+from stacx.rollout.engines.registry import engine_client
 from stacx.specializations.base import NUM_LOSS_TOKENS
 from stacx.specializations.batch import MicroBatch
 from stacx.trainer.batch import StepBatch
@@ -41,7 +41,7 @@ from stacx.trainer.checkpoint import capture_rng_state, restore_rng_state, write
 from stacx.trainer.config.layout import RankCoords
 from stacx.trainer.config.mini_batches import num_optimizer_steps
 from stacx.trainer.config.recipe import ModelRole, role_checkpoint_path
-from stacx.trainer.config.run import RunConfig
+from stacx.trainer.config.run import ModelSection, OptimSection, TrainSection
 from stacx.trainer.numerics import WEIGHTS_NONFINITE_METRIC, step_optimizer_if_finite
 from stacx.trainer.runtime.lm_head_mode import choose_lm_head_output
 from stacx.trainer.runtime.optim import build_optimizer, current_lr, wrap_ddp
@@ -81,26 +81,29 @@ class RoleRuntime:
     """One rank of one role: model (+ DDP, optimizer, scheduler when trainable), specialization,
     optional in-worker reference weights."""
 
-    def __init__(self, role: ModelRole, run_config: RunConfig, algorithm: AlgorithmConfig, groups: ProcessGroups, *,
-                 rank: int = 0):
+    def __init__(self, role: ModelRole, algorithm: AlgorithmConfig, groups: ProcessGroups, *, model: ModelSection,
+                 optim: OptimSection, train: TrainSection, rank: int = 0):
+        """model: the run's checkpoint folders; optim: the optimizer and LR schedule of a trainable role;
+        train: the seed, the step counts of the LR schedule and the LM-head log-prob mode."""
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import build_model, padded_vocab_size
 
         self.role = role
-        self.run_config = run_config
+        self.model_section = model
+        self.train_section = train
         self.groups = groups
         self.rank = rank
-        path = role_checkpoint_path(role, run_config.model)
+        path = role_checkpoint_path(role, model)
         if path is None:
             flag = "--" + role.checkpoint_arg.replace("_", "-")
             raise ValueError(f"role {role.name!r} starts from {flag}, which is not set")
-        torch.manual_seed(run_config.train.seed)
+        torch.manual_seed(train.seed)
         # A torch_dist folder from another framework carries no config.json: the policy's config describes it.
-        config_source = path if os.path.isfile(os.path.join(path, "config.json")) else run_config.model.hf_checkpoint
+        config_source = path if os.path.isfile(os.path.join(path, "config.json")) else model.hf_checkpoint
         self.model = build_model(config_source, groups, initialize_weights=False)
         self.reference_weights: list[torch.Tensor] | None = None
         reference_path = (
-            role_checkpoint_path(role, run_config.model, role.reference_checkpoint_arg)
+            role_checkpoint_path(role, model, role.reference_checkpoint_arg)
             if role.reference_checkpoint_arg else None
         )
         if reference_path is not None and role.outputs_values:
@@ -124,8 +127,7 @@ class RoleRuntime:
         if role.trainable:
             self.ddp = wrap_ddp(self.model)
             # The LR schedule counts optimizer steps: num_steps_per_rollout x num_epochs per rollout step.
-            self.optimizer, self.scheduler = build_optimizer(self.ddp, run_config.optim,
-                                                             total_steps=num_optimizer_steps(run_config.train))
+            self.optimizer, self.scheduler = build_optimizer(self.ddp, optim, total_steps=num_optimizer_steps(train))
         else:
             self.ddp, self.optimizer, self.scheduler = None, None, None
             for p in self.model.parameters():
@@ -159,7 +161,7 @@ class RoleRuntime:
         `lm_head_log_probs` setting, the specialization's needs and the size of the logits shard."""
         if self.role.outputs_values:
             return "logits"
-        mode = self.run_config.train.lm_head_log_probs
+        mode = self.train_section.lm_head_log_probs
         allows = not self.specialization.receives_logits()
         if mode == "fused" and not allows and not self._logged_logits_fallback:
             self._logged_logits_fallback = True
@@ -343,7 +345,7 @@ class RoleRuntime:
         if self.role.outputs_values:
             raise ValueError(f"role {self.role.name!r} has a value head; it has no Hugging Face causal-LM export")
         export_hf_checkpoint(self.model, out_dir, self.groups,
-                             tokenizer_from=role_checkpoint_path(self.role, self.run_config.model))
+                             tokenizer_from=role_checkpoint_path(self.role, self.model_section))
 
     # ---- checkpoint state ------------------------------------------------------------------
 

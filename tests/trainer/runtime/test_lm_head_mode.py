@@ -10,6 +10,7 @@ follows `needs_logits` / `receives_logits`, and the `auto` rule is a pure functi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 
 import pytest
@@ -132,7 +133,8 @@ def build_runtime(groups, checkpoint: str, mode: str, specialization_cls=ActorSp
     algorithm = AlgorithmConfig.from_values({"advantage_estimator": "grpo", "entropy_coef": 0.01,
                                              "rollout_temperature": 0.7, **algorithm})
     role = ModelRole(name="policy", specialization_cls=specialization_cls)
-    return RoleRuntime(role, run_config, algorithm, groups, rank=torch.distributed.get_rank())
+    return RoleRuntime(role, algorithm, groups, model=run_config.model, optim=run_config.optim, train=run_config.train,
+                       rank=torch.distributed.get_rank())
 
 
 def recorded_outputs(runtime) -> list:
@@ -152,7 +154,7 @@ def train_and_score(runtime, mode: str) -> dict:
     """One train step (two micro-batches) and one compute_fields pass in `mode`, from the same weights."""
     from stacx.parallel.reduction import compute_step_counts
 
-    runtime.run_config = runtime.run_config.replace(lm_head_log_probs=mode)
+    runtime.train_section = dataclasses.replace(runtime.train_section, lm_head_log_probs=mode)
     start = [p.detach().clone() for p in runtime.model.parameters()]
     seen = recorded_outputs(runtime)
     batch = step_batch()

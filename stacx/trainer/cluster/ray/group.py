@@ -40,7 +40,8 @@ def runtime_of(worker: RoleWorker) -> RoleRuntime:
 
 def _build_runtime(worker: RoleWorker, role: ModelRole, run_config: RunConfig,
                    algorithm: AlgorithmConfig) -> RankCoords:
-    worker.state[RUNTIME_KEY] = RoleRuntime(role, run_config, algorithm, worker.groups, rank=worker.rank)
+    worker.state[RUNTIME_KEY] = RoleRuntime(role, algorithm, worker.groups, model=run_config.model,
+                                            optim=run_config.optim, train=run_config.train, rank=worker.rank)
     return RankCoords.of(worker.groups)
 
 

@@ -1,0 +1,135 @@
+"""The servers a run starts for its built-in engine kinds: `stacx serve` as a child process ('cpu')
+and SGLang servers as Ray actors on the cluster's GPUs ('sglang').
+
+Every launcher has one shape (what `register_engine(launcher=...)` takes):
+
+    servers = launcher(ServerLaunch(hf_checkpoint=..., seed=..., api_key=...))   # returns once started
+    urls = servers.wait_until_ready()     # every server's URL; on failure nothing is left running
+    servers.stop()                        # best effort, idempotent
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Sequence
+
+from stacx.rollout.engines.processes import ReadyLineWatch, stop_process
+from stacx.rollout.engines.sglang import SglangServerSpec, launch_sglang_servers_on_ray
+
+SERVER_START_TIMEOUT_S = 180.0
+SGLANG_PORT = 30000
+"""Port of the SGLang server a run launches on its GPU node."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerLaunch:
+    """What a launcher needs to start a run's rollout servers."""
+
+    hf_checkpoint: str
+    """The Hugging Face folder the servers load (the policy's starting weights)."""
+    seed: int = 0
+    """The run's rollout seed (a server that samples with a global generator seeds it)."""
+    api_key: Optional[str] = field(default=None, repr=False)
+    """The fresh shared secret the servers must require (None when the kind does not own one)."""
+
+
+class LaunchedServers(Protocol):
+    """Servers a launcher started."""
+
+    def wait_until_ready(self) -> tuple[str, ...]:
+        """Every server's URL once it serves; raises (after stopping them) when they fail to start."""
+
+    def stop(self) -> None:
+        """Stop every server (best effort; a second call does nothing)."""
+
+
+class CpuServerProcess:
+    """`stacx serve --hf-checkpoint PATH --port 0` as a child process; `url` once it is ready."""
+
+    def __init__(self, hf_checkpoint: str, *, seed: int = 0, host: str = "127.0.0.1", num_threads: int = 1,
+                 timeout_s: float = SERVER_START_TIMEOUT_S, api_key: Optional[str] = None, wait: bool = True):
+        """api_key: the secret the server requires on mutating endpoints, handed over in its
+        environment (STACX_API_KEY), never on its command line where other users could read it.
+        wait=False returns once the process is started; `wait_until_ready()` then gives `url`
+        (a run starts its server this way while its role workers start)."""
+        env = dict(os.environ, OMP_NUM_THREADS=str(num_threads), PYTHONUNBUFFERED="1")
+        env.pop("STACX_API_KEY", None)
+        if api_key:
+            env["STACX_API_KEY"] = api_key
+        command = [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", hf_checkpoint, "--port", "0",
+                   "--host", host, "--seed", str(seed), "--parent-pid", str(os.getpid())]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.output = ReadyLineWatch(self.process, name="the CPU rollout server (stacx serve)")
+        self.url: Optional[str] = None
+        self._timeout_s = timeout_s
+        self._started = time.monotonic()
+        if wait:
+            self.wait_until_ready()
+
+    def wait_until_ready(self) -> str:
+        """The server's URL once it reports ready (the start timeout counts from the launch); a
+        server that exits first is reported at once with its own output."""
+        if self.url is None:
+            try:
+                self.url = self.output.wait(max(0.0, self._timeout_s - (time.monotonic() - self._started)))
+            except BaseException:
+                self.stop()
+                raise
+        return self.url
+
+    def stop(self) -> None:
+        stop_process(self.process, timeout_s=10)
+
+
+@dataclass(eq=False)
+class LaunchedCpuServer:
+    """The 'cpu' kind's one `stacx serve` child as `LaunchedServers`."""
+
+    process: CpuServerProcess
+
+    def wait_until_ready(self) -> tuple[str, ...]:
+        return (self.process.wait_until_ready(),)
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def launch_cpu_server(launch: ServerLaunch) -> LaunchedCpuServer:
+    """Start `stacx serve` on loopback without waiting for it: it loads its model while the run's
+    role workers start."""
+    return LaunchedCpuServer(CpuServerProcess(launch.hf_checkpoint, seed=launch.seed, api_key=launch.api_key,
+                                              wait=False))
+
+
+@dataclass(eq=False)
+class LaunchedSglangServers:
+    """The SGLang server actors of the 'sglang' kind as `LaunchedServers` (ready when launched)."""
+
+    actors: Sequence[Any]
+    urls: tuple[str, ...]
+
+    def wait_until_ready(self) -> tuple[str, ...]:
+        return self.urls
+
+    def stop(self) -> None:
+        """Kill every actor (best effort: a failure to kill one never keeps the others alive)."""
+        # Imported here: Ray is slow to import (start-up time), and only this kind needs it.
+        import ray
+
+        actors, self.actors = list(self.actors), []
+        for actor in actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - best-effort teardown
+                pass
+
+
+def launch_sglang_servers(launch: ServerLaunch) -> LaunchedSglangServers:
+    """One SGLang server on the Ray cluster's GPUs (blocks until it is healthy)."""
+    actors, urls = launch_sglang_servers_on_ray([SglangServerSpec(model_path=launch.hf_checkpoint, port=SGLANG_PORT,
+                                                                  api_key=launch.api_key)])
+    return LaunchedSglangServers(actors, tuple(urls))

@@ -1,0 +1,163 @@
+"""Rollout engine kinds by name: the one place that `--rollout-engine`, `stacx eval --engine-kind`,
+the rollout service and the policy ranks' weight pushes ask.
+
+    from stacx.rollout.engines.registry import register_engine
+
+    @register_engine("my_engine", launcher=launch_my_servers)   # in a --custom-module file
+    class MyEngineClient(InferenceEngine):
+        def __init__(self, url: str, *, api_key: str | None = None): ...
+
+A kind declares, where it is registered:
+- its **client**: `client(url, *, api_key=None, retry=RetryPolicy())` -> `InferenceEngine`, the
+  driver's generation client and the policy ranks' weight-push client for one server of the kind
+  (`retry`: `stacx eval` passes a longer timeout; subclassing `HttpEngine` gives all of this);
+- its **launcher** (optional): `launcher(ServerLaunch) -> LaunchedServers`
+  (`stacx.rollout.engines.launchers`), the servers a run starts; a kind without one attaches to
+  the running servers of `--rollout-urls`;
+- **owns_secret**: a run that launches the servers gives them a fresh shared secret (and every
+  client sends it); otherwise the clients send the driver's STACX_API_KEY, if set;
+- **starts_beside_workers**: the launcher returns at once and the servers load while the role
+  workers start (the CPU engine); False: they are launched after the workers hold their
+  resources (SGLang's GPUs);
+- **launches_on_ray**: the launcher places the servers on the Ray cluster (SGLang's), so a
+  torchrun job cannot overlap it with training (`--rollout-mode async`).
+
+Built-ins: 'cpu' (`stacx serve` as a child of the driver), 'http' (attach to --rollout-urls),
+'sglang' (SGLang servers on the Ray cluster's GPUs). 'auto' is no kind: it resolves to 'sglang'
+with CUDA, else 'cpu' (`resolve_engine_kind`). A user kind comes from a `--custom-module` file (or
+`stacx/custom/`) like every plugin; the file is shipped to the role workers, where the weight push
+looks the kind up again. Names are unique: registering one twice is refused.
+`docs/adding-an-engine.md` walks through a new kind.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Callable, Optional, TypeVar
+
+import torch
+
+from stacx.objectives.discovery import import_builtin_and_custom_modules, record_user_module
+from stacx.rollout.engines.base import InferenceEngine
+from stacx.rollout.engines.http import HttpEngine
+from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch, launch_cpu_server, launch_sglang_servers
+from stacx.rollout.engines.sglang import SglangEngine
+from stacx.rollout.http_client import RetryPolicy
+
+AUTO = "auto"
+"""Not a kind: 'sglang' when CUDA is present, else 'cpu'."""
+
+EngineClient = Callable[..., InferenceEngine]
+"""`client(url, *, api_key=None, retry=RetryPolicy())` -> the InferenceEngine for one server (usually
+the client class)."""
+Launcher = Callable[[ServerLaunch], LaunchedServers]
+C = TypeVar("C", bound=EngineClient)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineKind:
+    """One registered engine kind (module doc)."""
+
+    name: str
+    client: EngineClient
+    """`client(url, *, api_key=None, retry=RetryPolicy())`: the InferenceEngine talking to one server of this kind."""
+    launcher: Optional[Launcher] = None
+    """Starts the run's servers; None: the run attaches to `--rollout-urls`."""
+    owns_secret: bool = True
+    """The servers the run launches get a fresh shared secret (only meaningful with a launcher)."""
+    starts_beside_workers: bool = False
+    """The launcher returns at once, and the servers load while the role workers start."""
+    launches_on_ray: bool = False
+    """The launcher places the servers on the Ray cluster, which a torchrun job does not have (its
+    asynchronous rollout needs an engine in its own process)."""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name or self.name == AUTO:
+            raise ValueError(f"engine kind name must be a non-empty string other than {AUTO!r}, got {self.name!r}")
+        if not callable(self.client):
+            raise ValueError(f"engine kind {self.name!r}: client {self.client!r} is not callable")
+        if self.launcher is not None and not callable(self.launcher):
+            raise ValueError(f"engine kind {self.name!r}: launcher {self.launcher!r} is not callable")
+
+    @property
+    def attaches(self) -> bool:
+        """The run starts no server of this kind: it attaches to `--rollout-urls`."""
+        return self.launcher is None
+
+    def connect(self, url: str, *, api_key: Optional[str] = None,
+                retry: Optional[RetryPolicy] = None) -> InferenceEngine:
+        """The client for the server at `url`; `api_key` is the server's secret; `retry` replaces the
+        client's default timeouts and attempts."""
+        if retry is None:
+            return self.client(url, api_key=api_key)
+        return self.client(url, api_key=api_key, retry=retry)
+
+
+_KINDS: dict[str, EngineKind] = {}
+
+
+def add_engine_kind(kind: EngineKind) -> EngineKind:
+    """Register `kind`; a name registered before is refused with the registered names."""
+    if kind.name in _KINDS:
+        existing = _KINDS[kind.name].client
+        raise ValueError(f"engine kind {kind.name!r} is already registered (client "
+                         f"{getattr(existing, '__module__', '?')}.{getattr(existing, '__qualname__', existing)}); "
+                         f"registered engine kinds: {engine_kind_names()}")
+    _KINDS[kind.name] = kind
+    record_user_module(getattr(kind.client, "__module__", None))  # a user kind reaches the role workers too
+    return kind
+
+
+def register_engine(name: str, *, launcher: Optional[Launcher] = None, owns_secret: bool = True,
+                    starts_beside_workers: bool = False, launches_on_ray: bool = False) -> Callable[[C], C]:
+    """Class (or factory) decorator registering an engine kind whose client is the decorated object;
+    the traits are those of `EngineKind`. Returns the client unchanged."""
+
+    def decorator(client: C) -> C:
+        add_engine_kind(EngineKind(name=name, client=client, launcher=launcher, owns_secret=owns_secret,
+                                   starts_beside_workers=starts_beside_workers, launches_on_ray=launches_on_ray))
+        return client
+
+    return decorator
+
+
+def unregister_engine(name: str) -> None:
+    """Remove a user kind (tests and interactive sessions that redefine one)."""
+    if name not in _KINDS:
+        raise ValueError(f"unknown engine kind {name!r}; registered engine kinds: {engine_kind_names()}")
+    del _KINDS[name]
+
+
+def engine_kind_names(*, discover: bool = True) -> list[str]:
+    """The registered kinds, sorted: with `discover`, user kinds of `stacx/custom/` included
+    (importing that folder first); `--custom-module` kinds once their files are loaded."""
+    if discover:
+        import_builtin_and_custom_modules()
+    return sorted(_KINDS)
+
+
+def resolve_engine_kind(name: str, *, flag: str = "--rollout-engine") -> EngineKind:
+    """The kind `name` selects ('auto': 'sglang' with CUDA, else 'cpu'); an unknown name raises
+    ValueError naming `flag`, the close matches and the registered kinds."""
+    if name == AUTO:
+        name = "sglang" if torch.cuda.is_available() else "cpu"
+    known = engine_kind_names()
+    if name not in _KINDS:
+        close = difflib.get_close_matches(str(name), known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"{flag} {name!r} is not a registered engine kind; {hint}known: "
+                         f"{[AUTO, *known]}. Register a new kind with @register_engine in a --custom-module file "
+                         "(docs/adding-an-engine.md)")
+    return _KINDS[name]
+
+
+def engine_client(kind: str, url: str, *, api_key: Optional[str] = None) -> InferenceEngine:
+    """The InferenceEngine client for a server of `kind` at `url` (an SGLang server gets SGLang's
+    weight-update endpoints; `stacx serve` gets the bucket endpoint); `api_key` is the server's secret."""
+    return resolve_engine_kind(kind).connect(url, api_key=api_key)
+
+
+add_engine_kind(EngineKind(name="cpu", client=HttpEngine, launcher=launch_cpu_server, starts_beside_workers=True))
+add_engine_kind(EngineKind(name="http", client=HttpEngine))
+add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True))

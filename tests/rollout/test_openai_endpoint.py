@@ -1,0 +1,285 @@
+"""`stacx serve`'s OpenAI-compatible endpoint, through the official `openai` client: chat with tools,
+completions, sessions recorded token-in/token-out, and a GRPO step trained on an agent's sessions; then
+mini-swe-agent, unmodified, solving a task through the endpoint, its trajectory trained on.
+
+The served tiny policy learns that task first: a few SFT steps in-process on one demonstration
+transcript (the task, a `touch done.txt` tool call, its observation, the submit call), rendered by the
+chat template the server uses. Served greedily, it drives mini-swe-agent's own loop (litellm client,
+bash tool calls, its local environment): the file is really created and the agent really submits.
+The other tests only need a served model, and share this one.
+"""
+
+import pytest
+import requests
+import torch
+
+from tests.rollout.agent_fixtures import (
+    BASH_TOOL,
+    engine_weight_buckets,
+    save_policy,
+    tool_tokenizer,
+    train_one_grpo_step,
+)
+
+try:
+    import openai
+except ImportError as missing:  # a failure with the fix, never a skip
+    raise ImportError("these tests drive the endpoint with the official openai client, in the test extra: "
+                      "pip install -e '.[test]'") from missing
+
+
+SYSTEM = "You run bash."
+TASK = "Create done.txt"
+OBSERVATION = "{{output.returncode}}{{output.output}}"
+"""mini-swe-agent's observation template for this test: the return code, then the output."""
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+BASH = {"type": "function", "function": {"name": "bash"}}
+"""What the template reads of mini-swe-agent's bash tool (its name)."""
+
+
+def demonstration() -> list[dict]:
+    def call(command, index):
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"id": f"call{index}", "type": "function", "function": {"name": "bash", "arguments": {"command": command}}}]}
+
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}, call("touch done.txt", 0),
+            {"role": "tool", "tool_call_id": "call0", "content": "0"}, call(SUBMIT, 1)]
+
+
+def teach(path: str, tokenizer, *, max_steps: int = 300) -> int:
+    """SFT on the assistant turns of the demonstration until greedy decoding reproduces them; returns the steps."""
+    from transformers import AutoModelForCausalLM
+
+    messages = demonstration()
+
+    def length(upto, generation_prompt):
+        text = tokenizer.apply_chat_template(messages[:upto], tools=[BASH], tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    ids = torch.tensor(tokenizer(tokenizer.apply_chat_template(messages, tools=[BASH], tokenize=False),
+                                 add_special_tokens=False)["input_ids"])
+    mask = torch.zeros(len(ids))
+    for turn in (2, 4):
+        mask[length(turn, True):length(turn + 1, False)] = 1.0
+    mask = mask[1:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one sequence of 250 tokens: threads only contend
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for step in range(max_steps):
+            logits = model(input_ids=ids[None]).logits[0, :-1]
+            log_probs = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0]
+            loss = -(log_probs * mask).sum() / mask.sum()
+            if bool(((logits.argmax(-1) == ids[1:]) | (mask == 0)).all()) and float(loss) < 0.05:
+                break
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        else:
+            raise AssertionError(f"the demonstration was not learned in {max_steps} steps (loss {float(loss):.3f})")
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(path, safe_serialization=True)
+    return step
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    tokenizer = tool_tokenizer()
+    path = save_policy(tmp_path_factory.mktemp("agent_policy"), tokenizer)
+    teach(path, tokenizer)
+    return path, tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(policy, single_process_world):
+    from stacx.rollout.engines.cpu import CpuEngine
+    from stacx.rollout.engines.server import EngineHttpServer
+
+    path, tokenizer = policy
+    with EngineHttpServer(CpuEngine.from_hf_checkpoint(path), model_path=path, tokenizer=tokenizer) as running:
+        yield running
+
+
+def client_for(server, session_id=None):
+    base_url = f"{server.url}/sessions/{session_id}/v1" if session_id else f"{server.url}/v1"
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+
+
+def recorded(server, session_id):
+    from stacx.rollout.agent_trajectories import RecordedTurn
+
+    answer = requests.get(f"{server.url}/stacx/sessions/{session_id}", timeout=30)
+    answer.raise_for_status()
+    return [RecordedTurn.from_json(t) for t in answer.json()["turns"]]
+
+
+def test_chat_with_tools_continues_the_engines_own_ids_across_turns(server, policy):
+    from stacx.rollout.agent_trajectories import assemble_trajectories
+
+    _, tokenizer = policy
+    client = client_for(server, "chat-1")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "list files"}]
+    first = client.chat.completions.create(model="policy", messages=messages, tools=[BASH_TOOL], max_tokens=12,
+                                           temperature=1.0, seed=3, logprobs=True)
+    reply = first.choices[0].message
+    messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "and now?"}]
+    second = client.chat.completions.create(model="policy", messages=messages, tools=[BASH_TOOL], max_tokens=6,
+                                            seed=4)
+    turns = recorded(server, "chat-1")
+    assert len(turns) == 2
+    # Turn 1's prompt is the template's rendering, tools included; its output is what the client got.
+    assert turns[0].prompt_ids == tuple(tokenizer.apply_chat_template(
+        messages[:2], tools=[BASH_TOOL], tokenize=True, add_generation_prompt=True, return_dict=False))
+    assert list(turns[0].output_ids) == first.model_extra["stacx"]["output_token_ids"]
+    assert [entry.logprob for entry in first.choices[0].logprobs.content] == pytest.approx(turns[0].output_log_probs)
+    assert first.usage.prompt_tokens == len(turns[0].prompt_ids)
+    # Turn 2 extends turn 1's prompt and generated ids (never re-tokenized) with the template's new ids.
+    head = turns[0].prompt_ids + turns[0].output_ids
+    assert turns[1].prompt_ids[:len(head)] == head
+    between = tokenizer.decode(list(turns[1].prompt_ids[len(head):]), skip_special_tokens=False)
+    ended_on_eos = turns[0].output_ids[-1:] == (tokenizer.eos_token_id,)
+    assert between == ("" if ended_on_eos else "<eos>") + "<|user|>and now?<eos><|assistant|>"
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    (sample,) = assemble_trajectories(turns)
+    assert sample.tokens == list(turns[1].prompt_ids + turns[1].output_ids)
+    num_between = len(turns[1].prompt_ids) - len(head)
+    assert sample.loss_mask == [1] * len(turns[0].output_ids) + [0] * num_between + [1] * len(turns[1].output_ids)
+
+
+def test_a_rewritten_history_is_rendered_whole_and_unsessioned_calls_are_not_recorded(server, policy):
+    _, tokenizer = policy
+    client = client_for(server, "chat-2")
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=4, seed=1)
+    edited = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "not what you said"},
+              {"role": "user", "content": "ok"}]
+    client.chat.completions.create(model="policy", messages=edited, max_tokens=4, seed=2)
+    client_for(server).chat.completions.create(model="policy", messages=edited, max_tokens=4, seed=2)
+    turns = recorded(server, "chat-2")
+    assert len(turns) == 2
+    assert turns[1].prompt_ids == tuple(tokenizer.apply_chat_template(edited, tokenize=True, add_generation_prompt=True,
+                                                                      return_dict=False))
+    answer = requests.delete(f"{server.url}/stacx/sessions/chat-2", timeout=30).json()
+    assert len(answer["turns"]) == 2 and recorded(server, "chat-2") == []
+
+
+def test_completions_return_the_engine_ids_and_continue_a_session_prompt(server, policy):
+    _, tokenizer = policy
+    client = client_for(server, "text-1")
+    first = client.completions.create(model="policy", prompt="count: 1 2", max_tokens=5, seed=7, logprobs=0)
+    ids = first.model_extra["stacx"]["output_token_ids"]
+    assert first.choices[0].text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(first.choices[0].logprobs.token_logprobs) == len(ids)
+    client.completions.create(model="policy", prompt="count: 1 2" + first.choices[0].text + " 3", max_tokens=3, seed=8)
+    turns = recorded(server, "text-1")
+    assert turns[1].prompt_ids[:len(turns[0].prompt_ids) + len(ids)] == turns[0].prompt_ids + tuple(ids)
+    assert client_for(server).models.list().data[0].owned_by == "stacx"
+    paths = requests.get(f"{server.url}/openapi.json", timeout=30).json()["paths"]
+    assert {"/v1/completions", "/sessions/{session_id}/v1/chat/completions", "/stacx/sessions/{session_id}"} <= set(paths)
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("stop", ["\n"], "'stop' strings are not supported"),
+    ("stream", True, "'stream': true is not supported"),
+    ("n", 2, "'n' must be 1"),
+    ("frobnicate", 1, "unsupported fields ['frobnicate']"),
+    ("messages", [{"role": "wizard", "content": "x"}], "'messages[0].role' must be one of"),
+])
+def test_unsupported_requests_get_a_400_naming_the_field(server, field, value, named):
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], field: value}
+    answer = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 400 and named in answer.json()["error"]
+    bad_session = requests.post(f"{server.url}/sessions/a%20b/v1/chat/completions",
+                                json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert bad_session.status_code == 400 and "session id" in bad_session.json()["error"]
+
+
+def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, tmp_path):
+    """AgentRollout runs a two-turn agent (the openai client) per task; the real loop trains one GRPO step on
+    the assembled sessions, and its recomputed log-probs of the generated ids equal the engine's."""
+    from stacx.rollout.agent_rollout import AgentRollout
+
+    def agent(base_url: str, task: dict) -> float:
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": task["question"]}]
+        first = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+        second = client.chat.completions.create(model="policy", messages=messages, max_tokens=6, logprobs=True)
+        return -sum(entry.logprob for entry in second.choices[0].logprobs.content)  # varies with every sample
+
+    tasks = [{"question": "1+1?"}, {"question": "2*3?"}]
+    rollout = AgentRollout(agent, server_url=server.url, next_tasks=lambda step: tasks, n_samples_per_task=2,
+                           max_parallel_episodes=4)
+    batch, metrics, runtime = train_one_grpo_step(server, rollout, tmp_path, num_tasks=2, n_samples_per_task=2)
+    assert batch.num_samples == 4 and batch.prompt_id == [0, 0, 1, 1]
+    assert len(set(batch.rewards[:2])) > 1 or len(set(batch.rewards[2:])) > 1, "every group uniform: nothing to learn"
+    assert metrics["test/weights_changed"] == 1.0 and metrics["rollout/agent_turns_mean"] == 2.0
+
+    # The trained weights reach the engine as version 1 (what the loop's weight push does): the next turn
+    # is recorded under that policy version. The engine gets its own weights back afterwards (version 2).
+    engine = server.engine
+    served = engine_weight_buckets(engine.model, engine.groups)
+    engine.update_weights(engine_weight_buckets(runtime.model, runtime.groups), version=engine.weight_version() + 1)
+    try:
+        answer = client_for(server, "after-step").chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "1+1?"}], max_tokens=3)
+        (turn,) = recorded(server, "after-step")
+        assert turn.weight_version == engine.weight_version() >= 1
+        assert answer.system_fingerprint == f"weights-v{turn.weight_version}"
+    finally:
+        engine.update_weights(served, version=engine.weight_version() + 1)
+
+
+def mini_swe_agent(workdirs):
+    """mini-swe-agent's DefaultAgent, LitellmModel and LocalEnvironment as shipped, configured for the task;
+    each episode works in a fresh folder under `workdirs` (appended to `made`)."""
+    import tempfile
+    from pathlib import Path
+
+    try:
+        from minisweagent.agents.default import DefaultAgent
+        from minisweagent.environments.local import LocalEnvironment
+        from minisweagent.models.litellm_model import LitellmModel
+    except ImportError as missing:  # a failure with the fix, never a skip
+        raise ImportError("this test runs mini-swe-agent, in the test extra: pip install -e '.[test]'") from missing
+
+    made = []
+
+    def agent(base_url: str, task: dict) -> float:
+        workdir = Path(tempfile.mkdtemp(dir=workdirs))
+        made.append(workdir)
+        model = LitellmModel(model_name="openai/policy", cost_tracking="ignore_errors",
+                             observation_template=OBSERVATION, format_error_template="{{error}}",
+                             model_kwargs={"api_base": base_url, "api_key": "unused", "temperature": 0.0,
+                                           "max_tokens": 120})
+        runner = DefaultAgent(model, LocalEnvironment(cwd=str(workdir)), system_template=SYSTEM,
+                              instance_template="{{task}}", step_limit=4, cost_limit=0)
+        result = runner.run(task["task"])
+        return float(result.get("exit_status") == "Submitted" and (workdir / "done.txt").exists())
+
+    return agent, made
+
+
+@pytest.mark.slow  # litellm's import alone is about 3 s of CPU
+def test_mini_swe_agent_solves_the_task_through_the_endpoint_and_grpo_trains_on_it(server, tmp_path, monkeypatch):
+    from stacx.rollout.agent_rollout import AgentRollout
+
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would download its price list
+    monkeypatch.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path / "mswea"))
+    monkeypatch.setenv("MSWEA_SILENT_STARTUP", "1")
+    agent, workdirs = mini_swe_agent(tmp_path)
+    rollout = AgentRollout(agent, server_url=server.url, next_tasks=lambda step: [{"task": TASK}], n_samples_per_task=2)
+    batch, metrics, _ = train_one_grpo_step(server, rollout, tmp_path / "run", num_tasks=1, n_samples_per_task=2)
+
+    assert len(workdirs) == 2 and all((workdir / "done.txt").exists() for workdir in workdirs)
+    assert batch.rewards == [1.0, 1.0]            # each agent submitted after creating its file
+    tokens, mask = batch.tokens[0].tolist(), batch.loss_masks[0]
+    text = server.tokenizer.decode(tokens, skip_special_tokens=False)
+    assert text.endswith('{"command": "touch done.txt"}}</tool_call><eos><|user|>tool: 0<eos><|assistant|><tool_call>'
+                         '{"name": "bash", "arguments": {"command": "' + SUBMIT + '"}}</tool_call><eos>')
+    generated = server.tokenizer.decode([t for t, m in zip(tokens[-len(mask):], mask) if m], skip_special_tokens=False)
+    assert "<|user|>" not in generated and generated.count("<tool_call>") == 2   # both calls, no observation
+    assert metrics["rollout/agent_turns_mean"] == 2.0 and batch.tokens[1].tolist() == tokens
