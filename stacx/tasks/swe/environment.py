@@ -122,12 +122,9 @@ class SweEnvironment(Environment):
         except Exception as error:  # noqa: BLE001 - a broken sandbox is the agent's observation, counted
             return ToolResult(call, f"error: the sandbox failed: {type(error).__name__}: {error}", "raised")
 
-    def _command(self, call: ToolCall, command, stdin: Optional[bytes] = None) -> ToolResult:
-        result = self.session.run(command, self.command_limits, stdin=stdin)
-        return ToolResult(call, _describe(result), "timeout" if result.timed_out else None)
-
     def _bash(self, call: ToolCall, command: str) -> ToolResult:
-        return self._command(call, command)
+        result = self.session.run(command, self.command_limits)
+        return ToolResult(call, _describe(result), "timeout" if result.timed_out else None)
 
     def _read_file(self, call: ToolCall, path: str) -> ToolResult:
         result = self.session.run(["cat", "--", path], self.command_limits)
