@@ -99,3 +99,18 @@ def test_every_launcher_dry_runs_on_ray_and_under_torchrun(tmp_path, capsys):
     with pytest.raises(subprocess.CalledProcessError) as refused:
         _printed("grpo.sh", {**base, "STACX_LAUNCHER": "slurm"})
     assert "STACX_LAUNCHER=slurm" in refused.value.stderr
+
+
+def test_stacx_tasks_swe_writes_the_chosen_rows_and_names_a_bad_flag(tmp_path):
+    from stacx.launch.cli import main
+
+    out = str(tmp_path / "rows.jsonl")
+    assert main(["tasks", "swe", "--out", out, "--format", "patch", "--instance", "seriescalc__sum_up_to"]) == 0
+    with open(out) as handle:
+        (row,) = [json.loads(line) for line in handle]
+    assert row["metadata"]["swe_task"]["instance_id"] == "seriescalc__sum_up_to" and "```diff" in row["prompt"]
+    for flags, message in [(["--sandbox-backend", "dockr"], "--sandbox-\\* flags: sandbox.backend 'dockr' is unknown"),
+                           (["--instance", "nope"], "--instance nope: no such task"),
+                           (["--format", "patch", "--max-turns", "3"], "apply to --format environment only")]:
+        with pytest.raises(SystemExit, match=message):
+            main(["tasks", "swe", "--out", out, *flags])
