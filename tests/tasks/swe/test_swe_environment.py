@@ -7,14 +7,16 @@ import random
 
 import pytest
 
-from stacx.rollout.dagger import Executor
+from stacx.rollout import rollin
 from stacx.rollout.chat_tokenizers import build_tool_chat_tokenizer
+from stacx.rollout.dagger import Executor
+from stacx.rollout.data import Example
 from stacx.rollout.engines.base import GenerateOutput
 from stacx.rollout.episode import run_episode
+from stacx.rollout.tools import MAX_TOOL_OUTPUT_CHARS
 from stacx.rollout.types import SamplingParams
 from stacx.tasks.swe import SweEvaluation, get_swe_task
 from stacx.tasks.swe.environment import SweEnvironment, clip
-from stacx.rollout.tools import MAX_TOOL_OUTPUT_CHARS
 
 TOKENIZER = build_tool_chat_tokenizer("qwen")
 TASK_ID = "seriescalc__sum_up_to"
@@ -70,8 +72,16 @@ def test_a_fix_made_through_the_tools_is_rewarded_and_a_bare_submit_is_not():
     assert episode["turn_infos"][-1]["resolved"] is True
     assert "exit code 0\nstdout:\n6\n" in fixed.response_text and "range(1, n)" in fixed.response_text
 
-    bare = play([call("submit")])
-    assert bare.reward == 0.0 and bare.metadata["episode"]["turns"] == 1
+    # The training path (rollin, as in a run): a row naming the environment, a submit without a fix.
+    TrackedSwe.opened = []
+    row = Example(prompt_ids=[5], source="swe.jsonl:1", label=TASK_ID, metadata={
+        "environment": f"{__name__}:TrackedSwe", "max_turns": 3, "swe_builtin": TASK_ID})
+    episodes = rollin.start_episodes([row], n_samples_per_prompt=1, spec=rollin.RollInSpec("student"), iteration=0,
+                                     rng=random.Random(0), tokenizer=TOKENIZER)
+    rollin.run_turns(episodes, engines={Executor.STUDENT: ScriptedEngine([call("submit")])},
+                     sampling=SamplingParams(), tokenizer=TOKENIZER, rng=random.Random(0))
+    (bare,), (session,) = [e.sample for e in episodes], TrackedSwe.opened
+    assert bare.reward == 0.0 and bare.metadata["episode"]["turns"] == 1 and not session.directory.exists()
     info = bare.metadata["episode"]["turn_infos"][-1]
     assert info["resolved"] is False and set(info["tests"].values()) >= {"failed"}
 
