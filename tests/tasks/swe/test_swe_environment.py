@@ -13,6 +13,7 @@ from stacx.rollout.dagger import Executor
 from stacx.rollout.data import Example
 from stacx.rollout.engines.base import GenerateOutput
 from stacx.rollout.episode import run_episode
+from stacx.rollout.tool_calls import ToolCall
 from stacx.rollout.tools import MAX_TOOL_OUTPUT_CHARS
 from stacx.rollout.types import SamplingParams
 from stacx.tasks.swe import SweEvaluation, get_swe_task
@@ -43,7 +44,7 @@ class TrackedSwe(SweEnvironment):
 
     def reset(self, task, rng):
         messages = super().reset(task, rng)
-        TrackedSwe.opened.append(self.session)
+        TrackedSwe.opened.append(self)
         return messages
 
 
@@ -54,8 +55,8 @@ def play(actions, *, max_turns=6, wall_time_s=30, **task):
     sample = run_episode(environment, {"swe_builtin": TASK_ID, "sandbox": sandbox, **task}, tokenizer=TOKENIZER,
                          engines={Executor.STUDENT: ScriptedEngine(actions)}, turn_executor=lambda turn: Executor.STUDENT,
                          sampling=SamplingParams(), max_turns=max_turns, rng=random.Random(0))
-    (session,) = TrackedSwe.opened
-    assert session.directory.is_dir() is False  # closed: the working copy is deleted
+    (played,) = TrackedSwe.opened
+    assert not played.session.directory.exists()  # closed: the working copy is deleted
     return sample
 
 
@@ -80,8 +81,8 @@ def test_a_fix_made_through_the_tools_is_rewarded_and_a_bare_submit_is_not():
                                      rng=random.Random(0), tokenizer=TOKENIZER)
     rollin.run_turns(episodes, engines={Executor.STUDENT: ScriptedEngine([call("submit")])},
                      sampling=SamplingParams(), tokenizer=TOKENIZER, rng=random.Random(0))
-    (bare,), (session,) = [e.sample for e in episodes], TrackedSwe.opened
-    assert bare.reward == 0.0 and bare.metadata["episode"]["turns"] == 1 and not session.directory.exists()
+    (bare,), (played,) = [e.sample for e in episodes], TrackedSwe.opened
+    assert bare.reward == 0.0 and bare.metadata["episode"]["turns"] == 1 and not played.session.directory.exists()
     info = bare.metadata["episode"]["turn_infos"][-1]
     assert info["resolved"] is False and set(info["tests"].values()) >= {"failed"}
 
@@ -107,6 +108,10 @@ def test_errors_are_observations_and_the_turn_limit_closes_the_session():
     assert episode["tool_errors"] == 2 and episode["tool_timeouts"] == 1  # missing argument, unknown tool; sleep
     assert "No such file" in sample.response_text and "timed out" in sample.response_text
     assert "call submit()" in sample.response_text
+    # A sandbox that fails (here: its session is gone) answers an error and counts as one; it never raises.
+    (played,) = TrackedSwe.opened
+    result = played.call_tool(ToolCall(name="bash", arguments={"command": "true"}, call_id="1"))
+    assert result.error == "raised" and result.content.startswith("error: the sandbox failed: SandboxClosedError")
 
 
 def test_bad_settings_name_the_field_and_long_output_is_cut():
