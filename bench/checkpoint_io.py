@@ -140,7 +140,7 @@ def main() -> None:
         del tensors
         # One spawn per repeat; a repeat's time is its slowest rank's.
         runs = [
-            run_distributed(time_stacx_load_and_export, args.tp, tensor_parallel_size=args.tp,
+            run_distributed(time_stacx_load_and_export, args.tp, tensor_model_parallel_size=args.tp,
                             args=(hf_dir, out_dir, os.path.join(work, f"dist{repeat}")), timeout_s=900)
             for repeat in range(args.repeats)
         ]
@@ -148,7 +148,7 @@ def main() -> None:
             min(max(rank[index] for rank in ranks) for ranks in runs) for index in range(7))
         results = {
             "checkpoint_mb": round(megabytes, 1),
-            "tensor_parallel_size": args.tp,
+            "tensor_model_parallel_size": args.tp,
             "plain_safetensors_read_mb_s": round(megabytes / read_s, 1),
             "stacx_load_mb_s": round(megabytes / load_s, 1),
             "load_ratio_vs_plain_read": round(read_s / load_s, 3),

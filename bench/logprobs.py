@@ -187,7 +187,7 @@ def run_lm_head_section(args) -> dict:
         print(f"{name:28s} {seconds * 1e3:9.1f} ms   peak extra {peak / 2**20:8.1f} MiB, "
               f"working {working / 2**20:8.1f} MiB = {working / shard_bytes:5.2f} x logits shard")
     summary = {
-        "sizes": {"tokens": num_tokens, "hidden": hidden_size, "vocab": vocab, "tensor_parallel_size": 1,
+        "sizes": {"tokens": num_tokens, "hidden": hidden_size, "vocab": vocab, "tensor_model_parallel_size": 1,
                   "dtype": args.lm_head_dtype, "device": str(device),
                   "tile": list(default_tile(num_tokens, vocab)), "logits_shard_bytes": shard_bytes,
                   "input_gradient_bytes": gradient_bytes, "repeats": args.repeats},
@@ -262,7 +262,7 @@ def run_logits_section(args) -> dict:
 
     ours, ours_lp = results["stacx_log_probs_entropy"], results["stacx_log_probs"]
     summary = {
-        "sizes": {"tokens": args.tokens, "vocab": args.vocab, "tensor_parallel_size": 1, "dtype": args.dtype,
+        "sizes": {"tokens": args.tokens, "vocab": args.vocab, "tensor_model_parallel_size": 1, "dtype": args.dtype,
                   "chunk_tokens": default_chunk_tokens(args.tokens, args.vocab), "shard_bytes": shard_bytes,
                   "repeats": args.repeats, "torch_threads": torch.get_num_threads()},
         "peak_memory_ratio_vs_shard": ours["peak_extra_ratio_vs_shard"],

@@ -63,7 +63,7 @@ def _run_on_ranks(fn, tp_size: int, args: tuple) -> None:
         return
     from stacx.testing.distributed import run_distributed
 
-    run_distributed(fn, tp_size, tensor_parallel_size=tp_size, args=args, timeout_s=3600.0)
+    run_distributed(fn, tp_size, tensor_model_parallel_size=tp_size, args=args, timeout_s=3600.0)
 
 
 # ---- Hugging Face -> torch_dist ------------------------------------------------------------------

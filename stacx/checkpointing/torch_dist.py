@@ -28,6 +28,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,13 @@ METADATA_JSON = "metadata.json"
 DCP_METADATA = ".metadata"
 COMMON_STATE = "common.pt"
 OPTIMIZER_PREFIX = "optimizer."
+_OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
+"""Optimizer tensors: `optimizer.` or, for megatron's chain of several optimizers (a mixture-of-experts model
+keeps its expert parameters in their own optimizer when ep > 1), `chained_<i>.optimizer.`."""
+
+
+def is_optimizer_key(key: str) -> bool:
+    return bool(_OPTIMIZER_KEY.match(key))
 
 
 class TorchDistCheckpointError(RuntimeError):
@@ -151,8 +159,10 @@ def load_torch_dist(folder: str | os.PathLike, model, optimizer=None, *, what: s
     folder = Path(folder)
     _require_complete(folder, what)
     saved_keys = _checkpoint_keys(folder)
-    has_optimizer = any(key.startswith(OPTIMIZER_PREFIX) for key in saved_keys)
+    has_optimizer = any(is_optimizer_key(key) for key in saved_keys)
     with_optimizer = optimizer if (optimizer is not None and has_optimizer) else None
+    if with_optimizer is not None:
+        _require_same_optimizer_chain(saved_keys, with_optimizer, folder, what)
     state = _full_sharded_state_dict(model, with_optimizer, is_loading=True)
     try:
         loaded, missing, _unexpected = dist_checkpointing.load(
@@ -161,7 +171,7 @@ def load_torch_dist(folder: str | os.PathLike, model, optimizer=None, *, what: s
         raise
     except Exception as err:  # noqa: BLE001 - DCP and megatron raise many types; name the folder
         raise TorchDistCheckpointError(f"{what} {folder}: reading failed ({type(err).__name__}: {err})") from err
-    missing_model = sorted(key for key in missing if not key.startswith(OPTIMIZER_PREFIX))
+    missing_model = sorted(key for key in missing if not is_optimizer_key(key))
     if missing_model and strict_model:
         raise TorchDistCheckpointError(
             f"{what} {folder} has no tensor {missing_model[0]!r} that the model needs"
@@ -173,6 +183,20 @@ def load_torch_dist(folder: str | os.PathLike, model, optimizer=None, *, what: s
     if with_optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     return with_optimizer is not None
+
+
+def _require_same_optimizer_chain(saved_keys: set[str], optimizer, folder: Path, what: str) -> None:
+    """megatron stores a chain of several optimizers under `chained_<i>.` keys and one optimizer without them;
+    the two layouts do not convert into each other (their non-tensor state differs in structure)."""
+    saved_chained = any(key.startswith("chained_") for key in saved_keys if is_optimizer_key(key))
+    chained = len(getattr(optimizer, "chained_optimizers", None) or [optimizer]) > 1
+    if saved_chained != chained:
+        raise TorchDistCheckpointError(
+            f"{what} {folder}: its optimizer state was saved as {'a chain of' if saved_chained else 'one'} "
+            f"optimizer{'s' if saved_chained else ''}, this run has {'a chain' if chained else 'one'}. A "
+            "mixture-of-experts model keeps its expert parameters in an optimizer of their own when "
+            "--expert-model-parallel-size > 1: resume with an --expert-model-parallel-size on the same side of 1 "
+            "as the run that saved it (the weights alone load at any size: stacx convert checkpoint-to-hf)")
 
 
 __all__ = [

@@ -79,9 +79,9 @@ class DiffusionPolicyGroup:
     def __init__(self, workers: RoleWorkers, role: ModelRole, run_config: RunConfig,
                  algorithm: DiffusionAlgorithmConfig):
         """Build a `DiffusionRuntime` on every worker (replacing one a previous run left there)."""
-        if workers.tensor_parallel_size != 1 or workers.context_parallel_size != 1:
+        if workers.tensor_model_parallel_size != 1 or workers.context_parallel_size != 1:
             raise ValueError(f"role {role.name!r}: the diffusion recipes run data parallel only; the workers have "
-                             f"tp={workers.tensor_parallel_size} cp={workers.context_parallel_size}")
+                             f"tp={workers.tensor_model_parallel_size} cp={workers.context_parallel_size}")
         self.name = role.name
         self.workers = workers
         self.data_parallel_size = workers.data_parallel_size

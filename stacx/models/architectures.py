@@ -27,6 +27,10 @@ class Architecture:
     """Whether q/k/v projections carry a bias when the config has no `attention_bias` field."""
     qk_layernorm: bool
     """Whether each head's query and key pass through an RMSNorm before RoPE (Qwen3)."""
+    mixture_of_experts: bool = False
+    """Whether every layer's MLP is a routed mixture of experts (`num_experts`, `num_experts_per_tok`)."""
+    shared_expert: bool = False
+    """Whether each MoE layer adds a sigmoid-gated shared expert (Qwen2-MoE's `shared_expert_intermediate_size`)."""
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -35,8 +39,29 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture(model_type="llama", hf_class_name="LlamaForCausalLM", qkv_bias_default=False, qk_layernorm=False),
         Architecture(model_type="qwen2", hf_class_name="Qwen2ForCausalLM", qkv_bias_default=True, qk_layernorm=False),
         Architecture(model_type="qwen3", hf_class_name="Qwen3ForCausalLM", qkv_bias_default=False, qk_layernorm=True),
+        Architecture(model_type="qwen2_moe", hf_class_name="Qwen2MoeForCausalLM", qkv_bias_default=True,
+                     qk_layernorm=False, mixture_of_experts=True, shared_expert=True),
+        Architecture(model_type="qwen3_moe", hf_class_name="Qwen3MoeForCausalLM", qkv_bias_default=False,
+                     qk_layernorm=True, mixture_of_experts=True),
     )
 }
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEShape:
+    """The mixture-of-experts part of a decoder (every layer's MLP is one), read from a Hugging Face config."""
+
+    num_experts: int
+    """Routed experts per layer (`num_experts`)."""
+    top_k: int
+    """Experts each token is sent to (`num_experts_per_tok`)."""
+    expert_ffn_hidden_size: int
+    """Each routed expert's SwiGLU width (`moe_intermediate_size`)."""
+    shared_expert_ffn_hidden_size: int
+    """The shared expert's width (`shared_expert_intermediate_size`); 0 when the family has none."""
+    normalize_top_k: bool
+    """`norm_topk_prob`: the top-k routing weights are renormalized to sum to 1 (else they are the
+    softmax over all experts, restricted to the top k)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +83,8 @@ class DecoderShape:
     tie_word_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
+    moe: MoEShape | None = None
+    """The mixture-of-experts sizes, or None for a dense decoder."""
 
 
 def load_hf_config(hf_config):
@@ -141,18 +168,60 @@ def decoder_shape(config) -> DecoderShape:
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         qkv_bias=arch.qkv_bias_default if qkv_bias is None else bool(qkv_bias),
         max_position_embeddings=getattr(config, "max_position_embeddings", 4096),
+        moe=_moe_shape(config) if arch.mixture_of_experts else None,
+    )
+
+
+def _moe_shape(config) -> MoEShape:
+    """Validate the MoE fields of a config; only decoders whose every layer is an MoE layer are built."""
+    sparse_step = getattr(config, "decoder_sparse_step", 1)
+    dense_layers = list(getattr(config, "mlp_only_layers", None) or [])
+    if sparse_step != 1 or dense_layers:
+        raise ValueError(
+            f"{config.model_type}: decoder_sparse_step={sparse_step}, mlp_only_layers={dense_layers} mix dense and "
+            "MoE layers, which is not supported; every layer must be an MoE layer (decoder_sparse_step=1, "
+            "mlp_only_layers=[])")
+    num_experts, top_k = int(config.num_experts), int(config.num_experts_per_tok)
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
+    arch = ARCHITECTURES[config.model_type]
+    return MoEShape(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_ffn_hidden_size=int(config.moe_intermediate_size),
+        shared_expert_ffn_hidden_size=int(config.shared_expert_intermediate_size) if arch.shared_expert else 0,
+        normalize_top_k=bool(getattr(config, "norm_topk_prob", False)),
     )
 
 
 def check_tensor_parallel_size(shape: DecoderShape, tp_size: int) -> None:
     """Raise naming the field when tp does not divide the heads, KV heads or FFN width."""
-    for field, value in (
-        ("num_attention_heads", shape.num_attention_heads),
-        ("num_key_value_heads", shape.num_kv_heads),
-        ("intermediate_size", shape.ffn_hidden_size),
-    ):
+    fields = [("num_attention_heads", shape.num_attention_heads), ("num_key_value_heads", shape.num_kv_heads)]
+    if shape.moe is None:
+        fields.append(("intermediate_size", shape.ffn_hidden_size))
+    elif shape.moe.shared_expert_ffn_hidden_size:
+        fields.append(("shared_expert_intermediate_size", shape.moe.shared_expert_ffn_hidden_size))
+    for field, value in fields:
         if value % tp_size:
-            raise ValueError(f"tensor parallel size {tp_size} does not divide {field}={value}")
+            raise ValueError(f"tensor parallel size {tp_size} (--tensor-model-parallel-size) does not divide "
+                             f"{field}={value}")
+
+
+def check_expert_parallel_sizes(shape: DecoderShape, ep_size: int, etp_size: int) -> None:
+    """Raise naming the flag and the config field when ep does not divide the experts or etp their width.
+
+    A dense decoder accepts only ep = 1 (there are no experts to spread)."""
+    if shape.moe is None:
+        if ep_size != 1:
+            raise ValueError(f"--expert-model-parallel-size {ep_size} needs a mixture-of-experts model; "
+                             f"{shape.architecture.model_type!r} is dense (use 1)")
+        return
+    if shape.moe.num_experts % ep_size:
+        raise ValueError(f"--expert-model-parallel-size {ep_size} does not divide num_experts={shape.moe.num_experts}; "
+                         "choose a divisor of the number of experts")
+    if shape.moe.expert_ffn_hidden_size % etp_size:
+        raise ValueError(f"--expert-tensor-parallel-size {etp_size} does not divide "
+                         f"moe_intermediate_size={shape.moe.expert_ffn_hidden_size}")
 
 
 def check_pipeline_parallel_size(shape: DecoderShape, pp_size: int) -> None:

@@ -14,8 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dataclasses import dataclass
+
 from stacx.models.architectures import (
     DecoderShape,
+    check_expert_parallel_sizes,
     check_pipeline_parallel_size,
     check_tensor_parallel_size,
     decoder_shape,
@@ -37,8 +40,47 @@ def transformer_engine_available() -> bool:
     return True
 
 
+@dataclass(frozen=True, kw_only=True)
+class RouterLosses:
+    """The router's auxiliary losses of a mixture-of-experts model (run settings, megatron's names)."""
+
+    aux_loss_coeff: float = 0.0
+    """--moe-aux-loss-coeff: weight of the load-balancing loss E * sum_e f_e * P_e (f_e: the fraction of
+    routed token slots that chose expert e, P_e: its mean routing probability); 0 turns it off."""
+    z_loss_coeff: float = 0.0
+    """--moe-z-loss-coeff: weight of the router z-loss mean_t (logsumexp_e logits_te)^2; 0 turns it off."""
+
+    def __post_init__(self):
+        for flag, value in (("--moe-aux-loss-coeff", self.aux_loss_coeff), ("--moe-z-loss-coeff", self.z_loss_coeff)):
+            if not value >= 0.0:
+                raise ValueError(f"{flag} must be >= 0, got {value}")
+
+
+def _moe_fields(shape: DecoderShape, groups, router_losses: RouterLosses) -> dict:
+    """TransformerConfig fields of the MoE layers: megatron's router reproduces Hugging Face's top-k softmax
+    (renormalized top-k = softmax over the top-k logits; otherwise softmax first, then top-k)."""
+    if shape.moe is None:
+        return {}
+    moe = shape.moe
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
+        moe_router_pre_softmax=not moe.normalize_top_k,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=moe.shared_expert_ffn_hidden_size > 0,
+        moe_grouped_gemm=False,
+        moe_router_load_balancing_type="aux_loss" if router_losses.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=router_losses.aux_loss_coeff,
+        moe_z_loss_coeff=router_losses.z_loss_coeff or None,
+        expert_model_parallel_size=groups.ep_size,
+        expert_tensor_parallel_size=groups.etp_size,
+    )
+
+
 def build_transformer_config(
-    shape: DecoderShape, groups, params_dtype: torch.dtype, initializer_range: float, initialize_weights: bool = True
+    shape: DecoderShape, groups, params_dtype: torch.dtype, initializer_range: float, initialize_weights: bool = True,
+    router_losses: RouterLosses = RouterLosses(),
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -72,8 +114,9 @@ def build_transformer_config(
         # with variable_seq_lengths it sends each one's shape first (stacx.parallel.pipeline).
         pipeline_dtype=params_dtype if pipelined else None,
         variable_seq_lengths=pipelined,
-        # megatron refuses variable_seq_lengths with its default allgather MoE dispatcher.
-        moe_token_dispatcher_type="alltoall" if pipelined else "allgather",
+        # megatron refuses variable_seq_lengths with its allgather MoE dispatcher. MoE layers: all-to-all
+        # needs CUDA streams; all-gather runs over gloo (each rank then keeps its experts' tokens).
+        moe_token_dispatcher_type="alltoall" if (pipelined or not on_cpu) else "allgather",
         use_cpu_initialization=on_cpu,
         # The fused kernels below are CUDA-only.
         apply_rope_fusion=False,
@@ -82,6 +125,7 @@ def build_transformer_config(
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=not on_cpu,
         persist_layer_norm=not on_cpu,
+        **_moe_fields(shape, groups, router_losses),
     )
 
 
@@ -95,9 +139,12 @@ def _layer_spec(shape: DecoderShape):
     # checkpoint folders and configs but never builds a model (megatron-core takes seconds to import).
     from stacx.models.packed_attention import PackedCoreAttention
 
+    num_experts = shape.moe.num_experts if shape.moe is not None else None
     if transformer_engine_available():
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.architecture.qk_layernorm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=shape.architecture.qk_layernorm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=shape.architecture.qk_layernorm)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=shape.architecture.qk_layernorm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     return spec
 
@@ -121,21 +168,26 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
     return scaled.float()
 
 
-def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32, initialize_weights: bool = True):
+def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32, initialize_weights: bool = True,
+                router_losses: RouterLosses = RouterLosses()):
     """A megatron-core GPTModel matching `hf_config` (PretrainedConfig, dict, folder or config.json).
 
     Weights are freshly initialized (left uninitialized with initialize_weights=False, which is
     faster when a checkpoint is loaded next); load real ones with `load_hf_checkpoint`. Dropout is 0.
-    Raises ValueError for an unsupported architecture or a tp that does not divide the heads.
+    A mixture-of-experts config gets MoE layers sharded over `groups`' expert grid (ep, etp), with
+    `router_losses` (ignored for a dense model). Raises ValueError for an unsupported architecture,
+    a tp that does not divide the heads or an ep that does not divide the experts.
     """
     from megatron.core.models.gpt import GPTModel
 
     config = load_hf_config(hf_config)
     shape = decoder_shape(config)
     check_tensor_parallel_size(shape, groups.tp_size)
+    check_expert_parallel_sizes(shape, groups.ep_size, groups.etp_size)
     check_pipeline_parallel_size(shape, groups.pp_size)
     transformer_config = build_transformer_config(
-        shape, groups, params_dtype, float(getattr(config, "initializer_range", 0.02)), initialize_weights
+        shape, groups, params_dtype, float(getattr(config, "initializer_range", 0.02)), initialize_weights,
+        router_losses,
     )
     model = GPTModel(
         config=transformer_config,

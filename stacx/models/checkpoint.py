@@ -95,6 +95,9 @@ def _check_names(mappings, files: dict[str, str], shape, path: str) -> None:
             + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else "")
         )
     tolerated = {"lm_head.weight"} if shape.tie_word_embeddings else set()
+    # A rank holds num_experts / ep routed experts: the other ranks' experts are described too.
+    tolerated |= {_renumber_expert(name, expert - _expert_index(name)) for m in mappings if m.routed_expert
+                  for name in m.hf_names for expert in range(shape.moe.num_experts)}
     unexpected = sorted(
         name for name in set(files) - needed
         if name not in tolerated and not name.endswith(IGNORED_HF_SUFFIXES)
@@ -134,7 +137,8 @@ class HFTensorReader:
         return tensor_slice[:, part.start : part.stop]
 
     def read_local_shard(self, mapping, shape, tp_rank: int, tp_size: int) -> torch.Tensor:
-        """The megatron TP shard of `mapping` for `tp_rank`, reading only the needed slices."""
+        """The megatron shard of `mapping` for `tp_rank` of `tp_size` (the expert tensor-parallel rank and
+        size for a routed expert: `mapping.shard_rank_and_size`), reading only the needed slices."""
         pieces = [
             self.read(hf_name, expected, part)
             for hf_name, expected, part in zip(
@@ -163,7 +167,18 @@ def load_hf_checkpoint(model, path: str, groups) -> None:
     reader.check_names(whole_model, shape)
     params = dict(gpt.named_parameters())
     for mapping in mappings:
-        params[mapping.megatron_name].copy_(reader.read_local_shard(mapping, shape, groups.tp_rank, groups.tp_size))
+        rank, size = mapping.shard_rank_and_size(groups)
+        params[mapping.megatron_name].copy_(reader.read_local_shard(mapping, shape, rank, size))
+
+
+def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """Every rank's `tensor` of `group` (of `size` ranks), in rank order."""
+    if size == 1:
+        return [tensor]
+    tensor = tensor.contiguous()
+    shards = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(shards, tensor, group=group)
+    return shards
 
 
 def _gather_tp(tensor: torch.Tensor, groups, only_to_tp_rank: int | None) -> list[torch.Tensor] | None:
@@ -172,9 +187,7 @@ def _gather_tp(tensor: torch.Tensor, groups, only_to_tp_rank: int | None) -> lis
         return [tensor]
     tensor = tensor.contiguous()
     if only_to_tp_rank is None:
-        shards = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
-        dist.all_gather(shards, tensor, group=groups.tp)
-        return shards
+        return _all_gather(tensor, groups.tp, groups.tp_size)
     receiving = groups.tp_rank == only_to_tp_rank
     shards = [torch.empty_like(tensor) for _ in range(groups.tp_size)] if receiving else None
     dist.gather(tensor, shards, group_dst=only_to_tp_rank, group=groups.tp)
@@ -187,7 +200,10 @@ def iter_hf_weight_buckets(
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (hf_name, full unpadded tensor) of about `bucket_bytes` each, in a fixed order.
 
-    Every rank of the model's TP group must iterate (each parameter is gathered over TP). By
+    Every rank of the model's TP group must iterate (each parameter is gathered over TP); with
+    expert parallelism (ep > 1) every rank of the expert-parallel group too, since each routed expert
+    is gathered over etp and then over ep (so every rank's experts come out, under their global
+    Hugging Face names). By
     default every TP rank receives the same buckets; with `only_to_tp_rank` only that TP rank
     receives the shards (half the traffic at tp=2) and yields buckets, while the other TP ranks
     take part in the gathers and yield nothing (they must still exhaust the iterator). A tensor larger than `bucket_bytes` is a bucket alone. `dtype` converts the
@@ -206,12 +222,43 @@ def _iter_hf_tensors(gpt, groups, dtype, only_to_tp_rank) -> Iterator[tuple[str,
     for mapping in param_mappings(gpt):
         if holds_tied_head_copy(gpt) and mapping.megatron_name == "output_layer.weight":
             continue  # the first stage sends the embedding, which Hugging Face stores once
+        if mapping.routed_expert:
+            named = _routed_expert_hf_tensors(mapping, params[mapping.megatron_name].detach(), groups, shape)
+            if only_to_tp_rank is None or groups.tp_rank == only_to_tp_rank:
+                for hf_name, tensor in named:
+                    yield hf_name, (tensor.contiguous() if dtype is None else tensor.to(dtype).contiguous())
+            continue
         shards = _gather_tp(params[mapping.megatron_name].detach(), groups, only_to_tp_rank)
         if shards is None:  # a non-receiving rank only takes part in the gathers
             continue
         shards = [s.cpu() for s in shards]
         for hf_name, tensor in zip(mapping.hf_names, mapping.merge_shards(shards, shape)):
             yield hf_name, (tensor.contiguous() if dtype is None else tensor.to(dtype).contiguous())
+
+
+def _routed_expert_hf_tensors(mapping, param: torch.Tensor, groups, shape) -> list[tuple[str, torch.Tensor]]:
+    """One local expert's weight as full HF tensors from every expert-parallel rank: gathered over etp,
+    merged, then gathered over ep (EP rank r holds experts [r * E/ep, (r+1) * E/ep))."""
+    shards = [s.cpu() for s in _all_gather(param, groups.etp, groups.etp_size)]
+    merged = mapping.merge_shards(shards, shape)
+    experts_per_rank = shape.moe.num_experts // groups.ep_size
+    named = []
+    for hf_name, tensor in zip(mapping.hf_names, merged):
+        for ep_rank, expert_tensor in enumerate(_all_gather(tensor, groups.ep, groups.ep_size)):
+            named.append((_renumber_expert(hf_name, (ep_rank - groups.ep_rank) * experts_per_rank), expert_tensor))
+    return named
+
+
+def _expert_index(hf_name: str) -> int:
+    """e of `...mlp.experts.{e}.rest`."""
+    return int(hf_name.split(".mlp.experts.", 1)[1].split(".", 1)[0])
+
+
+def _renumber_expert(hf_name: str, shift: int) -> str:
+    """`...mlp.experts.{e}.rest` -> `...mlp.experts.{e + shift}.rest`."""
+    head, rest = hf_name.split(".mlp.experts.", 1)
+    expert, tail = rest.split(".", 1)
+    return f"{head}.mlp.experts.{int(expert) + shift}.{tail}"
 
 
 def split_into_buckets(named_tensors, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -262,7 +309,8 @@ def export_hf_checkpoint(model, out_dir: str, groups, hf_config=None, *, max_sha
                          tokenizer_from: str | None = None) -> None:
     """Write the model as a Hugging Face checkpoint (safetensors shards + index + config.json).
 
-    Call on every rank. Ranks with cp_rank == dp_rank == 0 gather over TP; global rank 0 writes.
+    Call on every rank. Ranks with cp_rank == dp_rank == 0 gather over TP (every rank when experts are
+    spread over ep > 1: each holds experts no other rank of its TP group has); global rank 0 writes.
     Tensors are written in the config's `dtype` (else the parameters' dtype), vocab padding
     stripped. `tokenizer_from`: a folder (the checkpoint the model started from) whose tokenizer
     files are copied next to the weights, so the export loads, serves and evaluates on its own.
@@ -270,7 +318,7 @@ def export_hf_checkpoint(model, out_dir: str, groups, hf_config=None, *, max_sha
     """
     config = load_hf_config(hf_config) if hf_config is not None else hf_config_of(model)
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
-    if groups.cp_rank == 0 and groups.dp_rank == 0:
+    if (groups.cp_rank == 0 and groups.dp_rank == 0) or groups.ep_size > 1:
         if is_writer:
             os.makedirs(out_dir, exist_ok=True)
         shard_files: list[tuple[str, list[str]]] = []

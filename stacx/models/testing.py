@@ -21,7 +21,8 @@ _TINY_DEFAULTS = dict(
 
 
 def tiny_hf_config(arch: str = "llama", vocab_size: int = 101, **overrides):
-    """A `transformers` config of a tiny `arch` ("llama", "qwen2", "qwen3") decoder.
+    """A `transformers` config of a tiny `arch` decoder ("llama", "qwen2", "qwen3"; "qwen2_moe" and "qwen3_moe":
+    4 experts, top-2 routing, and for Qwen2-MoE a shared expert).
 
     The default vocab (101) is odd on purpose, so TP=2 needs vocab padding. Any config field
     can be overridden (e.g. tie_word_embeddings=True, rope_parameters={...}).
@@ -33,8 +34,12 @@ def tiny_hf_config(arch: str = "llama", vocab_size: int = 101, **overrides):
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; supported: {sorted(ARCHITECTURES)}")
     fields = dict(_TINY_DEFAULTS, vocab_size=vocab_size)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         fields["head_dim"] = 16
+    if ARCHITECTURES[arch].mixture_of_experts:
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    if ARCHITECTURES[arch].shared_expert:
+        fields["shared_expert_intermediate_size"] = 48
     fields.update(overrides)
     return AutoConfig.for_model(arch, **fields)
 

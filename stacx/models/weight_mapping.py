@@ -11,6 +11,11 @@ A `ParamMapping` ties one megatron parameter (a TP shard) to one or more HF tens
 | qkv         | q, k, v             | KV groups [r*G/tp, (r+1)*G/tp), each as [q heads of g; k_g; v_g] |
 | gate_up     | gate, up            | [gate rows r*F/tp..; up rows r*F/tp..] stacked               |
 
+Routed experts (mixture-of-experts layers) use the same kinds, but over the *expert* tensor-parallel
+group (etp) instead of tp: `ParamMapping.routed_expert` is set, and megatron's local expert j of
+expert-parallel rank r is Hugging Face expert r * num_experts / ep + j (`local_expert_indices`).
+Pick the shard coordinates with `shard_rank_and_size`.
+
 `local_slices` says which rows/columns of each HF tensor a rank must read (so a loader reads
 only those); `assemble_local` builds the shard from them; `merge_shards` turns the tp shards
 back into full HF tensors. The three are inverse to each other (tested).
@@ -52,6 +57,18 @@ _RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.weight", "gate_up",
      ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight")),
     (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.weight", "row", ("model.layers.{i}.mlp.down_proj.weight",)),
+    # mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE); {e} is the global expert index
+    (r"decoder\.layers\.(\d+)\.mlp\.router\.weight", "replicated", ("model.layers.{i}.mlp.gate.weight",)),
+    (r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight", "gate_up",
+     ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight")),
+    (r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight", "row",
+     ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",)),
+    (r"decoder\.layers\.(\d+)\.mlp\.shared_experts\.linear_fc1\.weight", "gate_up",
+     ("model.layers.{i}.mlp.shared_expert.gate_proj.weight", "model.layers.{i}.mlp.shared_expert.up_proj.weight")),
+    (r"decoder\.layers\.(\d+)\.mlp\.shared_experts\.linear_fc2\.weight", "row",
+     ("model.layers.{i}.mlp.shared_expert.down_proj.weight",)),
+    (r"decoder\.layers\.(\d+)\.mlp\.shared_experts\.gate_weight", "replicated",
+     ("model.layers.{i}.mlp.shared_expert_gate.weight",)),
 )
 
 # HF tensors a checkpoint may carry that have no megatron parameter (recomputed buffers).
@@ -73,6 +90,16 @@ class ParamMapping:
     kind: str
     hf_names: tuple[str, ...]
     local_shape: tuple[int, ...]
+    routed_expert: bool = False
+    """A routed expert's weight: sharded over the expert tensor-parallel group (etp), not tp."""
+
+    def shard_rank_and_size(self, groups) -> tuple[int, int]:
+        """(rank, size) of the group this parameter is sharded over: etp for routed experts, else tp."""
+        return (groups.etp_rank, groups.etp_size) if self.routed_expert else (groups.tp_rank, groups.tp_size)
+
+    def shard_group(self, groups):
+        """The process group this parameter is sharded over (None for a size-1 axis)."""
+        return groups.etp if self.routed_expert else groups.tp
 
     def hf_shapes(self, shape: DecoderShape, tp_size: int) -> tuple[tuple[int, ...], ...]:
         """The full HF shape of each of `hf_names`."""
@@ -156,12 +183,17 @@ class ParamMapping:
         raise AssertionError(self.kind)
 
 
-def _match(name: str, layer_offset: int = 0) -> tuple[str, tuple[str, ...]]:
+def _match(name: str, layer_offset: int = 0, first_local_expert: int = 0) -> tuple[str, tuple[str, ...], bool]:
+    """(kind, HF names, routed expert?) of megatron parameter `name`: its layer index shifted by `layer_offset`
+    (a pipeline stage's first layer), a routed expert's local index j mapped to Hugging Face expert
+    `first_local_expert + j`."""
     for pattern, kind, templates in _RULES:
         found = re.fullmatch(pattern, name)
         if found:
             layer = int(found.group(1)) + layer_offset if found.groups() else None
-            return kind, tuple(t.format(i=layer) for t in templates)
+            routed = len(found.groups()) == 2
+            expert = first_local_expert + int(found.group(2)) if routed else None
+            return kind, tuple(t.format(i=layer, e=expert) for t in templates), routed
     raise ValueError(f"megatron parameter {name!r} has no Hugging Face mapping in stacx.models.weight_mapping")
 
 
@@ -179,28 +211,38 @@ def holds_tied_head_copy(gpt_model) -> bool:
     return bool(getattr(gpt_model, "share_embeddings_and_output_weights", False)) and not gpt_model.pre_process
 
 
+def _first_local_experts(gpt_model) -> dict[str, int]:
+    """{MoE layer's module name: global index of its first local expert} (megatron's local_expert_indices)."""
+    return {name: module.local_expert_indices[0] for name, module in gpt_model.named_modules()
+            if getattr(module, "local_expert_indices", None)}
+
+
 def param_mappings(gpt_model) -> list[ParamMapping]:
     """One mapping per parameter of an (unwrapped) megatron GPTModel, in parameter order.
 
     On a pipeline stage the layers map to their global Hugging Face indices; the tied LM-head copy
-    on the last stage maps to `model.embed_tokens.weight`.
+    on the last stage maps to `model.embed_tokens.weight`; routed experts to their global expert index.
     """
     offset = layer_offset(gpt_model)
     tied_copy = holds_tied_head_copy(gpt_model)
+    first_experts = _first_local_experts(gpt_model)
     mappings = []
     for name, param in gpt_model.named_parameters():
-        kind, hf_names = _match(name, offset)
+        layer_mlp = name.split(".experts.local_experts.")[0]
+        kind, hf_names, routed = _match(name, offset, first_experts.get(layer_mlp, 0))
         if tied_copy and name == "output_layer.weight":
             hf_names = ("model.embed_tokens.weight",)
-        mappings.append(ParamMapping(name, kind, hf_names, tuple(param.shape)))
+        mappings.append(ParamMapping(name, kind, hf_names, tuple(param.shape), routed))
     return mappings
 
 
-def expected_param_mappings(shape: DecoderShape, tp_size: int) -> list[ParamMapping]:
+def expected_param_mappings(shape: DecoderShape, tp_size: int, *, ep_size: int = 1, ep_rank: int = 0,
+                            etp_size: int | None = None) -> list[ParamMapping]:
     """The mappings of the local-spec GPTModel `build_model` makes, computed from the config alone.
 
     Lets conversion tools work without building a model or process groups; a test checks it
-    equals `param_mappings(build_model(...))` for every architecture.
+    equals `param_mappings(build_model(...))` for every architecture and layout. `ep_rank`: which
+    experts this rank holds; `etp_size` defaults to tp (megatron's default).
     """
     from stacx.models.architectures import padded_vocab_size
 
@@ -222,12 +264,36 @@ def expected_param_mappings(shape: DecoderShape, tp_size: int) -> list[ParamMapp
         if shape.architecture.qk_layernorm:
             local_shapes += [(prefix + "self_attention.q_layernorm.weight", (d,)),
                              (prefix + "self_attention.k_layernorm.weight", (d,))]
-        local_shapes += [
-            (prefix + "pre_mlp_layernorm.weight", (hidden,)),
-            (prefix + "mlp.linear_fc1.weight", (2 * ffn // tp_size, hidden)),
-            (prefix + "mlp.linear_fc2.weight", (hidden, ffn // tp_size)),
-        ]
+        local_shapes.append((prefix + "pre_mlp_layernorm.weight", (hidden,)))
+        if shape.moe is None:
+            local_shapes += [
+                (prefix + "mlp.linear_fc1.weight", (2 * ffn // tp_size, hidden)),
+                (prefix + "mlp.linear_fc2.weight", (hidden, ffn // tp_size)),
+            ]
+        else:
+            local_shapes += _moe_local_shapes(shape, prefix + "mlp.", tp_size, ep_size, etp_size or tp_size)
     local_shapes.append(("decoder.final_layernorm.weight", (hidden,)))
     if not shape.tie_word_embeddings:
         local_shapes.append(("output_layer.weight", local_shapes[0][1]))
-    return [ParamMapping(name, *_match(name), local_shape) for name, local_shape in local_shapes]
+    first_expert = ep_rank * (shape.moe.num_experts // ep_size) if shape.moe is not None else 0
+    mappings = []
+    for name, local_shape in local_shapes:
+        kind, hf_names, routed = _match(name, first_local_expert=first_expert)
+        mappings.append(ParamMapping(name, kind, hf_names, local_shape, routed))
+    return mappings
+
+
+def _moe_local_shapes(shape: DecoderShape, prefix: str, tp_size: int, ep_size: int, etp_size: int):
+    """(name, local shape) of one MoE layer's parameters, in megatron's registration order."""
+    moe, hidden = shape.moe, shape.hidden_size
+    expert_ffn = moe.expert_ffn_hidden_size // etp_size
+    local_shapes = [(prefix + "router.weight", (moe.num_experts, hidden))]
+    for j in range(moe.num_experts // ep_size):
+        local_shapes += [(prefix + f"experts.local_experts.{j}.linear_fc1.weight", (2 * expert_ffn, hidden)),
+                         (prefix + f"experts.local_experts.{j}.linear_fc2.weight", (hidden, expert_ffn))]
+    if moe.shared_expert_ffn_hidden_size:
+        shared_ffn = moe.shared_expert_ffn_hidden_size // tp_size
+        local_shapes += [(prefix + "shared_experts.gate_weight", (1, hidden)),
+                         (prefix + "shared_experts.linear_fc1.weight", (2 * shared_ffn, hidden)),
+                         (prefix + "shared_experts.linear_fc2.weight", (hidden, shared_ffn))]
+    return local_shapes

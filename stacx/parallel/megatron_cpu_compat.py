@@ -28,6 +28,10 @@ Patches (each covered by tests/parallel/test_megatron_cpu_compat.py):
    tokens in a `device="cuda"` tensor), and `LanguageModule.setup_embeddings_and_output_layer`
    runs with `Tensor.cuda` as the identity: with tied embeddings it moves the last stage's copy
    of the embedding to the GPU before the all-reduce that makes it equal the first stage's.
+7. `megatron.core.transformer.moe.moe_utils.te_general_gemm` -> None when transformer-engine is
+   absent. The MoE router's gating linear (`RouterGatingLinearFunction`) reads that name, which
+   the module defines only when its transformer-engine import succeeds; None selects its plain
+   torch matmul, as the module intends.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def apply_if_needed() -> bool:
     _patch_cp_rope_slicing()
     _patch_synchronize()
     _patch_tied_embedding_setup()
+    _patch_moe_router_gemm()
     _applied = True
     return True
 
@@ -174,3 +179,10 @@ def _patch_tied_embedding_setup() -> None:
     method = LanguageModule.setup_embeddings_and_output_layer
     if not getattr(method, "stacx_cpu_stand_in", False):
         LanguageModule.setup_embeddings_and_output_layer = _run_with_tensor_cuda_as_identity(method)
+
+
+def _patch_moe_router_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -55,6 +55,9 @@ class StepCounts:
     """Loss-mask tokens over the whole global batch (all DP ranks, all micro-batches)."""
     num_sequences: int
     """Sequences with at least one loss token over the whole global batch."""
+    num_routed_tokens: int = 0
+    """Token positions a mixture-of-experts router sees over the whole global batch (every packed position,
+    padding included, counted once per sequence however CP splits it); 0 for a dense model."""
 
 
 def count_loss_tokens(sample_loss_masks: Iterable[torch.Tensor]) -> tuple[int, int]:
@@ -182,6 +185,17 @@ class Reducer:
             term = (loss * mask.to(loss.dtype)).sum() * (weight * scale)
             total = term if total is None else total + term
         return total
+
+    def router_loss_scale(self, micro_batch_routed_tokens: int) -> float:
+        """The gradient scale of a micro-batch's router losses (megatron's MoE aux and z losses).
+
+        Each router loss is a mean over the micro-batch's n_mb routed tokens, so it enters L with weight
+        n_mb / N_routed (N_routed = counts.num_routed_tokens): L_router = sum_mb n_mb / N_routed * r_mb,
+        the token-weighted mean over the step, times gradient_scale like every partial sum here.
+        """
+        if self.counts.num_routed_tokens <= 0:
+            raise ValueError("router_loss_scale needs StepCounts.num_routed_tokens > 0 (a mixture-of-experts step)")
+        return micro_batch_routed_tokens / self.counts.num_routed_tokens * self.gradient_scale
 
     def loss_value(self, reduced_loss: torch.Tensor) -> float:
         """This micro-batch's contribution to L (for logging): the returned loss / gradient_scale."""

@@ -1,6 +1,6 @@
 """Run a function on N spawned gloo ranks with a megatron-core (tp, cp, dp) layout.
 
-    results = run_distributed(check_allreduce, world_size=4, tensor_parallel_size=2,
+    results = run_distributed(check_allreduce, world_size=4, tensor_model_parallel_size=2,
                               context_parallel_size=2, args=(x,))
 
 `fn(groups, *args)` runs on every rank with the rank's `ProcessGroups`; its return values come
@@ -96,7 +96,7 @@ def _rank_main(rank, world_size, port, fn, args, kwargs, layout, timeout_s, resu
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         tp, cp, pp = layout
-        groups = initialize_parallel_layout(tp, cp, pipeline_parallel_size=pp, timeout_s=timeout_s)
+        groups = initialize_parallel_layout(tp, cp, pipeline_model_parallel_size=pp, timeout_s=timeout_s)
         value = fn(groups, *args, **kwargs)
         # Pickled here, to plain bytes: a failure is reported with this rank's traceback (the queue
         # pickles in a background thread and drops what fails), and tensors travel as their bytes,
@@ -115,9 +115,9 @@ def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
     *,
-    tensor_parallel_size: int = 1,
+    tensor_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
     args: tuple = (),
     kwargs: dict | None = None,
     timeout_s: float = 180.0,
@@ -136,7 +136,7 @@ def run_distributed(
         ctx.Process(
             target=_rank_main,
             args=(rank, world_size, port, fn, args, kwargs or {},
-                  (tensor_parallel_size, context_parallel_size, pipeline_parallel_size), timeout_s, results, dict(os.environ), _ParentStdio()),
+                  (tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size), timeout_s, results, dict(os.environ), _ParentStdio()),
             # Not daemonic: megatron's torch_dist checkpoint writer starts processes of its own, which a
             # daemonic process may not; every child is killed in the `finally` below either way.
             daemon=False,

@@ -497,8 +497,8 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[str]:
 
 
 def _same_grid(saved: RoleLayout, expected: RoleLayout) -> bool:
-    return (saved.tensor_parallel_size, saved.context_parallel_size, saved.pipeline_model_parallel_size,
-            saved.data_parallel_size) == (expected.tensor_parallel_size, expected.context_parallel_size,
+    return (saved.tensor_model_parallel_size, saved.context_parallel_size, saved.pipeline_model_parallel_size,
+            saved.data_parallel_size) == (expected.tensor_model_parallel_size, expected.context_parallel_size,
                                           expected.pipeline_model_parallel_size, expected.data_parallel_size)
 
 

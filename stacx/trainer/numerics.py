@@ -102,12 +102,15 @@ def step_optimizer_if_finite(optimizer, loss_value: float) -> OptimizerStepOutco
 
 def parameters_are_finite(optimizer) -> bool:
     """All of the optimizer's (main) parameters are finite on every rank of the model-parallel group
-    (TP shards differ; DP and CP replicas hold the same values after the same update)."""
-    params = optimizer.get_parameters()
+    (TP shards differ; DP and CP replicas hold the same values after the same update). A mixture-of-experts
+    model's optimizer is a chain (dense and expert parameters, reduced over different groups): its flag is
+    then agreed over the whole world, which holds both."""
+    links = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    params = [p for link in links for p in link.get_parameters()]
     local_bad = any(not bool(torch.isfinite(p).all()) for p in params)
     flag = torch.tensor([1.0 if local_bad else 0.0])
     if dist.is_available() and dist.is_initialized():
-        group = optimizer.get_grad_stats_parallel_group()
+        group = links[0].get_grad_stats_parallel_group() if len(links) == 1 else None
         if params:
             flag = flag.to(params[0].device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

@@ -79,6 +79,7 @@ def run_preflight(run_config: RunConfig, training_config: TrainingConfig, algori
     check_logging_sinks(run_config)
     check_checkpoints(run_config, training_config, algorithm)
     check_parallel_layout(run_config)
+    check_expert_layout(run_config)
     check_mini_batches(run_config, training_config)
     check_rollout_mode(run_config, training_config, algorithm)
     check_resume_and_save(run_config)
@@ -253,6 +254,43 @@ def check_parallel_layout(run_config: RunConfig) -> None:
             f"{flag('pipeline_model_parallel_size')} {stages} does not divide the model's num_hidden_layers "
             f"{num_layers} ({run_config.model.hf_checkpoint}/config.json): every stage holds as many layers; "
             f"use one of {divisors}")
+
+
+def check_expert_layout(run_config: RunConfig) -> None:
+    """A mixture-of-experts model's experts spread evenly over --expert-model-parallel-size, each expert's width
+    over --expert-tensor-parallel-size, and ep x etp divides the role's ranks (megatron's expert grid);
+    a dense model takes neither flag above 1."""
+    config = read_model_config(run_config.model.hf_checkpoint)
+    parallel = run_config.parallel
+    ep = parallel.expert_model_parallel_size
+    etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
+    # Hub configs name it num_experts; transformers 5 writes num_local_experts.
+    num_experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    num_experts = num_experts if isinstance(num_experts, int) else 0
+    if not num_experts:
+        if ep > 1 or (parallel.expert_tensor_parallel_size or 1) > 1:
+            raise PreflightError(f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size "
+                                 f"{parallel.expert_tensor_parallel_size} need a mixture-of-experts model; "
+                                 f"{run_config.model.hf_checkpoint}/config.json has no num_experts (leave both at 1)")
+        return
+    if num_experts % ep:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise PreflightError(f"--expert-model-parallel-size {ep} does not divide the model's num_experts {num_experts} "
+                             f"({run_config.model.hf_checkpoint}/config.json); use one of {divisors}")
+    width = config.get("moe_intermediate_size")
+    if isinstance(width, int) and width % etp:
+        raise PreflightError(f"--expert-tensor-parallel-size {etp} does not divide the model's moe_intermediate_size "
+                             f"{width} ({run_config.model.hf_checkpoint}/config.json)")
+    world = parallel.tensor_model_parallel_size * parallel.context_parallel_size * parallel.data_parallel_size
+    if world % (ep * etp):
+        raise PreflightError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} does not divide "
+                             f"the role's {world} ranks (--tensor-model-parallel-size x --context-parallel-size x "
+                             "--data-parallel-size); megatron lays the experts over those same ranks")
+    if parallel.tensor_model_parallel_size > 1:
+        raise PreflightError(f"--tensor-model-parallel-size {parallel.tensor_model_parallel_size} with a "
+                             "mixture-of-experts model needs sequence parallelism, which Stacx does not run yet; "
+                             "train MoE models with --tensor-model-parallel-size 1 and spread the experts with "
+                             "--expert-model-parallel-size")
 
 
 def check_mini_batches(run_config: RunConfig, training_config: TrainingConfig) -> None:

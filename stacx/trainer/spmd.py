@@ -60,7 +60,9 @@ def build_spmd_trainer(run_config: RunConfig):
         bind_collectives_to_node(local_address_toward(os.environ["MASTER_ADDR"]))
     init_distributed_from_env(parallel.collective_timeout_s)
     groups = initialize_parallel_layout(parallel.tensor_model_parallel_size, parallel.context_parallel_size,
-                                        pipeline_parallel_size=parallel.pipeline_model_parallel_size,
+                                        expert_model_parallel_size=parallel.expert_model_parallel_size,
+                                        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+                                        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
                                         timeout_s=parallel.collective_timeout_s)
     role = training_config.roles[0]
     channel = TorchrunChannel()

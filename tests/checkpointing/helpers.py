@@ -28,7 +28,7 @@ def write_training_checkpoint(hf_dir: str, root, step: int, *, scale: float = 1.
         staging = begin_checkpoint(root, step)
         info = write_rank_state(staging, role, 0, {"rng": capture_rng_state(), "num_steps": step},
                                 model=model, groups=groups)
-        layout = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
+        layout = RoleLayout(tensor_model_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
         return commit_checkpoint(staging, step=step, recipe=recipe, role_layouts={role: layout}, rank_files=[info],
                                  driver_state={"step": step}, resolved_run_config={"model": {"hf_checkpoint": hf_dir}})
 

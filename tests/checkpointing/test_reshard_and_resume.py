@@ -95,7 +95,7 @@ def _save(groups, model, optimizer, scheduler, root: str, step: int) -> None:
     infos = [None] * dist.get_world_size()
     dist.all_gather_object(infos, info)
     if dist.get_rank() == 0:
-        layout = RoleLayout(tensor_parallel_size=groups.tp_size, context_parallel_size=groups.cp_size,
+        layout = RoleLayout(tensor_model_parallel_size=groups.tp_size, context_parallel_size=groups.cp_size,
                             data_parallel_size=groups.dp_size)
         commit_checkpoint(staging[0], step=step, recipe="grpo", role_layouts={ROLE: layout}, rank_files=infos,
                           driver_state={"step": step}, resolved_run_config={"train": {"num_steps": 4}})
@@ -115,7 +115,7 @@ def _resume(groups, hf_dir: str, root: str):
     from stacx.checkpointing.torch_dist import load_torch_dist
     from stacx.trainer.checkpoint import RoleLayout, load_checkpoint
 
-    layout = RoleLayout(tensor_parallel_size=groups.tp_size, context_parallel_size=groups.cp_size,
+    layout = RoleLayout(tensor_model_parallel_size=groups.tp_size, context_parallel_size=groups.cp_size,
                         data_parallel_size=groups.dp_size)
     loaded = load_checkpoint(root, expected_recipe="grpo", expected_layouts={ROLE: layout})
     model, ddp, optimizer, scheduler = _build(groups, hf_dir)
@@ -167,7 +167,7 @@ def test_saved_at_tp2_dp2_loads_at_tp1_and_tp2_cp2_and_resumes_bitwise(tmp_path)
     hf_dir, root = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     save_tiny_hf_checkpoint(hf_dir, "llama", seed=0)
 
-    saved = run_distributed(save_at_tp2_dp2_and_resume, 4, tensor_parallel_size=2, args=(hf_dir, root), timeout_s=600)
+    saved = run_distributed(save_at_tp2_dp2_and_resume, 4, tensor_model_parallel_size=2, args=(hf_dir, root), timeout_s=600)
     reference = _full_logits([logits for logits, _ in saved])
     saved_exp_avg = torch.cat([saved[0][1], saved[1][1]])[:VOCAB]  # tp ranks 0 and 1 of dp replica 0
     assert saved_exp_avg.abs().sum() > 0
@@ -177,6 +177,6 @@ def test_saved_at_tp2_dp2_loads_at_tp1_and_tp2_cp2_and_resumes_bitwise(tmp_path)
     assert torch.equal(tp1[1], saved_exp_avg), "the optimizer state was not resharded to tp=1"
     assert tp1[2] == 2  # the LR scheduler resumed at step 2
 
-    tp2_cp2 = run_distributed(load_at_another_layout, 4, tensor_parallel_size=2, context_parallel_size=2,
+    tp2_cp2 = run_distributed(load_at_another_layout, 4, tensor_model_parallel_size=2, context_parallel_size=2,
                               args=(hf_dir, root), timeout_s=600)
     torch.testing.assert_close(_full_logits([r[0] for r in tp2_cp2]), reference, rtol=1e-5, atol=1e-5)

@@ -115,7 +115,7 @@ def test_convert_command_errors_name_the_problem(tmp_path, capsys):
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     message = _convert_error(capsys, "hf-to-torch-dist", "--hf-checkpoint", str(gpt2), "--out", out)
-    assert "'gpt2'" in message and "['llama', 'qwen2', 'qwen3']" in message
+    assert "'gpt2'" in message and "['llama', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe']" in message
 
 
 @pytest.mark.parametrize(
@@ -177,7 +177,7 @@ def test_tp2_export_is_byte_identical_and_buckets_stream_every_tensor(tmp_path):
     hf_dir, out_dir, dist_dir, bad_dir = (str(tmp_path / n) for n in ("hf", "export", "dist", "bad"))
     save_tiny_hf_checkpoint(hf_dir, "qwen3", seed=5, tie_word_embeddings=True)
     save_tiny_hf_checkpoint(bad_dir, "qwen3", seed=5, tie_word_embeddings=True, intermediate_size=64)
-    results = run_distributed(export_buckets_and_torch_dist, 2, tensor_parallel_size=2,
+    results = run_distributed(export_buckets_and_torch_dist, 2, tensor_model_parallel_size=2,
                               args=(hf_dir, out_dir, dist_dir, bad_dir))
     original = _read_hf_folder(hf_dir)
     _assert_identical(_read_hf_folder(out_dir), original)

@@ -29,7 +29,7 @@ def tp_allreduce_and_cp_allgather(groups):
 
 
 def test_tp2_cp2_collectives_on_four_ranks():
-    results = run_distributed(tp_allreduce_and_cp_allgather, 4, tensor_parallel_size=2, context_parallel_size=2)
+    results = run_distributed(tp_allreduce_and_cp_allgather, 4, tensor_model_parallel_size=2, context_parallel_size=2)
     # megatron's default order is tp-cp-dp: TP groups are {0,1},{2,3}; CP groups are {0,2},{1,3}.
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     assert all(r["sizes"] == (2, 2, 1) for r in results)
@@ -47,7 +47,7 @@ def raise_on_rank_two(groups):
 
 def test_rank_exception_is_reported_with_its_rank():
     with pytest.raises(DistributedRunError, match=r"rank 2 raised:(.|\n)*boom from the third rank") as info:
-        run_distributed(raise_on_rank_two, 4, tensor_parallel_size=2, timeout_s=60)
+        run_distributed(raise_on_rank_two, 4, tensor_model_parallel_size=2, timeout_s=60)
     assert info.value.rank == 2
 
 

@@ -228,15 +228,15 @@ def _tensor_parallel_checks(groups):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
-def test_tensor_parallel_matches_single_process_unfused_reference(tensor_parallel_size):
+@pytest.mark.parametrize("tensor_model_parallel_size", [1, 2])
+def test_tensor_parallel_matches_single_process_unfused_reference(tensor_model_parallel_size):
     results = run_distributed(
-        _tensor_parallel_checks, world_size=tensor_parallel_size, tensor_parallel_size=tensor_parallel_size
+        _tensor_parallel_checks, world_size=tensor_model_parallel_size, tensor_model_parallel_size=tensor_model_parallel_size
     )
     for errors, forward_counts, backward_counts in results:
         worst = max(errors, key=errors.get)
         assert errors[worst] <= RELATIVE_TOLERANCE, f"{worst}: {errors[worst]}"
-        if tensor_parallel_size > 1:
+        if tensor_model_parallel_size > 1:
             # Forward: one all-gather of the statistics; backward: one all-reduce of d/dhidden.
             assert forward_counts == {"all_gather": 1, "all_reduce": 0}
             assert backward_counts == {"all_gather": 0, "all_reduce": 1}
@@ -318,7 +318,7 @@ def test_padded_vocab_rows_are_excluded_like_the_masked_logits_in_one_shard():
 def test_padded_vocab_rows_are_excluded_like_the_masked_logits_over_two_tp_ranks():
     # 48 padded rows: 45 real (the last shard partly padding, as megatron pads) and 20 real (the last
     # shard all padding). One spawn for both.
-    per_rank = run_distributed(_padded_vocab_checks_on_rank, world_size=2, tensor_parallel_size=2, args=((45, 20),))
+    per_rank = run_distributed(_padded_vocab_checks_on_rank, world_size=2, tensor_model_parallel_size=2, args=((45, 20),))
     check_padded_results([result for rank_results in per_rank for result in rank_results])
 
 

@@ -58,7 +58,7 @@ def train_one_step_with_megatron_ddp_and_optimizer(groups):
 
 
 def test_tp2_model_trains_one_step_with_megatron_optimizer_on_cpu():
-    results = run_distributed(train_one_step_with_megatron_ddp_and_optimizer, 2, tensor_parallel_size=2)
+    results = run_distributed(train_one_step_with_megatron_ddp_and_optimizer, 2, tensor_model_parallel_size=2)
     for gathered, updated, grad_norm, changed, grads_after_clip in results:
         assert torch.equal(gathered, torch.cat([torch.zeros(2, 3), torch.ones(2, 3)], dim=-1))
         assert updated and changed
@@ -136,3 +136,22 @@ def test_patches_are_not_applied_when_cuda_is_present():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "untouched" in out.stdout
+
+
+def router_gating_on_cpu(_groups):
+    from megatron.core.transformer.moe import moe_utils
+
+    # Patch 7: without transformer-engine the module never defines the name the router reads.
+    assert moe_utils.te_general_gemm is None
+    inputs = torch.randn(5, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    weight = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    logits = moe_utils.router_gating_linear(inputs, weight, None, torch.float32)
+    logits.sum().backward()
+    return logits.detach(), inputs.grad, weight.grad, inputs.detach(), weight.detach()
+
+
+def test_moe_router_gating_runs_on_cpu_as_a_plain_linear():
+    logits, input_grad, weight_grad, inputs, weight = run_distributed(router_gating_on_cpu, 1)[0]
+    assert torch.allclose(logits, inputs @ weight.T)
+    assert torch.allclose(input_grad, weight.sum(0).expand_as(inputs))
+    assert torch.allclose(weight_grad, inputs.sum(0).expand_as(weight))

@@ -98,7 +98,7 @@ def test_pp2_dp2_grpo_steps_equal_the_pp1_run_and_weights_reshard(tmp_path):
     rollouts = reference.make_rollouts(2, len(build_char_tokenizer()))
     values = {"num_steps_per_rollout": 2, "max_tokens_per_micro_batch": 40}
     single = run_distributed(reference.train_stacx, 1, args=(os.path.join(root, "pp1"), checkpoint, rollouts, values))
-    piped = run_distributed(reference.train_stacx, 4, pipeline_parallel_size=2,
+    piped = run_distributed(reference.train_stacx, 4, pipeline_model_parallel_size=2,
                             args=(os.path.join(root, "pp2"), checkpoint, rollouts, values))
     rows, piped_rows = single[0]["rows"], piped[0]["rows"]
     assert len(rows) == len(piped_rows) == 4
@@ -115,8 +115,8 @@ def test_pp2_dp2_grpo_steps_equal_the_pp1_run_and_weights_reshard(tmp_path):
     # PP=2 x TP=2 x CP=2: forward-only log-probs from the last stage equal transformers'; every stage's
     # tensors reach the first stage in HF names, bit for bit; a torch_dist checkpoint loads at PP=1.
     folder = os.path.join(root, "torch_dist_pp2")
-    ranks = run_distributed(stream_and_save_stages, 8, tensor_parallel_size=2, context_parallel_size=2,
-                            pipeline_parallel_size=2, args=(checkpoint, folder))
+    ranks = run_distributed(stream_and_save_stages, 8, tensor_model_parallel_size=2, context_parallel_size=2,
+                            pipeline_model_parallel_size=2, args=(checkpoint, folder))
     assert all(r["layers"] == 2 for r in ranks)
     hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     for r in ranks:

@@ -177,7 +177,7 @@ def _tp2_checks(groups):
 
 @pytest.mark.distributed
 def test_tensor_parallel_2_matches_full_vocab_reference_with_one_collective():
-    results = run_distributed(_tp2_checks, world_size=2, tensor_parallel_size=2)
+    results = run_distributed(_tp2_checks, world_size=2, tensor_model_parallel_size=2)
     for errors, forward_counts, backward_counts, topk_ids_equal in results:
         worst = max(errors, key=errors.get)
         assert errors[worst] < ATOL, f"{worst}: {errors[worst]}"

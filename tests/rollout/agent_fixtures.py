@@ -64,7 +64,8 @@ def train_one_grpo_step(server, rollout, out, *, num_tasks: int, n_samples_per_t
                                       "out": str(out), "progress_bar": False, "tensorboard": False}, source="test")
     algorithm = resolve_algorithm_config(training_config, run_config, environ={})
     role = training_config.roles[0]
-    runtime = RoleRuntime(role, run_config, algorithm, server.engine.groups, rank=0)
+    runtime = RoleRuntime(role, algorithm, server.engine.groups, model=run_config.model, optim=run_config.optim,
+                          train=run_config.train, rank=0)
     trainer = StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm,
                            roles={role.name: LocalRoleGroup(runtime, role.name)}, channel=TorchrunChannel(), data=None,
                            step_rollout=rollout)

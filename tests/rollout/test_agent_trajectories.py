@@ -26,7 +26,8 @@ def test_continuing_turns_join_into_one_sample_with_mask_one_on_generated_ids_on
     assert sample.executors == [int(Executor.STUDENT)] * 3 + [int(Executor.ENVIRONMENT)] * 2 \
         + [int(Executor.STUDENT)] * 2 + [int(Executor.ENVIRONMENT), int(Executor.STUDENT)]
     assert (sample.weight_version, sample.group_index, sample.finish_reason) == (2, 7, "length")
-    assert sample.metadata == {"num_turns": 3, "turn_weight_versions": [3, 2, 4]}
+    # the last turn's output ([23]) starts at response index 8: what a reward of the final answer reads
+    assert sample.metadata == {"num_turns": 3, "turn_weight_versions": [3, 2, 4], "last_turn_start": 8}
 
 
 def test_a_rewritten_history_starts_a_new_sample():

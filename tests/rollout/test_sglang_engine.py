@@ -117,7 +117,7 @@ def test_update_from_distributed_broadcasts_every_tensor(fake_sglang):
 
 
 def test_launch_command():
-    command = build_launch_command(SglangServerSpec(model_path="/m", port=31000, tensor_parallel_size=2))
+    command = build_launch_command(SglangServerSpec(model_path="/m", port=31000, tensor_model_parallel_size=2))
     assert command[1:3] == ["-m", "sglang.launch_server"]
     assert command[command.index("--tp-size") + 1] == "2" and command[command.index("--port") + 1] == "31000"
     with pytest.raises(ValueError, match="weight_update"):
@@ -149,7 +149,7 @@ def test_sglang_servers_that_never_come_up_fail_with_their_gpu_needs_and_are_kil
     monkeypatch.setattr(ray, "remote", lambda cls: FakeActorClass())
     monkeypatch.setattr(ray, "get", get)
     monkeypatch.setattr(ray, "kill", lambda actor: killed.append(actor.spec.model_path))
-    specs = [SglangServerSpec(model_path="policy", port=30000, tensor_parallel_size=2),
+    specs = [SglangServerSpec(model_path="policy", port=30000, tensor_model_parallel_size=2),
              SglangServerSpec(model_path="teacher", port=30001)]
     with pytest.raises(RuntimeError, match=r"policy: 2 GPU\(s\), teacher: 1 GPU\(s\)"):
         sglang_engine.launch_sglang_servers_on_ray(specs, startup_timeout_s=5)

@@ -108,7 +108,7 @@ def test_the_example_specialization_trains_a_tiny_model_on_two_tensor_parallel_r
     from stacx.models.testing import save_tiny_hf_checkpoint
 
     save_tiny_hf_checkpoint(str(tmp_path), "qwen2", seed=1, vocab_size=VOCAB)
-    ranks = run_distributed(train_with_the_example, 2, tensor_parallel_size=2, args=(str(tmp_path),), timeout_s=300)
+    ranks = run_distributed(train_with_the_example, 2, tensor_model_parallel_size=2, args=(str(tmp_path),), timeout_s=300)
     history, advantages = ranks[0]["history"], ranks[0]["advantages"]
     assert [h["loss"] for h in ranks[1]["history"]] == [h["loss"] for h in history]  # TP ranks agree
     losses = [h["loss"] for h in history]

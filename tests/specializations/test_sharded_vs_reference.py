@@ -102,13 +102,13 @@ def _check_layout(per_rank, samples, references, label):
 @pytest.mark.distributed
 def test_tensor_parallel_two_ranks_match_the_unsharded_reference(checkpoint_and_reference):
     folder, samples, references = checkpoint_and_reference
-    per_rank = run_distributed(run_cases_on_rank, 2, tensor_parallel_size=2, args=(folder, CASE_NAMES), timeout_s=300)
+    per_rank = run_distributed(run_cases_on_rank, 2, tensor_model_parallel_size=2, args=(folder, CASE_NAMES), timeout_s=300)
     _check_layout(per_rank, samples, references, "tp=2")
 
 
 @pytest.mark.distributed
 def test_tensor_and_context_parallel_four_ranks_match_the_unsharded_reference(checkpoint_and_reference):
     folder, samples, references = checkpoint_and_reference
-    per_rank = run_distributed(run_cases_on_rank, 4, tensor_parallel_size=2, context_parallel_size=2,
+    per_rank = run_distributed(run_cases_on_rank, 4, tensor_model_parallel_size=2, context_parallel_size=2,
                                args=(folder, CASE_NAMES), timeout_s=300)
     _check_layout(per_rank, samples, references, "tp=2 cp=2")

@@ -17,7 +17,7 @@ class FakeRoleGroup:
 
     def __init__(self, name: str, *, fail_on: str | None = None, error: BaseException | None = None):
         self.name = name
-        self.layout = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
+        self.layout = RoleLayout(tensor_model_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
         self.coords = [RankCoords(tp_rank=0, cp_rank=0, dp_rank=0)]
         self.calls: list[str] = []
         self.fail_on = fail_on

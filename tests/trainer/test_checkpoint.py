@@ -29,8 +29,8 @@ from stacx.trainer.checkpoint import (
     write_rank_state,
 )
 
-POLICY_TP2 = RoleLayout(tensor_parallel_size=2, context_parallel_size=1, data_parallel_size=1)
-CRITIC_DP2 = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=2)
+POLICY_TP2 = RoleLayout(tensor_model_parallel_size=2, context_parallel_size=1, data_parallel_size=1)
+CRITIC_DP2 = RoleLayout(tensor_model_parallel_size=1, context_parallel_size=1, data_parallel_size=2)
 LAYOUTS = {"policy": POLICY_TP2, "critic": CRITIC_DP2}
 
 
@@ -61,7 +61,7 @@ def test_save_writes_manifest_with_layouts_sizes_and_hashes_and_loads_back(tmp_p
     assert Path(folder).name == "step_000000003" and latest_checkpoint(tmp_path) == folder
     manifest = json.loads((Path(folder) / "manifest.json").read_text())
     assert manifest["step"] == 3 and manifest["recipe"] == "ppo"
-    assert manifest["roles"]["policy"]["layout"]["tensor_parallel_size"] == 2
+    assert manifest["roles"]["policy"]["layout"]["tensor_model_parallel_size"] == 2
     assert [e["rank"] for e in manifest["roles"]["critic"]["ranks"]] == [0, 1]
     for role in manifest["roles"].values():
         for entry in role["ranks"]:
@@ -140,7 +140,7 @@ def test_load_rejects_other_recipe_missing_role_old_format_and_corruption(tmp_pa
         load_checkpoint(tmp_path, expected_recipe="grpo", expected_layouts={"policy": POLICY_TP2})
     with pytest.raises(CheckpointError, match=r"no state for roles \['reward_model'\]"):
         load_checkpoint(tmp_path, expected_recipe="ppo", expected_layouts={**LAYOUTS, "reward_model": CRITIC_DP2})
-    tp4 = RoleLayout(tensor_parallel_size=4, context_parallel_size=1, data_parallel_size=1)
+    tp4 = RoleLayout(tensor_model_parallel_size=4, context_parallel_size=1, data_parallel_size=1)
     # Another tp is no reason to refuse: the weights are torch_dist and reshard (tests/checkpointing).
     assert load_checkpoint(tmp_path, expected_recipe="ppo", expected_layouts={"policy": tp4}).layout_changed("policy")
     with pytest.raises(CheckpointError, match=r"no complete checkpoint"):
@@ -166,20 +166,20 @@ def test_load_rejects_other_recipe_missing_role_old_format_and_corruption(tmp_pa
 
 
 def test_a_layout_change_takes_each_ranks_small_state_from_its_grid_position_or_rank_0(tmp_path):
-    saved = RoleLayout(tensor_parallel_size=2, context_parallel_size=1, data_parallel_size=2)
+    saved = RoleLayout(tensor_model_parallel_size=2, context_parallel_size=1, data_parallel_size=2)
     # Megatron's rank order is tp fastest, then cp, then dp.
     coords = {rank: RankCoords(tp_rank=rank % 2, cp_rank=0, dp_rank=rank // 2) for rank in range(4)}
     states = {rank: {"model": {"shard": torch.full((2,), float(rank % 2))}} for rank in range(4)}
     save_checkpoint(tmp_path, 1, recipe="grpo", role_layouts={"policy": saved}, role_states={"policy": states},
                     role_coords={"policy": coords}, driver_state={}, resolved_run_config={})
-    bigger = RoleLayout(tensor_parallel_size=2, context_parallel_size=2, data_parallel_size=3)
+    bigger = RoleLayout(tensor_model_parallel_size=2, context_parallel_size=2, data_parallel_size=3)
     loaded = load_checkpoint(tmp_path, expected_recipe="grpo", expected_layouts={"policy": bigger})
     for tp_rank in range(2):
         state = loaded.rank_state("policy", 5, RankCoords(tp_rank=tp_rank, cp_rank=1, dp_rank=2))
         assert torch.equal(state["model"]["shard"], torch.full((2,), float(tp_rank)))
 
     # Same grid position (tp 1, cp 0, dp 1) under tp=4: saved rank 3; a position the save never had: rank 0.
-    tp4 = RoleLayout(tensor_parallel_size=4, context_parallel_size=1, data_parallel_size=2)
+    tp4 = RoleLayout(tensor_model_parallel_size=4, context_parallel_size=1, data_parallel_size=2)
     loaded = load_checkpoint(tmp_path, expected_recipe="grpo", expected_layouts={"policy": tp4})
     assert torch.equal(loaded.rank_state("policy", 5, RankCoords(tp_rank=1, cp_rank=0, dp_rank=1))["model"]["shard"],
                        torch.full((2,), 1.0))
@@ -236,7 +236,7 @@ def test_two_steps_save_resume_two_steps_equals_four_steps_straight(tmp_path):
 
     model, optimizer, scheduler = _fresh()
     _train(model, optimizer, scheduler, 2)
-    layout = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
+    layout = RoleLayout(tensor_model_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
     save_checkpoint(tmp_path, 2, recipe="sft", role_layouts={"policy": layout}, driver_state={"step": 2},
                     role_states={"policy": {0: {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                                 "scheduler": scheduler.state_dict(), "rng": capture_rng_state()}}},
@@ -267,7 +267,7 @@ def test_resume_with_a_changed_recipe_structure_names_the_changed_fields(tmp_pat
     from stacx.trainer.recipes import TRAINING_CONFIGS
 
     grpo = TRAINING_CONFIGS["grpo"]
-    layout = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
+    layout = RoleLayout(tensor_model_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
     save_checkpoint(tmp_path, 1, recipe=grpo, role_layouts={"policy": layout}, role_states={"policy": {0: {}}},
                     driver_state={}, resolved_run_config={})
     loaded = load_checkpoint(tmp_path, expected_recipe=grpo, expected_layouts={"policy": layout})

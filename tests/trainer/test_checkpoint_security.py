@@ -20,7 +20,7 @@ from stacx.trainer.checkpoint import (
     save_checkpoint,
 )
 
-LAYOUT = RoleLayout(tensor_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
+LAYOUT = RoleLayout(tensor_model_parallel_size=1, context_parallel_size=1, data_parallel_size=1)
 
 
 class PlantedPayload:

@@ -41,7 +41,7 @@ def _train(files, root, *, tp: int, cp: int, num_steps: int) -> list[dict]:
                              tensor_model_parallel_size=tp, context_parallel_size=cp, num_steps=num_steps)
             trainer = create_trainer(cfg)
             layout = trainer.roles["policy"].layout
-            assert (layout.tensor_parallel_size, layout.context_parallel_size) == (tp, cp)
+            assert (layout.tensor_model_parallel_size, layout.context_parallel_size) == (tp, cp)
             trainer.run()
     finally:
         server.stop()

@@ -46,7 +46,7 @@ def test_reference_role_is_refreshed_from_the_policy_bitwise(ray_address, files,
                          exchange_every_n_steps=2)
         trainer = create_trainer(cfg)
         layouts = {name: group.layout for name, group in trainer.roles.items()}
-        assert (layouts["policy"].tensor_parallel_size, layouts["reference"].data_parallel_size) == (2, 2)
+        assert (layouts["policy"].tensor_model_parallel_size, layouts["reference"].data_parallel_size) == (2, 2)
         captured = {}
         close = trainer.on_close
 

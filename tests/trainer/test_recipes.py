@@ -174,8 +174,8 @@ MALFORMED = {
         r"recipe 'bad'.*algorithm\.policy_loss.*'ppo_clipp'.*known: .*ppo_clip",
     ),
     "bad_tensor_parallel_size": (
-        "TrainingConfig(name='bad', roles=(policy(tensor_parallel_size=0),), description='d')",
-        r"recipe 'bad'.*roles\[policy\]\.tensor_parallel_size.*>= 1",
+        "TrainingConfig(name='bad', roles=(policy(tensor_model_parallel_size=0),), description='d')",
+        r"recipe 'bad'.*roles\[policy\]\.tensor_model_parallel_size.*>= 1",
     ),
     "misspelled_field": (
         "TrainingConfig(name='bad', roles=(policy(tp=2),), description='d')",

@@ -58,7 +58,7 @@ def test_grpo_tp2_with_reference_trains_and_the_engine_follows(ray_address, file
                          rollout_engine="http", rollout_urls=[server.url], tensor_model_parallel_size=2,
                          reward_fn=VARIED_REWARD, export_hf=str(tmp_path / "export"))
         trainer = create_trainer(cfg)
-        assert trainer.roles["policy"].layout.tensor_parallel_size == 2
+        assert trainer.roles["policy"].layout.tensor_model_parallel_size == 2
         last = trainer.run()
         rows = read_metrics(str(tmp_path / "out"))
         assert [row["step"] for row in rows] == [0, 1]

@@ -38,7 +38,7 @@ def _exchange_recipe() -> TrainingConfig:
         description="policy trains on a dataset; its weights are exchanged to a colocated reference",
         data_source="dataset",
         roles=(
-            ModelRole(name="policy", specialization_cls=Specialization, tensor_parallel_size=2),
+            ModelRole(name="policy", specialization_cls=Specialization, tensor_model_parallel_size=2),
             ModelRole(name="reference", specialization_cls=Specialization, trainable=False,
                       shares_pool_with="policy"),
         ),
@@ -133,7 +133,7 @@ def test_tp2_role_runs_all_reduce_and_returns_per_rank_values(role_graph):
 def test_shared_pool_colocates_roles_with_fractional_shares(role_graph):
     policy_info = role_graph.workers["policy"].placement_info()
     reference_info = role_graph.workers["reference"].placement_info()
-    assert role_graph.layouts["reference"].world_size == 2 and role_graph.layouts["reference"].tensor_parallel_size == 1
+    assert role_graph.layouts["reference"].world_size == 2 and role_graph.layouts["reference"].tensor_model_parallel_size == 1
     placement_groups = {info["placement_group_id"] for info in policy_info + reference_info}
     assert len(placement_groups) == 1 and None not in placement_groups
     assert {info["node_id"] for info in policy_info} == {info["node_id"] for info in reference_info}

@@ -40,14 +40,14 @@ def test_sizing_an_attached_cluster_is_an_error():
 
 def test_role_layouts_fill_each_pool():
     ppo = TRAINING_CONFIGS["ppo"]
-    layouts = resolve_role_layouts(ppo, WorkerLayout(data_parallel_size=2, tensor_parallel_size=2))
-    assert {name: (lay.tensor_parallel_size, lay.data_parallel_size) for name, lay in layouts.items()} == {
+    layouts = resolve_role_layouts(ppo, WorkerLayout(data_parallel_size=2, tensor_model_parallel_size=2))
+    assert {name: (lay.tensor_model_parallel_size, lay.data_parallel_size) for name, lay in layouts.items()} == {
         "actor": (2, 2), "critic": (2, 2)}
     mixed = TrainingConfig(
         name="mixed", description="a tp=4 policy with a tp=1 frozen role on its devices", data_source="dataset",
-        roles=(ModelRole(name="policy", specialization_cls=Specialization, tensor_parallel_size=4),
+        roles=(ModelRole(name="policy", specialization_cls=Specialization, tensor_model_parallel_size=4),
                ModelRole(name="frozen", specialization_cls=Specialization, trainable=False,
-                         tensor_parallel_size=3, shares_pool_with="policy")),
+                         tensor_model_parallel_size=3, shares_pool_with="policy")),
     )
     with pytest.raises(ValueError, match="'frozen'.*tp=3"):
         resolve_role_layouts(mixed, WorkerLayout())
@@ -70,5 +70,5 @@ def test_worker_layout_from_the_run_configs_parallel_section():
     section = RunConfig.from_dict({"tensor_model_parallel_size": 2, "data_parallel_size": 3,
                                    "collective_timeout_s": 42.0}).parallel
     layout = WorkerLayout.from_parallel_section(section, call_timeout_s=10.0)
-    assert (layout.tensor_parallel_size, layout.data_parallel_size, layout.collective_timeout_s,
+    assert (layout.tensor_model_parallel_size, layout.data_parallel_size, layout.collective_timeout_s,
             layout.call_timeout_s) == (2, 3, 42.0, 10.0)

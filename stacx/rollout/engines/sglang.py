@@ -116,7 +116,7 @@ class SglangServerSpec:
     api_key: Optional[str] = None
     """SGLang's `--api-key`: the shared secret its clients send as a bearer token (the trainer
     generates one per run)."""
-    tensor_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1
     mem_fraction_static: float = 0.7
     extra_args: tuple[str, ...] = ()
 
@@ -150,7 +150,7 @@ def build_launch_command(spec: SglangServerSpec, host: Optional[str] = None) -> 
     host = host or spec.host or node_address()
     command = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", host,
-        "--port", str(spec.port), "--tp-size", str(spec.tensor_parallel_size),
+        "--port", str(spec.port), "--tp-size", str(spec.tensor_model_parallel_size),
         "--mem-fraction-static", str(spec.mem_fraction_static), "--skip-server-warmup",
     ]
     if spec.api_key:
@@ -197,13 +197,13 @@ def launch_sglang_servers_on_ray(specs: Sequence[SglangServerSpec], *, num_gpus_
     actors = []
     try:
         for spec in specs:
-            num_gpus = num_gpus_per_server or spec.tensor_parallel_size
+            num_gpus = num_gpus_per_server or spec.tensor_model_parallel_size
             actors.append(actor_cls.options(num_gpus=num_gpus).remote(spec, startup_timeout_s=startup_timeout_s))
         wait_s = startup_timeout_s + SGLANG_SCHEDULING_MARGIN_S
         try:
             urls = ray.get([a.__ray_call__.remote(lambda self: self.url) for a in actors], timeout=wait_s)
         except ray.exceptions.GetTimeoutError as err:
-            needs = ", ".join(f"{s.model_path}: {num_gpus_per_server or s.tensor_parallel_size} GPU(s)" for s in specs)
+            needs = ", ".join(f"{s.model_path}: {num_gpus_per_server or s.tensor_model_parallel_size} GPU(s)" for s in specs)
             raise RuntimeError(f"SGLang servers were not ready within {wait_s:.0f}s ({needs}); "
                                "does the Ray cluster have these GPUs free?") from err
     except BaseException:

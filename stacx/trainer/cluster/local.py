@@ -30,7 +30,7 @@ class LocalRoleGroup:
         self.runtime = runtime
         groups = runtime.groups
         self.rank = dist.get_rank()
-        self.layout = RoleLayout(tensor_parallel_size=groups.tp_size, context_parallel_size=groups.cp_size,
+        self.layout = RoleLayout(tensor_model_parallel_size=groups.tp_size, context_parallel_size=groups.cp_size,
                                  pipeline_model_parallel_size=groups.pp_size, data_parallel_size=groups.dp_size)
         self.coords = [RankCoords(**c) for c in all_gather_values(dataclasses.asdict(RankCoords.of(groups)))]
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 class RoleLayout:
     """How one role's ranks are laid out: world size = tp * cp * pp * dp."""
 
-    tensor_parallel_size: int
+    tensor_model_parallel_size: int
     """Ranks sharding each weight matrix."""
     context_parallel_size: int
     """Ranks sharing each sequence."""
@@ -29,7 +29,7 @@ class RoleLayout:
 
     @property
     def world_size(self) -> int:
-        return (self.tensor_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
+        return (self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
                 * self.data_parallel_size)
 
     def to_dict(self) -> dict[str, Any]:
@@ -37,11 +37,15 @@ class RoleLayout:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "RoleLayout":
+        """A manifest's layout; manifests written before the TP setting had one name say `tensor_parallel_size`."""
+        values = dict(values)
+        if "tensor_parallel_size" in values:
+            values["tensor_model_parallel_size"] = values.pop("tensor_parallel_size")
         return cls(**values)
 
     def describe(self) -> str:
         pp = f" pp={self.pipeline_model_parallel_size}" if self.pipeline_model_parallel_size > 1 else ""
-        return f"tp={self.tensor_parallel_size} cp={self.context_parallel_size}{pp} dp={self.data_parallel_size}"
+        return f"tp={self.tensor_model_parallel_size} cp={self.context_parallel_size}{pp} dp={self.data_parallel_size}"
 
 
 @dataclass(frozen=True, kw_only=True)

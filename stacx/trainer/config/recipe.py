@@ -154,7 +154,7 @@ class ModelRole:
     """Name of the resource pool this role owns; None means a pool named after the role. Exclusive with shares_pool_with."""
     shares_pool_with: str | None = None
     """Another role whose pool (devices) this role shares: the two are colocated and time-share."""
-    tensor_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1
     """Default tensor-parallel degree (run flags may override it)."""
     context_parallel_size: int = 1
     """Default context-parallel degree (run flags may override it)."""
@@ -196,7 +196,7 @@ class ModelRole:
             _check_identifier(f"{where}.shares_pool_with", self.shares_pool_with)
             if self.shares_pool_with == self.name:
                 _fail(f"{where}.shares_pool_with", "a role cannot share its own pool")
-        _check_positive_int(f"{where}.tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive_int(f"{where}.tensor_model_parallel_size", self.tensor_model_parallel_size)
         _check_positive_int(f"{where}.context_parallel_size", self.context_parallel_size)
         _check_choice(f"{where}.checkpoint_arg", self.checkpoint_arg, CHECKPOINT_ARGS)
         if self.reference_checkpoint_arg is not None:
@@ -482,7 +482,7 @@ class TrainingConfig:
             if role.outputs_values:
                 traits.append("value head")
             traits.append(f"pool {self.pool_of(role.name)}" + (" (shared)" if role.shares_pool_with else ""))
-            traits.append(f"tp={role.tensor_parallel_size} cp={role.context_parallel_size}")
+            traits.append(f"tp={role.tensor_model_parallel_size} cp={role.context_parallel_size}")
             traits.append(f"weights from --{role.checkpoint_arg.replace('_', '-')}")
             if role.reference_checkpoint_arg:
                 traits.append(f"in-worker reference from --{role.reference_checkpoint_arg.replace('_', '-')}")

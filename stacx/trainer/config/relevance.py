@@ -7,6 +7,8 @@ hidden when it was set, even where this recipe ignores it).
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Callable, Mapping
 
 from stacx.objectives.algorithm_config import AlgorithmConfig
@@ -37,6 +39,10 @@ RETURN_ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline
 """The built-in estimators that read gamma (and gae also lam)."""
 CRITIC_FIELDS = ("value_clip",)
 DPO_FIELDS = ("dpo_beta", "dpo_loss_type", "dpo_average_log_prob", "label_smoothing")
+AGENT_FIELDS = ("agent", "agent_command", "agent_max_parallel_episodes")
+"""Read only with an external agent as the rollout (--agent / --agent-command)."""
+MOE_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "expert_model_parallel_size", "expert_tensor_parallel_size")
+"""Read only for a mixture-of-experts checkpoint."""
 DISTILL_FIELDS = ("teacher_kl_coef", "student_top_k", "distill_topk_renormalize", "distill_kl_mode", "teacher_top_k")
 
 
@@ -46,6 +52,18 @@ def _engine_attaches(name: str) -> bool:
         return resolve_engine_kind(name).attaches
     except ValueError:
         return False
+
+
+def _is_mixture_of_experts(hf_checkpoint: Any) -> bool:
+    """Whether --hf-checkpoint's config.json describes routed experts (False when it cannot be read)."""
+    if not isinstance(hf_checkpoint, str):
+        return False
+    try:
+        with open(os.path.join(hf_checkpoint, "config.json"), encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and any(config.get(key) for key in ("num_experts", "num_local_experts"))
 
 
 def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
@@ -65,8 +83,15 @@ def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
     checkpoint_args |= {role.reference_checkpoint_arg for role in recipe.roles if role.reference_checkpoint_arg}
     a = algorithm
 
+    moe = _is_mixture_of_experts(resolved.get("model", {}).get("hf_checkpoint"))
+
     def model(name: str) -> bool:
+        if name in MOE_FIELDS:
+            return moe
         return name not in ("ref_load", "critic_load") or name in checkpoint_args
+
+    def parallel(name: str) -> bool:
+        return moe or name not in MOE_FIELDS
 
     def rollout_section(name: str) -> bool:
         if name == "rollout_urls":
@@ -79,6 +104,8 @@ def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
             return rollout
         if name in REWARD_FIELDS:
             return recipe.uses_reward
+        if name in AGENT_FIELDS:
+            return bool(rollout_values.get("agent") or rollout_values.get("agent_command"))
         return True
 
     def train(name: str) -> bool:
@@ -111,7 +138,7 @@ def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
                 return used
         return True  # name, loss_agg_mode, custom hyperparameters
 
-    return {"model": model, "rollout": rollout_section, "teacher": teacher, "train": train,
+    return {"model": model, "parallel": parallel, "rollout": rollout_section, "teacher": teacher, "train": train,
             "algorithm": algorithm_section}
 
 

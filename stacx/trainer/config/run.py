@@ -52,6 +52,10 @@ class ModelSection:
     """Folder where Stacx checkpoints are written."""
     overwrite: bool = False
     """Let a new run write into a --save folder that holds another run's checkpoints (replacing them)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Mixture-of-experts models: weight of each MoE layer's load-balancing loss (megatron's aux_loss); 0 = off."""
+    moe_z_loss_coeff: float = 0.0
+    """Mixture-of-experts models: weight of each MoE layer's router z-loss; 0 = off."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +68,10 @@ class ParallelSection:
     """Pipeline-parallel degree of every trainable role: its layers are split into this many stages."""
     data_parallel_size: int = 1
     """Data-parallel degree; a role uses tp * cp * pp * dp ranks."""
+    expert_model_parallel_size: int = 1
+    """Mixture-of-experts models: ranks the routed experts are spread over (divides num_experts and tp * cp * dp)."""
+    expert_tensor_parallel_size: int | None = None
+    """Mixture-of-experts models: tensor-parallel degree of each routed expert (default: the tensor-parallel size)."""
     ray_address: str | None = None
     """Address of an existing Ray cluster; unset starts a local one (or uses RAY_ADDRESS)."""
     num_cpus_per_rank: float = 1.0
@@ -225,6 +233,7 @@ SECTIONS: dict[str, type] = {
 FIELD_MINIMUMS: dict[str, int | float] = {
     "tensor_model_parallel_size": 1, "context_parallel_size": 1, "pipeline_model_parallel_size": 1,
     "data_parallel_size": 1,
+    "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1, "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 0.0,
     "rollout_batch_size": 1, "n_samples_per_prompt": 1, "rollout_max_response_len": 1,
     "eval_interval": 0, "eval_n_samples": 1, "save_rollouts_per_step": 0, "teacher_top_k": 1,
     "teacher_retries": 0, "lr_warmup_steps": 0, "num_steps": 0, "max_tokens_per_micro_batch": 1,

@@ -21,13 +21,18 @@ One train step (`train_step`):
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from stacx.checkpointing.folders import load_model_weights
+from stacx.models.builder import RouterLosses
+from stacx.models.moe import ExpertLoadRecorder, expert_load_metrics, is_mixture_of_experts, set_router_loss_scale
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
@@ -100,7 +105,13 @@ class RoleRuntime:
         torch.manual_seed(train.seed)
         # A torch_dist folder from another framework carries no config.json: the policy's config describes it.
         config_source = path if os.path.isfile(os.path.join(path, "config.json")) else model.hf_checkpoint
-        self.model = build_model(config_source, groups, initialize_weights=False)
+        self.model = build_model(config_source, groups, initialize_weights=False, router_losses=RouterLosses(
+            aux_loss_coeff=model.moe_aux_loss_coeff, z_loss_coeff=model.moe_z_loss_coeff))
+        self.mixture_of_experts = is_mixture_of_experts(self.model)
+        if self.mixture_of_experts and groups.pp_size > 1:
+            raise ValueError(f"role {role.name!r}: --pipeline-model-parallel-size {groups.pp_size} with a mixture-of-experts "
+                             "model is not supported yet (the router losses are scaled per micro-batch outside the "
+                             "pipeline schedule); use --pipeline-model-parallel-size 1")
         self.reference_weights: list[torch.Tensor] | None = None
         reference_path = (
             role_checkpoint_path(role, model, role.reference_checkpoint_arg)
@@ -267,6 +278,9 @@ class RoleRuntime:
                                    norm_length=norm_length)
         totals = MetricTotals()
         uncounted: set[str] = set()
+        batches = [self.pack(micro_batch) for micro_batch in micro_batches]
+        if self.mixture_of_experts:
+            reducer = self._with_routed_token_count(reducer, batches)
 
         def micro_batch_loss(output, batch):
             loss, metric_sums = self.specialization.compute_loss(output, batch, reducer)
@@ -275,19 +289,20 @@ class RoleRuntime:
             totals.add(all_reduce_metric_sums(metric_sums, self.groups.dp_cp))
             return loss, None
 
-        if self.groups.pp_size > 1:
-            run_pipeline(self.ddp, [self.pack(mb) for mb in micro_batches], self.forward, micro_batch_loss,
-                         forward_only=False)
-            # Grad sync over DP x CP, plus the tied embedding's grads between the first and last stage.
-            finalize_model_grads([self.ddp])
-            # The metrics (and the loss the finite check reads) exist on the last stage only.
-            totals.sums, uncounted = from_last_stage((totals.sums, uncounted), self.groups)
-        else:
-            for micro_batch in micro_batches:
-                batch = self.pack(micro_batch)
-                loss, _ = micro_batch_loss(self.forward(batch), batch)
-                loss.backward()
-            self.ddp.finish_grad_sync()
+        with self._expert_load() as load:
+            if self.groups.pp_size > 1:
+                run_pipeline(self.ddp, batches, self.forward, micro_batch_loss, forward_only=False)
+                # Grad sync over DP x CP, plus the tied embedding's grads between the first and last stage.
+                finalize_model_grads([self.ddp])
+                # The metrics (and the loss the finite check reads) exist on the last stage only.
+                totals.sums, uncounted = from_last_stage((totals.sums, uncounted), self.groups)
+            else:
+                for batch in batches:
+                    if self.mixture_of_experts:
+                        set_router_loss_scale(reducer.router_loss_scale(sum(batch.layout.padded_lengths)))
+                    loss, _ = micro_batch_loss(self.forward(batch), batch)
+                    loss.backward()
+                self.ddp.finish_grad_sync()
         loss_total = totals.sums.pop(LOSS_METRIC)
         # Never step on NaN/inf (megatron's fp32/bf16 step would apply it); the same decision on every rank.
         outcome = step_optimizer_if_finite(self.optimizer, loss_total)
@@ -299,7 +314,22 @@ class RoleRuntime:
         metrics.update(loss=loss_total, grad_norm=outcome.grad_norm, lr=current_lr(self.optimizer),
                        update_skipped=float(not outcome.applied))
         metrics[WEIGHTS_NONFINITE_METRIC] = float(not outcome.weights_finite)
+        if load is not None:
+            metrics.update(expert_load_metrics(load.tokens_per_expert(self.groups), load.layers))
         return metrics
+
+    def _with_routed_token_count(self, reducer: Reducer, batches) -> Reducer:
+        """The reducer with StepCounts.num_routed_tokens: every packed position of the step, over the DP ranks
+        (one all-reduce; CP peers hold the same sequences)."""
+        local = torch.tensor([float(sum(sum(batch.layout.padded_lengths) for batch in batches))], dtype=torch.float64)
+        if self.groups.dp is not None and self.groups.dp_size > 1:
+            dist.all_reduce(local, group=self.groups.dp)
+        counts = dataclasses.replace(reducer.counts, num_routed_tokens=int(local.item()))
+        return dataclasses.replace(reducer, counts=counts)
+
+    def _expert_load(self):
+        """Counts tokens per expert for a mixture-of-experts model (else records nothing)."""
+        return ExpertLoadRecorder(self.model) if self.mixture_of_experts else contextlib.nullcontext()
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -313,13 +343,16 @@ class RoleRuntime:
     def push_weights_to_engine(self, engine_kind: str, url: str, version: int, bucket_bytes: int,
                                api_key: str | None = None) -> int:
         """Stream this role's weights to an inference server: ranks with cp = dp = 0 gather over TP,
-        TP rank 0 sends the buckets (the driver pauses, flushes and checks the version around this).
+        TP rank 0 sends the buckets (the driver pauses, flushes and checks the version around this). With
+        experts spread over ep > 1 every rank takes part in the gathers (each holds experts the sender's
+        TP group lacks), so the sender streams every expert under its Hugging Face name.
         Returns the number of tensors sent (0 on ranks that do not send)."""
-        if self.groups.cp_rank != 0 or self.groups.dp_rank != 0:
+        sender_group = self.groups.cp_rank == 0 and self.groups.dp_rank == 0
+        if not sender_group and self.groups.ep_size == 1:
             return 0
         buckets = self.weight_buckets(bucket_bytes)
-        if self.groups.tp_rank != 0 or self.groups.pp_rank != 0:
-            for _ in buckets:  # take part in the TP gathers (and send this stage's tensors to the first)
+        if not sender_group or self.groups.tp_rank != 0 or self.groups.pp_rank != 0:
+            for _ in buckets:  # take part in the TP (and expert) gathers; send this stage's tensors to the first
                 pass
             return 0
 

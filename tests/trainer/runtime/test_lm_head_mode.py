@@ -224,7 +224,7 @@ def test_fused_and_logits_train_and_score_alike_at_tp1(single_process_groups, ch
 
 @pytest.mark.distributed
 def test_fused_and_logits_train_and_score_alike_at_tp2_with_a_padded_vocab(checkpoint):
-    results = run_distributed(_both_modes_on_rank, world_size=2, tensor_parallel_size=2, args=(checkpoint,))
+    results = run_distributed(_both_modes_on_rank, world_size=2, tensor_model_parallel_size=2, args=(checkpoint,))
     assert [r["vocab_local"] for r in results] == [51, 51]  # 101 real ids in 102 rows
     for result in results:
         check_modes_agree(result)

@@ -46,14 +46,14 @@ def _consume(worker, tensors) -> dict:
     return {name: tensor.tolist() for name, tensor in tensors.items()}
 
 
-def run_check(num_ranks: int, tensor_parallel_size: int, bundle_resources: list[str], num_cpus_per_rank: float,
+def run_check(num_ranks: int, tensor_model_parallel_size: int, bundle_resources: list[str], num_cpus_per_rank: float,
               timeout_s: float) -> dict:
     """Run the check on the connected cluster; returns the result (raises on any mismatch)."""
     resources = tuple({name: 1.0} for name in bundle_resources)
     pool = ResourcePool(name="check", num_bundles=num_ranks, num_cpus_per_bundle=num_cpus_per_rank,
                         bundle_resources=resources, strategy="SPREAD" if resources else "PACK")
     placed = PlacedPool.create(pool, num_sharing_roles=2, timeout_s=timeout_s)
-    check = RoleWorkers("check", num_ranks, RolePlacement(placed), tensor_parallel_size=tensor_parallel_size,
+    check = RoleWorkers("check", num_ranks, RolePlacement(placed), tensor_model_parallel_size=tensor_model_parallel_size,
                         collective_timeout_s=timeout_s, call_timeout_s=timeout_s)
     receiver = RoleWorkers("receiver", num_ranks, RolePlacement(placed), collective_timeout_s=timeout_s,
                            call_timeout_s=timeout_s)
@@ -70,8 +70,8 @@ def run_check(num_ranks: int, tensor_parallel_size: int, bundle_resources: list[
         exchange.close()
         expected_world = sum(rank_contribution(r) for r in range(num_ranks)).tolist()
         for rank, result in enumerate(reduced):
-            group_start = rank - rank % tensor_parallel_size
-            expected_tp = sum(rank_contribution(r) for r in range(group_start, group_start + tensor_parallel_size))
+            group_start = rank - rank % tensor_model_parallel_size
+            expected_tp = sum(rank_contribution(r) for r in range(group_start, group_start + tensor_model_parallel_size))
             if result["tp_sum"] != expected_tp.tolist() or result["world_sum"] != expected_world:
                 raise RuntimeError(f"cluster check: rank {rank} all-reduce gave {result}, expected tp "
                                    f"{expected_tp.tolist()} and world {expected_world}")
@@ -82,7 +82,7 @@ def run_check(num_ranks: int, tensor_parallel_size: int, bundle_resources: list[
         return {
             "ok": True,
             "num_ranks": num_ranks,
-            "tensor_parallel_size": tensor_parallel_size,
+            "tensor_model_parallel_size": tensor_model_parallel_size,
             "node_ids": [info["node_id"] for info in placement],
             "tp_sums": [result["tp_sum"] for result in reduced],
             "world_sum": reduced[0]["world_sum"],

@@ -33,7 +33,7 @@ class WorkerLayout:
     data_parallel_size: int = 1
     """Data-parallel degree of the largest model-parallel role of each pool; a pool has
     max(tp * cp) * data_parallel_size bundles and its other roles fill them with more dp."""
-    tensor_parallel_size: int | None = None
+    tensor_model_parallel_size: int | None = None
     """Tensor-parallel degree of every trainable role; None keeps each role's own default."""
     context_parallel_size: int | None = None
     """Context-parallel degree of every trainable role; None keeps each role's own default."""
@@ -60,7 +60,7 @@ class WorkerLayout:
         if self.pipeline_model_parallel_size < 1:
             raise ValueError("worker layout: field 'pipeline_model_parallel_size' must be >= 1, "
                              f"got {self.pipeline_model_parallel_size}")
-        for name in ("tensor_parallel_size", "context_parallel_size"):
+        for name in ("tensor_model_parallel_size", "context_parallel_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"worker layout: field {name!r} must be >= 1 or None, got {value}")
@@ -70,15 +70,13 @@ class WorkerLayout:
     @classmethod
     def from_parallel_section(cls, section: Any, **overrides) -> "WorkerLayout":
         """Build from the run config's `parallel` section (stacx.trainer.config.run.ParallelSection)."""
-        values = {field: getattr(section, SECTION_FIELD_NAMES.get(field, field)) for field in PARALLEL_SECTION_FIELDS}
+        values = {field: getattr(section, field) for field in PARALLEL_SECTION_FIELDS}
         return cls(**{**values, **overrides})
 
 
-PARALLEL_SECTION_FIELDS = ("data_parallel_size", "tensor_parallel_size", "context_parallel_size",
+PARALLEL_SECTION_FIELDS = ("data_parallel_size", "tensor_model_parallel_size", "context_parallel_size",
                            "pipeline_model_parallel_size", "num_cpus_per_rank", "num_gpus_per_rank", "collective_timeout_s")
 """The `WorkerLayout` fields the run config's `parallel` section sets."""
-SECTION_FIELD_NAMES = {"tensor_parallel_size": "tensor_model_parallel_size"}
-"""Where the section's name of a field differs from the layout's."""
 
 
 def resolve_role_layouts(training_config: TrainingConfig, layout: WorkerLayout) -> dict[str, RoleLayout]:
@@ -91,9 +89,9 @@ def resolve_role_layouts(training_config: TrainingConfig, layout: WorkerLayout) 
     """
     model_parallel = {}
     for role in training_config.roles:
-        tp, cp, pp = role.tensor_parallel_size, role.context_parallel_size, 1
+        tp, cp, pp = role.tensor_model_parallel_size, role.context_parallel_size, 1
         if role.trainable:
-            tp = layout.tensor_parallel_size or tp
+            tp = layout.tensor_model_parallel_size or tp
             cp = layout.context_parallel_size or cp
             pp = layout.pipeline_model_parallel_size
         model_parallel[role.name] = (tp, cp, pp)
@@ -107,7 +105,7 @@ def resolve_role_layouts(training_config: TrainingConfig, layout: WorkerLayout) 
                     f"recipe {training_config.name!r}: role {name!r} (tp={tp}, cp={cp}, pp={pp}) cannot fill pool "
                     f"{pool_name!r} of {pool_size} ranks; colocated roles need tp * cp * pp dividing the pool size"
                 )
-            resolved[name] = RoleLayout(tensor_parallel_size=tp, context_parallel_size=cp,
+            resolved[name] = RoleLayout(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                         pipeline_model_parallel_size=pp,
                                         data_parallel_size=pool_size // (tp * cp * pp))
     return resolved
@@ -171,7 +169,7 @@ def create_role_workers(training_config: TrainingConfig, layout: Any = None, *, 
                 role.name,
                 role_layout.world_size,
                 RolePlacement(graph.pools[training_config.pool_of(role.name)]),
-                tensor_parallel_size=role_layout.tensor_parallel_size,
+                tensor_model_parallel_size=role_layout.tensor_model_parallel_size,
                 context_parallel_size=role_layout.context_parallel_size,
                 pipeline_model_parallel_size=role_layout.pipeline_model_parallel_size,
                 collective_timeout_s=layout.collective_timeout_s,

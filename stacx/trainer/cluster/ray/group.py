@@ -93,7 +93,7 @@ class RayRoleGroup:
     def __init__(self, workers: RoleWorkers, role: ModelRole, run_config: RunConfig, algorithm: AlgorithmConfig):
         self.name = role.name
         self.workers = workers
-        self.layout = RoleLayout(tensor_parallel_size=workers.tensor_parallel_size,
+        self.layout = RoleLayout(tensor_model_parallel_size=workers.tensor_model_parallel_size,
                                  context_parallel_size=workers.context_parallel_size,
                                  pipeline_model_parallel_size=workers.pipeline_model_parallel_size,
                                  data_parallel_size=workers.data_parallel_size)

@@ -116,7 +116,7 @@ class RoleWorker:
         return node_address, port
 
     def setup(self, rank: int, world_size: int, master_addr: str, master_port: int,
-              tensor_parallel_size: int = 1, context_parallel_size: int = 1, timeout_s: float = 300.0,
+              tensor_model_parallel_size: int = 1, context_parallel_size: int = 1, timeout_s: float = 300.0,
               pipeline_model_parallel_size: int = 1) -> dict:
         """Join the role's torch.distributed world and build its megatron-core (tp, cp, dp) groups.
 
@@ -142,8 +142,8 @@ class RoleWorker:
                                "call host_rendezvous before setup (RoleWorkers.submit_setup does)")
         join_role_world(rank, world_size, node_address=ray.util.get_node_ip_address(), store_address=master_addr,
                         store_port=master_port, hosted_store=self._rendezvous_store, timeout_s=timeout_s)
-        self.groups = initialize_parallel_layout(tensor_parallel_size, context_parallel_size,
-                                                 pipeline_parallel_size=pipeline_model_parallel_size, timeout_s=timeout_s)
+        self.groups = initialize_parallel_layout(tensor_model_parallel_size, context_parallel_size,
+                                                 pipeline_model_parallel_size=pipeline_model_parallel_size, timeout_s=timeout_s)
         return {
             "rank": rank,
             "tp_rank": self.groups.tp_rank,

@@ -1,6 +1,6 @@
 """`RoleWorkers`: the Ray actors of one role, driven as one unit from the driver.
 
-    workers = RoleWorkers("policy", 2, placement, tensor_parallel_size=2)
+    workers = RoleWorkers("policy", 2, placement, tensor_model_parallel_size=2)
     workers.setup()                                   # torch.distributed + megatron groups
     values = workers.execute_all(all_reduce_rank)     # one result per rank, rank order
     workers.kill()
@@ -58,7 +58,7 @@ class RoleWorkers:
         num_ranks: int,
         placement: RolePlacement,
         *,
-        tensor_parallel_size: int = 1,
+        tensor_model_parallel_size: int = 1,
         context_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
         collective_timeout_s: float = 300.0,
@@ -84,17 +84,17 @@ class RoleWorkers:
         if user_modules is None:
             user_modules = user_module_sources()
 
-        model_parallel = tensor_parallel_size * context_parallel_size * pipeline_model_parallel_size
+        model_parallel = tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size
         if num_ranks < 1 or num_ranks % model_parallel != 0:
             raise ValueError(
                 f"role {role_name!r}: num_ranks ({num_ranks}) must be a positive multiple of "
-                f"tensor_parallel_size * context_parallel_size * pipeline_model_parallel_size = "
-                f"{tensor_parallel_size} * {context_parallel_size} * {pipeline_model_parallel_size}"
+                f"tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size = "
+                f"{tensor_model_parallel_size} * {context_parallel_size} * {pipeline_model_parallel_size}"
             )
         self.role_name = role_name
         self.num_ranks = num_ranks
         self.placement = placement
-        self.tensor_parallel_size = tensor_parallel_size
+        self.tensor_model_parallel_size = tensor_model_parallel_size
         self.context_parallel_size = context_parallel_size
         self.pipeline_model_parallel_size = pipeline_model_parallel_size
         self.collective_timeout_s = collective_timeout_s
@@ -113,7 +113,7 @@ class RoleWorkers:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.num_ranks // (self.tensor_parallel_size * self.context_parallel_size
+        return self.num_ranks // (self.tensor_model_parallel_size * self.context_parallel_size
                                   * self.pipeline_model_parallel_size)
 
     # ---- calls --------------------------------------------------------------------------
@@ -156,7 +156,7 @@ class RoleWorkers:
         master_addr, master_port = self.execute_rank0(RoleWorker.host_rendezvous, self.collective_timeout_s,
                                                       timeout_s=timeout_s or 300.0)
         refs = [
-            actor.setup.remote(rank, self.num_ranks, master_addr, master_port, self.tensor_parallel_size,
+            actor.setup.remote(rank, self.num_ranks, master_addr, master_port, self.tensor_model_parallel_size,
                                self.context_parallel_size, self.collective_timeout_s,
                                self.pipeline_model_parallel_size)
             for rank, actor in enumerate(self.actors)
@@ -193,5 +193,5 @@ class RoleWorkers:
             self.kill()
 
     def __repr__(self) -> str:
-        return (f"RoleWorkers({self.role_name!r}, num_ranks={self.num_ranks}, tp={self.tensor_parallel_size}, "
+        return (f"RoleWorkers({self.role_name!r}, num_ranks={self.num_ranks}, tp={self.tensor_model_parallel_size}, "
                 f"cp={self.context_parallel_size}, pool={self.placement.pool.pool.name!r})")

@@ -1,0 +1,205 @@
+"""An expert-parallel training step equals the plain one, router losses included.
+
+Two gloo ranks (dp=2) each run two micro-batches of different lengths through a Qwen3-MoE model with
+--moe-aux-loss-coeff and --moe-z-loss-coeff set, with megatron's DDP and optimizer (Stacx's
+`wrap_ddp` / `build_optimizer`), the main loss reduced by the `Reducer` and the router losses scaled
+by `Reducer.router_loss_scale`. The step at ep=2 (each rank holds 2 of the 4 experts; the all-gather
+dispatcher sends tokens across ranks) must give the same updated weights, as Hugging Face tensors,
+as the step at ep=1 to fp32 rounding: the same loss to 1e-6 relative, the same reduced gradients to
+1e-5 of each tensor's largest entry, and weights within 1e-3 * lr (the first Adam step moves a weight
+by about lr * g / (|g| + eps), which amplifies rounding where g is tiny; a dropped or doubled expert
+gradient moves it by ~lr). Guards: the step moves the
+weights, and without router losses the router weights move differently (so the losses are in the
+gradient). The expert-load metrics of both layouts are equal and count every routed token slot.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from stacx.testing.distributed import run_distributed
+from tests.models.test_moe import save_moe_checkpoint
+
+MICRO_BATCH_LENGTHS = [[9, 5], [12]]  # per micro-batch, sequence lengths (the same on both ranks' shapes)
+TOP_K = 2
+COEFFS = dict(aux_loss_coeff=0.05, z_loss_coeff=0.01)
+OPTIM = SimpleNamespace(lr=1e-2, min_lr=0.0, lr_warmup_steps=0, lr_decay_style="constant", weight_decay=0.0,
+                        adam_beta1=0.9, adam_beta2=0.98, clip_grad=0.0)
+
+
+def _one_step(path, tokens_by_rank, ep, router_losses):
+    from stacx.models import build_model, forward_packed, iter_hf_weight_buckets, load_hf_checkpoint
+    from stacx.models.builder import RouterLosses
+    from stacx.models.moe import ExpertLoadRecorder, expert_load_metrics, set_router_loss_scale
+    from stacx.parallel.groups import initialize_parallel_layout
+    from stacx.parallel.reduction import Reducer, StepCounts
+    from stacx.trainer.runtime.optim import build_optimizer, wrap_ddp
+
+    groups = initialize_parallel_layout(1, 1, expert_model_parallel_size=ep)
+    torch.manual_seed(0)
+    model = build_model(path, groups, initialize_weights=False, router_losses=RouterLosses(**router_losses))
+    load_hf_checkpoint(model, path, groups)
+    ddp = wrap_ddp(model)
+    optimizer, _ = build_optimizer(ddp, OPTIM, total_steps=1)
+    routed = sum(sum(lengths) for lengths in MICRO_BATCH_LENGTHS) * groups.dp_size
+    targets = sum(sum(n - 1 for n in lengths) for lengths in MICRO_BATCH_LENGTHS) * groups.dp_size
+    counts = StepCounts(num_tokens=targets, num_sequences=3 * groups.dp_size, num_routed_tokens=routed)
+    reducer = Reducer.for_step(mode="token-mean", counts=counts, groups=groups)
+    ddp.zero_grad_buffer()
+    step_loss = 0.0
+    with ExpertLoadRecorder(model) as load:
+        for lengths, tokens in zip(MICRO_BATCH_LENGTHS, tokens_by_rank[groups.dp_rank]):
+            set_router_loss_scale(reducer.router_loss_scale(sum(lengths)))
+            log_probs = forward_packed(ddp, tokens, lengths, groups).log_softmax(-1)  # [T, V_pad]
+            losses, masks = [], []
+            for seq_log_probs, seq in zip(log_probs.split(lengths), tokens.split(lengths)):
+                losses.append(-seq_log_probs[:-1].gather(1, seq[1:, None])[:, 0])
+                masks.append(torch.ones_like(losses[-1]))
+            loss = reducer(losses, masks)
+            loss.backward()
+            step_loss += reducer.loss_value(loss)
+    ddp.finish_grad_sync()
+    grads = _reduced_grads_by_hf_name(model, groups)
+    optimizer.step()
+    weights = {n: t for bucket in iter_hf_weight_buckets(model, groups, 1 << 30) for n, t in bucket}
+    return weights, expert_load_metrics(load.tokens_per_expert(groups), load.layers), step_loss, grads
+
+
+@torch.no_grad()
+def _reduced_grads_by_hf_name(model, groups):
+    """DDP's reduced gradients as full Hugging Face tensors (streamed as the weights would be)."""
+    from stacx.models import iter_hf_weight_buckets
+
+    params = list(model.parameters())
+    weights = [p.data for p in params]
+    for p in params:
+        p.data = p.main_grad.to(p.dtype)
+    try:
+        return {n: t.clone() for bucket in iter_hf_weight_buckets(model, groups, 1 << 30) for n, t in bucket}
+    finally:
+        for p, weight in zip(params, weights):
+            p.data = weight
+
+
+def _runtime_step(path, ep):
+    """One GRPO `RoleRuntime.train_step` (two micro-batches) at ep: the run settings' path into the model."""
+    from stacx.objectives.algorithm_config import AlgorithmConfig
+    from stacx.parallel.groups import initialize_parallel_layout
+    from stacx.parallel.reduction import compute_step_counts
+    from stacx.trainer.config.recipe import ModelRole
+    from stacx.trainer.config.run import RunConfig
+    from stacx.trainer.runtime.role_runtime import RoleRuntime
+    from stacx.specializations.actor import ActorSpecialization
+    from tests.trainer.runtime.test_lm_head_mode import step_batch
+
+    groups = initialize_parallel_layout(1, 1, expert_model_parallel_size=ep)
+    run_config = RunConfig.from_dict({"hf_checkpoint": path, "clip_grad": 0.0, "expert_model_parallel_size": ep,
+                                      "moe_aux_loss_coeff": COEFFS["aux_loss_coeff"],
+                                      "moe_z_loss_coeff": COEFFS["z_loss_coeff"]})
+    algorithm = AlgorithmConfig.from_values({"advantage_estimator": "grpo", "rollout_temperature": 0.7})
+    runtime = RoleRuntime(ModelRole(name="policy", specialization_cls=ActorSpecialization), algorithm, groups,
+                          model=run_config.model, optim=run_config.optim, train=run_config.train,
+                          rank=torch.distributed.get_rank())
+    batch = step_batch()
+    counts = compute_step_counts(batch.loss_masks, groups.dp)
+    metrics = runtime.train_step([batch.select([0, 1]), batch.select([2, 3])], counts)
+    return metrics, _reduced_grads_by_hf_name(runtime.model, groups)
+
+
+def step_at_each_expert_layout(_groups, path, tokens_by_rank):
+    return {
+        "ep1": _one_step(path, tokens_by_rank, 1, COEFFS),
+        "ep2": _one_step(path, tokens_by_rank, 2, COEFFS),
+        "ep2_no_router_losses": _one_step(path, tokens_by_rank, 2, {}),
+        "runtime_ep1": _runtime_step(path, 1),
+        "runtime_ep2": _runtime_step(path, 2),
+    }
+
+
+@pytest.mark.distributed
+def test_expert_parallel_step_equals_plain_step_with_router_losses(tmp_path):
+    from safetensors.torch import load_file
+
+    config, _ = save_moe_checkpoint("qwen3_moe", str(tmp_path))
+    generator = torch.Generator().manual_seed(3)
+    tokens_by_rank = [[torch.randint(0, config.vocab_size, (sum(lengths),), generator=generator)
+                       for lengths in MICRO_BATCH_LENGTHS] for _rank in range(2)]
+    results = run_distributed(step_at_each_expert_layout, 2, args=(str(tmp_path), tokens_by_rank), timeout_s=600)
+
+    initial = load_file(str(tmp_path / "model.safetensors"))
+    plain, plain_load, _, plain_grads = results[0]["ep1"]
+    for rank, rank_results in enumerate(results):
+        for layout in ("ep1", "ep2"):
+            weights, load, loss, grads = rank_results[layout]
+            assert loss == pytest.approx(results[rank]["ep1"][2], rel=1e-6)
+            assert set(weights) == set(initial) == set(grads)
+            for name, grad in grads.items():
+                error = (grad - plain_grads[name]).abs().max().item()
+                assert error <= 1e-5 * plain_grads[name].abs().max().item(), f"{layout} grad {name}: |diff| {error:.2e}"
+            for name, tensor in weights.items():
+                error = (tensor - plain[name]).abs().max().item()
+                assert error <= 1e-3 * OPTIM.lr, f"{layout} {name}: |diff| {error:.2e} > 1e-3 * lr"
+            assert load == pytest.approx(plain_load)
+    moved = [n for n in initial if not torch.equal(plain[n], initial[n])]
+    assert len(moved) > len(initial) // 2, "the step left most weights unchanged"
+    without = results[0]["ep2_no_router_losses"][0]
+    router = "model.layers.0.mlp.gate.weight"
+    assert (without[router] - plain[router]).abs().max() > 1e-6, "router losses did not reach the router's gradient"
+    # The run settings reach the model through RoleRuntime: its ep=2 step equals its ep=1 step.
+    metrics_ep1, grads_ep1 = results[0]["runtime_ep1"]
+    for rank_results in results:
+        metrics, grads = rank_results["runtime_ep2"]
+        assert metrics["loss"] == pytest.approx(metrics_ep1["loss"], rel=1e-6)
+        assert metrics["moe/max_imbalance"] == pytest.approx(metrics_ep1["moe/max_imbalance"])
+        for name, grad in grads.items():
+            error = (grad - grads_ep1[name]).abs().max().item()
+            assert error <= 1e-5 * grads_ep1[name].abs().max().item(), f"runtime grad {name}: |diff| {error:.2e}"
+    # Every token slot is counted: top-k slots per routed token, over both ranks and micro-batches.
+    routed = 2 * sum(sum(lengths) for lengths in MICRO_BATCH_LENGTHS)
+    for layer in range(config.num_hidden_layers):
+        tokens = sum(plain_load[f"moe/layer{layer}/expert{e}_tokens"] for e in range(config.num_experts))
+        assert tokens == TOP_K * routed
+        assert 1.0 <= plain_load[f"moe/layer{layer}/imbalance"] <= config.num_experts
+
+
+def test_router_z_loss_gradient_does_not_depend_on_the_micro_batch_split(tmp_path):
+    """The z-loss is a mean over each micro-batch's tokens; weighted by `Reducer.router_loss_scale` (the
+    micro-batch's share of the step's routed tokens) the step's gradient is that of the mean over all
+    tokens, however the sequences are split into micro-batches. The main loss is zero here, so the
+    router loss is the whole gradient."""
+    from stacx.checkpointing.convert import single_process_world
+    from stacx.models import build_model, forward_packed, load_hf_checkpoint
+    from stacx.models.builder import RouterLosses
+    from stacx.models.moe import set_router_loss_scale
+    from stacx.parallel.reduction import Reducer, StepCounts
+
+    config, _ = save_moe_checkpoint("qwen3_moe", str(tmp_path))
+    lengths = [9, 5, 12]
+    tokens = torch.randint(0, config.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(4))
+    grads = {}
+    with single_process_world() as groups:
+        model = build_model(str(tmp_path), groups, initialize_weights=False,
+                            router_losses=RouterLosses(z_loss_coeff=0.1))
+        load_hf_checkpoint(model, str(tmp_path), groups)
+        counts = StepCounts(num_tokens=1, num_sequences=1, num_routed_tokens=sum(lengths))
+        reducer = Reducer.for_step(mode="token-mean", counts=counts, groups=groups)
+        for split in ([lengths], [lengths[:2], lengths[2:]], [[n] for n in lengths]):
+            model.zero_grad()
+            start = 0
+            for micro_lengths in split:
+                size = sum(micro_lengths)
+                set_router_loss_scale(reducer.router_loss_scale(size))
+                logits = forward_packed(model, tokens[start:start + size], micro_lengths, groups)
+                (logits[:, :config.vocab_size] * 0.0).sum().backward()
+                start += size
+            grads[len(split)] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        set_router_loss_scale(1.0)
+    router = "decoder.layers.0.mlp.router.weight"
+    assert grads[1][router].abs().max() > 0, "the z-loss gave the router no gradient"
+    for num_micro_batches in (2, 3):
+        for name, grad in grads[1].items():
+            error = (grads[num_micro_batches][name] - grad).abs().max().item()
+            assert error <= 1e-5 * grad.abs().max().item() + 1e-12, f"{num_micro_batches} micro-batches, {name}"
