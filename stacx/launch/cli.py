@@ -19,6 +19,7 @@ COMMANDS = {
     "serve": "serve",
     "convert": "convert",
     "eval": "eval",
+    "tasks": "tasks",
 }
 
 

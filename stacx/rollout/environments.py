@@ -11,6 +11,8 @@ model reply that called no tool with the observation (a str is one user message,
 messages), the turn's reward, whether the episode ended, and free-form `info`. Tool calls do not
 reach `step`: the episode runner (`stacx.rollout.episode`) parses them and answers with
 `call_tool`'s results (override it to bind tools to per-episode state, such as a sandbox).
+After a turn's tool calls, `episode_end()` may end the episode (a `submit` tool); `close()` releases
+the episode's resources once it is over, however it ended (the runner calls it).
 
 A prompt row plays an environment by naming it in its metadata; the other metadata fields, plus
 the row's `label`, are the task (checked against `task_schema` before the episode starts):
@@ -78,6 +80,15 @@ class Environment(abc.ABC):
             return ToolResult(call, f"error: unknown tool {call.name!r}; available: {list(self.tools)}", "unknown_tool")
         function = get_tool(call.name)
         return run_tool_call(call, function, function.tool_spec)
+
+    def episode_end(self) -> Optional[StepResult]:
+        """Asked after a turn's tool calls ran: a StepResult ends the episode there, with its reward and
+        info (e.g. a `submit` tool was called); None (the default) lets the model reply again."""
+        return None
+
+    def close(self) -> None:
+        """Release the episode's resources (a sandbox session). The runner calls it once the episode is
+        over: ended, at the turn limit, or when the rollout failed. The default does nothing."""
 
 
 def register_environment(name: str, *, task_schema: Optional[dict] = None):

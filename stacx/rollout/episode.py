@@ -78,20 +78,25 @@ class AgentSession:
 
     def __init__(self, environment: Environment, task: dict, *, tokenizer, rng: random.Random,
                  tool_call_style: Optional[str] = None):
-        self.environment, self.tokenizer = environment, tokenizer
+        self.environment, self.tokenizer, self.task = environment, tokenizer, task
         self.counts = EpisodeCounts()
+        self._closed = False
         self.turn_rewards: list[float] = []
         self.turn_infos: list[dict] = []
-        self.first_messages = as_messages(environment.reset(task, rng))
-        specs = environment.tool_specs()
-        self.tool_schemas = [spec.schema() for spec in specs] or None
-        self.tool_call_style = None
-        if specs:
-            self.tool_call_style = tool_call_style or environment.tool_call_style or tool_call_style_for(tokenizer)
-            if self.tool_call_style not in TOOL_CALL_STYLES:
-                raise ValueError(f"tool_call_style {self.tool_call_style!r} (of {type(environment).__name__} or the "
-                                 f"prompt row's metadata) is unknown; known styles: {list(TOOL_CALL_STYLES)}")
-        self.prompt_ids = apply_chat_template(tokenizer, self.first_messages, tools=self.tool_schemas)
+        try:  # a session that does not start still releases what `reset` opened
+            self.first_messages = as_messages(environment.reset(task, rng))
+            specs = environment.tool_specs()
+            self.tool_schemas = [spec.schema() for spec in specs] or None
+            self.tool_call_style = None
+            if specs:
+                self.tool_call_style = tool_call_style or environment.tool_call_style or tool_call_style_for(tokenizer)
+                if self.tool_call_style not in TOOL_CALL_STYLES:
+                    raise ValueError(f"tool_call_style {self.tool_call_style!r} (of {type(environment).__name__} or "
+                                     f"the prompt row's metadata) is unknown; known styles: {list(TOOL_CALL_STYLES)}")
+            self.prompt_ids = apply_chat_template(tokenizer, self.first_messages, tools=self.tool_schemas)
+        except BaseException:
+            self.close()
+            raise
         self._end_of_turn = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False)
 
     def respond(self, action_ids: Sequence[int], *, last_turn: bool = False) -> Reply:
@@ -127,6 +132,9 @@ class AgentSession:
             elif result.error is not None:
                 self.counts.tool_errors += 1
             messages.append({"role": "tool", "name": call.name, "tool_call_id": call.call_id, "content": result.content})
+        ending = self.environment.episode_end()
+        if ending is not None:
+            return dataclasses.replace(ending, done=True)
         return StepResult(messages, 0.0, False)
 
     def reply(self, result: StepResult, *, last_turn: bool) -> Reply:
@@ -157,6 +165,12 @@ class AgentSession:
     def _render(self, messages: Messages, *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tool_schemas, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
+
+    def close(self) -> None:
+        """The episode is over: the environment releases its resources (once; later calls do nothing)."""
+        if not self._closed:
+            self._closed = True
+            self.environment.close()
 
     def record(self, sample: Sample) -> None:
         """Keep the episode's counts, per-turn rewards and per-turn `info` in `sample.metadata['episode']`."""
@@ -204,6 +218,15 @@ def run_episode(
 ) -> Sample:
     """Play one episode; the Sample's reward is the sum of turn rewards, its metadata['episode'] the counts."""
     session = AgentSession(env, task, tokenizer=tokenizer, rng=rng, tool_call_style=tool_call_style)
+    try:
+        return _play(session, tokenizer=tokenizer, engines=engines, turn_executor=turn_executor, sampling=sampling,
+                     max_turns=max_turns, rng=rng)
+    finally:
+        session.close()
+
+
+def _play(session: AgentSession, *, tokenizer, engines, turn_executor, sampling, max_turns, rng) -> Sample:
+    task = session.task
     sample = Sample(prompt_ids=list(session.prompt_ids), response_ids=[], rollout_log_probs=[], loss_mask=[],
                     executors=[], metadata={"task": task, "turn_executors": []})
     total_reward, finish = 0.0, "length"

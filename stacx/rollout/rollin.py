@@ -129,7 +129,24 @@ class Episode:
 def start_episodes(examples: Sequence[Any], *, n_samples_per_prompt: int, spec: RollInSpec, iteration: int,
                    rng: random.Random, tokenizer) -> list[Episode]:
     """n episodes per example (prompt-major; group_index = the example's position), plans drawn now."""
-    episodes = []
+    episodes: list[Episode] = []
+    try:
+        _start(episodes, examples, n_samples_per_prompt=n_samples_per_prompt, spec=spec, iteration=iteration, rng=rng,
+               tokenizer=tokenizer)
+    except BaseException:
+        close_sessions(episodes)
+        raise
+    return episodes
+
+
+def close_sessions(episodes: Sequence[Episode]) -> None:
+    """End every episode's environment session (idempotent: a finished one is closed already)."""
+    for episode in episodes:
+        if episode.session is not None:
+            episode.session.close()
+
+
+def _start(episodes: list, examples, *, n_samples_per_prompt, spec, iteration, rng, tokenizer) -> None:
     for index, example in enumerate(examples):
         metadata = dict(example.metadata or {})
         for _ in range(n_samples_per_prompt):
@@ -147,7 +164,6 @@ def start_episodes(examples: Sequence[Any], *, n_samples_per_prompt: int, spec: 
             if kappa is not None:
                 sample.metadata["kappa"] = kappa
             episodes.append(Episode(sample=sample, plan=plan, session=session, max_turns=max_turns, kappa=kappa))
-    return episodes
 
 
 def _start_session(example, metadata: dict, *, rng: random.Random, tokenizer) -> tuple[AgentSession, int]:
@@ -183,6 +199,7 @@ def _append_observation(episode: Episode, result, turn: int) -> None:
         episode.done = True
         sample.finish_reason = "stop" if reply.done else "length"
         episode.session.record(sample)
+        episode.session.close()
         return
     append_observation(sample, reply.observation_ids)
 
@@ -199,7 +216,15 @@ def generate_grouped(engines: Mapping[Executor, Any], work: Mapping[Executor, li
 
 def run_turns(episodes: Sequence[Episode], *, engines: Mapping[Executor, Any], sampling: SamplingParams,
               tokenizer, rng: random.Random) -> None:
-    """Play every episode to its end, turn by turn (one batched request per executor per turn)."""
+    """Play every episode to its end, turn by turn (one batched request per executor per turn); every
+    environment session is closed when this returns or raises."""
+    try:
+        _run_turns(episodes, engines=engines, sampling=sampling, tokenizer=tokenizer, rng=rng)
+    finally:
+        close_sessions(episodes)
+
+
+def _run_turns(episodes: Sequence[Episode], *, engines, sampling: SamplingParams, tokenizer, rng: random.Random) -> None:
     eos = tokenizer.eos_token_id
     for turn in range(max((e.max_turns for e in episodes), default=0)):
         active = [e for e in episodes if not e.done]

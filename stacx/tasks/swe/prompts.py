@@ -26,3 +26,25 @@ def swe_prompt_rows(tasks: Iterable[SweTask], *, sandbox: Optional[dict] = None)
             metadata["sandbox"] = sandbox
         rows.append({"prompt": swe_prompt(task), "label": task.instance_id, "metadata": metadata})
     return rows
+
+
+DEFAULT_MAX_TURNS = 20
+"""Model replies per episode of the `swe` environment unless the rows say otherwise."""
+
+
+def swe_environment_rows(tasks: Iterable[SweTask], *, max_turns: int = DEFAULT_MAX_TURNS,
+                         sandbox: Optional[dict] = None, partial_credit: bool = False) -> list[dict]:
+    """Rows for `--prompt-data` that play the `swe` environment (`stacx.tasks.swe.environment`): one episode
+    per task, the task row and the sandbox setting in metadata; the prompt is the issue (the environment
+    writes the first messages itself)."""
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    rows = []
+    for task in tasks:
+        metadata = {"environment": "swe", "max_turns": max_turns, "swe_task": task.to_row()}
+        if sandbox:
+            metadata["sandbox"] = sandbox
+        if partial_credit:
+            metadata["partial_credit"] = True
+        rows.append({"prompt": task.problem_statement, "label": task.instance_id, "metadata": metadata})
+    return rows
