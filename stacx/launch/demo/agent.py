@@ -83,7 +83,8 @@ def _prepare(settings: AgentDemoSettings, out_dir: str, tokenizer) -> dict:
             handle.writelines(json.dumps(row) + "\n" for row in rows)
     save_tiny_hf_checkpoint(paths["init"], "llama", seed=settings.seed, vocab_size=len(tokenizer),
                             hidden_size=settings.hidden_size, intermediate_size=2 * settings.hidden_size,
-                            num_hidden_layers=settings.num_layers, num_key_value_heads=4,
+                            num_hidden_layers=settings.num_layers, num_attention_heads=settings.hidden_size // 16,
+                            num_key_value_heads=settings.hidden_size // 16,
                             max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id,
                             pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     tokenizer.save_pretrained(paths["init"])
@@ -106,10 +107,12 @@ def run_agent_demo(settings: AgentDemoSettings, out_dir: str, *, log=print) -> d
     paths = _prepare(settings, out_dir, tokenizer)
     heldout = load_examples(DataConfig(path=paths["eval"], kind="prompt", apply_chat_template=False), tokenizer)
 
-    def scores(checkpoint: str) -> dict:
+    def scores(checkpoint: str, name: str) -> dict:
         engine = TransformersGreedyEngine(measure.load_reference_model(checkpoint), eos_token_id=tokenizer.eos_token_id)
-        return asdict(play_heldout_episodes(engine, heldout, tokenizer=tokenizer,
-                                            max_new_tokens=settings.max_new_tokens, seed=settings.seed))
+        result = asdict(play_heldout_episodes(engine, heldout, tokenizer=tokenizer,
+                                              max_new_tokens=settings.max_new_tokens, seed=settings.seed))
+        log(f"  held-out, {name}: " + ", ".join(f"{title} {result[key]:.3f}" for key, title in SCORE_COLUMNS))
+        return result
 
     log(f"stacx demo --agent: call the `add` tool, then answer (two-digit numbers); vocabulary {len(tokenizer)} "
         f"tokens, {len(heldout)} held-out pairs; outputs in {os.path.abspath(out_dir)}")
@@ -119,13 +122,13 @@ def run_agent_demo(settings: AgentDemoSettings, out_dir: str, *, log=print) -> d
         log(f"\n[1/2] SFT on tool-call transcripts: {settings.sft_steps} steps x {settings.sft_batch_size} turns, "
             f"{settings.num_layers}-layer hidden-{settings.hidden_size} model")
         phase_start = time.monotonic()
-        before = scores(paths["init"])
+        before = scores(paths["init"], "initial model")
         _train(_run_config(settings, out_dir, "sft", {
             "algorithm": {"name": "sft"}, "hf_checkpoint": paths["init"], "prompt_data": paths["sft"],
             "rollout_batch_size": settings.sft_batch_size, "lr": settings.sft_lr, "num_steps": settings.sft_steps,
             "export_hf": paths["sft_model"]}))
         tokenizer.save_pretrained(paths["sft_model"])
-        after = scores(paths["sft_model"])
+        after = scores(paths["sft_model"], "after SFT")
         loss_first, loss_last = _head_tail_means(_metric_series(os.path.join(out_dir, "sft", "metrics.jsonl"), "policy/loss"))
         results.append(PhaseResult("sft", "held-out success", before["success"], after["success"],
                                    time.monotonic() - phase_start,
@@ -143,7 +146,7 @@ def run_agent_demo(settings: AgentDemoSettings, out_dir: str, *, log=print) -> d
             "rollout_max_response_len": settings.max_new_tokens, "lr": settings.grpo_lr,
             "num_steps": settings.grpo_steps, "export_hf": paths["grpo_model"]}))
         tokenizer.save_pretrained(paths["grpo_model"])
-        final = scores(paths["grpo_model"])
+        final = scores(paths["grpo_model"], "after GRPO")
         reward_first, reward_last = _head_tail_means(
             _metric_series(os.path.join(out_dir, "grpo", "metrics.jsonl"), "rollout/reward_mean"))
         results.append(PhaseResult("grpo", "held-out success", after["success"], final["success"],
