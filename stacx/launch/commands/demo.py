@@ -4,6 +4,9 @@ SFT warm-up of a tiny model on the built-in sorting task, GRPO that raises its a
 on-policy distillation of a smaller student from it served by `stacx serve`. Every phase is a
 real training run; the table at the end (also DIR/summary.json) gives each phase's metric
 before and after on held-out prompts. See stacx/launch/demo/pipeline.py.
+
+`stacx demo --agent`: a tiny model learns to call a tool in multi-turn episodes (SFT on tool-call
+transcripts, then GRPO on episodes); stacx/launch/demo/agent.py.
 """
 
 from __future__ import annotations
@@ -13,13 +16,18 @@ import os
 import sys
 import time
 
-HELP = "run the embedded default on CPU: SFT -> GRPO -> on-policy distillation of a tiny model, with plots"
+HELP = ("run the embedded default on CPU: SFT -> GRPO -> on-policy distillation of a tiny model, with plots "
+        "(--agent: a tool-calling agent demo)")
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--out", default="outputs/demo", help="output folder (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of models, data order and sampling")
     parser.add_argument("--no-progress-bar", action="store_true", help="plain log lines instead of progress bars")
+    parser.add_argument("--agent", action="store_true",
+                        help="the agent demo instead: SFT on tool-call transcripts then GRPO on multi-turn episodes, a "
+                             "tiny model learns to call an `add` tool and answer (stacx/launch/demo/agent.py; default "
+                             "--out outputs/demo_agent)")
     parser.add_argument("--diffusion", action="store_true",
                         help="the experimental diffusion demo instead: flow-matching SFT then Flow-GRPO of a tiny "
                              "MMDiT on coloured shapes (stacx/launch/demo/diffusion.py; default --out outputs/demo_diffusion)")
@@ -47,6 +55,10 @@ def run(args) -> int:
     from stacx.launch.demo import DemoSettings, format_table, run_demo
 
     started = time.monotonic()
+    if args.agent and args.diffusion:
+        raise SystemExit("stacx demo: --agent and --diffusion are two different demos; pass one of them")
+    if args.agent:
+        return run_agent(args, started)
     if args.diffusion:
         require_diffusers()
         from stacx.launch.demo.diffusion import DiffusionDemoSettings, format_summary, run_diffusion_demo
@@ -71,5 +83,24 @@ def run(args) -> int:
         print(f"  {phase:<5} metrics {os.path.join(out, phase, 'metrics.jsonl')}, plots {os.path.join(out, phase, 'plots')}, "
               f"TensorBoard {os.path.join(out, phase, 'tensorboard')}")
     print(f"  checkpoints    {os.path.join(out, 'checkpoints')}")
+    print("\n" + next_steps_hint())
+    return 0
+
+
+def run_agent(args, started: float) -> int:
+    from stacx.launch.demo.agent import AgentDemoSettings, format_agent_table, run_agent_demo
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    out = args.out if args.out != "outputs/demo" else "outputs/demo_agent"
+    summary = run_agent_demo(AgentDemoSettings(seed=args.seed, progress_bar=not args.no_progress_bar), out)
+    out = os.path.abspath(out)
+    print("\n" + format_agent_table(summary))
+    print(f"\nfinished in {time.monotonic() - started:.0f} s. Outputs:")
+    print(f"  summary        {os.path.join(out, 'summary.json')}")
+    print(f"  overview plot  {os.path.abspath(summary['outputs']['overview_plot'])}")
+    for phase in ("sft", "grpo"):
+        print(f"  {phase:<5} metrics {os.path.join(out, phase, 'metrics.jsonl')}, plots {os.path.join(out, phase, 'plots')}, "
+              f"TensorBoard {os.path.join(out, phase, 'tensorboard')}")
+    print(f"  episodes       {os.path.join(out, 'data')} (training and held-out rows, SFT transcripts)")
     print("\n" + next_steps_hint())
     return 0

@@ -42,12 +42,12 @@ HELDOUT_ACCURACY_BARS = (
 )
 
 
-def heldout_accuracy_bars(phase_results: list[dict]) -> list[tuple[str, float]]:
-    """[(label, held-out accuracy)] for HELDOUT_ACCURACY_BARS from the summary's phase results
-    (`dataclasses.asdict(PhaseResult)`); bars of phases that did not run are left out."""
+def heldout_accuracy_bars(phase_results: list[dict], spec=HELDOUT_ACCURACY_BARS) -> list[tuple[str, float]]:
+    """[(label, held-out accuracy)] for the `spec` entries (HELDOUT_ACCURACY_BARS' form) from the
+    summary's phase results (`dataclasses.asdict(PhaseResult)`); bars of phases that did not run are left out."""
     by_phase = {result["phase"]: result for result in phase_results}
     bars = []
-    for phase, field, label in HELDOUT_ACCURACY_BARS:
+    for phase, field, label in spec:
         result = by_phase.get(phase)
         if result is None:
             continue
@@ -64,16 +64,18 @@ def demo_title(out_dir: str, phases: list[str], task: str | None = None) -> str:
     return f"stacx demo: {steps}" + (f" on task '{task}'" if task else "") + f" ({where})"
 
 
-def draw_demo_figure(out_dir: str, phases: list[str], phase_results: list[dict] = (), *, task: str | None = None):
+def draw_demo_figure(out_dir: str, phases: list[str], phase_results: list[dict] = (), *, task: str | None = None,
+                     panels=PANELS, bars_spec=HELDOUT_ACCURACY_BARS,
+                     bars_title: str = "Held-out accuracy (greedy exact match)"):
     """The overview Figure (Agg canvas, no pyplot state) under `demo_title`: first the held-out
-    accuracy bars (when `phase_results` has them), then one panel per PANELS entry of a phase in
-    `phases`, metric against step, each axis labelled."""
+    accuracy bars of `bars_spec` (when `phase_results` has them), then one panel per `panels` entry
+    (PANELS' form) of a phase in `phases`, metric against step, each axis labelled."""
     # matplotlib only when the demo draws: importing it costs start-up time the other commands need not pay
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    bars = heldout_accuracy_bars(list(phase_results))
-    panels = [p for p in PANELS if p[0] in phases]
+    bars = heldout_accuracy_bars(list(phase_results), bars_spec)
+    panels = [p for p in panels if p[0] in phases]
     num_axes = len(panels) + bool(bars)
     figure = Figure(figsize=(4 * num_axes, 3.6))
     FigureCanvasAgg(figure)
@@ -86,7 +88,7 @@ def draw_demo_figure(out_dir: str, phases: list[str], phase_results: list[dict] 
         axis.bar_label(drawn, fmt="%.2f", fontsize=8)
         axis.set_xticks(range(len(bars)), labels, fontsize=7)
         axis.set_ylim(0, 1.1)
-        axis.set_title("Held-out accuracy (greedy exact match)", fontsize=9, fontweight="bold")
+        axis.set_title(bars_title, fontsize=9, fontweight="bold")
         axis.set_ylabel("fraction of prompts solved", fontsize=8)
         axis.grid(alpha=0.3, axis="y")
     for axis, (phase, name, label, unit) in zip(axes_list, panels):
@@ -101,11 +103,12 @@ def draw_demo_figure(out_dir: str, phases: list[str], phase_results: list[dict] 
     return figure
 
 
-def write_demo_plot(out_dir: str, phases: list[str], phase_results: list[dict] = (), *, task: str | None = None) -> str:
-    """out_dir/plots/demo.png: `draw_demo_figure`; returns its path."""
+def write_demo_plot(out_dir: str, phases: list[str], phase_results: list[dict] = (), *, task: str | None = None,
+                    **figure_options) -> str:
+    """out_dir/plots/demo.png: `draw_demo_figure` (`figure_options`: its panels and bars); returns its path."""
     path = os.path.join(out_dir, "plots", "demo.png")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    draw_demo_figure(out_dir, phases, phase_results, task=task).savefig(path, dpi=100)
+    draw_demo_figure(out_dir, phases, phase_results, task=task, **figure_options).savefig(path, dpi=100)
     return path
 
 
@@ -115,6 +118,11 @@ def format_table(summary: dict) -> str:
     for phase in summary["phases"]:
         rows.append((phase["phase"], phase["metric"], f"{phase['before']:.3f}", f"{phase['after']:.3f}",
                      f"{phase['seconds']:.0f}"))
+    return format_rows(rows)
+
+
+def format_rows(rows: list[tuple[str, ...]]) -> str:
+    """Text columns padded to their widest cell, a rule under the first row (the header)."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
