@@ -127,7 +127,7 @@ def run_agent_demo(settings: AgentDemoSettings, out_dir: str, *, log=print) -> d
         phase_start = time.monotonic()
         before = scores(paths["init"], "initial model")
         _train(_run_config(settings, out_dir, "sft", {
-            "algorithm": {"name": "sft"}, "hf_checkpoint": paths["init"], "prompt_data": paths["sft"],
+            "train": {"algorithm": "sft"}, "hf_checkpoint": paths["init"], "prompt_data": paths["sft"],
             "rollout_batch_size": settings.sft_batch_size, "lr": settings.sft_lr, "num_steps": settings.sft_steps,
             "export_hf": paths["sft_model"]}))
         tokenizer.save_pretrained(paths["sft_model"])
@@ -142,7 +142,7 @@ def run_agent_demo(settings: AgentDemoSettings, out_dir: str, *, log=print) -> d
             f"prompts x {settings.grpo_samples_per_prompt} episodes, reward 1 for the exact sum after a correct call")
         phase_start = time.monotonic()
         _train(_run_config(settings, out_dir, "grpo", {
-            "algorithm": {"name": "grpo", "use_kl_loss": True, "kl_loss_coef": settings.grpo_kl_coef},
+            "train": {"algorithm": "grpo"}, "algorithm": {"use_kl_loss": True, "kl_loss_coef": settings.grpo_kl_coef},
             "hf_checkpoint": paths["sft_model"], "ref_load": paths["sft_model"], "prompt_data": paths["train"],
             "rollout_batch_size": settings.grpo_prompts_per_step,
             "n_samples_per_prompt": settings.grpo_samples_per_prompt,
