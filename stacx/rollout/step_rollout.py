@@ -290,5 +290,17 @@ def uniform_reward_warning(step: int, samples: Sequence[Any], *, n_samples_per_p
             f"of {len(groups)} groups), so every advantage and the policy loss are 0 and this step does not change "
             "the model. Likely causes: a model that never earns a reward (start from an SFT or instruction-tuned "
             f"checkpoint, not a random one), too few or too similar samples (raise --n-samples-per-prompt, now "
-            f"{n_samples_per_prompt}, or --rollout-temperature, now {temperature:g}), or a reward function that "
-            f"scores every answer the same (check --reward-fn {reward_fn} on a few rows, e.g. with `stacx eval`)")
+            f"{n_samples_per_prompt}, or --rollout-temperature, now {temperature:g}), or " + _reward_source(samples, reward_fn))
+
+
+def _reward_source(samples: Sequence[Any], reward_fn: str) -> str:
+    """What scores these samples, for the uniform-reward warning: an environment's episodes are scored by
+    the environment (its tools and its final check), other samples by --reward-fn."""
+    metadatas = [s.metadata for s in samples if isinstance(getattr(s, "metadata", None), dict)]
+    environments = sorted({str(m["environment"]) for m in metadatas if m.get("environment")})
+    if environments or any("episode" in m for m in metadatas):
+        named = ", ".join(environments) or "the environment"
+        return (f"an environment that scores every episode the same (check what {named} rewards, and that the "
+                "model's replies reach its tools: the agent/parse_errors and agent/tool_calls metrics)")
+    return (f"a reward function that scores every answer the same (check --reward-fn {reward_fn} on a few rows, "
+            "e.g. with `stacx eval`)")

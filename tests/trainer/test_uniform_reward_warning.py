@@ -32,6 +32,12 @@ def test_identical_rewards_in_every_group_are_named_with_step_and_fixes():
     assert "reward 0 within" in _warning([[None, 0.0]])  # a missing reward counts as 0, like the loss sees it
 
 
+def test_environment_episodes_point_at_the_environment_not_the_reward_function():
+    episodes = [SimpleNamespace(group_index=0, reward=0.0, metadata={"environment": "swe", "episode": {}})] * 2
+    message = uniform_reward_warning(3, episodes, n_samples_per_prompt=2, temperature=1.0, reward_fn="exact_match")
+    assert "check what swe rewards" in message and "agent/parse_errors" in message and "--reward-fn" not in message
+
+
 def test_one_informative_group_is_enough_to_stay_quiet():
     assert _warning([[0.0, 0.0], [0.0, 1.0]]) is None
     assert _warning([]) is None
