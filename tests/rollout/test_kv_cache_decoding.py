@@ -43,7 +43,8 @@ def engines(tiny_checkpoints, single_process_world):
     return cached, packed
 
 
-@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True), ("qwen3", False)])
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True), ("qwen3", False), ("qwen3_moe", False),
+                                       ("qwen2_moe", False)])
 def test_cached_log_probs_equal_trainer_forward(arch, tied, single_process_world):
     from stacx.models import build_model
     from stacx.models.testing import tiny_hf_config

@@ -21,6 +21,7 @@ to about 1e-6 (tested to 1e-5). The cost is a second copy of the weights in the 
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Sequence
 
 import torch
@@ -136,6 +137,35 @@ class CachedBatch:
         return output.logits[:, -1].float()
 
 
+_PER_EXPERT_NAME = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def fused_expert_slice(params: dict, name: str):
+    """(the tensor of the mirror that a Hugging Face-named weight lands in, the parameter's name).
+
+    Checkpoints (and `iter_hf_weight_buckets`) name each routed expert's projections
+    `...mlp.experts.{e}.{gate,up,down}_proj.weight`; `transformers` >= 5 holds a layer's experts fused,
+    `...mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first, then up) and `...mlp.experts.down_proj`
+    [E, H, I]. A name the mirror holds as is maps to itself; (None, name) when it holds neither.
+    """
+    if name in params:
+        return params[name], name
+    match = _PER_EXPERT_NAME.fullmatch(name)
+    if match is None:
+        return None, name
+    prefix, expert, projection = match.group(1), int(match.group(2)), match.group(3)
+    if projection == "down_proj":
+        fused_name = f"{prefix}.down_proj"
+        return (params[fused_name][expert], fused_name) if fused_name in params else (None, name)
+    fused_name = f"{prefix}.gate_up_proj"
+    if fused_name not in params:
+        return None, name
+    fused_EIH = params[fused_name]
+    intermediate = fused_EIH.shape[1] // 2
+    rows = slice(0, intermediate) if projection == "gate_proj" else slice(intermediate, 2 * intermediate)
+    return fused_EIH[expert, rows], fused_name
+
+
 class KvCacheDecoder:
     """A `transformers` model mirroring `gpt_model`'s weights, decoding batches with a KV cache.
 
@@ -179,11 +209,12 @@ class KvCacheDecoder:
         written = set()
         for bucket in iter_hf_weight_buckets(self._gpt_model, self._groups, bucket_bytes=1 << 62):
             for name, tensor in bucket:
-                if name not in params:
+                target, param_name = fused_expert_slice(params, name)
+                if target is None:
                     assert name == "lm_head.weight" and self.hf_model.config.tie_word_embeddings, name
                     continue
-                params[name].copy_(tensor)
-                written.add(name)
+                target.copy_(tensor)
+                written.add(param_name)
         missing = sorted(set(params) - written)
         assert not missing, f"the KV-cache mirror received no weights for {missing[:5]}"
         self._stale = False
