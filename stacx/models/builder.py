@@ -86,7 +86,9 @@ def build_transformer_config(
 
     on_cpu = not torch.cuda.is_available()
     pipelined = groups.pp_size > 1
-    return TransformerConfig(
+    # MoE layers: all-to-all needs CUDA streams; all-gather runs over gloo (each rank then keeps its experts' tokens).
+    dispatcher = "allgather" if on_cpu else "alltoall"
+    config = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,
@@ -113,10 +115,8 @@ def build_transformer_config(
         # Between stages megatron sends activations of a packed micro-batch, whose length varies:
         # with variable_seq_lengths it sends each one's shape first (stacx.parallel.pipeline).
         pipeline_dtype=params_dtype if pipelined else None,
-        variable_seq_lengths=pipelined,
-        # megatron refuses variable_seq_lengths with its allgather MoE dispatcher. MoE layers: all-to-all
-        # needs CUDA streams; all-gather runs over gloo (each rank then keeps its experts' tokens).
-        moe_token_dispatcher_type="alltoall" if (pipelined or not on_cpu) else "allgather",
+        variable_seq_lengths=pipelined and dispatcher != "allgather",
+        moe_token_dispatcher_type=dispatcher,
         use_cpu_initialization=on_cpu,
         # The fused kernels below are CUDA-only.
         apply_rope_fusion=False,
@@ -127,6 +127,12 @@ def build_transformer_config(
         persist_layer_norm=not on_cpu,
         **_moe_fields(shape, groups, router_losses),
     )
+    if pipelined:
+        # megatron refuses variable_seq_lengths with the allgather dispatcher, whose all-gather over EP x TP
+        # needs the same token count on those ranks (as it does without PP). The flag itself only makes the
+        # pipeline send each activation's shape ahead of it (p2p_communication), which the dispatcher never sees.
+        config.variable_seq_lengths = True
+    return config
 
 
 def _layer_spec(shape: DecoderShape):

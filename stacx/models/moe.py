@@ -1,5 +1,7 @@
 """Mixture-of-experts hooks of a built model: the router losses' gradient scale and the expert load.
 
+    loss = scale_router_losses_in_backward(loss, reducer.router_loss_scale(micro_batch_tokens))
+    # or, with no schedule between forward and backward:
     set_router_loss_scale(reducer.router_loss_scale(micro_batch_tokens))  # before each backward
     with ExpertLoadRecorder(model) as load:                                 # forwards inside are counted
         ...
@@ -12,6 +14,11 @@ Stacx sets that scale to the micro-batch's share of the step's routed tokens tim
 averaging factor (`Reducer.router_loss_scale`): the optimizer then sees the token-weighted mean of
 the per-micro-batch router losses, as it sees the token-weighted main loss.
 
+Under a pipeline schedule a stage runs other micro-batches' forwards between one micro-batch's forward
+and its backward (and megatron resets the scale in each forward), so the scale is set by the backward
+itself: `scale_router_losses_in_backward` hooks the tensor each stage's backward starts from (the loss
+on the last stage, the hidden states sent on elsewhere), which runs before any of the stage's layers.
+
 Expert load. A forward hook on each layer's router reads its routing map [tokens, experts] and counts
 the tokens sent to each expert; `expert_load_metrics` turns the counts, summed over the DP x CP
 ranks (TP ranks route the same tokens), into per-layer counts and the max/mean imbalance.
@@ -22,12 +29,23 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from stacx.models.weight_mapping import layer_offset
+
 
 def set_router_loss_scale(scale: float) -> None:
     """Multiply the router losses' gradient of the next backwards by `scale` (megatron's class-wide scale)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(scale)))
+    # Shape [1], as megatron's schedules set it (they copy into the tensor set first).
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([float(scale)]))
+
+
+def scale_router_losses_in_backward(tensor: torch.Tensor, scale: float) -> torch.Tensor:
+    """`tensor`, unchanged, with a hook that sets the router losses' scale to `scale` when the backward
+    reaches it: hook the tensor a stage's backward starts from (see the module docstring)."""
+    if tensor.requires_grad:
+        tensor.register_hook(lambda grad: set_router_loss_scale(scale))
+    return tensor
 
 
 def is_mixture_of_experts(gpt_model) -> bool:
@@ -36,11 +54,12 @@ def is_mixture_of_experts(gpt_model) -> bool:
 
 
 def _routers(gpt_model) -> list[tuple[int, torch.nn.Module]]:
-    """(layer number, router) of every MoE layer, in layer order."""
+    """(global layer index, router) of every MoE layer of this pipeline stage, in layer order."""
+    offset = layer_offset(gpt_model)
     routers = []
     for name, module in gpt_model.named_modules():
         if name.endswith(".mlp.router"):
-            routers.append((int(name.split("decoder.layers.")[1].split(".")[0]), module))
+            routers.append((offset + int(name.split("decoder.layers.")[1].split(".")[0]), module))
     return routers
 
 

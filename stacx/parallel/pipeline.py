@@ -10,6 +10,7 @@ head. One train step on every rank of the pipeline:
         # next stage, their shapes first: a packed micro-batch's length varies), then on the last
         # stage last_stage_loss(output, mb) -> (loss, record); backward runs through every stage.
     metrics = from_last_stage(metrics, groups)      # the last stage's metrics, on every stage
+    per_stage = from_every_stage(value, groups)     # [stage 0's value, stage 1's, ...] on every stage
 
 The loss is used as `last_stage_loss` returns it: Stacx's reducer has already normalized it by
 the step's global counts (`stacx.parallel.reduction`), so the schedule must not divide it by the
@@ -88,6 +89,15 @@ def from_last_stage(value: Any, groups) -> Any:
     holder = [value if groups.is_last_stage else None]
     dist.broadcast_object_list(holder, group_src=groups.pp_size - 1, group=groups.pp)
     return holder[0]
+
+
+def from_every_stage(value: Any, groups) -> list[Any]:
+    """Every stage's `value` (any picklable object), in stage order, on every stage of the pipeline group."""
+    if groups.pp_size == 1:
+        return [value]
+    values = [None] * groups.pp_size
+    dist.all_gather_object(values, value, group=groups.pp)
+    return values
 
 
 def stream_to_first_stage(named_tensors: Iterable[tuple[str, torch.Tensor]], groups

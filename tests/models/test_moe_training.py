@@ -1,4 +1,4 @@
-"""An expert-parallel training step equals the plain one, router losses included.
+"""An expert-parallel (and a pipeline-parallel) training step equals the plain one, router losses included.
 
 Two gloo ranks (dp=2) each run two micro-batches of different lengths through a Qwen3-MoE model with
 --moe-aux-loss-coeff and --moe-z-loss-coeff set, with megatron's DDP and optimizer (Stacx's
@@ -84,8 +84,8 @@ def _reduced_grads_by_hf_name(model, groups):
             p.data = weight
 
 
-def _runtime_step(path, ep):
-    """One GRPO `RoleRuntime.train_step` (two micro-batches) at ep: the run settings' path into the model."""
+def _runtime_step(path, ep, pp=1):
+    """One GRPO `RoleRuntime.train_step` (two micro-batches) at ep x pp: the run settings' path into the model."""
     from stacx.objectives.algorithm_config import AlgorithmConfig
     from stacx.parallel.groups import initialize_parallel_layout
     from stacx.parallel.reduction import compute_step_counts
@@ -95,8 +95,9 @@ def _runtime_step(path, ep):
     from stacx.specializations.actor import ActorSpecialization
     from tests.trainer.runtime.test_lm_head_mode import step_batch
 
-    groups = initialize_parallel_layout(1, 1, expert_model_parallel_size=ep)
+    groups = initialize_parallel_layout(1, 1, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp)
     run_config = RunConfig.from_dict({"hf_checkpoint": path, "clip_grad": 0.0, "expert_model_parallel_size": ep,
+                                      "pipeline_model_parallel_size": pp,
                                       "moe_aux_loss_coeff": COEFFS["aux_loss_coeff"],
                                       "moe_z_loss_coeff": COEFFS["z_loss_coeff"]})
     algorithm = AlgorithmConfig.from_values({"advantage_estimator": "grpo", "rollout_temperature": 0.7})
@@ -116,6 +117,7 @@ def step_at_each_expert_layout(_groups, path, tokens_by_rank):
         "ep2_no_router_losses": _one_step(path, tokens_by_rank, 2, {}),
         "runtime_ep1": _runtime_step(path, 1),
         "runtime_ep2": _runtime_step(path, 2),
+        "runtime_pp2": _runtime_step(path, 1, pp=2),
     }
 
 
@@ -157,6 +159,20 @@ def test_expert_parallel_step_equals_plain_step_with_router_losses(tmp_path):
         for name, grad in grads.items():
             error = (grad - grads_ep1[name]).abs().max().item()
             assert error <= 1e-5 * grads_ep1[name].abs().max().item(), f"runtime grad {name}: |diff| {error:.2e}"
+    # PP=2 (dp=1, one layer per stage, micro-batches of 21 and 17 tokens in the 1F1B schedule): the router
+    # losses are scaled per micro-batch inside the schedule, on both stages. Both ranks of the ep=1 run
+    # held the same batch, so its mean gradient is this step's gradient, and it routed twice the tokens.
+    metrics_pp2, grads_pp2 = results[0]["runtime_pp2"]
+    assert results[1]["runtime_pp2"][1] == {}  # the last stage streamed its gradients to the first
+    assert metrics_pp2["loss"] == pytest.approx(metrics_ep1["loss"], rel=1e-6)
+    assert set(grads_pp2) == set(grads_ep1)
+    for name, grad in grads_pp2.items():
+        error = (grad - grads_ep1[name]).abs().max().item()
+        assert error <= 1e-5 * grads_ep1[name].abs().max().item(), f"pp=2 grad {name}: |diff| {error:.2e}"
+    for rank_results in results:  # every stage's layers, on every stage
+        load = {k: v for k, v in rank_results["runtime_pp2"][0].items() if k.startswith("moe/")}
+        assert load == pytest.approx({k: v / 2 if k.endswith("_tokens") else v
+                                      for k, v in metrics_ep1.items() if k.startswith("moe/")})
     # Every token slot is counted: top-k slots per routed token, over both ranks and micro-batches.
     routed = 2 * sum(sum(lengths) for lengths in MICRO_BATCH_LENGTHS)
     for layer in range(config.num_hidden_layers):

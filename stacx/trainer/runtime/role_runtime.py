@@ -32,11 +32,16 @@ import torch.distributed as dist
 
 from stacx.checkpointing.folders import load_model_weights
 from stacx.models.builder import RouterLosses
-from stacx.models.moe import ExpertLoadRecorder, expert_load_metrics, is_mixture_of_experts, set_router_loss_scale
+from stacx.models.moe import (
+    ExpertLoadRecorder,
+    expert_load_metrics,
+    is_mixture_of_experts,
+    scale_router_losses_in_backward,
+)
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
-from stacx.parallel.pipeline import from_last_stage, run_pipeline
+from stacx.parallel.pipeline import from_every_stage, from_last_stage, run_pipeline
 from stacx.parallel.reduction import Reducer
 from stacx.rollout.engines.registry import engine_client
 from stacx.specializations.base import NUM_LOSS_TOKENS
@@ -108,10 +113,6 @@ class RoleRuntime:
         self.model = build_model(config_source, groups, initialize_weights=False, router_losses=RouterLosses(
             aux_loss_coeff=model.moe_aux_loss_coeff, z_loss_coeff=model.moe_z_loss_coeff))
         self.mixture_of_experts = is_mixture_of_experts(self.model)
-        if self.mixture_of_experts and groups.pp_size > 1:
-            raise ValueError(f"role {role.name!r}: --pipeline-model-parallel-size {groups.pp_size} with a mixture-of-experts "
-                             "model is not supported yet (the router losses are scaled per micro-batch outside the "
-                             "pipeline schedule); use --pipeline-model-parallel-size 1")
         self.reference_weights: list[torch.Tensor] | None = None
         reference_path = (
             role_checkpoint_path(role, model, role.reference_checkpoint_arg)
@@ -282,25 +283,33 @@ class RoleRuntime:
         if self.mixture_of_experts:
             reducer = self._with_routed_token_count(reducer, batches)
 
+        def with_router_loss_scale(tensor, batch):
+            # The tensor this stage's backward of `batch` starts from (see stacx.models.moe).
+            if not self.mixture_of_experts:
+                return tensor
+            return scale_router_losses_in_backward(tensor, reducer.router_loss_scale(sum(batch.layout.padded_lengths)))
+
+        def stage_forward(batch):
+            output = self.forward(batch)
+            return output if self.groups.is_last_stage else with_router_loss_scale(output, batch)
+
         def micro_batch_loss(output, batch):
             loss, metric_sums = self.specialization.compute_loss(output, batch, reducer)
             metric_sums = normalize_uncounted_metrics(dict(metric_sums), self.specialization, reducer, uncounted)
             metric_sums[LOSS_METRIC] = reducer.loss_value(loss)
             totals.add(all_reduce_metric_sums(metric_sums, self.groups.dp_cp))
-            return loss, None
+            return with_router_loss_scale(loss, batch), None
 
         with self._expert_load() as load:
             if self.groups.pp_size > 1:
-                run_pipeline(self.ddp, batches, self.forward, micro_batch_loss, forward_only=False)
+                run_pipeline(self.ddp, batches, stage_forward, micro_batch_loss, forward_only=False)
                 # Grad sync over DP x CP, plus the tied embedding's grads between the first and last stage.
                 finalize_model_grads([self.ddp])
                 # The metrics (and the loss the finite check reads) exist on the last stage only.
                 totals.sums, uncounted = from_last_stage((totals.sums, uncounted), self.groups)
             else:
                 for batch in batches:
-                    if self.mixture_of_experts:
-                        set_router_loss_scale(reducer.router_loss_scale(sum(batch.layout.padded_lengths)))
-                    loss, _ = micro_batch_loss(self.forward(batch), batch)
+                    loss, _ = micro_batch_loss(stage_forward(batch), batch)
                     loss.backward()
                 self.ddp.finish_grad_sync()
         loss_total = totals.sums.pop(LOSS_METRIC)
@@ -315,7 +324,10 @@ class RoleRuntime:
                        update_skipped=float(not outcome.applied))
         metrics[WEIGHTS_NONFINITE_METRIC] = float(not outcome.weights_finite)
         if load is not None:
-            metrics.update(expert_load_metrics(load.tokens_per_expert(self.groups), load.layers))
+            # Each stage routes through its own layers: the counts of every stage, in layer order.
+            per_stage = from_every_stage((load.tokens_per_expert(self.groups), load.layers), self.groups)
+            metrics.update(expert_load_metrics(torch.cat([counts for counts, _ in per_stage]),
+                                               [layer for _, layers in per_stage for layer in layers]))
         return metrics
 
     def _with_routed_token_count(self, reducer: Reducer, batches) -> Reducer:
