@@ -7,11 +7,15 @@
 - PP=2 x TP=2 x CP=2: forward-only log-probs through the schedule equal transformers' (1e-5);
   weights stream to the first stage in Hugging Face names, equal to the checkpoint bit for bit
   (the tied LM head is sent once); the torch_dist checkpoint written there loads at PP=1 exactly.
+- Checkpoints reshard across PP with the optimizer state: the PP=1 run's last checkpoint loaded at
+  PP=2 x TP=2 x CP=2 and saved, then loaded back at PP=1 and saved, holds the same tensors bit for bit
+  (weights and Adam moments).
 - Unit level: the micro-batch plan fills the pipeline, and the preflight names the flag.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 
 import pytest
@@ -40,9 +44,29 @@ SEQUENCES = ([5, 9, 2, 7, 7, 3, 1], [4, 4, 8, 1, 6], [2, 3, 5, 7, 11, 13, 17, 19
 RESPONSE_LENGTHS = (4, 2, 6)
 
 
-def stream_and_save_stages(groups, checkpoint: str, folder: str):
+def _with_optimizer(model):
+    from stacx.trainer.config.run import RunConfig
+    from stacx.trainer.runtime.optim import build_optimizer, wrap_ddp
+
+    from tests.trainer.mini_batch_reference import SETTINGS
+
+    optimizer, _ = build_optimizer(wrap_ddp(model), RunConfig.from_dict(SETTINGS).optim, total_steps=1)
+    return optimizer
+
+
+def reshard(model, source: str, target: str, groups) -> None:
+    """Load torch_dist `source` (weights and optimizer state) into `model` at this layout, save it to `target`."""
+    from stacx.checkpointing.torch_dist import load_torch_dist, save_torch_dist
+
+    optimizer = _with_optimizer(model)
+    assert load_torch_dist(source, model, optimizer)
+    save_torch_dist(target, model, optimizer, groups=groups)
+
+
+def stream_and_save_stages(groups, checkpoint: str, folder: str, trained: str, resharded: str):
     """Load the HF checkpoint into this rank's stage and TP/CP shard; forward-only log-probs through the
-    schedule; stream every stage's weights to the first; save torch_dist."""
+    schedule; stream every stage's weights to the first; save torch_dist. Then load the PP=1 run's trained
+    checkpoint (`trained`, with its optimizer state) at this layout and save it again (`resharded`)."""
     from stacx.checkpointing.torch_dist import save_torch_dist
     from stacx.models import build_model, forward_packed
     from stacx.models.checkpoint import iter_hf_weight_buckets, load_hf_checkpoint
@@ -69,18 +93,26 @@ def stream_and_save_stages(groups, checkpoint: str, folder: str):
                                  forward_only=True)
     streamed = [pair for bucket in iter_hf_weight_buckets(model, groups, 1 << 16) for pair in bucket]
     save_torch_dist(folder, model, groups=groups)
+    reshard(model, trained, resharded, groups)
     return {"stage": groups.pp_rank, "tp": groups.tp_rank, "cp": groups.cp_rank, "layers": len(model.decoder.layers),
             "log_probs": [lp for per_batch in log_probs for lp in per_batch], "streamed": streamed}
 
 
-def load_at_one_stage(groups, checkpoint: str, folder: str):
+def load_at_one_stage(groups, checkpoint: str, folder: str, trained: str, resharded: str, resharded_back: str):
+    """The PP=2 torch_dist `folder` loaded at PP=1, in HF names; the PP=2 copy of the trained checkpoint
+    loaded at PP=1 and saved again; {key: (trained, at PP=2, back at PP=1)} of every tensor of the three."""
+    from megatron.core.dist_checkpointing.serialization import load_plain_tensors
+
     from stacx.checkpointing.torch_dist import load_torch_dist
     from stacx.models import build_model
     from stacx.models.checkpoint import iter_hf_weight_buckets
 
     model = build_model(checkpoint, groups)  # random weights: the load must replace every one
     load_torch_dist(folder, model)
-    return [pair for bucket in iter_hf_weight_buckets(model, groups, 1 << 16) for pair in bucket]
+    streamed = [pair for bucket in iter_hf_weight_buckets(model, groups, 1 << 16) for pair in bucket]
+    reshard(build_model(checkpoint, groups), resharded, resharded_back, groups)
+    states = [load_plain_tensors(path) for path in (trained, resharded, resharded_back)]
+    return streamed, {key: tuple(state[key] for state in states) for key in states[0]}
 
 
 @pytest.mark.distributed
@@ -97,7 +129,8 @@ def test_pp2_dp2_grpo_steps_equal_the_pp1_run_and_weights_reshard(tmp_path):
     checkpoint = _write_tied_checkpoint(root)
     rollouts = reference.make_rollouts(2, len(build_char_tokenizer()))
     values = {"num_steps_per_rollout": 2, "max_tokens_per_micro_batch": 40}
-    single = run_distributed(reference.train_stacx, 1, args=(os.path.join(root, "pp1"), checkpoint, rollouts, values))
+    saving = {**values, "save": os.path.join(root, "saved_pp1")}  # the PP=1 run keeps its last step
+    single = run_distributed(reference.train_stacx, 1, args=(os.path.join(root, "pp1"), checkpoint, rollouts, saving))
     piped = run_distributed(reference.train_stacx, 4, pipeline_model_parallel_size=2,
                             args=(os.path.join(root, "pp2"), checkpoint, rollouts, values))
     rows, piped_rows = single[0]["rows"], piped[0]["rows"]
@@ -115,8 +148,10 @@ def test_pp2_dp2_grpo_steps_equal_the_pp1_run_and_weights_reshard(tmp_path):
     # PP=2 x TP=2 x CP=2: forward-only log-probs from the last stage equal transformers'; every stage's
     # tensors reach the first stage in HF names, bit for bit; a torch_dist checkpoint loads at PP=1.
     folder = os.path.join(root, "torch_dist_pp2")
+    [trained] = glob.glob(os.path.join(root, "saved_pp1", "step_*", "roles", "policy", "model"))
+    resharded, resharded_back = os.path.join(root, "resharded_pp2"), os.path.join(root, "resharded_pp1")
     ranks = run_distributed(stream_and_save_stages, 8, tensor_model_parallel_size=2, context_parallel_size=2,
-                            pipeline_model_parallel_size=2, args=(checkpoint, folder))
+                            pipeline_model_parallel_size=2, args=(checkpoint, folder, trained, resharded))
     assert all(r["layers"] == 2 for r in ranks)
     hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     for r in ranks:
@@ -137,9 +172,21 @@ def test_pp2_dp2_grpo_steps_equal_the_pp1_run_and_weights_reshard(tmp_path):
     assert len(streamed) == len(first_stage["streamed"])  # the tied head is sent once, as the embedding
     assert set(streamed) == set(expected)
     assert all(torch.equal(streamed[name], expected[name]) for name in expected)
-    loaded = dict(run_distributed(load_at_one_stage, 1, args=(checkpoint, folder))[0])
+    streamed_at_pp1, states = run_distributed(load_at_one_stage, 1,
+                                              args=(checkpoint, folder, trained, resharded, resharded_back))[0]
+    loaded = dict(streamed_at_pp1)
     assert set(loaded) == set(expected)
     assert all(torch.equal(loaded[name], expected[name]) for name in expected)
+
+    # The PP=1 run's last checkpoint, weights and Adam moments, loaded at PP=2 x TP=2 x CP=2 and saved, then
+    # loaded back at PP=1 and saved: every tensor of the three folders is the same, bit for bit.
+    moments = [key for key in states if key.startswith("optimizer.state.exp_avg")]
+    assert len(moments) == 2 * len([key for key in states if not key.startswith("optimizer")])
+    assert all(states[key][0].abs().max() > 0 for key in moments)  # a trained state, not a fresh optimizer
+    for key, (saved, at_pp2, back_at_pp1) in states.items():
+        if torch.is_tensor(saved):
+            assert torch.equal(at_pp2, saved) and torch.equal(back_at_pp1, saved), key
+    assert states["optimizer"][0]["state"]["common_step"] == states["optimizer"][2]["state"]["common_step"] == 4
 
 
 def test_the_micro_batch_plan_gives_each_stage_a_full_pipeline():
