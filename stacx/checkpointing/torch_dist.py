@@ -64,10 +64,24 @@ def is_torch_dist_folder(path: str | os.PathLike) -> bool:
 
 
 def model_sharded_state_dict(model) -> dict[str, Any]:
-    """megatron's sharded state dict of the GPTModel inside `model` (DDP unwrapped), keys as megatron names them."""
-    from stacx.models.builder import unwrap_model
+    """megatron's sharded state dict of the GPTModel inside `model` (DDP unwrapped), keys as megatron names them;
+    of a list of model chunks (virtual pipeline stages), {"chunk<i>": chunk i's}. The files key each tensor by
+    its name and global layer range only, so either form reads what the other wrote."""
+    from stacx.models.builder import model_chunks, unwrap_model
 
-    return unwrap_model(model).sharded_state_dict()
+    if not isinstance(model, (list, tuple)):
+        return unwrap_model(model).sharded_state_dict()
+    return {f"chunk{index}": unwrap_model(chunk).sharded_state_dict() for index, chunk in enumerate(model_chunks(model))}
+
+
+def _load_model_state(model, state: dict[str, Any]) -> None:
+    from stacx.models.builder import model_chunks, unwrap_model
+
+    if not isinstance(model, (list, tuple)):
+        unwrap_model(model).load_state_dict(state, strict=False)
+        return
+    for index, chunk in enumerate(model_chunks(model)):
+        unwrap_model(chunk).load_state_dict(state[f"chunk{index}"], strict=False)
 
 
 def _save_strategy(groups):
@@ -177,9 +191,7 @@ def load_torch_dist(folder: str | os.PathLike, model, optimizer=None, *, what: s
             f"{what} {folder} has no tensor {missing_model[0]!r} that the model needs"
             + (f" (and {len(missing_model) - 1} more)" if len(missing_model) > 1 else "")
             + "; it was saved from another architecture or config")
-    from stacx.models.builder import unwrap_model
-
-    unwrap_model(model).load_state_dict(loaded["model"], strict=False)
+    _load_model_state(model, loaded["model"])
     if with_optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     return with_optimizer is not None

@@ -1,14 +1,14 @@
 """megatron-core decoders built from Hugging Face configs, TP/CP sharded, with checkpoint conversion.
 
 Public API:
-- build_model(hf_config, groups, *, params_dtype) -> GPTModel; hf_config_of(model)
+- build_model(hf_config, groups, *, params_dtype) -> GPTModel (a list of chunks with virtual stages: model_chunks); hf_config_of(model)
 - forward_packed(model, tokens, padded_lengths, groups, *, lm_head) -> TP-local fp32 logits (or an LMHeadShard)
 - load_hf_checkpoint / export_hf_checkpoint / iter_hf_weight_buckets
 - stacx.models.testing: tiny_hf_config, save_tiny_hf_checkpoint
 """
 
 from stacx.models.architectures import ARCHITECTURES, padded_vocab_size
-from stacx.models.builder import build_model, hf_config_of, transformer_engine_available, unwrap_model
+from stacx.models.builder import build_model, hf_config_of, model_chunks, transformer_engine_available, unwrap_model
 from stacx.models.checkpoint import (
     CheckpointMismatchError,
     export_hf_checkpoint,
@@ -21,6 +21,7 @@ __all__ = [
     "ARCHITECTURES",
     "CheckpointMismatchError",
     "build_model",
+    "model_chunks",
     "export_hf_checkpoint",
     "forward_packed",
     "hf_config_of",

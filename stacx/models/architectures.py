@@ -224,13 +224,34 @@ def check_expert_parallel_sizes(shape: DecoderShape, ep_size: int, etp_size: int
                          f"moe_intermediate_size={shape.moe.expert_ffn_hidden_size}")
 
 
-def check_pipeline_parallel_size(shape: DecoderShape, pp_size: int) -> None:
-    """Raise naming the flag when pp does not divide the layers (every stage holds as many)."""
+def check_pipeline_parallel_size(shape: DecoderShape, pp_size: int, vp_size: int = 1) -> None:
+    """Raise naming the flags when pp x vp does not divide the layers (every stage, virtual or not, holds as many)."""
     if shape.num_layers % pp_size:
         raise ValueError(
             f"--pipeline-model-parallel-size {pp_size} does not divide num_hidden_layers={shape.num_layers}: "
             f"each pipeline stage holds the same number of layers; pick a divisor of {shape.num_layers}"
         )
+    if shape.num_layers % (pp_size * vp_size):
+        raise ValueError(
+            f"--pipeline-model-parallel-size {pp_size} x {vp_size} virtual stages does not divide "
+            f"num_hidden_layers={shape.num_layers}: pick --num-layers-per-virtual-pipeline-stage dividing "
+            f"{shape.num_layers // pp_size}")
+
+
+def num_virtual_stages(num_layers: int, pp_size: int, layers_per_virtual_stage: int | None) -> int:
+    """Model chunks per pipeline rank for --num-layers-per-virtual-pipeline-stage: L / (pp x that), 1 when unset."""
+    if layers_per_virtual_stage is None:
+        return 1
+    if pp_size == 1:
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} needs "
+                         "--pipeline-model-parallel-size > 1 (interleaving splits each rank's pipeline stage)")
+    per_rank = num_layers // pp_size
+    if layers_per_virtual_stage < 1 or num_layers % pp_size or per_rank % layers_per_virtual_stage:
+        divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} does not divide the "
+                         f"{per_rank} layers of each of the --pipeline-model-parallel-size {pp_size} stages "
+                         f"(num_hidden_layers={num_layers}); use one of {divisors}")
+    return per_rank // layers_per_virtual_stage
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:

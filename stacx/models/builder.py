@@ -112,6 +112,7 @@ def build_transformer_config(
         tensor_model_parallel_size=groups.tp_size,
         context_parallel_size=groups.cp_size,
         pipeline_model_parallel_size=groups.pp_size,
+        virtual_pipeline_model_parallel_size=groups.vp_size if groups.vp_size > 1 else None,
         # Between stages megatron sends activations of a packed micro-batch, whose length varies:
         # with variable_seq_lengths it sends each one's shape first (stacx.parallel.pipeline).
         pipeline_dtype=params_dtype if pipelined else None,
@@ -176,7 +177,8 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
 
 def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32, initialize_weights: bool = True,
                 router_losses: RouterLosses = RouterLosses()):
-    """A megatron-core GPTModel matching `hf_config` (PretrainedConfig, dict, folder or config.json).
+    """A megatron-core GPTModel matching `hf_config` (PretrainedConfig, dict, folder or config.json); with
+    virtual pipeline stages (groups.vp_size > 1) the list of this rank's model chunks (`model_chunks`).
 
     Weights are freshly initialized (left uninitialized with initialize_weights=False, which is
     faster when a checkpoint is loaded next); load real ones with `load_hf_checkpoint`. Dropout is 0.
@@ -190,11 +192,24 @@ def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32,
     shape = decoder_shape(config)
     check_tensor_parallel_size(shape, groups.tp_size)
     check_expert_parallel_sizes(shape, groups.ep_size, groups.etp_size)
-    check_pipeline_parallel_size(shape, groups.pp_size)
+    check_pipeline_parallel_size(shape, groups.pp_size, groups.vp_size)
     transformer_config = build_transformer_config(
         shape, groups, params_dtype, float(getattr(config, "initializer_range", 0.02)), initialize_weights,
         router_losses,
     )
+    if groups.vp_size > 1:
+        # Interleaved stages: chunk c of pipeline rank r holds the layers of virtual stage c * pp + r; the
+        # embedding lives in chunk 0 of the first rank, the head in the last chunk of the last rank.
+        return [_build_chunk(config, shape, transformer_config, groups, initialize_weights, vp_stage=chunk)
+                for chunk in range(groups.vp_size)]
+    return _build_chunk(config, shape, transformer_config, groups, initialize_weights, vp_stage=None)
+
+
+def _build_chunk(config, shape: DecoderShape, transformer_config, groups, initialize_weights: bool, *,
+                 vp_stage: int | None):
+    from megatron.core.models.gpt import GPTModel
+
+    last_chunk = vp_stage is None or vp_stage == groups.vp_size - 1
     model = GPTModel(
         config=transformer_config,
         transformer_layer_spec=_layer_spec(shape),
@@ -203,8 +218,9 @@ def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32,
         position_embedding_type="rope",
         rotary_base=shape.rope_theta,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
-        pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage,
+        pre_process=groups.is_first_stage and not vp_stage,
+        post_process=groups.is_last_stage and last_chunk,
+        vp_stage=vp_stage,
     )
     if not initialize_weights:
         mark_tensor_parallel_params(model)
@@ -231,6 +247,11 @@ def mark_tensor_parallel_params(gpt_model) -> None:
         param.partition_stride = 1
 
 
+def model_chunks(model) -> list:
+    """The model chunks of `model`: the list itself (virtual pipeline stages), else [model]."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 def unwrap_model(model):
     """The GPTModel inside DDP / Float16Module wrappers (megatron wraps with `.module`)."""
     while not hasattr(model, _HF_CONFIG_ATTR) and hasattr(model, "module"):
@@ -240,7 +261,7 @@ def unwrap_model(model):
 
 def hf_config_of(model):
     """The Hugging Face config a model was built from; `.vocab_size` is the real (unpadded) vocab."""
-    inner = unwrap_model(model)
+    inner = unwrap_model(model_chunks(model)[0])
     if not hasattr(inner, _HF_CONFIG_ATTR):
         raise ValueError("model was not built by stacx.models.build_model (it carries no Hugging Face config)")
     return getattr(inner, _HF_CONFIG_ATTR)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from stacx.models.architectures import decoder_shape, load_hf_config
-from stacx.models.builder import hf_config_of, unwrap_model
+from stacx.models.builder import hf_config_of, model_chunks, unwrap_model
 from stacx.models.weight_mapping import (
     IGNORED_HF_SUFFIXES,
     expected_param_mappings,
@@ -158,17 +158,17 @@ def load_hf_checkpoint(model, path: str, groups) -> None:
     Raises FileNotFoundError for a missing folder/file and CheckpointMismatchError naming the
     first tensor whose name or shape does not match the model's config.
     """
-    gpt = unwrap_model(model)
-    shape = decoder_shape(hf_config_of(gpt))
-    mappings = param_mappings(gpt)
+    chunks = [unwrap_model(chunk) for chunk in model_chunks(model)]
+    shape = decoder_shape(hf_config_of(chunks[0]))
     reader = HFTensorReader(path)
     # A pipeline stage holds some of the layers: the checkpoint is checked against the whole model.
-    whole_model = mappings if groups.pp_size == 1 else expected_param_mappings(shape, groups.tp_size)
+    whole_model = param_mappings(chunks[0]) if groups.pp_size == 1 else expected_param_mappings(shape, groups.tp_size)
     reader.check_names(whole_model, shape)
-    params = dict(gpt.named_parameters())
-    for mapping in mappings:
-        rank, size = mapping.shard_rank_and_size(groups)
-        params[mapping.megatron_name].copy_(reader.read_local_shard(mapping, shape, rank, size))
+    for gpt in chunks:
+        params = dict(gpt.named_parameters())
+        for mapping in param_mappings(gpt):
+            rank, size = mapping.shard_rank_and_size(groups)
+            params[mapping.megatron_name].copy_(reader.read_local_shard(mapping, shape, rank, size))
 
 
 def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
@@ -209,9 +209,11 @@ def iter_hf_weight_buckets(
     take part in the gathers and yield nothing (they must still exhaust the iterator). A tensor larger than `bucket_bytes` is a bucket alone. `dtype` converts the
     tensors (default: the parameters' own dtype).
     """
-    gpt = unwrap_model(model)
-    # Under PP each stage gathers its own layers over TP; the first stage receives the others' in layer order.
-    named = stream_to_first_stage(_iter_hf_tensors(gpt, groups, dtype, only_to_tp_rank), groups)
+    # Under PP each stage gathers its own layers over TP (chunk by chunk with virtual stages); the first
+    # stage receives the others' in stage order.
+    own = (pair for chunk in model_chunks(model)
+           for pair in _iter_hf_tensors(unwrap_model(chunk), groups, dtype, only_to_tp_rank))
+    named = stream_to_first_stage(own, groups)
     yield from split_into_buckets(named, bucket_bytes)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from stacx.models.builder import model_chunks
 from stacx.models.weight_mapping import layer_offset
 
 
@@ -49,17 +50,18 @@ def scale_router_losses_in_backward(tensor: torch.Tensor, scale: float) -> torch
 
 
 def is_mixture_of_experts(gpt_model) -> bool:
-    """Whether the (unwrapped) model has MoE layers."""
-    return bool(getattr(gpt_model.config, "num_moe_experts", None))
+    """Whether the (unwrapped) model, or list of model chunks, has MoE layers."""
+    return bool(getattr(model_chunks(gpt_model)[0].config, "num_moe_experts", None))
 
 
 def _routers(gpt_model) -> list[tuple[int, torch.nn.Module]]:
-    """(global layer index, router) of every MoE layer of this pipeline stage, in layer order."""
-    offset = layer_offset(gpt_model)
+    """(global layer index, router) of every MoE layer of this pipeline stage (all its chunks), in layer order."""
     routers = []
-    for name, module in gpt_model.named_modules():
-        if name.endswith(".mlp.router"):
-            routers.append((offset + int(name.split("decoder.layers.")[1].split(".")[0]), module))
+    for chunk in model_chunks(gpt_model):
+        offset = layer_offset(chunk)
+        for name, module in chunk.named_modules():
+            if name.endswith(".mlp.router"):
+                routers.append((offset + int(name.split("decoder.layers.")[1].split(".")[0]), module))
     return routers
 
 
@@ -68,7 +70,7 @@ class ExpertLoadRecorder:
 
     def __init__(self, gpt_model):
         self._routers = _routers(gpt_model)
-        num_experts = gpt_model.config.num_moe_experts or 0
+        num_experts = model_chunks(gpt_model)[0].config.num_moe_experts or 0
         self._counts_LE = torch.zeros(len(self._routers), num_experts, dtype=torch.float64)
         self._handles = []
 

@@ -12,6 +12,7 @@ what is left, the ranks that hold the same expert shard and sum its gradients.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,6 +43,8 @@ class ProcessGroups:
     """Expert-data-parallel group: ranks that hold the same expert shard (its gradients are summed over it)."""
     pp: dist.ProcessGroup | None = None
     """Pipeline-parallel group: ranks that hold consecutive stages (layer ranges) of the same model."""
+    vp_size: int = 1
+    """Virtual pipeline stages (model chunks) per pipeline rank: megatron's interleaved schedule when > 1."""
 
     @property
     def tp_size(self) -> int:
@@ -207,6 +210,21 @@ def initialize_parallel_layout(
         edp=parallel_state.get_expert_data_parallel_group(),
         pp=parallel_state.get_pipeline_model_parallel_group() if pipeline_model_parallel_size > 1 else None,
     )
+
+
+def with_virtual_pipeline_stages(groups: ProcessGroups, vp_size: int) -> ProcessGroups:
+    """`groups` with `vp_size` model chunks per pipeline rank (megatron's virtual_pipeline_model_parallel_size).
+
+    megatron's interleaved schedule and stage checks read that size from its module state, so it is set
+    there too, once, where the layout is decided. vp_size 1 switches interleaving off.
+    """
+    from megatron.core import parallel_state
+
+    if vp_size < 1 or (vp_size > 1 and groups.pp_size == 1):
+        raise ValueError(f"{vp_size} virtual pipeline stages need vp_size >= 1, and pipeline parallelism when > 1 "
+                         f"(pipeline size {groups.pp_size})")
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(vp_size if vp_size > 1 else None)
+    return dataclasses.replace(groups, vp_size=vp_size)
 
 
 def destroy_parallel_layout() -> None:

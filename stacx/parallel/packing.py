@@ -93,11 +93,14 @@ def pack_micro_batches(
     max_tokens_per_micro_batch: int,
     pad_multiple: int = 1,
     min_micro_batches: int = 1,
+    micro_batch_multiple: int = 1,
 ) -> PackingPlan:
-    """Plan micro-batches for one step's samples (lengths in tokens) over `dp_size` ranks."""
-    if dp_size < 1 or pad_multiple < 1 or min_micro_batches < 1:
+    """Plan micro-batches for one step's samples (lengths in tokens) over `dp_size` ranks: the smallest count
+    per rank that fits, at least `min_micro_batches` and a multiple of `micro_batch_multiple`."""
+    if dp_size < 1 or pad_multiple < 1 or min_micro_batches < 1 or micro_batch_multiple < 1:
         raise ValueError(
-            f"dp_size ({dp_size}), pad_multiple ({pad_multiple}) and min_micro_batches ({min_micro_batches}) must be >= 1"
+            f"dp_size ({dp_size}), pad_multiple ({pad_multiple}), min_micro_batches ({min_micro_batches}) and "
+            f"micro_batch_multiple ({micro_batch_multiple}) must be >= 1"
         )
     if len(lengths) < dp_size:
         raise ValueError(f"{len(lengths)} samples cannot give every one of dp_size={dp_size} ranks a sample")
@@ -109,12 +112,13 @@ def pack_micro_batches(
             f"sample {i} has {padded[i]} tokens (padded to a multiple of {pad_multiple}), more than "
             f"max_tokens_per_micro_batch={max_tokens_per_micro_batch}"
         )
-    per_rank = max(min_micro_batches, -(-sum(padded) // (dp_size * max_tokens_per_micro_batch)))
+    per_rank = round_up(max(min_micro_batches, -(-sum(padded) // (dp_size * max_tokens_per_micro_batch))),
+                        micro_batch_multiple)
     while True:
         bins = _fill_bins(padded, dp_size * per_rank, max_tokens_per_micro_batch)
         if bins is not None:
             break
-        per_rank += 1
+        per_rank += micro_batch_multiple
     return PackingPlan(
         micro_batches=_deal_bins_to_ranks(bins, padded, dp_size, per_rank),
         padded_lengths=tuple(padded),

@@ -6,9 +6,11 @@ layers [s*L/P, (s+1)*L/P), the first stage also the embedding, the last the fina
 head. One train step on every rank of the pipeline:
 
     records = run_pipeline(model, micro_batches, stage_forward, last_stage_loss, forward_only=False)
-        # megatron's 1F1B schedule: stage_forward(mb) on every stage (activations go on to the
+        # megatron's 1F1B schedule: stage_forward(mb, chunk) on every stage (activations go on to the
         # next stage, their shapes first: a packed micro-batch's length varies), then on the last
         # stage last_stage_loss(output, mb) -> (loss, record); backward runs through every stage.
+        # With virtual stages `model` is the rank's list of model chunks and the schedule is megatron's
+        # interleaved one: each chunk runs every micro-batch, chunk c of rank r being virtual stage c*P+r.
     metrics = from_last_stage(metrics, groups)      # the last stage's metrics, on every stage
     per_stage = from_every_stage(value, groups)     # [stage 0's value, stage 1's, ...] on every stage
 
@@ -38,17 +40,20 @@ _UNSCALED = torch.tensor(1, dtype=torch.int)
 def run_pipeline(
     model,
     micro_batches: Sequence[Any],
-    stage_forward: Callable[[Any], Any],
+    stage_forward: Callable[[Any, Any], Any],
     last_stage_loss: Callable[[Any, Any], tuple[torch.Tensor, Any]],
     *,
     forward_only: bool,
 ) -> list[Any]:
-    """Run megatron's pipeline schedule over `micro_batches` on this stage of `model`.
+    """Run megatron's pipeline schedule over `micro_batches` on this stage of `model` (a model, or the
+    list of this rank's model chunks: the interleaved schedule).
 
-    stage_forward(micro_batch) -> this stage's output (the next stage's input, or on the last stage
-    whatever `last_stage_loss` reads). last_stage_loss(output, micro_batch) -> (loss, record), on the
-    last stage only. Returns the records in micro-batch order on the last stage, [] elsewhere.
-    Collective over the pipeline group: every stage must pass the same number of micro-batches.
+    stage_forward(micro_batch, chunk) -> the output of `chunk` (the model, or the chunk the schedule runs;
+    the next stage's input, or on the last stage whatever `last_stage_loss` reads).
+    last_stage_loss(output, micro_batch) -> (loss, record), on the last stage only. Returns the records in
+    micro-batch order on the last stage, [] elsewhere. Collective over the pipeline group: every stage
+    must pass the same number of micro-batches (with chunks, a multiple of the pipeline size: megatron's
+    interleaved schedule runs them in groups of P).
     """
     # Imported here: megatron-core is slow to import (start-up time).
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -59,7 +64,7 @@ def run_pipeline(
 
     def forward_step(data_iterator, model_chunk):
         micro_batch = next(data_iterator)
-        output = stage_forward(micro_batch)
+        output = stage_forward(micro_batch, model_chunk)
 
         def loss_func(last_stage_output):
             loss, record = last_stage_loss(last_stage_output, micro_batch)
@@ -68,14 +73,17 @@ def run_pipeline(
 
         return output, loss_func
 
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    # Every chunk reads every micro-batch, from an iterator of its own.
+    data = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
     schedule = get_forward_backward_func()
-    config = model.config
+    config = chunks[0].config  # the chunks share one TransformerConfig
     divides_loss = config.calculate_per_token_loss
     config.calculate_per_token_loss = True  # see the module docstring
     try:
         # seq_length / micro_batch_size only size the activations of fixed-length runs; with
         # variable_seq_lengths each micro-batch's shape travels with it.
-        schedule(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+        schedule(forward_step_func=forward_step, data_iterator=data, model=chunks,
                  num_microbatches=len(micro_batches), seq_length=1, micro_batch_size=1, forward_only=forward_only)
     finally:
         config.calculate_per_token_loss = divides_loss

@@ -120,13 +120,15 @@ class StepBatch(SampleFields):
         return MicroBatch.pack(self.tokens, self.response_lengths, groups=groups, **sample_fields)
 
 
-def plan_micro_batches(batch: StepBatch, *, dp_size: int, cp_size: int,
-                       max_tokens_per_micro_batch: int, pp_size: int = 1) -> list[list[list[int]]]:
+def plan_micro_batches(batch: StepBatch, *, dp_size: int, cp_size: int, max_tokens_per_micro_batch: int,
+                       pp_size: int = 1, interleaved: bool = False) -> list[list[list[int]]]:
     """[dp_rank][micro_batch] -> sample indices, balanced by tokens, same micro-batch count per rank.
 
     With pipeline parallelism each rank gets at least `pp_size` micro-batches when it has that many
     samples: a pipeline of P stages idles (P - 1) / (M + P - 1) of a step with M micro-batches, so
     fewer than P leaves stages waiting for most of the step (docs/parallel.md, "Pipeline parallel").
+    `interleaved` (virtual pipeline stages): megatron's interleaved schedule runs micro-batches in groups
+    of P, so the count is a multiple of P (ValueError when a rank has fewer than P samples).
     """
     units = batch.packing_units()
     if len(units) < dp_size:
@@ -138,8 +140,15 @@ def plan_micro_batches(batch: StepBatch, *, dp_size: int, cp_size: int,
     if longest > max_tokens_per_micro_batch:
         raise ValueError(f"a sample (or pair) of {longest} tokens exceeds max_tokens_per_micro_batch="
                          f"{max_tokens_per_micro_batch}")
+    multiple = pp_size if interleaved and pp_size > 1 else 1
+    if len(units) // dp_size < multiple:
+        raise ValueError(f"the step has {len(units)} samples (or pairs) for {dp_size} data-parallel ranks; the "
+                         f"interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs at least "
+                         f"--pipeline-model-parallel-size {pp_size} per rank: raise --global-batch-size or unset "
+                         "--num-layers-per-virtual-pipeline-stage")
     plan = pack_micro_batches(lengths, dp_size=dp_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                              min_micro_batches=max(1, min(pp_size, len(units) // dp_size)))
+                              min_micro_batches=max(1, min(pp_size, len(units) // dp_size)),
+                              micro_batch_multiple=multiple)
     per_rank = [[[i for unit in mb for i in units[unit]] for mb in rank] for rank in plan.micro_batches]
     for rank, micro_batches in enumerate(per_rank):
         if any(not mb for mb in micro_batches):

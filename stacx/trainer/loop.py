@@ -407,7 +407,8 @@ class StacxTrainer:
         return plan_micro_batches(
             batch, dp_size=layout.data_parallel_size, cp_size=layout.context_parallel_size,
             max_tokens_per_micro_batch=self.run_config.train.max_tokens_per_micro_batch,
-            pp_size=layout.pipeline_model_parallel_size)
+            pp_size=layout.pipeline_model_parallel_size,
+            interleaved=self.run_config.model.num_layers_per_virtual_pipeline_stage is not None)
 
     def plan_mini_batches(self, batch: StepBatch, step: int) -> list[list[int]]:
         """Sample indices of each optimizer step of rollout step `step` (seeded: the same on every rank)."""

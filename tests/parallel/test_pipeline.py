@@ -84,8 +84,8 @@ def stream_and_save_stages(groups, checkpoint: str, folder: str, trained: str, r
 
     batches = [packed([0, 1]), packed([2])]
 
-    def stage_forward(batch):
-        return forward_packed(model, *batch.model_inputs(), groups)
+    def stage_forward(batch, chunk):
+        return forward_packed(chunk, *batch.model_inputs(), groups)
 
     with torch.no_grad():
         log_probs = run_pipeline(model, batches, stage_forward,
@@ -98,21 +98,58 @@ def stream_and_save_stages(groups, checkpoint: str, folder: str, trained: str, r
             "log_probs": [lp for per_batch in log_probs for lp in per_batch], "streamed": streamed}
 
 
-def load_at_one_stage(groups, checkpoint: str, folder: str, trained: str, resharded: str, resharded_back: str):
-    """The PP=2 torch_dist `folder` loaded at PP=1, in HF names; the PP=2 copy of the trained checkpoint
-    loaded at PP=1 and saved again; {key: (trained, at PP=2, back at PP=1)} of every tensor of the three."""
+def load_at_one_stage(groups, checkpoint: str, folders: list[str], trained: str, resharded: str, resharded_back: str):
+    """Each PP=2 torch_dist folder of `folders` loaded at PP=1, in HF names; the PP=2 copy of the trained
+    checkpoint loaded at PP=1 and saved again; {key: (trained, at PP=2, back at PP=1)} of every tensor of the three."""
     from megatron.core.dist_checkpointing.serialization import load_plain_tensors
 
     from stacx.checkpointing.torch_dist import load_torch_dist
     from stacx.models import build_model
     from stacx.models.checkpoint import iter_hf_weight_buckets
 
-    model = build_model(checkpoint, groups)  # random weights: the load must replace every one
-    load_torch_dist(folder, model)
-    streamed = [pair for bucket in iter_hf_weight_buckets(model, groups, 1 << 16) for pair in bucket]
+    streamed = []
+    for folder in folders:
+        model = build_model(checkpoint, groups)  # random weights: the load must replace every one
+        load_torch_dist(folder, model)
+        streamed.append([pair for bucket in iter_hf_weight_buckets(model, groups, 1 << 16) for pair in bucket])
     reshard(build_model(checkpoint, groups), resharded, resharded_back, groups)
     states = [load_plain_tensors(path) for path in (trained, resharded, resharded_back)]
     return streamed, {key: tuple(state[key] for state in states) for key in states[0]}
+
+
+def train_then_interleave(groups, root: str, checkpoint: str, rollouts, values: dict, folder: str) -> dict:
+    """The GRPO loop at this layout; then a role with two model chunks per pipeline rank (one layer per virtual
+    stage: chunk c of rank r holds layer 2c + r), its log-probs through megatron's interleaved schedule, its
+    weights streamed to the first stage and saved as torch_dist (`folder`). Training with chunks is refused
+    over gloo, by name."""
+    from stacx.checkpointing.torch_dist import save_torch_dist
+    from stacx.objectives.algorithm_config import AlgorithmConfig
+    from stacx.specializations.actor import ActorSpecialization
+    from stacx.trainer.batch import StepBatch
+    from stacx.trainer.config.recipe import ModelRole
+    from stacx.trainer.config.run import RunConfig
+    from stacx.trainer.runtime.role_runtime import RoleRuntime
+    from tests.trainer import mini_batch_reference as reference
+
+    result = reference.train_stacx(groups, root, checkpoint, rollouts, values)
+    run_config = RunConfig.from_dict({"hf_checkpoint": checkpoint, "num_layers_per_virtual_pipeline_stage": 1})
+    sections = dict(model=run_config.model, optim=run_config.optim, train=run_config.train)
+    algorithm = AlgorithmConfig.from_values({"advantage_estimator": "grpo"})
+    with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage trains with megatron's interleaved"):
+        RoleRuntime(ModelRole(name="policy", specialization_cls=ActorSpecialization), algorithm, groups, **sections)
+    runtime = RoleRuntime(ModelRole(name="reference", specialization_cls=ActorSpecialization, trainable=False),
+                          algorithm, groups, **sections)
+    def step_batch(indices):
+        return StepBatch(tokens=[torch.tensor(SEQUENCES[i]) for i in indices],
+                         response_lengths=[RESPONSE_LENGTHS[i] for i in indices],
+                         loss_masks=[torch.ones(RESPONSE_LENGTHS[i]) for i in indices])
+
+    fields = runtime.compute_fields([step_batch([0, 1]), step_batch([2])], ["log_probs"])
+    result["chunk_layers"] = [len(chunk.decoder.layers) for chunk in runtime.model]
+    result["log_probs"] = None if fields is None else [lp for per_batch in fields for lp in per_batch["log_probs"]]
+    result["streamed"] = [pair for bucket in runtime.weight_buckets(1 << 16) for pair in bucket]
+    save_torch_dist(folder, runtime.model, groups=groups)
+    return result
 
 
 @pytest.mark.distributed
@@ -131,8 +168,9 @@ def test_pp2_dp2_grpo_steps_equal_the_pp1_run_and_weights_reshard(tmp_path):
     values = {"num_steps_per_rollout": 2, "max_tokens_per_micro_batch": 40}
     saving = {**values, "save": os.path.join(root, "saved_pp1")}  # the PP=1 run keeps its last step
     single = run_distributed(reference.train_stacx, 1, args=(os.path.join(root, "pp1"), checkpoint, rollouts, saving))
-    piped = run_distributed(reference.train_stacx, 4, pipeline_model_parallel_size=2,
-                            args=(os.path.join(root, "pp2"), checkpoint, rollouts, values))
+    interleaved_folder = os.path.join(root, "torch_dist_interleaved")
+    piped = run_distributed(train_then_interleave, 4, pipeline_model_parallel_size=2,
+                            args=(os.path.join(root, "pp2"), checkpoint, rollouts, values, interleaved_folder))
     rows, piped_rows = single[0]["rows"], piped[0]["rows"]
     assert len(rows) == len(piped_rows) == 4
     assert all(result["calls"] == [["log_probs"]] * 2 for result in piped)
@@ -154,17 +192,21 @@ def test_pp2_dp2_grpo_steps_equal_the_pp1_run_and_weights_reshard(tmp_path):
                             pipeline_model_parallel_size=2, args=(checkpoint, folder, trained, resharded))
     assert all(r["layers"] == 2 for r in ranks)
     hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    for r in ranks:
-        if r["stage"] == 0:
-            assert r["log_probs"] == []
-            continue
-        for sequence, response_length, log_probs in zip(SEQUENCES, RESPONSE_LENGTHS, r["log_probs"], strict=True):
+
+    def assert_hf_log_probs(all_log_probs):
+        for sequence, response_length, log_probs in zip(SEQUENCES, RESPONSE_LENGTHS, all_log_probs, strict=True):
             ids = torch.tensor([sequence])
             with torch.no_grad():
                 logits = hf_model(input_ids=ids).logits[0].float()
             expected_log_probs = torch.log_softmax(logits[-response_length - 1:-1], -1).gather(
                 -1, ids[0, -response_length:, None])[:, 0]
             torch.testing.assert_close(log_probs, expected_log_probs, rtol=1e-5, atol=1e-5)
+
+    for r in ranks:
+        if r["stage"] == 0:
+            assert r["log_probs"] == []
+            continue
+        assert_hf_log_probs(r["log_probs"])
     first_stage = next(r for r in ranks if r["stage"] == 0 and r["tp"] == 0 and r["cp"] == 0)
     assert all(r["streamed"] == [] for r in ranks if r["stage"] == 1)  # the last stage sent its tensors to the first
     expected = _hf_tensors(checkpoint)
@@ -172,11 +214,24 @@ def test_pp2_dp2_grpo_steps_equal_the_pp1_run_and_weights_reshard(tmp_path):
     assert len(streamed) == len(first_stage["streamed"])  # the tied head is sent once, as the embedding
     assert set(streamed) == set(expected)
     assert all(torch.equal(streamed[name], expected[name]) for name in expected)
-    streamed_at_pp1, states = run_distributed(load_at_one_stage, 1,
-                                              args=(checkpoint, folder, trained, resharded, resharded_back))[0]
-    loaded = dict(streamed_at_pp1)
-    assert set(loaded) == set(expected)
-    assert all(torch.equal(loaded[name], expected[name]) for name in expected)
+    # Two model chunks per rank (interleaved schedule, forward only): the last stage's log-probs equal
+    # transformers'; every chunk's tensors reach the first stage bit for bit.
+    assert all(r["chunk_layers"] == [1, 1] for r in piped)
+    assert sum(r["log_probs"] is not None for r in piped) == 2  # the last stage's two DP ranks
+    for r in piped:
+        if r["log_probs"] is not None:
+            assert_hf_log_probs(r["log_probs"])
+    first_stages = [dict(r["streamed"]) for r in piped if r["streamed"]]
+    assert len(first_stages) == 2
+    assert all(set(s) == set(expected) and all(torch.equal(s[n], expected[n]) for n in expected) for s in first_stages)
+
+    # The torch_dist folders written at PP=2 (one chunk per rank, and two) load at PP=1 exactly.
+    streamed_at_pp1, states = run_distributed(
+        load_at_one_stage, 1, args=(checkpoint, [folder, interleaved_folder], trained, resharded, resharded_back))[0]
+    for streamed_folder in streamed_at_pp1:
+        loaded = dict(streamed_folder)
+        assert set(loaded) == set(expected)
+        assert all(torch.equal(loaded[name], expected[name]) for name in expected)
 
     # The PP=1 run's last checkpoint, weights and Adam moments, loaded at PP=2 x TP=2 x CP=2 and saved, then
     # loaded back at PP=1 and saved: every tensor of the three folders is the same, bit for bit.

@@ -56,6 +56,9 @@ class ModelSection:
     """Mixture-of-experts models: weight of each MoE layer's load-balancing loss (megatron's aux_loss); 0 = off."""
     moe_z_loss_coeff: float = 0.0
     """Mixture-of-experts models: weight of each MoE layer's router z-loss; 0 = off."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """With --pipeline-model-parallel-size P > 1: layers per virtual pipeline stage (megatron's interleaved
+    schedule); each rank then holds num_hidden_layers / (P x this) model chunks (unset: one per rank)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,18 +31,22 @@ DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 def wrap_ddp(model):
-    """megatron DistributedDataParallel over DP x CP, fp32 grad buffers, one sync per step."""
+    """megatron DistributedDataParallel over DP x CP, fp32 grad buffers, one sync per step; a list of model
+    chunks (virtual pipeline stages) gets one DDP per chunk, in a list."""
     # Imported here: megatron-core is slow to import (start-up time).
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
     )
+    if isinstance(model, (list, tuple)):
+        return [DistributedDataParallel(chunk.config, config, chunk) for chunk in model]
     return DistributedDataParallel(model.config, config, model)
 
 
 def build_optimizer(ddp_model, optim: Any, *, total_steps: int):
-    """(megatron optimizer, OptimizerParamScheduler) from an `OptimSection`-like object."""
+    """(megatron optimizer, OptimizerParamScheduler) from an `OptimSection`-like object; `ddp_model` is one
+    DDP model or a list of them (model chunks), all under one optimizer."""
     # Imported here: megatron-core is slow to import (start-up time).
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -53,7 +57,8 @@ def build_optimizer(ddp_model, optim: Any, *, total_steps: int):
         raise ValueError(f"lr ({optim.lr}) must be > 0 and min_lr ({optim.min_lr}) in [0, lr]")
     if optim.lr_warmup_steps < 0:
         raise ValueError(f"lr_warmup_steps must be >= 0, got {optim.lr_warmup_steps}")
-    dtype = ddp_model.module.config.params_dtype
+    chunks = list(ddp_model) if isinstance(ddp_model, (list, tuple)) else [ddp_model]
+    dtype = chunks[0].module.config.params_dtype
     config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
@@ -67,7 +72,7 @@ def build_optimizer(ddp_model, optim: Any, *, total_steps: int):
         params_dtype=dtype,
         use_distributed_optimizer=False,
     )
-    optimizer = get_megatron_optimizer(config, [ddp_model])
+    optimizer = get_megatron_optimizer(config, chunks)
     use_fused_adamw_on_cpu(optimizer)
     decay_steps = max(int(total_steps), optim.lr_warmup_steps + 1)
     scheduler = OptimizerParamScheduler(

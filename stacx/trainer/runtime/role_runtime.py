@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from stacx.checkpointing.folders import load_model_weights
-from stacx.models.builder import RouterLosses
+from stacx.models.builder import RouterLosses, model_chunks, unwrap_model
 from stacx.models.moe import (
     ExpertLoadRecorder,
     expert_load_metrics,
@@ -39,7 +39,7 @@ from stacx.models.moe import (
     scale_router_losses_in_backward,
 )
 from stacx.objectives.algorithm_config import AlgorithmConfig
-from stacx.parallel.groups import ProcessGroups
+from stacx.parallel.groups import ProcessGroups, with_virtual_pipeline_stages
 from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
 from stacx.parallel.pipeline import from_every_stage, from_last_stage, run_pipeline
 from stacx.parallel.reduction import Reducer
@@ -97,6 +97,7 @@ class RoleRuntime:
         train: the seed, the step counts of the LR schedule and the LM-head log-prob mode."""
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import build_model, padded_vocab_size
+        from stacx.models.architectures import decoder_shape, load_hf_config, num_virtual_stages
 
         self.role = role
         self.model_section = model
@@ -110,6 +111,17 @@ class RoleRuntime:
         torch.manual_seed(train.seed)
         # A torch_dist folder from another framework carries no config.json: the policy's config describes it.
         config_source = path if os.path.isfile(os.path.join(path, "config.json")) else model.hf_checkpoint
+        if groups.pp_size > 1:  # interleaved stages: this rank's layers in several model chunks
+            num_layers = decoder_shape(load_hf_config(config_source)).num_layers
+            groups = with_virtual_pipeline_stages(groups, num_virtual_stages(
+                num_layers, groups.pp_size, model.num_layers_per_virtual_pipeline_stage))
+            self.groups = groups
+            if groups.vp_size > 1 and role.trainable and dist.get_backend(groups.pp) == "gloo":
+                raise ValueError(
+                    f"role {role.name!r}: --num-layers-per-virtual-pipeline-stage trains with megatron's interleaved "
+                    "schedule, whose point-to-point sends deadlock over gloo (a send there waits for a receive the "
+                    "schedule posts later); on CPU unset --num-layers-per-virtual-pipeline-stage")
+        # One GPTModel, or with virtual pipeline stages the list of this rank's chunks (`model_chunks`).
         self.model = build_model(config_source, groups, initialize_weights=False, router_losses=RouterLosses(
             aux_loss_coeff=model.moe_aux_loss_coeff, z_loss_coeff=model.moe_z_loss_coeff))
         self.mixture_of_experts = is_mixture_of_experts(self.model)
@@ -128,11 +140,11 @@ class RoleRuntime:
             self.reference_weights = [p.detach().clone() for p in self._reference_params()]
         load_model_weights(self.model, path, groups, flag="--" + role.checkpoint_arg.replace("_", "-"))
         if role.outputs_values and self.groups.is_last_stage:
-            attach_value_head(self.model)
+            attach_value_head(model_chunks(self.model)[-1])
         self.specialization = role.specialization_cls(algorithm, groups)
         # V_pad/tp and the device, for the per-micro-batch choice of logits or fused log-probs.
         self.vocab_local = padded_vocab_size(self._vocab_size(), groups.tp_size) // groups.tp_size
-        self.on_cuda = next(self.model.parameters()).device.type == "cuda"
+        self.on_cuda = next(model_chunks(self.model)[0].parameters()).device.type == "cuda"
         self._logged_logits_fallback = False
         self.num_steps = 0
         self._engine_clients: dict[tuple[str, str], Any] = {}
@@ -142,21 +154,21 @@ class RoleRuntime:
             self.optimizer, self.scheduler = build_optimizer(self.ddp, optim, total_steps=num_optimizer_steps(train))
         else:
             self.ddp, self.optimizer, self.scheduler = None, None, None
-            for p in self.model.parameters():
-                p.requires_grad_(False)
+            for chunk in model_chunks(self.model):
+                for p in chunk.parameters():
+                    p.requires_grad_(False)
 
     # ---- forward ---------------------------------------------------------------------------
 
     @property
     def forward_module(self):
+        """The module a forward runs (DDP-wrapped when trainable); with virtual pipeline stages the list of
+        this rank's chunks, which only the pipeline schedule runs (one chunk per `forward`)."""
         return self.ddp if self.ddp is not None else self.model
 
     def _reference_params(self) -> list[torch.nn.Parameter]:
         """The decoder's parameters the reference replaces (all of the GPTModel's, before any value head)."""
-        # Imported here: megatron-core is slow to import (start-up time).
-        from stacx.models import unwrap_model
-
-        return list(unwrap_model(self.model).parameters())
+        return [p for chunk in model_chunks(self.model) for p in unwrap_model(chunk).parameters()]
 
     def pack(self, micro_batch: StepBatch) -> MicroBatch:
         """The specialization's `MicroBatch` for one micro-batch (see the module docstring)."""
@@ -182,16 +194,19 @@ class RoleRuntime:
         return choose_lm_head_output(mode, specialization_allows=allows, on_cuda=self.on_cuda,
                                      num_local_tokens=batch.layout.num_local_tokens, vocab_local=self.vocab_local)
 
-    def forward(self, batch: MicroBatch):
+    def forward(self, batch: MicroBatch, chunk=None):
         """TP-local logits [T_local, V_pad/tp] (fp32), or the LM head's inputs (`LMHeadShard`) when
-        `lm_head_output` picks fused log-probs, or values [T_local] for a value-head role."""
+        `lm_head_output` picks fused log-probs, or values [T_local] for a value-head role. `chunk`: the model
+        chunk the pipeline schedule runs (default: `forward_module`)."""
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import forward_packed
 
+        module = self.forward_module if chunk is None else chunk
+        holds_head = unwrap_model(module).post_process
         tokens_local, padded_lengths = batch.model_inputs()
-        output = forward_packed(self.forward_module, tokens_local, padded_lengths, self.groups,
-                                lm_head=self.lm_head_output(batch) if self.groups.is_last_stage else "logits")
-        if not self.groups.is_last_stage:
+        output = forward_packed(module, tokens_local, padded_lengths, self.groups,
+                                lm_head=self.lm_head_output(batch) if holds_head else "logits")
+        if not holds_head:
             return output  # hidden states for the next pipeline stage
         return output[:, 0] if self.role.outputs_values else output
 
@@ -217,7 +232,8 @@ class RoleRuntime:
         unknown = [n for n in names if n not in COMPUTABLE_FIELDS]
         if unknown:
             raise ValueError(f"role {self.role.name!r}: cannot compute fields {unknown}; known: {list(COMPUTABLE_FIELDS)}")
-        self.forward_module.eval()
+        for chunk in model_chunks(self.forward_module):
+            chunk.eval()
         results = [dict() for _ in micro_batches]
 
         def fields_of(output, batch, name):
@@ -260,9 +276,6 @@ class RoleRuntime:
     # ---- training --------------------------------------------------------------------------
 
     def train_step(self, micro_batches: Sequence[StepBatch], counts, norm_length: float | None = None) -> dict:
-        # Imported here: megatron-core is slow to import (start-up time).
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
         """One optimizer step over this rank's micro-batches; returns the step's reduced metrics.
 
         counts: `StepCounts` of the whole global batch (known before the first backward).
@@ -272,8 +285,13 @@ class RoleRuntime:
             raise RuntimeError(f"role {self.role.name!r} is frozen; it has no optimizer to step")
         if not micro_batches:
             raise ValueError(f"role {self.role.name!r} rank {self.rank}: train_step got no micro-batches")
-        self.ddp.train()
-        self.ddp.zero_grad_buffer()
+        # Imported here: megatron-core is slow to import (start-up time).
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        ddp_chunks = model_chunks(self.ddp)
+        for chunk in ddp_chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         reducer = Reducer.for_step(mode=self.specialization.loss_agg_mode(), counts=counts, groups=self.groups,
                                    norm_length=norm_length)
@@ -289,9 +307,10 @@ class RoleRuntime:
                 return tensor
             return scale_router_losses_in_backward(tensor, reducer.router_loss_scale(sum(batch.layout.padded_lengths)))
 
-        def stage_forward(batch):
-            output = self.forward(batch)
-            return output if self.groups.is_last_stage else with_router_loss_scale(output, batch)
+        def stage_forward(batch, chunk=None):
+            output = self.forward(batch, chunk)
+            holds_head = unwrap_model(self.ddp if chunk is None else chunk).post_process
+            return output if holds_head else with_router_loss_scale(output, batch)
 
         def micro_batch_loss(output, batch):
             loss, metric_sums = self.specialization.compute_loss(output, batch, reducer)
@@ -304,7 +323,7 @@ class RoleRuntime:
             if self.groups.pp_size > 1:
                 run_pipeline(self.ddp, batches, stage_forward, micro_batch_loss, forward_only=False)
                 # Grad sync over DP x CP, plus the tied embedding's grads between the first and last stage.
-                finalize_model_grads([self.ddp])
+                finalize_model_grads(ddp_chunks)
                 # The metrics (and the loss the finite check reads) exist on the last stage only.
                 totals.sums, uncounted = from_last_stage((totals.sums, uncounted), self.groups)
             else:
