@@ -15,7 +15,8 @@ What it checks (each failure is one paragraph naming the flag and the fix):
   kernels declare (`check_objective_names`);
 - --tensor-model-parallel-size and --context-parallel-size divide the model's attention heads
   (num_attention_heads and num_key_value_heads of --hf-checkpoint's config.json), and
-  --pipeline-model-parallel-size divides its num_hidden_layers;
+  --pipeline-model-parallel-size divides its num_hidden_layers, and --num-layers-per-virtual-pipeline-stage
+  (with a pipeline) divides each stage's layers;
 - every --custom-module imports;
 - --rollout-mode async is not combined with what it does not run yet (dataset recipes, roll-ins,
   dynamic sampling), and --partial-rollout comes with it;
@@ -42,6 +43,7 @@ from typing import Any, Optional
 
 from stacx.checkpointing.folders import ModelFolderError, detect_model_folder, is_model_folder
 from stacx.env_overrides import apply_env_overrides
+from stacx.models.architectures import num_virtual_stages
 from stacx.objectives import load_custom_modules
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import ADVANTAGES, OFF_POLICY_CORRECTIONS, POLICY_LOSSES, Registry
@@ -233,7 +235,8 @@ def read_model_config(hf_checkpoint: Optional[str]) -> dict:
 def check_parallel_layout(run_config: RunConfig) -> None:
     """TP splits the attention heads (query and key/value) across ranks; CP (megatron's ring/a2a
     attention) needs the same heads per rank, so both degrees must divide the heads of config.json;
-    PP gives each stage the same number of layers, so it must divide num_hidden_layers."""
+    PP gives each stage the same number of layers, so it must divide num_hidden_layers, and virtual stages
+    split each stage's layers evenly again."""
     config = read_model_config(run_config.model.hf_checkpoint)
     heads = {key: config.get(key) for key in ("num_attention_heads", "num_key_value_heads")}
     heads = {key: value for key, value in heads.items() if isinstance(value, int) and value > 0}
@@ -254,6 +257,12 @@ def check_parallel_layout(run_config: RunConfig) -> None:
             f"{flag('pipeline_model_parallel_size')} {stages} does not divide the model's num_hidden_layers "
             f"{num_layers} ({run_config.model.hf_checkpoint}/config.json): every stage holds as many layers; "
             f"use one of {divisors}")
+    layers_per_virtual_stage = run_config.model.num_layers_per_virtual_pipeline_stage
+    if layers_per_virtual_stage is not None and isinstance(num_layers, int) and num_layers > 0:
+        try:
+            num_virtual_stages(num_layers, stages, layers_per_virtual_stage)
+        except ValueError as err:
+            raise PreflightError(f"{err} ({run_config.model.hf_checkpoint}/config.json)") from None
 
 
 def check_expert_layout(run_config: RunConfig) -> None:

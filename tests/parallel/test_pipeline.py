@@ -10,7 +10,8 @@
 - Checkpoints reshard across PP with the optimizer state: the PP=1 run's last checkpoint loaded at
   PP=2 x TP=2 x CP=2 and saved, then loaded back at PP=1 and saved, holds the same tensors bit for bit
   (weights and Adam moments).
-- Unit level: the micro-batch plan fills the pipeline, and the preflight names the flag.
+- Unit level: the micro-batch plan fills the pipeline (a multiple of P for the interleaved schedule), and
+  the preflight names the flags.
 """
 
 from __future__ import annotations
@@ -254,6 +255,13 @@ def test_the_micro_batch_plan_gives_each_stage_a_full_pipeline():
     assert [len(rank) for rank in plan_micro_batches(batch, **roomy, pp_size=4)] == [4, 4]
     # Never more micro-batches than a rank has samples.
     assert [len(rank) for rank in plan_micro_batches(batch, **roomy, pp_size=64)] == [8, 8]
+    # The interleaved schedule runs micro-batches in groups of P: a multiple of P, also when the token budget
+    # alone asks for another count (5 here: 8 samples of 7 to 14 tokens per rank, at most 20 tokens each).
+    tight = dict(dp_size=2, cp_size=1, max_tokens_per_micro_batch=20)
+    assert [len(rank) for rank in plan_micro_batches(batch, **tight, pp_size=2)] == [5, 5]
+    assert [len(rank) for rank in plan_micro_batches(batch, **tight, pp_size=2, interleaved=True)] == [6, 6]
+    with pytest.raises(ValueError, match=r"needs at least --pipeline-model-parallel-size 16 per rank"):
+        plan_micro_batches(batch, **roomy, pp_size=16, interleaved=True)
 
 
 def test_preflight_names_the_pipeline_flag_when_it_does_not_divide_the_layers(tmp_path):
@@ -268,3 +276,12 @@ def test_preflight_names_the_pipeline_flag_when_it_does_not_divide_the_layers(tm
         check_parallel_layout(run_config)
     check_parallel_layout(RunConfig.from_dict({"hf_checkpoint": str(tmp_path), "pipeline_model_parallel_size": 2},
                                               source="test"))
+    # Virtual stages split each stage's 2 layers again; they need a pipeline.
+    for settings, message in (({"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 3},
+                               r"--num-layers-per-virtual-pipeline-stage 3 does not divide the 2 layers .*\[1, 2\]"),
+                              ({"num_layers_per_virtual_pipeline_stage": 1},
+                               r"--num-layers-per-virtual-pipeline-stage 1 needs --pipeline-model-parallel-size > 1")):
+        with pytest.raises(PreflightError, match=message):
+            check_parallel_layout(RunConfig.from_dict({"hf_checkpoint": str(tmp_path), **settings}, source="test"))
+    check_parallel_layout(RunConfig.from_dict({"hf_checkpoint": str(tmp_path), "pipeline_model_parallel_size": 2,
+                                               "num_layers_per_virtual_pipeline_stage": 1}, source="test"))
