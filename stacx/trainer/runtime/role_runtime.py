@@ -308,7 +308,7 @@ class RoleRuntime:
             return scale_router_losses_in_backward(tensor, reducer.router_loss_scale(sum(batch.layout.padded_lengths)))
 
         def stage_forward(batch, chunk=None):
-            output = self.forward(batch, chunk)
+            output = self.forward(batch) if chunk is None else self.forward(batch, chunk)
             holds_head = unwrap_model(self.ddp if chunk is None else chunk).post_process
             return output if holds_head else with_router_loss_scale(output, batch)
 
