@@ -1,6 +1,7 @@
 """An expert-parallel training step equals the plain one, router losses included.
 
-Two gloo ranks (dp=2) each run two micro-batches of different lengths through a Qwen3-MoE model with
+Two gloo ranks (dp=2) each run two micro-batches of different lengths (and the ranks' token counts differ,
+so the all-gather dispatcher pads) through a Qwen3-MoE model with
 --moe-aux-loss-coeff and --moe-z-loss-coeff set, with megatron's DDP and optimizer (Stacx's
 `wrap_ddp` / `build_optimizer`), the main loss reduced by the `Reducer` and the router losses scaled
 by `Reducer.router_loss_scale`. The step at ep=2 (each rank holds 2 of the 4 experts; the all-gather
@@ -23,7 +24,9 @@ import torch
 from stacx.testing.distributed import run_distributed
 from tests.models.test_moe import save_moe_checkpoint
 
-MICRO_BATCH_LENGTHS = [[9, 5], [12]]  # per micro-batch, sequence lengths (the same on both ranks' shapes)
+# [rank][micro-batch] sequence lengths: the two ranks' micro-batches differ in token count, which megatron's
+# all-gather dispatcher cannot gather; Stacx's (stacx.parallel.moe_dispatch) pads them to the longest.
+MICRO_BATCH_LENGTHS = [[[9, 5], [12]], [[7, 5], [10]]]
 TOP_K = 2
 COEFFS = dict(aux_loss_coeff=0.05, z_loss_coeff=0.01)
 OPTIM = SimpleNamespace(lr=1e-2, min_lr=0.0, lr_warmup_steps=0, lr_decay_style="constant", weight_decay=0.0,
@@ -44,14 +47,14 @@ def _one_step(path, tokens_by_rank, ep, router_losses):
     load_hf_checkpoint(model, path, groups)
     ddp = wrap_ddp(model)
     optimizer, _ = build_optimizer(ddp, OPTIM, total_steps=1)
-    routed = sum(sum(lengths) for lengths in MICRO_BATCH_LENGTHS) * groups.dp_size
-    targets = sum(sum(n - 1 for n in lengths) for lengths in MICRO_BATCH_LENGTHS) * groups.dp_size
+    routed = sum(sum(lengths) for rank in MICRO_BATCH_LENGTHS for lengths in rank)
+    targets = sum(sum(n - 1 for n in lengths) for rank in MICRO_BATCH_LENGTHS for lengths in rank)
     counts = StepCounts(num_tokens=targets, num_sequences=3 * groups.dp_size, num_routed_tokens=routed)
     reducer = Reducer.for_step(mode="token-mean", counts=counts, groups=groups)
     ddp.zero_grad_buffer()
     step_loss = 0.0
     with ExpertLoadRecorder(model) as load:
-        for lengths, tokens in zip(MICRO_BATCH_LENGTHS, tokens_by_rank[groups.dp_rank]):
+        for lengths, tokens in zip(MICRO_BATCH_LENGTHS[groups.dp_rank], tokens_by_rank[groups.dp_rank]):
             set_router_loss_scale(reducer.router_loss_scale(sum(lengths)))
             log_probs = forward_packed(ddp, tokens, lengths, groups).log_softmax(-1)  # [T, V_pad]
             losses, masks = [], []
@@ -126,7 +129,7 @@ def test_expert_parallel_step_equals_plain_step_with_router_losses(tmp_path):
     config, _ = save_moe_checkpoint("qwen3_moe", str(tmp_path))
     generator = torch.Generator().manual_seed(3)
     tokens_by_rank = [[torch.randint(0, config.vocab_size, (sum(lengths),), generator=generator)
-                       for lengths in MICRO_BATCH_LENGTHS] for _rank in range(2)]
+                       for lengths in rank_lengths] for rank_lengths in MICRO_BATCH_LENGTHS]
     results = run_distributed(step_at_each_expert_layout, 2, args=(str(tmp_path), tokens_by_rank), timeout_s=600)
 
     initial = load_file(str(tmp_path / "model.safetensors"))
@@ -158,7 +161,7 @@ def test_expert_parallel_step_equals_plain_step_with_router_losses(tmp_path):
             error = (grad - grads_ep1[name]).abs().max().item()
             assert error <= 1e-5 * grads_ep1[name].abs().max().item(), f"runtime grad {name}: |diff| {error:.2e}"
     # Every token slot is counted: top-k slots per routed token, over both ranks and micro-batches.
-    routed = 2 * sum(sum(lengths) for lengths in MICRO_BATCH_LENGTHS)
+    routed = sum(sum(lengths) for rank in MICRO_BATCH_LENGTHS for lengths in rank)
     for layer in range(config.num_hidden_layers):
         tokens = sum(plain_load[f"moe/layer{layer}/expert{e}_tokens"] for e in range(config.num_experts))
         assert tokens == TOP_K * routed
