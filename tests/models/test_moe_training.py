@@ -87,8 +87,35 @@ def _reduced_grads_by_hf_name(model, groups):
             p.data = weight
 
 
+SYNC_BUCKET_BYTES = 20_000  # several buckets, each with experts of both EP ranks
+
+
+class RecordingEngine:
+    """An engine client (registered as kind "recording" in the spawned ranks) that keeps every bucket it is sent."""
+
+    received: list = []
+
+    def __init__(self, url, api_key=None):
+        self.url = url
+
+    def update_weights(self, buckets, *, version):
+        RecordingEngine.received += [(version, [(name, tensor.clone()) for name, tensor in bucket])
+                                     for bucket in buckets]
+
+
+def _pushed_weights(runtime):
+    """(tensors sent, buckets received) of `RoleRuntime.push_weights_to_engine`: the path from the trainer's
+    ranks to a rollout engine after each step, on Ray and under torchrun."""
+    from stacx.rollout.engines.registry import register_engine
+
+    register_engine("recording")(RecordingEngine)
+    sent = runtime.push_weights_to_engine("recording", "http://engine", version=1, bucket_bytes=SYNC_BUCKET_BYTES)
+    return sent, RecordingEngine.received
+
+
 def _runtime_step(path, ep):
-    """One GRPO `RoleRuntime.train_step` (two micro-batches) at ep: the run settings' path into the model."""
+    """One GRPO `RoleRuntime.train_step` (two micro-batches) at ep: the run settings' path into the model; at
+    ep=2 the weights are first pushed to an engine as after a step."""
     from stacx.objectives.algorithm_config import AlgorithmConfig
     from stacx.parallel.groups import initialize_parallel_layout
     from stacx.parallel.reduction import compute_step_counts
@@ -106,10 +133,11 @@ def _runtime_step(path, ep):
     runtime = RoleRuntime(ModelRole(name="policy", specialization_cls=ActorSpecialization), algorithm, groups,
                           model=run_config.model, optim=run_config.optim, train=run_config.train,
                           rank=torch.distributed.get_rank())
+    pushed = _pushed_weights(runtime) if ep == 2 else None
     batch = step_batch()
     counts = compute_step_counts(batch.loss_masks, groups.dp)
     metrics = runtime.train_step([batch.select([0, 1]), batch.select([2, 3])], counts)
-    return metrics, _reduced_grads_by_hf_name(runtime.model, groups)
+    return metrics, _reduced_grads_by_hf_name(runtime.model, groups), pushed
 
 
 def step_at_each_expert_layout(_groups, path, tokens_by_rank):
@@ -125,6 +153,9 @@ def step_at_each_expert_layout(_groups, path, tokens_by_rank):
 @pytest.mark.distributed
 def test_expert_parallel_step_equals_plain_step_with_router_losses(tmp_path):
     from safetensors.torch import load_file
+
+    from stacx.checkpointing.convert import single_process_world
+    from stacx.models import build_model, iter_hf_weight_buckets, load_hf_checkpoint
 
     config, _ = save_moe_checkpoint("qwen3_moe", str(tmp_path))
     generator = torch.Generator().manual_seed(3)
@@ -152,14 +183,30 @@ def test_expert_parallel_step_equals_plain_step_with_router_losses(tmp_path):
     router = "model.layers.0.mlp.gate.weight"
     assert (without[router] - plain[router]).abs().max() > 1e-6, "router losses did not reach the router's gradient"
     # The run settings reach the model through RoleRuntime: its ep=2 step equals its ep=1 step.
-    metrics_ep1, grads_ep1 = results[0]["runtime_ep1"]
+    metrics_ep1, grads_ep1, _ = results[0]["runtime_ep1"]
     for rank_results in results:
-        metrics, grads = rank_results["runtime_ep2"]
+        metrics, grads, _ = rank_results["runtime_ep2"]
         assert metrics["loss"] == pytest.approx(metrics_ep1["loss"], rel=1e-6)
         assert metrics["moe/max_imbalance"] == pytest.approx(metrics_ep1["moe/max_imbalance"])
         for name, grad in grads.items():
             error = (grad - grads_ep1[name]).abs().max().item()
             assert error <= 1e-5 * grads_ep1[name].abs().max().item(), f"runtime grad {name}: |diff| {error:.2e}"
+    # Weight sync at ep=2: rank 0 sends, rank 1 (holding experts 2 and 3) only takes part in the gathers. The
+    # engine gets the one-rank stream of the checkpoint: every tensor once, under its Hugging Face name, bitwise,
+    # in buckets of at most SYNC_BUCKET_BYTES (or one tensor). (Within a layer the experts come grouped by projection across the
+    # EP ranks, gate_proj of experts 0 and 2 before up_proj of expert 0; the engine loads by name.)
+    (sent, received), (sent_1, received_1) = (rank_results["runtime_ep2"][2] for rank_results in results)
+    with single_process_world() as world:
+        model = build_model(str(tmp_path), world, initialize_weights=False)
+        load_hf_checkpoint(model, str(tmp_path), world)
+        expected = [pair for bucket in iter_hf_weight_buckets(model, world, SYNC_BUCKET_BYTES) for pair in bucket]
+    assert (sent, sent_1, received_1) == (len(initial), 0, [])
+    assert len(received) > 2 and {version for version, _ in received} == {1}
+    assert all(len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= SYNC_BUCKET_BYTES
+               for _, bucket in received)  # a tensor over the budget travels alone
+    streamed = [pair for _, bucket in received for pair in bucket]
+    assert sorted(name for name, _ in streamed) == sorted(name for name, _ in expected) == sorted(initial)
+    assert all(torch.equal(tensor, dict(expected)[name]) for name, tensor in streamed)
     # Every token slot is counted: top-k slots per routed token, over both ranks and micro-batches.
     routed = sum(sum(lengths) for rank in MICRO_BATCH_LENGTHS for lengths in rank)
     for layer in range(config.num_hidden_layers):
