@@ -27,7 +27,12 @@ class RoleLayout:
     """Ranks a mixture-of-experts model's routed experts are spread over (megatron's expert grid lies over
     the same ranks as tp x cp x dp; 1 for dense models and in checkpoints written before EP existed)."""
     expert_tensor_parallel_size: int | None = None
-    """Ranks sharding each expert's width; None: the tensor-parallel size (megatron's default)."""
+    """Ranks sharding each expert's width; None (and manifests written before EP existed): the tensor-parallel
+    size, megatron's default, which the layout then holds."""
+
+    def __post_init__(self) -> None:
+        if self.expert_tensor_parallel_size is None:
+            object.__setattr__(self, "expert_tensor_parallel_size", self.tensor_model_parallel_size)
     state_replicated_across_data_parallel: bool = True
     """Whether ranks that differ only in (cp, dp) hold identical state (no distributed optimizer). Kept in the
     manifest for the record: torch_dist state loads under any layout either way."""
