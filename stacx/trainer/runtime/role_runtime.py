@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any, Iterator, Mapping, Sequence
@@ -181,18 +182,36 @@ class RoleRuntime:
         return choose_lm_head_output(mode, specialization_allows=allows, on_cuda=self.on_cuda,
                                      num_local_tokens=batch.layout.num_local_tokens, vocab_local=self.vocab_local)
 
-    def forward(self, batch: MicroBatch):
+    def forward(self, batch: MicroBatch, *, replay_routes: bool = True):
         """TP-local logits [T_local, V_pad/tp] (fp32), or the LM head's inputs (`LMHeadShard`) when
-        `lm_head_output` picks fused log-probs, or values [T_local] for a value-head role."""
+        `lm_head_output` picks fused log-probs, or values [T_local] for a value-head role.
+
+        A micro-batch that carries `routed_experts` (--use-routing-replay) is routed as the rollout
+        engine routed it, unless `replay_routes` is False (the reference model routes itself) or the role
+        has a value head (a critic is another model)."""
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import forward_packed
 
         tokens_local, padded_lengths = batch.model_inputs()
-        output = forward_packed(self.forward_module, tokens_local, padded_lengths, self.groups,
-                                lm_head=self.lm_head_output(batch) if self.groups.is_last_stage else "logits")
+        with self._routing(batch, replay_routes):
+            output = forward_packed(self.forward_module, tokens_local, padded_lengths, self.groups,
+                                    lm_head=self.lm_head_output(batch) if self.groups.is_last_stage else "logits")
         if not self.groups.is_last_stage:
             return output  # hidden states for the next pipeline stage
         return output[:, 0] if self.role.outputs_values else output
+
+    def _routing(self, batch: MicroBatch, replay_routes: bool):
+        """The context a forward runs in: the rollout's routes replayed, or the model's own routing."""
+        if batch.routed_experts is None or not replay_routes or self.role.outputs_values:
+            return contextlib.nullcontext()
+        if not self.mixture_of_experts:
+            raise ValueError(f"role {self.role.name!r}: the micro-batch carries routed_experts but the model is dense; "
+                             "drop --use-routing-replay")
+        # Imported here: megatron-core is slow to import (start-up time).
+        from stacx.models.routing_replay import routes_replayed
+
+        return routes_replayed(self.forward_module, batch.model_routes(), tp_rank=self.groups.tp_rank,
+                               tp_size=self.groups.tp_size)
 
     def swap_reference(self) -> None:
         """Exchange the module's weights with the held reference weights (call twice to undo).
@@ -231,6 +250,8 @@ class RoleRuntime:
             return [v.detach().float().cpu() for v in values]
 
         for name in names:
+            # Only pi_old replays the rollout's routes: the reference (and a critic) is another model, which
+            # routes itself (docs/models.md, "Routing replay").
             # A frozen role without an in-worker reference is itself a reference model (e.g. a `reference`
             # role refreshed from the policy by an exchange sync): its own log-probs are the reference's.
             swapped = name == "ref_log_probs" and (self.role.trainable or self.reference_weights is not None)
@@ -243,13 +264,15 @@ class RoleRuntime:
                         return output.new_zeros(()), fields_of(output, batch, name)
 
                     per_batch = run_pipeline(self.forward_module, [self.pack(mb) for mb in micro_batches],
-                                             self.forward, last_stage_fields, forward_only=True)
+                                             functools.partial(self.forward, replay_routes=name == "log_probs"),
+                                             last_stage_fields, forward_only=True)
                     for index, values in enumerate(per_batch):
                         results[index][name] = values
                 else:
                     for index, micro_batch in enumerate(micro_batches):
                         batch = self.pack(micro_batch)
-                        results[index][name] = fields_of(self.forward(batch), batch, name)
+                        results[index][name] = fields_of(self.forward(batch, replay_routes=name == "log_probs"),
+                                                         batch, name)
             finally:
                 if swapped:
                     self.swap_reference()
