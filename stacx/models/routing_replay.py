@@ -113,16 +113,24 @@ class RoutesRecorder:
 def routes_replayed(model, routes_TLK: torch.Tensor, *, tp_rank: int = 0, tp_size: int = 1) -> Iterator[None]:
     """The forwards inside route each token to the experts `routes_TLK` names.
 
-    routes_TLK: [T, layers, top_k] integer expert ids, one row per token the model's forward sees,
-    in the order it sees them (this CP rank's slice of the packed row, its padding included), for
-    every MoE layer of the WHOLE model (a pipeline stage reads its own layers).
+    routes_TLK: [T, layers, top_k] (or SGLang's flat [T, layers * top_k]) integer expert ids, one row
+    per token the model's forward sees, in the order it sees them (this CP rank's slice of the packed
+    row, its padding included), for every MoE layer of the WHOLE model (a pipeline stage reads its own
+    layers). A token whose row is -1 (padding, a sequence's last token: no engine ran it) goes to
+    experts 0..k-1; its output reaches no log-prob, but the MoE layer needs k experts for every token.
     """
     gpt_model = _unwrapped(model)
     num_layers, top_k = route_shape(gpt_model)
+    if routes_TLK.dim() == 2 and routes_TLK.shape[1] == num_layers * top_k:
+        routes_TLK = routes_TLK.view(-1, num_layers, top_k)
     if routes_TLK.dim() != 3 or routes_TLK.shape[1:] != (num_layers, top_k):
         raise ValueError(f"routed experts must be [tokens, {num_layers} MoE layers, top_k={top_k}], "
                          f"got {tuple(routes_TLK.shape)}; the rollout engine served another model")
     num_experts = int(gpt_model.config.num_moe_experts)
+    unrouted = (routes_TLK < 0).all(-1).all(-1)
+    if bool(unrouted.any()):
+        routes_TLK = routes_TLK.clone()
+        routes_TLK[unrouted] = torch.arange(top_k, dtype=routes_TLK.dtype)
     if routes_TLK.numel() and not (0 <= int(routes_TLK.min()) and int(routes_TLK.max()) < num_experts):
         raise ValueError(f"routed experts hold ids outside [0, {num_experts}): the rollout engine served another model")
     # Imported here: megatron-core is slow to import (start-up time).

@@ -214,6 +214,7 @@ class RolloutService:
             reward_timeout_s=self.rollout_section.reward_timeout_s,
             teacher=self.teacher if with_teacher else None, num_teacher_top_log_probs=self.num_teacher_top_log_probs,
             seed=self.rollout_section.rollout_seed * 100_003 + step + seed_offset,
+            return_routed_experts=self.rollout_section.use_routing_replay,
         )
 
     def teacher_engine(self):

@@ -166,24 +166,21 @@ class MicroBatch(SampleFields):
         return self.layout.slice_tokens(self.tokens), list(self.layout.padded_lengths)
 
     def model_routes(self) -> torch.Tensor:
-        """This CP rank's routes [T_local, MoE layers, top_k] int64, aligned with `model_inputs()`'s tokens;
-        tokens no engine ran (each sequence's last, CP padding) get experts 0..k-1 (their outputs reach
-        no log-prob). Raises when the micro-batch carries no `routed_experts`."""
+        """This CP rank's routes [T_local, MoE layers, top_k] (or [T_local, layers * top_k] as SGLang sends
+        them) int64, aligned with `model_inputs()`'s tokens; -1 on tokens no engine ran (each sequence's last,
+        CP padding). Raises when the micro-batch carries no `routed_experts`."""
         if self.routed_experts is None:
             raise ValueError("this micro-batch carries no routed_experts: --use-routing-replay needs the rollout "
                              "engine to return them (docs/models.md, 'Routing replay')")
         pieces = []
         for index, (routes, length) in enumerate(zip(self.routed_experts, self.layout.lengths)):
             routes = torch.as_tensor(routes, dtype=torch.long)
-            if routes.dim() != 3 or routes.shape[0] not in (length - 1, length):
+            if routes.dim() not in (2, 3) or routes.shape[0] not in (length - 1, length):
                 raise ValueError(f"routed_experts[{index}] has shape {tuple(routes.shape)}; sequence {index} has "
                                  f"{length} tokens, so [{length - 1}, MoE layers, top_k] was expected")
             missing = routes.new_full((length - routes.shape[0], *routes.shape[1:]), -1)
             pieces.append(torch.cat([routes, missing]))
-        local_TLK = self.layout.slice_tokens(torch.cat(pieces), fill=-1)
-        unrouted = local_TLK[:, 0, 0] < 0
-        local_TLK[unrouted] = torch.arange(local_TLK.shape[-1])  # k distinct experts, as the MoE layer needs
-        return local_TLK
+        return self.layout.slice_tokens(torch.cat(pieces), fill=-1)
 
     def sequence_token_counts(self) -> list[int]:
         """n_i: loss tokens of each WHOLE response (the reducer's sequence_token_counts)."""
