@@ -1,6 +1,6 @@
 """Train/rollout log-prob mismatch of a tiny Qwen3-MoE GRPO run, with and without routing replay (R3).
 
-    .venv/bin/python bench/moe_routing_replay/run.py [--steps 4] [--json out.json]
+    .venv/bin/python bench/moe_routing_replay/run.py [--steps 4] [--lr 1e-4] [--json out.json]
 
 Two sources of mismatch, each run twice from the same seed and weights (replay off, then on):
 - "bf16 engine": the rollout engine (the CPU engine's KV-cache decoder) holds the policy in bf16 and
@@ -29,7 +29,7 @@ import torch
 PROMPTS = [tuple((5 * p + 3 * j) % 30 + 1 for j in range(6)) for p in range(6)]
 GROUP = 4
 MAX_NEW_TOKENS = 16
-OPTIM = SimpleNamespace(lr=3e-3, min_lr=0.0, lr_warmup_steps=0, lr_decay_style="constant", weight_decay=0.0,
+OPTIM = SimpleNamespace(lr=1e-4, min_lr=0.0, lr_warmup_steps=0, lr_decay_style="constant", weight_decay=0.0,
                         adam_beta1=0.9, adam_beta2=0.98, clip_grad=1.0)
 
 
@@ -147,8 +147,10 @@ def run(source: str, replay: bool, steps: int, path: str, groups) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=OPTIM.lr, help="Adam learning rate of the policy step")
     parser.add_argument("--json", default=None, help="write the per-step rows here")
     args = parser.parse_args()
+    OPTIM.lr = args.lr
     torch.set_num_threads(2)
     from stacx.rollout.engines.cpu import ensure_single_process_layout
 

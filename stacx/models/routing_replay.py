@@ -10,7 +10,7 @@ a later forward use those experts instead of routing again.
 
 Replay uses megatron-core's own mechanism (`megatron.core.transformer.moe.router_replay`): each
 router's `RouterReplay` in `REPLAY_FORWARD` takes the given top-k indices and gathers the router's
-scores at them, so the gates of the replayed experts are still computed from this model's router
+scores at them (Stacx's subclass lets the tokens no engine ran route themselves), so the gates of the replayed experts are still computed from this model's router
 logits (softmax over the k replayed logits for Qwen3-MoE's normalized top-k) and the router weights
 get their gradient. Only the choice of experts is fixed. The load-balancing loss and z-loss keep
 reading the model's own scores. Stacx attaches one `RouterReplay` per router of the model it is
@@ -25,6 +25,7 @@ each router's global `layer_number`, so a pipeline stage picks its own layers.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -69,6 +70,31 @@ def _tokens_of_this_rank(routes_TLK: torch.Tensor, config, tp_rank: int, tp_size
                              "sequence-parallel ranks")
         return routes_TLK.chunk(tp_size)[tp_rank]
     return routes_TLK
+
+
+@functools.cache
+def _replay_where_routed_class():
+    """The class, built once on first use. Imported here: megatron-core is slow to import (start-up time)."""
+    # Imported here: megatron-core is slow to import (start-up time).
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    class ReplayWhereRouted(RouterReplay):
+        """megatron's `RouterReplay` whose REPLAY_FORWARD lets rows of -1 (tokens no engine ran) route
+        themselves: own top-k where the target row is -1, the target elsewhere, and the router's scores
+        gathered at the chosen experts (as megatron's replay does)."""
+
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+                return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            _, own_TK = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            target_TK = self.target_topk_idx.to(scores.device)
+            if target_TK.shape != own_TK.shape:
+                raise ValueError(f"routing replay: {target_TK.shape[0]} routes for the {own_TK.shape[0]} tokens "
+                                 "this router sees")
+            chosen_TK = torch.where(target_TK < 0, own_TK, target_TK)
+            return scores.gather(1, chosen_TK), chosen_TK
+
+    return ReplayWhereRouted
 
 
 class RoutesRecorder:
@@ -116,8 +142,9 @@ def routes_replayed(model, routes_TLK: torch.Tensor, *, tp_rank: int = 0, tp_siz
     routes_TLK: [T, layers, top_k] (or SGLang's flat [T, layers * top_k]) integer expert ids, one row
     per token the model's forward sees, in the order it sees them (this CP rank's slice of the packed
     row, its padding included), for every MoE layer of the WHOLE model (a pipeline stage reads its own
-    layers). A token whose row is -1 (padding, a sequence's last token: no engine ran it) goes to
-    experts 0..k-1; its output reaches no log-prob, but the MoE layer needs k experts for every token.
+    layers). A token whose row is -1 (padding, a sequence's last token: no engine ran it) routes
+    itself, so replaying a model's own routes changes nothing, bitwise (its output reaches no log-prob,
+    but the load-balancing loss's gradient flows through every token's gates).
     """
     gpt_model = _unwrapped(model)
     num_layers, top_k = route_shape(gpt_model)
@@ -127,20 +154,18 @@ def routes_replayed(model, routes_TLK: torch.Tensor, *, tp_rank: int = 0, tp_siz
         raise ValueError(f"routed experts must be [tokens, {num_layers} MoE layers, top_k={top_k}], "
                          f"got {tuple(routes_TLK.shape)}; the rollout engine served another model")
     num_experts = int(gpt_model.config.num_moe_experts)
-    unrouted = (routes_TLK < 0).all(-1).all(-1)
-    if bool(unrouted.any()):
-        routes_TLK = routes_TLK.clone()
-        routes_TLK[unrouted] = torch.arange(top_k, dtype=routes_TLK.dtype)
-    if routes_TLK.numel() and not (0 <= int(routes_TLK.min()) and int(routes_TLK.max()) < num_experts):
+    routed = routes_TLK[(routes_TLK >= 0).all(-1).all(-1)]
+    if routed.numel() and int(routed.max()) >= num_experts:
         raise ValueError(f"routed experts hold ids outside [0, {num_experts}): the rollout engine served another model")
     # Imported here: megatron-core is slow to import (start-up time).
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     routes_TLK = _tokens_of_this_rank(routes_TLK, gpt_model.config, tp_rank, tp_size).long()
     routers = _routers_by_layer(gpt_model)
+    replay_class = _replay_where_routed_class()
     for layer, router in routers:
-        if router.router_replay is None:
-            router.router_replay = RouterReplay()
+        if not isinstance(router.router_replay, replay_class):
+            router.router_replay = replay_class()
             # Off megatron's process-wide list: this model's routers are driven through their own instances.
             RouterReplay.global_router_replay_instances.remove(router.router_replay)
         router.router_replay.set_target_indices(routes_TLK[:, layer].contiguous())

@@ -84,8 +84,22 @@ def _reduced_grads_by_hf_name(model, groups):
             p.data = weight
 
 
-def _runtime_step(path, ep):
-    """One GRPO `RoleRuntime.train_step` (two micro-batches) at ep: the run settings' path into the model."""
+def _own_routes(runtime, micro_batches):
+    """Each sample's routes [L_i - 1, layers, k] as the model routes its micro-batch (what replay gets)."""
+    from stacx.models import forward_packed
+    from stacx.models.routing_replay import RoutesRecorder
+
+    for micro_batch in micro_batches:
+        packed = runtime.pack(micro_batch)
+        with torch.no_grad(), RoutesRecorder(runtime.model) as recorder:
+            forward_packed(runtime.model, *packed.model_inputs(), runtime.groups)
+        micro_batch.routed_experts = [r[:-1] for r in recorder.routes().split(packed.layout.lengths)]
+
+
+def _runtime_step(path, ep, replay_own_routes=False):
+    """One GRPO `RoleRuntime.train_step` (two micro-batches) at ep: the run settings' path into the model.
+    replay_own_routes: the micro-batches carry the model's own routes (--use-routing-replay), which the
+    pi_old and loss forwards replay: (metrics, grads, pi_old with and without the routes)."""
     from stacx.objectives.algorithm_config import AlgorithmConfig
     from stacx.parallel.groups import initialize_parallel_layout
     from stacx.parallel.reduction import compute_step_counts
@@ -105,8 +119,14 @@ def _runtime_step(path, ep):
                           rank=torch.distributed.get_rank())
     batch = step_batch()
     counts = compute_step_counts(batch.loss_masks, groups.dp)
-    metrics = runtime.train_step([batch.select([0, 1]), batch.select([2, 3])], counts)
-    return metrics, _reduced_grads_by_hf_name(runtime.model, groups)
+    micro_batches = [batch.select([0, 1]), batch.select([2, 3])]
+    if replay_own_routes:
+        plain_old = runtime.compute_fields(micro_batches, ["log_probs"])
+        _own_routes(runtime, micro_batches)
+        replayed_old = runtime.compute_fields(micro_batches, ["log_probs"])
+    metrics = runtime.train_step(micro_batches, counts)
+    grads = _reduced_grads_by_hf_name(runtime.model, groups)
+    return (metrics, grads, plain_old, replayed_old) if replay_own_routes else (metrics, grads)
 
 
 def step_at_each_expert_layout(_groups, path, tokens_by_rank):
@@ -116,6 +136,7 @@ def step_at_each_expert_layout(_groups, path, tokens_by_rank):
         "ep2_no_router_losses": _one_step(path, tokens_by_rank, 2, {}),
         "runtime_ep1": _runtime_step(path, 1),
         "runtime_ep2": _runtime_step(path, 2),
+        "runtime_ep2_replay": _runtime_step(path, 2, replay_own_routes=True),
     }
 
 
@@ -157,6 +178,18 @@ def test_expert_parallel_step_equals_plain_step_with_router_losses(tmp_path):
         for name, grad in grads.items():
             error = (grad - grads_ep1[name]).abs().max().item()
             assert error <= 1e-5 * grads_ep1[name].abs().max().item(), f"runtime grad {name}: |diff| {error:.2e}"
+    # Routing replay at ep=2 through RoleRuntime: replaying the model's own routes leaves pi_old and the
+    # step's gradients as they are (to 1e-6 of each tensor's largest entry; bitwise in practice).
+    for rank_results in results:
+        metrics, grads = rank_results["runtime_ep2"]
+        replay_metrics, replay_grads, plain_old, replayed_old = rank_results["runtime_ep2_replay"]
+        assert replay_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-6)
+        for name, grad in grads.items():
+            assert (replay_grads[name] - grad).abs().max() <= 1e-6 * grad.abs().max(), f"replay grad {name}"
+        if plain_old is not None:  # the rank that holds the results
+            for plain_mb, replayed_mb in zip(plain_old, replayed_old):
+                for a, b in zip(plain_mb["log_probs"], replayed_mb["log_probs"]):
+                    assert torch.equal(a, b)
     # Every token slot is counted: top-k slots per routed token, over both ranks and micro-batches.
     routed = 2 * sum(sum(lengths) for lengths in MICRO_BATCH_LENGTHS)
     for layer in range(config.num_hidden_layers):

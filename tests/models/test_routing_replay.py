@@ -3,7 +3,8 @@
 One tiny Qwen3-MoE checkpoint (a router sharp enough that top-2 choices differ per token), in process:
 - both decodings of the CPU engine return, for prompt and output tokens (all but the last output),
   exactly the experts the trainer's own forward of that sequence routes to (fp32);
-- replaying the model's own routes changes nothing (bitwise), through `MicroBatch.model_routes`;
+- replaying the model's own routes changes nothing (bitwise), through `MicroBatch.model_routes` (tokens
+  no engine ran route themselves);
 - an engine in bf16 routes some tokens elsewhere than the fp32 trainer; replaying its routes makes the
   trainer use those experts, moves its log-probs towards the engine's, and still trains the router;
 - `model_routes` slices the routes as the CP layout slices the tokens.
@@ -115,11 +116,13 @@ def test_replaying_the_models_own_routes_changes_nothing(moe_checkpoint, world):
     outputs = engine.generate(requests)
     model = _trainer_model(moe_checkpoint, world)
     batch = _micro_batch(outputs, requests)
-    plain, _ = _response_log_probs(model, batch, world)
-    replayed, taken = _response_log_probs(model, batch, world, routes=batch.model_routes())
+    plain, own = _response_log_probs(model, batch, world)
+    routes = batch.model_routes()
+    replayed, taken = _response_log_probs(model, batch, world, routes=routes)
     assert torch.equal(plain, replayed)
-    routed = torch.cat([torch.cat([o.routed_experts, torch.arange(2).expand(1, 2, 2).int()]) for o in outputs])
-    assert torch.equal(taken, routed.long())  # every run token took the engine's experts
+    run = routes[:, 0, 0] >= 0
+    assert int((~run).sum()) == len(outputs)  # each sequence's last token: no engine ran it, it routes itself
+    assert torch.equal(taken[run], routes[run]) and torch.equal(taken, own)
     engine_log_probs = torch.tensor([lp for o in outputs for lp in o.output_log_probs], dtype=torch.float64)
     assert (replayed - engine_log_probs).abs().max() <= 1e-5
 
