@@ -172,3 +172,29 @@ def test_model_routes_follow_the_cp_layout():
         assert torch.equal(local[run, 0, 0], tokens[run])
         assert bool((local[~run] == -1).all())
         assert int(run.sum()) > 0 and int((~run).sum()) > 0
+
+
+def test_routes_travel_from_the_rollout_manager_to_the_micro_batch(moe_checkpoint, world):
+    from stacx.rollout.continuation import join_outputs
+    from stacx.rollout.engines.cpu import CpuEngine
+    from stacx.rollout.manager import RolloutManager
+    from stacx.rollout.types import GenerateOutput
+    from stacx.trainer.batch import StepBatch
+
+    engine = CpuEngine.from_hf_checkpoint(moe_checkpoint)
+    manager = RolloutManager(engine, reward_fn=lambda text, label, metadata: 0.0, return_routed_experts=True)
+    samples = manager.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, ignore_eos=True), n_samples_per_prompt=2)
+    assert all(tuple(s.routed_experts.shape) == (len(s.tokens) - 1, 2, 2) for s in samples)
+    batch = StepBatch.from_samples(samples)
+    micro_batch = batch.select([3, 0]).pack()
+    assert torch.equal(micro_batch.routed_experts[0], samples[3].routed_experts)
+    assert micro_batch.model_routes().shape == (sum(len(s.tokens) for s in (samples[3], samples[0])), 2, 2)
+    samples[1].routed_experts = None  # e.g. an environment episode: the step stops naming the flag
+    with pytest.raises(ValueError, match="--use-routing-replay"):
+        StepBatch.from_samples(samples)
+    # A partial rollout's continuation ran the whole sequence again: its routes are the joined output's.
+    so_far = GenerateOutput(output_ids=[7], output_token_versions=[0], finish_reason="abort",
+                            routed_experts=torch.zeros(3, 2, 2, dtype=torch.int32))
+    continued = GenerateOutput(output_ids=[8, 9], output_token_versions=[1, 1],
+                               routed_experts=torch.ones(5, 2, 2, dtype=torch.int32))
+    assert torch.equal(join_outputs(so_far, continued).routed_experts, continued.routed_experts)
