@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 from typing import Any, Iterator, Mapping, Sequence
@@ -134,6 +133,8 @@ class RoleRuntime:
         self.vocab_local = padded_vocab_size(self._vocab_size(), groups.tp_size) // groups.tp_size
         self.on_cuda = next(self.model.parameters()).device.type == "cuda"
         self._logged_logits_fallback = False
+        self._replay_routes = True
+        """Whether forwards replay a micro-batch's routed_experts (off while the reference's log-probs are computed)."""
         self.num_steps = 0
         self._engine_clients: dict[tuple[str, str], Any] = {}
         if role.trainable:
@@ -182,27 +183,27 @@ class RoleRuntime:
         return choose_lm_head_output(mode, specialization_allows=allows, on_cuda=self.on_cuda,
                                      num_local_tokens=batch.layout.num_local_tokens, vocab_local=self.vocab_local)
 
-    def forward(self, batch: MicroBatch, *, replay_routes: bool = True):
+    def forward(self, batch: MicroBatch):
         """TP-local logits [T_local, V_pad/tp] (fp32), or the LM head's inputs (`LMHeadShard`) when
         `lm_head_output` picks fused log-probs, or values [T_local] for a value-head role.
 
         A micro-batch that carries `routed_experts` (--use-routing-replay) is routed as the rollout
-        engine routed it, unless `replay_routes` is False (the reference model routes itself) or the role
-        has a value head (a critic is another model)."""
+        engine routed it, except while `compute_fields` computes the reference's log-probs (another
+        model, which routes itself) and in a role with a value head (a critic)."""
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import forward_packed
 
         tokens_local, padded_lengths = batch.model_inputs()
-        with self._routing(batch, replay_routes):
+        with self._routing(batch):
             output = forward_packed(self.forward_module, tokens_local, padded_lengths, self.groups,
                                     lm_head=self.lm_head_output(batch) if self.groups.is_last_stage else "logits")
         if not self.groups.is_last_stage:
             return output  # hidden states for the next pipeline stage
         return output[:, 0] if self.role.outputs_values else output
 
-    def _routing(self, batch: MicroBatch, replay_routes: bool):
+    def _routing(self, batch: MicroBatch):
         """The context a forward runs in: the rollout's routes replayed, or the model's own routing."""
-        if batch.routed_experts is None or not replay_routes or self.role.outputs_values:
+        if batch.routed_experts is None or not self._replay_routes or self.role.outputs_values:
             return contextlib.nullcontext()
         if not self.mixture_of_experts:
             raise ValueError(f"role {self.role.name!r}: the micro-batch carries routed_experts but the model is dense; "
@@ -257,6 +258,7 @@ class RoleRuntime:
             swapped = name == "ref_log_probs" and (self.role.trainable or self.reference_weights is not None)
             if swapped:
                 self.swap_reference()
+            self._replay_routes = name == "log_probs"
             try:
                 if self.groups.pp_size > 1:
                     # The fields come out of the last stage; the schedule passes activations along.
@@ -264,16 +266,15 @@ class RoleRuntime:
                         return output.new_zeros(()), fields_of(output, batch, name)
 
                     per_batch = run_pipeline(self.forward_module, [self.pack(mb) for mb in micro_batches],
-                                             functools.partial(self.forward, replay_routes=name == "log_probs"),
-                                             last_stage_fields, forward_only=True)
+                                             self.forward, last_stage_fields, forward_only=True)
                     for index, values in enumerate(per_batch):
                         results[index][name] = values
                 else:
                     for index, micro_batch in enumerate(micro_batches):
                         batch = self.pack(micro_batch)
-                        results[index][name] = fields_of(self.forward(batch, replay_routes=name == "log_probs"),
-                                                         batch, name)
+                        results[index][name] = fields_of(self.forward(batch), batch, name)
             finally:
+                self._replay_routes = True
                 if swapped:
                     self.swap_reference()
         holds_results = self.groups.tp_rank == 0 and self.groups.cp_rank == 0 and self.groups.is_last_stage
