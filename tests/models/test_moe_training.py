@@ -11,6 +11,9 @@ by about lr * g / (|g| + eps), which amplifies rounding where g is tiny; a dropp
 gradient moves it by ~lr). Guards: the step moves the
 weights, and without router losses the router weights move differently (so the losses are in the
 gradient). The expert-load metrics of both layouts are equal and count every routed token slot.
+Routing replay rides on the same ranks: the ep=2 `RoleRuntime` step with the micro-batches carrying
+the model's own routes (--use-routing-replay) gives pi_old bitwise and the gradients to 1e-6 of the plain
+step, and other experts change pi_old (the guard that the runtime replays).
 """
 
 from __future__ import annotations
@@ -124,9 +127,16 @@ def _runtime_step(path, ep, replay_own_routes=False):
         plain_old = runtime.compute_fields(micro_batches, ["log_probs"])
         _own_routes(runtime, micro_batches)
         replayed_old = runtime.compute_fields(micro_batches, ["log_probs"])
+        # the guard: other experts (each id + 1 mod 4) change pi_old, so the runtime does replay
+        own = [mb.routed_experts for mb in micro_batches]
+        for micro_batch in micro_batches:
+            micro_batch.routed_experts = [((r + 1) % 4).sort(-1).values for r in micro_batch.routed_experts]
+        foreign_old = runtime.compute_fields(micro_batches, ["log_probs"])
+        for micro_batch, routes in zip(micro_batches, own):
+            micro_batch.routed_experts = routes
     metrics = runtime.train_step(micro_batches, counts)
     grads = _reduced_grads_by_hf_name(runtime.model, groups)
-    return (metrics, grads, plain_old, replayed_old) if replay_own_routes else (metrics, grads)
+    return (metrics, grads, plain_old, replayed_old, foreign_old) if replay_own_routes else (metrics, grads)
 
 
 def step_at_each_expert_layout(_groups, path, tokens_by_rank):
@@ -182,14 +192,14 @@ def test_expert_parallel_step_equals_plain_step_with_router_losses(tmp_path):
     # step's gradients as they are (to 1e-6 of each tensor's largest entry; bitwise in practice).
     for rank_results in results:
         metrics, grads = rank_results["runtime_ep2"]
-        replay_metrics, replay_grads, plain_old, replayed_old = rank_results["runtime_ep2_replay"]
+        replay_metrics, replay_grads, plain_old, replayed_old, foreign_old = rank_results["runtime_ep2_replay"]
         assert replay_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-6)
         for name, grad in grads.items():
             assert (replay_grads[name] - grad).abs().max() <= 1e-6 * grad.abs().max(), f"replay grad {name}"
         if plain_old is not None:  # the rank that holds the results
-            for plain_mb, replayed_mb in zip(plain_old, replayed_old):
-                for a, b in zip(plain_mb["log_probs"], replayed_mb["log_probs"]):
-                    assert torch.equal(a, b)
+            for plain_mb, replayed_mb, foreign_mb in zip(plain_old, replayed_old, foreign_old):
+                for a, b, c in zip(plain_mb["log_probs"], replayed_mb["log_probs"], foreign_mb["log_probs"]):
+                    assert torch.equal(a, b) and (a - c).abs().max() > 1e-3
     # Every token slot is counted: top-k slots per routed token, over both ranks and micro-batches.
     routed = 2 * sum(sum(lengths) for lengths in MICRO_BATCH_LENGTHS)
     for layer in range(config.num_hidden_layers):
