@@ -12,6 +12,9 @@ by about lr * g / (|g| + eps), which amplifies rounding where g is tiny; a dropp
 gradient moves it by ~lr). Guards: the step moves the
 weights, and without router losses the router weights move differently (so the losses are in the
 gradient). The expert-load metrics of both layouts are equal and count every routed token slot.
+Routing replay rides on the same ranks: the ep=2 `RoleRuntime` step with the micro-batches carrying
+the model's own routes (--use-routing-replay) gives pi_old bitwise and the gradients to 1e-6 of the plain
+step, and other experts change pi_old (the guard that the runtime replays).
 """
 
 from __future__ import annotations
@@ -113,9 +116,23 @@ def _pushed_weights(runtime):
     return sent, RecordingEngine.received
 
 
-def _runtime_step(path, ep):
-    """One GRPO `RoleRuntime.train_step` (two micro-batches) at ep: the run settings' path into the model; at
-    ep=2 the weights are first pushed to an engine as after a step."""
+def _own_routes(runtime, micro_batches):
+    """Each sample's routes [L_i - 1, layers, k] as the model routes its micro-batch (what replay gets)."""
+    from stacx.models import forward_packed
+    from stacx.models.routing_replay import RoutesRecorder
+
+    for micro_batch in micro_batches:
+        packed = runtime.pack(micro_batch)
+        with torch.no_grad(), RoutesRecorder(runtime.model) as recorder:
+            forward_packed(runtime.model, *packed.model_inputs(), runtime.groups)
+        micro_batch.routed_experts = [r[:-1] for r in recorder.routes().split(packed.layout.lengths)]
+
+
+def _runtime_step(path, ep, replay_own_routes=False):
+    """One GRPO `RoleRuntime.train_step` (two micro-batches) at ep: the run settings' path into the model.
+    At ep=2 (without replay) the weights are first pushed to an engine as after a step: (metrics, grads, pushed).
+    replay_own_routes: the micro-batches carry the model's own routes (--use-routing-replay), which the
+    pi_old and loss forwards replay: (metrics, grads, pi_old with and without the routes)."""
     from stacx.objectives.algorithm_config import AlgorithmConfig
     from stacx.parallel.groups import initialize_parallel_layout
     from stacx.parallel.reduction import compute_step_counts
@@ -133,11 +150,24 @@ def _runtime_step(path, ep):
     runtime = RoleRuntime(ModelRole(name="policy", specialization_cls=ActorSpecialization), algorithm, groups,
                           model=run_config.model, optim=run_config.optim, train=run_config.train,
                           rank=torch.distributed.get_rank())
-    pushed = _pushed_weights(runtime) if ep == 2 else None
+    pushed = _pushed_weights(runtime) if ep == 2 and not replay_own_routes else None
     batch = step_batch()
     counts = compute_step_counts(batch.loss_masks, groups.dp)
-    metrics = runtime.train_step([batch.select([0, 1]), batch.select([2, 3])], counts)
-    return metrics, _reduced_grads_by_hf_name(runtime.model, groups), pushed
+    micro_batches = [batch.select([0, 1]), batch.select([2, 3])]
+    if replay_own_routes:
+        plain_old = runtime.compute_fields(micro_batches, ["log_probs"])
+        _own_routes(runtime, micro_batches)
+        replayed_old = runtime.compute_fields(micro_batches, ["log_probs"])
+        # the guard: other experts (each id + 1 mod 4) change pi_old, so the runtime does replay
+        own = [mb.routed_experts for mb in micro_batches]
+        for micro_batch in micro_batches:
+            micro_batch.routed_experts = [((r + 1) % 4).sort(-1).values for r in micro_batch.routed_experts]
+        foreign_old = runtime.compute_fields(micro_batches, ["log_probs"])
+        for micro_batch, routes in zip(micro_batches, own):
+            micro_batch.routed_experts = routes
+    metrics = runtime.train_step(micro_batches, counts)
+    grads = _reduced_grads_by_hf_name(runtime.model, groups)
+    return (metrics, grads, plain_old, replayed_old, foreign_old) if replay_own_routes else (metrics, grads, pushed)
 
 
 def step_at_each_expert_layout(_groups, path, tokens_by_rank):
@@ -147,6 +177,7 @@ def step_at_each_expert_layout(_groups, path, tokens_by_rank):
         "ep2_no_router_losses": _one_step(path, tokens_by_rank, 2, {}),
         "runtime_ep1": _runtime_step(path, 1),
         "runtime_ep2": _runtime_step(path, 2),
+        "runtime_ep2_replay": _runtime_step(path, 2, replay_own_routes=True),
     }
 
 
@@ -207,6 +238,18 @@ def test_expert_parallel_step_equals_plain_step_with_router_losses(tmp_path):
     streamed = [pair for _, bucket in received for pair in bucket]
     assert sorted(name for name, _ in streamed) == sorted(name for name, _ in expected) == sorted(initial)
     assert all(torch.equal(tensor, dict(expected)[name]) for name, tensor in streamed)
+    # Routing replay at ep=2 through RoleRuntime: replaying the model's own routes leaves pi_old and the
+    # step's gradients as they are (to 1e-6 of each tensor's largest entry; bitwise in practice).
+    for rank_results in results:
+        metrics, grads, _ = rank_results["runtime_ep2"]
+        replay_metrics, replay_grads, plain_old, replayed_old, foreign_old = rank_results["runtime_ep2_replay"]
+        assert replay_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-6)
+        for name, grad in grads.items():
+            assert (replay_grads[name] - grad).abs().max() <= 1e-6 * grad.abs().max(), f"replay grad {name}"
+        if plain_old is not None:  # the rank that holds the results
+            for plain_mb, replayed_mb, foreign_mb in zip(plain_old, replayed_old, foreign_old):
+                for a, b, c in zip(plain_mb["log_probs"], replayed_mb["log_probs"], foreign_mb["log_probs"]):
+                    assert torch.equal(a, b) and (a - c).abs().max() > 1e-3
     # Every token slot is counted: top-k slots per routed token, over both ranks and micro-batches.
     routed = sum(sum(lengths) for rank in MICRO_BATCH_LENGTHS for lengths in rank)
     for layer in range(config.num_hidden_layers):
