@@ -52,8 +52,8 @@ class AgentDemoSettings:
     rope_theta: float = 100.0
     """Rotary base; a small one sharpens attention at fixed short offsets (where the numbers to copy sit)."""
     init_std: float = 0.1
-    """Standard deviation of the random initial weights (`initializer_range`). With the usual 0.02 a
-    hidden-64 model's attention starts uniform and copying takes hundreds of steps to appear."""
+    """Standard deviation of the random initial weights (`initializer_range`). With the usual 0.02 the
+    SFT loss stays hundreds of steps at the digits' entropy: the numbers are not copied yet."""
     chat_style: str = "qwen_compact"
     """Chat template (stacx.rollout.chat_tokenizers): the Qwen-style one with a one-line tool list,
     so the question sits ~40 tokens before the call instead of ~400."""
