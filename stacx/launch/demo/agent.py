@@ -7,8 +7,9 @@ tool in the Qwen-style format, reads the result, answers "46". Reward 1.0 for th
 correct call.
 
 1. Data and model: training and held-out number pairs (disjoint), a random 2-layer hidden-64
-   Llama-style model over the character tokenizer with the Qwen-style tool template
-   (stacx.rollout.chat_tokenizers).
+   Llama-style model (initial weights of std 0.1) over the character tokenizer with the
+   Qwen-style tool template whose system header lists the tool in one line ("qwen_compact" in
+   stacx.rollout.chat_tokenizers), so the numbers to copy sit close to the reply.
 2. SFT: `sft` recipe on correct tool-call transcripts (each episode's two model turns).
 3. GRPO: `grpo` recipe on multi-turn episodes of the environment (tool calls run in the roll-in).
 
@@ -50,16 +51,22 @@ class AgentDemoSettings:
     num_layers: int = 2
     rope_theta: float = 100.0
     """Rotary base; a small one sharpens attention at fixed short offsets (where the numbers to copy sit)."""
+    init_std: float = 0.1
+    """Standard deviation of the random initial weights (`initializer_range`). With the usual 0.02 the
+    SFT loss stays hundreds of steps at the digits' entropy: the numbers are not copied yet."""
+    chat_style: str = "qwen_compact"
+    """Chat template (stacx.rollout.chat_tokenizers): the Qwen-style one with a one-line tool list,
+    so the question sits ~40 tokens before the call instead of ~400."""
     num_train_pairs: int = 2048
     num_eval_pairs: int = 128
     """Held-out number pairs (none of them in training) every before/after number is measured on."""
-    sft_steps: int = 120
+    sft_steps: int = 250
     sft_batch_size: int = 32
-    sft_lr: float = 5e-3
+    sft_lr: float = 3e-3
     grpo_steps: int = 30
     grpo_prompts_per_step: int = 8
     grpo_samples_per_prompt: int = 8
-    grpo_lr: float = 1e-3
+    grpo_lr: float = 5e-4
     grpo_kl_coef: float = 0.001
     max_new_tokens: int = 48
     """Tokens per model turn (a tool call is 45 with its end-of-turn token)."""
@@ -87,8 +94,8 @@ def _prepare(settings: AgentDemoSettings, out_dir: str, tokenizer) -> dict:
                             hidden_size=settings.hidden_size, intermediate_size=2 * settings.hidden_size,
                             num_hidden_layers=settings.num_layers, num_attention_heads=settings.hidden_size // 16,
                             num_key_value_heads=settings.hidden_size // 16,
-                            max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                            max_position_embeddings=1024, initializer_range=settings.init_std,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
                             rope_parameters={"rope_type": "default", "rope_theta": settings.rope_theta})
     tokenizer.save_pretrained(paths["init"])
     return paths
@@ -106,7 +113,7 @@ def run_agent_demo(settings: AgentDemoSettings, out_dir: str, *, log=print) -> d
     transformers_logging.disable_progress_bar()
     started = time.monotonic()
     os.makedirs(out_dir, exist_ok=True)
-    tokenizer = build_tool_chat_tokenizer("qwen")
+    tokenizer = build_tool_chat_tokenizer(settings.chat_style)
     paths = _prepare(settings, out_dir, tokenizer)
     heldout = load_examples(DataConfig(path=paths["eval"], kind="prompt", apply_chat_template=False), tokenizer)
 
