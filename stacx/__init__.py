@@ -9,9 +9,8 @@ The public front door: everything a user writes a recipe, an objective or a run 
 Each name is imported on first use, so `import stacx` stays light (no torch, Ray or megatron-core).
 """
 
-from importlib import import_module
-
 from stacx.backend_warnings import silence_expected_backend_warnings
+from stacx.lazy_names import lazy_names
 
 __version__ = "0.1.0"
 
@@ -37,14 +36,4 @@ _PUBLIC = {
 
 __all__ = sorted(_PUBLIC)
 
-
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        value = getattr(import_module(_PUBLIC[name]), name)
-        globals()[name] = value  # later look-ups skip this function
-        return value
-    raise AttributeError(f"module 'stacx' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, globals())

@@ -6,7 +6,7 @@
 `stacx.trainer.config.recipe` is the module that defines the recipe model.)
 """
 
-from importlib import import_module
+from stacx.lazy_names import lazy_names
 
 _PUBLIC = {
     "TrainingConfig": "stacx.trainer.config.recipe",
@@ -19,8 +19,4 @@ _PUBLIC = {
 
 __all__ = sorted(_PUBLIC)
 
-
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        return getattr(import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'stacx.trainer.config' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, globals())
