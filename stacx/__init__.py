@@ -16,24 +16,16 @@ __version__ = "0.1.0"
 
 silence_expected_backend_warnings()
 
-_PUBLIC = {
-    "recipe": "stacx.trainer.config.recipe",
-    "TrainingConfig": "stacx.trainer.config.recipe",
-    "ModelRole": "stacx.trainer.config.recipe",
-    "InjectSync": "stacx.trainer.config.recipe",
-    "ExchangeSync": "stacx.trainer.config.recipe",
-    "register_advantage": "stacx.objectives.registry",
-    "register_policy_loss": "stacx.objectives.registry",
-    "register_reward": "stacx.rollout.rewards",
-    "register_engine": "stacx.rollout.engines.registry",
-    "Environment": "stacx.rollout.environments",
-    "StepResult": "stacx.rollout.environments",
-    "register_environment": "stacx.rollout.environments",
-    "register_tool": "stacx.rollout.tools",
-    "StacxConfig": "stacx.trainer.config.python",
+_EXPORTS = {
+    "stacx.trainer.config.recipe": ("recipe",),
+    "stacx.trainer.config": ("TrainingConfig", "ModelRole", "InjectSync", "ExchangeSync", "StacxConfig"),
+    "stacx.objectives.registry": ("register_advantage", "register_policy_loss"),
+    "stacx.rollout.rewards": ("register_reward",),
+    "stacx.rollout.engines.registry": ("register_engine",),
+    "stacx.rollout.environments": ("Environment", "StepResult", "register_environment"),
+    "stacx.rollout.tools": ("register_tool",),
 }
-"""Public name -> the module that defines it."""
+"""Module -> the public names it gives (the run's config classes through `stacx.trainer.config`, which knows
+where each is defined)."""
 
-__all__ = sorted(_PUBLIC)
-
-__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, globals())
+__all__, __getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals())

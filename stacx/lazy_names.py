@@ -1,6 +1,6 @@
 """A package's public names imported on first use (PEP 562), so importing the package stays light.
 
-    __getattr__, __dir__ = lazy_names(__name__, _PUBLIC, globals())   # _PUBLIC: name -> defining module
+    __all__, __getattr__, __dir__ = lazy_names(__name__, {"pkg.module": ("Name", "other_name")}, globals())
 """
 
 from __future__ import annotations
@@ -9,18 +9,21 @@ from importlib import import_module
 from typing import Any, Callable
 
 
-def lazy_names(package: str, public: dict[str, str], namespace: dict[str, Any]) -> tuple[Callable, Callable]:
-    """The module-level `__getattr__` and `__dir__` of `package`: a name of `public` is imported from its
-    module on first access and kept in `namespace` (the package's globals), so later look-ups skip it."""
+def lazy_names(package: str, exports: dict[str, tuple[str, ...]], namespace: dict[str, Any]
+               ) -> tuple[list[str], Callable, Callable]:
+    """`__all__`, `__getattr__` and `__dir__` of `package`, whose public names are `exports` (module ->
+    the names it defines, as in `from module import ...`). A name is imported from its module on first
+    access and kept in `namespace` (the package's globals), so later look-ups skip `__getattr__`."""
+    home = {name: module for module, names in exports.items() for name in names}
 
     def __getattr__(name: str):
-        if name in public:
-            value = getattr(import_module(public[name]), name)
+        if name in home:
+            value = getattr(import_module(home[name]), name)
             namespace[name] = value
             return value
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
-        return sorted(set(namespace) | set(public))
+        return sorted(set(namespace) | set(home))
 
-    return __getattr__, __dir__
+    return sorted(home), __getattr__, __dir__

@@ -37,13 +37,13 @@ def run_training(run_config) -> dict:
 
 
 # Lazy exports: `from stacx.trainer import StacxTrainer` without importing Ray at package import.
-_PUBLIC = {
-    "StacxTrainer": "stacx.trainer.loop",
-    "create_trainer": "stacx.trainer.factory",
-    "run_spmd": "stacx.trainer.spmd",
-    "RoleRuntime": "stacx.trainer.runtime",
-    "RolloutService": "stacx.rollout.service",
+_EXPORTS = {
+    "stacx.trainer.loop": ("StacxTrainer",),
+    "stacx.trainer.factory": ("create_trainer",),
+    "stacx.trainer.spmd": ("run_spmd",),
+    "stacx.trainer.runtime": ("RoleRuntime",),
+    "stacx.rollout.service": ("RolloutService",),
 }
-__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, globals())
+_, __getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals())
 
 __all__ = ["RoleRuntime", "RolloutService", "StacxTrainer", "create_trainer", "run_spmd", "run_training"]

@@ -8,15 +8,10 @@
 
 from stacx.lazy_names import lazy_names
 
-_PUBLIC = {
-    "TrainingConfig": "stacx.trainer.config.recipe",
-    "ModelRole": "stacx.trainer.config.recipe",
-    "InjectSync": "stacx.trainer.config.recipe",
-    "ExchangeSync": "stacx.trainer.config.recipe",
-    "RunConfig": "stacx.trainer.config.run",
-    "StacxConfig": "stacx.trainer.config.python",
+_EXPORTS = {
+    "stacx.trainer.config.recipe": ("TrainingConfig", "ModelRole", "InjectSync", "ExchangeSync"),
+    "stacx.trainer.config.run": ("RunConfig",),
+    "stacx.trainer.config.python": ("StacxConfig",),
 }
 
-__all__ = sorted(_PUBLIC)
-
-__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, globals())
+__all__, __getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals())
