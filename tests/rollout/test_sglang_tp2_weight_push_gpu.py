@@ -113,6 +113,7 @@ def test_tp2_trainer_push_to_a_tp2_sglang_server_gives_the_trainers_log_probs(tm
         model_path=server_checkpoint, port=find_free_port(), host="127.0.0.1", tensor_model_parallel_size=NUM_GPUS,
         mem_fraction_static=0.3,
         extra_args=("--skip-tokenizer-init", "--dtype", "bfloat16", "--disable-cuda-graph")), startup_timeout_s=600)
+    ranks = []
     try:
         before = _server_log_probs(server.url)
         ctx = mp.get_context("spawn")
@@ -131,6 +132,9 @@ def test_tp2_trainer_push_to_a_tp2_sglang_server_gives_the_trainers_log_probs(tm
             process.join(timeout=60)
         after = _server_log_probs(server.url)
     finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
         server.stop()
 
     (sent_0, trainer), (sent_1, trainer_1) = results[0], results[1]
