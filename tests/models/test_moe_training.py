@@ -1,6 +1,7 @@
 """An expert-parallel training step equals the plain one, router losses included.
 
-Two gloo ranks (dp=2) each run two micro-batches of different lengths through a Qwen3-MoE model with
+Two gloo ranks (dp=2) each run two micro-batches of different lengths (and the ranks' token counts differ,
+so the all-gather dispatcher pads) through a Qwen3-MoE model with
 --moe-aux-loss-coeff and --moe-z-loss-coeff set, with megatron's DDP and optimizer (Stacx's
 `wrap_ddp` / `build_optimizer`), the main loss reduced by the `Reducer` and the router losses scaled
 by `Reducer.router_loss_scale`. The step at ep=2 (each rank holds 2 of the 4 experts; the all-gather
@@ -23,7 +24,9 @@ import torch
 from stacx.testing.distributed import run_distributed
 from tests.models.test_moe import save_moe_checkpoint
 
-MICRO_BATCH_LENGTHS = [[9, 5], [12]]  # per micro-batch, sequence lengths (the same on both ranks' shapes)
+# [rank][micro-batch] sequence lengths: the two ranks' micro-batches differ in token count, which megatron's
+# all-gather dispatcher cannot gather; Stacx's (stacx.parallel.moe_dispatch) pads them to the longest.
+MICRO_BATCH_LENGTHS = [[[9, 5], [12]], [[7, 5], [10]]]
 TOP_K = 2
 COEFFS = dict(aux_loss_coeff=0.05, z_loss_coeff=0.01)
 OPTIM = SimpleNamespace(lr=1e-2, min_lr=0.0, lr_warmup_steps=0, lr_decay_style="constant", weight_decay=0.0,
@@ -44,14 +47,14 @@ def _one_step(path, tokens_by_rank, ep, router_losses):
     load_hf_checkpoint(model, path, groups)
     ddp = wrap_ddp(model)
     optimizer, _ = build_optimizer(ddp, OPTIM, total_steps=1)
-    routed = sum(sum(lengths) for lengths in MICRO_BATCH_LENGTHS) * groups.dp_size
-    targets = sum(sum(n - 1 for n in lengths) for lengths in MICRO_BATCH_LENGTHS) * groups.dp_size
+    routed = sum(sum(lengths) for rank in MICRO_BATCH_LENGTHS for lengths in rank)
+    targets = sum(sum(n - 1 for n in lengths) for rank in MICRO_BATCH_LENGTHS for lengths in rank)
     counts = StepCounts(num_tokens=targets, num_sequences=3 * groups.dp_size, num_routed_tokens=routed)
     reducer = Reducer.for_step(mode="token-mean", counts=counts, groups=groups)
     ddp.zero_grad_buffer()
     step_loss = 0.0
     with ExpertLoadRecorder(model) as load:
-        for lengths, tokens in zip(MICRO_BATCH_LENGTHS, tokens_by_rank[groups.dp_rank]):
+        for lengths, tokens in zip(MICRO_BATCH_LENGTHS[groups.dp_rank], tokens_by_rank[groups.dp_rank]):
             set_router_loss_scale(reducer.router_loss_scale(sum(lengths)))
             log_probs = forward_packed(ddp, tokens, lengths, groups).log_softmax(-1)  # [T, V_pad]
             losses, masks = [], []
@@ -84,8 +87,35 @@ def _reduced_grads_by_hf_name(model, groups):
             p.data = weight
 
 
+SYNC_BUCKET_BYTES = 20_000  # several buckets, each with experts of both EP ranks
+
+
+class RecordingEngine:
+    """An engine client (registered as kind "recording" in the spawned ranks) that keeps every bucket it is sent."""
+
+    received: list = []
+
+    def __init__(self, url, api_key=None):
+        self.url = url
+
+    def update_weights(self, buckets, *, version):
+        RecordingEngine.received += [(version, [(name, tensor.clone()) for name, tensor in bucket])
+                                     for bucket in buckets]
+
+
+def _pushed_weights(runtime):
+    """(tensors sent, buckets received) of `RoleRuntime.push_weights_to_engine`: the path from the trainer's
+    ranks to a rollout engine after each step, on Ray and under torchrun."""
+    from stacx.rollout.engines.registry import register_engine
+
+    register_engine("recording")(RecordingEngine)
+    sent = runtime.push_weights_to_engine("recording", "http://engine", version=1, bucket_bytes=SYNC_BUCKET_BYTES)
+    return sent, RecordingEngine.received
+
+
 def _runtime_step(path, ep):
-    """One GRPO `RoleRuntime.train_step` (two micro-batches) at ep: the run settings' path into the model."""
+    """One GRPO `RoleRuntime.train_step` (two micro-batches) at ep: the run settings' path into the model; at
+    ep=2 the weights are first pushed to an engine as after a step."""
     from stacx.objectives.algorithm_config import AlgorithmConfig
     from stacx.parallel.groups import initialize_parallel_layout
     from stacx.parallel.reduction import compute_step_counts
@@ -103,10 +133,11 @@ def _runtime_step(path, ep):
     runtime = RoleRuntime(ModelRole(name="policy", specialization_cls=ActorSpecialization), algorithm, groups,
                           model=run_config.model, optim=run_config.optim, train=run_config.train,
                           rank=torch.distributed.get_rank())
+    pushed = _pushed_weights(runtime) if ep == 2 else None
     batch = step_batch()
     counts = compute_step_counts(batch.loss_masks, groups.dp)
     metrics = runtime.train_step([batch.select([0, 1]), batch.select([2, 3])], counts)
-    return metrics, _reduced_grads_by_hf_name(runtime.model, groups)
+    return metrics, _reduced_grads_by_hf_name(runtime.model, groups), pushed
 
 
 def step_at_each_expert_layout(_groups, path, tokens_by_rank):
@@ -123,10 +154,13 @@ def step_at_each_expert_layout(_groups, path, tokens_by_rank):
 def test_expert_parallel_step_equals_plain_step_with_router_losses(tmp_path):
     from safetensors.torch import load_file
 
+    from stacx.checkpointing.convert import single_process_world
+    from stacx.models import build_model, iter_hf_weight_buckets, load_hf_checkpoint
+
     config, _ = save_moe_checkpoint("qwen3_moe", str(tmp_path))
     generator = torch.Generator().manual_seed(3)
     tokens_by_rank = [[torch.randint(0, config.vocab_size, (sum(lengths),), generator=generator)
-                       for lengths in MICRO_BATCH_LENGTHS] for _rank in range(2)]
+                       for lengths in rank_lengths] for rank_lengths in MICRO_BATCH_LENGTHS]
     results = run_distributed(step_at_each_expert_layout, 2, args=(str(tmp_path), tokens_by_rank), timeout_s=600)
 
     initial = load_file(str(tmp_path / "model.safetensors"))
@@ -149,16 +183,32 @@ def test_expert_parallel_step_equals_plain_step_with_router_losses(tmp_path):
     router = "model.layers.0.mlp.gate.weight"
     assert (without[router] - plain[router]).abs().max() > 1e-6, "router losses did not reach the router's gradient"
     # The run settings reach the model through RoleRuntime: its ep=2 step equals its ep=1 step.
-    metrics_ep1, grads_ep1 = results[0]["runtime_ep1"]
+    metrics_ep1, grads_ep1, _ = results[0]["runtime_ep1"]
     for rank_results in results:
-        metrics, grads = rank_results["runtime_ep2"]
+        metrics, grads, _ = rank_results["runtime_ep2"]
         assert metrics["loss"] == pytest.approx(metrics_ep1["loss"], rel=1e-6)
         assert metrics["moe/max_imbalance"] == pytest.approx(metrics_ep1["moe/max_imbalance"])
         for name, grad in grads.items():
             error = (grad - grads_ep1[name]).abs().max().item()
             assert error <= 1e-5 * grads_ep1[name].abs().max().item(), f"runtime grad {name}: |diff| {error:.2e}"
+    # Weight sync at ep=2: rank 0 sends, rank 1 (holding experts 2 and 3) only takes part in the gathers. The
+    # engine gets the one-rank stream of the checkpoint: every tensor once, under its Hugging Face name, bitwise,
+    # in buckets of at most SYNC_BUCKET_BYTES (or one tensor). (Within a layer the experts come grouped by projection across the
+    # EP ranks, gate_proj of experts 0 and 2 before up_proj of expert 0; the engine loads by name.)
+    (sent, received), (sent_1, received_1) = (rank_results["runtime_ep2"][2] for rank_results in results)
+    with single_process_world() as world:
+        model = build_model(str(tmp_path), world, initialize_weights=False)
+        load_hf_checkpoint(model, str(tmp_path), world)
+        expected = [pair for bucket in iter_hf_weight_buckets(model, world, SYNC_BUCKET_BYTES) for pair in bucket]
+    assert (sent, sent_1, received_1) == (len(initial), 0, [])
+    assert len(received) > 2 and {version for version, _ in received} == {1}
+    assert all(len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= SYNC_BUCKET_BYTES
+               for _, bucket in received)  # a tensor over the budget travels alone
+    streamed = [pair for _, bucket in received for pair in bucket]
+    assert sorted(name for name, _ in streamed) == sorted(name for name, _ in expected) == sorted(initial)
+    assert all(torch.equal(tensor, dict(expected)[name]) for name, tensor in streamed)
     # Every token slot is counted: top-k slots per routed token, over both ranks and micro-batches.
-    routed = 2 * sum(sum(lengths) for lengths in MICRO_BATCH_LENGTHS)
+    routed = sum(sum(lengths) for rank in MICRO_BATCH_LENGTHS for lengths in rank)
     for layer in range(config.num_hidden_layers):
         tokens = sum(plain_load[f"moe/layer{layer}/expert{e}_tokens"] for e in range(config.num_experts))
         assert tokens == TOP_K * routed

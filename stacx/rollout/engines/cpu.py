@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from stacx.parallel.groups import ProcessGroups, initialize_parallel_layout
+from stacx.parallel.megatron_import import import_megatron_core
 from stacx.rollout.engines.aborts import AbortBook, AbortFlag
 from stacx.rollout.engines.base import GenerationCancelled, InferenceEngine, WeightBucket
 from stacx.rollout.engines.kv_cache_decoding import KvCacheDecoder
@@ -129,6 +130,7 @@ def ensure_single_process_layout():
             )
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    import_megatron_core()  # a server process imports megatron-core first here
     # Imported here: megatron-core is slow to import (start-up time).
     from megatron.core import parallel_state
 

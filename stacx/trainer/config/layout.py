@@ -23,6 +23,16 @@ class RoleLayout:
     """Model replicas."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages each replica's layers are split into (1 in checkpoints written before PP existed)."""
+    expert_model_parallel_size: int = 1
+    """Ranks a mixture-of-experts model's routed experts are spread over (megatron's expert grid lies over
+    the same ranks as tp x cp x dp; 1 for dense models and in checkpoints written before EP existed)."""
+    expert_tensor_parallel_size: int | None = None
+    """Ranks sharding each expert's width; None (and manifests written before EP existed): the tensor-parallel
+    size, megatron's default, which the layout then holds."""
+
+    def __post_init__(self) -> None:
+        if self.expert_tensor_parallel_size is None:
+            object.__setattr__(self, "expert_tensor_parallel_size", self.tensor_model_parallel_size)
     state_replicated_across_data_parallel: bool = True
     """Whether ranks that differ only in (cp, dp) hold identical state (no distributed optimizer). Kept in the
     manifest for the record: torch_dist state loads under any layout either way."""
@@ -45,7 +55,8 @@ class RoleLayout:
 
     def describe(self) -> str:
         pp = f" pp={self.pipeline_model_parallel_size}" if self.pipeline_model_parallel_size > 1 else ""
-        return f"tp={self.tensor_model_parallel_size} cp={self.context_parallel_size}{pp} dp={self.data_parallel_size}"
+        ep = f" ep={self.expert_model_parallel_size}" if self.expert_model_parallel_size > 1 else ""
+        return f"tp={self.tensor_model_parallel_size} cp={self.context_parallel_size}{pp} dp={self.data_parallel_size}{ep}"
 
 
 @dataclass(frozen=True, kw_only=True)
