@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 
+MODEL_PARALLEL_SIZE_FIELDS = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+                              "expert_model_parallel_size", "expert_tensor_parallel_size")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RoleLayout:
     """How one role's ranks are laid out: world size = tp * cp * pp * dp."""
@@ -44,6 +48,11 @@ class RoleLayout:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def parallel_sizes(self) -> dict[str, int]:
+        """The model-parallel degrees (tp, cp, pp, ep, etp) by field name: the keyword arguments a role's
+        workers are started with (`RoleWorkers`); the data-parallel degree follows from their number."""
+        return {name: getattr(self, name) for name in MODEL_PARALLEL_SIZE_FIELDS}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "RoleLayout":
