@@ -25,6 +25,7 @@ from stacx.models.architectures import (
     load_hf_config,
     padded_vocab_size,
 )
+from stacx.parallel.moe_dispatch import use_uneven_allgather_dispatch
 
 _HF_CONFIG_ATTR = "stacx_hf_config"
 
@@ -130,8 +131,9 @@ def build_transformer_config(
     )
     if pipelined:
         # megatron refuses variable_seq_lengths with the allgather dispatcher, whose all-gather over EP x TP
-        # needs the same token count on those ranks (as it does without PP). The flag itself only makes the
-        # pipeline send each activation's shape ahead of it (p2p_communication), which the dispatcher never sees.
+        # needs the same token count on those ranks (Stacx pads to it: stacx.parallel.moe_dispatch). The flag
+        # only makes the pipeline send each activation's shape ahead of it (p2p_communication), which the
+        # dispatcher never sees.
         config.variable_seq_lengths = True
     return config
 
@@ -224,6 +226,7 @@ def _build_chunk(config, shape: DecoderShape, transformer_config, groups, initia
     )
     if not initialize_weights:
         mark_tensor_parallel_params(model)
+    use_uneven_allgather_dispatch(model)  # DP ranks of one expert-parallel group pack different token counts
     if shape.rope_scaling is not None:
         rope = model.rotary_pos_emb
         rope.inv_freq = llama3_scaled_inv_freq(rope.inv_freq.cpu(), shape.rope_scaling).to(rope.inv_freq.device)
