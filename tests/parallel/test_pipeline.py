@@ -7,6 +7,7 @@
 - PP=2 x TP=2 x CP=2: forward-only log-probs through the schedule equal transformers' (1e-5);
   weights stream to the first stage in Hugging Face names, equal to the checkpoint bit for bit
   (the tied LM head is sent once); the torch_dist checkpoint written there loads at PP=1 exactly.
+- A mixture-of-experts RoleRuntime step at PP=2 x EP=2 equals the PP=1 step (router losses on).
 - Checkpoints reshard across PP with the optimizer state: the PP=1 run's last checkpoint loaded at
   PP=2 x TP=2 x CP=2 and saved, then loaded back at PP=1 and saved, holds the same tensors bit for bit
   (weights and Adam moments).
@@ -21,6 +22,9 @@ import os
 
 import pytest
 import torch
+
+
+from tests.models.test_moe import save_moe_checkpoint
 
 
 def _write_tied_checkpoint(root: str) -> str:
@@ -118,7 +122,8 @@ def load_at_one_stage(groups, checkpoint: str, folders: list[str], trained: str,
     return streamed, {key: tuple(state[key] for state in states) for key in states[0]}
 
 
-def train_then_interleave(groups, root: str, checkpoint: str, rollouts, values: dict, folder: str) -> dict:
+def train_then_interleave(groups, root: str, checkpoint: str, rollouts, values: dict, folder: str,
+                          moe_checkpoint: str) -> dict:
     """The GRPO loop at this layout; then a role with two model chunks per pipeline rank (one layer per virtual
     stage: chunk c of rank r holds layer 2c + r), its log-probs through megatron's interleaved schedule, its
     weights streamed to the first stage and saved as torch_dist (`folder`). Training with chunks is refused
@@ -150,6 +155,12 @@ def train_then_interleave(groups, root: str, checkpoint: str, rollouts, values: 
     result["log_probs"] = None if fields is None else [lp for per_batch in fields for lp in per_batch["log_probs"]]
     result["streamed"] = [pair for bucket in runtime.weight_buckets(1 << 16) for pair in bucket]
     save_torch_dist(folder, runtime.model, groups=groups)
+    # A mixture-of-experts step at PP=2 x EP=2 (each stage's two DP ranks hold 2 of the 4 experts each) and at
+    # PP=1 x EP=1 (DP=4), every rank holding the same micro-batches, router losses on.
+    from tests.models.test_moe_training import _runtime_step
+
+    result["moe"] = {layout: _runtime_step(moe_checkpoint, ep, pp=pp)[:2] for layout, ep, pp in (("pp1", 1, 1),
+                                                                                                  ("pp2_ep2", 2, 2))}
     return result
 
 
@@ -170,8 +181,11 @@ def test_pp2_dp2_grpo_steps_equal_the_pp1_run_and_weights_reshard(tmp_path):
     saving = {**values, "save": os.path.join(root, "saved_pp1")}  # the PP=1 run keeps its last step
     single = run_distributed(reference.train_stacx, 1, args=(os.path.join(root, "pp1"), checkpoint, rollouts, saving))
     interleaved_folder = os.path.join(root, "torch_dist_interleaved")
+    moe_checkpoint = os.path.join(root, "moe")
+    save_moe_checkpoint("qwen3_moe", moe_checkpoint)
     piped = run_distributed(train_then_interleave, 4, pipeline_model_parallel_size=2,
-                            args=(os.path.join(root, "pp2"), checkpoint, rollouts, values, interleaved_folder))
+                            args=(os.path.join(root, "pp2"), checkpoint, rollouts, values, interleaved_folder,
+                                  moe_checkpoint))
     rows, piped_rows = single[0]["rows"], piped[0]["rows"]
     assert len(rows) == len(piped_rows) == 4
     assert all(result["calls"] == [["log_probs"]] * 2 for result in piped)
@@ -215,6 +229,17 @@ def test_pp2_dp2_grpo_steps_equal_the_pp1_run_and_weights_reshard(tmp_path):
     assert len(streamed) == len(first_stage["streamed"])  # the tied head is sent once, as the embedding
     assert set(streamed) == set(expected)
     assert all(torch.equal(streamed[name], expected[name]) for name in expected)
+    # MoE at PP=2 x EP=2 equals PP=1: the loss to 1e-6, every gradient to 1e-5 of its largest entry (streamed to
+    # the first stage in HF names), the expert load of both stages.
+    (metrics, grads), (piped_metrics, piped_grads) = piped[0]["moe"]["pp1"], piped[0]["moe"]["pp2_ep2"]
+    assert piped_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-6)
+    assert set(piped_grads) == set(grads) and len(grads) > 0
+    for name, grad in grads.items():
+        assert (piped_grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max(), f"pp=2 x ep=2 grad {name}"
+    # the same batch on 4 DP ranks at PP=1, on 2 at PP=2: half the token slots, the same imbalance
+    assert {k: v for k, v in piped_metrics.items() if k.startswith("moe/")} == pytest.approx(
+        {k: v / 2 if k.endswith("_tokens") else v for k, v in metrics.items() if k.startswith("moe/")})
+
     # Two model chunks per rank (interleaved schedule, forward only): the last stage's log-probs equal
     # transformers'; every chunk's tensors reach the first stage bit for bit.
     assert all(r["chunk_layers"] == [1, 1] for r in piped)
