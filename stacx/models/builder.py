@@ -79,6 +79,13 @@ def _moe_fields(shape: DecoderShape, groups, router_losses: RouterLosses) -> dic
     )
 
 
+def _kernel_fusions(on_cpu: bool) -> dict[str, bool]:
+    """megatron's fused-kernel switches: those that need CUDA-only kernels or extensions
+    (transformer-engine, apex) off everywhere, the torch-compiled ones on a GPU only."""
+    return {"apply_rope_fusion": False, "bias_activation_fusion": False, "masked_softmax_fusion": False,
+            "gradient_accumulation_fusion": False, "bias_dropout_fusion": not on_cpu, "persist_layer_norm": not on_cpu}
+
+
 def build_transformer_config(
     shape: DecoderShape, groups, params_dtype: torch.dtype, initializer_range: float, initialize_weights: bool = True,
     router_losses: RouterLosses = RouterLosses(),
@@ -120,13 +127,7 @@ def build_transformer_config(
         variable_seq_lengths=pipelined and dispatcher != "allgather",
         moe_token_dispatcher_type=dispatcher,
         use_cpu_initialization=on_cpu,
-        # The fused kernels below are CUDA-only.
-        apply_rope_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=not on_cpu,
-        persist_layer_norm=not on_cpu,
+        **_kernel_fusions(on_cpu),
         **_moe_fields(shape, groups, router_losses),
     )
     if pipelined:

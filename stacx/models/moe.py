@@ -54,7 +54,7 @@ def is_mixture_of_experts(gpt_model) -> bool:
     return bool(getattr(model_chunks(gpt_model)[0].config, "num_moe_experts", None))
 
 
-def _routers(gpt_model) -> list[tuple[int, torch.nn.Module]]:
+def routers_by_layer(gpt_model) -> list[tuple[int, torch.nn.Module]]:
     """(global layer index, router) of every MoE layer of this pipeline stage (all its chunks), in layer order."""
     routers = []
     for chunk in model_chunks(gpt_model):
@@ -65,18 +65,20 @@ def _routers(gpt_model) -> list[tuple[int, torch.nn.Module]]:
     return routers
 
 
-class ExpertLoadRecorder:
-    """Counts the tokens each router sends to each expert, for the forwards run while it is entered."""
+class RouterHooks:
+    """A forward hook on every MoE router of a model (all its chunks) while entered.
+
+    A subclass says what each hook does: `_hook(index, layer)` returns the hook of `self._routers[index]`,
+    the router of global layer `layer`; it receives megatron's router outputs (probs, routing_map
+    [tokens, experts] bool)."""
 
     def __init__(self, gpt_model):
-        self._routers = _routers(gpt_model)
-        num_experts = model_chunks(gpt_model)[0].config.num_moe_experts or 0
-        self._counts_LE = torch.zeros(len(self._routers), num_experts, dtype=torch.float64)
+        self._routers = routers_by_layer(gpt_model)
         self._handles = []
 
-    def __enter__(self) -> "ExpertLoadRecorder":
-        for index, (_layer, router) in enumerate(self._routers):
-            self._handles.append(router.register_forward_hook(self._counter(index)))
+    def __enter__(self):
+        for index, (layer, router) in enumerate(self._routers):
+            self._handles.append(router.register_forward_hook(self._hook(index, layer)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -84,7 +86,19 @@ class ExpertLoadRecorder:
             handle.remove()
         self._handles.clear()
 
-    def _counter(self, index: int):
+    def _hook(self, index: int, layer: int):
+        raise NotImplementedError
+
+
+class ExpertLoadRecorder(RouterHooks):
+    """Counts the tokens each router sends to each expert, for the forwards run while it is entered."""
+
+    def __init__(self, gpt_model):
+        super().__init__(gpt_model)
+        num_experts = model_chunks(gpt_model)[0].config.num_moe_experts or 0
+        self._counts_LE = torch.zeros(len(self._routers), num_experts, dtype=torch.float64)
+
+    def _hook(self, index: int, layer: int):
         def count(_module, _inputs, outputs):
             _probs, routing_map = outputs  # routing_map: [tokens, experts] bool
             self._counts_LE[index] += routing_map.detach().sum(dim=0).to("cpu", torch.float64)

@@ -31,19 +31,10 @@ from typing import Iterator
 
 import torch
 
+from stacx.models.moe import RouterHooks, routers_by_layer
+
 #: dtype of route tensors everywhere (SGLang's wire format is int32 too).
 ROUTE_DTYPE = torch.int32
-
-
-def _routers_by_layer(gpt_model) -> list[tuple[int, torch.nn.Module]]:
-    """(0-based global MoE layer index, router) of every MoE layer this (unwrapped) model holds."""
-    found = []
-    for name, module in gpt_model.named_modules():
-        if name.endswith(".mlp.router"):
-            if module.layer_number is None:
-                raise AssertionError(f"router {name} has no layer_number; megatron sets it when it builds the layer")
-            found.append((int(module.layer_number) - 1, module))
-    return sorted(found, key=lambda pair: pair[0])
 
 
 def route_shape(gpt_model) -> tuple[int, int]:
@@ -97,7 +88,7 @@ def _replay_where_routed_class():
     return ReplayWhereRouted
 
 
-class RoutesRecorder:
+class RoutesRecorder(RouterHooks):
     """Records the top-k experts of every router for the forwards run while it is entered.
 
     `routes()` concatenates the tokens of every recorded forward: [sum tokens, layers, top_k].
@@ -105,22 +96,11 @@ class RoutesRecorder:
 
     def __init__(self, model):
         gpt_model = _unwrapped(model)
+        super().__init__(gpt_model)
         self._num_layers, self._top_k = route_shape(gpt_model)
-        self._routers = _routers_by_layer(gpt_model)
         self._per_layer: dict[int, list[torch.Tensor]] = {layer: [] for layer, _ in self._routers}
-        self._handles = []
 
-    def __enter__(self) -> "RoutesRecorder":
-        for layer, router in self._routers:
-            self._handles.append(router.register_forward_hook(self._recorder(layer)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def _recorder(self, layer: int):
+    def _hook(self, index: int, layer: int):
         top_k = self._top_k
 
         def record(_module, _inputs, outputs):
@@ -161,7 +141,7 @@ def routes_replayed(model, routes_TLK: torch.Tensor, *, tp_rank: int = 0, tp_siz
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     routes_TLK = _tokens_of_this_rank(routes_TLK, gpt_model.config, tp_rank, tp_size).long()
-    routers = _routers_by_layer(gpt_model)
+    routers = routers_by_layer(gpt_model)
     replay_class = _replay_where_routed_class()
     for layer, router in routers:
         if not isinstance(router.router_replay, replay_class):
