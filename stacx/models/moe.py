@@ -13,8 +13,10 @@ averaging factor (`Reducer.router_loss_scale`): the optimizer then sees the toke
 the per-micro-batch router losses, as it sees the token-weighted main loss.
 
 Expert load. A forward hook on each layer's router reads its routing map [tokens, experts] and counts
-the tokens sent to each expert; `expert_load_metrics` turns the counts, summed over the DP x CP
-ranks (TP ranks route the same tokens), into per-layer counts and the max/mean imbalance.
+the tokens sent to each expert (not the padding megatron's padding_mask marks); `expert_load_metrics`
+turns the counts, summed over the DP x CP ranks (and over TP under sequence parallelism, where each TP
+rank routes its part of the sequence; otherwise TP ranks route the same tokens), into per-layer counts
+and the max/mean imbalance.
 """
 
 from __future__ import annotations
@@ -51,11 +53,12 @@ class ExpertLoadRecorder:
         self._routers = _routers(gpt_model)
         num_experts = gpt_model.config.num_moe_experts or 0
         self._counts_LE = torch.zeros(len(self._routers), num_experts, dtype=torch.float64)
+        self._sequence_parallel = bool(getattr(gpt_model.config, "sequence_parallel", False))
         self._handles = []
 
     def __enter__(self) -> "ExpertLoadRecorder":
         for index, (_layer, router) in enumerate(self._routers):
-            self._handles.append(router.register_forward_hook(self._counter(index)))
+            self._handles.append(router.register_forward_hook(self._counter(index), with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -64,16 +67,23 @@ class ExpertLoadRecorder:
         self._handles.clear()
 
     def _counter(self, index: int):
-        def count(_module, _inputs, outputs):
+        def count(_module, inputs, kwargs, outputs):
             _probs, routing_map = outputs  # routing_map: [tokens, experts] bool
+            # router(hidden_states, padding_mask): True = padding (sequence-parallel fill), [tokens] once flat
+            padding = inputs[1] if len(inputs) > 1 else kwargs.get("padding_mask")
+            if padding is not None:
+                routing_map = routing_map & ~padding.reshape(-1, 1)
             self._counts_LE[index] += routing_map.detach().sum(dim=0).to("cpu", torch.float64)
         return count
 
     def tokens_per_expert(self, groups) -> torch.Tensor:
-        """[layers, experts] token slots routed to each expert, summed over the DP x CP ranks (collective)."""
+        """[layers, experts] token slots routed to each expert, summed over the DP x CP (x TP under sequence
+        parallelism) ranks (collective)."""
         counts = self._counts_LE.clone()
         if groups.dp_cp is not None and groups.dp_cp_size > 1:
             dist.all_reduce(counts, group=groups.dp_cp)
+        if self._sequence_parallel and groups.tp_size > 1:
+            dist.all_reduce(counts, group=groups.tp)
         return counts
 
     @property

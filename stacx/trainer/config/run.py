@@ -56,6 +56,9 @@ class ModelSection:
     """Mixture-of-experts models: weight of each MoE layer's load-balancing loss (megatron's aux_loss); 0 = off."""
     moe_z_loss_coeff: float = 0.0
     """Mixture-of-experts models: weight of each MoE layer's router z-loss; 0 = off."""
+    sequence_parallel: bool = False
+    """At --tensor-model-parallel-size > 1: megatron's sequence parallelism (the activations outside attention
+    and the MLP split along the sequence over TP); required for mixture-of-experts models there."""
 
 
 @dataclass(frozen=True, kw_only=True)

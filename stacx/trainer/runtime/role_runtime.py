@@ -106,7 +106,8 @@ class RoleRuntime:
         # A torch_dist folder from another framework carries no config.json: the policy's config describes it.
         config_source = path if os.path.isfile(os.path.join(path, "config.json")) else model.hf_checkpoint
         self.model = build_model(config_source, groups, initialize_weights=False, router_losses=RouterLosses(
-            aux_loss_coeff=model.moe_aux_loss_coeff, z_loss_coeff=model.moe_z_loss_coeff))
+            aux_loss_coeff=model.moe_aux_loss_coeff, z_loss_coeff=model.moe_z_loss_coeff),
+            sequence_parallel=model.sequence_parallel)
         self.mixture_of_experts = is_mixture_of_experts(self.model)
         if self.mixture_of_experts and groups.pp_size > 1:
             raise ValueError(f"role {role.name!r}: --pipeline-model-parallel-size {groups.pp_size} with a mixture-of-experts "
@@ -302,7 +303,12 @@ class RoleRuntime:
                         set_router_loss_scale(reducer.router_loss_scale(sum(batch.layout.padded_lengths)))
                     loss, _ = micro_batch_loss(self.forward(batch), batch)
                     loss.backward()
-                self.ddp.finish_grad_sync()
+                if self.model.config.sequence_parallel:
+                    # Grad sync over DP x CP, plus the sum over TP of the weights each TP rank saw only its
+                    # part of the sequence for (norms, routers: megatron marks them `sequence_parallel`).
+                    finalize_model_grads([self.ddp])
+                else:
+                    self.ddp.finish_grad_sync()
         loss_total = totals.sums.pop(LOSS_METRIC)
         # Never step on NaN/inf (megatron's fp32/bf16 step would apply it); the same decision on every rank.
         outcome = step_optimizer_if_finite(self.optimizer, loss_total)
