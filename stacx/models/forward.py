@@ -65,7 +65,7 @@ def forward_packed(model, tokens: torch.Tensor, padded_lengths: Sequence[int], g
     call where it is not (`sequence_parallel_padding`; it attends only to itself, and a MoE router
     leaves it out of its losses through megatron's padding_mask) and cut from the outputs. The output
     layer gathers the sequence back; with lm_head="hidden" the skipped layer's gather is done here
-    (forward: all-gather over TP, backward: reduce-scatter), so every TP rank holds all T_local rows.
+    (`output_layer_skipped`), so every TP rank holds all T_local rows.
     """
     if lm_head not in LM_HEAD_OUTPUTS:
         raise ValueError(f"lm_head must be one of {list(LM_HEAD_OUTPUTS)}, got {lm_head!r}")
@@ -124,8 +124,8 @@ def output_layer_skipped(gpt_model, tp_group=None):
     records the weight it was given (`weight=` for tied embeddings, else its own `weight`).
 
     Under sequence parallelism the input is this TP rank's part of the sequence; it comes back
-    gathered over `tp_group`, as the output layer would have gathered it (forward: all-gather,
-    backward: reduce-scatter of the LM head's gradient). Only the instance's `forward` is replaced,
+    gathered over `tp_group` (forward: all-gather; backward: this rank's rows of the gradient, which
+    the fused LM-head kernel has already summed over TP). Only the instance's `forward` is replaced,
     and put back on exit. Refused where the hidden states would not be the full LM-head input: an
     output bias (e.g. a value head) and multi-token prediction (its heads read the output layer too).
     """
@@ -147,7 +147,10 @@ def output_layer_skipped(gpt_model, tp_group=None):
     def skip(hidden_states, weight=None, runtime_gather_output=None):
         head.weight = output_layer.weight if weight is None else weight
         if getattr(output_layer, "sequence_parallel", False):
-            hidden_states = gather_from_sequence_parallel_region(hidden_states, group=tp_group)  # [T, b, H]
+            # Backward takes this rank's rows of dL/dh: the LM-head kernel sums dL/dh over TP itself
+            # (megatron's copy_to_tensor_model_parallel_region in front of its unfused output layer).
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=tp_group)  # [T, b, H]
         return hidden_states, None
 
     previous = output_layer.__dict__.get("forward")

@@ -303,9 +303,10 @@ class RoleRuntime:
                         set_router_loss_scale(reducer.router_loss_scale(sum(batch.layout.padded_lengths)))
                     loss, _ = micro_batch_loss(self.forward(batch), batch)
                     loss.backward()
-                if self.model.config.sequence_parallel:
-                    # Grad sync over DP x CP, plus the sum over TP of the weights each TP rank saw only its
-                    # part of the sequence for (norms, routers: megatron marks them `sequence_parallel`).
+                if self.groups.tp_size > 1:
+                    # Grad sync over DP x CP, plus the sum over TP of the gradients each TP rank holds only a
+                    # part of: qk-norm weights (each rank normalizes its own heads) and, under sequence
+                    # parallelism, the norms and routers (each rank sees its part of the sequence).
                     finalize_model_grads([self.ddp])
                 else:
                     self.ddp.finish_grad_sync()
