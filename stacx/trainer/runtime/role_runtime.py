@@ -127,6 +127,9 @@ class RoleRuntime:
                                flag="--" + role.reference_checkpoint_arg.replace("_", "-"))
             self.reference_weights = [p.detach().clone() for p in self._reference_params()]
         load_model_weights(self.model, path, groups, flag="--" + role.checkpoint_arg.replace("_", "-"))
+        if role.outputs_values and self.model.config.sequence_parallel:
+            raise ValueError(f"role {role.name!r} outputs values, whose head reads the whole sequence on every TP "
+                             "rank; --sequence-parallel is not supported for it yet (leave it off)")
         if role.outputs_values and self.groups.is_last_stage:
             attach_value_head(self.model)
         self.specialization = role.specialization_cls(algorithm, groups)
