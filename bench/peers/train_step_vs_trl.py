@@ -7,7 +7,9 @@ Needs TRL: `pip install -e .[bench]` (pin torch / transformers / megatron-core w
 
 Workload (the same for both, built here, nothing downloaded):
   weights      one random Qwen2 of the size (S 5M, M 56M params; shapes of bench/generation.py,
-               vocab 32,000, tied embeddings), saved as a Hugging Face checkpoint that both load, fp32
+               vocab 32,000, tied embeddings), saved as a Hugging Face checkpoint that both load, fp32;
+               `--sizes moe-S`: a Qwen3-MoE of S's attention shape, 8 experts of width 256, top-2
+               (7.4M params; results in bench/results/peers_moe.json)
   batch        16 trajectories: 64-token prompts, completion lengths uniform in [32, 448],
                random token ids, seed 1234; 4 groups of 4 with group-normalized random rewards
                as advantages; pi_old = the initial weights' log-probs (given to both)
