@@ -154,6 +154,7 @@ class TorchQKRMSNorm(TorchRMSNorm):
 def _block_spec(shape: DecoderShape, transformer_config):
     """The decoder's spec: `_layer_spec`, or under sequence parallelism on the local spec a block spec
     (this stage's layers and the final norm) whose norms are `TorchRMSNorm`."""
+    # Imported here, like megatron above: `stacx.models` stays light for the driver.
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     spec = _layer_spec(shape)

@@ -129,6 +129,7 @@ def output_layer_skipped(gpt_model, tp_group=None):
     and put back on exit. Refused where the hidden states would not be the full LM-head input: an
     output bias (e.g. a value head) and multi-token prediction (its heads read the output layer too).
     """
+    # Imported here: megatron-core is slow to import, and `stacx.models` stays light for the driver.
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
     config = gpt_model.config

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from contextlib import contextmanager
 
 import torch
 
@@ -195,14 +196,13 @@ def _patch_moe_router_gemm() -> None:
 
 
 def _patch_rng_tracker_fork() -> None:
-    import contextlib
-
+    # Imported here, as in the other patches: megatron-core is imported only when the patches apply.
     from megatron.core.tensor_parallel import random as megatron_random
 
     tracker_class = megatron_random.CudaRNGStatesTracker
     original = tracker_class.fork
 
-    @contextlib.contextmanager
+    @contextmanager
     def fork_on_cpu(self, name=megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
         if name in self.states_:
             with original(self, name):
