@@ -15,7 +15,7 @@ demo: venv
 
 # Two pytest workers, one test file each at a time (module fixtures such as a tiny checkpoint or a
 # two-node Ray cluster stay with their file); one core each on a 2-core machine. Files go out in the
-# order tests/conftest.py gives them (the demo first, then most tests first), not xdist's own.
+# order tests/conftest.py gives them (the longest files first, the many short ones last), not xdist's own.
 PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 
 # The whole suite; the 20 slowest tests are listed at the end of every run (CI prints them too).

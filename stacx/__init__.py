@@ -9,42 +9,23 @@ The public front door: everything a user writes a recipe, an objective or a run 
 Each name is imported on first use, so `import stacx` stays light (no torch, Ray or megatron-core).
 """
 
-from importlib import import_module
-
 from stacx.backend_warnings import silence_expected_backend_warnings
+from stacx.lazy_names import lazy_names
 
 __version__ = "0.1.0"
 
 silence_expected_backend_warnings()
 
-_PUBLIC = {
-    "recipe": "stacx.trainer.config.recipe",
-    "TrainingConfig": "stacx.trainer.config.recipe",
-    "ModelRole": "stacx.trainer.config.recipe",
-    "InjectSync": "stacx.trainer.config.recipe",
-    "ExchangeSync": "stacx.trainer.config.recipe",
-    "register_advantage": "stacx.objectives.registry",
-    "register_policy_loss": "stacx.objectives.registry",
-    "register_reward": "stacx.rollout.rewards",
-    "register_engine": "stacx.rollout.engines.registry",
-    "Environment": "stacx.rollout.environments",
-    "StepResult": "stacx.rollout.environments",
-    "register_environment": "stacx.rollout.environments",
-    "register_tool": "stacx.rollout.tools",
-    "StacxConfig": "stacx.trainer.config.python",
+_EXPORTS = {
+    "stacx.trainer.config.recipe": ("recipe",),
+    "stacx.trainer.config": ("TrainingConfig", "ModelRole", "InjectSync", "ExchangeSync", "StacxConfig"),
+    "stacx.objectives.registry": ("register_advantage", "register_policy_loss"),
+    "stacx.rollout.rewards": ("register_reward",),
+    "stacx.rollout.engines.registry": ("register_engine",),
+    "stacx.rollout.environments": ("Environment", "StepResult", "register_environment"),
+    "stacx.rollout.tools": ("register_tool",),
 }
-"""Public name -> the module that defines it."""
+"""Module -> the public names it gives (the run's config classes through `stacx.trainer.config`, which knows
+where each is defined)."""
 
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        value = getattr(import_module(_PUBLIC[name]), name)
-        globals()[name] = value  # later look-ups skip this function
-        return value
-    raise AttributeError(f"module 'stacx' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+__all__, __getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals())

@@ -40,6 +40,9 @@ EXPECTED_LIBRARY_NOTICES = (
     (FutureWarning, r"`load_state_dict` is deprecated", r"megatron\.core\.dist_checkpointing"),
     # torch's checkpoint planner on megatron-core's ShardedTensors (every save and load).
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch\.distributed\.checkpoint"),
+    # torch's rename of the collectives megatron-core's MoE all-gather dispatcher calls (expert parallelism).
+    (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+     r"torch\.distributed"),
     # megatron-core's advice for CUDA stream overlap with TP > 1 (docs/env-reference.md has it).
     (UserWarning, r"When using (sequence parallelism|async grad allreduce) it is recommended to set the "
                   r"environment variable CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\."),

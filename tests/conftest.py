@@ -25,24 +25,36 @@ RAY_STARTING_FIXTURES = ("shared_ray_address", "ray_address")
 fixture) must be marked `slow`, so that `pytest -m "not slow"` never starts Ray."""
 
 
-FIRST_FILES = ("tests/launch/test_demo_end_to_end.py",)
-"""Files started before all others: the demo is the longest single test (about 100 s on a quiet machine),
-and one that starts last runs alone while the other pytest worker has nothing left to do."""
+FIRST_FILES = (
+    "tests/launch/test_demo_end_to_end.py",
+    "tests/trainer/cluster/test_ray_multinode.py",
+    "tests/launch/test_design_doc_examples.py",
+    "tests/trainer/test_training_loop.py",
+    "tests/launch/test_signals.py",
+)
+"""Files started before all others, longest first (measured with --durations: the demo is the longest,
+about 100 s on a quiet machine, then the two-node cluster, about 80 s): a long file that starts last
+runs alone while the other pytest worker has nothing left to do."""
 
 
 def _order_files(items) -> None:
-    """Test files in the order xdist would send them (most tests first: many small tests fill the end
-    of the run), except FIRST_FILES, which go first. Used with `--no-loadscope-reorder`; the tests
-    of one file stay together and in their own order."""
+    """Test files in the order the pytest workers take them (longest-first, so the end of the run is
+    filled by short files): FIRST_FILES in their order, then every other file with a slow test, then the
+    rest, most tests first. Used with `--no-loadscope-reorder`; the tests of one file stay together and
+    in their own order."""
     counts: dict[str, int] = {}
+    slow_files: set[str] = set()
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         counts[path] = counts.get(path, 0) + 1
+        if "slow" in item.keywords:
+            slow_files.add(path)
     first_seen = {path: index for index, path in enumerate(counts)}
+    first_rank = {path: index for index, path in enumerate(FIRST_FILES)}
 
     def key(item):
         path = item.nodeid.split("::", 1)[0]
-        return (path not in FIRST_FILES, -counts[path], first_seen[path])
+        return (first_rank.get(path, len(FIRST_FILES)), path not in slow_files, -counts[path], first_seen[path])
 
     items.sort(key=key)
 

@@ -33,7 +33,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from stacx.launch.demo import measure
-    from stacx.launch.demo.pipeline import DemoSettings, _prepare, _run_config, _save_tokenizer, _train
+    from stacx.launch.demo.phases import demo_run_config, train
+    from stacx.launch.demo.pipeline import DemoSettings, _prepare, _save_tokenizer
     from stacx.rollout.tokenizer import build_char_tokenizer
     from stacx.tasks import get_task
     from stacx.trainer.cluster.ray.connect import connect_ray
@@ -54,9 +55,8 @@ def main(argv=None) -> int:
     connection = connect_ray(None, log_to_driver=False)
     runs = []
     try:
-        _train(_run_config(settings, work, "sft", {
-            "train": {"algorithm": "sft"}, "hf_checkpoint": paths["init"], "prompt_data": paths["train"],
-            "rollout_batch_size": settings.sft_batch_size, "lr": settings.sft_lr, "num_steps": settings.sft_steps,
+        train(demo_run_config(settings, work, "sft", {
+            **settings.sft.run_values(), "hf_checkpoint": paths["init"], "prompt_data": paths["train"],
             "export_hf": paths["sft"]}))
         _save_tokenizer(task.name, paths["sft"])
         start_accuracy = accuracy(paths["sft"])
@@ -65,15 +65,12 @@ def main(argv=None) -> int:
             for mode, values in MODES.items():
                 name = f"grpo_{mode.replace(' ', '').replace('=', '')}_seed{seed}"
                 export = os.path.join(work, "checkpoints", name)
-                config = _run_config(dataclasses_replace(settings, seed=seed), work, name, {
-                    "train": {"algorithm": "grpo"}, "algorithm": {"use_kl_loss": True, "kl_loss_coef": settings.grpo_kl_coef},
-                    "hf_checkpoint": paths["sft"], "ref_load": paths["sft"], "prompt_data": paths["train"],
-                    "rollout_batch_size": settings.grpo_prompts_per_step,
-                    "n_samples_per_prompt": settings.grpo_samples_per_prompt,
-                    "rollout_max_response_len": max_new_tokens, "lr": settings.grpo_lr,
-                    "num_steps": settings.grpo_steps, "export_hf": export, **values})
+                config = demo_run_config(dataclasses_replace(settings, seed=seed), work, name, {
+                    **settings.grpo.run_values(), "hf_checkpoint": paths["sft"], "ref_load": paths["sft"],
+                    "prompt_data": paths["train"], "rollout_max_response_len": max_new_tokens, "export_hf": export,
+                    **values})
                 started = time.monotonic()
-                _train(config)
+                train(config)
                 seconds = time.monotonic() - started
                 _save_tokenizer(task.name, export)
                 runs.append({"seed": seed, "mode": mode, "seconds": seconds, "accuracy": accuracy(export)})

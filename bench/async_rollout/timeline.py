@@ -51,15 +51,15 @@ class Recorder:
 
 
 def run_mode(settings, work: str, paths: dict, name: str, values: dict, steps: int, max_new_tokens: int) -> list[dict]:
-    from stacx.launch.demo.pipeline import _run_config
+    from stacx.launch.demo.phases import demo_run_config
     from stacx.tasks.data import resolve_builtin_data
     from stacx.trainer.config.checks import fit_response_length_to_context
     from stacx.trainer.factory import create_trainer
 
-    config = fit_response_length_to_context(resolve_builtin_data(_run_config(settings, work, name, {
+    config = fit_response_length_to_context(resolve_builtin_data(demo_run_config(settings, work, name, {
         "algorithm": {"name": "grpo"}, "hf_checkpoint": paths["init"], "prompt_data": paths["train"],
-        "rollout_batch_size": settings.grpo_prompts_per_step, "n_samples_per_prompt": settings.grpo_samples_per_prompt,
-        "rollout_max_response_len": max_new_tokens, "lr": settings.grpo_lr, "num_steps": steps, **values})))
+        "rollout_batch_size": settings.grpo.prompts_per_step, "n_samples_per_prompt": settings.grpo.samples_per_prompt,
+        "rollout_max_response_len": max_new_tokens, "lr": settings.grpo.lr, "num_steps": steps, **values})))
     trainer = create_trainer(config)
     recorder = Recorder()
     engine = trainer.rollout.engine

@@ -31,9 +31,12 @@ def single_process_world() -> Iterator[object]:
     """ProcessGroups of a one-rank world (gloo over an in-memory store, megatron's layout at tp=cp=1),
     torn down on exit when this call set it up; an existing one-rank world is reused as it is."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from stacx.parallel.groups import ProcessGroups, destroy_parallel_layout, initialize_parallel_layout
+    from stacx.parallel.megatron_import import import_megatron_core
+
+    import_megatron_core()  # conversion commands import megatron-core first here
+    from megatron.core import parallel_state
 
     created = not dist.is_initialized()
     if created:

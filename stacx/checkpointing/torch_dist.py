@@ -42,7 +42,8 @@ COMMON_STATE = "common.pt"
 OPTIMIZER_PREFIX = "optimizer."
 _OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
 """Optimizer tensors: `optimizer.` or, for megatron's chain of several optimizers (a mixture-of-experts model
-keeps its expert parameters in their own optimizer when ep > 1), `chained_<i>.optimizer.`."""
+keeps its routed experts in an optimizer of their own, at every ep: `trainer.runtime.optim`),
+`chained_<i>.optimizer.`."""
 
 
 def is_optimizer_key(key: str) -> bool:
@@ -187,16 +188,19 @@ def load_torch_dist(folder: str | os.PathLike, model, optimizer=None, *, what: s
 
 def _require_same_optimizer_chain(saved_keys: set[str], optimizer, folder: Path, what: str) -> None:
     """megatron stores a chain of several optimizers under `chained_<i>.` keys and one optimizer without them;
-    the two layouts do not convert into each other (their non-tensor state differs in structure)."""
+    the two layouts do not convert into each other (their non-tensor state differs in structure). Stacx gives a
+    mixture-of-experts model the chain (dense, experts) at every ep, so the state reshards across ep; only a
+    checkpoint of an MoE run at ep = 1 by an earlier Stacx, which built one optimizer there, differs."""
     saved_chained = any(key.startswith("chained_") for key in saved_keys if is_optimizer_key(key))
     chained = len(getattr(optimizer, "chained_optimizers", None) or [optimizer]) > 1
     if saved_chained != chained:
         raise TorchDistCheckpointError(
             f"{what} {folder}: its optimizer state was saved as {'a chain of' if saved_chained else 'one'} "
-            f"optimizer{'s' if saved_chained else ''}, this run has {'a chain' if chained else 'one'}. A "
-            "mixture-of-experts model keeps its expert parameters in an optimizer of their own when "
-            "--expert-model-parallel-size > 1: resume with an --expert-model-parallel-size on the same side of 1 "
-            "as the run that saved it (the weights alone load at any size: stacx convert checkpoint-to-hf)")
+            f"optimizer{'s' if saved_chained else ''}, this run has {'a chain' if chained else 'one'}. Stacx keeps "
+            "a mixture-of-experts model's routed experts in an optimizer of their own at every "
+            "--expert-model-parallel-size; a checkpoint written by an earlier Stacx at "
+            "--expert-model-parallel-size 1 built one optimizer. Its weights load at any size: start a new run "
+            "from them (stacx convert checkpoint-to-hf, then --hf-checkpoint) instead of resuming with --load")
 
 
 __all__ = [

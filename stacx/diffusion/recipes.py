@@ -52,72 +52,63 @@ def _grpo_algorithm(**overrides):
     return diffusion_algorithm(**values)
 
 
-@recipe("flow_matching_sft")
-def flow_matching_sft_config() -> TrainingConfig:
-    return _diffusion_recipe(
-        "flow_matching_sft",
-        description=("Flow-matching SFT of a DiT / MMDiT image model: the velocity v_theta(x_t, t, prompt) regresses "
-                     "eps - x0 on dataset images (built-in: coloured shapes named by the prompt)."),
-        role=_policy(FlowMatchingSFTObjective, samples=False, with_reference=False,
-                     description="image model trained by velocity regression (loss flow_matching)"),
-        algorithm=diffusion_algorithm())
+_SDE_POLICY = _policy(FlowGRPOObjective, samples=True, with_reference=True,
+                      description="image model sampling its own SDE trajectories; loss flow_grpo_clip")
+
+DIFFUSION_RECIPES: dict[str, tuple[str, ModelRole, DiffusionAlgorithmConfig]] = {
+    "flow_matching_sft": (
+        "Flow-matching SFT of a DiT / MMDiT image model: the velocity v_theta(x_t, t, prompt) regresses "
+        "eps - x0 on dataset images (built-in: coloured shapes named by the prompt).",
+        _policy(FlowMatchingSFTObjective, samples=False, with_reference=False,
+                description="image model trained by velocity regression (loss flow_matching)"),
+        diffusion_algorithm(),
+    ),
+    "flow_grpo": (
+        "Flow-GRPO: the ODE sampler turned into an SDE with sigma_t = eta sqrt(t / (1 - t)); each "
+        "prompt's group of images is scored, rewards are normalized within the group, and the clipped "
+        "policy loss runs over every SDE step, with the Gaussian KL of each step to the reference.",
+        _SDE_POLICY,
+        _grpo_algorithm(use_kl_loss=True, kl_loss_coef=0.04, sde_sigma_schedule="flow_grpo", sde_eta=0.7),
+    ),
+    "dance_grpo": (
+        "DanceGRPO: GRPO over SDE steps with a constant sigma_t = eta, every image of a prompt's group "
+        "starting from the same initial noise (the group differs only by the SDE's noise); no KL.",
+        _SDE_POLICY,
+        _grpo_algorithm(sde_sigma_schedule="dance_grpo", sde_eta=0.3, shared_group_noise=True),
+    ),
+    "mix_grpo": (
+        "MixGRPO: SDE sampling only inside a sliding window of denoising steps (ODE elsewhere); the "
+        "window moves from the noisiest steps toward t = 0 as training goes on, and the clipped policy "
+        "loss covers the window's steps only.",
+        _policy(FlowGRPOObjective, samples=True, with_reference=True,
+                description="image model sampling mixed ODE-SDE trajectories; loss flow_grpo_clip"),
+        _grpo_algorithm(sde_sigma_schedule="flow_grpo", sde_eta=0.7, sde_window_size=2, sde_window_shift_every=2,
+                        shared_group_noise=True),
+    ),
+    "diffusion_dpo": (
+        "Flow / Diffusion-DPO: on (chosen, rejected) image pairs noised with the same t and eps, the "
+        "policy's velocity error is pushed below the frozen reference's on the chosen image and above it "
+        "on the rejected one (built-in pairs: the named colour vs another colour).",
+        _policy(DiffusionDPOObjective, samples=False, with_reference=True,
+                description="image model trained on preference pairs; loss diffusion_dpo"),
+        diffusion_algorithm(),
+    ),
+    "diffusion_nft": (
+        "DiffusionNFT: forward-process RL; the policy samples clean images with the ODE solver, "
+        "rewards become an optimality probability per image, and flow matching on those images "
+        "contrasts an implicit positive and negative policy (no likelihoods, no SDE).",
+        _policy(DiffusionNFTObjective, samples=True, with_reference=False,
+                description="image model trained on its own clean samples; loss diffusion_nft"),
+        _grpo_algorithm(),
+    ),
+}
+"""The diffusion recipes by name: (description, policy role, algorithm). They share one recipe shape
+(`_diffusion_recipe`) and differ only in this data."""
 
 
-@recipe("flow_grpo")
-def flow_grpo_config() -> TrainingConfig:
-    return _diffusion_recipe(
-        "flow_grpo",
-        description=("Flow-GRPO: the ODE sampler turned into an SDE with sigma_t = eta sqrt(t / (1 - t)); each "
-                     "prompt's group of images is scored, rewards are normalized within the group, and the clipped "
-                     "policy loss runs over every SDE step, with the Gaussian KL of each step to the reference."),
-        role=_policy(FlowGRPOObjective, samples=True, with_reference=True,
-                     description="image model sampling its own SDE trajectories; loss flow_grpo_clip"),
-        algorithm=_grpo_algorithm(use_kl_loss=True, kl_loss_coef=0.04, sde_sigma_schedule="flow_grpo", sde_eta=0.7))
+def _register_diffusion_recipe(name: str, description: str, role: ModelRole, algorithm: DiffusionAlgorithmConfig):
+    recipe(name)(lambda: _diffusion_recipe(name, description=description, role=role, algorithm=algorithm))
 
 
-@recipe("dance_grpo")
-def dance_grpo_config() -> TrainingConfig:
-    return _diffusion_recipe(
-        "dance_grpo",
-        description=("DanceGRPO: GRPO over SDE steps with a constant sigma_t = eta, every image of a prompt's group "
-                     "starting from the same initial noise (the group differs only by the SDE's noise); no KL."),
-        role=_policy(FlowGRPOObjective, samples=True, with_reference=True,
-                     description="image model sampling its own SDE trajectories; loss flow_grpo_clip"),
-        algorithm=_grpo_algorithm(sde_sigma_schedule="dance_grpo", sde_eta=0.3, shared_group_noise=True))
-
-
-@recipe("mix_grpo")
-def mix_grpo_config() -> TrainingConfig:
-    return _diffusion_recipe(
-        "mix_grpo",
-        description=("MixGRPO: SDE sampling only inside a sliding window of denoising steps (ODE elsewhere); the "
-                     "window moves from the noisiest steps toward t = 0 as training goes on, and the clipped policy "
-                     "loss covers the window's steps only."),
-        role=_policy(FlowGRPOObjective, samples=True, with_reference=True,
-                     description="image model sampling mixed ODE-SDE trajectories; loss flow_grpo_clip"),
-        algorithm=_grpo_algorithm(sde_sigma_schedule="flow_grpo", sde_eta=0.7, sde_window_size=2,
-                                  sde_window_shift_every=2, shared_group_noise=True))
-
-
-@recipe("diffusion_dpo")
-def diffusion_dpo_config() -> TrainingConfig:
-    return _diffusion_recipe(
-        "diffusion_dpo",
-        description=("Flow / Diffusion-DPO: on (chosen, rejected) image pairs noised with the same t and eps, the "
-                     "policy's velocity error is pushed below the frozen reference's on the chosen image and above it "
-                     "on the rejected one (built-in pairs: the named colour vs another colour)."),
-        role=_policy(DiffusionDPOObjective, samples=False, with_reference=True,
-                     description="image model trained on preference pairs; loss diffusion_dpo"),
-        algorithm=diffusion_algorithm())
-
-
-@recipe("diffusion_nft")
-def diffusion_nft_config() -> TrainingConfig:
-    return _diffusion_recipe(
-        "diffusion_nft",
-        description=("DiffusionNFT: forward-process RL; the policy samples clean images with the ODE solver, "
-                     "rewards become an optimality probability per image, and flow matching on those images "
-                     "contrasts an implicit positive and negative policy (no likelihoods, no SDE)."),
-        role=_policy(DiffusionNFTObjective, samples=True, with_reference=False,
-                     description="image model trained on its own clean samples; loss diffusion_nft"),
-        algorithm=_grpo_algorithm())
+for _name, (_description, _role, _algorithm) in DIFFUSION_RECIPES.items():
+    _register_diffusion_recipe(_name, _description, _role, _algorithm)

@@ -25,6 +25,7 @@ from stacx.models.architectures import (
     load_hf_config,
     padded_vocab_size,
 )
+from stacx.parallel.moe_dispatch import use_uneven_allgather_dispatch
 
 _HF_CONFIG_ATTR = "stacx_hf_config"
 
@@ -246,6 +247,7 @@ def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32,
     )
     if not initialize_weights:
         mark_tensor_parallel_params(model)
+    use_uneven_allgather_dispatch(model)  # DP ranks of one expert-parallel group pack different token counts
     if shape.rope_scaling is not None:
         rope = model.rotary_pos_emb
         rope.inv_freq = llama3_scaled_inv_freq(rope.inv_freq.cpu(), shape.rope_scaling).to(rope.inv_freq.device)

@@ -136,6 +136,14 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._functions)
 
+    def all_names(self) -> list[str]:
+        """`names()` once the built-in and custom modules have registered theirs."""
+        # Imported here: the built-in kernel modules that discovery imports register into this module's registries.
+        from stacx.objectives.discovery import import_builtin_and_custom_modules
+
+        import_builtin_and_custom_modules()
+        return self.names()
+
     def unregister(self, name: str) -> None:
         """Remove a name (tests and interactive sessions that redefine a kernel)."""
         if name not in self._functions:
@@ -227,64 +235,21 @@ def register_loss(name: str, *, aliases: Iterable[str] = ()):
     return LOSSES.register(name, aliases=aliases)
 
 
-def get_advantage(name: str) -> Callable:
-    return ADVANTAGES.get(name)
+# Look-ups by name; an unknown name raises ValueError with the closest and the registered names.
+get_advantage = ADVANTAGES.get
+get_policy_loss = POLICY_LOSSES.get
+get_kl_estimator = KL_ESTIMATORS.get
+get_off_policy_correction = OFF_POLICY_CORRECTIONS.get
+get_loss = LOSSES.get
+get_policy_loss_traits = POLICY_LOSSES.traits
+get_off_policy_correction_traits = OFF_POLICY_CORRECTIONS.traits
+get_advantage_traits = ADVANTAGES.traits
 
 
-def get_policy_loss(name: str) -> Callable:
-    return POLICY_LOSSES.get(name)
-
-
-def get_kl_estimator(name: str) -> Callable:
-    return KL_ESTIMATORS.get(name)
-
-
-def get_off_policy_correction(name: str) -> Callable:
-    return OFF_POLICY_CORRECTIONS.get(name)
-
-
-def get_loss(name: str) -> Callable:
-    return LOSSES.get(name)
-
-
-def get_policy_loss_traits(name: str) -> KernelTraits:
-    return POLICY_LOSSES.traits(name)
-
-
-def get_off_policy_correction_traits(name: str) -> KernelTraits:
-    return OFF_POLICY_CORRECTIONS.traits(name)
-
-
-def get_advantage_traits(name: str) -> KernelTraits:
-    return ADVANTAGES.traits(name)
-
-
-def _listing(registry: Registry) -> list[str]:
-    from stacx.objectives.discovery import import_builtin_and_custom_modules
-
-    import_builtin_and_custom_modules()
-    return registry.names()
-
-
-def list_advantages() -> list[str]:
-    return _listing(ADVANTAGES)
-
-
-def list_policy_losses() -> list[str]:
-    return _listing(POLICY_LOSSES)
-
-
-def list_kl_estimators() -> list[str]:
-    return _listing(KL_ESTIMATORS)
-
-
-def list_off_policy_corrections() -> list[str]:
-    return _listing(OFF_POLICY_CORRECTIONS)
-
-
-def list_losses() -> list[str]:
-    return _listing(LOSSES)
-
-
-def list_aggregation_modes() -> list[str]:
-    return _listing(AGGREGATIONS)
+# Every registered name, the built-in and custom modules imported first.
+list_advantages = ADVANTAGES.all_names
+list_policy_losses = POLICY_LOSSES.all_names
+list_kl_estimators = KL_ESTIMATORS.all_names
+list_off_policy_corrections = OFF_POLICY_CORRECTIONS.all_names
+list_losses = LOSSES.all_names
+list_aggregation_modes = AGGREGATIONS.all_names

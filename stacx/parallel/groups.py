@@ -165,6 +165,9 @@ def initialize_parallel_layout(
     must also be a multiple of ep * etp (etp defaults to tp, megatron's default); edp is what remains
     there. Must be called on every rank after the default process group exists.
     """
+    from stacx.parallel.megatron_import import import_megatron_core
+
+    import_megatron_core()  # most processes import megatron-core first here
     from megatron.core import parallel_state
 
     from stacx.parallel import megatron_cpu_compat

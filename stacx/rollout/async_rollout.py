@@ -333,7 +333,8 @@ class AsyncRollout:
                                       prompts_per_step=self.groups_per_step, samples_per_prompt=self.samples_per_group)
             requests.append(GenerateRequest(input_ids=tuple(prompt.example.prompt_ids),
                                             sampling=dataclasses.replace(self._sampling, seed=seed),
-                                            return_logprob=True, rid=f"{self._rid_prefix}-g{group_id}-s{sample}"))
+                                            return_logprob=True, rid=f"{self._rid_prefix}-g{group_id}-s{sample}",
+                                            return_routed_experts=self._manager.return_routed_experts))
         run = _GroupRun(prompt, requests, [None] * len(requests))
         with self._lock:
             self._runs[group_id] = run
@@ -452,6 +453,7 @@ class AsyncRollout:
                 finish_reason=output.finish_reason, weight_version=output.weight_version, label=example.label,
                 metadata={**(example.metadata or {}), "prompt_index": run.prompt.index,
                           "token_versions": list(output.output_token_versions)},
+                routed_experts=output.routed_experts,
             ))
         self._manager.decode(samples)
         self._manager.score_rewards(samples)

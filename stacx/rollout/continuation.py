@@ -88,4 +88,6 @@ def join_outputs(so_far: GenerateOutput, continued: GenerateOutput) -> GenerateO
         output_token_ids_log_probs=so_far.output_token_ids_log_probs + continued.output_token_ids_log_probs,
         output_token_versions=versions,
         weight_version=min(versions) if versions else continued.weight_version,
+        # the continuation ran the whole sequence (prompt and the tokens so far) again: its routes cover it
+        routed_experts=continued.routed_experts,
     )

@@ -54,6 +54,9 @@ class Sample:
     teacher_top_log_probs: Optional[torch.Tensor] = None
     """[R, K] teacher top-K log-probs (with teacher_top_ids [R, K]) when num_teacher_top_log_probs = K > 0."""
     teacher_top_ids: Optional[torch.Tensor] = None
+    routed_experts: Optional[torch.Tensor] = None
+    """[len(tokens) - 1, MoE layers, top_k] int32: the experts the engine routed each token to, when the
+    rollout asked for them (--use-routing-replay; `GenerateOutput.routed_experts`)."""
 
     @property
     def tokens(self) -> list[int]:
@@ -88,6 +91,7 @@ class RolloutManager:
         seed: int = 0,
         reward_workers: int = 8,
         reward_timeout_s: Optional[float] = None,
+        return_routed_experts: bool = False,
         teacher_top_k: None = None,
     ):
         """num_teacher_top_log_probs: how many of the teacher's top log-probs (and their ids) to fetch per
@@ -106,6 +110,8 @@ class RolloutManager:
         self.reward_workers = reward_workers
         self.reward_timeout_s = reward_timeout_s
         self._seeds = itertools.count(seed * 1_000_003)
+        self.return_routed_experts = return_routed_experts
+        """Ask the engine for each token's routed experts (--use-routing-replay)."""
 
     def generate(
         self,
@@ -128,7 +134,8 @@ class RolloutManager:
         for index, prompt in enumerate(prompts):
             for _ in range(n_samples_per_prompt):
                 seeded = SamplingParams(**{**sampling.__dict__, "seed": next(self._seeds)}) if sampling.seed is None else sampling
-                requests.append(GenerateRequest(input_ids=tuple(prompt), sampling=seeded, return_logprob=True))
+                requests.append(GenerateRequest(input_ids=tuple(prompt), sampling=seeded, return_logprob=True,
+                                                return_routed_experts=self.return_routed_experts))
                 owners.append(index)
         outputs = self.engine.generate(requests)
         samples = []
@@ -138,7 +145,7 @@ class RolloutManager:
                 rollout_log_probs=list(output.output_log_probs), loss_mask=[1] * len(output.output_ids),
                 executors=[int(Executor.STUDENT)] * len(output.output_ids), group_index=index,
                 finish_reason=output.finish_reason, weight_version=output.weight_version,
-                label=labels[index], metadata=dict(metadatas[index] or {}),
+                label=labels[index], metadata=dict(metadatas[index] or {}), routed_experts=output.routed_experts,
             ))
         self.decode(samples)
         self.score_rewards(samples)

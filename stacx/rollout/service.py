@@ -94,7 +94,8 @@ class LaunchedEngine:
 def launch_engine(kind: EngineKind, rollout: RolloutSection, *, hf_checkpoint: str) -> LaunchedEngine:
     """Start the servers of `kind` (which has a launcher), with a fresh secret when the kind owns one."""
     api_key = secrets.token_urlsafe(32) if kind.owns_secret else None
-    servers = kind.launcher(ServerLaunch(hf_checkpoint=hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key))
+    servers = kind.launcher(ServerLaunch(hf_checkpoint=hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key,
+                                         return_routed_experts=rollout.use_routing_replay))
     return LaunchedEngine(kind=kind.name, servers=servers, api_key=api_key)
 
 
@@ -214,6 +215,7 @@ class RolloutService:
             reward_timeout_s=self.rollout_section.reward_timeout_s,
             teacher=self.teacher if with_teacher else None, num_teacher_top_log_probs=self.num_teacher_top_log_probs,
             seed=self.rollout_section.rollout_seed * 100_003 + step + seed_offset,
+            return_routed_experts=self.rollout_section.use_routing_replay,
         )
 
     def teacher_engine(self):

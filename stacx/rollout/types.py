@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -93,6 +95,9 @@ class GenerateRequest:
     """Also return the K most likely tokens (log-prob, id) at each returned position."""
     token_ids_logprob: tuple[int, ...] = ()
     """Also return the log-probs of these token ids at each returned position."""
+    return_routed_experts: bool = False
+    """Also return the experts every MoE layer routed each token to (`GenerateOutput.routed_experts`;
+    SGLang's `return_routed_experts`, which needs its server flag `--enable-return-routed-experts`)."""
     rid: Optional[str] = None
     """Request id (SGLang's `rid`): `InferenceEngine.abort([rid])` stops this request; None: it can
     only be stopped by aborting every request."""
@@ -134,6 +139,11 @@ class GenerateOutput:
     weight_version: int = 0
     """The oldest weight version among the output's tokens (the engine's version when it started,
     for an output without tokens); one engine call uses one version for all of its tokens."""
+    routed_experts: Optional[torch.Tensor] = None
+    """With `return_routed_experts`: [len(input_ids) + len(output_ids) - 1, MoE layers, top_k] int32, the
+    experts each token the engine ran through the model was sent to (prompt and output tokens; the last
+    output token is never run), expert ids ascending per row. The routes of routing replay
+    (stacx.models.routing_replay). None when not asked for."""
 
 
 @dataclass(frozen=True)

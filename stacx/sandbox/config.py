@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Callable, Optional
 
 from stacx.sandbox.bubblewrap import BubblewrapSandbox
-from stacx.sandbox.limits import SandboxLimits
+from stacx.sandbox.limits import SandboxLimits, refuse_unknown_keys
 from stacx.sandbox.namespace import NamespaceSandbox
 from stacx.sandbox.process import RunSlots
 from stacx.sandbox.protocol import Sandbox
@@ -54,10 +54,7 @@ class SandboxConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "SandboxConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown sandbox setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        refuse_unknown_keys(cls, values, what="sandbox setting", known_as="known")
         values = dict(values)
         if isinstance(values.get("limits"), dict):
             values["limits"] = SandboxLimits.from_dict(values["limits"])

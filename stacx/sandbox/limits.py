@@ -46,10 +46,7 @@ class SandboxLimits:
     @classmethod
     def from_dict(cls, values: dict) -> "SandboxLimits":
         """Limits from a mapping (a config section or a JSON body); unknown keys are named in the error."""
-        known = {field.name for field in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown sandbox limit(s) {', '.join(unknown)}; known limits: {', '.join(sorted(known))}")
+        refuse_unknown_keys(cls, values, what="sandbox limit", known_as="known limits")
         return cls(**values)
 
     def to_dict(self) -> dict:
@@ -61,3 +58,11 @@ class SandboxLimits:
         return [f"--cpu={int(self.cpu_time_s)}:{int(self.cpu_time_s) + 1}", f"--as={int(self.memory_bytes)}",
                 f"--nproc={int(self.max_processes)}", f"--fsize={int(self.max_file_bytes)}",
                 f"--nofile={int(self.max_open_files)}", "--core=0"]
+
+
+def refuse_unknown_keys(cls, values, *, what: str, known_as: str) -> None:
+    """ValueError naming the keys of `values` that are no field of the dataclass `cls`, and the known ones."""
+    known = {field.name for field in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {what}(s) {', '.join(unknown)}; {known_as}: {', '.join(sorted(known))}")

@@ -19,7 +19,7 @@ from typing import Optional
 
 from stacx.sandbox.limits import SandboxLimits
 from stacx.sandbox.process import Launch, RunSlots, kill_tree, run_launcher
-from stacx.sandbox.protocol import Command, RunResult, SandboxClosedError, SandboxUnavailableError, Source
+from stacx.sandbox.protocol import ClosedOnExit, Command, RunResult, SandboxClosedError, SandboxUnavailableError, Source
 from stacx.sandbox.working_copy import give_to, make_working_copy
 
 SANDBOX_UID_WHEN_ROOT = 65534
@@ -56,7 +56,7 @@ def as_argv(command: Command) -> list[str]:
     return list(command)
 
 
-class LocalSession:
+class LocalSession(ClosedOnExit):
     """A working copy in a private host folder and the launchers running in it."""
 
     def __init__(self, sandbox: "LocalSandbox", source: Source):
@@ -107,12 +107,6 @@ class LocalSession:
         for process in live:
             process.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
-
-    def __enter__(self) -> "LocalSession":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class LocalSandbox:

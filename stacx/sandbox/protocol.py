@@ -65,6 +65,16 @@ class RunResult:
                 "killed": self.killed, "output_truncated": self.output_truncated, "duration_s": self.duration_s}
 
 
+class ClosedOnExit:
+    """What every session class shares: `with sandbox.session(source) as session:` closes it on exit."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 @runtime_checkable
 class SandboxSession(Protocol):
     """One working copy and the commands run in it."""

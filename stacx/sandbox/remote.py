@@ -15,7 +15,7 @@ import requests
 
 from stacx.sandbox.limits import SandboxLimits
 from stacx.sandbox.process import RunSlots
-from stacx.sandbox.protocol import Command, RunResult, SandboxClosedError, SandboxUnavailableError, Source
+from stacx.sandbox.protocol import ClosedOnExit, Command, RunResult, SandboxClosedError, SandboxUnavailableError, Source
 from stacx.sandbox.working_copy import pack_folder
 
 RESULT_FIELDS = tuple(field.name for field in fields(RunResult))
@@ -24,7 +24,7 @@ REQUEST_MARGIN_S = 30.0
 """Seconds an HTTP call may take beyond the command's wall-time limit (upload, start-up, queueing)."""
 
 
-class RemoteSession:
+class RemoteSession(ClosedOnExit):
     def __init__(self, sandbox: "RemoteSandbox", session_id: str):
         self._sandbox = sandbox
         self.session_id = session_id
@@ -47,12 +47,6 @@ class RemoteSession:
             return
         self._closed = True
         self._sandbox.request("DELETE", f"/sessions/{self.session_id}", timeout=REQUEST_MARGIN_S)
-
-    def __enter__(self) -> "RemoteSession":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class RemoteSandbox:

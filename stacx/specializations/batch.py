@@ -31,6 +31,8 @@ PER_RESPONSE_FIELDS = (
 )
 #: Per-sequence fields: one value per sample.
 PER_SEQUENCE_FIELDS = ("pair_ids", "is_chosen")
+#: Per-token fields: one tensor per sample covering its prompt and response tokens (model inputs, not targets).
+PER_TOKEN_FIELDS = ("routed_experts",)
 #: Names the step batch dict used to carry, and the one field that holds each now.
 RENAMED_FIELDS = {"old_log_probs": "log_probs", "group_indices": "prompt_id"}
 
@@ -66,6 +68,9 @@ class SampleFields:
     """DPO: the pair each sequence belongs to (both halves share a micro-batch)."""
     is_chosen: Optional[list[bool]] = None
     """DPO: whether the sequence is the chosen (True) or rejected half of its pair."""
+    routed_experts: Tensors = None
+    """[L_i - 1, MoE layers, top_k] int: the experts the rollout engine sent each token to (all but the
+    last, which it never ran); set with --use-routing-replay, whose policy forwards replay them."""
 
     # ---- read access by name (for code that names fields in data: syncs, compute_fields) ------
 
@@ -93,7 +98,7 @@ class SampleFields:
 
     def per_sample_fields(self) -> Iterator[tuple[str, Any]]:
         """(name, value) of every set per-response and per-sequence field."""
-        for name in (*PER_RESPONSE_FIELDS, *PER_SEQUENCE_FIELDS):
+        for name in (*PER_RESPONSE_FIELDS, *PER_SEQUENCE_FIELDS, *PER_TOKEN_FIELDS):
             value = getattr(self, name)
             if value is not None:
                 yield name, value
@@ -160,6 +165,23 @@ class MicroBatch(SampleFields):
         """(this CP rank's tokens [T_local], the global padded lengths) for `stacx.models.forward_packed`."""
         return self.layout.slice_tokens(self.tokens), list(self.layout.padded_lengths)
 
+    def model_routes(self) -> torch.Tensor:
+        """This CP rank's routes [T_local, MoE layers, top_k] (or [T_local, layers * top_k] as SGLang sends
+        them) int64, aligned with `model_inputs()`'s tokens; -1 on tokens no engine ran (each sequence's last,
+        CP padding). Raises when the micro-batch carries no `routed_experts`."""
+        if self.routed_experts is None:
+            raise ValueError("this micro-batch carries no routed_experts: --use-routing-replay needs the rollout "
+                             "engine to return them (docs/models.md, 'Routing replay')")
+        pieces = []
+        for index, (routes, length) in enumerate(zip(self.routed_experts, self.layout.lengths)):
+            routes = torch.as_tensor(routes, dtype=torch.long)
+            if routes.dim() not in (2, 3) or routes.shape[0] not in (length - 1, length):
+                raise ValueError(f"routed_experts[{index}] has shape {tuple(routes.shape)}; sequence {index} has "
+                                 f"{length} tokens, so [{length - 1}, MoE layers, top_k] was expected")
+            missing = routes.new_full((length - routes.shape[0], *routes.shape[1:]), -1)
+            pieces.append(torch.cat([routes, missing]))
+        return self.layout.slice_tokens(torch.cat(pieces), fill=-1)
+
     def sequence_token_counts(self) -> list[int]:
         """n_i: loss tokens of each WHOLE response (the reducer's sequence_token_counts)."""
         return [int(n) for n in loss_token_counts(self.loss_masks)]
@@ -177,6 +199,6 @@ def model_inputs(batch: MicroBatch) -> tuple[torch.Tensor, list[int]]:
 
 
 __all__ = [
-    "MicroBatch", "PER_RESPONSE_FIELDS", "PER_SEQUENCE_FIELDS", "RENAMED_FIELDS", "SampleFields",
+    "MicroBatch", "PER_RESPONSE_FIELDS", "PER_SEQUENCE_FIELDS", "PER_TOKEN_FIELDS", "RENAMED_FIELDS", "SampleFields",
     "model_inputs", "pack_micro_batch",
 ]

@@ -44,7 +44,7 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
-RANK_PRELOAD_MODULES = ("torch", "torch.distributed", "megatron.core", "stacx.parallel.groups")
+RANK_PRELOAD_MODULES = ("torch", "torch.distributed", "stacx.testing.megatron_preload", "stacx.parallel.groups")
 """Imported once by the forkserver every rank is forked from (what each rank would import anyway)."""
 
 

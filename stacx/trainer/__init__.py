@@ -8,6 +8,8 @@ Submodules import their heavy dependencies (Ray, megatron-core) where they use t
 
 import os
 
+from stacx.lazy_names import lazy_names
+
 
 def run_training(run_config) -> dict:
     """Train with the right launcher: SPMD under torchrun, Ray otherwise. Returns the last metrics.
@@ -34,20 +36,14 @@ def run_training(run_config) -> dict:
     return trainer.run()
 
 
-def __getattr__(name):
-    # Lazy exports: `from stacx.trainer import StacxTrainer` without importing Ray at package import.
-    lazy = {
-        "StacxTrainer": "stacx.trainer.loop",
-        "create_trainer": "stacx.trainer.factory",
-        "run_spmd": "stacx.trainer.spmd",
-        "RoleRuntime": "stacx.trainer.runtime",
-        "RolloutService": "stacx.rollout.service",
-    }
-    if name in lazy:
-        import importlib
-
-        return getattr(importlib.import_module(lazy[name]), name)
-    raise AttributeError(f"module 'stacx.trainer' has no attribute {name!r}")
-
+# Lazy exports: `from stacx.trainer import StacxTrainer` without importing Ray at package import.
+_EXPORTS = {
+    "stacx.trainer.loop": ("StacxTrainer",),
+    "stacx.trainer.factory": ("create_trainer",),
+    "stacx.trainer.spmd": ("run_spmd",),
+    "stacx.trainer.runtime": ("RoleRuntime",),
+    "stacx.rollout.service": ("RolloutService",),
+}
+_, __getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals())
 
 __all__ = ["RoleRuntime", "RolloutService", "StacxTrainer", "create_trainer", "run_spmd", "run_training"]

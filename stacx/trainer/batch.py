@@ -62,6 +62,13 @@ class StepBatch(SampleFields):
         )
         if samples and all(s.teacher_log_probs is not None for s in samples):
             batch.teacher_log_probs = [torch.tensor(s.teacher_log_probs, dtype=torch.float32) for s in samples]
+        routed = [s.routed_experts is not None for s in samples]
+        if any(routed) and not all(routed):
+            raise ValueError(f"--use-routing-replay: {routed.count(False)} of {len(samples)} samples carry no routed "
+                             "experts (multi-turn environment episodes, DAgger roll-ins and --agent rollouts do not "
+                             "return them yet); drop --use-routing-replay for this run")
+        if samples and all(routed):
+            batch.routed_experts = [s.routed_experts for s in samples]
         if samples and all(s.teacher_top_log_probs is not None for s in samples):
             batch.teacher_top_log_probs = [s.teacher_top_log_probs for s in samples]
             batch.teacher_top_ids = [s.teacher_top_ids for s in samples]

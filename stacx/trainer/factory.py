@@ -121,12 +121,6 @@ def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None)
     plan = rollout_plan(training_config, run_config)  # a bad roll-in fails before anything starts
     check_async_supported(run_config.rollout, plan, algorithm)
     check_agent_supported(run_config, training_config)
-    parallel = run_config.parallel
-    if parallel.expert_model_parallel_size > 1 or (parallel.expert_tensor_parallel_size or 1) > 1:
-        raise ValueError(f"--expert-model-parallel-size {parallel.expert_model_parallel_size} / "
-                         f"--expert-tensor-parallel-size {parallel.expert_tensor_parallel_size}: roles on Ray do not "
-                         "spread experts yet; launch a one-role recipe with torchrun (torchrun --nproc-per-node N "
-                         "-m stacx.train ...), or use --expert-model-parallel-size 1 on Ray")
     verify_start_folders(run_config.model, training_config)  # once, here, rather than on every worker
     connection = connect_ray(run_config.parallel.ray_address)
     graph, rollout = None, None

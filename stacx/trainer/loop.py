@@ -284,6 +284,9 @@ class StacxTrainer:
         else:
             samples, metrics = self.step_rollout.collect(step)
         batch = StepBatch.from_samples(samples)
+        if self.run_config.rollout.use_routing_replay and batch.routed_experts is None:
+            raise ValueError("--use-routing-replay: the rollout returned no routed experts (multi-turn environment "
+                             "episodes, DAgger roll-ins and --agent rollouts do not carry them yet); drop the flag")
         batch.rewards = self.shaped_rewards(batch)
         if batch.teacher_log_probs is not None:  # over student-executed tokens (teacher ones hold the +1.0 sentinel)
             metrics["rollout/teacher_log_prob_mean"] = _masked_mean(

@@ -80,6 +80,7 @@ def run_preflight(run_config: RunConfig, training_config: TrainingConfig, algori
     check_checkpoints(run_config, training_config, algorithm)
     check_parallel_layout(run_config)
     check_expert_layout(run_config)
+    check_routing_replay(run_config, training_config)
     check_mini_batches(run_config, training_config)
     check_rollout_mode(run_config, training_config, algorithm)
     check_resume_and_save(run_config)
@@ -291,6 +292,24 @@ def check_expert_layout(run_config: RunConfig) -> None:
                              "mixture-of-experts model needs sequence parallelism (megatron's MoE layer requires it "
                              "at tp > 1): add --sequence-parallel, or use --tensor-model-parallel-size 1 and spread "
                              "the experts with --expert-model-parallel-size")
+
+
+def check_routing_replay(run_config: RunConfig, training_config: TrainingConfig) -> None:
+    """--use-routing-replay needs routed experts (a mixture-of-experts model) and a rollout that returns
+    them for every sample: single-turn generations (sync or async), not environment-driven roll-ins or agents."""
+    rollout = run_config.rollout
+    if not rollout.use_routing_replay:
+        return
+    config = read_model_config(run_config.model.hf_checkpoint)
+    if config and not (config.get("num_experts") or config.get("num_local_experts")):
+        raise PreflightError(f"--use-routing-replay needs a mixture-of-experts model; "
+                             f"{run_config.model.hf_checkpoint}/config.json has no num_experts (drop the flag)")
+    if rollout.agent or rollout.agent_command:
+        raise PreflightError("--use-routing-replay with --agent / --agent-command: agent turns come through the "
+                             "OpenAI-compatible endpoint, which returns no routed experts yet; drop the flag")
+    if training_config.rollin_protocol is not None:
+        raise PreflightError(f"--use-routing-replay with the {training_config.rollin_protocol!r} roll-in of recipe "
+                             f"{training_config.name!r}: roll-ins return no routed experts yet; drop the flag")
 
 
 def check_mini_batches(run_config: RunConfig, training_config: TrainingConfig) -> None:

@@ -5,11 +5,14 @@ import json
 import pytest
 
 from stacx.launch.demo.diffusion import DiffusionDemoSettings, format_summary, run_diffusion_demo
+from stacx.launch.demo.phases import OnPolicyPhase, SftPhase
 
 
 @pytest.mark.slow
 def test_diffusion_demo_writes_summary_sample_grid_and_reward_curve(tmp_path):
-    settings = DiffusionDemoSettings(sft_steps=6, sft_batch_size=8, rl_steps=2, rl_prompts_per_step=2, rl_group_size=2,
+    settings = DiffusionDemoSettings(sft=SftPhase(recipe="flow_matching_sft", steps=6, batch_size=8, lr=2e-3),
+                                     rl=OnPolicyPhase(recipe="flow_grpo", steps=2, prompts_per_step=2, samples_per_prompt=2,
+                                                      lr=1e-3),
                                      eval_every=1, eval_samples_per_prompt=1, num_inference_steps=3)
     summary = run_diffusion_demo(settings, str(tmp_path), log=lambda _: None)
     with open(tmp_path / "summary.json") as f:

@@ -3,11 +3,14 @@
 torchrun (every rank imports it), plus a recipe file in `stacx/custom/` (no import cycle). Both runs
 also roll out on a toy engine kind registered in a `--custom-module` file (toy_engine.py, issue 29):
 its launcher starts the servers, the driver generates through its client, and the policy ranks push
-their weights through it."""
+their weights through it. Both train a tiny Qwen3-MoE model with its experts spread over two ranks
+(--expert-model-parallel-size 2, issue 31): on Ray the role workers build the expert grid, and the
+engine (the CPU engine's server) serves the mixture-of-experts weights both ranks push."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -35,6 +38,24 @@ def toy_engine_calls(log: str) -> list[tuple[str, int]]:
     """(call, process id) of every call the toy engine noted."""
     with open(log) as handle:
         return [(call, int(pid)) for call, pid in (line.split() for line in handle)]
+
+
+EXPERTS_ON_TWO_RANKS = ["--data-parallel-size", "2", "--expert-model-parallel-size", "2"]
+MOE_TOP_K = 2
+SORTING_PROMPT_TOKENS = 6  # five digits and "=", the character tokenizer's one token each
+
+
+def assert_moe_steps_trained_on_both_expert_ranks(steps: list[dict]) -> None:
+    """Each step's loss is finite, and every MoE layer's logged expert load counts top-k slots for every token of
+    the step's sequences (prompt and response), those of the rank holding experts 0-1 and of the one holding
+    2-3: a rank whose tokens were not dispatched, or whose counts were not reduced, would leave about half."""
+    for step in steps:
+        assert math.isfinite(step["policy/loss"]), step
+        num_tokens = SORTING_PROMPT_TOKENS * step["policy/num_sequences"] + step["policy/num_loss_tokens"]
+        for layer in range(2):
+            routed = sum(step[f"policy/moe/layer{layer}/expert{e}_tokens"] for e in range(4))
+            assert routed == MOE_TOP_K * num_tokens, (layer, routed, num_tokens)
+        assert step["policy/moe/max_imbalance"] >= 1.0
 
 
 def train_env(extra: dict | None = None) -> dict:
@@ -84,24 +105,42 @@ def tiny_checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "sorting"), "sorting", seed=0)
 
 
+@pytest.fixture(scope="module")
+def tiny_moe_checkpoint(tmp_path_factory):
+    """A tiny random Qwen3-MoE (4 experts, top-2: stacx.models.testing) with the sorting task's tokenizer."""
+    from stacx.models.testing import save_tiny_hf_checkpoint
+    from stacx.rollout.tokenizer import build_char_tokenizer
+    from stacx.tasks import get_task
+
+    folder = str(tmp_path_factory.mktemp("moe") / "sorting")
+    tokenizer = build_char_tokenizer(get_task("sorting").alphabet)
+    save_tiny_hf_checkpoint(folder, "qwen3_moe", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("launcher", ["ray"])
-def test_custom_estimator_and_loss_from_a_file_train_on_every_rank(launcher, tiny_checkpoint, tmp_path, request):
+def test_custom_estimator_and_loss_from_a_file_train_on_every_rank(launcher, tiny_moe_checkpoint, tmp_path, request):
     """The issue's first command (the example's config, tiny sizes): failed in Ray workers with
     `unknown policy loss 'tempered_pg'` before the source was shipped. Under torchrun every rank imports
     the file itself; a file registering an estimator and a loss runs there in
     test_design_doc_examples.py (padded_plugins/my_algorithm.py with its YAML), and a specialization
-    file below."""
+    file below. GRPO of a Qwen3-MoE model with its experts on two Ray workers (refused on Ray before)."""
     toy_flags, toy_log = toy_engine_flags(tmp_path)
     steps = run_stacx_train(launcher, [
         "--custom-module", "examples/custom_algorithm/my_algo.py", "--config", "examples/configs/grpo.yaml",
         "--advantage-estimator", "rank_centered", "--policy-loss", "tempered_pg",
-        "--algorithm-param", "pg_temperature=0.5", "--hf-checkpoint", tiny_checkpoint, "--ref-load", tiny_checkpoint,
-        "--save", str(tmp_path / "checkpoints"), *SMALL_ROLLOUT, *toy_flags], str(tmp_path / "out"),
+        "--algorithm-param", "pg_temperature=0.5", "--hf-checkpoint", tiny_moe_checkpoint,
+        "--ref-load", tiny_moe_checkpoint, *EXPERTS_ON_TWO_RANKS, "--save", str(tmp_path / "checkpoints"), *SMALL_ROLLOUT, *toy_flags], str(tmp_path / "out"),
         ray_address=ray_address_for(launcher, request), env={"STACX_TEST_TOY_ENGINE_LOG": toy_log})
     # The kernel's own metric is logged (tempered ratio sum / loss tokens, 1 on policy).
     assert all(step["policy/tempered_ratio"] == pytest.approx(1.0, abs=1e-4) for step in steps)
+    assert_moe_steps_trained_on_both_expert_ranks(steps)
+    # Step 1 sampled from the weights both expert ranks pushed after step 0 (the engine confirms the version).
+    assert [step["rollout/weight_version"] for step in steps] == [0.0, 1.0]
     # The driver launched and sampled through the toy kind; the Ray workers (which see none of this
     # environment, so note nothing) looked it up in the shipped file to push weights 1 and 2: an
     # unknown kind would have failed the run, and the engine confirms each version it serves.
@@ -112,20 +151,22 @@ def test_custom_estimator_and_loss_from_a_file_train_on_every_rank(launcher, tin
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("launcher", ["torchrun"])
-def test_custom_specialization_class_and_recipe_from_a_file_train_on_every_rank(launcher, tiny_checkpoint, tmp_path,
+def test_custom_specialization_class_and_recipe_from_a_file_train_on_every_rank(launcher, tiny_moe_checkpoint, tmp_path,
                                                                                request):
     """docs/adding-an-algorithm.md §4: failed on Ray with `No module named 'stacx_user_module_...'`
     (the specialization class is pickled by reference to the user module). The reward comes from a
     file (`--reward-fn FILE.py:fn`), which was refused with `No module named '<path>'` (issue 27); it runs
     on the driver, so the launcher does not matter for it. On Ray, a specialization and its recipe from
-    a file train in test_design_doc_examples.py (specialization_in_one_file/my_algo.py)."""
+    a file train in test_design_doc_examples.py (specialization_in_one_file/my_algo.py). The two ranks hold
+    two experts each of a Qwen3-MoE model (--expert-model-parallel-size 2)."""
     toy_flags, toy_log = toy_engine_flags(tmp_path)
     steps = run_stacx_train(launcher, [
         "--custom-module", "examples/custom_specialization/reward_weighted_sft.py", "--algorithm",
-        "reward_weighted_sft", "--algorithm-param", "rwr_temperature=0.5", "--hf-checkpoint", tiny_checkpoint,
-        *SMALL_ROLLOUT, "--reward-fn", "tests/launch/constant_reward.py:quarter", *toy_flags], str(tmp_path / "out"),
+        "reward_weighted_sft", "--algorithm-param", "rwr_temperature=0.5", "--hf-checkpoint", tiny_moe_checkpoint,
+        "--expert-model-parallel-size", "2", *SMALL_ROLLOUT, "--reward-fn", "tests/launch/constant_reward.py:quarter", *toy_flags], str(tmp_path / "out"),
         ray_address=ray_address_for(launcher, request), env={"STACX_TEST_TOY_ENGINE_LOG": toy_log})
     assert all(step["policy/weighted_nll"] > 0 and step["policy/mean_weight"] > 0 for step in steps)
+    assert_moe_steps_trained_on_both_expert_ranks(steps)
     assert all(step["rollout/reward_mean"] == pytest.approx(0.25) for step in steps)
     # Rank 0 drives: it launched the toy servers and sampled through the toy client; as the policy's
     # TP/DP rank 0 it pushed weights 1 and 2 through the same kind.

@@ -159,6 +159,9 @@ def export_buckets_and_torch_dist(groups, hf_dir, out_dir, dist_dir, bad_dir):
     load_hf_checkpoint(model, hf_dir, groups)
     export_hf_checkpoint(model, out_dir, groups, hf_dir)
     buckets = [[(name, t.clone()) for name, t in bucket] for bucket in iter_hf_weight_buckets(model, groups, 20_000)]
+    # What a weight push streams (RoleRuntime.weight_buckets): only TP rank 0 receives the gathered tensors.
+    pushed = [[(name, t.clone()) for name, t in bucket]
+              for bucket in iter_hf_weight_buckets(model, groups, 20_000, only_to_tp_rank=0)]
     save_torch_dist(dist_dir, model, groups=groups)
     reloaded = build_model(hf_dir, groups)
     load_torch_dist(dist_dir, reloaded)
@@ -168,7 +171,7 @@ def export_buckets_and_torch_dist(groups, hf_dir, out_dir, dist_dir, bad_dir):
         error = None
     except CheckpointMismatchError as err:
         error = str(err)
-    return buckets, same, error
+    return buckets, pushed, same, error
 
 
 @pytest.mark.distributed
@@ -183,7 +186,7 @@ def test_tp2_export_is_byte_identical_and_buckets_stream_every_tensor(tmp_path):
     _assert_identical(_read_hf_folder(out_dir), original)
     assert "lm_head.weight" not in original  # tied: nothing extra is written either
 
-    (buckets_0, same_0, error_0), (buckets_1, _, _) = results
+    (buckets_0, pushed_0, same_0, error_0), (buckets_1, pushed_1, _, _) = results
     streamed = [pair for bucket in buckets_0 for pair in bucket]
     _assert_identical(dict(streamed), original)
     assert len(streamed) == len(original)  # each tensor exactly once
@@ -192,6 +195,10 @@ def test_tp2_export_is_byte_identical_and_buckets_stream_every_tensor(tmp_path):
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
         assert len(bucket) == 1 or nbytes <= 20_000
     assert len(buckets_0) > 3
+    # A TP=2 push: TP rank 0 sends the same buckets, tensor for tensor; TP rank 1 only took part in the gathers.
+    assert [[name for name, _ in b] for b in pushed_0] == [[name for name, _ in b] for b in buckets_0]
+    assert all(torch.equal(a, b) for pa, ba in zip(pushed_0, buckets_0) for (_, a), (_, b) in zip(pa, ba))
+    assert pushed_1 == []
 
     assert same_0  # a live tp=2 model's torch_dist save loads back bitwise
     assert error_0 is not None and "model.layers.0.mlp.gate_proj.weight" in error_0 and "[64, 64]" in error_0

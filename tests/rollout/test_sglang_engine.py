@@ -30,6 +30,9 @@ class FakeSglang(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self):
+        if self.path == "/get_server_info":  # SGLang's server args, `tp_size` among them
+            self.server.state.setdefault("calls", []).append((self.path, None))
+            return self._answer({"tp_size": 2, "model_path": "fake"})
         self._answer({"model_path": "fake", "weight_version": self.server.state.get("version", "0")})
 
     def do_POST(self):
@@ -92,6 +95,17 @@ def test_update_from_tensor_requests(fake_sglang):
                                          "load_format": None, "flush_cache": True, "weight_version": "4"}),
     ]
     assert engine.weight_version() == 4
+
+
+def test_update_from_tensor_sends_one_entry_per_tp_rank_the_server_reports(fake_sglang):
+    url = f"http://127.0.0.1:{fake_sglang.server_address[1]}"
+    engine = SglangEngine(url, weight_update="tensor", serializer=lambda named: "|".join(n for n, _ in named),
+                          retry=RetryPolicy(max_attempts=1))  # as `engine_client("sglang", url)` builds it
+    engine.update_weights(_buckets(), version=2)
+    calls = fake_sglang.state["calls"]
+    assert [path for path, _ in calls] == ["/get_server_info"] + ["/update_weights_from_tensor"] * 2  # asked once
+    assert [body["serialized_named_tensors"] for _, body in calls[1:]] == [
+        ["model.embed_tokens.weight|model.norm.weight"] * 2, ["lm_head.weight"] * 2]
 
 
 def test_update_from_distributed_broadcasts_every_tensor(fake_sglang):

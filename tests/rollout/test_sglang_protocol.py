@@ -158,3 +158,29 @@ def test_abort_payload_and_continuation_mistakes_name_the_field():
     # a request without a rid in a batch that has some: SGLang takes all rids or none, so it gets one
     mixed = build_generate_payload([request, GenerateRequest(input_ids=(5,))])
     assert mixed["rid"][0] == "rollout-0" and isinstance(mixed["rid"][1], str) and mixed["rid"][1]
+
+
+def test_routed_experts_requested_and_parsed_in_sglangs_format():
+    recorded = _load("sglang_generate_routed_experts.json")
+    request = GenerateRequest(input_ids=(11, 12, 13), return_routed_experts=True,
+                              sampling=SamplingParams(max_new_tokens=2, temperature=1.0))
+    assert build_generate_payload([request]) == recorded["request"]
+    (output,) = parse_generate_response(recorded["response"], [request])
+    assert output.routed_experts.dtype == torch.int32
+    assert output.routed_experts.tolist() == torch.tensor(recorded["routes"]).view(4, 4).tolist()  # [tokens run, L*k]
+    # a narrower wire dtype (newer SGLang's meta_info.routed_experts_dtype) decodes to the same ids
+    import base64
+    narrow = dict(recorded["response"][0]["meta_info"], routed_experts_dtype="uint8",
+                  routed_experts=base64.b64encode(bytes(recorded["routes"])).decode())
+    (again,) = parse_generate_response([dict(recorded["response"][0], meta_info=narrow)], [request])
+    assert torch.equal(again.routed_experts, output.routed_experts)
+    # a server started without --enable-return-routed-experts sends none: the error names the flag
+    bare = {k: v for k, v in recorded["response"][0]["meta_info"].items() if k != "routed_experts"}
+    with pytest.raises(ValueError, match="--enable-return-routed-experts"):
+        parse_generate_response([dict(recorded["response"][0], meta_info=bare)], [request])
+    # `stacx serve` answers in the same shape, and reads the request flag
+    (served,), _ = parse_generate_payload(recorded["request"])
+    assert served.return_routed_experts
+    output.routed_experts = output.routed_experts.view(4, 2, 2)
+    rendered = render_generate_item(output, request, "r0")
+    assert rendered["meta_info"]["routed_experts"] == recorded["response"][0]["meta_info"]["routed_experts"]

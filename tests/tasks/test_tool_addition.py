@@ -9,6 +9,7 @@ import pytest
 
 from stacx.rollout.chat_tokenizers import build_tool_chat_tokenizer
 from stacx.rollout.episode import AgentSession
+from stacx.rollout.tool_calls import tool_call_style_for
 from stacx.tasks import tool_addition
 
 
@@ -63,3 +64,20 @@ def test_heldout_pairs_are_excluded_and_rows_name_the_environment():
                                "a": 12, "b": 34}
     with pytest.raises(ValueError, match="only 8100 pairs are left"):
         tool_addition.addition_pairs(seed=0, count=9000)
+
+
+def test_the_compact_template_keeps_the_protocol_and_brings_the_question_close():
+    compact = build_tool_chat_tokenizer("qwen_compact")
+    assert tool_call_style_for(compact) == "hermes"
+    (call_row, answer_row) = tool_addition.transcript_rows([(12, 34)], compact)  # raises if ids do not round-trip
+    assert call_row["prompt"] == ("<|im_start|>system\ntools: add(a,b)<|im_end|><|im_start|>user\n"
+                                  "what is 12+34? use add<|im_end|><|im_start|>assistant\n")
+    assert call_row["response"] == '<tool_call>{"name":"add","arguments":{"a":12,"b":34}}</tool_call>'
+    assert "<tool_response>\n46\n</tool_response>" in answer_row["prompt"] and answer_row["response"] == "46"
+    rewards, session = play(compact, 12, 34, [call_row["response"], answer_row["response"]])
+    assert rewards == [0.0, 1.0] and session.counts.tool_calls == 1 and session.counts.parse_errors == 0
+    qwen = build_tool_chat_tokenizer("qwen")
+    full = tool_addition.transcript_rows([(12, 34)], qwen)[0]["prompt"]
+    num_tokens = [len(tok(text, add_special_tokens=False)["input_ids"]) for tok, text in ((compact, call_row["prompt"]),
+                                                                                         (qwen, full))]
+    assert num_tokens == [64, 426]  # the first reply follows 64 tokens instead of 426

@@ -1,7 +1,9 @@
-"""Context parallelism end to end: GRPO on a local Ray cluster with the policy at CP=2 and at
-TP=2 x CP=2 trains 2 steps, and the first step's loss, gradient norm and KL/entropy metrics equal
-the CP=1 run's (same seed, same data: a fresh engine from the same checkpoint samples the same
-step-0 rollouts). The split-invariance promise of docs/parallel.md, through the whole loop.
+"""Context parallelism end to end: GRPO on a local Ray cluster with the policy at TP=2 x CP=2 trains
+2 steps, and the first step's loss, gradient norm and KL/entropy metrics equal the CP=1, TP=1 run's
+(same seed, same data: a fresh engine from the same checkpoint samples the same step-0 rollouts).
+The split-invariance promise of docs/parallel.md, through the whole loop. (CP=2 alone, and every
+other split, is checked against the single-process reference on spawned gloo ranks in
+tests/specializations/test_split_invariance.py; one loop run at the largest layout covers the wiring.)
 
 Tolerance: fp32 runs whose reductions differ only in order (CP splits each sequence into
 2*cp chunks, TP splits the vocabulary and hidden sums): relative 1e-5, absolute 1e-6
@@ -68,10 +70,6 @@ def _assert_first_step_matches(rows: list[dict], baseline: dict) -> None:
     # The second step trained on rollouts of the weights pushed after step 0.
     assert rows[1]["rollout/weight_version"] == 1.0
     assert math.isfinite(rows[1]["policy/loss"]) and rows[1]["policy/grad_norm"] > 0
-
-
-def test_cp2_first_step_equals_cp1(files, ray_address, engine_world, baseline, tmp_path):
-    _assert_first_step_matches(_train(files, tmp_path, tp=1, cp=2, num_steps=2), baseline)
 
 
 def test_tp2_cp2_first_step_equals_cp1(files, ray_address, engine_world, baseline, tmp_path):

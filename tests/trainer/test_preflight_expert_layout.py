@@ -60,3 +60,22 @@ def test_router_loss_coefficients_are_run_settings():
     assert (run.model.moe_aux_loss_coeff, run.model.moe_z_loss_coeff) == (0.01, 0.001)
     with pytest.raises(ValueError, match="moe_aux_loss_coeff"):
         RunConfig.from_dict({"moe_aux_loss_coeff": -1.0})
+
+
+def test_routing_replay_needs_routed_experts_and_a_rollout_that_returns_them(configs):
+    from types import SimpleNamespace
+
+    from stacx.trainer.preflight import check_routing_replay
+
+    grpo = SimpleNamespace(rollin_protocol=None, name="grpo")
+    check_routing_replay(_run(configs["qwen3_moe"], use_routing_replay=True), grpo)
+    check_routing_replay(_run(configs["qwen3"]), grpo)  # off: nothing to check
+    refusals = [
+        (_run(configs["qwen3"], use_routing_replay=True), grpo, r"--use-routing-replay needs a mixture-of-experts"),
+        (_run(configs["qwen3_moe"], use_routing_replay=True, agent="a.py:run"), grpo, r"--use-routing-replay with --agent"),
+        (_run(configs["qwen3_moe"], use_routing_replay=True), SimpleNamespace(rollin_protocol="student_rollin",
+                                                                               name="online_dagger"), r"roll-in"),
+    ]
+    for run, recipe, message in refusals:
+        with pytest.raises(PreflightError, match=message):
+            check_routing_replay(run, recipe)

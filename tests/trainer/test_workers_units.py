@@ -72,3 +72,18 @@ def test_worker_layout_from_the_run_configs_parallel_section():
     layout = WorkerLayout.from_parallel_section(section, call_timeout_s=10.0)
     assert (layout.tensor_model_parallel_size, layout.data_parallel_size, layout.collective_timeout_s,
             layout.call_timeout_s) == (2, 3, 42.0, 10.0)
+
+
+def test_expert_grid_goes_to_trainable_roles_and_must_divide_their_ranks():
+    from stacx.trainer.config.run import RunConfig
+
+    section = RunConfig.from_dict({"data_parallel_size": 2, "expert_model_parallel_size": 2}).parallel
+    ppo = TRAINING_CONFIGS["ppo"]
+    layouts = resolve_role_layouts(ppo, WorkerLayout.from_parallel_section(section))
+    assert {name: (lay.expert_model_parallel_size, lay.data_parallel_size) for name, lay in layouts.items()} == {
+        "actor": (2, 2), "critic": (2, 2)}
+    refresh = resolve_role_layouts(TRAINING_CONFIGS["grpo_reference_refresh"],
+                                   WorkerLayout(data_parallel_size=2, expert_model_parallel_size=2))
+    assert refresh["reference"].expert_model_parallel_size == 1  # a frozen role keeps every expert on every rank
+    with pytest.raises(ValueError, match=r"'actor' has 2 ranks.*--expert-model-parallel-size 4"):
+        resolve_role_layouts(ppo, WorkerLayout(data_parallel_size=2, expert_model_parallel_size=4))

@@ -16,6 +16,7 @@ the server and remove its shared-memory staging files and its generated key file
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import stat
@@ -28,9 +29,22 @@ from stacx.rollout.http_client import API_KEY_ENV
 
 HELP = "serve a checkpoint on CPU through SGLang's /generate API (rollout engine or teacher)"
 
+LIMIT_HELP = {
+    "max_body_bytes": "largest JSON request body; larger ones get 413",
+    "max_weight_body_bytes": "largest weight-bucket body",
+    "read_timeout_s": "longest wait for a client's bytes, and for a whole JSON body",
+    "keep_alive_timeout_s": "an idle keep-alive connection closes after this long",
+    "max_connections": "connections open at once, idle ones included; more get 503",
+    "max_requests_per_client": "requests one client address may have in flight; more get 503",
+    "max_queued_requests": "/generate calls running or waiting at once; more get 503",
+    "stall_timeout_s": "/health answers 503 when generation made no progress this long",
+}
+"""The help of each `ServerLimits` field's flag (`--max-body-bytes` for `max_body_bytes`)."""
+
 
 def add_arguments(parser) -> None:
     # Imported here: the HTTP stack is slow to import (`stacx --help` stays fast).
+    from stacx.launch.run_flags import flag_name
     from stacx.rollout.engines.http_guard import ServerLimits
 
     limits = ServerLimits()
@@ -54,22 +68,10 @@ def add_arguments(parser) -> None:
                              "the trainer passes its own so a killed driver leaves no server behind")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter dtype")
-    parser.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
-                        help="largest JSON request body; larger ones get 413 (default: %(default)s)")
-    parser.add_argument("--max-weight-body-bytes", type=int, default=limits.max_weight_body_bytes,
-                        help="largest weight-bucket body (default: %(default)s)")
-    parser.add_argument("--read-timeout-s", type=float, default=limits.read_timeout_s,
-                        help="longest wait for a client's bytes, and for a whole JSON body (default: %(default)s)")
-    parser.add_argument("--keep-alive-timeout-s", type=float, default=limits.keep_alive_timeout_s,
-                        help="an idle keep-alive connection closes after this long (default: %(default)s)")
-    parser.add_argument("--max-connections", type=int, default=limits.max_connections,
-                        help="connections open at once, idle ones included; more get 503 (default: %(default)s)")
-    parser.add_argument("--max-requests-per-client", type=int, default=limits.max_requests_per_client,
-                        help="requests one client address may have in flight; more get 503 (default: %(default)s)")
-    parser.add_argument("--max-queued-requests", type=int, default=limits.max_queued_requests,
-                        help="/generate calls running or waiting at once; more get 503 (default: %(default)s)")
-    parser.add_argument("--stall-timeout-s", type=float, default=limits.stall_timeout_s,
-                        help="/health answers 503 when generation made no progress this long (default: %(default)s)")
+    for field in dataclasses.fields(ServerLimits):  # one flag per limit, named, typed and defaulted by its field
+        default = getattr(limits, field.name)
+        parser.add_argument(flag_name(field.name), type=type(default), default=default,
+                            help=f"{LIMIT_HELP[field.name]} (default: %(default)s)")
 
 
 def resolve_api_key(args) -> str | None:
@@ -86,16 +88,14 @@ def resolve_api_key(args) -> str | None:
 
 def build_limits(args):
     # Imported here: the HTTP stack is slow to import (`stacx --help` stays fast).
+    from stacx.launch.run_flags import flag_name
     from stacx.rollout.engines.http_guard import ServerLimits
 
     try:
-        return ServerLimits(max_body_bytes=args.max_body_bytes, max_weight_body_bytes=args.max_weight_body_bytes,
-                            read_timeout_s=args.read_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
-                            max_connections=args.max_connections, max_requests_per_client=args.max_requests_per_client,
-                            max_queued_requests=args.max_queued_requests, stall_timeout_s=args.stall_timeout_s)
+        return ServerLimits(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ServerLimits)})
     except ValueError as err:  # ServerLimits.<field> -> the flag
         field = str(err).split(" ", 1)[0].removeprefix("ServerLimits.")
-        raise SystemExit(f"--{field.replace('_', '-')}: {err}") from None
+        raise SystemExit(f"{flag_name(field)}: {err}") from None
 
 
 def default_api_key_file(port: int) -> str:

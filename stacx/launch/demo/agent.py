@@ -7,13 +7,14 @@ tool in the Qwen-style format, reads the result, answers "46". Reward 1.0 for th
 correct call.
 
 1. Data and model: training and held-out number pairs (disjoint), a random 2-layer hidden-64
-   Llama-style model over the character tokenizer with the Qwen-style tool template
-   (stacx.rollout.chat_tokenizers).
+   Llama-style model (initial weights of std 0.1) over the character tokenizer with the
+   Qwen-style tool template whose system header lists the tool in one line ("qwen_compact" in
+   stacx.rollout.chat_tokenizers), so the numbers to copy sit close to the reply.
 2. SFT: `sft` recipe on correct tool-call transcripts (each episode's two model turns).
 3. GRPO: `grpo` recipe on multi-turn episodes of the environment (tool calls run in the roll-in).
 
-Each phase is a real `stacx.trainer.run_training` run, like the main demo's (pipeline.py, whose
-phase runner and plots this reuses). Before and after each phase the model plays one greedy
+Each phase is a real `stacx.trainer.run_training` run, like the main demo's (the phase knobs and
+runner of phases.py, the plots of report.py). Before and after each phase the model plays one greedy
 episode per held-out pair (episodes.py): success, tool-call rate, parse errors, turns.
 """
 
@@ -24,7 +25,15 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from stacx.launch.demo.pipeline import PhaseResult, _head_tail_means, _metric_series, _run_config, _train
+from stacx.launch.demo.phases import (
+    OnPolicyPhase,
+    PhaseResult,
+    SftPhase,
+    TinyModel,
+    phase_outputs,
+    run_phase,
+    write_summary,
+)
 from stacx.launch.demo.report import format_rows, write_demo_plot
 
 AGENT_PANELS = (
@@ -46,21 +55,23 @@ SCORE_COLUMNS = (("success", "held-out success"), ("tool_call_rate", "tool-call 
 class AgentDemoSettings:
     seed: int = 0
     """Seed of the model initialization, the number pairs, data order and sampling."""
-    hidden_size: int = 64
-    num_layers: int = 2
+    model: TinyModel = TinyModel(hidden_size=64, num_layers=2)
     rope_theta: float = 100.0
     """Rotary base; a small one sharpens attention at fixed short offsets (where the numbers to copy sit)."""
+    init_std: float = 0.1
+    """Standard deviation of the random initial weights (`initializer_range`). With the usual 0.02 the
+    SFT loss stays hundreds of steps at the digits' entropy: the numbers are not copied yet."""
+    chat_style: str = "qwen_compact"
+    """Chat template (stacx.rollout.chat_tokenizers): the Qwen-style one with a one-line tool list,
+    so the question sits ~40 tokens before the call instead of ~400."""
     num_train_pairs: int = 2048
     num_eval_pairs: int = 128
     """Held-out number pairs (none of them in training) every before/after number is measured on."""
-    sft_steps: int = 120
-    sft_batch_size: int = 32
-    sft_lr: float = 5e-3
-    grpo_steps: int = 30
-    grpo_prompts_per_step: int = 8
-    grpo_samples_per_prompt: int = 8
-    grpo_lr: float = 1e-3
-    grpo_kl_coef: float = 0.001
+    sft: SftPhase = SftPhase(steps=250, batch_size=32, lr=3e-3)
+    """SFT on correct tool-call transcripts (a batch is model turns)."""
+    grpo: OnPolicyPhase = OnPolicyPhase(recipe="grpo", steps=30, prompts_per_step=8, samples_per_prompt=8, lr=5e-4,
+                                        kl_coef=0.001)
+    """GRPO on multi-turn episodes (samples are episodes), with a small KL to the SFT model."""
     max_new_tokens: int = 48
     """Tokens per model turn (a tool call is 45 with its end-of-turn token)."""
     progress_bar: bool = True
@@ -84,11 +95,12 @@ def _prepare(settings: AgentDemoSettings, out_dir: str, tokenizer) -> dict:
         with open(path, "w") as handle:
             handle.writelines(json.dumps(row) + "\n" for row in rows)
     save_tiny_hf_checkpoint(paths["init"], "llama", seed=settings.seed, vocab_size=len(tokenizer),
-                            hidden_size=settings.hidden_size, intermediate_size=2 * settings.hidden_size,
-                            num_hidden_layers=settings.num_layers, num_attention_heads=settings.hidden_size // 16,
-                            num_key_value_heads=settings.hidden_size // 16,
-                            max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                            hidden_size=settings.model.hidden_size, intermediate_size=2 * settings.model.hidden_size,
+                            num_hidden_layers=settings.model.num_layers,
+                            num_attention_heads=settings.model.hidden_size // 16,
+                            num_key_value_heads=settings.model.hidden_size // 16,
+                            max_position_embeddings=1024, initializer_range=settings.init_std,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
                             rope_parameters={"rope_type": "default", "rope_theta": settings.rope_theta})
     tokenizer.save_pretrained(paths["init"])
     return paths
@@ -106,7 +118,7 @@ def run_agent_demo(settings: AgentDemoSettings, out_dir: str, *, log=print) -> d
     transformers_logging.disable_progress_bar()
     started = time.monotonic()
     os.makedirs(out_dir, exist_ok=True)
-    tokenizer = build_tool_chat_tokenizer("qwen")
+    tokenizer = build_tool_chat_tokenizer(settings.chat_style)
     paths = _prepare(settings, out_dir, tokenizer)
     heldout = load_examples(DataConfig(path=paths["eval"], kind="prompt", apply_chat_template=False), tokenizer)
 
@@ -121,41 +133,34 @@ def run_agent_demo(settings: AgentDemoSettings, out_dir: str, *, log=print) -> d
         f"tokens, {len(heldout)} held-out pairs; outputs in {os.path.abspath(out_dir)}")
     connection = connect_ray(None, log_to_driver=False)
     results: list[PhaseResult] = []
-    try:
-        log(f"\n[1/2] SFT on tool-call transcripts: {settings.sft_steps} steps x {settings.sft_batch_size} turns, "
-            f"{settings.num_layers}-layer hidden-{settings.hidden_size} model")
-        phase_start = time.monotonic()
-        before = scores(paths["init"], "initial model")
-        _train(_run_config(settings, out_dir, "sft", {
-            "train": {"algorithm": "sft"}, "hf_checkpoint": paths["init"], "prompt_data": paths["sft"],
-            "rollout_batch_size": settings.sft_batch_size, "lr": settings.sft_lr, "num_steps": settings.sft_steps,
-            "export_hf": paths["sft_model"]}))
-        tokenizer.save_pretrained(paths["sft_model"])
-        after = scores(paths["sft_model"], "after SFT")
-        loss_first, loss_last = _head_tail_means(_metric_series(os.path.join(out_dir, "sft", "metrics.jsonl"), "policy/loss"))
-        results.append(PhaseResult("sft", "held-out success", before["success"], after["success"],
+
+    def train_and_score(phase: str, values: dict, *, metric: str, curve: str, before: dict, phase_start: float) -> dict:
+        """Train one phase into values["export_hf"]; records its PhaseResult and returns the trained model's scores."""
+        first, last = run_phase(settings, out_dir, phase, values, metric=metric)
+        tokenizer.save_pretrained(values["export_hf"])
+        after = scores(values["export_hf"], f"after {phase.upper()}")
+        results.append(PhaseResult(phase, "held-out success", before["success"], after["success"],
                                    time.monotonic() - phase_start,
                                    {"scores_before": before, "scores_after": after,
-                                    "loss_first_steps": loss_first, "loss_last_steps": loss_last}))
+                                    f"{curve}_first_steps": first, f"{curve}_last_steps": last}))
+        return after
 
-        log(f"\n[2/2] GRPO on multi-turn episodes: {settings.grpo_steps} steps x {settings.grpo_prompts_per_step} "
-            f"prompts x {settings.grpo_samples_per_prompt} episodes, reward 1 for the exact sum after a correct call")
+    try:
+        log(f"\n[1/2] SFT on tool-call transcripts: {settings.sft.steps} steps x {settings.sft.batch_size} turns, "
+            f"{settings.model.describe()} model")
         phase_start = time.monotonic()
-        _train(_run_config(settings, out_dir, "grpo", {
-            "train": {"algorithm": "grpo"}, "algorithm": {"use_kl_loss": True, "kl_loss_coef": settings.grpo_kl_coef},
-            "hf_checkpoint": paths["sft_model"], "ref_load": paths["sft_model"], "prompt_data": paths["train"],
-            "rollout_batch_size": settings.grpo_prompts_per_step,
-            "n_samples_per_prompt": settings.grpo_samples_per_prompt,
-            "rollout_max_response_len": settings.max_new_tokens, "lr": settings.grpo_lr,
-            "num_steps": settings.grpo_steps, "export_hf": paths["grpo_model"]}))
-        tokenizer.save_pretrained(paths["grpo_model"])
-        final = scores(paths["grpo_model"], "after GRPO")
-        reward_first, reward_last = _head_tail_means(
-            _metric_series(os.path.join(out_dir, "grpo", "metrics.jsonl"), "rollout/reward_mean"))
-        results.append(PhaseResult("grpo", "held-out success", after["success"], final["success"],
-                                   time.monotonic() - phase_start,
-                                   {"scores_before": after, "scores_after": final,
-                                    "rollout_reward_first_steps": reward_first, "rollout_reward_last_steps": reward_last}))
+        before = scores(paths["init"], "initial model")
+        after = train_and_score("sft", {
+            **settings.sft.run_values(), "hf_checkpoint": paths["init"], "prompt_data": paths["sft"],
+            "export_hf": paths["sft_model"]}, metric="policy/loss", curve="loss", before=before, phase_start=phase_start)
+
+        log(f"\n[2/2] GRPO on multi-turn episodes: {settings.grpo.describe('episodes')}, "
+            f"reward 1 for the exact sum after a correct call")
+        final = train_and_score("grpo", {
+            **settings.grpo.run_values(), "hf_checkpoint": paths["sft_model"], "ref_load": paths["sft_model"],
+            "prompt_data": paths["train"], "rollout_max_response_len": settings.max_new_tokens,
+            "export_hf": paths["grpo_model"]}, metric="rollout/reward_mean", curve="rollout_reward", before=after,
+            phase_start=time.monotonic())
     finally:
         connection.shutdown()
 
@@ -168,18 +173,14 @@ def run_agent_demo(settings: AgentDemoSettings, out_dir: str, *, log=print) -> d
         "phases": phases,
         "heldout": {"initial": before, "after_sft": after, "after_grpo": final},
         "outputs": {
-            **{phase: {"metrics": os.path.join(out_dir, phase, "metrics.jsonl"),
-                       "tensorboard": os.path.join(out_dir, phase, "tensorboard"),
-                       "plots": os.path.join(out_dir, phase, "plots")} for phase in ("sft", "grpo")},
+            **phase_outputs(out_dir, ("sft", "grpo")),
             "data": {name: paths[name] for name in ("train", "eval", "sft")},
             "checkpoints": {name: paths[name] for name in ("init", "sft_model", "grpo_model")},
             "overview_plot": plot,
         },
         "seconds": time.monotonic() - started,
     }
-    with open(os.path.join(out_dir, "summary.json"), "w") as handle:
-        json.dump(summary, handle, indent=2)
-    return summary
+    return write_summary(out_dir, summary)
 
 
 def format_agent_table(summary: dict) -> str:

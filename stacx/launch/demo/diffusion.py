@@ -18,9 +18,11 @@ import argparse
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
+
+from stacx.launch.demo.phases import OnPolicyPhase, SftPhase
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,20 +31,10 @@ class DiffusionDemoSettings:
 
     seed: int = 0
     """Seed of the models, data and sampling."""
-    sft_steps: int = 250
-    """flow_matching_sft optimizer steps."""
-    sft_batch_size: int = 32
-    """Images per SFT step."""
-    sft_lr: float = 2e-3
-    """SFT learning rate."""
-    rl_steps: int = 60
-    """flow_grpo optimizer steps."""
-    rl_prompts_per_step: int = 4
-    """Prompts per Flow-GRPO step."""
-    rl_group_size: int = 8
-    """Images per prompt (the group the rewards are normalized in)."""
-    rl_lr: float = 1e-3
-    """Flow-GRPO learning rate."""
+    sft: SftPhase = SftPhase(recipe="flow_matching_sft", steps=250, batch_size=32, lr=2e-3)
+    """Supervised phase (a batch is images)."""
+    rl: OnPolicyPhase = OnPolicyPhase(recipe="flow_grpo", steps=60, prompts_per_step=4, samples_per_prompt=8, lr=1e-3)
+    """Flow-GRPO phase (samples are images; no KL loss)."""
     num_inference_steps: int = 6
     """Denoising steps of every sampler."""
     eval_every: int = 10
@@ -89,34 +81,34 @@ def run_diffusion_demo(settings: DiffusionDemoSettings, out: str, *, log=print) 
     connection = connect_ray(log_to_driver=False)
     graph = None
     try:
-        graph = create_role_workers(get_recipe("flow_grpo"), WorkerLayout(data_parallel_size=1))
-        sft_config = _run_config("--algorithm", "flow_matching_sft", "--rollout-batch-size", str(settings.sft_batch_size),
-                                 "--lr", str(settings.sft_lr), "--num-steps", str(settings.sft_steps),
+        graph = create_role_workers(get_recipe(settings.rl.recipe), WorkerLayout(data_parallel_size=1))
+        sft_config = _run_config("--algorithm", settings.sft.recipe, "--rollout-batch-size", str(settings.sft.batch_size),
+                                 "--lr", str(settings.sft.lr), "--num-steps", str(settings.sft.steps),
                                  "--algorithm-param", "data_color_scale=0.5", "--algorithm-param", "data_color_noise=0.2",
-                                 "--algorithm-param", f"micro_batch_size={settings.sft_batch_size}",
+                                 "--algorithm-param", f"micro_batch_size={settings.sft.batch_size}",
                                  *_common_flags(settings, os.path.join(out, "sft")))
-        sft = DiffusionRun(sft_config, get_recipe("flow_matching_sft"), graph=graph)
+        sft = DiffusionRun(sft_config, get_recipe(settings.sft.recipe), graph=graph)
         initial = _evaluate(sft, settings)
         log(f"[demo] held-out {settings.reward} reward of the untrained model: {initial['reward_mean']:.3f}")
-        sft_rows = _train(sft, sft_config, "flow_matching_sft", log, every=50)
+        sft_rows = _train(sft, sft_config, settings.sft.recipe, log, every=50)
         after_sft = _evaluate(sft, settings)
         sft.save(os.path.join(checkpoints, "sft"))
         log(f"[demo] held-out reward after SFT: {after_sft['reward_mean']:.3f}")
 
-        rl_config = _run_config("--algorithm", "flow_grpo", "--hf-checkpoint", os.path.join(checkpoints, "sft"),
-                                "--rollout-batch-size", str(settings.rl_prompts_per_step),
-                                "--n-samples-per-prompt", str(settings.rl_group_size), "--lr", str(settings.rl_lr),
-                                "--num-steps", str(settings.rl_steps), "--algorithm-param", "micro_batch_size=16",
+        rl_config = _run_config("--algorithm", settings.rl.recipe, "--hf-checkpoint", os.path.join(checkpoints, "sft"),
+                                "--rollout-batch-size", str(settings.rl.prompts_per_step),
+                                "--n-samples-per-prompt", str(settings.rl.samples_per_prompt), "--lr", str(settings.rl.lr),
+                                "--num-steps", str(settings.rl.steps), "--algorithm-param", "micro_batch_size=16",
                                 *_common_flags(settings, os.path.join(out, "flow_grpo")))
-        rl = DiffusionRun(rl_config, get_recipe("flow_grpo"), graph=graph)
+        rl = DiffusionRun(rl_config, get_recipe(settings.rl.recipe), graph=graph)
         held_out_curve = [(0, after_sft["reward_mean"])]
 
         def evaluate_rl(step):
-            if (step + 1) % settings.eval_every == 0 or step + 1 == settings.rl_steps:
+            if (step + 1) % settings.eval_every == 0 or step + 1 == settings.rl.steps:
                 held_out_curve.append((step + 1, _evaluate(rl, settings)["reward_mean"]))
                 log(f"[demo] flow_grpo step {step + 1}: held-out reward {held_out_curve[-1][1]:.3f}")
 
-        rl_rows = _train(rl, rl_config, "flow_grpo", log, every=10, after_step=evaluate_rl)
+        rl_rows = _train(rl, rl_config, settings.rl.recipe, log, every=10, after_step=evaluate_rl)
         after_rl = _evaluate(rl, settings)
         rl.save(os.path.join(checkpoints, "flow_grpo"))
     finally:
@@ -134,7 +126,7 @@ def run_diffusion_demo(settings: DiffusionDemoSettings, out: str, *, log=print) 
         "train_reward_curve": [row["reward_mean"] for row in rl_rows],
         "sft_loss_curve": [row["fm_loss"] for row in sft_rows],
         "seconds": time.monotonic() - started,
-        "settings": settings.__dict__,
+        "settings": asdict(settings),
         "outputs": {"samples": os.path.join(out, "samples.png"), "reward_curve": os.path.join(out, "reward_curve.png"),
                     "checkpoints": checkpoints},
     }

@@ -23,8 +23,19 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
+from stacx.launch.demo.phases import (
+    OnPolicyPhase,
+    PhaseResult,
+    SftPhase,
+    TinyModel,
+    demo_run_config,
+    phase_outputs,
+    run_phase,
+    train,
+    write_summary,
+)
 from stacx.rollout.engines.processes import stop_process
 
 
@@ -34,22 +45,17 @@ class DemoSettings:
     """Built-in task (stacx.tasks)."""
     seed: int = 0
     """Seed of model initialization, data order and sampling."""
-    teacher_hidden_size: int = 64
-    teacher_num_layers: int = 2
-    student_hidden_size: int = 32
-    student_num_layers: int = 2
-    sft_steps: int = 60
-    sft_batch_size: int = 32
-    sft_lr: float = 3e-3
-    grpo_steps: int = 40
-    grpo_prompts_per_step: int = 16
-    grpo_samples_per_prompt: int = 8
-    grpo_lr: float = 5e-4
-    grpo_kl_coef: float = 0.001
-    opd_steps: int = 80
-    opd_prompts_per_step: int = 16
-    opd_samples_per_prompt: int = 4
-    opd_lr: float = 1e-2
+    teacher: TinyModel = TinyModel(hidden_size=64, num_layers=2)
+    """The model SFT and GRPO train (OPD's teacher)."""
+    student: TinyModel = TinyModel(hidden_size=32, num_layers=2)
+    """The model OPD trains."""
+    sft: SftPhase = SftPhase(steps=60, batch_size=32, lr=3e-3)
+    """SFT warm-up of the teacher-sized model."""
+    grpo: OnPolicyPhase = OnPolicyPhase(recipe="grpo", steps=40, prompts_per_step=16, samples_per_prompt=8, lr=5e-4,
+                                        kl_coef=0.001)
+    """GRPO from the SFT model, with a small low-variance KL to it."""
+    opd: OnPolicyPhase = OnPolicyPhase(recipe="opd", steps=80, prompts_per_step=16, samples_per_prompt=4, lr=1e-2)
+    """On-policy distillation of the student from the GRPO model."""
     opd_kl_mode: str = "topk"
     """'topk': reverse KL over the union of student and teacher top-K supports (learns fastest);
     'k3_sample': the single-sample k3 estimate on the sampled token."""
@@ -58,45 +64,6 @@ class DemoSettings:
     kl_samples_per_prompt: int = 2
     """Student samples per held-out prompt in the reverse-KL estimate."""
     progress_bar: bool = True
-
-
-@dataclass
-class PhaseResult:
-    phase: str
-    metric: str
-    before: float
-    after: float
-    seconds: float
-    extra: dict = field(default_factory=dict)
-
-
-def _run_config(settings: DemoSettings, out_dir: str, phase: str, values: dict):
-    from stacx.trainer.config.run import RunConfig
-
-    base = {"out": os.path.join(out_dir, phase), "seed": settings.seed, "rollout_seed": settings.seed,
-            "progress_bar": settings.progress_bar, "rollout_engine": "cpu", "max_tokens_per_micro_batch": 4096}
-    return RunConfig.from_dict({**base, **values}, source=f"demo {phase} phase")
-
-
-def _train(run_config) -> None:
-    from stacx.trainer import run_training
-
-    run_training(run_config)
-
-
-def _metric_series(path: str, name: str) -> list[float]:
-    values = []
-    with open(path) as handle:
-        for line in handle:
-            row = json.loads(line)
-            if name in row:
-                values.append(float(row[name]))
-    return values
-
-
-def _head_tail_means(series: list[float], n: int = 5) -> tuple[float, float]:
-    n = max(1, min(n, len(series) // 2))
-    return sum(series[:n]) / n, sum(series[-n:]) / n
 
 
 class TeacherServer:
@@ -140,10 +107,10 @@ def _prepare(settings: DemoSettings, out_dir: str) -> dict:
         "grpo_run": os.path.join(out_dir, "grpo", "checkpoints"),
         "student": os.path.join(out_dir, "checkpoints", "student_opd"),
     }
-    write_tiny_checkpoint(paths["init"], settings.task, hidden_size=settings.teacher_hidden_size,
-                          num_layers=settings.teacher_num_layers, seed=settings.seed)
-    write_tiny_checkpoint(paths["student_init"], settings.task, hidden_size=settings.student_hidden_size,
-                          num_layers=settings.student_num_layers, seed=settings.seed + 1)
+    write_tiny_checkpoint(paths["init"], settings.task, hidden_size=settings.teacher.hidden_size,
+                          num_layers=settings.teacher.num_layers, seed=settings.seed)
+    write_tiny_checkpoint(paths["student_init"], settings.task, hidden_size=settings.student.hidden_size,
+                          num_layers=settings.student.num_layers, seed=settings.seed + 1)
     return paths
 
 
@@ -186,45 +153,35 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
     results: list[PhaseResult] = []
     try:
         # ---- 1. SFT warm-up -------------------------------------------------------------------
-        log(f"\n[1/3] SFT warm-up: {settings.sft_steps} steps x {settings.sft_batch_size} examples, "
-            f"{settings.teacher_num_layers}-layer hidden-{settings.teacher_hidden_size} model")
+        log(f"\n[1/3] SFT warm-up: {settings.sft.steps} steps x {settings.sft.batch_size} examples, "
+            f"{settings.teacher.describe()} model")
         phase_start = time.monotonic()
         before = accuracy(paths["init"])
-        _train(_run_config(settings, out_dir, "sft", {
-            "train": {"algorithm": "sft"}, "hf_checkpoint": paths["init"], "prompt_data": paths["train"],
-            "rollout_batch_size": settings.sft_batch_size, "lr": settings.sft_lr, "num_steps": settings.sft_steps,
-            "export_hf": paths["sft"]}))
+        loss_first, loss_last = run_phase(settings, out_dir, "sft", {
+            **settings.sft.run_values(), "hf_checkpoint": paths["init"], "prompt_data": paths["train"],
+            "export_hf": paths["sft"]}, metric="policy/loss")
         _save_tokenizer(task.name, paths["sft"])
-        losses = _metric_series(os.path.join(out_dir, "sft", "metrics.jsonl"), "policy/loss")
-        loss_first, loss_last = _head_tail_means(losses)
         results.append(PhaseResult("sft", "held-out accuracy", before, accuracy(paths["sft"]),
                                    time.monotonic() - phase_start,
                                    {"loss_first_steps": loss_first, "loss_last_steps": loss_last}))
 
         # ---- 2. GRPO --------------------------------------------------------------------------
-        log(f"\n[2/3] GRPO: {settings.grpo_steps} steps x {settings.grpo_prompts_per_step} prompts x "
-            f"{settings.grpo_samples_per_prompt} samples, exact-match reward")
+        log(f"\n[2/3] GRPO: {settings.grpo.describe()}, exact-match reward")
         phase_start = time.monotonic()
-        _train(_run_config(settings, out_dir, "grpo", {
-            "train": {"algorithm": "grpo"}, "algorithm": {"use_kl_loss": True, "kl_loss_coef": settings.grpo_kl_coef},
-            "hf_checkpoint": paths["sft"], "ref_load": paths["sft"], "prompt_data": paths["train"],
-            "rollout_batch_size": settings.grpo_prompts_per_step,
-            "n_samples_per_prompt": settings.grpo_samples_per_prompt, "rollout_max_response_len": max_new_tokens,
-            "lr": settings.grpo_lr, "num_steps": settings.grpo_steps, "export_hf": paths["grpo"],
+        reward_first, reward_last = run_phase(settings, out_dir, "grpo", {
+            **settings.grpo.run_values(), "hf_checkpoint": paths["sft"], "ref_load": paths["sft"],
+            "prompt_data": paths["train"], "rollout_max_response_len": max_new_tokens, "export_hf": paths["grpo"],
             # The run's own checkpoint too: `stacx train --load`, `stacx eval --load` and
             # `stacx convert checkpoint-to-hf` in the docs work on it as written.
-            "save": paths["grpo_run"]}))
+            "save": paths["grpo_run"]}, metric="rollout/reward_mean")
         _save_tokenizer(task.name, paths["grpo"])
-        rewards = _metric_series(os.path.join(out_dir, "grpo", "metrics.jsonl"), "rollout/reward_mean")
-        reward_first, reward_last = _head_tail_means(rewards)
         results.append(PhaseResult("grpo", "held-out accuracy", results[-1].after, accuracy(paths["grpo"]),
                                    time.monotonic() - phase_start,
                                    {"rollout_reward_first_steps": reward_first, "rollout_reward_last_steps": reward_last}))
 
         # ---- 3. On-policy distillation from the GRPO model served by `stacx serve` --------------
-        log(f"\n[3/3] On-policy distillation: student {settings.student_num_layers}-layer "
-            f"hidden-{settings.student_hidden_size} learns from the GRPO model served by `stacx serve`, "
-            f"{settings.opd_steps} steps x {settings.opd_prompts_per_step} prompts x {settings.opd_samples_per_prompt} samples")
+        log(f"\n[3/3] On-policy distillation: student {settings.student.describe()} learns from the GRPO model "
+            f"served by `stacx serve`, {settings.opd.describe()}")
         phase_start = time.monotonic()
         server = TeacherServer(paths["grpo"], os.path.join(out_dir, "teacher_server.log"), settings.seed)
         teacher = TeacherClient(server.url)
@@ -235,11 +192,10 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
                     num_samples=settings.kl_samples_per_prompt, seed=settings.seed)
 
             kl_before, accuracy_before = reverse_kl(paths["student_init"]), accuracy(paths["student_init"])
-            _train(_run_config(settings, out_dir, "opd", {
-                "train": {"algorithm": "opd"}, "hf_checkpoint": paths["student_init"], "prompt_data": paths["train"],
-                "teacher_url": server.url, "distill_kl_mode": settings.opd_kl_mode, "rollout_batch_size": settings.opd_prompts_per_step,
-                "n_samples_per_prompt": settings.opd_samples_per_prompt, "rollout_max_response_len": max_new_tokens,
-                "lr": settings.opd_lr, "num_steps": settings.opd_steps, "export_hf": paths["student"]}))
+            train(demo_run_config(settings, out_dir, "opd", {
+                **settings.opd.run_values(), "hf_checkpoint": paths["student_init"], "prompt_data": paths["train"],
+                "teacher_url": server.url, "distill_kl_mode": settings.opd_kl_mode,
+                "rollout_max_response_len": max_new_tokens, "export_hf": paths["student"]}))
             _save_tokenizer(task.name, paths["student"])
             kl_after, accuracy_after = reverse_kl(paths["student"]), accuracy(paths["student"])
         finally:
@@ -258,14 +214,10 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
         "settings": asdict(settings),
         "phases": [asdict(result) for result in results],
         "outputs": {
-            **{phase: {"metrics": os.path.join(out_dir, phase, "metrics.jsonl"),
-                       "tensorboard": os.path.join(out_dir, phase, "tensorboard"),
-                       "plots": os.path.join(out_dir, phase, "plots")} for phase in ("sft", "grpo", "opd")},
+            **phase_outputs(out_dir, ("sft", "grpo", "opd")),
             "checkpoints": {name: paths[name] for name in ("init", "sft", "grpo", "student_init", "student")},
             "overview_plot": plot,
         },
         "seconds": time.monotonic() - started,
     }
-    with open(os.path.join(out_dir, "summary.json"), "w") as handle:
-        json.dump(summary, handle, indent=2)
-    return summary
+    return write_summary(out_dir, summary)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from stacx.parallel.groups import ProcessGroups, initialize_parallel_layout
+from stacx.parallel.megatron_import import import_megatron_core
 from stacx.rollout.engines.aborts import AbortBook, AbortFlag
 from stacx.rollout.engines.base import GenerationCancelled, InferenceEngine, WeightBucket
 from stacx.rollout.engines.kv_cache_decoding import KvCacheDecoder
@@ -129,6 +130,7 @@ def ensure_single_process_layout():
             )
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    import_megatron_core()  # a server process imports megatron-core first here
     # Imported here: megatron-core is slow to import (start-up time).
     from megatron.core import parallel_state
 
@@ -198,15 +200,21 @@ class CpuEngine(InferenceEngine):
     # ---- forward ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _logits(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Per sequence, fp32 logits [len, V] over the real vocab from one packed forward."""
+    def _logits(self, sequences: Sequence[Sequence[int]], record_routes: bool = False):
+        """Per sequence, fp32 logits [len, V] over the real vocab from one packed forward, and with
+        `record_routes` each sequence's routed experts [len, MoE layers, top_k] (else None)."""
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import forward_packed
+        from stacx.models.routing_replay import RoutesRecorder
 
         lengths = [len(s) for s in sequences]
         tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
-        logits = forward_packed(self.model, tokens, lengths, self.groups)[:, : self.vocab_size]
-        return list(torch.split(logits, lengths))
+        if not record_routes:
+            logits = forward_packed(self.model, tokens, lengths, self.groups)[:, : self.vocab_size]
+            return list(torch.split(logits, lengths)), None
+        with RoutesRecorder(self.model) as recorder:
+            logits = forward_packed(self.model, tokens, lengths, self.groups)[:, : self.vocab_size]
+        return list(torch.split(logits, lengths)), list(torch.split(recorder.routes(), lengths))
 
     def _model_call(self, forward: Callable, *args):
         """Every model forward of both decoders goes through here (one per generated token, the
@@ -331,14 +339,17 @@ class CpuEngine(InferenceEngine):
         sequences = [list(r.input_ids) for r in requests]
         active = list(range(len(requests)))
         first_step = True
+        record_routes = self._check_routes_asked(requests)
         while active:
             if should_stop is not None and should_stop():
                 raise GenerationCancelled(f"stopped after {len(outputs[active[0]].output_ids)} generated tokens")
-            logits = self._model_call(self._logits, [sequences[i] for i in active])
+            logits, routes = self._model_call(self._logits, [sequences[i] for i in active], record_routes)
             self._progress_at = time.monotonic()
             still_active = []
-            for i, logits_LV in zip(active, logits):
+            for row, (i, logits_LV) in enumerate(zip(active, logits)):
                 request, out = requests[i], outputs[i]
+                if request.return_routed_experts:  # this forward ran every token of the sequence so far
+                    out.routed_experts = routes[row]
                 log_probs_LV = sampling_log_probs(logits_LV, request.sampling.temperature)
                 if first_step and request.return_logprob and request.logprob_start_len >= 0:
                     self._fill_prompt_fields(out, request, log_probs_LV)
@@ -355,7 +366,21 @@ class CpuEngine(InferenceEngine):
                     still_active.append(i)
             active = still_active
             first_step = False
+        for request, out in zip(requests, outputs):
+            if request.return_routed_experts:  # the last sampled token was never run through the model
+                out.routed_experts = out.routed_experts[: len(request.input_ids) + len(out.output_ids) - 1]
         return outputs
+
+    def _check_routes_asked(self, requests: Sequence[GenerateRequest]) -> bool:
+        """Whether any request asks for routed experts; raises naming the field for a dense model."""
+        # Imported here: megatron-core is slow to import (start-up time).
+        from stacx.models.moe import is_mixture_of_experts
+
+        asked = any(r.return_routed_experts for r in requests)
+        if asked and not is_mixture_of_experts(self.model):
+            raise ValueError("return_routed_experts: this engine serves a dense model, which routes nothing; "
+                             "ask for routed experts only from a mixture-of-experts model")
+        return asked
 
     def _generate_cached(self, requests: Sequence[GenerateRequest], should_stop: Optional[Callable[[], bool]],
                          abort_flags: Sequence[AbortFlag]) -> list[GenerateOutput]:
@@ -373,9 +398,23 @@ class CpuEngine(InferenceEngine):
         ]
         prompt_starts = [_first_prompt_logit(r) for r in requests]
         num_prompt_logits = max(len(r.input_ids) - start for r, start in zip(requests, prompt_starts))
+        self._cached_decoder.record_routes = self._check_routes_asked(requests)
+        try:
+            return self._decode_cached(requests, should_stop, abort_flags, outputs, generators, prompt_starts,
+                                       num_prompt_logits)
+        finally:
+            self._cached_decoder.record_routes = False
+
+    def _decode_cached(self, requests, should_stop, abort_flags, outputs, generators, prompt_starts,
+                       num_prompt_logits) -> list[GenerateOutput]:
+        """`_generate_cached` after its set-up: the prefill and the decoding steps."""
         batch = self._model_call(self._cached_decoder.prefill, [r.input_ids for r in requests], num_prompt_logits,
                                  max(r.sampling.max_new_tokens for r in requests))
         self._progress_at = time.monotonic()
+        routes = [[] for _ in requests]  # per request, [S, MoE layers, top_k] pieces
+        if batch.last_routes_BSLK is not None:
+            for i, request in enumerate(requests):  # prompts are left-padded
+                routes[i].append(batch.last_routes_BSLK[i, batch.last_routes_BSLK.shape[1] - len(request.input_ids):])
         for i, (request, start) in enumerate(zip(requests, prompt_starts)):
             if request.return_logprob and request.logprob_start_len >= 0:
                 first_index = num_prompt_logits - len(request.input_ids) + start
@@ -418,6 +457,12 @@ class CpuEngine(InferenceEngine):
             active = [active[row] for row in kept_rows]
             logits_BV = self._model_call(batch.step, [tokens[row] for row in kept_rows])
             self._progress_at = time.monotonic()
+            if batch.last_routes_BSLK is not None:
+                for row, i in enumerate(active):
+                    routes[i].append(batch.last_routes_BSLK[row])
+        for request, out, pieces in zip(requests, outputs, routes):
+            if request.return_routed_experts:  # the last sampled token was never run through the model
+                out.routed_experts = torch.cat(pieces)[: len(request.input_ids) + len(out.output_ids) - 1]
         return outputs
 
     @staticmethod

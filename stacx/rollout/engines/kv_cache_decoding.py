@@ -115,6 +115,9 @@ class CachedBatch:
         self.prompt_logits_BKV = prompt_logits_BKV
         """fp32 logits [B, K, V] of each prompt's last K positions (left padding: position p of a
         prompt of length L is at index K - L + p)."""
+        self.last_routes_BSLK = decoder.take_routes(len(attention_mask_BT))
+        """While the decoder records routes: the experts of the last forward's tokens [B, S, MoE layers,
+        top_k] (the prefill's left-padded [B, L_max, ...], then each step's [B, 1, ...]); else None."""
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Drop every row not in `rows` (indices into the current batch, in the order to keep)."""
@@ -134,6 +137,7 @@ class CachedBatch:
         output = self._decoder.forward(
             torch.tensor(list(tokens), dtype=torch.long).unsqueeze(1),
             self._attention_mask_BT if self._padded else None, position_ids_B1, self._cache, num_logits=1)
+        self.last_routes_BSLK = self._decoder.take_routes(len(tokens))
         return output.logits[:, -1].float()
 
 
@@ -191,6 +195,30 @@ class KvCacheDecoder:
         # transformers 5.x names the cache argument `cache` (`past_key_values` is deprecated there)
         forward_arguments = inspect.signature(self.hf_model.forward).parameters
         self._cache_argument = "cache" if "cache" in forward_arguments else "past_key_values"
+        self.record_routes = False
+        """Set by the engine for calls that return routed experts: each forward keeps its routes."""
+        self._gates = [module for name, module in self.hf_model.named_modules() if name.endswith(".mlp.gate")]
+        self._routes_per_gate: list[torch.Tensor] = []
+        for gate in self._gates:
+            gate.register_forward_hook(self._keep_routes)
+
+    def _keep_routes(self, _module, _inputs, outputs) -> None:
+        # transformers' MoE routers return (router_logits, top-k weights, top-k expert ids [B*S, k])
+        if self.record_routes:
+            self._routes_per_gate.append(outputs[2])
+
+    def take_routes(self, batch_size: int):
+        """The routes the last forward recorded, [B, S, MoE layers, top_k] int32 ids ascending per row
+        (None when not recording); the record is cleared."""
+        if not self.record_routes:
+            return None
+        # Imported here: megatron-core is slow to import (start-up time).
+        from stacx.models.routing_replay import ROUTE_DTYPE
+
+        assert len(self._routes_per_gate) == len(self._gates), "one routed forward per gate was expected"
+        routes_NLK = torch.stack(self._routes_per_gate, dim=1).sort(dim=-1).values.to(ROUTE_DTYPE)
+        self._routes_per_gate = []
+        return routes_NLK.view(batch_size, -1, *routes_NLK.shape[1:])
 
     def mark_stale(self) -> None:
         """The megatron model's weights changed: copy them again before the next decoding."""

@@ -35,6 +35,9 @@ class ServerLaunch:
     """The run's rollout seed (a server that samples with a global generator seeds it)."""
     api_key: Optional[str] = field(default=None, repr=False)
     """The fresh shared secret the servers must require (None when the kind does not own one)."""
+    return_routed_experts: bool = False
+    """The run replays routes (--use-routing-replay): servers that need a switch for it get it
+    (SGLang's --enable-return-routed-experts; `stacx serve` always can)."""
 
 
 class LaunchedServers(Protocol):
@@ -130,6 +133,7 @@ class LaunchedSglangServers:
 
 def launch_sglang_servers(launch: ServerLaunch) -> LaunchedSglangServers:
     """One SGLang server on the Ray cluster's GPUs (blocks until it is healthy)."""
+    extra = ("--enable-return-routed-experts",) if launch.return_routed_experts else ()
     actors, urls = launch_sglang_servers_on_ray([SglangServerSpec(model_path=launch.hf_checkpoint, port=SGLANG_PORT,
-                                                                  api_key=launch.api_key)])
+                                                                  api_key=launch.api_key, extra_args=extra)])
     return LaunchedSglangServers(actors, tuple(urls))

@@ -217,10 +217,12 @@ class SglangEngine(HttpEngine):
     """An attached SGLang server (one URL; use one engine per server and a router for many)."""
 
     def __init__(self, url: str, *, weight_update: str = "tensor", retry: RetryPolicy = RetryPolicy(),
-                 serializer: Optional[Callable[[list], str]] = None, server_tp_size: int = 1,
+                 serializer: Optional[Callable[[list], str]] = None, server_tp_size: Optional[int] = None,
                  broadcast_group: Optional[WeightBroadcastGroup] = None, group_name: str = "weight_update_group",
                  api_key: Optional[str] = None):
-        """api_key: the server's `--api-key` (None: `STACX_API_KEY` if set)."""
+        """api_key: the server's `--api-key` (None: `STACX_API_KEY` if set). server_tp_size: the server's
+        TP degree, one serialized entry per TP rank on the tensor path (None: the server's own
+        `tp_size`, read once from `GET /get_server_info`)."""
         if weight_update not in WEIGHT_UPDATE_MODES:
             raise ValueError(f"weight_update must be one of {WEIGHT_UPDATE_MODES}, got {weight_update!r}")
         super().__init__(url, retry, api_key=api_key)
@@ -259,11 +261,25 @@ class SglangEngine(HttpEngine):
 
     def _update_from_tensor(self, bucket: WeightBucket, *, version: int, final: bool) -> None:
         serialize = self._serializer or default_serializer()
-        serialized = serialize(list(bucket))
-        payload = build_update_from_tensor_payload([serialized] * self.server_tp_size, version=version, final=final)
+        # CUDA IPC handles (no copy) are what SGLang's ranks open; a bucket gathered to the CPU goes to this GPU first.
+        named = [(name, tensor.cuda()) for name, tensor in bucket] if torch.cuda.is_available() else list(bucket)
+        serialized = serialize(named)
+        payload = build_update_from_tensor_payload([serialized] * self._tensor_parallel_size(), version=version,
+                                                   final=final)
         answer = self.transport.post_json("/update_weights_from_tensor", payload,
                                           summary=f"{len(bucket)} tensors, version {version}")
         _check_success(answer, "/update_weights_from_tensor")
+
+    def _tensor_parallel_size(self) -> int:
+        """The server's TP degree: each of its TP ranks reads its own entry of `serialized_named_tensors`."""
+        if self.server_tp_size is None:
+            info = self.transport.get("/get_server_info")
+            tp_size = info.get("tp_size") if isinstance(info, dict) else None
+            if not isinstance(tp_size, int) or tp_size < 1:
+                raise RuntimeError(f"{self.url}/get_server_info reports no 'tp_size' (got {str(info)[:200]}); "
+                                   "pass SglangEngine(server_tp_size=N), the server's --tp-size")
+            self.server_tp_size = tp_size
+        return self.server_tp_size
 
     def _update_from_distributed(self, bucket: WeightBucket, *, version: int, final: bool) -> None:
         if self.broadcast_group is None:

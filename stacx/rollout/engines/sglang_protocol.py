@@ -21,9 +21,12 @@ version (`meta_info.weight_version`), which every one of its tokens records.
 
 from __future__ import annotations
 
+import base64
 import math
 import uuid
 from typing import Any, Optional, Sequence
+
+import torch
 
 from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
 
@@ -45,6 +48,8 @@ def build_generate_payload(requests: Sequence[GenerateRequest]) -> dict:
     }
     if any(r.token_ids_logprob for r in requests):
         payload["token_ids_logprob"] = [list(r.token_ids_logprob) or None for r in requests]
+    if any(r.return_routed_experts for r in requests):
+        payload["return_routed_experts"] = [r.return_routed_experts for r in requests]
     if any(r.rid is not None for r in requests):
         payload["rid"] = [r.rid if r.rid is not None else uuid.uuid4().hex for r in requests]
     return payload
@@ -97,6 +102,28 @@ def parse_finish_reason(raw: Any) -> str:
     return kind
 
 
+#: dtypes SGLang may send routed experts in (`meta_info.routed_experts_dtype`; int32 when absent).
+_ROUTE_WIRE_DTYPES = {"int32": torch.int32, "int16": torch.int16, "uint8": torch.uint8, "int64": torch.int64}
+
+
+def parse_routed_experts(meta: dict, num_tokens: int) -> torch.Tensor:
+    """SGLang's `meta_info.routed_experts` (base64 of a flat row-major array, tokens x layers x top_k, of
+    `routed_experts_dtype`, int32 by default) -> [num_tokens, layers * top_k] int32."""
+    encoded = meta.get("routed_experts")
+    if not isinstance(encoded, str):
+        raise ValueError("meta_info.routed_experts is missing: start SGLang with --enable-return-routed-experts "
+                         "(docs/sglang.md, 'Routing replay')")
+    dtype_name = meta.get("routed_experts_dtype") or "int32"
+    if dtype_name not in _ROUTE_WIRE_DTYPES:
+        raise ValueError(f"meta_info.routed_experts_dtype {dtype_name!r} is not one of {sorted(_ROUTE_WIRE_DTYPES)}")
+    raw = bytearray(base64.b64decode(encoded))
+    flat = torch.frombuffer(raw, dtype=_ROUTE_WIRE_DTYPES[dtype_name]) if raw else torch.zeros(0, dtype=torch.int32)
+    if num_tokens <= 0 or flat.numel() % num_tokens:
+        raise ValueError(f"meta_info.routed_experts holds {flat.numel()} ids, not a whole number per each of the "
+                         f"{num_tokens} tokens the engine ran")
+    return flat.to(torch.int32).view(num_tokens, -1)
+
+
 def parse_generate_item(item: dict, request: GenerateRequest) -> GenerateOutput:
     """One `{"output_ids", "meta_info"}` answer -> `GenerateOutput` (checks the lengths line up)."""
     try:
@@ -111,6 +138,8 @@ def parse_generate_item(item: dict, request: GenerateRequest) -> GenerateOutput:
         weight_version=version,
         output_token_versions=[version] * len(output_ids),
     )
+    if request.return_routed_experts:
+        out.routed_experts = parse_routed_experts(meta, len(request.input_ids) + len(output_ids) - 1)
     if request.return_logprob:
         output_entries = meta.get("output_token_logprobs") or []
         out.output_log_probs = [float(e[0]) for e in output_entries]
@@ -149,7 +178,8 @@ def parse_generate_response(body: Any, requests: Sequence[GenerateRequest]) -> l
 
 # ---- server side: the same format read and written by `stacx serve` --------------------------
 
-_BATCHABLE = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "rid")
+_BATCHABLE = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "rid",
+              "return_routed_experts")
 
 
 def parse_generate_payload(payload: Any, tokenizer: Any = None) -> tuple[list[GenerateRequest], bool]:
@@ -197,7 +227,7 @@ def parse_generate_payload(payload: Any, tokenizer: Any = None) -> tuple[list[Ge
         return [default if v is None else v for v in value]
 
     fields = {key: per_request(key, default) for key, default in
-              zip(_BATCHABLE, ({}, False, -1, 0, None, None))}
+              zip(_BATCHABLE, ({}, False, -1, 0, None, None, False))}
     requests = []
     for i in range(n):
         suffix = f"[{i}]" if is_batch else ""
@@ -211,6 +241,10 @@ def parse_generate_payload(payload: Any, tokenizer: Any = None) -> tuple[list[Ge
             raise ValueError(f"/generate: 'token_ids_logprob{suffix}' must be a list of token ids, got {token_ids!r}")
         _check_token_ids(token_ids, f"token_ids_logprob{suffix}")
         sampling = parse_sampling_params(fields["sampling_params"][i], f"sampling_params{suffix}")
+        return_routed_experts = fields["return_routed_experts"][i]
+        if not isinstance(return_routed_experts, bool):
+            raise ValueError(f"/generate: 'return_routed_experts{suffix}' must be true or false, "
+                             f"got {return_routed_experts!r}")
         rid = fields["rid"][i]
         if rid is not None and (not isinstance(rid, str) or not rid):
             raise ValueError(f"/generate: 'rid{suffix}' must be a non-empty string, got {rid!r}")
@@ -218,7 +252,7 @@ def parse_generate_payload(payload: Any, tokenizer: Any = None) -> tuple[list[Ge
             requests.append(GenerateRequest(
                 input_ids=tuple(sequences[i]), sampling=sampling, return_logprob=return_logprob,
                 logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                token_ids_logprob=tuple(token_ids), rid=rid,
+                token_ids_logprob=tuple(token_ids), rid=rid, return_routed_experts=return_routed_experts,
             ))
         except ValueError as err:
             raise ValueError(f"/generate: request {i}: {err}") from err
@@ -327,5 +361,8 @@ def render_generate_item(output: GenerateOutput, request: GenerateRequest, rid: 
             meta["output_token_ids_logprobs"] = [_pairs_to_entries(p) for p in output.output_token_ids_log_probs]
             if request.logprob_start_len >= 0:
                 meta["input_token_ids_logprobs"] = [_pairs_to_entries(p) for p in output.input_token_ids_log_probs]
+    if output.routed_experts is not None:  # SGLang's encoding: base64 of the flat int32 array
+        routes = output.routed_experts.to(torch.int32).contiguous()
+        meta["routed_experts"] = base64.b64encode(routes.numpy().tobytes()).decode("ascii")
     text = "" if tokenizer is None else tokenizer.decode(list(output.output_ids), skip_special_tokens=True)
     return {"text": text, "output_ids": list(output.output_ids), "meta_info": meta}

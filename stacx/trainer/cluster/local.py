@@ -31,7 +31,8 @@ class LocalRoleGroup:
         groups = runtime.groups
         self.rank = dist.get_rank()
         self.layout = RoleLayout(tensor_model_parallel_size=groups.tp_size, context_parallel_size=groups.cp_size,
-                                 pipeline_model_parallel_size=groups.pp_size, data_parallel_size=groups.dp_size)
+                                 pipeline_model_parallel_size=groups.pp_size, data_parallel_size=groups.dp_size,
+                                 expert_model_parallel_size=groups.ep_size, expert_tensor_parallel_size=groups.etp_size)
         self.coords = [RankCoords(**c) for c in all_gather_values(dataclasses.asdict(RankCoords.of(groups)))]
 
     def train_step(self, shards: Sequence[MicroBatches], counts: StepCounts,

@@ -6,21 +6,12 @@
 `stacx.trainer.config.recipe` is the module that defines the recipe model.)
 """
 
-from importlib import import_module
+from stacx.lazy_names import lazy_names
 
-_PUBLIC = {
-    "TrainingConfig": "stacx.trainer.config.recipe",
-    "ModelRole": "stacx.trainer.config.recipe",
-    "InjectSync": "stacx.trainer.config.recipe",
-    "ExchangeSync": "stacx.trainer.config.recipe",
-    "RunConfig": "stacx.trainer.config.run",
-    "StacxConfig": "stacx.trainer.config.python",
+_EXPORTS = {
+    "stacx.trainer.config.recipe": ("TrainingConfig", "ModelRole", "InjectSync", "ExchangeSync"),
+    "stacx.trainer.config.run": ("RunConfig",),
+    "stacx.trainer.config.python": ("StacxConfig",),
 }
 
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        return getattr(import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'stacx.trainer.config' has no attribute {name!r}")
+__all__, __getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals())

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 
+MODEL_PARALLEL_SIZE_FIELDS = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+                              "expert_model_parallel_size", "expert_tensor_parallel_size")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RoleLayout:
     """How one role's ranks are laid out: world size = tp * cp * pp * dp."""
@@ -23,6 +27,16 @@ class RoleLayout:
     """Model replicas."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages each replica's layers are split into (1 in checkpoints written before PP existed)."""
+    expert_model_parallel_size: int = 1
+    """Ranks a mixture-of-experts model's routed experts are spread over (megatron's expert grid lies over
+    the same ranks as tp x cp x dp; 1 for dense models and in checkpoints written before EP existed)."""
+    expert_tensor_parallel_size: int | None = None
+    """Ranks sharding each expert's width; None (and manifests written before EP existed): the tensor-parallel
+    size, megatron's default, which the layout then holds."""
+
+    def __post_init__(self) -> None:
+        if self.expert_tensor_parallel_size is None:
+            object.__setattr__(self, "expert_tensor_parallel_size", self.tensor_model_parallel_size)
     state_replicated_across_data_parallel: bool = True
     """Whether ranks that differ only in (cp, dp) hold identical state (no distributed optimizer). Kept in the
     manifest for the record: torch_dist state loads under any layout either way."""
@@ -35,6 +49,11 @@ class RoleLayout:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def parallel_sizes(self) -> dict[str, int]:
+        """The model-parallel degrees (tp, cp, pp, ep, etp) by field name: the keyword arguments a role's
+        workers are started with (`RoleWorkers`); the data-parallel degree follows from their number."""
+        return {name: getattr(self, name) for name in MODEL_PARALLEL_SIZE_FIELDS}
+
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "RoleLayout":
         """A manifest's layout; manifests written before the TP setting had one name say `tensor_parallel_size`."""
@@ -45,7 +64,8 @@ class RoleLayout:
 
     def describe(self) -> str:
         pp = f" pp={self.pipeline_model_parallel_size}" if self.pipeline_model_parallel_size > 1 else ""
-        return f"tp={self.tensor_model_parallel_size} cp={self.context_parallel_size}{pp} dp={self.data_parallel_size}"
+        ep = f" ep={self.expert_model_parallel_size}" if self.expert_model_parallel_size > 1 else ""
+        return f"tp={self.tensor_model_parallel_size} cp={self.context_parallel_size}{pp} dp={self.data_parallel_size}{ep}"
 
 
 @dataclass(frozen=True, kw_only=True)

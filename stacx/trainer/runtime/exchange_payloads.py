@@ -43,13 +43,15 @@ class ExchangePayload:
 
 def produce_hf_weights(runtime) -> dict[str, torch.Tensor]:
     """Full Hugging Face-named tensors on TP rank 0 of each (cp = 0) replica; {} on the others,
-    which only take part in the TP gathers."""
-    if runtime.groups.cp_rank != 0:
+    which only take part in the TP gathers. With experts spread over ep > 1 the cp > 0 ranks take part
+    in the expert gathers too (an expert-parallel group may span CP ranks) and then return {}."""
+    groups = runtime.groups
+    if groups.cp_rank != 0 and groups.ep_size == 1:
         return {}
     tensors: dict[str, torch.Tensor] = {}
     for bucket in runtime.weight_buckets(PRODUCE_BUCKET_BYTES, only_to_tp_rank=0):
         tensors.update(bucket)
-    return tensors
+    return tensors if groups.cp_rank == 0 else {}
 
 
 @torch.no_grad()

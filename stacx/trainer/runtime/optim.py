@@ -8,6 +8,12 @@ DP x CP once, in `finish_grad_sync` (no overlap: the step's micro-batches run ba
 single sync keeps the number of collectives independent of the micro-batch count). megatron scales
 the summed gradients by 1 / (dp * cp); the reducer's `gradient_scale` undoes exactly that.
 
+Mixture-of-experts models: the routed experts' parameters always have their own gradient buffers and their
+own optimizer, a chain (dense, experts), also at ep = 1 (`keep_routed_experts_apart`). megatron does this
+only at ep > 1; doing it at every ep gives checkpoints one optimizer layout, so the optimizer state
+reshards between ep = 2 and ep = 1 like the weights. At ep = 1 the expert buffers reduce over the
+expert-data-parallel group, which then holds the same ranks as DP x CP: the same sums, the same scale.
+
 Optimizer: Adam (AdamW-style decoupled weight decay) with global grad-norm clipping `clip_grad`.
 The state is replicated over DP (no distributed optimizer), so a checkpoint can be resumed under
 another DP or CP degree. Without transformer-engine and apex (the CPU path) megatron builds
@@ -30,10 +36,30 @@ import torch
 DECAY_STYLES = ("constant", "linear", "cosine")
 
 
+ROUTED_EXPERT_PARAM = ".mlp.experts."
+"""In megatron's parameter names, the routed experts' (`decoder.layers.<i>.mlp.experts.local_experts.<j>...`;
+a shared expert is `mlp.shared_experts`)."""
+
+
+def keep_routed_experts_apart(model) -> int:
+    """Mark the routed experts' parameters as megatron marks them at ep > 1 (`allreduce = False`), so DDP gives
+    them their own buffers and `get_megatron_optimizer` its expert optimizer at any ep; returns how many
+    parameters were marked here (0 at ep > 1 and for dense models)."""
+    marked = 0
+    for name, param in model.named_parameters():
+        if ROUTED_EXPERT_PARAM in name and getattr(param, "allreduce", True):
+            param.allreduce = False
+            marked += 1
+    return marked
+
+
 def wrap_ddp(model):
-    """megatron DistributedDataParallel over DP x CP, fp32 grad buffers, one sync per step."""
+    """megatron DistributedDataParallel over DP x CP, fp32 grad buffers, one sync per step; a mixture-of-experts
+    model's routed experts in buffers of their own (`keep_routed_experts_apart`)."""
     # Imported here: megatron-core is slow to import (start-up time).
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    keep_routed_experts_apart(model)
 
     config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,

@@ -137,6 +137,8 @@ class RoleRuntime:
         self.vocab_local = padded_vocab_size(self._vocab_size(), groups.tp_size) // groups.tp_size
         self.on_cuda = next(self.model.parameters()).device.type == "cuda"
         self._logged_logits_fallback = False
+        self._replay_routes = True
+        """Whether forwards replay a micro-batch's routed_experts (off while the reference's log-probs are computed)."""
         self.num_steps = 0
         self._engine_clients: dict[tuple[str, str], Any] = {}
         if role.trainable:
@@ -187,16 +189,34 @@ class RoleRuntime:
 
     def forward(self, batch: MicroBatch):
         """TP-local logits [T_local, V_pad/tp] (fp32), or the LM head's inputs (`LMHeadShard`) when
-        `lm_head_output` picks fused log-probs, or values [T_local] for a value-head role."""
+        `lm_head_output` picks fused log-probs, or values [T_local] for a value-head role.
+
+        A micro-batch that carries `routed_experts` (--use-routing-replay) is routed as the rollout
+        engine routed it, except while `compute_fields` computes the reference's log-probs (another
+        model, which routes itself) and in a role with a value head (a critic)."""
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import forward_packed
 
         tokens_local, padded_lengths = batch.model_inputs()
-        output = forward_packed(self.forward_module, tokens_local, padded_lengths, self.groups,
-                                lm_head=self.lm_head_output(batch) if self.groups.is_last_stage else "logits")
+        with self._routing(batch):
+            output = forward_packed(self.forward_module, tokens_local, padded_lengths, self.groups,
+                                    lm_head=self.lm_head_output(batch) if self.groups.is_last_stage else "logits")
         if not self.groups.is_last_stage:
             return output  # hidden states for the next pipeline stage
         return output[:, 0] if self.role.outputs_values else output
+
+    def _routing(self, batch: MicroBatch):
+        """The context a forward runs in: the rollout's routes replayed, or the model's own routing."""
+        if batch.routed_experts is None or not self._replay_routes or self.role.outputs_values:
+            return contextlib.nullcontext()
+        if not self.mixture_of_experts:
+            raise ValueError(f"role {self.role.name!r}: the micro-batch carries routed_experts but the model is dense; "
+                             "drop --use-routing-replay")
+        # Imported here: megatron-core is slow to import (start-up time).
+        from stacx.models.routing_replay import routes_replayed
+
+        return routes_replayed(self.forward_module, batch.model_routes(), tp_rank=self.groups.tp_rank,
+                               tp_size=self.groups.tp_size)
 
     def swap_reference(self) -> None:
         """Exchange the module's weights with the held reference weights (call twice to undo).
@@ -235,11 +255,14 @@ class RoleRuntime:
             return [v.detach().float().cpu() for v in values]
 
         for name in names:
+            # Only pi_old replays the rollout's routes: the reference (and a critic) is another model, which
+            # routes itself (docs/models.md, "Routing replay").
             # A frozen role without an in-worker reference is itself a reference model (e.g. a `reference`
             # role refreshed from the policy by an exchange sync): its own log-probs are the reference's.
             swapped = name == "ref_log_probs" and (self.role.trainable or self.reference_weights is not None)
             if swapped:
                 self.swap_reference()
+            self._replay_routes = name == "log_probs"
             try:
                 if self.groups.pp_size > 1:
                     # The fields come out of the last stage; the schedule passes activations along.
@@ -255,6 +278,7 @@ class RoleRuntime:
                         batch = self.pack(micro_batch)
                         results[index][name] = fields_of(self.forward(batch), batch, name)
             finally:
+                self._replay_routes = True
                 if swapped:
                     self.swap_reference()
         holds_results = self.groups.tp_rank == 0 and self.groups.cp_rank == 0 and self.groups.is_last_stage

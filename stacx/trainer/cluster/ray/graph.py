@@ -39,6 +39,11 @@ class WorkerLayout:
     """Context-parallel degree of every trainable role; None keeps each role's own default."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel degree of every trainable role (frozen roles keep one stage)."""
+    expert_model_parallel_size: int = 1
+    """Ranks each trainable role spreads a mixture-of-experts model's routed experts over (frozen roles keep
+    every expert on every rank); megatron lays this expert grid over the role's own ranks, so it adds none."""
+    expert_tensor_parallel_size: int | None = None
+    """Ranks sharding each expert's width in trainable roles; None: the role's tensor-parallel size."""
     num_cpus_per_rank: float = 1.0
     """CPUs per bundle (one bundle per rank), split between the roles colocated on it."""
     num_gpus_per_rank: float = 0.0
@@ -57,10 +62,13 @@ class WorkerLayout:
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"worker layout: field 'data_parallel_size' must be >= 1, got {self.data_parallel_size}")
+        if self.expert_model_parallel_size < 1:
+            raise ValueError("worker layout: field 'expert_model_parallel_size' must be >= 1, "
+                             f"got {self.expert_model_parallel_size}")
         if self.pipeline_model_parallel_size < 1:
             raise ValueError("worker layout: field 'pipeline_model_parallel_size' must be >= 1, "
                              f"got {self.pipeline_model_parallel_size}")
-        for name in ("tensor_model_parallel_size", "context_parallel_size"):
+        for name in ("tensor_model_parallel_size", "context_parallel_size", "expert_tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"worker layout: field {name!r} must be >= 1 or None, got {value}")
@@ -75,15 +83,16 @@ class WorkerLayout:
 
 
 PARALLEL_SECTION_FIELDS = ("data_parallel_size", "tensor_model_parallel_size", "context_parallel_size",
-                           "pipeline_model_parallel_size", "num_cpus_per_rank", "num_gpus_per_rank", "collective_timeout_s")
+                           "pipeline_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+                           "num_cpus_per_rank", "num_gpus_per_rank", "collective_timeout_s")
 """The `WorkerLayout` fields the run config's `parallel` section sets."""
 
 
 def resolve_role_layouts(training_config: TrainingConfig, layout: WorkerLayout) -> dict[str, RoleLayout]:
-    """(tp, cp, pp, dp) of every role.
+    """(tp, cp, pp, dp, ep, etp) of every role.
 
-    tp and cp come from the role, with the layout's overrides applied to trainable roles (pp too:
-    frozen roles keep one stage). A pool has `max(tp * cp * pp over its roles) * data_parallel_size`
+    tp and cp come from the role, with the layout's overrides applied to trainable roles (pp, ep and etp
+    too: frozen roles keep one stage and every expert on every rank). A pool has `max(tp * cp * pp over its roles) * data_parallel_size`
     bundles, and every role on the pool uses all of them (colocated roles time-share the same
     devices), so a role's dp is the pool size divided by its own tp * cp * pp.
     """
@@ -105,9 +114,18 @@ def resolve_role_layouts(training_config: TrainingConfig, layout: WorkerLayout) 
                     f"recipe {training_config.name!r}: role {name!r} (tp={tp}, cp={cp}, pp={pp}) cannot fill pool "
                     f"{pool_name!r} of {pool_size} ranks; colocated roles need tp * cp * pp dividing the pool size"
                 )
+            ep, etp = 1, tp
+            if training_config.role(name).trainable:
+                ep, etp = layout.expert_model_parallel_size, layout.expert_tensor_parallel_size or tp
+            if (pool_size // pp) % (ep * etp):
+                raise ValueError(
+                    f"recipe {training_config.name!r}: role {name!r} has {pool_size // pp} ranks per pipeline stage, "
+                    f"not divisible by --expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp}; "
+                    "choose sizes whose product divides them (or raise --data-parallel-size)")
             resolved[name] = RoleLayout(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                         pipeline_model_parallel_size=pp,
-                                        data_parallel_size=pool_size // (tp * cp * pp))
+                                        data_parallel_size=pool_size // (tp * cp * pp),
+                                        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     return resolved
 
 
@@ -169,9 +187,7 @@ def create_role_workers(training_config: TrainingConfig, layout: Any = None, *, 
                 role.name,
                 role_layout.world_size,
                 RolePlacement(graph.pools[training_config.pool_of(role.name)]),
-                tensor_model_parallel_size=role_layout.tensor_model_parallel_size,
-                context_parallel_size=role_layout.context_parallel_size,
-                pipeline_model_parallel_size=role_layout.pipeline_model_parallel_size,
+                **role_layout.parallel_sizes(),
                 collective_timeout_s=layout.collective_timeout_s,
                 call_timeout_s=layout.call_timeout_s,
                 env_vars=dict(layout.worker_env_vars) or None,

@@ -96,7 +96,9 @@ class RayRoleGroup:
         self.layout = RoleLayout(tensor_model_parallel_size=workers.tensor_model_parallel_size,
                                  context_parallel_size=workers.context_parallel_size,
                                  pipeline_model_parallel_size=workers.pipeline_model_parallel_size,
-                                 data_parallel_size=workers.data_parallel_size)
+                                 data_parallel_size=workers.data_parallel_size,
+                                 expert_model_parallel_size=workers.expert_model_parallel_size,
+                                 expert_tensor_parallel_size=workers.expert_tensor_parallel_size)
         self.coords: list[RankCoords] = workers.execute_all(_build_runtime, role, run_config, algorithm)
 
     def train_step(self, shards: Sequence[MicroBatches], counts: StepCounts,

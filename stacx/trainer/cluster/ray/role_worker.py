@@ -14,7 +14,8 @@ class resolves here even on a node whose file system lacks the file.
 
 Lifecycle: `host_rendezvous` starts the role's rendezvous store on rank 0, bound to the node's
 cluster address (never 0.0.0.0 / ::); `setup(...)` initializes torch.distributed (gloo on CPU, NCCL on GPU) over the
-role's ranks and megatron-core's (tp, cp, dp) groups with `initialize_parallel_layout`;
+role's ranks and megatron-core's (tp, cp, pp, dp) groups and expert grid (etp, ep, edp) with
+`initialize_parallel_layout`;
 `open_exchange(...)` joins an exchange group with another role's workers; `shutdown()` tears
 everything down. Every collective inherits the timeout given to `setup`.
 """
@@ -117,8 +118,10 @@ class RoleWorker:
 
     def setup(self, rank: int, world_size: int, master_addr: str, master_port: int,
               tensor_model_parallel_size: int = 1, context_parallel_size: int = 1, timeout_s: float = 300.0,
-              pipeline_model_parallel_size: int = 1) -> dict:
-        """Join the role's torch.distributed world and build its megatron-core (tp, cp, dp) groups.
+              pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+              expert_tensor_parallel_size: int | None = None) -> dict:
+        """Join the role's torch.distributed world and build its megatron-core (tp, cp, pp, dp) groups and
+        expert grid (etp, ep, edp: a mixture-of-experts model's experts spread over ep ranks).
 
         Must run on every rank of the role at the same time, after `host_rendezvous` on rank 0, whose
         store at (`master_addr`, `master_port`) the other ranks join. Returns this rank's coordinates.
@@ -143,7 +146,10 @@ class RoleWorker:
         join_role_world(rank, world_size, node_address=ray.util.get_node_ip_address(), store_address=master_addr,
                         store_port=master_port, hosted_store=self._rendezvous_store, timeout_s=timeout_s)
         self.groups = initialize_parallel_layout(tensor_model_parallel_size, context_parallel_size,
-                                                 pipeline_model_parallel_size=pipeline_model_parallel_size, timeout_s=timeout_s)
+                                                 pipeline_model_parallel_size=pipeline_model_parallel_size,
+                                                 expert_model_parallel_size=expert_model_parallel_size,
+                                                 expert_tensor_parallel_size=expert_tensor_parallel_size,
+                                                 timeout_s=timeout_s)
         return {
             "rank": rank,
             "tp_rank": self.groups.tp_rank,
@@ -154,6 +160,8 @@ class RoleWorker:
             "cp_size": self.groups.cp_size,
             "dp_size": self.groups.dp_size,
             "pp_size": self.groups.pp_size,
+            "ep_rank": self.groups.ep_rank,
+            "ep_size": self.groups.ep_size,
         }
 
     # ---- running shipped code -----------------------------------------------------------

@@ -61,6 +61,8 @@ class RoleWorkers:
         tensor_model_parallel_size: int = 1,
         context_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
+        expert_tensor_parallel_size: int | None = None,
         collective_timeout_s: float = 300.0,
         call_timeout_s: float | None = None,
         worker_cls: type = RoleWorker,
@@ -72,6 +74,8 @@ class RoleWorkers:
 
         `collective_timeout_s` bounds every collective inside the role; `call_timeout_s`, when
         set, bounds every driver call (None: only deaths and errors end a call early).
+        `expert_model_parallel_size` / `expert_tensor_parallel_size` lay a mixture-of-experts model's
+        expert grid over the same ranks (ep x etp must divide num_ranks / pp; etp None: tp).
         `num_threads` sets torch's intra-op threads per worker (None leaves Ray's default).
         `user_modules`: sources of the user modules every actor imports when it starts
         (`stacx.objectives.discovery.UserModuleSource`); None ships every user module this
@@ -91,12 +95,20 @@ class RoleWorkers:
                 f"tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size = "
                 f"{tensor_model_parallel_size} * {context_parallel_size} * {pipeline_model_parallel_size}"
             )
+        etp = expert_tensor_parallel_size or tensor_model_parallel_size
+        if expert_model_parallel_size < 1 or (num_ranks // pipeline_model_parallel_size) % (expert_model_parallel_size * etp):
+            raise ValueError(
+                f"role {role_name!r}: --expert-model-parallel-size {expert_model_parallel_size} x "
+                f"--expert-tensor-parallel-size {etp} must divide the role's {num_ranks // pipeline_model_parallel_size} "
+                "ranks per pipeline stage; choose sizes whose product divides them")
         self.role_name = role_name
         self.num_ranks = num_ranks
         self.placement = placement
         self.tensor_model_parallel_size = tensor_model_parallel_size
         self.context_parallel_size = context_parallel_size
         self.pipeline_model_parallel_size = pipeline_model_parallel_size
+        self.expert_model_parallel_size = expert_model_parallel_size
+        self.expert_tensor_parallel_size = etp
         self.collective_timeout_s = collective_timeout_s
         self.call_timeout_s = call_timeout_s
         self.labels = [WorkerLabel(role_name, rank) for rank in range(num_ranks)]
@@ -158,7 +170,8 @@ class RoleWorkers:
         refs = [
             actor.setup.remote(rank, self.num_ranks, master_addr, master_port, self.tensor_model_parallel_size,
                                self.context_parallel_size, self.collective_timeout_s,
-                               self.pipeline_model_parallel_size)
+                               self.pipeline_model_parallel_size, self.expert_model_parallel_size,
+                               self.expert_tensor_parallel_size)
             for rank, actor in enumerate(self.actors)
         ]
         # Startup includes process launch and imports; allow for it beyond the collective timeout.
@@ -194,4 +207,4 @@ class RoleWorkers:
 
     def __repr__(self) -> str:
         return (f"RoleWorkers({self.role_name!r}, num_ranks={self.num_ranks}, tp={self.tensor_model_parallel_size}, "
-                f"cp={self.context_parallel_size}, pool={self.placement.pool.pool.name!r})")
+                f"cp={self.context_parallel_size}, ep={self.expert_model_parallel_size}, pool={self.placement.pool.pool.name!r})")
