@@ -165,7 +165,7 @@ def _runtime_step(path, ep, replay_own_routes=False, tp=1):
     runtime = RoleRuntime(ModelRole(name="policy", specialization_cls=ActorSpecialization), algorithm, groups,
                           model=run_config.model, optim=run_config.optim, train=run_config.train,
                           rank=torch.distributed.get_rank())
-    pushed = _pushed_weights(runtime) if ep == 2 and not replay_own_routes else None
+    pushed = _pushed_weights(runtime) if ep == 2 and tp == 1 and not replay_own_routes else None
     batch = step_batch()
     counts = compute_step_counts(batch.loss_masks, groups.dp)
     # Micro-batches of 16 and 22 tokens: no sequence-parallel padding at tp=2, which would change megatron's
