@@ -7,7 +7,9 @@ Needs TRL: `pip install -e .[bench]` (pin torch / transformers / megatron-core w
 
 Workload (the same for both, built here, nothing downloaded):
   weights      one random Qwen2 of the size (S 5M, M 56M params; shapes of bench/generation.py,
-               vocab 32,000, tied embeddings), saved as a Hugging Face checkpoint that both load, fp32
+               vocab 32,000, tied embeddings), saved as a Hugging Face checkpoint that both load, fp32;
+               `--sizes moe-S`: a Qwen3-MoE of S's attention shape, 8 experts of width 256, top-2
+               (7.4M params; results in bench/results/peers_moe.json)
   batch        16 trajectories: 64-token prompts, completion lengths uniform in [32, 448],
                random token ids, seed 1234; 4 groups of 4 with group-normalized random rewards
                as advantages; pi_old = the initial weights' log-probs (given to both)
@@ -55,7 +57,16 @@ from generation import SHAPES  # noqa: E402  (bench/generation.py: the S and M s
 
 SMOKE_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=64)
-SIZES = dict(SHAPES, smoke=SMOKE_SHAPE)
+MOE_SHAPES = {
+    # Qwen3-MoE of the S attention shape: 8 experts, top-2 routing (renormalized, as Qwen3-30B-A3B), every
+    # layer sparse; 2 of 8 experts of 256 give each token the S model's 512-wide MLP compute.
+    "moe-S": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True),
+    "moe-smoke": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+}
+SIZES = dict(SHAPES, smoke=SMOKE_SHAPE, **MOE_SHAPES)
+"""Size name -> Hugging Face config fields; a name in MOE_SHAPES is a Qwen3-MoE, the others Qwen2."""
 GROUP_SIZE = 4
 LOSS_RTOL = 1e-4
 """Step losses and grad norms of the two must agree to this relative tolerance (fp32; the packed and
@@ -65,13 +76,16 @@ the padded forward sum in different orders)."""
 # ---- workload ---------------------------------------------------------------------------------
 
 def write_checkpoint(directory: str, size: str, vocab_size: int, context_length: int) -> None:
-    """A random Qwen2 Hugging Face checkpoint of `size` (seed 0) with a character tokenizer."""
+    """A random Qwen2 (Qwen3-MoE for a MoE size) Hugging Face checkpoint of `size` (seed 0) with a character
+    tokenizer. The MoE config turns Hugging Face's router auxiliary loss off (coefficient 0): Stacx's
+    --moe-aux-loss-coeff is 0 by default, and the two define that loss over different token sets."""
     from stacx.models.testing import build_tiny_hf_model, tiny_hf_config
     from stacx.rollout.tokenizer import build_char_tokenizer
 
-    config = tiny_hf_config("qwen2", vocab_size=vocab_size, max_position_embeddings=context_length,
+    arch = "qwen3_moe" if size in MOE_SHAPES else "qwen2"
+    config = tiny_hf_config(arch, vocab_size=vocab_size, max_position_embeddings=context_length,
                             tie_word_embeddings=True, eos_token_id=1, bos_token_id=None, pad_token_id=0,
-                            **SIZES[size])
+                            **SIZES[size], **({"router_aux_loss_coef": 0.0} if size in MOE_SHAPES else {}))
     build_tiny_hf_model(config, seed=0).save_pretrained(directory, safe_serialization=True)
     build_char_tokenizer().save_pretrained(directory)
 
@@ -365,10 +379,14 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-only", action="store_true",
                         help="only (re)measure the peak-RSS children and update the rows of --out in place")
     parser.add_argument("--child", choices=sorted(SIDES), help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=os.path.join(BENCH_DIR, "results", "peers.json"))
+    parser.add_argument("--out", help="results JSON (default bench/results/peers.json, peers_moe.json for MoE sizes)")
     args = parser.parse_args(argv)
+    if args.out is None:
+        moe = any(size in MOE_SHAPES for size in args.sizes)
+        args.out = os.path.join(BENCH_DIR, "results", "peers_moe.json" if moe else "peers.json")
     if args.smoke:
-        args.sizes, args.rounds, args.trajectories, args.vocab = ["smoke"], 1, 8, 512
+        args.sizes = sorted({"moe-smoke" if size in MOE_SHAPES else "smoke" for size in args.sizes})
+        args.rounds, args.trajectories, args.vocab = 1, 8, 512
         args.prompt_len, args.min_completion, args.max_completion = 8, 4, 24
         args.generation_new_tokens = [8]
     if args.trajectories % GROUP_SIZE:

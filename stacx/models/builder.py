@@ -88,7 +88,7 @@ def _kernel_fusions(on_cpu: bool) -> dict[str, bool]:
 
 def build_transformer_config(
     shape: DecoderShape, groups, params_dtype: torch.dtype, initializer_range: float, initialize_weights: bool = True,
-    router_losses: RouterLosses = RouterLosses(),
+    router_losses: RouterLosses = RouterLosses(), sequence_parallel: bool = False,
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -118,6 +118,8 @@ def build_transformer_config(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         tensor_model_parallel_size=groups.tp_size,
+        # Sequence parallelism means something only across TP ranks (megatron refuses it at tp = 1).
+        sequence_parallel=sequence_parallel and groups.tp_size > 1,
         context_parallel_size=groups.cp_size,
         pipeline_model_parallel_size=groups.pp_size,
         virtual_pipeline_model_parallel_size=groups.vp_size if groups.vp_size > 1 else None,
@@ -137,6 +139,46 @@ def build_transformer_config(
         # dispatcher never sees.
         config.variable_seq_lengths = True
     return config
+
+
+class TorchRMSNorm:
+    """The local spec's RMSNorm (torch's) that also runs under sequence parallelism, which megatron's
+    `WrappedTorchNorm` refuses: the norm is per token, so it needs nothing but its weight marked
+    `sequence_parallel`, which has megatron's `finalize_model_grads` sum the weight's gradient over
+    TP (each TP rank normalized only its part of the sequence)."""
+
+    splits_sequence = True
+    """False for the q/k norms: they run after attention's all-gather, on the whole sequence (their
+    gradient is partial over TP anyway, by heads; megatron sums it as `qk_layernorm`)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel and cls.splits_sequence
+        return norm
+
+
+class TorchQKRMSNorm(TorchRMSNorm):
+    splits_sequence = False
+
+
+def _block_spec(shape: DecoderShape, transformer_config):
+    """The decoder's spec: `_layer_spec`, or under sequence parallelism on the local spec a block spec
+    (this stage's layers and the final norm) whose norms are `TorchRMSNorm`."""
+    # Imported here, like megatron above: `stacx.models` stays light for the driver.
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    spec = _layer_spec(shape)
+    if not transformer_config.sequence_parallel or transformer_engine_available():
+        return spec
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(spec.submodules, name).__name__ == "WrappedTorchNorm":
+            setattr(spec.submodules, name, TorchRMSNorm)
+    attention = spec.submodules.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(getattr(attention, name, None), "__name__", "") == "WrappedTorchNorm":
+            setattr(attention, name, TorchQKRMSNorm)
+    num_layers = get_num_layers_to_build(transformer_config)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=TorchRMSNorm)
 
 
 def _layer_spec(shape: DecoderShape):
@@ -179,14 +221,16 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
 
 
 def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32, initialize_weights: bool = True,
-                router_losses: RouterLosses = RouterLosses()):
+                router_losses: RouterLosses = RouterLosses(), sequence_parallel: bool = False):
     """A megatron-core GPTModel matching `hf_config` (PretrainedConfig, dict, folder or config.json); with
     virtual pipeline stages (groups.vp_size > 1) the list of this rank's model chunks (`model_chunks`).
 
     Weights are freshly initialized (left uninitialized with initialize_weights=False, which is
     faster when a checkpoint is loaded next); load real ones with `load_hf_checkpoint`. Dropout is 0.
     A mixture-of-experts config gets MoE layers sharded over `groups`' expert grid (ep, etp), with
-    `router_losses` (ignored for a dense model). Raises ValueError for an unsupported architecture,
+    `router_losses` (ignored for a dense model). `sequence_parallel` (--sequence-parallel, at tp > 1):
+    megatron's sequence parallelism, the activations outside attention and the MLP split along the
+    sequence over TP (`forward_packed` pads and gathers for it). Raises ValueError for an unsupported architecture,
     a tp that does not divide the heads or an ep that does not divide the experts.
     """
     from megatron.core.models.gpt import GPTModel
@@ -198,7 +242,7 @@ def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32,
     check_pipeline_parallel_size(shape, groups.pp_size, groups.vp_size)
     transformer_config = build_transformer_config(
         shape, groups, params_dtype, float(getattr(config, "initializer_range", 0.02)), initialize_weights,
-        router_losses,
+        router_losses, sequence_parallel,
     )
     if groups.vp_size > 1:
         # Interleaved stages: chunk c of pipeline rank r holds the layers of virtual stage c * pp + r; the
@@ -215,7 +259,7 @@ def _build_chunk(config, shape: DecoderShape, transformer_config, groups, initia
     last_chunk = vp_stage is None or vp_stage == groups.vp_size - 1
     model = GPTModel(
         config=transformer_config,
-        transformer_layer_spec=_layer_spec(shape),
+        transformer_layer_spec=_block_spec(shape, transformer_config),
         vocab_size=padded_vocab_size(shape.vocab_size, groups.tp_size),
         max_sequence_length=shape.max_position_embeddings,
         position_embedding_type="rope",

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from stacx.models.builder import hf_config_of, unwrap_model
-from stacx.parallel.cp_layout import cu_seqlens, local_positions, position_ids
+from stacx.parallel.cp_layout import cu_seqlens, local_positions, position_ids, sequence_parallel_padding
 from stacx.parallel.lm_head import LMHeadShard, mask_vocab_padding
 
 
@@ -59,6 +59,13 @@ def forward_packed(model, tokens: torch.Tensor, padded_lengths: Sequence[int], g
     vocab_size, tp_rank)`, whose `logits()` equals what lm_head="logits" returns. The weight is the
     parameter GPTModel hands its output layer (the tied embedding, or `output_layer.weight`), so a
     loss computed from it sends its gradient through megatron's DDP hooks as the matmul would.
+
+    Sequence parallelism (a model built with sequence_parallel=True): megatron splits the row along
+    the sequence over TP, so it must be a multiple of tp. A padding sequence is appended for the
+    call where it is not (`sequence_parallel_padding`; it attends only to itself, and a MoE router
+    leaves it out of its losses through megatron's padding_mask) and cut from the outputs. The output
+    layer gathers the sequence back; with lm_head="hidden" the skipped layer's gather is done here
+    (`output_layer_skipped`), so every TP rank holds all T_local rows.
     """
     if lm_head not in LM_HEAD_OUTPUTS:
         raise ValueError(f"lm_head must be one of {list(LM_HEAD_OUTPUTS)}, got {lm_head!r}")
@@ -73,24 +80,35 @@ def forward_packed(model, tokens: torch.Tensor, padded_lengths: Sequence[int], g
     bad = [n for n in padded_lengths if n <= 0 or n % (2 * cp_size if cp_size > 1 else 1)]
     if bad:
         raise ValueError(f"padded_lengths {bad} are not positive multiples of 2*cp={2 * cp_size}")
+    num_local = tokens.numel()
+    gpt_model = unwrap_model(model)
+    sp_padding = (sequence_parallel_padding(num_local, groups.tp_size, cp_size)
+                  if getattr(gpt_model.config, "sequence_parallel", False) else 0)
+    extra = {}
+    if sp_padding:
+        padded_lengths = padded_lengths + [sp_padding]
+        tokens = torch.cat([tokens, tokens.new_zeros(sp_padding // cp_size)])
+        if getattr(gpt_model.config, "num_moe_experts", None):
+            extra["padding_mask"] = (torch.arange(tokens.numel()) >= num_local)[None]  # [1, T_local + pad], True = pad
     positions = position_ids(padded_lengths)[local_positions(padded_lengths, groups.cp_rank, cp_size)]
     params = packed_seq_params_for(padded_lengths, groups)
     device = params.cu_seqlens_q.device
     inputs = (tokens.to(device)[None], positions.to(device)[None], None)  # [1, T_local] each
-    if not unwrap_model(model).post_process:
+    extra = {name: mask.to(device) for name, mask in extra.items()}
+    if not gpt_model.post_process:
         # A pipeline stage before the last: its hidden states [T_local, 1, H] are the next stage's
         # input, handed on as they are (stacx.parallel.pipeline).
-        return model(*inputs, packed_seq_params=params)
+        return model(*inputs, packed_seq_params=params, **extra)
     vocab_size = hf_config_of(model).vocab_size
     if lm_head == "hidden":
-        with output_layer_skipped(unwrap_model(model)) as head:
-            hidden = model(*inputs, packed_seq_params=params)  # [1, T_local, H]: GPTModel's [s, b, h] -> [b, s, h]
+        with output_layer_skipped(gpt_model, groups.tp) as head:
+            hidden = model(*inputs, packed_seq_params=params, **extra)  # [1, T_local, H]: [s, b, h] -> [b, s, h]
         # A wrapper that returns fp32 outputs (megatron's Float16Module) would hand back upcast hidden
         # states: the head computes in its weight's dtype, so they go back to it (exactly).
-        hidden = hidden[0].to(head.weight.dtype)
+        hidden = hidden[0, :num_local].to(head.weight.dtype)
         return LMHeadShard(hidden=hidden, weight=head.weight, vocab_size=vocab_size, tp_rank=groups.tp_rank)
-    logits = model(*inputs, packed_seq_params=params)  # [1, T_local, V_pad/tp]
-    logits = logits[0].float()
+    logits = model(*inputs, packed_seq_params=params, **extra)  # [1, T_local, V_pad/tp]
+    logits = logits[0, :num_local].float()
     return mask_vocab_padding(logits, vocab_size, groups.tp_rank)
 
 
@@ -101,19 +119,23 @@ class _SkippedHead:
 
 
 @contextmanager
-def output_layer_skipped(gpt_model):
+def output_layer_skipped(gpt_model, tp_group=None):
     """For the calls inside, GPTModel's output layer returns its input `(hidden_states, None)` and
     records the weight it was given (`weight=` for tied embeddings, else its own `weight`).
 
-    Only the instance's `forward` is replaced, and put back on exit. Refused where the hidden states
-    would not be the full LM-head input: sequence parallelism (they are split over TP), an output
-    bias (e.g. a value head) and multi-token prediction (its heads read the output layer too).
+    Under sequence parallelism the input is this TP rank's part of the sequence; it comes back
+    gathered over `tp_group` (forward: all-gather; backward: this rank's rows of the gradient, which
+    the fused LM-head kernel has already summed over TP). Only the instance's `forward` is replaced,
+    and put back on exit. Refused where the hidden states would not be the full LM-head input: an
+    output bias (e.g. a value head) and multi-token prediction (its heads read the output layer too).
     """
+    # Imported here: megatron-core is slow to import, and `stacx.models` stays light for the driver.
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
     config = gpt_model.config
     output_layer = gpt_model.output_layer
     problems = [
         what for what, present in (
-            ("sequence parallelism", bool(getattr(config, "sequence_parallel", False))),
             ("an output-layer bias (e.g. a value head)", getattr(output_layer, "bias", None) is not None),
             ("multi-token prediction", bool(getattr(gpt_model, "mtp_process", False) or getattr(config, "mtp_num_layers", None))),
         ) if present
@@ -125,6 +147,11 @@ def output_layer_skipped(gpt_model):
 
     def skip(hidden_states, weight=None, runtime_gather_output=None):
         head.weight = output_layer.weight if weight is None else weight
+        if getattr(output_layer, "sequence_parallel", False):
+            # Backward takes this rank's rows of dL/dh: the LM-head kernel sums dL/dh over TP itself
+            # (megatron's copy_to_tensor_model_parallel_region in front of its unfused output layer).
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=tp_group)  # [T, b, H]
         return hidden_states, None
 
     previous = output_layer.__dict__.get("forward")

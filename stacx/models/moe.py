@@ -20,8 +20,10 @@ itself: `scale_router_losses_in_backward` hooks the tensor each stage's backward
 on the last stage, the hidden states sent on elsewhere), which runs before any of the stage's layers.
 
 Expert load. A forward hook on each layer's router reads its routing map [tokens, experts] and counts
-the tokens sent to each expert; `expert_load_metrics` turns the counts, summed over the DP x CP
-ranks (TP ranks route the same tokens), into per-layer counts and the max/mean imbalance.
+the tokens sent to each expert (not the padding megatron's padding_mask marks); `expert_load_metrics`
+turns the counts, summed over the DP x CP ranks (and over TP under sequence parallelism, where each TP
+rank routes its part of the sequence; otherwise TP ranks route the same tokens), into per-layer counts
+and the max/mean imbalance.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class RouterHooks:
 
     def __enter__(self):
         for index, (layer, router) in enumerate(self._routers):
-            self._handles.append(router.register_forward_hook(self._hook(index, layer)))
+            self._handles.append(router.register_forward_hook(self._hook(index, layer), with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -87,6 +89,7 @@ class RouterHooks:
         self._handles.clear()
 
     def _hook(self, index: int, layer: int):
+        """The forward hook (module, args, kwargs, outputs) of router `index` (global layer `layer`)."""
         raise NotImplementedError
 
 
@@ -95,20 +98,28 @@ class ExpertLoadRecorder(RouterHooks):
 
     def __init__(self, gpt_model):
         super().__init__(gpt_model)
-        num_experts = model_chunks(gpt_model)[0].config.num_moe_experts or 0
-        self._counts_LE = torch.zeros(len(self._routers), num_experts, dtype=torch.float64)
+        config = model_chunks(gpt_model)[0].config
+        self._counts_LE = torch.zeros(len(self._routers), config.num_moe_experts or 0, dtype=torch.float64)
+        self._sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def _hook(self, index: int, layer: int):
-        def count(_module, _inputs, outputs):
+        def count(_module, inputs, kwargs, outputs):
             _probs, routing_map = outputs  # routing_map: [tokens, experts] bool
+            # router(hidden_states, padding_mask): True = padding (sequence-parallel fill), [tokens] once flat
+            padding = inputs[1] if len(inputs) > 1 else kwargs.get("padding_mask")
+            if padding is not None:
+                routing_map = routing_map & ~padding.reshape(-1, 1)
             self._counts_LE[index] += routing_map.detach().sum(dim=0).to("cpu", torch.float64)
         return count
 
     def tokens_per_expert(self, groups) -> torch.Tensor:
-        """[layers, experts] token slots routed to each expert, summed over the DP x CP ranks (collective)."""
+        """[layers, experts] token slots routed to each expert, summed over the DP x CP (x TP under sequence
+        parallelism) ranks (collective)."""
         counts = self._counts_LE.clone()
         if groups.dp_cp is not None and groups.dp_cp_size > 1:
             dist.all_reduce(counts, group=groups.dp_cp)
+        if self._sequence_parallel and groups.tp_size > 1:
+            dist.all_reduce(counts, group=groups.tp)
         return counts
 
     @property

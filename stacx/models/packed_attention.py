@@ -54,24 +54,22 @@ def packed_causal_attention(
     cp_size, cp_rank = group_size(cp_group), group_rank(cp_group)
     full_key = gather_kv_to_global_order(key, padded_lengths, cp_group)  # [T_global, Hkv, D]
     full_value = gather_kv_to_global_order(value, padded_lengths, cp_group)
+    if not padded_lengths:
+        return query.new_zeros(query.shape)
+    # One split per tensor, not a slice per sequence: the backward of a split is one concatenation,
+    # that of each slice a zero-filled [T, H, D] gradient (a cost quadratic in the sequence count).
+    local_lengths = [length // cp_size for length in padded_lengths]
     outputs = []
-    local_start = global_start = 0
-    for length in padded_lengths:
-        local_length = length // cp_size
+    for length, q, k, v in zip(padded_lengths, query.split(local_lengths), full_key.split(padded_lengths),
+                               full_value.split(padded_lengths)):
         # Positions (inside the sequence) of this rank's queries: chunks r and 2cp-1-r.
-        q_pos = local_positions([length], cp_rank, cp_size).to(query.device)  # [local_length]
-        q = query[local_start : local_start + local_length].transpose(0, 1)  # [Hq, Lq, D]
-        k = full_key[global_start : global_start + length].transpose(0, 1)  # [Hkv, L, D]
-        v = full_value[global_start : global_start + length].transpose(0, 1)
+        q_pos = local_positions([length], cp_rank, cp_size).to(query.device)  # [Lq]
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [Hq, Lq, D], [Hkv, L, D]
         allowed = q_pos[:, None] >= torch.arange(length, device=query.device)[None, :]  # [Lq, L]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, scale=softmax_scale, enable_gqa=q.shape[0] != k.shape[0]
         )
         outputs.append(out.transpose(0, 1))  # [Lq, Hq, D]
-        local_start += local_length
-        global_start += length
-    if not outputs:
-        return query.new_zeros(query.shape)
     return torch.cat(outputs)
 
 

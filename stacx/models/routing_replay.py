@@ -103,7 +103,7 @@ class RoutesRecorder(RouterHooks):
     def _hook(self, index: int, layer: int):
         top_k = self._top_k
 
-        def record(_module, _inputs, outputs):
+        def record(_module, _inputs, _kwargs, outputs):
             _probs, routing_map_TE = outputs  # [tokens, experts] bool, k True per row
             experts = routing_map_TE.nonzero()[:, 1]  # row-major: each row's experts ascending
             self._per_layer[layer].append(experts.view(-1, top_k).to("cpu", ROUTE_DTYPE))

@@ -26,6 +26,19 @@ def cp_padded_lengths(lengths: Sequence[int], cp_size: int) -> list[int]:
     return [round_up(int(n), multiple) for n in lengths]
 
 
+def sequence_parallel_padding(num_local_tokens: int, tp_size: int, cp_size: int) -> int:
+    """Global length of one padding sequence, appended to a packed row, that makes each CP rank's row
+    a multiple of tp (sequence parallelism splits it over TP). 0 when it already is.
+
+    The padding sequence is itself a multiple of 2*cp (each CP rank gets length // cp of it, at the end
+    of its row); a rank's row is even under CP, so with an even tp an even share always exists.
+    """
+    share = -num_local_tokens % tp_size  # padding tokens per CP rank
+    if cp_size > 1 and share % 2:
+        share += tp_size  # odd tp: an even share that still completes a multiple of tp
+    return share * cp_size
+
+
 def cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
     """Cumulative offsets [0, l0, l0+l1, ...] as int32, the form attention kernels take."""
     out = torch.zeros(len(lengths) + 1, dtype=torch.int32)

@@ -45,8 +45,8 @@ global id >= `vocab_size` are not tokens. The unfused path fills their logits wi
 tiles simply stop at the last real row, and those rows' weight gradient is 0. A shard that is
 all padding contributes lse = -inf (and nothing else) to the combine.
 
-Not handled: an output-layer bias (Qwen/Llama heads have none) and sequence parallelism (the
-hidden states must be the full [T, H] on every TP rank, as without sequence parallelism).
+Not handled: an output-layer bias (Qwen/Llama heads have none). The hidden states must be the full
+[T, H] on every TP rank: under sequence parallelism `forward_packed` gathers them first.
 """
 
 from __future__ import annotations

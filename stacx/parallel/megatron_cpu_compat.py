@@ -32,12 +32,18 @@ Patches (each covered by tests/parallel/test_megatron_cpu_compat.py):
    absent. The MoE router's gating linear (`RouterGatingLinearFunction`) reads that name, which
    the module defines only when its transformer-engine import succeeds; None selects its plain
    torch matmul, as the module intends.
+8. `CudaRNGStatesTracker.fork` for a state that was never added (on CPU none is: megatron seeds them
+   on CUDA) -> the body runs under `torch.random.fork_rng(devices=[])`, so the CPU generator is
+   restored after it, as the original restores the CUDA one. Under sequence parallelism the
+   embedding forks the model-parallel state around its dropout (Stacx runs dropout 0, so nothing
+   draws from it).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+from contextlib import contextmanager
 
 import torch
 
@@ -62,6 +68,7 @@ def apply_if_needed() -> bool:
     _patch_synchronize()
     _patch_tied_embedding_setup()
     _patch_moe_router_gemm()
+    _patch_rng_tracker_fork()
     _applied = True
     return True
 
@@ -186,3 +193,23 @@ def _patch_moe_router_gemm() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _patch_rng_tracker_fork() -> None:
+    # Imported here, as in the other patches: megatron-core is imported only when the patches apply.
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    tracker_class = megatron_random.CudaRNGStatesTracker
+    original = tracker_class.fork
+
+    @contextmanager
+    def fork_on_cpu(self, name=megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name in self.states_:
+            with original(self, name):
+                yield
+            return
+        with torch.random.fork_rng(devices=[]):
+            yield
+
+    tracker_class.fork = fork_on_cpu
+

@@ -296,11 +296,11 @@ def check_expert_layout(run_config: RunConfig) -> None:
         raise PreflightError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} does not divide "
                              f"the role's {world} ranks (--tensor-model-parallel-size x --context-parallel-size x "
                              "--data-parallel-size); megatron lays the experts over those same ranks")
-    if parallel.tensor_model_parallel_size > 1:
+    if parallel.tensor_model_parallel_size > 1 and not run_config.model.sequence_parallel:
         raise PreflightError(f"--tensor-model-parallel-size {parallel.tensor_model_parallel_size} with a "
-                             "mixture-of-experts model needs sequence parallelism, which Stacx does not run yet; "
-                             "train MoE models with --tensor-model-parallel-size 1 and spread the experts with "
-                             "--expert-model-parallel-size")
+                             "mixture-of-experts model needs sequence parallelism (megatron's MoE layer requires it "
+                             "at tp > 1): add --sequence-parallel, or use --tensor-model-parallel-size 1 and spread "
+                             "the experts with --expert-model-parallel-size")
 
 
 def check_routing_replay(run_config: RunConfig, training_config: TrainingConfig) -> None:

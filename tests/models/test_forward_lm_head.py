@@ -49,11 +49,5 @@ def test_unsupported_heads_are_refused_and_the_head_is_left_alone(groups):
     with pytest.raises(ValueError, match=r"an output-layer bias.*--lm-head-log-probs logits"):
         forward_packed(model, tokens, [6], groups, lm_head="hidden")
     model.output_layer.bias = None
-    model.config.sequence_parallel = True
-    try:
-        with pytest.raises(ValueError, match="sequence parallelism"):
-            forward_packed(model, tokens, [6], groups, lm_head="hidden")
-    finally:
-        model.config.sequence_parallel = False
     assert "forward" not in vars(model.output_layer)
     assert forward_packed(model, tokens, [6], groups).shape == (6, 101)

@@ -155,3 +155,20 @@ def test_moe_router_gating_runs_on_cpu_as_a_plain_linear():
     assert torch.allclose(logits, inputs @ weight.T)
     assert torch.allclose(input_grad, weight.sum(0).expand_as(inputs))
     assert torch.allclose(weight_grad, inputs.sum(0).expand_as(weight))
+
+
+def test_rng_tracker_fork_of_a_state_never_added_restores_the_cpu_generator():
+    """Patch 8: on CPU no tracker state is ever added; fork() still runs its body and puts the CPU
+    generator back afterwards, as the original puts back the CUDA one."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from stacx.parallel import megatron_cpu_compat
+
+    megatron_cpu_compat.apply_if_needed()
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    with get_cuda_rng_tracker().fork():
+        inside = torch.rand(3)
+    assert torch.equal(inside, expected)  # the body ran and drew from the CPU generator
+    assert torch.equal(torch.rand(3), expected)  # ... which fork() restored on exit

@@ -30,6 +30,8 @@ def test_layouts_that_divide_the_experts_and_the_world_pass(configs):
     check_expert_layout(_run(configs["qwen3_moe"], expert_model_parallel_size=4, data_parallel_size=2,
                              context_parallel_size=2))
     check_expert_layout(_run(configs["qwen3"]))
+    check_expert_layout(_run(configs["qwen3_moe"], tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                             expert_tensor_parallel_size=1, sequence_parallel=True))
 
 
 @pytest.mark.parametrize("parallel, message", [
@@ -40,7 +42,8 @@ def test_layouts_that_divide_the_experts_and_the_world_pass(configs):
     (dict(expert_tensor_parallel_size=3, data_parallel_size=3),
      r"--expert-tensor-parallel-size 3 does not divide the model's moe_intermediate_size 32"),
     (dict(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1),
-     r"--tensor-model-parallel-size 2 with a mixture-of-experts model needs sequence parallelism"),
+     r"--tensor-model-parallel-size 2 with a mixture-of-experts model needs sequence parallelism .*"
+     r"add --sequence-parallel"),
 ])
 def test_layouts_that_do_not_fit_are_refused_naming_the_flag(configs, parallel, message):
     with pytest.raises(PreflightError, match=message):

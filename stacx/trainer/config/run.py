@@ -59,6 +59,9 @@ class ModelSection:
     num_layers_per_virtual_pipeline_stage: int | None = None
     """With --pipeline-model-parallel-size P > 1: layers per virtual pipeline stage (megatron's interleaved
     schedule); each rank then holds num_hidden_layers / (P x this) model chunks (unset: one per rank)."""
+    sequence_parallel: bool = False
+    """At --tensor-model-parallel-size > 1: megatron's sequence parallelism (the activations outside attention
+    and the MLP split along the sequence over TP); required for mixture-of-experts models there."""
 
 
 @dataclass(frozen=True, kw_only=True)

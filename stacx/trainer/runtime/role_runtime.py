@@ -123,7 +123,8 @@ class RoleRuntime:
                     "schedule posts later); on CPU unset --num-layers-per-virtual-pipeline-stage")
         # One GPTModel, or with virtual pipeline stages the list of this rank's chunks (`model_chunks`).
         self.model = build_model(config_source, groups, initialize_weights=False, router_losses=RouterLosses(
-            aux_loss_coeff=model.moe_aux_loss_coeff, z_loss_coeff=model.moe_z_loss_coeff))
+            aux_loss_coeff=model.moe_aux_loss_coeff, z_loss_coeff=model.moe_z_loss_coeff),
+            sequence_parallel=model.sequence_parallel)
         self.mixture_of_experts = is_mixture_of_experts(self.model)
         self.reference_weights: list[torch.Tensor] | None = None
         reference_path = (
@@ -139,6 +140,9 @@ class RoleRuntime:
                                flag="--" + role.reference_checkpoint_arg.replace("_", "-"))
             self.reference_weights = [p.detach().clone() for p in self._reference_params()]
         load_model_weights(self.model, path, groups, flag="--" + role.checkpoint_arg.replace("_", "-"))
+        if role.outputs_values and self.model.config.sequence_parallel:
+            raise ValueError(f"role {role.name!r} outputs values, whose head reads the whole sequence on every TP "
+                             "rank; --sequence-parallel is not supported for it yet (leave it off)")
         if role.outputs_values and self.groups.is_last_stage:
             attach_value_head(model_chunks(self.model)[-1])
         self.specialization = role.specialization_cls(algorithm, groups)
@@ -354,7 +358,13 @@ class RoleRuntime:
                 for batch in batches:
                     loss, _ = micro_batch_loss(stage_forward(batch), batch)
                     loss.backward()
-                self.ddp.finish_grad_sync()
+                if self.groups.tp_size > 1:
+                    # Grad sync over DP x CP, plus the sum over TP of the gradients each TP rank holds only a
+                    # part of: qk-norm weights (each rank normalizes its own heads) and, under sequence
+                    # parallelism, the norms and routers (each rank sees its part of the sequence).
+                    finalize_model_grads([self.ddp])
+                else:
+                    self.ddp.finish_grad_sync()
         loss_total = totals.sums.pop(LOSS_METRIC)
         # Never step on NaN/inf (megatron's fp32/bf16 step would apply it); the same decision on every rank.
         outcome = step_optimizer_if_finite(self.optimizer, loss_total)

@@ -123,13 +123,15 @@ def step_batch():
     return StepBatch(tokens=tokens, response_lengths=list(responses), loss_masks=masks, advantages=advantages)
 
 
-def build_runtime(groups, checkpoint: str, mode: str, specialization_cls=ActorSpecialization, **algorithm):
+def build_runtime(groups, checkpoint: str, mode: str, specialization_cls=ActorSpecialization, sequence_parallel=False,
+                  **algorithm):
     from stacx.objectives.algorithm_config import AlgorithmConfig
     from stacx.trainer.config.recipe import ModelRole
     from stacx.trainer.runtime.role_runtime import RoleRuntime
 
     run_config = RunConfig.from_dict({"hf_checkpoint": checkpoint, "lm_head_log_probs": mode, "clip_grad": 0.0,
-                                      "tensor_model_parallel_size": groups.tp_size})
+                                      "tensor_model_parallel_size": groups.tp_size,
+                                      "sequence_parallel": sequence_parallel})
     algorithm = AlgorithmConfig.from_values({"advantage_estimator": "grpo", "entropy_coef": 0.01,
                                              "rollout_temperature": 0.7, **algorithm})
     role = ModelRole(name="policy", specialization_cls=specialization_cls)
@@ -175,16 +177,24 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float((ours.double() - reference.double()).abs().max()) / scale
 
 
-def _both_modes_on_rank(groups, checkpoint: str) -> dict:
+def _both_modes_on_rank(groups, checkpoint: str, sequence_parallel: bool = False) -> dict:
     runtime = build_runtime(groups, checkpoint, "logits")
     logits = train_and_score(runtime, "logits")
     fused = train_and_score(runtime, "fused")
-    return dict(logits=logits, fused=fused, vocab_local=runtime.vocab_local)
+    result = dict(logits=logits, fused=fused, vocab_local=runtime.vocab_local)
+    if sequence_parallel:
+        del runtime
+        runtime = build_runtime(groups, checkpoint, "logits", sequence_parallel=True)
+        result["sequence_parallel"] = dict(logits=train_and_score(runtime, "logits"),
+                                           fused=train_and_score(runtime, "fused"))
+    return result
 
 
-def check_modes_agree(result) -> None:
+def check_modes_agree(result, same_path: bool = False) -> None:
+    """result["fused"] trained and scored as result["logits"]; unless same_path, through the other LM-head path."""
     logits, fused = result["logits"], result["fused"]
-    assert set(logits["seen"]) == {torch.Tensor} and set(fused["seen"]) == {LMHeadShard}  # the paths differ
+    if not same_path:
+        assert set(logits["seen"]) == {torch.Tensor} and set(fused["seen"]) == {LMHeadShard}  # the paths differ
     assert logits["metrics"].keys() == fused["metrics"].keys()
     assert logits["metrics"]["grad_norm"] > 0 and "entropy" in " ".join(logits["metrics"])
     for name, value in logits["metrics"].items():
@@ -224,10 +234,14 @@ def test_fused_and_logits_train_and_score_alike_at_tp1(single_process_groups, ch
 
 @pytest.mark.distributed
 def test_fused_and_logits_train_and_score_alike_at_tp2_with_a_padded_vocab(checkpoint):
-    results = run_distributed(_both_modes_on_rank, world_size=2, tensor_model_parallel_size=2, args=(checkpoint,))
+    results = run_distributed(_both_modes_on_rank, world_size=2, tensor_model_parallel_size=2, args=(checkpoint, True))
     assert [r["vocab_local"] for r in results] == [51, 51]  # 101 real ids in 102 rows
     for result in results:
         check_modes_agree(result)
+        # --sequence-parallel: the same step and scores in both modes (micro-batches of 21 and 17 tokens,
+        # so each is padded to a multiple of tp=2), to fp32 rounding (RELATIVE_TOLERANCE).
+        for mode in ("logits", "fused"):
+            check_modes_agree(dict(logits=result[mode], fused=result["sequence_parallel"][mode]), same_path=True)
 
 
 def test_under_fused_a_specialization_that_reads_logits_gets_them(single_process_groups, checkpoint, caplog):
