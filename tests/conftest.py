@@ -74,16 +74,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def _kernel_registries():
+    from stacx.objectives import registry
+
+    return [value for value in vars(registry).values() if isinstance(value, registry.Registry)]
+
+
 @pytest.fixture(autouse=True)
 def _user_modules_stay_with_their_test():
-    """User modules a test imports (`--custom-module`, plain imports that register) are shipped to
-    every Ray worker the process starts later; keep one test's modules out of the next test's workers."""
+    """User modules a test imports (`--custom-module`, the custom folder, plain imports that register) are
+    shipped to every Ray worker the process starts later, and their kernels stay registered in this
+    process: keep one test's modules out of the next test's workers, and its user kernels (which may
+    replace a built-in name, e.g. the design documents' `vanilla_pg`) out of the next test's registries."""
     from stacx.objectives import discovery
+    from stacx.objectives.registry import is_builtin_entry
 
     before = dict(discovery._USER_MODULE_SOURCES)
+    registered_before = {id(registry): dict(registry._functions) for registry in _kernel_registries()}
     yield
     discovery._USER_MODULE_SOURCES.clear()
     discovery._USER_MODULE_SOURCES.update(before)
+    for registry in _kernel_registries():
+        earlier = registered_before.get(id(registry), {})
+        for name, entry in list(registry._functions.items()):
+            if earlier.get(name) is not entry and not is_builtin_entry(entry):
+                registry.unregister(name)  # gives a replaced built-in its name back
 
 
 @pytest.fixture(scope="session")
