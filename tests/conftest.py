@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -82,23 +83,29 @@ def _kernel_registries():
 
 @pytest.fixture(autouse=True)
 def _user_modules_stay_with_their_test():
-    """User modules a test imports (`--custom-module`, the custom folder, plain imports that register) are
-    shipped to every Ray worker the process starts later, and their kernels stay registered in this
-    process: keep one test's modules out of the next test's workers, and its user kernels (which may
-    replace a built-in name, e.g. the design documents' `vanilla_pg`) out of the next test's registries."""
+    """User modules a test imports (`--custom-module`, plain imports that register) are shipped to
+    every Ray worker the process starts later; keep one test's modules out of the next test's workers.
+
+    A user kernel that replaced a built-in name in this process (the guide's `vanilla_pg` loaded by the
+    documented commands' test) gives the name back to the built-in after the test, and its module
+    leaves `sys.modules` when nothing else of it stays registered, so that a later load registers it
+    again; other user kernels stay registered, as their modules stay imported."""
     from stacx.objectives import discovery
-    from stacx.objectives.registry import is_builtin_entry
 
     before = dict(discovery._USER_MODULE_SOURCES)
-    registered_before = {id(registry): dict(registry._functions) for registry in _kernel_registries()}
+    replaced_before = {id(registry): set(registry._replaced_builtins) for registry in _kernel_registries()}
     yield
     discovery._USER_MODULE_SOURCES.clear()
     discovery._USER_MODULE_SOURCES.update(before)
+    restored_modules = set()
     for registry in _kernel_registries():
-        earlier = registered_before.get(id(registry), {})
-        for name, entry in list(registry._functions.items()):
-            if earlier.get(name) is not entry and not is_builtin_entry(entry):
-                registry.unregister(name)  # gives a replaced built-in its name back
+        for name in set(registry._replaced_builtins) - replaced_before.get(id(registry), set()):
+            restored_modules.add(getattr(registry._functions[name], "__module__", None))
+            registry.unregister(name)  # the replaced built-in gets its name back
+    still_registered = {getattr(entry, "__module__", None)
+                        for registry in _kernel_registries() for entry in registry._functions.values()}
+    for module in restored_modules - still_registered - {None}:
+        sys.modules.pop(module, None)
 
 
 @pytest.fixture(scope="session")
