@@ -37,6 +37,20 @@ Patches (each covered by tests/parallel/test_megatron_cpu_compat.py):
    restored after it, as the original restores the CUDA one. Under sequence parallelism the
    embedding forks the model-parallel state around its dropout (Stacx runs dropout 0, so nothing
    draws from it).
+9. Pipeline point-to-point exchanges over gloo (`_batched_p2p_ops`, and the shape exchange before it,
+   `P2PCommunicator._communicate_shapes`) -> the same operations, changed in two ways that megatron's
+   interleaved schedule (virtual pipeline stages) needs:
+   - a tag per direction. megatron posts send-to-previous, receive-from-previous, send-to-next and
+     receive-from-next with one tag, and a receive takes the first message from its peer; when the previous
+     and the next stage are one rank (P=2) and both directions carry a tensor in one exchange, the
+     activation lands in the gradient's buffer and the other way round. Sends to the next stage and
+     receives from the previous one get a forward tag, the other two a backward tag (shapes their own pair).
+   - sends complete in the background. The schedule waits for every request of an exchange before the
+     next, and sometimes sends in one exchange what its neighbour receives only in a later one: NCCL
+     completes such a small send eagerly, a gloo send waits for its receive, and the ranks wait for each
+     other in a cycle (P=4). An exchange now waits for its receives only; its sends (holding their
+     tensors) are waited for by `finish_pipeline_sends()` after the schedule (`stacx.parallel.pipeline`).
+   Groups of another backend get the originals.
 """
 
 from __future__ import annotations
@@ -69,6 +83,7 @@ def apply_if_needed() -> bool:
     _patch_tied_embedding_setup()
     _patch_moe_router_gemm()
     _patch_rng_tracker_fork()
+    _patch_pipeline_exchange_tags()
     _applied = True
     return True
 
@@ -213,3 +228,75 @@ def _patch_rng_tracker_fork() -> None:
 
     tracker_class.fork = fork_on_cpu
 
+
+
+
+#: Tags of patch 9: a message travelling to the next stage (activations, their shapes) and to the previous one
+#: (gradients). The shapes get tags of their own so that a shape never meets a tensor's receive.
+FORWARD_TAG, BACKWARD_TAG, FORWARD_SHAPE_TAG, BACKWARD_SHAPE_TAG = 1, 2, 3, 4
+
+#: Patch 9's sends not yet waited for, with the tensors they read (kept alive until they complete).
+_sends_in_flight: list[tuple[object, torch.Tensor]] = []
+
+
+def post_tagged_exchange(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
+                         prev_pipeline_rank, next_pipeline_rank, forward_tag=FORWARD_TAG, backward_tag=BACKWARD_TAG):
+    """megatron's `_batched_p2p_ops` with a tag per direction, returning the receives' requests only: the
+    sends complete in the background until `finish_pipeline_sends()` (patch 9)."""
+    dist = torch.distributed
+    # detach(): megatron may free a sent activation's storage (`deallocate_pipeline_outputs`) before the send
+    # completes; the detached tensor keeps it.
+    sends = [(tensor.detach(), peer, tag) for tensor, peer, tag in ((tensor_send_prev, prev_pipeline_rank, backward_tag),
+                                                                   (tensor_send_next, next_pipeline_rank, forward_tag))
+             if tensor is not None]
+    receives = [(tensor, peer, tag) for tensor, peer, tag in ((tensor_recv_prev, prev_pipeline_rank, forward_tag),
+                                                              (tensor_recv_next, next_pipeline_rank, backward_tag))
+                if tensor is not None]
+    ops = ([dist.P2POp(dist.isend, tensor, peer, group, tag) for tensor, peer, tag in sends]
+           + [dist.P2POp(dist.irecv, tensor, peer, group, tag) for tensor, peer, tag in receives])
+    requests = dist.batch_isend_irecv(ops) if ops else []
+    _sends_in_flight.extend(zip(requests[:len(sends)], (tensor for tensor, _, _ in sends)))
+    return requests[len(sends):]
+
+
+def finish_pipeline_sends() -> None:
+    """Wait for every send patch 9 left in flight (after a pipeline schedule; a no-op when there is none)."""
+    while _sends_in_flight:
+        request, _ = _sends_in_flight.pop(0)
+        request.wait()
+
+
+def _patch_pipeline_exchange_tags() -> None:
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    if getattr(p2p_communication._batched_p2p_ops, "stacx_cpu_stand_in", False):
+        return
+    original_exchange = p2p_communication._batched_p2p_ops
+    original_shapes = p2p_communication.P2PCommunicator._communicate_shapes
+
+    def batched_exchange(*, group, **tensors_and_peers):
+        if torch.distributed.get_backend(group) != "gloo":
+            return original_exchange(group=group, **tensors_and_peers)
+        return post_tagged_exchange(group=group, **tensors_and_peers)
+
+    def communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        if self.config.use_ring_exchange_p2p or torch.distributed.get_backend(self.pp_group) != "gloo":
+            return original_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+
+        def shape_of(tensor):
+            return None if tensor is None else torch.tensor(tensor.size(), dtype=torch.int64)
+
+        recv_prev_shape = torch.empty((3,), dtype=torch.int64) if recv_prev else None
+        recv_next_shape = torch.empty((3,), dtype=torch.int64) if recv_next else None
+        for request in post_tagged_exchange(
+                tensor_send_prev=shape_of(tensor_send_prev), tensor_recv_prev=recv_prev_shape,
+                tensor_send_next=shape_of(tensor_send_next), tensor_recv_next=recv_next_shape, group=self.pp_group,
+                prev_pipeline_rank=self.prev_rank, next_pipeline_rank=self.next_rank,
+                forward_tag=FORWARD_SHAPE_TAG, backward_tag=BACKWARD_SHAPE_TAG):
+            request.wait()
+        return ([0, 0, 0] if recv_prev_shape is None else recv_prev_shape.tolist(),
+                [0, 0, 0] if recv_next_shape is None else recv_next_shape.tolist())
+
+    batched_exchange.stacx_cpu_stand_in = True
+    p2p_communication._batched_p2p_ops = batched_exchange
+    p2p_communication.P2PCommunicator._communicate_shapes = communicate_shapes

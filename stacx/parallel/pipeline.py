@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from stacx.parallel.megatron_cpu_compat import finish_pipeline_sends
+
 #: What the schedule counts as the tokens of one micro-batch's loss; see the module docstring.
 _UNSCALED = torch.tensor(1, dtype=torch.int)
 
@@ -87,6 +89,7 @@ def run_pipeline(
                  num_microbatches=len(micro_batches), seq_length=1, micro_batch_size=1, forward_only=forward_only)
     finally:
         config.calculate_per_token_loss = divides_loss
+    finish_pipeline_sends()  # over gloo the last sends may still be in flight (megatron_cpu_compat, patch 9)
     return records
 
 
