@@ -49,17 +49,21 @@ def _train_in_a_one_rank_world(groups, flags: list[str]) -> int:
 
 
 @pytest.mark.distributed
-def test_torchrun_sft_with_two_pipeline_stages_matches_the_single_rank_loss_curve(tmp_path):
-    """A real torchrun launch of two ranks, the model split into two pipeline stages, against the same
+def test_torchrun_sft_with_two_interleaved_pipeline_stages_matches_the_single_rank_loss_curve(tmp_path):
+    """A real torchrun launch of two ranks, the model's 4 layers split into two pipeline stages of two
+    virtual stages each (megatron's interleaved schedule: rank 0 holds layers 0 and 2), against the same
     command on one rank (forked in-process, the same `stacx train` entry point): the loss curves agree.
-    (Two data-parallel ranks under torchrun: tests/launch/test_custom_code_on_every_rank.py.)"""
+    (Two data-parallel ranks under torchrun: tests/launch/test_custom_code_on_every_rank.py; PP=2 without
+    virtual stages: tests/parallel/test_pipeline.py and the PPO critic on Ray.)"""
     from stacx.testing.distributed import run_distributed
 
-    checkpoint = write_tiny_checkpoint(str(tmp_path / "init"), "sorting", seed=0)
+    checkpoint = write_tiny_checkpoint(str(tmp_path / "init"), "sorting", seed=0, num_layers=4)
     curves = {}
     for num_ranks in (1, 2):
         out = str(tmp_path / f"ranks{num_ranks}")
         flags = [*_sft_flags(checkpoint, out), "--pipeline-model-parallel-size", str(num_ranks)]
+        if num_ranks == 2:
+            flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
         if num_ranks == 1:
             assert run_distributed(_train_in_a_one_rank_world, 1, args=(flags,)) == [0]
         else:
@@ -70,5 +74,5 @@ def test_torchrun_sft_with_two_pipeline_stages_matches_the_single_rank_loss_curv
         manifests = [name for name in os.listdir(os.path.join(out, "checkpoints")) if not name.startswith(".")]
         assert manifests, f"no checkpoint written under {out}/checkpoints"
     assert len(curves[1]) == 4 and curves[1][-1] < curves[1][0]
-    # The same micro-batches through two stages: the loss is the one-stage loss (fp32, 1e-5 rel).
+    # The same micro-batches through the interleaved stages: the loss is the one-stage loss (fp32, 1e-5 rel).
     assert curves[2] == pytest.approx(curves[1], rel=1e-5)

@@ -172,3 +172,42 @@ def test_rng_tracker_fork_of_a_state_never_added_restores_the_cpu_generator():
         inside = torch.rand(3)
     assert torch.equal(inside, expected)  # the body ran and drew from the CPU generator
     assert torch.equal(torch.rand(3), expected)  # ... which fork() restored on exit
+
+
+def exchange_both_directions_then_send_ahead(groups):
+    """Patch 9 on the two ranks of a pipeline (each is the other's previous and next stage)."""
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    from stacx.parallel.megatron_cpu_compat import finish_pipeline_sends
+
+    rank, other = groups.pp_rank, 1 - groups.pp_rank
+    peers = dict(group=groups.pp, prev_pipeline_rank=other, next_pipeline_rank=other)
+    # One exchange carrying an activation forward and a gradient backward, as the interleaved schedule's
+    # steady state does: each must land in its own buffer.
+    activation, gradient = torch.empty(3), torch.empty(5)
+    for request in p2p_communication._batched_p2p_ops(
+            tensor_send_next=torch.full((3,), 10.0 + rank), tensor_send_prev=torch.full((5,), 20.0 + rank),
+            tensor_recv_prev=activation, tensor_recv_next=gradient, **peers):
+        request.wait()
+    # Rank 0 sends ahead: its exchange returns before rank 1 posts the receive (here, after a barrier that
+    # rank 0 reaches only once the exchange has returned); the send completes after the schedule.
+    late = torch.empty(2)
+    if rank == 0:
+        assert p2p_communication._batched_p2p_ops(tensor_send_next=torch.tensor([7.0, 8.0]), tensor_send_prev=None,
+                                                  tensor_recv_prev=None, tensor_recv_next=None, **peers) == []
+    torch.distributed.barrier(group=groups.pp)
+    if rank == 1:
+        for request in p2p_communication._batched_p2p_ops(tensor_send_next=None, tensor_send_prev=None,
+                                                          tensor_recv_prev=late, tensor_recv_next=None, **peers):
+            request.wait()
+    finish_pipeline_sends()
+    return activation, gradient, late
+
+
+def test_pipeline_exchanges_keep_directions_apart_and_let_a_send_run_ahead_over_gloo():
+    (activation0, gradient0, _), (activation1, gradient1, late) = run_distributed(
+        exchange_both_directions_then_send_ahead, 2, pipeline_model_parallel_size=2, timeout_s=60)
+    # each rank gets the other's activation (10 + rank) and gradient (20 + rank), not one in the other's place
+    assert torch.equal(activation0, torch.full((3,), 11.0)) and torch.equal(gradient0, torch.full((5,), 21.0))
+    assert torch.equal(activation1, torch.full((3,), 10.0)) and torch.equal(gradient1, torch.full((5,), 20.0))
+    assert torch.equal(late, torch.tensor([7.0, 8.0]))

@@ -3,7 +3,8 @@
 - The real training loop (GRPO, 2 rollouts x 2 optimizer steps, old log-probs computed through the
   schedule) with PP=2 x DP=2 on a tied-embedding 4-layer model gives the PP=1 run's first step to
   1e-6 relative (fp32 rounding: the grad norm adds its squares stage by stage) and the later steps,
-  after AdamW updates, to 1e-5.
+  after AdamW updates, to 1e-5. The same holds with two virtual stages per pipeline rank (megatron's
+  interleaved schedule).
 - PP=2 x TP=2 x CP=2: forward-only log-probs through the schedule equal transformers' (1e-5);
   weights stream to the first stage in Hugging Face names, equal to the checkpoint bit for bit
   (the tied LM head is sent once); the torch_dist checkpoint written there loads at PP=1 exactly.
@@ -126,8 +127,8 @@ def train_then_interleave(groups, root: str, checkpoint: str, rollouts, values: 
                           moe_checkpoint: str) -> dict:
     """The GRPO loop at this layout; then a role with two model chunks per pipeline rank (one layer per virtual
     stage: chunk c of rank r holds layer 2c + r), its log-probs through megatron's interleaved schedule, its
-    weights streamed to the first stage and saved as torch_dist (`folder`). Training with chunks is refused
-    over gloo, by name."""
+    weights streamed to the first stage and saved as torch_dist (`folder`). Before that, the GRPO loop again
+    with those chunks (interleaved schedule)."""
     from stacx.checkpointing.torch_dist import save_torch_dist
     from stacx.objectives.algorithm_config import AlgorithmConfig
     from stacx.specializations.actor import ActorSpecialization
@@ -138,11 +139,13 @@ def train_then_interleave(groups, root: str, checkpoint: str, rollouts, values: 
     from tests.trainer import mini_batch_reference as reference
 
     result = reference.train_stacx(groups, root, checkpoint, rollouts, values)
+    # The same GRPO run with two model chunks per pipeline rank (one layer per virtual stage): megatron's
+    # interleaved schedule, over gloo through the tagged exchanges of megatron_cpu_compat (patch 9).
+    result["interleaved_rows"] = reference.train_stacx(groups, root + "_interleaved", checkpoint, rollouts,
+                                                       {**values, "num_layers_per_virtual_pipeline_stage": 1})["rows"]
     run_config = RunConfig.from_dict({"hf_checkpoint": checkpoint, "num_layers_per_virtual_pipeline_stage": 1})
     sections = dict(model=run_config.model, optim=run_config.optim, train=run_config.train)
     algorithm = AlgorithmConfig.from_values({"advantage_estimator": "grpo"})
-    with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage trains with megatron's interleaved"):
-        RoleRuntime(ModelRole(name="policy", specialization_cls=ActorSpecialization), algorithm, groups, **sections)
     runtime = RoleRuntime(ModelRole(name="reference", specialization_cls=ActorSpecialization, trainable=False),
                           algorithm, groups, **sections)
     def step_batch(indices):
@@ -186,17 +189,19 @@ def test_pp2_dp2_grpo_steps_equal_the_pp1_run_and_weights_reshard(tmp_path):
     piped = run_distributed(train_then_interleave, 4, pipeline_model_parallel_size=2,
                             args=(os.path.join(root, "pp2"), checkpoint, rollouts, values, interleaved_folder,
                                   moe_checkpoint))
-    rows, piped_rows = single[0]["rows"], piped[0]["rows"]
-    assert len(rows) == len(piped_rows) == 4
+    rows = single[0]["rows"]
     assert all(result["calls"] == [["log_probs"]] * 2 for result in piped)
-    for index, (row, piped_row) in enumerate(zip(rows, piped_rows)):
-        # The first step starts from the same weights: fp32 rounding. Later steps follow AdamW updates of
-        # gradients summed in another order (over stages and DP ranks): 1e-5, as the DP=2 peer check.
-        rel = 1e-6 if index == 0 else 1e-5
-        for name in ("policy/loss", "policy/pg_loss", "policy/entropy", "policy/grad_norm"):
-            assert piped_row[name] == pytest.approx(row[name], rel=rel, abs=1e-7), (index, name)
-        assert piped_row["policy/pg_clipfrac"] == row["policy/pg_clipfrac"]
-    assert piped_rows[1]["policy/pg_clipfrac"] > 0  # the second mini-batch of a rollout clips: real updates
+    # PP=2, and PP=2 with two virtual stages per rank (interleaved schedule), train what PP=1 trains.
+    for piped_rows in (piped[0]["rows"], piped[0]["interleaved_rows"]):
+        assert len(rows) == len(piped_rows) == 4
+        for index, (row, piped_row) in enumerate(zip(rows, piped_rows)):
+            # The first step starts from the same weights: fp32 rounding. Later steps follow AdamW updates of
+            # gradients summed in another order (over stages and DP ranks): 1e-5, as the DP=2 peer check.
+            rel = 1e-6 if index == 0 else 1e-5
+            for name in ("policy/loss", "policy/pg_loss", "policy/entropy", "policy/grad_norm"):
+                assert piped_row[name] == pytest.approx(row[name], rel=rel, abs=1e-7), (index, name)
+            assert piped_row["policy/pg_clipfrac"] == row["policy/pg_clipfrac"]
+        assert piped_rows[1]["policy/pg_clipfrac"] > 0  # the second mini-batch of a rollout clips: real updates
 
     # PP=2 x TP=2 x CP=2: forward-only log-probs from the last stage equal transformers'; every stage's
     # tensors reach the first stage in HF names, bit for bit; a torch_dist checkpoint loads at PP=1.

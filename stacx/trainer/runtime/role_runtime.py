@@ -116,11 +116,6 @@ class RoleRuntime:
             groups = with_virtual_pipeline_stages(groups, num_virtual_stages(
                 num_layers, groups.pp_size, model.num_layers_per_virtual_pipeline_stage))
             self.groups = groups
-            if groups.vp_size > 1 and role.trainable and dist.get_backend(groups.pp) == "gloo":
-                raise ValueError(
-                    f"role {role.name!r}: --num-layers-per-virtual-pipeline-stage trains with megatron's interleaved "
-                    "schedule, whose point-to-point sends deadlock over gloo (a send there waits for a receive the "
-                    "schedule posts later); on CPU unset --num-layers-per-virtual-pipeline-stage")
         # One GPTModel, or with virtual pipeline stages the list of this rank's chunks (`model_chunks`).
         self.model = build_model(config_source, groups, initialize_weights=False, router_losses=RouterLosses(
             aux_loss_coeff=model.moe_aux_loss_coeff, z_loss_coeff=model.moe_z_loss_coeff),
