@@ -70,6 +70,36 @@ def test_a_cluster_on_another_address_is_shut_down_and_named(monkeypatch):
     assert shutdown == "shutdown"
 
 
+def test_a_local_start_that_ray_abandons_is_retried_then_named(monkeypatch):
+    import ray
+
+    calls = []
+
+    def init_timing_out(failures):
+        def init(**kwargs):
+            calls.append("init")
+            if calls.count("init") <= failures:
+                raise Exception("The current node timed out during startup. This could happen because ...")
+        return init
+
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeManagerAddress": LOOPBACK_ADDRESS}])
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(ray, "init", init_timing_out(1))
+    ray_cluster.start_local_cluster(num_cpus=1)  # the second attempt starts
+    assert calls == ["init", "shutdown", "init"]
+    calls.clear()
+    monkeypatch.setattr(ray, "init", init_timing_out(ray_cluster.LOCAL_START_ATTEMPTS))
+    with pytest.raises(RuntimeError, match=r"did not start: .* 2 times .*too busy.*--ray-address 127.0.0.1:6379.*torchrun"):
+        ray_cluster.start_local_cluster(num_cpus=1)
+    assert calls == ["init", "shutdown", "init", "shutdown"]
+    # Any other failure of ray.init is Ray's own, raised at once.
+    calls.clear()
+    monkeypatch.setattr(ray, "init", lambda **kwargs: (_ for _ in ()).throw(ValueError("bad num_cpus")))
+    with pytest.raises(ValueError, match="bad num_cpus"):
+        ray_cluster.start_local_cluster(num_cpus=1)
+    assert calls == []
+
+
 def test_loopback_cluster_addresses_are_recognized():
     assert all(map(is_loopback_address, ["127.0.0.1:6379", "localhost:6379", "[::1]:6379", "127.0.0.2:1"]))
     assert not any(map(is_loopback_address, ["10.0.0.1:6379", "node-a:6379", "auto", "ray://127.0.0.1:10001"]))

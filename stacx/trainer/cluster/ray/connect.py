@@ -111,16 +111,40 @@ def node_addresses() -> list[str]:
     return [node["NodeManagerAddress"] for node in ray.nodes()]
 
 
+#: Ray gives a new node 30 s (fixed in its code) to register before it gives up; on a machine whose cores are
+#: all busy that can pass. A local start is tried this many times before the run fails.
+LOCAL_START_ATTEMPTS = 2
+_RAY_NODE_START_TIMEOUT = "timed out during startup"
+
+
 def start_local_cluster(**init_kwargs) -> None:
     """`ray.init(**init_kwargs)` for a new single-node cluster whose node address is 127.0.0.1.
 
-    RuntimeError (after shutting it down) if Ray reports any other node address.
+    A start that Ray abandons because the node did not register in time is retried (LOCAL_START_ATTEMPTS
+    in all), then fails with a RuntimeError that says what to do. RuntimeError (after shutting it down) if
+    Ray reports any other node address.
     """
     # Imported here: Ray is slow to import (start-up time).
     import ray
 
-    with _ray_keeps_loopback_node_addresses(), _quiet_token_auth_notice():
-        ray.init(_node_ip_address=LOOPBACK_ADDRESS, **init_kwargs)
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        try:
+            with _ray_keeps_loopback_node_addresses(), _quiet_token_auth_notice():
+                ray.init(_node_ip_address=LOOPBACK_ADDRESS, **init_kwargs)
+            break
+        except Exception as err:  # Ray raises a bare Exception for this one
+            if _RAY_NODE_START_TIMEOUT not in str(err):
+                raise
+            ray.shutdown()  # stops what the abandoned start left running
+            if attempt == LOCAL_START_ATTEMPTS:
+                load = f"load average {os.getloadavg()[0]:.0f} on {os.cpu_count()} cores; " if hasattr(os, "getloadavg") else ""
+                raise RuntimeError(
+                    f"the local Ray cluster did not start: Ray's node did not register within Ray's 30 s, "
+                    f"{LOCAL_START_ATTEMPTS} times ({load}Ray: {err}). The machine is probably too busy: retry when "
+                    "it is quieter, or start a cluster yourself (`ray start --head --node-ip-address 127.0.0.1`) and "
+                    "pass --ray-address 127.0.0.1:6379, or launch with torchrun, which needs no Ray"
+                ) from err
+            logging.getLogger(__name__).warning("the local Ray cluster did not start in time (%s); trying again", err)
     addresses = node_addresses()
     if any(address != LOOPBACK_ADDRESS for address in addresses):
         ray.shutdown()
