@@ -3,8 +3,8 @@
 Stated margins (fixed seed 0, measured on 128 held-out prompts with `transformers`):
 - demo SFT reaches >= 0.30 held-out accuracy from 0;
 - demo GRPO raises held-out accuracy by >= 0.08 over the SFT model (measured: about +0.2);
-- demo OPD lowers the student's reverse KL to the teacher to <= 0.6x its starting value
-  (measured: 3.4 -> about 0.6 per token).
+- demo OPD (50 steps) lowers the student's reverse KL to the teacher to <= 0.6x its starting value
+  (measured: 3.47 -> 0.65 per token, 0.19x).
 """
 
 from __future__ import annotations
