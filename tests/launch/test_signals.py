@@ -100,7 +100,8 @@ def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoi
                "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--num-steps", "5",
                "--max-tokens-per-micro-batch", "64", "--lr", "1e-4", "--num-cpus-per-rank", "1",
                "--reward-fn", "tests.launch.test_signals:hang_from_the_second_step", "--save", str(save),
-               "--save-interval", "1", "--out", str(tmp_path / "out"), "--no-progress-bar", "--no-tensorboard"]
+               "--save-interval", "1", "--out", str(tmp_path / "out"), "--no-progress-bar", "--no-tensorboard",
+               "--no-plots"]
     if signum == signal.SIGINT:
         command += ["--ray-address", request.getfixturevalue("shared_ray_address")]
     driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

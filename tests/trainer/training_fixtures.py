@@ -41,7 +41,7 @@ def run_config(root: str, **values):
     base = {
         "lr": 1e-3, "num_steps": 2, "rollout_batch_size": 2, "n_samples_per_prompt": 2,
         "rollout_max_response_len": 4, "max_tokens_per_micro_batch": 64, "progress_bar": False,
-        "tensorboard": False, "out": os.path.join(root, "out"), "collective_timeout_s": 120.0,
+        "tensorboard": False, "plots": False, "out": os.path.join(root, "out"), "collective_timeout_s": 120.0,
     }
     base.update(values)
     return RunConfig.from_dict(base, source="test")
