@@ -12,7 +12,7 @@ from stacx.trainer.recipes import TRAINING_CONFIGS
 DIFFUSION_RECIPES = ("flow_matching_sft", "flow_grpo", "dance_grpo", "mix_grpo", "diffusion_dpo", "diffusion_nft")
 TINY = ["--num-steps", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--lr", "1e-3",
         "--algorithm-param", "image_size=8", "--algorithm-param", "num_inference_steps=3",
-        "--no-progress-bar", "--no-tensorboard", "--no-plots"]
+        "--no-progress-bar", "--no-tensorboard"]
 
 
 def _metrics(out):

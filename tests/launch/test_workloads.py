@@ -31,7 +31,7 @@ def points_workload(monkeypatch):
 def test_a_plugin_modality_runs_end_to_end_through_stacx_train(points_workload, tmp_path, capsys):
     assert TRAINING_CONFIGS["toy_points_fit"].modality == "points"
     flags = ["train", "--algorithm", "toy_points_fit", "--num-steps", "6", "--lr", "0.3", "--out", str(tmp_path),
-             "--no-progress-bar", "--no-tensorboard", "--no-plots", "--rollout-batch-size"]
+             "--no-progress-bar", "--no-tensorboard", "--rollout-batch-size"]
     assert main([*flags, "4", "--dry-run"]) == 0
     assert "points workload: toy_points_fit, 6 steps" in capsys.readouterr().out
     assert not (tmp_path / "metrics.jsonl").exists()  # --dry-run starts nothing
