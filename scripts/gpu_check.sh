@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh [--megatron-wheel PATH] [--out FILE] [--peak-tflops 790]
 #   scripts/gpu_check.sh --dry-run      # CPU: the same code at tiny sizes, then checks the JSON it wrote
 #
-# The GPU machine has no network: when megatron-core is not importable, the script installs the
+# The GPU machine has no network: when megatron-core is not installed, the script installs the
 # cp312 wheel it is given (--megatron-wheel PATH or STACX_MEGATRON_WHEEL) with --no-deps --no-index.
 # Python: $PYTHON (default python3). Time limit: $GPU_CHECK_TIMEOUT_S seconds (default 480).
 set -euo pipefail
@@ -30,9 +30,12 @@ while [ $# -gt 0 ]; do
   shift
 done
 
-if ! "$PYTHON" -c "import megatron.core" >/dev/null 2>&1; then
+# Whether it is installed, not an import of it: importing megatron-core costs several seconds of CPU,
+# and the run below imports it anyway (and fails with its traceback if the installation is broken).
+if ! "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('megatron') is None or u.find_spec('megatron.core') is None)" \
+    >/dev/null 2>&1; then
   if [ -z "$WHEEL" ]; then
-    echo "gpu_check: megatron-core is not importable by $PYTHON; pass its wheel with --megatron-wheel PATH" \
+    echo "gpu_check: megatron-core is not installed for $PYTHON; pass its wheel with --megatron-wheel PATH" \
          "or STACX_MEGATRON_WHEEL=PATH (pip download megatron-core==0.16.1 --no-deps --only-binary :all:" \
          "--python-version 3.12 -d DIR, on a machine with network)" >&2
     exit 2

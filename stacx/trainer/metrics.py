@@ -48,9 +48,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, TextIO
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 from tqdm import tqdm
 
 PLOT_FAMILIES = ("reward", "loss", "kl", "eval")
@@ -306,6 +303,12 @@ def draw_family_figure(history: list[Mapping[str, Any]], plan: FamilyPlot, *, ti
     """A matplotlib Figure (Agg canvas, no pyplot state) for `plan`: one axes per value panel (if
     any), then the counts' (if any), sharing the step axis; the always-zero names in a footnote;
     `title` (the run and its recipe) above it all."""
+    # Imported here: matplotlib costs a few tenths of a second to import, which a run with --no-plots
+    # (and every torchrun rank but the driver) never needs.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     series = _numeric_series(history)
     panels = [(keys, plan.family) for keys in plan.value_panels] + ([(plan.count_keys, "count")] if plan.count_keys else [])
     heights = [3 if label != "count" else 1.6 for _, label in panels]

@@ -71,7 +71,7 @@ def run_stacx_train(launcher: str, flags: list[str], out: str, *, custom_dirs: t
     `--ray-address` to `ray_address` (the shared test cluster, whose workers see none of this driver's
     environment or files), or a local cluster of its own when None; torchrun: 2 DP ranks.
     `custom_dirs` are searched as part of `stacx/custom/`."""
-    flags = [*flags, "--num-steps", str(num_steps), "--out", out]
+    flags = [*flags, "--num-steps", str(num_steps), "--out", out, "--no-plots"]  # plots: the demo's test
     if launcher == "ray" and ray_address is not None:
         flags += ["--ray-address", ray_address]
     if custom_dirs:

@@ -36,7 +36,7 @@ def _series(metrics_path: str, name: str) -> list[float]:
 
 def _sft_flags(checkpoint: str, out: str) -> list[str]:
     return ["--algorithm", "sft", "--hf-checkpoint", checkpoint, "--prompt-data", "builtin:sorting",
-            "--rollout-batch-size", "16", "--lr", "3e-3", "--num-steps", "4", "--out", out, "--no-progress-bar",
+            "--rollout-batch-size", "16", "--lr", "3e-3", "--num-steps", "4", "--out", out, "--no-progress-bar", "--no-plots",
             "--save", os.path.join(out, "checkpoints")]
 
 

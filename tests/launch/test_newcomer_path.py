@@ -49,7 +49,8 @@ def _train_flags(checkpoint: str, data: str, out: str) -> list[str]:
     return ["train", "--algorithm", "grpo", "--hf-checkpoint", checkpoint, "--prompt-data", data,
             "--rollout-engine", "cpu", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
             "--rollout-max-response-len", "4", "--num-steps", "2", "--max-tokens-per-micro-batch", "64",
-            "--lr", "1e-4", "--num-cpus-per-rank", "1", "--out", out, "--no-progress-bar", "--no-tensorboard"]
+            "--lr", "1e-4", "--num-cpus-per-rank", "1", "--out", out, "--no-progress-bar", "--no-tensorboard",
+            "--no-plots"]
 
 
 def _assert_refused(returncode: int, stderr: str, *named: str) -> None:
@@ -139,6 +140,7 @@ def test_a_new_users_first_hour(tmp_path, capsys):
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
     with open(os.path.join(out, "metrics.jsonl")) as handle:
         assert [json.loads(line)["step"] for line in handle] == [0, 1]
+    assert not os.path.exists(os.path.join(out, "plots"))  # --no-plots (the demo's run draws them)
     assert export in run.stdout  # the end-of-run summary says where the model went
     # A random model earns no reward: the run says why its loss is 0 (once), not silently.
     assert run.stderr.count("every group's rewards are identical") == 1, run.stderr[-3000:]

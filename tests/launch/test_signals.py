@@ -100,7 +100,8 @@ def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoi
                "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--num-steps", "5",
                "--max-tokens-per-micro-batch", "64", "--lr", "1e-4", "--num-cpus-per-rank", "1",
                "--reward-fn", "tests.launch.test_signals:hang_from_the_second_step", "--save", str(save),
-               "--save-interval", "1", "--out", str(tmp_path / "out"), "--no-progress-bar", "--no-tensorboard"]
+               "--save-interval", "1", "--out", str(tmp_path / "out"), "--no-progress-bar", "--no-tensorboard",
+               "--no-plots"]
     if signum == signal.SIGINT:
         command += ["--ray-address", request.getfixturevalue("shared_ray_address")]
     driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -145,20 +146,29 @@ def nan_reward(response: str, label, metadata: dict) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_an_rl_run_with_a_nan_reward_exits_non_zero_naming_step_role_and_metric(checkpoint, tmp_path, shared_ray_address):
+def test_an_rl_run_with_a_nan_reward_exits_non_zero_naming_step_role_and_metric(checkpoint, tmp_path, shared_ray_address,
+                                                                              monkeypatch, capfd):
     """Before: the NaN went into the advantages, the weights and the engine, and the run died a step
-    later as 'server unavailable' (or exited 0 with NaN weights exported)."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update({"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": REPO})
+    later as 'server unavailable' (or exited 0 with NaN weights exported).
+
+    `stacx train`'s own entry point (`stacx.launch.cli.main`) in this test process, attached to the shared
+    cluster: the same driver, role workers and engine as the command, without a Python process to start."""
+    from stacx.launch.cli import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     export = tmp_path / "export"
-    command = [sys.executable, "-m", "stacx", "train", "--algorithm", "grpo", "--hf-checkpoint", checkpoint,
-               "--prompt-data", "builtin:addition", "--rollout-engine", "cpu", "--rollout-batch-size", "2",
-               "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--num-steps", "2",
-               "--max-tokens-per-micro-batch", "64", "--reward-fn", "tests.launch.test_signals:nan_reward",
-               "--export-hf", str(export), "--save", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
-               "--no-progress-bar", "--no-tensorboard", "--ray-address", shared_ray_address]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
-    assert done.returncode == 1, done.stderr[-4000:]
-    assert "stacx train: step 0: role 'policy' produced a non-finite reward of sample 0 (nan)" in done.stderr
-    assert "Traceback" not in done.stderr[-2000:]
+    code = main(["train", "--algorithm", "grpo", "--hf-checkpoint", checkpoint, "--prompt-data", "builtin:addition",
+                 "--rollout-engine", "cpu", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                 "--rollout-max-response-len", "4", "--num-steps", "2", "--max-tokens-per-micro-batch", "64",
+                 "--reward-fn", "tests.launch.test_signals:nan_reward", "--export-hf", str(export),
+                 "--save", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--no-progress-bar",
+                 "--no-tensorboard", "--ray-address", shared_ray_address])
+    stderr = capfd.readouterr().err
+    assert code == 1, stderr[-4000:]
+    assert "stacx train: step 0: role 'policy' produced a non-finite reward of sample 0 (nan)" in stderr
+    assert "Traceback" not in stderr[-2000:]
     assert not export.exists() and not (tmp_path / "ckpt").exists()
+    import ray
+
+    assert not ray.is_initialized()  # the driver detached: its job and actors are gone, the next test starts clean

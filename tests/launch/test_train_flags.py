@@ -70,7 +70,7 @@ def test_flags_fill_the_run_config_with_typed_values():
     cfg = _parse(["--algorithm", "grpo", "--hf-checkpoint", "ckpt", "--ref-load", "ref", "--tensor-model-parallel-size",
                   "2", "--context-parallel-size", "2", "--use-kl-loss", "--kl-loss-type", "low_var_kl",
                   "--kl-loss-coef", "0.01", "--custom-module", "a.py", "--custom-module", "b", "--lr", "3e-4",
-                  "--no-tensorboard", "--max-tokens-per-micro-batch", "512", "--teacher-url", "http://t:1",
+                  "--no-tensorboard", "--no-plots", "--max-tokens-per-micro-batch", "512", "--teacher-url", "http://t:1",
                   "--algorithm-param", "my_temperature=0.3", "--algorithm-param", "my_flag=true"])
     assert cfg.train.algorithm == "grpo" and "name" not in cfg.algorithm.to_dict()
     assert (cfg.model.hf_checkpoint, cfg.model.ref_load) == ("ckpt", "ref")
@@ -78,7 +78,7 @@ def test_flags_fill_the_run_config_with_typed_values():
     assert cfg.algorithm.use_kl_loss is True and cfg.algorithm.kl_loss_coef == 0.01
     assert cfg.algorithm.kl_loss_type == "low_var_kl"
     assert cfg.train.custom_module == ("a.py", "b")
-    assert cfg.optim.lr == 3e-4 and cfg.logging.tensorboard is False
+    assert cfg.optim.lr == 3e-4 and cfg.logging.tensorboard is False and cfg.logging.plots is False
     assert cfg.train.max_tokens_per_micro_batch == 512 and cfg.teacher.teacher_url == "http://t:1"
     assert cfg.algorithm.custom_hyperparameters() == {"my_temperature": 0.3, "my_flag": True}
     # Nothing given: exactly the RunConfig defaults.

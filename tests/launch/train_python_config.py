@@ -28,6 +28,6 @@ if __name__ == "__main__":
             "clip_ratio": 0.2,
         },
         prompt_data="builtin:sorting", rollout_batch_size=4, n_samples_per_prompt=4, rollout_max_response_len=6,
-        rollout_engine="cpu", num_steps=2, out=out, progress_bar=False, data_parallel_size=data_parallel_size,
+        rollout_engine="cpu", num_steps=2, out=out, progress_bar=False, plots=False, data_parallel_size=data_parallel_size,
     )
     run_training(config)

@@ -61,7 +61,8 @@ def train_one_grpo_step(server, rollout, out, *, num_tasks: int, n_samples_per_t
     training_config = get_recipe("grpo")
     run_config = RunConfig.from_dict({"train": {"algorithm": "grpo"}, "hf_checkpoint": server.model_path, "num_steps": 1,
                                       "rollout_batch_size": num_tasks, "n_samples_per_prompt": n_samples_per_task, "lr": 1e-3,
-                                      "out": str(out), "progress_bar": False, "tensorboard": False}, source="test")
+                                      "out": str(out), "progress_bar": False, "tensorboard": False,
+                                      "plots": False}, source="test")
     algorithm = resolve_algorithm_config(training_config, run_config, environ={})
     role = training_config.roles[0]
     runtime = RoleRuntime(role, algorithm, server.engine.groups, model=run_config.model, optim=run_config.optim,

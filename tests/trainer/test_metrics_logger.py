@@ -133,6 +133,19 @@ def test_a_family_that_is_zero_at_every_step_writes_no_png(tmp_path):
     assert sorted(path.name for path in (tmp_path / "plots").iterdir()) == ["loss.png"]
 
 
+def test_the_run_configs_plots_switch_reaches_the_drivers_logger(tmp_path):
+    """`--no-plots` (logging.plots): the run's logger writes metrics.jsonl and no plots/ folder."""
+    from stacx.trainer.config.run import RunConfig
+    from stacx.trainer.factory import build_metrics_logger
+
+    for plots in (True, False):
+        out = tmp_path / str(plots)
+        run_config = RunConfig.from_dict({"out": str(out), "plots": plots, "tensorboard": False, "progress_bar": False})
+        with build_metrics_logger(run_config, "sft") as logger:
+            logger.log(0, {"policy/loss": 1.0})
+        assert (out / "metrics.jsonl").is_file() and (out / "plots").is_dir() == plots
+
+
 def test_resume_keeps_rows_before_the_checkpoint_and_drops_the_rest(tmp_path):
     with MetricsLogger(tmp_path, total_steps=5, tensorboard=False, progress_bar=False, plots=False) as logger:
         for step in range(4):  # the run died after logging step 3; its last checkpoint was after step 1

@@ -18,7 +18,8 @@ import time
 import pytest
 import torch
 
-from tests.trainer.training_fixtures import ATTACHED_SERVER_KEY, VARIED_REWARD, read_metrics, run_config
+from tests.trainer.training_fixtures import (ATTACHED_SERVER_KEY, VARIED_REWARD, read_metrics, run_config,
+                                            run_four_grpo_steps)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -128,14 +129,8 @@ def test_opd_step_scores_rollouts_with_a_teacher_server(ray_address, files, engi
 
 RESUME_SCRIPT = """
 import sys
-from stacx.trainer.factory import create_trainer
-from tests.trainer.training_fixtures import run_config
-root, policy, prompts, address, load, mode = sys.argv[1:7]
-cfg = run_config(root, train={"algorithm": "grpo"}, hf_checkpoint=policy, prompt_data=prompts, rollout_engine="cpu",
-                 reward_fn="tests.trainer.training_fixtures:varied_reward",
-                 num_steps=4, save_interval=2, save=root + "/ckpt", load=load, ray_address=address,
-                 out=root + "/out", rollout_mode=mode, max_staleness=0)
-create_trainer(cfg).run()
+from tests.trainer.training_fixtures import run_four_grpo_steps
+run_four_grpo_steps(*sys.argv[1:7])
 """
 
 
@@ -149,14 +144,14 @@ def _model_state(checkpoint_root: str, step: int) -> dict:
 def test_resume_in_a_fresh_driver_gives_bitwise_identical_weights(ray_address, files, tmp_path):
     """The straight run is asynchronous with --max-staleness 0, the resumed one synchronous: the two
     modes train steps 2 and 3 to bitwise-identical weights and losses, and the async checkpoint of
-    step 2 (taken while step 2's prompts were already generating) resumes at the right prompts."""
+    step 2 (taken while step 2's prompts were already generating) resumes at the right prompts. The
+    straight run's driver is this test process (already attached to the cluster); the resumed one's a new one."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     resumed.mkdir()
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=repo_root)
     common = [files["policy"], files["prompts"], ray_address]
-    subprocess.run([sys.executable, "-c", RESUME_SCRIPT, str(straight), *common, "", "async"], check=True, env=env,
-                   timeout=300)
+    run_four_grpo_steps(str(straight), *common, None, "async")
     # A new driver process (and new workers) resumes from the straight run's step-2 checkpoint.
     subprocess.run([sys.executable, "-c", RESUME_SCRIPT, str(resumed), *common,
                     str(straight / "ckpt" / "step_000000002"), "sync"], check=True, env=env, timeout=300)

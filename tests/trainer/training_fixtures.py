@@ -41,7 +41,7 @@ def run_config(root: str, **values):
     base = {
         "lr": 1e-3, "num_steps": 2, "rollout_batch_size": 2, "n_samples_per_prompt": 2,
         "rollout_max_response_len": 4, "max_tokens_per_micro_batch": 64, "progress_bar": False,
-        "tensorboard": False, "out": os.path.join(root, "out"), "collective_timeout_s": 120.0,
+        "tensorboard": False, "plots": False, "out": os.path.join(root, "out"), "collective_timeout_s": 120.0,
     }
     base.update(values)
     return RunConfig.from_dict(base, source="test")
@@ -73,3 +73,15 @@ ATTACHED_SERVER_KEY = "trainer-tests-attached-server-key"
 """The API key of the rollout servers these tests start and attach to (`rollout_engine: http`): a
 server that takes weight updates always has one, and the driver reads it from STACX_API_KEY
 (the `attached_server_key` fixture)."""
+
+
+def run_four_grpo_steps(root: str, policy: str, prompts: str, address: str, load: str | None, mode: str):
+    """Four GRPO steps (a checkpoint every two) under `root`, resuming from `load` when given, in rollout
+    `mode` ('sync' or 'async' with --max-staleness 0): the fresh-driver resume test's run, in this process."""
+    from stacx.trainer.factory import create_trainer
+
+    cfg = run_config(root, train={"algorithm": "grpo"}, hf_checkpoint=policy, prompt_data=prompts, rollout_engine="cpu",
+                     reward_fn="tests.trainer.training_fixtures:varied_reward", num_steps=4, save_interval=2,
+                     save=os.path.join(root, "ckpt"), load=load or None, ray_address=address,
+                     out=os.path.join(root, "out"), rollout_mode=mode, max_staleness=0)
+    return create_trainer(cfg).run()

@@ -54,7 +54,7 @@ class DemoSettings:
     grpo: OnPolicyPhase = OnPolicyPhase(recipe="grpo", steps=40, prompts_per_step=16, samples_per_prompt=8, lr=5e-4,
                                         kl_coef=0.001)
     """GRPO from the SFT model, with a small low-variance KL to it."""
-    opd: OnPolicyPhase = OnPolicyPhase(recipe="opd", steps=80, prompts_per_step=16, samples_per_prompt=4, lr=1e-2)
+    opd: OnPolicyPhase = OnPolicyPhase(recipe="opd", steps=50, prompts_per_step=16, samples_per_prompt=4, lr=1e-2)
     """On-policy distillation of the student from the GRPO model."""
     opd_kl_mode: str = "topk"
     """'topk': reverse KL over the union of student and teacher top-K supports (learns fastest);

@@ -152,6 +152,9 @@ class LoggingSection:
     """Folder of metrics.jsonl, TensorBoard events, plots and rollouts."""
     tensorboard: bool = True
     """Write TensorBoard event files."""
+    plots: bool = True
+    """Write PNG plots of the metrics (plots/, one per family) when the run ends; --no-plots skips them (about a
+    second of the driver's CPU per run)."""
     wandb_project: str | None = None
     """Log to Weights & Biases under this project (when wandb is installed)."""
     progress_bar: bool = True

@@ -1,4 +1,6 @@
-"""Local Ray clusters started by `connect_ray` live on loopback: node addresses and listening sockets."""
+"""Local Ray clusters started by `connect_ray` live on loopback: node addresses and listening sockets, also
+those of a role's own torch.distributed world set up on it (tests/trainer/cluster/test_role_world_binding.py
+checks the same world on a non-loopback address)."""
 
 from __future__ import annotations
 
@@ -30,11 +32,12 @@ def _worker_node_address() -> str:
 
 
 def test_a_local_cluster_reports_and_listens_on_loopback_only():
+    """The cluster's processes, then a 2-rank role world on it (one cluster start for both)."""
     import ray
     from ray._private import ray_constants
 
     switch_before = ray_constants.ENABLE_RAY_CLUSTER
-    connection = connect_ray(num_cpus=1, object_store_memory_bytes=80 * 1024 * 1024, log_to_driver=False,
+    connection = connect_ray(num_cpus=2, object_store_memory_bytes=80 * 1024 * 1024, log_to_driver=False,
                              environ={})
     try:
         assert connection.started_locally
@@ -51,8 +54,35 @@ def test_a_local_cluster_reports_and_listens_on_loopback_only():
         attached = subprocess.run([sys.executable, "-c", ATTACH_SCRIPT, ray.get_runtime_context().gcs_address],
                                   capture_output=True, text=True, timeout=240)
         assert f"ATTACHED {LOOPBACK_ADDRESS} 42" in attached.stdout, attached.stdout[-2000:] + attached.stderr[-2000:]
+        _check_a_role_world_listens_on_loopback_only()
     finally:
         connection.shutdown()
+
+
+def _check_a_role_world_listens_on_loopback_only() -> None:
+    """A 2-rank role set up on this cluster: its collective works over loopback, its rendezvous store's port
+    is on 127.0.0.1 alone (torch's `tcp://` rendezvous listened on 0.0.0.0 / ::), and no socket its worker
+    processes listen on (Ray's own, the store, gloo's devices) is outside loopback."""
+    from stacx.trainer.cluster.ray import PlacedPool, ResourcePool, RolePlacement, RoleWorkers
+    from tests.trainer.cluster.test_role_world_binding import LOOPBACK_FORMS as WORLD_LOOPBACK_FORMS
+    from tests.trainer.cluster.test_role_world_binding import TIMEOUT_S, _world_facts
+
+    pool = PlacedPool.create(ResourcePool(name="binding", num_bundles=2, num_cpus_per_bundle=0.5))
+    workers = None
+    try:
+        workers = RoleWorkers("policy", 2, RolePlacement(pool), collective_timeout_s=TIMEOUT_S, user_modules=())
+        workers.setup()
+        facts = workers.execute_all(_world_facts)
+        assert [f["sum"] for f in facts] == [3.0, 3.0]  # the world works
+        assert {f["gloo_interface"] for f in facts} == {"lo"}
+        store_addresses = listening_addresses(port=facts[0]["port"])
+        assert store_addresses == {"127.0.0.1"}, store_addresses
+        addresses = listening_addresses(pids={f["pid"] for f in facts})
+        assert addresses and addresses <= WORLD_LOOPBACK_FORMS, addresses
+    finally:
+        if workers is not None:
+            workers.shutdown()
+        pool.remove()
 
 
 def test_a_cluster_on_another_address_is_shut_down_and_named(monkeypatch):

@@ -243,7 +243,8 @@ def _grpo_two_node_command(checkpoint: str, out: str) -> list[str]:
     return ["-m", "stacx.train", "--algorithm", "grpo", "--hf-checkpoint", checkpoint, "--prompt-data",
             "builtin:sorting", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
             "--rollout-max-response-len", "6", "--rollout-engine", "cpu", "--num-steps", "2", "--lr", "1e-4",
-            "--data-parallel-size", "2", "--num-cpus-per-rank", "2", "--out", out, "--no-progress-bar"]
+            "--data-parallel-size", "2", "--num-cpus-per-rank", "2", "--out", out, "--no-progress-bar",
+            "--no-plots"]
 
 
 def _role_worker_nodes(dashboard: str, env: dict) -> dict[str, str]:

@@ -1,10 +1,9 @@
 """A role's own torch.distributed world listens on the node's cluster address only.
 
-Read from the kernel's socket tables, not from torch's API: after a 2-rank role is set up on a
-local (loopback) Ray cluster, no socket its worker processes listen on is outside loopback, and
-the rendezvous store's port is on 127.0.0.1 alone (torch's `tcp://` rendezvous listened on
-0.0.0.0 / ::). A second test joins a 2-rank world on a non-loopback address of this machine and
-checks that gloo listens there, not where the host name resolves to.
+Read from the kernel's socket tables, not from torch's API. On a local (loopback) Ray cluster: the
+check runs in the cluster's own test (tests/trainer/cluster/test_ray_cluster.py, one cluster start for
+both) with `_world_facts` below. Here: a 2-rank world joined on a non-loopback address of this machine
+listens there, not where the host name resolves to.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ import pytest
 import torch.multiprocessing as mp
 
 from stacx.testing.listening_sockets import listening_addresses
-from stacx.trainer.cluster.ray.connect import connect_ray
-from stacx.trainer.cluster.ray import PlacedPool, ResourcePool, RolePlacement, RoleWorkers
 from stacx.trainer.cluster.node_interface import (
     _ipv4_address_of,
     bind_collectives_to_node,
@@ -41,31 +38,6 @@ def _world_facts(worker) -> dict:
     dist.all_reduce(value)
     return {"pid": os.getpid(), "port": int(os.environ["MASTER_PORT"]), "sum": value.item(),
             "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME")}
-
-
-@pytest.mark.slow
-def test_a_ray_role_world_listens_on_loopback_only():
-    connection = connect_ray(num_cpus=2, object_store_memory_bytes=80 * 1024 * 1024, log_to_driver=False)
-    pool = None
-    workers = None
-    try:
-        pool = PlacedPool.create(ResourcePool(name="binding", num_bundles=2, num_cpus_per_bundle=0.5))
-        workers = RoleWorkers("policy", 2, RolePlacement(pool), collective_timeout_s=TIMEOUT_S, user_modules=())
-        workers.setup()
-        facts = workers.execute_all(_world_facts)
-        assert [f["sum"] for f in facts] == [3.0, 3.0]  # the world works
-        assert {f["gloo_interface"] for f in facts} == {"lo"}
-        store_addresses = listening_addresses(port=facts[0]["port"])
-        assert store_addresses == {"127.0.0.1"}, store_addresses
-        # Every socket the two worker processes listen on: Ray's own, the store, gloo's devices.
-        addresses = listening_addresses(pids={f["pid"] for f in facts})
-        assert addresses and addresses <= LOOPBACK_FORMS, addresses
-    finally:
-        if workers is not None:
-            workers.shutdown()
-        if pool is not None:
-            pool.remove()
-        connection.shutdown()
 
 
 def test_only_rank_zero_hosts_and_rank_zero_needs_its_store():
