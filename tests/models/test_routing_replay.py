@@ -135,8 +135,8 @@ def test_replay_of_a_bf16_engines_routes(moe_checkpoint, world):
     load_hf_checkpoint(bf16, moe_checkpoint, world)
     engine = CpuEngine(bf16, decoding="kv_cache")
     requests = [GenerateRequest(input_ids=tuple((7 * i + 3 * j) % 16 for j in range(12)), return_routed_experts=True,
-                                sampling=SamplingParams(max_new_tokens=12, seed=i, ignore_eos=True))
-                for i in range(6)]
+                                sampling=SamplingParams(max_new_tokens=16, seed=i, ignore_eos=True))
+                for i in range(16)]
     outputs = engine.generate(requests)
     model = _trainer_model(moe_checkpoint, world)
     model.train()
@@ -150,7 +150,12 @@ def test_replay_of_a_bf16_engines_routes(moe_checkpoint, world):
     assert differs.any(), "the guard: bf16 routing must differ from fp32 routing somewhere"
     replayed, taken = _response_log_probs(model, batch, world, routes=routes)
     assert torch.equal(taken[run], routes[run])
-    assert (replayed.detach() - engine_log_probs).abs().mean() < (plain - engine_log_probs).abs().mean()
+    # Where the replayed routes change a response log-prob (a route that differs in the last layer at a prompt
+    # token changes none), the trainer's log-prob moves towards the engine's.
+    changed = replayed.detach() != plain
+    assert changed.any(), "the guard: some differing route must reach a response log-prob"
+    assert ((replayed.detach() - engine_log_probs)[changed].abs().mean()
+            < (plain - engine_log_probs)[changed].abs().mean())
     replayed.sum().backward()
     router_grads = [p.grad for n, p in model.named_parameters() if n.endswith("router.weight")]
     assert router_grads and all(g is not None and g.abs().sum() > 0 for g in router_grads)
