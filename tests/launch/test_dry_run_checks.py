@@ -40,6 +40,8 @@ def test_the_tiny_run_passes(inputs, capsys):
     code, out, err = _train(inputs, capsys=capsys)
     assert code == 0, err
     assert out.startswith("recipe grpo:")
+    # no --ref-load given: the dry run does not promise a reference from it
+    assert "no in-worker reference (--ref-load not set)" in out and "in-worker reference from" not in out
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -115,6 +117,7 @@ def test_the_header_and_the_resolved_config_agree_on_the_kl_loss(inputs, capsys)
     header = next(line for line in out.splitlines() if line.startswith("  algorithm:"))
     assert "KL loss low_var_kl x 0.05" in header and "no KL loss" not in out
     assert "use_kl_loss: true" in out
+    assert "in-worker reference from --ref-load" in out and "not set" not in out
 
 
 def test_a_misspelled_advantage_estimator_is_refused_at_preflight_with_a_suggestion(inputs, capsys):
