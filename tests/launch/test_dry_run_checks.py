@@ -227,6 +227,17 @@ def test_a_misspelled_algorithm_param_of_a_plugin_that_declares_its_knobs_is_ref
     assert code == 0, err
 
 
+def test_a_padded_plugin_that_aggregates_itself_under_another_loss_agg_mode_is_refused(inputs, capsys):
+    """It passed --dry-run and failed at step 0 with a traceback on every rank; now preflight names both modes."""
+    flags = ["--custom-module", "examples/padded_plugins/my_algorithm.py", "--policy-loss", "my_loss",
+             "--advantage-estimator", "my_advantage"]
+    code, out, err = _train(inputs, *flags, "--loss-agg-mode", "seq-mean-token-mean", capsys=capsys)
+    assert code == 2 and out == ""
+    assert "--loss-agg-mode seq-mean-token-mean" in err and "'token-mean'" in err and "Traceback" not in err
+    code, out, err = _train(inputs, *flags, "--loss-agg-mode", "token-mean", capsys=capsys)
+    assert code == 0, err
+
+
 def test_wandb_project_without_the_wandb_package_is_refused_at_preflight(inputs, capsys, monkeypatch):
     """It failed after the workers and the rollout server had started."""
     import sys
