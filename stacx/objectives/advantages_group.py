@@ -2,7 +2,7 @@
 
 Each is `fn(config, rollout_data) -> list[Tensor]`: one scalar advantage per trajectory,
 broadcast to its response tokens, shape (response_len_i,), float32. `rollout_data` fields
-used: `rewards` (one scalar per trajectory), `prompt_id` (group key: trajectories sampled from
+used: `rewards` (a float64 tensor `[num_trajectories]`, one reward per trajectory), `prompt_id` (group key: trajectories sampled from
 the same prompt share it), `response_lengths`.
 """
 
