@@ -55,7 +55,8 @@ def test_a_retry_after_a_format_error_is_a_branch_from_the_common_prefix_and_eac
     retry = turn(system_task + [7, 7, 9], [32, 0])            # the error message [7, 7], no bad reply
     then = turn(system_task + [7, 7, 9, 32, 0, 8, 9], [33, 0])  # continues the retry
     samples = assemble_trajectories([bad, retry, then], group_index=2, episode_id=5)
-    assert [s.tokens for s in samples] == [list(bad.prompt_ids + bad.output_ids), list(then.prompt_ids + then.output_ids)]
+    assert [s.tokens for s in samples] == [list(bad.prompt_ids + bad.output_ids),
+                                           list(then.prompt_ids + then.output_ids)]
     assert samples[1].prompt_ids == list(retry.prompt_ids)
     assert samples[1].loss_mask == [1, 1, 0, 0, 1, 1]
     assert generated(samples) == [[30, 31, 0], [32, 0, 33, 0]]

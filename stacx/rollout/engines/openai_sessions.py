@@ -183,7 +183,7 @@ class SessionBook:
             if not hmac.compare_digest(secret.encode("utf-8", "surrogateescape"), opened.secret.encode()):
                 raise SessionRefused(403, f"session {session_id}: the secret is wrong")
             return opened
-        if secret is not None and session_id not in self._loose:
+        if secret is not None:
             raise SessionRefused(404, f"no open session {session_id}: it was never opened (POST "
                                       "/stacx/sessions/<id>) or its episode is over (popped)")
         return self._loose.get(session_id)
@@ -193,9 +193,9 @@ class SessionBook:
             evicted, _ = self._loose.popitem(last=False)
             self.evicted += 1
             if self.evicted & (self.evicted - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... eviction
-                logger.warning("session book full (max_sessions %d sessions that no episode opened): dropped session %s, "
-                               "the least recently used; %d dropped so far. Sessions opened for an episode "
-                               "(POST /stacx/sessions/<id>) are never dropped", self.max_sessions, evicted,
+                logger.warning("session book full (max_sessions %d sessions that no episode opened): dropped "
+                               "session %s, the least recently used; %d dropped so far. Sessions opened for an "
+                               "episode (POST /stacx/sessions/<id>) are never dropped", self.max_sessions, evicted,
                                self.evicted)
 
 
