@@ -168,3 +168,45 @@ def test_a_flood_of_sessions_evicts_no_open_one_and_counts_and_warns_what_it_evi
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 10 and "904 dropped so far" not in warnings[-1] and "512 dropped so far" in warnings[-1]
     assert "never dropped" in warnings[0]
+
+
+@pytest.mark.slow  # litellm's import alone is about 3 s of CPU
+def test_mini_swe_agent_retrying_after_format_errors_is_one_episode_with_branches(server, tmp_path, monkeypatch):
+    """mini-swe-agent, unmodified, drops a reply without a tool call and asks again with the format error
+    (the untrained policy never writes one): one episode whose retries are branches of the first prompt."""
+    from stacx.rollout.agent_rollout import AgentRollout
+
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would download its price list
+    monkeypatch.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path / "mswea"))
+    monkeypatch.setenv("MSWEA_SILENT_STARTUP", "1")
+    try:
+        from minisweagent.agents.default import DefaultAgent
+        from minisweagent.environments.local import LocalEnvironment
+        from minisweagent.models.litellm_model import LitellmModel
+    except ImportError as missing:  # a failure with the fix, never a skip
+        raise ImportError("this test runs mini-swe-agent, in the test extra: pip install -e '.[test]'") from missing
+    exits = []
+
+    def agent(base_url: str, task: dict) -> float:
+        model = LitellmModel(model_name="openai/policy", cost_tracking="ignore_errors",
+                             format_error_template="format error: {{error}}",
+                             model_kwargs={"api_base": base_url, "api_key": "unused", "temperature": 0.0,
+                                           "max_tokens": 8})
+        runner = DefaultAgent(model, LocalEnvironment(cwd=str(tmp_path)), system_template="You run bash.",
+                              instance_template="{{task}}", step_limit=5, cost_limit=0)
+        exits.append(runner.run(task["task"]).get("exit_status"))
+        return 0.0
+
+    rollout = AgentRollout(agent, server_url=server.url, next_tasks=lambda step: [{"task": "Create done.txt"}])
+    samples, metrics = rollout.collect(0)
+    assert exits == ["RepeatedFormatError"]                    # three replies without a tool call, each retried
+    assert len(samples) == 3 and {s.episode_id for s in samples} == {0}
+    assert [s.metadata["branch_of"] for s in samples] == [None, 0, 1]
+    # each retry's prompt is the previous one plus the format error: the branch leaves at the dropped reply
+    generation_prompt = server.tokenizer("<|assistant|>", add_special_tokens=False)["input_ids"]
+    for parent, branch in zip(samples, samples[1:]):
+        assert parent.prompt_ids[-len(generation_prompt):] == generation_prompt
+        assert branch.metadata["branch_point"] == len(parent.prompt_ids) - len(generation_prompt)
+        text = server.tokenizer.decode(branch.prompt_ids[branch.metadata["branch_point"]:], skip_special_tokens=False)
+        assert text.startswith("<|user|>format error: No tool calls found") and text.endswith("<|assistant|>")
+    assert metrics["rollout/agent_branches_per_episode"] == 2.0
