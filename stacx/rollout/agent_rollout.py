@@ -121,7 +121,8 @@ class AgentRollout:
 
     def __init__(self, agent: Union[Agent, AgentCommand], *, server_url: str,
                  next_tasks: Callable[[int], Sequence[dict]], n_samples_per_task: int = 1,
-                 reward_fn: Optional[RewardFn] = None, max_parallel_episodes: int = 8, request_timeout_s: float = 60.0):
+                 reward_fn: Optional[RewardFn] = None, max_parallel_episodes: int = 8, request_timeout_s: float = 60.0,
+                 api_key: Optional[str] = None):
         if n_samples_per_task < 1:
             raise ValueError(f"n_samples_per_task must be >= 1, got {n_samples_per_task}")
         if max_parallel_episodes < 1:
@@ -133,6 +134,8 @@ class AgentRollout:
         self.reward_fn = reward_fn
         self.max_parallel_episodes = max_parallel_episodes
         self.request_timeout_s = request_timeout_s
+        self.api_key = api_key
+        """The server's API key (it opens sessions); None for a server without one."""
 
     def collect(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """The samples of every task of `step` x n_samples_per_task episodes, and rollout metrics."""
@@ -185,7 +188,13 @@ class AgentRollout:
         """(a new session id, its secret): opened on the server before the agent starts, so only this
         episode can use it and the server keeps it until `take_turns`."""
         session_id = uuid.uuid4().hex
-        answer = requests.post(f"{self.server_url}/stacx/sessions/{session_id}", timeout=self.request_timeout_s)
+        headers = {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
+        answer = requests.post(f"{self.server_url}/stacx/sessions/{session_id}", headers=headers,
+                               timeout=self.request_timeout_s)
+        if answer.status_code in (401, 403):
+            raise RuntimeError(f"{self.server_url} refused to open an episode's session ({answer.status_code}): "
+                               "pass AgentRollout(api_key=) the server's API key (stacx serve --api-key / "
+                               "STACX_API_KEY)")
         answer.raise_for_status()
         return session_id, answer.json()["secret"]
 

@@ -70,7 +70,8 @@ def test_a_scaffold_that_retries_compacts_and_starts_a_sub_agent_is_one_episode_
         seen["messages"] = {"retry": retry, "go_on": go_on, "compacted": compacted, "start": start}
         return 0.5
 
-    rollout = AgentRollout(scaffold, server_url=server.url, next_tasks=lambda step: [{"task": "fix it"}])
+    rollout = AgentRollout(scaffold, server_url=server.url, api_key=server.api_key,
+                           next_tasks=lambda step: [{"task": "fix it"}])
     samples, metrics = rollout.collect(0)
     messages = seen["messages"]
     assert [generated(s) for s in samples] == [
@@ -107,7 +108,9 @@ def error_text(response) -> str:
 
 def test_an_episodes_session_refuses_foreign_appends_reads_and_pops(server):
     url = server.url
-    opened = requests.post(f"{url}/stacx/sessions/episode-1", timeout=30).json()
+    assert requests.post(f"{url}/stacx/sessions/episode-1", timeout=30).status_code == 401  # only the trainer opens
+    trainer = {"Authorization": f"Bearer {server.api_key}"}
+    opened = requests.post(f"{url}/stacx/sessions/episode-1", headers=trainer, timeout=30).json()
     secret = opened["secret"]
     assert opened["base_path"] == f"/sessions/episode-1/{secret}/v1" and len(secret) >= 32
     owner = f"{url}/sessions/episode-1/{secret}/v1"
@@ -131,7 +134,7 @@ def test_an_episodes_session_refuses_foreign_appends_reads_and_pops(server):
     wrong = {"Authorization": "Bearer nope"}
     assert requests.get(f"{url}/stacx/sessions/episode-1", headers=wrong, timeout=30).status_code == 403
     assert requests.delete(f"{url}/stacx/sessions/episode-1", headers=wrong, timeout=30).status_code == 403
-    assert requests.post(f"{url}/stacx/sessions/episode-1", timeout=30).status_code == 409   # no second owner
+    assert requests.post(f"{url}/stacx/sessions/episode-1", headers=trainer, timeout=30).status_code == 409  # one owner
 
     key = {"Authorization": f"Bearer {secret}"}
     assert len(requests.get(f"{url}/stacx/sessions/episode-1", headers=key, timeout=30).json()["turns"]) == 2
@@ -197,7 +200,8 @@ def test_mini_swe_agent_retrying_after_format_errors_is_one_episode_with_branche
         exits.append(runner.run(task["task"]).get("exit_status"))
         return 0.0
 
-    rollout = AgentRollout(agent, server_url=server.url, next_tasks=lambda step: [{"task": "Create done.txt"}])
+    rollout = AgentRollout(agent, server_url=server.url, api_key=server.api_key,
+                           next_tasks=lambda step: [{"task": "Create done.txt"}])
     samples, metrics = rollout.collect(0)
     assert exits == ["RepeatedFormatError"]                    # three replies without a tool call, each retried
     assert len(samples) == 3 and {s.episode_id for s in samples} == {0}

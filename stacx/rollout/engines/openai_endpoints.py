@@ -14,6 +14,7 @@ recorded):
   GET  [<session>]/v1/models             the served model
   POST /stacx/sessions/<id>              (stacx) open a session for one episode -> {"session_id", "secret",
                                          "base_path"}; it needs its secret from then on and is never evicted
+                                         (needs the server's API key, when it has one)
   GET  /stacx/sessions/<id>              (stacx) {"session_id", "turns": [RecordedTurn.to_json()]}
   DELETE /stacx/sessions/<id>            (stacx) the same, and the server forgets the session
   GET  /stacx/sessions                   (stacx) {"open_sessions", "other_sessions", "evicted_sessions"}
@@ -35,6 +36,7 @@ import os
 from typing import TYPE_CHECKING, Optional
 
 from stacx.rollout.agent_trajectories import RecordedTurn
+from stacx.rollout.engines.http_guard import HttpError, check_bearer_token
 from stacx.rollout.engines.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
@@ -103,6 +105,11 @@ class OpenAIEndpoints:
 
     async def open_session(self, request: "Request"):
         session_id = check_session_id(request.path_params["session_id"])
+        if self.server.api_key is not None:  # an open session is kept until popped: only the trainer opens them
+            refusal = check_bearer_token(self.server.api_key, request.headers.get("authorization"))
+            if refusal is not None:
+                raise HttpError(refusal[0], f"POST /stacx/sessions/{session_id}: {refusal[1]}",
+                                headers={"WWW-Authenticate": "Bearer"})
         secret = self.sessions.open(session_id)
         return 200, {"session_id": session_id, "secret": secret, "base_path": f"/sessions/{session_id}/{secret}/v1"}
 
