@@ -138,10 +138,8 @@ class OpenAIEndpoints:
             else ParsedToolCalls(content=text, calls=(), errors=())
         answer = render_chat_response(output, parsed, num_prompt_tokens=len(prompt_ids), model=self.model_name,
                                       token_texts=self._token_texts(output) if chat.logprobs else None)
-        if session_id:
-            self.sessions.record(session_id, SessionTurn(self._recorded(prompt_ids, output), messages=chat.messages,
-                                                         reply=answer["choices"][0]["message"]),
-                                 secret=secret, continued=continued)
+        self.record_turn(session_id, secret, prompt_ids, output, continued=continued, messages=chat.messages,
+                         reply=answer["choices"][0]["message"])
         return 200, answer
 
     async def completions(self, request: "Request"):
@@ -154,14 +152,22 @@ class OpenAIEndpoints:
         text = tokenizer.decode(list(output.output_ids), skip_special_tokens=True)
         answer = render_completion_response(output, text, num_prompt_tokens=len(prompt_ids), model=self.model_name,
                                             token_texts=self._token_texts(output) if completion.logprobs else None)
-        if session_id:
-            prompt_text = completion.prompt if isinstance(completion.prompt, str) else None
-            self.sessions.record(session_id, SessionTurn(self._recorded(prompt_ids, output),
-                                                         text=None if prompt_text is None else prompt_text + text),
-                                 secret=secret, continued=continued)
+        prompt_text = completion.prompt if isinstance(completion.prompt, str) else None
+        self.record_turn(session_id, secret, prompt_ids, output, continued=continued,
+                         text=None if prompt_text is None else prompt_text + text)
         return 200, answer
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def record_turn(self, session_id: Optional[str], secret: Optional[str], prompt_ids: list[int], output, *,
+                    continued: Optional[SessionTurn] = None, **kept) -> None:
+        """Record one served turn (the engine's `output` for `prompt_ids`) under the request's session (nothing
+        without one, `session_of`). `continued`: the leaf its prompt continues (from `sessions.leaves`), else
+        None (a new branch); `kept`: what a next request must repeat to continue it (`SessionTurn`'s
+        `messages` and `reply` for a chat, `text` for a completion)."""
+        if session_id:
+            self.sessions.record(session_id, SessionTurn(self._recorded(prompt_ids, output), **kept), secret=secret,
+                                 continued=continued)
 
     def _tokenizer(self, endpoint: str):
         if self.server.tokenizer is None:

@@ -24,10 +24,11 @@ a format error, compacted or truncated its history, started a sub-agent, or the 
 history differently) gets the template's ids of the whole conversation: a branch of the session's
 tree, a new trajectory of the same episode (stacx.rollout.agent_trajectories).
 
-Recording a turn from another API (e.g. another chat protocol) takes four calls, as the OpenAI
-handlers do: `book.leaves(session_id, secret)` (what may be continued), the prompt ids,
-generation, then `book.record(session_id, SessionTurn(RecordedTurn(...), ...), secret=secret,
-continued=the leaf continued or None)`.
+Recording a turn from another API (e.g. another chat protocol) takes what the OpenAI handlers
+(openai_endpoints.py) do: `session_id, secret = endpoints.session_of(request)` (refuses a foreign
+caller), `leaves = endpoints.sessions.leaves(session_id, secret)` (what may be continued), the
+prompt ids and the leaf they continue (or None), generation, then `endpoints.record_turn(session_id,
+secret, prompt_ids, output, continued=leaf, ...what a next request must repeat)`.
 """
 
 from __future__ import annotations
