@@ -211,7 +211,8 @@ def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, t
         return -sum(entry.logprob for entry in second.choices[0].logprobs.content)  # varies with every sample
 
     tasks = [{"question": "1+1?"}, {"question": "2*3?"}]
-    rollout = AgentRollout(agent, server_url=server.url, next_tasks=lambda step: tasks, n_samples_per_task=2,
+    rollout = AgentRollout(agent, server_url=server.url, api_key=server.api_key, next_tasks=lambda step: tasks,
+                           n_samples_per_task=2,
                            max_parallel_episodes=4)
     batch, metrics, runtime = train_one_grpo_step(server, rollout, tmp_path, num_tasks=2, n_samples_per_task=2)
     assert batch.num_samples == 4 and batch.prompt_id == [0, 0, 1, 1]
@@ -271,7 +272,8 @@ def test_mini_swe_agent_solves_the_task_through_the_endpoint_and_grpo_trains_on_
     monkeypatch.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path / "mswea"))
     monkeypatch.setenv("MSWEA_SILENT_STARTUP", "1")
     agent, workdirs = mini_swe_agent(tmp_path)
-    rollout = AgentRollout(agent, server_url=server.url, next_tasks=lambda step: [{"task": TASK}], n_samples_per_task=2)
+    rollout = AgentRollout(agent, server_url=server.url, api_key=server.api_key, next_tasks=lambda step: [{"task": TASK}],
+                           n_samples_per_task=2)
     batch, metrics, _ = train_one_grpo_step(server, rollout, tmp_path / "run", num_tasks=1, n_samples_per_task=2)
 
     assert len(workdirs) == 2 and all((workdir / "done.txt").exists() for workdir in workdirs)

@@ -61,7 +61,7 @@ def ids(tokenizer, text):
 @pytest.mark.parametrize("generated, close", [("ok<eos>", ""), ("ok", "<eos>")])
 def test_a_continuing_chat_keeps_the_generated_ids_and_adds_only_the_close_it_lacks(tokenizer, generated, close):
     first = [{"role": "user", "content": "hi"}]
-    prompt, continued = chat_prompt_ids(tokenizer, first, [BASH_TOOL], None)
+    prompt, continued = chat_prompt_ids(tokenizer, first, [BASH_TOOL], [])
     assert tokenizer.decode(prompt, skip_special_tokens=False) == "<|system|>tools: bash<eos><|user|>hi<eos><|assistant|>"
     assert not continued
     # The engine's ids for "ok" are not the template's (here: a reversed pair), so re-tokenizing would lose them.
@@ -69,12 +69,12 @@ def test_a_continuing_chat_keeps_the_generated_ids_and_adds_only_the_close_it_la
     previous = SessionTurn(RecordedTurn(prompt_ids=tuple(prompt), output_ids=output, output_log_probs=(0.0,) * len(output),
                                         weight_version=0), messages=first, reply={"role": "assistant", "content": "ok"})
     second = first + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
-    prompt2, continued = chat_prompt_ids(tokenizer, second, [BASH_TOOL], previous)
-    assert continued and tuple(prompt2[:len(prompt) + len(output)]) == tuple(prompt) + output
+    prompt2, continued = chat_prompt_ids(tokenizer, second, [BASH_TOOL], [previous])
+    assert continued is previous and tuple(prompt2[:len(prompt) + len(output)]) == tuple(prompt) + output
     assert tokenizer.decode(prompt2[len(prompt) + len(output):], skip_special_tokens=False) == \
         close + "<|user|>more<eos><|assistant|>"
     changed_reply = first + [{"role": "assistant", "content": "OK"}, {"role": "user", "content": "more"}]
-    prompt3, continued = chat_prompt_ids(tokenizer, changed_reply, [BASH_TOOL], previous)
+    prompt3, continued = chat_prompt_ids(tokenizer, changed_reply, [BASH_TOOL], [previous])
     assert not continued and tuple(prompt3) == ids(tokenizer, tokenizer.apply_chat_template(
         changed_reply, tools=[BASH_TOOL], tokenize=False, add_generation_prompt=True))
 
@@ -82,9 +82,9 @@ def test_a_continuing_chat_keeps_the_generated_ids_and_adds_only_the_close_it_la
 def test_a_completion_extending_the_last_prompt_and_completion_keeps_their_ids(tokenizer):
     turn = RecordedTurn(prompt_ids=(9, 8), output_ids=(7,), output_log_probs=(0.0,), weight_version=0)
     previous = SessionTurn(turn, text="ab" + "c")
-    assert completion_prompt_ids(tokenizer, "abcd", previous) == [9, 8, 7, *ids(tokenizer, "d")]
-    assert completion_prompt_ids(tokenizer, "xbcd", previous) == list(tokenizer.encode("xbcd"))
-    assert completion_prompt_ids(tokenizer, [4, 5], previous) == [4, 5]
+    assert completion_prompt_ids(tokenizer, "abcd", [previous]) == ([9, 8, 7, *ids(tokenizer, "d")], previous)
+    assert completion_prompt_ids(tokenizer, "xbcd", [previous]) == (list(tokenizer.encode("xbcd")), None)
+    assert completion_prompt_ids(tokenizer, [4, 5], [previous]) == ([4, 5], None)
 
 
 def test_the_session_book_forgets_the_oldest_sessions_and_hands_turns_over_once():
@@ -92,10 +92,13 @@ def test_the_session_book_forgets_the_oldest_sessions_and_hands_turns_over_once(
     turn = RecordedTurn(prompt_ids=(1,), output_ids=(2,), output_log_probs=(0.0,), weight_version=0)
     for session in ("a", "b", "c"):
         book.record(session, SessionTurn(turn, messages=[{"role": "user", "content": session}]))
-    book.record("c", SessionTurn(turn, messages=[]))
-    assert book.turns("a") == [] and book.turns("c") == [turn, turn]
-    assert book.last("c").messages == [] and book._sessions["c"][0].messages is None  # older turns keep ids only
-    assert book.turns("c", remove=True) == [turn, turn] and book.turns("c") == []
+    first = book.last("c")
+    book.record("c", SessionTurn(turn, messages=[]), continued=first)
+    assert book.turns("a") == [] and book.turns("c") == [turn, turn] and book.evicted == 1
+    assert [leaf.messages for leaf in book.leaves("c")] == [[]]   # the continued turn is no longer a leaf
+    book.record("c", SessionTurn(turn, messages=[{"role": "user", "content": "retry"}]))   # a branch: two leaves
+    assert [leaf.messages for leaf in book.leaves("c")] == [[{"role": "user", "content": "retry"}], []]
+    assert book.turns("c", remove=True) == [turn] * 3 and book.turns("c") == []
 
 
 def test_a_failing_episode_keeps_its_turns_with_reward_zero_and_a_missing_reward_is_an_error(monkeypatch):
@@ -106,15 +109,16 @@ def test_a_failing_episode_keeps_its_turns_with_reward_zero_and_a_missing_reward
         raise RuntimeError("scaffold crashed")
 
     rollout = AgentRollout(crashing, server_url="http://127.0.0.1:1", next_tasks=lambda step: [{"q": 1}])
-    monkeypatch.setattr(rollout, "take_turns", lambda session_id: [turn])
+    monkeypatch.setattr(AgentRollout, "open_session", lambda self: ("s", "secret"))
+    monkeypatch.setattr(rollout, "take_turns", lambda session_id, secret: [turn])
     samples, metrics = rollout.collect(0)
     assert [(s.reward, s.reward_error) for s in samples] == [(0.0, "RuntimeError: scaffold crashed")]
     assert metrics["rollout/agent_failed_episodes"] == 1.0
     silent = AgentRollout(lambda base_url, task: None, server_url="http://127.0.0.1:1", next_tasks=lambda step: [{}])
-    monkeypatch.setattr(silent, "take_turns", lambda session_id: [turn])
+    monkeypatch.setattr(silent, "take_turns", lambda session_id, secret: [turn])
     with pytest.raises(ValueError, match="returned no reward and AgentRollout has no reward_fn"):
         silent.collect(0)
-    monkeypatch.setattr(silent, "take_turns", lambda session_id: [])
+    monkeypatch.setattr(silent, "take_turns", lambda session_id, secret: [])
     with pytest.raises(RuntimeError, match="none of the 1 agent episodes made a model call"):
         silent.collect(0)
 

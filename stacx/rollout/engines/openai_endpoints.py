@@ -1,17 +1,29 @@
 """`stacx serve`'s OpenAI-compatible endpoint: chat completions with tools, completions, sessions.
 
-    client = openai.OpenAI(base_url=f"{server.url}/sessions/{session_id}/v1", api_key="unused")
-    client.chat.completions.create(model="policy", messages=[...], tools=[...])
-    turns = [RecordedTurn.from_json(t) for t in requests.get(f"{server.url}/stacx/sessions/{session_id}").json()["turns"]]
+    secret = requests.post(f"{server.url}/stacx/sessions/{session_id}").json()["secret"]   # the trainer
+    client = openai.OpenAI(base_url=f"{server.url}/sessions/{session_id}/{secret}/v1", api_key="unused")
+    client.chat.completions.create(model="policy", messages=[...], tools=[...])            # the agent
+    turns = requests.delete(f"{server.url}/stacx/sessions/{session_id}",
+                            headers={"Authorization": f"Bearer {secret}"}).json()["turns"]  # the trainer
 
-Endpoints (the `/sessions/<id>` prefix records the turns under that session; without it nothing is
+Endpoints (a session prefix records the turns under that session; without one nothing is
 recorded):
-  POST [/sessions/<id>]/v1/chat/completions   messages, tools -> chat.completion (tool calls parsed
-                                              from the model's text, stacx.rollout.tool_calls)
-  POST [/sessions/<id>]/v1/completions        prompt -> text_completion
-  GET  [/sessions/<id>]/v1/models             the served model
-  GET  /stacx/sessions/<id>                   (stacx) {"session_id", "turns": [RecordedTurn.to_json()]}
-  DELETE /stacx/sessions/<id>                 (stacx) the same, and the server forgets the session
+  POST [<session>]/v1/chat/completions   messages, tools -> chat.completion (tool calls parsed
+                                         from the model's text, stacx.rollout.tool_calls)
+  POST [<session>]/v1/completions        prompt -> text_completion
+  GET  [<session>]/v1/models             the served model
+  POST /stacx/sessions/<id>              (stacx) open a session for one episode -> {"session_id", "secret",
+                                         "base_path"}; it needs its secret from then on and is never evicted
+                                         (needs the server's API key, when it has one)
+  GET  /stacx/sessions/<id>              (stacx) {"session_id", "turns": [RecordedTurn.to_json()]}
+  DELETE /stacx/sessions/<id>            (stacx) the same, and the server forgets the session
+  GET  /stacx/sessions                   (stacx) {"open_sessions", "other_sessions", "evicted_sessions"}
+
+<session> is `/sessions/<id>/<secret>` for an opened session (or `/sessions/<id>` with the secret as
+the API key: `Authorization: Bearer <secret>`; the /stacx calls send it so), or `/sessions/<id>`
+for one nobody opened (anyone may use it; evicted, least recently used first, when the book is
+full). A request to an opened session without its secret gets 401, with a wrong one 403; a secret
+for a session that is not open (never opened, or popped when its episode ended) 404.
 
 Generation goes through the same admission, pause gate, abort book and batcher as `/generate`
 (EngineHttpServer.run_engine). The request and answer formats are in openai_protocol.py; how a
@@ -24,6 +36,7 @@ import os
 from typing import TYPE_CHECKING, Optional
 
 from stacx.rollout.agent_trajectories import RecordedTurn
+from stacx.rollout.engines.http_guard import HttpError, check_bearer_token
 from stacx.rollout.engines.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
@@ -49,7 +62,8 @@ __all__ = ["DEFAULT_MAX_TOKENS", "OpenAIEndpoints"]
 
 DEFAULT_MAX_TOKENS = 1024
 """Tokens generated when a request gives no max_tokens (less when the model's context is shorter)."""
-SESSION_PREFIX = "/sessions/{session_id}"
+SESSION_PREFIXES = ("/sessions/{session_id}", "/sessions/{session_id}/{secret}")
+"""Where a session's turns are recorded: an opened session's secret is in the path or the API key."""
 
 
 class OpenAIEndpoints:
@@ -64,7 +78,7 @@ class OpenAIEndpoints:
     def routes(self, json_body: dict) -> list[tuple]:
         """(methods, path, handler, summary, openapi extra) for build_app."""
         routes = []
-        for prefix in ("", SESSION_PREFIX):
+        for prefix in ("", *SESSION_PREFIXES):
             recorded = " (recorded under the session)" if prefix else ""
             routes += [
                 (("POST",), f"{prefix}/v1/chat/completions", self.chat_completions,
@@ -74,6 +88,9 @@ class OpenAIEndpoints:
                 (("GET",), f"{prefix}/v1/models", self.models, "the served model", None),
             ]
         routes += [
+            (("POST",), "/stacx/sessions/{session_id}", self.open_session,
+             "(stacx) open a session for one episode: -> {session_id, secret, base_path}", None),
+            (("GET",), "/stacx/sessions", self.session_stats, "(stacx) open, other and evicted sessions", None),
             (("GET",), "/stacx/sessions/{session_id}", self.session_turns, "(stacx) a session's recorded turns", None),
             (("DELETE",), "/stacx/sessions/{session_id}", self.pop_session,
              "(stacx) a session's recorded turns; the server forgets them", None),
@@ -86,49 +103,71 @@ class OpenAIEndpoints:
         return 200, {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                                  "owned_by": "stacx"}]}
 
-    async def session_turns(self, request: "Request"):
+    async def open_session(self, request: "Request"):
         session_id = check_session_id(request.path_params["session_id"])
-        return 200, {"session_id": session_id, "turns": [t.to_json() for t in self.sessions.turns(session_id)]}
+        if self.server.api_key is not None:  # an open session is kept until popped: only the trainer opens them
+            refusal = check_bearer_token(self.server.api_key, request.headers.get("authorization"))
+            if refusal is not None:
+                raise HttpError(refusal[0], f"POST /stacx/sessions/{session_id}: {refusal[1]}",
+                                headers={"WWW-Authenticate": "Bearer"})
+        secret = self.sessions.open(session_id)
+        return 200, {"session_id": session_id, "secret": secret, "base_path": f"/sessions/{session_id}/{secret}/v1"}
+
+    async def session_stats(self, request: "Request"):
+        return 200, self.sessions.stats()
+
+    async def session_turns(self, request: "Request"):
+        session_id, secret = self.session_of(request)
+        turns = self.sessions.turns(session_id, secret=secret)
+        return 200, {"session_id": session_id, "turns": [t.to_json() for t in turns]}
 
     async def pop_session(self, request: "Request"):
-        session_id = check_session_id(request.path_params["session_id"])
-        turns = self.sessions.turns(session_id, remove=True)
+        session_id, secret = self.session_of(request)
+        turns = self.sessions.turns(session_id, secret=secret, remove=True)
         return 200, {"session_id": session_id, "turns": [t.to_json() for t in turns]}
 
     async def chat_completions(self, request: "Request"):
         tokenizer = self._tokenizer("/v1/chat/completions")
-        session_id = self._session_of(request)
+        session_id, secret = self.session_of(request)
         chat = parse_chat_request(await self.read_json(request))
-        previous = self.sessions.last(session_id) if session_id else None
-        prompt_ids, _ = chat_prompt_ids(tokenizer, chat.messages, chat.tools, previous)
+        leaves = self.sessions.leaves(session_id, secret) if session_id else []
+        prompt_ids, continued = chat_prompt_ids(tokenizer, chat.messages, chat.tools, leaves)
         output = await self._generate(request, prompt_ids, chat.sampling)
         text = tokenizer.decode(list(output.output_ids), skip_special_tokens=True)
         parsed = parse_tool_calls(text, self._tool_call_style()) if chat.tools and chat.use_tools \
             else ParsedToolCalls(content=text, calls=(), errors=())
         answer = render_chat_response(output, parsed, num_prompt_tokens=len(prompt_ids), model=self.model_name,
                                       token_texts=self._token_texts(output) if chat.logprobs else None)
-        if session_id:
-            self.sessions.record(session_id, SessionTurn(self._recorded(prompt_ids, output), messages=chat.messages,
-                                                         reply=answer["choices"][0]["message"]))
+        self.record_turn(session_id, secret, prompt_ids, output, continued=continued, messages=chat.messages,
+                         reply=answer["choices"][0]["message"])
         return 200, answer
 
     async def completions(self, request: "Request"):
         tokenizer = self._tokenizer("/v1/completions")
-        session_id = self._session_of(request)
+        session_id, secret = self.session_of(request)
         completion = parse_completion_request(await self.read_json(request))
-        previous = self.sessions.last(session_id) if session_id else None
-        prompt_ids = completion_prompt_ids(tokenizer, completion.prompt, previous)
+        leaves = self.sessions.leaves(session_id, secret) if session_id else []
+        prompt_ids, continued = completion_prompt_ids(tokenizer, completion.prompt, leaves)
         output = await self._generate(request, prompt_ids, completion.sampling)
         text = tokenizer.decode(list(output.output_ids), skip_special_tokens=True)
         answer = render_completion_response(output, text, num_prompt_tokens=len(prompt_ids), model=self.model_name,
                                             token_texts=self._token_texts(output) if completion.logprobs else None)
-        if session_id:
-            prompt_text = completion.prompt if isinstance(completion.prompt, str) else None
-            self.sessions.record(session_id, SessionTurn(self._recorded(prompt_ids, output),
-                                                         text=None if prompt_text is None else prompt_text + text))
+        prompt_text = completion.prompt if isinstance(completion.prompt, str) else None
+        self.record_turn(session_id, secret, prompt_ids, output, continued=continued,
+                         text=None if prompt_text is None else prompt_text + text)
         return 200, answer
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def record_turn(self, session_id: Optional[str], secret: Optional[str], prompt_ids: list[int], output, *,
+                    continued: Optional[SessionTurn] = None, **kept) -> None:
+        """Record one served turn (the engine's `output` for `prompt_ids`) under the request's session (nothing
+        without one, `session_of`). `continued`: the leaf its prompt continues (from `sessions.leaves`), else
+        None (a new branch); `kept`: what a next request must repeat to continue it (`SessionTurn`'s
+        `messages` and `reply` for a chat, `text` for a completion)."""
+        if session_id:
+            self.sessions.record(session_id, SessionTurn(self._recorded(prompt_ids, output), **kept), secret=secret,
+                                 continued=continued)
 
     def _tokenizer(self, endpoint: str):
         if self.server.tokenizer is None:
@@ -143,10 +182,20 @@ class OpenAIEndpoints:
             raise ValueError(f"/v1/chat/completions: 'tools' were given, but the served tokenizer's chat template "
                              f"does not show how the model writes tool calls ({err})") from None
 
-    @staticmethod
-    def _session_of(request: "Request") -> Optional[str]:
+    def session_of(self, request: "Request") -> tuple[Optional[str], Optional[str]]:
+        """(the request's session id or None, the secret it presents or None), refused early (SessionRefused)
+        when the session is not the caller's. The secret is the path's, else the bearer token when the
+        session is open (any other client's API key is not a secret to check)."""
         session_id = request.path_params.get("session_id")
-        return None if session_id is None else check_session_id(session_id)
+        if session_id is None:
+            return None, None
+        check_session_id(session_id)
+        secret = request.path_params.get("secret")
+        if secret is None and self.sessions.is_open(session_id):
+            scheme, _, token = (request.headers.get("authorization") or "").strip().partition(" ")
+            secret = token.strip() if scheme.lower() == "bearer" and token.strip() else None
+        self.sessions.check(session_id, secret)
+        return session_id, secret
 
     def _max_new_tokens(self, requested: Optional[int], num_prompt: int) -> int:
         context = getattr(self.server.engine, "context_length", None)

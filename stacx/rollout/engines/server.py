@@ -46,6 +46,8 @@ Endpoints (SGLang's names unless marked stacx; the schema is at GET /openapi.jso
   POST [/sessions/ID]/v1/chat/completions, [/sessions/ID]/v1/completions, GET [/sessions/ID]/v1/models
                                          the OpenAI-compatible API (openai_endpoints.py); a turn under
                                          a session is recorded for training
+  POST /stacx/sessions/ID                (stacx) open a session for one episode -> its secret (the
+                                         session's prefix becomes /sessions/ID/SECRET)
   GET, DELETE /stacx/sessions/ID         (stacx) a session's recorded turns (DELETE: and forget them)
 """
 
