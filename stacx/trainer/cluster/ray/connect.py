@@ -27,6 +27,10 @@ from stacx.network import is_loopback_host
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 LOOPBACK_ADDRESS = "127.0.0.1"
 """The node address of every local cluster `connect_ray` starts."""
+RAY_LOGGING_LEVEL = logging.WARNING
+"""Level of Ray's own loggers in the driver and the workers (`ray.init(logging_level=...)`): Ray's INFO
+lines (the local instance started, the dashboard, the connection) stay out of a run's output; its
+warnings and errors, and everything the run's workers print or raise, still show."""
 RAY_AUTH_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
 """Ray's logger that warns, on every new local cluster, that it turned token authentication on."""
 
@@ -191,7 +195,8 @@ def connect_ray(
         attach_loopback = _ray_keeps_loopback_node_addresses() if is_loopback_address(address) else contextlib.nullcontext()
         try:
             with attach_loopback:
-                ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
+                ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver,
+                         logging_level=RAY_LOGGING_LEVEL)
         except ConnectionError as err:
             raise ConnectionError(
                 f"cannot attach to the Ray cluster at {address!r} (from --ray-address or {RAY_ADDRESS_ENV}): {err}"
@@ -204,5 +209,6 @@ def connect_ray(
         include_dashboard=False,
         namespace=namespace,
         log_to_driver=log_to_driver,
+        logging_level=RAY_LOGGING_LEVEL,
     )
     return RayConnection(address=None, started_locally=True)
