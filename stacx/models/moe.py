@@ -100,6 +100,8 @@ class ExpertLoadRecorder(RouterHooks):
         super().__init__(gpt_model)
         config = model_chunks(gpt_model)[0].config
         self._counts_LE = torch.zeros(len(self._routers), config.num_moe_experts or 0, dtype=torch.float64)
+        self._dropped_L = torch.zeros(len(self._routers), dtype=torch.float64)
+        self._top_k = int(getattr(config, "moe_router_topk", 1) or 1)
         self._sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def _hook(self, index: int, layer: int):
@@ -107,9 +109,15 @@ class ExpertLoadRecorder(RouterHooks):
             _probs, routing_map = outputs  # routing_map: [tokens, experts] bool
             # router(hidden_states, padding_mask): True = padding (sequence-parallel fill), [tokens] once flat
             padding = inputs[1] if len(inputs) > 1 else kwargs.get("padding_mask")
+            tokens = routing_map.shape[0]
             if padding is not None:
                 routing_map = routing_map & ~padding.reshape(-1, 1)
-            self._counts_LE[index] += routing_map.detach().sum(dim=0).to("cpu", torch.float64)
+                tokens -= int(padding.sum())
+            routed = routing_map.detach().sum(dim=0).to("cpu", torch.float64)
+            self._counts_LE[index] += routed
+            # Each token offers top-k slots; a capacity factor drops the ones over an expert's capacity
+            # (padding to capacity adds slots: never counted as negative drops).
+            self._dropped_L[index] += max(0.0, self._top_k * tokens - float(routed.sum()))
         return count
 
     def tokens_per_expert(self, groups) -> torch.Tensor:
@@ -122,23 +130,39 @@ class ExpertLoadRecorder(RouterHooks):
             dist.all_reduce(counts, group=groups.tp)
         return counts
 
+    def dropped_token_slots(self, groups) -> torch.Tensor:
+        """[layers] token slots the routers dropped, summed as `tokens_per_expert` sums (collective)."""
+        dropped = self._dropped_L.clone()
+        if groups.dp_cp is not None and groups.dp_cp_size > 1:
+            dist.all_reduce(dropped, group=groups.dp_cp)
+        if self._sequence_parallel and groups.tp_size > 1:
+            dist.all_reduce(dropped, group=groups.tp)
+        return dropped
+
     @property
     def layers(self) -> list[int]:
         return [layer for layer, _ in self._routers]
 
 
-def expert_load_metrics(tokens_per_expert_LE: torch.Tensor, layers: list[int] | None = None) -> dict[str, float]:
+def expert_load_metrics(tokens_per_expert_LE: torch.Tensor, layers: list[int] | None = None,
+                        dropped_token_slots_L: torch.Tensor | None = None) -> dict[str, float]:
     """Per layer: `moe/layer{i}/expert{e}_tokens` and `moe/layer{i}/imbalance` = max_e / mean_e tokens
-    (1.0 is perfectly balanced, num_experts is every token on one expert); `moe/max_imbalance` over layers."""
+    (1.0 is perfectly balanced, num_experts is every token on one expert); over layers: `moe/max_imbalance`
+    and `moe/mean_imbalance`, and `moe/dropped_tokens` (token slots a capacity factor dropped) when
+    `dropped_token_slots_L` has any. The driver logs the summary only, unless --log-expert-load per-expert
+    (stacx.trainer.expert_load_plot)."""
     layers = list(range(tokens_per_expert_LE.shape[0])) if layers is None else layers
     metrics: dict[str, float] = {}
-    worst = 0.0
+    imbalances = []
     for layer, counts in zip(layers, tokens_per_expert_LE):
         mean = counts.mean().item()
         imbalance = counts.max().item() / mean if mean > 0 else 0.0
-        worst = max(worst, imbalance)
+        imbalances.append(imbalance)
         metrics[f"moe/layer{layer}/imbalance"] = imbalance
         metrics.update({f"moe/layer{layer}/expert{e}_tokens": float(c) for e, c in enumerate(counts.tolist())})
     if layers:
-        metrics["moe/max_imbalance"] = worst
+        metrics["moe/max_imbalance"] = max(imbalances)
+        metrics["moe/mean_imbalance"] = sum(imbalances) / len(imbalances)
+    if dropped_token_slots_L is not None and float(dropped_token_slots_L.sum()) > 0:
+        metrics["moe/dropped_tokens"] = float(dropped_token_slots_L.sum())
     return metrics

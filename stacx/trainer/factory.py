@@ -70,7 +70,8 @@ def build_metrics_logger(run_config: RunConfig, recipe: str, start_step: int = 0
     logger = MetricsLogger(section.out, total_steps=num_optimizer_steps(run_config.train),
                            start_step=start_step * per_rollout, tensorboard=section.tensorboard,
                            wandb_project=section.wandb_project, run_config=run_config.to_dict(),
-                           progress_bar=section.progress_bar, plots=section.plots, recipe=recipe)
+                           progress_bar=section.progress_bar, plots=section.plots, recipe=recipe,
+                           optimizer_steps_per_rollout=per_rollout, expert_load=section.log_expert_load)
     if start_step and per_rollout > 1:  # the logger kept the dumps of rollout steps < start_step * per_rollout
         keep_rows_before(Path(section.out) / ROLLOUTS_FILE, start_step)
     return logger

@@ -75,12 +75,12 @@ from stacx.trainer.config.run import RunConfig
 from stacx.trainer.exchange import ExchangeSchedule
 from stacx.trainer.heartbeat import Heartbeat
 from stacx.trainer.interrupts import stop_on_termination_signals
-from stacx.trainer.metrics import MetricsLogger
+from stacx.trainer.metrics import ROLLOUT_STEP_KEY, MetricsLogger
 from stacx.trainer.numerics import NonFiniteGuard
 
 logger = logging.getLogger(__name__)
 
-ROLLOUT_STEP_METRIC = "rollout_step"
+ROLLOUT_STEP_METRIC = ROLLOUT_STEP_KEY
 """Key of the rollout step in every metrics row (a row's `step` is its optimizer step)."""
 WEIGHT_BUCKET_BYTES = 256 * 1024 * 1024
 """Weight-sync bucket size: hundreds of MB per message keeps large syncs fast."""

@@ -50,6 +50,8 @@ from typing import Any, Mapping, TextIO
 
 from tqdm import tqdm
 
+from stacx.trainer.expert_load_plot import EXPERT_LOAD_CHOICES, EXPERT_LOAD_PLOT_FILE, ExpertLoadHeatMap
+
 PLOT_FAMILIES = ("reward", "loss", "kl", "eval")
 """Each family gets one PNG with every metric whose name has a word starting with it."""
 
@@ -228,9 +230,32 @@ def plan_family_plot(history: list[Mapping[str, Any]], family: str) -> FamilyPlo
     drawn = [key for key in members if key not in zero]
     values = [key for key in drawn if not is_count_metric(key)]
     counts = tuple(key for key in drawn if is_count_metric(key))
-    panels = group_by_scale(series, values) if family == OTHER_PLOT else ([tuple(values)] if values else [])
+    if family == OTHER_PLOT:
+        panels = [panel for group in group_by_prefix(values) for panel in group_by_scale(series, list(group))]
+    else:
+        panels = [tuple(values)] if values else []
+    panels = [chunk for panel in panels for chunk in at_most(panel, MAX_SERIES_PER_PANEL)]
     return FamilyPlot(family=family, value_panels=tuple(panels), count_keys=counts, zero_keys=zero,
                       identical=identical_series(series, list(values), list(counts)))
+
+
+MAX_SERIES_PER_PANEL = 6
+"""A value panel with more series is cut into panels of at most this many (in name order): more lines
+than that on one axes cannot be told apart, whatever their legend."""
+
+
+def group_by_prefix(keys: list[str]) -> list[tuple[str, ...]]:
+    """`keys` grouped by metric group, the name up to its last '/' ('policy/moe', 'rollout', '' for none),
+    groups in order of first appearance: the `other` plot never draws a rollout timing beside a loss term."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        groups.setdefault(key.rsplit("/", 1)[0] if "/" in key else "", []).append(key)
+    return [tuple(group) for group in groups.values()]
+
+
+def at_most(keys: tuple[str, ...], size: int) -> list[tuple[str, ...]]:
+    """`keys` cut into consecutive chunks of at most `size` names."""
+    return [keys[start:start + size] for start in range(0, len(keys), size)]
 
 
 def group_by_scale(series: Mapping[str, list[tuple[int, float]]], keys: list[str],
@@ -250,16 +275,40 @@ def group_by_scale(series: Mapping[str, list[tuple[int, float]]], keys: list[str
     return [tuple(sorted(group)) for group in groups]
 
 
+IDENTICAL_REL_TOL = 1e-6
+"""Two series are drawn as one when they have the same steps and every pair of values agrees within this
+relative tolerance: a total summed in another order than its one term (policy/loss beside
+policy/pg_loss) differs in the last bits only, and would be drawn exactly under it."""
+
+
+def _same_points(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> bool:
+    """Same steps, values equal within IDENTICAL_REL_TOL (NaN equals NaN, inf equals the same inf)."""
+    if len(a) != len(b):
+        return False
+    for (step_a, x), (step_b, y) in zip(a, b):
+        if step_a != step_b:
+            return False
+        if math.isnan(x) or math.isnan(y):
+            if not (math.isnan(x) and math.isnan(y)):
+                return False
+        elif not math.isclose(x, y, rel_tol=IDENTICAL_REL_TOL, abs_tol=1e-12):
+            return False
+    return True
+
+
 def identical_series(series: Mapping[str, list[tuple[int, float]]], *panels: list[str]) -> tuple[tuple[str, ...], ...]:
     """Groups (2 or more names, in the given order) of the same panel whose (step, value) series are
-    equal, e.g. one loss logged under two names; NaN equals NaN here."""
+    equal (within IDENTICAL_REL_TOL), e.g. one loss logged under two names; NaN equals NaN here."""
     groups = []
     for keys in panels:
-        by_series: dict[tuple, list[str]] = {}
+        found: list[list[str]] = []
         for key in keys:
-            points = tuple((step, "nan" if value != value else value) for step, value in series[key])
-            by_series.setdefault(points, []).append(key)
-        groups += [tuple(group) for group in by_series.values() if len(group) > 1]
+            group = next((group for group in found if _same_points(series[group[0]], series[key])), None)
+            if group is None:
+                found.append([key])
+            else:
+                group.append(key)
+        groups += [tuple(group) for group in found if len(group) > 1]
     return tuple(groups)
 
 
@@ -295,8 +344,34 @@ def _whole_numbers(values) -> bool:
 
 
 FAMILY_FIGURE_SIZE = (7, 4)
-"""Inches at 100 dpi (700 x 400 pixels); the `other` plot grows by OTHER_PANEL_HEIGHT per value panel past the first."""
+"""Inches at 100 dpi (700 x 400 pixels) of the axes; a plot grows by OTHER_PANEL_HEIGHT per value panel past
+the first, and by LEGEND_WIDTH to the right, where the legends sit (outside the axes, never over the data)."""
 OTHER_PANEL_HEIGHT = 2.2
+LEGEND_WIDTH = 3.0
+
+ROLLOUT_STEP_KEY = "rollout_step"
+"""Row key of the rollout step an optimizer step trained on (stacx.trainer.loop.StacxTrainer.log). When a
+rollout is trained in several optimizer steps (mini-batches), every plot marks where a new rollout's
+steps begin with a dotted vertical line: the steps of one rollout share their samples, and a metric such
+as ppo_kl climbs within a rollout and drops at the next."""
+
+
+def rollout_boundaries(history: list[Mapping[str, Any]]) -> list[int]:
+    """The steps at which a new rollout's optimizer steps begin, when some rollout has more than one
+    (mini-batch runs); [] otherwise."""
+    steps_of: dict[Any, list[int]] = {}
+    for row in history:
+        if ROLLOUT_STEP_KEY in row:
+            steps_of.setdefault(row[ROLLOUT_STEP_KEY], []).append(row["step"])
+    if not any(len(set(steps)) > 1 for steps in steps_of.values()):
+        return []
+    return sorted(min(steps) for steps in steps_of.values())[1:]
+
+
+def is_family_total(key: str, family: str) -> bool:
+    """Whether `key` is the family's total (its last part is the family word: 'policy/loss'): drawn dashed,
+    so that a term equal to it at most steps (policy/pg_loss without a KL term) still shows under it."""
+    return key.rsplit("/", 1)[-1] == family
 
 
 def draw_family_figure(history: list[Mapping[str, Any]], plan: FamilyPlot, *, title: str | None = None):
@@ -310,10 +385,12 @@ def draw_family_figure(history: list[Mapping[str, Any]], plan: FamilyPlot, *, ti
     from matplotlib.ticker import MaxNLocator
 
     series = _numeric_series(history)
+    boundaries = rollout_boundaries(history)
     panels = [(keys, plan.family) for keys in plan.value_panels] + ([(plan.count_keys, "count")] if plan.count_keys else [])
     heights = [3 if label != "count" else 1.6 for _, label in panels]
     width, height = FAMILY_FIGURE_SIZE
-    figure = Figure(figsize=(width, height + OTHER_PANEL_HEIGHT * max(0, len(plan.value_panels) - 1)), dpi=100)
+    figure = Figure(figsize=(width + LEGEND_WIDTH, height + OTHER_PANEL_HEIGHT * max(0, len(plan.value_panels) - 1)),
+                    dpi=100)
     FigureCanvasAgg(figure)
     axes_list = figure.subplots(len(panels), 1, sharex=True, squeeze=False,
                                 gridspec_kw={"height_ratios": heights})[:, 0]
@@ -323,18 +400,22 @@ def draw_family_figure(history: list[Mapping[str, Any]], plan: FamilyPlot, *, ti
             if legend is None:  # drawn under the first name of its identical group
                 continue
             steps, values = zip(*series[key])
+            style = "--" if is_family_total(key, plan.family) else "-"
             if len(values) < SMOOTHING_MIN_POINTS or label == "count" or _whole_numbers(values):  # exact, no lag
-                axes.plot(steps, values, marker="o", markersize=2, label=legend)
+                axes.plot(steps, values, style, marker="o", markersize=2, label=legend)
                 continue
-            (raw,) = axes.plot(steps, values, alpha=RAW_LINE_ALPHA, linewidth=1, label=f"_{legend} (raw)")
-            axes.plot(steps, ema(list(values)), color=raw.get_color(), linewidth=1.8, label=legend)
+            (raw,) = axes.plot(steps, values, style, alpha=RAW_LINE_ALPHA, linewidth=1, label=f"_{legend} (raw)")
+            axes.plot(steps, ema(list(values)), style, color=raw.get_color(), linewidth=1.8, label=legend)
+        for boundary in boundaries:
+            axes.axvline(boundary - 0.5, color="grey", linestyle=":", linewidth=0.8, label="_rollout boundary")
         axes.set_ylabel(label if label == "count" or plan.family != OTHER_PLOT else "value")
         axes.grid(alpha=0.3)
-        axes.legend(fontsize="small")
+        axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     smoothed = any(len(series[key]) >= SMOOTHING_MIN_POINTS and not _whole_numbers([v for _, v in series[key]])
                    for key in plan.value_keys)
     heading = f"{plan.family} metrics per step" if plan.family == OTHER_PLOT else f"{plan.family} per step"
     heading += (" (faint: raw; solid: moving average)" if smoothed else "")
+    heading += (" · dotted: a new rollout" if boundaries else "")
     axes_list[0].set_title(f"{title}\n{heading}" if title else heading, fontsize="medium")
     axes_list[-1].set_xlabel("step")
     axes_list[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -343,6 +424,21 @@ def draw_family_figure(history: list[Mapping[str, Any]], plan: FamilyPlot, *, ti
                     wrap=True)
     figure.tight_layout(rect=(0, 0.04 if plan.zero_keys else 0, 1, 1))
     return figure
+
+
+class TqdmLogHandler(logging.StreamHandler):
+    """Python logging's last-resort handler (warnings of a process that configured no logging) while a
+    progress bar is drawn: each record is written with `tqdm.write`, above the bar, not through it."""
+
+    def __init__(self, stream: TextIO | None = None):
+        super().__init__(stream or sys.stderr)
+        self.setLevel(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging's own contract: a failing handler reports, never raises
+            self.handleError(record)
 
 
 class MetricsLogger:
@@ -363,6 +459,8 @@ class MetricsLogger:
         plots: bool = True,
         recipe: str | None = None,
         run_name: str | None = None,
+        optimizer_steps_per_rollout: int = 1,
+        expert_load: str = "summary",
     ):
         """
         Args:
@@ -377,11 +475,24 @@ class MetricsLogger:
             plots: write the PNG plots on close().
             recipe: the recipe's name, in every plot's title.
             run_name: the run's name in every plot's title; default: out_dir's folder name.
+            optimizer_steps_per_rollout: optimizer steps (rows) of each rollout (mini-batches); above 1 the
+                progress bar counts rollouts ("rollout k/N"), advancing on a rollout's last row, and says
+                once how many optimizer steps each rollout has.
+            expert_load: "summary" keeps the per-layer MoE keys (`moe/layer{i}/...`) out of every sink but
+                the heat map (stacx.trainer.expert_load_plot); "per-expert" logs them too.
         """
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise MetricsLoggerError(f"total_steps must be an integer >= 1, got {total_steps!r}")
         if not 0 <= start_step <= total_steps:
             raise MetricsLoggerError(f"start_step must be in [0, total_steps={total_steps}], got {start_step!r}")
+        if optimizer_steps_per_rollout < 1 or total_steps % optimizer_steps_per_rollout:
+            raise MetricsLoggerError(f"optimizer_steps_per_rollout must be >= 1 and divide total_steps={total_steps}, "
+                                     f"got {optimizer_steps_per_rollout!r}")
+        if expert_load not in EXPERT_LOAD_CHOICES:
+            raise MetricsLoggerError(f"expert_load (--log-expert-load) must be one of {list(EXPERT_LOAD_CHOICES)}, "
+                                     f"got {expert_load!r}")
+        self.per_rollout = optimizer_steps_per_rollout
+        self.expert_load = ExpertLoadHeatMap(per_expert_series=expert_load == "per-expert")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.out_dir / "metrics.jsonl"
@@ -397,6 +508,7 @@ class MetricsLogger:
         self._tensorboard = None
         self._wandb = None
         self._bar = None
+        self._saved_last_resort = None
         if tensorboard:
             # Imported here: TensorBoard is slow to import (start-up time).
             from torch.utils.tensorboard import SummaryWriter
@@ -413,15 +525,24 @@ class MetricsLogger:
             self._wandb = wandb.init(project=wandb_project, name=wandb_run_name, dir=str(self.out_dir),
                                      config=dict(run_config or {}), resume="allow")
         if progress_bar:
+            unit = "rollout" if self.per_rollout > 1 else "step"
             self._bar = tqdm(
-                total=total_steps, initial=start_step, file=progress_file or sys.stderr, dynamic_ncols=True,
-                bar_format="step {n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}, ETA {remaining}]", mininterval=0,
+                total=total_steps // self.per_rollout, initial=start_step // self.per_rollout,
+                file=progress_file or sys.stderr, dynamic_ncols=True, mininterval=0,
+                bar_format=unit + " {n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}, ETA {remaining}]",
             )
+            if self.per_rollout > 1:
+                tqdm.write(f"stacx: {self.per_rollout} optimizer steps per rollout; the bar counts rollouts "
+                           f"({total_steps // self.per_rollout} of them, {total_steps} optimizer steps)",
+                           file=progress_file or sys.stderr)
+            # A warning logged while the bar is drawn goes above it (tqdm.write), not into it.
+            self._saved_last_resort, logging.lastResort = logging.lastResort, TqdmLogHandler(progress_file)
 
     def log(self, step: int, metrics: Mapping[str, Any], *, trained: bool = True) -> dict[str, Any]:
         """Record one step's metrics in every sink; returns the row written to JSONL. `trained=False`:
         a row that ends no training step (the final model's eval): the progress bar stays as it is."""
         row: dict[str, Any] = {"step": int(step), "time_s": round(time.monotonic() - self._start_time, 3)}
+        metrics = self.expert_load.take(metrics)
         for key, value in metrics.items():
             if key in row or key == NONFINITE_METRICS_KEY:
                 raise MetricsLoggerError(f"metric name {key!r} is reserved by the logger")
@@ -447,7 +568,10 @@ class MetricsLogger:
                 if found is not None:
                     shown.append(f"{headline_label(found[0], family)} {found[1]:.4g}")
             self._bar.set_description_str(", ".join(shown), refresh=False)
-            self._bar.update(1)
+            if (step + 1) % self.per_rollout == 0:  # a rollout's last optimizer step
+                self._bar.update(1)
+            else:
+                self._bar.refresh()
         return row
 
     def write_plots(self) -> dict[str, FamilyPlot]:
@@ -462,6 +586,11 @@ class MetricsLogger:
             path.parent.mkdir(exist_ok=True)
             self.draw_plot(plan).savefig(path)
             written[str(path)] = plan
+        heat_map = self.expert_load.draw(title=self.plot_title)
+        if heat_map is not None:
+            path = self.out_dir / "plots" / EXPERT_LOAD_PLOT_FILE
+            path.parent.mkdir(exist_ok=True)
+            heat_map.savefig(path)
         return written
 
     def draw_plot(self, plan: FamilyPlot):
@@ -479,6 +608,7 @@ class MetricsLogger:
             self._wandb.finish()
         if self._bar is not None:
             self._bar.close()
+            logging.lastResort = self._saved_last_resort
         if self.plots_enabled and self.history:
             self.write_plots()
 

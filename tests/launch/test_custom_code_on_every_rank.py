@@ -41,6 +41,8 @@ def toy_engine_calls(log: str) -> list[tuple[str, int]]:
 
 
 EXPERTS_ON_TWO_RANKS = ["--data-parallel-size", "2", "--expert-model-parallel-size", "2"]
+PER_EXPERT_LOAD = ["--log-expert-load", "per-expert"]
+"""The per-expert token counts `assert_moe_steps_trained_on_both_expert_ranks` reads (a summary by default)."""
 MOE_TOP_K = 2
 SORTING_PROMPT_TOKENS = 6  # five digits and "=", the character tokenizer's one token each
 
@@ -134,7 +136,7 @@ def test_custom_estimator_and_loss_from_a_file_train_on_every_rank(launcher, tin
         "--custom-module", "examples/custom_algorithm/my_algo.py", "--config", "examples/configs/grpo.yaml",
         "--advantage-estimator", "rank_centered", "--policy-loss", "tempered_pg",
         "--algorithm-param", "pg_temperature=0.5", "--hf-checkpoint", tiny_moe_checkpoint,
-        "--ref-load", tiny_moe_checkpoint, *EXPERTS_ON_TWO_RANKS, "--save", str(tmp_path / "checkpoints"), *SMALL_ROLLOUT, *toy_flags], str(tmp_path / "out"),
+        "--ref-load", tiny_moe_checkpoint, *EXPERTS_ON_TWO_RANKS, *PER_EXPERT_LOAD, "--save", str(tmp_path / "checkpoints"), *SMALL_ROLLOUT, *toy_flags], str(tmp_path / "out"),
         ray_address=ray_address_for(launcher, request), env={"STACX_TEST_TOY_ENGINE_LOG": toy_log})
     # The kernel's own metric is logged (tempered ratio sum / loss tokens, 1 on policy).
     assert all(step["policy/tempered_ratio"] == pytest.approx(1.0, abs=1e-4) for step in steps)
@@ -163,7 +165,8 @@ def test_custom_specialization_class_and_recipe_from_a_file_train_on_every_rank(
     steps = run_stacx_train(launcher, [
         "--custom-module", "examples/custom_specialization/reward_weighted_sft.py", "--algorithm",
         "reward_weighted_sft", "--algorithm-param", "rwr_temperature=0.5", "--hf-checkpoint", tiny_moe_checkpoint,
-        "--expert-model-parallel-size", "2", *SMALL_ROLLOUT, "--reward-fn", "tests/launch/constant_reward.py:quarter", *toy_flags], str(tmp_path / "out"),
+        "--expert-model-parallel-size", "2", *PER_EXPERT_LOAD, *SMALL_ROLLOUT, "--reward-fn",
+        "tests/launch/constant_reward.py:quarter", *toy_flags], str(tmp_path / "out"),
         ray_address=ray_address_for(launcher, request), env={"STACX_TEST_TOY_ENGINE_LOG": toy_log})
     assert all(step["policy/weighted_nll"] > 0 and step["policy/mean_weight"] > 0 for step in steps)
     assert_moe_steps_trained_on_both_expert_ranks(steps)

@@ -18,7 +18,7 @@ import shutil
 import pytest
 
 from tests.launch.test_custom_code_on_every_rank import (  # noqa: F401
-    REPO, SMALL_ROLLOUT, assert_moe_steps_trained_on_both_expert_ranks, run_stacx_train, tiny_checkpoint,
+    PER_EXPERT_LOAD, REPO, SMALL_ROLLOUT, assert_moe_steps_trained_on_both_expert_ranks, run_stacx_train, tiny_checkpoint,
     tiny_moe_checkpoint)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -68,7 +68,8 @@ def test_guide_001_my_algorithm_with_its_yaml(launcher, tiny_moe_checkpoint, tmp
     ranks (--expert-model-parallel-size 2; the same on Ray: test_custom_code_on_every_rank.py)."""
     steps = run_stacx_train(launcher, ["--custom-module", os.path.join(SEED_001, "my_algorithm.py"), "--config",
                                        os.path.join(SEED_001, "my_algorithm.yaml"), "--hf-checkpoint", tiny_moe_checkpoint,
-                                       "--expert-model-parallel-size", "2", *SMALL_ROLLOUT], str(tmp_path / "out"))
+                                       "--expert-model-parallel-size", "2", *PER_EXPERT_LOAD, *SMALL_ROLLOUT],
+                            str(tmp_path / "out"))
     for step in steps:  # the plugin's metrics, as means over the loss tokens
         assert step["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-3) and "policy/clip_frac" in step
     assert_moe_steps_trained_on_both_expert_ranks(steps)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from stacx.trainer.metrics import (
+    LEGEND_WIDTH,
     MetricsLogger,
     MetricsLoggerError,
     draw_family_figure,
@@ -62,7 +63,7 @@ def test_logger_writes_jsonl_tensorboard_plots_and_a_progress_bar(tmp_path):
     for path in plots.values():
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         height, width = imread(path).shape[:2]
-        assert (width, height) == (700, 400)
+        assert (width, height) == (700 + 100 * LEGEND_WIDTH, 400)  # the legends beside the axes
 
     text = bar.getvalue()
     assert "step 3/4" in text and "reward 0.2, pg loss 1.5" in text and "ETA" in text  # the loss named by its metric

@@ -159,6 +159,11 @@ class LoggingSection:
     """Log to Weights & Biases under this project (when wandb is installed)."""
     progress_bar: bool = True
     """Show a progress bar with step, reward, loss and ETA on the driver."""
+    log_expert_load: str = "summary"
+    """Mixture-of-experts runs: "summary" logs the max and mean load imbalance over layers (and dropped tokens,
+    when any are dropped) each step and draws plots/expert_load.png, a layers x experts heat map of the token
+    share over the run; "per-expert" also logs every layer's imbalance and every expert's token count as
+    series (layers x experts keys a step)."""
 
 
 def algorithm_field_tables(config_cls: type = AlgorithmConfig) -> tuple[dict[str, Any], dict[str, type]]:
@@ -255,6 +260,7 @@ FIELD_MINIMUMS: dict[str, int | float] = {
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "lm_head_log_probs": ("auto", "fused", "logits"),
     "rollout_mode": ("sync", "async"),
+    "log_expert_load": ("summary", "per-expert"),
 }
 """Allowed values of string run-config fields with a fixed set of choices, checked when a value is given."""
 

@@ -391,9 +391,11 @@ class RoleRuntime:
         metrics[WEIGHTS_NONFINITE_METRIC] = float(not outcome.weights_finite)
         if load is not None:
             # Each stage routes through its own layers: the counts of every stage, in layer order.
-            per_stage = from_every_stage((load.tokens_per_expert(self.groups), load.layers), self.groups)
-            metrics.update(expert_load_metrics(torch.cat([counts for counts, _ in per_stage]),
-                                               [layer for _, layers in per_stage for layer in layers]))
+            per_stage = from_every_stage((load.tokens_per_expert(self.groups), load.layers,
+                                          load.dropped_token_slots(self.groups)), self.groups)
+            metrics.update(expert_load_metrics(torch.cat([counts for counts, _, _ in per_stage]),
+                                               [layer for _, layers, _ in per_stage for layer in layers],
+                                               torch.cat([dropped for _, _, dropped in per_stage])))
         return metrics
 
     def _with_routed_token_count(self, reducer: Reducer, batches) -> Reducer:
