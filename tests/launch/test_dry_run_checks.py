@@ -273,3 +273,12 @@ def test_async_rollout_flags_in_the_dry_run_and_their_refusals(inputs, capsys):
     with pytest.raises(SystemExit):  # argparse names the choices
         _train(inputs, "--rollout-mode", "later", capsys=capsys)
     assert "--rollout-mode: invalid choice: 'later'" in capsys.readouterr().err
+
+
+def test_a_mini_batch_dry_run_shows_the_derived_batch_size_and_the_steps_per_rollout(inputs, capsys):
+    code, out, err = _train(inputs, "--num-steps-per-rollout", "2", "--num-steps", "3", capsys=capsys)
+    assert code == 0, err
+    config = out.split("resolved run config", 1)[1]
+    assert "num_steps_per_rollout: 2" in config and "global_batch_size: null" not in config
+    assert "global_batch_size: " in config
+    assert "mini-batches: 2 optimizer steps per rollout (3 rollouts, 6 optimizer steps" in out

@@ -83,7 +83,10 @@ def _one_step(path, tokens_by_rank, ep, router_losses, tp=1):
     grads = _reduced_grads_by_hf_name(model, groups)
     optimizer.step()
     weights = {n: t for bucket in iter_hf_weight_buckets(model, groups, 1 << 30) for n, t in bucket}
-    return weights, expert_load_metrics(load.tokens_per_expert(groups), load.layers), step_loss, grads
+    # No capacity factor: every token's top-k slots are routed, none dropped (no `moe/dropped_tokens` key).
+    metrics = expert_load_metrics(load.tokens_per_expert(groups), load.layers, load.dropped_token_slots(groups))
+    assert "moe/dropped_tokens" not in metrics and float(load.dropped_token_slots(groups).sum()) == 0.0
+    return weights, metrics, step_loss, grads
 
 
 @torch.no_grad()

@@ -38,6 +38,7 @@ def describe_run(run_config, recipe, environ=None) -> str:
     from stacx.trainer.cluster.ray.connect import resolve_ray_address
     from stacx.trainer.config.recipe import ALGORITHM_LINE_PREFIX, algorithm_line
     from stacx.trainer.config.relevance import settings_the_recipe_reads
+    from stacx.trainer.config.mini_batches import optimizer_steps_per_rollout, with_resolved_mini_batches
     from stacx.trainer.config.resolve import resolve_algorithm_config, resolved_run_config_dict
     from stacx.trainer.spmd import launched_by_torchrun
 
@@ -74,6 +75,14 @@ def describe_run(run_config, recipe, environ=None) -> str:
     else:
         address = resolve_ray_address(parallel.ray_address, environ)
         where = f"Ray cluster at {address}" if address else "a local Ray cluster started by the driver"
+    # The derived one of --global-batch-size / --num-steps-per-rollout as the run will use it, never `null`.
+    run_config = with_resolved_mini_batches(run_config, recipe.data_source)
+    per_rollout = optimizer_steps_per_rollout(run_config.train)
+    if per_rollout > 1:
+        lines += ["", f"mini-batches: {per_rollout} optimizer steps per rollout ({run_config.train.num_steps} rollouts, "
+                      f"{run_config.train.num_steps * per_rollout} optimizer steps; --global-batch-size "
+                      f"{run_config.train.global_batch_size} x --num-steps-per-rollout "
+                      f"{run_config.train.num_steps_per_rollout} x --num-epochs {run_config.train.num_epochs})"]
     resolved = resolved_run_config_dict(run_config, algorithm, recipe=recipe.name)
     shown, left_out = settings_the_recipe_reads(resolved, recipe, algorithm, run_config.given_keys)
     lines += ["", f"runs on: {where}", "",
