@@ -24,3 +24,36 @@ def test_an_on_policy_phase_without_kl_coef_leaves_the_kl_loss_off(tmp_path):
     config = demo_run_config(settings, str(tmp_path), "opd", {**phase.run_values(), "teacher_url": "http://teacher"})
     assert config.train.algorithm == "opd" and not config.algorithm.use_kl_loss
     assert "use_kl_loss" not in config.algorithm.given_keys
+
+
+def test_every_long_wait_of_the_demo_says_what_it_waits_for(tmp_path, monkeypatch):
+    """The three phases with their training and measuring stubbed out: each held-out pass, the teacher
+    server's start and the distillation run are announced by a line before they start."""
+    import json
+
+    from stacx.launch.demo import measure, pipeline, report
+    from stacx.rollout import teacher
+    from stacx.trainer.cluster.ray import connect
+
+    eval_path = tmp_path / "eval.jsonl"
+    eval_path.write_text("".join(json.dumps({"prompt": "1+2=", "label": "3"}) + "\n" for _ in range(3)))
+    names = ("init", "sft", "grpo", "grpo_run", "student_init", "student")
+    monkeypatch.setattr(pipeline, "_prepare", lambda settings, out: {"eval": str(eval_path), "train": "t",
+                                                                     **{name: f"/ckpt/{name}" for name in names}})
+    monkeypatch.setattr(pipeline, "run_phase", lambda *args, **kwargs: (1.0, 0.5))
+    monkeypatch.setattr(pipeline, "train", lambda run_config: None)
+    monkeypatch.setattr(pipeline, "_save_tokenizer", lambda *args: None)
+    monkeypatch.setattr(pipeline, "phase_outputs", lambda *args: {})
+    monkeypatch.setattr(pipeline, "TeacherServer", lambda *args: type("Server", (), {"url": "u", "close": lambda s: None})())
+    monkeypatch.setattr(teacher, "TeacherClient", lambda url: type("Client", (), {"close": lambda s: None})())
+    monkeypatch.setattr(connect, "connect_ray", lambda *args, **kwargs: type("C", (), {"shutdown": lambda s: None})())
+    monkeypatch.setattr(report, "write_demo_plot", lambda *args, **kwargs: "demo.png")
+    monkeypatch.setattr(measure, "load_reference_model", lambda path: path)
+    monkeypatch.setattr(measure, "greedy_accuracy", lambda *args, **kwargs: 0.5)
+    monkeypatch.setattr(measure, "reverse_kl_to_teacher", lambda *args, **kwargs: 0.1)
+    lines: list[str] = []
+    pipeline.run_demo(DemoSettings(progress_bar=False, num_eval_prompts=3), str(tmp_path / "out"), log=lines.append)
+    text = "\n".join(lines)
+    assert text.count("evaluating 3 held-out prompts") == 5  # the start, after SFT, after GRPO, the student twice
+    assert text.count("measuring the reverse KL") == 2
+    assert "starting `stacx serve` with the GRPO model" in text and "training the student" in text

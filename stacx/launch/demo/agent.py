@@ -123,6 +123,7 @@ def run_agent_demo(settings: AgentDemoSettings, out_dir: str, *, log=print) -> d
     heldout = load_examples(DataConfig(path=paths["eval"], kind="prompt", apply_chat_template=False), tokenizer)
 
     def scores(checkpoint: str, name: str) -> dict:
+        log(f"  playing {len(heldout)} held-out episodes with the {name} (greedy)...")
         engine = TransformersGreedyEngine(measure.load_reference_model(checkpoint), eos_token_id=tokenizer.eos_token_id)
         result = asdict(play_heldout_episodes(engine, heldout, tokenizer=tokenizer,
                                               max_new_tokens=settings.max_new_tokens, seed=settings.seed))

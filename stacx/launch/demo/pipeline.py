@@ -143,6 +143,7 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
         eval_rows = [json.loads(line) for line in handle][: settings.num_eval_prompts]
 
     def accuracy(path: str) -> float:
+        log(f"  evaluating {len(eval_rows)} held-out prompts (greedy) with {os.path.basename(path)}...")
         return measure.greedy_accuracy(measure.load_reference_model(path), tokenizer, eval_rows,
                                        max_new_tokens=max_new_tokens)
 
@@ -183,15 +184,19 @@ def run_demo(settings: DemoSettings, out_dir: str, *, log=print) -> dict:
         log(f"\n[3/3] On-policy distillation: student {settings.student.describe()} learns from the GRPO model "
             f"served by `stacx serve`, {settings.opd.describe()}")
         phase_start = time.monotonic()
+        log("  starting `stacx serve` with the GRPO model as the teacher (log: teacher_server.log)...")
         server = TeacherServer(paths["grpo"], os.path.join(out_dir, "teacher_server.log"), settings.seed)
         teacher = TeacherClient(server.url)
         try:
             def reverse_kl(path: str) -> float:
+                log(f"  measuring the reverse KL to the teacher of {os.path.basename(path)} on {len(eval_rows)} "
+                    f"held-out prompts x {settings.kl_samples_per_prompt} samples...")
                 return measure.reverse_kl_to_teacher(
                     measure.load_reference_model(path), tokenizer, eval_rows, teacher, max_new_tokens=max_new_tokens,
                     num_samples=settings.kl_samples_per_prompt, seed=settings.seed)
 
             kl_before, accuracy_before = reverse_kl(paths["student_init"]), accuracy(paths["student_init"])
+            log("  training the student on its own samples, scored by the teacher...")
             train(demo_run_config(settings, out_dir, "opd", {
                 **settings.opd.run_values(), "hf_checkpoint": paths["student_init"], "prompt_data": paths["train"],
                 "teacher_url": server.url, "distill_kl_mode": settings.opd_kl_mode,

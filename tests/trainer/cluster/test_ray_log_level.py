@@ -27,3 +27,11 @@ def test_a_local_start_and_an_attach_both_hide_rays_info_lines(monkeypatch):
     assert [call["logging_level"] for call in calls] == [logging.WARNING, logging.WARNING]
     assert all(call["log_to_driver"] is True for call in calls)  # workers' own lines and errors still show
     assert ray_cluster.RAY_LOGGING_LEVEL > logging.INFO
+
+
+def test_starting_a_local_cluster_is_announced_and_attaching_is_not(monkeypatch, capsys):
+    _fake_ray(monkeypatch)
+    connect_ray(None, num_cpus=2, environ={})
+    assert "stacx: starting a local Ray cluster (2 CPUs" in capsys.readouterr().err
+    connect_ray("10.0.0.1:6379", environ={})
+    assert "starting" not in capsys.readouterr().err

@@ -49,6 +49,13 @@ def _quiet_token_auth_notice() -> Iterator[None]:
         notice_logger.setLevel(previous)
 
 
+def _announce(message: str) -> None:
+    """A line on stderr before a wait that can pass 10 s, so that a quiet start never looks hung."""
+    import sys
+
+    print(f"stacx: {message}", file=sys.stderr, flush=True)
+
+
 def resolve_ray_address(cli_address: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
     """The address to attach to, or None to start a local cluster (see the module docstring)."""
     environ = os.environ if environ is None else environ
@@ -202,6 +209,8 @@ def connect_ray(
                 f"cannot attach to the Ray cluster at {address!r} (from --ray-address or {RAY_ADDRESS_ENV}): {err}"
             ) from err
         return RayConnection(address=address, started_locally=False)
+    _announce(f"starting a local Ray cluster ({'all' if num_cpus is None else f'{num_cpus:g}'} CPUs; "
+              "tens of seconds on a busy machine)...")
     start_local_cluster(
         num_cpus=num_cpus,
         num_gpus=num_gpus,
