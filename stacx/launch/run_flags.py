@@ -32,6 +32,7 @@ from stacx.trainer.config.run import (
     SECTIONS,
     ConfigError,
     RunConfig,
+    with_out_placeholders,
 )
 from stacx.trainer.config.resolve import current_run_config_keys
 
@@ -222,7 +223,8 @@ def merge_run_config(file_values: dict[str, Any] | None, flag_values: dict[str, 
     for section, values in flags.items():
         merged[section].update(values)
     source = f"{file_source} + {flag_source}" if file_values else flag_source
-    return RunConfig.from_dict({name: values for name, values in merged.items() if values}, source=source)
+    run_config = RunConfig.from_dict({name: values for name, values in merged.items() if values}, source=source)
+    return with_out_placeholders(run_config)  # `save: "{out}/checkpoints"` follows --out
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:

@@ -373,6 +373,29 @@ class RunConfig:
         return dataclasses.replace(rebuilt, given_keys=self.given_keys | changed)
 
 
+OUT_PLACEHOLDER = "{out}"
+"""In any path setting (save, export_hf, ...), replaced by the run's --out folder (logging.out): a config file
+that writes `save: "{out}/checkpoints"` saves beside the run's other outputs wherever --out points."""
+
+
+def with_out_placeholders(run_config: RunConfig) -> RunConfig:
+    """`run_config` with OUT_PLACEHOLDER replaced by logging.out in every string setting that holds it."""
+    out = run_config.logging.out
+    if OUT_PLACEHOLDER in out:
+        raise ConfigError(f"logging.out (--out) {out!r} contains {OUT_PLACEHOLDER}, which stands for --out itself; "
+                          "give the folder itself")
+    sections = {}
+    for section_field in dataclasses.fields(run_config):
+        section = getattr(run_config, section_field.name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        changed = {f.name: getattr(section, f.name).replace(OUT_PLACEHOLDER, out) for f in dataclasses.fields(section)
+                   if isinstance(getattr(section, f.name), str) and OUT_PLACEHOLDER in getattr(section, f.name)}
+        if changed:
+            sections[section_field.name] = dataclasses.replace(section, **changed)
+    return dataclasses.replace(run_config, **sections) if sections else run_config
+
+
 def _unknown(raw_key: str, key: str, source: str) -> str:
     known = list(FIELDS) + list(SECTIONS) + ["algorithm"]
     close = difflib.get_close_matches(key, known, n=3)
