@@ -8,6 +8,7 @@ are wrong, so greedy pass@1 must be exactly 0.5, for the folder and for the trai
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -89,6 +90,18 @@ def test_eval_of_a_folder_and_of_a_training_step_matches_the_reference(tmp_path,
     assert report["checkpoint"] == f"{step} (role policy)"
     assert report["metrics"]["eval/pass@1"] == pytest.approx(0.5)
     assert report["metrics"]["eval/pass@2"] == pytest.approx(0.5)  # greedy: both samples agree
+
+
+def test_without_out_the_metrics_are_printed_and_nothing_is_written(tmp_path, capsys, monkeypatch):
+    checkpoint = write_tiny_checkpoint(str(tmp_path / "ckpt"), "sorting", seed=3)
+    data = tmp_path / "eval.jsonl"
+    _rows_half_matching_the_reference_greedy_answer(checkpoint, data)
+    monkeypatch.chdir(tmp_path / "ckpt")
+    before = sorted(os.listdir("."))
+    assert main(["eval", "--hf-checkpoint", checkpoint, "--eval-data", str(data), "--max-new-tokens", "6"]) == 0
+    printed = capsys.readouterr().out
+    assert '"eval/pass@1": 0.5' in printed and "--out FILE keeps the report" in printed
+    assert sorted(os.listdir(".")) == before  # no eval_metrics.json in the working directory
 
 
 def test_rows_without_labels_are_refused_when_the_reward_needs_them(tmp_path, capsys):

@@ -8,8 +8,8 @@
 The checkpoint runs in this process on the CPU engine (Stacx's own model, the trainer's code
 path), and the metrics are those of evaluation during training (`stacx.rollout.evaluation`):
 `eval/mean_reward`, `eval/pass@1`, `eval/pass@<n>` (unbiased estimator over --n-samples) and
-`eval/reward_errors`. They are printed and written as JSON to --out, with the first samples
-decoded so the answers can be read. `--load` takes a training checkpoint (a `step_*` folder of
+`eval/reward_errors`. They are printed; --out FILE also writes them as JSON, with the first samples
+decoded so the answers can be read (without --out nothing is written). `--load` takes a training checkpoint (a `step_*` folder of
 `--save`, or the folder holding them); its config and tokenizer come from the checkpoint the run
 started from (recorded in its run_config.json; --hf-checkpoint names it if it moved).
 
@@ -81,7 +81,9 @@ def add_arguments(parser) -> None:
                         help="prompts sent to the engine at once; the progress bar advances per batch "
                              "(default: %(default)s)")
     engine.add_argument("--no-progress-bar", action="store_true", help="no progress bar on stderr")
-    parser.add_argument("--out", default="eval_metrics.json", help="JSON file to write (default: %(default)s)")
+    parser.add_argument("--out", default=None,
+                        help="JSON file to write the report to, the metrics with the first decoded samples "
+                             "(default: print the metrics only, write nothing)")
 
 
 def validate_args(args) -> None:
@@ -286,8 +288,10 @@ def run(args) -> int:
     except (EvalUsageError, CheckpointNotFoundError, CheckpointError, MalformedRowError, ValueError) as err:
         print(f"stacx eval: {err}", file=sys.stderr)
         return 2
-    write_report(report, args.out)
+    if args.out:
+        write_report(report, args.out)
     print(json.dumps(report["metrics"], indent=2))
+    written = f"wrote {os.path.abspath(args.out)}" if args.out else "--out FILE keeps the report with its samples"
     print(f"stacx eval: {report['num_prompts']} prompts x {report['n_samples']} sample(s) of {report['checkpoint']}; "
-          f"wrote {os.path.abspath(args.out)}")
+          + written)
     return 0
