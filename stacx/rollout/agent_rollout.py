@@ -41,6 +41,7 @@ import requests
 
 from stacx.objectives.discovery import resolve_callable
 from stacx.rollout.agent_trajectories import RecordedTurn, assemble_trajectories, branch_metrics
+from stacx.rollout.evaluation import RolloutDumper
 from stacx.rollout.manager import Sample
 
 __all__ = ["Agent", "AgentCommand", "AgentRollout", "agent_from_settings", "last_turn_reward", "session_base_url"]
@@ -122,7 +123,8 @@ class AgentRollout:
     def __init__(self, agent: Union[Agent, AgentCommand], *, server_url: str,
                  next_tasks: Callable[[int], Sequence[dict]], n_samples_per_task: int = 1,
                  reward_fn: Optional[RewardFn] = None, max_parallel_episodes: int = 8, request_timeout_s: float = 60.0,
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, dumper: Optional[RolloutDumper] = None,
+                 uniform_reward_warning: Optional[Callable[[int, Sequence[Sample]], Optional[str]]] = None):
         if n_samples_per_task < 1:
             raise ValueError(f"n_samples_per_task must be >= 1, got {n_samples_per_task}")
         if max_parallel_episodes < 1:
@@ -136,6 +138,13 @@ class AgentRollout:
         self.request_timeout_s = request_timeout_s
         self.api_key = api_key
         """The server's API key (it opens sessions); None for a server without one."""
+        self.dumper = dumper
+        """Writes the first samples of each step (the episodes' turns, tool calls, observations, reward) to
+        rollouts.jsonl, as every other run does (--save-rollouts-per-step)."""
+        self.uniform_reward_warning = uniform_reward_warning
+        """(step, samples) -> the warning when every task's episodes earned the same reward, else None
+        (stacx.rollout.step_rollout.uniform_reward_warning); logged once per run."""
+        self.warned_uniform_rewards = False
 
     def collect(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """The samples of every task of `step` x n_samples_per_task episodes, and rollout metrics."""
@@ -152,12 +161,26 @@ class AgentRollout:
                                f"its base URL ({session_base_url(self.server_url, '<session>')}); check that the "
                                "agent uses the base_url it is given")
         failed = sum(any(s.reward_error for s in result) for result in results)
+        # One reward per episode (every sample of an episode, one per branch, carries it): the mean over
+        # episodes, not over samples, so an episode that branched weighs as much as one that did not.
+        episode_rewards = [float(result[0].reward or 0.0) for result in results if result]
         metrics = {"rollout/agent_episodes": float(len(episodes)), "rollout/agent_failed_episodes": float(failed),
                    "rollout/agent_samples": float(len(samples)),
                    "rollout/agent_turns_mean": sum(s.metadata["num_turns"] for s in samples) / len(samples),
-                   "rollout/reward_mean": sum(float(s.reward or 0.0) for s in samples) / len(samples),
+                   "rollout/reward_mean": sum(episode_rewards) / len(episode_rewards),
                    **branch_metrics(results)}
+        self.report(step, samples)
         return samples, metrics
+
+    def report(self, step: int, samples: Sequence[Sample]) -> None:
+        """The uniform-reward warning (once per run) and the rollout dump of the step's samples."""
+        if self.uniform_reward_warning is not None and not self.warned_uniform_rewards:
+            message = self.uniform_reward_warning(step, samples)
+            if message is not None:
+                self.warned_uniform_rewards = True
+                logger.warning(message)
+        if self.dumper is not None:
+            self.dumper.write(step, samples)
 
     def evaluate_if_due(self, completed_steps: int) -> dict[str, float]:
         return {}

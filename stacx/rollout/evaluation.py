@@ -48,6 +48,21 @@ def evaluation_metrics(samples: Sequence[Sample], *, num_prompts: int, n_samples
     return metrics
 
 
+def response_turns(sample: Sample, tokenizer) -> list[dict]:
+    """A multi-turn response cut where its loss mask changes, decoded: {"role": "model", "text": ...}
+    for the ids the policy generated (its tool calls included, as it wrote them) and {"role":
+    "observation", "text": ...} for the ids it was given (tool results, the chat template's turn markers)."""
+    turns: list[dict] = []
+    start = 0
+    mask = list(sample.loss_mask)
+    for end in range(1, len(mask) + 1):
+        if end == len(mask) or mask[end] != mask[start]:
+            turns.append({"role": "model" if mask[start] else "observation",
+                          "text": tokenizer.decode(sample.response_ids[start:end])})
+            start = end
+    return turns
+
+
 class RolloutDumper:
     """Appends the first `per_step` samples of each step to DIR/rollouts.jsonl."""
 
@@ -62,4 +77,8 @@ class RolloutDumper:
                 row = {"step": step, **sample.to_json()}
                 if self.tokenizer is not None:
                     row["prompt_text"] = self.tokenizer.decode(sample.prompt_ids)
+                    if not row["response_text"]:  # an agent's samples are not decoded on the way
+                        row["response_text"] = self.tokenizer.decode(sample.response_ids)
+                    if 0 in (sample.loss_mask or ()):  # a multi-turn episode: what the model said, what came back
+                        row["turns"] = response_turns(sample, self.tokenizer)
                 handle.write(json.dumps(row) + "\n")

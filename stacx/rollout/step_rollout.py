@@ -297,6 +297,10 @@ def _reward_source(samples: Sequence[Any], reward_fn: str) -> str:
     """What scores these samples, for the uniform-reward warning: an environment's episodes are scored by
     the environment (its tools and its final check), other samples by --reward-fn."""
     metadatas = [s.metadata for s in samples if isinstance(getattr(s, "metadata", None), dict)]
+    if any("session_id" in m for m in metadatas):  # stacx.rollout.agent_rollout: an external agent's episodes
+        return (f"an agent whose episodes all earn the same reward (check the reward --agent / --agent-command "
+                f"returns, or --reward-fn {reward_fn} when it returns none, on a few tasks; rollouts.jsonl holds "
+                "every dumped episode's turns)")
     environments = sorted({str(m["environment"]) for m in metadatas if m.get("environment")})
     if environments or any("episode" in m for m in metadatas):
         named = ", ".join(environments) or "the environment"

@@ -49,7 +49,8 @@ from stacx.parallel.reduction import StepCounts, count_loss_tokens
 from stacx.rollout.agent_rollout import AgentRollout, agent_from_settings, last_turn_reward
 from stacx.rollout.async_rollout import AsyncRollout, importance_weight_metrics
 from stacx.rollout.rewards import resolve_reward_fn
-from stacx.rollout.step_rollout import StepRollout
+from stacx.rollout.evaluation import RolloutDumper
+from stacx.rollout.step_rollout import StepRollout, uniform_reward_warning
 from stacx.rollout.types import EngineTarget
 from stacx.rollout.service import RolloutService
 from stacx.trainer.batch import StepBatch, StepDataSource, plan_micro_batches
@@ -321,10 +322,19 @@ class StacxTrainer:
                      "metadata": dict(example.metadata), "source": example.source}
                     for example in self.data.next_examples(self.data.batch_size)]
 
+        def uniform_rewards(step: int, samples) -> Optional[str]:
+            if self.algorithm.advantage_estimator == "gae":  # a critic's advantages are not 0 then
+                return None
+            return uniform_reward_warning(step, samples, n_samples_per_prompt=section.n_samples_per_prompt,
+                                          temperature=section.rollout_temperature, reward_fn=section.reward_fn)
+
+        dumper = (RolloutDumper(self.run_config.logging.out, per_step=section.save_rollouts_per_step, tokenizer=tokenizer)
+                  if section.save_rollouts_per_step > 0 else None)
         return AgentRollout(agent_from_settings(section.agent, section.agent_command), server_url=self.rollout.url,
                             next_tasks=next_tasks, n_samples_per_task=section.n_samples_per_prompt,
                             reward_fn=last_turn_reward(resolve_reward_fn(section.reward_fn), tokenizer.decode),
-                            max_parallel_episodes=section.agent_max_parallel_episodes, api_key=self.rollout.api_key)
+                            max_parallel_episodes=section.agent_max_parallel_episodes, api_key=self.rollout.api_key,
+                            dumper=dumper, uniform_reward_warning=uniform_rewards)
 
     def shaped_rewards(self, batch: StepBatch) -> list[float]:
         """opd_rl: R_i - teacher_kl_coef * sum_t m_it (log pi(a_t) - log pi_teacher(a_t)) (rollout log-probs)."""

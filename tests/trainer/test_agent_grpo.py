@@ -132,3 +132,7 @@ def test_grpo_trains_on_multi_turn_tool_episodes(tmp_path, monkeypatch):
     assert agent_row["rollout/agent_turns_mean"] == 2.0
     assert agent_row["policy/mismatch_abs_log_ratio"] < 1e-3
     assert agent_row["policy/grad_norm"] > 0  # the --reward-fn scores differed within a group
+    # Its rollouts.jsonl, as every run's: each dumped episode's turns (the model's, what came back) and reward.
+    agent_dumps = read_rollout_dumps(os.path.join(root, "out_agent"))[0]
+    assert len(agent_dumps) == 4 and all(isinstance(row["reward"], float) for row in agent_dumps)
+    assert all([turn["role"] for turn in row["turns"]][:3] == ["model", "observation", "model"] for row in agent_dumps)
