@@ -125,3 +125,12 @@ def test_one_optimizer_step_per_rollout_keeps_the_step_bar_and_no_boundaries(tmp
             logger.log(step, {"rollout_step": step, "policy/loss": 1.0})
     assert "step 3/3" in bar.getvalue() and "per rollout" not in bar.getvalue()
     assert rollout_boundaries(logger.history) == []
+
+
+
+def test_a_family_with_many_series_is_cut_into_panels_of_a_few():
+    """A family keeps its groups together (reward.png compares the rollouts' reward with eval's), in panels
+    of at most MAX_SERIES_PER_PANEL series."""
+    history = [{"step": s, **{f"rollout/group{i}_loss": 0.01 * i + s for i in range(8)}} for s in range(3)]
+    panels = plan_family_plot(history, "loss").value_panels
+    assert [len(panel) for panel in panels] == [MAX_SERIES_PER_PANEL, 8 - MAX_SERIES_PER_PANEL]
