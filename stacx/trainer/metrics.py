@@ -223,7 +223,8 @@ def plan_family_plot(history: list[Mapping[str, Any]], family: str) -> FamilyPlo
     series = _numeric_series(history)
     if family == OTHER_PLOT:
         in_families = {key for name in PLOT_FAMILIES for key in metric_family_members(list(series), name)}
-        members = [key for key in sorted(series) if key not in in_families]
+        # The rollout step is no curve of its own: its changes are the dotted rollout boundaries.
+        members = [key for key in sorted(series) if key not in in_families and key != ROLLOUT_STEP_KEY]
     else:
         members = metric_family_members(sorted(series), family)
     zero = tuple(key for key in members if all(value == 0 for _, value in series[key]))

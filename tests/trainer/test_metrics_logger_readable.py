@@ -116,6 +116,7 @@ def test_a_mini_batch_run_counts_rollouts_and_marks_their_boundaries(tmp_path):
     figure = draw_family_figure(logger.history, plan_family_plot(logger.history, "kl"))
     dotted = [line for line in figure.axes[0].get_lines() if line.get_label() == "_rollout boundary"]
     assert [line.get_xdata()[0] for line in dotted] == [3.5, 7.5]
+    assert "rollout_step" not in plan_family_plot(logger.history, OTHER_PLOT).drawn_keys  # drawn as the boundaries
 
 
 def test_one_optimizer_step_per_rollout_keeps_the_step_bar_and_no_boundaries(tmp_path):
