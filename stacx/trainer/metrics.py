@@ -16,13 +16,20 @@ Files under `out_dir`:
                             numbers only, e.g. a weight version, exactly as it is); series equal
                             at every step drawn once, all their names in one legend entry ("a = b")
     plots/other.png         every metric of none of those families (a plugin's own metrics, grad norm,
-                            lr, timings, ...) the same way, its values on axes grouped by scale
-                            (SCALE_GROUP_RATIO)
-    Each plot's title names the run (`run_name`, default out_dir's folder) and its `recipe`.
+                            lr, timings, ...) the same way, its values on axes grouped by metric group
+                            ('rollout', 'policy/moe', ...) and scale (SCALE_GROUP_RATIO)
+    plots/expert_load.png   a mixture-of-experts model's layers x experts token share
+                            (stacx.trainer.expert_load_plot; its per-layer keys stay out of the other
+                            sinks unless expert_load="per-expert")
+    Each plot's title names the run (`run_name`, default out_dir's folder) and its `recipe`; legends
+    sit beside the axes, at most MAX_SERIES_PER_PANEL series an axes; when a rollout is trained in
+    several optimizer steps, dotted lines mark where each rollout's steps begin (`rollout_boundaries`).
 
-The progress bar shows "step k/N" once k steps are done, with the headline reward and loss of the
+The progress bar shows "step k/N" once k steps are done ("rollout k/N" when each rollout is trained
+in several optimizer steps, said once above the bar), with the headline reward and loss of the
 last row (`headline_metric`), each named by what it is (`headline_label`: "reward" for the
-rollouts' mean reward, else the metric's own name, e.g. DPO's "reward margin").
+rollouts' mean reward, else the metric's own name, e.g. DPO's "reward margin"). While it is drawn,
+warnings of a process that configured no logging are written above it (TqdmLogHandler).
 
 A run's outputs in `out_dir` are consistent with the run that last wrote them:
 - a new run (`start_step=0`) into a folder an earlier run wrote starts fresh files for all of
@@ -623,4 +630,6 @@ class MetricsLogger:
 __all__ = ["ROLLOUTS_FILE", "RUN_OUTPUT_FOLDERS", "keep_rows_before", "reset_run_outputs", "COUNT_PREFIXES",
            "COUNT_SUFFIXES", "FamilyPlot", "MetricsLogger", "MetricsLoggerError", "OTHER_PLOT", "PLOT_FAMILIES",
            "SCALE_GROUP_RATIO", "draw_family_figure", "ema", "group_by_scale", "headline_label", "headline_metric",
-           "identical_series", "is_count_metric", "metric_family_members", "plan_family_plot"]
+           "identical_series", "is_count_metric", "metric_family_members", "plan_family_plot", "IDENTICAL_REL_TOL",
+           "LEGEND_WIDTH", "MAX_SERIES_PER_PANEL", "ROLLOUT_STEP_KEY", "TqdmLogHandler", "at_most", "group_by_prefix",
+           "is_family_total", "rollout_boundaries"]
