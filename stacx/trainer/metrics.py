@@ -403,7 +403,8 @@ def draw_family_figure(history: list[Mapping[str, Any]], plan: FamilyPlot, *, ti
     axes_list = figure.subplots(len(panels), 1, sharex=True, squeeze=False,
                                 gridspec_kw={"height_ratios": heights})[:, 0]
     for axes, (keys, label) in zip(axes_list, panels):
-        for key in keys:
+        # The family's total last: its dashes lie on top of a term it nearly equals, never under it.
+        for key in sorted(keys, key=lambda key: is_family_total(key, plan.family)):
             legend = plan.legend_label(key)
             if legend is None:  # drawn under the first name of its identical group
                 continue
