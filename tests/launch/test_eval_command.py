@@ -66,7 +66,7 @@ def _step_folder_holding(checkpoint: str, root) -> str:
     return write_training_checkpoint(checkpoint, root / "checkpoints", 5, recipe="grpo")
 
 
-def test_eval_of_a_folder_and_of_a_training_step_matches_the_reference(tmp_path, capsys):
+def test_eval_of_a_folder_and_of_a_training_step_matches_the_reference(tmp_path, capsys, monkeypatch):
     checkpoint = write_tiny_checkpoint(str(tmp_path / "ckpt"), "sorting", seed=3)
     data = tmp_path / "eval.jsonl"
     _rows_half_matching_the_reference_greedy_answer(checkpoint, data)
@@ -82,6 +82,14 @@ def test_eval_of_a_folder_and_of_a_training_step_matches_the_reference(tmp_path,
     assert [sample["reward"] for sample in report["samples"]] == [1.0, 0.0] * 4
     assert '"eval/pass@1": 0.5' in printed and str(out) in printed
 
+    # Without --out the metrics are printed and nothing is written (no eval_metrics.json in the working directory).
+    monkeypatch.chdir(tmp_path / "ckpt")
+    before = sorted(os.listdir("."))
+    assert main(["eval", "--hf-checkpoint", checkpoint, "--eval-data", str(data), "--max-new-tokens", "6"]) == 0
+    printed = capsys.readouterr().out
+    assert '"eval/pass@1": 0.5' in printed and "--out FILE keeps the report" in printed
+    assert sorted(os.listdir(".")) == before
+
     step = _step_folder_holding(checkpoint, tmp_path / "run")
     out = tmp_path / "reports" / "step.json"
     assert main(["eval", "--load", str(tmp_path / "run" / "checkpoints"), "--eval-data", str(data),
@@ -90,18 +98,6 @@ def test_eval_of_a_folder_and_of_a_training_step_matches_the_reference(tmp_path,
     assert report["checkpoint"] == f"{step} (role policy)"
     assert report["metrics"]["eval/pass@1"] == pytest.approx(0.5)
     assert report["metrics"]["eval/pass@2"] == pytest.approx(0.5)  # greedy: both samples agree
-
-
-def test_without_out_the_metrics_are_printed_and_nothing_is_written(tmp_path, capsys, monkeypatch):
-    checkpoint = write_tiny_checkpoint(str(tmp_path / "ckpt"), "sorting", seed=3)
-    data = tmp_path / "eval.jsonl"
-    _rows_half_matching_the_reference_greedy_answer(checkpoint, data)
-    monkeypatch.chdir(tmp_path / "ckpt")
-    before = sorted(os.listdir("."))
-    assert main(["eval", "--hf-checkpoint", checkpoint, "--eval-data", str(data), "--max-new-tokens", "6"]) == 0
-    printed = capsys.readouterr().out
-    assert '"eval/pass@1": 0.5' in printed and "--out FILE keeps the report" in printed
-    assert sorted(os.listdir(".")) == before  # no eval_metrics.json in the working directory
 
 
 def test_rows_without_labels_are_refused_when_the_reward_needs_them(tmp_path, capsys):
