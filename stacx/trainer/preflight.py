@@ -6,7 +6,8 @@ What it checks (each failure is one paragraph naming the flag and the fix):
 - every checkpoint the roles start from exists (--hf-checkpoint, --ref-load, --critic-load, ...),
   and a reference is given when the algorithm has a KL term to it;
 - --load holds a complete checkpoint whose manifest.json parses (a truncated one is named);
-- --save does not hold another run's checkpoints (unless --load resumes it or --overwrite);
+- --save does not hold another run's checkpoints (unless --load resumes it or --overwrite), and no live
+  run holds its lock (`stacx.trainer.save_lock`);
 - a recipe that scores rollouts with a teacher has --teacher-url (or a trajectory corpus to replay),
   the teacher answers `/health` within TEACHER_TIMEOUT_S, and its vocabulary matches the student's;
   --rollout-engine is a registered engine kind, and one that attaches (http) has --rollout-urls;
@@ -62,6 +63,7 @@ from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, ro
 from stacx.trainer.config.mini_batches import resolve_mini_batch_schedule
 from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import CUSTOM_HYPERPARAMETERS_KEY, ConfigError, RunConfig
+from stacx.trainer.save_lock import SaveFolderInUse, check_save_folder_free
 
 """Offending rows named in a data error (the count says how many there are in all)."""
 
@@ -376,6 +378,11 @@ def check_resume_and_save(run_config: RunConfig) -> None:
         check_save_folder(model.save, load=model.load, overwrite=model.overwrite)
     except CheckpointError as err:
         raise PreflightError(str(err)) from None
+    if os.environ.get("RANK", "0") == "0":  # the process that will hold the lock (torchrun: rank 0 holds it)
+        try:
+            check_save_folder_free(model.save)
+        except SaveFolderInUse as err:
+            raise PreflightError(str(err)) from None
 
 
 # ---- services and data ---------------------------------------------------------------------------

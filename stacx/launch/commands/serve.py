@@ -21,7 +21,6 @@ import os
 import signal
 import stat
 import tempfile
-import threading
 
 from stacx.network import is_loopback_host
 
@@ -129,33 +128,19 @@ def write_api_key_file(path: str, api_key: str) -> str:
     return path
 
 
-PARENT_POLL_S = 1.0
-
-
 def watch_parent(parent_pid: int) -> None:
-    """A daemon thread that sends this process SIGTERM once `parent_pid` is gone (checked every
-    PARENT_POLL_S), so the server's normal shutdown removes its files even after a SIGKILLed driver."""
-    was_child = os.getppid() == parent_pid
+    """SIGTERM this server once `parent_pid` is gone (the kernel's parent-death signal when it is the
+    parent, and a watch thread), so its normal shutdown removes its files even after a SIGKILLed driver;
+    SIGKILL if it is still there `TEARDOWN_GRACE_S` later. The server a run started ignores SIGINT: a
+    Ctrl-C reaches the driver's whole process group (torchrun signals a rank's group), and the driver
+    stops its server itself once it no longer needs it (its teardown releases staging files first)."""
+    from stacx.trainer.lifetime import end_with_parent
 
-    def parent_alive() -> bool:
-        if was_child:  # a dead parent re-parents us (kill(pid, 0) would still find its zombie)
-            return os.getppid() == parent_pid
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # exists, owned by someone else
-            return True
-        return True
-
-    def watch():
-        while parent_alive():
-            threading.Event().wait(PARENT_POLL_S)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    if not parent_alive():
-        raise SystemExit(f"--parent-pid {parent_pid}: no such process")
-    threading.Thread(target=watch, name="stacx-serve-parent-watch", daemon=True).start()
+    try:
+        end_with_parent(parent_pid)
+    except ProcessLookupError:
+        raise SystemExit(f"--parent-pid {parent_pid}: no such process") from None
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def load_tokenizer_if_saved(path: str):

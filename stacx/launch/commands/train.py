@@ -153,6 +153,7 @@ def run(args) -> int:
     from stacx.trainer import run_training
     from stacx.trainer.interrupts import RunInterrupted, stop_on_termination_signals
     from stacx.trainer.numerics import NonFiniteError
+    from stacx.trainer.save_lock import SaveFolderInUse
     from stacx.trainer.run_summary import describe_run_outputs, unsaved_model_warning
 
     from stacx.backend_warnings import print_cpu_path_notice
@@ -166,15 +167,18 @@ def run(args) -> int:
     with stop_on_termination_signals():
         try:
             run_training(run_config)
-        except RunInterrupted as err:
-            print(f"stacx train: stopped by {err.signal_name}; the run's workers and servers were stopped",
-                  file=sys.stderr)
+        except RunInterrupted as err:  # the same two lines and exit status under torchrun (rank 0) and Ray
             if is_first_rank:
+                print(f"stacx train: stopped by {err.signal_name}; the run's workers and servers were stopped",
+                      file=sys.stderr)
                 print(f"stacx train: {resume_hint(run_config)}", file=sys.stderr)
             return err.exit_code
         except NonFiniteError as err:
             print(f"stacx train: {err}", file=sys.stderr)
             return 1
+        except SaveFolderInUse as err:  # taken between the preflight's look and the run's start
+            report_config_error(f"stacx train: {err}")
+            return 2
     if is_first_rank:
         print(describe_run_outputs(run_config, seconds=time.monotonic() - started))
     return 0
