@@ -1,7 +1,8 @@
 """The `stacx` command. Each subcommand lives in its own module under stacx/launch/commands/
 and is imported only when it runs, so `stacx --help` stays fast.
 
-A command module defines `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`.
+A command module defines `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`; one that passes
+another program's flags through (RAW_ARGUMENT_COMMANDS) also `run_argv(argv) -> int`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ COMMANDS = {
     "convert": "convert",
     "eval": "eval",
     "tasks": "tasks",
+    "torchrun": "torchrun",
 }
+RAW_ARGUMENT_COMMANDS = ("torchrun",)
+"""Commands handed their arguments as given (another program's flags): their module's `run_argv(argv)`."""
 
 
 def _available_commands() -> dict:
@@ -70,6 +74,9 @@ def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.A
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in RAW_ARGUMENT_COMMANDS and argv[1:2] not in (["-h"], ["--help"]):
+        return int(importlib.import_module(f"stacx.launch.commands.{COMMANDS[argv[0]]}").run_argv(argv[1:]) or 0)
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:  # the command's own parser reports them (its usage line), with close matches

@@ -360,8 +360,14 @@ def check_custom_modules(run_config: RunConfig) -> None:
 
 
 def check_resume_and_save(run_config: RunConfig) -> None:
-    """--load must hold a complete checkpoint with a readable manifest; --save must not be another run's."""
+    """--save must not be held by a live run, nor hold another run's checkpoints; --load must hold a complete
+    checkpoint with a readable manifest."""
     model = run_config.model
+    if os.environ.get("RANK", "0") == "0":  # the process that will hold the lock (torchrun: rank 0 holds it)
+        try:
+            check_save_folder_free(model.save)
+        except SaveFolderInUse as err:
+            raise PreflightError(str(err)) from None
     if model.load:
         if not os.path.exists(model.load):
             raise PreflightError(f"--load {model.load}: no such folder; give a checkpoint root or step_* folder "
@@ -378,11 +384,6 @@ def check_resume_and_save(run_config: RunConfig) -> None:
         check_save_folder(model.save, load=model.load, overwrite=model.overwrite)
     except CheckpointError as err:
         raise PreflightError(str(err)) from None
-    if os.environ.get("RANK", "0") == "0":  # the process that will hold the lock (torchrun: rank 0 holds it)
-        try:
-            check_save_folder_free(model.save)
-        except SaveFolderInUse as err:
-            raise PreflightError(str(err)) from None
 
 
 # ---- services and data ---------------------------------------------------------------------------
