@@ -126,6 +126,9 @@ def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoi
             time.sleep(0.5)
         servers = [pid for pid, cmdline in _children(driver.pid) if " serve " in cmdline]
         assert servers, f"no `stacx serve` child of the driver: {_children(driver.pid)}"
+        # The reaper of the cluster the driver started (none when attached): its token marks the cluster's processes.
+        tokens = [cmdline.split()[-2] for pid, cmdline in _children(driver.pid) if "reaper.py" in cmdline]
+        assert len(tokens) == (1 if signum == signal.SIGTERM else 0), _children(driver.pid)
         staged = _shm_files_mapped_by([driver.pid, *servers])
         assert staged, "the first step's weight push did not go through a shared-memory staging file"
         sent = time.monotonic()
@@ -145,6 +148,13 @@ def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoi
     while any(_alive(pid) for pid in servers) and time.monotonic() < server_deadline:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in servers), "the `stacx serve` child outlived the driver"
+    if tokens:  # Ray's agents (ray::DashboardAgent, ray::RuntimeEnvAgent) lived on for 35 s to 4 minutes
+        from stacx.trainer.cluster.ray.reaper import processes_with_token
+
+        cluster_deadline = time.monotonic() + 20
+        while processes_with_token(tokens[0]) and time.monotonic() < cluster_deadline:
+            time.sleep(0.2)
+        assert not processes_with_token(tokens[0]), "processes of the driver's local Ray cluster outlived it"
     leaked = {path for prefix in _shm_prefixes(staged) for path in glob.glob(prefix + "*")}
     assert not leaked, f"shared-memory files left behind: {sorted(leaked)}"
     assert not glob.glob(str(save / ".staging-*")), "a checkpoint staging folder was left behind"
