@@ -257,6 +257,20 @@ def unread_checkpoint_flags(run_config: RunConfig, training_config: TrainingConf
     return unread
 
 
+def ignored_settings(run_config: RunConfig) -> list[str]:
+    """Settings given that the run does not use (one message each, naming the flag and the fix):
+    `stacx train` prints each as a warning, --dry-run included. --max-staleness bounds async rollouts only."""
+    rollout = run_config.rollout
+    messages = []
+    default_staleness = type(rollout)().max_staleness
+    if (rollout.rollout_mode != "async" and "max_staleness" in run_config.given_keys
+            and rollout.max_staleness != default_staleness):
+        messages.append(f"--max-staleness {rollout.max_staleness} is set, but --rollout-mode is {rollout.rollout_mode!r}: "
+                        "it bounds the staleness of asynchronous rollouts only, so this run ignores it; add "
+                        "--rollout-mode async, or drop --max-staleness")
+    return messages
+
+
 def read_model_config(hf_checkpoint: Optional[str]) -> dict:
     """The checkpoint's config.json as a dict ({} when absent or unreadable)."""
     if not hf_checkpoint:

@@ -131,3 +131,23 @@ def test_a_corrupt_role_folder_of_a_checkpoint_is_refused_by_the_preflight(tiny,
     with pytest.raises(PreflightError, match=r"--ref-load: checkpoint .*__0_0.distcp has 10 bytes, the manifest "
                                              r"says 100"):
         _preflight_checkpoints(tiny, ref_load=str(model), use_kl_loss=True)
+
+
+def test_max_staleness_without_async_mode_is_reported_as_ignored():
+    from stacx.trainer.preflight import ignored_settings
+
+    (message,) = ignored_settings(RunConfig.from_dict({"max_staleness": 4}))
+    assert message.startswith("--max-staleness 4 is set, but --rollout-mode is 'sync'") and "--rollout-mode async" in message
+    assert ignored_settings(RunConfig.from_dict({"max_staleness": 4, "rollout_mode": "async"})) == []
+    assert ignored_settings(RunConfig.from_dict({})) == []
+
+
+def test_an_unknown_advantage_estimator_is_refused_with_its_close_matches():
+    from stacx.trainer.config.algorithm import infer_algorithm
+    from stacx.trainer.config.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match=r"--advantage-estimator 'gpro' is not a registered advantage estimator; "
+                                          r"did you mean 'grpo'\?"):
+        infer_algorithm({"advantage_estimator": "gpro"})
+    with pytest.raises(RecipeError, match=r"did you mean 'reinforce_plus_plus' or 'reinforce_plus_plus_baseline'\?"):
+        infer_algorithm({"advantage_estimator": "reinforce_pp"})

@@ -126,7 +126,7 @@ def run(args) -> int:
     from stacx.trainer.config.checks import fit_response_length_to_context
     from stacx.trainer.config.recipe import RecipeError
     from stacx.trainer.factory import resolve_recipe
-    from stacx.trainer.preflight import run_preflight, unread_checkpoint_flags
+    from stacx.trainer.preflight import ignored_settings, run_preflight, unread_checkpoint_flags
     from stacx.trainer.config.run import ConfigError
     from stacx.trainer.config.workload import TEXT_MODALITY, get_workload
 
@@ -142,7 +142,7 @@ def run(args) -> int:
             return run_workload(get_workload(recipe.modality), run_config, recipe)
         run_preflight(run_config, recipe, algorithm)  # the same checks for --dry-run and the run itself
         if os.environ.get("RANK", "0") == "0":
-            for message in unread_checkpoint_flags(run_config, recipe).values():
+            for message in [*unread_checkpoint_flags(run_config, recipe).values(), *ignored_settings(run_config)]:
                 print(f"stacx train: warning: {message}", file=sys.stderr)
         if run_config.train.dry_run:
             print(describe_run(run_config, recipe))
