@@ -34,6 +34,7 @@ def run_training(run_config) -> dict:
 
 
 def _build_and_run(run_config, torchrun: bool) -> dict:
+    # Imported here: `import stacx.trainer` stays light (no Ray, megatron-core or loop until a run starts).
     from stacx.trainer.heartbeat import Heartbeat
     from stacx.trainer.spmd import build_spmd_trainer
 
