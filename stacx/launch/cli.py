@@ -2,7 +2,7 @@
 and is imported only when it runs, so `stacx --help` stays fast.
 
 A command module defines `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`; one that passes
-another program's flags through (RAW_ARGUMENT_COMMANDS) also `run_argv(argv) -> int`.
+another program's flags through sets `PREFIX_CHARS` (e.g. "+"), so that its `-`/`--` arguments are its own.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ COMMANDS = {
     "tasks": "tasks",
     "torchrun": "torchrun",
 }
-RAW_ARGUMENT_COMMANDS = ("torchrun",)
-"""Commands handed their arguments as given (another program's flags): their module's `run_argv(argv)`."""
 
 
 def _available_commands() -> dict:
@@ -43,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in _available_commands().items():
         # No prefix matching: a mistyped flag must be an error, not silently another flag.
-        command_parser = sub.add_parser(name, help=module.HELP, description=module.HELP, allow_abbrev=False)
+        command_parser = sub.add_parser(name, help=module.HELP, description=module.HELP, allow_abbrev=False,
+                                        prefix_chars=getattr(module, "PREFIX_CHARS", "-"))
         module.add_arguments(command_parser)
         command_parser.set_defaults(_run=module.run)
     return parser
@@ -74,9 +73,6 @@ def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.A
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] and argv[0] in RAW_ARGUMENT_COMMANDS and argv[1:2] not in (["-h"], ["--help"]):
-        return int(importlib.import_module(f"stacx.launch.commands.{COMMANDS[argv[0]]}").run_argv(argv[1:]) or 0)
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:  # the command's own parser reports them (its usage line), with close matches

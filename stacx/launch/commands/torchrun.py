@@ -12,6 +12,7 @@ wrapper script can tell "interrupted, resumable" from "crashed".
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import sys
@@ -22,8 +23,12 @@ ELASTIC_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distribu
 """torch elastic's loggers that announce a signal's shutdown of the ranks."""
 
 
+PREFIX_CHARS = "+"
+"""Every `-`/`--` argument is torchrun's (`stacx torchrun --help` is torchrun's help)."""
+
+
 def add_arguments(parser) -> None:
-    parser.add_argument("torchrun_args", nargs="*", metavar="TORCHRUN_ARGS",
+    parser.add_argument("torchrun_args", nargs=argparse.REMAINDER, metavar="TORCHRUN_ARGS",
                         help="torchrun's arguments, e.g. --standalone --nproc-per-node 2 -m stacx.train --algorithm sft")
 
 
@@ -49,6 +54,7 @@ def run_argv(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun_main
 
+    program, sys.argv[0] = sys.argv[0], "stacx torchrun"  # torchrun's usage line names its program from it
     notices = SignalNotices()
     for name in ELASTIC_LOGGERS:
         logging.getLogger(name).addFilter(notices)
@@ -58,6 +64,10 @@ def run_argv(argv: list[str]) -> int:
         # A second Ctrl-C while torchrun waits for its ranks would raise again inside its own teardown.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return 128 + int(err.sigval)
+    finally:
+        sys.argv[0] = program
+        for name in ELASTIC_LOGGERS:
+            logging.getLogger(name).removeFilter(notices)
     return 0
 
 
