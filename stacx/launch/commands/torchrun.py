@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 
 HELP = "torchrun with Ray's ending on Ctrl-C: exit status 130 and the run's two lines (torchrun's arguments as is)"
@@ -60,9 +59,7 @@ def run_argv(argv: list[str]) -> int:
         logging.getLogger(name).addFilter(notices)
     try:
         torchrun_main(argv)
-    except SignalException as err:
-        # A second Ctrl-C while torchrun waits for its ranks would raise again inside its own teardown.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except SignalException as err:  # raised once torchrun has stopped its ranks
         return 128 + int(err.sigval)
     finally:
         sys.argv[0] = program
