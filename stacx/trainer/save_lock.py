@@ -8,7 +8,8 @@ for the run's whole life, so a second run on the same folder is refused, naming 
 The lock is `fcntl.flock` on `<save>/.stacx-run.lock`, whose text names the holder (pid, host, start
 time). The kernel drops it when the holding process ends however it ends (SIGKILL included), so a
 crashed run never leaves the folder locked; a run whose launcher died but whose rank 0 lives on still
-holds it (and is named). The file itself stays (removing a lock file races with a process opening it).
+holds it (and is named). The file itself stays (removing a lock file races with a process opening it),
+except in a folder the run created and saved nothing into: that folder goes, as if the run never had it.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def hold_save_folder(save: str | os.PathLike | None):
     if not save:
         yield
         return
+    created = not os.path.isdir(save)
     os.makedirs(save, exist_ok=True)
     fd = os.open(lock_path(save), os.O_RDWR | os.O_CREAT, 0o644)
     with os.fdopen(fd, "r+", encoding="utf-8") as handle:
@@ -92,4 +94,7 @@ def hold_save_folder(save: str | os.PathLike | None):
             handle.seek(0)
             handle.truncate()
             handle.flush()
+            if created and os.listdir(save) == [LOCK_NAME]:  # a run that saved nothing leaves no folder behind
+                os.unlink(lock_path(save))
+                os.rmdir(save)
             fcntl.flock(handle, fcntl.LOCK_UN)

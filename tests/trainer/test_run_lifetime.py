@@ -52,8 +52,10 @@ def test_a_second_run_on_a_held_save_folder_is_refused_naming_the_holders_pid_an
         with pytest.raises(SaveFolderInUse, match=f"pid {os.getpid()}"), hold_save_folder(save):
             pass
     check_save_folder_free(save)  # released with the run
+    assert not save.exists()  # which saved nothing into the folder it created
     with hold_save_folder(save):  # and taken again by the next run
-        pass
+        (save / "step_000000001").mkdir()
+    assert sorted(os.listdir(save)) == [".stacx-run.lock", "step_000000001"]
 
 
 def test_the_lock_of_a_killed_holder_is_free(tmp_path):
