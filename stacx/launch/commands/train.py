@@ -152,6 +152,7 @@ def run(args) -> int:
         return 2
     from stacx.trainer import run_training
     from stacx.trainer.interrupts import RunInterrupted, stop_on_termination_signals
+    from stacx.trainer.checkpoint import CheckpointError
     from stacx.trainer.numerics import NonFiniteError
     from stacx.trainer.save_lock import SaveFolderInUse
     from stacx.trainer.run_summary import describe_run_outputs, unsaved_model_warning
@@ -179,6 +180,9 @@ def run(args) -> int:
         except SaveFolderInUse as err:  # taken between the preflight's look and the run's start
             report_config_error(f"stacx train: {err}")
             return 2
+        except CheckpointError as err:  # e.g. a start folder whose hashes no longer match its manifest
+            report_config_error(f"stacx train: {err}")
+            return 1
     if is_first_rank:
         print(describe_run_outputs(run_config, seconds=time.monotonic() - started))
     return 0
