@@ -151,3 +151,20 @@ def test_an_unknown_advantage_estimator_is_refused_with_its_close_matches():
         infer_algorithm({"advantage_estimator": "gpro"})
     with pytest.raises(RecipeError, match=r"did you mean 'reinforce_plus_plus' or 'reinforce_plus_plus_baseline'\?"):
         infer_algorithm({"advantage_estimator": "reinforce_pp"})
+
+
+def test_stacx_train_names_only_the_split_flag_given_when_resuming(tiny, tmp_path, capsys):
+    """Before: `--load X --num-steps-per-rollout 2` was refused naming `--global-batch-size 32`, a flag the
+    user never gave (the value saved with the checkpoint)."""
+    from stacx.launch.cli import main
+
+    load = _checkpoint(tmp_path / "run", step=4, train={"algorithm": "grpo", "num_steps": 8},
+                       rollout={"rollout_batch_size": 8, "n_samples_per_prompt": 4, "prompt_data": "builtin:addition",
+                                "rollout_max_response_len": 8})
+    saved = tmp_path / "run" / "step_000000004" / "run_config.json"
+    values = json.loads(saved.read_text())
+    saved.write_text(json.dumps({**values, "model": {"hf_checkpoint": tiny}}))
+    assert main(["train", "--load", load, "--num-steps-per-rollout", "2", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "stacx train: --num-steps-per-rollout 2: the checkpoint --load" in err and "keeps its own split" in err
+    assert "--dry-run" not in err  # not reported as overriding the saved run config
