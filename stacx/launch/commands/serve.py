@@ -64,7 +64,8 @@ def add_arguments(parser) -> None:
                              "needed or generated (without --api-key, pause, continue and flush are refused too)")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="stop (removing the shared-memory staging files) when the process with this id ends; "
-                             "the trainer passes its own so a killed driver leaves no server behind")
+                             "the trainer passes its own so a killed driver leaves no server behind. Such a server "
+                             "ignores SIGINT (a Ctrl-C reaches the driver, which stops it)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter dtype")
     for field in dataclasses.fields(ServerLimits):  # one flag per limit, named, typed and defaulted by its field
