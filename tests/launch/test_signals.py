@@ -129,6 +129,11 @@ def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoi
         # The reaper of the cluster the driver started (none when attached): its token marks the cluster's processes.
         tokens = [cmdline.split()[-2] for pid, cmdline in _children(driver.pid) if "reaper.py" in cmdline]
         assert len(tokens) == (1 if signum == signal.SIGTERM else 0), _children(driver.pid)
+        if tokens:  # Ray's own processes and the run's server carry the mark the reaper sweeps by
+            from stacx.trainer.cluster.ray.reaper import processes_with_token
+
+            marked = " ".join(_cmdline(pid) for pid in processes_with_token(tokens[0]))
+            assert "raylet" in marked and "gcs_server" in marked and " serve " in marked, marked[:2000]
         staged = _shm_files_mapped_by([driver.pid, *servers])
         assert staged, "the first step's weight push did not go through a shared-memory staging file"
         sent = time.monotonic()
