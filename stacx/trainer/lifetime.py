@@ -29,6 +29,16 @@ TEARDOWN_GRACE_S = 30.0
 """Seconds a process has for its teardown after its parent died, before it is killed."""
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_by_torchrun(environ=None) -> bool:
+    """True when torchrun (or another launcher setting its variables) started this process."""
+    environ = os.environ if environ is None else environ
+    has_rank_env = all(name in environ for name in TORCHRUN_ENV)
+    return has_rank_env and ("TORCHELASTIC_RUN_ID" in environ or "LOCAL_WORLD_SIZE" in environ)
+
+
 def set_parent_death_signal(signum: int = signal.SIGTERM) -> bool:
     """Ask the kernel to send `signum` to this process when its parent dies; False where `prctl` is unavailable."""
     if not sys.platform.startswith("linux"):
@@ -90,12 +100,14 @@ def end_with_parent(parent_pid: int, *, grace_s: float | None = TEARDOWN_GRACE_S
     return watch_parent(parent_pid, grace_s=grace_s)
 
 
-def end_with_launcher() -> threading.Thread | None:
-    """End this torchrun rank when its launcher (the elastic agent, its parent) dies; None when the
-    parent is already gone (then the death signal cannot be armed: the rank ends now)."""
-    launcher = os.getppid()
-    try:
-        return end_with_parent(launcher)
-    except ProcessLookupError:
-        _kill_self(signal.SIGTERM)
-        return None
+_launcher_watch: list[threading.Thread] = []
+"""The watch `end_with_launcher` started (at most one per process)."""
+
+
+def end_with_launcher() -> threading.Thread:
+    """End this torchrun rank when its launcher (the elastic agent, its parent) dies. Call it as early as
+    possible (`stacx train` does before its preflight): the launcher is known only while it is the parent.
+    A second call returns the first call's watch."""
+    if not _launcher_watch:
+        _launcher_watch.append(end_with_parent(os.getppid()))
+    return _launcher_watch[0]

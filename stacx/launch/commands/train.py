@@ -122,6 +122,10 @@ def run_workload(workload, run_config, recipe) -> int:
 
 
 def run(args) -> int:
+    from stacx.trainer.lifetime import end_with_launcher, launched_by_torchrun  # light: the standard library
+
+    if launched_by_torchrun():  # first: the launcher is known only while it is this rank's parent
+        end_with_launcher()
     from stacx.launch.run_flags import resume_overrides, run_config_from_args
     from stacx.trainer.config.checks import fit_response_length_to_context
     from stacx.trainer.config.recipe import RecipeError
