@@ -73,14 +73,20 @@ def assemble_trajectories(turns: Sequence[RecordedTurn], *, group_index: int = 0
     `turn_weight_versions` (one per turn), `num_turns` and `last_turn_start` (where the last turn's
     output begins in `response_ids`: what a reward of the final answer reads)."""
     samples: list[Sample] = []
-    previous = None
+    last_turns: list[RecordedTurn] = []  # per sample, its last turn
     for turn in turns:
-        if previous is None or not continues(turn, previous):
+        # A turn continues the latest trajectory it extends: the last one, or, after a request of n > 1
+        # samples (each its own trajectory), the one of the sample the agent kept.
+        at = next((i for i in range(len(samples) - 1, -1, -1) if continues(turn, last_turns[i])), None)
+        if at is None:
             sample = Sample(prompt_ids=list(turn.prompt_ids), response_ids=[], rollout_log_probs=[], loss_mask=[],
                             executors=[], group_index=group_index, weight_version=turn.weight_version,
                             metadata={"num_turns": 0, "turn_weight_versions": []})
             samples.append(sample)
+            last_turns.append(turn)
+            at = len(samples) - 1
         else:
+            sample, previous = samples[at], last_turns[at]
             between = turn.prompt_ids[len(previous.prompt_ids) + len(previous.output_ids):]
             sample.response_ids += between
             sample.rollout_log_probs += [0.0] * len(between)
@@ -95,5 +101,5 @@ def assemble_trajectories(turns: Sequence[RecordedTurn], *, group_index: int = 0
         sample.finish_reason = turn.finish_reason
         sample.metadata["num_turns"] += 1
         sample.metadata["turn_weight_versions"].append(turn.weight_version)
-        previous = turn
+        last_turns[at] = turn
     return samples

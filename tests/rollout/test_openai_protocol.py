@@ -40,7 +40,7 @@ def test_requests_are_read_with_openai_defaults_and_tool_arguments_become_object
     completion = parse_completion_request({"prompt": ["count"], "max_tokens": 3, "logprobs": 0, "seed": 5})
     assert (completion.prompt, completion.sampling.seed, completion.logprobs) == ("count", 5, True)
     for body, named in [({"prompt": ""}, "'prompt' must be"), ({"prompt": "x", "temperature": 3}, "'temperature'"),
-                        ({"prompt": "x", "logprobs": 5}, "'logprobs' must be 0"),
+                        ({"prompt": "x", "logprobs": 21}, "'logprobs' must be at most 20"),
                         ({"prompt": "x", "max_tokens": 0}, "'max_tokens' must be an integer >= 1")]:
         with pytest.raises(ValueError, match=named):
             parse_completion_request(body)

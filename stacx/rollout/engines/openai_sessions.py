@@ -60,12 +60,14 @@ class SessionTurn:
 
 class SessionBook:
     """The recorded turns of every session, oldest sessions dropped beyond `max_sessions` (thread-safe).
-    Only the last turn of a session keeps its messages (a request can only continue that one)."""
+    Only the turns of a session's last request keep their messages (a request can only continue one
+    of those: the last turn, or any of the `n` samples of the last request)."""
 
     def __init__(self, *, max_sessions: int = 4096, max_turns_per_session: int = 4096):
         self.max_sessions = max_sessions
         self.max_turns_per_session = max_turns_per_session
         self._sessions: "OrderedDict[str, list[SessionTurn]]" = OrderedDict()
+        self._last_request_turns: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def last(self, session_id: str) -> Optional[SessionTurn]:
@@ -73,23 +75,36 @@ class SessionBook:
             turns = self._sessions.get(session_id)
             return turns[-1] if turns else None
 
-    def record(self, session_id: str, turn: SessionTurn) -> None:
+    def last_request(self, session_id: str) -> list[SessionTurn]:
+        """The turns the session's last request recorded (one per sample), [] for an unknown session."""
+        with self._lock:
+            turns = self._sessions.get(session_id) or []
+            return turns[len(turns) - self._last_request_turns.get(session_id, 0):]
+
+    def record(self, session_id: str, turn: SessionTurn | list[SessionTurn]) -> None:
+        """Record one request's turn, or its `n` turns (one per sample, in choice order)."""
+        new = turn if isinstance(turn, list) else [turn]
         with self._lock:
             turns = self._sessions.setdefault(session_id, [])
             self._sessions.move_to_end(session_id)
-            if len(turns) >= self.max_turns_per_session:
+            if len(turns) + len(new) > self.max_turns_per_session:
                 raise ValueError(f"session {session_id}: more than {self.max_turns_per_session} turns; "
                                  "start a new session (a new base URL) per episode")
-            if turns:  # only the last turn is ever continued: drop what the older ones kept for that
-                turns[-1] = SessionTurn(turns[-1].turn)
-            turns.append(turn)
+            # only the last request's turns are ever continued: drop what the older ones kept for that
+            for at in range(len(turns) - self._last_request_turns.get(session_id, 0), len(turns)):
+                turns[at] = SessionTurn(turns[at].turn)
+            self._last_request_turns[session_id] = len(new)
+            turns.extend(new)
             while len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
+                evicted, _ = self._sessions.popitem(last=False)
+                self._last_request_turns.pop(evicted, None)
 
     def turns(self, session_id: str, *, remove: bool = False) -> list[RecordedTurn]:
         """The session's turns in order ([] for an unknown session); `remove` forgets them."""
         with self._lock:
             turns = self._sessions.pop(session_id, []) if remove else list(self._sessions.get(session_id, []))
+            if remove:
+                self._last_request_turns.pop(session_id, None)
         return [t.turn for t in turns]
 
 
