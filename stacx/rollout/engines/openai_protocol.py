@@ -114,6 +114,8 @@ def _check_fields(body: Any, known: set, endpoint: str) -> dict:
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage",
                                                                                 "continuous_usage_stats"}):
         _fail(endpoint, f"'stream_options' must be {{\"include_usage\": true|false}}, got {options!r}")
+    if options is not None and not body.get("stream"):
+        _fail(endpoint, "'stream_options' can only be given with 'stream': true (as vLLM requires)")
     for key in ("presence_penalty", "frequency_penalty"):
         if body.get(key) not in (None, 0, 0.0):
             _fail(endpoint, f"'{key}' must be 0 (penalties would change the trained log-probs), got {body[key]!r}")
