@@ -13,8 +13,11 @@ recorded):
   GET  /stacx/sessions/<id>                   (stacx) {"session_id", "turns": [RecordedTurn.to_json()]}
   DELETE /stacx/sessions/<id>                 (stacx) the same, and the server forgets the session
 
-Generation goes through the same admission, pause gate, abort book and batcher as `/generate`
-(EngineHttpServer.run_engine). The request and answer formats are in openai_protocol.py; how a
+Requests may ask for `n` samples (one engine batch, each sample recorded as its own turn), `stop`
+strings (openai_stop.py), `stream: true` (openai_streaming.py), the engine's top-k log-probs, and
+`tool_choice` "required" or a named function (openai_tool_choice.py); errors on these paths are in
+OpenAI's schema (openai_errors.py). Generation goes through the same admission, pause gate, abort
+book and batcher as `/generate` (EngineHttpServer.run_engine). The request and answer formats are in openai_protocol.py; how a
 session's prompts reuse the ids the engine generated is in openai_sessions.py.
 """
 
