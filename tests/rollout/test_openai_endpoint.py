@@ -325,8 +325,8 @@ def test_top_logprobs_are_the_engines_top_k(server, policy):
     answer = client_for(server).chat.completions.create(model="policy", messages=messages, max_tokens=4,
                                                         temperature=0, logprobs=True, top_logprobs=5)
     prompt = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-    (engine,) = server.engine.generate([GenerateRequest(input_ids=tuple(prompt), top_logprobs_num=5, sampling=SamplingParams(
-        max_new_tokens=4, temperature=0, stop_token_ids=(tokenizer.eos_token_id,)))])
+    greedy = SamplingParams(max_new_tokens=4, temperature=0, stop_token_ids=(tokenizer.eos_token_id,))
+    (engine,) = server.engine.generate([GenerateRequest(input_ids=tuple(prompt), top_logprobs_num=5, sampling=greedy)])
     entries = answer.choices[0].logprobs.content
     assert len(entries) == len(engine.output_ids)
     for entry, token, top in zip(entries, engine.output_ids, engine.output_top_log_probs):

@@ -158,7 +158,8 @@ def test_a_forced_call_opens_as_the_template_writes_a_call(tokenizer):
 
     second = {"type": "function", "function": {"name": "submit"}}
     assert forced_call_opening(tokenizer, [BASH_TOOL, second], None) == "<tool_call>"
-    assert forced_call_opening(tokenizer, [BASH_TOOL, second], "submit") == '<tool_call>{"name": "submit", "arguments": '
+    named = forced_call_opening(tokenizer, [BASH_TOOL, second], "submit")
+    assert named == '<tool_call>{"name": "submit", "arguments": '
     with pytest.raises(ValueError, match="'tool_choice': the served chat template does not write a tool call"):
         forced_call_opening(build_char_tokenizer(), [BASH_TOOL], None)  # its template renders no calls
 

@@ -17,8 +17,9 @@ Requests may ask for `n` samples (one engine batch, each sample recorded as its 
 strings (openai_stop.py), `stream: true` (openai_streaming.py), the engine's top-k log-probs, and
 `tool_choice` "required" or a named function (openai_tool_choice.py); errors on these paths are in
 OpenAI's schema (openai_errors.py). Generation goes through the same admission, pause gate, abort
-book and batcher as `/generate` (EngineHttpServer.run_engine). The request and answer formats are in openai_protocol.py; how a
-session's prompts reuse the ids the engine generated is in openai_sessions.py.
+book and batcher as `/generate` (EngineHttpServer.run_engine). The request and answer formats are
+in openai_protocol.py; how a session's prompts reuse the ids the engine generated is in
+openai_sessions.py.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ class OpenAIEndpoints:
         if session_id:
             prompt_text = completion.prompt if isinstance(completion.prompt, str) else None
             self.sessions.record(session_id, [
-                SessionTurn(self._recorded(prompt_ids, c.output), text=None if prompt_text is None else prompt_text + c.text)
+                SessionTurn(self._recorded(prompt_ids, c.output),
+                            text=None if prompt_text is None else prompt_text + c.text)
                 for c in choices])
         if completion.stream:
             pieces = [token_pieces(self._decode, c.output.output_ids) for c in choices]

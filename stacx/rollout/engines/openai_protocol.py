@@ -176,7 +176,8 @@ def _tool_choice(choice: Any, tools: Optional[list[dict]], endpoint: str) -> Too
         return ToolChoice()
     if isinstance(choice, dict):
         function = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        if choice.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str):
             _fail(endpoint, f"'tool_choice' must be \"auto\", \"none\", \"required\" or "
                             f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}")
         names = [t["function"]["name"] for t in tools or ()]

@@ -39,7 +39,8 @@ def token_pieces(decode: Callable[[list[int]], str], ids: list[int]) -> Optional
 
 
 def _cut_to(pieces: list[str], text: str) -> Optional[list[str]]:
-    """`pieces` cut so that they join into `text` (the pieces past it become ""), None when they do not start with it."""
+    """`pieces` cut so that they join into `text` (the pieces past it become ""); None when they do not
+    start with it."""
     if not "".join(pieces).startswith(text):
         return None
     cut, left = [], len(text)
