@@ -240,14 +240,10 @@ def streamed(chunks):
 def test_streamed_chat_with_tools_is_the_answer_a_plain_call_gets_and_records_the_same_ids(server):
     plain = client_for(server, "plain-1").chat.completions.create(
         model="policy", messages=TASK_MESSAGES, tools=[BASH], temperature=0, max_tokens=120)
-    stream = client_for(server, "stream-1").chat.completions.create(
-        model="policy", messages=TASK_MESSAGES, tools=[BASH], temperature=0, max_tokens=120, stream=True,
-        stream_options={"include_usage": True})
-    (choice,) = streamed(stream)[0].values()
-    choices, usage = streamed(client_for(server, "stream-2").chat.completions.create(
+    choices, usage = streamed(client_for(server, "stream-1").chat.completions.create(
         model="policy", messages=TASK_MESSAGES, tools=[BASH], temperature=0, max_tokens=120, stream=True,
         stream_options={"include_usage": True}))
-    assert choices[0] == choice  # the same greedy answer, streamed twice
+    (choice,) = choices.values()
     (call,) = plain.choices[0].message.tool_calls
     assert choice["finish"] == "tool_calls" == plain.choices[0].finish_reason
     assert list(choice["calls"].values()) == [{"id": call.id, "name": "bash", "arguments": call.function.arguments}]
@@ -302,7 +298,7 @@ def test_n_samples_are_one_request_each_its_own_trajectory_and_the_kept_sample_c
 def test_stop_strings_cut_the_text_and_the_recorded_ids_end_with_the_stop(server):
     stop = '"arguments"'
     common = dict(model="policy", messages=TASK_MESSAGES, tools=[BASH], tool_choice="none", temperature=0,
-                  max_tokens=120)
+                  max_tokens=48)  # the taught call writes "arguments" by its 39th token
     whole = client_for(server, "whole-1").chat.completions.create(**common)
     cut = client_for(server, "stop-1").chat.completions.create(**common, stop=["never", stop], logprobs=True)
     text = whole.choices[0].message.content

@@ -45,7 +45,8 @@ Endpoints (SGLang's names unless marked stacx; the schema is at GET /openapi.jso
   POST /stacx/shm_staging/release        (stacx) {"staging_id"}: remove that staging file
   POST [/sessions/ID]/v1/chat/completions, [/sessions/ID]/v1/completions, GET [/sessions/ID]/v1/models
                                          the OpenAI-compatible API (openai_endpoints.py); a turn under
-                                         a session is recorded for training
+                                         a session is recorded for training; errors on these paths
+                                         are in OpenAI's schema (openai_errors.py)
   GET, DELETE /stacx/sessions/ID         (stacx) a session's recorded turns (DELETE: and forget them)
 """
 
