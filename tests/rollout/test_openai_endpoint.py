@@ -284,6 +284,8 @@ def test_n_samples_are_one_request_each_its_own_trajectory_and_the_kept_sample_c
     assert [list(t.output_ids) for t in turns] == [c.model_extra["stacx"]["output_token_ids"] for c in group.choices]
     assert len({t.prompt_ids for t in turns}) == 1 and len({t.output_ids for t in turns}) > 1   # one prompt, n samples
     assert group.usage.completion_tokens == sum(len(t.output_ids) for t in turns)
+    alone = client_for(server).chat.completions.create(model="policy", messages=messages, max_tokens=8, seed=5 + 3)
+    assert alone.model_extra["stacx"]["output_token_ids"] == list(turns[3].output_ids)  # sample i is seeded seed + i
     kept = group.choices[2].message
     client.chat.completions.create(model="policy", messages=messages + [kept.model_dump(exclude_none=True),
                                                                         {"role": "user", "content": "more"}],
