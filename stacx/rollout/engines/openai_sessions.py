@@ -28,7 +28,8 @@ Recording a turn from another API (e.g. another chat protocol) takes what the Op
 (openai_endpoints.py) do: `session_id, secret = endpoints.session_of(request)` (refuses a foreign
 caller), `leaves = endpoints.sessions.leaves(session_id, secret)` (what may be continued), the
 prompt ids and the leaf they continue (or None), generation, then `endpoints.record_turn(session_id,
-secret, prompt_ids, output, continued=leaf, ...what a next request must repeat)`.
+secret, prompt_ids, output, continued=leaf, ...what a next request must repeat)` (a request of `n`
+samples: `endpoints.record_turns(..., [(output, kept), ...], continued=leaf)`, n sibling leaves).
 """
 
 from __future__ import annotations
@@ -143,10 +144,13 @@ class SessionBook:
         leaves = self.leaves(session_id, secret)
         return leaves[0] if leaves else None
 
-    def record(self, session_id: str, turn: SessionTurn, *, secret: Optional[str] = None,
+    def record(self, session_id: str, turn: SessionTurn | Sequence[SessionTurn], *, secret: Optional[str] = None,
                continued: Optional[SessionTurn] = None) -> None:
-        """Record `turn` under the session; `continued` (one of `leaves`) is the turn it continues,
-        which stops being a leaf. A session the trainer opened and since popped refuses (404)."""
+        """Record one request's `turn`, or its `n` turns (one per sample, in choice order), under the
+        session; `continued` (one of `leaves`) is the turn the request continues, which stops being a
+        leaf: the request's samples are siblings extending it, each a leaf (a next request may continue
+        any one of them). A session the trainer opened and since popped refuses (404)."""
+        new = [turn] if isinstance(turn, SessionTurn) else list(turn)
         with self._lock:
             session = self._session(session_id, secret)
             if session is None:
@@ -154,11 +158,11 @@ class SessionBook:
                 self._evict()
             if session_id in self._loose:
                 self._loose.move_to_end(session_id)
-            if len(session.turns) >= self.max_turns_per_session:
+            if len(session.turns) + len(new) > self.max_turns_per_session:
                 raise ValueError(f"session {session_id}: more than {self.max_turns_per_session} turns; "
                                  "start a new session (a new base URL) per episode")
-            session.turns.append(turn.turn)
-            session.leaves = [leaf for leaf in session.leaves if leaf is not continued] + [turn]
+            session.turns.extend(t.turn for t in new)
+            session.leaves = [leaf for leaf in session.leaves if leaf is not continued] + new
             del session.leaves[:-self.max_leaves_per_session]
 
     def turns(self, session_id: str, *, secret: Optional[str] = None, remove: bool = False) -> list[RecordedTurn]:

@@ -45,7 +45,8 @@ Endpoints (SGLang's names unless marked stacx; the schema is at GET /openapi.jso
   POST /stacx/shm_staging/release        (stacx) {"staging_id"}: remove that staging file
   POST [/sessions/ID]/v1/chat/completions, [/sessions/ID]/v1/completions, GET [/sessions/ID]/v1/models
                                          the OpenAI-compatible API (openai_endpoints.py); a turn under
-                                         a session is recorded for training
+                                         a session is recorded for training; errors on these paths
+                                         are in OpenAI's schema (openai_errors.py)
   POST /stacx/sessions/ID                (stacx) open a session for one episode -> its secret (the
                                          session's prefix becomes /sessions/ID/SECRET)
   GET, DELETE /stacx/sessions/ID         (stacx) a session's recorded turns (DELETE: and forget them)
@@ -81,6 +82,7 @@ from stacx.rollout.engines.http_guard import (
     guarded_h11_protocol,
 )
 from stacx.rollout.engines.openai_endpoints import OpenAIEndpoints
+from stacx.rollout.engines.openai_errors import is_openai_path, openai_error_body
 from stacx.rollout.engines.request_bodies import content_length, read_body_into, read_json
 from stacx.rollout.engines.sglang_protocol import parse_abort_payload, parse_generate_payload, render_generate_item
 from stacx.rollout.engines.weight_versions import StaleWeightsError, WeightVersionGate
@@ -403,7 +405,8 @@ def build_app(server: EngineHttpServer) -> FastAPI:
             message = f"unknown endpoint {request.method} {request.url.path}; known: {known}"
         else:
             message = f"{request.method} {request.url.path}: {err.detail}"
-        return JsonResponse({"error": message}, err.status_code, headers=getattr(err, "headers", None))
+        body = openai_error_body(err.status_code, message) if is_openai_path(request.url.path) else {"error": message}
+        return JsonResponse(body, err.status_code, headers=getattr(err, "headers", None))
 
     return app
 
@@ -419,7 +422,8 @@ async def _watch_disconnect(request: Request, gone: threading.Event) -> None:
 
 
 class _Endpoints:
-    """The endpoint handlers: each returns (status, JSON body); `answering` maps errors to answers."""
+    """The endpoint handlers: each returns (status, JSON body, or a Response it streams itself);
+    `answering` maps errors to answers (in OpenAI's schema on /v1/ paths, openai_errors.py)."""
 
     def __init__(self, server: EngineHttpServer):
         self.server = server
@@ -436,7 +440,7 @@ class _Endpoints:
                 status, body = await handler(request)
             except GenerationCancelled:
                 logger.info("%s %s: the client disconnected; generation stopped", request.method, path)
-                return JsonResponse({"error": "the client disconnected"}, 503, headers={"Connection": "close"})
+                status, body, headers = 503, {"error": "the client disconnected"}, {"Connection": "close"}
             except HttpError as err:
                 status, body, headers = err.status, {"error": str(err)}, dict(err.headers)
                 if err.close:
@@ -448,6 +452,10 @@ class _Endpoints:
             except Exception as err:  # an engine failure: the client may retry
                 logger.exception("%s %s failed", request.method, path)
                 status, body = 500, {"error": f"{type(err).__name__}: {err}"}
+            if isinstance(body, Response):  # a streamed answer (stream: true on the OpenAI endpoint)
+                return body
+            if status >= 400 and is_openai_path(path) and isinstance(body.get("error"), str):
+                body = openai_error_body(status, body["error"])
             return JsonResponse(body, status, headers=headers)
 
         return endpoint
