@@ -10,6 +10,7 @@ edit 0.0. One table per path is compared at once, so a failure prints the whole 
 from __future__ import annotations
 
 import ast
+import base64
 import difflib
 import random
 import unittest
@@ -155,14 +156,31 @@ def single_turn_reward(task: SweTask, edits: dict[str, str]) -> float:
     return swe_tests_reward(answer, task.instance_id, {"swe_builtin": task.instance_id, "sandbox": SANDBOX})
 
 
+def as_commands(edits: dict[str, str]) -> str:
+    """One shell command that makes the edits (base64, so any text survives the shell)."""
+    steps = []
+    for path, text in sorted(edits.items()):
+        encoded = base64.b64encode(text.encode()).decode()
+        steps.append(f"mkdir -p \"$(dirname {path})\" && echo {encoded} | base64 -d > {path}")
+    return " && ".join(steps)
+
+
 def episode_reward(task: SweTask, edits: dict[str, str]) -> float:
-    """The edits made through the environment's write_file tool, then submit; the episode's reward."""
+    """The edits made through the environment's tools (one bash call; the planted unittest copied with `cp` as
+    an agent would), then submit; the episode's reward."""
+    planted = "unittest/__init__.py" in edits
+    if planted:  # the stdlib's own unittest, copied, then its __init__ replaced by the edited one
+        edits = {"unittest/__init__.py": edits["unittest/__init__.py"]}
+    command = as_commands(edits)
+    if planted:
+        command = ("cp -r \"$(python3 -c 'import os, unittest; print(os.path.dirname(unittest.__file__))')\" . && "
+                   + command)
     environment = SweEnvironment()
     environment.reset({"swe_builtin": task.instance_id, "sandbox": SANDBOX}, random.Random(0))
     try:
-        for index, (path, text) in enumerate(sorted(edits.items())):
-            result = environment.call_tool(ToolCall("write_file", {"path": path, "content": text}, f"w{index}"))
-            assert result.error is None, result.content
+        if command:
+            result = environment.call_tool(ToolCall("bash", {"command": command}, "edit"))
+            assert result.content.startswith("exit code 0"), result.content
         assert environment.call_tool(ToolCall("submit", {}, "submit")).error is None
         return environment.episode_end().reward
     finally:
