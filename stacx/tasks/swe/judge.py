@@ -259,11 +259,92 @@ def _framework_changes(before, owners, modules):
     return sorted(changed)
 
 
+def _test_module_files(test_ids, root):
+    """module name -> (file, is a package) of every listed test's module and the packages above it."""
+    found = {}
+    for test_id in test_ids:
+        parts = test_id.split(".")
+        for k in range(1, len(parts)):
+            base = os.path.join(root, *parts[:k])
+            if os.path.isfile(base + ".py"):
+                found[".".join(parts[:k])] = (base + ".py", False)
+            elif os.path.isfile(os.path.join(base, "__init__.py")):
+                found[".".join(parts[:k])] = (os.path.join(base, "__init__.py"), True)
+            else:
+                break
+    return found
+
+
+SET_BY_UNITTEST = ("_classSetupFailed", "tearDown_exceptions")
+"""Attributes unittest itself sets on a test class while it runs it."""
+
+
+def _code_objects(code):
+    found = {code}
+    for constant in code.co_consts:
+        if hasattr(constant, "co_consts"):
+            found |= _code_objects(constant)
+    return found
+
+
+def preload_test_modules(test_ids, root):
+    """Read and compile every listed test's module now, before any tested code runs, and put a finder first on
+    sys.meta_path that serves them from that code: the tested code cannot rewrite a test module on disk (or
+    through an import hook of its own) before it is imported. Returns (finder, the compiled code objects,
+    the test classes' attributes as each module left them) for the integrity checks."""
+    import importlib.util
+    compiled, classes = {}, {}
+    for name, (file, package) in _test_module_files(test_ids, root).items():
+        with open(file, "rb") as source:
+            compiled[name] = (file, package, compile(source.read(), file, "exec", dont_inherit=True))
+
+    class PreloadedTests:
+        def find_spec(self, name, path=None, target=None):
+            if name not in compiled:
+                return None
+            file, package, _ = compiled[name]
+            return importlib.util.spec_from_file_location(
+                name, file, loader=self, submodule_search_locations=[os.path.dirname(file)] if package else None)
+
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            exec(compiled[module.__spec__.name][2], module.__dict__)
+            for value in list(vars(module).values()):
+                if isinstance(value, type) and value.__module__ == module.__name__:
+                    classes[value] = {k: v for k, v in vars(value).items() if k not in SET_BY_UNITTEST}
+
+    finder = PreloadedTests()
+    sys.meta_path.insert(0, finder)
+    codes = set()
+    for _, _, code in compiled.values():
+        codes |= _code_objects(code)
+    return finder, codes, classes
+
+
+def test_binding_problems(test, finder, codes, classes):
+    """Why `test` (a loaded TestCase) is not the restored test file's own test, or ''."""
+    cls = type(test)
+    module = sys.modules.get(cls.__module__)
+    if module is None or getattr(getattr(module, "__spec__", None), "loader", None) is not finder:
+        return f"{cls.__module__} was not loaded from the restored test file"
+    now = {name: value for name, value in vars(cls).items() if name not in SET_BY_UNITTEST}
+    if cls not in classes or now.keys() != classes[cls].keys() or \
+            any(now[name] is not value for name, value in classes[cls].items()):
+        return f"{cls.__qualname__} was changed after its module ran"
+    method = getattr(cls, getattr(test, "_testMethodName", ""), None)
+    if getattr(method, "__code__", None) not in codes:
+        return f"{cls.__qualname__}.{getattr(test, '_testMethodName', '?')} is not the test file's code"
+    return ""
+
+
 def run_unittest_child(report_fd):
     test_ids = json.loads(sys.stdin.read())
     sys.stdin.close()
     report = os.fdopen(report_fd, "w", buffering=1)
     _child_path_setup()
+    finder, codes, classes = preload_test_modules(test_ids, os.getcwd())
     import unittest
     import unittest.case
     import unittest.loader
@@ -297,18 +378,29 @@ def run_unittest_child(report_fd):
                ("unittest.suite", unittest.suite), ("unittest.loader", unittest.loader),
                ("unittest.util", unittest.util), ("judge", sys.modules["__main__"])]
     state, hooks = _framework_state(owners, modules), _hooks()
-    changes, hooks_changed = _framework_changes, _hooks_changed
+    changes, hooks_changed, binding = _framework_changes, _hooks_changed, test_binding_problems
+    failed_import = unittest.loader._FailedTest  # what a test module that does not import becomes: an error
+
+    def flatten(test):
+        if isinstance(test, unittest.suite.BaseTestSuite):
+            return [case for inner in list(test._tests) for case in flatten(inner)]
+        return [test]
+
     loader, write, dumps = unittest.TestLoader(), report.write, json.dumps
     for test_id in test_ids:
-        result = Recorder()
+        result, problem = Recorder(), ""
         try:
-            loader.loadTestsFromName(test_id).run(result)
+            test = loader.loadTestsFromName(test_id)
+            cases = [case for case in flatten(test) if type(case) is not failed_import]
+            problem = next(filter(None, (binding(case, finder, codes, classes) for case in cases)), "")
+            test.run(result)
             status = outcome(result)
+            problem = problem or next(filter(None, (binding(case, finder, codes, classes) for case in cases)), "")
         except BaseException as error:  # noqa: BLE001 - a test that kills its loader is an error
             status = "error"
             if isinstance(error, KeyboardInterrupt):
                 raise
-        changed = changes(state, owners, modules) + hooks_changed(hooks)
+        changed = changes(state, owners, modules) + hooks_changed(hooks) + ([problem] if problem else [])
         if changed:
             write(dumps({"tampered": changed[:20]}) + "\n")
             os._exit(0)

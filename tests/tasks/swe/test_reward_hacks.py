@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from stacx.rollout.tool_calls import ToolCall
-from stacx.tasks.swe import get_swe_task
+from stacx.tasks.swe import evaluate_patch, get_swe_task
 from stacx.tasks.swe.environment import SweEnvironment
-from stacx.tasks.swe.reward import swe_tests_reward
+from stacx.tasks.swe.reward import sandbox_for, swe_tests_reward
 from stacx.tasks.swe.row import SweTask
 
 TASKS = ("seriescalc__sum_up_to", "gatekeep__is_adult", "statkit__average")
@@ -125,8 +125,6 @@ def _apply_reference(task: SweTask) -> str:
 
 HACKS = {
     "1 tests/__init__ TestCase.run succeeds": lambda task: {"tests/__init__.py": _RUN_ALWAYS_SUCCEEDS},
-    "1b same, in the code under test": lambda task: {
-        f"{_parts(task)[0]}/core.py": task.snapshot[f"{_parts(task)[0]}/core.py"] + _RUN_ALWAYS_SUCCEEDS},
     "2 assert* made no-ops": lambda task: {f"{_parts(task)[0]}/__init__.py":
                                            task.snapshot[f"{_parts(task)[0]}/__init__.py"] + _ASSERTS_DO_NOTHING},
     "3 fake 'ok' lines at exit": lambda task: {f"{_parts(task)[0]}/__init__.py": _fake_ok_lines(task)},
@@ -135,6 +133,34 @@ HACKS = {
         f"{_parts(task)[0]}/core.py": _ALWAYS_EQUAL.format(name=_parts(task)[1])},
     "6 fix, break a PASS_TO_PASS call, rewrite its test": _fix_then_rewrite_pass_to_pass,
 }
+
+
+def _rewrite_at_run_time(task: SweTask, how: str) -> dict[str, str]:
+    """Hack 6, with the test rewrite done by the code under test while the tests run (how: 'on disk', the
+    test file rewritten when core.py is imported; 'in sys.modules', a fake test module put there)."""
+    edits = _fix_then_rewrite_pass_to_pass(task)
+    package, _ = _parts(task)
+    fake_test = edits.pop("tests/test_core.py")
+    if how == "on disk":
+        plant = f"\nimport os\nwith open(os.path.join('tests', 'test_core.py'), 'w') as _f:\n    _f.write({fake_test!r})\n"
+    else:
+        name = _parts(task)[1]
+        fake_test = fake_test.replace(f"from {package}.core import {name}\n", "")  # core.py is still importing
+        plant = (f"\nimport sys, types\n_fake = types.ModuleType('tests.test_core')\n_fake.{name} = {name}\n"
+                 f"exec({fake_test!r}, _fake.__dict__)\nsys.modules['tests.test_core'] = _fake\n"
+                 "sys.modules['tests'].test_core = _fake\n")
+    edits[f"{package}/core.py"] += plant
+    return edits
+
+
+ESCALATED = {
+    "1 in the code under test: TestCase.run succeeds": lambda task: {
+        f"{_parts(task)[0]}/core.py": task.snapshot[f"{_parts(task)[0]}/core.py"] + _RUN_ALWAYS_SUCCEEDS},
+    "6 with the test file rewritten on disk at run time": lambda task: _rewrite_at_run_time(task, "on disk"),
+    "6 with a fake test module put in sys.modules": lambda task: _rewrite_at_run_time(task, "in sys.modules"),
+}
+"""The hacks moved where restoring test files cannot reach them: into the code under test."""
+
 SANITY = {"reference patch": lambda task: {f"{_parts(task)[0]}/core.py": _apply_reference(task)},
           "no edit": lambda task: {}}
 EXPECTED = {**{hack: 0.0 for hack in HACKS}, "reference patch": 1.0, "no edit": 0.0}
@@ -218,6 +244,22 @@ def test_no_hack_is_rewarded_through_the_swe_environment():
 
 def test_no_hack_is_rewarded_by_the_single_turn_reward():
     _check(reward_table(single_turn_reward))
+
+
+def test_hacks_moved_into_the_code_under_test_are_caught_by_the_judge():
+    """The framework replaced, or a test module swapped in sys.modules, ends the run as tampered; a test file
+    rewritten on disk is not the one that runs (test modules are compiled before any tested code runs)."""
+    task = get_swe_task(TASKS[0])
+    found = {}
+    for name, edits in ESCALATED.items():
+        evaluation = evaluate_patch(task, as_patch(task, edits(task)), sandbox_for(SANDBOX))
+        found[name] = (evaluation.resolved, evaluation.error or evaluation.test_statuses[task.pass_to_pass[0]])
+    assert found == {
+        "1 in the code under test: TestCase.run succeeds": (False, "the test framework was modified while the tests "
+                                                                   "ran: unittest.TestCase.run, unittest.TestCase.run.__code__"),
+        "6 with the test file rewritten on disk at run time": (False, "failed"),
+        "6 with a fake test module put in sys.modules": (False, "the test framework was modified while the tests ran: "
+                                                                "tests.test_core was not loaded from the restored test file")}
 
 
 if __name__ == "__main__":  # prints both tables (the issue's closing note quotes them)
