@@ -93,7 +93,7 @@ class AgentEdits:
     """Relative paths of the snapshot's files the agent removed."""
 
 
-def test_runner(task: SweTask) -> str:
+def runner_of(task: SweTask) -> str:
     """'unittest' when the judge runs the listed tests itself (log format unittest and a command that is
     `python3 -m unittest` with flags only or `discover` with no options); else 'command'."""
     try:
@@ -162,7 +162,7 @@ def evaluate_edits(task: SweTask, edits: AgentEdits, sandbox: Sandbox, *,
     """Make a fresh copy of the snapshot in `sandbox`, apply `edits` to its non-test files, restore its test
     files, apply the test patch and run the tests (the module doc)."""
     limits = limits or DEFAULT_TEST_LIMITS
-    runner, secret = test_runner(task), secrets.token_hex(16)
+    runner, secret = runner_of(task), secrets.token_hex(16)
     job = {"secret": secret, "judge_source": JUDGE_SOURCE, "runner": runner, "test_command": task.test_command,
            "tests": list(task.fail_to_pass + task.pass_to_pass), "test_files": task_test_files(task),
            "test_patch": task.test_patch or "", "timeout_s": max(1.0, 0.9 * float(limits.wall_time_s) - 2),
@@ -206,7 +206,7 @@ def evaluate_session(task: SweTask, session: SandboxSession, sandbox: Sandbox, *
         edits = export_edits(task, session, limits=limits)
     except ValueError as error:
         return SweEvaluation(task.instance_id, False, {t: "missing" for t in task.fail_to_pass + task.pass_to_pass},
-                             str(error), runner=test_runner(task))
+                             str(error), runner=runner_of(task))
     return evaluate_edits(task, edits, sandbox, limits=limits)
 
 
