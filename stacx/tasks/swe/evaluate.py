@@ -75,6 +75,8 @@ class SweEvaluation:
     """Test files the agent's edits touched: not applied (the snapshot's version was tested)."""
     runner: str = "unittest"
     """'unittest' (each listed test run and recorded by the judge) or 'command' (the test command's log parsed)."""
+    log: str = ""
+    """The end of the tests' output (what the tested code printed; never read for the verdict of a 'unittest' run)."""
 
     @property
     def reward(self) -> float:
@@ -190,7 +192,8 @@ def evaluate_edits(task: SweTask, edits: AgentEdits, sandbox: Sandbox, *,
         statuses = {}
     listed = {test: statuses.get(test, "missing") for test in task.fail_to_pass + task.pass_to_pass}
     resolved = error is None and all(status == "passed" for status in listed.values())
-    return SweEvaluation(task.instance_id, resolved, listed, error, result, tuple(report.get("dropped", ())), runner)
+    return SweEvaluation(task.instance_id, resolved, listed, error, result, tuple(report.get("dropped", ())), runner,
+                         report.get("log", ""))
 
 
 def evaluate_patch(task: SweTask, patch: str, sandbox: Sandbox, *,

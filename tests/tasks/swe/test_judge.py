@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from stacx.tasks.swe import AgentEdits, evaluate_edits, get_swe_task
-from stacx.tasks.swe.evaluate import task_test_files, runner_of
+from stacx.tasks.swe.evaluate import runner_of, task_test_files
 from stacx.tasks.swe.judge import apply_edits, is_test_path, patch_sections, restore_tests, walk_files
 from stacx.tasks.swe.reward import sandbox_for
 
@@ -92,3 +92,25 @@ def test_a_report_line_printed_by_the_tests_is_not_believed():
     assert forging.runner == "command" and not forging.resolved and forging.error is None
     assert {forging.test_statuses[test] for test in task.fail_to_pass} == {"failed"}
     assert evaluate_edits(task, AgentEdits(patch=task.reference_patch), sandbox).resolved
+
+
+_PROBE = """
+import os, sys
+for _what in ("mem", "fd/0", "fd/1", "environ"):
+    try:
+        with open(f"/proc/{os.getppid()}/{_what}", "rb") as _file:
+            _file.read(64)
+        print("PROBE", _what, "readable", file=sys.stderr)
+    except OSError as _error:
+        print("PROBE", _what, type(_error).__name__, file=sys.stderr)
+"""
+
+
+def test_the_tested_code_cannot_read_the_judge():
+    """The judge is not dumpable: its memory (the secret) and its descriptors are closed to the tests' process."""
+    task = get_swe_task("gatekeep__is_adult")
+    core = task.snapshot["gatekeep/core.py"] + _PROBE
+    evaluation = evaluate_edits(task, AgentEdits(files={"gatekeep/core.py": core.encode()}),
+                                sandbox_for({"backend": "namespace", "limits": {"wall_time_s": 60, "cpu_time_s": 20}}))
+    probes = sorted({line for line in evaluation.log.splitlines() if line.startswith("PROBE")})
+    assert probes == [f"PROBE {what} PermissionError" for what in ("environ", "fd/0", "fd/1", "mem")], evaluation.log
