@@ -182,8 +182,11 @@ def evaluate_edits(task: SweTask, edits: AgentEdits, sandbox: Sandbox, *,
         error = (f"the judge wrote {len(reports)} reports (exit status {result.exit_code}): "
                  f"{result.stderr.strip()[-1000:]}")
     else:
-        report = json.loads(reports[0])
-        error = report.get("error")
+        try:
+            report = json.loads(reports[0])
+            error = report.get("error")
+        except (ValueError, AttributeError):  # a line the tests' processes wrote into it
+            report, error = {}, "the judge's report line is not readable JSON"
     if error is None and runner == "unittest":
         statuses = report["statuses"]
     elif error is None:

@@ -29,6 +29,7 @@ import binascii
 import fnmatch
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -196,18 +197,22 @@ def restore_tests(originals, extra):
             _write(path, data)
             changed.add(path)
     for folder, dirs, _ in os.walk("."):
-        for name in [d for d in dirs if d == "__pycache__"]:
-            subprocess.run(["rm", "-rf", os.path.join(folder, name)])
+        if "__pycache__" in dirs:  # no bytecode of the agent's is loaded instead of a restored source
+            dirs.remove("__pycache__")
+            shutil.rmtree(os.path.join(folder, "__pycache__"), ignore_errors=True)
     return changed
 
 
 def make_non_dumpable():
-    """PR_SET_DUMPABLE 0: /proc/<judge>/{mem,fd,environ} become unreadable to the sandbox's other processes."""
+    """PR_SET_DUMPABLE 0: /proc/<judge>/{mem,fd,environ} become unreadable to the sandbox's other processes
+    (they hold no capability); Refused when the interpreter cannot do it."""
     try:
         import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+        if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+    except (ImportError, OSError, AttributeError) as error:
+        raise Refused(f"the judge cannot make itself non-dumpable ({error}); the sandbox's python3 needs ctypes "
+                      "on Linux") from None
 
 
 # ---- the child: runs the tests (tested code runs here, never in the judge) ----
@@ -485,12 +490,11 @@ def export():
 
 def judge():
     job = json.loads(sys.stdin.read())
-    sys.stdin.close()
-    os.close(0)
-    make_non_dumpable()
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the job's pipe is gone; fd 0 stays taken
     secret = job.pop("secret")
     report = {"dropped": [], "restored": [], "statuses": {}, "error": None, "log": "", "runner": job["runner"]}
     try:
+        make_non_dumpable()
         extra = set(job["test_files"])
         originals = {}
         for path in walk_files():
