@@ -229,6 +229,9 @@ def _framework_state(owners, modules):
     import builtins
     state = {}
     for label, owner in owners:
+        if hasattr(owner, "__code__"):  # a function of the runner: its code and defaults
+            state[(label, "__code__")], state[(label, "__defaults__")] = owner.__code__, owner.__defaults__
+            continue
         for name, value in list(vars(owner).items()):
             state[(label, name)] = value
     for label, module in modules + [("builtins", builtins)]:
@@ -391,6 +394,8 @@ def run_unittest_child(report_fd):
             return [case for inner in list(test._tests) for case in flatten(inner)]
         return [test]
 
+    owners += [("runner.outcome", outcome), ("runner.flatten", flatten)]
+    state = _framework_state(owners, modules)
     loader, write, dumps = unittest.TestLoader(), report.write, json.dumps
     for test_id in test_ids:
         result, problem = Recorder(), ""
