@@ -8,8 +8,8 @@
 `bash(command)`, `read_file(path)`, `write_file(path, content)` (all in the working copy) and
 `submit()`. `submit` ends the episode: the files the agent changed are read from its session and the
 task's tests run on them in a fresh copy of the snapshot, with every test file restored
-(`evaluate_session`, stacx/tasks/swe/evaluate.py); the reward is 1.0 when the task is resolved, else 0.0 (or, with `partial_credit: true` in the
-task, the fraction of its listed tests that passed). An episode that reaches `max_turns` without
+(`evaluate_session`, stacx/tasks/swe/evaluate.py); the reward is 1.0 when the task is resolved, else
+0.0 (or, with `partial_credit: true` in the task, the fraction of its listed tests that passed). An episode that reaches `max_turns` without
 `submit` earns 0.0. The session is closed when the episode ends, however it ends.
 
 The module registers `swe` when imported: `--custom-module stacx.tasks.swe.environment`
@@ -161,7 +161,8 @@ class SweEnvironment(Environment):
         if self.partial_credit and not evaluation.resolved and evaluation.error is None:
             statuses = list(evaluation.test_statuses.values())
             reward = sum(status == "passed" for status in statuses) / max(1, len(statuses))
-        info.update(resolved=evaluation.resolved, tests=evaluation.test_statuses, error=evaluation.error)
+        info.update(resolved=evaluation.resolved, tests=evaluation.test_statuses, error=evaluation.error,
+                    dropped=list(evaluation.dropped))
         return StepResult("", reward, True, info=info)
 
     def close(self) -> None:
