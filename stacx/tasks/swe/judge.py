@@ -243,7 +243,8 @@ def _framework_state(owners, modules):
 
 
 def _hooks():
-    return {"sys.meta_path": list(sys.meta_path), "sys.path_hooks": list(sys.path_hooks)}
+    return {"sys.meta_path": list(sys.meta_path), "sys.path_hooks": list(sys.path_hooks),
+            "sys.settrace": [sys.gettrace()], "sys.setprofile": [sys.getprofile()]}
 
 
 def _hooks_changed(before):
