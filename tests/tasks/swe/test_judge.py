@@ -4,11 +4,12 @@ report line printed by the tested code is not believed."""
 
 import base64
 import dataclasses
+import tarfile
 
 import pytest
 
 from stacx.tasks.swe import AgentEdits, evaluate_edits, get_swe_task
-from stacx.tasks.swe.evaluate import runner_of, task_test_files
+from stacx.tasks.swe.evaluate import runner_of, snapshot_manifest, task_test_files
 from stacx.tasks.swe.judge import apply_edits, is_test_path, patch_sections, restore_tests, walk_files
 from stacx.tasks.swe.reward import sandbox_for
 
@@ -114,3 +115,17 @@ def test_the_tested_code_cannot_read_the_judge():
                                 sandbox_for({"backend": "namespace", "limits": {"wall_time_s": 60, "cpu_time_s": 20}}))
     probes = sorted({line for line in evaluation.log.splitlines() if line.startswith("PROBE")})
     assert probes == [f"PROBE {what} PermissionError" for what in ("environ", "fd/0", "fd/1", "mem")], evaluation.log
+
+
+def test_the_snapshot_manifest_is_the_same_for_a_mapping_a_folder_and_a_tarball(tmp_path):
+    task = get_swe_task("statkit__average")
+    for path, text in task.snapshot.items():
+        (tmp_path / "repo" / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "repo" / path).write_text(text)
+    (tmp_path / "repo" / ".git").mkdir()
+    (tmp_path / "repo" / ".git" / "HEAD").write_text("ref: refs/heads/main\n")  # not the agent's to edit
+    with tarfile.open(tmp_path / "repo.tar.gz", "w:gz") as archive:
+        archive.add(tmp_path / "repo", arcname=".", filter=lambda m: None if ".git" in m.name else m)
+    manifests = [snapshot_manifest(dataclasses.replace(task, snapshot=snapshot))
+                 for snapshot in (task.snapshot, str(tmp_path / "repo"), str(tmp_path / "repo.tar.gz"))]
+    assert manifests[0] == manifests[1] == manifests[2] and set(manifests[0]) == set(task.snapshot)
