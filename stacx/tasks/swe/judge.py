@@ -4,7 +4,7 @@ It uses the standard library only and is never a file of the copy: the host pass
 `python3 -I -S -c <this file>` and the job (a JSON object, with a per-evaluation secret) on stdin.
 
     judge (this script, no tested code ever runs in it)
-      1. reads the job, closes stdin, makes itself non-dumpable (no other process of the sandbox
+      1. reads the job, lets go of stdin, makes itself non-dumpable (no other process of the sandbox
          can read its memory or open its descriptors through /proc);
       2. keeps the copy's test files (`is_test_path`, plus the files the host names), applies the
          agent's edits, then puts every test file back as it was: test files the edits changed are
@@ -16,10 +16,12 @@ It uses the standard library only and is never a file of the copy: the host pass
       4. prints one line on its stdout: `STACX-SWE-REPORT <secret> <report JSON>`. The child's output
          is only the report's `log`; a line it prints cannot carry the secret.
 
-For `unittest` tasks whose command is `python3 -m unittest ...`, the child loads each listed test by
-name and records its outcome with the runner's own result object; before loading anything it notes the
-test framework (unittest's classes and module globals, the builtins, the import hooks, its own code),
-and after every test it checks nothing of it was replaced; a replaced piece ends the run as tampered.
+For `unittest` tasks whose command is `python3 -m unittest ...`, the child first compiles every listed
+test's module from the restored files (served by a finder first on sys.meta_path), then loads each
+listed test by name and records its outcome with the runner's own result object. Before any tested code
+runs it notes the test framework (unittest's classes and module globals, the builtins, the import and
+trace hooks, its own code); after every test it checks that nothing of it was replaced and that the test
+that ran is the restored file's own code; anything else ends the run as tampered.
 Other tasks run their test command in the child (with PYTHONSAFEPATH) and the log is parsed on the
 host: weaker, since the tested code can print what it likes (docs/agents.md says so).
 """
@@ -438,7 +440,8 @@ def _read_all(stream, keep, limit):
 
 
 def run_tests(job):
-    """Start the child, feed it the test ids, collect its records and output; returns (records, log, timed_out)."""
+    """Start the child, feed it the test ids, collect its records and output: (records, log, exit status,
+    whether it was killed for time)."""
     source = job["judge_source"]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
     read_end, write_end = os.pipe()
