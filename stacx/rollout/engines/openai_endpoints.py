@@ -24,6 +24,7 @@ import os
 from typing import TYPE_CHECKING, Optional
 
 from stacx.rollout.agent_trajectories import RecordedTurn
+from stacx.rollout.chat_encoding import decode_reply
 from stacx.rollout.engines.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
@@ -102,7 +103,7 @@ class OpenAIEndpoints:
         previous = self.sessions.last(session_id) if session_id else None
         prompt_ids, _ = chat_prompt_ids(tokenizer, chat.messages, chat.tools, previous)
         output = await self._generate(request, prompt_ids, chat.sampling)
-        text = tokenizer.decode(list(output.output_ids), skip_special_tokens=True)
+        text = decode_reply(tokenizer, output.output_ids)  # markers kept: <tool_call> may be a special token
         parsed = parse_tool_calls(text, self._tool_call_style()) if chat.tools and chat.use_tools \
             else ParsedToolCalls(content=text, calls=(), errors=())
         answer = render_chat_response(output, parsed, num_prompt_tokens=len(prompt_ids), model=self.model_name,
