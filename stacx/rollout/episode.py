@@ -45,6 +45,7 @@ from stacx.rollout.manager import Sample
 from stacx.rollout.tool_calls import TOOL_CALL_STYLES, ParsedToolCalls, parse_tool_calls, tool_call_style_for
 from stacx.rollout.types import GenerateRequest, SamplingParams
 
+
 @dataclass
 class EpisodeCounts:
     """What happened in one episode (summed over a step's episodes into `agent/*` metrics)."""

@@ -17,9 +17,9 @@ engine did not generate itself (e.g. `<|im_end|>\\n` after a reply cut by max_to
 `\\n` after one that ended on `<|im_end|>`): `stacx.rollout.chat_continuation`, the rule Stacx's own
 episodes use. The generated ids are never re-tokenized, so the ids trained on are the ids sampled.
 Message content is encoded with control spellings held back (`stacx.rollout.chat_encoding`): a tool
-result or a user message holding `<|im_end|>` is text, never a forged turn. A request that does not continue the last turn (the agent edited
-or truncated its history, or the template renders history differently) gets the template's ids
-of the whole conversation and starts a new trajectory.
+result or a user message holding `<|im_end|>` is text, never a forged turn. A request that does not
+continue the last turn (the agent edited or truncated its history, or the template renders history
+differently) gets the template's ids of the whole conversation and starts a new trajectory.
 """
 
 from __future__ import annotations
