@@ -19,7 +19,9 @@ control spellings held back (`stacx.rollout.chat_encoding`): a tool result canno
 
 None when the template cannot continue: it writes no assistant content, renders `history` and
 the assistant turn differently once more messages follow (the conversation is not a prefix of the
-longer one), or does not end a turn with the end-of-turn token the engine stopped on. Free of engine, server and driver imports.
+longer one), or does not end a turn with the end-of-turn token the engine stopped on.
+
+Free of engine, server and driver imports (a wire-format module).
 """
 
 from __future__ import annotations
