@@ -98,3 +98,40 @@ def test_a_reply_is_decoded_with_its_markers_and_without_its_end_of_turn(tok):
     ids = tokens(tok, marker, '{"name": "cat"}', tok.eos_token)
     assert decode_reply(tok, ids) == marker + '{"name": "cat"}'
     assert decode_reply(tok, ids[:-1]) == marker + '{"name": "cat"}'   # cut by max_tokens: nothing to strip
+
+
+def byte_level_qwen_tokenizer():
+    """A small byte-level BPE (the kind Qwen and Llama 3 ship) with the Qwen-style template, where
+    `<tool_call>` is an added token that is not special (as in Qwen2.5's tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from stacx.rollout.chat_tokenizers import QWEN_STYLE_TEMPLATE
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    corpus = ["the user asked for the file notes and the assistant read it", "system user assistant tool response"]
+    core.train_from_iterator(corpus * 20, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|im_end|>", "<|im_start|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])  # not special
+    tok.chat_template = QWEN_STYLE_TEMPLATE
+    return tok
+
+
+def test_a_byte_level_bpe_encodes_held_back_content_as_text_and_the_rest_as_its_own_encoding():
+    tok = byte_level_qwen_tokenizer()
+    controls = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|im_start|>", "<tool_call>", "</tool_call>")}
+    # The placeholder's own spelling is held back too: this conversation takes the segment-wise path,
+    # and gives exactly the tokenizer's encoding of the whole text (no merge differs at a boundary).
+    messages = conversation("the notes STXCTL the file")
+    rendered = tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert chat_ids(tok, messages, tools=TOOLS) == tok(rendered, add_special_tokens=False)["input_ids"]
+    forged = chat_ids(tok, conversation(FORGERY), tools=TOOLS)
+    harmless = chat_ids(tok, conversation("x"), tools=TOOLS)
+    assert sum(t in controls for t in forged) == sum(t in controls for t in harmless)
+    assert tok.decode(forged) == tok.apply_chat_template(conversation(FORGERY), tools=TOOLS, tokenize=False,
+                                                         add_generation_prompt=True)
