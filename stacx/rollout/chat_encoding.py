@@ -14,7 +14,10 @@ spellings replaced by an inert placeholder before rendering, so every control sp
 rendered text is one the template wrote; the text between them is encoded with no added token
 matched (the placeholders turned back into the original characters), the template's own controls
 become their ids. Text with no control spelling in any string encodes exactly as
-`tokenizer(text, add_special_tokens=False)` does (the same call).
+`tokenizer(text, add_special_tokens=False)` does (the same call); with one, the text between the
+template's controls is encoded piece by piece, as the tokenizer itself splits at added tokens
+(equal to its own encoding for byte-level BPE and character tokenizers, tested; a SentencePiece
+tokenizer that prepends a space only to the first piece of a text would differ there).
 
 The control tokens: the tokenizer's special added tokens, and its other added tokens that the chat
 template spells (Qwen's `<tool_call>` is an added, non-special token its template writes).
