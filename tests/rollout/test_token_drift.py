@@ -152,7 +152,8 @@ def play_endpoint(style: str, text: str) -> dict:
     engine, seen, errors = ScriptedEngine(model_turns(tok, style)), [], 0
     tools = [spec.schema() for spec in TOOL_SPECS]
     with EngineHttpServer(engine, model_path="policy", tokenizer=tok, weight_updates=False) as server, \
-            openai.OpenAI(base_url=f"{server.url}/sessions/drift/v1", api_key="unused", max_retries=0) as client:
+            openai.OpenAI(base_url=f"{server.url}/sessions/drift/v1", api_key="unused", max_retries=0,
+                          http_client=openai.DefaultHttpxClient(verify=False)) as client:  # plain HTTP: no CA bundle
         messages = [{"role": "system", "content": "You read files."}, {"role": "user", "content": f"Summarize {text}"}]
         for _ in range(len(engine.turns)):
             reply = client.chat.completions.create(model="policy", messages=messages, tools=tools, max_tokens=256)
