@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from stacx.rollout.agent_trajectories import RecordedTurn
 from stacx.rollout.engines.http_guard import HttpError, check_bearer_token
+from stacx.rollout.chat_encoding import decode_reply
 from stacx.rollout.engines.openai_protocol import (
     Choice,
     parse_chat_request,
@@ -147,7 +148,7 @@ class OpenAIEndpoints:
         prompt_ids += encode(tokenizer, opening) if opening else []
         choices = []
         for output in await self._generate(request, prompt_ids, chat.sampling, chat.top_logprobs):
-            choice = self._cut(output, chat.sampling.stop)
+            choice = self._cut(output, chat.sampling.stop, self._decode_reply)
             text = opening + choice.text
             parsed = parse_tool_calls(text, self._tool_call_style()) if chat.tools and chat.use_tools \
                 else ParsedToolCalls(content=text, calls=(), errors=())
@@ -164,7 +165,7 @@ class OpenAIEndpoints:
             (c.output, {"messages": chat.messages, "reply": r["message"]}) for c, r in zip(choices, answer["choices"])],
             continued=continued)
         if chat.stream:
-            pieces = [None if opening else token_pieces(self._decode, c.output.output_ids) for c in choices]
+            pieces = [None if opening else token_pieces(self._decode_reply, c.output.output_ids) for c in choices]
             return 200, self._event_stream(chat_chunks(answer, pieces, chat.include_usage))
         return 200, answer
 
@@ -174,7 +175,7 @@ class OpenAIEndpoints:
         completion = parse_completion_request(await self.read_json(request))
         leaves = self.sessions.leaves(session_id, secret) if session_id else []
         prompt_ids, continued = completion_prompt_ids(tokenizer, completion.prompt, leaves)
-        choices = [self._cut(output, completion.sampling.stop)
+        choices = [self._cut(output, completion.sampling.stop, self._decode)
                    for output in await self._generate(request, prompt_ids, completion.sampling,
                                                       completion.top_logprobs)]
         answer = render_completion_response(choices, num_prompt_tokens=len(prompt_ids), model=self.model_name,
@@ -260,13 +261,19 @@ class OpenAIEndpoints:
         return await self.server.run_engine(request, requests)
 
     def _decode(self, ids: list[int]) -> str:
+        """A completion's text (`/v1/completions`: a raw prompt's continuation, special tokens left out)."""
         return self.server.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def _cut(self, output, stops) -> Choice:
-        """The output and its text, cut at the first stop string (openai_stop.py)."""
-        cut = cut_at_stop(output, self._decode, stops)
+    def _decode_reply(self, ids: list[int]) -> str:
+        """A chat reply's text: markers kept, one end-of-turn cut (chat_encoding.decode_reply, the decoding
+        Stacx's own episodes use: a tokenizer may register `<tool_call>` as a special token)."""
+        return decode_reply(self.server.tokenizer, ids)
+
+    def _cut(self, output, stops, decode) -> Choice:
+        """The output and its text (`decode`), cut at the first stop string (openai_stop.py)."""
+        cut = cut_at_stop(output, decode, stops)
         if cut is None:
-            return Choice(output=output, text=self._decode(output.output_ids))
+            return Choice(output=output, text=decode(output.output_ids))
         return Choice(output=cut.output, text=cut.text, stop=cut.stop)
 
     def _token_text(self, token: int) -> str:

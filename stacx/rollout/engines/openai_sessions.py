@@ -18,8 +18,10 @@ among those no request continued yet, the session's leaves), its prompt is
 where `new` is what the chat template renders after the reply (tool results, the next user
 message, the generation prompt) and `close` is the template's end of an assistant message that the
 engine did not generate itself (e.g. `<|im_end|>\\n` after a reply cut by max_tokens, or just
-`\\n` after one that ended on `<|im_end|>`). The generated ids are never re-tokenized, so the ids
-trained on are the ids sampled. A request that continues no turn (the agent dropped a reply after
+`\\n` after one that ended on `<|im_end|>`): `stacx.rollout.chat_continuation`, the rule Stacx's own
+episodes use. The generated ids are never re-tokenized, so the ids trained on are the ids sampled.
+Message content is encoded with control spellings held back (`stacx.rollout.chat_encoding`): a tool
+result or a user message holding `<|im_end|>` is text, never a forged turn. A request that continues no turn (the agent dropped a reply after
 a format error, compacted or truncated its history, started a sub-agent, or the template renders
 history differently) gets the template's ids of the whole conversation: a branch of the session's
 tree, a new trajectory of the same episode (stacx.rollout.agent_trajectories).
@@ -46,6 +48,8 @@ from typing import Any, Optional, Sequence
 
 from stacx.rollout.agent_trajectories import RecordedTurn
 from stacx.rollout.engines.http_guard import HttpError
+from stacx.rollout.chat_continuation import ids_after_assistant_turn
+from stacx.rollout.chat_encoding import chat_ids
 from stacx.rollout.engines.openai_protocol import template_messages
 
 __all__ = ["SessionBook", "SessionRefused", "SessionTurn", "chat_prompt_ids", "check_session_id",
@@ -54,7 +58,6 @@ __all__ = ["SessionBook", "SessionRefused", "SessionTurn", "chat_prompt_ids", "c
 logger = logging.getLogger(__name__)
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
-_CONTENT_MARK = "\x00stacx-content\x00"
 
 
 def check_session_id(session_id: str) -> str:
@@ -228,22 +231,9 @@ def _essence(message: dict) -> tuple:
     return message["role"], message.get("content") or "", calls, message.get("tool_call_id")
 
 
-def render_text(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]], *, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
-
-
 def encode(tokenizer: Any, text: str) -> list[int]:
-    """Template text -> ids (the template wrote any special tokens itself)."""
+    """Completion text -> ids (a raw prompt: control spellings in it are the tokens)."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def assistant_close(tokenizer: Any, tools: Optional[list[dict]]) -> str:
-    """The text the template puts after an assistant message's content ("" when it cannot tell)."""
-    text = render_text(tokenizer, [{"role": "user", "content": "?"}, {"role": "assistant", "content": _CONTENT_MARK}],
-                       tools, add_generation_prompt=False)
-    at = text.rfind(_CONTENT_MARK)
-    return "" if at < 0 else text[at + len(_CONTENT_MARK):]
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]],
@@ -256,7 +246,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict], tools: Optional[list[d
             ids = _continuation_ids(tokenizer, rendered, tools, previous)
             if ids is not None:
                 return ids, previous
-    return encode(tokenizer, render_text(tokenizer, rendered, tools, add_generation_prompt=True)), None
+    return chat_ids(tokenizer, rendered, tools=tools), None
 
 
 def _continuation_ids(tokenizer: Any, rendered: list[dict], tools: Optional[list[dict]],
@@ -269,17 +259,11 @@ def _continuation_ids(tokenizer: Any, rendered: list[dict], tools: Optional[list
         return None
     if _essence(rendered[num_before]) != _essence(template_messages([previous.reply])[0]):
         return None
-    history = render_text(tokenizer, rendered[:num_before + 1], tools, add_generation_prompt=False)
-    full = render_text(tokenizer, rendered, tools, add_generation_prompt=True)
-    if not full.startswith(history):
+    after = ids_after_assistant_turn(tokenizer, rendered[:num_before], rendered[num_before + 1:], tools=tools,
+                                     generated_ids=previous.turn.output_ids)
+    if after is None:
         return None
-    close = assistant_close(tokenizer, tools)
-    generated = previous.turn.output_ids
-    if generated:  # the engine may have generated the start of the close itself (its stop token)
-        last = tokenizer.decode(list(generated[-1:]), skip_special_tokens=False)
-        if last and close.startswith(last):
-            close = close[len(last):]
-    return list(previous.turn.prompt_ids + generated) + encode(tokenizer, close + full[len(history):])
+    return list(previous.turn.prompt_ids + previous.turn.output_ids) + after
 
 
 def completion_prompt_ids(tokenizer: Any, prompt: str | list[int],
