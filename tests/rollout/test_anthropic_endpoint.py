@@ -7,6 +7,8 @@ with a `touch done.txt` bash call and, after its observation, the submit call; s
 both calls, so both turns end in `tool_use`.
 """
 
+import json
+
 import pytest
 import requests
 
@@ -115,22 +117,45 @@ def test_a_two_turn_tool_use_conversation_records_what_the_openai_route_records(
     assert sample.rollout_log_probs == pytest.approx(reference.rollout_log_probs, abs=1e-6)
 
 
+def test_a_session_may_switch_apis_between_turns(server, openai_turns):
+    """Turn 1 through the anthropic client, turn 2 through the openai client: the same turns again."""
+    first = anthropic_client(server, "mixed").messages.create(
+        model="policy", max_tokens=120, system=SYSTEM, messages=[{"role": "user", "content": TASK}],
+        tools=[ANTHROPIC_BASH], extra_body=GREEDY)
+    (call,) = first.content
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
+                {"role": "tool", "tool_call_id": call.id, "content": "0"}]
+    client = openai.OpenAI(base_url=f"{server.url}/sessions/mixed/v1", api_key="unused", max_retries=0)
+    client.chat.completions.create(model="policy", messages=messages, tools=[OPENAI_BASH], max_tokens=120, temperature=0)
+    turns = recorded(server, "mixed")
+    assert [(t.prompt_ids, t.output_ids) for t in turns] == [(t.prompt_ids, t.output_ids) for t in openai_turns]
+
+
 def test_stop_reasons_stop_sequences_and_token_counting(server):
     tokenizer = server.tokenizer
     client = anthropic_client(server, "stops")
-    asked = dict(model="policy", system=SYSTEM, messages=[{"role": "user", "content": TASK}], tools=[ANTHROPIC_BASH])
-    counted = client.messages.count_tokens(**asked)
+    messages = [{"role": "user", "content": TASK}]
+    asked = dict(model="policy", system=SYSTEM, tools=[ANTHROPIC_BASH], tool_choice={"type": "none"})
+    counted = client.messages.count_tokens(**asked, messages=messages)
     # tool_choice none: the template still lists the tool, the text comes back as text
-    stopped = client.messages.create(**asked, max_tokens=120, stop_sequences=['"arguments"', "never"],
-                                     tool_choice={"type": "none"}, extra_body=GREEDY)
-    cut = client.messages.create(**asked, max_tokens=5, extra_body=GREEDY)
-    first, second = recorded(server, "stops")
-    assert counted.input_tokens == len(first.prompt_ids)
+    stopped = client.messages.create(**asked, messages=messages, max_tokens=120,
+                                     stop_sequences=['"arguments"', "never"], extra_body=GREEDY)
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", '"arguments"')
     assert [(b.type, b.text) for b in stopped.content] == [("text", '<tool_call>{"name": "bash", ')]
-    # the recorded output ends with the ids that wrote the stop string: what the client saw, then the string
+    messages += [{"role": "assistant", "content": stopped.content[0].text}, {"role": "user", "content": "go on"}]
+    counted_next = client.messages.count_tokens(**asked, messages=messages)
+    cut = client.messages.create(**asked, messages=messages, max_tokens=5, extra_body=GREEDY)
+    first, second = recorded(server, "stops")
+    assert counted.input_tokens == len(first.prompt_ids) and counted_next.input_tokens == len(second.prompt_ids)
+    # The recorded output ends with the ids that wrote the stop string: what the client saw, then the string;
+    # the next turn continues those ids (the client's text without the string still continues the session).
     assert tokenizer.decode(list(first.output_ids)) == '<tool_call>{"name": "bash", "arguments"'
     assert first.finish_reason == "stop" and len(first.output_log_probs) == len(first.output_ids)
+    assert second.prompt_ids[:len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
+    assert tokenizer.decode(list(second.prompt_ids[len(first.prompt_ids) + len(first.output_ids):])) == \
+        "<eos><|user|>go on<eos><|assistant|>"
     assert (cut.stop_reason, cut.usage.output_tokens, len(second.output_ids)) == ("max_tokens", 5, 5)
 
 

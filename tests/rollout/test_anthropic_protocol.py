@@ -67,10 +67,13 @@ def test_a_tool_use_conversation_becomes_the_openai_chat_form():
     ({"messages": [{"role": "system", "content": "x"}]}, "'messages[0].role' must be \"user\" or \"assistant\""),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "'messages[0].content[0].type' must be one of ['text', 'tool_result']"),
-    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "bash", "input": {}}]}]},
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "bash", "input": {}}]},
+                   {"role": "user", "content": "go on"}]},
      "'messages[0].content[0]' must be a tool_use block"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
      "'messages[0].content[0].tool_use_id' must be the id"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]},
+     "'messages[1]' is an assistant message (a prefill)"),
 ])
 def test_a_request_this_server_cannot_honour_is_refused_naming_the_field(change, named):
     body = {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **change}

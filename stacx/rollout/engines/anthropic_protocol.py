@@ -19,7 +19,8 @@ Read: `max_tokens` (required), `temperature`, `top_p` (recent SDKs send them onl
 `cache_control` (top-level, on blocks and tools), `service_tier`, `speed`, `inference_geo`,
 `diagnostics`, `user_profile_id`, `workspace_id`, `is_error` on tool results. Refused with a 400
 naming the field, never dropped: other fields, `top_k`, `tool_choice` any / tool,
-`output_config.format`, `container`, image and document blocks, Anthropic-hosted tools.
+`output_config.format`, `container`, image and document blocks, Anthropic-hosted tools, a last
+assistant message (a prefill: the template would close it and open a new reply).
 
 Answer: a `message` whose content is a text block (when the reply has text) and one `tool_use`
 block per parsed call (its id is the OpenAI path's call id), `stop_reason` tool_use / stop_sequence /
@@ -161,6 +162,9 @@ def _chat_messages(messages: Any, endpoint: str) -> list[dict]:
             out += (_user_messages if role == "user" else _assistant_messages)(content, f"{where}.content", endpoint)
         else:
             _fail(endpoint, f"'{where}.content' must be a string or a list of content blocks")
+    if messages[-1].get("role") == "assistant":
+        _fail(endpoint, f"'messages[{len(messages) - 1}]' is an assistant message (a prefill): this server does not "
+                        "continue a partial reply; end the conversation with a user message")
     return out
 
 
