@@ -23,8 +23,9 @@ connection, blocking work (generation, weight loads) runs in worker threads. The
 Authentication: every mutating endpoint (weight updates, the shared-memory handshake, pause,
 continue, abort, flush) needs `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic clients'
 header) (401 when missing, 403 when wrong, compared with `hmac.compare_digest`). A server that takes
-weight updates always has a key (a random one when none is given, `api_key`); one started with `weight_updates=False` refuses the weight
-endpoints, and without a key every mutating endpoint. Generation and the reads stay open.
+weight updates always has a key (a random one when none is given, `api_key`); one started with
+`weight_updates=False` refuses the weight endpoints, and without a key every mutating endpoint.
+Generation and the reads stay open.
 
 Endpoints (SGLang's names unless marked stacx; the schema is at GET /openapi.json):
   GET  /health, /health_generate        200 when the engine can serve, 503 when it is wedged
