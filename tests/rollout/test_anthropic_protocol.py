@@ -33,8 +33,12 @@ def test_a_tool_use_conversation_becomes_the_openai_chat_form():
                                          {"type": "tool_result", "tool_use_id": "t2", "is_error": True,
                                           "content": [{"type": "text", "text": "no "}, {"type": "text", "text": "args"}]},
                                          {"type": "text", "text": "now read it"}]},
+            {"role": "system", "content": "Agents available: none."},
         ],
-        "stop_sequences": ["\nUser:"], "temperature": 0, "metadata": {"user_id": "u"}, "thinking": {"type": "disabled"},
+        "stop_sequences": ["\nUser:"], "temperature": 0, "metadata": {"user_id": "u"}, "thinking": {"type": "adaptive"},
+        # what a Claude-Code-style CLI adds: context edits that change nothing here, an effort level
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"},
     }
     request = parse_messages_request(body)
     assert request.messages == [
@@ -46,6 +50,7 @@ def test_a_tool_use_conversation_becomes_the_openai_chat_form():
         {"role": "tool", "tool_call_id": "t1", "content": "a.txt"},
         {"role": "tool", "tool_call_id": "t2", "content": "no args"},
         {"role": "user", "content": "now read it"},
+        {"role": "system", "content": "Agents available: none."},
     ]
     assert request.tools == [{"type": "function", "function": {"name": "bash", "description": "run a command",
                                                                "parameters": SCHEMA}}]
@@ -64,7 +69,9 @@ def test_a_tool_use_conversation_becomes_the_openai_chat_form():
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "'tools[0]' is a 'web_search_20250305' tool"),
     ({"tools": [{"name": "bash"}]}, "'tools[0]' must have a string 'name' and an object 'input_schema'"),
     ({"stop_sequences": [""]}, "'stop_sequences' must be a list of non-empty strings"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "'messages[0].role' must be \"user\" or \"assistant\""),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "'messages[0].role' must be \"user\", \"assistant\" or"),
+    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+     "'context_management.edits[0]' of type 'clear_tool_uses_20250919' is not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "'messages[0].content[0].type' must be one of ['text', 'tool_result']"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "bash", "input": {}}]},

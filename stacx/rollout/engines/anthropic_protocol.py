@@ -6,7 +6,8 @@ both APIs share the chat template, the session's token-in/token-out prompts, gen
 recorded turns (openai_sessions.py): a conversation gives the same ids through either.
 
 Request -> chat messages:
-  system (a string or text blocks)             -> {"role": "system"}
+  system (a string or text blocks)             -> {"role": "system"} (first; system messages within
+                                                  `messages` stay where they are)
   user text blocks                             -> {"role": "user", "content": the texts joined}
   user tool_result blocks                      -> {"role": "tool", "tool_call_id": tool_use_id, "content"}
   assistant text + tool_use blocks             -> {"role": "assistant", "content", "tool_calls": [...]}
@@ -16,11 +17,12 @@ Blocks keep their order (text after tool results becomes a user message after th
 Read: `max_tokens` (required), `temperature`, `top_p` (recent SDKs send them only through
 `extra_body`), `stop_sequences`, `stream`, `tool_choice` auto / none; accepted and ignored: `model`,
 `metadata`, `thinking` (the served model's text comes back as text blocks), `output_config.effort`,
-`cache_control` (top-level, on blocks and tools), `service_tier`, `speed`, `inference_geo`,
-`diagnostics`, `user_profile_id`, `workspace_id`, `is_error` on tool results. Refused with a 400
-naming the field, never dropped: other fields, `top_k`, `tool_choice` any / tool,
-`output_config.format`, `container`, image and document blocks, Anthropic-hosted tools, a last
-assistant message (a prefill: the template would close it and open a new reply).
+`context_management` clear_thinking edits, `cache_control` (top-level, on blocks and tools),
+`service_tier`, `speed`, `inference_geo`, `diagnostics`, `user_profile_id`, `workspace_id`, `is_error`
+on tool results. Refused with a 400 naming the field, never dropped: other fields, `top_k`,
+`tool_choice` any / tool, `output_config.format`, `container`, other context edits, image and
+document blocks, Anthropic-hosted tools, a last assistant message (a prefill: the template would
+close it and open a new reply).
 
 Answer: a `message` whose content is a text block (when the reply has text) and one `tool_use`
 block per parsed call (its id is the OpenAI path's call id), `stop_reason` tool_use / stop_sequence /
@@ -47,7 +49,7 @@ _IGNORED = {"model", "metadata", "service_tier", "stream", "thinking", "cache_co
             "speed", "user_profile_id", "workspace_id"}
 """Fields that change nothing here (prompt caching, routing, accounting, the thinking budget)."""
 _MESSAGES = _IGNORED | {"messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
-                        "tools", "tool_choice", "output_config", "container"}
+                        "tools", "tool_choice", "output_config", "container", "context_management"}
 _COUNT_TOKENS = _MESSAGES - {"max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k"}
 _TEXT_BLOCK = "{\"type\": \"text\", \"text\": ...}"
 TEXT_DELTA_CHARS = 64
@@ -93,6 +95,12 @@ def parse_messages_request(body: Any, *, endpoint: str = "/v1/messages") -> Mess
     if not isinstance(output_config, dict) or output_config.get("format") is not None:
         _fail(endpoint, "'output_config.format' (structured outputs) is not supported: the model is not constrained "
                         "to a schema; leave it out ('output_config.effort' is accepted and ignored)")
+    for index, edit in enumerate((body.get("context_management") or {}).get("edits") or ()):
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if not (isinstance(kind, str) and kind.startswith("clear_thinking")):
+            _fail(endpoint, f"'context_management.edits[{index}]' of type {kind!r} is not supported (the server "
+                            "would have to edit the conversation, and the trained ids with it); clear_thinking edits "
+                            "are accepted (the served model's replies hold no thinking blocks)")
     if body.get("top_k") is not None:
         _fail(endpoint, f"'top_k' is not supported (got {body['top_k']!r}); leave it out, use temperature and top_p")
     if body.get("stream") not in (None, True, False):
@@ -152,11 +160,12 @@ def _chat_messages(messages: Any, endpoint: str) -> list[dict]:
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         role = message.get("role") if isinstance(message, dict) else None
-        if role not in ("user", "assistant"):
-            _fail(endpoint, f"'{where}.role' must be \"user\" or \"assistant\", got {role!r} "
-                            "(the system prompt is the top-level 'system' field)")
+        if role not in ("user", "assistant", "system"):
+            _fail(endpoint, f"'{where}.role' must be \"user\", \"assistant\" or \"system\", got {role!r}")
         content = message.get("content")
-        if isinstance(content, str):
+        if role == "system":  # a system message within the conversation (Claude Code sends them)
+            out.append({"role": "system", "content": _texts(content, f"{where}.content", endpoint)})
+        elif isinstance(content, str):
             out.append({"role": role, "content": content})
         elif isinstance(content, list):
             out += (_user_messages if role == "user" else _assistant_messages)(content, f"{where}.content", endpoint)
