@@ -91,8 +91,7 @@ class AnthropicEndpoints:
         prompt_ids, _ = chat_prompt_ids(tokenizer, asked.messages, asked.tools, previous)
         sampling = dataclasses.replace(asked.sampling, max_tokens=self._room(asked.sampling.max_tokens, len(prompt_ids)))
         output = await openai._generate(request, prompt_ids, sampling)
-        cut = cut_at_stop_sequences(output, asked.stop_sequences,
-                                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        cut = cut_at_stop_sequences(output, asked.stop_sequences, self._reply_text)
         output = cut.output
         parsed = self._parse(cut.text, asked)
         if session_id:  # recorded as the chat route records it: its reply is the OpenAI message
@@ -117,6 +116,10 @@ class AnthropicEndpoints:
         return _json(200, {"input_tokens": len(prompt_ids)})
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _reply_text(self, output_ids: list[int]) -> str:
+        """Generated ids -> the reply's text, decoded as the chat route decodes it (one decoding for both)."""
+        return self.server.tokenizer.decode(list(output_ids), skip_special_tokens=True)
 
     def _parse(self, text: str, asked: MessagesRequest) -> ParsedToolCalls:
         if asked.tools and asked.use_tools:
