@@ -21,10 +21,11 @@ connection, blocking work (generation, weight loads) runs in worker threads. The
 - `/health` answers 503 when the engine has made no progress for `stall_timeout_s`.
 
 Authentication: every mutating endpoint (weight updates, the shared-memory handshake, pause,
-continue, abort, flush) needs `Authorization: Bearer <key>` (401 when missing, 403 when wrong, compared
-with `hmac.compare_digest`). A server that takes weight updates always has a key (a random one
-when none is given, `api_key`); one started with `weight_updates=False` refuses the weight
-endpoints, and without a key every mutating endpoint. Generation and the reads stay open.
+continue, abort, flush) needs `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic clients'
+header) (401 when missing, 403 when wrong, compared with `hmac.compare_digest`). A server that takes
+weight updates always has a key (a random one when none is given, `api_key`); one started with
+`weight_updates=False` refuses the weight endpoints, and without a key every mutating endpoint.
+Generation and the reads stay open.
 
 Endpoints (SGLang's names unless marked stacx; the schema is at GET /openapi.json):
   GET  /health, /health_generate        200 when the engine can serve, 503 when it is wedged
@@ -50,6 +51,9 @@ Endpoints (SGLang's names unless marked stacx; the schema is at GET /openapi.jso
   POST /stacx/sessions/ID                (stacx) open a session for one episode -> its secret (the
                                          session's prefix becomes /sessions/ID/SECRET)
   GET, DELETE /stacx/sessions/ID         (stacx) a session's recorded turns (DELETE: and forget them)
+  POST [/sessions/ID]/v1/messages, [/sessions/ID]/v1/messages/count_tokens
+                                         Anthropic's Messages API (anthropic_endpoints.py), recorded
+                                         like the OpenAI routes
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stacx.rollout.engines.aborts import AbortBook
+from stacx.rollout.engines.anthropic_endpoints import AnthropicEndpoints
 from stacx.rollout.engines.cpu import GenerationCancelled
 from stacx.rollout.engines.http import BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_RELEASE_ENDPOINT, SHM_STAGING_ENDPOINT
 from stacx.rollout.engines.http_guard import (
@@ -80,6 +85,7 @@ from stacx.rollout.engines.http_guard import (
     ServerLimits,
     check_bearer_token,
     guarded_h11_protocol,
+    presented_authorization,
 )
 from stacx.rollout.engines.openai_endpoints import OpenAIEndpoints
 from stacx.rollout.engines.openai_errors import is_openai_path, openai_error_body
@@ -393,6 +399,7 @@ def build_app(server: EngineHttpServer) -> FastAPI:
     ]
     server.openai = OpenAIEndpoints(server, endpoints._json)
     routes += server.openai.routes(json_body)
+    routes += AnthropicEndpoints(server.openai).routes(json_body)
     for methods, path, handler, summary, extra in routes:
         app.add_api_route(path, endpoints.answering(handler), methods=list(methods), summary=summary,
                           name=path.strip("/").replace("/", "_"), openapi_extra=extra,
@@ -436,8 +443,10 @@ class _Endpoints:
             path = request.url.path
             headers: dict = {}
             try:
-                server.check_access(path, request.headers.get("authorization"))
+                server.check_access(path, presented_authorization(request.headers))
                 status, body = await handler(request)
+                if isinstance(body, Response):  # answered already (an event stream, another API's schema)
+                    return body
             except GenerationCancelled:
                 logger.info("%s %s: the client disconnected; generation stopped", request.method, path)
                 status, body, headers = 503, {"error": "the client disconnected"}, {"Connection": "close"}
