@@ -47,10 +47,14 @@ class ServerLimits:
     """`/generate` calls admitted at once (running or waiting for the engine); more get 503."""
     stall_timeout_s: float = 300.0
     """`/health` reports the engine wedged when a call made no progress for this long."""
+    max_chars_per_token: int = 32
+    """A request's text (a `/generate` prompt, a chat's messages and tools) longer than this many characters per
+    token of the model's context is refused (400) before it is tokenized: it cannot fit the context (the longest
+    tokens of common vocabularies are 16-32 characters), and tokenizing 10 MB took seconds and gigabytes."""
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_weight_body_bytes", "max_connections", "max_requests_per_client",
-                     "max_queued_requests"):
+                     "max_queued_requests", "max_chars_per_token"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerLimits.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("read_timeout_s", "keep_alive_timeout_s", "stall_timeout_s"):

@@ -81,7 +81,7 @@ from stacx.rollout.engines.http_guard import (
     guarded_h11_protocol,
 )
 from stacx.rollout.engines.openai_endpoints import OpenAIEndpoints
-from stacx.rollout.engines.request_bodies import content_length, read_body_into, read_json
+from stacx.rollout.engines.request_bodies import check_text_budget, content_length, read_body_into, read_json
 from stacx.rollout.engines.sglang_protocol import parse_abort_payload, parse_generate_payload, render_generate_item
 from stacx.rollout.engines.weight_versions import StaleWeightsError, WeightVersionGate
 from stacx.rollout.engines.request_batching import GenerateBatcher
@@ -124,6 +124,10 @@ class PauseGate:
         return self._open.wait(timeout_s)
 
 
+DEFAULT_CONTEXT_FOR_TEXT_BOUND = 32768
+"""The context length the text bound assumes for an engine that does not say its own."""
+
+
 def weight_body_limit(engine, limits: ServerLimits) -> int:
     """The largest weight body this server reads: the model's parameter bytes plus a header
     (`max_bucket_body_bytes`), never more than `limits.max_weight_body_bytes`."""
@@ -161,6 +165,9 @@ class EngineHttpServer:
         self.pause_timeout_s = pause_timeout_s
         self.limits = limits
         self.weight_body_limit = weight_body_limit(engine, limits)
+        context = getattr(engine, "context_length", None) or DEFAULT_CONTEXT_FOR_TEXT_BOUND
+        self.max_text_chars = limits.max_chars_per_token * context
+        """Characters of text one request may carry into the tokenizer (ServerLimits.max_chars_per_token)."""
         self.versions = WeightVersionGate()
         self.connections = ConnectionCounter(limits.max_connections)
         self._admitted = 0
@@ -472,7 +479,11 @@ class _Endpoints:
 
     async def generate(self, request: Request):
         server = self.server
-        requests, is_batch = parse_generate_payload(await self._json(request), server.tokenizer)
+        payload = await self._json(request)
+        if isinstance(payload, dict) and payload.get("text") is not None:
+            check_text_budget(payload["text"], server.max_text_chars, "/generate: 'text'")
+        # Tokenizing (and checking a long id list) runs off the event loop: /health and every other request go on.
+        requests, is_batch = await anyio.to_thread.run_sync(parse_generate_payload, payload, server.tokenizer)
         outputs = await server.run_engine(request, requests)
         items = [render_generate_item(o, r, r.rid or uuid.uuid4().hex, server.tokenizer)
                  for o, r in zip(outputs, requests)]
