@@ -17,7 +17,7 @@ import subprocess
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from stacx.sandbox.limits import SandboxLimits
@@ -125,11 +125,25 @@ class Launch:
     """How to start one sandboxed command: the launcher's argv, and how to learn its namespace's init."""
 
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    """The launcher's whole environment: never the host's, since a launcher's environment can be read from
+    inside the sandbox (bwrap's own init is the sandbox's PID 1, and keeps it as /proc/1/environ)."""
+    executable: Optional[str] = None
+    """The program to execute when argv[0] is only the name the sandbox sees (/proc/1/cmdline)."""
+    user: Optional[int] = None
+    """Host uid (and gid, without supplementary groups) the launcher runs as; None: this process's."""
     pass_fds: tuple[int, ...] = ()
     """File descriptors the launcher inherits (closed here once it started)."""
     read_init_pid: Optional[Callable[[], Optional[int]]] = None
     """Called once the launcher started: the host PID of the sandbox's PID-namespace init, for a launcher that
     may exit before its namespace is gone (bwrap); None for one that waits for it (unshare --fork)."""
+
+
+def as_user(uid: Optional[int]) -> dict:
+    """Popen arguments that run the child as `uid` (gid the same, no supplementary groups): set in the child
+    before it executes anything (setregid, setgroups, setreuid), so real, effective and saved ids all change
+    and a root parent's capabilities are gone."""
+    return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
 
 
 def _open_init(launch: Launch) -> Optional[int]:
@@ -164,9 +178,10 @@ def run_launcher(launch: Launch, limits: SandboxLimits, *, stdin: Optional[bytes
     """
     started = time.monotonic()
     try:
-        process = subprocess.Popen(launch.argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        process = subprocess.Popen(launch.argv, executable=launch.executable, env=launch.env,
+                                   stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                   pass_fds=launch.pass_fds)
+                                   pass_fds=launch.pass_fds, **as_user(launch.user))
     finally:
         for fd in launch.pass_fds:
             os.close(fd)
