@@ -7,9 +7,11 @@ The kernel enforces both bounds: a write past `SandboxLimits.max_disk_bytes` fai
 so does creating a file past `max_inodes`, whatever process writes (the bounds hold across the
 session's commands, since the tmpfs outlives them). Mounting needs CAP_SYS_ADMIN on the host: a root
 host process (the common case, a trainer in a container) has it; elsewhere `mount` returns None and
-the session lives in an ordinary folder, bounded only per file (RLIMIT_FSIZE) and per snapshot
-(working_copy.SnapshotBounds). The tmpfs is memory-backed: its size is the most RAM (or swap) a session
-can hold in files.
+the session lives in an ordinary folder and the bounds are measured instead (`over_bounds`): the
+host walks the session's folder every WATCH_INTERVAL_S while a command runs and once when it ends, and
+kills the command's tree once either bound is passed. A measured bound can be overshot by what a
+command writes between two walks (each file stays bounded by RLIMIT_FSIZE); the tmpfs's cannot. The
+tmpfs is memory-backed: its size is the most RAM (or swap) a session can hold in files.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from stacx.sandbox.limits import SandboxLimits
 
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
-FOLDER_INODES = 16
-"""Inodes the session's own folders use (root, workspace, tmp, shm...), added to `max_inodes`."""
+WATCH_INTERVAL_S = 0.25
+"""How often a measured bound is checked while a command runs."""
+
+FOLDER_INODES = 5
+"""Inodes of the session's own folders (the tmpfs root, workspace, root, tmp, shm), added to `max_inodes`."""
 
 
 def _libc():
@@ -60,3 +65,29 @@ class SessionDisk:
         if self._mounted:
             self._mounted = False
             _libc().umount2(os.fsencode(self.directory), _MNT_DETACH)
+
+
+def usage(folder: Path) -> tuple[int, int]:
+    """(bytes allocated, entries) under `folder`, links not followed (bytes from st_blocks: a sparse file
+    counts what it holds, as on a tmpfs)."""
+    allocated = entries = 0
+    for parent, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            try:
+                info = os.lstat(os.path.join(parent, name))
+            except OSError:
+                continue  # removed while walking
+            entries += 1
+            allocated += info.st_blocks * 512
+    return allocated, entries
+
+
+def over_bounds(folder: Path, limits: SandboxLimits) -> Optional[str]:
+    """Why `folder` is past the session's bounds (naming the SandboxLimits field), or None."""
+    allocated, entries = usage(folder)
+    if allocated > limits.max_disk_bytes:
+        return (f"the session holds {allocated} bytes on disk, over SandboxLimits.max_disk_bytes = "
+                f"{limits.max_disk_bytes}")
+    if entries > limits.max_inodes:
+        return f"the session holds {entries} files and folders, over SandboxLimits.max_inodes = {limits.max_inodes}"
+    return None

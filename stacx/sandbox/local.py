@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from stacx.sandbox.disk import SessionDisk
+from stacx.sandbox.disk import WATCH_INTERVAL_S, SessionDisk, over_bounds
 from stacx.sandbox.limits import SandboxLimits
 from stacx.sandbox.process import Launch, RunSlots, kill_tree, run_launcher
 from stacx.sandbox.protocol import ClosedOnExit, Command, RunResult, SandboxClosedError, SandboxUnavailableError, Source
@@ -103,7 +103,15 @@ class LocalSession(ClosedOnExit):
         with self._sandbox.slots.slot():
             launch = self._sandbox.launch(self, as_argv(command), limits)
             launch.user = sandbox_user()
-            return run_launcher(launch, limits, stdin=stdin, on_start=self._started, on_exit=self._exited)
+            return run_launcher(launch, limits, stdin=stdin, on_start=self._started, on_exit=self._exited,
+                                watch=self._measured_bounds(), watch_interval_s=WATCH_INTERVAL_S)
+
+    def _measured_bounds(self):
+        """Without a bounded tmpfs, the session's bounds are measured while each command runs (disk.over_bounds)."""
+        if self.disk is not None:
+            return None
+        bounds = self._sandbox.default_limits
+        return lambda: over_bounds(self.directory, bounds)
 
     def _started(self, process: subprocess.Popen) -> None:
         with self._lock:

@@ -170,11 +170,14 @@ def _end_init(pidfd: int) -> None:
 
 
 def run_launcher(launch: Launch, limits: SandboxLimits, *, stdin: Optional[bytes] = None,
-                 on_start=None, on_exit=None) -> RunResult:
+                 on_start=None, on_exit=None, watch: Optional[Callable[[], Optional[str]]] = None,
+                 watch_interval_s: float = 0.25) -> RunResult:
     """Run the launcher under the host-side limits (wall time, output cap) and collect its result; when it
     returns, nothing of the sandbox's process tree is left.
 
     on_start(process) / on_exit(process) let a session track its live launchers so `close()` can kill them.
+    watch(), called every `watch_interval_s` while the command runs and once after, returns why the command
+    must end (a measured bound passed) or None: the tree is killed, the run is `killed`, the reason ends stderr.
     """
     started = time.monotonic()
     try:
@@ -194,7 +197,9 @@ def run_launcher(launch: Launch, limits: SandboxLimits, *, stdin: Optional[bytes
         outputs = {process.stdout: bytearray(), process.stderr: bytearray()}
         cap = int(limits.max_output_bytes)
         timed_out = truncated = False
+        stopped: Optional[str] = None
         deadline = started + float(limits.wall_time_s)
+        next_watch = started + watch_interval_s
         with selectors.DefaultSelector() as selector:
             for pipe in outputs:
                 os.set_blocking(pipe.fileno(), False)
@@ -204,7 +209,13 @@ def run_launcher(launch: Launch, limits: SandboxLimits, *, stdin: Optional[bytes
                 if remaining <= 0:
                     timed_out = True
                     break
-                for key, _ in selector.select(timeout=remaining):
+                if watch is not None and time.monotonic() >= next_watch:
+                    stopped = watch()
+                    if stopped:
+                        break
+                    next_watch = time.monotonic() + watch_interval_s
+                wait = remaining if watch is None else max(0.0, min(remaining, next_watch - time.monotonic()))
+                for key, _ in selector.select(timeout=wait):
                     chunk = key.fileobj.read(_READ_CHUNK)
                     if not chunk:
                         selector.unregister(key.fileobj)
@@ -215,7 +226,7 @@ def run_launcher(launch: Launch, limits: SandboxLimits, *, stdin: Optional[bytes
                     kept += chunk[: max(0, cap - len(kept))]
                 if truncated:
                     break
-        killed = timed_out or truncated
+        killed = timed_out or truncated or bool(stopped)
         if killed:
             kill_tree(process)
         try:
@@ -224,9 +235,15 @@ def run_launcher(launch: Launch, limits: SandboxLimits, *, stdin: Optional[bytes
             kill_tree(process)
             returncode = process.wait()
             killed = timed_out = True
+        if watch is not None and not stopped:
+            stopped = watch()
+            killed = killed or bool(stopped)
         exit_code = None if killed else (128 - returncode if returncode < 0 else returncode)
+        stderr = bytes(outputs[process.stderr]).decode("utf-8", "replace")
+        if stopped:
+            stderr += f"\nsandbox: the command was ended: {stopped}\n"
         return RunResult(exit_code=exit_code, stdout=bytes(outputs[process.stdout]).decode("utf-8", "replace"),
-                         stderr=bytes(outputs[process.stderr]).decode("utf-8", "replace"), timed_out=timed_out,
+                         stderr=stderr, timed_out=timed_out,
                          killed=killed, output_truncated=truncated, duration_s=time.monotonic() - started)
     finally:
         for pipe in (process.stdout, process.stderr):

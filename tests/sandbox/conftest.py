@@ -9,7 +9,7 @@ from stacx.sandbox import SandboxConfig, SandboxLimits, build_sandbox
 from stacx.sandbox.server import create_app
 
 TIGHT = SandboxLimits(wall_time_s=10, cpu_time_s=2, memory_bytes=256 << 20, max_processes=32,
-                      max_file_bytes=1 << 20, max_output_bytes=64 << 10)
+                      max_file_bytes=1 << 20, max_output_bytes=64 << 10, max_disk_bytes=8 << 20, max_inodes=2000)
 """Each escape attempt's limits: tight, so the whole file stays fast. The wall time is a guard for attempts
 that end on their own (it includes the sandbox's start-up, slow on a loaded machine); the attempts that run
 until the wall time kills them use test_escapes.SHORT."""
@@ -85,3 +85,16 @@ def processes_with(token: str) -> list[int]:
         except OSError:
             continue
     return found
+
+
+@pytest.fixture(params=["namespace-tmpfs", "namespace-measured", "bubblewrap-tmpfs", "bubblewrap-measured"])
+def bounded_sandbox(request, monkeypatch):
+    """The local backends with each way a session's disk and inode bounds are kept: the kernel's (a bounded
+    tmpfs, where the host may mount: root here and in CI) and the measured one (every other host; forced here
+    by refusing the mount)."""
+    backend, bound = request.param.split("-")
+    if bound == "measured":
+        monkeypatch.setattr("stacx.sandbox.local.SessionDisk.mount", lambda *args, **kwargs: None)
+    sandbox = build_sandbox(SandboxConfig(backend=backend, limits=TIGHT))
+    sandbox.bound = bound
+    return sandbox

@@ -7,13 +7,21 @@ file that must not exist, a listening socket that must not get a connection, a p
 be alive), not only from what the command reports.
 """
 
+import functools
+import gzip
+import io
 import os
+import shutil
 import socket
+import tarfile
 import threading
 import time
 import uuid
 
-from stacx.sandbox import SandboxLimits
+import pytest
+
+from stacx.sandbox import SandboxConfig, SandboxLimits, build_sandbox
+from stacx.sandbox.disk import usage
 
 from tests.sandbox.conftest import TIGHT, processes_with
 
@@ -150,3 +158,117 @@ def test_a_child_left_running_is_killed_with_its_command(sandbox, repo):
         runner.join(timeout=30)
     assert not runner.is_alive() and box["result"].exit_code != 0
     assert processes_with(token) == []
+
+
+def test_proc_1_shows_no_host_environment_and_no_host_path(sandbox, repo, monkeypatch):
+    # bwrap's own init is the sandbox's PID 1: it kept the launcher's environment (the trainer's tokens) and
+    # its argv (the venv's and the working copy's host paths).
+    monkeypatch.setenv("STACX_TEST_HOST_TOKEN", "HOST-TOKEN-93e1")
+    with sandbox.create(repo) as session:
+        result = session.run("for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ; tr '\\0' ' ' < $p/cmdline; "
+                             "echo; done; env")
+    seen = result.stdout + result.stderr
+    assert result.ok and "PATH=" in seen and "sh -c" in seen, result  # it did read them
+    assert "HOST-TOKEN" not in seen
+    host_paths = [str(repo.parent), "stacx-sandbox-", "stacx-bwrap-", "site-packages", os.getcwd()]
+    assert not [path for path in host_paths if path in seen], seen
+
+
+def test_dev_shm_is_bounded(local_sandbox, repo):
+    with local_sandbox.create(repo) as session:
+        result = session.run("for i in $(seq 1 40); do head -c 1000000 /dev/zero > /dev/shm/f$i || break; done; "
+                             "cat /dev/shm/f* 2>/dev/null | wc -c")
+    assert int(result.stdout) <= TIGHT.max_disk_bytes, result  # bwrap's unbounded /dev took all 40 MB
+
+
+def test_writing_past_the_session_disk_cap_fails(bounded_sandbox, repo):
+    with bounded_sandbox.create(repo) as session:
+        result = session.run("for i in $(seq 1 12); do head -c 1000000 /dev/zero > f$i || exit 7; done; "
+                             "echo WROTE; sleep 5")
+        used, _ = usage(session.directory)
+    assert not result.ok and "WROTE" not in result.stdout, result
+    if bounded_sandbox.bound == "tmpfs":  # the kernel refuses the write itself
+        assert result.exit_code == 7 and "No space left on device" in result.stderr, result
+        assert used <= TIGHT.max_disk_bytes
+    else:  # measured: the command is ended once a walk sees the bound passed
+        assert result.killed and "SandboxLimits.max_disk_bytes = 8388608" in result.stderr, result
+
+
+def test_creating_past_the_session_inode_cap_fails(bounded_sandbox, repo):
+    creator = ("import os, time\n"
+               "n = 0\n"
+               "try:\n"
+               "    for n in range(3000):\n"
+               "        open(f'f{n}', 'w').close()\n"
+               "    print('CREATED', flush=True)\n"
+               "except OSError as err:\n"
+               "    print('REFUSED', n, err, flush=True); raise SystemExit(7)\n"
+               "time.sleep(5)\n")
+    with bounded_sandbox.create(repo) as session:
+        result = session.run(["python3", "-c", creator])
+    assert not result.ok and "CREATED" not in result.stdout, result
+    if bounded_sandbox.bound == "tmpfs":
+        assert result.exit_code == 7 and "No space left on device" in result.stdout, result
+        assert int(result.stdout.split()[1]) + len(list(repo.iterdir())) <= TIGHT.max_inodes
+    else:
+        assert result.killed and "SandboxLimits.max_inodes = 2000" in result.stderr, result
+
+
+def _gzip_tar_bomb(member_bytes: int) -> bytes:
+    """A .tar.gz of one member of `member_bytes` zeros, about member_bytes / 1000 bytes: gzip members of a
+    compressed MiB of zeros, concatenated (a valid gzip stream)."""
+    header = tarfile.TarInfo("bomb.bin")
+    header.size = member_bytes
+    mib = gzip.compress(bytes(1 << 20), compresslevel=9)
+    assert member_bytes % (1 << 20) == 0
+    return gzip.compress(header.tobuf()) + mib * (member_bytes >> 20) + gzip.compress(bytes(1024))
+
+
+def test_a_tar_bomb_is_refused_before_it_is_unpacked(sandbox):
+    bomb = _gzip_tar_bomb(1025 << 20)  # past the default 1 GiB too (the remote server's bound)
+    assert len(bomb) < 2 << 20
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"over SandboxLimits.max_disk_bytes = \d+ \(refused before unpacking\)"):
+        sandbox.create(bomb)
+    assert time.monotonic() - started < 10  # refused at the header: 1 GiB was never inflated
+
+
+@functools.lru_cache(maxsize=None)
+def _many_members(count: int) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for n in range(count):
+            archive.addfile(tarfile.TarInfo(f"f{n}"), io.BytesIO(b""))
+    return buffer.getvalue()
+
+
+def test_a_snapshot_with_too_many_members_is_refused_and_nothing_is_written(local_sandbox, tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    sandbox = build_sandbox(SandboxConfig(backend=local_sandbox.name, limits=TIGHT, scratch_dir=str(scratch)))
+    with pytest.raises(ValueError, match="more members than 2000, over SandboxLimits.max_inodes"):
+        sandbox.create(_many_members(TIGHT.max_inodes + 100))
+    assert list(scratch.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the launcher drops to uid 65534 only when the host runs as root")
+def test_bubblewrap_runs_as_root_from_a_private_0700_folder(tmp_path, repo, monkeypatch):
+    # A project (and its venv's bwrap and bundled libcap) under a 0700 folder such as /root: uid 65534, which
+    # the launcher runs as, cannot reach them.
+    from stacx.sandbox.bubblewrap import find_bwrap, SYSTEM_PREFIXES, _libraries
+    private = tmp_path / "private"
+    real = os.path.realpath(find_bwrap())
+    files = [real] + [lib for lib in _libraries(real) if not lib.startswith(SYSTEM_PREFIXES)]
+    base = os.path.commonpath([os.path.dirname(path) for path in files])
+    for path in files:
+        target = private / "venv" / os.path.relpath(path, base)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+    private.chmod(0o700)
+    copied = str(private / "venv" / os.path.relpath(real, base))
+    monkeypatch.setattr("stacx.sandbox.bubblewrap.find_bwrap", lambda: copied)
+    sandbox = build_sandbox(SandboxConfig(backend="bubblewrap", limits=TIGHT))
+    assert not sandbox.bwrap.startswith(str(private))  # it runs a copy the sandbox user can reach
+    with sandbox.create(repo) as session:
+        result = session.run("python3 hello.py; id -u")
+    assert result.ok and result.stdout.split("\n")[:2] == ["hello from the repo", "65534"], result
