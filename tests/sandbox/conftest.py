@@ -1,3 +1,4 @@
+import contextlib
 import os
 import threading
 import time
@@ -22,12 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def sandbox_server():
-    """A reference sandbox server (namespace backend) in this process; yields its URL once /health answers."""
+@contextlib.contextmanager
+def serving(app):
+    """Serve the ASGI `app` on a free loopback port in this process; yields its URL once /health answers."""
     import requests
     port = free_port()
-    app = create_app(build_sandbox(SandboxConfig(backend="namespace", max_concurrent_runs=4)), api_key="test-key")
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -41,9 +41,19 @@ def sandbox_server():
             pass
         assert time.monotonic() < deadline, "the sandbox server did not answer /health within 20 s"
         time.sleep(0.05)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def sandbox_server():
+    """A reference sandbox server (namespace backend) in this process; yields its URL once /health answers."""
+    app = create_app(build_sandbox(SandboxConfig(backend="namespace", max_concurrent_runs=4)), api_key="test-key")
+    with serving(app) as url:
+        yield url
 
 
 @pytest.fixture(params=["namespace", "bubblewrap", "remote"])

@@ -22,8 +22,9 @@ import pytest
 
 from stacx.sandbox import SandboxConfig, SandboxLimits, build_sandbox
 from stacx.sandbox.disk import usage
+from stacx.sandbox.server import create_app
 
-from tests.sandbox.conftest import TIGHT, processes_with
+from tests.sandbox.conftest import TIGHT, processes_with, serving
 
 SHORT = SandboxLimits(**{**TIGHT.to_dict(), "wall_time_s": 0.5})
 """For the attempts that run until the wall time kills them."""
@@ -272,3 +273,28 @@ def test_bubblewrap_runs_as_root_from_a_private_0700_folder(tmp_path, repo, monk
     with sandbox.create(repo) as session:
         result = session.run("python3 hello.py; id -u")
     assert result.ok and result.stdout.split("\n")[:2] == ["hello from the repo", "65534"], result
+
+
+def test_a_chunked_upload_is_refused_once_past_the_limit_without_being_read_whole():
+    import requests
+    app = create_app(build_sandbox(SandboxConfig(backend="namespace", limits=TIGHT)), api_key="k",
+                     max_upload_bytes=4 << 20)
+    sent = []
+
+    def three_hundred_mb():  # no Content-Length: requests sends a generator chunked
+        for _ in range(300):
+            sent.append(1 << 20)
+            yield bytes(1 << 20)
+
+    with serving(app) as url:
+        try:
+            answer = requests.post(f"{url}/sessions", data=three_hundred_mb(), timeout=60,
+                                   headers={"Authorization": "Bearer k"})
+            assert answer.status_code == 413 and "4194304-byte limit" in answer.text, answer.text
+        except requests.ConnectionError:
+            pass  # the server answered 413 and closed the connection while the client was still sending
+        declared = requests.post(f"{url}/sessions", data=bytes(5 << 20), headers={"Authorization": "Bearer k"},
+                                 timeout=60)
+        assert declared.status_code == 413
+    # The server stopped reading at the limit: the client could push only that and the sockets' buffers.
+    assert sum(sent) < 64 << 20, sum(sent)
