@@ -45,11 +45,12 @@ class SandboxLimits:
     max_open_files: int = 256
     """File descriptors per process (RLIMIT_NOFILE)."""
     max_disk_bytes: int = 1 << 30
-    """Bytes a session may hold on disk: its working copy, /tmp and /dev/shm together (a snapshot larger than
-    this is refused before it is unpacked). Read from the sandbox's default limits when a session is created."""
+    """Bytes a session may hold on disk: its working copy, and /tmp and /dev/shm where they are the session's
+    (a snapshot larger than this is refused before it is unpacked; stacx.sandbox.disk says how the rest is
+    kept). Read from the sandbox's default limits when a session is created."""
     max_inodes: int = 100_000
-    """Files and folders a session may hold: working copy, /tmp and /dev/shm together (a snapshot with more
-    members is refused before it is unpacked). Read from the sandbox's default limits when a session is created."""
+    """Files and folders a session may hold, counted as `max_disk_bytes` is (a snapshot with more members is
+    refused before it is unpacked). Read from the sandbox's default limits when a session is created."""
 
     def __post_init__(self) -> None:
         for field in fields(self):
