@@ -63,7 +63,10 @@ _staged_lock = threading.Lock()
 
 def _libraries(program: str) -> list[str]:
     """Absolute real paths of the shared libraries `program` loads (from ldd)."""
-    listing = subprocess.run(["ldd", program], capture_output=True, text=True, timeout=30, env=dict(SANDBOX_ENV))
+    try:
+        listing = subprocess.run(["ldd", program], capture_output=True, text=True, timeout=30, env=dict(SANDBOX_ENV))
+    except (OSError, subprocess.TimeoutExpired):
+        return []  # no ldd here: the program alone is staged, and the probe names a library it then misses
     found = []
     for line in listing.stdout.splitlines():
         target = line.split("=>", 1)[1].strip() if "=>" in line else line.strip()

@@ -11,7 +11,9 @@ the session lives in an ordinary folder and the bounds are measured instead (`ov
 host walks the session's folder every WATCH_INTERVAL_S while a command runs and once when it ends, and
 kills the command's tree once either bound is passed. A measured bound can be overshot by what a
 command writes between two walks (each file stays bounded by RLIMIT_FSIZE); the tmpfs's cannot. The
-tmpfs is memory-backed: its size is the most RAM (or swap) a session can hold in files.
+tmpfs is memory-backed: its size is the most RAM (or swap) a session can hold in files. A session
+closed normally unmounts it; a host process killed with SIGKILL leaves its sessions' tmpfs mounted
+(`grep stacx-sandbox /proc/mounts` lists them; `umount -l` each).
 """
 
 from __future__ import annotations

@@ -81,8 +81,8 @@ class LocalSession(ClosedOnExit):
         self._lock = threading.Lock()
         self._closed = False
         self.disk: Optional[SessionDisk] = None
-        """The session's bounded tmpfs, or None where the host may not mount (then only the snapshot and each
-        file are bounded)."""
+        """The session's bounded tmpfs, or None where the host may not mount (then the bounds are measured while
+        each command runs)."""
         limits = sandbox.default_limits
         try:
             self.disk = SessionDisk.mount(self.directory, limits, owner=sandbox_user())
