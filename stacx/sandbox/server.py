@@ -190,8 +190,19 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="where the generated key is written (mode 0600; removed when the server stops); default: "
                              "stacx-sandbox-PORT.key in $XDG_RUNTIME_DIR, else in a private stacx-UID folder of the "
                              "temp folder")
+    bounds = SandboxLimits()
+    parser.add_argument("--max-disk-bytes", type=int, default=bounds.max_disk_bytes,
+                        help="bytes a session may hold; a larger snapshot is refused before it is unpacked "
+                             "(SandboxLimits.max_disk_bytes, default: %(default)s)")
+    parser.add_argument("--max-inodes", type=int, default=bounds.max_inodes,
+                        help="files and folders a session may hold (SandboxLimits.max_inodes, default: %(default)s)")
     args = parser.parse_args(argv)
-    sandbox = build_sandbox(SandboxConfig(backend=args.backend, max_concurrent_runs=args.max_concurrent_runs))
+    try:
+        limits = SandboxLimits(max_disk_bytes=args.max_disk_bytes, max_inodes=args.max_inodes)
+    except ValueError as err:
+        parser.error(str(err))
+    sandbox = build_sandbox(SandboxConfig(backend=args.backend, max_concurrent_runs=args.max_concurrent_runs,
+                                          limits=limits))
     api_key, key_file = server_api_key(args, parser)
     if key_file is not None:
         print(f"stacx sandbox server: clients need the generated bearer key in {key_file} (mode 0600): set "

@@ -26,8 +26,8 @@ class SnapshotTooLargeError(ValueError):
     """A snapshot past the session's disk or inode bound; the message names the SandboxLimits field."""
 
 
-def _too_large(what: str, count: int, field: str, bound: int) -> SnapshotTooLargeError:
-    return SnapshotTooLargeError(f"the working-copy snapshot has {what} {count}, over SandboxLimits.{field} = {bound} "
+def _too_large(amount: str, field: str, bound: int) -> SnapshotTooLargeError:
+    return SnapshotTooLargeError(f"the working-copy snapshot holds {amount}, over SandboxLimits.{field} = {bound} "
                                  f"(refused before unpacking); raise sandbox.limits.{field} for a larger repository")
 
 
@@ -48,9 +48,9 @@ def _checked_members(archive: tarfile.TarFile, limits: Optional[SandboxLimits]) 
         members.append(member)
         total += member.size if member.isfile() else 0
         if limits is not None and len(members) > limits.max_inodes:
-            raise _too_large("more members than", limits.max_inodes, "max_inodes", limits.max_inodes)
+            raise _too_large(f"more than {limits.max_inodes} members", "max_inodes", limits.max_inodes)
         if limits is not None and total > limits.max_disk_bytes:
-            raise _too_large("at least bytes", total, "max_disk_bytes", limits.max_disk_bytes)
+            raise _too_large(f"at least {total} bytes", "max_disk_bytes", limits.max_disk_bytes)
     return members
 
 
@@ -73,11 +73,11 @@ def _check_folder(path: Path, limits: SandboxLimits) -> None:
     for parent, dirs, files in os.walk(path):
         entries += len(dirs) + len(files)
         if entries > limits.max_inodes:
-            raise _too_large("more entries than", limits.max_inodes, "max_inodes", limits.max_inodes)
+            raise _too_large(f"more than {limits.max_inodes} files and folders", "max_inodes", limits.max_inodes)
         for name in files:
             total += os.lstat(os.path.join(parent, name)).st_size
         if total > limits.max_disk_bytes:
-            raise _too_large("at least bytes", total, "max_disk_bytes", limits.max_disk_bytes)
+            raise _too_large(f"at least {total} bytes", "max_disk_bytes", limits.max_disk_bytes)
 
 
 def make_working_copy(source: Source, destination: Path, limits: Optional[SandboxLimits] = None) -> None:

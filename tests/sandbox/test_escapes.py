@@ -192,7 +192,8 @@ def test_writing_past_the_session_disk_cap_fails(bounded_sandbox, repo):
         used, _ = usage(session.directory)
     assert not result.ok, result
     if bounded_sandbox.bound == "tmpfs":  # the kernel refuses the write itself
-        assert result.exit_code == 7 and "WROTE" not in result.stdout and "No space left on device" in result.stderr, result
+        assert result.exit_code == 7 and "WROTE" not in result.stdout, result
+        assert "No space left on device" in result.stderr, result
         assert used <= TIGHT.max_disk_bytes
     else:  # measured: the command is ended once a walk sees the bound passed (the writes themselves may succeed)
         assert result.killed and "SandboxLimits.max_disk_bytes = 8388608" in result.stderr, result
@@ -213,7 +214,7 @@ def test_creating_past_the_session_inode_cap_fails(bounded_sandbox, repo):
         result = session.run(["python3", "-c", creator], PATIENT)
     assert not result.ok, result
     if bounded_sandbox.bound == "tmpfs":
-        assert result.exit_code == 7 and "CREATED" not in result.stdout and "No space left on device" in result.stdout, result
+        assert result.exit_code == 7 and "No space left on device" in result.stdout, result
         assert int(result.stdout.split()[1]) + len(list(repo.iterdir())) <= TIGHT.max_inodes
     else:
         assert result.killed and "SandboxLimits.max_inodes = 2000" in result.stderr, result
@@ -234,7 +235,8 @@ def test_a_tar_bomb_is_refused_before_it_is_unpacked(sandbox):
     bomb = _gzip_tar_bomb(1025 << 20)  # past the default 1 GiB too (the remote server's bound)
     assert len(bomb) < 2 << 20
     started = time.monotonic()
-    with pytest.raises(ValueError, match=r"over SandboxLimits.max_disk_bytes = \d+ \(refused before unpacking\)"):
+    refusal = r"holds at least \d+ bytes, over SandboxLimits.max_disk_bytes = \d+ \(refused before unpacking\)"
+    with pytest.raises(ValueError, match=refusal):
         sandbox.create(bomb)
     assert time.monotonic() - started < 10  # refused at the header: 1 GiB was never inflated
 
@@ -252,7 +254,7 @@ def test_a_snapshot_with_too_many_members_is_refused_and_nothing_is_written(loca
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     sandbox = build_sandbox(SandboxConfig(backend=local_sandbox.name, limits=TIGHT, scratch_dir=str(scratch)))
-    with pytest.raises(ValueError, match="more members than 2000, over SandboxLimits.max_inodes"):
+    with pytest.raises(ValueError, match="holds more than 2000 members, over SandboxLimits.max_inodes = 2000"):
         sandbox.create(_many_members(TIGHT.max_inodes + 100))
     assert list(scratch.iterdir()) == []
 

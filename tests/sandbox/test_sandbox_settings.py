@@ -96,6 +96,14 @@ def test_the_remote_server_refuses_a_wrong_key_and_a_closed_session(sandbox_serv
         sandbox.request("POST", f"/sessions/{session.session_id}/run", json={"command": "true"})
 
 
+def _empty_files(count: int) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for n in range(count):
+            archive.addfile(tarfile.TarInfo(f"f{n}"), io.BytesIO(b""))
+    return buffer.getvalue()
+
+
 def _tarball(name: str, kind=tarfile.REGTYPE) -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as archive:
@@ -129,12 +137,15 @@ def test_the_server_has_a_generated_private_key_by_default_and_the_client_sends_
             remote = build_sandbox(SandboxConfig(backend="remote", remote_url=url, remote_api_key_file=str(key_file)))
             with remote.create(repo) as session:
                 seen["stdout"] = session.run("cat hello.py").stdout
+            with pytest.raises(ValueError, match="SandboxLimits.max_inodes = 50"):  # --max-inodes
+                remote.create(_empty_files(60))
 
     monkeypatch.setattr(server.uvicorn, "run", serve)
-    server.main(["--port", "8799"])
+    server.main(["--port", "8799", "--max-inodes", "50"])
     key_file = tmp_path / "stacx-sandbox-8799.key"
     assert f"generated bearer key in {key_file} (mode 0600)" in capsys.readouterr().out
     assert seen == {"mode": 0o600, "keyless": 401, "stdout": "print('hello from the repo')\n"}
     assert not key_file.exists()  # removed when the server stops
     with pytest.raises(SandboxUnavailableError, match="sandbox.remote_api_key_file"):
-        build_sandbox(SandboxConfig(backend="remote", remote_url="http://127.0.0.1:9", remote_api_key_file=str(key_file)))
+        build_sandbox(SandboxConfig(backend="remote", remote_url="http://127.0.0.1:9",
+                                    remote_api_key_file=str(key_file)))
