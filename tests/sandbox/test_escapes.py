@@ -1,6 +1,8 @@
 """Every escape attempt fails, on every backend (namespace, bubblewrap, and remote: a reference server
-running the namespace backend; the rlimit attempts on the local two), under tight limits (conftest.TIGHT:
-2 CPU seconds, 256 MB, 32 processes; SHORT: a 0.5 s wall time for the attempts that never end).
+running the namespace backend; the rlimit attempts on the local two; the session's disk and inode bounds
+on the local two, each both kernel-bounded and measured), under tight limits (conftest.TIGHT: 2 CPU
+seconds, 256 MB, 32 processes, 8 MiB and 2,000 files per session; SHORT: a 0.5 s wall time for the
+attempts that never end).
 
 What each attempt would do if the sandbox let it is checked from the host side where it can be (a
 file that must not exist, a listening socket that must not get a connection, a process that must not
