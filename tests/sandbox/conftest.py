@@ -10,7 +10,7 @@ from stacx.sandbox import SandboxConfig, SandboxLimits, build_sandbox
 from stacx.sandbox.server import create_app
 
 TIGHT = SandboxLimits(wall_time_s=10, cpu_time_s=2, memory_bytes=256 << 20, max_processes=32,
-                      max_file_bytes=1 << 20, max_output_bytes=64 << 10, max_disk_bytes=8 << 20, max_inodes=2000)
+                      max_file_bytes=1 << 20, max_output_bytes=64 << 10, max_disk_bytes=8 << 20, max_inodes=500)
 """Each escape attempt's limits: tight, so the whole file stays fast. The wall time is a guard for attempts
 that end on their own (it includes the sandbox's start-up, slow on a loaded machine); the attempts that run
 until the wall time kills them use test_escapes.SHORT."""
