@@ -19,10 +19,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import stat
-import tempfile
 
-from stacx.network import is_loopback_host
+from stacx.network import is_loopback_host, private_file_path, write_private_file
 
 from stacx.rollout.http_client import API_KEY_ENV
 
@@ -33,10 +31,13 @@ LIMIT_HELP = {
     "max_weight_body_bytes": "largest weight-bucket body",
     "read_timeout_s": "longest wait for a client's bytes, and for a whole JSON body",
     "keep_alive_timeout_s": "an idle keep-alive connection closes after this long",
-    "max_connections": "connections open at once, idle ones included; more get 503",
+    "max_connections": "connections open at once; at the cap the longest-idle one is closed for a new one, and "
+                       "only when all are busy does one more get 503",
     "max_requests_per_client": "requests one client address may have in flight; more get 503",
     "max_queued_requests": "/generate calls running or waiting at once; more get 503",
     "stall_timeout_s": "/health answers 503 when generation made no progress this long",
+    "max_chars_per_token": "a request's text longer than this many characters per token of the model's context "
+                           "is refused (400) before it is tokenized",
 }
 """The help of each `ServerLimits` field's flag (`--max-body-bytes` for `max_body_bytes`)."""
 
@@ -101,32 +102,20 @@ def build_limits(args):
 def default_api_key_file(port: int) -> str:
     """stacx-serve-PORT.key in $XDG_RUNTIME_DIR (private to the user), else in a stacx-UID folder of
     the temp folder, created mode 0700 and refused when another user made it first."""
-    name = f"stacx-serve-{port}.key"
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
-        return os.path.join(runtime, name)
-    folder = os.path.join(tempfile.gettempdir(), f"stacx-{os.getuid()}")
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    info = os.lstat(folder)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise SystemExit(f"stacx serve: {folder} is not a private folder of this user (another user may read a key "
-                         "written there); pass --api-key-file PATH or --api-key")
-    return os.path.join(folder, name)
+    try:
+        return private_file_path(f"stacx-serve-{port}.key")
+    except PermissionError as err:
+        raise SystemExit(f"stacx serve: {err}; pass --api-key-file PATH or --api-key") from None
 
 
 def write_api_key_file(path: str, api_key: str) -> str:
     """Write the key to `path`, mode 0600, atomically (a new file renamed over the name, so a link
     planted there is replaced, never followed). Returns the absolute path."""
-    path = os.path.abspath(path)
     try:
-        handle, staged = tempfile.mkstemp(prefix=".stacx-key-", dir=os.path.dirname(path))  # O_EXCL, mode 0600
-        with os.fdopen(handle, "w") as out:
-            out.write(api_key + "\n")
-        os.replace(staged, path)
+        return write_private_file(path, api_key)
     except OSError as err:
-        raise SystemExit(f"stacx serve: cannot write the generated API key to {path} ({err}); pass "
+        raise SystemExit(f"stacx serve: cannot write the generated API key to {os.path.abspath(path)} ({err}); pass "
                          "--api-key-file PATH in a folder you own, or --api-key") from None
-    return path
 
 
 def watch_parent(parent_pid: int) -> None:
