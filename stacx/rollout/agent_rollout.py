@@ -63,8 +63,9 @@ def session_base_url(server_url: str, session_id: str, secret: Optional[str] = N
 @dataclass(frozen=True, kw_only=True)
 class AgentCommand:
     """A program as the agent. `argv` items may hold `{base_url}` and `{task_json}`; the program also
-    gets OPENAI_BASE_URL, OPENAI_API_KEY (unused by the server, set because clients require one) and
-    STACX_TASK (the task as JSON) in its environment. If its last line of standard output is a JSON
+    gets OPENAI_BASE_URL, OPENAI_API_KEY (unused by the server, set because clients require one), the
+    same for Anthropic clients (ANTHROPIC_BASE_URL, the session's URL without `/v1`, and
+    ANTHROPIC_API_KEY) and STACX_TASK (the task as JSON) in its environment. If its last line of standard output is a JSON
     object with a "reward" number, that is the episode's reward."""
 
     argv: tuple[str, ...]
@@ -80,7 +81,8 @@ class AgentCommand:
         # replaced literally (not str.format): an inline script's own braces stay as they are
         argv = [part.replace("{base_url}", base_url).replace("{task_json}", task_json) for part in self.argv]
         env = dict(os.environ, OPENAI_BASE_URL=base_url, OPENAI_API_KEY=os.environ.get("OPENAI_API_KEY", "stacx"),
-                   STACX_TASK=task_json)
+                   ANTHROPIC_BASE_URL=base_url.removesuffix("/v1"),  # Anthropic clients add /v1/messages
+                   ANTHROPIC_API_KEY=os.environ.get("ANTHROPIC_API_KEY", "stacx"), STACX_TASK=task_json)
         done = subprocess.run(argv, env=env, cwd=self.cwd, capture_output=True, text=True, timeout=self.timeout_s)
         if done.returncode != 0:
             raise RuntimeError(f"agent command {argv[0]} exited with {done.returncode}: {done.stderr.strip()[-500:]}")

@@ -1,6 +1,7 @@
 """The OpenAI endpoint's pure parts: tool-call parsing, request checks, token-in/token-out prompts,
 and AgentRollout's episode bookkeeping (no server, no model)."""
 
+import re
 import sys
 
 import pytest
@@ -40,8 +41,8 @@ def test_requests_are_read_with_openai_defaults_and_tool_arguments_become_object
     completion = parse_completion_request({"prompt": ["count"], "max_tokens": 3, "logprobs": 0, "seed": 5})
     assert (completion.prompt, completion.sampling.seed, completion.logprobs) == ("count", 5, True)
     for body, named in [({"prompt": ""}, "'prompt' must be"), ({"prompt": "x", "temperature": 3}, "'temperature'"),
-                        ({"prompt": "x", "logprobs": 5}, "'logprobs' must be 0"),
-                        ({"prompt": "x", "max_tokens": 0}, "'max_tokens' must be an integer >= 1")]:
+                        ({"prompt": "x", "logprobs": 21}, "'logprobs' must be at most 20"),
+                        ({"prompt": "x", "max_tokens": 0}, "'max_tokens' must be an integer in \\[1, ")]:
         with pytest.raises(ValueError, match=named):
             parse_completion_request(body)
     bad_arguments = {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "b", "arguments": "{"}}]}]}
@@ -134,3 +135,104 @@ def test_an_agent_command_gets_the_base_url_and_task_and_reports_its_reward():
         failing("http://h", {})
     with pytest.raises(ValueError, match="AgentCommand.argv is empty"):
         AgentCommand(argv=())
+
+
+def test_a_stop_string_cuts_the_text_before_it_and_the_ids_after_the_ones_that_wrote_it(tokenizer):
+    from stacx.rollout.engines.openai_stop import parse_stop
+    from stacx.rollout.engines.stop_sequences import cut_at_stop_sequences
+    from stacx.rollout.types import GenerateOutput
+
+    generated = list(ids(tokenizer, "ab\nEND more"))
+    output = GenerateOutput(output_ids=generated, output_log_probs=[-float(i) for i in range(len(generated))],
+                            output_token_versions=[3] * len(generated), weight_version=3, finish_reason="length")
+    decode = lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=True)  # noqa: E731
+    cut = cut_at_stop_sequences(output, ("zzz", "\nE", "more"), decode)
+    assert (cut.text, cut.stop_sequence, cut.output.finish_reason) == ("ab", "\nE", "stop")
+    assert cut.output.output_ids == list(ids(tokenizer, "ab\nE"))  # the ids that wrote the stop string included
+    assert cut.output.output_log_probs == [0.0, -1.0, -2.0, -3.0] and cut.output.output_token_versions == [3] * 4
+    kept = cut_at_stop_sequences(output, ("zzz",), decode)
+    assert kept.stop_sequence is None and kept.output is output and output.output_ids == generated  # not changed
+    assert parse_stop("x", "/v1/completions") == ("x",)
+    for value, named in [(["a"] * 5, "at most 4 strings, got 5"), ([""], "non-empty"), (3, "'stop' must be")]:
+        with pytest.raises(ValueError, match=named):
+            parse_stop(value, "/v1/completions")
+
+
+def test_a_forced_call_opens_as_the_template_writes_a_call(tokenizer):
+    from stacx.rollout.engines.openai_tool_choice import forced_call_opening
+    from stacx.rollout.tokenizer import build_char_tokenizer
+
+    second = {"type": "function", "function": {"name": "submit"}}
+    assert forced_call_opening(tokenizer, [BASH_TOOL, second], None) == "<tool_call>"
+    named = forced_call_opening(tokenizer, [BASH_TOOL, second], "submit")
+    assert named == '<tool_call>{"name": "submit", "arguments": '
+    with pytest.raises(ValueError, match="'tool_choice': the served chat template does not write a tool call"):
+        forced_call_opening(build_char_tokenizer(), [BASH_TOOL], None)  # its template renders no calls
+
+
+@pytest.mark.parametrize("body, named", [
+    ({"tool_choice": "required"}, "'tool_choice' \"required\" needs 'tools'"),
+    ({"tools": [BASH_TOOL], "tool_choice": {"type": "function", "function": {"name": "ls"}}},
+     "names the function 'ls', which is not in 'tools'"),
+    ({"tools": [BASH_TOOL], "tool_choice": "sometimes"}, "'tool_choice' must be"),
+    ({"top_logprobs": 5}, "'top_logprobs' needs 'logprobs': true"),
+    ({"logprobs": True, "top_logprobs": 21}, "'top_logprobs' must be at most 20"),
+    ({"stream_options": {"include_usage": True}}, "'stream_options' can only be given with 'stream': true"),
+    ({"n": 65}, "'n' must be at most 64"),
+    ({"n": 0}, "'n' must be an integer in [1, "),
+    ({"seed": 2**70}, "'seed' must be an integer in [0, "),  # was accepted, then a 500 from torch's generator
+])
+def test_vllms_request_checks_name_the_field(body, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **body})
+
+
+def test_the_new_fields_are_read():
+    chat = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "n": 4, "stop": "\n", "seed": 3,
+                               "logprobs": True, "top_logprobs": 5, "stream": True,
+                               "stream_options": {"include_usage": True}, "tools": [BASH_TOOL],
+                               "tool_choice": {"type": "function", "function": {"name": "bash"}}})
+    assert (chat.sampling.n, chat.sampling.stop, chat.top_logprobs, chat.stream, chat.include_usage) == \
+        (4, ("\n",), 5, True, True)
+    assert (chat.tool_choice.mode, chat.tool_choice.name, chat.use_tools) == ("function", "bash", True)
+    completion = parse_completion_request({"prompt": "x", "logprobs": 3, "stop": ["a", "b"], "n": 2})
+    assert (completion.top_logprobs, completion.logprobs, completion.sampling.stop, completion.sampling.n) == \
+        (3, True, ("a", "b"), 2)
+
+
+def test_errors_on_openai_paths_name_their_field():
+    from stacx.rollout.engines.openai_errors import is_openai_path, openai_error_body
+
+    assert openai_error_body(400, "/v1/chat/completions: 'top_p' must be > 0") == {"error": {
+        "message": "/v1/chat/completions: 'top_p' must be > 0", "type": "BadRequestError", "param": "top_p",
+        "code": 400}}
+    assert openai_error_body(503, "queue is full")["error"] | {"message": None} == {
+        "message": None, "type": "ServiceUnavailableError", "param": None, "code": 503}
+    assert is_openai_path("/v1/models") and is_openai_path("/sessions/e-1/v1/chat/completions")
+    assert not is_openai_path("/generate") and not is_openai_path("/stacx/sessions/v1/")
+
+
+def test_n_samples_are_sibling_leaves_of_the_turn_they_extend_and_a_next_turn_continues_the_one_the_agent_kept():
+    from stacx.rollout.agent_trajectories import assemble_trajectories
+
+    book = SessionBook()
+    root = SessionTurn(RecordedTurn(prompt_ids=(1,), output_ids=(2,), output_log_probs=(-0.1,), weight_version=0),
+                       messages=[])
+    book.record("s", root)
+    group = [SessionTurn(RecordedTurn(prompt_ids=(1, 2, 3), output_ids=(10 + i,), output_log_probs=(-0.1,),
+                                      weight_version=0), messages=[]) for i in range(3)]
+    book.record("s", group, continued=root)  # one request of n=3 samples continuing the root
+    assert book.leaves("s") == group[::-1]  # the samples are leaves (newest first); the root is not
+    kept = SessionTurn(RecordedTurn(prompt_ids=(1, 2, 3, 11, 5), output_ids=(6,), output_log_probs=(-0.2,),
+                                    weight_version=0), messages=[])
+    book.record("s", kept, continued=group[1])
+    assert book.leaves("s") == [kept, group[2], group[0]]  # the others may still be continued
+    samples = assemble_trajectories(book.turns("s"))
+    assert [s.metadata["num_turns"] for s in samples] == [2, 2, 1]
+    assert [(s.metadata["branch_of"], s.metadata["branch_point"]) for s in samples] == [(None, 0), (0, 3), (0, 3)]
+    assert samples[1].response_ids == [11, 5, 6] and samples[1].loss_mask == [1, 0, 1]
+    small = SessionBook(max_turns_per_session=6)
+    small.record("t", group)
+    with pytest.raises(ValueError, match="more than 6 turns"):  # a request's samples are recorded all or none
+        small.record("t", group + group[:1])
+    assert len(small.turns("t")) == 3

@@ -121,6 +121,7 @@ def test_an_episodes_session_refuses_foreign_appends_reads_and_pops(server):
     # foreign appends: no secret (401), a wrong one in the key or the path (403); nothing is generated
     missing = requests.post(f"{url}/sessions/episode-1/v1/chat/completions", json=bare, timeout=30)
     assert missing.status_code == 401 and "belongs to an episode" in error_text(missing)
+    assert missing.json()["error"]["type"] == "AuthenticationError" and missing.headers["WWW-Authenticate"] == "Bearer"
     with pytest.raises(openai.PermissionDeniedError) as refused:
         chat(f"{url}/sessions/episode-1/v1")
     assert "the secret is wrong" in error_text(refused.value.response)
@@ -130,7 +131,8 @@ def test_an_episodes_session_refuses_foreign_appends_reads_and_pops(server):
         openai.OpenAI(base_url=f"{url}/sessions/episode-1/x/v1", api_key="k", max_retries=0).completions.create(
             model="policy", prompt="forged", max_tokens=2)
     # foreign reads and pops
-    assert requests.get(f"{url}/stacx/sessions/episode-1", timeout=30).status_code == 401
+    unread = requests.get(f"{url}/stacx/sessions/episode-1", timeout=30)
+    assert unread.status_code == 401 and isinstance(unread.json()["error"], str)  # Stacx's own schema off /v1/
     wrong = {"Authorization": "Bearer nope"}
     assert requests.get(f"{url}/stacx/sessions/episode-1", headers=wrong, timeout=30).status_code == 403
     assert requests.delete(f"{url}/stacx/sessions/episode-1", headers=wrong, timeout=30).status_code == 403

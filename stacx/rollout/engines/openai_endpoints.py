@@ -25,6 +25,11 @@ for one nobody opened (anyone may use it; evicted, least recently used first, wh
 full). A request to an opened session without its secret gets 401, with a wrong one 403; a secret
 for a session that is not open (never opened, or popped when its episode ended) 404.
 
+Requests may ask for `n` samples (one engine batch; each sample is recorded as its own turn, the
+n turns siblings extending the same leaf of the session's tree, so a next request may continue any
+one of them), `stop` strings (openai_stop.py), `stream: true` (openai_streaming.py), the engine's
+top-k log-probs, and `tool_choice` "required" or a named function (openai_tool_choice.py); errors on
+these paths (the sessions' 401/403/404 included) are in OpenAI's schema (openai_errors.py).
 Generation goes through the same admission, pause gate, abort book and batcher as `/generate`
 (EngineHttpServer.run_engine). The request and answer formats are in openai_protocol.py; how a
 session's prompts reuse the ids the engine generated is in openai_sessions.py.
@@ -33,11 +38,15 @@ session's prompts reuse the ids the engine generated is in openai_sessions.py.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import anyio
 
 from stacx.rollout.agent_trajectories import RecordedTurn
 from stacx.rollout.engines.http_guard import HttpError, check_bearer_token
+from stacx.rollout.chat_encoding import decode_reply
 from stacx.rollout.engines.openai_protocol import (
+    Choice,
     parse_chat_request,
     parse_completion_request,
     render_chat_response,
@@ -49,7 +58,12 @@ from stacx.rollout.engines.openai_sessions import (
     chat_prompt_ids,
     check_session_id,
     completion_prompt_ids,
+    encode,
 )
+from stacx.rollout.engines.request_bodies import check_text_budget
+from stacx.rollout.engines.stop_sequences import cut_at_stop_sequences
+from stacx.rollout.engines.openai_streaming import chat_chunks, completion_chunks, event_stream, token_pieces
+from stacx.rollout.engines.openai_tool_choice import forced_call_opening
 from stacx.rollout.tool_calls import ParsedToolCalls, parse_tool_calls, tool_call_style_for
 from stacx.rollout.types import GenerateRequest, SamplingParams
 
@@ -57,6 +71,12 @@ if TYPE_CHECKING:  # annotations only
     from fastapi import Request
 
     from stacx.rollout.engines.server import EngineHttpServer
+
+async def off_the_loop(function, *args):
+    """`function(*args)` in a worker thread: rendering a chat template and tokenizing take long for long
+    conversations, and the event loop must keep answering `/health` and every other request meanwhile."""
+    return await anyio.to_thread.run_sync(lambda: function(*args))
+
 
 __all__ = ["DEFAULT_MAX_TOKENS", "OpenAIEndpoints"]
 
@@ -129,32 +149,54 @@ class OpenAIEndpoints:
     async def chat_completions(self, request: "Request"):
         tokenizer = self._tokenizer("/v1/chat/completions")
         session_id, secret = self.session_of(request)
-        chat = parse_chat_request(await self.read_json(request))
+        chat = parse_chat_request(await self.read_body(request, "/v1/chat/completions"))
         leaves = self.sessions.leaves(session_id, secret) if session_id else []
-        prompt_ids, continued = chat_prompt_ids(tokenizer, chat.messages, chat.tools, leaves)
-        output = await self._generate(request, prompt_ids, chat.sampling)
-        text = tokenizer.decode(list(output.output_ids), skip_special_tokens=True)
-        parsed = parse_tool_calls(text, self._tool_call_style()) if chat.tools and chat.use_tools \
-            else ParsedToolCalls(content=text, calls=(), errors=())
-        answer = render_chat_response(output, parsed, num_prompt_tokens=len(prompt_ids), model=self.model_name,
-                                      token_texts=self._token_texts(output) if chat.logprobs else None)
-        self.record_turn(session_id, secret, prompt_ids, output, continued=continued, messages=chat.messages,
-                         reply=answer["choices"][0]["message"])
+        prompt_ids, continued = await off_the_loop(chat_prompt_ids, tokenizer, chat.messages, chat.tools, leaves)
+        forced = chat.tool_choice.mode in ("required", "function")
+        opening = forced_call_opening(tokenizer, chat.tools, chat.tool_choice.name) if forced else ""
+        prompt_ids += encode(tokenizer, opening) if opening else []
+        choices = []
+        for output in await self._generate(request, prompt_ids, chat.sampling, chat.top_logprobs):
+            choice = self._cut(output, chat.sampling.stop, self._decode_reply)
+            text = opening + choice.text
+            parsed = parse_tool_calls(text, self._tool_call_style()) if chat.tools and chat.use_tools \
+                else ParsedToolCalls(content=text, calls=(), errors=())
+            if forced and not parsed.calls:  # validated, never made up: the text comes back as it is
+                parsed = ParsedToolCalls(content=text, calls=(), errors=parsed.errors or ("no tool call",))
+            choices.append(Choice(output=choice.output, text=text, parsed=parsed, stop=choice.stop))
+        answer = render_chat_response(choices, num_prompt_tokens=len(prompt_ids), model=self.model_name,
+                                      token_text=self._token_text if chat.logprobs else None,
+                                      top_logprobs=chat.top_logprobs)
+        for rendered, choice in zip(answer["choices"], choices):
+            if choice.parsed.errors and chat.tools and chat.use_tools:
+                rendered["stacx"]["tool_call_errors"] = list(choice.parsed.errors)
+        self.record_turns(session_id, secret, prompt_ids, [
+            (c.output, {"messages": chat.messages, "reply": r["message"]}) for c, r in zip(choices, answer["choices"])],
+            continued=continued)
+        if chat.stream:
+            pieces = [None if opening else token_pieces(self._decode_reply, c.output.output_ids) for c in choices]
+            return 200, self._event_stream(chat_chunks(answer, pieces, chat.include_usage))
         return 200, answer
 
     async def completions(self, request: "Request"):
         tokenizer = self._tokenizer("/v1/completions")
         session_id, secret = self.session_of(request)
-        completion = parse_completion_request(await self.read_json(request))
+        completion = parse_completion_request(await self.read_body(request, "/v1/completions"))
         leaves = self.sessions.leaves(session_id, secret) if session_id else []
-        prompt_ids, continued = completion_prompt_ids(tokenizer, completion.prompt, leaves)
-        output = await self._generate(request, prompt_ids, completion.sampling)
-        text = tokenizer.decode(list(output.output_ids), skip_special_tokens=True)
-        answer = render_completion_response(output, text, num_prompt_tokens=len(prompt_ids), model=self.model_name,
-                                            token_texts=self._token_texts(output) if completion.logprobs else None)
+        prompt_ids, continued = await off_the_loop(completion_prompt_ids, tokenizer, completion.prompt, leaves)
+        choices = [self._cut(output, completion.sampling.stop, self._decode)
+                   for output in await self._generate(request, prompt_ids, completion.sampling,
+                                                      completion.top_logprobs)]
+        answer = render_completion_response(choices, num_prompt_tokens=len(prompt_ids), model=self.model_name,
+                                            token_text=self._token_text if completion.logprobs else None,
+                                            top_logprobs=completion.top_logprobs)
         prompt_text = completion.prompt if isinstance(completion.prompt, str) else None
-        self.record_turn(session_id, secret, prompt_ids, output, continued=continued,
-                         text=None if prompt_text is None else prompt_text + text)
+        self.record_turns(session_id, secret, prompt_ids, [
+            (c.output, {"text": None if prompt_text is None else prompt_text + c.text}) for c in choices],
+            continued=continued)
+        if completion.stream:
+            pieces = [token_pieces(self._decode, c.output.output_ids) for c in choices]
+            return 200, self._event_stream(completion_chunks(answer, pieces, completion.include_usage))
         return 200, answer
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -165,9 +207,23 @@ class OpenAIEndpoints:
         without one, `session_of`). `continued`: the leaf its prompt continues (from `sessions.leaves`), else
         None (a new branch); `kept`: what a next request must repeat to continue it (`SessionTurn`'s
         `messages` and `reply` for a chat, `text` for a completion)."""
+        self.record_turns(session_id, secret, prompt_ids, [(output, kept)], continued=continued)
+
+    def record_turns(self, session_id: Optional[str], secret: Optional[str], prompt_ids: list[int],
+                     samples: Sequence[tuple[Any, dict]], *, continued: Optional[SessionTurn] = None) -> None:
+        """Record one request's `n` samples, `(output, kept)` in choice order, as `record_turn` records one:
+        each its own turn extending the same leaf `continued` (siblings in the session's tree, each its
+        own trajectory; a next request may continue any one of them)."""
         if session_id:
-            self.sessions.record(session_id, SessionTurn(self._recorded(prompt_ids, output), **kept), secret=secret,
-                                 continued=continued)
+            self.sessions.record(session_id, [SessionTurn(self._recorded(prompt_ids, output), **kept)
+                                              for output, kept in samples], secret=secret, continued=continued)
+
+    async def read_body(self, request: "Request", endpoint: str):
+        """The request's JSON body, its text bounded before anything is tokenized (the server's max_text_chars:
+        a 10 MB message took 30 s to refuse and stalled every other request meanwhile)."""
+        body = await self.read_json(request)
+        check_text_budget(body, self.server.max_text_chars, f"{endpoint}: the request")
+        return body
 
     def _tokenizer(self, endpoint: str):
         if self.server.tokenizer is None:
@@ -207,19 +263,42 @@ class OpenAIEndpoints:
             return DEFAULT_MAX_TOKENS if room is None else min(DEFAULT_MAX_TOKENS, room)
         return requested  # the engine refuses prompt + max_tokens beyond its context, naming the field
 
-    async def _generate(self, request: "Request", prompt_ids: list[int], sampling):
+    async def _generate(self, request: "Request", prompt_ids: list[int], sampling, top_logprobs: int = 0) -> list:
+        """`sampling.n` outputs for one prompt, generated as one engine batch; sample i is seeded seed + i."""
         tokenizer = self.server.tokenizer
         stop = (tokenizer.eos_token_id,) if getattr(tokenizer, "eos_token_id", None) is not None else ()
-        generate_request = GenerateRequest(
-            input_ids=tuple(prompt_ids), return_logprob=True,
-            sampling=SamplingParams(max_new_tokens=self._max_new_tokens(sampling.max_tokens, len(prompt_ids)),
-                                    temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+        max_new_tokens = self._max_new_tokens(sampling.max_tokens, len(prompt_ids))
+        requests = [GenerateRequest(
+            input_ids=tuple(prompt_ids), return_logprob=True, top_logprobs_num=top_logprobs,
+            sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=sampling.temperature,
+                                    top_p=sampling.top_p, seed=None if sampling.seed is None else sampling.seed + i,
                                     stop_token_ids=stop))
-        (output,) = await self.server.run_engine(request, [generate_request])
-        return output
+            for i in range(sampling.n)]
+        return await self.server.run_engine(request, requests)
 
-    def _token_texts(self, output) -> list[str]:
-        return [self.server.tokenizer.decode([t], skip_special_tokens=False) for t in output.output_ids]
+    def _decode(self, ids: list[int]) -> str:
+        """A completion's text (`/v1/completions`: a raw prompt's continuation, special tokens left out)."""
+        return self.server.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _decode_reply(self, ids: list[int]) -> str:
+        """A chat reply's text: markers kept, one end-of-turn cut (chat_encoding.decode_reply, the decoding
+        Stacx's own episodes use: a tokenizer may register `<tool_call>` as a special token)."""
+        return decode_reply(self.server.tokenizer, ids)
+
+    def _cut(self, output, stops, decode) -> Choice:
+        """The output and its text (`decode`), cut at the stop string that completes first (stop_sequences.py)."""
+        cut = cut_at_stop_sequences(output, stops, decode)
+        return Choice(output=cut.output, text=cut.text, stop=cut.stop_sequence)
+
+    def _token_text(self, token: int) -> str:
+        return self.server.tokenizer.decode([token], skip_special_tokens=False)
+
+    @staticmethod
+    def _event_stream(chunks):
+        from fastapi.responses import StreamingResponse
+
+        return StreamingResponse(event_stream(chunks), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     @staticmethod
     def _recorded(prompt_ids: list[int], output) -> RecordedTurn:

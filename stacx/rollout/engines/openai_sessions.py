@@ -18,8 +18,10 @@ among those no request continued yet, the session's leaves), its prompt is
 where `new` is what the chat template renders after the reply (tool results, the next user
 message, the generation prompt) and `close` is the template's end of an assistant message that the
 engine did not generate itself (e.g. `<|im_end|>\\n` after a reply cut by max_tokens, or just
-`\\n` after one that ended on `<|im_end|>`). The generated ids are never re-tokenized, so the ids
-trained on are the ids sampled. A request that continues no turn (the agent dropped a reply after
+`\\n` after one that ended on `<|im_end|>`): `stacx.rollout.chat_continuation`, the rule Stacx's own
+episodes use. The generated ids are never re-tokenized, so the ids trained on are the ids sampled.
+Message content is encoded with control spellings held back (`stacx.rollout.chat_encoding`): a tool
+result or a user message holding `<|im_end|>` is text, never a forged turn. A request that continues no turn (the agent dropped a reply after
 a format error, compacted or truncated its history, started a sub-agent, or the template renders
 history differently) gets the template's ids of the whole conversation: a branch of the session's
 tree, a new trajectory of the same episode (stacx.rollout.agent_trajectories).
@@ -28,7 +30,8 @@ Recording a turn from another API (e.g. another chat protocol) takes what the Op
 (openai_endpoints.py) do: `session_id, secret = endpoints.session_of(request)` (refuses a foreign
 caller), `leaves = endpoints.sessions.leaves(session_id, secret)` (what may be continued), the
 prompt ids and the leaf they continue (or None), generation, then `endpoints.record_turn(session_id,
-secret, prompt_ids, output, continued=leaf, ...what a next request must repeat)`.
+secret, prompt_ids, output, continued=leaf, ...what a next request must repeat)` (a request of `n`
+samples: `endpoints.record_turns(..., [(output, kept), ...], continued=leaf)`, n sibling leaves).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from typing import Any, Optional, Sequence
 
 from stacx.rollout.agent_trajectories import RecordedTurn
 from stacx.rollout.engines.http_guard import HttpError
+from stacx.rollout.chat_continuation import ids_after_assistant_turn
+from stacx.rollout.chat_encoding import chat_ids
 from stacx.rollout.engines.openai_protocol import template_messages
 
 __all__ = ["SessionBook", "SessionRefused", "SessionTurn", "chat_prompt_ids", "check_session_id",
@@ -53,7 +58,6 @@ __all__ = ["SessionBook", "SessionRefused", "SessionTurn", "chat_prompt_ids", "c
 logger = logging.getLogger(__name__)
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
-_CONTENT_MARK = "\x00stacx-content\x00"
 
 
 def check_session_id(session_id: str) -> str:
@@ -143,10 +147,13 @@ class SessionBook:
         leaves = self.leaves(session_id, secret)
         return leaves[0] if leaves else None
 
-    def record(self, session_id: str, turn: SessionTurn, *, secret: Optional[str] = None,
+    def record(self, session_id: str, turn: SessionTurn | Sequence[SessionTurn], *, secret: Optional[str] = None,
                continued: Optional[SessionTurn] = None) -> None:
-        """Record `turn` under the session; `continued` (one of `leaves`) is the turn it continues,
-        which stops being a leaf. A session the trainer opened and since popped refuses (404)."""
+        """Record one request's `turn`, or its `n` turns (one per sample, in choice order), under the
+        session; `continued` (one of `leaves`) is the turn the request continues, which stops being a
+        leaf: the request's samples are siblings extending it, each a leaf (a next request may continue
+        any one of them). A session the trainer opened and since popped refuses (404)."""
+        new = [turn] if isinstance(turn, SessionTurn) else list(turn)
         with self._lock:
             session = self._session(session_id, secret)
             if session is None:
@@ -154,11 +161,11 @@ class SessionBook:
                 self._evict()
             if session_id in self._loose:
                 self._loose.move_to_end(session_id)
-            if len(session.turns) >= self.max_turns_per_session:
+            if len(session.turns) + len(new) > self.max_turns_per_session:
                 raise ValueError(f"session {session_id}: more than {self.max_turns_per_session} turns; "
                                  "start a new session (a new base URL) per episode")
-            session.turns.append(turn.turn)
-            session.leaves = [leaf for leaf in session.leaves if leaf is not continued] + [turn]
+            session.turns.extend(t.turn for t in new)
+            session.leaves = [leaf for leaf in session.leaves if leaf is not continued] + new
             del session.leaves[:-self.max_leaves_per_session]
 
     def turns(self, session_id: str, *, secret: Optional[str] = None, remove: bool = False) -> list[RecordedTurn]:
@@ -224,22 +231,9 @@ def _essence(message: dict) -> tuple:
     return message["role"], message.get("content") or "", calls, message.get("tool_call_id")
 
 
-def render_text(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]], *, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
-
-
 def encode(tokenizer: Any, text: str) -> list[int]:
-    """Template text -> ids (the template wrote any special tokens itself)."""
+    """Completion text -> ids (a raw prompt: control spellings in it are the tokens)."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def assistant_close(tokenizer: Any, tools: Optional[list[dict]]) -> str:
-    """The text the template puts after an assistant message's content ("" when it cannot tell)."""
-    text = render_text(tokenizer, [{"role": "user", "content": "?"}, {"role": "assistant", "content": _CONTENT_MARK}],
-                       tools, add_generation_prompt=False)
-    at = text.rfind(_CONTENT_MARK)
-    return "" if at < 0 else text[at + len(_CONTENT_MARK):]
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]],
@@ -252,7 +246,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict], tools: Optional[list[d
             ids = _continuation_ids(tokenizer, rendered, tools, previous)
             if ids is not None:
                 return ids, previous
-    return encode(tokenizer, render_text(tokenizer, rendered, tools, add_generation_prompt=True)), None
+    return chat_ids(tokenizer, rendered, tools=tools), None
 
 
 def _continuation_ids(tokenizer: Any, rendered: list[dict], tools: Optional[list[dict]],
@@ -265,17 +259,11 @@ def _continuation_ids(tokenizer: Any, rendered: list[dict], tools: Optional[list
         return None
     if _essence(rendered[num_before]) != _essence(template_messages([previous.reply])[0]):
         return None
-    history = render_text(tokenizer, rendered[:num_before + 1], tools, add_generation_prompt=False)
-    full = render_text(tokenizer, rendered, tools, add_generation_prompt=True)
-    if not full.startswith(history):
+    after = ids_after_assistant_turn(tokenizer, rendered[:num_before], rendered[num_before + 1:], tools=tools,
+                                     generated_ids=previous.turn.output_ids)
+    if after is None:
         return None
-    close = assistant_close(tokenizer, tools)
-    generated = previous.turn.output_ids
-    if generated:  # the engine may have generated the start of the close itself (its stop token)
-        last = tokenizer.decode(list(generated[-1:]), skip_special_tokens=False)
-        if last and close.startswith(last):
-            close = close[len(last):]
-    return list(previous.turn.prompt_ids + generated) + encode(tokenizer, close + full[len(history):])
+    return list(previous.turn.prompt_ids + previous.turn.output_ids) + after
 
 
 def completion_prompt_ids(tokenizer: Any, prompt: str | list[int],

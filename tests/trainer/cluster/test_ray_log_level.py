@@ -16,6 +16,16 @@ def _fake_ray(monkeypatch) -> list[dict]:
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(ray, "nodes", lambda: [{"NodeManagerAddress": LOOPBACK_ADDRESS}])
+
+    class NoReaper:  # no cluster starts here, so no process to sweep it
+        @classmethod
+        def start(cls):
+            return cls()
+
+        def finish(self):
+            pass
+
+    monkeypatch.setattr(ray_cluster, "ClusterReaper", NoReaper)
     return calls
 
 
