@@ -5,7 +5,8 @@ mini-swe-agent, unmodified, solving a task through the endpoint, its trajectory 
 The served tiny policy learns that task first: a few SFT steps in-process on one demonstration
 transcript (the task, a `touch done.txt` tool call, its observation, the submit call), rendered by the
 chat template the server uses. Served greedily, it drives mini-swe-agent's own loop (litellm client,
-bash tool calls, its local environment): the file is really created and the agent really submits.
+bash tool calls run by Stacx's SandboxEnvironment): the file is really created, in the episode's
+sandbox session, and the agent really submits.
 The other tests only need a served model, and share this one.
 """
 
@@ -234,14 +235,16 @@ def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, t
 
 
 def mini_swe_agent(workdirs):
-    """mini-swe-agent's DefaultAgent, LitellmModel and LocalEnvironment as shipped, configured for the task;
-    each episode works in a fresh folder under `workdirs` (appended to `made`)."""
+    """mini-swe-agent's DefaultAgent and LitellmModel as shipped, configured for the task, its commands run by
+    Stacx's SandboxEnvironment: each episode works in a fresh sandbox session on a copy of a new folder under
+    `workdirs`. Returns the agent and the list it appends (folder, whether done.txt exists in the session) to."""
     import tempfile
     from pathlib import Path
 
+    from stacx.sandbox.agent_environment import SandboxEnvironment
+
     try:
         from minisweagent.agents.default import DefaultAgent
-        from minisweagent.environments.local import LocalEnvironment
         from minisweagent.models.litellm_model import LitellmModel
     except ImportError as missing:  # a failure with the fix, never a skip
         raise ImportError("this test runs mini-swe-agent, in the test extra: pip install -e '.[test]'") from missing
@@ -250,15 +253,17 @@ def mini_swe_agent(workdirs):
 
     def agent(base_url: str, task: dict) -> float:
         workdir = Path(tempfile.mkdtemp(dir=workdirs))
-        made.append(workdir)
         model = LitellmModel(model_name="openai/policy", cost_tracking="ignore_errors",
                              observation_template=OBSERVATION, format_error_template="{{error}}",
                              model_kwargs={"api_base": base_url, "api_key": "unused", "temperature": 0.0,
                                            "max_tokens": 120})
-        runner = DefaultAgent(model, LocalEnvironment(cwd=str(workdir)), system_template=SYSTEM,
-                              instance_template="{{task}}", step_limit=4, cost_limit=0)
-        result = runner.run(task["task"])
-        return float(result.get("exit_status") == "Submitted" and (workdir / "done.txt").exists())
+        with SandboxEnvironment(source=str(workdir), sandbox={"backend": "namespace"}, timeout=30) as env:
+            runner = DefaultAgent(model, env, system_template=SYSTEM, instance_template="{{task}}", step_limit=4,
+                                  cost_limit=0)
+            result = runner.run(task["task"])
+            done = env.execute({"command": "test -f done.txt"})["returncode"] == 0
+        made.append((workdir, done))
+        return float(result.get("exit_status") == "Submitted" and done)
 
     return agent, made
 
@@ -274,7 +279,8 @@ def test_mini_swe_agent_solves_the_task_through_the_endpoint_and_grpo_trains_on_
     rollout = AgentRollout(agent, server_url=server.url, next_tasks=lambda step: [{"task": TASK}], n_samples_per_task=2)
     batch, metrics, _ = train_one_grpo_step(server, rollout, tmp_path / "run", num_tasks=1, n_samples_per_task=2)
 
-    assert len(workdirs) == 2 and all((workdir / "done.txt").exists() for workdir in workdirs)
+    # The file was made in each episode's sandbox session, not in the host folder it was copied from.
+    assert len(workdirs) == 2 and all(done and not (workdir / "done.txt").exists() for workdir, done in workdirs)
     assert batch.rewards == [1.0, 1.0]            # each agent submitted after creating its file
     tokens, mask = batch.tokens[0].tolist(), batch.loss_masks[0]
     text = server.tokenizer.decode(tokens, skip_special_tokens=False)

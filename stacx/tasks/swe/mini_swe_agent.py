@@ -21,6 +21,7 @@ episode (every command and its output) in DIR.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -60,6 +61,14 @@ def merged_config(specs: Sequence[str]) -> dict:
     return recursive_merge(*[get_config_from_spec(spec) for spec in specs])
 
 
+def _evaluate(task, session, sandbox):
+    """The task's tests on the agent's edits in `session` (the `swe` environment's submit)."""
+    # Transitional: evaluate_session takes the sandbox (for its fresh copy) once the judge of issue 38 lands.
+    if "sandbox" in inspect.signature(evaluate_session).parameters:
+        return evaluate_session(task, session, sandbox)
+    return evaluate_session(task, session)
+
+
 def run_episode(row: dict, *, base_url: str, api_key: str, config: dict,
                 trajectory_dir: Optional[str] = None) -> dict:
     """One episode of mini-swe-agent on the task of `row` (a prompt row) -> {"reward", "exit_status", ...}."""
@@ -81,14 +90,15 @@ def run_episode(row: dict, *, base_url: str, api_key: str, config: dict,
     model_config["model_kwargs"] = {**(model_config.get("model_kwargs") or {}), "api_base": base_url,
                                     "api_key": api_key}
     timeout = (config.get("environment") or {}).get("timeout", SandboxConfig.from_dict(setting).limits.wall_time_s)
-    env = SandboxEnvironment(session=sandbox_for(setting).create(snapshot_source(task)),
-                             sandbox=SandboxConfig.from_dict(setting), timeout=timeout)
+    sandbox = sandbox_for(setting)
+    env = SandboxEnvironment(session=sandbox.create(snapshot_source(task)), sandbox=SandboxConfig.from_dict(setting),
+                             timeout=timeout)
     try:
         agent = DefaultAgent(LitellmModel(**model_config), env, **agent_config)
         exit_status = agent.run(task.problem_statement).get("exit_status", "")
         if exit_status != "Submitted":
             return {"reward": 0.0, "exit_status": exit_status, "instance_id": task.instance_id}
-        evaluation = evaluate_session(task, env.session)
+        evaluation = _evaluate(task, env.session, sandbox)
         return {"reward": evaluation.reward, "exit_status": exit_status, "instance_id": task.instance_id,
                 "resolved": evaluation.resolved, "error": evaluation.error}
     finally:
