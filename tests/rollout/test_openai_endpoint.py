@@ -10,6 +10,10 @@ sandbox session, and the agent really submits.
 The other tests only need a served model, and share this one.
 """
 
+import json
+import os
+import sys
+
 import pytest
 import requests
 import torch
@@ -234,6 +238,14 @@ def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, t
         engine.update_weights(served, version=engine.weight_version() + 1)
 
 
+DONE_TASK = {"instance_id": "done_file", "problem_statement": TASK, "test_command": "python3 -m unittest -v",
+             "snapshot": {"tests/__init__.py": "", "tests/test_done.py": (
+                 "import os\nimport unittest\n\n\nclass DoneTest(unittest.TestCase):\n    def test_done(self):\n"
+                 "        self.assertIs(os.path.isfile('done.txt'), True)\n")},
+             "FAIL_TO_PASS": ["tests.test_done.DoneTest.test_done"]}
+"""The taught task as an SWE task row: its test passes once done.txt exists."""
+
+
 def mini_swe_agent(workdirs):
     """mini-swe-agent's DefaultAgent and LitellmModel as shipped, configured for the task, its commands run by
     Stacx's SandboxEnvironment: each episode works in a fresh sandbox session on a copy of a new folder under
@@ -270,7 +282,7 @@ def mini_swe_agent(workdirs):
 
 @pytest.mark.slow  # litellm's import alone is about 3 s of CPU
 def test_mini_swe_agent_solves_the_task_through_the_endpoint_and_grpo_trains_on_it(server, tmp_path, monkeypatch):
-    from stacx.rollout.agent_rollout import AgentRollout
+    from stacx.rollout.agent_rollout import AgentCommand, AgentRollout
 
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would download its price list
     monkeypatch.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path / "mswea"))
@@ -289,3 +301,24 @@ def test_mini_swe_agent_solves_the_task_through_the_endpoint_and_grpo_trains_on_
     generated = server.tokenizer.decode([t for t, m in zip(tokens[-len(mask):], mask) if m], skip_special_tokens=False)
     assert "<|user|>" not in generated and generated.count("<tool_call>") == 2   # both calls, no observation
     assert metrics["rollout/agent_turns_mean"] == 2.0 and batch.tokens[1].tolist() == tokens
+
+    # The same task as an SWE row, played by the shipped agent program, as `--agent-command "python -m
+    # stacx.tasks.swe.mini_swe_agent"` runs it: mini-swe-agent in a subprocess with a scrubbed environment,
+    # its commands in a sandbox session on the row's repository, the reward the task's tests give, read
+    # from STACX_REWARD_FILE. Its config makes the prompts the ones the policy was taught.
+    row = {"prompt": TASK, "label": "done_file", "metadata": {"swe_task": DONE_TASK, "max_turns": 4,
+                                                               "sandbox": {"backend": "namespace"}}}
+    trajectories = tmp_path / "trajectories"
+    config = [f"agent.system_template={SYSTEM}", "agent.instance_template={{task}}",
+              f"model.observation_template={OBSERVATION}", "model.format_error_template={{error}}",
+              'model.model_kwargs={"temperature": 0.0, "max_tokens": 120}']
+    program = AgentCommand(argv=(sys.executable, "-m", "stacx.tasks.swe.mini_swe_agent", "--trajectory-dir",
+                                 str(trajectories), *[part for spec in config for part in ("--config", spec)]),
+                           passed_env=tuple(name for name in ("PYTHONPATH", "MSWEA_GLOBAL_CONFIG_DIR")
+                                            if name in os.environ), timeout_s=300)
+    rollout = AgentRollout(program, server_url=server.url, next_tasks=lambda step: [row])
+    (sample,), _ = rollout.collect(0)
+    assert (sample.reward, sample.reward_error, sample.metadata["num_turns"]) == (1.0, None, 2)
+    (trajectory,) = [json.loads(path.read_text()) for path in trajectories.iterdir()]
+    assert trajectory["info"]["exit_status"] == "Submitted"
+    assert trajectory["info"]["config"]["environment_type"] == "stacx.sandbox.agent_environment.SandboxEnvironment"
