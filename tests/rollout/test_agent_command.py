@@ -2,6 +2,7 @@
 its reward comes from (a private file, never its stdout), how long it may run, how its odd output is read,
 and how a step waiting for it is named; the flags and their preflight. No server, no model."""
 
+import argparse
 import json
 import os
 import stat
@@ -183,8 +184,6 @@ def test_agent_flags_parse_and_the_preflight_checks_them(monkeypatch):
     from stacx.trainer.preflight import PreflightError
     from stacx.trainer.recipes import get_recipe
 
-    import argparse
-
     parser = argparse.ArgumentParser()
     add_run_config_arguments(parser)
     given = parser.parse_args(["--agent-env", "HF_HOME", "--agent-env", "HF_TOKEN", "--agent-timeout", "30"])
@@ -204,3 +203,16 @@ def test_agent_flags_parse_and_the_preflight_checks_them(monkeypatch):
         check_agent_supported(run(agent="a.py:run", agent_env=["HF_HOME"]), grpo)
     with pytest.raises(ValueError, match="agent_timeout"):
         run(agent_timeout=0)
+
+
+def test_the_runs_heartbeat_asks_the_agent_rollout_what_it_waits_for():
+    from types import SimpleNamespace
+
+    from stacx.trainer.loop import StacxTrainer
+
+    rollout = AgentRollout(lambda base_url, task: 1.0, server_url="http://127.0.0.1:1", next_tasks=lambda step: [])
+    trainer = StacxTrainer.__new__(StacxTrainer)  # only what `beat` reads
+    trainer.channel, trainer.step_rollout = SimpleNamespace(is_driver=False), rollout
+    assert trainer.beat("step 1/2", "rollout").detail == rollout.waiting_for
+    trainer.step_rollout = None  # a dataset recipe, or a rank that is not the driver
+    assert trainer.beat("step 1/2", "batch").detail is None
