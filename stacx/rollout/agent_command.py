@@ -6,7 +6,8 @@
 The program runs once per episode in its own process group, with
 
 - a scrubbed environment (`agent_environment`): PATH, HOME, the locale variables, OPENAI_BASE_URL,
-  OPENAI_API_KEY (the episode's own key, never the trainer's), STACX_TASK (the task as JSON),
+  OPENAI_API_KEY (the episode's own key, never the trainer's), the same for Anthropic clients
+  (ANTHROPIC_BASE_URL: the base URL without `/v1`; ANTHROPIC_API_KEY), STACX_TASK (the task as JSON),
   STACX_REWARD_FILE, and the trainer's variables the user names (`--agent-env NAME`): nothing else of the
   trainer's environment (its tokens, its keys) reaches the program or the commands it runs;
 - `{base_url}` and `{task_json}` in its arguments replaced (`substitute_placeholders`): as they are in an
@@ -70,8 +71,9 @@ def agent_environment(base_url: str, task_json: str, reward_file: str, *, api_ke
     environ = os.environ if environ is None else environ
     env = {name: environ[name] for name in environ
            if name in PASSED_THROUGH or name.startswith("LC_") or name in passed_env}
-    env.update(OPENAI_BASE_URL=base_url, OPENAI_API_KEY=api_key or EPISODE_API_KEY, STACX_TASK=task_json,
-               STACX_REWARD_FILE=reward_file)
+    env.update(OPENAI_BASE_URL=base_url, OPENAI_API_KEY=api_key or EPISODE_API_KEY,
+               ANTHROPIC_BASE_URL=base_url.removesuffix("/v1"),  # Anthropic clients add /v1/messages
+               ANTHROPIC_API_KEY=api_key or EPISODE_API_KEY, STACX_TASK=task_json, STACX_REWARD_FILE=reward_file)
     return env
 
 

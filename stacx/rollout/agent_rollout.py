@@ -8,11 +8,15 @@
     rollout = AgentRollout(my_agent, server_url=engine_url, next_tasks=lambda step: tasks, n_samples_per_task=4)
     samples, metrics = rollout.collect(step)                        # what StepRollout.collect returns
 
-For each task and repetition, `collect` opens a fresh session (a new id), runs the agent against
-`<server_url>/sessions/<id>/v1`, then takes the session's recorded turns from the server
-(`DELETE /stacx/sessions/<id>`, stacx.rollout.engines.openai_endpoints) and assembles them into
-samples (stacx.rollout.agent_trajectories: the ids the engine produced, loss mask 1 on them only).
-All samples of one task share its group index, so GRPO normalizes over the task's repetitions.
+For each task and repetition, `collect` opens a fresh session on the server (a new id; `POST
+/stacx/sessions/<id>` gives it a secret, and the server never evicts it while the episode runs), runs
+the agent against `<server_url>/sessions/<id>/<secret>/v1` (no other client can write, read or pop
+that session), then takes the session's recorded turns from the server (`DELETE
+/stacx/sessions/<id>` with the secret, stacx.rollout.engines.openai_endpoints) and assembles them into
+samples (stacx.rollout.agent_trajectories: the ids the engine produced, loss mask 1 on them only; one
+sample per branch of the session's tree). All samples of one task share its group index, so GRPO
+normalizes over the task's repetitions; all samples of one episode share its `episode_id`, so the
+group statistics count each episode once however often it branched.
 
 The agent is a Python callable `(base_url, task) -> reward or None`, or an `AgentCommand` (any
 program, stacx.rollout.agent_command: the base URL and the task reach it as arguments or environment
@@ -35,7 +39,7 @@ import requests
 
 from stacx.objectives.discovery import resolve_callable
 from stacx.rollout.agent_command import DEFAULT_AGENT_TIMEOUT_S, AgentCommand
-from stacx.rollout.agent_trajectories import RecordedTurn, assemble_trajectories
+from stacx.rollout.agent_trajectories import RecordedTurn, assemble_trajectories, branch_metrics
 from stacx.rollout.manager import Sample
 
 __all__ = ["Agent", "AgentCommand", "AgentRollout", "agent_from_settings", "last_turn_reward", "session_base_url"]
@@ -48,9 +52,10 @@ RewardFn = Callable[[dict, Sequence[Sample]], float]
 """(task, the session's samples) -> the episode's reward."""
 
 
-def session_base_url(server_url: str, session_id: str) -> str:
-    """The OpenAI base URL that records turns under `session_id`."""
-    return f"{server_url.rstrip('/')}/sessions/{session_id}/v1"
+def session_base_url(server_url: str, session_id: str, secret: Optional[str] = None) -> str:
+    """The OpenAI base URL that records turns under `session_id` (opened with `secret`, when given)."""
+    where = session_id if secret is None else f"{session_id}/{secret}"
+    return f"{server_url.rstrip('/')}/sessions/{where}/v1"
 
 
 def agent_from_settings(agent: Optional[str], agent_command: Optional[str], *,
@@ -128,7 +133,8 @@ class AgentRollout:
 
     def __init__(self, agent: Union[Agent, AgentCommand], *, server_url: str,
                  next_tasks: Callable[[int], Sequence[dict]], n_samples_per_task: int = 1,
-                 reward_fn: Optional[RewardFn] = None, max_parallel_episodes: int = 8, request_timeout_s: float = 60.0):
+                 reward_fn: Optional[RewardFn] = None, max_parallel_episodes: int = 8, request_timeout_s: float = 60.0,
+                 api_key: Optional[str] = None):
         if n_samples_per_task < 1:
             raise ValueError(f"n_samples_per_task must be >= 1, got {n_samples_per_task}")
         if max_parallel_episodes < 1:
@@ -145,6 +151,8 @@ class AgentRollout:
     def waiting_for(self) -> str:
         """The episodes still running ('' when none), for the run's heartbeat (RunningEpisodes.describe)."""
         return self.running.describe()
+        self.api_key = api_key
+        """The server's API key (it opens sessions); None for a server without one."""
 
     def collect(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """The samples of every task of `step` x n_samples_per_task episodes, and rollout metrics."""
@@ -153,7 +161,8 @@ class AgentRollout:
             raise ValueError(f"step {step}: next_tasks gave no task")
         episodes = [(index, task) for index, task in enumerate(tasks) for _ in range(self.n_samples_per_task)]
         with ThreadPoolExecutor(max_workers=min(self.max_parallel_episodes, len(episodes))) as pool:
-            results = list(pool.map(lambda episode: self.run_episode(*episode), episodes))
+            results = list(pool.map(lambda episode: self.run_episode(*episode[1], episode_id=episode[0]),
+                                    enumerate(episodes)))
         samples = [sample for result in results for sample in result]
         if not samples:
             raise RuntimeError(f"step {step}: none of the {len(episodes)} agent episodes made a model call through "
@@ -163,22 +172,24 @@ class AgentRollout:
         metrics = {"rollout/agent_episodes": float(len(episodes)), "rollout/agent_failed_episodes": float(failed),
                    "rollout/agent_samples": float(len(samples)),
                    "rollout/agent_turns_mean": sum(s.metadata["num_turns"] for s in samples) / len(samples),
-                   "rollout/reward_mean": sum(float(s.reward or 0.0) for s in samples) / len(samples)}
+                   "rollout/reward_mean": sum(float(s.reward or 0.0) for s in samples) / len(samples),
+                   **branch_metrics(results)}
         return samples, metrics
 
     def evaluate_if_due(self, completed_steps: int) -> dict[str, float]:
         return {}
 
-    def run_episode(self, group_index: int, task: dict) -> list[Sample]:
-        """One episode in a fresh session -> its samples, each with the episode's reward."""
-        session_id = uuid.uuid4().hex
+    def run_episode(self, group_index: int, task: dict, *, episode_id: Optional[int] = None) -> list[Sample]:
+        """One episode in a fresh session -> its samples (one per branch), each with the episode's reward."""
+        session_id, secret = self.open_session()
         reward, error = None, None
         try:
-            reward = self.agent(session_base_url(self.server_url, session_id), task)
+            reward = self.agent(session_base_url(self.server_url, session_id, secret), task)
         except Exception as err:  # noqa: BLE001 - one failing episode must not end the run
             error = f"{type(err).__name__}: {err}"
             logger.warning("agent episode on task %d failed: %s", group_index, error)
-        samples = assemble_trajectories(self.take_turns(session_id), group_index=group_index)
+        samples = assemble_trajectories(self.take_turns(session_id, secret), group_index=group_index,
+                                        episode_id=episode_id)
         if samples and error is None and reward is None:
             if self.reward_fn is None:
                 raise ValueError("the agent returned no reward and AgentRollout has no reward_fn; return the "
@@ -190,8 +201,24 @@ class AgentRollout:
             sample.metadata.update(session_id=session_id, task=task)
         return samples
 
-    def take_turns(self, session_id: str) -> list[RecordedTurn]:
+    def open_session(self) -> tuple[str, str]:
+        """(a new session id, its secret): opened on the server before the agent starts, so only this
+        episode can use it and the server keeps it until `take_turns`."""
+        session_id = uuid.uuid4().hex
+        headers = {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
+        answer = requests.post(f"{self.server_url}/stacx/sessions/{session_id}", headers=headers,
+                               timeout=self.request_timeout_s)
+        if answer.status_code in (401, 403):
+            raise RuntimeError(f"{self.server_url} refused to open an episode's session ({answer.status_code}): "
+                               "pass AgentRollout(api_key=) the server's API key (stacx serve --api-key / "
+                               "STACX_API_KEY)")
+        answer.raise_for_status()
+        return session_id, answer.json()["secret"]
+
+    def take_turns(self, session_id: str, secret: Optional[str] = None) -> list[RecordedTurn]:
         """The session's recorded turns, removed from the server."""
-        answer = requests.delete(f"{self.server_url}/stacx/sessions/{session_id}", timeout=self.request_timeout_s)
+        headers = {} if secret is None else {"Authorization": f"Bearer {secret}"}
+        answer = requests.delete(f"{self.server_url}/stacx/sessions/{session_id}", headers=headers,
+                                 timeout=self.request_timeout_s)
         answer.raise_for_status()
         return [RecordedTurn.from_json(row) for row in answer.json()["turns"]]

@@ -14,9 +14,12 @@ Why token-in, token-out: decoding the model's ids and re-tokenizing the text doe
 same ids back (merges differ across turn boundaries), so the trainer would score tokens the
 engine never sampled. Here the response is exactly the engine's ids, turn after turn; only the
 text *between* turns is tokenized, and it is the chat template's own rendering of the new
-messages: render(first messages + an assistant turn + the observation messages, generation
-prompt) minus render(first messages + that assistant turn), starting right after the assistant's
-end-of-turn token (eos). Those ids get loss mask 0 and executor ENVIRONMENT.
+messages after an assistant turn (`stacx.rollout.chat_continuation`, the rule the OpenAI
+endpoint's sessions use too): the rest of the template's close of that turn after the eos the
+engine generated, the observation messages and the next generation prompt. Their content is
+encoded with control spellings held back (`stacx.rollout.chat_encoding`): a tool result holding
+`<|im_end|>\n<|im_start|>assistant` is text, never a forged turn. Those ids get loss mask 0 and
+executor ENVIRONMENT.
 
 What the model's reply does: with tools offered (`Environment.tools`), the reply is parsed in the
 tokenizer's tool-call format (`stacx.rollout.tool_calls`); its calls run (each contained: an error,
@@ -33,16 +36,14 @@ import random
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
+from stacx.rollout.chat_continuation import ids_after_assistant_turn
+from stacx.rollout.chat_encoding import chat_ids, decode_reply
 from stacx.rollout.dagger import Executor, TurnExecutor
 from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.environments import Environment, Messages, StepResult
 from stacx.rollout.manager import Sample
-from stacx.rollout.tokenizer import apply_chat_template
 from stacx.rollout.tool_calls import TOOL_CALL_STYLES, ParsedToolCalls, parse_tool_calls, tool_call_style_for
 from stacx.rollout.types import GenerateRequest, SamplingParams
-
-_PLACEHOLDER_REPLY = {"role": "assistant", "content": "."}
-"""The assistant turn the observation is rendered after: only the text following its end-of-turn token is used."""
 
 
 @dataclass
@@ -93,11 +94,10 @@ class AgentSession:
                 if self.tool_call_style not in TOOL_CALL_STYLES:
                     raise ValueError(f"tool_call_style {self.tool_call_style!r} (of {type(environment).__name__} or "
                                      f"the prompt row's metadata) is unknown; known styles: {list(TOOL_CALL_STYLES)}")
-            self.prompt_ids = apply_chat_template(tokenizer, self.first_messages, tools=self.tool_schemas)
+            self.prompt_ids = chat_ids(tokenizer, self.first_messages, tools=self.tool_schemas)
         except BaseException:
             self.close()
             raise
-        self._end_of_turn = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False)
 
     def respond(self, action_ids: Sequence[int], *, last_turn: bool = False) -> Reply:
         """Answer the model's reply `action_ids`; `last_turn`: no further action follows, so no observation.
@@ -110,7 +110,7 @@ class AgentSession:
     def read(self, action_ids: Sequence[int]) -> Union[str, ParsedToolCalls]:
         """The reply's text without its end-of-turn token; parsed when the environment offers tools."""
         self.counts.turns += 1
-        text = self.tokenizer.decode(list(action_ids), skip_special_tokens=False).removesuffix(self._end_of_turn)
+        text = decode_reply(self.tokenizer, action_ids)
         if self.tool_call_style is None:
             return text
         parsed = parse_tool_calls(text, self.tool_call_style)
@@ -148,23 +148,17 @@ class AgentSession:
                      dict(result.info))
 
     def observation_ids(self, messages: Messages) -> list[int]:
-        """The chat template's ids for `messages` after an assistant turn, through the next generation prompt."""
-        before = self.first_messages + [_PLACEHOLDER_REPLY]
-        rendered_before = self._render(before, add_generation_prompt=False)
-        rendered_after = self._render(before + messages, add_generation_prompt=True)
-        cut = rendered_before.rfind(self._end_of_turn)
-        if cut < 0 or not rendered_after.startswith(rendered_before):
+        """The chat template's ids for `messages` after an assistant turn that ended on eos, through the
+        next generation prompt (`stacx.rollout.chat_continuation`)."""
+        ids = ids_after_assistant_turn(self.tokenizer, self.first_messages, messages, tools=self.tool_schemas,
+                                       generated_ids=[self.tokenizer.eos_token_id])
+        if ids is None:
             raise ValueError(
                 f"the tokenizer's chat template does not end an assistant turn with the eos token "
-                f"{self._end_of_turn!r}, or renders earlier messages differently once more follow; multi-turn "
+                f"{self.tokenizer.eos_token!r}, or renders earlier messages differently once more follow; multi-turn "
                 "episodes need a template whose rendering of a conversation is a prefix of its rendering of the "
                 "longer conversation (set the checkpoint's chat_template, or its eos_token to the end-of-turn token)")
-        text = rendered_before[cut + len(self._end_of_turn):] + rendered_after[len(rendered_before):]
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _render(self, messages: Messages, *, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tool_schemas, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return ids
 
     def close(self) -> None:
         """The episode is over: the environment releases its resources (once; later calls do nothing)."""

@@ -42,6 +42,10 @@ class Sample:
     """`Executor` per token: 0 environment, 1 student, 2 teacher."""
     group_index: int = 0
     """Index of the prompt this sample answers (samples of one prompt form a GRPO group)."""
+    episode_id: Optional[int] = None
+    """The episode this trajectory is a branch of, when one episode gives several samples (an agent session
+    that branched, stacx.rollout.agent_trajectories); group-relative advantages count each episode once.
+    None: the sample is its own episode."""
     finish_reason: str = "length"
     weight_version: int = 0
     label: Any = None
@@ -72,7 +76,8 @@ class Sample:
             "prompt_ids": self.prompt_ids, "response_ids": self.response_ids, "response_text": self.response_text,
             "rollout_log_probs": self.rollout_log_probs, "loss_mask": self.loss_mask, "executors": self.executors,
             "reward": self.reward, "reward_error": self.reward_error, "finish_reason": self.finish_reason,
-            "weight_version": self.weight_version, "group_index": self.group_index, "label": self.label,
+            "weight_version": self.weight_version, "group_index": self.group_index, "episode_id": self.episode_id,
+            "label": self.label,
             "metadata": self.metadata, "teacher_log_probs": self.teacher_log_probs,
         }
 

@@ -15,6 +15,8 @@ from typing import Sequence
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from stacx.rollout.chat_encoding import chat_ids
+
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>")
 
 CHAT_TEMPLATE = (
@@ -50,7 +52,6 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
 def apply_chat_template(tokenizer, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                         tools: Sequence[dict] | None = None) -> list[int]:
     """Token ids of `messages` rendered with the tokenizer's chat template (`tools`: the JSON schemas
-    of the functions the model may call, as the template renders them)."""
-    text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    of the functions the model may call, as the template renders them). Control-token spellings inside
+    the messages are encoded as text (stacx.rollout.chat_encoding)."""
+    return chat_ids(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)

@@ -7,7 +7,9 @@
 
 Styles:
 - "hermes" (Qwen2/2.5/3, Hermes, and templates like them): every call is
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; text outside the tags is content.
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; text outside the tags is content. The
+  call is the JSON value after `<tool_call>` (decoded, so a `</tool_call>` inside a string argument,
+  `print('</tool_call>')`, is part of it), then the closing tag.
 - "llama3" (Llama 3.1-3.3 JSON tool calling): the whole reply is one or more JSON objects
   `{"name": ..., "parameters": {...}}` (`arguments` accepted too), separated by `;` or whitespace,
   optionally after `<|python_tag|>`. A reply that starts otherwise is content, with no calls.
@@ -28,7 +30,6 @@ TOOL_CALL_STYLES = ("hermes", "llama3")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 LLAMA3_PYTHON_TAG = "<|python_tag|>"
 LLAMA3_END_TOKENS = ("<|eom_id|>", "<|eot_id|>")
-_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -98,22 +99,45 @@ def _to_call(payload, text: str, index: int, argument_keys: tuple[str, ...]) -> 
     return ToolCall(name=name, arguments=arguments, call_id=_call_id(text, index))
 
 
+def _hermes_block(text: str, start: int, decoder: json.JSONDecoder):
+    """The call opened at `text[start:]` (which starts with HERMES_OPEN): (payload or None, error or None,
+    where the block ends). The payload is the JSON value after the tag, decoded (its strings may hold
+    the closing tag); the block ends after the HERMES_CLOSE that follows it."""
+    body = start + len(HERMES_OPEN)
+    while body < len(text) and text[body].isspace():
+        body += 1
+    close = text.find(HERMES_CLOSE, body)
+    try:
+        payload, end = decoder.raw_decode(text, body)
+    except json.JSONDecodeError as error:
+        if close < 0:
+            return None, f"{HERMES_OPEN} is never closed by {HERMES_CLOSE}", len(text)
+        return None, f"not valid JSON ({error}): {text[body:close].strip()[:200]!r}", close + len(HERMES_CLOSE)
+    rest = end
+    while rest < len(text) and text[rest].isspace():
+        rest += 1
+    if text.startswith(HERMES_CLOSE, rest):
+        return payload, None, rest + len(HERMES_CLOSE)
+    close = text.find(HERMES_CLOSE, end)
+    if close < 0:
+        return None, f"{HERMES_OPEN} is never closed by {HERMES_CLOSE}", len(text)
+    return None, f"not valid JSON (text after the JSON value): {text[body:close].strip()[:200]!r}", \
+        close + len(HERMES_CLOSE)
+
+
 def _parse_hermes(text: str) -> ParsedToolCalls:
-    calls, errors = [], []
-    for index, match in enumerate(_HERMES_BLOCK.finditer(text)):
-        body = match.group(1).strip()
-        if not match.group(0).endswith(HERMES_CLOSE):
-            errors.append(f"tool call {index}: {HERMES_OPEN} is never closed by {HERMES_CLOSE}")
-            continue
-        try:
-            payload = json.loads(body)
-        except json.JSONDecodeError as error:
-            errors.append(f"tool call {index}: not valid JSON ({error}): {body[:200]!r}")
-            continue
-        parsed = _to_call(payload, text, index, ("arguments", "parameters"))
-        (calls if isinstance(parsed, ToolCall) else errors).append(parsed)
-    content = _HERMES_BLOCK.sub("", text).strip()
-    return ParsedToolCalls(content=content, calls=tuple(calls), errors=tuple(errors))
+    decoder, calls, errors, content, position, index = json.JSONDecoder(), [], [], [], 0, 0
+    while (start := text.find(HERMES_OPEN, position)) >= 0:
+        content.append(text[position:start])
+        payload, error, position = _hermes_block(text, start, decoder)
+        if error is not None:
+            errors.append(f"tool call {index}: {error}")
+        else:
+            parsed = _to_call(payload, text, index, ("arguments", "parameters"))
+            (calls if isinstance(parsed, ToolCall) else errors).append(parsed)
+        index += 1
+    content.append(text[position:])
+    return ParsedToolCalls(content="".join(content).strip(), calls=tuple(calls), errors=tuple(errors))
 
 
 def _parse_llama3(text: str) -> ParsedToolCalls:

@@ -75,6 +75,9 @@ from stacx.specializations.batch import PER_RESPONSE_FIELDS, PER_SEQUENCE_FIELDS
 
 #: Count metrics every specialization reports; logged as totals, and the denominators of the others.
 NUM_LOSS_TOKENS = "num_loss_tokens"
+PLUGIN_METRIC_SUFFIX = "_plugin"
+"""A specialization's metric named like a step metric the framework logs (`loss`, `grad_norm`, ...) is logged as
+`<name>_plugin` (stacx.trainer.runtime.role_runtime.set_aside_step_metric_names); its declared denominator holds."""
 NUM_SEQUENCES = "num_sequences"
 
 
@@ -229,7 +232,8 @@ class Specialization:
             if name.startswith("num_"):
                 means[name] = value
                 continue
-            denominator = totals.get(self.metric_denominators.get(name, NUM_LOSS_TOKENS), 0.0)
+            declared_as = name.removesuffix(PLUGIN_METRIC_SUFFIX) if name not in self.metric_denominators else name
+            denominator = totals.get(self.metric_denominators.get(declared_as, NUM_LOSS_TOKENS), 0.0)
             means[name] = value / denominator if denominator else 0.0
         return means
 

@@ -45,6 +45,9 @@ class StepBatch(SampleFields):
     """One scalar reward per sample (rollout recipes; shaped by teacher_kl_coef in opd_rl)."""
     prompt_id: Optional[list[int]] = None
     """The prompt (group) each sample was drawn for: the group key of group-relative advantages."""
+    episode_id: Optional[list[Optional[int]]] = None
+    """The episode each sample is a trajectory of, when an episode gave several (a branched agent session):
+    group-relative advantages count each episode once. None when every sample is its own episode."""
 
     # ---- building -------------------------------------------------------------------------
 
@@ -59,6 +62,7 @@ class StepBatch(SampleFields):
             executors=[torch.tensor(s.executors, dtype=torch.long) for s in samples],
             rewards=[float(s.reward) if s.reward is not None else 0.0 for s in samples],
             prompt_id=[s.group_index for s in samples],
+            episode_id=[s.episode_id for s in samples] if any(s.episode_id is not None for s in samples) else None,
         )
         if samples and all(s.teacher_log_probs is not None for s in samples):
             batch.teacher_log_probs = [torch.tensor(s.teacher_log_probs, dtype=torch.float32) for s in samples]

@@ -327,7 +327,7 @@ class StacxTrainer:
         return AgentRollout(agent, server_url=self.rollout.url,
                             next_tasks=next_tasks, n_samples_per_task=section.n_samples_per_prompt,
                             reward_fn=last_turn_reward(resolve_reward_fn(section.reward_fn), tokenizer.decode),
-                            max_parallel_episodes=section.agent_max_parallel_episodes)
+                            max_parallel_episodes=section.agent_max_parallel_episodes, api_key=self.rollout.api_key)
 
     def shaped_rewards(self, batch: StepBatch) -> list[float]:
         """opd_rl: R_i - teacher_kl_coef * sum_t m_it (log pi(a_t) - log pi_teacher(a_t)) (rollout log-probs)."""

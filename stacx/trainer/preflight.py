@@ -41,6 +41,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Optional
 
+import torch
+
 from stacx.checkpointing.folders import ModelFolderError, detect_model_folder, is_model_folder
 from stacx.env_overrides import apply_env_overrides
 from stacx.models.architectures import num_virtual_stages
@@ -105,6 +107,28 @@ def check_objective_names(algorithm: AlgorithmConfig) -> None:
             raise PreflightError(f"--advantage-estimator: {err} (register yours with @register_advantage and load "
                                  "its file with --custom-module)") from None
     check_algorithm_params(algorithm)
+    check_padded_aggregation(algorithm)
+
+
+def check_padded_aggregation(algorithm: AlgorithmConfig) -> None:
+    """A padded policy-loss plugin that returns a scalar loss has aggregated it itself, with the mode it was
+    registered with (`aggregation=`, default token-mean); it runs only under that `loss_agg_mode`. A mismatch failed
+    at step 0 on every rank, after start-up: the plugin runs once here on a two-token trajectory instead (a plugin
+    that returns per-token losses, or needs inputs this probe does not give, is left to the run)."""
+    name = algorithm.policy_loss
+    if not name or name not in POLICY_LOSSES:
+        return
+    kernel = POLICY_LOSSES.get(name)
+    if getattr(kernel, "padded_plugin", None) is None:
+        return
+    one = [torch.zeros(2, dtype=torch.float32)]
+    try:
+        kernel(algorithm, one, one, one, [torch.ones(2, dtype=torch.float32)])
+    except ValueError as err:
+        if "loss_agg_mode" in str(err):
+            raise PreflightError(f"--loss-agg-mode {algorithm.loss_agg_mode}: {err}") from None
+    except Exception:  # noqa: BLE001 - the plugin's own needs are the run's to report
+        pass
 
 
 def run_kernels(algorithm: AlgorithmConfig) -> list[tuple[str, str, Registry]]:

@@ -40,6 +40,8 @@ def test_the_tiny_run_passes(inputs, capsys):
     code, out, err = _train(inputs, capsys=capsys)
     assert code == 0, err
     assert out.startswith("recipe grpo:")
+    # no --ref-load given: the dry run does not promise a reference from it
+    assert "no in-worker reference (--ref-load not set)" in out and "in-worker reference from" not in out
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -115,6 +117,7 @@ def test_the_header_and_the_resolved_config_agree_on_the_kl_loss(inputs, capsys)
     header = next(line for line in out.splitlines() if line.startswith("  algorithm:"))
     assert "KL loss low_var_kl x 0.05" in header and "no KL loss" not in out
     assert "use_kl_loss: true" in out
+    assert "in-worker reference from --ref-load" in out and "not set" not in out
 
 
 def test_a_misspelled_advantage_estimator_is_refused_at_preflight_with_a_suggestion(inputs, capsys):
@@ -221,6 +224,17 @@ def test_a_misspelled_algorithm_param_of_a_plugin_that_declares_its_knobs_is_ref
     assert code == 0, err
     code, out, err = _train(inputs, "--custom-module", module, *flags, "--algorithm-param", f"{typo}=0.5",
                             "--algorithm-param", f"custom_hyperparameters=[{typo}]", capsys=capsys)
+    assert code == 0, err
+
+
+def test_a_padded_plugin_that_aggregates_itself_under_another_loss_agg_mode_is_refused(inputs, capsys):
+    """It passed --dry-run and failed at step 0 with a traceback on every rank; now preflight names both modes."""
+    flags = ["--custom-module", "examples/padded_plugins/my_algorithm.py", "--policy-loss", "my_loss",
+             "--advantage-estimator", "my_advantage"]
+    code, out, err = _train(inputs, *flags, "--loss-agg-mode", "seq-mean-token-mean", capsys=capsys)
+    assert code == 2 and out == ""
+    assert "--loss-agg-mode seq-mean-token-mean" in err and "'token-mean'" in err and "Traceback" not in err
+    code, out, err = _train(inputs, *flags, "--loss-agg-mode", "token-mean", capsys=capsys)
     assert code == 0, err
 
 

@@ -105,6 +105,19 @@ def test_every_launcher_dry_runs_on_ray_and_under_torchrun(tmp_path, capsys):
     assert "STACX_LAUNCHER=slurm" in refused.value.stderr
 
 
+def test_a_launcher_says_when_its_recipe_is_overridden(tmp_path):
+    environ = {"PATH": os.environ["PATH"], "STACX_PRINT_ONLY": "1", "STACX_MODEL": str(tmp_path),
+               "STACX_PROMPT_DATA": "rows.jsonl"}
+    for flags in (["--algorithm", "my_algo"], ["--algorithm=my_algo"]):
+        done = subprocess.run(["bash", os.path.join(LAUNCHERS, "grpo.sh"), *flags], env=environ, capture_output=True,
+                              text=True, timeout=30, check=True)
+        assert f"grpo.sh: {' '.join(flags) if len(flags) == 2 else flags[0]} overrides this launcher's recipe (grpo)" \
+            in done.stderr
+    quiet = subprocess.run(["bash", os.path.join(LAUNCHERS, "grpo.sh"), "--algorithm", "grpo"], env=environ,
+                           capture_output=True, text=True, timeout=30, check=True)
+    assert quiet.stderr == ""
+
+
 def test_stacx_tasks_swe_writes_the_chosen_rows_and_names_a_bad_flag(tmp_path):
     from stacx.launch.cli import main
 

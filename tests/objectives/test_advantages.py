@@ -152,3 +152,21 @@ def test_mismatched_inputs_raise_named_errors():
         get_advantage("gae")(config(), {k: v for k, v in rollout.items() if k != "values"})
     with pytest.raises(ValueError, match=r"token_rewards\[0\] has shape \(3,\) but response_lengths\[0\] is 2"):
         get_advantage("reinforce_plus_plus")(config(), {**rollout, "token_rewards": [torch.zeros(3), torch.zeros(3)]})
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reward_centered"])
+def test_an_episode_that_branched_counts_once_in_its_groups_statistics(name):
+    """An agent episode whose session branched gives several trajectories with its reward and episode id:
+    the advantages are those of the episodes, each trajectory getting its episode's (branching
+    three times does not weigh an episode three times in the mean and std)."""
+    episodes = {"rewards": [1.0, 0.0, 0.0, 2.0], "prompt_id": [0, 0, 0, 1], "response_lengths": [3, 2, 4, 1]}
+    branched = {"rewards": [1.0, 1.0, 1.0, 0.0, 0.0, 2.0], "prompt_id": [0, 0, 0, 0, 0, 1],
+                "episode_id": [7, 7, 7, 8, None, 9], "response_lengths": [3, 1, 1, 2, 4, 1]}
+    estimator = get_advantage(name)
+    per_episode = per_trajectory_scalars(estimator(config(), episodes), episodes["response_lengths"])
+    per_branch = per_trajectory_scalars(estimator(config(), branched), branched["response_lengths"])
+    assert per_branch == pytest.approx([per_episode[0]] * 3 + per_episode[1:], abs=1e-6)
+    assert per_episode[0] != 0.0
+    without_ids = dict(branched, episode_id=None)    # counted per branch: a different baseline
+    assert per_trajectory_scalars(estimator(config(), without_ids), branched["response_lengths"])[0] \
+        != pytest.approx(per_episode[0], abs=1e-3)

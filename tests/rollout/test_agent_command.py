@@ -43,6 +43,7 @@ def _gone(pid: int) -> bool:
 def test_the_program_gets_a_scrubbed_environment_and_only_the_variables_named_with_agent_env(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINER_SECRET", "s3cret")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-the-trainers-own")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-the-trainers-own")
     monkeypatch.setenv("HF_HOME", "/models")
     monkeypatch.setenv("LC_ALL", "C.UTF-8")
     dump = tmp_path / "env.json"
@@ -52,17 +53,19 @@ def test_the_program_gets_a_scrubbed_environment_and_only_the_variables_named_wi
     assert command("http://h/sessions/s/v1", {"x": 2}) == 1.0
     seen = json.loads(dump.read_text())
     assert "TRAINER_SECRET" not in seen and seen["OPENAI_API_KEY"] != "sk-the-trainers-own"
+    assert seen["ANTHROPIC_API_KEY"] != "sk-ant-the-trainers-own" and seen["ANTHROPIC_BASE_URL"] == "http://h/sessions/s"
     assert seen["HF_HOME"] == "/models" and seen["LC_ALL"] == "C.UTF-8" and seen["PATH"] == os.environ["PATH"]
     assert seen["OPENAI_BASE_URL"] == "http://h/sessions/s/v1" and json.loads(seen["STACX_TASK"]) == {"x": 2}
     allowed = {"PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "HF_HOME", "OPENAI_BASE_URL", "OPENAI_API_KEY",
-               "STACX_TASK", "STACX_REWARD_FILE"}
+               "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "STACX_TASK", "STACX_REWARD_FILE"}
     assert set(seen) <= allowed, set(seen) - allowed
     # The reward file lies in a folder only the trainer's user can enter, removed after the episode.
     folder = os.path.dirname(seen["STACX_REWARD_FILE"])
     assert not os.path.exists(folder)
     env = agent_environment("u", "{}", "/r", api_key="episode-key", environ={"A": "1", "PATH": "/bin", "LC_X": "y"})
     assert env == {"PATH": "/bin", "LC_X": "y", "OPENAI_BASE_URL": "u", "OPENAI_API_KEY": "episode-key",
-                   "STACX_TASK": "{}", "STACX_REWARD_FILE": "/r"}
+                   "ANTHROPIC_BASE_URL": "u", "ANTHROPIC_API_KEY": "episode-key", "STACX_TASK": "{}",
+                   "STACX_REWARD_FILE": "/r"}
     with pytest.raises(ValueError, match="--agent-env 'A=1' is not a variable name"):
         AgentCommand(argv=("x",), passed_env=("A=1",))
 

@@ -187,19 +187,189 @@ def test_completions_return_the_engine_ids_and_continue_a_session_prompt(server,
 
 
 @pytest.mark.parametrize("field, value, named", [
-    ("stop", ["\n"], "'stop' strings are not supported"),
-    ("stream", True, "'stream': true is not supported"),
-    ("n", 2, "'n' must be 1"),
     ("frobnicate", 1, "unsupported fields ['frobnicate']"),
+    ("logit_bias", {"5": 1}, "'logit_bias' is not supported"),
     ("messages", [{"role": "wizard", "content": "x"}], "'messages[0].role' must be one of"),
 ])
 def test_unsupported_requests_get_a_400_naming_the_field(server, field, value, named):
     body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], field: value}
     answer = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
-    assert answer.status_code == 400 and named in answer.json()["error"]
+    assert answer.status_code == 400 and named in answer.json()["error"]["message"]
     bad_session = requests.post(f"{server.url}/sessions/a%20b/v1/chat/completions",
                                 json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
-    assert bad_session.status_code == 400 and "session id" in bad_session.json()["error"]
+    assert bad_session.status_code == 400 and "session id" in bad_session.json()["error"]["message"]
+
+
+def test_errors_are_in_openais_schema_so_the_official_client_shows_the_message(server):
+    client = client_for(server)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                       stop=["a", "b", "c", "d", "e"])
+    assert "'stop' may hold at most 4 strings, got 5" in str(refused.value)
+    assert (refused.value.param, refused.value.code, refused.value.type) == ("stop", "400", "BadRequestError")
+    with pytest.raises(openai.BadRequestError, match="'tool_choice' names the function 'ls', which is not in 'tools'"):
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], tools=[BASH_TOOL],
+                                       tool_choice={"type": "function", "function": {"name": "ls"}})
+    with pytest.raises(openai.NotFoundError, match="unknown endpoint POST /v1/embeddings"):
+        client.embeddings.create(model="policy", input="hi")
+    # Stacx's own endpoints keep their {"error": "text"} answers.
+    assert isinstance(requests.post(f"{server.url}/generate", json={"input_ids": []}, timeout=30).json()["error"], str)
+
+
+TASK_MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+"""The taught task: served greedily with the bash tool, the policy answers with the `touch done.txt` call."""
+
+
+def streamed(chunks):
+    """A streamed chat answer joined as a client joins it: per choice its content, tool calls, finish reason."""
+    choices, usage = {}, None
+    for chunk in chunks:
+        usage = chunk.usage or usage
+        for part in chunk.choices:
+            choice = choices.setdefault(part.index, {"content": "", "calls": {}, "logprobs": [], "finish": None,
+                                                     "stacx": None})
+            choice["content"] += part.delta.content or ""
+            choice["logprobs"] += part.logprobs.content if part.logprobs else []
+            for call in part.delta.tool_calls or ():
+                joined = choice["calls"].setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+                joined["id"] = call.id or joined["id"]
+                joined["name"] += call.function.name or "" if call.function else ""
+                joined["arguments"] += call.function.arguments or "" if call.function else ""
+            choice["finish"] = part.finish_reason or choice["finish"]
+            choice["stacx"] = (part.model_extra or {}).get("stacx") or choice["stacx"]
+    return choices, usage
+
+
+def test_streamed_chat_with_tools_is_the_answer_a_plain_call_gets_and_records_the_same_ids(server):
+    plain = client_for(server, "plain-1").chat.completions.create(
+        model="policy", messages=TASK_MESSAGES, tools=[BASH], temperature=0, max_tokens=120)
+    choices, usage = streamed(client_for(server, "stream-1").chat.completions.create(
+        model="policy", messages=TASK_MESSAGES, tools=[BASH], temperature=0, max_tokens=120, stream=True,
+        stream_options={"include_usage": True}))
+    (choice,) = choices.values()
+    (call,) = plain.choices[0].message.tool_calls
+    assert choice["finish"] == "tool_calls" == plain.choices[0].finish_reason
+    assert list(choice["calls"].values()) == [{"id": call.id, "name": "bash", "arguments": call.function.arguments}]
+    assert json.loads(call.function.arguments) == {"command": "touch done.txt"}
+    assert usage.completion_tokens == plain.usage.completion_tokens and usage.prompt_tokens == plain.usage.prompt_tokens
+    assert recorded(server, "stream-1") == recorded(server, "plain-1")
+    assert choice["stacx"]["output_token_ids"] == list(recorded(server, "stream-1")[0].output_ids)
+
+
+def test_streamed_text_comes_one_chunk_per_token_with_its_log_probs(server):
+    messages = [{"role": "user", "content": "hi"}]
+    plain = client_for(server).chat.completions.create(model="policy", messages=messages, max_tokens=6, seed=11,
+                                                       logprobs=True, top_logprobs=2)
+    chunks = list(client_for(server).chat.completions.create(model="policy", messages=messages, max_tokens=6, seed=11,
+                                                             logprobs=True, top_logprobs=2, stream=True))
+    (choice,) = streamed(chunks)[0].values()
+    assert choice["content"] == plain.choices[0].message.content
+    assert choice["logprobs"] == plain.choices[0].logprobs.content
+    assert sum(1 for c in chunks if c.choices and c.choices[0].logprobs) == plain.usage.completion_tokens
+    text = client_for(server).completions.create(model="policy", prompt="count: 1 2", max_tokens=5, seed=7, logprobs=1,
+                                                 stream=True)
+    pieces = [c.choices[0] for c in text]
+    plain_text = client_for(server).completions.create(model="policy", prompt="count: 1 2", max_tokens=5, seed=7,
+                                                       logprobs=1)
+    assert "".join(p.text for p in pieces) == plain_text.choices[0].text and pieces[-1].finish_reason is not None
+    assert [lp for p in pieces if p.logprobs for lp in p.logprobs.token_logprobs] == \
+        plain_text.choices[0].logprobs.token_logprobs
+
+
+def test_n_samples_are_one_request_each_its_own_trajectory_and_the_kept_sample_continues(server):
+    from stacx.rollout.agent_trajectories import assemble_trajectories
+
+    client = client_for(server, "group-1")
+    messages = [{"role": "user", "content": "hi"}]
+    group = client.chat.completions.create(model="policy", messages=messages, n=4, max_tokens=8, seed=5)
+    assert [c.index for c in group.choices] == [0, 1, 2, 3]
+    turns = recorded(server, "group-1")
+    assert [list(t.output_ids) for t in turns] == [c.model_extra["stacx"]["output_token_ids"] for c in group.choices]
+    assert len({t.prompt_ids for t in turns}) == 1 and len({t.output_ids for t in turns}) > 1   # one prompt, n samples
+    assert group.usage.completion_tokens == sum(len(t.output_ids) for t in turns)
+    alone = client_for(server).chat.completions.create(model="policy", messages=messages, max_tokens=8, seed=5 + 3)
+    assert alone.model_extra["stacx"]["output_token_ids"] == list(turns[3].output_ids)  # sample i is seeded seed + i
+    kept = group.choices[2].message
+    client.chat.completions.create(model="policy", messages=messages + [kept.model_dump(exclude_none=True),
+                                                                        {"role": "user", "content": "more"}],
+                                   max_tokens=4, seed=6)
+    turns = recorded(server, "group-1")
+    head = turns[2].prompt_ids + turns[2].output_ids
+    assert turns[4].prompt_ids[:len(head)] == head  # continues the kept sample's own ids
+    samples = assemble_trajectories(turns)
+    assert [s.metadata["num_turns"] for s in samples] == [1, 1, 2, 1]
+    assert [s.metadata["branch_of"] for s in samples] == [None, 0, 0, 0]  # siblings in the session's tree
+    first = group.choices[0].message  # another sample is still a leaf after one was continued
+    client.chat.completions.create(model="policy", messages=messages + [first.model_dump(exclude_none=True),
+                                                                        {"role": "user", "content": "again"}],
+                                   max_tokens=4, seed=7)
+    turns = recorded(server, "group-1")
+    head = turns[0].prompt_ids + turns[0].output_ids
+    assert turns[5].prompt_ids[:len(head)] == head
+    assert [s.metadata["num_turns"] for s in assemble_trajectories(turns)] == [2, 1, 2, 1]
+
+
+def test_stop_strings_cut_the_text_and_the_recorded_ids_end_with_the_stop(server):
+    stop = '"arguments"'
+    common = dict(model="policy", messages=TASK_MESSAGES, tools=[BASH], tool_choice="none", temperature=0,
+                  max_tokens=48)  # the taught call writes "arguments" by its 39th token
+    whole = client_for(server, "whole-1").chat.completions.create(**common)
+    cut = client_for(server, "stop-1").chat.completions.create(**common, stop=["never", stop], logprobs=True)
+    text = whole.choices[0].message.content
+    assert cut.choices[0].message.content == text[:text.index(stop)]
+    assert (cut.choices[0].finish_reason, cut.choices[0].model_extra["stop_reason"]) == ("stop", stop)
+    (turn,) = recorded(server, "stop-1")
+    (whole_turn,) = recorded(server, "whole-1")
+    # The ids up to and including the ones that wrote the stop string: the engine's, with their log-probs.
+    assert server.tokenizer.decode(list(turn.output_ids)) == text[:text.index(stop) + len(stop)]
+    assert turn.output_ids == whole_turn.output_ids[:len(turn.output_ids)]
+    assert [e.logprob for e in cut.choices[0].logprobs.content] == pytest.approx(turn.output_log_probs)
+    assert cut.usage.completion_tokens == len(turn.output_ids)
+
+
+def test_top_logprobs_are_the_engines_top_k(server, policy):
+    from stacx.rollout.types import GenerateRequest, SamplingParams
+
+    _, tokenizer = policy
+    messages = [{"role": "user", "content": "hi"}]
+    answer = client_for(server).chat.completions.create(model="policy", messages=messages, max_tokens=4,
+                                                        temperature=0, logprobs=True, top_logprobs=5)
+    prompt = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0, stop_token_ids=(tokenizer.eos_token_id,))
+    (engine,) = server.engine.generate([GenerateRequest(input_ids=tuple(prompt), top_logprobs_num=5, sampling=greedy)])
+    entries = answer.choices[0].logprobs.content
+    assert len(entries) == len(engine.output_ids)
+    for entry, token, top in zip(entries, engine.output_ids, engine.output_top_log_probs):
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([i]) for _, i in top]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([lp for lp, _ in top], abs=1e-5)
+        assert entry.token == tokenizer.decode([token]) == entry.top_logprobs[0].token  # greedy: the most likely
+    text = client_for(server).completions.create(model="policy", prompt="count: 1 2", max_tokens=3, temperature=0,
+                                                 logprobs=3)
+    tops = text.choices[0].logprobs.top_logprobs
+    assert len(tops) == 3 and all(len(top) == 3 for top in tops)  # greedy: the sampled token is among the 3
+
+
+def test_tool_choice_required_or_named_opens_the_call_in_the_prompt_and_the_model_writes_the_rest(server, policy):
+    _, tokenizer = policy
+    template = tokenizer.apply_chat_template(TASK_MESSAGES, tools=[BASH], tokenize=True, add_generation_prompt=True,
+                                             return_dict=False)
+    openings = {"required": "<tool_call>", "bash": '<tool_call>{"name": "bash", "arguments": '}
+    for name, choice in (("required", "required"), ("bash", {"type": "function", "function": {"name": "bash"}})):
+        answer = client_for(server, f"forced-{name}").chat.completions.create(
+            model="policy", messages=TASK_MESSAGES, tools=[BASH], tool_choice=choice, temperature=0, max_tokens=120)
+        (call,) = answer.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("bash", {"command": "touch done.txt"})
+        assert answer.choices[0].finish_reason == "tool_calls"
+        (turn,) = recorded(server, f"forced-{name}")
+        # The opening is prompt (masked 0, never trained on); every sampled id is output, with its log-prob.
+        assert turn.prompt_ids[:len(template)] == tuple(template)
+        assert tokenizer.decode(list(turn.prompt_ids[len(template):])) == openings[name]
+        assert openings[name] + tokenizer.decode(list(turn.output_ids)) == \
+            '<tool_call>{"name": "bash", "arguments": {"command": "touch done.txt"}}</tool_call><eos>'
+    cut = client_for(server).chat.completions.create(model="policy", messages=TASK_MESSAGES, tools=[BASH],
+                                                     tool_choice="required", temperature=0, max_tokens=3)
+    assert cut.choices[0].message.tool_calls is None and cut.choices[0].finish_reason == "length"
+    assert cut.choices[0].model_extra["stacx"]["tool_call_errors"]   # validated: no call is made up
 
 
 def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, tmp_path):
@@ -216,7 +386,8 @@ def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, t
         return -sum(entry.logprob for entry in second.choices[0].logprobs.content)  # varies with every sample
 
     tasks = [{"question": "1+1?"}, {"question": "2*3?"}]
-    rollout = AgentRollout(agent, server_url=server.url, next_tasks=lambda step: tasks, n_samples_per_task=2,
+    rollout = AgentRollout(agent, server_url=server.url, api_key=server.api_key, next_tasks=lambda step: tasks,
+                           n_samples_per_task=2,
                            max_parallel_episodes=4)
     batch, metrics, runtime = train_one_grpo_step(server, rollout, tmp_path, num_tasks=2, n_samples_per_task=2)
     assert batch.num_samples == 4 and batch.prompt_id == [0, 0, 1, 1]
@@ -288,7 +459,8 @@ def test_mini_swe_agent_solves_the_task_through_the_endpoint_and_grpo_trains_on_
     monkeypatch.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path / "mswea"))
     monkeypatch.setenv("MSWEA_SILENT_STARTUP", "1")
     agent, workdirs = mini_swe_agent(tmp_path)
-    rollout = AgentRollout(agent, server_url=server.url, next_tasks=lambda step: [{"task": TASK}], n_samples_per_task=2)
+    rollout = AgentRollout(agent, server_url=server.url, api_key=server.api_key, next_tasks=lambda step: [{"task": TASK}],
+                           n_samples_per_task=2)
     batch, metrics, _ = train_one_grpo_step(server, rollout, tmp_path / "run", num_tasks=1, n_samples_per_task=2)
 
     # The file was made in each episode's sandbox session, not in the host folder it was copied from.
@@ -316,7 +488,7 @@ def test_mini_swe_agent_solves_the_task_through_the_endpoint_and_grpo_trains_on_
                                  str(trajectories), *[part for spec in config for part in ("--config", spec)]),
                            passed_env=tuple(name for name in ("PYTHONPATH", "MSWEA_GLOBAL_CONFIG_DIR")
                                             if name in os.environ), timeout_s=300)
-    rollout = AgentRollout(program, server_url=server.url, next_tasks=lambda step: [row])
+    rollout = AgentRollout(program, server_url=server.url, api_key=server.api_key, next_tasks=lambda step: [row])
     (sample,), _ = rollout.collect(0)
     assert (sample.reward, sample.reward_error, sample.metadata["num_turns"]) == (1.0, None, 2)
     (trajectory,) = [json.loads(path.read_text()) for path in trajectories.iterdir()]

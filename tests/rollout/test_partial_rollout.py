@@ -344,6 +344,15 @@ def test_the_async_producer_continues_an_interrupted_group_through_stacx_serve_w
     assert not producer.thread.is_alive()
 
 
+def wait_until_idle(producer, timeout_s: float = 120.0) -> None:
+    """Until the producer can admit no group and none runs (bounded): what it holds then does not depend on
+    thread timing."""
+    deadline = time.monotonic() + timeout_s
+    while producer.scheduler.can_admit() or producer.scheduler.counts()["running"]:
+        assert time.monotonic() < deadline, f"the producer did not settle in {timeout_s} s"
+        time.sleep(0.001)
+
+
 def test_async_rollout_over_a_pool_of_two_cpu_engines_uses_both_and_keeps_the_bound(
         tiny_checkpoints, policies, single_process_world):
     """`AsyncRollout` (K = 1, partial rollout, 2 prompts x 2 samples per step) over an `EnginePool` of two
@@ -376,6 +385,8 @@ def test_async_rollout_over_a_pool_of_two_cpu_engines_uses_both_and_keeps_the_bo
             trained += len(samples)
             for sample in samples:
                 assert min(sample.metadata["token_versions"], default=step) >= step - 1
+            if step == 0:  # step 1's groups are all generated at version 0 before the first update: staleness 1
+                wait_until_idle(producer)  # (later updates abort groups in flight, whatever the thread timing)
             producer.begin_update()
             pool.pause()
             load_policy(pool, policies, (step + 1) % 2)

@@ -40,6 +40,19 @@ def test_hermes_unclosed_call_and_plain_answer():
     assert plain.calls == () and plain.errors == ()
 
 
+def test_hermes_call_ends_after_its_json_not_at_a_closing_tag_inside_an_argument():
+    code = "print('</tool_call>')"
+    text = ('run it <tool_call>\n{"name": "python", "arguments": {"code": "' + code + '"}}\n</tool_call>'
+            '<tool_call>{"name": "python", "arguments": {"code": "1"}} trailing</tool_call> then')
+    parsed = parse_tool_calls(text, "hermes")
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("python", {"code": code})]
+    assert parsed.errors == ("tool call 1: not valid JSON (text after the JSON value): "
+                             "'{\"name\": \"python\", \"arguments\": {\"code\": \"1\"}} trailing'",)
+    assert parsed.content == "run it  then"
+    broken = parse_tool_calls('<tool_call>{"name": "python", "arguments": {"code": "</tool_call>', "hermes")
+    assert broken.calls == () and "Unterminated string" in broken.errors[0]
+
+
 def test_llama3_json_calls_with_and_without_python_tag():
     one = parse_tool_calls('{"name": "calculator", "parameters": {"expression": "1+1"}}<|eom_id|>', "llama3")
     assert [(c.name, c.arguments) for c in one.calls] == [("calculator", {"expression": "1+1"})] and one.content == ""

@@ -90,3 +90,35 @@ def test_a_metric_without_a_count_is_logged_as_the_reducer_output_not_zero():
     assert uncounted == {"my_loss"} and float(sums["my_loss"]) == pytest.approx(2.0)
     counted = {"nll": torch.tensor(8.0), "num_loss_tokens": torch.tensor(4.0)}
     assert normalize_uncounted_metrics(dict(counted), spec, reducer, set()) == counted
+
+
+def test_a_plugin_metric_named_like_a_step_metric_is_kept_beside_the_frameworks():
+    """A plugin's `loss` metric was overwritten by the framework's total; it is now logged as `loss_plugin`, its
+    declared denominator still dividing it, and the framework's `loss` keeps its name."""
+    from stacx.trainer.runtime.role_runtime import LOSS_METRIC, normalize_uncounted_metrics, set_aside_step_metric_names
+
+    reducer = Reducer(mode="token-mean", counts=StepCounts(num_tokens=10, num_sequences=4), gradient_average_size=4)
+    uncounted: set[str] = set()
+    sums = normalize_uncounted_metrics({"loss": torch.tensor(8.0), "lr": torch.tensor(4.0)},
+                                       CausalDecoderSpecialization(), reducer, uncounted)
+    sums = set_aside_step_metric_names(sums, uncounted)
+    sums[LOSS_METRIC] = torch.tensor(1.0)  # what the runtime writes next: the framework's total
+    assert uncounted == {"loss_plugin", "lr_plugin"}
+    assert float(sums["loss_plugin"]) == pytest.approx(2.0) and float(sums["lr_plugin"]) == pytest.approx(1.0)
+    assert float(sums["loss"]) == 1.0
+
+    class Declared(CausalDecoderSpecialization):
+        metric_denominators = {"grad_norm": "num_sequences"}
+
+    counted = set_aside_step_metric_names({"grad_norm": 8.0, "num_sequences": 4.0, "num_loss_tokens": 2.0}, set())
+    assert Declared().metric_means(counted) == {"grad_norm_plugin": 2.0, "num_sequences": 4.0, "num_loss_tokens": 2.0}
+
+
+def test_the_documents_module_names_find_the_specializations():
+    """Design document 003 names the policy-gradient specialization `specialization/agent.py`; Stacx keeps it in
+    `specializations/actor.py` and answers to both names (the other three share the document's names)."""
+    from stacx.specializations import agent, causal_decoder, distill, mixed_loss_dagger
+
+    assert agent.ActorSpecialization is ActorSpecialization
+    assert causal_decoder.CausalDecoderSpecialization is CausalDecoderSpecialization
+    assert distill.DistillSpecialization and mixed_loss_dagger.MixedLossDaggerOPDSpecialization

@@ -82,3 +82,33 @@ def test_tiny_checkpoint_matches_transformers_in_stacx_engine(tmp_path):
         log_probs = torch.log_softmax(reference(sequence).logits[0].double(), -1)
     expected = [log_probs[len(prompt) - 1 + j, token].item() for j, token in enumerate(out.output_ids)]
     assert out.output_log_probs == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["tool", "moe"])
+def test_tiny_tool_and_moe_checkpoints_load_and_generate_in_stacx_engine(tmp_path, kind):
+    """A new user's first agent or MoE run starts from one call, not from model code: the tool checkpoint's
+    tokenizer renders tool calls with its chat template; the MoE one is a Qwen3-MoE the engine routes."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from stacx.rollout.engines.cpu import CpuEngine
+    from stacx.rollout.types import GenerateRequest, SamplingParams
+    from stacx.tasks import write_tiny_moe_checkpoint, write_tiny_tool_checkpoint
+
+    if kind == "tool":
+        folder = write_tiny_tool_checkpoint(str(tmp_path / "ckpt"), style="qwen")
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "1+2"}], tools=tools, tokenize=False,
+                                             add_generation_prompt=True)
+        assert '"name": "add"' in text and text.rstrip().endswith("assistant")
+    else:
+        folder = write_tiny_moe_checkpoint(str(tmp_path / "ckpt"), num_experts=4)
+        config = AutoConfig.from_pretrained(folder)
+        assert config.model_type == "qwen3_moe" and config.num_experts == 4
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    engine = CpuEngine.from_hf_checkpoint(folder)
+    prompt = tokenizer("12", add_special_tokens=False)["input_ids"]
+    out = engine.generate([GenerateRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=4, temperature=1.0,
+                                                                                      ignore_eos=True),
+                                           return_logprob=True)])[0]
+    assert len(out.output_ids) == 4 and all(lp <= 0 for lp in out.output_log_probs)

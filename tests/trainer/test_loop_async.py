@@ -44,6 +44,9 @@ class ScriptedEngine(InferenceEngine):
         self.running: dict[str, list[bool]] = {}
         self.lock = threading.Lock()
         self.continued = 0
+        # hold_step = s: step s's requests under version 0 stop after their first token until aborted (the update
+        # window of step s - 1 aborts them), so a group is in flight at that update whatever the thread timing
+        self.hold_step, self.first_seed_of_step = None, lambda step: 0
 
     def generate(self, requests):
         return [self._one(r) for r in requests]
@@ -66,6 +69,8 @@ class ScriptedEngine(InferenceEngine):
                 token = rng.randrange(4, 40)
                 tokens.append(token)
                 log_probs.append(-0.05 * (1 + token % 5) - 0.01 * version)
+                while self._held(request, version) and not flag[0]:  # released by the abort of the update window
+                    time.sleep(0.001)
         finally:
             with self.lock:
                 self.running.pop(request.rid, None)
@@ -77,6 +82,11 @@ class ScriptedEngine(InferenceEngine):
             for rid, flag in self.running.items():
                 if rids is None or rid in rids:
                     flag[0] = True
+
+    def _held(self, request, version) -> bool:
+        if self.hold_step is None or version != 0:
+            return False
+        return self.first_seed_of_step(self.hold_step) <= request.sampling.seed < self.first_seed_of_step(self.hold_step + 1)
 
     def update_weights(self, buckets, *, version):
         self.version = version
@@ -179,12 +189,15 @@ def varied_reward(response: str, label, metadata: dict) -> float:
 
 def train(mode: str, *, max_staleness: int = 0, partial: bool = False, num_steps: int = 4, token_s: float = 0.0,
           train_s: float = 0.0, max_len: int = 6, fail_at: int | None = None, settle: bool = False,
-          settings: dict | None = None, metadata: dict | None = None):
+          settings: dict | None = None, metadata: dict | None = None, hold_step: int | None = None):
     config = RunConfig.from_dict({
         "num_steps": num_steps, "rollout_batch_size": 2, "n_samples_per_prompt": 3, "rollout_max_response_len": max_len,
         "save_rollouts_per_step": 0, "rollout_mode": mode, "max_staleness": max_staleness, "partial_rollout": partial,
         "reward_fn": f"{__name__}:varied_reward", **(settings or {})})
     engine = ScriptedEngine(token_s)
+    engine.hold_step = hold_step
+    engine.first_seed_of_step = lambda step: prompt_sample_seed(config.rollout.rollout_seed, step * 2, 0,
+                                                                prompts_per_step=2, samples_per_prompt=3)
     policy = DigestPolicy(engine, train_s, settle)
     service = RolloutService(engine, engine_kind="cpu", url="scripted", tokenizer=TOKENIZER,
                              rollout_section=config.rollout)
@@ -249,13 +262,17 @@ def test_max_staleness_0_reproduces_the_sync_runs_losses_and_weights_bitwise():
 
 @pytest.mark.parametrize("max_staleness,steps_per_rollout", [(1, 1), (2, 1), (1, 2)])
 def test_no_group_is_trained_beyond_its_bound_and_generation_overlaps_training(max_staleness, steps_per_rollout):
-    trainer, policy, rows, _ = train("async", max_staleness=max_staleness, num_steps=6, token_s=0.002, train_s=0.05,
+    # settle: each step waits, before its weight update, until the producer has generated all the bound allows
+    # (generation overlaps the step), so the staleness reached does not depend on thread timing
+    trainer, policy, rows, _ = train("async", max_staleness=max_staleness, num_steps=6, token_s=0.002, settle=True,
                                      settings={"num_steps_per_rollout": steps_per_rollout,
                                                "global_batch_size": 6 // steps_per_rollout})
     rows = [row for row in rows if "async/staleness_max" in row]  # each rollout step's last row
     staleness = [row["async/staleness_max"] for row in rows]
     assert max(staleness) <= max_staleness
     assert max(staleness) >= 1  # batches generated while an earlier step trained
+    if max_staleness == 1 and steps_per_rollout == 1:
+        assert staleness[1:] == [1.0] * 5  # every later batch was generated at the weights one step back
     assert rows[-1]["async/trained_groups"] == 6 * 2
     # The decoupled objective: the behaviour log-probs weigh the tokens by pi_prox / pi_behav ...
     assert trainer.algorithm.off_policy_corrections == "token_tis"
@@ -269,7 +286,8 @@ def test_no_group_is_trained_beyond_its_bound_and_generation_overlaps_training(m
 
 
 def test_partial_rollout_continues_interrupted_groups_under_the_new_weights():
-    trainer, _, rows, _ = train("async", max_staleness=1, partial=True, num_steps=5, token_s=0.02, max_len=12)
+    trainer, _, rows, _ = train("async", max_staleness=1, partial=True, num_steps=5, token_s=0.02, max_len=12,
+                                hold_step=1)  # step 1's groups are in flight at the first update, whatever the timing
     assert sum(row["async/interrupted_groups"] for row in rows) >= 1
     continued = [s for s in trainer.trained_samples if len(set(s.metadata["token_versions"])) == 2]
     assert continued  # started under version v, continued under v + 1 after the update

@@ -56,3 +56,18 @@ def test_a_step_batch_travels_between_ranks_without_pickle():
     assert isinstance(decoded, StepBatch)
     assert decoded.pair_ids == [0, 0] and decoded.is_chosen == [1, 0] and decoded.response_lengths == [2, 1]
     assert [t.tolist() for t in decoded.ref_log_probs] == [[-1.0, -2.0], [-0.5]]
+
+
+def test_an_agent_episodes_branches_share_its_episode_id_through_the_step_batch():
+    """Three samples of one branched episode (episode 4) and one of another: the step batch keeps the
+    episode ids across ranks, and Dr. GRPO's group mean counts each episode once."""
+    samples = _samples() + [Sample(prompt_ids=[1], response_ids=[2], rollout_log_probs=[-0.1], loss_mask=[1],
+                                   executors=[1], group_index=0, reward=0.0)]
+    for sample, episode in zip(samples, [4, 4, None, 5]):
+        sample.episode_id, sample.group_index, sample.reward = episode, 0, float(episode == 4)
+    batch = decode_message(encode_message(StepBatch.from_samples(samples)))
+    assert batch.episode_id == [4, 4, None, 5] and batch.select([3, 0]).episode_id == [5, 4]
+    rollout_data = replace(batch, rewards=torch.tensor(batch.rewards, dtype=torch.float64))
+    advantages = [float(a[0]) for a in get_advantage("dr_grpo")(AlgorithmConfig(), rollout_data)]
+    assert advantages == pytest.approx([2 / 3, 2 / 3, -1 / 3, -1 / 3])  # episodes 1, 0, 0: mean 1/3
+    assert StepBatch.from_samples(_samples()).episode_id is None      # samples that are their own episodes

@@ -33,6 +33,16 @@ swe_run() {
 swe_train() {
   local algorithm=$1
   shift
+  # A launcher is named for its recipe: a later --algorithm wins (stacx train reads the last), and says so.
+  local previous="" given
+  for given in "$@"; do
+    if [ "$previous" = --algorithm ] && [ "$given" != "$algorithm" ]; then
+      echo "$(basename "$0"): --algorithm $given overrides this launcher's recipe ($algorithm)" >&2
+    fi
+    case "$given" in --algorithm=*) [ "${given#--algorithm=}" != "$algorithm" ] &&
+      echo "$(basename "$0"): ${given} overrides this launcher's recipe ($algorithm)" >&2 ;; esac
+    previous=$given
+  done
   local out=${STACX_OUT_DIR:-outputs/swe/$algorithm}
   local data=${STACX_PROMPT_DATA:-}
   if [ -z "$data" ]; then

@@ -50,6 +50,12 @@ def describe_run(run_config, recipe, environ=None) -> str:
     # the header and the resolved config below agree (e.g. --use-kl-loss on a recipe without KL).
     header = [algorithm_line(algorithm, recipe.roles) if line.startswith(ALGORITHM_LINE_PREFIX) else line
               for line in recipe.describe().splitlines()]
+    # The recipe says where a reference would come from; the run says whether one is given.
+    for role in recipe.roles:
+        if role.reference_checkpoint_arg and getattr(run_config.model, role.reference_checkpoint_arg, None) is None:
+            flag = "--" + role.reference_checkpoint_arg.replace("_", "-")
+            header = [line.replace(f"in-worker reference from {flag}", f"no in-worker reference ({flag} not set)")
+                      if line.startswith(f"    {role.name} [") else line for line in header]
     lines = [*header, "", "role graph:"]
     for pool, members in graph.pools.items():
         lines.append(f"  pool {pool}: {', '.join(members)}")

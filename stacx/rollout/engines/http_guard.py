@@ -67,13 +67,23 @@ class HttpError(Exception):
         self.status, self.close, self.headers = status, close, dict(headers or {})
 
 
+def presented_authorization(headers) -> Optional[str]:
+    """The request's Authorization header; without one, `x-api-key: KEY` (how Anthropic clients send
+    their key) as `Bearer KEY`, so either header carries the server's key."""
+    authorization = headers.get("authorization")
+    if authorization or not headers.get("x-api-key"):
+        return authorization
+    return f"Bearer {headers['x-api-key']}"
+
+
 def check_bearer_token(api_key: Optional[str], header: Optional[str]) -> Optional[tuple[int, str]]:
     """None when `Authorization: Bearer <api_key>` is presented; else (401 when the header is
     missing, 403 when the key is wrong, message). Compared in constant time
     (`hmac.compare_digest`), so the answer time does not reveal how much of a guess matched.
     `api_key` None (a server without a key) allows nothing: the caller refuses before asking."""
     if not header:
-        return 401, "this endpoint needs 'Authorization: Bearer <api key>' (the server's --api-key / STACX_API_KEY)"
+        return 401, ("this endpoint needs 'Authorization: Bearer <api key>' or 'x-api-key: <api key>' (the server's "
+                     "--api-key / STACX_API_KEY)")
     scheme, _, token = header.strip().partition(" ")
     presented = token.strip().encode("utf-8", "surrogateescape")
     expected = (api_key or "").encode()

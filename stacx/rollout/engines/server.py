@@ -21,10 +21,11 @@ connection, blocking work (generation, weight loads) runs in worker threads. The
 - `/health` answers 503 when the engine has made no progress for `stall_timeout_s`.
 
 Authentication: every mutating endpoint (weight updates, the shared-memory handshake, pause,
-continue, abort, flush) needs `Authorization: Bearer <key>` (401 when missing, 403 when wrong, compared
-with `hmac.compare_digest`). A server that takes weight updates always has a key (a random one
-when none is given, `api_key`); one started with `weight_updates=False` refuses the weight
-endpoints, and without a key every mutating endpoint. Generation and the reads stay open.
+continue, abort, flush) needs `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic clients'
+header) (401 when missing, 403 when wrong, compared with `hmac.compare_digest`). A server that takes
+weight updates always has a key (a random one when none is given, `api_key`); one started with
+`weight_updates=False` refuses the weight endpoints, and without a key every mutating endpoint.
+Generation and the reads stay open.
 
 Endpoints (SGLang's names unless marked stacx; the schema is at GET /openapi.json):
   GET  /health, /health_generate        200 when the engine can serve, 503 when it is wedged
@@ -45,8 +46,14 @@ Endpoints (SGLang's names unless marked stacx; the schema is at GET /openapi.jso
   POST /stacx/shm_staging/release        (stacx) {"staging_id"}: remove that staging file
   POST [/sessions/ID]/v1/chat/completions, [/sessions/ID]/v1/completions, GET [/sessions/ID]/v1/models
                                          the OpenAI-compatible API (openai_endpoints.py); a turn under
-                                         a session is recorded for training
+                                         a session is recorded for training; errors on these paths
+                                         are in OpenAI's schema (openai_errors.py)
+  POST /stacx/sessions/ID                (stacx) open a session for one episode -> its secret (the
+                                         session's prefix becomes /sessions/ID/SECRET)
   GET, DELETE /stacx/sessions/ID         (stacx) a session's recorded turns (DELETE: and forget them)
+  POST [/sessions/ID]/v1/messages, [/sessions/ID]/v1/messages/count_tokens
+                                         Anthropic's Messages API (anthropic_endpoints.py), recorded
+                                         like the OpenAI routes
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stacx.rollout.engines.aborts import AbortBook
+from stacx.rollout.engines.anthropic_endpoints import AnthropicEndpoints
 from stacx.rollout.engines.cpu import GenerationCancelled
 from stacx.rollout.engines.http import BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_RELEASE_ENDPOINT, SHM_STAGING_ENDPOINT
 from stacx.rollout.engines.http_guard import (
@@ -77,8 +85,10 @@ from stacx.rollout.engines.http_guard import (
     ServerLimits,
     check_bearer_token,
     guarded_h11_protocol,
+    presented_authorization,
 )
 from stacx.rollout.engines.openai_endpoints import OpenAIEndpoints
+from stacx.rollout.engines.openai_errors import is_openai_path, openai_error_body
 from stacx.rollout.engines.request_bodies import content_length, read_body_into, read_json
 from stacx.rollout.engines.sglang_protocol import parse_abort_payload, parse_generate_payload, render_generate_item
 from stacx.rollout.engines.weight_versions import StaleWeightsError, WeightVersionGate
@@ -389,6 +399,7 @@ def build_app(server: EngineHttpServer) -> FastAPI:
     ]
     server.openai = OpenAIEndpoints(server, endpoints._json)
     routes += server.openai.routes(json_body)
+    routes += AnthropicEndpoints(server.openai).routes(json_body)
     for methods, path, handler, summary, extra in routes:
         app.add_api_route(path, endpoints.answering(handler), methods=list(methods), summary=summary,
                           name=path.strip("/").replace("/", "_"), openapi_extra=extra,
@@ -401,7 +412,8 @@ def build_app(server: EngineHttpServer) -> FastAPI:
             message = f"unknown endpoint {request.method} {request.url.path}; known: {known}"
         else:
             message = f"{request.method} {request.url.path}: {err.detail}"
-        return JsonResponse({"error": message}, err.status_code, headers=getattr(err, "headers", None))
+        body = openai_error_body(err.status_code, message) if is_openai_path(request.url.path) else {"error": message}
+        return JsonResponse(body, err.status_code, headers=getattr(err, "headers", None))
 
     return app
 
@@ -417,7 +429,8 @@ async def _watch_disconnect(request: Request, gone: threading.Event) -> None:
 
 
 class _Endpoints:
-    """The endpoint handlers: each returns (status, JSON body); `answering` maps errors to answers."""
+    """The endpoint handlers: each returns (status, JSON body, or a Response it streams itself);
+    `answering` maps errors to answers (in OpenAI's schema on /v1/ paths, openai_errors.py)."""
 
     def __init__(self, server: EngineHttpServer):
         self.server = server
@@ -430,11 +443,13 @@ class _Endpoints:
             path = request.url.path
             headers: dict = {}
             try:
-                server.check_access(path, request.headers.get("authorization"))
+                server.check_access(path, presented_authorization(request.headers))
                 status, body = await handler(request)
+                if isinstance(body, Response):  # answered already (an event stream, another API's schema)
+                    return body
             except GenerationCancelled:
                 logger.info("%s %s: the client disconnected; generation stopped", request.method, path)
-                return JsonResponse({"error": "the client disconnected"}, 503, headers={"Connection": "close"})
+                status, body, headers = 503, {"error": "the client disconnected"}, {"Connection": "close"}
             except HttpError as err:
                 status, body, headers = err.status, {"error": str(err)}, dict(err.headers)
                 if err.close:
@@ -446,6 +461,10 @@ class _Endpoints:
             except Exception as err:  # an engine failure: the client may retry
                 logger.exception("%s %s failed", request.method, path)
                 status, body = 500, {"error": f"{type(err).__name__}: {err}"}
+            if isinstance(body, Response):  # a streamed answer (stream: true on the OpenAI endpoint)
+                return body
+            if status >= 400 and is_openai_path(path) and isinstance(body.get("error"), str):
+                body = openai_error_body(status, body["error"])
             return JsonResponse(body, status, headers=headers)
 
         return endpoint

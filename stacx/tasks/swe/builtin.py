@@ -172,13 +172,40 @@ def _call_expression(call: str) -> str:
     return parts[0] if len(parts) == 1 else f"[{', '.join(parts)}][-1]"
 
 
+_CHECK_HELPERS = '''
+
+def plain(value):
+    """The kind of a plain value ('number', 'bool', 'str', 'None', or a list of kinds); None for anything else,
+    so an object that only claims to equal the expected value does not pass."""
+    kind = type(value)
+    if kind is int or kind is float:
+        return "number"
+    if kind is bool or kind is str:
+        return kind.__name__
+    if value is None:
+        return "None"
+    if kind is list:
+        return [plain(item) for item in value]
+    return None
+
+
+def check(test, actual, expected):
+    test.assertEqual(plain(actual), plain(expected))
+    if type(expected) is float:
+        test.assertAlmostEqual(actual, expected)
+    else:
+        test.assertEqual(actual, expected)
+'''
+
+
 def _test_file(variant: Variant, package: str, cases, class_name: str, prefix: str) -> str:
-    lines = ["import unittest", "", f"from {package}.core import {variant.name}", "", "",
+    """A unittest module: one test per (call, expected) case, each checking the value's type before its
+    equality (`check`), so an always-equal object is not taken for the right answer."""
+    lines = ["import unittest", "", f"from {package}.core import {variant.name}", _CHECK_HELPERS, "",
              f"class {class_name}(unittest.TestCase):"]
     for index, (call, expected) in enumerate(cases):
-        compare = "assertAlmostEqual" if isinstance(expected, float) else "assertEqual"
         lines += [f"    def test_{prefix}_{index}(self):",
-                  f"        self.{compare}({_call_expression(call)}, {expected!r})", ""]
+                  f"        check(self, {_call_expression(call)}, {expected!r})", ""]
     return "\n".join(lines)
 
 

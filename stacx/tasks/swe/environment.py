@@ -6,9 +6,10 @@
 
 `reset` opens a sandbox session on the task's snapshot and shows the issue; the model then calls
 `bash(command)`, `read_file(path)`, `write_file(path, content)` (all in the working copy) and
-`submit()`. `submit` ends the episode: the task's tests run in the session (`evaluate_session`) and
-the reward is 1.0 when the task is resolved, else 0.0 (or, with `partial_credit: true` in the
-task, the fraction of its listed tests that passed). An episode that reaches `max_turns` without
+`submit()`. `submit` ends the episode: the files the agent changed are read from its session and the
+task's tests run on them in a fresh copy of the snapshot, with every test file restored
+(`evaluate_session`, stacx/tasks/swe/evaluate.py); the reward is 1.0 when the task is resolved, else
+0.0 (or, with `partial_credit: true` in the task, the fraction of its listed tests that passed). An episode that reaches `max_turns` without
 `submit` earns 0.0. The session is closed when the episode ends, however it ends.
 
 The module registers `swe` when imported: `--custom-module stacx.tasks.swe.environment`
@@ -96,7 +97,8 @@ class SweEnvironment(Environment):
         except (TypeError, ValueError) as error:
             raise ValueError(f"SWE task {self.task.instance_id!r}: metadata 'sandbox': {error}") from None
         self.specs = swe_tool_specs(self.command_limits)
-        self.session: SandboxSession = sandbox_for(setting).create(snapshot_source(self.task))
+        self.sandbox = sandbox_for(setting)
+        self.session: SandboxSession = self.sandbox.create(snapshot_source(self.task))
         # A session must not outlive its episode even if the runner never reaches `close`.
         self._closer = weakref.finalize(self, self.session.close)
         self.evaluation: Optional[SweEvaluation] = None
@@ -142,7 +144,7 @@ class SweEnvironment(Environment):
 
     def _submit(self, call: ToolCall) -> ToolResult:
         self.submitted = True
-        self.evaluation = evaluate_session(self.task, self.session)
+        self.evaluation = evaluate_session(self.task, self.session, self.sandbox)
         return ToolResult(call, "submitted")
 
     def step(self, action: str) -> StepResult:
@@ -159,7 +161,8 @@ class SweEnvironment(Environment):
         if self.partial_credit and not evaluation.resolved and evaluation.error is None:
             statuses = list(evaluation.test_statuses.values())
             reward = sum(status == "passed" for status in statuses) / max(1, len(statuses))
-        info.update(resolved=evaluation.resolved, tests=evaluation.test_statuses, error=evaluation.error)
+        info.update(resolved=evaluation.resolved, tests=evaluation.test_statuses, error=evaluation.error,
+                    dropped=list(evaluation.dropped))
         return StepResult("", reward, True, info=info)
 
     def close(self) -> None:

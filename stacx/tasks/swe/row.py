@@ -10,10 +10,10 @@
      "log_format": "unittest" | "pytest",
      "patch": "..."}                                    (optional: the reference fix, as in SWE-bench)
 
-The agent sees the snapshot and the problem statement, never `test_patch`: the tests it adds are
-applied after the agent's edits, over the snapshot's version of every file they touch, so an agent
-cannot pass by editing them. The task is resolved when every FAIL_TO_PASS test passes and every
-PASS_TO_PASS test still passes.
+The agent sees the snapshot and the problem statement, never `test_patch`. The evaluation
+(evaluate.py) applies the agent's edits to the non-test files of a fresh copy, puts every test file
+back (the ones `test_patch` adds included), and runs the tests; the task is resolved when every
+FAIL_TO_PASS test passes and every PASS_TO_PASS test still passes.
 """
 
 from __future__ import annotations

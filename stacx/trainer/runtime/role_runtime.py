@@ -44,7 +44,7 @@ from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sum
 from stacx.parallel.pipeline import from_every_stage, from_last_stage, run_pipeline
 from stacx.parallel.reduction import Reducer
 from stacx.rollout.engines.registry import engine_client
-from stacx.specializations.base import NUM_LOSS_TOKENS
+from stacx.specializations.base import NUM_LOSS_TOKENS, PLUGIN_METRIC_SUFFIX
 from stacx.specializations.batch import MicroBatch
 from stacx.trainer.batch import StepBatch
 from stacx.trainer.checkpoint import capture_rng_state, restore_rng_state, write_rank_state
@@ -63,6 +63,9 @@ logger = logging.getLogger(__name__)
 COMPUTABLE_FIELDS = ("ref_log_probs", "log_probs", "values")
 #: Key of the loss in a step's reduced metric sums (the reducer's loss_value, summed over ranks).
 LOSS_METRIC = "loss"
+#: The step metrics the framework logs under its own names (a specialization's metric of one of these names is
+#: logged as `<name>_plugin`: set_aside_step_metric_names).
+STEP_METRICS = (LOSS_METRIC, "grad_norm", "lr", "update_skipped", WEIGHTS_NONFINITE_METRIC)
 
 
 def normalize_uncounted_metrics(metric_sums: dict, specialization, reducer, uncounted: set[str]) -> dict:
@@ -84,6 +87,20 @@ def normalize_uncounted_metrics(metric_sums: dict, specialization, reducer, unco
             raise ValueError(f"{type(specialization).__name__}: metric {name!r} must be a scalar, got shape {tuple(value.shape)}")
         metric_sums[name] = value.reshape(()) / reducer.gradient_scale
         uncounted.add(name)
+    return metric_sums
+
+
+def set_aside_step_metric_names(metric_sums: dict, uncounted: set[str]) -> dict:
+    """A specialization's (a plugin's) metric named like a step metric the framework logs itself (`loss`,
+    `grad_norm`, `lr`, `update_skipped`, `weights_nonfinite`) is kept as `<name>_plugin`: the framework's value keeps
+    the name that dashboards, plots and the finite check read, and the plugin's is logged beside it, never replaced.
+    (Metrics such as `entropy` go the other way: the plugin keeps the name, see `FRAMEWORK_METRIC_SUFFIX`.)"""
+    for name in STEP_METRICS:
+        if name in metric_sums:
+            metric_sums[name + PLUGIN_METRIC_SUFFIX] = metric_sums.pop(name)
+            if name in uncounted:
+                uncounted.discard(name)
+                uncounted.add(name + PLUGIN_METRIC_SUFFIX)
     return metric_sums
 
 
@@ -338,6 +355,7 @@ class RoleRuntime:
         def micro_batch_loss(output, batch):
             loss, metric_sums = self.specialization.compute_loss(output, batch, reducer)
             metric_sums = normalize_uncounted_metrics(dict(metric_sums), self.specialization, reducer, uncounted)
+            metric_sums = set_aside_step_metric_names(metric_sums, uncounted)
             metric_sums[LOSS_METRIC] = reducer.loss_value(loss)
             totals.add(all_reduce_metric_sums(metric_sums, self.groups.dp_cp))
             return with_router_loss_scale(loss, batch), None

@@ -79,8 +79,8 @@ def test_edits_to_the_hidden_tests_are_not_rewarded(sandbox, tmp_path):
         fake = "import unittest\nclass TestRegression(unittest.TestCase):\n" + "".join(
             f"    def {test.rsplit('.', 1)[1]}(self):\n        pass\n" for test in task.fail_to_pass)
         assert session.run("cat > tests/test_regression.py", stdin=fake.encode()).ok
-        evaluation = evaluate_session(task, session, limits=LIMITS)
-    assert not evaluation.resolved and evaluation.error is None
+        evaluation = evaluate_session(task, session, sandbox, limits=LIMITS)
+    assert not evaluation.resolved and evaluation.error is None and evaluation.dropped == ("tests/test_regression.py",)
     assert {evaluation.test_statuses[t] for t in task.fail_to_pass} <= {"failed", "error"}
     assert all(evaluation.test_statuses[t] == "passed" for t in task.pass_to_pass)
 
