@@ -6,9 +6,9 @@
 One episode per call. The task is the prompt row Stacx passes in STACX_TASK (a row of `stacx tasks swe`:
 `swe_task` or `swe_builtin`, and `sandbox`, in its metadata). The program opens one sandbox session on the
 task's repository (stacx.sandbox.agent_environment.SandboxEnvironment), runs mini-swe-agent's
-`DefaultAgent` with its `LitellmModel` against OPENAI_BASE_URL (the episode's recorded session), runs the
-task's tests in the same session once the agent submits (`evaluate_session`), writes the reward to
-STACX_REWARD_FILE, and closes the session. An episode that ends without a submit earns 0.0.
+`DefaultAgent` with its `LitellmModel` against OPENAI_BASE_URL (the episode's recorded session), judges the
+agent's edits once it submits (`evaluate_session`: the edits of that session, the task's tests in a fresh
+copy, as the `swe` environment's submit does), writes the reward to STACX_REWARD_FILE, and closes the session. An episode that ends without a submit earns 0.0.
 
 The agent's prompts and limits are a mini-swe-agent config (`--config`, repeatable, merged as mini's
 `-c` merges them: a YAML file, one of mini-swe-agent's built-in names such as `swebench.yaml`, or
@@ -21,7 +21,6 @@ episode (every command and its output) in DIR.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -61,14 +60,6 @@ def merged_config(specs: Sequence[str]) -> dict:
     return recursive_merge(*[get_config_from_spec(spec) for spec in specs])
 
 
-def _evaluate(task, session, sandbox):
-    """The task's tests on the agent's edits in `session` (the `swe` environment's submit)."""
-    # Transitional: evaluate_session takes the sandbox (for its fresh copy) once the judge of issue 38 lands.
-    if "sandbox" in inspect.signature(evaluate_session).parameters:
-        return evaluate_session(task, session, sandbox)
-    return evaluate_session(task, session)
-
-
 def run_episode(row: dict, *, base_url: str, api_key: str, config: dict,
                 trajectory_dir: Optional[str] = None) -> dict:
     """One episode of mini-swe-agent on the task of `row` (a prompt row) -> {"reward", "exit_status", ...}."""
@@ -98,7 +89,7 @@ def run_episode(row: dict, *, base_url: str, api_key: str, config: dict,
         exit_status = agent.run(task.problem_statement).get("exit_status", "")
         if exit_status != "Submitted":
             return {"reward": 0.0, "exit_status": exit_status, "instance_id": task.instance_id}
-        evaluation = _evaluate(task, env.session, sandbox)
+        evaluation = evaluate_session(task, env.session, sandbox)
         return {"reward": evaluation.reward, "exit_status": exit_status, "instance_id": task.instance_id,
                 "resolved": evaluation.resolved, "error": evaluation.error}
     finally:
