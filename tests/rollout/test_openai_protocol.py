@@ -138,18 +138,20 @@ def test_an_agent_command_gets_the_base_url_and_task_and_reports_its_reward():
 
 
 def test_a_stop_string_cuts_the_text_before_it_and_the_ids_after_the_ones_that_wrote_it(tokenizer):
-    from stacx.rollout.engines.openai_stop import cut_at_stop, parse_stop
+    from stacx.rollout.engines.openai_stop import parse_stop
+    from stacx.rollout.engines.stop_sequences import cut_at_stop_sequences
     from stacx.rollout.types import GenerateOutput
 
     generated = list(ids(tokenizer, "ab\nEND more"))
     output = GenerateOutput(output_ids=generated, output_log_probs=[-float(i) for i in range(len(generated))],
                             output_token_versions=[3] * len(generated), weight_version=3, finish_reason="length")
     decode = lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=True)  # noqa: E731
-    cut = cut_at_stop(output, decode, ("zzz", "\nE", "more"))
-    assert (cut.text, cut.stop, cut.output.finish_reason) == ("ab", "\nE", "stop")
+    cut = cut_at_stop_sequences(output, ("zzz", "\nE", "more"), decode)
+    assert (cut.text, cut.stop_sequence, cut.output.finish_reason) == ("ab", "\nE", "stop")
     assert cut.output.output_ids == list(ids(tokenizer, "ab\nE"))  # the ids that wrote the stop string included
     assert cut.output.output_log_probs == [0.0, -1.0, -2.0, -3.0] and cut.output.output_token_versions == [3] * 4
-    assert cut_at_stop(output, decode, ("zzz",)) is None and output.output_ids == generated  # the output is not changed
+    kept = cut_at_stop_sequences(output, ("zzz",), decode)
+    assert kept.stop_sequence is None and kept.output is output and output.output_ids == generated  # not changed
     assert parse_stop("x", "/v1/completions") == ("x",)
     for value, named in [(["a"] * 5, "at most 4 strings, got 5"), ([""], "non-empty"), (3, "'stop' must be")]:
         with pytest.raises(ValueError, match=named):

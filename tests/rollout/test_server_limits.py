@@ -139,7 +139,7 @@ def test_slow_clients_time_out_and_connections_are_capped(engine):
             assert time.monotonic() < deadline, "the server never accepted the four slow connections"
             time.sleep(0.01)
         refused = raw_request(server.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert status_of(refused) == 503 and b"maximum of 4 connections" in refused
+        assert status_of(refused) == 503 and b"maximum of 4 busy connections" in refused
         started = time.monotonic()
         for sock in slow:  # the server drops each after read_timeout_s
             assert sock.recv(65536) == b""
@@ -155,6 +155,25 @@ def test_slow_clients_time_out_and_connections_are_capped(engine):
         wait_until(lambda: http.get(server.url + "/health", timeout=5).status_code == 200, what="a free slot")
 
 
+def test_idle_connections_make_room_for_new_clients_at_the_cap(engine):
+    """1,100 idle sockets from one process made every other client get 503 for 40-70 s; at the cap the longest-idle
+    connection is now closed to admit a new one."""
+    limits = ServerLimits(max_connections=16)
+    with EngineHttpServer(engine, limits=limits) as server:
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(40)]
+        try:
+            wait_until(lambda: server.connections.evicted_idle >= 24, what="the oldest idle sockets to be closed")
+            assert server.connections.open == 16
+            with http.Session() as other:
+                assert other.get(server.url + "/health", timeout=5).status_code == 200
+                assert other.post(server.url + "/generate", json={"input_ids": [4, 5], "sampling_params": {
+                    "max_new_tokens": 1}}, timeout=30).status_code == 200
+            assert idle[0].recv(1) == b""  # the oldest was closed by the server
+        finally:
+            for sock in idle:
+                sock.close()
+
+
 def test_queue_is_bounded_and_a_full_queue_is_503(engine):
     limits = ServerLimits(max_queued_requests=2)
     body = {"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 1}}
@@ -167,14 +186,21 @@ def test_queue_is_bounded_and_a_full_queue_is_503(engine):
                        for _ in range(2)]
             for worker in workers:
                 worker.start()
-            wait_until(lambda: server._admitted == 2, what="two admitted requests")
+            wait_until(lambda: server._admitted["shared"] == 2, what="two admitted requests")
             full = http.post(server.url + "/generate", json=body, timeout=10)
             assert full.status_code == 503 and "queue is full" in full.json()["error"]
+            # The training run's own calls (the server's key) have their own lane: admitted, never refused for
+            # the traffic of agents and other clients.
+            trainer = threading.Thread(target=lambda: answers.append(http.post(
+                server.url + "/generate", json=body, headers={"Authorization": f"Bearer {server.api_key}"},
+                timeout=60).status_code))
+            trainer.start()
+            wait_until(lambda: server._admitted["trainer"] == 1, what="the trainer's request admitted")
         finally:
             engine._lock.release()
-        for worker in workers:
+        for worker in [*workers, trainer]:
             worker.join(timeout=60)
-        assert answers == [200, 200]
+        assert answers == [200, 200, 200]
         assert http.post(server.url + "/generate", json=body, timeout=60).status_code == 200
 
 
@@ -239,10 +265,11 @@ def test_serve_flags_map_to_limits():
     from stacx.launch.commands.serve import build_limits
 
     args = Namespace(max_body_bytes=10, max_weight_body_bytes=20, read_timeout_s=1.5, keep_alive_timeout_s=2.5,
-                     max_connections=3, max_requests_per_client=5, max_queued_requests=4, stall_timeout_s=9.0)
+                     max_connections=3, max_requests_per_client=5, max_queued_requests=4, stall_timeout_s=9.0,
+                     max_chars_per_token=7)
     assert build_limits(args) == ServerLimits(max_body_bytes=10, max_weight_body_bytes=20, read_timeout_s=1.5,
                                               keep_alive_timeout_s=2.5, max_connections=3, max_requests_per_client=5,
-                                              max_queued_requests=4, stall_timeout_s=9.0)
+                                              max_queued_requests=4, stall_timeout_s=9.0, max_chars_per_token=7)
     with pytest.raises(SystemExit, match="--max-queued-requests: .*must be >= 1"):
         build_limits(Namespace(**{**vars(args), "max_queued_requests": 0}))
     with pytest.raises(SystemExit, match="--read-timeout-s"):

@@ -34,10 +34,13 @@ LIMIT_HELP = {
     "max_weight_body_bytes": "largest weight-bucket body",
     "read_timeout_s": "longest wait for a client's bytes, and for a whole JSON body",
     "keep_alive_timeout_s": "an idle keep-alive connection closes after this long",
-    "max_connections": "connections open at once, idle ones included; more get 503",
+    "max_connections": "connections open at once; at the cap the longest-idle one is closed for a new one, and "
+                       "only when all are busy does one more get 503",
     "max_requests_per_client": "requests one client address may have in flight; more get 503",
     "max_queued_requests": "/generate calls running or waiting at once; more get 503",
     "stall_timeout_s": "/health answers 503 when generation made no progress this long",
+    "max_chars_per_token": "a request's text longer than this many characters per token of the model's context "
+                           "is refused (400) before it is tokenized",
 }
 """The help of each `ServerLimits` field's flag (`--max-body-bytes` for `max_body_bytes`)."""
 

@@ -41,9 +41,9 @@ from stacx.rollout.engines.anthropic_protocol import (
 )
 from stacx.rollout.engines.base import GenerationCancelled
 from stacx.rollout.engines.http_guard import HttpError
-from stacx.rollout.engines.openai_endpoints import SESSION_PREFIX
-from stacx.rollout.engines.openai_protocol import render_chat_response
-from stacx.rollout.engines.openai_sessions import SessionTurn, chat_prompt_ids
+from stacx.rollout.engines.openai_endpoints import SESSION_PREFIXES
+from stacx.rollout.engines.openai_protocol import Choice, render_chat_response
+from stacx.rollout.engines.openai_sessions import chat_prompt_ids
 from stacx.rollout.engines.stop_sequences import cut_at_stop_sequences
 from stacx.rollout.tool_calls import ParsedToolCalls, parse_tool_calls
 
@@ -70,7 +70,7 @@ class AnthropicEndpoints:
     def routes(self, json_body: dict) -> list[tuple]:
         """(methods, path, handler, summary, openapi extra) for build_app."""
         routes = []
-        for prefix in ("", SESSION_PREFIX):
+        for prefix in ("", *SESSION_PREFIXES):
             recorded = " (recorded under the session)" if prefix else ""
             routes += [
                 (("POST",), f"{prefix}{MESSAGES}", self._anthropic(self._messages),
@@ -85,20 +85,21 @@ class AnthropicEndpoints:
     async def _messages(self, request: "Request") -> Response:
         openai = self.openai
         tokenizer = openai._tokenizer(MESSAGES)
-        session_id = openai._session_of(request)
+        session_id, secret = openai.session_of(request)
         asked = parse_messages_request(await openai.read_json(request))
-        previous = openai.sessions.last(session_id) if session_id else None
-        prompt_ids, _ = chat_prompt_ids(tokenizer, asked.messages, asked.tools, previous)
+        leaves = openai.sessions.leaves(session_id, secret) if session_id else []
+        prompt_ids, continued = chat_prompt_ids(tokenizer, asked.messages, asked.tools, leaves)
         sampling = dataclasses.replace(asked.sampling, max_tokens=self._room(asked.sampling.max_tokens, len(prompt_ids)))
-        output = await openai._generate(request, prompt_ids, sampling)
-        cut = cut_at_stop_sequences(output, asked.stop_sequences, self._reply_text)
+        (output,) = await openai._generate(request, prompt_ids, sampling)
+        cut = cut_at_stop_sequences(output, asked.stop_sequences, openai._decode_reply)
         output = cut.output
         parsed = self._parse(cut.text, asked)
-        if session_id:  # recorded as the chat route records it: its reply is the OpenAI message
-            reply = render_chat_response(output, parsed, num_prompt_tokens=len(prompt_ids), model=openai.model_name,
-                                         token_texts=None)["choices"][0]["message"]
-            openai.sessions.record(session_id, SessionTurn(openai._recorded(prompt_ids, output),
-                                                           messages=asked.messages, reply=reply))
+        # recorded as the chat route records it: its reply is the OpenAI message
+        reply = render_chat_response([Choice(output=output, text=cut.text, parsed=parsed, stop=cut.stop_sequence)],
+                                     num_prompt_tokens=len(prompt_ids), model=openai.model_name,
+                                     token_text=None)["choices"][0]["message"]
+        openai.record_turn(session_id, secret, prompt_ids, output, continued=continued, messages=asked.messages,
+                           reply=reply)
         message = render_message(output, parsed, stop_sequence=cut.stop_sequence, num_prompt_tokens=len(prompt_ids),
                                  model=openai.model_name)
         if asked.stream:
@@ -109,17 +110,13 @@ class AnthropicEndpoints:
     async def _count_tokens(self, request: "Request") -> Response:
         openai = self.openai
         tokenizer = openai._tokenizer(f"{MESSAGES}/count_tokens")
-        session_id = openai._session_of(request)
+        session_id, secret = openai.session_of(request)
         asked = parse_messages_request(await openai.read_json(request), endpoint=f"{MESSAGES}/count_tokens")
-        previous = openai.sessions.last(session_id) if session_id else None
-        prompt_ids, _ = chat_prompt_ids(tokenizer, asked.messages, asked.tools, previous)
+        leaves = openai.sessions.leaves(session_id, secret) if session_id else []
+        prompt_ids, _ = chat_prompt_ids(tokenizer, asked.messages, asked.tools, leaves)
         return _json(200, {"input_tokens": len(prompt_ids)})
 
     # ---- helpers ------------------------------------------------------------------------------
-
-    def _reply_text(self, output_ids: list[int]) -> str:
-        """Generated ids -> the reply's text, decoded as the chat route decodes it (one decoding for both)."""
-        return self.server.tokenizer.decode(list(output_ids), skip_special_tokens=True)
 
     def _parse(self, text: str, asked: MessagesRequest) -> ParsedToolCalls:
         if asked.tools and asked.use_tools:

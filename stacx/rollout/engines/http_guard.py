@@ -2,8 +2,9 @@
 the two pieces that bound what connections and clients can hold. `stacx.rollout.engines.server`
 builds the endpoints on top of it.
 
-- `guarded_h11_protocol(limits)`: uvicorn's h11 connection protocol with a connection cap (one
-  more connection is answered 503 at once and closed), a deadline on request heads (a connection
+- `guarded_h11_protocol(limits)`: uvicorn's h11 connection protocol with a connection cap (at the
+  cap, the longest-idle connection is closed to admit a new one; when every connection has a request
+  in progress, one more is answered 503 at once and closed), a deadline on request heads (a connection
   that has not sent a whole request head within `read_timeout_s`, a fresh one or one idle
   between requests, is closed) and a 400 that names what was malformed.
 - `PerClientLimit`: an ASGI middleware that keeps one client address (keyed by host) to
@@ -39,7 +40,8 @@ class ServerLimits:
     keep_alive_timeout_s: float = 15.0
     """An idle keep-alive connection is closed after this long without a new request."""
     max_connections: int = 1024
-    """Open connections at once (idle ones included); one more is answered 503 and closed."""
+    """Open connections at once; at the cap the longest-idle one is closed to admit a new one, and only when every
+    open connection has a request in progress is one more answered 503 and closed."""
     max_requests_per_client: int = 64
     """Requests one client address may have in flight at once; more get 503 with Retry-After.
     Every local process shares the address 127.0.0.1."""
@@ -47,10 +49,14 @@ class ServerLimits:
     """`/generate` calls admitted at once (running or waiting for the engine); more get 503."""
     stall_timeout_s: float = 300.0
     """`/health` reports the engine wedged when a call made no progress for this long."""
+    max_chars_per_token: int = 32
+    """A request's text (a `/generate` prompt, a chat's messages and tools) longer than this many characters per
+    token of the model's context is refused (400) before it is tokenized: it cannot fit the context (the longest
+    tokens of common vocabularies are 16-32 characters), and tokenizing 10 MB took seconds and gigabytes."""
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_weight_body_bytes", "max_connections", "max_requests_per_client",
-                     "max_queued_requests"):
+                     "max_queued_requests", "max_chars_per_token"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerLimits.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("read_timeout_s", "keep_alive_timeout_s", "stall_timeout_s"):
@@ -101,11 +107,26 @@ def error_head(status: int, reason: str, message: str) -> bytes:
 
 
 class ConnectionCounter:
-    """Open connections of one server (the event loop's thread only touches it)."""
+    """Open connections of one server, and which of them are idle (waiting for a request head), oldest first;
+    the event loop's thread only touches it."""
 
     def __init__(self, max_connections: int):
         self.max_connections = max_connections
         self.open = 0
+        self.idle: dict = {}  # protocol -> None, in the order they became idle (dicts keep insertion order)
+        self.evicted_idle = 0
+
+    def make_room(self) -> bool:
+        """At the cap, close the longest-idle connection so a new one can be served (an idle keep-alive
+        connection may be closed at any time: its client opens another). False when none is idle."""
+        if self.open < self.max_connections:
+            return True
+        if not self.idle:
+            return False
+        oldest = next(iter(self.idle))
+        oldest.close_idle()
+        self.evicted_idle += 1
+        return True
 
 
 def guarded_h11_protocol(limits: ServerLimits, counter: ConnectionCounter) -> type:
@@ -129,9 +150,10 @@ def guarded_h11_protocol(limits: ServerLimits, counter: ConnectionCounter) -> ty
             self.conn.next_event = next_event
 
         def connection_made(self, transport) -> None:
-            if counter.open >= counter.max_connections:
+            if not counter.make_room():  # every open connection has a request in progress
                 transport.write(error_head(503, "Service Unavailable", "the server is serving its maximum of "
-                                           f"{counter.max_connections} connections (--max-connections); retry later"))
+                                           f"{counter.max_connections} busy connections (--max-connections); "
+                                           "retry later"))
                 transport.close()
                 return
             counter.open += 1
@@ -140,15 +162,26 @@ def guarded_h11_protocol(limits: ServerLimits, counter: ConnectionCounter) -> ty
             self._arm_head_deadline()
 
         def connection_lost(self, exc) -> None:
+            self._release()
+            super().connection_lost(exc)
+
+        def _release(self) -> None:
+            """Count this connection out (once): closed by its client, the deadline, or eviction."""
             if not self._admitted:
                 return
             self._admitted = False
             counter.open -= 1
+            counter.idle.pop(self, None)
             self._cancel_head_deadline()
-            super().connection_lost(exc)
+
+        def close_idle(self) -> None:
+            """Closed to make room for a new connection: counted out now, so the new one is admitted at once."""
+            self._release()
+            self.transport.close()
 
         def data_received(self, data: bytes) -> None:
             if self._admitted:
+                counter.idle.pop(self, None)  # a request is arriving: no longer idle
                 super().data_received(data)
 
         def on_response_complete(self) -> None:
@@ -161,9 +194,13 @@ def guarded_h11_protocol(limits: ServerLimits, counter: ConnectionCounter) -> ty
             self.transport.close()
 
         def _arm_head_deadline(self) -> None:
+            """Waiting for a request head from here on: idle (evictable at the cap) until one arrives."""
             self._cancel_head_deadline()
             if not self.transport.is_closing():
                 self._head_deadline = self.loop.call_later(limits.read_timeout_s, self._head_deadline_passed)
+                if self._admitted:
+                    counter.idle.pop(self, None)
+                    counter.idle[self] = None
 
         def _cancel_head_deadline(self) -> None:
             if self._head_deadline is not None:

@@ -58,7 +58,7 @@ from stacx.rollout.engines.openai_sessions import (
     completion_prompt_ids,
     encode,
 )
-from stacx.rollout.engines.openai_stop import cut_at_stop
+from stacx.rollout.engines.stop_sequences import cut_at_stop_sequences
 from stacx.rollout.engines.openai_streaming import chat_chunks, completion_chunks, event_stream, token_pieces
 from stacx.rollout.engines.openai_tool_choice import forced_call_opening
 from stacx.rollout.tool_calls import ParsedToolCalls, parse_tool_calls, tool_call_style_for
@@ -270,11 +270,9 @@ class OpenAIEndpoints:
         return decode_reply(self.server.tokenizer, ids)
 
     def _cut(self, output, stops, decode) -> Choice:
-        """The output and its text (`decode`), cut at the first stop string (openai_stop.py)."""
-        cut = cut_at_stop(output, decode, stops)
-        if cut is None:
-            return Choice(output=output, text=decode(output.output_ids))
-        return Choice(output=cut.output, text=cut.text, stop=cut.stop)
+        """The output and its text (`decode`), cut at the stop string that completes first (stop_sequences.py)."""
+        cut = cut_at_stop_sequences(output, stops, decode)
+        return Choice(output=cut.output, text=cut.text, stop=cut.stop_sequence)
 
     def _token_text(self, token: int) -> str:
         return self.server.tokenizer.decode([token], skip_special_tokens=False)

@@ -7,30 +7,17 @@ ones that produced the stop text included — are what the session records and t
 on, masked as generated: they are exactly what the engine sampled, in order, so their log-probs
 are the engine's and the next turn's prompt continues them token for token. The ids the engine
 generated past the stop are dropped (sampling is causal: cutting afterwards gives the same ids as
-stopping there, at the cost of the extra decoding steps).
+stopping there, at the cost of the extra decoding steps). The cut itself is
+`stacx.rollout.engines.stop_sequences.cut_at_stop_sequences`, shared with Anthropic's `stop_sequences`;
+this module parses OpenAI's `stop` field.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, Optional, Sequence
-
-from stacx.rollout.types import GenerateOutput
-
-__all__ = ["MAX_STOP_STRINGS", "StopCut", "cut_at_stop", "parse_stop"]
+__all__ = ["MAX_STOP_STRINGS", "parse_stop"]
 
 MAX_STOP_STRINGS = 4
 """OpenAI's limit on `stop` strings."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StopCut:
-    output: GenerateOutput
-    """The output up to and including the id that completed the stop string (finish_reason "stop")."""
-    text: str
-    """Its text before the stop string."""
-    stop: str
-    """The stop string matched (vLLM's `stop_reason`)."""
 
 
 def parse_stop(value, endpoint: str) -> tuple[str, ...]:
@@ -44,31 +31,3 @@ def parse_stop(value, endpoint: str) -> tuple[str, ...]:
     if len(strings) > MAX_STOP_STRINGS:
         raise ValueError(f"{endpoint}: 'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(strings)}")
     return tuple(strings)
-
-
-def _first_stop(text: str, stops: Sequence[str]) -> Optional[tuple[int, str]]:
-    found = [(text.find(stop), stop) for stop in stops if stop in text]
-    return min(found) if found else None
-
-
-def cut_at_stop(output: GenerateOutput, decode: Callable[[list[int]], str], stops: Sequence[str]) -> Optional[StopCut]:
-    """The output cut at its first stop string, or None when its text holds none. `decode` turns ids
-    into the answer's text (the same decoding as the answer)."""
-    ids = list(output.output_ids)
-    if not stops or _first_stop(decode(ids), stops) is None:
-        return None
-    low, high = 1, len(ids)  # the fewest ids whose text holds a stop string: a prefix's text only grows
-    while low < high:
-        middle = (low + high) // 2
-        if _first_stop(decode(ids[:middle]), stops) is None:
-            low = middle + 1
-        else:
-            high = middle
-    text = decode(ids[:low])
-    at, stop = _first_stop(text, stops)
-    cut = dataclasses.replace(
-        output, output_ids=ids[:low], output_log_probs=list(output.output_log_probs[:low]),
-        output_top_log_probs=list(output.output_top_log_probs[:low]),
-        output_token_ids_log_probs=list(output.output_token_ids_log_probs[:low]),
-        output_token_versions=list(output.output_token_versions[:low]), finish_reason="stop")
-    return StopCut(output=cut, text=text[:at], stop=stop)

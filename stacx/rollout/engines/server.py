@@ -89,7 +89,7 @@ from stacx.rollout.engines.http_guard import (
 )
 from stacx.rollout.engines.openai_endpoints import OpenAIEndpoints
 from stacx.rollout.engines.openai_errors import is_openai_path, openai_error_body
-from stacx.rollout.engines.request_bodies import content_length, read_body_into, read_json
+from stacx.rollout.engines.request_bodies import check_text_budget, content_length, read_body_into, read_json
 from stacx.rollout.engines.sglang_protocol import parse_abort_payload, parse_generate_payload, render_generate_item
 from stacx.rollout.engines.weight_versions import StaleWeightsError, WeightVersionGate
 from stacx.rollout.engines.request_batching import GenerateBatcher
@@ -132,6 +132,12 @@ class PauseGate:
         return self._open.wait(timeout_s)
 
 
+TRAINER_LANE, SHARED_LANE = "trainer", "shared"
+"""The two admission lanes of generation calls (`EngineHttpServer.lane_of`)."""
+DEFAULT_CONTEXT_FOR_TEXT_BOUND = 32768
+"""The context length the text bound assumes for an engine that does not say its own."""
+
+
 def weight_body_limit(engine, limits: ServerLimits) -> int:
     """The largest weight body this server reads: the model's parameter bytes plus a header
     (`max_bucket_body_bytes`), never more than `limits.max_weight_body_bytes`."""
@@ -169,11 +175,14 @@ class EngineHttpServer:
         self.pause_timeout_s = pause_timeout_s
         self.limits = limits
         self.weight_body_limit = weight_body_limit(engine, limits)
+        context = getattr(engine, "context_length", None) or DEFAULT_CONTEXT_FOR_TEXT_BOUND
+        self.max_text_chars = limits.max_chars_per_token * context
+        """Characters of text one request may carry into the tokenizer (ServerLimits.max_chars_per_token)."""
         self.versions = WeightVersionGate()
         self.connections = ConnectionCounter(limits.max_connections)
-        self._admitted = 0
+        self._admitted = {TRAINER_LANE: 0, SHARED_LANE: 0}
         self._weight_lock = asyncio.Lock()  # one weight body in memory at a time
-        self._generate_threads: Optional[anyio.CapacityLimiter] = None  # made on the event loop
+        self._generate_threads: dict[str, anyio.CapacityLimiter] = {}  # per lane, made on the event loop
         # Concurrent /generate calls run as one engine batch (stacx.rollout.engines.request_batching).
         self.batcher = GenerateBatcher(engine) if engine is not None else None
         self.aborts: AbortBook = getattr(engine, "aborts", None) or AbortBook()
@@ -249,29 +258,38 @@ class EngineHttpServer:
 
     # ---- admission, access and health ------------------------------------------------------------
 
-    def admit_generate(self) -> None:
-        """Count one more `/generate` call in, or raise 503 when `max_queued_requests` are admitted
-        (the event loop's thread only)."""
-        if self._admitted >= self.limits.max_queued_requests:
-            raise HttpError(503, f"/generate queue is full ({self._admitted} requests admitted, "
+    def lane_of(self, request: Request) -> str:
+        """TRAINER_LANE for a call that carries the server's own key (the training run's generation), else
+        SHARED_LANE (agents' `/v1/*` and session traffic, other clients): each lane has its own admission count
+        and worker threads, so agent traffic that fills its queue never makes the trainer's calls wait or fail."""
+        if self.api_key and check_bearer_token(self.api_key, presented_authorization(request.headers)) is None:
+            return TRAINER_LANE
+        return SHARED_LANE
+
+    def admit_generate(self, lane: str = SHARED_LANE) -> None:
+        """Count one more generation call into `lane`, or raise 503 when `max_queued_requests` are admitted
+        there (the event loop's thread only)."""
+        if self._admitted[lane] >= self.limits.max_queued_requests:
+            raise HttpError(503, f"generation queue is full ({self._admitted[lane]} {lane} requests admitted, "
                                  f"max_queued_requests {self.limits.max_queued_requests}); retry later",
                             headers={"Retry-After": "1"})
-        self._admitted += 1
+        self._admitted[lane] += 1
 
-    def release_generate(self) -> None:
-        self._admitted -= 1
+    def release_generate(self, lane: str = SHARED_LANE) -> None:
+        self._admitted[lane] -= 1
 
-    def generate_threads(self) -> anyio.CapacityLimiter:
-        """Worker threads for /generate: one per admitted call, so a full queue never starves the rest."""
-        if self._generate_threads is None:
-            self._generate_threads = anyio.CapacityLimiter(self.limits.max_queued_requests)
-        return self._generate_threads
+    def generate_threads(self, lane: str = SHARED_LANE) -> anyio.CapacityLimiter:
+        """Worker threads for generation in `lane`: one per admitted call, so a full queue never starves the rest."""
+        if lane not in self._generate_threads:
+            self._generate_threads[lane] = anyio.CapacityLimiter(self.limits.max_queued_requests)
+        return self._generate_threads[lane]
 
     async def run_engine(self, request: Request, requests: list) -> list:
         """Generate for `requests` on behalf of the HTTP `request` (the event loop's thread): admitted
         against max_queued_requests, waiting while paused, abortable by rid, stopped when the client
         leaves; 503 when generation stays paused for pause_timeout_s."""
-        self.admit_generate()
+        lane = self.lane_of(request)
+        self.admit_generate(lane)
         gone = threading.Event()
         watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
         flags = self.aborts.register([r.rid for r in requests])  # abortable from arrival on
@@ -290,11 +308,11 @@ class EngineHttpServer:
             return self.batcher.generate(requests, should_stop=gone.is_set, abort_flags=flags)
 
         try:
-            outputs = await anyio.to_thread.run_sync(run, limiter=self.generate_threads())
+            outputs = await anyio.to_thread.run_sync(run, limiter=self.generate_threads(lane))
         finally:
             self.aborts.release(flags)
             watcher.cancel()
-            self.release_generate()
+            self.release_generate(lane)
         if outputs is None:
             raise HttpError(503, f"generation stayed paused for pause_timeout_s ({self.pause_timeout_s:.0f}s); "
                                  "send /continue_generation")
@@ -489,7 +507,11 @@ class _Endpoints:
 
     async def generate(self, request: Request):
         server = self.server
-        requests, is_batch = parse_generate_payload(await self._json(request), server.tokenizer)
+        payload = await self._json(request)
+        if isinstance(payload, dict) and payload.get("text") is not None:
+            check_text_budget(payload["text"], server.max_text_chars, "/generate: 'text'")
+        # Tokenizing (and checking a long id list) runs off the event loop: /health and every other request go on.
+        requests, is_batch = await anyio.to_thread.run_sync(parse_generate_payload, payload, server.tokenizer)
         outputs = await server.run_engine(request, requests)
         items = [render_generate_item(o, r, r.rid or uuid.uuid4().hex, server.tokenizer)
                  for o, r in zip(outputs, requests)]
