@@ -21,8 +21,9 @@ group statistics count each episode once however often it branched.
 The agent is a Python callable `(base_url, task) -> reward or None`, or an `AgentCommand` (any
 program, stacx.rollout.agent_command: the base URL and the task reach it as arguments or environment
 variables, its reward through a private file). Its reward is the episode's: every sample of the session
-gets it. An agent that raises (or a command that exits non-zero or runs past its timeout) keeps its recorded turns, with reward 0.0 and `reward_error` saying what failed; a session
-with no turns gives no sample.
+gets it. An agent that raises (or a command that exits non-zero or runs past its timeout) keeps its
+recorded turns, with reward 0.0 and `reward_error` saying what failed; a session with no turns gives no
+sample.
 """
 
 from __future__ import annotations
@@ -147,12 +148,12 @@ class AgentRollout:
         self.reward_fn = reward_fn
         self.max_parallel_episodes = max_parallel_episodes
         self.request_timeout_s = request_timeout_s
+        self.api_key = api_key
+        """The server's API key (it opens sessions); None for a server without one."""
 
     def waiting_for(self) -> str:
         """The episodes still running ('' when none), for the run's heartbeat (RunningEpisodes.describe)."""
         return self.running.describe()
-        self.api_key = api_key
-        """The server's API key (it opens sessions); None for a server without one."""
 
     def collect(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """The samples of every task of `step` x n_samples_per_task episodes, and rollout metrics."""
