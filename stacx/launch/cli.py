@@ -1,7 +1,8 @@
 """The `stacx` command. Each subcommand lives in its own module under stacx/launch/commands/
 and is imported only when it runs, so `stacx --help` stays fast.
 
-A command module defines `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`.
+A command module defines `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`; one that passes
+another program's flags through sets `PREFIX_CHARS` (e.g. "+"), so that its `-`/`--` arguments are its own.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ COMMANDS = {
     "convert": "convert",
     "eval": "eval",
     "tasks": "tasks",
+    "torchrun": "torchrun",
 }
 
 
@@ -39,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in _available_commands().items():
         # No prefix matching: a mistyped flag must be an error, not silently another flag.
-        command_parser = sub.add_parser(name, help=module.HELP, description=module.HELP, allow_abbrev=False)
+        command_parser = sub.add_parser(name, help=module.HELP, description=module.HELP, allow_abbrev=False,
+                                        prefix_chars=getattr(module, "PREFIX_CHARS", "-"))
         module.add_arguments(command_parser)
         command_parser.set_defaults(_run=module.run)
     return parser

@@ -274,7 +274,7 @@ def resume_overrides(args: argparse.Namespace, run_config: RunConfig) -> list[st
         return []
     values, _ = saved
     lines = []
-    for name in sorted(name for name in given if name in FIELDS and name not in ("load", "algorithm")):
+    for name in sorted(name for name in given if name in FIELDS and name not in ("load", "algorithm", "dry_run")):
         section = FIELDS[name][0]
         before = (values.get(section) or {}).get(name)
         now = getattr(getattr(run_config, section), name)

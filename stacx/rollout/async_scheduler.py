@@ -77,6 +77,21 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 
+def check_restorable(admit_versions: list[int], *, train_version: int, max_staleness: int, groups_per_step: int
+                     ) -> None:
+    """ValueError naming the flags when saved untrained groups (their admission versions, oldest first)
+    cannot all be trained in order from `train_version` under K = max_staleness and B = groups_per_step:
+    the i-th oldest (1-based) needs i <= (admit_version + K - t + 1) * B, the invariant `take_batch` keeps."""
+    t, k, batch_size = train_version, max_staleness, groups_per_step
+    for position, admitted in enumerate(admit_versions, start=1):
+        if position > (int(admitted) + k - t + 1) * batch_size:
+            raise ValueError(
+                f"the checkpoint holds {len(admit_versions)} generated, untrained groups (admitted at versions "
+                f"{list(admit_versions)}) that this run cannot train by step {t} + K with --max-staleness {k} and "
+                f"{batch_size} groups per step; resume with the --max-staleness and --rollout-batch-size the "
+                "checkpoint was written with")
+
+
 def admission_capacity(*, policy_version: int, next_train_version: int, max_staleness: int,
                        groups_per_step: int, num_unconsumed: int) -> int:
     """How many more groups may be admitted now: `(a + K - t + 1) * B - U`, at least 0.
@@ -471,15 +486,9 @@ class AsyncRolloutScheduler:
         with self._cond:
             if self._groups or self._next_group_id:
                 raise ValueError("load_state_dict: the scheduler has admitted groups already; restore before start")
-            t, k, batch_size = self._next_train_version, self.config.max_staleness, self.config.groups_per_step
             groups = list(state.get("groups", ()))
-            for position, saved in enumerate(groups, start=1):
-                if position > (saved["admit_version"] + k - t + 1) * batch_size:
-                    raise ValueError(
-                        f"the checkpoint holds {len(groups)} generated, untrained groups (admitted at versions "
-                        f"{[g['admit_version'] for g in groups]}) that this run cannot train by step {t} + K with "
-                        f"--max-staleness {k} and {batch_size} groups per step; resume with the --max-staleness and "
-                        "--rollout-batch-size the checkpoint was written with")
+            check_restorable([g["admit_version"] for g in groups], train_version=self._next_train_version,
+                             max_staleness=self.config.max_staleness, groups_per_step=self.config.groups_per_step)
             ids = []
             for saved in groups:
                 group = _Group(self._next_group_id, saved["payload"], int(saved["admit_version"]),

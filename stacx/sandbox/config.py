@@ -31,7 +31,10 @@ class SandboxConfig:
     remote_url: Optional[str] = None
     """Base URL of the sandbox server for backend 'remote' (`python -m stacx.sandbox.server`)."""
     remote_api_key: Optional[str] = None
-    """Bearer key the server was started with, if any."""
+    """Bearer key the server was started with (its --api-key-env variable's value)."""
+    remote_api_key_file: Optional[str] = None
+    """File holding the bearer key: the server's generated key file (it prints the path); used when
+    `remote_api_key` is not set."""
     scratch_dir: Optional[str] = None
     """Host folder for working copies of local sandboxes (default: the system temp folder); when the host runs
     as root, uid 65534 must be able to traverse it."""
@@ -75,7 +78,8 @@ def _bubblewrap(config: SandboxConfig) -> Sandbox:
 
 def _remote(config: SandboxConfig) -> Sandbox:
     return RemoteSandbox(config.remote_url, default_limits=config.limits,
-                         slots=RunSlots(config.max_concurrent_runs), api_key=config.remote_api_key)
+                         slots=RunSlots(config.max_concurrent_runs), api_key=config.remote_api_key,
+                         api_key_file=config.remote_api_key_file)
 
 
 SANDBOX_BACKENDS: dict[str, Callable[[SandboxConfig], Sandbox]] = {

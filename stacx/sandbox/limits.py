@@ -11,6 +11,14 @@ wall time and the output cap, which the host enforces while it reads the command
     max_file_bytes    RLIMIT_FSIZE: a write past it fails with EFBIG (SIGXFSZ is ignored)
     max_output_bytes  host: stdout and stderr are each kept up to this many bytes; a command that
                       writes more is killed (`output_truncated`, `killed`)
+    max_disk_bytes    a session's bytes on disk: a snapshot larger than this is refused before anything
+                      is written; the session's file system (a tmpfs of this size where the host may
+                      mount one, see stacx.sandbox.disk) refuses writes past it (ENOSPC)
+    max_inodes        a session's files and folders: a snapshot with more members is refused before
+                      anything is written; the session's tmpfs has this many inodes (ENOSPC past it)
+
+The two session bounds are read from the sandbox's default limits when the session is created (a
+session's file system outlives its commands); the other limits apply per command.
 """
 
 from __future__ import annotations
@@ -36,6 +44,13 @@ class SandboxLimits:
     """Bytes of stdout, and of stderr, kept; a command that writes more is killed."""
     max_open_files: int = 256
     """File descriptors per process (RLIMIT_NOFILE)."""
+    max_disk_bytes: int = 1 << 30
+    """Bytes a session may hold on disk: its working copy, and /tmp and /dev/shm where they are the session's
+    (a snapshot larger than this is refused before it is unpacked; stacx.sandbox.disk says how the rest is
+    kept). Read from the sandbox's default limits when a session is created."""
+    max_inodes: int = 100_000
+    """Files and folders a session may hold, counted as `max_disk_bytes` is (a snapshot with more members is
+    refused before it is unpacked). Read from the sandbox's default limits when a session is created."""
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -51,6 +66,11 @@ class SandboxLimits:
 
     def to_dict(self) -> dict:
         return {field.name: getattr(self, field.name) for field in fields(self)}
+
+    def tmp_bytes(self) -> int:
+        """Size of a command's private /tmp (and bubblewrap's /dev/shm) where it is a per-command tmpfs: four
+        largest files, at least 1 MiB, at most the session's disk bound."""
+        return min(int(self.max_disk_bytes), max(1 << 20, 4 * int(self.max_file_bytes)))
 
     def prlimit_args(self) -> list[str]:
         """`prlimit` options that set every kernel-enforced limit, soft = hard so a command cannot raise it (the

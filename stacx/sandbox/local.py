@@ -1,10 +1,15 @@
 """What the two local backends share: the session (working copy, live launchers, close) and the host user.
 
 A backend subclass writes only `launch`: the host command that enters the sandbox and runs
-the user's command in `/workspace` under the kernel-enforced limits. When the host runs as root,
-every launcher first drops to SANDBOX_UID_WHEN_ROOT (setpriv): a user namespace then maps the
-sandbox's root to that unprivileged user, so RLIMIT_NPROC applies (the kernel exempts the real
-root from it) and nothing the sandbox reaches is writable except what that user owns.
+the user's command in `/workspace` under the kernel-enforced limits. Every launcher starts with
+SANDBOX_ENV as its whole environment (never the host's). When the host runs as root, every
+launcher runs as SANDBOX_UID_WHEN_ROOT (the ids are dropped in the child before it executes the
+launcher): a user namespace then maps the sandbox's root to that unprivileged user, so RLIMIT_NPROC
+applies (the kernel exempts the real root from it) and nothing the sandbox reaches is writable except
+what that user owns.
+
+A session's folder holds `workspace/` (the working copy), `tmp/` and `shm/`; where the host may
+mount, the folder is a tmpfs bounded by `max_disk_bytes` and `max_inodes` (stacx.sandbox.disk).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+from stacx.sandbox.disk import WATCH_INTERVAL_S, SessionDisk, over_bounds
 from stacx.sandbox.limits import SandboxLimits
 from stacx.sandbox.process import Launch, RunSlots, kill_tree, run_launcher
 from stacx.sandbox.protocol import ClosedOnExit, Command, RunResult, SandboxClosedError, SandboxUnavailableError, Source
@@ -32,6 +38,11 @@ SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "
 
 def host_runs_as_root() -> bool:
     return os.geteuid() == 0
+
+
+def sandbox_user() -> Optional[int]:
+    """The host uid launchers run as: SANDBOX_UID_WHEN_ROOT when this process is root, else None (its own)."""
+    return SANDBOX_UID_WHEN_ROOT if host_runs_as_root() else None
 
 
 def drop_root_argv() -> list[str]:
@@ -64,17 +75,24 @@ class LocalSession(ClosedOnExit):
         self.directory = Path(tempfile.mkdtemp(prefix="stacx-sandbox-", dir=sandbox.scratch_dir))
         self.working_copy = self.directory / "workspace"
         self.root_mount = self.directory / "root"
+        self.tmp_dir = self.directory / "tmp"
+        self.shm_dir = self.directory / "shm"
         self._live: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self.disk: Optional[SessionDisk] = None
+        """The session's bounded tmpfs, or None where the host may not mount (then the bounds are measured while
+        each command runs)."""
+        limits = sandbox.default_limits
         try:
-            self.working_copy.mkdir()
-            self.root_mount.mkdir()
-            make_working_copy(source, self.working_copy)
+            self.disk = SessionDisk.mount(self.directory, limits, owner=sandbox_user())
+            for folder in (self.working_copy, self.root_mount, self.tmp_dir, self.shm_dir):
+                folder.mkdir()
+            make_working_copy(source, self.working_copy, limits)
             if host_runs_as_root():  # the sandbox user must reach its working copy, and nobody else
                 give_to(self.directory, SANDBOX_UID_WHEN_ROOT, SANDBOX_UID_WHEN_ROOT)
         except BaseException:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            self._remove()
             raise
 
     def run(self, command: Command, limits: Optional[SandboxLimits] = None, *,
@@ -84,9 +102,16 @@ class LocalSession(ClosedOnExit):
         limits = limits or self._sandbox.default_limits
         with self._sandbox.slots.slot():
             launch = self._sandbox.launch(self, as_argv(command), limits)
-            if host_runs_as_root():
-                launch.argv = [self._sandbox.setpriv, *drop_root_argv()] + launch.argv
-            return run_launcher(launch, limits, stdin=stdin, on_start=self._started, on_exit=self._exited)
+            launch.user = sandbox_user()
+            return run_launcher(launch, limits, stdin=stdin, on_start=self._started, on_exit=self._exited,
+                                watch=self._measured_bounds(), watch_interval_s=WATCH_INTERVAL_S)
+
+    def _measured_bounds(self):
+        """Without a bounded tmpfs, the session's bounds are measured while each command runs (disk.over_bounds)."""
+        if self.disk is not None:
+            return None
+        bounds = self._sandbox.default_limits
+        return lambda: over_bounds(self.directory, bounds)
 
     def _started(self, process: subprocess.Popen) -> None:
         with self._lock:
@@ -106,6 +131,11 @@ class LocalSession(ClosedOnExit):
             kill_tree(process)
         for process in live:
             process.wait()
+        self._remove()
+
+    def _remove(self) -> None:
+        if self.disk is not None:
+            self.disk.release()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 

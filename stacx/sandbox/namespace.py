@@ -3,8 +3,9 @@
     unshare --user --map-root-user --net --pid --fork --mount --kill-child  sh -c SETUP
       SETUP (as root of the new user namespace, before the command):
         a tmpfs becomes the new root; /usr (and /bin, /lib... links), the host's dynamic-linker cache
-        and `read_only_paths` are bound read-only; the working copy at /workspace read-write; a
-        private tmpfs /tmp; /dev/{null,zero,random,urandom}; a /proc of the new PID namespace with
+        and `read_only_paths` are bound read-only; the working copy at /workspace read-write; /tmp:
+        the session's tmp folder (on its bounded tmpfs), else a private tmpfs bounded in bytes and
+        inodes; /dev/{null,zero,random,urandom} only (no /dev/shm); a /proc of the new PID namespace with
         /proc/sys read-only; the PID namespace's pid_max lowered where the kernel allows it;
         pivot_root into it and detach the host's root, then make / read-only;
       then  setpriv (no capabilities, no_new_privs)  prlimit (the limits)  sh -c 'cd /workspace; COMMAND'
@@ -50,7 +51,11 @@ def setup_script(session: LocalSession, read_only_paths: tuple[str, ...], limits
                  setpriv: str, prlimit: str) -> str:
     """The shell script that builds the sandbox's root and starts the command ("$@") inside it."""
     root = shlex.quote(str(session.root_mount))
-    tmp_bytes = max(1 << 20, 4 * int(limits.max_file_bytes))
+    if session.disk is not None:  # the session's bounded tmpfs holds /tmp too
+        mount_tmp = f'mount --bind {shlex.quote(str(session.tmp_dir))} "$r/tmp"'
+    else:
+        mount_tmp = (f'mount -t tmpfs -o size={limits.tmp_bytes()},nr_inodes={int(limits.max_inodes)},mode=1777 '
+                     'sandbox-tmp "$r/tmp"')
     lines = ["set -e", f"r={root}", 'mount -t tmpfs -o size=16m,mode=755 sandbox-root "$r"']
     for kind, path in system_paths() + [("bind", p) for p in read_only_paths]:
         inside = '"$r"' + shlex.quote(path)
@@ -62,7 +67,7 @@ def setup_script(session: LocalSession, read_only_paths: tuple[str, ...], limits
     lines += [
         f'mkdir -p "$r{WORKDIR}" "$r/tmp" "$r/dev" "$r/proc" "$r/.host"',
         f'mount --bind {shlex.quote(str(session.working_copy))} "$r{WORKDIR}"',
-        f'mount -t tmpfs -o size={tmp_bytes},mode=1777 sandbox-tmp "$r/tmp"',
+        mount_tmp,
         'for d in null zero random urandom; do touch "$r/dev/$d"; mount --bind "/dev/$d" "$r/dev/$d"; done',
         'mount -t proc proc "$r/proc"',
         # Per-namespace pid_max (Linux 6.14+) bounds the process count even where RLIMIT_NPROC does not.
@@ -70,7 +75,9 @@ def setup_script(session: LocalSession, read_only_paths: tuple[str, ...], limits
         'mount --bind "$r/proc/sys" "$r/proc/sys"', 'mount -o remount,bind,ro "$r/proc/sys"',
         'cd "$r"', "PATH=/usr/sbin:/sbin:$PATH pivot_root . .host", "umount -l /.host", "rmdir /.host",
         "mount -o remount,bind,ro /",
-        f"exec {shlex.quote(setpriv)} --no-new-privs --inh-caps=-all --ambient-caps=-all --bounding-set=-all -- "
+        # env -i: the shell's own variables (PWD, OLDPWD: host paths) stay out of the command's init.
+        f"exec env -i {' '.join(shlex.quote(f'{k}={v}') for k, v in SANDBOX_ENV.items())} "
+        f"{shlex.quote(setpriv)} --no-new-privs --inh-caps=-all --ambient-caps=-all --bounding-set=-all -- "
         f"{shlex.quote(prlimit)} {' '.join(limits.prlimit_args())} -- "
         f"sh -c 'cd {WORKDIR} || exit 125; \"$@\"; exit $?' sandbox \"$@\"",
     ]
@@ -99,6 +106,7 @@ class NamespaceSandbox(LocalSandbox):
 
     def launch(self, session: LocalSession, command: list[str], limits: SandboxLimits) -> Launch:
         script = setup_script(session, self.read_only_paths, limits, self.setpriv_inside, self.prlimit)
-        # unshare --fork waits for the namespace's init, which ends only after its whole namespace.
-        return Launch(["env", "-i", *(f"{k}={v}" for k, v in SANDBOX_ENV.items()),
-                       self.unshare, *_UNSHARE_FLAGS, "sh", "-c", script, "sandbox-setup", *command])
+        # unshare --fork waits for the namespace's init, which ends only after its whole namespace. The init
+        # (PID 1) ends up as the command's shell: its /proc/1/cmdline is the command, its environ SANDBOX_ENV.
+        return Launch([self.unshare, *_UNSHARE_FLAGS, "sh", "-c", script, "sandbox-setup", *command],
+                      env=dict(SANDBOX_ENV))

@@ -17,7 +17,7 @@ import subprocess
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from stacx.sandbox.limits import SandboxLimits
@@ -125,11 +125,25 @@ class Launch:
     """How to start one sandboxed command: the launcher's argv, and how to learn its namespace's init."""
 
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    """The launcher's whole environment: never the host's, since a launcher's environment can be read from
+    inside the sandbox (bwrap's own init is the sandbox's PID 1, and keeps it as /proc/1/environ)."""
+    executable: Optional[str] = None
+    """The program to execute when argv[0] is only the name the sandbox sees (/proc/1/cmdline)."""
+    user: Optional[int] = None
+    """Host uid (and gid, without supplementary groups) the launcher runs as; None: this process's."""
     pass_fds: tuple[int, ...] = ()
     """File descriptors the launcher inherits (closed here once it started)."""
     read_init_pid: Optional[Callable[[], Optional[int]]] = None
     """Called once the launcher started: the host PID of the sandbox's PID-namespace init, for a launcher that
     may exit before its namespace is gone (bwrap); None for one that waits for it (unshare --fork)."""
+
+
+def as_user(uid: Optional[int]) -> dict:
+    """Popen arguments that run the child as `uid` (gid the same, no supplementary groups): set in the child
+    before it executes anything (setregid, setgroups, setreuid), so real, effective and saved ids all change
+    and a root parent's capabilities are gone."""
+    return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
 
 
 def _open_init(launch: Launch) -> Optional[int]:
@@ -156,17 +170,21 @@ def _end_init(pidfd: int) -> None:
 
 
 def run_launcher(launch: Launch, limits: SandboxLimits, *, stdin: Optional[bytes] = None,
-                 on_start=None, on_exit=None) -> RunResult:
+                 on_start=None, on_exit=None, watch: Optional[Callable[[], Optional[str]]] = None,
+                 watch_interval_s: float = 0.25) -> RunResult:
     """Run the launcher under the host-side limits (wall time, output cap) and collect its result; when it
     returns, nothing of the sandbox's process tree is left.
 
     on_start(process) / on_exit(process) let a session track its live launchers so `close()` can kill them.
+    watch(), called every `watch_interval_s` while the command runs and once after, returns why the command
+    must end (a measured bound passed) or None: the tree is killed, the run is `killed`, the reason ends stderr.
     """
     started = time.monotonic()
     try:
-        process = subprocess.Popen(launch.argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        process = subprocess.Popen(launch.argv, executable=launch.executable, env=launch.env,
+                                   stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                   pass_fds=launch.pass_fds)
+                                   pass_fds=launch.pass_fds, **as_user(launch.user))
     finally:
         for fd in launch.pass_fds:
             os.close(fd)
@@ -179,7 +197,9 @@ def run_launcher(launch: Launch, limits: SandboxLimits, *, stdin: Optional[bytes
         outputs = {process.stdout: bytearray(), process.stderr: bytearray()}
         cap = int(limits.max_output_bytes)
         timed_out = truncated = False
+        stopped: Optional[str] = None
         deadline = started + float(limits.wall_time_s)
+        next_watch = started + watch_interval_s
         with selectors.DefaultSelector() as selector:
             for pipe in outputs:
                 os.set_blocking(pipe.fileno(), False)
@@ -189,7 +209,13 @@ def run_launcher(launch: Launch, limits: SandboxLimits, *, stdin: Optional[bytes
                 if remaining <= 0:
                     timed_out = True
                     break
-                for key, _ in selector.select(timeout=remaining):
+                if watch is not None and time.monotonic() >= next_watch:
+                    stopped = watch()
+                    if stopped:
+                        break
+                    next_watch = time.monotonic() + watch_interval_s
+                wait = remaining if watch is None else max(0.0, min(remaining, next_watch - time.monotonic()))
+                for key, _ in selector.select(timeout=wait):
                     chunk = key.fileobj.read(_READ_CHUNK)
                     if not chunk:
                         selector.unregister(key.fileobj)
@@ -200,7 +226,7 @@ def run_launcher(launch: Launch, limits: SandboxLimits, *, stdin: Optional[bytes
                     kept += chunk[: max(0, cap - len(kept))]
                 if truncated:
                     break
-        killed = timed_out or truncated
+        killed = timed_out or truncated or bool(stopped)
         if killed:
             kill_tree(process)
         try:
@@ -209,9 +235,15 @@ def run_launcher(launch: Launch, limits: SandboxLimits, *, stdin: Optional[bytes
             kill_tree(process)
             returncode = process.wait()
             killed = timed_out = True
+        if watch is not None and not stopped:
+            stopped = watch()
+            killed = killed or bool(stopped)
         exit_code = None if killed else (128 - returncode if returncode < 0 else returncode)
+        stderr = bytes(outputs[process.stderr]).decode("utf-8", "replace")
+        if stopped:
+            stderr += f"\nsandbox: the command was ended: {stopped}\n"
         return RunResult(exit_code=exit_code, stdout=bytes(outputs[process.stdout]).decode("utf-8", "replace"),
-                         stderr=bytes(outputs[process.stderr]).decode("utf-8", "replace"), timed_out=timed_out,
+                         stderr=stderr, timed_out=timed_out,
                          killed=killed, output_truncated=truncated, duration_s=time.monotonic() - started)
     finally:
         for pipe in (process.stdout, process.stderr):

@@ -49,14 +49,30 @@ class RemoteSession(ClosedOnExit):
         self._sandbox.request("DELETE", f"/sessions/{self.session_id}", timeout=REQUEST_MARGIN_S)
 
 
+def read_api_key_file(path: str) -> str:
+    """The bearer key in `path` (the server's generated key file), or SandboxUnavailableError naming the setting."""
+    try:
+        with open(path) as key_file:
+            key = key_file.read().strip()
+    except OSError as err:
+        raise SandboxUnavailableError(f"sandbox.remote_api_key_file {path!r} cannot be read ({err}); give the path "
+                                      "the sandbox server printed, or sandbox.remote_api_key") from None
+    if not key:
+        raise SandboxUnavailableError(f"sandbox.remote_api_key_file {path!r} is empty")
+    return key
+
+
 class RemoteSandbox:
     name = "remote"
 
-    def __init__(self, url: str, *, default_limits: SandboxLimits, slots: RunSlots, api_key: Optional[str] = None):
+    def __init__(self, url: str, *, default_limits: SandboxLimits, slots: RunSlots, api_key: Optional[str] = None,
+                 api_key_file: Optional[str] = None):
         self.url = url.rstrip("/")
         self.default_limits = default_limits
         self.slots = slots
         self._http = requests.Session()
+        if not api_key and api_key_file:
+            api_key = read_api_key_file(api_key_file)
         if api_key:
             self._http.headers["Authorization"] = f"Bearer {api_key}"
         try:

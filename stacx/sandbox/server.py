@@ -8,7 +8,14 @@
     DELETE /sessions/{id}            kills the session's processes, deletes its working copy
 
 A Docker, Modal or cloud sandbox service is served the same way by answering these four routes.
-A non-loopback address needs a bearer key (--api-key-env NAME: the key is read from that variable).
+
+Every route but /health needs a bearer key: --api-key-env NAME reads it from that variable; without
+it the server generates one, writes it to a mode-0600 file (--api-key-file, default
+stacx-sandbox-PORT.key in $XDG_RUNTIME_DIR or a private stacx-UID folder of the temp folder), prints
+the path, and removes the file when it stops; a client names it with sandbox.remote_api_key_file.
+Request bodies are counted as they stream in (chunked ones included): past MAX_UPLOAD_BYTES the
+request gets 413 and the rest is never read. A working-copy snapshot is checked against the
+session bounds (SandboxLimits.max_disk_bytes, max_inodes) before it is unpacked.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import argparse
 import base64
 import binascii
 import os
+import secrets
 import threading
 import uuid
 from typing import Optional, Union
@@ -26,13 +34,51 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from stacx.network import is_loopback_host
+from stacx.network import private_file_path, write_private_file
 from stacx.sandbox.config import SandboxConfig, build_sandbox
 from stacx.sandbox.limits import SandboxLimits
 from stacx.sandbox.protocol import Sandbox, SandboxClosedError, SandboxSession
 
 MAX_UPLOAD_BYTES = 256 << 20
-"""Largest working-copy tarball the server accepts."""
+"""Largest request body the server reads (a working-copy tarball, a command with its stdin)."""
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body passes `max_bytes` gets 413, whether it declares a Content-Length
+    or streams chunks; the bytes are counted as the app reads them, so nothing past the limit is ever read."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def too_large(self, size: str) -> HTTPException:
+        # Connection: close makes the server drop the connection after answering instead of draining the rest.
+        return HTTPException(413, f"request body of {size} bytes is over the server's {self.max_bytes}-byte limit "
+                                  "(MAX_UPLOAD_BYTES); send a smaller working copy", headers={"Connection": "close"})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self.app(scope, self._refuse(self.too_large(declared.decode())), send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise self.too_large(f"more than {self.max_bytes}")
+            return message
+
+        await self.app(scope, counted, send)
+
+    @staticmethod
+    def _refuse(error: HTTPException):
+        async def receive():
+            raise error
+        return receive
 
 
 class RunRequest(BaseModel):
@@ -41,9 +87,13 @@ class RunRequest(BaseModel):
     stdin_base64: Optional[str] = None
 
 
-def create_app(sandbox: Sandbox, *, api_key: Optional[str] = None, max_sessions: int = 64) -> FastAPI:
-    """The FastAPI app serving `sandbox`; at most `max_sessions` open sessions (429 past it)."""
+def create_app(sandbox: Sandbox, *, api_key: Optional[str] = None, max_sessions: int = 64,
+               max_upload_bytes: int = MAX_UPLOAD_BYTES) -> FastAPI:
+    """The FastAPI app serving `sandbox`; at most `max_sessions` open sessions (429 past it), request bodies of at
+    most `max_upload_bytes` (413 past it, counted as they stream in). `api_key` None serves without a key (for
+    an app embedded in a process that guards it otherwise; `main` always has one)."""
     app = FastAPI(title="Stacx sandbox server")
+    app.add_middleware(BodyLimit, max_bytes=max_upload_bytes)
     sessions: dict[str, SandboxSession] = {}
     lock = threading.Lock()
 
@@ -64,10 +114,7 @@ def create_app(sandbox: Sandbox, *, api_key: Optional[str] = None, max_sessions:
 
     @app.post("/sessions", dependencies=[Depends(authorize)])
     async def create_session(request: Request) -> dict:
-        length = int(request.headers.get("content-length") or 0)
-        if length > MAX_UPLOAD_BYTES:
-            raise HTTPException(413, f"working-copy tarball of {length} bytes is over the {MAX_UPLOAD_BYTES}-byte limit")
-        body = await request.body()
+        body = await request.body()  # BodyLimit counts it as it streams in
         with lock:
             if len(sessions) >= max_sessions:
                 raise HTTPException(429, f"{max_sessions} sandbox sessions are open; close one first")
@@ -114,6 +161,22 @@ def create_app(sandbox: Sandbox, *, api_key: Optional[str] = None, max_sessions:
     return app
 
 
+def server_api_key(args, parser) -> tuple[str, Optional[str]]:
+    """(key, the generated key file or None): --api-key-env's variable, else a generated key written mode 0600."""
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            parser.error(f"--api-key-env {args.api_key_env}: that environment variable is empty or unset")
+        return api_key, None
+    api_key = secrets.token_urlsafe(32)
+    try:
+        path = args.api_key_file or private_file_path(f"stacx-sandbox-{args.port}.key")
+        return api_key, write_private_file(path, api_key)
+    except OSError as err:
+        parser.error(f"cannot write the generated key ({err}); pass --api-key-file PATH in a folder you own, "
+                     "or --api-key-env NAME")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stacx.sandbox.server", description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default="namespace", choices=["namespace", "bubblewrap"])
@@ -121,16 +184,35 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--port", type=int, default=8700)
     parser.add_argument("--max-concurrent-runs", type=int, default=4)
     parser.add_argument("--max-sessions", type=int, default=64)
-    parser.add_argument("--api-key-env", default=None, help="name of the environment variable holding the bearer key")
+    parser.add_argument("--api-key-env", default=None,
+                        help="name of the environment variable holding the bearer key; default: a generated key")
+    parser.add_argument("--api-key-file", default=None,
+                        help="where the generated key is written (mode 0600; removed when the server stops); default: "
+                             "stacx-sandbox-PORT.key in $XDG_RUNTIME_DIR, else in a private stacx-UID folder of the "
+                             "temp folder")
+    bounds = SandboxLimits()
+    parser.add_argument("--max-disk-bytes", type=int, default=bounds.max_disk_bytes,
+                        help="bytes a session may hold; a larger snapshot is refused before it is unpacked "
+                             "(SandboxLimits.max_disk_bytes, default: %(default)s)")
+    parser.add_argument("--max-inodes", type=int, default=bounds.max_inodes,
+                        help="files and folders a session may hold (SandboxLimits.max_inodes, default: %(default)s)")
     args = parser.parse_args(argv)
-    api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
-    if args.api_key_env and not api_key:
-        parser.error(f"--api-key-env {args.api_key_env}: that environment variable is empty or unset")
-    if not is_loopback_host(args.host) and api_key is None:
-        parser.error(f"--host {args.host} is reachable from other machines; give a bearer key with --api-key-env NAME")
-    sandbox = build_sandbox(SandboxConfig(backend=args.backend, max_concurrent_runs=args.max_concurrent_runs))
-    uvicorn.run(create_app(sandbox, api_key=api_key, max_sessions=args.max_sessions), host=args.host, port=args.port,
-                log_level="warning")
+    try:
+        limits = SandboxLimits(max_disk_bytes=args.max_disk_bytes, max_inodes=args.max_inodes)
+    except ValueError as err:
+        parser.error(str(err))
+    sandbox = build_sandbox(SandboxConfig(backend=args.backend, max_concurrent_runs=args.max_concurrent_runs,
+                                          limits=limits))
+    api_key, key_file = server_api_key(args, parser)
+    if key_file is not None:
+        print(f"stacx sandbox server: clients need the generated bearer key in {key_file} (mode 0600): set "
+              f"sandbox.remote_api_key_file = {key_file}", flush=True)
+    try:
+        uvicorn.run(create_app(sandbox, api_key=api_key, max_sessions=args.max_sessions), host=args.host,
+                    port=args.port, log_level="warning")
+    finally:
+        if key_file is not None and os.path.exists(key_file):
+            os.unlink(key_file)
 
 
 if __name__ == "__main__":

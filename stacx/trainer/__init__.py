@@ -19,11 +19,26 @@ def run_training(run_config) -> dict:
     # Imported here: `import stacx.trainer` stays light (no Ray, megatron-core or loop until a run starts).
     from stacx.tasks.data import resolve_builtin_data
     from stacx.trainer.config.checks import fit_response_length_to_context
-    from stacx.trainer.heartbeat import Heartbeat
-    from stacx.trainer.spmd import build_spmd_trainer, launched_by_torchrun
+    from stacx.trainer.lifetime import end_with_launcher
+    from stacx.trainer.save_lock import hold_save_folder
+    from stacx.trainer.spmd import launched_by_torchrun
 
     run_config = fit_response_length_to_context(resolve_builtin_data(run_config))
-    if launched_by_torchrun():
+    torchrun = launched_by_torchrun()
+    if torchrun:
+        end_with_launcher()  # a SIGKILLed torchrun must not leave this rank training (stacx.trainer.lifetime)
+    # One writer per --save folder: the driver (torchrun: rank 0) holds its lock until the run has ended.
+    is_driver = not torchrun or os.environ.get("RANK", "0") == "0"
+    with hold_save_folder(run_config.model.save if is_driver else None):
+        return _build_and_run(run_config, torchrun)
+
+
+def _build_and_run(run_config, torchrun: bool) -> dict:
+    # Imported here: `import stacx.trainer` stays light (no Ray, megatron-core or loop until a run starts).
+    from stacx.trainer.heartbeat import Heartbeat
+    from stacx.trainer.spmd import build_spmd_trainer
+
+    if torchrun:
         with Heartbeat("starting", "the process group, this rank's model and the rollout engine",
                        enabled=os.environ.get("RANK", "0") == "0"):
             trainer = build_spmd_trainer(run_config)

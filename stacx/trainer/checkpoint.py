@@ -656,18 +656,21 @@ def checkpoint_of_model_folder(path: str | os.PathLike) -> tuple[Path, str] | No
     return (step, folder.parent.name) if (step / MANIFEST_NAME).is_file() else None
 
 
-def verify_model_folder(path: str | os.PathLike, *, flag: str) -> None:
+def verify_model_folder(path: str | os.PathLike, *, flag: str, check_hash: bool = True) -> None:
     """When model folder `path` is a role's folder inside a training checkpoint, check its files
-    against that checkpoint's manifest (as resuming does); other folders have no manifest to check."""
+    against that checkpoint's manifest (as resuming does); other folders have no manifest to check.
+    `check_hash=False` compares sizes only (the preflight's cheap look)."""
     found = checkpoint_of_model_folder(path)
     if found is not None:
         step, role = found
-        verify_checkpoint_files(step, read_manifest(step), roles=[role], model_only=True, flag=flag)
+        verify_checkpoint_files(step, read_manifest(step), roles=[role], model_only=True, flag=flag,
+                                check_hash=check_hash)
 
 
-def verify_start_folders(model_section: Any, training_config: TrainingConfig) -> None:
+def verify_start_folders(model_section: Any, training_config: TrainingConfig, *, check_hash: bool = True) -> None:
     """`verify_model_folder` on every folder a role starts from or takes its reference from, and on
-    --load: run by the driver (by every rank under torchrun) before any worker reads them."""
+    --load: run by the driver (by every rank under torchrun) before any worker reads them, and by the
+    preflight with `check_hash=False` (sizes: a truncated or missing file is named by --dry-run too)."""
     folders: dict[str, str] = {}  # path -> the first flag naming it (each folder is hashed once)
     for role in training_config.roles:
         for arg in (role.checkpoint_arg, role.reference_checkpoint_arg):
@@ -677,7 +680,7 @@ def verify_start_folders(model_section: Any, training_config: TrainingConfig) ->
     if getattr(model_section, "load", None):
         folders.setdefault(os.fspath(model_section.load), "--load")
     for path, flag in folders.items():
-        verify_model_folder(path, flag=flag)
+        verify_model_folder(path, flag=flag, check_hash=check_hash)
 
 
 def _differences(saved: Any, current: Any, path: str = "", limit: int = 5) -> list[str]:

@@ -4,9 +4,14 @@
 
 What it checks (each failure is one paragraph naming the flag and the fix):
 - every checkpoint the roles start from exists (--hf-checkpoint, --ref-load, --critic-load, ...),
-  and a reference is given when the algorithm has a KL term to it;
+  and a reference is given when the algorithm has a KL term to it; a Hugging Face folder's model is a
+  supported architecture and its safetensors files are whole; a role folder inside a training
+  checkpoint matches its manifest's sizes;
+- a resume agrees with its checkpoint (--num-steps, the mini-batch split, async --max-staleness:
+  `stacx.trainer.resume_checks`);
 - --load holds a complete checkpoint whose manifest.json parses (a truncated one is named);
-- --save does not hold another run's checkpoints (unless --load resumes it or --overwrite);
+- --save does not hold another run's checkpoints (unless --load resumes it or --overwrite), and no live
+  run holds its lock (`stacx.trainer.save_lock`);
 - a recipe that scores rollouts with a teacher has --teacher-url (or a trajectory corpus to replay),
   the teacher answers `/health` within TEACHER_TIMEOUT_S, and its vocabulary matches the student's;
   --rollout-engine is a registered engine kind, and one that attaches (http) has --rollout-urls;
@@ -43,9 +48,10 @@ from typing import Any, Optional
 
 import torch
 
-from stacx.checkpointing.folders import ModelFolderError, detect_model_folder, is_model_folder
+from stacx.checkpointing.folders import HF, ModelFolderError, detect_model_folder, is_model_folder
+from stacx.checkpointing.safetensors_check import SafetensorsError, check_safetensors_folder
 from stacx.env_overrides import apply_env_overrides
-from stacx.models.architectures import num_virtual_stages
+from stacx.models.architectures import decoder_shape, load_hf_config, num_virtual_stages
 from stacx.objectives import load_custom_modules
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import ADVANTAGES, OFF_POLICY_CORRECTIONS, POLICY_LOSSES, Registry
@@ -58,12 +64,20 @@ from stacx.rollout.service import load_tokenizer
 from stacx.specializations.actor import correction_names
 from stacx.tasks.data import is_builtin, parse_builtin_spec, resolve_builtin_data
 from stacx.trainer.batch import StepDataSource
-from stacx.trainer.checkpoint import CheckpointError, check_save_folder, read_manifest, resolve_checkpoint_folder
+from stacx.trainer.checkpoint import (
+    CheckpointError,
+    check_save_folder,
+    read_manifest,
+    resolve_checkpoint_folder,
+    verify_start_folders,
+)
 from stacx.trainer.config.checks import PreflightError, check_agent_supported
 from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
 from stacx.trainer.config.mini_batches import resolve_mini_batch_schedule
 from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import CUSTOM_HYPERPARAMETERS_KEY, ConfigError, RunConfig
+from stacx.trainer.resume_checks import check_resume
+from stacx.trainer.save_lock import SaveFolderInUse, check_save_folder_free
 
 """Offending rows named in a data error (the count says how many there are in all)."""
 
@@ -85,6 +99,7 @@ def run_preflight(run_config: RunConfig, training_config: TrainingConfig, algori
     check_parallel_layout(run_config)
     check_expert_layout(run_config)
     check_routing_replay(run_config, training_config)
+    check_resume(run_config)  # before the mini-batch check: a resume keeps the checkpoint's own split
     check_mini_batches(run_config, training_config)
     check_rollout_mode(run_config, training_config, algorithm)
     check_resume_and_save(run_config)
@@ -189,6 +204,21 @@ def _check_hf_folder(arg: str, path: str, role_name: str) -> None:
         raise PreflightError(f"{flag(arg)} {path}: the folder has no config.json, so it is not a Hugging Face "
                              f"checkpoint (role {role_name!r} starts from it, and the tokenizer and the model's "
                              f"config are read from it); point {flag(arg)} at one")
+    _check_hf_contents(arg, path)
+
+
+def _check_hf_contents(arg: str, path: str) -> None:
+    """A Hugging Face folder's model is one Stacx builds (its config.json: architecture and features), and
+    its safetensors files are whole: both would otherwise fail on every rank after start-up."""
+    try:
+        decoder_shape(load_hf_config(path))
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        raise PreflightError(f"{flag(arg)} {path}: {err}. Stacx builds the decoders listed in docs/models.md; "
+                             f"point {flag(arg)} at a checkpoint of one of them") from None
+    try:
+        check_safetensors_folder(path, flag=flag(arg))
+    except SafetensorsError as err:
+        raise PreflightError(str(err)) from None
 
 
 def _check_model_folder(arg: str, path: str, use: str) -> None:
@@ -197,9 +227,11 @@ def _check_model_folder(arg: str, path: str, use: str) -> None:
     if not os.path.isdir(path):
         raise PreflightError(f"{flag(arg)} {path}: no such folder ({use}). Fix the path or write the checkpoint first")
     try:
-        detect_model_folder(path, flag=flag(arg))
+        kind = detect_model_folder(path, flag=flag(arg))
     except ModelFolderError as err:
         raise PreflightError(f"{err} ({use})") from None
+    if kind == HF:
+        _check_hf_contents(arg, path)
 
 
 def check_checkpoints(run_config: RunConfig, training_config: TrainingConfig, algorithm: AlgorithmConfig) -> None:
@@ -229,6 +261,10 @@ def check_checkpoints(run_config: RunConfig, training_config: TrainingConfig, al
         if reference is not None:  # the role's workers load it whenever it is given
             _check_model_folder(arg, reference, f"role {role.name!r} computes its reference log-probs with these "
                                                 "weights")
+    try:  # a role folder inside a training checkpoint against its manifest (sizes; the run checks hashes too)
+        verify_start_folders(model, training_config, check_hash=False)
+    except CheckpointError as err:
+        raise PreflightError(str(err)) from None
 
 
 def unread_checkpoint_flags(run_config: RunConfig, training_config: TrainingConfig) -> dict[str, str]:
@@ -243,6 +279,20 @@ def unread_checkpoint_flags(run_config: RunConfig, training_config: TrainingConf
                            f"(its roles: {', '.join(r.name for r in training_config.roles)}), so the run ignores it: "
                            f"drop {flag(arg)}, or pick a recipe that uses it (`stacx recipes` lists each recipe's roles)")
     return unread
+
+
+def ignored_settings(run_config: RunConfig) -> list[str]:
+    """Settings given that the run does not use (one message each, naming the flag and the fix):
+    `stacx train` prints each as a warning, --dry-run included. --max-staleness bounds async rollouts only."""
+    rollout = run_config.rollout
+    messages = []
+    default_staleness = type(rollout)().max_staleness
+    if (rollout.rollout_mode != "async" and "max_staleness" in run_config.given_keys
+            and rollout.max_staleness != default_staleness):
+        messages.append(f"--max-staleness {rollout.max_staleness} is set, but --rollout-mode is {rollout.rollout_mode!r}: "
+                        "it bounds the staleness of asynchronous rollouts only, so this run ignores it; add "
+                        "--rollout-mode async, or drop --max-staleness")
+    return messages
 
 
 def read_model_config(hf_checkpoint: Optional[str]) -> dict:
@@ -382,8 +432,14 @@ def check_custom_modules(run_config: RunConfig) -> None:
 
 
 def check_resume_and_save(run_config: RunConfig) -> None:
-    """--load must hold a complete checkpoint with a readable manifest; --save must not be another run's."""
+    """--save must not be held by a live run, nor hold another run's checkpoints; --load must hold a complete
+    checkpoint with a readable manifest."""
     model = run_config.model
+    if os.environ.get("RANK", "0") == "0":  # the process that will hold the lock (torchrun: rank 0 holds it)
+        try:
+            check_save_folder_free(model.save)
+        except SaveFolderInUse as err:
+            raise PreflightError(str(err)) from None
     if model.load:
         if not os.path.exists(model.load):
             raise PreflightError(f"--load {model.load}: no such folder; give a checkpoint root or step_* folder "

@@ -27,18 +27,11 @@ from stacx.trainer.config.resolve import apply_run_env_overrides
 from stacx.trainer.config.mini_batches import with_resolved_mini_batches
 from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import RunConfig
+from stacx.trainer.lifetime import TORCHRUN_ENV, launched_by_torchrun  # noqa: F401 (this module's names too)
 from stacx.trainer.factory import build_driver_side, build_metrics_logger, launch_rollout_server, resolve_recipe
 from stacx.trainer.loop import StacxTrainer
 from stacx.trainer.runtime.role_runtime import RoleRuntime
 
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def launched_by_torchrun(environ=None) -> bool:
-    """True when torchrun (or another launcher setting its variables) started this process."""
-    environ = os.environ if environ is None else environ
-    has_rank_env = all(name in environ for name in TORCHRUN_ENV)
-    return has_rank_env and ("TORCHELASTIC_RUN_ID" in environ or "LOCAL_WORLD_SIZE" in environ)
 
 
 def build_spmd_trainer(run_config: RunConfig):

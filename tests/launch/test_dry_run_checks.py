@@ -57,6 +57,7 @@ def test_the_tiny_run_passes(inputs, capsys):
     (["--rollout-engine", "http"], "--rollout-urls"),
     (["--reward-fn", "no_such_module:fn"], "--reward-fn"),
     (["--rollout-max-response-len", "64"], "--rollout-max-response-len"),
+    (["--lr", "nan"], "key 'lr' in command line must be a finite number, got nan; set --lr to a number"),
 ])
 def test_each_bad_setting_is_refused_naming_its_flag(inputs, capsys, flags, named):
     code, out, err = _train(inputs, *flags, capsys=capsys)
@@ -273,3 +274,20 @@ def test_async_rollout_flags_in_the_dry_run_and_their_refusals(inputs, capsys):
     with pytest.raises(SystemExit):  # argparse names the choices
         _train(inputs, "--rollout-mode", "later", capsys=capsys)
     assert "--rollout-mode: invalid choice: 'later'" in capsys.readouterr().err
+
+
+def test_a_checkpoint_error_at_the_start_is_one_line_not_a_traceback(inputs, capsys, monkeypatch):
+    """What the preflight's size check cannot see (a start folder whose bytes changed, caught by its sha256
+    when the run starts) ends the run with its message: before, a traceback."""
+    import stacx.trainer
+    from stacx.trainer.checkpoint import CheckpointError
+
+    def corrupt(run_config):
+        raise CheckpointError("--ref-load: checkpoint runs/x/step_000000001: roles/policy/model/__0_0.distcp does "
+                              "not match its sha256 in the manifest; copy it again")
+
+    monkeypatch.setattr(stacx.trainer, "run_training", corrupt)
+    code = main(["train", "--algorithm", "grpo", "--hf-checkpoint", inputs["ckpt"], "--prompt-data", "builtin:addition",
+                 "--rollout-max-response-len", "8", "--out", os.path.join(inputs["root"], "out_start")])
+    err = capsys.readouterr().err
+    assert code == 1 and "stacx train: --ref-load: checkpoint runs/x/step_000000001" in err and "Traceback" not in err

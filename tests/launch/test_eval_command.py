@@ -34,6 +34,10 @@ def test_flag_mistakes_are_named_before_any_model_loads(tmp_path, monkeypatch, c
         (["eval", "--hf-checkpoint", "ckpt", "--task", "sortin"], "--task: prompt data 'builtin:sortin/eval'"),
         (["eval", "--hf-checkpoint", "ckpt", "--task", "sorting", "--reward-fn", "exact"],
          "--reward-fn: reward_fn 'exact' is neither a built-in"),
+        # An --out that cannot be written is named before the evaluation, not after it.
+        (["eval", "--hf-checkpoint", "ckpt", "--task", "sorting", "--out", "ckpt"], "--out ckpt: is a folder"),
+        (["eval", "--hf-checkpoint", "ckpt", "--task", "sorting", "--out", "ckpt/config.json/eval.json"],
+         "--out ckpt/config.json/eval.json: cannot write into"),
     ]
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")

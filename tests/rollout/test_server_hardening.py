@@ -3,6 +3,7 @@ bounded by the model, monotonic versions, non-finite weights and lone surrogates
 OpenAPI schema, idle sockets, per-client bounds, many clients, and a child server that dies early."""
 
 import json
+import re
 import os
 import socket
 import subprocess
@@ -401,3 +402,20 @@ def test_a_lone_surrogate_on_the_openai_endpoints_is_a_400_naming_the_field(tiny
         reply = http.post(server.url + path, json=body, timeout=10)
         assert reply.status_code == 400, reply.text
         assert f"'{field}' holds a lone surrogate" in reply.text
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "ab" * 2_000_000}]}),
+    ("/v1/completions", {"model": "m", "prompt": "ab" * 2_000_000}),
+])
+def test_a_maximal_openai_request_is_refused_before_its_template_and_tokenizer_run(tiny_checkpoints, engine, path,
+                                                                                    body):
+    """A 10 MB chat message took 30.5 s to refuse and stalled /health for 14.3 s."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoints[0], local_files_only=True)
+    with EngineHttpServer(engine, tokenizer=tokenizer) as server:
+        started = time.monotonic()
+        reply = http.post(server.url + path, json=body, timeout=60)
+        assert reply.status_code == 400 and re.search(r"holds 4,000,0\d\d characters of text", reply.json()["error"]["message"])
+        assert time.monotonic() - started < 10  # refused without tokenizing (the bound is 32 x the context)

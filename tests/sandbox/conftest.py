@@ -1,3 +1,4 @@
+import contextlib
 import os
 import threading
 import time
@@ -9,7 +10,7 @@ from stacx.sandbox import SandboxConfig, SandboxLimits, build_sandbox
 from stacx.sandbox.server import create_app
 
 TIGHT = SandboxLimits(wall_time_s=10, cpu_time_s=2, memory_bytes=256 << 20, max_processes=32,
-                      max_file_bytes=1 << 20, max_output_bytes=64 << 10)
+                      max_file_bytes=1 << 20, max_output_bytes=64 << 10, max_disk_bytes=8 << 20, max_inodes=500)
 """Each escape attempt's limits: tight, so the whole file stays fast. The wall time is a guard for attempts
 that end on their own (it includes the sandbox's start-up, slow on a loaded machine); the attempts that run
 until the wall time kills them use test_escapes.SHORT."""
@@ -22,12 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def sandbox_server():
-    """A reference sandbox server (namespace backend) in this process; yields its URL once /health answers."""
+@contextlib.contextmanager
+def serving(app):
+    """Serve the ASGI `app` on a free loopback port in this process; yields its URL once /health answers."""
     import requests
     port = free_port()
-    app = create_app(build_sandbox(SandboxConfig(backend="namespace", max_concurrent_runs=4)), api_key="test-key")
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -41,9 +41,19 @@ def sandbox_server():
             pass
         assert time.monotonic() < deadline, "the sandbox server did not answer /health within 20 s"
         time.sleep(0.05)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def sandbox_server():
+    """A reference sandbox server (namespace backend) in this process; yields its URL once /health answers."""
+    app = create_app(build_sandbox(SandboxConfig(backend="namespace", max_concurrent_runs=4)), api_key="test-key")
+    with serving(app) as url:
+        yield url
 
 
 @pytest.fixture(params=["namespace", "bubblewrap", "remote"])
@@ -85,3 +95,16 @@ def processes_with(token: str) -> list[int]:
         except OSError:
             continue
     return found
+
+
+@pytest.fixture(params=["namespace-tmpfs", "namespace-measured", "bubblewrap-tmpfs", "bubblewrap-measured"])
+def bounded_sandbox(request, monkeypatch):
+    """The local backends with each way a session's disk and inode bounds are kept: the kernel's (a bounded
+    tmpfs, where the host may mount: root here and in CI) and the measured one (every other host; forced here
+    by refusing the mount)."""
+    backend, bound = request.param.split("-")
+    if bound == "measured":
+        monkeypatch.setattr("stacx.sandbox.local.SessionDisk.mount", lambda *args, **kwargs: None)
+    sandbox = build_sandbox(SandboxConfig(backend=backend, limits=TIGHT))
+    sandbox.bound = bound
+    return sandbox

@@ -2,6 +2,7 @@
 it, the concurrency bound, the CPU limit, the remote server's errors, tarball checks."""
 
 import io
+import os
 import sys
 import tarfile
 import threading
@@ -12,7 +13,7 @@ import pytest
 from stacx.sandbox import (SandboxClosedError, SandboxConfig, SandboxLimits, SandboxUnavailableError, build_sandbox)
 from stacx.sandbox.working_copy import make_working_copy, pack_folder
 
-from tests.sandbox.conftest import TIGHT
+from tests.sandbox.conftest import TIGHT, serving
 
 
 def test_the_backend_setting_is_checked_and_named():
@@ -95,6 +96,14 @@ def test_the_remote_server_refuses_a_wrong_key_and_a_closed_session(sandbox_serv
         sandbox.request("POST", f"/sessions/{session.session_id}/run", json={"command": "true"})
 
 
+def _empty_files(count: int) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for n in range(count):
+            archive.addfile(tarfile.TarInfo(f"f{n}"), io.BytesIO(b""))
+    return buffer.getvalue()
+
+
 def _tarball(name: str, kind=tarfile.REGTYPE) -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as archive:
@@ -111,3 +120,32 @@ def test_a_tarball_cannot_write_outside_the_working_copy(tmp_path, name, kind):
     with pytest.raises(ValueError, match="working-copy tarball member"):
         make_working_copy(_tarball(name, kind), tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_server_has_a_generated_private_key_by_default_and_the_client_sends_it(tmp_path, monkeypatch, capsys,
+                                                                                    repo):
+    import requests
+    from stacx.sandbox import server
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    seen = {}
+
+    def serve(app, host, port, log_level):  # in place of uvicorn.run: the app is served and used, then main returns
+        key_file = tmp_path / f"stacx-sandbox-{port}.key"
+        seen["mode"] = os.stat(key_file).st_mode & 0o777
+        with serving(app) as url:
+            seen["keyless"] = requests.post(f"{url}/sessions", data=pack_folder(repo), timeout=30).status_code
+            remote = build_sandbox(SandboxConfig(backend="remote", remote_url=url, remote_api_key_file=str(key_file)))
+            with remote.create(repo) as session:
+                seen["stdout"] = session.run("cat hello.py").stdout
+            with pytest.raises(ValueError, match="SandboxLimits.max_inodes = 50"):  # --max-inodes
+                remote.create(_empty_files(60))
+
+    monkeypatch.setattr(server.uvicorn, "run", serve)
+    server.main(["--port", "8799", "--max-inodes", "50"])
+    key_file = tmp_path / "stacx-sandbox-8799.key"
+    assert f"generated bearer key in {key_file} (mode 0600)" in capsys.readouterr().out
+    assert seen == {"mode": 0o600, "keyless": 401, "stdout": "print('hello from the repo')\n"}
+    assert not key_file.exists()  # removed when the server stops
+    with pytest.raises(SandboxUnavailableError, match="sandbox.remote_api_key_file"):
+        build_sandbox(SandboxConfig(backend="remote", remote_url="http://127.0.0.1:9",
+                                    remote_api_key_file=str(key_file)))

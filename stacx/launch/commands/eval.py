@@ -110,6 +110,25 @@ def validate_args(args) -> None:
             raise EvalUsageError(f"{flag} must be >= {minimum}, got {value}")
     if args.temperature < 0:
         raise EvalUsageError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    check_out_writable(args.out)
+
+
+def check_out_writable(path: str) -> None:
+    """EvalUsageError when --out could not be written after the evaluation: a folder, a read-only file, or a
+    folder (or the nearest existing one above it) this user cannot write into. Creates nothing."""
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        raise EvalUsageError(f"--out {path}: is a folder; give a file path, e.g. {os.path.join(path, 'eval.json')}")
+    if os.path.exists(target):
+        if not os.access(target, os.W_OK):
+            raise EvalUsageError(f"--out {path}: the file is not writable by this user; choose another --out")
+        return
+    folder = os.path.dirname(target)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise EvalUsageError(f"--out {path}: cannot write into {folder} (no write permission, or not a folder); "
+                             "choose another --out")
 
 
 def resolve_model_folder(args, scratch_dir: str) -> tuple[str, str]:
@@ -286,7 +305,12 @@ def run(args) -> int:
     except (EvalUsageError, CheckpointNotFoundError, CheckpointError, MalformedRowError, ValueError) as err:
         print(f"stacx eval: {err}", file=sys.stderr)
         return 2
-    write_report(report, args.out)
+    try:
+        write_report(report, args.out)
+    except OSError as err:  # e.g. the folder became read-only during the evaluation
+        print(json.dumps(report["metrics"], indent=2))
+        print(f"stacx eval: --out {args.out}: cannot write the report ({err}); the metrics are above", file=sys.stderr)
+        return 1
     print(json.dumps(report["metrics"], indent=2))
     print(f"stacx eval: {report['num_prompts']} prompts x {report['n_samples']} sample(s) of {report['checkpoint']}; "
           f"wrote {os.path.abspath(args.out)}")

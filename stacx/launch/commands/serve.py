@@ -19,11 +19,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import stat
-import tempfile
-import threading
 
-from stacx.network import is_loopback_host
+from stacx.network import is_loopback_host, private_file_path, write_private_file
 
 from stacx.rollout.http_client import API_KEY_ENV
 
@@ -68,7 +65,8 @@ def add_arguments(parser) -> None:
                              "needed or generated (without --api-key, pause, continue and flush are refused too)")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="stop (removing the shared-memory staging files) when the process with this id ends; "
-                             "the trainer passes its own so a killed driver leaves no server behind")
+                             "the trainer passes its own so a killed driver leaves no server behind. Such a server "
+                             "ignores SIGINT (a Ctrl-C reaches the driver, which stops it)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter dtype")
     for field in dataclasses.fields(ServerLimits):  # one flag per limit, named, typed and defaulted by its field
@@ -104,61 +102,35 @@ def build_limits(args):
 def default_api_key_file(port: int) -> str:
     """stacx-serve-PORT.key in $XDG_RUNTIME_DIR (private to the user), else in a stacx-UID folder of
     the temp folder, created mode 0700 and refused when another user made it first."""
-    name = f"stacx-serve-{port}.key"
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
-        return os.path.join(runtime, name)
-    folder = os.path.join(tempfile.gettempdir(), f"stacx-{os.getuid()}")
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    info = os.lstat(folder)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise SystemExit(f"stacx serve: {folder} is not a private folder of this user (another user may read a key "
-                         "written there); pass --api-key-file PATH or --api-key")
-    return os.path.join(folder, name)
+    try:
+        return private_file_path(f"stacx-serve-{port}.key")
+    except PermissionError as err:
+        raise SystemExit(f"stacx serve: {err}; pass --api-key-file PATH or --api-key") from None
 
 
 def write_api_key_file(path: str, api_key: str) -> str:
     """Write the key to `path`, mode 0600, atomically (a new file renamed over the name, so a link
     planted there is replaced, never followed). Returns the absolute path."""
-    path = os.path.abspath(path)
     try:
-        handle, staged = tempfile.mkstemp(prefix=".stacx-key-", dir=os.path.dirname(path))  # O_EXCL, mode 0600
-        with os.fdopen(handle, "w") as out:
-            out.write(api_key + "\n")
-        os.replace(staged, path)
+        return write_private_file(path, api_key)
     except OSError as err:
-        raise SystemExit(f"stacx serve: cannot write the generated API key to {path} ({err}); pass "
+        raise SystemExit(f"stacx serve: cannot write the generated API key to {os.path.abspath(path)} ({err}); pass "
                          "--api-key-file PATH in a folder you own, or --api-key") from None
-    return path
-
-
-PARENT_POLL_S = 1.0
 
 
 def watch_parent(parent_pid: int) -> None:
-    """A daemon thread that sends this process SIGTERM once `parent_pid` is gone (checked every
-    PARENT_POLL_S), so the server's normal shutdown removes its files even after a SIGKILLed driver."""
-    was_child = os.getppid() == parent_pid
+    """SIGTERM this server once `parent_pid` is gone (the kernel's parent-death signal when it is the
+    parent, and a watch thread), so its normal shutdown removes its files even after a SIGKILLed driver;
+    SIGKILL if it is still there `TEARDOWN_GRACE_S` later. The server a run started ignores SIGINT: a
+    Ctrl-C reaches the driver's whole process group (torchrun signals a rank's group), and the driver
+    stops its server itself once it no longer needs it (its teardown releases staging files first)."""
+    from stacx.trainer.lifetime import end_with_parent
 
-    def parent_alive() -> bool:
-        if was_child:  # a dead parent re-parents us (kill(pid, 0) would still find its zombie)
-            return os.getppid() == parent_pid
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # exists, owned by someone else
-            return True
-        return True
-
-    def watch():
-        while parent_alive():
-            threading.Event().wait(PARENT_POLL_S)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    if not parent_alive():
-        raise SystemExit(f"--parent-pid {parent_pid}: no such process")
-    threading.Thread(target=watch, name="stacx-serve-parent-watch", daemon=True).start()
+    try:
+        end_with_parent(parent_pid)
+    except ProcessLookupError:
+        raise SystemExit(f"--parent-pid {parent_pid}: no such process") from None
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def load_tokenizer_if_saved(path: str):

@@ -128,11 +128,16 @@ def run_workload(workload, run_config, recipe) -> int:
 
 
 def run(args) -> int:
+    from stacx.trainer.lifetime import end_with_launcher, launched_by_torchrun  # light: the standard library
+
+    if launched_by_torchrun():  # first: the launcher is known only while it is this rank's parent
+        end_with_launcher()
     from stacx.launch.run_flags import resume_overrides, run_config_from_args
     from stacx.trainer.config.checks import fit_response_length_to_context
     from stacx.trainer.config.recipe import RecipeError
     from stacx.trainer.factory import resolve_recipe
-    from stacx.trainer.preflight import run_preflight, unread_checkpoint_flags
+    from stacx.trainer.preflight import ignored_settings, run_preflight, unread_checkpoint_flags
+    from stacx.trainer.resume_checks import check_resume
     from stacx.trainer.config.run import ConfigError
     from stacx.trainer.config.workload import TEXT_MODALITY, get_workload
 
@@ -143,12 +148,13 @@ def run(args) -> int:
             for line in resume_overrides(args, run_config):
                 print(f"stacx train: {line} overrides the run config saved with --load {args.load}", file=sys.stderr)
         run_config = fit_response_length_to_context(run_config)  # run_training does the same
+        check_resume(run_config)  # before the recipe's resolution, which splits the rollout into mini-batches
         recipe, algorithm = resolve_recipe(run_config)  # also checks the algorithm settings against the recipe
         if recipe.modality != TEXT_MODALITY:  # a registered workload's own driver loop
             return run_workload(get_workload(recipe.modality), run_config, recipe)
         run_preflight(run_config, recipe, algorithm)  # the same checks for --dry-run and the run itself
         if os.environ.get("RANK", "0") == "0":
-            for message in unread_checkpoint_flags(run_config, recipe).values():
+            for message in [*unread_checkpoint_flags(run_config, recipe).values(), *ignored_settings(run_config)]:
                 print(f"stacx train: warning: {message}", file=sys.stderr)
         if run_config.train.dry_run:
             print(describe_run(run_config, recipe))
@@ -158,7 +164,9 @@ def run(args) -> int:
         return 2
     from stacx.trainer import run_training
     from stacx.trainer.interrupts import RunInterrupted, stop_on_termination_signals
+    from stacx.trainer.checkpoint import CheckpointError
     from stacx.trainer.numerics import NonFiniteError
+    from stacx.trainer.save_lock import SaveFolderInUse
     from stacx.trainer.run_summary import describe_run_outputs, unsaved_model_warning
 
     from stacx.backend_warnings import print_cpu_path_notice
@@ -172,14 +180,20 @@ def run(args) -> int:
     with stop_on_termination_signals():
         try:
             run_training(run_config)
-        except RunInterrupted as err:
-            print(f"stacx train: stopped by {err.signal_name}; the run's workers and servers were stopped",
-                  file=sys.stderr)
+        except RunInterrupted as err:  # the same two lines and exit status under torchrun (rank 0) and Ray
             if is_first_rank:
+                print(f"stacx train: stopped by {err.signal_name}; the run's workers and servers were stopped",
+                      file=sys.stderr)
                 print(f"stacx train: {resume_hint(run_config)}", file=sys.stderr)
             return err.exit_code
         except NonFiniteError as err:
             print(f"stacx train: {err}", file=sys.stderr)
+            return 1
+        except SaveFolderInUse as err:  # taken between the preflight's look and the run's start
+            report_config_error(f"stacx train: {err}")
+            return 2
+        except CheckpointError as err:  # e.g. a start folder whose hashes no longer match its manifest
+            report_config_error(f"stacx train: {err}")
             return 1
     if is_first_rank:
         print(describe_run_outputs(run_config, seconds=time.monotonic() - started))

@@ -41,7 +41,7 @@ from stacx.rollout.engines.anthropic_protocol import (
 )
 from stacx.rollout.engines.base import GenerationCancelled
 from stacx.rollout.engines.http_guard import HttpError
-from stacx.rollout.engines.openai_endpoints import SESSION_PREFIXES
+from stacx.rollout.engines.openai_endpoints import SESSION_PREFIXES, off_the_loop
 from stacx.rollout.engines.openai_protocol import Choice, render_chat_response
 from stacx.rollout.engines.openai_sessions import chat_prompt_ids
 from stacx.rollout.engines.stop_sequences import cut_at_stop_sequences
@@ -86,9 +86,9 @@ class AnthropicEndpoints:
         openai = self.openai
         tokenizer = openai._tokenizer(MESSAGES)
         session_id, secret = openai.session_of(request)
-        asked = parse_messages_request(await openai.read_json(request))
+        asked = parse_messages_request(await openai.read_body(request, MESSAGES))
         leaves = openai.sessions.leaves(session_id, secret) if session_id else []
-        prompt_ids, continued = chat_prompt_ids(tokenizer, asked.messages, asked.tools, leaves)
+        prompt_ids, continued = await off_the_loop(chat_prompt_ids, tokenizer, asked.messages, asked.tools, leaves)
         sampling = dataclasses.replace(asked.sampling, max_tokens=self._room(asked.sampling.max_tokens, len(prompt_ids)))
         (output,) = await openai._generate(request, prompt_ids, sampling)
         cut = cut_at_stop_sequences(output, asked.stop_sequences, openai._decode_reply)
@@ -111,9 +111,10 @@ class AnthropicEndpoints:
         openai = self.openai
         tokenizer = openai._tokenizer(f"{MESSAGES}/count_tokens")
         session_id, secret = openai.session_of(request)
-        asked = parse_messages_request(await openai.read_json(request), endpoint=f"{MESSAGES}/count_tokens")
+        asked = parse_messages_request(await openai.read_body(request, f"{MESSAGES}/count_tokens"),
+                                       endpoint=f"{MESSAGES}/count_tokens")
         leaves = openai.sessions.leaves(session_id, secret) if session_id else []
-        prompt_ids, _ = chat_prompt_ids(tokenizer, asked.messages, asked.tools, leaves)
+        prompt_ids, _ = await off_the_loop(chat_prompt_ids, tokenizer, asked.messages, asked.tools, leaves)
         return _json(200, {"input_tokens": len(prompt_ids)})
 
     # ---- helpers ------------------------------------------------------------------------------

@@ -40,6 +40,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+import anyio
+
 from stacx.rollout.agent_trajectories import RecordedTurn
 from stacx.rollout.engines.http_guard import HttpError, check_bearer_token
 from stacx.rollout.chat_encoding import decode_reply
@@ -58,6 +60,7 @@ from stacx.rollout.engines.openai_sessions import (
     completion_prompt_ids,
     encode,
 )
+from stacx.rollout.engines.request_bodies import check_text_budget
 from stacx.rollout.engines.stop_sequences import cut_at_stop_sequences
 from stacx.rollout.engines.openai_streaming import chat_chunks, completion_chunks, event_stream, token_pieces
 from stacx.rollout.engines.openai_tool_choice import forced_call_opening
@@ -68,6 +71,12 @@ if TYPE_CHECKING:  # annotations only
     from fastapi import Request
 
     from stacx.rollout.engines.server import EngineHttpServer
+
+async def off_the_loop(function, *args):
+    """`function(*args)` in a worker thread: rendering a chat template and tokenizing take long for long
+    conversations, and the event loop must keep answering `/health` and every other request meanwhile."""
+    return await anyio.to_thread.run_sync(lambda: function(*args))
+
 
 __all__ = ["DEFAULT_MAX_TOKENS", "OpenAIEndpoints"]
 
@@ -140,9 +149,9 @@ class OpenAIEndpoints:
     async def chat_completions(self, request: "Request"):
         tokenizer = self._tokenizer("/v1/chat/completions")
         session_id, secret = self.session_of(request)
-        chat = parse_chat_request(await self.read_json(request))
+        chat = parse_chat_request(await self.read_body(request, "/v1/chat/completions"))
         leaves = self.sessions.leaves(session_id, secret) if session_id else []
-        prompt_ids, continued = chat_prompt_ids(tokenizer, chat.messages, chat.tools, leaves)
+        prompt_ids, continued = await off_the_loop(chat_prompt_ids, tokenizer, chat.messages, chat.tools, leaves)
         forced = chat.tool_choice.mode in ("required", "function")
         opening = forced_call_opening(tokenizer, chat.tools, chat.tool_choice.name) if forced else ""
         prompt_ids += encode(tokenizer, opening) if opening else []
@@ -172,9 +181,9 @@ class OpenAIEndpoints:
     async def completions(self, request: "Request"):
         tokenizer = self._tokenizer("/v1/completions")
         session_id, secret = self.session_of(request)
-        completion = parse_completion_request(await self.read_json(request))
+        completion = parse_completion_request(await self.read_body(request, "/v1/completions"))
         leaves = self.sessions.leaves(session_id, secret) if session_id else []
-        prompt_ids, continued = completion_prompt_ids(tokenizer, completion.prompt, leaves)
+        prompt_ids, continued = await off_the_loop(completion_prompt_ids, tokenizer, completion.prompt, leaves)
         choices = [self._cut(output, completion.sampling.stop, self._decode)
                    for output in await self._generate(request, prompt_ids, completion.sampling,
                                                       completion.top_logprobs)]
@@ -208,6 +217,13 @@ class OpenAIEndpoints:
         if session_id:
             self.sessions.record(session_id, [SessionTurn(self._recorded(prompt_ids, output), **kept)
                                               for output, kept in samples], secret=secret, continued=continued)
+
+    async def read_body(self, request: "Request", endpoint: str):
+        """The request's JSON body, its text bounded before anything is tokenized (the server's max_text_chars:
+        a 10 MB message took 30 s to refuse and stalled every other request meanwhile)."""
+        body = await self.read_json(request)
+        check_text_budget(body, self.server.max_text_chars, f"{endpoint}: the request")
+        return body
 
     def _tokenizer(self, endpoint: str):
         if self.server.tokenizer is None:

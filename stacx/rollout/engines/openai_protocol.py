@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from stacx.rollout.engines.openai_stop import parse_stop
+from stacx.rollout.engines.sglang_protocol import INT_MAX, SEED_MAX
 from stacx.rollout.tool_calls import ParsedToolCalls
 from stacx.rollout.types import GenerateOutput
 
@@ -139,12 +140,12 @@ def _number(body: dict, key: str, endpoint: str, default: float, low: float, hig
     return float(value)
 
 
-def _integer(body: dict, key: str, endpoint: str, minimum: int) -> Optional[int]:
+def _integer(body: dict, key: str, endpoint: str, minimum: int, maximum: int = INT_MAX) -> Optional[int]:
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        _fail(endpoint, f"'{key}' must be an integer >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        _fail(endpoint, f"'{key}' must be an integer in [{minimum}, {maximum}], got {value!r}")
     return value
 
 
@@ -159,7 +160,7 @@ def _sampling(body: dict, endpoint: str) -> OpenAISampling:
     if n > MAX_N:
         _fail(endpoint, f"'n' must be at most {MAX_N} samples per request, got {n}; send several requests")
     return OpenAISampling(max_tokens=max_tokens, temperature=_number(body, "temperature", endpoint, 1.0, 0.0, 2.0),
-                          top_p=top_p, seed=_integer(body, "seed", endpoint, 0), n=n,
+                          top_p=top_p, seed=_integer(body, "seed", endpoint, 0, SEED_MAX - MAX_N), n=n,
                           stop=parse_stop(body.get("stop"), endpoint))
 
 

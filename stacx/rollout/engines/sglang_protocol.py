@@ -302,7 +302,7 @@ def parse_sampling_params(params: Any, where: str = "sampling_params") -> Sampli
     if params.get("ignore_eos") is not None and not isinstance(params["ignore_eos"], bool):
         raise ValueError(f"/generate: '{where}.ignore_eos' must be true or false, got {params['ignore_eos']!r}")
     if params.get("sampling_seed") is not None:
-        _check_int(params["sampling_seed"], f"{where}.sampling_seed", minimum=0)
+        _check_int(params["sampling_seed"], f"{where}.sampling_seed", minimum=0, maximum=SEED_MAX)
     if params.get("stop_token_ids") is not None:
         if not isinstance(params["stop_token_ids"], list):
             raise ValueError(f"/generate: '{where}.stop_token_ids' must be a list of token ids")
@@ -313,11 +313,19 @@ def parse_sampling_params(params: Any, where: str = "sampling_params") -> Sampli
         raise ValueError(f"/generate: {where}: {err}") from err
 
 
-def _check_int(value: Any, where: str, *, minimum: int) -> int:
+INT_MAX = 2**63 - 1
+"""The largest integer a request field may hold (a C long); a sampling seed may go to SEED_MAX."""
+SEED_MAX = 2**64 - 1
+"""The largest seed torch's generators take."""
+
+
+def _check_int(value: Any, where: str, *, minimum: int, maximum: int = INT_MAX) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"/generate: '{where}' must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"/generate: '{where}' must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise ValueError(f"/generate: '{where}' must be <= {maximum}, got {value}")
     return value
 
 

@@ -19,8 +19,10 @@ FAIL_TO_PASS test passes and every PASS_TO_PASS test still passes.
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import tarfile
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -29,6 +31,28 @@ from stacx.tasks.swe.log_parsers import LOG_PARSERS
 
 Snapshot = Union[str, dict]
 """A folder, a .tar / .tar.gz file, or {relative path: file text}."""
+
+
+SNAPSHOT_ROOTS_ENV = "STACX_SWE_SNAPSHOT_ROOTS"
+"""Folders (separated by os.pathsep) a task row's snapshot folder or tarball may be in; default: the working
+directory and the temporary folder."""
+
+
+def snapshot_roots() -> list[Path]:
+    """The folders a snapshot path may resolve into (`SNAPSHOT_ROOTS_ENV`, else the working and temp folders)."""
+    configured = [part for part in os.environ.get(SNAPSHOT_ROOTS_ENV, "").split(os.pathsep) if part.strip()]
+    return [Path(root).resolve() for root in (configured or [os.getcwd(), tempfile.gettempdir()])]
+
+
+def check_snapshot_root(snapshot: str, where: str) -> None:
+    """A row names a host folder the sandbox copies for the model to read: it must resolve (links followed)
+    inside one of `snapshot_roots()`, so a dataset row cannot hand the model ~/.ssh or /etc."""
+    resolved = Path(snapshot).resolve()
+    roots = snapshot_roots()
+    if not any(resolved == root or root in resolved.parents for root in roots):
+        raise ValueError(f"{where}: snapshot {snapshot!r} ({resolved}) is outside the folders snapshots may come from "
+                         f"({', '.join(str(root) for root in roots)}); move the repository under one of them, or list "
+                         f"its folder in {SNAPSHOT_ROOTS_ENV} (separated by '{os.pathsep}')")
 
 
 def _test_list(row: dict, key: str) -> tuple[str, ...]:
@@ -77,12 +101,20 @@ class SweTask:
         if self.log_format not in LOG_PARSERS:
             raise ValueError(f"{where}: log_format {self.log_format!r} is not one of {', '.join(sorted(LOG_PARSERS))}")
         if isinstance(self.snapshot, dict):
-            for path in self.snapshot:
+            for path, text in self.snapshot.items():
+                if not isinstance(path, str) or not isinstance(text, str):
+                    raise ValueError(f"{where}: snapshot entries must be {{relative path: file text}} strings, got "
+                                     f"{path!r}: {type(text).__name__}")
                 if path.startswith("/") or ".." in Path(path).parts:
                     raise ValueError(f"{where}: snapshot path {path!r} must be relative and stay inside the repository")
+        elif not isinstance(self.snapshot, str):
+            raise ValueError(f"{where}: snapshot must be a repository folder, a .tar/.tar.gz file or a "
+                             f"{{path: text}} mapping, got {type(self.snapshot).__name__} {self.snapshot!r}")
         elif not (Path(self.snapshot).is_dir() or Path(self.snapshot).is_file()):
             raise ValueError(f"{where}: snapshot {self.snapshot!r} is neither a folder nor a tarball; give a "
                              "repository folder, a .tar/.tar.gz file, or a {path: text} mapping")
+        else:
+            check_snapshot_root(self.snapshot, where)
 
     @classmethod
     def from_row(cls, row: dict) -> "SweTask":

@@ -14,6 +14,8 @@ The result always names a registered recipe; an unknown name lists the known one
 
 from __future__ import annotations
 
+import difflib
+
 from typing import Any, Mapping
 
 from stacx.objectives.registry import list_advantages
@@ -48,7 +50,8 @@ def infer_algorithm(args: Any) -> str:
     algorithm = _read(args, "algorithm")
     if algorithm:
         if algorithm not in TRAINING_CONFIGS:
-            raise RecipeError(f"--algorithm {algorithm!r} is not a known recipe; known recipes: {known}")
+            raise RecipeError(f"--algorithm {algorithm!r} is not a known recipe; {did_you_mean(algorithm, TRAINING_CONFIGS)}"
+                              f"known recipes: {known}")
         return algorithm
     if _read(args, "use_critic"):
         return "ppo"
@@ -59,10 +62,17 @@ def infer_algorithm(args: Any) -> str:
         # A custom (or recipe-less built-in) estimator runs in the generic actor recipe.
         return GENERIC_ACTOR_RECIPE
     raise RecipeError(
-        f"--advantage-estimator {estimator!r} is not a registered advantage estimator; registered: "
+        f"--advantage-estimator {estimator!r} is not a registered advantage estimator; "
+        f"{did_you_mean(estimator, registered_advantage_estimators())}registered: "
         f"{', '.join(sorted(registered_advantage_estimators()))} (register yours with @register_advantage and "
         "load its file with --custom-module, or place it in stacx/custom/)"
     )
+
+
+def did_you_mean(name: str, known) -> str:
+    """'did you mean 'x' or 'y'? ' for the known names close to a mistyped `name` (empty when none is)."""
+    close = difflib.get_close_matches(str(name), sorted(known), n=3, cutoff=0.6)
+    return f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
 
 
 def registered_advantage_estimators() -> set[str]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -248,7 +249,7 @@ FIELD_MINIMUMS: dict[str, int | float] = {
     "teacher_retries": 0, "lr_warmup_steps": 0, "num_steps": 0, "max_tokens_per_micro_batch": 1,
     "save_interval": 0, "exchange_every_n_steps": 0,
     "global_batch_size": 1, "num_steps_per_rollout": 1, "num_epochs": 1, "skip_nonfinite_steps": 0, "reward_timeout_s": 0.001,
-    "max_staleness": 0, "agent_max_parallel_episodes": 1, "agent_timeout": 0.001,
+    "max_staleness": 0, "agent_max_parallel_episodes": 1, "agent_timeout": 0.001, "lr": 0.0, "min_lr": 0.0,
 }
 """Smallest allowed value of numeric run-config fields, checked when a value is given (file or flag)."""
 
@@ -392,6 +393,9 @@ def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
     """Check and convert a value to the field's declared type, its choices (FIELD_CHOICES) and its minimum (FIELD_MINIMUMS);
     errors name the key and its flag."""
     converted = _coerce_type(f, value, source)
+    if isinstance(converted, float) and not math.isfinite(converted):  # `--lr nan` would train NaN weights
+        raise ConfigError(f"key '{f.name}' in {source} must be a finite number, got {converted!r}; "
+                          f"set --{f.name.replace('_', '-')} to a number")
     choices = FIELD_CHOICES.get(f.name)
     if choices is not None and converted not in choices:
         raise ConfigError(f"key '{f.name}' in {source} must be one of {list(choices)}, got {converted!r}; "

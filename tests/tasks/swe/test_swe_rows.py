@@ -32,6 +32,9 @@ def test_a_swe_bench_style_row_round_trips():
     ({"log_format": "nose"}, "log_format 'nose' is not one of pytest, unittest"),
     ({"snapshot": "no/such/folder"}, "neither a folder nor a tarball"),
     ({"snapshot": {"../escape.py": ""}}, "must be relative"),
+    ({"snapshot": 5}, "snapshot must be a repository folder, a .tar/.tar.gz file or a {path: text} mapping, got int 5"),
+    ({"snapshot": {"x.py": 5}}, "snapshot entries must be {relative path: file text} strings"),
+    ({"snapshot": "/etc"}, r"snapshot '/etc' \(/etc\) is outside the folders snapshots may come from .*STACX_SWE_SNAPSHOT_ROOTS"),
 ])
 def test_bad_rows_are_refused_with_the_field_named(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -86,3 +89,15 @@ def test_prompt_rows_carry_the_task_and_unknown_builtins_are_named():
 def test_the_reward_is_found_by_import_path_and_then_by_name():
     assert resolve_reward_fn("stacx.tasks.swe.reward:swe_tests_reward") is swe_tests_reward
     assert REWARD_FUNCTIONS["swe_tests"] is swe_tests_reward
+
+
+def test_snapshot_roots_come_from_the_environment(tmp_path, monkeypatch):
+    (tmp_path / "repos" / "a").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setenv("STACX_SWE_SNAPSHOT_ROOTS", str(tmp_path / "repos"))
+    assert SweTask.from_row(_row(snapshot=str(tmp_path / "repos" / "a"))).snapshot == str(tmp_path / "repos" / "a")
+    with pytest.raises(ValueError, match="is outside the folders snapshots may come from"):
+        SweTask.from_row(_row(snapshot=str(tmp_path / "elsewhere")))
+    (tmp_path / "repos" / "link").symlink_to(tmp_path / "elsewhere")  # a link out of the root is followed
+    with pytest.raises(ValueError, match="is outside the folders snapshots may come from"):
+        SweTask.from_row(_row(snapshot=str(tmp_path / "repos" / "link")))

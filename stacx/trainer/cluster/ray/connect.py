@@ -7,7 +7,8 @@ Where the cluster comes from, first match wins:
    command, so a Stacx entry script submitted as a job lands on the job's cluster unchanged.
 3. Neither: start a private local cluster sized by `num_cpus` / `num_gpus`. Its node address
    is 127.0.0.1, so its GCS, raylet, object manager and agents listen on loopback only and
-   nothing on the network can reach them (`start_local_cluster`; docs/security.md).
+   nothing on the network can reach them (`start_local_cluster`; docs/security.md). A reaper
+   process ends the cluster's processes when this driver ends, even SIGKILLed (`reaper`).
 
     connection = connect_ray(cli_address=args.ray_address, num_cpus=4)
     ...
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 from stacx.network import is_loopback_host
+from stacx.trainer.cluster.ray.reaper import ClusterReaper
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 LOOPBACK_ADDRESS = "127.0.0.1"
@@ -64,14 +66,20 @@ class RayConnection:
     """True when this process started the cluster (and `shutdown` stops it)."""
     already_connected: bool = False
     """True when Ray was initialized before `connect_ray` was called (then `shutdown` leaves it)."""
+    reaper: ClusterReaper | None = None
+    """The watcher that ends a local cluster's processes with this driver (None when attached)."""
 
     def shutdown(self) -> None:
-        """Disconnect this process (which also stops a cluster it started)."""
+        """Disconnect this process (which also stops a cluster it started, and what of it lingers)."""
         # Imported here: Ray is slow to import (start-up time).
         import ray
 
-        if not self.already_connected and ray.is_initialized():
-            ray.shutdown()
+        try:
+            if not self.already_connected and ray.is_initialized():
+                ray.shutdown()
+        finally:
+            if self.reaper is not None:
+                self.reaper.finish()
 
 
 @contextlib.contextmanager
@@ -197,12 +205,17 @@ def connect_ray(
                 f"cannot attach to the Ray cluster at {address!r} (from --ray-address or {RAY_ADDRESS_ENV}): {err}"
             ) from err
         return RayConnection(address=address, started_locally=False)
-    start_local_cluster(
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        object_store_memory=object_store_memory_bytes,
-        include_dashboard=False,
-        namespace=namespace,
-        log_to_driver=log_to_driver,
-    )
-    return RayConnection(address=None, started_locally=True)
+    reaper = ClusterReaper.start()  # the cluster's processes end with this driver, even a SIGKILLed one
+    try:
+        start_local_cluster(
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            object_store_memory=object_store_memory_bytes,
+            include_dashboard=False,
+            namespace=namespace,
+            log_to_driver=log_to_driver,
+        )
+    except BaseException:
+        reaper.finish()
+        raise
+    return RayConnection(address=None, started_locally=True, reaper=reaper)
