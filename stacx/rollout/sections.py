@@ -26,8 +26,18 @@ class RolloutSection:
     (docs/openai-endpoint.md). `task` is the prompt row: prompt, label and metadata."""
     agent_command: str | None = None
     """Bring your own scaffold as a program: a command line run once per episode ('{base_url}' and
-    '{task_json}' are replaced; OPENAI_BASE_URL and STACX_TASK are set); a last stdout line
-    {"reward": x} is the episode's reward, else --reward-fn scores the last turn."""
+    '{task_json}' are replaced, shell-quoted inside a `sh -c` script) with a scrubbed environment
+    (PATH, HOME, locale, OPENAI_BASE_URL, OPENAI_API_KEY, STACX_TASK, STACX_REWARD_FILE, the --agent-env
+    names); the reward it writes to the file STACX_REWARD_FILE names is the episode's, else --reward-fn
+    scores the last turn (stdout is never read as a reward). Its agent's commands run where the program
+    runs them: a scaffold's own local environment runs the policy's commands on this host as this user,
+    so run them in a sandbox (stacx.sandbox.agent_environment; docs/agents.md)."""
+    agent_env: tuple[str, ...] = ()
+    """Names of this process's environment variables an --agent-command program also gets (e.g. HF_HOME);
+    every other variable (tokens, keys) is withheld from it."""
+    agent_timeout: float = 3600.0
+    """Seconds one --agent-command episode may run; then the program and every process of its group are
+    killed and the episode fails (reward 0, its turns kept)."""
     agent_max_parallel_episodes: int = 8
     """Agent episodes run at once (--agent / --agent-command)."""
     prompt_data: str | None = None

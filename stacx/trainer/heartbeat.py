@@ -8,6 +8,7 @@ Nothing is printed for a phase that ends within `interval_s`. Lines go through `
 keeps an active progress bar below them intact:
 
     stacx: step 3/20: rollout, 10 s (20 s in this step)
+    stacx: step 3/20: rollout, 620 s; waiting for 1 agent episode: rows.jsonl:4 (620 s)
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ class Heartbeat:
     """Prints '<prefix>: <phase>, N s (M s in <prefix>)' every `interval_s` while the with-block runs."""
 
     def __init__(self, prefix: str, phase: str = "", *, interval_s: float = HEARTBEAT_INTERVAL_S,
-                 write: Optional[Callable[[str], None]] = None, enabled: bool = True):
+                 write: Optional[Callable[[str], None]] = None, enabled: bool = True,
+                 detail: Optional[Callable[[], str]] = None):
+        """detail: what the phase waits for, appended after '; ' when not empty (e.g. the agent episodes
+        still running, AgentRollout.waiting_for)."""
         self.prefix = prefix
+        self.detail = detail
         self.interval_s = interval_s
         self.enabled = enabled
         self._write = write or _write_to_stderr
@@ -52,10 +57,13 @@ class Heartbeat:
     def line(self, now: float) -> str:
         total = now - self._started
         if not self._phase:
-            return f"stacx: {self.prefix}, {total:.0f} s"
-        in_phase = now - self._phase_started
-        whole = f" ({total:.0f} s in all)" if total - in_phase >= 1 else ""
-        return f"stacx: {self.prefix}: {self._phase}, {in_phase:.0f} s{whole}"
+            line = f"stacx: {self.prefix}, {total:.0f} s"
+        else:
+            in_phase = now - self._phase_started
+            whole = f" ({total:.0f} s in all)" if total - in_phase >= 1 else ""
+            line = f"stacx: {self.prefix}: {self._phase}, {in_phase:.0f} s{whole}"
+        detail = self.detail() if self.detail is not None else ""
+        return f"{line}; {detail}" if detail else line
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -198,7 +198,8 @@ class StacxTrainer:
 
     def beat(self, prefix: str, phase: str) -> Heartbeat:
         """A heartbeat for one phase of the run, printed by the driver (`self.heartbeat.phase` renames it)."""
-        self.heartbeat = Heartbeat(prefix, phase, enabled=self.channel.is_driver)
+        self.heartbeat = Heartbeat(prefix, phase, enabled=self.channel.is_driver,
+                                   detail=getattr(self.step_rollout, "waiting_for", None))
         return self.heartbeat
 
     def check_save_folder(self) -> None:
@@ -330,7 +331,9 @@ class StacxTrainer:
 
         dumper = (RolloutDumper(self.run_config.logging.out, per_step=section.save_rollouts_per_step, tokenizer=tokenizer)
                   if section.save_rollouts_per_step > 0 else None)
-        return AgentRollout(agent_from_settings(section.agent, section.agent_command), server_url=self.rollout.url,
+        agent = agent_from_settings(section.agent, section.agent_command, agent_timeout=section.agent_timeout,
+                                    agent_env=section.agent_env)
+        return AgentRollout(agent, server_url=self.rollout.url,
                             next_tasks=next_tasks, n_samples_per_task=section.n_samples_per_prompt,
                             reward_fn=last_turn_reward(resolve_reward_fn(section.reward_fn), tokenizer.decode),
                             max_parallel_episodes=section.agent_max_parallel_episodes, api_key=self.rollout.api_key,

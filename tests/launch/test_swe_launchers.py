@@ -76,8 +76,9 @@ def test_every_launcher_dry_runs_on_ray_and_under_torchrun(tmp_path, capsys):
     base = {"PATH": os.environ["PATH"], "STACX_PRINT_ONLY": "1", "STACX_MODEL": model, "STACX_NUM_STEPS": "1",
             "STACX_TEACHER_URL": f"http://127.0.0.1:{server.server_port}"}
     try:
-        for launcher, algorithm in (("grpo.sh", "grpo"), ("opd.sh", "opd"), ("mixed_dagger.sh", "mixture_dagger_opd")):
-            out = str(tmp_path / algorithm)
+        for launcher, algorithm in (("grpo.sh", "grpo"), ("opd.sh", "opd"), ("mixed_dagger.sh", "mixture_dagger_opd"),
+                                    ("mini_swe_agent.sh", "grpo")):
+            out = str(tmp_path / launcher)
             (write, train) = _printed(launcher, {**base, "STACX_OUT_DIR": out})
             assert write[1:4] == ["-m", "stacx", "tasks"] and train[1:3] == ["-m", "stacx"]
             assert main(write[3:]) == 0
@@ -88,6 +89,9 @@ def test_every_launcher_dry_runs_on_ray_and_under_torchrun(tmp_path, capsys):
             assert train[train.index("--algorithm") + 1] == algorithm
             assert main(train[3:] + ["--dry-run"]) == 0, capsys.readouterr().err[-2000:]
             assert f"recipe {algorithm}" in capsys.readouterr().out.lower().replace("'", "")
+            if launcher == "mini_swe_agent.sh":  # mini-swe-agent runs each episode, its commands in a sandbox
+                command = shlex.split(train[train.index("--agent-command") + 1])
+                assert command[1:] == ["-m", "stacx.tasks.swe.mini_swe_agent"] and "--agent-timeout" in train
             # Under torchrun: the same `stacx train` flags (two data-parallel ranks), rows already written.
             (torchrun,) = _printed(launcher, {**base, "STACX_OUT_DIR": out, "STACX_LAUNCHER": "torchrun",
                                               "STACX_NPROC": "2", "STACX_PROMPT_DATA": os.path.join(out, "swe_tasks.jsonl")})

@@ -193,6 +193,7 @@ def test_an_agent_command_gets_the_session_url_for_anthropic_clients_too():
 
     from stacx.rollout.agent_rollout import AgentCommand
 
-    report = ("import json, os; print(json.dumps({'reward': float(os.environ['ANTHROPIC_BASE_URL'] == "
-              "'http://127.0.0.1:1/sessions/s1' and bool(os.environ['ANTHROPIC_API_KEY']))}))")
+    report = ("import json, os; open(os.environ['STACX_REWARD_FILE'], 'w').write(json.dumps({'reward': float("
+              "os.environ['ANTHROPIC_BASE_URL'] == 'http://127.0.0.1:1/sessions/s1' and "
+              "bool(os.environ['ANTHROPIC_API_KEY']))}))")
     assert AgentCommand(argv=(sys.executable, "-c", report))("http://127.0.0.1:1/sessions/s1/v1", {}) == 1.0

@@ -5,11 +5,14 @@ mini-swe-agent, unmodified, solving a task through the endpoint, its trajectory 
 The served tiny policy learns that task first: a few SFT steps in-process on one demonstration
 transcript (the task, a `touch done.txt` tool call, its observation, the submit call), rendered by the
 chat template the server uses. Served greedily, it drives mini-swe-agent's own loop (litellm client,
-bash tool calls, its local environment): the file is really created and the agent really submits.
+bash tool calls run by Stacx's SandboxEnvironment): the file is really created, in the episode's
+sandbox session, and the agent really submits.
 The other tests only need a served model, and share this one.
 """
 
 import json
+import os
+import sys
 
 import pytest
 import requests
@@ -406,15 +409,25 @@ def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, t
         engine.update_weights(served, version=engine.weight_version() + 1)
 
 
+DONE_TASK = {"instance_id": "done_file", "problem_statement": TASK, "test_command": "python3 -m unittest -v",
+             "snapshot": {"tests/__init__.py": "", "tests/test_done.py": (
+                 "import os\nimport unittest\n\n\nclass DoneTest(unittest.TestCase):\n    def test_done(self):\n"
+                 "        self.assertIs(os.path.isfile('done.txt'), True)\n")},
+             "FAIL_TO_PASS": ["tests.test_done.DoneTest.test_done"]}
+"""The taught task as an SWE task row: its test passes once done.txt exists."""
+
+
 def mini_swe_agent(workdirs):
-    """mini-swe-agent's DefaultAgent, LitellmModel and LocalEnvironment as shipped, configured for the task;
-    each episode works in a fresh folder under `workdirs` (appended to `made`)."""
+    """mini-swe-agent's DefaultAgent and LitellmModel as shipped, configured for the task, its commands run by
+    Stacx's SandboxEnvironment: each episode works in a fresh sandbox session on a copy of a new folder under
+    `workdirs`. Returns the agent and the list it appends (folder, whether done.txt exists in the session) to."""
     import tempfile
     from pathlib import Path
 
+    from stacx.sandbox.agent_environment import SandboxEnvironment
+
     try:
         from minisweagent.agents.default import DefaultAgent
-        from minisweagent.environments.local import LocalEnvironment
         from minisweagent.models.litellm_model import LitellmModel
     except ImportError as missing:  # a failure with the fix, never a skip
         raise ImportError("this test runs mini-swe-agent, in the test extra: pip install -e '.[test]'") from missing
@@ -423,22 +436,24 @@ def mini_swe_agent(workdirs):
 
     def agent(base_url: str, task: dict) -> float:
         workdir = Path(tempfile.mkdtemp(dir=workdirs))
-        made.append(workdir)
         model = LitellmModel(model_name="openai/policy", cost_tracking="ignore_errors",
                              observation_template=OBSERVATION, format_error_template="{{error}}",
                              model_kwargs={"api_base": base_url, "api_key": "unused", "temperature": 0.0,
                                            "max_tokens": 120})
-        runner = DefaultAgent(model, LocalEnvironment(cwd=str(workdir)), system_template=SYSTEM,
-                              instance_template="{{task}}", step_limit=4, cost_limit=0)
-        result = runner.run(task["task"])
-        return float(result.get("exit_status") == "Submitted" and (workdir / "done.txt").exists())
+        with SandboxEnvironment(source=str(workdir), sandbox={"backend": "namespace"}, timeout=30) as env:
+            runner = DefaultAgent(model, env, system_template=SYSTEM, instance_template="{{task}}", step_limit=4,
+                                  cost_limit=0)
+            result = runner.run(task["task"])
+            done = env.execute({"command": "test -f done.txt"})["returncode"] == 0
+        made.append((workdir, done))
+        return float(result.get("exit_status") == "Submitted" and done)
 
     return agent, made
 
 
 @pytest.mark.slow  # litellm's import alone is about 3 s of CPU
 def test_mini_swe_agent_solves_the_task_through_the_endpoint_and_grpo_trains_on_it(server, tmp_path, monkeypatch):
-    from stacx.rollout.agent_rollout import AgentRollout
+    from stacx.rollout.agent_rollout import AgentCommand, AgentRollout
 
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would download its price list
     monkeypatch.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path / "mswea"))
@@ -448,7 +463,8 @@ def test_mini_swe_agent_solves_the_task_through_the_endpoint_and_grpo_trains_on_
                            n_samples_per_task=2)
     batch, metrics, _ = train_one_grpo_step(server, rollout, tmp_path / "run", num_tasks=1, n_samples_per_task=2)
 
-    assert len(workdirs) == 2 and all((workdir / "done.txt").exists() for workdir in workdirs)
+    # The file was made in each episode's sandbox session, not in the host folder it was copied from.
+    assert len(workdirs) == 2 and all(done and not (workdir / "done.txt").exists() for workdir, done in workdirs)
     assert batch.rewards == [1.0, 1.0]            # each agent submitted after creating its file
     tokens, mask = batch.tokens[0].tolist(), batch.loss_masks[0]
     text = server.tokenizer.decode(tokens, skip_special_tokens=False)
@@ -457,3 +473,24 @@ def test_mini_swe_agent_solves_the_task_through_the_endpoint_and_grpo_trains_on_
     generated = server.tokenizer.decode([t for t, m in zip(tokens[-len(mask):], mask) if m], skip_special_tokens=False)
     assert "<|user|>" not in generated and generated.count("<tool_call>") == 2   # both calls, no observation
     assert metrics["rollout/agent_turns_mean"] == 2.0 and batch.tokens[1].tolist() == tokens
+
+    # The same task as an SWE row, played by the shipped agent program, as `--agent-command "python -m
+    # stacx.tasks.swe.mini_swe_agent"` runs it: mini-swe-agent in a subprocess with a scrubbed environment,
+    # its commands in a sandbox session on the row's repository, the reward the task's tests give, read
+    # from STACX_REWARD_FILE. Its config makes the prompts the ones the policy was taught.
+    row = {"prompt": TASK, "label": "done_file", "metadata": {"swe_task": DONE_TASK, "max_turns": 4,
+                                                               "sandbox": {"backend": "namespace"}}}
+    trajectories = tmp_path / "trajectories"
+    config = [f"agent.system_template={SYSTEM}", "agent.instance_template={{task}}",
+              f"model.observation_template={OBSERVATION}", "model.format_error_template={{error}}",
+              'model.model_kwargs={"temperature": 0.0, "max_tokens": 120}']
+    program = AgentCommand(argv=(sys.executable, "-m", "stacx.tasks.swe.mini_swe_agent", "--trajectory-dir",
+                                 str(trajectories), *[part for spec in config for part in ("--config", spec)]),
+                           passed_env=tuple(name for name in ("PYTHONPATH", "MSWEA_GLOBAL_CONFIG_DIR")
+                                            if name in os.environ), timeout_s=300)
+    rollout = AgentRollout(program, server_url=server.url, api_key=server.api_key, next_tasks=lambda step: [row])
+    (sample,), _ = rollout.collect(0)
+    assert (sample.reward, sample.reward_error, sample.metadata["num_turns"]) == (1.0, None, 2)
+    (trajectory,) = [json.loads(path.read_text()) for path in trajectories.iterdir()]
+    assert trajectory["info"]["exit_status"] == "Submitted"
+    assert trajectory["info"]["config"]["environment_type"] == "stacx.sandbox.agent_environment.SandboxEnvironment"

@@ -126,8 +126,8 @@ def test_a_failing_episode_keeps_its_turns_with_reward_zero_and_a_missing_reward
 
 def test_an_agent_command_gets_the_base_url_and_task_and_reports_its_reward():
     script = ("import json, os, sys; task = json.loads(os.environ['STACX_TASK']); "
-              "print('working'); print(json.dumps({'reward': task['x'] + len(sys.argv[1]) + "
-              "(os.environ['OPENAI_BASE_URL'] == sys.argv[1])}))")
+              "print('working'); open(os.environ['STACX_REWARD_FILE'], 'w').write(json.dumps({'reward': task['x'] + "
+              "len(sys.argv[1]) + (os.environ['OPENAI_BASE_URL'] == sys.argv[1])}))")
     command = AgentCommand(argv=(sys.executable, "-c", script, "{base_url}"))
     assert command("http://h/sessions/s/v1", {"x": 2}) == 2 + len("http://h/sessions/s/v1") + 1
     failing = AgentCommand(argv=(sys.executable, "-c", "import sys; sys.exit('no tools')"))

@@ -16,6 +16,7 @@ from stacx.rollout.agent_rollout import AgentCommand, agent_from_settings
 from stacx.rollout.engines.registry import resolve_engine_kind
 from stacx.rollout.rollin import has_environment
 from stacx.rollout.rewards import resolve_reward_fn, reward_needs_label
+from stacx.rollout.sections import RolloutSection
 from stacx.trainer.config.recipe import TrainingConfig
 from stacx.trainer.config.run import ConfigError, RunConfig
 
@@ -148,9 +149,18 @@ def check_agent_supported(run_config: RunConfig, training_config: TrainingConfig
         raise PreflightError(f"{flag} needs an engine served by `stacx serve`, which records the agent's "
                              f"sessions: --rollout-engine cpu, or http with --rollout-urls of stacx serve "
                              f"servers (got {engine_kind!r})")
+    if rollout.agent and (rollout.agent_env or rollout.agent_timeout != RolloutSection.agent_timeout):
+        given = "--agent-env" if rollout.agent_env else "--agent-timeout"
+        raise PreflightError(f"{given} applies to an --agent-command program; an --agent function runs in this "
+                             f"process with its environment and bounds its own time: drop {given}")
     try:
-        agent = agent_from_settings(rollout.agent, rollout.agent_command)
+        agent = agent_from_settings(rollout.agent, rollout.agent_command, agent_timeout=rollout.agent_timeout,
+                                    agent_env=rollout.agent_env)
     except ValueError as err:
         raise PreflightError(str(err)) from None
     if isinstance(agent, AgentCommand) and shutil.which(agent.argv[0]) is None:
         raise PreflightError(f"--agent-command: program {agent.argv[0]!r} is not found (not a file, not on PATH)")
+    unset = [name for name in rollout.agent_env if name not in os.environ]
+    if unset:
+        raise PreflightError(f"--agent-env {unset[0]}: no such variable in this process's environment; set it "
+                             "before the run, or drop the flag")

@@ -39,7 +39,7 @@ RETURN_ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline
 """The built-in estimators that read gamma (and gae also lam)."""
 CRITIC_FIELDS = ("value_clip",)
 DPO_FIELDS = ("dpo_beta", "dpo_loss_type", "dpo_average_log_prob", "label_smoothing")
-AGENT_FIELDS = ("agent", "agent_command", "agent_max_parallel_episodes")
+AGENT_FIELDS = ("agent", "agent_command", "agent_max_parallel_episodes", "agent_env", "agent_timeout")
 """Read only with an external agent as the rollout (--agent / --agent-command)."""
 MOE_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "expert_model_parallel_size", "expert_tensor_parallel_size")
 """Read only for a mixture-of-experts checkpoint."""

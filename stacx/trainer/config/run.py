@@ -254,7 +254,7 @@ FIELD_MINIMUMS: dict[str, int | float] = {
     "teacher_retries": 0, "lr_warmup_steps": 0, "num_steps": 0, "max_tokens_per_micro_batch": 1,
     "save_interval": 0, "exchange_every_n_steps": 0,
     "global_batch_size": 1, "num_steps_per_rollout": 1, "num_epochs": 1, "skip_nonfinite_steps": 0, "reward_timeout_s": 0.001,
-    "max_staleness": 0, "agent_max_parallel_episodes": 1, "lr": 0.0, "min_lr": 0.0,
+    "max_staleness": 0, "agent_max_parallel_episodes": 1, "agent_timeout": 0.001, "lr": 0.0, "min_lr": 0.0,
 }
 """Smallest allowed value of numeric run-config fields, checked when a value is given (file or flag)."""
 
