@@ -26,8 +26,9 @@ BASH = {"type": "function", "function": {"name": "bash"}}
 
 def demonstration() -> list[dict]:
     def call(command, index):
+        arguments = {"command": command}
         return {"role": "assistant", "content": "", "tool_calls": [
-            {"id": f"call{index}", "type": "function", "function": {"name": "bash", "arguments": {"command": command}}}]}
+            {"id": f"call{index}", "type": "function", "function": {"name": "bash", "arguments": arguments}}]}
 
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}, call("touch done.txt", 0),
             {"role": "tool", "tool_call_id": "call0", "content": "0"}, call(SUBMIT, 1)]
