@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 
@@ -43,3 +45,32 @@ def second_checkpoint_buckets(tiny_checkpoints, world, *, bucket_bytes: int) -> 
     source = build_model(tiny_checkpoints[1], world)
     load_hf_checkpoint(source, tiny_checkpoints[1], world)
     return [list(b) for b in iter_hf_weight_buckets(source, world, bucket_bytes=bucket_bytes)]
+
+
+def _run_temp_folder(tmp_path_factory):
+    """A folder every pytest worker of this run sees (xdist gives each worker a folder under the run's own),
+    and no other run: the run's temporary folder, or this process's when it runs alone."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def taught_policy(tmp_path_factory):
+    """(checkpoint path, tokenizer) of the taught tool-calling policy (`tests/rollout/taught_policy.py`):
+    taught once per pytest run, whichever worker asks first; the others wait for it and reuse it."""
+    from tests.rollout.agent_fixtures import tool_tokenizer
+    from tests.rollout.taught_policy import taught_checkpoint
+
+    return taught_checkpoint(_run_temp_folder(tmp_path_factory)), tool_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def taught_server(taught_policy, single_process_world):
+    """`stacx serve`'s server (the CPU engine) around the taught policy, one per test module: a module's
+    tests share its sessions' store, so each uses its own session ids."""
+    from stacx.rollout.engines.cpu import CpuEngine
+    from stacx.rollout.engines.server import EngineHttpServer
+
+    path, tokenizer = taught_policy
+    with EngineHttpServer(CpuEngine.from_hf_checkpoint(path), model_path=path, tokenizer=tokenizer) as running:
+        yield running

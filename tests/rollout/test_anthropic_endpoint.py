@@ -2,9 +2,9 @@
 conversation, streamed and not, recorded with the same ids as the same conversation through the OpenAI
 route; stop reasons, stop strings, token counting, errors in Anthropic's schema, and the key in `x-api-key`.
 
-The served policy is test_openai_endpoint.py's: a tiny model taught (a few SFT steps) to answer the task
-with a `touch done.txt` bash call and, after its observation, the submit call; served greedily it makes
-both calls, so both turns end in `tool_use`.
+The served policy is test_openai_endpoint.py's (`tests/rollout/taught_policy.py`, taught once per pytest
+run): a tiny model taught (a few SFT steps) to answer the task with a `touch done.txt` bash call and, after
+its observation, the submit call; served greedily it makes both calls, so both turns end in `tool_use`.
 """
 
 import json
@@ -12,8 +12,7 @@ import json
 import pytest
 import requests
 
-from tests.rollout.agent_fixtures import save_policy, tool_tokenizer
-from tests.rollout.test_openai_endpoint import SUBMIT, SYSTEM, TASK, teach
+from tests.rollout.taught_policy import SUBMIT, SYSTEM, TASK
 
 try:
     import anthropic
@@ -32,15 +31,8 @@ EVENTS = ["message_start", "content_block_start", "content_block_delta", "conten
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, single_process_world):
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.engines.server import EngineHttpServer
-
-    tokenizer = tool_tokenizer()
-    path = save_policy(tmp_path_factory.mktemp("anthropic_policy"), tokenizer)
-    teach(path, tokenizer)
-    with EngineHttpServer(CpuEngine.from_hf_checkpoint(path), model_path=path, tokenizer=tokenizer) as running:
-        yield running
+def server(taught_server):
+    return taught_server
 
 
 def anthropic_client(server, session_id):

@@ -2,7 +2,8 @@
 completions, sessions recorded token-in/token-out, and a GRPO step trained on an agent's sessions; then
 mini-swe-agent, unmodified, solving a task through the endpoint, its trajectory trained on.
 
-The served tiny policy learns that task first: a few SFT steps in-process on one demonstration
+The served tiny policy learns that task first (`tests/rollout/taught_policy.py`, taught once per pytest
+run and shared with the Anthropic route's tests): a few SFT steps in-process on one demonstration
 transcript (the task, a `touch done.txt` tool call, its observation, the submit call), rendered by the
 chat template the server uses. Served greedily, it drives mini-swe-agent's own loop (litellm client,
 bash tool calls run by Stacx's SandboxEnvironment): the file is really created, in the episode's
@@ -16,15 +17,9 @@ import sys
 
 import pytest
 import requests
-import torch
 
-from tests.rollout.agent_fixtures import (
-    BASH_TOOL,
-    engine_weight_buckets,
-    save_policy,
-    tool_tokenizer,
-    train_one_grpo_step,
-)
+from tests.rollout.agent_fixtures import BASH_TOOL, engine_weight_buckets, train_one_grpo_step
+from tests.rollout.taught_policy import BASH, OBSERVATION, SUBMIT, SYSTEM, TASK
 
 try:
     import openai
@@ -33,80 +28,14 @@ except ImportError as missing:  # a failure with the fix, never a skip
                       "pip install -e '.[test]'") from missing
 
 
-SYSTEM = "You run bash."
-TASK = "Create done.txt"
-OBSERVATION = "{{output.returncode}}{{output.output}}"
-"""mini-swe-agent's observation template for this test: the return code, then the output."""
-SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
-BASH = {"type": "function", "function": {"name": "bash"}}
-"""What the template reads of mini-swe-agent's bash tool (its name)."""
-
-
-def demonstration() -> list[dict]:
-    def call(command, index):
-        return {"role": "assistant", "content": "", "tool_calls": [
-            {"id": f"call{index}", "type": "function", "function": {"name": "bash", "arguments": {"command": command}}}]}
-
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}, call("touch done.txt", 0),
-            {"role": "tool", "tool_call_id": "call0", "content": "0"}, call(SUBMIT, 1)]
-
-
-def teach(path: str, tokenizer, *, max_steps: int = 300) -> int:
-    """SFT on the assistant turns of the demonstration until greedy decoding reproduces them; returns the steps."""
-    from transformers import AutoModelForCausalLM
-
-    messages = demonstration()
-
-    def length(upto, generation_prompt):
-        text = tokenizer.apply_chat_template(messages[:upto], tools=[BASH], tokenize=False,
-                                             add_generation_prompt=generation_prompt)
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    ids = torch.tensor(tokenizer(tokenizer.apply_chat_template(messages, tools=[BASH], tokenize=False),
-                                 add_special_tokens=False)["input_ids"])
-    mask = torch.zeros(len(ids))
-    for turn in (2, 4):
-        mask[length(turn, True):length(turn + 1, False)] = 1.0
-    mask = mask[1:]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one sequence of 250 tokens: threads only contend
-    try:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-        for step in range(max_steps):
-            logits = model(input_ids=ids[None]).logits[0, :-1]
-            log_probs = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0]
-            loss = -(log_probs * mask).sum() / mask.sum()
-            if bool(((logits.argmax(-1) == ids[1:]) | (mask == 0)).all()) and float(loss) < 0.05:
-                break
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        else:
-            raise AssertionError(f"the demonstration was not learned in {max_steps} steps (loss {float(loss):.3f})")
-    finally:
-        torch.set_num_threads(threads)
-    model.save_pretrained(path, safe_serialization=True)
-    return step
+@pytest.fixture(scope="module")
+def policy(taught_policy):
+    return taught_policy
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    tokenizer = tool_tokenizer()
-    path = save_policy(tmp_path_factory.mktemp("agent_policy"), tokenizer)
-    teach(path, tokenizer)
-    return path, tokenizer
-
-
-@pytest.fixture(scope="module")
-def server(policy, single_process_world):
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.engines.server import EngineHttpServer
-
-    path, tokenizer = policy
-    with EngineHttpServer(CpuEngine.from_hf_checkpoint(path), model_path=path, tokenizer=tokenizer) as running:
-        yield running
+def server(taught_server):
+    return taught_server
 
 
 def client_for(server, session_id=None):

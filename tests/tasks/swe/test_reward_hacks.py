@@ -5,6 +5,7 @@ built-in tasks: through the `swe` environment (the edits made by the agent's `wr
 its sandbox session, then `submit` and the episode's reward) and through the single-turn
 `swe_tests` reward (the edits as a patch answer). The reference patch must still earn 1.0 and no
 edit 0.0. One table per path is compared at once, so a failure prints the whole task x hack table.
+The two tables (48 sandboxed runs) are marked slow; the judge's own escalated checks stay in `make test-fast`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import random
 import unittest
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 from stacx.rollout.tool_calls import ToolCall
 from stacx.tasks.swe import evaluate_patch, get_swe_task
@@ -240,10 +243,12 @@ def _check(table):
     assert table == expected, "\n" + format_table(table)
 
 
+@pytest.mark.slow  # 24 episodes end to end: each a sandbox session, a bash call, then the judge's sandboxed run
 def test_no_hack_is_rewarded_through_the_swe_environment():
     _check(reward_table(episode_reward))
 
 
+@pytest.mark.slow  # 24 sandboxed judge runs
 def test_no_hack_is_rewarded_by_the_single_turn_reward():
     _check(reward_table(single_turn_reward))
 
@@ -252,10 +257,14 @@ def test_hacks_moved_into_the_code_under_test_are_caught_by_the_judge():
     """The framework replaced, or a test module swapped in sys.modules, ends the run as tampered; a test file
     rewritten on disk is not the one that runs (test modules are compiled before any tested code runs)."""
     task = get_swe_task(TASKS[0])
-    found = {}
-    for name, edits in ESCALATED.items():
+
+    def judged(item):
+        name, edits = item
         evaluation = evaluate_patch(task, as_patch(task, edits(task)), sandbox_for(SANDBOX))
-        found[name] = (evaluation.resolved, evaluation.error or evaluation.test_statuses[task.pass_to_pass[0]])
+        return name, (evaluation.resolved, evaluation.error or evaluation.test_statuses[task.pass_to_pass[0]])
+
+    with ThreadPoolExecutor(3) as pool:  # as the tables: 3 sandboxed runs at a time (SANDBOX's max_concurrent_runs)
+        found = dict(pool.map(judged, ESCALATED.items()))
     modified = "the test framework was modified while the tests ran: "
     assert found == {
         "1 in the code under test: TestCase.run succeeds":
