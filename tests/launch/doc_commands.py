@@ -2,7 +2,7 @@
 
 A command is read from a fenced line (or a comment line of an example) that starts with `stacx`,
 its `\\` continuations joined and its trailing `# comment` dropped. Its placeholders name what a
-user has after `make demo` (`substitute`): CKPT -> the demo's SFT checkpoint, runs/x -> the demo's
+user has after `make demo` (`substitute`): CKPT (and tiny-tool) -> the demo's SFT checkpoint, runs/x -> the demo's
 GRPO run, prompts.jsonl -> the demo's prompt rows, and so on.
 
 A command that contains `...` is a documented fragment: its flags must parse. Every other
@@ -78,7 +78,8 @@ def substitute(text: str, demo: str, step: str, teacher_url: str) -> str:
         (r"--hf-checkpoint outputs/grpo/hf", f"--hf-checkpoint {grpo_hf}"),
         (r"--load (runs/x|runs/grpo|outputs/grpo/checkpoints)(?=[\s/]|$)", f"--load {run}"),
         (r"step_\d{9}", step),
-        (r"(?<![\w/])(prompts|train)\.jsonl", os.path.join(rows, "train.jsonl")),
+        (r"(?<![\w/])(prompts|train|add_rows)\.jsonl", os.path.join(rows, "train.jsonl")),
+        (r"--hf-checkpoint tiny-tool(?=\s|$)", f"--hf-checkpoint {sft}"),  # examples/anthropic_agent's model
         (r"(?<![\w/])heldout\.jsonl", os.path.join(rows, "eval.jsonl")),
         (r"http://127\.0\.0\.1:30000", teacher_url),
     ]
