@@ -5,8 +5,9 @@
 
 torch elastic starts every rank in its own session, so a SIGKILLed `torchrun` (even `kill -9 -- -PGID`)
 leaves its ranks running, and they keep writing checkpoints. Two mechanisms, standard library only:
-- `PR_SET_PDEATHSIG` (Linux `prctl` through ctypes): the kernel sends SIGTERM the moment the parent
-  dies, so the rank's own teardown runs (`stacx.trainer.interrupts`);
+- `PR_SET_PDEATHSIG` (Linux `prctl` through ctypes), for torchrun ranks: the kernel sends SIGTERM the
+  moment the parent dies, so the rank's own teardown runs (`stacx.trainer.interrupts`); it fires when the
+  forking *thread* exits, so a server started from a thread relies on the watch below alone;
 - a daemon thread that watches the parent (every PARENT_POLL_S), for systems without `prctl` and for a
   parent given by pid; it sends SIGTERM too, and SIGKILL when the process is still there
   TEARDOWN_GRACE_S later (a teardown stuck in a collective whose peers are gone).
@@ -92,10 +93,16 @@ def watch_parent(parent_pid: int, *, poll_s: float = PARENT_POLL_S, grace_s: flo
     return thread
 
 
-def end_with_parent(parent_pid: int, *, grace_s: float | None = TEARDOWN_GRACE_S) -> threading.Thread:
-    """SIGTERM this process when `parent_pid` ends (the kernel's death signal when it is the direct
-    parent, and a watch thread either way), SIGKILL `grace_s` later if it is still there."""
-    if os.getppid() == parent_pid:
+def end_with_parent(parent_pid: int, *, grace_s: float | None = TEARDOWN_GRACE_S,
+                    death_signal: bool = False) -> threading.Thread:
+    """SIGTERM this process when `parent_pid` ends (a watch thread; with `death_signal`, also the kernel's
+    death signal when it is the direct parent), SIGKILL `grace_s` later if it is still there.
+
+    The kernel sends the death signal when the parent *thread* that forked this process exits, not the
+    parent process: a server a driver starts from a short-lived thread (the engine pool starts its servers
+    in threads) would be killed while its driver runs. So only a caller whose parent forks from a thread
+    that lives as long as the process asks for it (a torchrun rank: the elastic agent's main loop)."""
+    if death_signal and os.getppid() == parent_pid:
         set_parent_death_signal(signal.SIGTERM)
     return watch_parent(parent_pid, grace_s=grace_s)
 
@@ -109,5 +116,5 @@ def end_with_launcher() -> threading.Thread:
     possible (`stacx train` does before its preflight): the launcher is known only while it is the parent.
     A second call returns the first call's watch."""
     if not _launcher_watch:
-        _launcher_watch.append(end_with_parent(os.getppid()))
+        _launcher_watch.append(end_with_parent(os.getppid(), death_signal=True))
     return _launcher_watch[0]

@@ -127,6 +127,40 @@ def test_a_rank_in_its_own_session_ends_when_its_launcher_is_sigkilled(no_prctl)
             launcher.wait()
 
 
+SERVER_STARTED_FROM_A_THREAD = """
+import subprocess, sys, threading, time
+child = []
+code = "import os, time; from stacx.trainer.lifetime import end_with_parent; end_with_parent(os.getppid()); " \\
+       "print('armed', flush=True); time.sleep(600)"
+def start():  # as CpuServerProcess does: the starting thread waits for the server to be ready, then ends
+    child.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True))
+    assert child[0].stdout.readline().strip() == "armed"
+starter = threading.Thread(target=start)
+starter.start()
+starter.join()  # the forking thread is gone; its process lives on
+print(child[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_started_from_a_thread_lives_while_its_driver_does_and_ends_with_it():
+    """The engine pool starts `stacx serve --parent-pid` in threads: the kernel's death signal (sent when the forking
+    thread exits) killed those servers while their driver ran ("rollout engine ... not healthy after 60s")."""
+    driver = subprocess.Popen([sys.executable, "-c", SERVER_STARTED_FROM_A_THREAD], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ, PYTHONPATH=REPO))
+    try:
+        server = int(driver.stdout.readline())
+        time.sleep(1.0)  # a death signal would have arrived at once (the thread was already gone)
+        assert _wait_gone([server], 0.1), "the server died when the thread that started it ended"
+        driver.kill()
+        driver.wait()
+        assert not _wait_gone([server], 15), "the server outlived its SIGKILLed driver"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+
 def test_the_parent_watch_signals_once_a_non_parent_process_is_gone():
     from stacx.trainer.lifetime import watch_parent
 
@@ -169,7 +203,10 @@ def test_a_sigkilled_drivers_local_cluster_processes_are_reaped():
     try:
         token, reaper, *cluster = driver.stdout.readline().split()
         cluster = [int(pid) for pid in cluster]
-        assert sorted(processes_with_token(token, exclude=(int(reaper),))) == sorted(cluster)
+        deadline = time.monotonic() + 20  # a child just started may not show its environment yet: poll, bounded
+        while sorted(processes_with_token(token, exclude=(int(reaper),))) != sorted(cluster):
+            assert time.monotonic() < deadline, (processes_with_token(token, exclude=(int(reaper),)), cluster)
+            time.sleep(0.05)
         driver.kill()
         driver.wait()
         assert not _wait_gone([*cluster, int(reaper)], 20), "the cluster's processes outlived the driver"
