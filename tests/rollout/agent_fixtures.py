@@ -4,6 +4,9 @@ it, and `stacx serve`'s server around the CPU engine."""
 
 from __future__ import annotations
 
+from stacx.rollout.engines.base import InferenceEngine
+from stacx.rollout.types import GenerateOutput
+
 import string
 
 TOOL_CHAT_TEMPLATE = (
@@ -99,3 +102,38 @@ def engine_weight_buckets(model, groups) -> list[list]:
 
     return [[(name, tensor.detach().clone()) for name, tensor in bucket]  # a bucket may view the parameters
             for bucket in iter_hf_weight_buckets(model, groups, bucket_bytes=1 << 20)]
+
+
+class ScriptedEngine(InferenceEngine):
+    """Answers request k with the k-th id list (an engine's output), each id with `log_prob`; records every
+    request's input ids."""
+
+    def __init__(self, turns: list[list[int]], log_prob: float = -0.5):
+        self.turns, self.inputs, self.log_prob = turns, [], log_prob
+
+    def generate(self, requests):
+        outputs = []
+        for request in requests:
+            ids = self.turns[len(self.inputs)]
+            self.inputs.append(list(request.input_ids))
+            outputs.append(GenerateOutput(output_ids=list(ids), output_log_probs=[self.log_prob] * len(ids),
+                                          finish_reason="stop"))
+        return outputs
+
+    def update_weights(self, buckets, *, version):
+        raise NotImplementedError
+
+    def weight_version(self):
+        return 0
+
+    def pause(self):
+        pass
+
+    def resume(self):
+        pass
+
+    def flush_cache(self):
+        pass
+
+    def health(self):
+        return True

@@ -26,11 +26,11 @@ import pytest
 
 from stacx.rollout.chat_tokenizers import build_tool_chat_tokenizer
 from stacx.rollout.dagger import Executor
-from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.environments import Environment, StepResult
 from stacx.rollout.episode import run_episode
 from stacx.rollout.tools import ToolResult, ToolSpec
-from stacx.rollout.types import GenerateOutput, SamplingParams
+from stacx.rollout.types import SamplingParams
+from tests.rollout.agent_fixtures import ScriptedEngine
 
 try:
     import openai
@@ -74,40 +74,6 @@ def model_turns(tok, style: str) -> list[list[int]]:
         calls = [special("<tool_call>") + chars("\n" + json.dumps(c) + "\n") + special("</tool_call>") + eos
                  for c in CALLS]
     return calls + [chars(ANSWER) + eos]
-
-
-class ScriptedEngine(InferenceEngine):
-    """Answers request k with the k-th id list; records every request's input ids."""
-
-    def __init__(self, turns: list[list[int]]):
-        self.turns, self.inputs = turns, []
-
-    def generate(self, requests):
-        outputs = []
-        for request in requests:
-            ids = self.turns[len(self.inputs)]
-            self.inputs.append(list(request.input_ids))
-            outputs.append(GenerateOutput(output_ids=list(ids), output_log_probs=[-0.5] * len(ids),
-                                          finish_reason="stop"))
-        return outputs
-
-    def update_weights(self, buckets, *, version):
-        raise NotImplementedError
-
-    def weight_version(self):
-        return 0
-
-    def pause(self):
-        pass
-
-    def resume(self):
-        pass
-
-    def flush_cache(self):
-        pass
-
-    def health(self):
-        return True
 
 
 class NotesEnvironment(Environment):

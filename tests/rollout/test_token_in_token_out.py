@@ -16,25 +16,10 @@ from stacx.rollout.environments import ENVIRONMENTS, Environment, StepResult, re
 from stacx.rollout.episode import episode_metrics, run_episode
 from stacx.rollout.tool_calls import parse_tool_calls
 from stacx.rollout.tools import TOOLS, register_tool
-from stacx.rollout.types import GenerateOutput, SamplingParams
+from stacx.rollout.types import SamplingParams
+from tests.rollout.agent_fixtures import ScriptedEngine
 
 CALL = '{"name": "calculator", "arguments": {"expression": "3*4"}}'
-
-
-class ScriptedEngine:
-    """Answers turn t with the t-th id list (an engine's output); records every request's input ids."""
-
-    def __init__(self, turns: list[list[int]]):
-        self.turns, self.inputs = turns, []
-
-    def generate(self, requests):
-        outputs = []
-        for request in requests:
-            ids = self.turns[len(self.inputs)]
-            self.inputs.append(list(request.input_ids))
-            outputs.append(GenerateOutput(output_ids=list(ids), output_log_probs=[-0.25] * len(ids),
-                                          finish_reason="stop"))
-        return outputs
 
 
 def _chars(tokenizer, text: str) -> list[int]:
@@ -77,7 +62,7 @@ def _action_runs(sample) -> list[list[int]]:
 def test_trained_ids_are_the_engines_ids_turn_by_turn(style, turns_of):
     tok = build_tool_chat_tokenizer(style)
     turns = turns_of(tok)
-    engine = ScriptedEngine(turns)
+    engine = ScriptedEngine(log_prob=-0.25, turns=turns)
     sample = run_episode(ENVIRONMENTS.get("calculator")(), {"expression": "3*4"}, tokenizer=tok,
                          engines={Executor.STUDENT: engine}, turn_executor=lambda t: Executor.STUDENT,
                          sampling=SamplingParams(max_new_tokens=64), max_turns=4, rng=random.Random(0))
@@ -113,7 +98,7 @@ def test_observation_ids_are_the_templates_rendering_of_the_conversation():
     tok = build_tool_chat_tokenizer("qwen")
     turns = _qwen_turns(tok)
     sample = run_episode(ENVIRONMENTS.get("calculator")(), {"expression": "3*4"}, tokenizer=tok,
-                         engines={Executor.STUDENT: ScriptedEngine(turns)}, turn_executor=lambda t: Executor.STUDENT,
+                         engines={Executor.STUDENT: ScriptedEngine(log_prob=-0.25, turns=turns)}, turn_executor=lambda t: Executor.STUDENT,
                          sampling=SamplingParams(), max_turns=4, rng=random.Random(0))
     env = ENVIRONMENTS.get("calculator")()
     texts = [tok.decode(ids[:-1]) for ids in turns]  # each reply without its end-of-turn token
@@ -158,7 +143,7 @@ def test_tool_failures_inside_an_episode_are_counted_and_the_run_goes_on():
     turns = [call("raise") + call("hang") + eos, call("fine") + _chars(tok, '<tool_call>{"name": "nope"}</tool_call>') + eos,
              _chars(tok, "done") + eos]
     try:
-        sample = run_episode(FlakyEnvironment(), {}, tokenizer=tok, engines={Executor.STUDENT: ScriptedEngine(turns)},
+        sample = run_episode(FlakyEnvironment(), {}, tokenizer=tok, engines={Executor.STUDENT: ScriptedEngine(log_prob=-0.25, turns=turns)},
                              turn_executor=lambda t: Executor.STUDENT, sampling=SamplingParams(), max_turns=5,
                              rng=random.Random(0))
     finally:
@@ -182,14 +167,14 @@ def test_the_batched_roll_in_plays_the_same_episode_as_run_episode():
     tok = build_tool_chat_tokenizer("qwen")
     turns = _qwen_turns(tok)
     alone = run_episode(ENVIRONMENTS.get("calculator")(), {"expression": "3*4", "label": "12"}, tokenizer=tok,
-                        engines={Executor.STUDENT: ScriptedEngine(turns)}, turn_executor=lambda t: Executor.STUDENT,
+                        engines={Executor.STUDENT: ScriptedEngine(log_prob=-0.25, turns=turns)}, turn_executor=lambda t: Executor.STUDENT,
                         sampling=SamplingParams(), max_turns=4, rng=random.Random(0))
     example = Example(prompt_ids=[5], source="rows.jsonl:1", label="12",
                       metadata={"environment": "calculator", "max_turns": 4, "expression": "3*4"})
     rng = random.Random(0)
     episodes = rollin.start_episodes([example], n_samples_per_prompt=1, spec=rollin.RollInSpec("student"),
                                      iteration=0, rng=rng, tokenizer=tok)
-    rollin.run_turns(episodes, engines={Executor.STUDENT: ScriptedEngine(turns)}, sampling=SamplingParams(),
+    rollin.run_turns(episodes, engines={Executor.STUDENT: ScriptedEngine(log_prob=-0.25, turns=turns)}, sampling=SamplingParams(),
                      tokenizer=tok, rng=rng)
     batched = episodes[0].sample
     assert (batched.prompt_ids, batched.response_ids, batched.loss_mask, batched.executors) == (
@@ -233,7 +218,7 @@ def test_a_batched_turn_runs_the_episodes_tools_concurrently():
     try:
         episodes = rollin.start_episodes([example], n_samples_per_prompt=4, spec=rollin.RollInSpec("student"),
                                          iteration=0, rng=rng, tokenizer=tok)
-        rollin.run_turns(episodes, engines={Executor.STUDENT: ScriptedEngine(turns)}, sampling=SamplingParams(),
+        rollin.run_turns(episodes, engines={Executor.STUDENT: ScriptedEngine(log_prob=-0.25, turns=turns)}, sampling=SamplingParams(),
                          tokenizer=tok, rng=rng)
     finally:
         ENVIRONMENTS.unregister("meet_under_test")
