@@ -15,18 +15,12 @@ import time
 
 import pytest
 
+from tests.launch.test_signals import _alive  # running and not a zombie, read from /proc
+
 from stacx.trainer.cluster.ray.reaper import REAPER_TOKEN_ENV, processes_with_token, sweep
 from stacx.trainer.save_lock import SaveFolderInUse, check_save_folder_free, hold_save_folder
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _wait_gone(pids, timeout_s: float) -> list[int]:
