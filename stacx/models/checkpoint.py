@@ -363,6 +363,7 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], file: str) -> None:
 
 def _write_index_and_config(out_dir: str, shard_files, config) -> None:
     from stacx.models.architectures import ARCHITECTURES
+    from stacx.models.hf_config import as_transformers_config
 
     if len(shard_files) == 1:
         os.replace(os.path.join(out_dir, shard_files[0][0]), os.path.join(out_dir, SINGLE_FILE))
@@ -376,5 +377,6 @@ def _write_index_and_config(out_dir: str, shard_files, config) -> None:
             total += os.path.getsize(os.path.join(out_dir, final))
         with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    config = as_transformers_config(config)
     config.architectures = [ARCHITECTURES[config.model_type].hf_class_name]
     config.save_pretrained(out_dir)
