@@ -95,6 +95,7 @@ def test_to_transformers_keeps_every_field(tmp_path):
     assert decoder_shape(converted) == decoder_shape(light)
 
 
+@pytest.mark.slow
 def test_building_a_model_from_a_folder_imports_no_transformers(tmp_path):
     """What every role worker and rank does at start: its model from config.json, transformers never imported."""
     tiny_hf_config("qwen3").save_pretrained(tmp_path)

@@ -57,6 +57,7 @@ def train_one_step_with_megatron_ddp_and_optimizer(groups):
     return gathered, updated, grad_norm, changed, grads_after_clip
 
 
+@pytest.mark.slow
 def test_tp2_model_trains_one_step_with_megatron_optimizer_on_cpu():
     results = run_distributed(train_one_step_with_megatron_ddp_and_optimizer, 2, tensor_model_parallel_size=2)
     for gathered, updated, grad_norm, changed, grads_after_clip in results:
@@ -93,6 +94,7 @@ def test_cp_rope_slicing_picks_load_balanced_chunks():
     assert results == [[0.0, 1.0, 6.0, 7.0], [2.0, 3.0, 4.0, 5.0]]
 
 
+@pytest.mark.slow
 def test_cuda_synchronize_is_a_no_op_so_megatrons_checkpoint_writer_runs(tmp_path):
     """Without the patch, torch_dist's writer calls torch.cuda.synchronize and a CPU-only torch raises."""
     code = (
@@ -119,6 +121,7 @@ def test_cuda_synchronize_is_a_no_op_so_megatrons_checkpoint_writer_runs(tmp_pat
     assert "written" in out.stdout
 
 
+@pytest.mark.slow
 def test_patches_are_not_applied_when_cuda_is_present():
     code = (
         "import torch\n"
