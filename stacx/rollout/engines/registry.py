@@ -20,7 +20,9 @@ A kind declares, where it is registered:
   workers start (the CPU engine); False: they are launched after the workers hold their
   resources (SGLang's GPUs);
 - **launches_on_ray**: the launcher places the servers on the Ray cluster (SGLang's), so a
-  torchrun job cannot overlap it with training (`--rollout-mode async`).
+  torchrun job cannot overlap it with training (`--rollout-mode async`);
+- **records_sessions**: the servers record the turns of OpenAI-compatible sessions with their
+  token ids and log-probs (`stacx serve`), so `--agent` / `--agent-command` runs may use the kind.
 
 Built-ins: 'cpu' (`stacx serve` as a child of the driver), 'http' (attach to --rollout-urls),
 'sglang' (SGLang servers on the Ray cluster's GPUs). 'auto' is no kind: it resolves to 'sglang'
@@ -71,6 +73,9 @@ class EngineKind:
     launches_on_ray: bool = False
     """The launcher places the servers on the Ray cluster, which a torchrun job does not have (its
     asynchronous rollout needs an engine in its own process)."""
+    records_sessions: bool = False
+    """The servers record OpenAI-compatible sessions turn by turn, token ids and log-probs included (`stacx
+    serve`), which an `--agent` / `--agent-command` run trains on."""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or self.name == AUTO:
@@ -110,13 +115,15 @@ def add_engine_kind(kind: EngineKind) -> EngineKind:
 
 
 def register_engine(name: str, *, launcher: Optional[Launcher] = None, owns_secret: bool = True,
-                    starts_beside_workers: bool = False, launches_on_ray: bool = False) -> Callable[[C], C]:
+                    starts_beside_workers: bool = False, launches_on_ray: bool = False,
+                    records_sessions: bool = False) -> Callable[[C], C]:
     """Class (or factory) decorator registering an engine kind whose client is the decorated object;
     the traits are those of `EngineKind`. Returns the client unchanged."""
 
     def decorator(client: C) -> C:
         add_engine_kind(EngineKind(name=name, client=client, launcher=launcher, owns_secret=owns_secret,
-                                   starts_beside_workers=starts_beside_workers, launches_on_ray=launches_on_ray))
+                                   starts_beside_workers=starts_beside_workers, launches_on_ray=launches_on_ray,
+                                   records_sessions=records_sessions))
         return client
 
     return decorator
@@ -158,6 +165,7 @@ def engine_client(kind: str, url: str, *, api_key: Optional[str] = None) -> Infe
     return resolve_engine_kind(kind).connect(url, api_key=api_key)
 
 
-add_engine_kind(EngineKind(name="cpu", client=HttpEngine, launcher=launch_cpu_server, starts_beside_workers=True))
-add_engine_kind(EngineKind(name="http", client=HttpEngine))
+add_engine_kind(EngineKind(name="cpu", client=HttpEngine, launcher=launch_cpu_server, starts_beside_workers=True,
+                           records_sessions=True))
+add_engine_kind(EngineKind(name="http", client=HttpEngine, records_sessions=True))  # attaches to `stacx serve`
 add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True))

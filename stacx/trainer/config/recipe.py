@@ -504,8 +504,8 @@ def algorithm_line(algorithm: AlgorithmConfig, roles: Sequence[ModelRole]) -> st
     `per_token_terms` is the loss (a custom specialization)."""
     a = algorithm
     trainable = [role.specialization_cls for role in roles if role.trainable]
-    runs_policy_loss = any(getattr(cls, "policy_loss_in_use", lambda: False)() for cls in trainable)
-    uses_advantages = any(getattr(cls, "reads_advantages", lambda: False)() for cls in trainable)
+    runs_policy_loss = any(cls.policy_loss_in_use() for cls in trainable)
+    uses_advantages = any(cls.reads_advantages() for cls in trainable)
     parts = [f"advantages {a.advantage_estimator}"] if uses_advantages or runs_policy_loss else []
     if runs_policy_loss:
         parts.append(f"loss {a.policy_loss} (clip {a.clip_ratio_low}/{a.clip_ratio_high})")
