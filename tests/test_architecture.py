@@ -264,3 +264,22 @@ def test_type_checking_imports_are_read_when_asked(tmp_path):
     path = tmp_path / "probe.py"
     path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stacx.diffusion import loop\n")
     assert imported_modules("stacx.probe", path, with_type_checking=True) == [("stacx.diffusion.loop", 3, False)]
+
+
+TYPED_GROUPS_PACKAGES = ("stacx.models", "stacx.checkpointing", "stacx.parallel")
+"""Packages whose functions take this rank's process groups as `groups: ProcessGroups` (or `| None`)."""
+
+
+def test_every_groups_parameter_of_the_rank_packages_is_typed_process_groups():
+    untyped = []
+    for module, path in MODULES.items():
+        if not any(within(module, package) for package in TYPED_GROUPS_PACKAGES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if arg.arg == "groups" and annotation not in ("ProcessGroups", "ProcessGroups | None"):
+                    untyped.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.name}({arg.arg}: {annotation or '?'})")
+    assert not untyped, "`groups` parameters not typed `ProcessGroups`:\n" + "\n".join(untyped)

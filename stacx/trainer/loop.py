@@ -25,7 +25,7 @@ off-policy corrections. With one optimizer step per rollout (async included) pi_
 training forward's own detached log-probs: the same weights, no extra forward.
 
 The loop talks to roles through `RoleGroup`s (Ray workers or torchrun processes, see
-role_groups.py), so the same code drives a Ray run and a torchrun SPMD job. Any failure kills the
+stacx/trainer/cluster/protocol.py), so the same code drives a Ray run and a torchrun SPMD job. Any failure kills the
 workers (`on_failure`) before the error propagates: a `RoleWorkerError` already names the role and
 rank, and surviving ranks blocked in a collective never keep the run alive.
 """
@@ -131,7 +131,7 @@ class StacxTrainer:
                              "needs --rollout-mode sync")
         self.step_rollout = step_rollout if step_rollout is not None else (
             self._build_step_rollout() if rollout is not None and channel.is_driver else None)
-        """The driver's `rollout_steps.StepRollout`: roll-ins, DAPO shaping and sampling, eval, rollout dumps."""
+        """The driver's `stacx.rollout.step_rollout.StepRollout`: roll-ins, DAPO shaping and sampling, eval, rollout dumps."""
         self.mini_batches = resolve_mini_batch_schedule(run_config.rollout, run_config.train,
                                                         data_source=training_config.data_source)
         """global_batch_size, num_steps_per_rollout, num_epochs: the optimizer steps of each rollout."""

@@ -64,3 +64,14 @@ def test_a_value_head_specialization_without_its_own_compute_values_gathers_its_
     batch = type("Batch", (), {"layout": Layout()})()
     values = Specialization().compute_values(torch.arange(5.0), batch)
     assert [v.tolist() for v in values] == [[0.0, 1.0], [2.0, 3.0, 4.0]]
+
+
+def test_a_recipe_naming_an_unknown_kernel_lists_the_registrys_own_names():
+    """The registries are the one list of kernel names (no copy in the recipe model)."""
+    import re
+
+    from stacx.objectives.registry import ADVANTAGES
+    from stacx.trainer.config.recipe import RecipeError, recipe_algorithm
+
+    with pytest.raises(RecipeError, match=re.escape(f"unknown name 'grp'; known: {', '.join(ADVANTAGES.names())}")):
+        recipe_algorithm(advantage_estimator="grp")

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from stacx.objectives import registry
-from stacx.objectives.aggregation import BUILTIN_AGGREGATION_MODE_NAMES
 from stacx.objectives.algorithm_config import (
     AlgorithmConfig,
     AlgorithmConfigError,
@@ -40,22 +39,6 @@ from stacx.objectives.algorithm_config import (
 from stacx.objectives.discovery import record_user_module
 from stacx.trainer.config.workload import TEXT_MODALITY, get_workload, known_modalities
 from stacx.specializations.base import Specialization
-
-# Names provided by the objectives registries (stacx.objectives). Recipes name kernels; the
-# registries own them. Kept here as plain strings so that a recipe typo fails at import even
-# before the objectives package is imported.
-ADVANTAGE_ESTIMATORS = (
-    "grpo",
-    "dr_grpo",
-    "rloo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "gae",
-    "reward_centered",
-)
-POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "vanilla_pg", "reinforce")
-LOSS_AGGREGATIONS = BUILTIN_AGGREGATION_MODE_NAMES
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 
 #: Run-config fields (model section) a role may load its weights from; the flag is the name with dashes.
 CHECKPOINT_ARGS = ("hf_checkpoint", "ref_load", "critic_load")
@@ -85,12 +68,10 @@ def _check_choice(where: str, value: Any, known: tuple[str, ...]) -> None:
         _fail(where, f"unknown name {value!r}; known: {', '.join(known)}")
 
 
-def _with_registered(builtin: tuple[str, ...], registry_name: str) -> tuple[str, ...]:
-    """Built-in names plus any custom kernel already registered in stacx.objectives (user plugins are
-    registered before the recipe that names them is imported)."""
-    found = getattr(registry, registry_name, None)
-    extra = [name for name in (found.names() if found is not None else ()) if name not in builtin]
-    return builtin + tuple(extra)
+def _registered(kernels: registry.Registry) -> tuple[str, ...]:
+    """The names `kernels` holds now: the built-ins (registered when `stacx.objectives` is imported) and
+    any user kernel loaded before the recipe that names it (the registries are the one list of names)."""
+    return tuple(kernels.names())
 
 
 def _check_positive_int(where: str, value: Any) -> None:
@@ -125,11 +106,10 @@ def recipe_algorithm(**overrides: Any) -> AlgorithmConfig:
         config = AlgorithmConfig(**overrides)
     except AlgorithmConfigError as err:
         raise RecipeError(str(err)) from None
-    _check_choice("algorithm.advantage_estimator", config.advantage_estimator,
-                  _with_registered(ADVANTAGE_ESTIMATORS, "ADVANTAGES"))
-    _check_choice("algorithm.policy_loss", config.policy_loss, _with_registered(POLICY_LOSSES, "POLICY_LOSSES"))
-    _check_choice("algorithm.loss_agg_mode", config.loss_agg_mode, _with_registered(LOSS_AGGREGATIONS, "AGGREGATIONS"))
-    _check_choice("algorithm.kl_loss_type", config.kl_loss_type, _with_registered(KL_ESTIMATORS, "KL_ESTIMATORS"))
+    _check_choice("algorithm.advantage_estimator", config.advantage_estimator, _registered(registry.ADVANTAGES))
+    _check_choice("algorithm.policy_loss", config.policy_loss, _registered(registry.POLICY_LOSSES))
+    _check_choice("algorithm.loss_agg_mode", config.loss_agg_mode, _registered(registry.AGGREGATIONS))
+    _check_choice("algorithm.kl_loss_type", config.kl_loss_type, _registered(registry.KL_ESTIMATORS))
     return config
 
 
@@ -526,16 +506,12 @@ class _CycleError(Exception):
 
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
     "AlgorithmDefaults",
     "recipe_algorithm",
     "CHECKPOINT_ARGS",
     "ExchangeSync",
     "InjectSync",
-    "KL_ESTIMATORS",
-    "LOSS_AGGREGATIONS",
     "ModelRole",
-    "POLICY_LOSSES",
     "RecipeError",
     "RoleGraph",
     "Sync",
