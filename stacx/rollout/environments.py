@@ -33,7 +33,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from stacx.objectives.registry import Registry
+from stacx.plugins.registry import Registry
 from stacx.rollout.tool_calls import ToolCall
 from stacx.rollout.tools import ToolResult, ToolSpec, argument_errors, get_tool, register_tool, run_tool_call
 

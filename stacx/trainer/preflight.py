@@ -54,7 +54,8 @@ from stacx.env_overrides import apply_env_overrides
 from stacx.models.architectures import decoder_shape, load_hf_config, num_virtual_stages
 from stacx.objectives import load_custom_modules
 from stacx.objectives.algorithm_config import AlgorithmConfig
-from stacx.objectives.registry import ADVANTAGES, OFF_POLICY_CORRECTIONS, POLICY_LOSSES, Registry
+from stacx.objectives.registry import ADVANTAGES, OFF_POLICY_CORRECTIONS, POLICY_LOSSES
+from stacx.plugins.registry import Registry
 from stacx.rollout.async_rollout import check_async_supported
 from stacx.rollout.data import MalformedRowError
 from stacx.rollout.engines.registry import resolve_engine_kind

@@ -34,13 +34,12 @@ looks the kind up again. Names are unique: registering one twice is refused.
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
 import torch
 
-from stacx.objectives.discovery import import_builtin_and_custom_modules, record_user_module
+from stacx.plugins.registry import Registry
 from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch, launch_cpu_server, launch_sglang_servers
@@ -99,19 +98,14 @@ class EngineKind:
         return self.client(url, api_key=api_key, retry=retry)
 
 
-_KINDS: dict[str, EngineKind] = {}
+ENGINE_KINDS: Registry[EngineKind] = Registry("engine kind", entries_are_callable=False)
+"""Kind name -> its EngineKind (a `stacx.plugins.registry.Registry`: a name registered twice is refused)."""
 
 
 def add_engine_kind(kind: EngineKind) -> EngineKind:
-    """Register `kind`; a name registered before is refused with the registered names."""
-    if kind.name in _KINDS:
-        existing = _KINDS[kind.name].client
-        raise ValueError(f"engine kind {kind.name!r} is already registered (client "
-                         f"{getattr(existing, '__module__', '?')}.{getattr(existing, '__qualname__', existing)}); "
-                         f"registered engine kinds: {engine_kind_names()}")
-    _KINDS[kind.name] = kind
-    record_user_module(getattr(kind.client, "__module__", None))  # a user kind reaches the role workers too
-    return kind
+    """Register `kind`; a name registered before is refused with the registered names. A user kind's client
+    module is shipped to the role workers, where the weight push looks the kind up again."""
+    return ENGINE_KINDS.add(kind.name, kind, origin=kind.client)
 
 
 def register_engine(name: str, *, launcher: Optional[Launcher] = None, owns_secret: bool = True,
@@ -131,17 +125,13 @@ def register_engine(name: str, *, launcher: Optional[Launcher] = None, owns_secr
 
 def unregister_engine(name: str) -> None:
     """Remove a user kind (tests and interactive sessions that redefine one)."""
-    if name not in _KINDS:
-        raise ValueError(f"unknown engine kind {name!r}; registered engine kinds: {engine_kind_names()}")
-    del _KINDS[name]
+    ENGINE_KINDS.unregister(name)
 
 
 def engine_kind_names(*, discover: bool = True) -> list[str]:
     """The registered kinds, sorted: with `discover`, user kinds of `stacx/custom/` included
     (importing that folder first); `--custom-module` kinds once their files are loaded."""
-    if discover:
-        import_builtin_and_custom_modules()
-    return sorted(_KINDS)
+    return ENGINE_KINDS.all_names() if discover else ENGINE_KINDS.names()
 
 
 def resolve_engine_kind(name: str, *, flag: str = "--rollout-engine") -> EngineKind:
@@ -150,13 +140,11 @@ def resolve_engine_kind(name: str, *, flag: str = "--rollout-engine") -> EngineK
     if name == AUTO:
         name = "sglang" if torch.cuda.is_available() else "cpu"
     known = engine_kind_names()
-    if name not in _KINDS:
-        close = difflib.get_close_matches(str(name), known, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"{flag} {name!r} is not a registered engine kind; {hint}known: "
+    if name not in ENGINE_KINDS:
+        raise ValueError(f"{flag} {name!r} is not a registered engine kind; {ENGINE_KINDS.close_match_hint(name)}known: "
                          f"{[AUTO, *known]}. Register a new kind with @register_engine in a --custom-module file "
                          "(docs/adding-an-engine.md)")
-    return _KINDS[name]
+    return ENGINE_KINDS[name]
 
 
 def engine_client(kind: str, url: str, *, api_key: Optional[str] = None) -> InferenceEngine:

@@ -36,8 +36,8 @@ from stacx.objectives.algorithm_config import (
     as_algorithm_config,
     hyperparameter_fields,
 )
-from stacx.objectives.discovery import record_user_module
-from stacx.trainer.config.workload import TEXT_MODALITY, get_workload, known_modalities
+from stacx.plugins.registry import Registry
+from stacx.trainer.config.workload import TEXT_MODALITY, WORKLOADS, known_modalities
 from stacx.specializations.base import Specialization
 
 #: Run-config fields (model section) a role may load its weights from; the flag is the name with dashes.
@@ -322,7 +322,7 @@ class TrainingConfig:
         if self.modality not in known_modalities():
             fail("modality", f"unknown name {self.modality!r}; known: {', '.join(known_modalities())} (a modality "
                              "other than 'text' needs its workload registered first: register_workload)")
-        loss_base = Specialization if self.modality == TEXT_MODALITY else get_workload(self.modality).objective_base
+        loss_base = WORKLOADS[self.modality].objective_base  # no discovery: recipes are built while modules import
         for role in self.roles:
             if not issubclass(role.specialization_cls, loss_base):
                 fail(f"roles[{role.name}].specialization_cls",
@@ -545,8 +545,10 @@ def role_wants_reference(role, training_config, algorithm) -> bool:
 
 # ---- the registry: recipes by name (the built-in catalog is stacx.trainer.recipes) -------------
 
-TRAINING_CONFIGS: dict[str, TrainingConfig] = {}
-"""Recipe name -> its validated TrainingConfig, filled by @recipe at import."""
+TRAINING_CONFIGS: Registry[TrainingConfig] = Registry("recipe", entries_are_callable=False, known_as="known recipes",
+                                                     error=RecipeError)
+"""Recipe name -> its validated TrainingConfig, filled by @recipe at import (a `stacx.plugins.registry.Registry`:
+a name registered twice is refused)."""
 
 
 def recipe(name: str) -> Callable[[Callable[[], TrainingConfig]], Callable[[], TrainingConfig]]:
@@ -557,8 +559,6 @@ def recipe(name: str) -> Callable[[Callable[[], TrainingConfig]], Callable[[], T
         raise RecipeError(f"@recipe({name!r}): {err}") from None
 
     def decorator(build: Callable[[], TrainingConfig]) -> Callable[[], TrainingConfig]:
-        if name in TRAINING_CONFIGS:
-            raise RecipeError(f"recipe {name!r}: field 'name': a recipe with this name is already registered")
         try:
             config = build()
         except RecipeError as err:
@@ -570,8 +570,7 @@ def recipe(name: str) -> Callable[[Callable[[], TrainingConfig]], Callable[[], T
             raise RecipeError(f"recipe {name!r}: {build.__name__}() must return a TrainingConfig, got {type(config).__name__}")
         if config.name != name:
             raise RecipeError(f"recipe {name!r}: field 'name' is {config.name!r}; it must match @recipe({name!r})")
-        TRAINING_CONFIGS[name] = config
-        record_user_module(getattr(build, "__module__", None))  # a user recipe reaches Ray workers too
+        TRAINING_CONFIGS.add(name, config, origin=build)  # a user recipe's module reaches the Ray workers too
         return build
 
     return decorator
@@ -579,7 +578,4 @@ def recipe(name: str) -> Callable[[Callable[[], TrainingConfig]], Callable[[], T
 
 def get_recipe(name: str) -> TrainingConfig:
     """The registered recipe called `name`; RecipeError listing the known recipes otherwise."""
-    try:
-        return TRAINING_CONFIGS[name]
-    except KeyError:
-        raise RecipeError(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(TRAINING_CONFIGS))}") from None
+    return TRAINING_CONFIGS.get(name)
