@@ -17,7 +17,8 @@ built-in tasks, recipes):
 - an unknown name is answered with the close matches and the registered names;
 - lookups (`get`, `all_names`) first import the built-in kernel modules and `stacx/custom/`
   (`stacx.plugins.discovery`), so a name is found whichever module was imported first;
-- a user entry's module is recorded so that it is shipped to the Ray role workers.
+- a user entry's module is recorded so that it is shipped to the Ray role workers (unless only the
+  driver runs the kind: rewards, built-in tasks).
 
 A `Registry` reads like a mapping of the names registered so far (`in`, `[name]`, `items()`, `len`),
 without discovery; `get(name)` is the checked lookup.
@@ -77,14 +78,17 @@ class Registry(Generic[E]):
 
     def __init__(self, kind: str, *, entries_are_callable: bool = True, user_may_replace_builtins: bool = False,
                  same_entry_again_is_noop: bool = False, default_traits: Any = None,
-                 known_as: Optional[str] = None, error: type[ValueError] = ValueError):
+                 ships_user_modules: bool = True, known_as: Optional[str] = None,
+                 error: type[ValueError] = ValueError):
         """kind: what one entry is, as messages name it ('policy loss', 'engine kind'). known_as: how the
         list of names is introduced in messages ('known tasks'; default 'registered <kind> names'). error:
-        the ValueError subclass a refusal raises (`RecipeError` for recipes)."""
+        the ValueError subclass a refusal raises (`RecipeError` for recipes). ships_user_modules: a user
+        entry's module is shipped to the Ray role workers (False for plugins only the driver runs: rewards)."""
         self.kind = kind
         self.entries_are_callable = entries_are_callable
         self.user_may_replace_builtins = user_may_replace_builtins
         self.same_entry_again_is_noop = same_entry_again_is_noop
+        self.ships_user_modules = ships_user_modules
         self.default_traits = default_traits
         self.known_as = known_as
         self.error = error
@@ -148,7 +152,7 @@ class Registry(Generic[E]):
             self._entries[each] = entry
             self._traits[each] = traits if traits is not None else self.default_traits
             self._origins[each] = origin
-        if not is_builtin_entry(origin):
+        if self.ships_user_modules and not is_builtin_entry(origin):
             record_user_module(getattr(origin, "__module__", None))  # a user plugin reaches the Ray workers too
 
     def unregister(self, name: str) -> None:

@@ -28,7 +28,7 @@ from stacx.plugins.registry import Registry
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, Any, dict], float]
-REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function")
+REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function", ships_user_modules=False)  # rewards run in the driver
 """Name -> reward function (a `stacx.plugins.registry.Registry`: a name registered twice is refused)."""
 
 
