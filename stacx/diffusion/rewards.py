@@ -27,7 +27,7 @@ import torch
 from stacx.diffusion.prompts import COLORS, parse_prompt, shape_mask
 from stacx.plugins.registry import Registry
 
-IMAGE_REWARDS = Registry("image reward")
+IMAGE_REWARDS = Registry("image reward", user_may_replace_builtins=True)
 """Name -> fn(images [B, C, H, W], prompts) -> [B] rewards."""
 
 

@@ -40,7 +40,7 @@ _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", 
 _PYTHON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
                  "object": (dict,)}
 
-TOOLS = Registry("tool")
+TOOLS = Registry("tool", user_may_replace_builtins=True)
 
 
 @dataclass(frozen=True, kw_only=True)

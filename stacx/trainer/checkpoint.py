@@ -80,6 +80,7 @@ from stacx.trainer.checkpoint_folders import (
 )
 from stacx.trainer.config.layout import RankCoords, RoleLayout
 from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path
+from stacx.trainer.config.run import ModelSection
 
 FORMAT_VERSION = 2
 """2: weights and optimizer state in torch_dist (`roles/<role>/model/`); 1: one torch.save pickle per rank."""
@@ -527,7 +528,8 @@ def verify_model_folder(path: str | os.PathLike, *, flag: str, check_hash: bool 
                                 check_hash=check_hash)
 
 
-def verify_start_folders(model_section: Any, training_config: TrainingConfig, *, check_hash: bool = True) -> None:
+def verify_start_folders(model_section: ModelSection, training_config: TrainingConfig, *,
+                         check_hash: bool = True) -> None:
     """`verify_model_folder` on every folder a role starts from or takes its reference from, and on
     --load: run by the driver (by every rank under torchrun) before any worker reads them, and by the
     preflight with `check_hash=False` (sizes: a truncated or missing file is named by --dry-run too)."""
@@ -537,7 +539,7 @@ def verify_start_folders(model_section: Any, training_config: TrainingConfig, *,
             path = role_checkpoint_path(role, model_section, arg) if arg is not None else None
             if path:
                 folders.setdefault(os.fspath(path), "--" + arg.replace("_", "-"))
-    if getattr(model_section, "load", None):
+    if model_section.load:
         folders.setdefault(os.fspath(model_section.load), "--load")
     for path, flag in folders.items():
         verify_model_folder(path, flag=flag, check_hash=check_hash)

@@ -274,7 +274,7 @@ def unread_checkpoint_flags(run_config: RunConfig, training_config: TrainingConf
     read = {arg for role in training_config.roles for arg in (role.checkpoint_arg, role.reference_checkpoint_arg)}
     unread = {}
     for arg in ("ref_load", "critic_load"):
-        value = getattr(run_config.model, arg, None)
+        value = getattr(run_config.model, arg)
         if value is not None and arg not in read:
             unread[arg] = (f"{flag(arg)} {value} is set, but recipe {training_config.name!r} has no role that reads it "
                            f"(its roles: {', '.join(r.name for r in training_config.roles)}), so the run ignores it: "
