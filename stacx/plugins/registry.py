@@ -16,7 +16,8 @@ built-in tasks, recipes):
   module imported twice);
 - an unknown name is answered with the close matches and the registered names;
 - lookups (`get`, `all_names`) first import the built-in kernel modules and `stacx/custom/`
-  (`stacx.plugins.discovery`), so a name is found whichever module was imported first;
+  (`stacx.plugins.discovery`), so a name is found whichever module was imported first (`get` does not
+  where `discovers=False`: built-in tasks, looked up on light paths);
 - a user entry's module is recorded so that it is shipped to the Ray role workers (unless only the
   driver runs the kind: rewards, built-in tasks).
 
@@ -78,17 +79,20 @@ class Registry(Generic[E]):
 
     def __init__(self, kind: str, *, entries_are_callable: bool = True, user_may_replace_builtins: bool = False,
                  same_entry_again_is_noop: bool = False, default_traits: Any = None,
-                 ships_user_modules: bool = True, known_as: Optional[str] = None,
+                 ships_user_modules: bool = True, discovers: bool = True, known_as: Optional[str] = None,
                  error: type[ValueError] = ValueError):
         """kind: what one entry is, as messages name it ('policy loss', 'engine kind'). known_as: how the
         list of names is introduced in messages ('known tasks'; default 'registered <kind> names'). error:
         the ValueError subclass a refusal raises (`RecipeError` for recipes). ships_user_modules: a user
-        entry's module is shipped to the Ray role workers (False for plugins only the driver runs: rewards)."""
+        entry's module is shipped to the Ray role workers (False for plugins only the driver runs: rewards).
+        discovers: `get` imports the built-in and custom modules first (False: a registry filled by its own
+        module, looked up on light paths that must not import the kernels: built-in tasks)."""
         self.kind = kind
         self.entries_are_callable = entries_are_callable
         self.user_may_replace_builtins = user_may_replace_builtins
         self.same_entry_again_is_noop = same_entry_again_is_noop
         self.ships_user_modules = ships_user_modules
+        self.discovers = discovers
         self.default_traits = default_traits
         self.known_as = known_as
         self.error = error
@@ -179,7 +183,8 @@ class Registry(Generic[E]):
     def get(self, name: str) -> E:
         """The entry registered under `name`, the built-in and custom modules imported first; an unknown
         name raises (the registry's `error`) with the close matches and the registered names."""
-        import_builtin_and_custom_modules()  # once per process: a stacx/custom/ file may replace a built-in
+        if self.discovers:
+            import_builtin_and_custom_modules()  # once per process: a stacx/custom/ file may replace a built-in
         if name not in self._entries:
             raise self.error(self.unknown_name_message(name))
         return self._entries[name]

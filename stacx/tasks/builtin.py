@@ -64,7 +64,7 @@ def _reversal(rng: random.Random) -> tuple[str, str]:
 
 
 TASKS: Registry[BuiltinTask] = Registry("built-in task", entries_are_callable=False, ships_user_modules=False,
-                                      known_as="known tasks")
+                                      discovers=False, known_as="known tasks")
 """Name -> built-in task (a `stacx.plugins.registry.Registry`: a name registered twice is refused)."""
 
 
