@@ -67,12 +67,13 @@ def test_the_registry_refuses_a_second_workload_for_a_modality_and_names_the_reg
 
 def test_text_is_a_workload_like_the_others():
     from stacx.specializations.base import Specialization
+    from stacx.trainer.recipes import get_recipe
     from stacx.trainer.text_workload import TextDriver
 
-    text = get_workload("text")
+    text, grpo = get_workload("text"), get_recipe("grpo")
     assert text.objective_base is Specialization
-    driver = text.driver(None, TRAINING_CONFIGS["grpo"])
-    assert isinstance(driver, TextDriver) and driver.describe() == TRAINING_CONFIGS["grpo"].describe()
+    driver = text.driver(None, grpo)
+    assert isinstance(driver, TextDriver) and driver.describe() == grpo.describe()
 
 
 def test_a_failing_entry_point_is_named(monkeypatch):
