@@ -555,4 +555,3 @@ class StacxTrainer:
                 self._close_driver_side()
         finally:
             self.on_close()
-
