@@ -51,7 +51,7 @@ def test_recipes_command_lists_describes_and_rejects_unknown(capsys):
     described = capsys.readouterr().out
     assert "inject: critic -> actor (values)" in described and "pool actor (shared)" in described
     assert main(["recipes", "grpoo"]) == 2
-    assert "unknown recipe 'grpoo'; known recipes:" in capsys.readouterr().err
+    assert "unknown recipe 'grpoo'; did you mean 'grpo'? known recipes:" in capsys.readouterr().err
 
 
 def test_recipes_command_shows_recipes_from_a_custom_module(tmp_path, capsys):
