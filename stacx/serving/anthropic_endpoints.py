@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 
 from starlette.responses import Response
 
-from stacx.rollout.engines.anthropic_protocol import (
+from stacx.serving.anthropic_protocol import (
     MessagesRequest,
     error_body,
     message_events,
@@ -39,18 +39,18 @@ from stacx.rollout.engines.anthropic_protocol import (
     render_message,
     server_sent_events,
 )
-from stacx.rollout.engines.base import GenerationCancelled
-from stacx.rollout.engines.http_guard import HttpError
-from stacx.rollout.engines.openai_endpoints import SESSION_PREFIXES, off_the_loop
-from stacx.rollout.engines.openai_protocol import Choice, render_chat_response
-from stacx.rollout.engines.openai_sessions import chat_prompt_ids
-from stacx.rollout.engines.stop_sequences import cut_at_stop_sequences
-from stacx.rollout.tool_calls import ParsedToolCalls, parse_tool_calls
+from stacx.serving.http_guard import HttpError
+from stacx.serving.openai_endpoints import SESSION_PREFIXES, off_the_loop
+from stacx.serving.openai_protocol import Choice, render_chat_response
+from stacx.serving.openai_sessions import chat_prompt_ids
+from stacx.serving.stop_sequences import cut_at_stop_sequences
+from stacx.wire.engine import GenerationCancelled
+from stacx.wire.tool_calls import ParsedToolCalls, parse_tool_calls
 
 if TYPE_CHECKING:  # annotations only
     from fastapi import Request
 
-    from stacx.rollout.engines.openai_endpoints import OpenAIEndpoints
+    from stacx.serving.openai_endpoints import OpenAIEndpoints
 
 __all__ = ["AnthropicEndpoints"]
 

@@ -38,9 +38,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from stacx.rollout.engines.openai_protocol import OpenAISampling
-from stacx.rollout.tool_calls import ParsedToolCalls
-from stacx.rollout.types import GenerateOutput
+from stacx.serving.openai_protocol import OpenAISampling
+from stacx.wire.tool_calls import ParsedToolCalls
+from stacx.wire.types import GenerateOutput
 
 __all__ = ["MessagesRequest", "error_body", "message_events", "parse_messages_request", "render_message",
            "server_sent_events"]

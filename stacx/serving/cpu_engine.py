@@ -4,15 +4,15 @@ Two decoders, chosen by `decoding=`:
 
 - "kv_cache" (default): the batch's prompts run once (left-padded), then each step is one
   forward of the newest token of every active row against a KV cache, on a `transformers`
-  mirror of the megatron model (stacx.rollout.engines.kv_cache_decoding). Its fp32 log-probs match the
+  mirror of the megatron model (stacx.serving.kv_cache_decoding). Its fp32 log-probs match the
   trainer's packed forward to ~1e-6.
 - "packed": no KV cache; each step runs one packed forward of the trainer's own model over
   every active sequence (prompt + tokens so far): O(steps) forwards of the whole rows, bit-for-bit
   the trainer's kernel. The reference the cached path is tested against.
 
-Log-prob convention: see stacx.rollout.types (log_softmax(logits / T) over the real vocab).
+Log-prob convention: see stacx.wire.types (log_softmax(logits / T) over the real vocab).
 
-Abort: every request carries an `AbortFlag` (stacx.rollout.engines.aborts), polled between
+Abort: every request carries an `AbortFlag` (stacx.serving.aborts), polled between
 decoding steps; an aborted row leaves the batch with what it generated (finish_reason "abort")
 while the other rows go on. One call runs under one weight version (weight loads wait for the
 call), and every token records it (`output_token_versions`).
@@ -27,14 +27,14 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from stacx.models.weight_loading import HfWeightReceiver
 from stacx.parallel.groups import ProcessGroups, initialize_parallel_layout
 from stacx.parallel.megatron_import import import_megatron_core
-from stacx.rollout.engines.aborts import AbortBook, AbortFlag
-from stacx.rollout.engines.base import GenerationCancelled, InferenceEngine, WeightBucket
-from stacx.rollout.engines.kv_cache_decoding import KvCacheDecoder
-from stacx.rollout.engines.weight_loading import HfWeightReceiver
-from stacx.rollout.engines.request_batching import GenerateBatcher
-from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
+from stacx.serving.aborts import AbortBook, AbortFlag
+from stacx.serving.kv_cache_decoding import KvCacheDecoder
+from stacx.serving.request_batching import GenerateBatcher
+from stacx.wire.engine import GenerationCancelled, InferenceEngine, WeightBucket
+from stacx.wire.types import GenerateOutput, GenerateRequest, SamplingParams
 
 DECODINGS = ("kv_cache", "packed")
 """`CpuEngine(decoding=...)` values: see the module docstring."""
@@ -304,7 +304,7 @@ class CpuEngine(InferenceEngine):
 
     def submit(self, request: GenerateRequest):
         """Start one request (registered for `abort` at once); concurrent submissions that wait
-        for the engine decode together as one batch (stacx.rollout.engines.request_batching)."""
+        for the engine decode together as one batch (stacx.serving.request_batching)."""
         self.check_requests([request])
         (flag,) = self.aborts.register([request.rid])
 

@@ -1,5 +1,5 @@
 """The protective layer of `stacx serve`'s HTTP server: limits, refusals, the bearer-token check and
-the two pieces that bound what connections and clients can hold. `stacx.rollout.engines.server`
+the two pieces that bound what connections and clients can hold. `stacx.serving.server`
 builds the endpoints on top of it.
 
 - `guarded_h11_protocol(limits)`: uvicorn's h11 connection protocol with a connection cap (at the

@@ -9,7 +9,7 @@
 Endpoints (a session prefix records the turns under that session; without one nothing is
 recorded):
   POST [<session>]/v1/chat/completions   messages, tools -> chat.completion (tool calls parsed
-                                         from the model's text, stacx.rollout.tool_calls)
+                                         from the model's text, stacx.wire.tool_calls)
   POST [<session>]/v1/completions        prompt -> text_completion
   GET  [<session>]/v1/models             the served model
   POST /stacx/sessions/<id>              (stacx) open a session for one episode -> {"session_id", "secret",
@@ -42,17 +42,16 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import anyio
 
-from stacx.rollout.agent_trajectories import RecordedTurn
-from stacx.rollout.engines.http_guard import HttpError, check_bearer_token
-from stacx.rollout.chat_encoding import decode_reply
-from stacx.rollout.engines.openai_protocol import (
+from stacx.serving.endpoint_host import EndpointHost
+from stacx.serving.http_guard import HttpError, check_bearer_token
+from stacx.serving.openai_protocol import (
     Choice,
     parse_chat_request,
     parse_completion_request,
     render_chat_response,
     render_completion_response,
 )
-from stacx.rollout.engines.openai_sessions import (
+from stacx.serving.openai_sessions import (
     SessionBook,
     SessionTurn,
     chat_prompt_ids,
@@ -60,17 +59,17 @@ from stacx.rollout.engines.openai_sessions import (
     completion_prompt_ids,
     encode,
 )
-from stacx.rollout.engines.request_bodies import check_text_budget
-from stacx.rollout.engines.stop_sequences import cut_at_stop_sequences
-from stacx.rollout.engines.openai_streaming import chat_chunks, completion_chunks, event_stream, token_pieces
-from stacx.rollout.engines.openai_tool_choice import forced_call_opening
-from stacx.rollout.tool_calls import ParsedToolCalls, parse_tool_calls, tool_call_style_for
-from stacx.rollout.types import GenerateRequest, SamplingParams
+from stacx.serving.openai_streaming import chat_chunks, completion_chunks, event_stream, token_pieces
+from stacx.serving.openai_tool_choice import forced_call_opening
+from stacx.serving.request_bodies import check_text_budget
+from stacx.serving.stop_sequences import cut_at_stop_sequences
+from stacx.wire.chat_encoding import decode_reply
+from stacx.wire.tool_calls import ParsedToolCalls, parse_tool_calls, tool_call_style_for
+from stacx.wire.trajectories import RecordedTurn
+from stacx.wire.types import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:  # annotations only
     from fastapi import Request
-
-    from stacx.rollout.engines.server import EngineHttpServer
 
 async def off_the_loop(function, *args):
     """`function(*args)` in a worker thread: rendering a chat template and tokenizing take long for long
@@ -89,7 +88,7 @@ SESSION_PREFIXES = ("/sessions/{session_id}", "/sessions/{session_id}/{secret}")
 class OpenAIEndpoints:
     """The handlers; each returns (status, JSON body) for `server`'s `answering` wrapper."""
 
-    def __init__(self, server: "EngineHttpServer", read_json):
+    def __init__(self, server: EndpointHost, read_json):
         self.server = server
         self.read_json = read_json
         self.sessions = SessionBook()

@@ -25,10 +25,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from stacx.rollout.engines.openai_stop import parse_stop
-from stacx.rollout.engines.sglang_protocol import INT_MAX, SEED_MAX
-from stacx.rollout.tool_calls import ParsedToolCalls
-from stacx.rollout.types import GenerateOutput
+from stacx.serving.openai_stop import parse_stop
+from stacx.wire.sglang_protocol import INT_MAX, SEED_MAX
+from stacx.wire.tool_calls import ParsedToolCalls
+from stacx.wire.types import GenerateOutput
 
 __all__ = ["ChatRequest", "Choice", "CompletionRequest", "OpenAISampling", "ToolChoice", "parse_chat_request",
            "parse_completion_request", "render_chat_response", "render_completion_response", "template_messages"]

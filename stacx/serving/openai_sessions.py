@@ -7,7 +7,7 @@ for an episode (`SessionBook.open`) also needs its secret: the base URL the agen
 `/sessions/<session_id>/<secret>/v1` (or the client sends the secret as its API key). Each turn records the
 prompt ids the engine got, the ids it generated, their log-probs and the weight version
 (`RecordedTurn`); the trainer reads them back (`GET /stacx/sessions/<id>`) and assembles
-trajectories (stacx.rollout.agent_trajectories).
+trajectories (stacx.rollout.agents.agent_trajectories).
 
 Token-in/token-out: when a chat request continues a turn of the session (its messages are that
 turn's messages, then the assistant reply the server gave, then new messages; the newest such turn
@@ -18,13 +18,13 @@ among those no request continued yet, the session's leaves), its prompt is
 where `new` is what the chat template renders after the reply (tool results, the next user
 message, the generation prompt) and `close` is the template's end of an assistant message that the
 engine did not generate itself (e.g. `<|im_end|>\\n` after a reply cut by max_tokens, or just
-`\\n` after one that ended on `<|im_end|>`): `stacx.rollout.chat_continuation`, the rule Stacx's own
+`\\n` after one that ended on `<|im_end|>`): `stacx.wire.chat_continuation`, the rule Stacx's own
 episodes use. The generated ids are never re-tokenized, so the ids trained on are the ids sampled.
-Message content is encoded with control spellings held back (`stacx.rollout.chat_encoding`): a tool
+Message content is encoded with control spellings held back (`stacx.wire.chat_encoding`): a tool
 result or a user message holding `<|im_end|>` is text, never a forged turn. A request that continues no turn (the agent dropped a reply after
 a format error, compacted or truncated its history, started a sub-agent, or the template renders
 history differently) gets the template's ids of the whole conversation: a branch of the session's
-tree, a new trajectory of the same episode (stacx.rollout.agent_trajectories).
+tree, a new trajectory of the same episode (stacx.rollout.agents.agent_trajectories).
 
 Recording a turn from another API (e.g. another chat protocol) takes what the OpenAI handlers
 (openai_endpoints.py) do: `session_id, secret = endpoints.session_of(request)` (refuses a foreign
@@ -46,11 +46,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from stacx.rollout.agent_trajectories import RecordedTurn
-from stacx.rollout.engines.http_guard import HttpError
-from stacx.rollout.chat_continuation import ids_after_assistant_turn
-from stacx.rollout.chat_encoding import chat_ids
-from stacx.rollout.engines.openai_protocol import template_messages
+from stacx.serving.http_guard import HttpError
+from stacx.serving.openai_protocol import template_messages
+from stacx.wire.chat_continuation import ids_after_assistant_turn
+from stacx.wire.chat_encoding import chat_ids
+from stacx.wire.trajectories import RecordedTurn
 
 __all__ = ["SessionBook", "SessionRefused", "SessionTurn", "chat_prompt_ids", "check_session_id",
            "completion_prompt_ids"]
@@ -89,7 +89,7 @@ class SessionBook:
     it, and evicted (least recently used first, counted in `evicted`, warned) beyond `max_sessions`
     such sessions; at most `max_open_sessions` are open at once.
 
-    A session is a tree of turns (stacx.rollout.agent_trajectories): a request may continue any turn
+    A session is a tree of turns (stacx.rollout.agents.agent_trajectories): a request may continue any turn
     no later turn continued (a *leaf*); the newest `max_leaves_per_session` leaves keep what a
     request must repeat to continue them (`SessionTurn`)."""
 

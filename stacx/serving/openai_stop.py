@@ -8,7 +8,7 @@ on, masked as generated: they are exactly what the engine sampled, in order, so 
 are the engine's and the next turn's prompt continues them token for token. The ids the engine
 generated past the stop are dropped (sampling is causal: cutting afterwards gives the same ids as
 stopping there, at the cost of the extra decoding steps). The cut itself is
-`stacx.rollout.engines.stop_sequences.cut_at_stop_sequences`, shared with Anthropic's `stop_sequences`;
+`stacx.serving.stop_sequences.cut_at_stop_sequences`, shared with Anthropic's `stop_sequences`;
 this module parses OpenAI's `stop` field.
 """
 

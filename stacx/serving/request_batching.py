@@ -28,7 +28,7 @@ import inspect
 import threading
 from typing import Any, Callable, Optional, Sequence
 
-from stacx.rollout.engines.base import GenerationCancelled
+from stacx.wire.engine import GenerationCancelled
 
 
 class _Submission:

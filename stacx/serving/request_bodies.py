@@ -14,7 +14,7 @@ import re
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
-from stacx.rollout.engines.http_guard import HttpError
+from stacx.serving.http_guard import HttpError
 
 
 def content_length(request: Request, limit: int) -> int:

@@ -2,7 +2,7 @@
 
 FastAPI on uvicorn, run in-process (docs/dependencies.md says why): one asyncio thread holds every
 connection, blocking work (generation, weight loads) runs in worker threads. The limits, each in
-`ServerLimits` (stacx.rollout.engines.http_guard):
+`ServerLimits` (stacx.serving.http_guard):
 
 - a body larger than `max_body_bytes` is answered 413 from its Content-Length, before anything is
   allocated; JSON bodies are read within `read_timeout_s`, memory following the bytes that arrived;
@@ -74,11 +74,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from stacx.rollout.engines.aborts import AbortBook
-from stacx.rollout.engines.anthropic_endpoints import AnthropicEndpoints
-from stacx.rollout.engines.cpu import GenerationCancelled
-from stacx.rollout.engines.http import BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_RELEASE_ENDPOINT, SHM_STAGING_ENDPOINT
-from stacx.rollout.engines.http_guard import (
+from stacx.serving.aborts import AbortBook
+from stacx.serving.anthropic_endpoints import AnthropicEndpoints
+from stacx.serving.http_guard import (
     ConnectionCounter,
     HttpError,
     PerClientLimit,
@@ -87,19 +85,24 @@ from stacx.rollout.engines.http_guard import (
     guarded_h11_protocol,
     presented_authorization,
 )
-from stacx.rollout.engines.openai_endpoints import OpenAIEndpoints
-from stacx.rollout.engines.openai_errors import is_openai_path, openai_error_body
-from stacx.rollout.engines.request_bodies import check_text_budget, content_length, read_body_into, read_json
-from stacx.rollout.engines.sglang_protocol import parse_abort_payload, parse_generate_payload, render_generate_item
-from stacx.rollout.engines.weight_versions import StaleWeightsError, WeightVersionGate
-from stacx.rollout.engines.request_batching import GenerateBatcher
-from stacx.rollout.weight_transfer import (
+from stacx.serving.openai_endpoints import OpenAIEndpoints
+from stacx.serving.openai_errors import is_openai_path, openai_error_body
+from stacx.serving.request_batching import GenerateBatcher
+from stacx.serving.request_bodies import check_text_budget, content_length, read_body_into, read_json
+from stacx.wire.engine import GenerationCancelled
+from stacx.wire.sglang_protocol import parse_abort_payload, parse_generate_payload, render_generate_item
+from stacx.wire.weight_transfer import (
+    BUCKET_ENDPOINT,
+    SHM_BUCKET_ENDPOINT,
+    SHM_RELEASE_ENDPOINT,
+    SHM_STAGING_ENDPOINT,
     SharedMemoryRegistry,
     decode_bucket_body,
     max_bucket_body_bytes,
     refuse_non_finite,
     unflatten_bucket,
 )
+from stacx.wire.weight_versions import StaleWeightsError, WeightVersionGate
 
 __all__ = ["EngineHttpServer", "ServerLimits", "MUTATING_ENDPOINTS", "WEIGHT_ENDPOINTS"]
 
@@ -183,7 +186,7 @@ class EngineHttpServer:
         self._admitted = {TRAINER_LANE: 0, SHARED_LANE: 0}
         self._weight_lock = asyncio.Lock()  # one weight body in memory at a time
         self._generate_threads: dict[str, anyio.CapacityLimiter] = {}  # per lane, made on the event loop
-        # Concurrent /generate calls run as one engine batch (stacx.rollout.engines.request_batching).
+        # Concurrent /generate calls run as one engine batch (stacx.serving.request_batching).
         self.batcher = GenerateBatcher(engine) if engine is not None else None
         self.aborts: AbortBook = getattr(engine, "aborts", None) or AbortBook()
         """Every /generate request from its arrival to its answer, for /abort_request."""

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from stacx.rollout.types import GenerateOutput
+from stacx.wire.types import GenerateOutput
 
 __all__ = ["StopCut", "cut_at_stop_sequences"]
 

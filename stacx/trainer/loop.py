@@ -46,13 +46,12 @@ from stacx.objectives import get_advantage
 from stacx.objectives.advantages_returns import gae_returns
 from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
 from stacx.parallel.reduction import StepCounts, count_loss_tokens
-from stacx.rollout.agent_rollout import AgentRollout, agent_from_settings, last_turn_reward
-from stacx.rollout.async_rollout import AsyncRollout, importance_weight_metrics
-from stacx.rollout.rewards import resolve_reward_fn
+from stacx.rollout.agents.agent_rollout import AgentRollout, agent_from_settings, last_turn_reward
+from stacx.rollout.asynchronous.async_rollout import AsyncRollout, importance_weight_metrics
 from stacx.rollout.evaluation import RolloutDumper
-from stacx.rollout.step_rollout import StepRollout, uniform_reward_warning
-from stacx.rollout.types import EngineTarget
+from stacx.rollout.rewards import resolve_reward_fn
 from stacx.rollout.service import RolloutService
+from stacx.rollout.step_rollout import StepRollout, uniform_reward_warning
 from stacx.trainer.batch import StepBatch, StepDataSource, plan_micro_batches
 from stacx.trainer.checkpoint import (
     CheckpointError,
@@ -78,6 +77,7 @@ from stacx.trainer.heartbeat import Heartbeat
 from stacx.trainer.interrupts import stop_on_termination_signals
 from stacx.trainer.metrics import ROLLOUT_STEP_KEY, MetricsLogger
 from stacx.trainer.numerics import NonFiniteGuard
+from stacx.wire.types import EngineTarget
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class StacxTrainer:
                  exchanges: Optional[Mapping[str, ExchangeGroup]] = None, step_rollout: Optional[Any] = None):
         """step_rollout: where the driver's samples come from instead of a StepRollout over `rollout` and
         `data` (anything with `collect(step)` and `evaluate_if_due(step)`, e.g. an external agent's
-        sessions, stacx.rollout.agent_rollout.AgentRollout); weights still go to `rollout`'s engine."""
+        sessions, stacx.rollout.agents.agent_rollout.AgentRollout); weights still go to `rollout`'s engine."""
         self.run_config = run_config
         self.training_config = training_config
         self.algorithm = as_algorithm_config(algorithm, "StacxTrainer(algorithm=...)")
@@ -275,7 +275,7 @@ class StacxTrainer:
 
     def collect_batch(self, step: int) -> tuple[StepBatch, dict]:
         """(step batch, rollout metrics), on the driver: async mode takes the scheduler's batch of `step`."""
-        # data is None when the step rollout draws its own tasks (stacx.rollout.agent_rollout.AgentRollout)
+        # data is None when the step rollout draws its own tasks (stacx.rollout.agents.agent_rollout.AgentRollout)
         if self.training_config.data_source == "dataset" or (self.data is not None and self.data.kind == "trajectory"):
             batch = self.data.next_dataset_batch()
             lengths = batch.response_lengths

@@ -3,8 +3,8 @@
     ids = ids_after_assistant_turn(tokenizer, history, new_messages, tools=tools, generated_ids=output_ids)
     next_prompt = prompt_ids + output_ids + ids
 
-The one rule both the episode runner (`stacx.rollout.episode`, the observation after each action) and
-the OpenAI endpoint's sessions (`stacx.rollout.engines.openai_sessions`, the next request's prompt)
+The one rule both the episode runner (`stacx.rollout.agents.episode`, the observation after each action) and
+the OpenAI endpoint's sessions (`stacx.serving.openai_sessions`, the next request's prompt)
 use. With A an assistant message whose content is a marker:
 
     before = render(history + [A])
@@ -15,7 +15,7 @@ use. With A an assistant message whose content is a marker:
 `close` is the template's end of an assistant message: the engine generated its start itself when it
 stopped on the end-of-turn token (then only "\\n" is left of Qwen's "<|im_end|>\\n"), and none of it
 when max_tokens cut the reply. The generated ids are never re-tokenized. Content is encoded with
-control spellings held back (`stacx.rollout.chat_encoding`): a tool result cannot forge a turn.
+control spellings held back (`stacx.wire.chat_encoding`): a tool result cannot forge a turn.
 
 None when the template cannot continue: it writes no assistant content, renders `history` and
 the assistant turn differently once more messages follow (the conversation is not a prefix of the
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from stacx.rollout.chat_encoding import encode_rendered, end_of_turn_ids, render_chat
+from stacx.wire.chat_encoding import encode_rendered, end_of_turn_ids, render_chat
 
 __all__ = ["ASSISTANT_MARK", "ids_after_assistant_turn"]
 

@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from stacx.rollout.types import GenerateOutput, GenerateRequest
+from stacx.wire.types import GenerateOutput, GenerateRequest
 
 WeightBucket = Sequence[tuple[str, torch.Tensor]]
 """A list of (Hugging Face parameter name, full unsharded tensor)."""

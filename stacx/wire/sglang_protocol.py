@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
+from stacx.wire.types import GenerateOutput, GenerateRequest, SamplingParams
 
 _FINISH_TYPES = {"length", "stop", "abort"}
 

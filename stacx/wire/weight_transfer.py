@@ -7,7 +7,7 @@ sync fast (per-tensor sends are ~10x slower at scale). The HTTP body of a bucket
 
 with header `{"names", "dtypes", "shapes", "offsets", "num_bytes", "version", "bucket", "final"}`
 (offsets in bytes; `bucket` numbers the update's buckets from 0, so that a server can refuse a
-replayed one, see stacx.rollout.engines.weight_versions). The layout, the dtype table and the per-tensor checks are the one codec of
+replayed one, see stacx.wire.weight_versions). The layout, the dtype table and the per-tensor checks are the one codec of
 `stacx.parallel.tensor_buckets` (also used by exchange syncs and torchrun rank messages): each
 tensor starts at a 64-byte aligned offset. The receiver views the raw bytes as tensors without
 copying and copies each into its parameter.
@@ -47,6 +47,15 @@ from stacx.parallel.tensor_buckets import (
 )
 
 logger = logging.getLogger(__name__)
+
+BUCKET_ENDPOINT = "/stacx/update_weights_bucket"
+"""`stacx serve`'s endpoint for one bucket in the HTTP body."""
+SHM_BUCKET_ENDPOINT = "/stacx/update_weights_from_shm"
+"""... for one bucket written into a shared-memory staging file (the body names the file's id)."""
+SHM_STAGING_ENDPOINT = "/stacx/shm_staging"
+"""... that creates a staging file and hands back its id and path."""
+SHM_RELEASE_ENDPOINT = "/stacx/shm_staging/release"
+"""... that removes a staging file."""
 
 @dataclass(frozen=True)
 class FlatBucket:

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the switch ap
 @pytest.fixture(scope="module")
 def single_process_world():
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.engines.cpu import ensure_single_process_layout
+    from stacx.serving.cpu_engine import ensure_single_process_layout
 
     groups = ensure_single_process_layout()
     yield groups

@@ -23,7 +23,7 @@ def tiny_checkpoints(tmp_path_factory):
 def single_process_world():
     """A one-rank gloo world with megatron's trivial layout, torn down after the module."""
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.engines.cpu import ensure_single_process_layout
+    from stacx.serving.cpu_engine import ensure_single_process_layout
 
     groups = ensure_single_process_layout()
     yield groups
@@ -33,7 +33,7 @@ def single_process_world():
 @pytest.fixture(scope="module")
 def cpu_engine(tiny_checkpoints, single_process_world):
     """The CPU engine serving the first tiny checkpoint (one per test module)."""
-    from stacx.rollout.engines.cpu import CpuEngine
+    from stacx.serving.cpu_engine import CpuEngine
 
     return CpuEngine.from_hf_checkpoint(tiny_checkpoints[0])
 
@@ -68,8 +68,8 @@ def taught_policy(tmp_path_factory):
 def taught_server(taught_policy, single_process_world):
     """`stacx serve`'s server (the CPU engine) around the taught policy, one per test module: a module's
     tests share its sessions' store, so each uses its own session ids."""
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.serving.cpu_engine import CpuEngine
+    from stacx.serving.server import EngineHttpServer
 
     path, tokenizer = taught_policy
     with EngineHttpServer(CpuEngine.from_hf_checkpoint(path), model_path=path, tokenizer=tokenizer) as running:

@@ -40,7 +40,7 @@ def anthropic_client(server, session_id):
 
 
 def recorded(server, session_id):
-    from stacx.rollout.agent_trajectories import RecordedTurn
+    from stacx.wire.trajectories import RecordedTurn
 
     answer = requests.get(f"{server.url}/stacx/sessions/{session_id}", timeout=30)
     answer.raise_for_status()
@@ -84,7 +84,7 @@ def openai_turns(server):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_two_turn_tool_use_conversation_records_what_the_openai_route_records(server, openai_turns, stream):
-    from stacx.rollout.agent_trajectories import assemble_trajectories
+    from stacx.rollout.agents.agent_trajectories import assemble_trajectories
 
     session = f"anthropic-{'streamed' if stream else 'whole'}"
     first, second = anthropic_conversation(server, session, stream=stream)
@@ -170,7 +170,7 @@ def test_errors_come_in_anthropics_schema_with_the_servers_message(server):
 
 
 def test_x_api_key_carries_the_servers_key_where_it_is_checked():
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.serving.server import EngineHttpServer
 
     with EngineHttpServer(None, api_key="the-key") as keyed:
         wrong = requests.post(f"{keyed.url}/pause_generation", headers={"x-api-key": "a guess"}, timeout=30)
@@ -183,7 +183,7 @@ def test_x_api_key_carries_the_servers_key_where_it_is_checked():
 def test_an_agent_command_gets_the_session_url_for_anthropic_clients_too():
     import sys
 
-    from stacx.rollout.agent_rollout import AgentCommand
+    from stacx.rollout.agents.agent_rollout import AgentCommand
 
     report = ("import json, os; open(os.environ['STACX_REWARD_FILE'], 'w').write(json.dumps({'reward': float("
               "os.environ['ANTHROPIC_BASE_URL'] == 'http://127.0.0.1:1/sessions/s1' and "

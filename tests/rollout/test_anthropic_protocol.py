@@ -5,16 +5,16 @@ import json
 
 import pytest
 
-from stacx.rollout.engines.anthropic_protocol import (
+from stacx.serving.anthropic_protocol import (
     error_body,
     message_events,
     parse_messages_request,
     render_message,
     server_sent_events,
 )
-from stacx.rollout.engines.stop_sequences import cut_at_stop_sequences
-from stacx.rollout.tool_calls import ParsedToolCalls, ToolCall
-from stacx.rollout.types import GenerateOutput
+from stacx.serving.stop_sequences import cut_at_stop_sequences
+from stacx.wire.tool_calls import ParsedToolCalls, ToolCall
+from stacx.wire.types import GenerateOutput
 
 SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}}
 

@@ -6,16 +6,16 @@ import time
 import pytest
 import torch
 
-from stacx.rollout.engines.cpu import CpuEngine, draw_index, filter_top_k_top_p
-from stacx.rollout.http_client import RetryPolicy
+from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.manager import RolloutManager
 from stacx.rollout.service import RolloutService
-from stacx.trainer.batch import StepBatch
-from stacx.rollout.engines.server import EngineHttpServer
-from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL
 from stacx.rollout.teacher import TeacherClient
-from stacx.rollout.types import GenerateRequest, SamplingParams
+from stacx.serving.cpu_engine import CpuEngine, draw_index, filter_top_k_top_p
+from stacx.serving.server import EngineHttpServer
+from stacx.trainer.batch import StepBatch
+from stacx.wire.http_client import RetryPolicy
+from stacx.wire.types import GenerateRequest, SamplingParams
 
 TOLERANCE = 1e-5  # fp32 engine vs fp32 trainer forward of the same tokens
 

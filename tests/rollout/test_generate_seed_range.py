@@ -3,7 +3,7 @@ engine's `manual_seed` overflowed and the 400 named no field)."""
 
 import pytest
 
-from stacx.rollout.engines.sglang_protocol import SEED_MAX, parse_sampling_params
+from stacx.wire.sglang_protocol import SEED_MAX, parse_sampling_params
 
 
 def test_a_seed_beyond_the_generators_range_is_refused_naming_the_field():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from stacx.rollout.engines.cpu import CpuEngine, GenerationCancelled
-from stacx.rollout.types import GenerateRequest, SamplingParams
+from stacx.serving.cpu_engine import CpuEngine, GenerationCancelled
+from stacx.wire.types import GenerateRequest, SamplingParams
 
 TOLERANCE = 1e-5  # fp32 cached decoder vs fp32 trainer forward of the same tokens
 
@@ -184,7 +184,7 @@ def test_prefill_keeps_only_the_logits_it_needs(engines):
     batch = cached._cached_decoder.prefill([[4] * 120, [5] * 30], num_prompt_logits=1)
     assert tuple(batch.prompt_logits_BKV.shape) == (2, 1, cached.vocab_size)
     plain = GenerateRequest(input_ids=(4,) * 120, sampling=SamplingParams(max_new_tokens=1))
-    from stacx.rollout.engines.cpu import _first_prompt_logit
+    from stacx.serving.cpu_engine import _first_prompt_logit
 
     assert _first_prompt_logit(plain) == 119  # only the last prompt position is asked for
     asked = GenerateRequest(input_ids=(4,) * 120, logprob_start_len=100, sampling=SamplingParams(max_new_tokens=1))

@@ -44,7 +44,7 @@ def client_for(server, session_id=None):
 
 
 def recorded(server, session_id):
-    from stacx.rollout.agent_trajectories import RecordedTurn
+    from stacx.wire.trajectories import RecordedTurn
 
     answer = requests.get(f"{server.url}/stacx/sessions/{session_id}", timeout=30)
     answer.raise_for_status()
@@ -52,7 +52,7 @@ def recorded(server, session_id):
 
 
 def test_chat_with_tools_continues_the_engines_own_ids_across_turns(server, policy):
-    from stacx.rollout.agent_trajectories import assemble_trajectories
+    from stacx.rollout.agents.agent_trajectories import assemble_trajectories
 
     _, tokenizer = policy
     client = client_for(server, "chat-1")
@@ -206,7 +206,7 @@ def test_streamed_text_comes_one_chunk_per_token_with_its_log_probs(server):
 
 
 def test_n_samples_are_one_request_each_its_own_trajectory_and_the_kept_sample_continues(server):
-    from stacx.rollout.agent_trajectories import assemble_trajectories
+    from stacx.rollout.agents.agent_trajectories import assemble_trajectories
 
     client = client_for(server, "group-1")
     messages = [{"role": "user", "content": "hi"}]
@@ -257,7 +257,7 @@ def test_stop_strings_cut_the_text_and_the_recorded_ids_end_with_the_stop(server
 
 
 def test_top_logprobs_are_the_engines_top_k(server, policy):
-    from stacx.rollout.types import GenerateRequest, SamplingParams
+    from stacx.wire.types import GenerateRequest, SamplingParams
 
     _, tokenizer = policy
     messages = [{"role": "user", "content": "hi"}]
@@ -304,7 +304,7 @@ def test_tool_choice_required_or_named_opens_the_call_in_the_prompt_and_the_mode
 def test_a_grpo_step_trains_on_an_agents_sessions_with_the_engines_ids(server, tmp_path):
     """AgentRollout runs a two-turn agent (the openai client) per task; the real loop trains one GRPO step on
     the assembled sessions, and its recomputed log-probs of the generated ids equal the engine's."""
-    from stacx.rollout.agent_rollout import AgentRollout
+    from stacx.rollout.agents.agent_rollout import AgentRollout
 
     def agent(base_url: str, task: dict) -> float:
         client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
@@ -382,7 +382,7 @@ def mini_swe_agent(workdirs):
 
 @pytest.mark.slow  # litellm's import alone is about 3 s of CPU
 def test_mini_swe_agent_solves_the_task_through_the_endpoint_and_grpo_trains_on_it(server, tmp_path, monkeypatch):
-    from stacx.rollout.agent_rollout import AgentCommand, AgentRollout
+    from stacx.rollout.agents.agent_rollout import AgentCommand, AgentRollout
 
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would download its price list
     monkeypatch.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path / "mswea"))

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from stacx.rollout.agent_rollout import AgentCommand, AgentRollout
-from stacx.rollout.agent_trajectories import RecordedTurn
-from stacx.rollout.engines.openai_protocol import parse_chat_request, parse_completion_request, template_messages
-from stacx.rollout.engines.openai_sessions import SessionBook, SessionTurn, chat_prompt_ids, completion_prompt_ids
-from stacx.rollout.tool_calls import parse_tool_calls
+from stacx.rollout.agents.agent_rollout import AgentCommand, AgentRollout
+from stacx.serving.openai_protocol import parse_chat_request, parse_completion_request, template_messages
+from stacx.serving.openai_sessions import SessionBook, SessionTurn, chat_prompt_ids, completion_prompt_ids
+from stacx.wire.tool_calls import parse_tool_calls
+from stacx.wire.trajectories import RecordedTurn
 from tests.rollout.agent_fixtures import BASH_TOOL, tool_tokenizer
 
 
@@ -138,9 +138,9 @@ def test_an_agent_command_gets_the_base_url_and_task_and_reports_its_reward():
 
 
 def test_a_stop_string_cuts_the_text_before_it_and_the_ids_after_the_ones_that_wrote_it(tokenizer):
-    from stacx.rollout.engines.openai_stop import parse_stop
-    from stacx.rollout.engines.stop_sequences import cut_at_stop_sequences
-    from stacx.rollout.types import GenerateOutput
+    from stacx.serving.openai_stop import parse_stop
+    from stacx.serving.stop_sequences import cut_at_stop_sequences
+    from stacx.wire.types import GenerateOutput
 
     generated = list(ids(tokenizer, "ab\nEND more"))
     output = GenerateOutput(output_ids=generated, output_log_probs=[-float(i) for i in range(len(generated))],
@@ -159,8 +159,8 @@ def test_a_stop_string_cuts_the_text_before_it_and_the_ids_after_the_ones_that_w
 
 
 def test_a_forced_call_opens_as_the_template_writes_a_call(tokenizer):
-    from stacx.rollout.engines.openai_tool_choice import forced_call_opening
     from stacx.rollout.tokenizer import build_char_tokenizer
+    from stacx.serving.openai_tool_choice import forced_call_opening
 
     second = {"type": "function", "function": {"name": "submit"}}
     assert forced_call_opening(tokenizer, [BASH_TOOL, second], None) == "<tool_call>"
@@ -201,7 +201,7 @@ def test_the_new_fields_are_read():
 
 
 def test_errors_on_openai_paths_name_their_field():
-    from stacx.rollout.engines.openai_errors import is_openai_path, openai_error_body
+    from stacx.serving.openai_errors import is_openai_path, openai_error_body
 
     assert openai_error_body(400, "/v1/chat/completions: 'top_p' must be > 0") == {"error": {
         "message": "/v1/chat/completions: 'top_p' must be > 0", "type": "BadRequestError", "param": "top_p",
@@ -213,7 +213,7 @@ def test_errors_on_openai_paths_name_their_field():
 
 
 def test_n_samples_are_sibling_leaves_of_the_turn_they_extend_and_a_next_turn_continues_the_one_the_agent_kept():
-    from stacx.rollout.agent_trajectories import assemble_trajectories
+    from stacx.rollout.agents.agent_trajectories import assemble_trajectories
 
     book = SessionBook()
     root = SessionTurn(RecordedTurn(prompt_ids=(1,), output_ids=(2,), output_log_probs=(-0.1,), weight_version=0),

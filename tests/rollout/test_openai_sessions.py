@@ -20,8 +20,8 @@ except ImportError as missing:  # a failure with the fix, never a skip
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, single_process_world):
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.serving.cpu_engine import CpuEngine
+    from stacx.serving.server import EngineHttpServer
 
     tokenizer = tool_tokenizer()
     path = save_policy(tmp_path_factory.mktemp("sessions_policy"), tokenizer)
@@ -45,8 +45,8 @@ def test_a_scaffold_that_retries_compacts_and_starts_a_sub_agent_is_one_episode_
     """The scaffold drops a malformed reply and asks again with the format error, runs a sub-agent between
     two of its own turns, then compacts its history: one episode, three trajectories with its reward,
     each turn's ids the engine's own, every generated id trained exactly once."""
-    from stacx.rollout.agent_rollout import AgentRollout
-    from stacx.rollout.agent_trajectories import common_prefix_length
+    from stacx.rollout.agents.agent_rollout import AgentRollout
+    from stacx.rollout.agents.agent_trajectories import common_prefix_length
 
     tokenizer = server.tokenizer
     seen = {}
@@ -153,8 +153,8 @@ def test_an_episodes_session_refuses_foreign_appends_reads_and_pops(server):
 
 
 def test_a_flood_of_sessions_evicts_no_open_one_and_counts_and_warns_what_it_evicts(caplog):
-    from stacx.rollout.agent_trajectories import RecordedTurn
-    from stacx.rollout.engines.openai_sessions import SessionBook, SessionTurn
+    from stacx.serving.openai_sessions import SessionBook, SessionTurn
+    from stacx.wire.trajectories import RecordedTurn
 
     def recorded(i):
         return SessionTurn(RecordedTurn(prompt_ids=(1, i), output_ids=(2,), output_log_probs=(-0.5,), weight_version=0))
@@ -162,7 +162,7 @@ def test_a_flood_of_sessions_evicts_no_open_one_and_counts_and_warns_what_it_evi
     book = SessionBook(max_sessions=4096)
     live = {f"live-{i}": book.open(f"live-{i}") for i in range(3)}
     book.record("live-0", recorded(0), secret=live["live-0"])
-    with caplog.at_level(logging.WARNING, logger="stacx.rollout.engines.openai_sessions"):
+    with caplog.at_level(logging.WARNING, logger="stacx.serving.openai_sessions"):
         for i in range(5000):
             book.record(f"flood-{i}", recorded(i))
             if i == 2500:  # a live episode keeps recording during the flood
@@ -179,7 +179,7 @@ def test_a_flood_of_sessions_evicts_no_open_one_and_counts_and_warns_what_it_evi
 def test_mini_swe_agent_retrying_after_format_errors_is_one_episode_with_branches(server, tmp_path, monkeypatch):
     """mini-swe-agent, unmodified, drops a reply without a tool call and asks again with the format error
     (the untrained policy never writes one): one episode whose retries are branches of the first prompt."""
-    from stacx.rollout.agent_rollout import AgentRollout
+    from stacx.rollout.agents.agent_rollout import AgentRollout
 
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would download its price list
     monkeypatch.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path / "mswea"))

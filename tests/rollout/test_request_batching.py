@@ -1,4 +1,4 @@
-"""Concurrent generate calls share one engine batch (stacx.rollout.engines.request_batching)."""
+"""Concurrent generate calls share one engine batch (stacx.serving.request_batching)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from stacx.rollout.engines.cpu import GenerationCancelled
-from stacx.rollout.engines.request_batching import GenerateBatcher
+from stacx.serving.cpu_engine import GenerationCancelled
+from stacx.serving.request_batching import GenerateBatcher
 
 
 class RecordingEngine:
@@ -135,8 +135,8 @@ def test_a_batch_stops_only_when_every_caller_in_it_has_left():
 
 
 def test_cpu_engine_answers_batched_callers_as_it_answers_them_one_by_one(tiny_checkpoints, single_process_world):
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.types import GenerateRequest, SamplingParams
+    from stacx.serving.cpu_engine import CpuEngine
+    from stacx.wire.types import GenerateRequest, SamplingParams
 
     engine = CpuEngine.from_hf_checkpoint(tiny_checkpoints[0])
     requests = [

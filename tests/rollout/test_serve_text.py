@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from stacx.rollout.engines.cpu import CpuEngine
-from stacx.rollout.engines.server import EngineHttpServer
-from stacx.rollout.engines.sglang_protocol import parse_generate_payload
+from stacx.serving.cpu_engine import CpuEngine
+from stacx.serving.server import EngineHttpServer
 from stacx.tasks import write_tiny_checkpoint
+from stacx.wire.sglang_protocol import parse_generate_payload
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,11 @@ import pytest
 import requests as http
 import torch
 
-from stacx.rollout.engines.http import BUCKET_ENDPOINT, HttpEngine
+from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.engines.processes import ReadyLineWatch
-from stacx.rollout.engines.server import MUTATING_ENDPOINTS, WEIGHT_ENDPOINTS, EngineHttpServer, ServerLimits
-from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerRequestError
-from stacx.rollout.weight_transfer import bucket_wire_chunks, max_bucket_body_bytes
+from stacx.serving.server import MUTATING_ENDPOINTS, WEIGHT_ENDPOINTS, EngineHttpServer, ServerLimits
+from stacx.wire.http_client import HttpTransport, RetryPolicy, ServerRequestError
+from stacx.wire.weight_transfer import BUCKET_ENDPOINT, bucket_wire_chunks, max_bucket_body_bytes
 from tests.rollout.conftest import second_checkpoint_buckets
 
 

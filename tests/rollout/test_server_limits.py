@@ -10,10 +10,10 @@ import tracemalloc
 import pytest
 import requests as http
 
-from stacx.rollout.engines.cpu import CpuEngine
-from stacx.rollout.http_client import RetryPolicy, ServerRequestError
 from stacx.rollout.engines.http import HttpEngine
-from stacx.rollout.engines.server import EngineHttpServer, ServerLimits
+from stacx.serving.cpu_engine import CpuEngine
+from stacx.serving.server import EngineHttpServer, ServerLimits
+from stacx.wire.http_client import RetryPolicy, ServerRequestError
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ import pytest
 import requests as http
 import torch
 
-from stacx.rollout.http_client import RetryPolicy, ServerRequestError
 from stacx.rollout.engines.http import HttpEngine
-from stacx.rollout.engines.server import MUTATING_ENDPOINTS, EngineHttpServer
-from stacx.rollout.weight_transfer import SharedMemoryRegistry
+from stacx.serving.server import MUTATING_ENDPOINTS, EngineHttpServer
+from stacx.wire.http_client import RetryPolicy, ServerRequestError
+from stacx.wire.weight_transfer import SharedMemoryRegistry
 from tests.rollout.conftest import second_checkpoint_buckets
 
 API_KEY = "test-secret-key"
@@ -107,7 +107,7 @@ def test_registry_prefix_is_private_per_server(tmp_path):
 def test_mutating_endpoints_need_the_api_key(engine, monkeypatch):
     import hmac
 
-    from stacx.rollout.engines import http_guard
+    from stacx.serving import http_guard
 
     compared = []
     real = hmac.compare_digest

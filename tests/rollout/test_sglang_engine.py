@@ -10,15 +10,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from stacx.rollout.http_client import RetryPolicy
-from stacx.rollout.types import GenerateRequest, SamplingParams
+from stacx.parallel.tensor_buckets import TENSOR_DTYPES
 from stacx.rollout.engines.sglang import (
     SglangEngine,
     SglangServerSpec,
     WeightBroadcastGroup,
     build_launch_command,
 )
-from stacx.parallel.tensor_buckets import TENSOR_DTYPES
+from stacx.wire.http_client import RetryPolicy
+from stacx.wire.types import GenerateRequest, SamplingParams
 
 
 class FakeSglang(BaseHTTPRequestHandler):

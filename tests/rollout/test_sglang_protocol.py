@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from stacx.rollout.continuation import continuation_request, join_outputs
-from stacx.rollout.engines.sglang_protocol import (
+from stacx.rollout.teacher import TeacherClient
+from stacx.wire.sglang_protocol import (
     build_abort_payload,
     build_generate_payload,
     parse_abort_payload,
@@ -15,8 +16,7 @@ from stacx.rollout.engines.sglang_protocol import (
     parse_generate_response,
     render_generate_item,
 )
-from stacx.rollout.teacher import TeacherClient
-from stacx.rollout.types import GenerateRequest, SamplingParams
+from stacx.wire.types import GenerateRequest, SamplingParams
 
 PAYLOADS = pathlib.Path(__file__).parent / "payloads"
 

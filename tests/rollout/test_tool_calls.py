@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from stacx.rollout.chat_tokenizers import build_tool_chat_tokenizer
+from stacx.rollout.agents.chat_tokenizers import build_tool_chat_tokenizer
 from stacx.rollout.tokenizer import build_char_tokenizer
-from stacx.rollout.tool_calls import ToolCall, parse_tool_calls, tool_call_style_for
+from stacx.wire.tool_calls import ToolCall, parse_tool_calls, tool_call_style_for
 
 
 def test_hermes_calls_content_and_stable_ids():

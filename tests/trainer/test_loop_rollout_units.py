@@ -13,14 +13,14 @@ from types import SimpleNamespace
 import pytest
 
 from stacx.objectives.algorithm_config import AlgorithmConfig
-from stacx.rollout.dagger import Executor
+from stacx.rollout import rollin
 from stacx.rollout.data import Example
 from stacx.rollout.tokenizer import build_char_tokenizer
-from stacx.rollout.types import GenerateOutput
-from stacx.rollout import rollin
-from stacx.trainer.recipes import get_recipe
-from stacx.trainer.config.run import RunConfig
 from stacx.trainer.config.rollout_plan import rollout_plan
+from stacx.trainer.config.run import RunConfig
+from stacx.trainer.recipes import get_recipe
+from stacx.wire.sample import Executor
+from stacx.wire.types import GenerateOutput
 
 TOKENIZER = build_char_tokenizer()
 EOS = TOKENIZER.eos_token_id
@@ -93,7 +93,7 @@ def test_rollin_mode_comes_from_the_recipe_unless_overridden():
 
 def test_aggrevate_turns_follow_kappa_in_a_multi_turn_environment():
     from stacx.rollout.dagger import AggreVaTeRollIn, TMaxSchedule
-    from stacx.rollout.types import SamplingParams
+    from stacx.wire.types import SamplingParams
 
     spec = rollin.RollInSpec("kappa", AggreVaTeRollIn(TMaxSchedule(start=1, step=1, cap=4)))
     # target 9: "3" (student) is answered "higher", "7" (teacher) too, so every episode runs max_turns turns.
@@ -128,7 +128,7 @@ def test_aggrevate_turns_follow_kappa_in_a_multi_turn_environment():
 
 
 def test_environment_ends_an_episode_when_solved_and_sums_rewards():
-    from stacx.rollout.types import SamplingParams
+    from stacx.wire.types import SamplingParams
 
     examples = [Example(prompt_ids=[5], source="t:0", metadata={"environment": "guess_number", "max_turns": 5,
                                                                   "target": 3})]
@@ -142,7 +142,7 @@ def test_environment_ends_an_episode_when_solved_and_sums_rewards():
 
 def test_online_dagger_relabels_every_visited_turn_with_the_teachers_action():
     from stacx.rollout.dagger import BetaMixtureRollIn, BetaSchedule
-    from stacx.rollout.types import SamplingParams
+    from stacx.wire.types import SamplingParams
 
     spec = rollin.RollInSpec("relabel", BetaMixtureRollIn(BetaSchedule(start=0.5, end=0.5)))
     examples = [Example(prompt_ids=[5, 6], source="t:0", metadata={"environment": "guess_number", "max_turns": 3,
@@ -222,7 +222,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_dumps_rollouts(tmp_path):
             return RolloutManager(self.engine, tokenizer=TOKENIZER, reward_fn=reward, seed=step)
 
         def sampling_params(self):
-            from stacx.rollout.types import SamplingParams
+            from stacx.wire.types import SamplingParams
 
             return SamplingParams(max_new_tokens=4)
 
@@ -263,7 +263,7 @@ def test_dynamic_sampling_gives_up_with_counts_when_every_group_is_uniform(tmp_p
             return RolloutManager(self.engine, tokenizer=TOKENIZER, reward_fn=lambda r, l, m: 1.0, seed=step)
 
         def sampling_params(self):
-            from stacx.rollout.types import SamplingParams
+            from stacx.wire.types import SamplingParams
 
             return SamplingParams(max_new_tokens=4)
 
@@ -288,8 +288,8 @@ def test_eval_interval_without_eval_data_names_the_flag(tmp_path):
 
 
 def test_engine_pool_spreads_requests_and_keeps_their_order():
-    from stacx.rollout.types import GenerateRequest
     from stacx.rollout.engine_pool import EnginePool, split_balanced
+    from stacx.wire.types import GenerateRequest
 
     requests = [GenerateRequest(input_ids=tuple(range(1, 2 + i % 3))) for i in range(10)]
     chunks = split_balanced(requests, 3)

@@ -12,14 +12,14 @@ For each task and repetition, `collect` opens a fresh session on the server (a n
 /stacx/sessions/<id>` gives it a secret, and the server never evicts it while the episode runs), runs
 the agent against `<server_url>/sessions/<id>/<secret>/v1` (no other client can write, read or pop
 that session), then takes the session's recorded turns from the server (`DELETE
-/stacx/sessions/<id>` with the secret, stacx.rollout.engines.openai_endpoints) and assembles them into
-samples (stacx.rollout.agent_trajectories: the ids the engine produced, loss mask 1 on them only; one
+/stacx/sessions/<id>` with the secret, stacx.serving.openai_endpoints) and assembles them into
+samples (stacx.rollout.agents.agent_trajectories: the ids the engine produced, loss mask 1 on them only; one
 sample per branch of the session's tree). All samples of one task share its group index, so GRPO
 normalizes over the task's repetitions; all samples of one episode share its `episode_id`, so the
 group statistics count each episode once however often it branched.
 
 The agent is a Python callable `(base_url, task) -> reward or None`, or an `AgentCommand` (any
-program, stacx.rollout.agent_command: the base URL and the task reach it as arguments or environment
+program, stacx.rollout.agents.agent_command: the base URL and the task reach it as arguments or environment
 variables, its reward through a private file). Its reward is the episode's: every sample of the session
 gets it. An agent that raises (or a command that exits non-zero or runs past its timeout) keeps its
 recorded turns, with reward 0.0 and `reward_error` saying what failed; a session with no turns gives no
@@ -39,10 +39,11 @@ from typing import Callable, Optional, Sequence, Union
 import requests
 
 from stacx.objectives.discovery import resolve_callable
-from stacx.rollout.agent_command import DEFAULT_AGENT_TIMEOUT_S, AgentCommand
-from stacx.rollout.agent_trajectories import RecordedTurn, assemble_trajectories, branch_metrics
+from stacx.rollout.agents.agent_command import DEFAULT_AGENT_TIMEOUT_S, AgentCommand
+from stacx.rollout.agents.agent_trajectories import assemble_trajectories, branch_metrics
 from stacx.rollout.evaluation import RolloutDumper
-from stacx.rollout.manager import Sample
+from stacx.wire.sample import Sample
+from stacx.wire.trajectories import RecordedTurn
 
 __all__ = ["Agent", "AgentCommand", "AgentRollout", "agent_from_settings", "last_turn_reward", "session_base_url"]
 
@@ -64,7 +65,7 @@ def agent_from_settings(agent: Optional[str], agent_command: Optional[str], *,
                         agent_timeout: float = DEFAULT_AGENT_TIMEOUT_S,
                         agent_env: tuple[str, ...] = ()) -> Union[Agent, AgentCommand]:
     """The run's agent: `--agent file.py:function | module:function`, or `--agent-command "program args"`
-    (with --agent-timeout and --agent-env, stacx.rollout.agent_command)."""
+    (with --agent-timeout and --agent-env, stacx.rollout.agents.agent_command)."""
     if agent and agent_command:
         raise ValueError("--agent and --agent-command are both set; give one (a Python function, or a program)")
     if agent:

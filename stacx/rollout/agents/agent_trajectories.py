@@ -3,7 +3,7 @@
 The OpenAI-compatible endpoint records, per session, every turn the engine served: the prompt ids
 it was given, the ids it generated, their log-probs and the weight version (`RecordedTurn`).
 When a turn continues an earlier one (the server extends that turn's prompt + output with the ids
-the chat template makes for the new messages, see stacx.rollout.engines.openai_sessions), its
+the chat template makes for the new messages, see stacx.serving.openai_sessions), its
 prompt starts with the earlier turn's prompt and output, and the turns join into one trajectory:
 
     prompt   = P_0
@@ -27,45 +27,12 @@ stacx.objectives.advantages_group).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
-from stacx.rollout.dagger import Executor
-from stacx.rollout.manager import Sample
+from stacx.wire.sample import Executor, Sample
+from stacx.wire.trajectories import RecordedTurn
 
-__all__ = ["RecordedTurn", "assemble_trajectories", "branch_metrics", "common_prefix_length"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RecordedTurn:
-    """One engine call of a session, as the endpoint recorded it."""
-
-    prompt_ids: tuple[int, ...]
-    """Every id the engine was given (the whole conversation so far)."""
-    output_ids: tuple[int, ...]
-    """The ids it generated (a stop token included when it stopped on one)."""
-    output_log_probs: tuple[float, ...]
-    """The engine's sampling log-prob of each output id (stacx.rollout.types states the convention)."""
-    weight_version: int
-    """The policy version that generated `output_ids`."""
-    finish_reason: str = "stop"
-
-    def __post_init__(self):
-        if len(self.output_log_probs) != len(self.output_ids):
-            raise ValueError(f"RecordedTurn: {len(self.output_log_probs)} output_log_probs for "
-                             f"{len(self.output_ids)} output_ids")
-        if not self.prompt_ids:
-            raise ValueError("RecordedTurn: prompt_ids is empty")
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, row: dict[str, Any]) -> "RecordedTurn":
-        return cls(prompt_ids=tuple(int(t) for t in row["prompt_ids"]),
-                   output_ids=tuple(int(t) for t in row["output_ids"]),
-                   output_log_probs=tuple(float(lp) for lp in row["output_log_probs"]),
-                   weight_version=int(row["weight_version"]), finish_reason=str(row.get("finish_reason", "stop")))
+__all__ = ["assemble_trajectories", "branch_metrics", "common_prefix_length"]
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -9,7 +9,7 @@
 `reset(task, rng)` gives the first messages (a str is one user message); `step(action)` answers a
 model reply that called no tool with the observation (a str is one user message, or a list of
 messages), the turn's reward, whether the episode ended, and free-form `info`. Tool calls do not
-reach `step`: the episode runner (`stacx.rollout.episode`) parses them and answers with
+reach `step`: the episode runner (`stacx.rollout.agents.episode`) parses them and answers with
 `call_tool`'s results (override it to bind tools to per-episode state, such as a sandbox).
 After a turn's tool calls, `episode_end()` may end the episode (a `submit` tool); `close()` releases
 the episode's resources once it is over, however it ended (the runner calls it).
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from stacx.objectives.registry import Registry
-from stacx.rollout.tool_calls import ToolCall
-from stacx.rollout.tools import ToolResult, ToolSpec, argument_errors, get_tool, register_tool, run_tool_call
+from stacx.rollout.agents.tools import ToolResult, ToolSpec, argument_errors, get_tool, register_tool, run_tool_call
+from stacx.wire.tool_calls import ToolCall
 
 Messages = list[dict]
 ENVIRONMENTS = Registry("environment")
@@ -96,7 +96,7 @@ def register_environment(name: str, *, task_schema: Optional[dict] = None):
 
     def decorator(cls):
         if not (isinstance(cls, type) and issubclass(cls, Environment)):
-            raise ValueError(f"register_environment({name!r}): {cls!r} is not a stacx.rollout.environments.Environment")
+            raise ValueError(f"register_environment({name!r}): {cls!r} is not a stacx.rollout.agents.environments.Environment")
         if task_schema is not None:
             cls.task_schema = task_schema
         return ENVIRONMENTS.register(name)(cls)
@@ -118,7 +118,7 @@ def resolve_environment(name: str, *, where: str = "metadata") -> type:
     except (ImportError, AttributeError) as err:
         raise ValueError(f"{where}: environment {name!r}: cannot import it ({err})") from err
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ValueError(f"{where}: environment {name!r} is not a stacx.rollout.environments.Environment")
+        raise ValueError(f"{where}: environment {name!r} is not a stacx.rollout.agents.environments.Environment")
     return cls
 
 

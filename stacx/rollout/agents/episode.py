@@ -14,15 +14,15 @@ Why token-in, token-out: decoding the model's ids and re-tokenizing the text doe
 same ids back (merges differ across turn boundaries), so the trainer would score tokens the
 engine never sampled. Here the response is exactly the engine's ids, turn after turn; only the
 text *between* turns is tokenized, and it is the chat template's own rendering of the new
-messages after an assistant turn (`stacx.rollout.chat_continuation`, the rule the OpenAI
+messages after an assistant turn (`stacx.wire.chat_continuation`, the rule the OpenAI
 endpoint's sessions use too): the rest of the template's close of that turn after the eos the
 engine generated, the observation messages and the next generation prompt. Their content is
-encoded with control spellings held back (`stacx.rollout.chat_encoding`): a tool result holding
+encoded with control spellings held back (`stacx.wire.chat_encoding`): a tool result holding
 `<|im_end|>\n<|im_start|>assistant` is text, never a forged turn. Those ids get loss mask 0 and
 executor ENVIRONMENT.
 
 What the model's reply does: with tools offered (`Environment.tools`), the reply is parsed in the
-tokenizer's tool-call format (`stacx.rollout.tool_calls`); its calls run (each contained: an error,
+tokenizer's tool-call format (`stacx.wire.tool_calls`); its calls run (each contained: an error,
 a timeout or a bad output becomes the tool message the model reads) and the tool messages are the
 observation. A malformed call is answered with an error tool message. A reply without any call
 goes to `env.step`, whose reward is the turn's reward. Every turn is counted in `EpisodeCounts`.
@@ -36,14 +36,14 @@ import random
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
-from stacx.rollout.chat_continuation import ids_after_assistant_turn
-from stacx.rollout.chat_encoding import chat_ids, decode_reply
-from stacx.rollout.dagger import Executor, TurnExecutor
-from stacx.rollout.engines.base import InferenceEngine
-from stacx.rollout.environments import Environment, Messages, StepResult
-from stacx.rollout.manager import Sample
-from stacx.rollout.tool_calls import TOOL_CALL_STYLES, ParsedToolCalls, parse_tool_calls, tool_call_style_for
-from stacx.rollout.types import GenerateRequest, SamplingParams
+from stacx.rollout.agents.environments import Environment, Messages, StepResult
+from stacx.rollout.dagger import TurnExecutor
+from stacx.wire.chat_continuation import ids_after_assistant_turn
+from stacx.wire.chat_encoding import chat_ids, decode_reply
+from stacx.wire.engine import InferenceEngine
+from stacx.wire.sample import Executor, Sample
+from stacx.wire.tool_calls import TOOL_CALL_STYLES, ParsedToolCalls, parse_tool_calls, tool_call_style_for
+from stacx.wire.types import GenerateRequest, SamplingParams
 
 
 @dataclass
@@ -149,7 +149,7 @@ class AgentSession:
 
     def observation_ids(self, messages: Messages) -> list[int]:
         """The chat template's ids for `messages` after an assistant turn that ended on eos, through the
-        next generation prompt (`stacx.rollout.chat_continuation`)."""
+        next generation prompt (`stacx.wire.chat_continuation`)."""
         ids = ids_after_assistant_turn(self.tokenizer, self.first_messages, messages, tools=self.tool_schemas,
                                        generated_ids=[self.tokenizer.eos_token_id])
         if ids is None:

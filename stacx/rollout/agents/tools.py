@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from stacx.objectives.registry import Registry
-from stacx.rollout.tool_calls import ToolCall
+from stacx.wire.tool_calls import ToolCall
 
 DEFAULT_TOOL_TIMEOUT_S = 10.0
 MAX_TOOL_OUTPUT_CHARS = 4_000

@@ -54,16 +54,15 @@ from typing import Any, Optional, Sequence, TYPE_CHECKING
 import torch
 
 from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
-from stacx.rollout.async_scheduler import AsyncRolloutConfig, AsyncRolloutScheduler
+from stacx.rollout.asynchronous.async_scheduler import AsyncRolloutConfig, AsyncRolloutScheduler
 from stacx.rollout.continuation import continuation_request, join_outputs
-from stacx.rollout.dagger import Executor
-from stacx.rollout.manager import Sample
 from stacx.rollout.data import ExampleSource
 from stacx.rollout.engines.registry import resolve_engine_kind
 from stacx.rollout.plan import RolloutPlan
 from stacx.rollout.rollin import has_environment, run_turns, start_episodes
 from stacx.rollout.sections import RolloutSection
-from stacx.rollout.types import GenerateOutput, GenerateRequest
+from stacx.wire.sample import Executor, Sample
+from stacx.wire.types import GenerateOutput, GenerateRequest
 
 if TYPE_CHECKING:  # annotations only
     from stacx.rollout.service import RolloutService
