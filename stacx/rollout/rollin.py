@@ -43,10 +43,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 from stacx.env_overrides import apply_env_overrides, read_env_overrides
 from stacx.rollout.agents.environments import check_task, resolve_environment
-from stacx.rollout.agents.episode import AgentSession, append_action, append_observation
+from stacx.rollout.agents.episode import AgentSession, append_action
 from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, KappaPlan, build_roll_in
 from stacx.rollout.sections import TeacherSection
 from stacx.wire.sample import Executor, Sample
+from stacx.wire.trajectories import append_template, empty_sample
 from stacx.wire.types import GenerateRequest, SamplingParams
 
 RECIPE_SAMPLING_MODES = {"beta_mixture": "beta", "aggrevate": "kappa"}
@@ -159,8 +160,8 @@ def _start(episodes: list, examples, *, n_samples_per_prompt, spec, iteration, r
             else:
                 plan = spec.roll_in.plan(iteration, rng)
                 kappa = plan.kappa if isinstance(plan, KappaPlan) else None
-            sample = Sample(prompt_ids=prompt, response_ids=[], rollout_log_probs=[], loss_mask=[], executors=[],
-                            group_index=index, label=example.label, metadata={**metadata, "turn_executors": []})
+            sample = empty_sample(prompt, group_index=index, label=example.label,
+                                  metadata={**metadata, "turn_executors": []})
             if kappa is not None:
                 sample.metadata["kappa"] = kappa
             episodes.append(Episode(sample=sample, plan=plan, session=session, max_turns=max_turns, kappa=kappa))
@@ -201,7 +202,7 @@ def _append_observation(episode: Episode, result, turn: int) -> None:
         episode.session.record(sample)
         episode.session.close()
         return
-    append_observation(sample, reply.observation_ids)
+    append_template(sample, reply.observation_ids)
 
 
 def generate_grouped(engines: Mapping[Executor, Any], work: Mapping[Executor, list[GenerateRequest]]) -> dict:

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from stacx.wire.sample import Executor, Sample
-from stacx.wire.trajectories import RecordedTurn
+from stacx.wire.sample import Sample
+from stacx.wire.trajectories import RecordedTurn, append_generated, append_template, empty_sample
 
 __all__ = ["assemble_trajectories", "branch_metrics", "common_prefix_length"]
 
@@ -63,23 +63,15 @@ def assemble_trajectories(turns: Sequence[RecordedTurn], *, group_index: int = 0
                 length = common_prefix_length(other.tokens, turn.prompt_ids)
                 if length > shared:
                     parent, shared = index, length
-            sample = Sample(prompt_ids=list(turn.prompt_ids), response_ids=[], rollout_log_probs=[], loss_mask=[],
-                            executors=[], group_index=group_index, weight_version=turn.weight_version,
-                            episode_id=episode_id,
-                            metadata={"num_turns": 0, "turn_weight_versions": [], "branch_of": parent,
-                                      "branch_point": shared})
+            sample = empty_sample(turn.prompt_ids, group_index=group_index, weight_version=turn.weight_version,
+                                  episode_id=episode_id,
+                                  metadata={"num_turns": 0, "turn_weight_versions": [], "branch_of": parent,
+                                            "branch_point": shared})
             samples.append(sample)
         else:
-            between = turn.prompt_ids[len(sample.tokens):]
-            sample.response_ids += between
-            sample.rollout_log_probs += [0.0] * len(between)
-            sample.loss_mask += [0] * len(between)
-            sample.executors += [int(Executor.ENVIRONMENT)] * len(between)
+            append_template(sample, turn.prompt_ids[len(sample.tokens):])
         sample.metadata["last_turn_start"] = len(sample.response_ids)
-        sample.response_ids += turn.output_ids
-        sample.rollout_log_probs += turn.output_log_probs
-        sample.loss_mask += [1] * len(turn.output_ids)
-        sample.executors += [int(Executor.STUDENT)] * len(turn.output_ids)
+        append_generated(sample, turn.output_ids, turn.output_log_probs)
         sample.weight_version = min(sample.weight_version, turn.weight_version)
         sample.finish_reason = turn.finish_reason
         sample.metadata["num_turns"] += 1

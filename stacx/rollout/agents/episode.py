@@ -43,6 +43,7 @@ from stacx.wire.chat_encoding import chat_ids, decode_reply
 from stacx.wire.engine import InferenceEngine
 from stacx.wire.sample import Executor, Sample
 from stacx.wire.tool_calls import TOOL_CALL_STYLES, ParsedToolCalls, parse_tool_calls, tool_call_style_for
+from stacx.wire.trajectories import append_generated, append_template, close_turn, empty_sample
 from stacx.wire.types import GenerateRequest, SamplingParams
 
 
@@ -174,28 +175,15 @@ class AgentSession:
 
 def append_action(sample: Sample, executor: Executor, output, eos: int) -> tuple[int, int]:
     """Add one engine output as generated; an action that did not end in eos gets one (mask 0) to
-    close the turn. Teacher tokens carry log-prob 0.0 (the trainer recomputes the student's).
-    Returns the action's [start, end) in `sample.response_ids`."""
+    close the turn (stacx.wire.trajectories). Teacher tokens carry log-prob 0.0 (the trainer recomputes
+    the student's). Returns the action's [start, end) in `sample.response_ids`."""
     action = list(output.output_ids)
     log_probs = list(output.output_log_probs) if executor == Executor.STUDENT else [0.0] * len(action)
-    mask = [1] * len(action)
-    if not action or action[-1] != eos:
-        action, log_probs, mask = action + [eos], log_probs + [0.0], mask + [0]
     start = len(sample.response_ids)
-    sample.response_ids += action
-    sample.rollout_log_probs += log_probs
-    sample.loss_mask += mask
-    sample.executors += [int(executor) if m else int(Executor.ENVIRONMENT) for m in mask]
+    append_generated(sample, action, log_probs, executor=executor)
+    close_turn(sample, action, eos)
     sample.metadata.setdefault("turn_executors", []).append(executor.name.lower())
     return start, len(sample.response_ids)
-
-
-def append_observation(sample: Sample, observation_ids: Sequence[int]) -> None:
-    """Add environment tokens: loss mask 0, executor ENVIRONMENT, rollout log-prob 0.0."""
-    sample.response_ids += list(observation_ids)
-    sample.rollout_log_probs += [0.0] * len(observation_ids)
-    sample.loss_mask += [0] * len(observation_ids)
-    sample.executors += [int(Executor.ENVIRONMENT)] * len(observation_ids)
 
 
 def run_episode(
@@ -221,8 +209,7 @@ def run_episode(
 
 def _play(session: AgentSession, *, tokenizer, engines, turn_executor, sampling, max_turns, rng) -> Sample:
     task = session.task
-    sample = Sample(prompt_ids=list(session.prompt_ids), response_ids=[], rollout_log_probs=[], loss_mask=[],
-                    executors=[], metadata={"task": task, "turn_executors": []})
+    sample = empty_sample(session.prompt_ids, metadata={"task": task, "turn_executors": []})
     total_reward, finish = 0.0, "length"
     for turn in range(max_turns):
         executor = Executor(turn_executor(turn))
@@ -239,7 +226,7 @@ def _play(session: AgentSession, *, tokenizer, engines, turn_executor, sampling,
             break
         if turn == max_turns - 1:
             break
-        append_observation(sample, reply.observation_ids)
+        append_template(sample, reply.observation_ids)
     session.record(sample)
     sample.reward, sample.finish_reason = total_reward, finish
     sample.response_text = tokenizer.decode(sample.response_ids, skip_special_tokens=False)
