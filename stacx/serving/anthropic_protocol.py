@@ -36,7 +36,7 @@ import json
 import math
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from stacx.serving.openai_protocol import OpenAISampling
 from stacx.wire.tool_calls import ParsedToolCalls
@@ -177,22 +177,25 @@ def _chat_messages(messages: Any, endpoint: str) -> list[dict]:
     return out
 
 
-def _block(block: Any, where: str, endpoint: str, allowed: tuple[str, ...]) -> str:
-    kind = block.get("type") if isinstance(block, dict) else None
-    if kind not in allowed:
-        _fail(endpoint, f"'{where}.type' must be one of {list(allowed)} in this message, got {kind!r} "
-                        "(this server reads text, tool_use and tool_result blocks)")
-    if kind == "text" and not isinstance(block.get("text"), str):
-        _fail(endpoint, f"'{where}.text' must be a string")
-    return kind
+def _blocks(blocks: list, where: str, endpoint: str, allowed: tuple[str, ...]) -> Iterator[tuple[str, str, dict]]:
+    """(path of the block in the request, its type, the block) for each of `blocks`, its type checked against
+    `allowed` and a text block's text checked to be a string."""
+    for index, block in enumerate(blocks):
+        at = f"{where}[{index}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind not in allowed:
+            _fail(endpoint, f"'{at}.type' must be one of {list(allowed)} in this message, got {kind!r} "
+                            "(this server reads text, tool_use and tool_result blocks)")
+        if kind == "text" and not isinstance(block.get("text"), str):
+            _fail(endpoint, f"'{at}.text' must be a string")
+        yield at, kind, block
 
 
 def _user_messages(blocks: list, where: str, endpoint: str) -> list[dict]:
     """Tool results become tool messages, runs of text one user message, in the blocks' order."""
     out, texts = [], []
-    for index, block in enumerate(blocks):
-        at = f"{where}[{index}]"
-        if _block(block, at, endpoint, ("text", "tool_result")) == "text":
+    for at, kind, block in _blocks(blocks, where, endpoint, ("text", "tool_result")):
+        if kind == "text":
             texts.append(block["text"])
             continue
         if texts:
@@ -209,21 +212,26 @@ def _user_messages(blocks: list, where: str, endpoint: str) -> list[dict]:
 
 
 def _assistant_messages(blocks: list, where: str, endpoint: str) -> list[dict]:
+    """One assistant message: its text blocks joined as content, its tool_use blocks as tool calls."""
     texts, calls = [], []
-    for index, block in enumerate(blocks):
-        at = f"{where}[{index}]"
-        if _block(block, at, endpoint, ("text", "tool_use")) == "text":
+    for at, kind, block in _blocks(blocks, where, endpoint, ("text", "tool_use")):
+        if kind == "tool_use":
+            calls.append(_tool_call(block, at, endpoint))
+        else:
             texts.append(block["text"])
-            continue
-        if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
-                or not isinstance(block.get("input", {}), dict):
-            _fail(endpoint, f"'{at}' must be a tool_use block {{\"id\": str, \"name\": str, \"input\": object}}")
-        calls.append({"id": block["id"], "type": "function",
-                      "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
     message = {"role": "assistant", "content": "".join(texts)}
     if calls:
         message["tool_calls"] = calls
     return [message]
+
+
+def _tool_call(block: dict, at: str, endpoint: str) -> dict:
+    """A tool_use block as an OpenAI tool call."""
+    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
+            or not isinstance(block.get("input", {}), dict):
+        _fail(endpoint, f"'{at}' must be a tool_use block {{\"id\": str, \"name\": str, \"input\": object}}")
+    return {"id": block["id"], "type": "function",
+            "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}}
 
 
 def _tools(tools: Any, endpoint: str) -> Optional[list[dict]]:

@@ -41,9 +41,7 @@ DECODINGS = ("kv_cache", "packed")
 
 WeightLoader = Callable[[torch.nn.Module, Sequence[tuple[str, torch.Tensor]]], None]
 
-# GenerationCancelled lives in engines/base.py (request_batching, which this module uses, raises it too);
-# it stays importable from here.
-__all__ = ["CpuEngine", "GenerationCancelled", "DECODINGS", "ensure_single_process_layout"]
+__all__ = ["CpuEngine", "DECODINGS", "ensure_single_process_layout"]
 
 
 def sampling_log_probs(logits_V: torch.Tensor, temperature: float) -> torch.Tensor:

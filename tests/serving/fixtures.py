@@ -1,3 +1,11 @@
+"""The one home of the engine and server fixtures: tiny checkpoints, this process as a one-rank world, the
+CPU engine, `stacx serve`'s server around a policy, and the taught tool-calling policy.
+
+tests/serving/conftest.py and tests/rollout/conftest.py hand these fixtures to their tests; another test
+module imports the fixtures it uses by name (`from tests.serving.fixtures import single_process_world`).
+"""
+
+import contextlib
 import os
 
 import pytest
@@ -56,21 +64,27 @@ def _run_temp_folder(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def taught_policy(tmp_path_factory):
-    """(checkpoint path, tokenizer) of the taught tool-calling policy (`tests/rollout/taught_policy.py`):
+    """(checkpoint path, tokenizer) of the taught tool-calling policy (`tests/serving/taught_policy.py`):
     taught once per pytest run, whichever worker asks first; the others wait for it and reuse it."""
     from tests.rollout.agent_fixtures import tool_tokenizer
-    from tests.rollout.taught_policy import taught_checkpoint
+    from tests.serving.taught_policy import taught_checkpoint
 
     return taught_checkpoint(_run_temp_folder(tmp_path_factory)), tool_tokenizer()
 
 
-@pytest.fixture(scope="module")
-def taught_server(taught_policy, single_process_world):
-    """`stacx serve`'s server (the CPU engine) around the taught policy, one per test module: a module's
-    tests share its sessions' store, so each uses its own session ids."""
+@contextlib.contextmanager
+def served_policy(path: str, tokenizer):
+    """`stacx serve`'s server (the CPU engine) around the checkpoint at `path`, started and stopped around the block."""
     from stacx.serving.cpu_engine import CpuEngine
     from stacx.serving.server import EngineHttpServer
 
-    path, tokenizer = taught_policy
     with EngineHttpServer(CpuEngine.from_hf_checkpoint(path), model_path=path, tokenizer=tokenizer) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def taught_server(taught_policy, single_process_world):
+    """`stacx serve`'s server around the taught policy, one per test module: a module's tests share its
+    sessions' store, so each uses its own session ids."""
+    with served_policy(*taught_policy) as running:
         yield running

@@ -4,7 +4,7 @@ its observation, the submit call), rendered by the chat template the server uses
 both calls.
 
 Teaching it is the expensive part of those files (about 15 s of CPU), so one pytest run teaches it once:
-`tests/rollout/conftest.py`'s session-scoped `taught_policy` fixture builds it under a file lock in the run's
+`tests/serving/fixtures.py`'s session-scoped `taught_policy` fixture builds it under a file lock in the run's
 shared temporary folder, and every pytest worker and test module serves that one checkpoint."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 conversation, streamed and not, recorded with the same ids as the same conversation through the OpenAI
 route; stop reasons, stop strings, token counting, errors in Anthropic's schema, and the key in `x-api-key`.
 
-The served policy is test_openai_endpoint.py's (`tests/rollout/taught_policy.py`, taught once per pytest
+The served policy is test_openai_endpoint.py's (`tests/serving/taught_policy.py`, taught once per pytest
 run): a tiny model taught (a few SFT steps) to answer the task with a `touch done.txt` bash call and, after
 its observation, the submit call; served greedily it makes both calls, so both turns end in `tool_use`.
 """
@@ -12,7 +12,7 @@ import json
 import pytest
 import requests
 
-from tests.rollout.taught_policy import SUBMIT, SYSTEM, TASK
+from tests.serving.taught_policy import SUBMIT, SYSTEM, TASK
 
 try:
     import anthropic

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from stacx.serving.cpu_engine import CpuEngine, GenerationCancelled
+from stacx.serving.cpu_engine import CpuEngine
+from stacx.wire.engine import GenerationCancelled
 from stacx.wire.types import GenerateRequest, SamplingParams
 
 TOLERANCE = 1e-5  # fp32 cached decoder vs fp32 trainer forward of the same tokens

@@ -2,7 +2,7 @@
 completions, sessions recorded token-in/token-out, and a GRPO step trained on an agent's sessions; then
 mini-swe-agent, unmodified, solving a task through the endpoint, its trajectory trained on.
 
-The served tiny policy learns that task first (`tests/rollout/taught_policy.py`, taught once per pytest
+The served tiny policy learns that task first (`tests/serving/taught_policy.py`, taught once per pytest
 run and shared with the Anthropic route's tests): a few SFT steps in-process on one demonstration
 transcript (the task, a `touch done.txt` tool call, its observation, the submit call), rendered by the
 chat template the server uses. Served greedily, it drives mini-swe-agent's own loop (litellm client,
@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from tests.rollout.agent_fixtures import BASH_TOOL, engine_weight_buckets, train_one_grpo_step
-from tests.rollout.taught_policy import BASH, OBSERVATION, SUBMIT, SYSTEM, TASK
+from tests.serving.taught_policy import BASH, OBSERVATION, SUBMIT, SYSTEM, TASK
 
 try:
     import openai

@@ -10,6 +10,7 @@ import pytest
 import requests
 
 from tests.rollout.agent_fixtures import save_policy, tool_tokenizer
+from tests.serving.fixtures import served_policy
 
 try:
     import openai
@@ -20,12 +21,8 @@ except ImportError as missing:  # a failure with the fix, never a skip
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, single_process_world):
-    from stacx.serving.cpu_engine import CpuEngine
-    from stacx.serving.server import EngineHttpServer
-
     tokenizer = tool_tokenizer()
-    path = save_policy(tmp_path_factory.mktemp("sessions_policy"), tokenizer)
-    with EngineHttpServer(CpuEngine.from_hf_checkpoint(path), model_path=path, tokenizer=tokenizer) as running:
+    with served_policy(save_policy(tmp_path_factory.mktemp("sessions_policy"), tokenizer), tokenizer) as running:
         yield running
 
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from stacx.serving.cpu_engine import GenerationCancelled
 from stacx.serving.request_batching import GenerateBatcher
+from stacx.wire.engine import GenerationCancelled
 
 
 class RecordingEngine:

@@ -21,7 +21,7 @@ from stacx.rollout.engines.processes import ReadyLineWatch
 from stacx.serving.server import MUTATING_ENDPOINTS, WEIGHT_ENDPOINTS, EngineHttpServer, ServerLimits
 from stacx.wire.http_client import HttpTransport, RetryPolicy, ServerRequestError
 from stacx.wire.weight_transfer import BUCKET_ENDPOINT, bucket_wire_chunks, max_bucket_body_bytes
-from tests.rollout.conftest import second_checkpoint_buckets
+from tests.serving.fixtures import second_checkpoint_buckets
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from stacx.rollout.engines.http import HttpEngine
 from stacx.serving.server import MUTATING_ENDPOINTS, EngineHttpServer
 from stacx.wire.http_client import RetryPolicy, ServerRequestError
 from stacx.wire.weight_transfer import SharedMemoryRegistry
-from tests.rollout.conftest import second_checkpoint_buckets
+from tests.serving.fixtures import second_checkpoint_buckets
 
 API_KEY = "test-secret-key"
 

@@ -52,11 +52,15 @@ class EpisodeCounts:
     """What happened in one episode (summed over a step's episodes into `agent/*` metrics)."""
 
     turns: int = 0
+    """Replies the model gave."""
     tool_calls: int = 0
+    """Tool calls parsed from the replies."""
     parse_errors: int = 0
+    """Tool calls that could not be parsed (each answered with an error message)."""
     tool_errors: int = 0
     """Calls that raised, returned a bad output, named an unknown tool or broke the schema (timeouts apart)."""
     tool_timeouts: int = 0
+    """Calls stopped at their time limit."""
 
 
 @dataclass
