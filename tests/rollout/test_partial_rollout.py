@@ -20,8 +20,8 @@ TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoints, single_process_world):
-    return CpuEngine.from_hf_checkpoint(tiny_checkpoints[0])
+def engine(cpu_engine):
+    return cpu_engine
 
 
 @pytest.fixture(scope="module")
