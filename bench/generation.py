@@ -90,8 +90,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from stacx.rollout.engines.cpu import CpuEngine, ensure_single_process_layout
-    from stacx.rollout.types import GenerateRequest, SamplingParams
+    from stacx.serving.cpu_engine import CpuEngine, ensure_single_process_layout
+    from stacx.wire.types import GenerateRequest, SamplingParams
 
     groups = ensure_single_process_layout()
     rows = []

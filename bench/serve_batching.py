@@ -57,9 +57,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from stacx.rollout.engines.cpu import CpuEngine, ensure_single_process_layout
-    from stacx.rollout.engines.request_batching import GenerateBatcher
-    from stacx.rollout.types import GenerateRequest, SamplingParams
+    from stacx.serving.cpu_engine import CpuEngine, ensure_single_process_layout
+    from stacx.serving.request_batching import GenerateBatcher
+    from stacx.wire.types import GenerateRequest, SamplingParams
 
     groups = ensure_single_process_layout()
     model, _ = build_pair(args.shape, args.vocab, args.prompt_len + args.new_tokens, groups)

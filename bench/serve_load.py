@@ -93,8 +93,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "serve_load.json"))
     args = parser.parse_args(argv)
 
-    from stacx.rollout.engines.cpu import CpuEngine, ensure_single_process_layout
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.serving.cpu_engine import CpuEngine, ensure_single_process_layout
+    from stacx.serving.server import EngineHttpServer
     from stacx.tasks import write_tiny_checkpoint
 
     ensure_single_process_layout()

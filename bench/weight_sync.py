@@ -47,10 +47,10 @@ def main(argv=None) -> int:
 
     from stacx.models import build_model, iter_hf_weight_buckets
     from stacx.models.testing import tiny_hf_config
-    from stacx.rollout.engines.cpu import CpuEngine, ensure_single_process_layout
-    from stacx.rollout.http_client import RetryPolicy
     from stacx.rollout.engines.http import HttpEngine
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.serving.cpu_engine import CpuEngine, ensure_single_process_layout
+    from stacx.serving.server import EngineHttpServer
+    from stacx.wire.http_client import RetryPolicy
 
     groups = ensure_single_process_layout()
     config = tiny_hf_config("llama", vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,

@@ -22,8 +22,8 @@ _EXPORTS = {
     "stacx.objectives.registry": ("register_advantage", "register_policy_loss"),
     "stacx.rollout.rewards": ("register_reward",),
     "stacx.rollout.engines.registry": ("register_engine",),
-    "stacx.rollout.environments": ("Environment", "StepResult", "register_environment"),
-    "stacx.rollout.tools": ("register_tool",),
+    "stacx.rollout.agents.environments": ("Environment", "StepResult", "register_environment"),
+    "stacx.rollout.agents.tools": ("register_tool",),
 }
 """Module -> the public names it gives (the run's config classes through `stacx.trainer.config`, which knows
 where each is defined)."""

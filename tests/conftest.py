@@ -32,14 +32,14 @@ FIRST_FILES = (
     "tests/launch/test_design_doc_examples.py",
     "tests/trainer/test_training_loop.py",
     "tests/launch/test_signals.py",
-    "tests/rollout/test_openai_endpoint.py",
+    "tests/serving/test_openai_endpoint.py",
     "tests/tasks/swe/test_reward_hacks.py",
-    "tests/rollout/test_openai_sessions.py",
+    "tests/serving/test_openai_sessions.py",
 )
 """Files started before all others, longest first (measured with --durations: the demo is the longest,
 about 100 s on a quiet machine, then the two-node cluster, about 80 s): a long file that starts last
 runs alone while the other pytest worker has nothing left to do. The OpenAI endpoint's file also teaches
-the policy that `tests/rollout/test_anthropic_endpoint.py` serves (`taught_policy`, once per run): started
+the policy that `tests/serving/test_anthropic_endpoint.py` serves (`taught_policy`, once per run): started
 early, it has taught it before the Anthropic file, one of the short ones, waits for it."""
 
 

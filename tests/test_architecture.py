@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -160,10 +162,13 @@ NEVER_IMPORTS = (
     ("stacx.diffusion", "stacx.launch"),
     ("stacx.rollout", "stacx.trainer"),
     ("stacx.rollout", "stacx.launch"),
+    ("stacx.serving", "stacx.rollout"),
+    ("stacx.rollout", "stacx.serving"),
 )
 """(importer, imported) pairs forbidden outright: the core never names a workload's package, a
-workload never reaches into the command line, and the rollout never reaches up into the trainer
-(it receives the sections and the plan it reads: `stacx.rollout.sections`, `stacx.rollout.plan`).
+workload never reaches into the command line, the rollout never reaches up into the trainer
+(it receives the sections and the plan it reads: `stacx.rollout.sections`, `stacx.rollout.plan`), and
+the server process and the driver meet only in `stacx.wire` (serving never imports rollout, nor rollout serving).
 Counted with function-local and `TYPE_CHECKING` imports, as the table test counts them."""
 
 
@@ -187,7 +192,19 @@ def test_the_forbidden_pairs_are_also_forbidden_by_the_package_table():
             f"docs/architecture.md lets {own[6:]} import {imported[6:]}; the layering rule forbids it")
 
 
-COMMENTED_LOCAL_IMPORTS = ("stacx.trainer", "stacx.rollout")
+def test_importing_the_server_loads_no_driver_module_and_no_loss_kernel():
+    """`stacx serve`'s process imports the server, the endpoints and what both ends speak, never the
+    driver (rollout), the trainer or the loss math (objectives). Run in a fresh interpreter."""
+    probe = ("import sys, stacx.serving.server; "
+             "print('\\n'.join(m for m in sys.modules if m.startswith('stacx')))")
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True,
+                            timeout=120).stdout.split()
+    assert "stacx.serving.server" in loaded
+    driver = [m for m in loaded if any(within(m, p) for p in ("stacx.rollout", "stacx.trainer", "stacx.objectives"))]
+    assert not driver, f"importing stacx.serving.server loads {driver}"
+
+
+COMMENTED_LOCAL_IMPORTS = ("stacx.trainer", "stacx.rollout", "stacx.serving")
 """Packages whose function-local imports must each say why they are there (start-up time)."""
 
 
@@ -296,9 +313,9 @@ def test_plugins_is_a_ground_floor_package_that_every_plugin_kind_builds_on():
     from stacx.plugins.registry import Registry
     from stacx.objectives.registry import POLICY_LOSSES
     from stacx.rollout.engines.registry import ENGINE_KINDS
-    from stacx.rollout.environments import ENVIRONMENTS
+    from stacx.rollout.agents.environments import ENVIRONMENTS
     from stacx.rollout.rewards import REWARD_FUNCTIONS
-    from stacx.rollout.tools import TOOLS
+    from stacx.rollout.agents.tools import TOOLS
     from stacx.tasks.builtin import TASKS
     from stacx.trainer.config.recipe import TRAINING_CONFIGS
     from stacx.trainer.config.workload import WORKLOADS

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from stacx.objectives import registry
-from stacx.rollout import environments, rewards, tools
+from stacx.rollout import rewards
+from stacx.rollout.agents import environments, tools
 from stacx.rollout.engines import registry as engine_registry
 from stacx.trainer.config import python as python_config
 from stacx.trainer.config import recipe as recipe_module

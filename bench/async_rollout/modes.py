@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from engine_model import CostModel, CostModelEngine, Request, Workload, busy_seconds, slot_idle_seconds, wait_limit_s
 
-from stacx.rollout.async_scheduler import AsyncRolloutConfig, AsyncRolloutScheduler
+from stacx.rollout.asynchronous.async_scheduler import AsyncRolloutConfig, AsyncRolloutScheduler
 
 
 @dataclass(frozen=True, kw_only=True)

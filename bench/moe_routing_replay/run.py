@@ -83,10 +83,10 @@ def _response_route_rows(batch) -> torch.Tensor:
 
 def run(source: str, replay: bool, steps: int, path: str, groups) -> list[dict]:
     from stacx.models import build_model, load_hf_checkpoint
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.types import GenerateRequest, SamplingParams
+    from stacx.serving.cpu_engine import CpuEngine
     from stacx.specializations.batch import MicroBatch
     from stacx.trainer.runtime.optim import build_optimizer, wrap_ddp
+    from stacx.wire.types import GenerateRequest, SamplingParams
 
     torch.manual_seed(0)
     policy = build_model(path, groups, initialize_weights=False)
@@ -152,7 +152,7 @@ def main() -> None:
     args = parser.parse_args()
     OPTIM.lr = args.lr
     torch.set_num_threads(2)
-    from stacx.rollout.engines.cpu import ensure_single_process_layout
+    from stacx.serving.cpu_engine import ensure_single_process_layout
 
     groups = ensure_single_process_layout()
     rows = []

@@ -186,11 +186,11 @@ class StacxSide:
 
     def __init__(self, checkpoint: str, data: dict, old_log_probs: list[torch.Tensor], args, work_dir: str):
         from stacx.parallel.reduction import compute_step_counts
-        from stacx.rollout.engines.cpu import ensure_single_process_layout
-        from stacx.trainer.factory import resolve_recipe
-        from stacx.trainer.config.run import RunConfig
-        from stacx.trainer.runtime.role_runtime import RoleRuntime
+        from stacx.serving.cpu_engine import ensure_single_process_layout
         from stacx.trainer.batch import StepBatch, plan_micro_batches
+        from stacx.trainer.config.run import RunConfig
+        from stacx.trainer.factory import resolve_recipe
+        from stacx.trainer.runtime.role_runtime import RoleRuntime
 
         groups = ensure_single_process_layout()
         run_config = RunConfig.from_dict({

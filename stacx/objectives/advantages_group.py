@@ -5,7 +5,7 @@ broadcast to its response tokens, shape (response_len_i,), float32. `rollout_dat
 used: `rewards` (a float64 tensor `[num_trajectories]`, one reward per trajectory), `prompt_id` (group key: trajectories sampled from
 the same prompt share it), `response_lengths`, and optionally `episode_id`.
 
-An episode counts once. An agent episode whose session branched (stacx.rollout.agent_trajectories)
+An episode counts once. An agent episode whose session branched (stacx.rollout.agents.agent_trajectories)
 gives several trajectories with the episode's reward, the same `prompt_id` and the same
 `episode_id`; the group (or batch) statistics are taken over episodes, each the mean reward of its
 trajectories, and every trajectory gets its episode's advantage. Counting each branch would let an

@@ -1,7 +1,7 @@
 """The one codec for tensors between processes: named tensors laid out in uint8 buckets.
 
 Every transport that moves tensors uses it: the weight push to an inference server (HTTP body or
-shared-memory file, `stacx.rollout.weight_transfer`), the exchange syncs between two roles'
+shared-memory file, `stacx.wire.weight_transfer`), the exchange syncs between two roles'
 workers (`stacx.trainer.cluster.ray.exchange_endpoint`) and the values torchrun ranks share
 (`stacx.trainer.cluster.rank_messages`). Each wraps the slots in its own header (JSON with a
 version and a final flag; an HMAC'd store value; a rank message), but the layout, the closed

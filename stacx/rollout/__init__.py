@@ -1,21 +1,26 @@
-"""Inference engines, teacher scoring, rewards, data, environments and tools (agent episodes), DAgger roll-ins.
+"""The driver's side of generation: rollouts, teacher scoring, rewards, data, agent episodes, DAgger roll-ins.
 
-Imports are light: torch and the standard library only; megatron-core and the models package are
-loaded when a CPU engine is built. See docs/rollout.md.
+    from stacx.rollout import RolloutManager, SamplingParams, TeacherClient
+
+Rooms: `engines/` (the clients of inference servers, the engine registry, the launchers), `agents/`
+(episodes, environments, tools, external agents), `asynchronous/` (the async scheduler and rollout).
+What the driver and the server both speak lives in `stacx.wire`; the server process in `stacx.serving`.
+Each name is imported on first use, so `import stacx.rollout` loads no module of the package. See docs/rollout.md.
 """
 
-from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, Executor, TMaxSchedule, build_roll_in
-from stacx.rollout.engines.base import InferenceEngine
-from stacx.rollout.http_client import RetryPolicy, ServerRequestError, ServerUnavailableError
-from stacx.rollout.engines.http import HttpEngine
-from stacx.rollout.manager import RolloutManager, Sample
-from stacx.objectives.distillation import TEACHER_EXECUTED_SENTINEL
-from stacx.rollout.teacher import TeacherClient, TeacherScores, TeacherUnavailableError
-from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
+from stacx.lazy_names import lazy_names
 
-__all__ = [
-    "AggreVaTeRollIn", "BetaMixtureRollIn", "BetaSchedule", "Executor", "GenerateOutput", "GenerateRequest",
-    "HttpEngine", "InferenceEngine", "RetryPolicy", "RolloutManager", "Sample", "SamplingParams",
-    "ServerRequestError", "ServerUnavailableError", "TEACHER_EXECUTED_SENTINEL", "TMaxSchedule", "TeacherClient",
-    "TeacherScores", "TeacherUnavailableError", "build_roll_in",
-]
+_EXPORTS = {
+    "stacx.objectives.distillation": ("TEACHER_EXECUTED_SENTINEL",),
+    "stacx.rollout.dagger": ("AggreVaTeRollIn", "BetaMixtureRollIn", "BetaSchedule", "TMaxSchedule", "build_roll_in"),
+    "stacx.rollout.engines.http": ("HttpEngine",),
+    "stacx.rollout.manager": ("RolloutManager",),
+    "stacx.rollout.teacher": ("TeacherClient", "TeacherScores", "TeacherUnavailableError"),
+    "stacx.wire.engine": ("InferenceEngine",),
+    "stacx.wire.http_client": ("RetryPolicy", "ServerRequestError", "ServerUnavailableError"),
+    "stacx.wire.sample": ("Executor", "Sample"),
+    "stacx.wire.types": ("GenerateOutput", "GenerateRequest", "SamplingParams"),
+}
+"""Module -> the public names it gives."""
+
+__all__, __getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals())

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from stacx.rollout.types import GenerateOutput, GenerateRequest
+from stacx.wire.types import GenerateOutput, GenerateRequest
 
 _SEED_MASK = (1 << 31) - 1  # SGLang has kept sampling seeds in int32 tensors
 

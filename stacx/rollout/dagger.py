@@ -18,22 +18,14 @@ differently:
 
 from __future__ import annotations
 
-import enum
 import math
 import random
 from dataclasses import dataclass
 from typing import Callable
 
+from stacx.wire.sample import Executor
+
 BETA_SCHEDULES = ("linear", "cosine", "exponential", "step")
-
-
-class Executor(enum.IntEnum):
-    """Which party produced a token (recorded per token in every sample)."""
-
-    ENVIRONMENT = 0
-    """Prompt, observations and chat markup: nobody's action, never trained on."""
-    STUDENT = 1
-    TEACHER = 2
 
 
 @dataclass(frozen=True, kw_only=True)

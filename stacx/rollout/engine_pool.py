@@ -21,8 +21,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional, Sequence
 
-from stacx.rollout.engines.base import InferenceEngine, WeightBucket
-from stacx.rollout.types import GenerateOutput, GenerateRequest
+from stacx.wire.engine import InferenceEngine, WeightBucket
+from stacx.wire.types import GenerateOutput, GenerateRequest
 
 
 def split_balanced(requests: Sequence[GenerateRequest], num_chunks: int) -> list[list[int]]:

@@ -12,8 +12,9 @@ import os
 from typing import Sequence
 
 from stacx.rollout.data import Example
-from stacx.rollout.manager import RolloutManager, Sample
-from stacx.rollout.types import SamplingParams
+from stacx.rollout.manager import RolloutManager
+from stacx.wire.sample import Sample
+from stacx.wire.types import SamplingParams
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:

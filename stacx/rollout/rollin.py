@@ -8,10 +8,10 @@ multi-turn episode (the row names it, as agent datasets do, so one dataset may m
 
 `environment` is a registered name (`guess_number`, `calculator`, or one `@register_environment`
 adds from a `--custom-module` file or `stacx/custom/`) or 'module:Class' of a
-`stacx.rollout.environments.Environment`; the rest of the metadata, plus `label`, is the task
+`stacx.rollout.agents.environments.Environment`; the rest of the metadata, plus `label`, is the task
 given to `reset`. The environment's observation follows each action, up to `max_turns` actions
 (default DEFAULT_MAX_TURNS); each episode's environment side is an `AgentSession`
-(`stacx.rollout.episode`: tools, token-in/token-out). Without an environment an episode is the
+(`stacx.rollout.agents.episode`: tools, token-in/token-out). Without an environment an episode is the
 single turn answering the dataset prompt.
 
 Who executes turn t comes from a roll-in plan (stacx.rollout.dagger), drawn per episode:
@@ -42,12 +42,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from stacx.env_overrides import apply_env_overrides, read_env_overrides
-from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, Executor, KappaPlan, build_roll_in
-from stacx.rollout.environments import check_task, resolve_environment
-from stacx.rollout.episode import AgentSession, append_action, append_observation
-from stacx.rollout.manager import Sample
+from stacx.rollout.agents.environments import check_task, resolve_environment
+from stacx.rollout.agents.episode import AgentSession, append_action
+from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, KappaPlan, build_roll_in
 from stacx.rollout.sections import TeacherSection
-from stacx.rollout.types import GenerateRequest, SamplingParams
+from stacx.wire.sample import Executor, Sample
+from stacx.wire.trajectories import append_template, empty_sample
+from stacx.wire.types import GenerateRequest, SamplingParams
 
 RECIPE_SAMPLING_MODES = {"beta_mixture": "beta", "aggrevate": "kappa"}
 """rollin_protocol of a recipe -> the dagger_sampling_mode it runs by default."""
@@ -159,8 +160,8 @@ def _start(episodes: list, examples, *, n_samples_per_prompt, spec, iteration, r
             else:
                 plan = spec.roll_in.plan(iteration, rng)
                 kappa = plan.kappa if isinstance(plan, KappaPlan) else None
-            sample = Sample(prompt_ids=prompt, response_ids=[], rollout_log_probs=[], loss_mask=[], executors=[],
-                            group_index=index, label=example.label, metadata={**metadata, "turn_executors": []})
+            sample = empty_sample(prompt, group_index=index, label=example.label,
+                                  metadata={**metadata, "turn_executors": []})
             if kappa is not None:
                 sample.metadata["kappa"] = kappa
             episodes.append(Episode(sample=sample, plan=plan, session=session, max_turns=max_turns, kappa=kappa))
@@ -182,7 +183,7 @@ def _start_session(example, metadata: dict, *, rng: random.Random, tokenizer) ->
 
 
 def _append_action(episode: Episode, executor: Executor, output, eos: int) -> None:
-    """Add one turn's action as the engine generated it (`stacx.rollout.episode.append_action`)."""
+    """Add one turn's action as the engine generated it (`stacx.rollout.agents.episode.append_action`)."""
     start, end = append_action(episode.sample, executor, output, eos)
     episode.sample.finish_reason = output.finish_reason
     episode.turns.append(Turn(executor, start, end))
@@ -201,7 +202,7 @@ def _append_observation(episode: Episode, result, turn: int) -> None:
         episode.session.record(sample)
         episode.session.close()
         return
-    append_observation(sample, reply.observation_ids)
+    append_template(sample, reply.observation_ids)
 
 
 def generate_grouped(engines: Mapping[Executor, Any], work: Mapping[Executor, list[GenerateRequest]]) -> dict:

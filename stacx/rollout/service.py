@@ -36,16 +36,16 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Optional, Sequence
 
 from stacx.rollout.engine_pool import EnginePool
-from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch
 from stacx.rollout.engines.registry import EngineKind, resolve_engine_kind
-from stacx.rollout.http_client import RetryPolicy
 from stacx.rollout.manager import RolloutManager
 from stacx.rollout.plan import RolloutPlan
 from stacx.rollout.sections import RolloutSection, TeacherSection
 from stacx.rollout.teacher import TeacherClient
-from stacx.rollout.types import SamplingParams
+from stacx.wire.engine import InferenceEngine
+from stacx.wire.http_client import RetryPolicy
+from stacx.wire.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -33,13 +33,13 @@ from typing import Any, Optional, Sequence, TYPE_CHECKING
 
 from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
 from stacx.rollout import rollin
-from stacx.rollout.episode import episode_metrics
-from stacx.rollout.dagger import Executor
+from stacx.rollout.agents.episode import episode_metrics
 from stacx.rollout.data import DataConfig, ExampleSource, load_examples
 from stacx.rollout.dynamic_sampling import collect_informative_groups
 from stacx.rollout.evaluation import RolloutDumper, evaluate
 from stacx.rollout.plan import RolloutPlan
 from stacx.rollout.sections import RolloutSection
+from stacx.wire.sample import Executor
 
 if TYPE_CHECKING:  # annotations only
     from stacx.rollout.service import RolloutService
@@ -297,7 +297,7 @@ def _reward_source(samples: Sequence[Any], reward_fn: str) -> str:
     """What scores these samples, for the uniform-reward warning: an environment's episodes are scored by
     the environment (its tools and its final check), other samples by --reward-fn."""
     metadatas = [s.metadata for s in samples if isinstance(getattr(s, "metadata", None), dict)]
-    if any("session_id" in m for m in metadatas):  # stacx.rollout.agent_rollout: an external agent's episodes
+    if any("session_id" in m for m in metadatas):  # stacx.rollout.agents.agent_rollout: an external agent's episodes
         return (f"an agent whose episodes all earn the same reward (check the reward --agent / --agent-command "
                 f"returns, or --reward-fn {reward_fn} when it returns none, on a few tasks; rollouts.jsonl holds "
                 "every dumped episode's turns)")

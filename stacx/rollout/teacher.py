@@ -21,9 +21,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerUnavailableError
-from stacx.rollout.engines.sglang_protocol import build_generate_payload, parse_generate_response
-from stacx.rollout.types import GenerateRequest, SamplingParams
+from stacx.wire.http_client import HttpTransport, RetryPolicy, ServerUnavailableError
+from stacx.wire.sglang_protocol import build_generate_payload, parse_generate_response
+from stacx.wire.types import GenerateRequest, SamplingParams
 
 
 

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from stacx.rollout.chat_encoding import chat_ids
+from stacx.wire.chat_encoding import chat_ids
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>")
 
@@ -53,5 +53,5 @@ def apply_chat_template(tokenizer, messages: Sequence[dict], *, add_generation_p
                         tools: Sequence[dict] | None = None) -> list[int]:
     """Token ids of `messages` rendered with the tokenizer's chat template (`tools`: the JSON schemas
     of the functions the model may call, as the template renders them). Control-token spellings inside
-    the messages are encoded as text (stacx.rollout.chat_encoding)."""
+    the messages are encoded as text (stacx.wire.chat_encoding)."""
     return chat_ids(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)

@@ -9,7 +9,7 @@ The folder holds config.json, model.safetensors and the tokenizer files, so ever
 Stacx that takes `--hf-checkpoint` (trainer, `stacx serve`, the CPU engine) loads it. The
 vocabulary is the tokenizer's specials (<pad>=0, <eos>=1, ...) plus one token per character of
 the task's alphabet: 17 tokens for `sorting`. The tool checkpoint's tokenizer is a character
-tokenizer with a tool-calling chat template (stacx.rollout.chat_tokenizers: `qwen`, `qwen_compact`,
+tokenizer with a tool-calling chat template (stacx.rollout.agents.chat_tokenizers: `qwen`, `qwen_compact`,
 `llama3`), the one the agent demo uses.
 """
 
@@ -43,7 +43,7 @@ def write_tiny_tool_checkpoint(out_dir: str, *, style: str = "qwen", hidden_size
     """Write a random Llama-style decoder whose tokenizer has a tool-calling chat template (`style`: `qwen`,
     `qwen_compact` or `llama3`; the Hermes `<tool_call>{json}</tool_call>` protocol or Llama 3's), for agent
     episodes, `stacx serve`'s OpenAI endpoint and `--agent-command`; returns `out_dir`."""
-    from stacx.rollout.chat_tokenizers import build_tool_chat_tokenizer
+    from stacx.rollout.agents.chat_tokenizers import build_tool_chat_tokenizer
 
     heads = max(1, hidden_size // 16)
     return _write_random_model(out_dir, "llama", build_tool_chat_tokenizer(style), seed, hidden_size=hidden_size,

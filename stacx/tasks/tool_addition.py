@@ -20,9 +20,9 @@ import json
 import random
 from typing import Iterable, Sequence
 
-from stacx.rollout.environments import Environment, StepResult, register_environment
-from stacx.rollout.tool_calls import ToolCall
-from stacx.rollout.tools import ToolResult, register_tool
+from stacx.rollout.agents.environments import Environment, StepResult, register_environment
+from stacx.rollout.agents.tools import ToolResult, register_tool
+from stacx.wire.tool_calls import ToolCall
 
 ENVIRONMENT_NAME = "tool_addition"
 ENVIRONMENT_PATH = "stacx.tasks.tool_addition:ToolAdditionEnvironment"
@@ -100,7 +100,7 @@ def transcript_rows(pairs: Sequence[tuple[int, int]], tokenizer) -> list[dict]:
     The text is what the episode runner's token ids decode to (the same `AgentSession`, the tool
     really runs), and it tokenizes back to those ids (checked), so SFT trains the very tokens the
     episodes will generate; read it with `apply_chat_template: false`."""
-    from stacx.rollout.episode import AgentSession
+    from stacx.rollout.agents.episode import AgentSession
 
     eos = tokenizer.eos_token_id
     rows = []
@@ -114,6 +114,6 @@ def transcript_rows(pairs: Sequence[tuple[int, int]], tokenizer) -> list[dict]:
             prompt = tokenizer.decode(prompt_ids, skip_special_tokens=False)
             if tokenizer(prompt, add_special_tokens=False)["input_ids"] != prompt_ids:
                 raise ValueError("transcript_rows: the tokenizer does not give the episode's ids back from their text; "
-                                 "use a character tokenizer from stacx.rollout.chat_tokenizers")
+                                 "use a character tokenizer from stacx.rollout.agents.chat_tokenizers")
             rows.append({"prompt": prompt, "response": response})
     return rows

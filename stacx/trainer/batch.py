@@ -53,7 +53,7 @@ class StepBatch(SampleFields):
 
     @classmethod
     def from_samples(cls, samples: Sequence[Any]) -> "StepBatch":
-        """Rollout samples (`stacx.rollout.manager.Sample`) -> a step batch; teacher fields when every sample has them."""
+        """Rollout samples (`stacx.wire.sample.Sample`) -> a step batch; teacher fields when every sample has them."""
         batch = cls(
             tokens=[torch.tensor(s.tokens, dtype=torch.long) for s in samples],
             response_lengths=[s.response_length for s in samples],

@@ -12,16 +12,20 @@ import warnings
 from pathlib import Path
 
 from stacx.objectives import import_builtin_and_custom_modules, load_custom_modules
-from stacx.rollout.async_rollout import check_async_supported
+from stacx.rollout.asynchronous.async_rollout import check_async_supported
 from stacx.rollout.service import RolloutService, load_tokenizer
-from stacx.trainer.config.checks import check_agent_supported
 from stacx.trainer.batch import StepDataSource
 from stacx.trainer.checkpoint import verify_start_folders
-from stacx.trainer.preflight import replays_trajectories
 from stacx.trainer.cluster.ray.connect import connect_ray
 from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
 from stacx.trainer.cluster.ray.group import RayChannel, RayRoleGroup
 from stacx.trainer.config.algorithm import infer_algorithm
+from stacx.trainer.config.checks import check_agent_supported
+from stacx.trainer.config.mini_batches import (
+    num_optimizer_steps,
+    optimizer_steps_per_rollout,
+    with_resolved_mini_batches,
+)
 from stacx.trainer.config.recipe import TrainingConfig
 from stacx.trainer.config.resolve import (
     apply_run_env_overrides,
@@ -30,15 +34,11 @@ from stacx.trainer.config.resolve import (
     resolve_algorithm_config,
     user_algorithm_values,
 )
-from stacx.trainer.config.mini_batches import (
-    num_optimizer_steps,
-    optimizer_steps_per_rollout,
-    with_resolved_mini_batches,
-)
 from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.loop import StacxTrainer
 from stacx.trainer.metrics import ROLLOUTS_FILE, MetricsLogger, keep_rows_before
+from stacx.trainer.preflight import replays_trajectories
 from stacx.trainer.recipes import get_recipe
 from stacx.trainer.sample_sources import choose_sample_source
 

@@ -46,8 +46,7 @@ from stacx.objectives import get_advantage
 from stacx.objectives.advantages_returns import gae_returns
 from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
 from stacx.parallel.reduction import StepCounts, count_loss_tokens
-from stacx.rollout.async_rollout import AsyncRollout
-from stacx.rollout.types import EngineTarget
+from stacx.rollout.asynchronous.async_rollout import AsyncRollout
 from stacx.rollout.service import RolloutService
 from stacx.trainer.batch import StepBatch, StepDataSource, plan_micro_batches
 from stacx.trainer.checkpoint import (
@@ -74,6 +73,7 @@ from stacx.trainer.interrupts import stop_on_termination_signals
 from stacx.trainer.metrics import ROLLOUT_STEP_KEY, MetricsLogger
 from stacx.trainer.numerics import NonFiniteGuard
 from stacx.trainer.sample_sources import AsyncRolloutSamples, NoSamples, SampleSource, choose_sample_source
+from stacx.wire.types import EngineTarget
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class StacxTrainer:
                  sample_source: Optional[SampleSource] = None):
         """step_rollout: where the driver's samples come from instead of a StepRollout over `rollout` and
         `data` (anything with `collect(step)` and `evaluate_if_due(step)`, e.g. an external agent's
-        sessions, stacx.rollout.agent_rollout.AgentRollout); weights still go to `rollout`'s engine.
+        sessions, stacx.rollout.agents.agent_rollout.AgentRollout); weights still go to `rollout`'s engine.
         sample_source: the run's `SampleSource`; None: `choose_sample_source` picks it from the run config,
         the recipe, `data`, `rollout` and `step_rollout` (the one place the kind of source is decided)."""
         self.run_config = run_config

@@ -56,10 +56,9 @@ from stacx.objectives import load_custom_modules
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import ADVANTAGES, OFF_POLICY_CORRECTIONS, POLICY_LOSSES
 from stacx.plugins.registry import Registry
-from stacx.rollout.async_rollout import check_async_supported
+from stacx.rollout.asynchronous.async_rollout import check_async_supported
 from stacx.rollout.data import MalformedRowError
 from stacx.rollout.engines.registry import resolve_engine_kind
-from stacx.rollout.http_client import API_KEY_ENV
 from stacx.rollout.rewards import resolve_reward_fn
 from stacx.rollout.service import load_tokenizer
 from stacx.specializations.actor import correction_names
@@ -73,12 +72,13 @@ from stacx.trainer.checkpoint import (
     verify_start_folders,
 )
 from stacx.trainer.config.checks import PreflightError, check_agent_supported
-from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
 from stacx.trainer.config.mini_batches import resolve_mini_batch_schedule
+from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
 from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import CUSTOM_HYPERPARAMETERS_KEY, ConfigError, RunConfig
 from stacx.trainer.resume_checks import check_resume
 from stacx.trainer.save_lock import SaveFolderInUse, check_save_folder_free
+from stacx.wire.http_client import API_KEY_ENV
 
 """Offending rows named in a data error (the count says how many there are in all)."""
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from stacx.checkpointing.folders import is_model_folder
-from stacx.rollout.async_scheduler import check_restorable
+from stacx.rollout.asynchronous.async_scheduler import check_restorable
 from stacx.trainer.checkpoint import (
     RUN_CONFIG_NAME,
     CheckpointError,

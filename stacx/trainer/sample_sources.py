@@ -22,8 +22,8 @@ import logging
 from typing import Any, Optional, Protocol
 
 from stacx.objectives.algorithm_config import AlgorithmConfig
-from stacx.rollout.agent_rollout import AgentRollout, agent_from_settings, last_turn_reward
-from stacx.rollout.async_rollout import AsyncRollout, importance_weight_metrics
+from stacx.rollout.agents.agent_rollout import AgentRollout, agent_from_settings, last_turn_reward
+from stacx.rollout.asynchronous.async_rollout import AsyncRollout, importance_weight_metrics
 from stacx.rollout.evaluation import RolloutDumper
 from stacx.rollout.rewards import resolve_reward_fn
 from stacx.rollout.service import RolloutService

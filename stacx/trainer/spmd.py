@@ -17,18 +17,18 @@ import os
 import torch.distributed as dist
 
 from stacx.parallel.groups import destroy_parallel_layout, init_distributed_from_env, initialize_parallel_layout
-from stacx.rollout.async_rollout import check_async_supported
+from stacx.rollout.asynchronous.async_rollout import check_async_supported
 from stacx.rollout.engines.registry import resolve_engine_kind
-from stacx.trainer.config.checks import check_agent_supported
-from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
 from stacx.trainer.checkpoint import verify_start_folders
+from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
 from stacx.trainer.cluster.node_interface import bind_collectives_to_node, local_address_toward
-from stacx.trainer.config.resolve import apply_run_env_overrides
+from stacx.trainer.config.checks import check_agent_supported
 from stacx.trainer.config.mini_batches import with_resolved_mini_batches
+from stacx.trainer.config.resolve import apply_run_env_overrides
 from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import RunConfig
-from stacx.trainer.lifetime import TORCHRUN_ENV, launched_by_torchrun  # noqa: F401 (this module's names too)
 from stacx.trainer.factory import build_driver_side, build_metrics_logger, launch_rollout_server, resolve_recipe
+from stacx.trainer.lifetime import TORCHRUN_ENV, launched_by_torchrun  # noqa: F401 (this module's names too)
 from stacx.trainer.loop import StacxTrainer
 from stacx.trainer.runtime.role_runtime import RoleRuntime
 from stacx.trainer.sample_sources import choose_sample_source

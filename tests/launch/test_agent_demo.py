@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from stacx.launch.demo.agent import AgentDemoSettings, _prepare
-from stacx.rollout.chat_tokenizers import build_tool_chat_tokenizer
+from stacx.rollout.agents.chat_tokenizers import build_tool_chat_tokenizer
 
 
 def test_prepare_writes_compact_transcripts_disjoint_pairs_and_a_wide_initialization(tmp_path):

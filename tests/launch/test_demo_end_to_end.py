@@ -123,8 +123,8 @@ def _serve_in_process(checkpoint: str):
     process; frozen (no weight endpoints). `.url`, `.stop()`."""
     from transformers import AutoTokenizer
 
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.serving.cpu_engine import CpuEngine
+    from stacx.serving.server import EngineHttpServer
 
     engine = CpuEngine.from_hf_checkpoint(checkpoint, seed=0)
     return EngineHttpServer(engine, model_path=checkpoint, weight_updates=False,

@@ -21,7 +21,7 @@ class Refuse:
             raise ImportError(f'{name} belongs to the test extra')
 sys.meta_path.insert(0, Refuse())
 import stacx.launch.demo.pipeline, stacx.trainer.factory, stacx.trainer.spmd, stacx.launch.commands.serve
-import stacx.rollout.engines.cpu, stacx.launch.cli
+import stacx.serving.cpu_engine, stacx.launch.cli
 print('imported')
 """
 

@@ -19,8 +19,8 @@ def checkpoint(tmp_path_factory) -> str:
 @pytest.fixture
 def server(checkpoint):
     """A `stacx serve`-equivalent server in a thread; yields (url, list of request counts per /generate)."""
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.serving.cpu_engine import CpuEngine
+    from stacx.serving.server import EngineHttpServer
 
     engine = CpuEngine.from_hf_checkpoint(checkpoint, seed=0)
     calls: list[int] = []

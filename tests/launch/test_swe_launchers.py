@@ -63,7 +63,7 @@ def _printed(launcher: str, environ: dict) -> list[list[str]]:
 def test_every_launcher_dry_runs_on_ray_and_under_torchrun(tmp_path, capsys):
     from stacx.launch.cli import main
     from stacx.models.testing import tiny_hf_config
-    from stacx.rollout.chat_tokenizers import build_tool_chat_tokenizer
+    from stacx.rollout.agents.chat_tokenizers import build_tool_chat_tokenizer
 
     tokenizer = build_tool_chat_tokenizer("qwen")
     model = str(tmp_path / "model")

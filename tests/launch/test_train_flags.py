@@ -174,8 +174,8 @@ def tiny_teacher_url(tiny_flags):
     """A teacher server on the tiny checkpoint: the preflight checks a configured teacher answers."""
     import torch
 
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.serving.cpu_engine import CpuEngine
+    from stacx.serving.server import EngineHttpServer
 
     checkpoint = tiny_flags[tiny_flags.index("--hf-checkpoint") + 1]
     engine = CpuEngine.from_hf_checkpoint(checkpoint, params_dtype=torch.float32, seed=0)

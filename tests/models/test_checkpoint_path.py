@@ -51,8 +51,8 @@ def test_load_tokenizer_reads_a_local_checkpoint_offline(tmp_path, monkeypatch):
 
 
 def test_stacx_serve_names_a_missing_checkpoint_folder(tmp_path, monkeypatch):
-    import stacx.rollout.engines.cpu  # noqa: F401  (imported first: the bound below times the check, not imports)
-    import stacx.rollout.engines.server  # noqa: F401
+    import stacx.serving.cpu_engine  # noqa: F401  (imported first: the bound below times the check, not imports)
+    import stacx.serving.server  # noqa: F401
 
     monkeypatch.chdir(tmp_path)
     started = time.monotonic()

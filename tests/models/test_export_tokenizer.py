@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from stacx.models.checkpoint import TOKENIZER_FILES, export_hf_checkpoint
-from stacx.rollout.engines.cpu import CpuEngine
+from stacx.serving.cpu_engine import CpuEngine
 from stacx.tasks import write_tiny_checkpoint
 
 

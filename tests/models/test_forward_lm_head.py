@@ -11,7 +11,7 @@ from stacx.parallel.lm_head import LMHeadShard
 @pytest.fixture(scope="module")
 def groups():
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.engines.cpu import ensure_single_process_layout
+    from stacx.serving.cpu_engine import ensure_single_process_layout
 
     yield ensure_single_process_layout()
     destroy_parallel_layout()

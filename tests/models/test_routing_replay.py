@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stacx.rollout.types import GenerateRequest, SamplingParams
 from stacx.specializations.batch import MicroBatch
+from stacx.wire.types import GenerateRequest, SamplingParams
 from tests.models.test_moe import save_moe_checkpoint
 
 PROMPTS = [(3, 9, 14, 2, 7, 11), (5, 1, 8), (12, 4, 6, 10, 13)]
@@ -33,7 +33,7 @@ def moe_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def world():
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.engines.cpu import ensure_single_process_layout
+    from stacx.serving.cpu_engine import ensure_single_process_layout
 
     yield ensure_single_process_layout()
     destroy_parallel_layout()
@@ -88,7 +88,7 @@ def _response_log_probs(model, batch, world, routes=None):
 
 @pytest.mark.parametrize("decoding", ["kv_cache", "packed"])
 def test_engine_routes_are_the_trainer_forwards_routes(moe_checkpoint, world, decoding):
-    from stacx.rollout.engines.cpu import CpuEngine
+    from stacx.serving.cpu_engine import CpuEngine
 
     engine = CpuEngine.from_hf_checkpoint(moe_checkpoint, decoding=decoding)
     requests = _requests()
@@ -109,7 +109,7 @@ def test_engine_routes_are_the_trainer_forwards_routes(moe_checkpoint, world, de
 
 
 def test_replaying_the_models_own_routes_changes_nothing(moe_checkpoint, world):
-    from stacx.rollout.engines.cpu import CpuEngine
+    from stacx.serving.cpu_engine import CpuEngine
 
     engine = CpuEngine.from_hf_checkpoint(moe_checkpoint, decoding="packed")
     requests = _requests()
@@ -129,7 +129,7 @@ def test_replaying_the_models_own_routes_changes_nothing(moe_checkpoint, world):
 
 def test_replay_of_a_bf16_engines_routes(moe_checkpoint, world):
     from stacx.models import build_model, load_hf_checkpoint
-    from stacx.rollout.engines.cpu import CpuEngine
+    from stacx.serving.cpu_engine import CpuEngine
 
     bf16 = build_model(moe_checkpoint, world, params_dtype=torch.bfloat16)
     load_hf_checkpoint(bf16, moe_checkpoint, world)
@@ -181,10 +181,10 @@ def test_model_routes_follow_the_cp_layout():
 
 def test_routes_travel_from_the_rollout_manager_to_the_micro_batch(moe_checkpoint, world):
     from stacx.rollout.continuation import join_outputs
-    from stacx.rollout.engines.cpu import CpuEngine
     from stacx.rollout.manager import RolloutManager
-    from stacx.rollout.types import GenerateOutput
+    from stacx.serving.cpu_engine import CpuEngine
     from stacx.trainer.batch import StepBatch
+    from stacx.wire.types import GenerateOutput
 
     engine = CpuEngine.from_hf_checkpoint(moe_checkpoint)
     manager = RolloutManager(engine, reward_fn=lambda text, label, metadata: 0.0, return_routed_experts=True)

@@ -4,18 +4,9 @@ import pytest
 import torch
 
 from stacx.trainer.config.run import OptimSection
+from tests.serving.fixtures import single_process_world  # noqa: F401  (a fixture, found by name)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the switch applies to CPU parameters only")
-
-
-@pytest.fixture(scope="module")
-def single_process_world():
-    from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.engines.cpu import ensure_single_process_layout
-
-    groups = ensure_single_process_layout()
-    yield groups
-    destroy_parallel_layout()
 
 
 def build_trainable(groups, *, fused: bool):

@@ -85,9 +85,9 @@ def test_the_http_push_exchange_headers_and_rank_messages_share_the_layout():
     import secrets
     import struct
 
-    from stacx.rollout.weight_transfer import bucket_wire_chunks, decode_bucket_body
     from stacx.trainer.cluster.rank_messages import LENGTH_BYTES, decode_message, encode_message
     from stacx.trainer.cluster.ray.exchange_header import decode_header, encode_header
+    from stacx.wire.weight_transfer import bucket_wire_chunks, decode_bucket_body
 
     tensors = [("a", torch.arange(3, dtype=torch.bfloat16)), ("b", torch.arange(5, dtype=torch.float32))]
     slots, (size,) = plan_buckets(tensors)

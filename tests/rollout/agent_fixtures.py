@@ -4,8 +4,8 @@ it, and `stacx serve`'s server around the CPU engine."""
 
 from __future__ import annotations
 
-from stacx.rollout.engines.base import InferenceEngine
-from stacx.rollout.types import GenerateOutput
+from stacx.wire.engine import InferenceEngine
+from stacx.wire.types import GenerateOutput
 
 import string
 

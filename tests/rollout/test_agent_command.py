@@ -12,16 +12,16 @@ import time
 
 import pytest
 
-from stacx.rollout.agent_command import (
+from stacx.rollout.agents.agent_command import (
     AgentCommand,
     AgentCommandTimeout,
     agent_environment,
     read_reward_file,
     substitute_placeholders,
 )
-from stacx.rollout.agent_rollout import AgentRollout, agent_from_settings
-from stacx.rollout.agent_trajectories import RecordedTurn
+from stacx.rollout.agents.agent_rollout import AgentRollout, agent_from_settings
 from stacx.trainer.heartbeat import Heartbeat
+from stacx.wire.trajectories import RecordedTurn
 
 TURN = RecordedTurn(prompt_ids=(1, 2), output_ids=(3,), output_log_probs=(-0.5,), weight_version=1)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import logging
 
-from stacx.rollout.agent_rollout import AgentRollout
+from stacx.rollout.agents.agent_rollout import AgentRollout
 from stacx.rollout.evaluation import RolloutDumper
-from stacx.rollout.manager import Sample
 from stacx.rollout.step_rollout import uniform_reward_warning
 from stacx.rollout.tokenizer import build_char_tokenizer
+from stacx.wire.sample import Sample
 
 TOKENIZER = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789<>=+ ")
 

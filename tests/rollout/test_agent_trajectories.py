@@ -2,8 +2,9 @@
 
 import pytest
 
-from stacx.rollout.agent_trajectories import RecordedTurn, assemble_trajectories, branch_metrics
-from stacx.rollout.dagger import Executor
+from stacx.rollout.agents.agent_trajectories import assemble_trajectories, branch_metrics
+from stacx.wire.sample import Executor
+from stacx.wire.trajectories import RecordedTurn
 
 
 def turn(prompt, output, version=0, finish="stop"):

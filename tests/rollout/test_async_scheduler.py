@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from stacx.rollout.async_scheduler import AsyncRolloutConfig, AsyncRolloutScheduler, admission_capacity
+from stacx.rollout.asynchronous.async_scheduler import AsyncRolloutConfig, AsyncRolloutScheduler, admission_capacity
 
 
 class RandomSchedule:

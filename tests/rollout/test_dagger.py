@@ -5,12 +5,13 @@ import random
 
 import pytest
 
-from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, Executor, TMaxSchedule, build_roll_in
-from stacx.rollout.environments import GuessNumberEnvironment
-from stacx.rollout.episode import run_episode
+from stacx.rollout.agents.environments import GuessNumberEnvironment
+from stacx.rollout.agents.episode import run_episode
+from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, TMaxSchedule, build_roll_in
 from stacx.rollout.tokenizer import build_char_tokenizer
-from stacx.rollout.types import GenerateOutput, SamplingParams
 from stacx.trainer.config.run import TeacherSection
+from stacx.wire.sample import Executor
+from stacx.wire.types import GenerateOutput, SamplingParams
 
 
 def test_default_beta_is_linear_one_to_zero_over_five_iterations():

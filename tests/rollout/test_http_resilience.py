@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerRequestError, ServerUnavailableError
 from stacx.rollout.teacher import TeacherClient, TeacherUnavailableError
+from stacx.wire.http_client import HttpTransport, RetryPolicy, ServerRequestError, ServerUnavailableError
 
 
 class FlakyHandler(BaseHTTPRequestHandler):

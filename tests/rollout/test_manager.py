@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from stacx.rollout.manager import RolloutManager
-from stacx.trainer.batch import StepBatch
 from stacx.rollout.teacher import TeacherScores
-from stacx.rollout.types import GenerateOutput, SamplingParams
+from stacx.trainer.batch import StepBatch
+from stacx.wire.types import GenerateOutput, SamplingParams
 
 NUM_TOP = 3
 

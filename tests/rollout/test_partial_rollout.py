@@ -9,19 +9,19 @@ import requests as http
 import torch
 
 from stacx.rollout.continuation import continuation_request, join_outputs
-from stacx.rollout.engines.cpu import CpuEngine
 from stacx.rollout.engines.http import HttpEngine
-from stacx.rollout.engines.server import EngineHttpServer
-from stacx.rollout.http_client import RetryPolicy
-from stacx.rollout.types import GenerateRequest, SamplingParams
+from stacx.serving.cpu_engine import CpuEngine
+from stacx.serving.server import EngineHttpServer
+from stacx.wire.http_client import RetryPolicy
+from stacx.wire.types import GenerateRequest, SamplingParams
 
 TOLERANCE = 1e-5  # fp32 engine vs fp32 trainer forward of the same tokens
 TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoints, single_process_world):
-    return CpuEngine.from_hf_checkpoint(tiny_checkpoints[0])
+def engine(cpu_engine):
+    return cpu_engine
 
 
 @pytest.fixture(scope="module")
@@ -258,8 +258,8 @@ def test_default_submit_runs_requests_concurrently_and_the_pool_aborts_on_every_
     """The base class's `submit` (HttpEngine, SglangEngine, EnginePool use it) reaches the engine from
     several threads at once; EnginePool forwards abort to each engine; an engine without abort says so."""
     from stacx.rollout.engine_pool import EnginePool
-    from stacx.rollout.engines.base import InferenceEngine
-    from stacx.rollout.types import GenerateOutput
+    from stacx.wire.engine import InferenceEngine
+    from stacx.wire.types import GenerateOutput
 
     class Barrier(InferenceEngine):  # each generate waits until two are running at once
         def __init__(self):
@@ -300,7 +300,7 @@ def test_the_async_producer_continues_an_interrupted_group_through_stacx_serve_w
     call at a time, so group 1 starts after group 0 ends (the order a busy engine gives, made certain)."""
     from types import SimpleNamespace
 
-    from stacx.rollout.async_rollout import AsyncRollout
+    from stacx.rollout.asynchronous.async_rollout import AsyncRollout
     from stacx.rollout.data import Example
     from stacx.rollout.service import RolloutService
     from stacx.trainer.config.run import RunConfig
@@ -360,7 +360,7 @@ def test_async_rollout_over_a_pool_of_two_cpu_engines_uses_both_and_keeps_the_bo
     and updates both, and no group is trained beyond K (step 1 trains groups of version 0)."""
     from types import SimpleNamespace
 
-    from stacx.rollout.async_rollout import AsyncRollout
+    from stacx.rollout.asynchronous.async_rollout import AsyncRollout
     from stacx.rollout.data import Example
     from stacx.rollout.engine_pool import EnginePool
     from stacx.rollout.service import RolloutService

@@ -82,7 +82,7 @@ def test_pass_at_k_and_evaluate_with_a_scripted_engine(tmp_path):
     from stacx.rollout.data import Example
     from stacx.rollout.evaluation import RolloutDumper, evaluate, pass_at_k
     from stacx.rollout.manager import RolloutManager
-    from stacx.rollout.types import GenerateOutput, SamplingParams
+    from stacx.wire.types import GenerateOutput, SamplingParams
 
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25) and pass_at_k(4, 1, 4) == 1.0 and pass_at_k(3, 0, 2) == 0.0
     assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)

@@ -10,15 +10,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from stacx.rollout.http_client import RetryPolicy
-from stacx.rollout.types import GenerateRequest, SamplingParams
+from stacx.parallel.tensor_buckets import TENSOR_DTYPES
 from stacx.rollout.engines.sglang import (
     SglangEngine,
     SglangServerSpec,
     WeightBroadcastGroup,
     build_launch_command,
 )
-from stacx.parallel.tensor_buckets import TENSOR_DTYPES
+from stacx.wire.http_client import RetryPolicy
+from stacx.wire.types import GenerateRequest, SamplingParams
 
 
 class FakeSglang(BaseHTTPRequestHandler):
@@ -173,7 +173,7 @@ def test_sglang_servers_that_never_come_up_fail_with_their_gpu_needs_and_are_kil
 def test_abort_requests_and_an_aborted_answer(fake_sglang):
     """SglangEngine.abort posts SGLang's /abort_request shapes; the aborted request's own /generate
     answer (recorded shape) comes back as a partial output with a version per token."""
-    recorded = json.loads((pathlib.Path(__file__).parent / "payloads" / "sglang_generate_abort.json").read_text())
+    recorded = json.loads((pathlib.Path(__file__).parents[1] / "wire" / "payloads" / "sglang_generate_abort.json").read_text())
     fake_sglang.state["generate_answer"] = recorded["response"]
     engine = SglangEngine(f"http://127.0.0.1:{fake_sglang.server_address[1]}", retry=RetryPolicy(max_attempts=1))
     requests = [GenerateRequest(input_ids=tuple(ids), rid=rid, sampling=SamplingParams(

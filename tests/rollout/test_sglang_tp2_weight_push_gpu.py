@@ -86,7 +86,7 @@ def _trainer_rank(rank: int, port: int, checkpoint: str, url: str, queue) -> Non
 def _server_log_probs(url: str) -> torch.Tensor:
     """The server's log p(token_t | tokens before t) for t = 1.. of PROMPT (position 0 has none)."""
     from stacx.rollout.engines.registry import engine_client
-    from stacx.rollout.types import GenerateRequest, SamplingParams
+    from stacx.wire.types import GenerateRequest, SamplingParams
 
     request = GenerateRequest(input_ids=PROMPT, sampling=SamplingParams(max_new_tokens=0), logprob_start_len=0)
     (output,) = engine_client("sglang", url).generate([request])

@@ -24,12 +24,12 @@ from functools import lru_cache
 
 import pytest
 
-from stacx.rollout.chat_tokenizers import build_tool_chat_tokenizer
-from stacx.rollout.dagger import Executor
-from stacx.rollout.environments import Environment, StepResult
-from stacx.rollout.episode import run_episode
-from stacx.rollout.tools import ToolResult, ToolSpec
-from stacx.rollout.types import SamplingParams
+from stacx.rollout.agents.chat_tokenizers import build_tool_chat_tokenizer
+from stacx.rollout.agents.environments import Environment, StepResult
+from stacx.rollout.agents.episode import run_episode
+from stacx.rollout.agents.tools import ToolResult, ToolSpec
+from stacx.wire.sample import Executor
+from stacx.wire.types import SamplingParams
 from tests.rollout.agent_fixtures import ScriptedEngine
 
 try:
@@ -111,8 +111,9 @@ def play_episode(style: str, text: str) -> dict:
 def play_endpoint(style: str, text: str) -> dict:
     import requests
 
-    from stacx.rollout.agent_trajectories import RecordedTurn, assemble_trajectories
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.rollout.agents.agent_trajectories import assemble_trajectories
+    from stacx.serving.server import EngineHttpServer
+    from stacx.wire.trajectories import RecordedTurn
 
     tok = build_tool_chat_tokenizer(style)
     engine, seen, errors = ScriptedEngine(model_turns(tok, style)), [], 0

@@ -9,14 +9,14 @@ import threading
 import pytest
 
 from stacx.rollout import rollin
-from stacx.rollout.chat_tokenizers import build_tool_chat_tokenizer
-from stacx.rollout.dagger import Executor
+from stacx.rollout.agents.chat_tokenizers import build_tool_chat_tokenizer
+from stacx.rollout.agents.environments import ENVIRONMENTS, Environment, StepResult, register_environment
+from stacx.rollout.agents.episode import episode_metrics, run_episode
+from stacx.rollout.agents.tools import TOOLS, register_tool
 from stacx.rollout.data import Example
-from stacx.rollout.environments import ENVIRONMENTS, Environment, StepResult, register_environment
-from stacx.rollout.episode import episode_metrics, run_episode
-from stacx.rollout.tool_calls import parse_tool_calls
-from stacx.rollout.tools import TOOLS, register_tool
-from stacx.rollout.types import SamplingParams
+from stacx.wire.sample import Executor
+from stacx.wire.tool_calls import parse_tool_calls
+from stacx.wire.types import SamplingParams
 from tests.rollout.agent_fixtures import ScriptedEngine
 
 CALL = '{"name": "calculator", "arguments": {"expression": "3*4"}}'

@@ -10,10 +10,10 @@ import threading
 import pytest
 
 from stacx.plugins.discovery import load_custom_modules
-from stacx.rollout.environments import (ENVIRONMENTS, CalculatorEnvironment, Environment, StepResult, check_task,
+from stacx.rollout.agents.environments import (ENVIRONMENTS, CalculatorEnvironment, Environment, StepResult, check_task,
                                         resolve_environment)
-from stacx.rollout.tool_calls import ToolCall
-from stacx.rollout.tools import TOOLS, argument_errors, get_tool, register_tool, run_tool_call
+from stacx.rollout.agents.tools import TOOLS, argument_errors, get_tool, register_tool, run_tool_call
+from stacx.wire.tool_calls import ToolCall
 
 
 def _call(name: str, **arguments) -> ToolCall:
@@ -102,7 +102,7 @@ def test_calculator_environment_offers_its_tool_and_refuses_unoffered_ones():
 def test_environment_from_a_custom_module_file_and_bad_names(tmp_path):
     path = tmp_path / "my_env.py"
     path.write_text(textwrap.dedent('''
-        from stacx.rollout.environments import Environment, StepResult, register_environment
+        from stacx.rollout.agents.environments import Environment, StepResult, register_environment
 
         @register_environment("echo_under_test", task_schema={"type": "object", "required": ["word"],
                                                              "properties": {"word": {"type": "string"}}})
@@ -128,7 +128,7 @@ def test_environment_from_a_custom_module_file_and_bad_names(tmp_path):
         resolve_environment("echo_undr_test", where="row 2")
     with pytest.raises(ValueError, match="did you mean 'guess_number'"):
         resolve_environment("guess_numbr")
-    with pytest.raises(ValueError, match="is not a stacx.rollout.environments.Environment"):
-        resolve_environment("stacx.rollout.environments:StepResult")
-    assert resolve_environment("stacx.rollout.environments:CalculatorEnvironment") is CalculatorEnvironment
+    with pytest.raises(ValueError, match="is not a stacx.rollout.agents.environments.Environment"):
+        resolve_environment("stacx.rollout.agents.environments:StepResult")
+    assert resolve_environment("stacx.rollout.agents.environments:CalculatorEnvironment") is CalculatorEnvironment
     assert isinstance(StepResult("x", 0.0, False).info, dict)

@@ -67,8 +67,8 @@ def test_tiny_checkpoint_matches_transformers_in_stacx_engine(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.types import GenerateRequest, SamplingParams
+    from stacx.serving.cpu_engine import CpuEngine
+    from stacx.wire.types import GenerateRequest, SamplingParams
 
     folder = write_tiny_checkpoint(str(tmp_path / "ckpt"), "sorting", seed=3)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -91,9 +91,9 @@ def test_tiny_tool_and_moe_checkpoints_load_and_generate_in_stacx_engine(tmp_pat
     tokenizer renders tool calls with its chat template; the MoE one is a Qwen3-MoE the engine routes."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.types import GenerateRequest, SamplingParams
+    from stacx.serving.cpu_engine import CpuEngine
     from stacx.tasks import write_tiny_moe_checkpoint, write_tiny_tool_checkpoint
+    from stacx.wire.types import GenerateRequest, SamplingParams
 
     if kind == "tool":
         folder = write_tiny_tool_checkpoint(str(tmp_path / "ckpt"), style="qwen")

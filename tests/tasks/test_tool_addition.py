@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from stacx.rollout.chat_tokenizers import build_tool_chat_tokenizer
-from stacx.rollout.episode import AgentSession
-from stacx.rollout.tool_calls import tool_call_style_for
+from stacx.rollout.agents.chat_tokenizers import build_tool_chat_tokenizer
+from stacx.rollout.agents.episode import AgentSession
 from stacx.tasks import tool_addition
+from stacx.wire.tool_calls import tool_call_style_for
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ def attached_server_key(monkeypatch):
 def engine_world():
     """This (driver) process as a one-rank world, so it can host CPU engines for the tests."""
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.engines.cpu import ensure_single_process_layout
+    from stacx.serving.cpu_engine import ensure_single_process_layout
 
     yield ensure_single_process_layout()
     destroy_parallel_layout()

@@ -69,9 +69,9 @@ def train_grpo_on_agent_sessions(groups, root: str, url: str):
 def test_grpo_trains_on_multi_turn_tool_episodes(tmp_path, monkeypatch):
     from stacx.models.testing import save_tiny_hf_checkpoint
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.chat_tokenizers import build_tool_chat_tokenizer
-    from stacx.rollout.engines.cpu import CpuEngine, ensure_single_process_layout
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.rollout.agents.chat_tokenizers import build_tool_chat_tokenizer
+    from stacx.serving.cpu_engine import CpuEngine, ensure_single_process_layout
+    from stacx.serving.server import EngineHttpServer
 
     root = str(tmp_path)
     tokenizer = build_tool_chat_tokenizer("qwen")

@@ -78,7 +78,7 @@ def test_the_trainer_and_the_async_check_refuse_an_algorithm_config_of_another_t
     the trainer (or the async check) receives it, naming the receiver and the fix."""
     from types import SimpleNamespace
 
-    from stacx.rollout.async_rollout import check_async_supported
+    from stacx.rollout.asynchronous.async_rollout import check_async_supported
     from stacx.trainer.config.rollout_plan import rollout_plan
     from stacx.trainer.loop import StacxTrainer
     from stacx.trainer.recipes import get_recipe

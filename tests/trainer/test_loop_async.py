@@ -19,17 +19,17 @@ import time
 import pytest
 import torch
 
-from stacx.rollout.async_rollout import AsyncRollout, check_async_supported, prompt_sample_seed
+from stacx.rollout.asynchronous.async_rollout import AsyncRollout, check_async_supported, prompt_sample_seed
 from stacx.rollout.data import Example
-from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.manager import RolloutManager
 from stacx.rollout.service import RolloutService
 from stacx.rollout.tokenizer import build_char_tokenizer
-from stacx.rollout.types import GenerateOutput, SamplingParams
 from stacx.trainer.checkpoint import write_rank_state
+from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.recipes import get_recipe
-from stacx.trainer.config.rollout_plan import rollout_plan
+from stacx.wire.engine import InferenceEngine
+from stacx.wire.types import GenerateOutput, SamplingParams
 from tests.trainer.fakes import FakeRoleGroup, make_trainer
 from tests.trainer.test_loop_mini_batches import RecordingLogger
 

@@ -28,8 +28,8 @@ def _train(files, root, *, tp: int, cp: int, num_steps: int) -> list[dict]:
     """GRPO from the initial checkpoint with a fresh engine. The in-worker reference is a different model
     (the teacher checkpoint) and the entropy bonus is on, so step 0's loss is not the trivial 0 of
     group-centered advantages at ratio 1: it checks reference log-probs and entropy under CP too."""
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.serving.cpu_engine import CpuEngine
+    from stacx.serving.server import EngineHttpServer
     from stacx.trainer.factory import create_trainer
 
     server = EngineHttpServer(CpuEngine.from_hf_checkpoint(files["policy"], seed=0), api_key=ATTACHED_SERVER_KEY).start()

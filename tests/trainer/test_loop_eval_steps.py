@@ -13,12 +13,12 @@ from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.rollout.manager import RolloutManager
 from stacx.rollout.step_rollout import StepRollout
 from stacx.rollout.tokenizer import build_char_tokenizer
-from stacx.rollout.types import GenerateOutput, SamplingParams
 from stacx.trainer.batch import StepBatch
+from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.metrics import MetricsLogger
 from stacx.trainer.recipes import get_recipe
-from stacx.trainer.config.rollout_plan import rollout_plan
+from stacx.wire.types import GenerateOutput, SamplingParams
 from tests.trainer.fakes import FakeDataSource, FakeRoleGroup, make_trainer
 
 TOKENIZER = build_char_tokenizer()

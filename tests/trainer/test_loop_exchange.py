@@ -34,8 +34,8 @@ def test_reference_role_is_refreshed_from_the_policy_bitwise(ray_address, files,
                                                              attached_server_key):
     from safetensors.torch import load_file
 
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.serving.cpu_engine import CpuEngine
+    from stacx.serving.server import EngineHttpServer
     from stacx.trainer.factory import create_trainer
 
     server = EngineHttpServer(CpuEngine.from_hf_checkpoint(files["policy"], seed=0), api_key=attached_server_key).start()

@@ -90,7 +90,7 @@ def _runtime(model, groups, name):
 def groups():
     """This process as a one-rank world (megatron-core builds layers from its global groups)."""
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.engines.cpu import ensure_single_process_layout
+    from stacx.serving.cpu_engine import ensure_single_process_layout
 
     yield ensure_single_process_layout()
     destroy_parallel_layout()

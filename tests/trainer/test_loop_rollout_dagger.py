@@ -41,8 +41,8 @@ def files(tmp_path_factory):
 def servers(files):
     """This driver process hosts the teacher server (and fresh student servers per test)."""
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.engines.cpu import CpuEngine, ensure_single_process_layout
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.serving.cpu_engine import CpuEngine, ensure_single_process_layout
+    from stacx.serving.server import EngineHttpServer
 
     ensure_single_process_layout()
     teacher_engine = CpuEngine.from_hf_checkpoint(files["teacher"], seed=11)
@@ -75,7 +75,7 @@ def _run(tmp_path, files, servers, **values):
 
 def _check_sentinel_and_teacher_scores(rows, teacher_engine):
     """+1.0 exactly on teacher-executed tokens; elsewhere the teacher server's own log-probs."""
-    from stacx.rollout.types import GenerateRequest, SamplingParams
+    from stacx.wire.types import GenerateRequest, SamplingParams
 
     for row in rows:
         tokens = row["prompt_ids"] + row["response_ids"]

@@ -59,12 +59,12 @@ def _overlong_penalty_reference(length: int, max_length: int, buffer: int, facto
 
 
 def test_dapo_dynamic_sampling_overlong_penalty_and_eval(ray_address, files, engine_world, tmp_path):
-    from stacx.rollout.engines.cpu import CpuEngine
     from stacx.rollout.data import DataConfig, load_examples
     from stacx.rollout.manager import RolloutManager
-    from stacx.rollout.types import SamplingParams
-    from stacx.trainer.factory import create_trainer
     from stacx.rollout.service import load_tokenizer
+    from stacx.serving.cpu_engine import CpuEngine
+    from stacx.trainer.factory import create_trainer
+    from stacx.wire.types import SamplingParams
 
     cfg = run_config(str(tmp_path), train={"algorithm": "dapo"}, algorithm={"overlong_buffer_length": 2, "overlong_penalty_factor": 0.5},
                      hf_checkpoint=files["policy"], prompt_data=files["dapo_prompts"], rollout_engine="cpu",
@@ -118,7 +118,7 @@ def test_dapo_dynamic_sampling_overlong_penalty_and_eval(ray_address, files, eng
 
 
 def _greedy(engine, prompt):
-    from stacx.rollout.types import GenerateRequest, SamplingParams
+    from stacx.wire.types import GenerateRequest, SamplingParams
 
     request = GenerateRequest(input_ids=tuple(prompt), sampling=SamplingParams(max_new_tokens=4, temperature=0.0,
                                                                                ignore_eos=True))
@@ -128,10 +128,10 @@ def _greedy(engine, prompt):
 
 def test_grpo_spreads_rollouts_over_two_servers_and_updates_both(ray_address, files, engine_world, tmp_path,
                                                                 attached_server_key):
-    from stacx.rollout.engines.cpu import CpuEngine
     from stacx.rollout.engines.http import HttpEngine
-    from stacx.trainer.factory import create_trainer
     from stacx.rollout.engines.launchers import CpuServerProcess
+    from stacx.serving.cpu_engine import CpuEngine
+    from stacx.trainer.factory import create_trainer
 
     servers: list = [None, None]
 

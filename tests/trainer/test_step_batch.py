@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives import get_advantage
-from stacx.rollout.manager import Sample
+from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.trainer.batch import StepBatch, plan_micro_batches
 from stacx.trainer.cluster.rank_messages import decode_message, encode_message
+from stacx.wire.sample import Sample
 
 
 def _samples():

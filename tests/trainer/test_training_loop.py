@@ -24,15 +24,15 @@ from tests.trainer.training_fixtures import (ATTACHED_SERVER_KEY, VARIED_REWARD,
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
 def _serve(engine_world, checkpoint: str, seed: int = 0):
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.serving.cpu_engine import CpuEngine
+    from stacx.serving.server import EngineHttpServer
 
     engine = CpuEngine.from_hf_checkpoint(checkpoint, seed=seed)
     return engine, EngineHttpServer(engine, api_key=ATTACHED_SERVER_KEY).start()
 
 
 def _greedy_log_probs(engine, prompt: list[int]) -> tuple[list[int], list[float]]:
-    from stacx.rollout.types import GenerateRequest, SamplingParams
+    from stacx.wire.types import GenerateRequest, SamplingParams
 
     request = GenerateRequest(input_ids=tuple(prompt), sampling=SamplingParams(max_new_tokens=4, temperature=0.0,
                                                                                ignore_eos=True))
@@ -70,7 +70,7 @@ def test_grpo_tp2_with_reference_trains_and_the_engine_follows(ray_address, file
         assert engine.weight_version() == 2
         # The engine's outputs follow the new weights: they equal those of the exported final policy, and differ
         # from the initial checkpoint's.
-        from stacx.rollout.engines.cpu import CpuEngine
+        from stacx.serving.cpu_engine import CpuEngine
 
         exported = _greedy_log_probs(CpuEngine.from_hf_checkpoint(str(tmp_path / "export")), prompt)
         served = _greedy_log_probs(engine, prompt)

@@ -188,10 +188,10 @@ def evaluate_checkpoint(args) -> dict:
     from stacx.rollout.evaluation import evaluation_metrics
     from stacx.rollout.manager import RolloutManager
     from stacx.rollout.rewards import resolve_reward_fn
-    from stacx.rollout.types import SamplingParams
     from stacx.rollout.service import load_tokenizer
     from stacx.trainer.config.checks import (PreflightError, check_labels_for_reward, check_prompts_not_empty,
                                              model_context_length)
+    from stacx.wire.types import SamplingParams
 
     with tempfile.TemporaryDirectory(prefix="stacx-eval-") as scratch_dir:
         data_path, task_max_new_tokens = resolve_eval_data(args, scratch_dir)
@@ -243,11 +243,11 @@ def open_engine(args, model_folder: str):
     """The engine that generates: an `HttpEngine` on --engine-url (checked with /health), else the
     CPU engine with the model of `model_folder` loaded in this process."""
     if args.engine_url is None:
-        from stacx.rollout.engines.cpu import CpuEngine
+        from stacx.serving.cpu_engine import CpuEngine
 
         return CpuEngine.from_hf_checkpoint(model_folder, seed=args.seed)
     from stacx.rollout.engines.registry import resolve_engine_kind
-    from stacx.rollout.http_client import RetryPolicy
+    from stacx.wire.http_client import RetryPolicy
 
     try:
         kind = resolve_engine_kind(args.engine_kind or "http", flag="--engine-kind")

@@ -4,7 +4,7 @@
 
 Loads the Hugging Face checkpoint into Stacx's own megatron-core model (the trainer's model
 definition), and serves /generate with per-token log-probs, weight updates, pause/resume,
-flush_cache and health (see stacx.rollout.engines.server). Use it as the CPU rollout engine or as a
+flush_cache and health (see stacx.serving.server). Use it as the CPU rollout engine or as a
 frozen teacher for distillation.
 
 Weight updates, pause, continue and flush need the `--api-key` secret (or `STACX_API_KEY`),
@@ -22,7 +22,7 @@ import signal
 
 from stacx.network import is_loopback_host, private_file_path, write_private_file
 
-from stacx.rollout.http_client import API_KEY_ENV
+from stacx.wire.http_client import API_KEY_ENV
 
 HELP = "serve a checkpoint on CPU through SGLang's /generate API (rollout engine or teacher)"
 
@@ -45,7 +45,7 @@ LIMIT_HELP = {
 def add_arguments(parser) -> None:
     # Imported here: the HTTP stack is slow to import (`stacx --help` stays fast).
     from stacx.launch.run_flags import flag_name
-    from stacx.rollout.engines.http_guard import ServerLimits
+    from stacx.serving.http_guard import ServerLimits
 
     limits = ServerLimits()
     parser.add_argument("--hf-checkpoint", required=True, help="folder with config.json and safetensors weights")
@@ -90,7 +90,7 @@ def resolve_api_key(args) -> str | None:
 def build_limits(args):
     # Imported here: the HTTP stack is slow to import (`stacx --help` stays fast).
     from stacx.launch.run_flags import flag_name
-    from stacx.rollout.engines.http_guard import ServerLimits
+    from stacx.serving.http_guard import ServerLimits
 
     try:
         return ServerLimits(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ServerLimits)})
@@ -150,8 +150,8 @@ def run(args) -> int:
     import torch
 
     from stacx.models.checkpoint import CheckpointNotFoundError, require_hf_checkpoint_folder
-    from stacx.rollout.engines.cpu import CpuEngine
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.serving.cpu_engine import CpuEngine
+    from stacx.serving.server import EngineHttpServer
 
     api_key = resolve_api_key(args)
     limits = build_limits(args)

@@ -9,7 +9,7 @@ correct call.
 1. Data and model: training and held-out number pairs (disjoint), a random 2-layer hidden-64
    Llama-style model (initial weights of std 0.1) over the character tokenizer with the
    Qwen-style tool template whose system header lists the tool in one line ("qwen_compact" in
-   stacx.rollout.chat_tokenizers), so the numbers to copy sit close to the reply.
+   stacx.rollout.agents.chat_tokenizers), so the numbers to copy sit close to the reply.
 2. SFT: `sft` recipe on correct tool-call transcripts (each episode's two model turns).
 3. GRPO: `grpo` recipe on multi-turn episodes of the environment (tool calls run in the roll-in).
 
@@ -62,7 +62,7 @@ class AgentDemoSettings:
     """Standard deviation of the random initial weights (`initializer_range`). With the usual 0.02 the
     SFT loss stays hundreds of steps at the digits' entropy: the numbers are not copied yet."""
     chat_style: str = "qwen_compact"
-    """Chat template (stacx.rollout.chat_tokenizers): the Qwen-style one with a one-line tool list,
+    """Chat template (stacx.rollout.agents.chat_tokenizers): the Qwen-style one with a one-line tool list,
     so the question sits ~40 tokens before the call instead of ~400."""
     num_train_pairs: int = 2048
     num_eval_pairs: int = 128
@@ -110,7 +110,7 @@ def run_agent_demo(settings: AgentDemoSettings, out_dir: str, *, log=print) -> d
     """SFT then GRPO; returns (and writes to out_dir/summary.json) the held-out scores of every model."""
     from stacx.launch.demo import measure
     from stacx.launch.demo.episodes import TransformersGreedyEngine, play_heldout_episodes
-    from stacx.rollout.chat_tokenizers import build_tool_chat_tokenizer
+    from stacx.rollout.agents.chat_tokenizers import build_tool_chat_tokenizer
     from stacx.rollout.data import DataConfig, load_examples
     from stacx.trainer.cluster.ray.connect import connect_ray
     from transformers.utils import logging as transformers_logging

@@ -19,9 +19,9 @@ from typing import Sequence
 import torch
 
 from stacx.rollout import rollin
-from stacx.rollout.dagger import Executor
-from stacx.rollout.engines.kv_cache_decoding import new_cache
-from stacx.rollout.types import GenerateOutput, GenerateRequest, SamplingParams
+from stacx.serving.kv_cache_decoding import new_cache
+from stacx.wire.sample import Executor
+from stacx.wire.types import GenerateOutput, GenerateRequest, SamplingParams
 
 
 class TransformersGreedyEngine:

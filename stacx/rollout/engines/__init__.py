@@ -1,1 +1,2 @@
-"""Inference engines and their clients: the `InferenceEngine` protocol, the CPU engine and its server, HTTP and SGLang clients."""
+"""The driver's engines: the HTTP and SGLang clients, the engine registry and the server launchers (the
+`InferenceEngine` interface is `stacx.wire.engine`; the CPU engine and its server are `stacx.serving`)."""

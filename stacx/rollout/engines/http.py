@@ -17,19 +17,18 @@ from typing import Iterable, Optional, Sequence
 from urllib.parse import urlparse
 
 from stacx.network import is_loopback_host
-from stacx.rollout.engines.base import InferenceEngine, WeightBucket
-from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerRequestError
-from stacx.rollout.engines.sglang_protocol import build_abort_payload, build_generate_payload, parse_generate_response
-from stacx.rollout.engines.weight_versions import is_own_accepted_bucket
-from stacx.rollout.types import GenerateOutput, GenerateRequest
-from stacx.rollout.weight_transfer import SharedMemoryStaging, bucket_wire_chunks
+from stacx.wire.engine import InferenceEngine, WeightBucket
+from stacx.wire.http_client import HttpTransport, RetryPolicy, ServerRequestError
+from stacx.wire.sglang_protocol import build_abort_payload, build_generate_payload, parse_generate_response
+from stacx.wire.weight_versions import is_own_accepted_bucket
+from stacx.wire.types import GenerateOutput, GenerateRequest
+from stacx.wire.weight_transfer import (
+    BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_RELEASE_ENDPOINT, SHM_STAGING_ENDPOINT, SharedMemoryStaging,
+    bucket_wire_chunks
+)
 
 logger = logging.getLogger(__name__)
 
-BUCKET_ENDPOINT = "/stacx/update_weights_bucket"
-SHM_BUCKET_ENDPOINT = "/stacx/update_weights_from_shm"
-SHM_STAGING_ENDPOINT = "/stacx/shm_staging"
-SHM_RELEASE_ENDPOINT = "/stacx/shm_staging/release"
 WEIGHT_TRANSPORTS = ("auto", "http", "shm")
 
 
@@ -73,7 +72,7 @@ class HttpEngine(InferenceEngine):
 
     def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
         """Send the buckets numbered 0, 1, ... under `version`, the last one marked final (the server
-        refuses a version it serves already, or older: stacx.rollout.engines.weight_versions)."""
+        refuses a version it serves already, or older: stacx.wire.weight_versions)."""
         pending, index = None, -1
         for bucket in buckets:
             if pending is not None:

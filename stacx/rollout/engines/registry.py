@@ -40,11 +40,11 @@ from typing import Callable, Optional, TypeVar
 import torch
 
 from stacx.plugins.registry import Registry
-from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch, launch_cpu_server, launch_sglang_servers
 from stacx.rollout.engines.sglang import SglangEngine
-from stacx.rollout.http_client import RetryPolicy
+from stacx.wire.engine import InferenceEngine
+from stacx.wire.http_client import RetryPolicy
 
 AUTO = "auto"
 """Not a kind: 'sglang' when CUDA is present, else 'cpu'."""

@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from stacx.parallel.bound_store import host_bound_store
 from stacx.parallel.tensor_buckets import dtype_name
-from stacx.rollout.engines.base import WeightBucket
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.engines.processes import stop_process
-from stacx.rollout.http_client import RetryPolicy
+from stacx.wire.engine import WeightBucket
+from stacx.wire.http_client import RetryPolicy
 
 WEIGHT_UPDATE_MODES = ("tensor", "distributed")
 

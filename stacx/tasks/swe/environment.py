@@ -22,12 +22,12 @@ import random
 import weakref
 from typing import Callable, Optional
 
-from stacx.rollout.environments import Environment, Messages, StepResult, register_environment
-from stacx.rollout.tool_calls import ToolCall
-from stacx.rollout.tools import MAX_TOOL_OUTPUT_CHARS, ToolResult, ToolSpec, argument_errors
+from stacx.rollout.agents.environments import Environment, Messages, StepResult, register_environment
+from stacx.rollout.agents.tools import MAX_TOOL_OUTPUT_CHARS, ToolResult, ToolSpec, argument_errors
 from stacx.sandbox import RunResult, SandboxConfig, SandboxLimits, SandboxSession
 from stacx.tasks.swe.evaluate import SweEvaluation, evaluate_session, snapshot_source
 from stacx.tasks.swe.reward import sandbox_for, task_of
+from stacx.wire.tool_calls import ToolCall
 
 _HEAD_CHARS = MAX_TOOL_OUTPUT_CHARS // 4
 """A cut output keeps its first quarter and its end (the end of a log says what failed)."""

@@ -12,10 +12,10 @@ import os
 import shutil
 from typing import Any, Optional, Sequence
 
-from stacx.rollout.agent_rollout import AgentCommand, agent_from_settings
+from stacx.rollout.agents.agent_rollout import AgentCommand, agent_from_settings
 from stacx.rollout.engines.registry import resolve_engine_kind
-from stacx.rollout.rollin import has_environment
 from stacx.rollout.rewards import resolve_reward_fn, reward_needs_label
+from stacx.rollout.rollin import has_environment
 from stacx.rollout.sections import RolloutSection
 from stacx.trainer.config.recipe import TrainingConfig
 from stacx.trainer.config.run import ConfigError, RunConfig

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from stacx.rollout.engines.weight_loading import HfWeightReceiver
+from stacx.models.weight_loading import HfWeightReceiver
 
 WEIGHTS_KEY = "weights"
 KEY_SEPARATOR = "/"

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from stacx.rollout.tool_calls import ToolCall
 from stacx.tasks.swe import evaluate_patch, get_swe_task
 from stacx.tasks.swe.environment import SweEnvironment
 from stacx.tasks.swe.reward import sandbox_for, swe_tests_reward
 from stacx.tasks.swe.row import SweTask
+from stacx.wire.tool_calls import ToolCall
 
 TASKS = ("seriescalc__sum_up_to", "gatekeep__is_adult", "statkit__average")
 SANDBOX = {"backend": "namespace", "max_concurrent_runs": 3,

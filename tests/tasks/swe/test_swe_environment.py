@@ -8,16 +8,16 @@ import random
 import pytest
 
 from stacx.rollout import rollin
-from stacx.rollout.chat_tokenizers import build_tool_chat_tokenizer
-from stacx.rollout.dagger import Executor
+from stacx.rollout.agents.chat_tokenizers import build_tool_chat_tokenizer
+from stacx.rollout.agents.episode import run_episode
+from stacx.rollout.agents.tools import MAX_TOOL_OUTPUT_CHARS
 from stacx.rollout.data import Example
-from stacx.rollout.engines.base import GenerateOutput
-from stacx.rollout.episode import run_episode
-from stacx.rollout.tool_calls import ToolCall
-from stacx.rollout.tools import MAX_TOOL_OUTPUT_CHARS
-from stacx.rollout.types import SamplingParams
 from stacx.tasks.swe import SweEvaluation, get_swe_task
 from stacx.tasks.swe.environment import SweEnvironment, clip
+from stacx.wire.engine import GenerateOutput
+from stacx.wire.sample import Executor
+from stacx.wire.tool_calls import ToolCall
+from stacx.wire.types import SamplingParams
 
 TOKENIZER = build_tool_chat_tokenizer("qwen")
 TASK_ID = "seriescalc__sum_up_to"

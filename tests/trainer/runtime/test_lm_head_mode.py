@@ -222,7 +222,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single_process_groups():
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.engines.cpu import ensure_single_process_layout
+    from stacx.serving.cpu_engine import ensure_single_process_layout
 
     yield ensure_single_process_layout()
     destroy_parallel_layout()
