@@ -78,6 +78,7 @@ from stacx.trainer.heartbeat import Heartbeat
 from stacx.trainer.interrupts import stop_on_termination_signals
 from stacx.trainer.metrics import ROLLOUT_STEP_KEY, MetricsLogger
 from stacx.trainer.numerics import NonFiniteGuard
+from stacx.trainer.rollout_dump import RolloutDumpWriter, RolloutReplay
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,14 @@ class StacxTrainer:
         self.async_rollout: Optional[AsyncRollout] = None
         """--rollout-mode async: the driver's producer thread and scheduler (`start_async_rollout`)."""
         self._async_resume_state: dict = {}
+        self.rollout_dump, self.rollout_replay = self._rollout_dump_and_replay()
+        """--dump-rollouts writer / --replay-rollouts reader of the driver (stacx.trainer.rollout_dump)."""
+        self._collected_samples = None
+        self.run_counters: dict[str, float] = {}
+        """Counters logged in every trained row (`run/restarts` of stacx.trainer.restarts)."""
+        self.after_step: Callable[[int], None] = lambda completed_steps: None
+        """Called after each rollout step is logged (and saved when due); stacx.trainer.restarts' test-only
+        fault hook uses it."""
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -178,6 +187,7 @@ class StacxTrainer:
                     if self.should_save(self.step):
                         self.heartbeat.phase = "saving the checkpoint"
                         self.save_checkpoint(self.step)
+                    self.after_step(self.step)
             with self.beat("the final model", "eval"):
                 final_eval = self.evaluate_if_due(train.num_steps)
             if final_eval:  # the trained model's own row; the progress bar stays at num_steps
@@ -232,7 +242,7 @@ class StacxTrainer:
         self.update_rows = []
         started = time.monotonic()
         self.heartbeat.phase = "rollout" if self.training_config.data_source == "rollout" else "batch"
-        batch, metrics = self.channel.share(self.collect_batch(step) if self.channel.is_driver else None)
+        batch, metrics = self.channel.share(self.driver_batch(step) if self.channel.is_driver else None)
         sample_role = (self.training_config.rollout_role or self.training_config.trainable_roles[0]).name
         if self.nonfinite.check_samples(step=step, role=sample_role, name="reward", values=batch.rewards or ()):
             return self._skipped_step(metrics, started)
@@ -273,6 +283,27 @@ class StacxTrainer:
 
     # ---- data ------------------------------------------------------------------------------
 
+    def _rollout_dump_and_replay(self):
+        train = self.run_config.train
+        if not self.channel.is_driver:
+            return None, None
+        dump = (RolloutDumpWriter(train.dump_rollouts, recipe=self.training_config.name, seed=train.seed,
+                                  train_section=self.run_config.to_dict().get("train"))
+                if train.dump_rollouts else None)
+        replay = RolloutReplay(train.replay_rollouts, recipe=self.training_config.name) if train.replay_rollouts else None
+        return dump, replay
+
+    def driver_batch(self, step: int) -> tuple[StepBatch, dict]:
+        """The step's batch on the driver: read from --replay-rollouts, else collected (and written to
+        --dump-rollouts as it reaches the trainer, before any field the trainer adds)."""
+        if self.rollout_replay is not None:
+            return self.rollout_replay.read(step)
+        self._collected_samples = None
+        batch, metrics = self.collect_batch(step)
+        if self.rollout_dump is not None:
+            self.rollout_dump.write(step, batch, metrics, self._collected_samples)
+        return batch, metrics
+
     def collect_batch(self, step: int) -> tuple[StepBatch, dict]:
         """(step batch, rollout metrics), on the driver: async mode takes the scheduler's batch of `step`."""
         # data is None when the step rollout draws its own tasks (stacx.rollout.agent_rollout.AgentRollout)
@@ -285,6 +316,7 @@ class StacxTrainer:
             self.step_rollout.summarize(step, samples, metrics)
         else:
             samples, metrics = self.step_rollout.collect(step)
+        self._collected_samples = samples
         batch = StepBatch.from_samples(samples)
         if self.run_config.rollout.use_routing_replay and batch.routed_experts is None:
             raise ValueError("--use-routing-replay: the rollout returned no routed experts (multi-turn environment "
@@ -493,6 +525,7 @@ class StacxTrainer:
             if self.channel.is_driver and self.metrics_logger is not None:
                 self.metrics_logger.log(first, {ROLLOUT_STEP_METRIC: step, **metrics}, trained=False)
             return
+        metrics.update(self.run_counters)
         self.last_metrics = metrics
         rows = [*self.update_rows, dict(metrics)]
         self.update_rows = []
