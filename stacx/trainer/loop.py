@@ -3,6 +3,7 @@
     for step in range(start, num_steps):                       # rollout steps
         eval/* of the model after `step` rollout steps, every eval_interval steps (0: the starting model)
         batch = rollout (responses, rewards, teacher log-probs)  |  the dataset's next batch
+                | the step's file of --replay-rollouts (written to --dump-rollouts: stacx.trainer.rollout_dump)
         forward-only fields: reference log-probs (in-worker reference), old log-probs, inject syncs
         advantages (registry, by name) and returns for a critic
         for each mini-batch (num_epochs x num_steps_per_rollout of them, config/mini_batches.py):
@@ -301,7 +302,8 @@ class StacxTrainer:
         self._collected_samples = None
         batch, metrics = self.collect_batch(step)
         if self.rollout_dump is not None:
-            self.rollout_dump.write(step, batch, metrics, self._collected_samples)
+            seconds, size = self.rollout_dump.write(step, batch, metrics, self._collected_samples)
+            metrics.update({"time/rollout_dump_s": seconds, "rollout_dump/bytes": float(size)})
         return batch, metrics
 
     def collect_batch(self, step: int) -> tuple[StepBatch, dict]:

@@ -109,15 +109,18 @@ class RolloutDumpWriter:
         manifest = {"format": DUMP_FORMAT, "recipe": recipe, "seed": seed, "train": train_section or {}}
         (self.folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, default=str) + "\n")
 
-    def write(self, step: int, batch: StepBatch, metrics: dict, samples: Optional[Sequence[Any]] = None) -> Path:
+    def write(self, step: int, batch: StepBatch, metrics: dict,
+              samples: Optional[Sequence[Any]] = None) -> tuple[float, int]:
+        """Write rollout step `step`'s file; returns (seconds it took, its bytes), logged as the step's
+        `time/rollout_dump_s` and `rollout_dump/bytes`."""
         started = time.perf_counter()
         payload = {"format": DUMP_FORMAT, "step": step, "fields": batch_fields(batch),
                    "samples": sample_info(samples), "metrics": _plain_metrics(metrics)}
-        path = self.folder / step_file_name(step)
-        size = _write_atomically(path, payload)
-        self.seconds += time.perf_counter() - started
+        size = _write_atomically(self.folder / step_file_name(step), payload)
+        seconds = time.perf_counter() - started
+        self.seconds += seconds
         self.bytes += size
-        return path
+        return seconds, size
 
 
 class RolloutReplay:

@@ -90,7 +90,9 @@ def test_a_dump_replays_the_batches_the_trainer_trained_on(tmp_path):
 
     original = BatchesSeen("policy")
     cfg = RunConfig.from_dict({"num_steps": 2, "dump_rollouts": dump, "progress_bar": False})
-    make_trainer("sft", roles={"policy": original}, run_config=cfg, data=TwoBatches(None)).run()
+    last = make_trainer("sft", roles={"policy": original}, run_config=cfg, data=TwoBatches(None)).run()
+    assert last["rollout_dump/bytes"] == os.path.getsize(os.path.join(dump, step_file_name(1)))
+    assert last["time/rollout_dump_s"] > 0
     assert sorted(os.listdir(dump)) == [MANIFEST_NAME, step_file_name(0), step_file_name(1)]  # no temporary left
 
     replayed = BatchesSeen("policy")
@@ -113,8 +115,9 @@ def test_a_step_file_holds_the_batch_without_the_trainers_fields_and_the_samples
                Sample(prompt_ids=[3, 4, 5], response_ids=[8], rollout_log_probs=[-2.0], loss_mask=[1], executors=[1],
                       weight_version=4, finish_reason="stop")]
     writer = RolloutDumpWriter(tmp_path, recipe="grpo", seed=7)
-    path = writer.write(5, batch, {"rollout/reward_mean": 0.5, "time/rollout_s": 3.0, "note": "text"}, samples)
-    assert writer.bytes == path.stat().st_size > 0 and writer.seconds > 0
+    seconds, size = writer.write(5, batch, {"rollout/reward_mean": 0.5, "time/rollout_s": 3.0, "note": "text"}, samples)
+    path = tmp_path / step_file_name(5)
+    assert writer.bytes == size == path.stat().st_size > 0 and writer.seconds == seconds > 0
     payload = torch.load(path, weights_only=True)
     assert "advantages" not in payload["fields"]
     assert payload["samples"] == {"weight_version": [3, 4], "token_versions": [[3, 4], None],
