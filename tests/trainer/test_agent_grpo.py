@@ -144,8 +144,10 @@ def test_grpo_trains_on_multi_turn_tool_episodes(tmp_path, monkeypatch):
     original, replay = (read_torch_dist_tensors(os.path.join(root, run, "step_000000002", "roles", "policy", "model"))
                         for run in ("ckpt", "ckpt_replay"))
     assert original.keys() == replay.keys() and all(torch.equal(original[k], replay[k]) for k in original)
-    dumped = torch.load(os.path.join(root, "dump", "step_000000000.pt"), weights_only=True)
-    assert dumped["fields"]["executors"][0].tolist() == dumps[0][0]["executors"]  # environment tokens kept
+    from stacx.trainer.rollout_dump import RolloutReplay
+
+    dumped, _ = RolloutReplay(os.path.join(root, "dump")).read(0)
+    assert dumped.executors[0].tolist() == dumps[0][0]["executors"]  # environment tokens kept
 
     # --agent: the external agent's two-turn sessions are the samples; the trained ids are the engine's.
     (agent_row,) = read_metrics(os.path.join(root, "out_agent"))

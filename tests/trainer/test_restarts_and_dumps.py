@@ -74,7 +74,7 @@ def _same_batch(a: StepBatch, b: StepBatch) -> None:
         if left is not None:
             assert len(left) == len(right), field.name
             for x, y in zip(left, right):
-                assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, field.name
+                assert (x.dtype == y.dtype and torch.equal(x, y)) if isinstance(x, torch.Tensor) else x == y, field.name
 
 
 # ---- dump and replay ---------------------------------------------------------------------------
@@ -120,6 +120,8 @@ def test_a_step_file_holds_the_batch_without_the_trainers_fields_and_the_samples
     assert writer.bytes == size == path.stat().st_size > 0 and writer.seconds == seconds > 0
     payload = torch.load(path, weights_only=True)
     assert "advantages" not in payload["fields"]
+    assert payload["fields"]["tokens"]["lengths"] == [4, 4] and payload["fields"]["rewards"] == [1.0, 0.0]
+    assert payload["fields"]["routed_experts"]["packed"].shape == (6, 2, 1)  # one tensor per field, not per sample
     assert payload["samples"] == {"weight_version": [3, 4], "token_versions": [[3, 4], None],
                                   "finish_reason": ["length", "stop"]}
     read, metrics = RolloutReplay(tmp_path, recipe="grpo").read(5)
