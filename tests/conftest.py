@@ -95,7 +95,7 @@ def _user_modules_stay_with_their_test():
     documented commands' test) gives the name back to the built-in after the test, and its module
     leaves `sys.modules` when nothing else of it stays registered, so that a later load registers it
     again; other user kernels stay registered, as their modules stay imported."""
-    from stacx.objectives import discovery
+    from stacx.plugins import discovery
 
     before = dict(discovery._USER_MODULE_SOURCES)
     replaced_before = {id(registry): set(registry._replaced_builtins) for registry in _kernel_registries()}
@@ -105,10 +105,10 @@ def _user_modules_stay_with_their_test():
     restored_modules = set()
     for registry in _kernel_registries():
         for name in set(registry._replaced_builtins) - replaced_before.get(id(registry), set()):
-            restored_modules.add(getattr(registry._functions[name], "__module__", None))
+            restored_modules.add(getattr(registry[name], "__module__", None))
             registry.unregister(name)  # the replaced built-in gets its name back
     still_registered = {getattr(entry, "__module__", None)
-                        for registry in _kernel_registries() for entry in registry._functions.values()}
+                        for registry in _kernel_registries() for entry in registry.values()}
     for module in restored_modules - still_registered - {None}:
         sys.modules.pop(module, None)
 

@@ -264,3 +264,45 @@ def test_type_checking_imports_are_read_when_asked(tmp_path):
     path = tmp_path / "probe.py"
     path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stacx.diffusion import loop\n")
     assert imported_modules("stacx.probe", path, with_type_checking=True) == [("stacx.diffusion.loop", 3, False)]
+
+
+TYPED_GROUPS_PACKAGES = ("stacx.models", "stacx.checkpointing", "stacx.parallel")
+"""Packages whose functions take this rank's process groups as `groups: ProcessGroups` (or `| None`)."""
+
+
+def test_every_groups_parameter_of_the_rank_packages_is_typed_process_groups():
+    untyped = []
+    for module, path in MODULES.items():
+        source = path.read_text(encoding="utf-8")
+        if not any(within(module, package) for package in TYPED_GROUPS_PACKAGES) or "groups" not in source:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if arg.arg == "groups" and annotation not in ("ProcessGroups", "ProcessGroups | None"):
+                    untyped.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.name}({arg.arg}: {annotation or '?'})")
+    assert not untyped, "`groups` parameters not typed `ProcessGroups`:\n" + "\n".join(untyped)
+
+
+def test_plugins_is_a_ground_floor_package_that_every_plugin_kind_builds_on():
+    """`stacx.plugins` (discovery and the one Registry) imports no other Stacx package, and the registries of
+    kernels, engines, environments, tools, rewards, workloads, tasks and recipes are all its `Registry`."""
+    assert row_of("stacx.plugins.registry") == ("stacx.plugins", [])
+    for module in MODULES:
+        if within(module, "stacx.plugins"):
+            assert all(within(target, "stacx.plugins") for target, *_ in EVERY_IMPORT[module]), module
+    from stacx.plugins.registry import Registry
+    from stacx.objectives.registry import POLICY_LOSSES
+    from stacx.rollout.engines.registry import ENGINE_KINDS
+    from stacx.rollout.environments import ENVIRONMENTS
+    from stacx.rollout.rewards import REWARD_FUNCTIONS
+    from stacx.rollout.tools import TOOLS
+    from stacx.tasks.builtin import TASKS
+    from stacx.trainer.config.recipe import TRAINING_CONFIGS
+    from stacx.trainer.config.workload import WORKLOADS
+
+    for registry in (POLICY_LOSSES, ENGINE_KINDS, ENVIRONMENTS, REWARD_FUNCTIONS, TOOLS, TASKS, TRAINING_CONFIGS,
+                     WORKLOADS):
+        assert isinstance(registry, Registry), registry

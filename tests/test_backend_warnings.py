@@ -8,6 +8,8 @@ import subprocess
 import sys
 import warnings
 
+import pytest
+
 from stacx.backend_warnings import SHOW_ENV, silence_expected_backend_warnings
 
 IMPORT_MEGATRON = (
@@ -27,6 +29,7 @@ def _stderr_of_a_fresh_process(extra_env: dict) -> str:
     return completed.stderr
 
 
+@pytest.mark.slow
 def test_expected_fallback_warnings_are_quiet_and_can_be_shown():
     assert "Warning" not in _stderr_of_a_fresh_process({})
     shown = _stderr_of_a_fresh_process({SHOW_ENV: "1"})

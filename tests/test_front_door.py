@@ -4,6 +4,8 @@ from `stacx` (and the config names from `stacx.trainer.config`), and are the fra
 import subprocess
 import sys
 
+import pytest
+
 from stacx.objectives import registry
 from stacx.rollout import environments, rewards, tools
 from stacx.rollout.engines import registry as engine_registry
@@ -34,6 +36,7 @@ def test_the_config_package_offers_the_recipe_model():
         python_config.StacxConfig)
 
 
+@pytest.mark.slow
 def test_a_fresh_interpreter_imports_the_front_door_in_one_line_and_import_stacx_stays_light():
     code = ("import sys, stacx; light = 'torch' not in sys.modules and 'ray' not in sys.modules; "
             "from stacx import " + ", ".join(FRONT_DOOR) + "; print(light, TrainingConfig.__name__)")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 from stacx.checkpointing.torch_dist import TorchDistCheckpointError, load_torch_dist, save_torch_dist
+from stacx.parallel.groups import ProcessGroups
 
 
 @contextlib.contextmanager
@@ -72,7 +73,7 @@ def _run_on_ranks(fn, tp_size: int, args: tuple) -> None:
 # ---- Hugging Face -> torch_dist ------------------------------------------------------------------
 
 
-def _hf_to_torch_dist_rank(groups, hf_dir: str, out_dir: str) -> None:
+def _hf_to_torch_dist_rank(groups: ProcessGroups, hf_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from stacx.models import build_model
@@ -104,7 +105,7 @@ def convert_hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLi
 # ---- torch_dist -> Hugging Face ------------------------------------------------------------------
 
 
-def _torch_dist_to_hf_rank(groups, dist_dir: str, out_dir: str, config_dir: str, what: str,
+def _torch_dist_to_hf_rank(groups: ProcessGroups, dist_dir: str, out_dir: str, config_dir: str, what: str,
                            max_shard_bytes: int = 5 * 1024**3) -> None:
     from stacx.models import build_model
     from stacx.models.checkpoint import export_hf_checkpoint

@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 
 from stacx.checkpointing.torch_dist import TORCH_DIST_BACKEND, is_torch_dist_folder
+from stacx.parallel.groups import ProcessGroups
 
 HF = "hf"
 TORCH_DIST = "torch_dist"
@@ -128,7 +129,7 @@ def is_model_folder(path: str | os.PathLike) -> bool:
                                 or (folder / TRACKER_FILE).is_file())
 
 
-def load_model_weights(model, path: str | os.PathLike, groups, *, flag: str) -> str:
+def load_model_weights(model, path: str | os.PathLike, groups: ProcessGroups, *, flag: str) -> str:
     """Copy the weights of folder `path` (either layout, detected) into `model`'s shard; returns the kind.
 
     Collective over the model's world for a torch_dist folder (every rank reads its own chunks)."""

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stacx.parallel.groups import ProcessGroups
+
 TORCH_DIST_BACKEND = "torch_dist"
 METADATA_JSON = "metadata.json"
 DCP_METADATA = ".metadata"
@@ -85,7 +87,7 @@ def _load_model_state(model, state: dict[str, Any]) -> None:
         unwrap_model(chunk).load_state_dict(state[f"chunk{index}"], strict=False)
 
 
-def _save_strategy(groups):
+def _save_strategy(groups: ProcessGroups):
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
@@ -115,7 +117,7 @@ def _full_sharded_state_dict(model, optimizer, *, is_loading: bool) -> dict[str,
     return state
 
 
-def save_torch_dist(folder: str | os.PathLike, model, optimizer=None, *, groups=None) -> list[str]:
+def save_torch_dist(folder: str | os.PathLike, model, optimizer=None, *, groups: ProcessGroups | None = None) -> list[str]:
     """Write `model`'s weights (and `optimizer`'s state) into `folder` as torch_dist; collective.
 
     `groups` (the model's ProcessGroups) lets DP x CP replicas share the writing. Returns the files

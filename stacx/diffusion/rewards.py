@@ -25,9 +25,9 @@ from typing import Callable, Sequence
 import torch
 
 from stacx.diffusion.prompts import COLORS, parse_prompt, shape_mask
-from stacx.objectives.registry import Registry
+from stacx.plugins.registry import Registry
 
-IMAGE_REWARDS = Registry("image reward")
+IMAGE_REWARDS = Registry("image reward", user_may_replace_builtins=True)
 """Name -> fn(images [B, C, H, W], prompts) -> [B] rewards."""
 
 

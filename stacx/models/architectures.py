@@ -9,7 +9,6 @@ row here plus, if its weights are named differently, a rule in `weight_mapping.p
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -88,26 +87,17 @@ class DecoderShape:
 
 
 def load_hf_config(hf_config):
-    """A `transformers.PretrainedConfig` from a config object, a dict, a folder or a config.json path."""
-    from transformers import AutoConfig, PretrainedConfig
+    """The config of a model: a `HuggingFaceConfig` (read without `transformers`, see `hf_config.py`) from a
+    dict, a folder or a config.json path; a `transformers.PretrainedConfig` or a `HuggingFaceConfig` as given."""
+    from stacx.models.hf_config import HuggingFaceConfig, read_hf_config
 
-    if isinstance(hf_config, PretrainedConfig):
-        return hf_config
     if isinstance(hf_config, Mapping):
-        fields = dict(hf_config)
-        model_type = fields.pop("model_type", None)
-        _require_supported(model_type, "hf_config['model_type']")
-        return AutoConfig.for_model(model_type, **fields)
+        _require_supported(hf_config.get("model_type"), "hf_config['model_type']")
+        return HuggingFaceConfig(hf_config)
     if isinstance(hf_config, (str, os.PathLike)):
-        path = os.fspath(hf_config)
-        config_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if not os.path.isfile(config_path):
-            raise FileNotFoundError(f"Hugging Face config not found: {config_path}")
-        with open(config_path) as f:
-            fields = json.load(f)
-        model_type = fields.pop("model_type", None)
-        _require_supported(model_type, f"model_type in {config_path}")
-        return AutoConfig.for_model(model_type, **fields)
+        return read_hf_config(hf_config)
+    if isinstance(hf_config, HuggingFaceConfig) or hasattr(hf_config, "to_diff_dict"):
+        return hf_config
     raise TypeError(f"hf_config must be a PretrainedConfig, a dict or a path, got {type(hf_config).__name__}")
 
 

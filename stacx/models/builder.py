@@ -25,6 +25,7 @@ from stacx.models.architectures import (
     load_hf_config,
     padded_vocab_size,
 )
+from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.moe_dispatch import use_uneven_allgather_dispatch
 
 _HF_CONFIG_ATTR = "stacx_hf_config"
@@ -57,7 +58,7 @@ class RouterLosses:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
 
 
-def _moe_fields(shape: DecoderShape, groups, router_losses: RouterLosses) -> dict:
+def _moe_fields(shape: DecoderShape, groups: ProcessGroups, router_losses: RouterLosses) -> dict:
     """TransformerConfig fields of the MoE layers: megatron's router reproduces Hugging Face's top-k softmax
     (renormalized top-k = softmax over the top-k logits; otherwise softmax first, then top-k)."""
     if shape.moe is None:
@@ -87,7 +88,7 @@ def _kernel_fusions(on_cpu: bool) -> dict[str, bool]:
 
 
 def build_transformer_config(
-    shape: DecoderShape, groups, params_dtype: torch.dtype, initializer_range: float, initialize_weights: bool = True,
+    shape: DecoderShape, groups: ProcessGroups, params_dtype: torch.dtype, initializer_range: float, initialize_weights: bool = True,
     router_losses: RouterLosses = RouterLosses(), sequence_parallel: bool = False,
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -220,7 +221,7 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
     return scaled.float()
 
 
-def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32, initialize_weights: bool = True,
+def build_model(hf_config, groups: ProcessGroups, *, params_dtype: torch.dtype = torch.float32, initialize_weights: bool = True,
                 router_losses: RouterLosses = RouterLosses(), sequence_parallel: bool = False):
     """A megatron-core GPTModel matching `hf_config` (PretrainedConfig, dict, folder or config.json); with
     virtual pipeline stages (groups.vp_size > 1) the list of this rank's model chunks (`model_chunks`).
@@ -252,7 +253,7 @@ def build_model(hf_config, groups, *, params_dtype: torch.dtype = torch.float32,
     return _build_chunk(config, shape, transformer_config, groups, initialize_weights, vp_stage=None)
 
 
-def _build_chunk(config, shape: DecoderShape, transformer_config, groups, initialize_weights: bool, *,
+def _build_chunk(config, shape: DecoderShape, transformer_config, groups: ProcessGroups, initialize_weights: bool, *,
                  vp_stage: int | None):
     from megatron.core.models.gpt import GPTModel
 

@@ -25,6 +25,7 @@ from stacx.models.weight_mapping import (
     holds_tied_head_copy,
     param_mappings,
 )
+from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.pipeline import stream_to_first_stage
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -152,7 +153,7 @@ class HFTensorReader:
 
 
 @torch.no_grad()
-def load_hf_checkpoint(model, path: str, groups) -> None:
+def load_hf_checkpoint(model, path: str, groups: ProcessGroups) -> None:
     """Copy a Hugging Face safetensors checkpoint into `model`'s TP shard, reading only that shard.
 
     Raises FileNotFoundError for a missing folder/file and CheckpointMismatchError naming the
@@ -181,7 +182,7 @@ def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
     return shards
 
 
-def _gather_tp(tensor: torch.Tensor, groups, only_to_tp_rank: int | None) -> list[torch.Tensor] | None:
+def _gather_tp(tensor: torch.Tensor, groups: ProcessGroups, only_to_tp_rank: int | None) -> list[torch.Tensor] | None:
     """Every TP rank's shard, on every TP rank (all-gather) or only on `only_to_tp_rank` (gather; None elsewhere)."""
     if groups.tp_size == 1:
         return [tensor]
@@ -196,7 +197,7 @@ def _gather_tp(tensor: torch.Tensor, groups, only_to_tp_rank: int | None) -> lis
 
 @torch.no_grad()
 def iter_hf_weight_buckets(
-    model, groups, bucket_bytes: int, dtype: torch.dtype | None = None, *, only_to_tp_rank: int | None = None
+    model, groups: ProcessGroups, bucket_bytes: int, dtype: torch.dtype | None = None, *, only_to_tp_rank: int | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (hf_name, full unpadded tensor) of about `bucket_bytes` each, in a fixed order.
 
@@ -217,7 +218,7 @@ def iter_hf_weight_buckets(
     yield from split_into_buckets(named, bucket_bytes)
 
 
-def _iter_hf_tensors(gpt, groups, dtype, only_to_tp_rank) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_hf_tensors(gpt, groups: ProcessGroups, dtype, only_to_tp_rank) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, full tensor) one parameter at a time, gathered over TP as the caller iterates."""
     shape = decoder_shape(hf_config_of(gpt))
     params = dict(gpt.named_parameters())
@@ -238,7 +239,7 @@ def _iter_hf_tensors(gpt, groups, dtype, only_to_tp_rank) -> Iterator[tuple[str,
             yield hf_name, (tensor.contiguous() if dtype is None else tensor.to(dtype).contiguous())
 
 
-def _routed_expert_hf_tensors(mapping, param: torch.Tensor, groups, shape) -> list[tuple[str, torch.Tensor]]:
+def _routed_expert_hf_tensors(mapping, param: torch.Tensor, groups: ProcessGroups, shape) -> list[tuple[str, torch.Tensor]]:
     """One local expert's weight as full HF tensors from every expert-parallel rank: gathered over etp,
     merged, then gathered over ep (EP rank r holds experts [r * E/ep, (r+1) * E/ep))."""
     shards = [s.cpu() for s in _all_gather(param, groups.etp, groups.etp_size)]
@@ -307,7 +308,7 @@ def copy_tokenizer_files(source: str | os.PathLike, out_dir: str | os.PathLike) 
     return copied
 
 
-def export_hf_checkpoint(model, out_dir: str, groups, hf_config=None, *, max_shard_bytes: int = 5 * 1024**3,
+def export_hf_checkpoint(model, out_dir: str, groups: ProcessGroups, hf_config=None, *, max_shard_bytes: int = 5 * 1024**3,
                          tokenizer_from: str | None = None) -> None:
     """Write the model as a Hugging Face checkpoint (safetensors shards + index + config.json).
 
@@ -363,6 +364,7 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], file: str) -> None:
 
 def _write_index_and_config(out_dir: str, shard_files, config) -> None:
     from stacx.models.architectures import ARCHITECTURES
+    from stacx.models.hf_config import as_transformers_config
 
     if len(shard_files) == 1:
         os.replace(os.path.join(out_dir, shard_files[0][0]), os.path.join(out_dir, SINGLE_FILE))
@@ -376,5 +378,6 @@ def _write_index_and_config(out_dir: str, shard_files, config) -> None:
             total += os.path.getsize(os.path.join(out_dir, final))
         with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    config = as_transformers_config(config)
     config.architectures = [ARCHITECTURES[config.model_type].hf_class_name]
     config.save_pretrained(out_dir)

@@ -15,10 +15,11 @@ import torch
 
 from stacx.models.builder import hf_config_of, unwrap_model
 from stacx.parallel.cp_layout import cu_seqlens, local_positions, position_ids, sequence_parallel_padding
+from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.lm_head import LMHeadShard, mask_vocab_padding
 
 
-def packed_seq_params_for(padded_lengths: Sequence[int], groups):
+def packed_seq_params_for(padded_lengths: Sequence[int], groups: ProcessGroups):
     """megatron's thd PackedSeqParams for a packed row of sequences with these global padded lengths.
 
     The "padded" offsets are the global ones: megatron's thd RoPE divides them by cp to find
@@ -46,7 +47,7 @@ def packed_seq_params_for(padded_lengths: Sequence[int], groups):
 LM_HEAD_OUTPUTS = ("logits", "hidden")
 
 
-def forward_packed(model, tokens: torch.Tensor, padded_lengths: Sequence[int], groups, *,
+def forward_packed(model, tokens: torch.Tensor, padded_lengths: Sequence[int], groups: ProcessGroups, *,
                    lm_head: str = "logits") -> torch.Tensor | LMHeadShard:
     """TP-local logits [T_local, V_pad/tp] (fp32) for this CP rank's slice `tokens` [T_local].
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from stacx.models.builder import model_chunks
 from stacx.models.weight_mapping import layer_offset
+from stacx.parallel.groups import ProcessGroups
 
 
 def set_router_loss_scale(scale: float) -> None:
@@ -120,7 +121,7 @@ class ExpertLoadRecorder(RouterHooks):
             self._dropped_L[index] += max(0.0, self._top_k * tokens - float(routed.sum()))
         return count
 
-    def tokens_per_expert(self, groups) -> torch.Tensor:
+    def tokens_per_expert(self, groups: ProcessGroups) -> torch.Tensor:
         """[layers, experts] token slots routed to each expert, summed over the DP x CP (x TP under sequence
         parallelism) ranks (collective)."""
         counts = self._counts_LE.clone()
@@ -130,7 +131,7 @@ class ExpertLoadRecorder(RouterHooks):
             dist.all_reduce(counts, group=groups.tp)
         return counts
 
-    def dropped_token_slots(self, groups) -> torch.Tensor:
+    def dropped_token_slots(self, groups: ProcessGroups) -> torch.Tensor:
         """[layers] token slots the routers dropped, summed as `tokens_per_expert` sums (collective)."""
         dropped = self._dropped_L.clone()
         if groups.dp_cp is not None and groups.dp_cp_size > 1:

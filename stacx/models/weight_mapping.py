@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from stacx.models.architectures import DecoderShape
+from stacx.parallel.groups import ProcessGroups
 
 # (megatron name pattern, kind, HF name templates). `{i}` is the layer index.
 _RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -93,11 +94,11 @@ class ParamMapping:
     routed_expert: bool = False
     """A routed expert's weight: sharded over the expert tensor-parallel group (etp), not tp."""
 
-    def shard_rank_and_size(self, groups) -> tuple[int, int]:
+    def shard_rank_and_size(self, groups: ProcessGroups) -> tuple[int, int]:
         """(rank, size) of the group this parameter is sharded over: etp for routed experts, else tp."""
         return (groups.etp_rank, groups.etp_size) if self.routed_expert else (groups.tp_rank, groups.tp_size)
 
-    def shard_group(self, groups):
+    def shard_group(self, groups: ProcessGroups):
         """The process group this parameter is sharded over (None for a size-1 axis)."""
         return groups.etp if self.routed_expert else groups.tp
 

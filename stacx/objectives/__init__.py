@@ -20,7 +20,7 @@ from stacx.objectives.aggregation import (
     register_aggregation_mode,
     sum_of_sample_mean,
 )
-from stacx.objectives.discovery import import_builtin_and_custom_modules, import_builtin_modules, load_custom_modules
+from stacx.plugins.discovery import import_builtin_and_custom_modules, import_builtin_modules, load_custom_modules
 from stacx.objectives.registry import (
     get_advantage,
     get_kl_estimator,
@@ -51,5 +51,5 @@ __all__ = [
 ]
 
 # Built-ins only: `stacx/custom/` files may import the trainer, which imports this package; they
-# are imported at the first registry lookup (stacx.objectives.discovery).
+# are imported at the first registry lookup (stacx.plugins.discovery).
 import_builtin_modules()

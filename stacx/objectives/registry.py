@@ -15,17 +15,17 @@ the `stacx` package, or in `stacx/custom/`) may re-register a *built-in* kernel'
 function then replaces the built-in for this process, with a `UserWarning` naming both; so a guide
 example that reuses a built-in name (`reward_centered`, `vanilla_pg`) runs as written.
 `unregister` of such a name restores the built-in. Lookups first import every built-in module and the
-`stacx/custom/` folder (see `stacx.objectives.discovery`), so a name is found no matter which
-module was imported first.
+`stacx/custom/` folder (see `stacx.plugins.discovery`), so a name is found no matter which
+module was imported first. Each registry is a `stacx.plugins.registry.Registry`, the one every kind of
+plugin uses.
 """
 
 from __future__ import annotations
 
-import difflib
-
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, TypeVar
+
+from stacx.plugins.registry import Registry
 
 F = TypeVar("F", bound=Callable)
 
@@ -56,125 +56,24 @@ class KernelTraits:
     Empty: the kernel declares nothing, and no custom key is checked against it."""
 
 
-def is_builtin_entry(entry: object) -> bool:
-    """True for an entry defined inside the `stacx` package, except user files in `stacx/custom/`."""
-    module = getattr(entry, "__module__", None) or ""
-    return module.startswith("stacx.") and not module.startswith("stacx.custom")
-
-
-def _describe(entry: object) -> str:
-    return f"{getattr(entry, '__module__', '?')}.{getattr(entry, '__qualname__', repr(entry))}"
-
-
-class Registry:
-    """One kind of kernel (advantages, policy losses, ...): names and aliases to functions."""
-
-    def __init__(self, kind: str, *, entries_are_callable: bool = True):
-        self.kind = kind
-        self.entries_are_callable = entries_are_callable
-        self._functions: dict[str, Callable] = {}
-        self._replaced_builtins: dict[str, tuple[Callable, KernelTraits]] = {}
-        """name -> the built-in (and its traits) a user registration replaced (restored by `unregister`)."""
-        self._traits: dict[str, KernelTraits] = {}
-
-    def register(self, name: str, *, aliases: Iterable[str] = (), traits: KernelTraits | None = None) -> Callable[[F], F]:
-        """Decorator registering a function under `name` (and `aliases`) with its `traits`
-        (default `KernelTraits()`); returns the function unchanged."""
-        traits = traits if traits is not None else KernelTraits()
-        names = [name, *aliases]
-        for each in names:
-            if not isinstance(each, str) or not each:
-                raise ValueError(f"{self.kind} name must be a non-empty string, got {each!r}")
-
-        def decorator(fn: F) -> F:
-            if self.entries_are_callable and not callable(fn):
-                raise ValueError(f"{self.kind} {name!r}: registered object {fn!r} is not callable")
-            replaced = {}
-            for each in names:
-                if each in self._functions:
-                    existing = self._functions[each]
-                    if self.entries_are_callable and is_builtin_entry(existing) and not is_builtin_entry(fn):
-                        replaced[each] = existing
-                        continue
-                    raise ValueError(
-                        f"{self.kind} {each!r} is already registered (by {_describe(existing)}); registered "
-                        f"{self.kind} names: {self.names()}"
-                    )
-            for each, builtin in replaced.items():
-                warnings.warn(
-                    f"{self.kind} {each!r}: {_describe(fn)} replaces the built-in {_describe(builtin)} in this "
-                    f"process; choose another name to keep both",
-                    UserWarning, stacklevel=2,
-                )
-                self._replaced_builtins[each] = (builtin, self._traits[each])
-            for each in names:
-                self._functions[each] = fn
-                self._traits[each] = traits
-            if not is_builtin_entry(fn):
-                from stacx.objectives.discovery import record_user_module
-
-                record_user_module(getattr(fn, "__module__", None))
-            return fn
-
-        return decorator
-
-    def get(self, name: str) -> Callable:
-        from stacx.objectives.discovery import import_builtin_and_custom_modules
-
-        import_builtin_and_custom_modules()
-        if name not in self._functions:
-            close = difflib.get_close_matches(str(name), self.names(), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ValueError(f"unknown {self.kind} {name!r}; {hint}registered {self.kind} names: {self.names()}")
-        return self._functions[name]
-
-    def traits(self, name: str) -> KernelTraits:
-        """The traits `name` was registered with (looked up like `get`)."""
-        self.get(name)
-        return self._traits[name]
-
-    def names(self) -> list[str]:
-        return sorted(self._functions)
-
-    def all_names(self) -> list[str]:
-        """`names()` once the built-in and custom modules have registered theirs."""
-        # Imported here: the built-in kernel modules that discovery imports register into this module's registries.
-        from stacx.objectives.discovery import import_builtin_and_custom_modules
-
-        import_builtin_and_custom_modules()
-        return self.names()
-
-    def unregister(self, name: str) -> None:
-        """Remove a name (tests and interactive sessions that redefine a kernel)."""
-        if name not in self._functions:
-            raise ValueError(f"unknown {self.kind} {name!r}; registered: {self.names()}")
-        del self._functions[name]
-        del self._traits[name]
-        if name in self._replaced_builtins:
-            self._functions[name], self._traits[name] = self._replaced_builtins.pop(name)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._functions
-
-
-ADVANTAGES = Registry("advantage estimator")
+ADVANTAGES = Registry("advantage estimator", user_may_replace_builtins=True, default_traits=KernelTraits())
 """`fn(config, rollout_data) -> list[Tensor]`, one (response_len_i,) tensor per trajectory."""
 
-POLICY_LOSSES = Registry("policy loss")
+POLICY_LOSSES = Registry("policy loss", user_may_replace_builtins=True, default_traits=KernelTraits())
 """`fn(config, old_log_prob, log_prob, advantages, loss_masks, **kwargs) -> (list[Tensor], dict)`; the
 diffusion kernel `flow_grpo_clip` takes the same lists with denoising steps in place of tokens."""
 
-KL_ESTIMATORS = Registry("KL estimator")
+KL_ESTIMATORS = Registry("KL estimator", user_may_replace_builtins=True, default_traits=KernelTraits())
 """`fn(log_prob, ref_log_prob) -> Tensor`, elementwise on tensors of any (equal) shape."""
 
-OFF_POLICY_CORRECTIONS = Registry("off-policy correction")
+OFF_POLICY_CORRECTIONS = Registry("off-policy correction", user_may_replace_builtins=True, default_traits=KernelTraits())
 """`fn(config, train_log_prob, rollout_log_prob, loss_masks, **kwargs) -> OffPolicyCorrection`."""
 
-LOSSES = Registry("loss")
+LOSSES = Registry("loss", user_may_replace_builtins=True, default_traits=KernelTraits())
 """Other loss kernels (value, SFT, DPO, distillation, the flow-matching losses of
 `diffusion_loss.py`); each documents its own signature."""
 
-AGGREGATIONS = Registry("aggregation mode", entries_are_callable=False)
+AGGREGATIONS = Registry("aggregation mode", entries_are_callable=False, default_traits=KernelTraits())
 """Loss aggregation modes (`token-mean`, ...): `AggregationMode` objects, see aggregation.py."""
 
 

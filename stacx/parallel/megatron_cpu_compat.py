@@ -51,6 +51,23 @@ Patches (each covered by tests/parallel/test_megatron_cpu_compat.py):
      other in a cycle (P=4). An exchange now waits for its receives only; its sends (holding their
      tensors) are waited for by `finish_pipeline_sends()` after the schedule (`stacx.parallel.pipeline`).
    Groups of another backend get the originals.
+
+Five CPU adaptations live outside this module, where the code they adapt is chosen (no patch of
+megatron's own code is needed for them):
+
+- `stacx.parallel.groups.default_backend`: gloo process groups instead of NCCL;
+- `stacx.models.builder._layer_spec` (and `transformer_engine_available`): megatron's local layer spec
+  with Stacx's own core attention (`stacx.models.packed_attention.PackedCoreAttention`) instead of
+  transformer-engine's;
+- `stacx.models.builder.build_transformer_config`: CPU initialization, kernel fusions off, and the
+  all-gather MoE token dispatcher (all-to-all needs CUDA streams), made uneven-capable by
+  `stacx.parallel.moe_dispatch.use_uneven_allgather_dispatch`;
+- `stacx.parallel.pipeline`: `finish_pipeline_sends()` after each schedule (the other half of patch 9);
+- `stacx.trainer.runtime.optim.use_fused_adamw_on_cpu`: torch's fused Adam/AdamW kernel for CPU
+  parameter groups, which megatron leaves on the per-parameter loop.
+
+tests/parallel/test_megatron_cpu_compat.py checks that this list and docs/architecture.md count the
+patches `apply_if_needed` applies.
 """
 
 from __future__ import annotations

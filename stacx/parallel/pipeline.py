@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.megatron_cpu_compat import finish_pipeline_sends
 
 #: What the schedule counts as the tokens of one micro-batch's loss; see the module docstring.
@@ -93,7 +94,7 @@ def run_pipeline(
     return records
 
 
-def from_last_stage(value: Any, groups) -> Any:
+def from_last_stage(value: Any, groups: ProcessGroups) -> Any:
     """The last stage's `value` (any picklable object) on every stage of the pipeline group."""
     if groups.pp_size == 1:
         return value
@@ -102,7 +103,7 @@ def from_last_stage(value: Any, groups) -> Any:
     return holder[0]
 
 
-def from_every_stage(value: Any, groups) -> list[Any]:
+def from_every_stage(value: Any, groups: ProcessGroups) -> list[Any]:
     """Every stage's `value` (any picklable object), in stage order, on every stage of the pipeline group."""
     if groups.pp_size == 1:
         return [value]
@@ -111,7 +112,7 @@ def from_every_stage(value: Any, groups) -> list[Any]:
     return values
 
 
-def stream_to_first_stage(named_tensors: Iterable[tuple[str, torch.Tensor]], groups
+def stream_to_first_stage(named_tensors: Iterable[tuple[str, torch.Tensor]], groups: ProcessGroups
                           ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every stage's (name, tensor) pairs on the first stage: its own, then stage 1's, 2's, ...,
     one tensor at a time (point to point, so memory holds one tensor of another stage at once).

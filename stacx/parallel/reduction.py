@@ -42,6 +42,7 @@ from stacx.objectives.aggregation import (
     loss_token_counts,
 )
 from stacx.parallel.collectives import all_reduce_sum_
+from stacx.parallel.groups import ProcessGroups
 
 AGGREGATION_MODES = BUILTIN_AGGREGATION_MODE_NAMES
 """The built-in mode names; `Reducer` accepts any name registered in the AGGREGATIONS registry."""
@@ -112,7 +113,7 @@ class Reducer:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
-    def for_step(cls, *, mode: str, counts: StepCounts, groups, norm_length: float | None = None,
+    def for_step(cls, *, mode: str, counts: StepCounts, groups: ProcessGroups, norm_length: float | None = None,
                  schedule_divisor: int = 1) -> "Reducer":
         """The reducer for one step on a rank with ProcessGroups `groups`."""
         return cls(mode=mode, counts=counts, gradient_average_size=groups.dp_cp_size, cp_size=groups.cp_size,

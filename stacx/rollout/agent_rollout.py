@@ -38,7 +38,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import requests
 
-from stacx.objectives.discovery import resolve_callable
+from stacx.plugins.discovery import resolve_callable
 from stacx.rollout.agent_command import DEFAULT_AGENT_TIMEOUT_S, AgentCommand
 from stacx.rollout.agent_trajectories import RecordedTurn, assemble_trajectories, branch_metrics
 from stacx.rollout.evaluation import RolloutDumper

@@ -33,12 +33,12 @@ import random
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from stacx.objectives.registry import Registry
+from stacx.plugins.registry import Registry
 from stacx.rollout.tool_calls import ToolCall
 from stacx.rollout.tools import ToolResult, ToolSpec, argument_errors, get_tool, register_tool, run_tool_call
 
 Messages = list[dict]
-ENVIRONMENTS = Registry("environment")
+ENVIRONMENTS = Registry("environment", user_may_replace_builtins=True)
 
 
 @dataclass

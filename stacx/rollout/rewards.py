@@ -13,7 +13,6 @@ DEFAULT_REWARD_TIMEOUT_S) stops the run with `RewardTimeoutError` naming the fun
 
 from __future__ import annotations
 
-import difflib
 import logging
 import re
 import threading
@@ -23,12 +22,14 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Optional, Sequence
 
-from stacx.objectives.discovery import import_builtin_and_custom_modules, is_file_path, resolve_callable
+from stacx.plugins.discovery import import_builtin_and_custom_modules, is_file_path, resolve_callable
+from stacx.plugins.registry import Registry
 
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, Any, dict], float]
-REWARD_FUNCTIONS: dict[str, RewardFn] = {}
+REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function", ships_user_modules=False)  # rewards run in the driver
+"""Name -> reward function (a `stacx.plugins.registry.Registry`: a name registered twice is refused)."""
 
 
 def register_reward(name: str, *, needs_label: bool = False):
@@ -37,12 +38,11 @@ def register_reward(name: str, *, needs_label: bool = False):
     needs_label: the function compares the response with the row's label, so a dataset row without
     one is refused before the run starts (custom functions declare it with `fn.needs_label = True`).
     """
+    register = REWARD_FUNCTIONS.register(name)
 
     def decorator(fn):
-        if name in REWARD_FUNCTIONS:
-            raise ValueError(f"reward function {name!r} is already registered")
+        register(fn)
         fn.needs_label = bool(needs_label)
-        REWARD_FUNCTIONS[name] = fn
         return fn
 
     return decorator
@@ -66,8 +66,7 @@ def resolve_reward_fn(spec: str) -> RewardFn:
         return REWARD_FUNCTIONS[spec]
     module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
-        close = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        hint = REWARD_FUNCTIONS.close_match_hint(spec)
         file_hint = (f"give the function too ({spec}:my_reward), " if is_file_path(spec) else "")
         raise ValueError(f"reward_fn {spec!r} is neither a built-in or registered reward nor 'module:function' or "
                          f"'path/to/file.py:function'; {hint}{file_hint}registered rewards: "

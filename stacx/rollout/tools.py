@@ -14,7 +14,7 @@ renders) comes from `parameters` or, when omitted, from the signature: `str`, `i
 `bool`, `list` and `dict` annotations become JSON types, parameters without a default are
 required; the description is the docstring's first line. Tools are found like every other plugin:
 a `--custom-module` file, a module in `stacx/custom/`, shipped to every Ray worker
-(`stacx.objectives.discovery`).
+(`stacx.plugins.discovery`).
 
 `run_tool_call` never raises on a tool's behaviour: a tool that raises, does not return within its
 timeout, returns something that is not a string or JSON, or is called with arguments its schema
@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from stacx.objectives.registry import Registry
+from stacx.plugins.registry import Registry
 from stacx.rollout.tool_calls import ToolCall
 
 DEFAULT_TOOL_TIMEOUT_S = 10.0
@@ -40,7 +40,7 @@ _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", 
 _PYTHON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
                  "object": (dict,)}
 
-TOOLS = Registry("tool")
+TOOLS = Registry("tool", user_may_replace_builtins=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -108,6 +108,9 @@ class Specialization:
 
     #: Whether the role's model outputs a value per token (critic) instead of logits.
     outputs_values: bool = False
+    #: Whether the loss reads (chosen, rejected) preference pairs (`pair_ids`, `is_chosen`): the DPO
+    #: settings of the run config apply to the recipe (`stacx train --dry-run` shows them).
+    reads_preference_pairs: bool = False
     #: Per-response batch fields compute_loss needs besides `loss_masks`, which every batch carries.
     base_required_fields: tuple[str, ...] = ()
     #: Metric name -> name of the count metric it is divided by in `metric_means`
@@ -329,6 +332,11 @@ class Specialization:
         log_probs_local, _ = self.token_log_probs(model_output, batch)
         responses = self.whole_responses(log_probs_local, batch.layout)
         return torch.cat(responses) if responses else log_probs_local.new_zeros((0,))
+
+    def compute_values(self, model_output: torch.Tensor, batch) -> list[torch.Tensor]:
+        """Values of each WHOLE response of a value-head role (`outputs_values`), for the `values`
+        field: the model output at local positions, gathered per response. A critic reads its head."""
+        return self.whole_responses(model_output, batch.layout)
 
     def whole_responses(self, local_values: torch.Tensor, layout: PackedLayout) -> list[torch.Tensor]:
         """Values at local positions [T_local, ...] -> each whole response (one all-gather when cp > 1)."""

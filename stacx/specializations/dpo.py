@@ -61,6 +61,7 @@ class DPOSpecialization(Specialization):
 
     base_required_fields = ("ref_log_probs",)
     metric_denominators = {name: NUM_PAIRS for name in DPO_METRICS}
+    reads_preference_pairs = True
 
     def needs_reference(self) -> bool:
         return True

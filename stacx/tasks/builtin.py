@@ -16,6 +16,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
+from stacx.plugins.registry import Registry
+
 
 @dataclass(frozen=True)
 class BuiltinTask:
@@ -61,14 +63,13 @@ def _reversal(rng: random.Random) -> tuple[str, str]:
     return word + "=", word[::-1]
 
 
-TASKS: dict[str, BuiltinTask] = {}
+TASKS: Registry[BuiltinTask] = Registry("built-in task", entries_are_callable=False, ships_user_modules=False,
+                                      discovers=False, known_as="known tasks")
+"""Name -> built-in task (a `stacx.plugins.registry.Registry`: a name registered twice is refused)."""
 
 
 def register_task(task: BuiltinTask) -> BuiltinTask:
-    if task.name in TASKS:
-        raise ValueError(f"built-in task {task.name!r} is already registered")
-    TASKS[task.name] = task
-    return task
+    return TASKS.add(task.name, task, origin=task.generate)
 
 
 register_task(BuiltinTask("addition", "a+b= with a two-digit a and a one-digit b (the demo's task)",
@@ -82,10 +83,7 @@ register_task(BuiltinTask("reversal", "reverse a 3-6 letter word over a-h", "abc
 
 def get_task(name: str) -> BuiltinTask:
     """The built-in task `name`; ValueError listing the known ones otherwise."""
-    try:
-        return TASKS[name]
-    except KeyError:
-        raise ValueError(f"unknown built-in task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
+    return TASKS.get(name)
 
 
 def sample_examples(task: BuiltinTask, num_examples: int, seed: int, *, exclude: set[str] | None = None) -> list[tuple[str, str]]:

@@ -40,6 +40,8 @@ anything else, e.g. a planted pickle payload, is refused with a `CheckpointError
 but its `.metadata` is PyTorch DCP's own pickle: resume only from checkpoints you trust. A matching
 sha256 in the manifest proves nothing against someone who can write the folder, since they can
 rewrite the manifest too.
+
+Finding, listing, pruning and removing whole step and staging folders is `stacx.trainer.checkpoint_folders`.
 """
 
 from __future__ import annotations
@@ -60,21 +62,31 @@ from typing import Any, Mapping
 
 import torch
 
+# The --save folder's rules (list, prune, staging clean-up), re-exported: callers name the checkpoint API as one.
+from stacx.trainer.checkpoint_folders import (
+    MANIFEST_NAME,
+    STAGING_PREFIX,
+    CheckpointError,
+    check_save_folder,
+    latest_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+    read_manifest,
+    remove_checkpoints,
+    remove_stale_staging_folders,
+    remove_staging_folders,
+    resolve_checkpoint_folder,
+    step_dir_name,
+)
 from stacx.trainer.config.layout import RankCoords, RoleLayout
 from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path
+from stacx.trainer.config.run import ModelSection
 
 FORMAT_VERSION = 2
 """2: weights and optimizer state in torch_dist (`roles/<role>/model/`); 1: one torch.save pickle per rank."""
 MODEL_DIR_NAME = "model"
-MANIFEST_NAME = "manifest.json"
 DRIVER_STATE_NAME = "driver.pt"
 RUN_CONFIG_NAME = "run_config.json"
-_STEP_DIR = re.compile(r"^step_(\d{9,})$")
-_STAGING_PREFIX = ".staging-"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt, or does not fit the resuming run."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,10 +152,6 @@ def _as_python_random_state(value: Any) -> tuple:
 # ---- writing -------------------------------------------------------------------------------------
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:09d}"
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -180,7 +188,7 @@ def begin_checkpoint(root: str | os.PathLike, step: int) -> str:
     """Create and return a fresh staging folder under `root` for checkpoint `step` (driver side)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"checkpoint step must be an integer >= 0, got {step!r}")
-    staging = Path(root) / f"{_STAGING_PREFIX}{step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging = Path(root) / f"{STAGING_PREFIX}{step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)
     return str(staging)
 
@@ -201,7 +209,7 @@ def write_rank_state(staging_dir: str | os.PathLike, role: str, rank: int, state
     (tp, cp, dp) grid; without it the rank is taken as (tp=0, cp=0, dp=rank).
     """
     staging = Path(staging_dir)
-    if not staging.is_dir() or not staging.name.startswith(_STAGING_PREFIX):
+    if not staging.is_dir() or not staging.name.startswith(STAGING_PREFIX):
         raise CheckpointError(f"{staging} is not a staging folder made by begin_checkpoint")
     coords = coords or RankCoords(tp_rank=0, cp_rank=0, dp_rank=rank)
     model_files: tuple[FileInfo, ...] = ()
@@ -256,7 +264,7 @@ def commit_checkpoint(
     recipe's full structure, which `load_checkpoint` compares on resume."""
     staging = Path(staging_dir)
     expected_name = step_dir_name(step)
-    if not staging.name.startswith(f"{_STAGING_PREFIX}{expected_name}-"):
+    if not staging.name.startswith(f"{STAGING_PREFIX}{expected_name}-"):
         raise CheckpointError(f"staging folder {staging.name} was not begun for step {step}")
     roles: dict[str, Any] = {}
     for role, layout in role_layouts.items():
@@ -309,7 +317,7 @@ def commit_checkpoint(
     if final.exists():
         # Re-saving a step (e.g. after resuming from it): move the old one aside first, so that a crash
         # between the two renames leaves the older checkpoints intact rather than a mix of two.
-        discarded = staging.parent / f"{_STAGING_PREFIX}discarded-{expected_name}-{uuid.uuid4().hex[:8]}"
+        discarded = staging.parent / f"{STAGING_PREFIX}discarded-{expected_name}-{uuid.uuid4().hex[:8]}"
         os.rename(final, discarded)
         os.rename(staging, final)
         shutil.rmtree(discarded, ignore_errors=True)
@@ -344,153 +352,6 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-
-
-def remove_staging_folders(root: str | os.PathLike, *, pid: int | None = None) -> list[str]:
-    """Delete the staging folders that process `pid` (default: this one) began under `root` and never
-    committed (an interrupted save); returns what went. Other processes' folders are left alone."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    marker = f"-{os.getpid() if pid is None else pid}-"
-    removed = [str(entry) for entry in root.iterdir()
-               if entry.name.startswith(_STAGING_PREFIX) and marker in entry.name and entry.is_dir()]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
-
-
-STALE_STAGING_QUIET_S = 300.0
-"""Seconds without a write after which another process's staging folder counts as abandoned. A save
-writes its files one after another, so a folder that something still writes into is never this quiet;
-a killed driver's Ray workers can go on writing their shards into it for minutes, and then stop."""
-
-
-def _newest_write(folder: Path) -> float:
-    """The latest modification time of `folder` and of anything in it (0.0 when it has gone meanwhile)."""
-    newest = 0.0
-    for parent, dirs, files in os.walk(folder):
-        for path in (parent, *(os.path.join(parent, name) for name in dirs + files)):
-            try:
-                newest = max(newest, os.lstat(path).st_mtime)
-            except OSError:  # removed while we looked
-                pass
-    return newest
-
-
-def remove_stale_staging_folders(root: str | os.PathLike, *, quiet_s: float = STALE_STAGING_QUIET_S,
-                                 now: float | None = None) -> list[str]:
-    """Delete the staging folders under `root` that a killed or crashed run left, those in which nothing
-    was written for `quiet_s` seconds; returns what went.
-
-    A driver killed with SIGKILL (or a lost node) never runs its teardown, so its `.staging-*` folder
-    stays (a container's new driver may even have the same pid); the next run that saves into `root`
-    calls this at its start and before each save. A folder that a live save is writing (the workers a
-    killed driver left behind, while they still write) is kept, and so is one that holds a manifest
-    while its `step_*` folder is missing (a commit cut short between its two renames: a complete
-    checkpoint, to be renamed into place by hand).
-    Assumes one run at a time saves into a `--save` folder, as `check_save_folder` asks."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    now = time.time() if now is None else now
-    removed = []
-    for entry in sorted(root.iterdir()):
-        if not entry.name.startswith(_STAGING_PREFIX) or not entry.is_dir():
-            continue
-        match = re.match(rf"^{re.escape(_STAGING_PREFIX)}(step_\d{{9,}})-", entry.name)
-        if match and (entry / MANIFEST_NAME).is_file() and not (root / match.group(1)).exists():
-            continue
-        if now - _newest_write(entry) >= quiet_s:
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(str(entry))
-    return removed
-
-
-def check_save_folder(save: str | os.PathLike | None, *, load: str | os.PathLike | None, overwrite: bool) -> None:
-    """Refuse to start a run whose --save folder holds another run's checkpoints, unless --load
-    resumes from that folder (or a step inside it) or --overwrite allows replacing them."""
-    if not save:
-        return
-    existing = list_checkpoints(save)
-    if not existing or overwrite:
-        return
-    save_path = Path(save).resolve()
-    if load:
-        load_path = Path(load).resolve()
-        if load_path == save_path or load_path.parent == save_path:
-            return
-    steps = ", ".join(str(step) for step, _ in existing[:5]) + (", ..." if len(existing) > 5 else "")
-    raise CheckpointError(
-        f"--save {save} already holds checkpoints of another run (steps {steps}); a new run would overwrite "
-        f"them. Resume that run with --load {save}, choose another --save folder, or pass --overwrite to "
-        "replace them")
-
-
-def remove_checkpoints(root: str | os.PathLike) -> list[str]:
-    """Delete every complete checkpoint under `root` (a run started with --overwrite, at its first save,
-    so that an older run's later steps cannot be taken for this run's latest); returns what went."""
-    removed = [path for _, path in list_checkpoints(root)]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
-
-
-def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
-    """The parsed manifest.json of a step folder; a truncated or unreadable one is named with its path."""
-    path = Path(folder) / MANIFEST_NAME
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err}); the checkpoint is truncated or corrupt. Resume "
-                              "from an earlier step folder with --load, or delete this one") from None
-    except OSError as err:
-        raise CheckpointError(f"{path} cannot be read: {err}") from None
-    if not isinstance(manifest, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got {type(manifest).__name__}")
-    return manifest
-
-
-def resolve_checkpoint_folder(path: str | os.PathLike) -> Path:
-    """`path` itself when it is a step folder (has a manifest), else the newest complete one under it."""
-    folder = Path(path)
-    if not (folder / MANIFEST_NAME).is_file():
-        latest = latest_checkpoint(folder)
-        if latest is None:
-            raise CheckpointError(f"no complete checkpoint (a step_* folder with {MANIFEST_NAME}) under {folder}")
-        folder = Path(latest)
-    return folder
-
-
-def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, str]]:
-    """(step, folder) of every complete checkpoint under `root`, oldest first; staging folders are ignored."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and entry.is_dir() and (entry / MANIFEST_NAME).is_file():
-            found.append((int(match.group(1)), str(entry)))
-    return sorted(found)
-
-
-def latest_checkpoint(root: str | os.PathLike) -> str | None:
-    """The folder of the newest complete checkpoint under `root`, or None."""
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
-
-
-def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[str]:
-    """Delete all but the newest `keep_last` complete checkpoints and any stale staging folders; returns what went."""
-    if keep_last < 1:
-        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
-    removed = [path for _, path in list_checkpoints(root)[:-keep_last]]
-    removed += [str(entry) for entry in Path(root).iterdir()
-                if entry.name.startswith(_STAGING_PREFIX) and f"-{os.getpid()}-" not in entry.name]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
 
 
 # ---- loading -------------------------------------------------------------------------------------
@@ -667,7 +528,8 @@ def verify_model_folder(path: str | os.PathLike, *, flag: str, check_hash: bool 
                                 check_hash=check_hash)
 
 
-def verify_start_folders(model_section: Any, training_config: TrainingConfig, *, check_hash: bool = True) -> None:
+def verify_start_folders(model_section: ModelSection, training_config: TrainingConfig, *,
+                         check_hash: bool = True) -> None:
     """`verify_model_folder` on every folder a role starts from or takes its reference from, and on
     --load: run by the driver (by every rank under torchrun) before any worker reads them, and by the
     preflight with `check_hash=False` (sizes: a truncated or missing file is named by --dry-run too)."""
@@ -677,7 +539,7 @@ def verify_start_folders(model_section: Any, training_config: TrainingConfig, *,
             path = role_checkpoint_path(role, model_section, arg) if arg is not None else None
             if path:
                 folders.setdefault(os.fspath(path), "--" + arg.replace("_", "-"))
-    if getattr(model_section, "load", None):
+    if model_section.load:
         folders.setdefault(os.fspath(model_section.load), "--load")
     for path, flag in folders.items():
         verify_model_folder(path, flag=flag, check_hash=check_hash)

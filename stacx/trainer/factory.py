@@ -40,6 +40,7 @@ from stacx.trainer.config.run import RunConfig
 from stacx.trainer.loop import StacxTrainer
 from stacx.trainer.metrics import ROLLOUTS_FILE, MetricsLogger, keep_rows_before
 from stacx.trainer.recipes import get_recipe
+from stacx.trainer.sample_sources import choose_sample_source
 
 # ---- the whole run: recipe -> workers + runtimes + rollout + logger -> StacxTrainer ----------
 
@@ -150,8 +151,10 @@ def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None)
             graph.kill()
             connection.shutdown()
 
+        samples = choose_sample_source(run_config=run_config, training_config=training_config, algorithm=algorithm,
+                                       data=data, rollout=rollout, is_driver=True)  # a Ray run's driver
         return StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm,
-                            roles=roles, channel=RayChannel(), data=data, rollout=rollout,
+                            roles=roles, channel=RayChannel(), data=data, rollout=rollout, sample_source=samples,
                             make_metrics_logger=lambda start_step: build_metrics_logger(
                                 run_config, training_config.name, start_step),
                             on_failure=fail, on_close=close, exchanges=graph.exchanges)

@@ -26,7 +26,7 @@ off-policy corrections. With one optimizer step per rollout (async included) pi_
 training forward's own detached log-probs: the same weights, no extra forward.
 
 The loop talks to roles through `RoleGroup`s (Ray workers or torchrun processes, see
-role_groups.py), so the same code drives a Ray run and a torchrun SPMD job. Any failure kills the
+stacx/trainer/cluster/protocol.py), so the same code drives a Ray run and a torchrun SPMD job. Any failure kills the
 workers (`on_failure`) before the error propagates: a `RoleWorkerError` already names the role and
 rank, and surviving ranks blocked in a collective never keep the run alive.
 """
@@ -47,11 +47,7 @@ from stacx.objectives import get_advantage
 from stacx.objectives.advantages_returns import gae_returns
 from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
 from stacx.parallel.reduction import StepCounts, count_loss_tokens
-from stacx.rollout.agent_rollout import AgentRollout, agent_from_settings, last_turn_reward
-from stacx.rollout.async_rollout import AsyncRollout, importance_weight_metrics
-from stacx.rollout.rewards import resolve_reward_fn
-from stacx.rollout.evaluation import RolloutDumper
-from stacx.rollout.step_rollout import StepRollout, uniform_reward_warning
+from stacx.rollout.async_rollout import AsyncRollout
 from stacx.rollout.types import EngineTarget
 from stacx.rollout.service import RolloutService
 from stacx.trainer.batch import StepBatch, StepDataSource, plan_micro_batches
@@ -72,14 +68,14 @@ from stacx.trainer.config.layout import RoleLayout
 from stacx.trainer.config.mini_batches import mini_batch_indices, resolve_mini_batch_schedule, sample_groups
 from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, role_wants_reference
 from stacx.trainer.config.resolve import check_resumed_algorithm, resolved_run_config_dict
-from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.exchange import ExchangeSchedule
 from stacx.trainer.heartbeat import Heartbeat
 from stacx.trainer.interrupts import stop_on_termination_signals
 from stacx.trainer.metrics import ROLLOUT_STEP_KEY, MetricsLogger
 from stacx.trainer.numerics import NonFiniteGuard
-from stacx.trainer.rollout_dump import RolloutDumpWriter, RolloutReplay
+from stacx.trainer.rollout_dump import RolloutDumpWriter
+from stacx.trainer.sample_sources import AsyncRolloutSamples, NoSamples, SampleSource, choose_sample_source
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +94,13 @@ class StacxTrainer:
                  make_metrics_logger: Optional[Callable[[int], MetricsLogger]] = None,
                  on_failure: Callable[[], None] = lambda: None, on_close: Callable[[], None] = lambda: None,
                  close_engine_clients: Callable[[], None] = lambda: None,
-                 exchanges: Optional[Mapping[str, ExchangeGroup]] = None, step_rollout: Optional[Any] = None):
+                 exchanges: Optional[Mapping[str, ExchangeGroup]] = None, step_rollout: Optional[Any] = None,
+                 sample_source: Optional[SampleSource] = None):
         """step_rollout: where the driver's samples come from instead of a StepRollout over `rollout` and
         `data` (anything with `collect(step)` and `evaluate_if_due(step)`, e.g. an external agent's
-        sessions, stacx.rollout.agent_rollout.AgentRollout); weights still go to `rollout`'s engine."""
+        sessions, stacx.rollout.agent_rollout.AgentRollout); weights still go to `rollout`'s engine.
+        sample_source: the run's `SampleSource`; None: `choose_sample_source` picks it from the run config,
+        the recipe, `data`, `rollout` and `step_rollout` (the one place the kind of source is decided)."""
         self.run_config = run_config
         self.training_config = training_config
         self.algorithm = as_algorithm_config(algorithm, "StacxTrainer(algorithm=...)")
@@ -128,12 +127,11 @@ class StacxTrainer:
         # values: rank messages carry no rollout types).
         shared = channel.share((rollout.engine_kind, tuple(rollout.urls), rollout.api_key) if rollout is not None else None)
         self.engine_target: Optional[EngineTarget] = EngineTarget(*shared) if shared is not None else None
-        if step_rollout is not None and run_config.rollout.rollout_mode == "async":
-            raise ValueError("--rollout-mode async draws its own prompts; a given step_rollout (an agent's sessions) "
-                             "needs --rollout-mode sync")
-        self.step_rollout = step_rollout if step_rollout is not None else (
-            self._build_step_rollout() if rollout is not None and channel.is_driver else None)
-        """The driver's `rollout_steps.StepRollout`: roll-ins, DAPO shaping and sampling, eval, rollout dumps."""
+        self.samples: SampleSource = sample_source if sample_source is not None else choose_sample_source(
+            run_config=run_config, training_config=training_config, algorithm=self.algorithm, data=data,
+            rollout=rollout, is_driver=channel.is_driver, step_rollout=step_rollout)
+        """Where each step's batch comes from: a dataset, the driver's step rollout, an agent's sessions, the
+        asynchronous producer, or nothing on a rank that is not the driver (stacx.trainer.sample_sources)."""
         self.mini_batches = resolve_mini_batch_schedule(run_config.rollout, run_config.train,
                                                         data_source=training_config.data_source)
         """global_batch_size, num_steps_per_rollout, num_epochs: the optimizer steps of each rollout."""
@@ -147,17 +145,32 @@ class StacxTrainer:
         """The running phase's heartbeat (stacx.trainer.heartbeat); `beat` starts one."""
         self.nonfinite = NonFiniteGuard(run_config.train.skip_nonfinite_steps)
         """Stops the run at the first NaN/inf (or skips up to --skip-nonfinite-steps steps)."""
-        self.async_rollout: Optional[AsyncRollout] = None
-        """--rollout-mode async: the driver's producer thread and scheduler (`start_async_rollout`)."""
-        self._async_resume_state: dict = {}
-        self.rollout_dump, self.rollout_replay = self._rollout_dump_and_replay()
-        """--dump-rollouts writer / --replay-rollouts reader of the driver (stacx.trainer.rollout_dump)."""
-        self._collected_samples = None
+        self.rollout_dump = (RolloutDumpWriter(run_config.train.dump_rollouts, recipe=training_config.name,
+                                               seed=run_config.train.seed, train_section=run_config.to_dict().get("train"))
+                             if run_config.train.dump_rollouts and channel.is_driver else None)
+        """--dump-rollouts: the driver's writer of each step's batch (stacx.trainer.rollout_dump)."""
         self.run_counters: dict[str, float] = {}
         """Counters logged in every trained row (`run/restarts` of stacx.trainer.restarts)."""
         self.after_step: Callable[[int], None] = lambda completed_steps: None
         """Called after each rollout step is logged (and saved when due); stacx.trainer.restarts' test-only
         fault hook uses it."""
+
+    @property
+    def step_rollout(self) -> Optional[Any]:
+        """The driver's step rollout (`stacx.rollout.step_rollout.StepRollout`: roll-ins, DAPO shaping and
+        sampling, eval, rollout dumps; or an agent's `AgentRollout`), the sample source's; None elsewhere."""
+        return self.samples.step_rollout
+
+    @step_rollout.setter
+    def step_rollout(self, rollout: Optional[Any]) -> None:
+        if "samples" not in self.__dict__:  # a trainer made without __init__ (a test of one method)
+            self.samples = NoSamples()
+        self.samples.step_rollout = rollout
+
+    @property
+    def async_rollout(self) -> Optional[AsyncRollout]:
+        """--rollout-mode async: the driver's producer thread and scheduler, once started; None otherwise."""
+        return self.samples.async_rollout if isinstance(self.samples, AsyncRolloutSamples) else None
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -176,7 +189,7 @@ class StacxTrainer:
                 self.metrics_logger = self.make_metrics_logger(self.step)
             if self.step > 0 and self.engine_target is not None:
                 self.push_policy_weights(version=self.step)  # a fresh engine serves the initial weights
-            self.start_async_rollout()
+            self.samples.start(version=self.step)  # the async producer generates while the trainer trains
             train = self.run_config.train
             for step in range(self.step, train.num_steps):
                 with self.beat(f"step {step + 1}/{train.num_steps}", "batch"):
@@ -209,8 +222,7 @@ class StacxTrainer:
 
     def beat(self, prefix: str, phase: str) -> Heartbeat:
         """A heartbeat for one phase of the run, printed by the driver (`self.heartbeat.phase` renames it)."""
-        self.heartbeat = Heartbeat(prefix, phase, enabled=self.channel.is_driver,
-                                   detail=getattr(self.step_rollout, "waiting_for", None))
+        self.heartbeat = Heartbeat(prefix, phase, enabled=self.channel.is_driver, detail=self.samples.waiting_for)
         return self.heartbeat
 
     def check_save_folder(self) -> None:
@@ -242,16 +254,13 @@ class StacxTrainer:
         metrics are left in `self.update_rows`."""
         self.update_rows = []
         started = time.monotonic()
-        self.heartbeat.phase = "rollout" if self.training_config.data_source == "rollout" else "batch"
+        self.heartbeat.phase = self.samples.phase
         batch, metrics = self.channel.share(self.driver_batch(step) if self.channel.is_driver else None)
         sample_role = (self.training_config.rollout_role or self.training_config.trainable_roles[0]).name
         if self.nonfinite.check_samples(step=step, role=sample_role, name="reward", values=batch.rewards or ()):
             return self._skipped_step(metrics, started)
         self.fill_forward_fields(batch)
-        if self.run_config.rollout.rollout_mode == "async" and batch.log_probs is not None \
-                and batch.rollout_log_probs is not None:
-            metrics.update(importance_weight_metrics(batch.log_probs, batch.rollout_log_probs, batch.loss_masks,
-                                                     threshold=float(self.algorithm.tis_threshold)))
+        metrics.update(self.samples.trained_batch_metrics(batch))  # async: the behaviour policy's importance weights
         if self.algorithm_has_advantages:
             self.compute_advantages(batch)
             if self.nonfinite.check_samples(step=step, role=sample_role, name="advantage", values=batch.advantages):
@@ -284,105 +293,18 @@ class StacxTrainer:
 
     # ---- data ------------------------------------------------------------------------------
 
-    def _rollout_dump_and_replay(self):
-        train = self.run_config.train
-        if not self.channel.is_driver:
-            return None, None
-        dump = (RolloutDumpWriter(train.dump_rollouts, recipe=self.training_config.name, seed=train.seed,
-                                  train_section=self.run_config.to_dict().get("train"))
-                if train.dump_rollouts else None)
-        replay = RolloutReplay(train.replay_rollouts, recipe=self.training_config.name) if train.replay_rollouts else None
-        return dump, replay
-
     def driver_batch(self, step: int) -> tuple[StepBatch, dict]:
-        """The step's batch on the driver: read from --replay-rollouts, else collected (and written to
-        --dump-rollouts as it reaches the trainer, before any field the trainer adds)."""
-        if self.rollout_replay is not None:
-            return self.rollout_replay.read(step)
-        self._collected_samples = None
+        """The step's batch on the driver from the sample source (--replay-rollouts: the dump's file), written
+        to --dump-rollouts as it reaches the trainer, before any field the trainer adds."""
         batch, metrics = self.collect_batch(step)
         if self.rollout_dump is not None:
-            seconds, size = self.rollout_dump.write(step, batch, metrics, self._collected_samples)
+            seconds, size = self.rollout_dump.write(step, batch, metrics, getattr(self.samples, "last_samples", None))
             metrics.update({"time/rollout_dump_s": seconds, "rollout_dump/bytes": float(size)})
         return batch, metrics
 
     def collect_batch(self, step: int) -> tuple[StepBatch, dict]:
-        """(step batch, rollout metrics), on the driver: async mode takes the scheduler's batch of `step`."""
-        # data is None when the step rollout draws its own tasks (stacx.rollout.agent_rollout.AgentRollout)
-        if self.training_config.data_source == "dataset" or (self.data is not None and self.data.kind == "trajectory"):
-            batch = self.data.next_dataset_batch()
-            lengths = batch.response_lengths
-            return batch, {"data/response_length_mean": sum(lengths) / len(lengths)}
-        if self.async_rollout is not None:
-            samples, metrics = self.async_rollout.take_batch(step)
-            self.step_rollout.summarize(step, samples, metrics)
-        else:
-            samples, metrics = self.step_rollout.collect(step)
-        self._collected_samples = samples
-        batch = StepBatch.from_samples(samples)
-        if self.run_config.rollout.use_routing_replay and batch.routed_experts is None:
-            raise ValueError("--use-routing-replay: the rollout returned no routed experts (multi-turn environment "
-                             "episodes, DAgger roll-ins and --agent rollouts do not carry them yet); drop the flag")
-        batch.rewards = self.shaped_rewards(batch)
-        if batch.teacher_log_probs is not None:  # over student-executed tokens (teacher ones hold the +1.0 sentinel)
-            metrics["rollout/teacher_log_prob_mean"] = _masked_mean(
-                batch.teacher_log_probs, [m * (t <= 0) for t, m in zip(batch.teacher_log_probs, batch.loss_masks)])
-        return batch, metrics
-
-    def start_async_rollout(self) -> None:
-        """--rollout-mode async (driver): start the producer at the current step's version, so that it
-        generates while the trainer trains; in-flight groups of a checkpoint are regenerated."""
-        if self.run_config.rollout.rollout_mode != "async" or self.step_rollout is None:
-            return
-        self.async_rollout = AsyncRollout(self.rollout, self.data, self.step_rollout,
-                                          rollout_section=self.run_config.rollout, start_version=self.step,
-                                          resume_state=self._async_resume_state)
-        self.async_rollout.start()
-
-    def _build_step_rollout(self):
-        section = self.run_config.rollout
-        if section.agent or section.agent_command:
-            return self._build_agent_rollout()
-        return StepRollout(self.rollout, self.data, rollout=self.run_config.rollout,
-                           plan=rollout_plan(self.training_config, self.run_config), algorithm=self.algorithm,
-                           out_dir=self.run_config.logging.out)
-
-    def _build_agent_rollout(self) -> AgentRollout:
-        """--agent / --agent-command: each prompt row is a task the user's agent runs n_samples_per_prompt
-        times against the engine's OpenAI-compatible endpoint; its recorded turns are the samples."""
-        section, tokenizer = self.run_config.rollout, self.rollout.tokenizer
-
-        def next_tasks(step: int) -> list[dict]:
-            return [{"prompt": tokenizer.decode(example.prompt_ids), "label": example.label,
-                     "metadata": dict(example.metadata), "source": example.source}
-                    for example in self.data.next_examples(self.data.batch_size)]
-
-        def uniform_rewards(step: int, samples) -> Optional[str]:
-            if self.algorithm.advantage_estimator == "gae":  # a critic's advantages are not 0 then
-                return None
-            return uniform_reward_warning(step, samples, n_samples_per_prompt=section.n_samples_per_prompt,
-                                          temperature=section.rollout_temperature, reward_fn=section.reward_fn)
-
-        dumper = (RolloutDumper(self.run_config.logging.out, per_step=section.save_rollouts_per_step, tokenizer=tokenizer)
-                  if section.save_rollouts_per_step > 0 else None)
-        agent = agent_from_settings(section.agent, section.agent_command, agent_timeout=section.agent_timeout,
-                                    agent_env=section.agent_env)
-        return AgentRollout(agent, server_url=self.rollout.url,
-                            next_tasks=next_tasks, n_samples_per_task=section.n_samples_per_prompt,
-                            reward_fn=last_turn_reward(resolve_reward_fn(section.reward_fn), tokenizer.decode),
-                            max_parallel_episodes=section.agent_max_parallel_episodes, api_key=self.rollout.api_key,
-                            dumper=dumper, uniform_reward_warning=uniform_rewards)
-
-    def shaped_rewards(self, batch: StepBatch) -> list[float]:
-        """opd_rl: R_i - teacher_kl_coef * sum_t m_it (log pi(a_t) - log pi_teacher(a_t)) (rollout log-probs)."""
-        rewards = list(batch.rewards)
-        coef = self.algorithm.teacher_kl_coef
-        if coef == 0.0 or batch.teacher_log_probs is None:
-            return rewards
-        return [
-            r - coef * float(((lp - tlp) * m).sum())
-            for r, lp, tlp, m in zip(rewards, batch.rollout_log_probs, batch.teacher_log_probs, batch.loss_masks)
-        ]
+        """(step batch, rollout metrics), on the driver, from the run's sample source."""
+        return self.samples.collect(step)
 
     # ---- forward-only fields and advantages ------------------------------------------------
 
@@ -490,8 +412,7 @@ class StacxTrainer:
         requests with partial rollout, else wait for them) ... publish_version."""
         target = self.engine_target
         role = self.training_config.rollout_role
-        if self.async_rollout is not None:
-            self.async_rollout.begin_update()
+        self.samples.begin_update()
         if self.channel.is_driver:
             self.rollout.begin_weight_update()
         try:
@@ -504,15 +425,14 @@ class StacxTrainer:
             raise
         if self.channel.is_driver:
             self.rollout.finish_weight_update(version)
-        if self.async_rollout is not None:
-            self.async_rollout.publish_version(version)
+        self.samples.publish_version(version)
 
     def evaluate_if_due(self, completed_steps: int) -> dict[str, float]:
         """eval/* of the model after `completed_steps` rollout steps when due (the driver's StepRollout
         decides, see evaluate_if_due there); {} on other ranks and in runs without rollouts."""
         if self.channel.is_driver and self.step_rollout is not None:
             self.heartbeat.phase = "eval"
-            return self.step_rollout.evaluate_if_due(completed_steps)
+            return self.samples.evaluate_if_due(completed_steps)
         return {}
 
     def log(self, step: int, metrics: dict[str, float], *, trained: bool = True) -> None:
@@ -565,10 +485,7 @@ class StacxTrainer:
             rank_files += group.save(staging)
         final = None
         if self.channel.is_driver:
-            driver_state = {"step": step, "data": self.data.state_dict() if self.data is not None else {},
-                            "rng": capture_rng_state()}
-            if self.async_rollout is not None:  # the generated, untrained groups: a resumed run trains them
-                driver_state["data"], driver_state["async"] = self.async_rollout.checkpoint_state()
+            driver_state = {"step": step, **self.samples.state_dict(), "rng": capture_rng_state()}
             final = commit_checkpoint(staging, step=step, recipe=self.training_config, role_layouts=self.role_layouts(),
                                       rank_files=rank_files, driver_state=driver_state,
                                       resolved_run_config=resolved_run_config_dict(
@@ -595,10 +512,8 @@ class StacxTrainer:
         for group in self.roles.values():
             group.load(loaded)
         driver_state = loaded.driver_state()
-        if self.data is not None and driver_state.get("data"):
-            self.data.load_state_dict(driver_state["data"])
+        self.samples.load_state_dict(driver_state)
         restore_rng_state(driver_state["rng"])
-        self._async_resume_state = driver_state.get("async") or {}
         logger.info("resumed from %s at step %d", loaded.path, loaded.step)
         if self.channel.is_driver:
             print(f"resumed from step {loaded.step} ({loaded.path})", flush=True)
@@ -638,12 +553,10 @@ class StacxTrainer:
                     logger.warning("removed the unfinished checkpoint staging folder %s", path)
 
     def _close_logger_and_rollout(self) -> None:
-        if self.async_rollout is not None:  # first: it aborts its requests on the engine closed below
-            async_rollout, self.async_rollout = self.async_rollout, None
-            try:
-                async_rollout.close()
-            except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
-                logger.exception("closing the asynchronous rollout failed")
+        try:  # first: the asynchronous producer aborts its requests on the engine closed below
+            self.samples.close()
+        except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
+            logger.exception("closing the sample source failed")
         if self.metrics_logger is not None:
             try:
                 self.metrics_logger.close()
@@ -664,9 +577,3 @@ class StacxTrainer:
                 self._close_driver_side()
         finally:
             self.on_close()
-
-
-def _masked_mean(values, masks) -> float:
-    total = sum(float((v * (m != 0)).sum()) for v, m in zip(values, masks))
-    count = sum(float((m != 0).sum()) for m in masks)
-    return total / count if count else 0.0

@@ -56,7 +56,8 @@ from stacx.env_overrides import apply_env_overrides
 from stacx.models.architectures import decoder_shape, load_hf_config, num_virtual_stages
 from stacx.objectives import load_custom_modules
 from stacx.objectives.algorithm_config import AlgorithmConfig
-from stacx.objectives.registry import ADVANTAGES, OFF_POLICY_CORRECTIONS, POLICY_LOSSES, Registry
+from stacx.objectives.registry import ADVANTAGES, OFF_POLICY_CORRECTIONS, POLICY_LOSSES
+from stacx.plugins.registry import Registry
 from stacx.rollout.async_rollout import check_async_supported
 from stacx.rollout.data import MalformedRowError
 from stacx.rollout.engines.registry import resolve_engine_kind
@@ -279,7 +280,7 @@ def unread_checkpoint_flags(run_config: RunConfig, training_config: TrainingConf
     read = {arg for role in training_config.roles for arg in (role.checkpoint_arg, role.reference_checkpoint_arg)}
     unread = {}
     for arg in ("ref_load", "critic_load"):
-        value = getattr(run_config.model, arg, None)
+        value = getattr(run_config.model, arg)
         if value is not None and arg not in read:
             unread[arg] = (f"{flag(arg)} {value} is set, but recipe {training_config.name!r} has no role that reads it "
                            f"(its roles: {', '.join(r.name for r in training_config.roles)}), so the run ignores it: "

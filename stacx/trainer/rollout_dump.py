@@ -186,3 +186,4 @@ class RolloutReplay:
         # The rollout's own metrics describe the replayed samples; its timings were the original run's.
         metrics = {key: value for key, value in (payload.get("metrics") or {}).items() if not key.startswith("time/")}
         return StepBatch(**{name: unpack(value) for name, value in payload["fields"].items()}), metrics
+

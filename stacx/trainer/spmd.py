@@ -31,6 +31,7 @@ from stacx.trainer.lifetime import TORCHRUN_ENV, launched_by_torchrun  # noqa: F
 from stacx.trainer.factory import build_driver_side, build_metrics_logger, launch_rollout_server, resolve_recipe
 from stacx.trainer.loop import StacxTrainer
 from stacx.trainer.runtime.role_runtime import RoleRuntime
+from stacx.trainer.sample_sources import choose_sample_source
 
 
 
@@ -77,9 +78,11 @@ def build_spmd_trainer(run_config: RunConfig):
 
         destroy_parallel_layout()
 
+    samples = choose_sample_source(run_config=run_config, training_config=training_config, algorithm=algorithm,
+                                   data=data, rollout=rollout, is_driver=channel.is_driver)
     return StacxTrainer(run_config=run_config, training_config=training_config, algorithm=algorithm,
                         roles={role.name: LocalRoleGroup(runtime, role.name)}, channel=channel, data=data,
-                        rollout=rollout, on_failure=runtime.close, on_close=close, close_engine_clients=runtime.close,
+                        rollout=rollout, sample_source=samples, on_failure=runtime.close, on_close=close, close_engine_clients=runtime.close,
                         make_metrics_logger=lambda start_step: build_metrics_logger(run_config, training_config.name,
                                                                                    start_step))
 

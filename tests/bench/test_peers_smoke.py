@@ -34,6 +34,7 @@ def leaves_no_world_behind():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_smoke_run_compares_trl_and_stacx_steps(tmp_path, leaves_no_world_behind):
     output = tmp_path / "peers.json"
     assert load_bench().main(["--smoke", "--sizes", "S", "moe-S", "--skip-memory", "--generation",

@@ -91,6 +91,7 @@ def resume_across_expert_layouts(_groups, path, tokens_by_step, folder):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_saved_at_ep2_resumes_at_ep1_with_its_optimizer_state(tmp_path):
     config, _ = save_moe_checkpoint("qwen3_moe", str(tmp_path / "hf"))

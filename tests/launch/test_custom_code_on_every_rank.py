@@ -202,6 +202,7 @@ def folder_sft_config():
 '''
 
 
+@pytest.mark.slow
 def test_a_recipe_file_in_the_custom_folder_is_found_without_an_import_cycle(tiny_checkpoint, tmp_path):
     """It crashed `stacx train` with a circular import (stacx.objectives imported stacx/custom/ from its
     __init__, while stacx.trainer.config.recipe was half-imported)."""

@@ -26,6 +26,7 @@ print('imported')
 """
 
 
+@pytest.mark.slow
 def test_the_demo_imports_nothing_from_the_test_extra():
     completed = subprocess.run([sys.executable, "-c", BLOCK_TEST_EXTRA], capture_output=True, text=True,
                                timeout=120, cwd=REPO)

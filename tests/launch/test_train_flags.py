@@ -192,6 +192,7 @@ def test_example_configs_resolve(path, capsys, tiny_flags, tiny_teacher_url, tmp
     assert capsys.readouterr().out.startswith(f"recipe {family}:")
 
 
+@pytest.mark.slow
 def test_python_dash_m_stacx_train_is_stacx_train(tiny_flags):
     completed = subprocess.run([sys.executable, "-m", "stacx.train", "--algorithm", "sft", "--dry-run", *tiny_flags],
                                capture_output=True, text=True, timeout=120, cwd=REPO,

@@ -53,14 +53,27 @@ def test_a_recipe_of_an_unregistered_modality_or_foreign_loss_class_is_refused()
 def test_the_registry_refuses_a_second_workload_for_a_modality_and_names_the_registered_ones():
     image = get_workload("image")
     assert register_workload(image) is image  # the same module imported twice
-    with pytest.raises(ValueError, match="modality 'image' already has a workload"):
+    with pytest.raises(ValueError, match=r"workload 'image' is already registered \(by stacx.diffusion"):
         register_workload(Workload(modality="image", description="other", driver=dict, objective_base=object,
                                    runtime=dict))
-    with pytest.raises(ValueError, match="'text' is the core's own"):
-        Workload(modality="text", description="d", driver=dict, objective_base=object, runtime=dict)
-    with pytest.raises(ValueError, match=r"no workload runs modality 'voxels'; registered: image"):
+    with pytest.raises(ValueError, match=r"workload 'text' is already registered"):  # the core's own workload
+        register_workload(Workload(modality="text", description="d", driver=dict, objective_base=object, runtime=dict))
+    with pytest.raises(ValueError, match=r"unknown workload 'voxels'; registered modalities: image, text"):
         get_workload("voxels")
-    assert set(WORKLOADS) == {"image"}
+    with pytest.raises(ValueError, match=r"unknown workload 'imag'; did you mean 'image'\?"):
+        get_workload("imag")
+    assert set(WORKLOADS) == {"image", "text"}
+
+
+def test_text_is_a_workload_like_the_others():
+    from stacx.specializations.base import Specialization
+    from stacx.trainer.recipes import get_recipe
+    from stacx.trainer.text_workload import TextDriver
+
+    text, grpo = get_workload("text"), get_recipe("grpo")
+    assert text.objective_base is Specialization
+    driver = text.driver(None, grpo)
+    assert isinstance(driver, TextDriver) and driver.describe() == grpo.describe()
 
 
 def test_a_failing_entry_point_is_named(monkeypatch):

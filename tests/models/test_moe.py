@@ -106,6 +106,7 @@ def _full_log_probs(per_rank, key, tp, cp, vocab):
     return full[real_rows, :vocab].log_softmax(-1)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_moe_log_probs_conversion_and_resharding_match_transformers(tmp_path):
     from safetensors.torch import load_file

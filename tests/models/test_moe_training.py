@@ -205,6 +205,7 @@ def step_at_each_expert_layout(_groups, path, tokens_by_rank):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_expert_parallel_step_equals_plain_step_with_router_losses(tmp_path):
     from safetensors.torch import load_file

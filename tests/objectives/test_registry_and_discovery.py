@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stacx.objectives import aggregate_mean, load_custom_modules
-from stacx.objectives.discovery import _import_package_tree
+from stacx.plugins.discovery import _import_package_tree
 from stacx.objectives.registry import (
     Registry,
     get_advantage,
@@ -111,7 +111,7 @@ def test_load_custom_modules_errors_name_the_file(tmp_path):
     finally:
         POLICY_LOSSES.unregister("tempered_pg_clash_test")
     # The failed file registered once before raising: it must not be shipped to workers.
-    from stacx.objectives.discovery import user_module_sources
+    from stacx.plugins.discovery import user_module_sources
 
     assert not any(source.origin.endswith("clash_algo.py") for source in user_module_sources())
     with pytest.raises(ValueError, match=r"--custom-module 'no_such_module_xyz'"):
@@ -191,7 +191,7 @@ def test_a_user_registration_replaces_a_builtin_name_with_a_warning_and_unregist
 
 
 def test_a_raising_file_in_the_custom_folder_is_skipped_with_a_warning_naming_it(tmp_path, monkeypatch):
-    from stacx.objectives import discovery
+    from stacx.plugins import discovery
 
     package = tmp_path / "fake_custom_pkg"
     package.mkdir()
@@ -222,7 +222,7 @@ def test_shipped_sources_recreate_a_user_module_under_its_name_without_the_file(
     object pickled by reference to the module's class unpickles."""
     import pickle
 
-    from stacx.objectives import discovery
+    from stacx.plugins import discovery
 
     user_file = tmp_path / "shipped_user_algo.py"
     user_file.write_text(textwrap.dedent("""
@@ -258,7 +258,7 @@ def test_shipped_sources_recreate_a_user_module_under_its_name_without_the_file(
 
 
 def test_a_shipped_module_that_raises_names_its_origin():
-    from stacx.objectives.discovery import UserModuleSource, import_user_module_sources
+    from stacx.plugins.discovery import UserModuleSource, import_user_module_sources
 
     bad = UserModuleSource("stacx_user_module_bad_ship_test", "raise KeyError('x')\n", "/somewhere/bad_ship.py")
     with pytest.raises(ImportError, match=r"'stacx_user_module_bad_ship_test' \(from /somewhere/bad_ship.py\).*KeyError"):

@@ -28,6 +28,7 @@ def tp_allreduce_and_cp_allgather(groups):
     }
 
 
+@pytest.mark.slow
 def test_tp2_cp2_collectives_on_four_ranks():
     results = run_distributed(tp_allreduce_and_cp_allgather, 4, tensor_model_parallel_size=2, context_parallel_size=2)
     # megatron's default order is tp-cp-dp: TP groups are {0,1},{2,3}; CP groups are {0,2},{1,3}.
@@ -71,6 +72,7 @@ def rank_zero_skips_the_barrier(groups):
         time.sleep(60)
 
 
+@pytest.mark.slow
 def test_hang_times_out_instead_of_waiting_forever():
     start = time.monotonic()
     with pytest.raises(DistributedRunError):

@@ -227,6 +227,7 @@ def _tensor_parallel_checks(groups):
     return errors, forward_counts, backward_counts
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("tensor_model_parallel_size", [1, 2])
 def test_tensor_parallel_matches_single_process_unfused_reference(tensor_model_parallel_size):

@@ -57,6 +57,7 @@ def train_one_step_with_megatron_ddp_and_optimizer(groups):
     return gathered, updated, grad_norm, changed, grads_after_clip
 
 
+@pytest.mark.slow
 def test_tp2_model_trains_one_step_with_megatron_optimizer_on_cpu():
     results = run_distributed(train_one_step_with_megatron_ddp_and_optimizer, 2, tensor_model_parallel_size=2)
     for gathered, updated, grad_norm, changed, grads_after_clip in results:
@@ -93,6 +94,7 @@ def test_cp_rope_slicing_picks_load_balanced_chunks():
     assert results == [[0.0, 1.0, 6.0, 7.0], [2.0, 3.0, 4.0, 5.0]]
 
 
+@pytest.mark.slow
 def test_cuda_synchronize_is_a_no_op_so_megatrons_checkpoint_writer_runs(tmp_path):
     """Without the patch, torch_dist's writer calls torch.cuda.synchronize and a CPU-only torch raises."""
     code = (
@@ -119,6 +121,7 @@ def test_cuda_synchronize_is_a_no_op_so_megatrons_checkpoint_writer_runs(tmp_pat
     assert "written" in out.stdout
 
 
+@pytest.mark.slow
 def test_patches_are_not_applied_when_cuda_is_present():
     code = (
         "import torch\n"
@@ -211,3 +214,19 @@ def test_pipeline_exchanges_keep_directions_apart_and_let_a_send_run_ahead_over_
     assert torch.equal(activation0, torch.full((3,), 11.0)) and torch.equal(gradient0, torch.full((5,), 21.0))
     assert torch.equal(activation1, torch.full((3,), 10.0)) and torch.equal(gradient1, torch.full((5,), 20.0))
     assert torch.equal(late, torch.tensor([7.0, 8.0]))
+
+
+def test_the_docs_count_the_patches_that_apply_if_needed_applies():
+    """docs/architecture.md and the module's numbered list name as many patches as `apply_if_needed` applies."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from stacx.parallel import megatron_cpu_compat
+
+    applied = re.findall(r"^    _patch_\w+\(\)$", inspect.getsource(megatron_cpu_compat.apply_if_needed), re.M)
+    listed = re.findall(r"^(\d+)\. ", megatron_cpu_compat.__doc__, re.M)
+    assert [int(n) for n in listed] == list(range(1, len(applied) + 1))
+    words = {7: "seven", 8: "eight", 9: "nine", 10: "ten", 11: "eleven"}
+    architecture = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    assert f"applies {words[len(applied)]} small, tested" in architecture

@@ -193,6 +193,7 @@ def four_rank_results():
     return run_distributed(_invariance_on_four_ranks, world_size=4, timeout_s=240)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_gradient_is_invariant_to_dp_cp_micro_batch_and_packing_splits(four_rank_results):
     rank_results = four_rank_results

@@ -51,6 +51,7 @@ def recorded(server, session_id):
     return [RecordedTurn.from_json(t) for t in answer.json()["turns"]]
 
 
+@pytest.mark.slow
 def test_chat_with_tools_continues_the_engines_own_ids_across_turns(server, policy):
     from stacx.rollout.agent_trajectories import assemble_trajectories
 

@@ -56,6 +56,7 @@ def test_builtin_label_rewards_declare_it():
     assert not reward_needs_label(resolve_reward_fn("format"))
 
 
+@pytest.mark.slow
 def test_a_process_with_a_hanging_reward_still_exits():
     # Before: the pool's non-daemon thread was joined at exit, so the process never ended.
     script = textwrap.dedent("""

@@ -122,7 +122,7 @@ def registered(response, label, metadata=None):
 
 def test_reward_fn_accepts_a_file_path_and_a_reward_the_file_registers(tmp_path):
     """`--reward-fn my_reward.py:fn` was refused with `No module named 'my_reward'`."""
-    from stacx.objectives import discovery
+    from stacx.plugins import discovery
     from stacx.rollout.rewards import REWARD_FUNCTIONS
 
     path = tmp_path / "my_reward.py"

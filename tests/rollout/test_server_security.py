@@ -224,6 +224,7 @@ def test_sglang_servers_bind_the_node_address_with_the_api_key():
 
 # ---- stacx serve refuses to start open on a network ------------------------------------------
 
+@pytest.mark.slow
 def test_serve_refuses_non_loopback_host_without_api_key(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "STACX_API_KEY"}
     result = subprocess.run([sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", str(tmp_path),

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from stacx.objectives.discovery import load_custom_modules
+from stacx.plugins.discovery import load_custom_modules
 from stacx.rollout.environments import (ENVIRONMENTS, CalculatorEnvironment, Environment, StepResult, check_task,
                                         resolve_environment)
 from stacx.rollout.tool_calls import ToolCall

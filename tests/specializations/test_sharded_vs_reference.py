@@ -99,6 +99,7 @@ def _check_layout(per_rank, samples, references, label):
             assert r["collectives"] == {"all_gather": expected_gathers, "all_reduce": 0}, f"{where}: {r['collectives']}"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_tensor_parallel_two_ranks_match_the_unsharded_reference(checkpoint_and_reference):
     folder, samples, references = checkpoint_and_reference
@@ -106,6 +107,7 @@ def test_tensor_parallel_two_ranks_match_the_unsharded_reference(checkpoint_and_
     _check_layout(per_rank, samples, references, "tp=2")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_tensor_and_context_parallel_four_ranks_match_the_unsharded_reference(checkpoint_and_reference):
     folder, samples, references = checkpoint_and_reference

@@ -135,6 +135,7 @@ def four_rank_results() -> list[dict]:
                            args=(DISTRIBUTED_SPLITS,), timeout_s=300)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_gradient_and_metrics_are_invariant_to_context_and_data_parallel_ranks(four_rank_results, references):
     for split in DISTRIBUTED_SPLITS:
@@ -155,6 +156,7 @@ def _run_family_at_cp2(groups, family_name: str) -> dict:
     return dict(result, gradient=result["gradient"].numpy())
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_custom_sequence_loss_gets_whole_sequences_under_cp_unless_declared_token_local():
     """Issue 13, item 5: the same undeclared custom sequence-level loss gives the CP=1 gradient at

@@ -28,6 +28,7 @@ def test_task_answers_are_correct_by_independent_computation():
         get_task("nope")
 
 
+@pytest.mark.slow
 def test_builtin_data_is_deterministic_disjoint_and_serves_every_kind(tmp_path):
     from transformers import AutoTokenizer
 

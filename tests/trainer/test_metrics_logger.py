@@ -40,6 +40,7 @@ def _read_tensorboard(folder) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
+@pytest.mark.slow
 def test_logger_writes_jsonl_tensorboard_plots_and_a_progress_bar(tmp_path):
     bar = io.StringIO()
     with MetricsLogger(tmp_path, total_steps=4, progress_file=bar) as logger:
@@ -69,6 +70,7 @@ def test_logger_writes_jsonl_tensorboard_plots_and_a_progress_bar(tmp_path):
     assert "step 3/4" in text and "reward 0.2, pg loss 1.5" in text and "ETA" in text  # the loss named by its metric
 
 
+@pytest.mark.slow
 def test_plot_families_pick_metrics_by_word(tmp_path):
     logger = MetricsLogger(tmp_path, total_steps=2, tensorboard=False, progress_bar=False)
     logger.log(0, _metrics(0))

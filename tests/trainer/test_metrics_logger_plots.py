@@ -4,6 +4,7 @@ its columns."""
 
 from __future__ import annotations
 
+import pytest
 import io
 
 from stacx.trainer.metrics import (OTHER_PLOT, SCALE_GROUP_RATIO, MetricsLogger, draw_family_figure, group_by_scale,
@@ -22,6 +23,7 @@ def _log_all(logger: MetricsLogger, history: list[dict]) -> None:
         logger.log(row["step"], {k: v for k, v in row.items() if k != "step"})
 
 
+@pytest.mark.slow
 def test_metrics_of_no_family_are_drawn_in_other_png_with_axes_by_scale(tmp_path):
     with MetricsLogger(tmp_path, total_steps=10, tensorboard=False, progress_bar=False, plots=False) as logger:
         _log_all(logger, _custom_history())

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from stacx.launch.cli import main
 from stacx.launch.commands.recipes import render_catalog_markdown
 from stacx.trainer.recipes import TRAINING_CONFIGS
@@ -15,6 +17,7 @@ from stacx.trainer.recipes import TRAINING_CONFIGS
 DOC = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
 
 
+@pytest.mark.slow
 def test_docs_recipes_md_is_the_current_catalog():
     # In a fresh process: recipes that other tests registered in this one are not the catalog.
     completed = subprocess.run([sys.executable, "-m", "stacx", "recipes", "--markdown"], capture_output=True,
@@ -48,7 +51,7 @@ def test_recipes_command_lists_describes_and_rejects_unknown(capsys):
     described = capsys.readouterr().out
     assert "inject: critic -> actor (values)" in described and "pool actor (shared)" in described
     assert main(["recipes", "grpoo"]) == 2
-    assert "unknown recipe 'grpoo'; known recipes:" in capsys.readouterr().err
+    assert "unknown recipe 'grpoo'; did you mean 'grpo'? known recipes:" in capsys.readouterr().err
 
 
 def test_recipes_command_shows_recipes_from_a_custom_module(tmp_path, capsys):

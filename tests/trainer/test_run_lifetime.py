@@ -191,6 +191,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_a_sigkilled_drivers_local_cluster_processes_are_reaped():
     driver = subprocess.Popen([sys.executable, "-c", DRIVER], cwd=REPO, stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=REPO))

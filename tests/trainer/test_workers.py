@@ -229,7 +229,7 @@ def two_file_custom_folder(tmp_path):
     import sys
 
     import stacx.custom
-    from stacx.objectives import discovery
+    from stacx.plugins import discovery
 
     (tmp_path / "twofile_algo.py").write_text(TWO_FILE_RECIPE)  # sorts (and is walked) first
     (tmp_path / "twofile_algo_spec.py").write_text(TWO_FILE_SPEC)
@@ -248,7 +248,7 @@ def test_a_two_file_custom_folder_reaches_workers_and_a_failing_file_is_shown_wh
     """Issue 27: the recipe file's `from stacx.custom.my_algo_spec import ...` failed on workers
     (`No module named 'stacx.custom.my_algo_spec'`): the files were executed in walk order, the
     recipe before the file it imports. And the driver cut the worker's error to its first 600 characters."""
-    from stacx.objectives.discovery import UserModuleSource
+    from stacx.plugins.discovery import UserModuleSource
 
     assert [entry.module_name for entry in two_file_custom_folder] == ["stacx.custom.twofile_algo_spec",
                                                                        "stacx.custom.twofile_algo"]

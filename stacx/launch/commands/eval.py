@@ -299,7 +299,7 @@ def run(args) -> int:
     try:
         validate_args(args)
         if args.custom_module:
-            from stacx.objectives.discovery import load_custom_modules
+            from stacx.plugins.discovery import load_custom_modules
 
             load_custom_modules(args.custom_module, ship_to_workers=False)  # no workers: eval is one process
         if args.engine_url is None:  # the model runs here

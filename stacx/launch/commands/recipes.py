@@ -137,7 +137,7 @@ def render_catalog_markdown(configs: dict) -> str:
 
 def _origin(fn) -> str:
     """'custom, FILE' for a user entry (stacx/custom/, --custom-module), '' for a built-in."""
-    from stacx.objectives.registry import is_builtin_entry
+    from stacx.plugins.registry import is_builtin_entry
 
     if is_builtin_entry(fn):
         return ""
@@ -148,7 +148,7 @@ def _origin(fn) -> str:
 def render_objectives() -> str:
     """Every registered name, one section per registry: built-ins plain, custom ones with their
     file and the knobs they declare (`hyperparameters=`)."""
-    from stacx.objectives.discovery import import_builtin_and_custom_modules
+    from stacx.plugins.discovery import import_builtin_and_custom_modules
     from stacx.objectives.registry import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LOSSES, OFF_POLICY_CORRECTIONS,
                                            POLICY_LOSSES)
     from stacx.rollout.rewards import REWARD_FUNCTIONS
@@ -187,7 +187,7 @@ def run(args) -> int:
     discover_workloads()  # the workloads' recipes (the experimental diffusion ones) join the catalog
 
     if args.custom_module:
-        from stacx.objectives.discovery import load_custom_modules
+        from stacx.plugins.discovery import load_custom_modules
 
         try:
             load_custom_modules(args.custom_module)

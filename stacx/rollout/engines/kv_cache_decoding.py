@@ -183,13 +183,14 @@ class KvCacheDecoder:
 
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import hf_config_of
+        from stacx.models.hf_config import as_transformers_config
 
         self._gpt_model = gpt_model
         self._groups = groups
         dtype = next(gpt_model.parameters()).dtype
         config = hf_config_of(gpt_model)
         self.vocab_size = int(config.vocab_size)
-        self.hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        self.hf_model = AutoModelForCausalLM.from_config(as_transformers_config(config), dtype=dtype).eval()
         self.hf_model.requires_grad_(False)
         self._stale = True
         # transformers 5.x names the cache argument `cache` (`past_key_values` is deprecated there)

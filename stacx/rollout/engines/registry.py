@@ -20,7 +20,9 @@ A kind declares, where it is registered:
   workers start (the CPU engine); False: they are launched after the workers hold their
   resources (SGLang's GPUs);
 - **launches_on_ray**: the launcher places the servers on the Ray cluster (SGLang's), so a
-  torchrun job cannot overlap it with training (`--rollout-mode async`).
+  torchrun job cannot overlap it with training (`--rollout-mode async`);
+- **records_sessions**: the servers record the turns of OpenAI-compatible sessions with their
+  token ids and log-probs (`stacx serve`), so `--agent` / `--agent-command` runs may use the kind.
 
 Built-ins: 'cpu' (`stacx serve` as a child of the driver), 'http' (attach to --rollout-urls),
 'sglang' (SGLang servers on the Ray cluster's GPUs). 'auto' is no kind: it resolves to 'sglang'
@@ -32,13 +34,12 @@ looks the kind up again. Names are unique: registering one twice is refused.
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
 import torch
 
-from stacx.objectives.discovery import import_builtin_and_custom_modules, record_user_module
+from stacx.plugins.registry import Registry
 from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch, launch_cpu_server, launch_sglang_servers
@@ -71,6 +72,9 @@ class EngineKind:
     launches_on_ray: bool = False
     """The launcher places the servers on the Ray cluster, which a torchrun job does not have (its
     asynchronous rollout needs an engine in its own process)."""
+    records_sessions: bool = False
+    """The servers record OpenAI-compatible sessions turn by turn, token ids and log-probs included (`stacx
+    serve`), which an `--agent` / `--agent-command` run trains on."""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or self.name == AUTO:
@@ -94,29 +98,26 @@ class EngineKind:
         return self.client(url, api_key=api_key, retry=retry)
 
 
-_KINDS: dict[str, EngineKind] = {}
+ENGINE_KINDS: Registry[EngineKind] = Registry("engine kind", entries_are_callable=False)
+"""Kind name -> its EngineKind (a `stacx.plugins.registry.Registry`: a name registered twice is refused)."""
 
 
 def add_engine_kind(kind: EngineKind) -> EngineKind:
-    """Register `kind`; a name registered before is refused with the registered names."""
-    if kind.name in _KINDS:
-        existing = _KINDS[kind.name].client
-        raise ValueError(f"engine kind {kind.name!r} is already registered (client "
-                         f"{getattr(existing, '__module__', '?')}.{getattr(existing, '__qualname__', existing)}); "
-                         f"registered engine kinds: {engine_kind_names()}")
-    _KINDS[kind.name] = kind
-    record_user_module(getattr(kind.client, "__module__", None))  # a user kind reaches the role workers too
-    return kind
+    """Register `kind`; a name registered before is refused with the registered names. A user kind's client
+    module is shipped to the role workers, where the weight push looks the kind up again."""
+    return ENGINE_KINDS.add(kind.name, kind, origin=kind.client)
 
 
 def register_engine(name: str, *, launcher: Optional[Launcher] = None, owns_secret: bool = True,
-                    starts_beside_workers: bool = False, launches_on_ray: bool = False) -> Callable[[C], C]:
+                    starts_beside_workers: bool = False, launches_on_ray: bool = False,
+                    records_sessions: bool = False) -> Callable[[C], C]:
     """Class (or factory) decorator registering an engine kind whose client is the decorated object;
     the traits are those of `EngineKind`. Returns the client unchanged."""
 
     def decorator(client: C) -> C:
         add_engine_kind(EngineKind(name=name, client=client, launcher=launcher, owns_secret=owns_secret,
-                                   starts_beside_workers=starts_beside_workers, launches_on_ray=launches_on_ray))
+                                   starts_beside_workers=starts_beside_workers, launches_on_ray=launches_on_ray,
+                                   records_sessions=records_sessions))
         return client
 
     return decorator
@@ -124,17 +125,13 @@ def register_engine(name: str, *, launcher: Optional[Launcher] = None, owns_secr
 
 def unregister_engine(name: str) -> None:
     """Remove a user kind (tests and interactive sessions that redefine one)."""
-    if name not in _KINDS:
-        raise ValueError(f"unknown engine kind {name!r}; registered engine kinds: {engine_kind_names()}")
-    del _KINDS[name]
+    ENGINE_KINDS.unregister(name)
 
 
 def engine_kind_names(*, discover: bool = True) -> list[str]:
     """The registered kinds, sorted: with `discover`, user kinds of `stacx/custom/` included
     (importing that folder first); `--custom-module` kinds once their files are loaded."""
-    if discover:
-        import_builtin_and_custom_modules()
-    return sorted(_KINDS)
+    return ENGINE_KINDS.all_names() if discover else ENGINE_KINDS.names()
 
 
 def resolve_engine_kind(name: str, *, flag: str = "--rollout-engine") -> EngineKind:
@@ -143,13 +140,11 @@ def resolve_engine_kind(name: str, *, flag: str = "--rollout-engine") -> EngineK
     if name == AUTO:
         name = "sglang" if torch.cuda.is_available() else "cpu"
     known = engine_kind_names()
-    if name not in _KINDS:
-        close = difflib.get_close_matches(str(name), known, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"{flag} {name!r} is not a registered engine kind; {hint}known: "
+    if name not in ENGINE_KINDS:
+        raise ValueError(f"{flag} {name!r} is not a registered engine kind; {ENGINE_KINDS.close_match_hint(name)}known: "
                          f"{[AUTO, *known]}. Register a new kind with @register_engine in a --custom-module file "
                          "(docs/adding-an-engine.md)")
-    return _KINDS[name]
+    return ENGINE_KINDS[name]
 
 
 def engine_client(kind: str, url: str, *, api_key: Optional[str] = None) -> InferenceEngine:
@@ -158,6 +153,7 @@ def engine_client(kind: str, url: str, *, api_key: Optional[str] = None) -> Infe
     return resolve_engine_kind(kind).connect(url, api_key=api_key)
 
 
-add_engine_kind(EngineKind(name="cpu", client=HttpEngine, launcher=launch_cpu_server, starts_beside_workers=True))
-add_engine_kind(EngineKind(name="http", client=HttpEngine))
+add_engine_kind(EngineKind(name="cpu", client=HttpEngine, launcher=launch_cpu_server, starts_beside_workers=True,
+                           records_sessions=True))
+add_engine_kind(EngineKind(name="http", client=HttpEngine, records_sessions=True))  # attaches to `stacx serve`
 add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True))

@@ -86,7 +86,8 @@ def first_messages(problem_statement: str) -> Messages:
 class SweEnvironment(Environment):
     """One SWE task in one sandbox session (see the module doc)."""
 
-    tools = ("bash", "read_file", "write_file", "submit")
+    _closer: Optional[weakref.finalize] = None
+    """Closes the session (set by `reset`; None before it, when `close` has nothing to close)."""
 
     def reset(self, task: dict, rng: random.Random) -> Messages:
         self.task = task_of(task)
@@ -118,9 +119,9 @@ class SweEnvironment(Environment):
             return ToolResult(call, f"error: bad arguments for {spec.name}: {'; '.join(problems)}", "bad_arguments")
         if self.submitted:
             return ToolResult(call, "error: already submitted", "raised")
-        run: Callable[..., ToolResult] = getattr(self, f"_{call.name}")
+        run = self.TOOL_METHODS[call.name]
         try:
-            return run(call, **call.arguments)
+            return run(self, call, **call.arguments)
         except Exception as error:  # noqa: BLE001 - a broken sandbox is the agent's observation, counted
             return ToolResult(call, f"error: the sandbox failed: {type(error).__name__}: {error}", "raised")
 
@@ -147,6 +148,11 @@ class SweEnvironment(Environment):
         self.evaluation = evaluate_session(self.task, self.session, self.sandbox)
         return ToolResult(call, "submitted")
 
+    TOOL_METHODS: dict[str, Callable[..., ToolResult]] = {
+        "bash": _bash, "read_file": _read_file, "write_file": _write_file, "submit": _submit}
+    """Tool name -> the method running its call (`swe_tool_specs` describes the same four)."""
+    tools = tuple(TOOL_METHODS)
+
     def step(self, action: str) -> StepResult:
         return StepResult("No tool was called. Use the tools to fix the issue, then call submit().", 0.0, False)
 
@@ -166,6 +172,5 @@ class SweEnvironment(Environment):
         return StepResult("", reward, True, info=info)
 
     def close(self) -> None:
-        closer = getattr(self, "_closer", None)
-        if closer is not None:
-            closer()
+        if self._closer is not None:
+            self._closer()

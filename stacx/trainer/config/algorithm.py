@@ -19,7 +19,7 @@ import difflib
 from typing import Any, Mapping
 
 from stacx.objectives.registry import list_advantages
-from stacx.trainer.config.recipe import ADVANTAGE_ESTIMATORS, RecipeError, TRAINING_CONFIGS
+from stacx.trainer.config.recipe import RecipeError, TRAINING_CONFIGS
 
 #: Advantage estimator -> the recipe whose defaults are built around it.
 ESTIMATOR_TO_RECIPE: dict[str, str] = {
@@ -77,7 +77,7 @@ def did_you_mean(name: str, known) -> str:
 
 def registered_advantage_estimators() -> set[str]:
     """Every advantage estimator name: built-in, in stacx/custom/, and from loaded user modules."""
-    return set(list_advantages()) | set(ADVANTAGE_ESTIMATORS)
+    return set(list_advantages())
 
 
 __all__ = ["DEFAULT_ADVANTAGE_ESTIMATOR", "ESTIMATOR_TO_RECIPE", "GENERIC_ACTOR_RECIPE", "infer_algorithm"]

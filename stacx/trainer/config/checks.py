@@ -142,13 +142,13 @@ def check_agent_supported(run_config: RunConfig, training_config: TrainingConfig
     if rollout.dynamic_sampling:
         raise PreflightError(f"{flag} does not combine with --dynamic-sampling; drop one")
     try:
-        engine_kind = resolve_engine_kind(rollout.rollout_engine).name
+        engine_kind = resolve_engine_kind(rollout.rollout_engine)
     except ValueError:
         return  # an unknown --rollout-engine is reported by the engine check, with the known kinds
-    if engine_kind not in ("cpu", "http"):
-        raise PreflightError(f"{flag} needs an engine served by `stacx serve`, which records the agent's "
-                             f"sessions: --rollout-engine cpu, or http with --rollout-urls of stacx serve "
-                             f"servers (got {engine_kind!r})")
+    if not engine_kind.records_sessions:
+        raise PreflightError(f"{flag} needs an engine that records the agent's sessions (`stacx serve`, or a kind "
+                             f"registered with records_sessions=True): --rollout-engine cpu, or http with "
+                             f"--rollout-urls of stacx serve servers (got {engine_kind.name!r})")
     if rollout.agent and (rollout.agent_env or rollout.agent_timeout != RolloutSection.agent_timeout):
         given = "--agent-env" if rollout.agent_env else "--agent-timeout"
         raise PreflightError(f"{given} applies to an --agent-command program; an --agent function runs in this "

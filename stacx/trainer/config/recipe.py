@@ -30,32 +30,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from stacx.objectives import registry
-from stacx.objectives.aggregation import BUILTIN_AGGREGATION_MODE_NAMES
 from stacx.objectives.algorithm_config import (
     AlgorithmConfig,
     AlgorithmConfigError,
     as_algorithm_config,
     hyperparameter_fields,
 )
-from stacx.objectives.discovery import record_user_module
-from stacx.trainer.config.workload import TEXT_MODALITY, get_workload, known_modalities
+from stacx.plugins.registry import Registry
+from stacx.trainer.config.workload import TEXT_MODALITY, WORKLOADS, known_modalities
 from stacx.specializations.base import Specialization
-
-# Names provided by the objectives registries (stacx.objectives). Recipes name kernels; the
-# registries own them. Kept here as plain strings so that a recipe typo fails at import even
-# before the objectives package is imported.
-ADVANTAGE_ESTIMATORS = (
-    "grpo",
-    "dr_grpo",
-    "rloo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "gae",
-    "reward_centered",
-)
-POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "vanilla_pg", "reinforce")
-LOSS_AGGREGATIONS = BUILTIN_AGGREGATION_MODE_NAMES
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 
 #: Run-config fields (model section) a role may load its weights from; the flag is the name with dashes.
 CHECKPOINT_ARGS = ("hf_checkpoint", "ref_load", "critic_load")
@@ -85,12 +68,10 @@ def _check_choice(where: str, value: Any, known: tuple[str, ...]) -> None:
         _fail(where, f"unknown name {value!r}; known: {', '.join(known)}")
 
 
-def _with_registered(builtin: tuple[str, ...], registry_name: str) -> tuple[str, ...]:
-    """Built-in names plus any custom kernel already registered in stacx.objectives (user plugins are
-    registered before the recipe that names them is imported)."""
-    found = getattr(registry, registry_name, None)
-    extra = [name for name in (found.names() if found is not None else ()) if name not in builtin]
-    return builtin + tuple(extra)
+def _registered(kernels: registry.Registry) -> tuple[str, ...]:
+    """The names `kernels` holds now: the built-ins (registered when `stacx.objectives` is imported) and
+    any user kernel loaded before the recipe that names it (the registries are the one list of names)."""
+    return tuple(kernels.names())
 
 
 def _check_positive_int(where: str, value: Any) -> None:
@@ -125,11 +106,10 @@ def recipe_algorithm(**overrides: Any) -> AlgorithmConfig:
         config = AlgorithmConfig(**overrides)
     except AlgorithmConfigError as err:
         raise RecipeError(str(err)) from None
-    _check_choice("algorithm.advantage_estimator", config.advantage_estimator,
-                  _with_registered(ADVANTAGE_ESTIMATORS, "ADVANTAGES"))
-    _check_choice("algorithm.policy_loss", config.policy_loss, _with_registered(POLICY_LOSSES, "POLICY_LOSSES"))
-    _check_choice("algorithm.loss_agg_mode", config.loss_agg_mode, _with_registered(LOSS_AGGREGATIONS, "AGGREGATIONS"))
-    _check_choice("algorithm.kl_loss_type", config.kl_loss_type, _with_registered(KL_ESTIMATORS, "KL_ESTIMATORS"))
+    _check_choice("algorithm.advantage_estimator", config.advantage_estimator, _registered(registry.ADVANTAGES))
+    _check_choice("algorithm.policy_loss", config.policy_loss, _registered(registry.POLICY_LOSSES))
+    _check_choice("algorithm.loss_agg_mode", config.loss_agg_mode, _registered(registry.AGGREGATIONS))
+    _check_choice("algorithm.kl_loss_type", config.kl_loss_type, _registered(registry.KL_ESTIMATORS))
     return config
 
 
@@ -342,7 +322,7 @@ class TrainingConfig:
         if self.modality not in known_modalities():
             fail("modality", f"unknown name {self.modality!r}; known: {', '.join(known_modalities())} (a modality "
                              "other than 'text' needs its workload registered first: register_workload)")
-        loss_base = Specialization if self.modality == TEXT_MODALITY else get_workload(self.modality).objective_base
+        loss_base = WORKLOADS[self.modality].objective_base  # no discovery: recipes are built while modules import
         for role in self.roles:
             if not issubclass(role.specialization_cls, loss_base):
                 fail(f"roles[{role.name}].specialization_cls",
@@ -504,8 +484,8 @@ def algorithm_line(algorithm: AlgorithmConfig, roles: Sequence[ModelRole]) -> st
     `per_token_terms` is the loss (a custom specialization)."""
     a = algorithm
     trainable = [role.specialization_cls for role in roles if role.trainable]
-    runs_policy_loss = any(getattr(cls, "policy_loss_in_use", lambda: False)() for cls in trainable)
-    uses_advantages = any(getattr(cls, "reads_advantages", lambda: False)() for cls in trainable)
+    runs_policy_loss = any(cls.policy_loss_in_use() for cls in trainable)
+    uses_advantages = any(cls.reads_advantages() for cls in trainable)
     parts = [f"advantages {a.advantage_estimator}"] if uses_advantages or runs_policy_loss else []
     if runs_policy_loss:
         parts.append(f"loss {a.policy_loss} (clip {a.clip_ratio_low}/{a.clip_ratio_high})")
@@ -526,16 +506,12 @@ class _CycleError(Exception):
 
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
     "AlgorithmDefaults",
     "recipe_algorithm",
     "CHECKPOINT_ARGS",
     "ExchangeSync",
     "InjectSync",
-    "KL_ESTIMATORS",
-    "LOSS_AGGREGATIONS",
     "ModelRole",
-    "POLICY_LOSSES",
     "RecipeError",
     "RoleGraph",
     "Sync",
@@ -569,8 +545,10 @@ def role_wants_reference(role, training_config, algorithm) -> bool:
 
 # ---- the registry: recipes by name (the built-in catalog is stacx.trainer.recipes) -------------
 
-TRAINING_CONFIGS: dict[str, TrainingConfig] = {}
-"""Recipe name -> its validated TrainingConfig, filled by @recipe at import."""
+TRAINING_CONFIGS: Registry[TrainingConfig] = Registry("recipe", entries_are_callable=False, known_as="known recipes",
+                                                     error=RecipeError)
+"""Recipe name -> its validated TrainingConfig, filled by @recipe at import (a `stacx.plugins.registry.Registry`:
+a name registered twice is refused)."""
 
 
 def recipe(name: str) -> Callable[[Callable[[], TrainingConfig]], Callable[[], TrainingConfig]]:
@@ -581,8 +559,6 @@ def recipe(name: str) -> Callable[[Callable[[], TrainingConfig]], Callable[[], T
         raise RecipeError(f"@recipe({name!r}): {err}") from None
 
     def decorator(build: Callable[[], TrainingConfig]) -> Callable[[], TrainingConfig]:
-        if name in TRAINING_CONFIGS:
-            raise RecipeError(f"recipe {name!r}: field 'name': a recipe with this name is already registered")
         try:
             config = build()
         except RecipeError as err:
@@ -594,8 +570,7 @@ def recipe(name: str) -> Callable[[Callable[[], TrainingConfig]], Callable[[], T
             raise RecipeError(f"recipe {name!r}: {build.__name__}() must return a TrainingConfig, got {type(config).__name__}")
         if config.name != name:
             raise RecipeError(f"recipe {name!r}: field 'name' is {config.name!r}; it must match @recipe({name!r})")
-        TRAINING_CONFIGS[name] = config
-        record_user_module(getattr(build, "__module__", None))  # a user recipe reaches Ray workers too
+        TRAINING_CONFIGS.add(name, config, origin=build)  # a user recipe's module reaches the Ray workers too
         return build
 
     return decorator
@@ -603,7 +578,4 @@ def recipe(name: str) -> Callable[[Callable[[], TrainingConfig]], Callable[[], T
 
 def get_recipe(name: str) -> TrainingConfig:
     """The registered recipe called `name`; RecipeError listing the known recipes otherwise."""
-    try:
-        return TRAINING_CONFIGS[name]
-    except KeyError:
-        raise RecipeError(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(TRAINING_CONFIGS))}") from None
+    return TRAINING_CONFIGS.get(name)

@@ -75,11 +75,10 @@ def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
     engine_attaches = _engine_attaches(rollout_values.get("rollout_engine", "auto"))
     has_eval_data = rollout_values.get("eval_data") is not None
     trainable = [role.specialization_cls for role in recipe.roles if role.trainable]
-    runs_policy_loss = any(getattr(cls, "policy_loss_in_use", lambda: False)() for cls in trainable)
-    uses_advantages = runs_policy_loss or any(getattr(cls, "reads_advantages", lambda: False)()
-                                              for cls in trainable)
+    runs_policy_loss = any(cls.policy_loss_in_use() for cls in trainable)
+    uses_advantages = runs_policy_loss or any(cls.reads_advantages() for cls in trainable)
     has_critic = any(role.outputs_values for role in recipe.roles)
-    is_dpo = any(cls.__name__.endswith("DPOSpecialization") for cls in trainable)
+    is_dpo = any(cls.reads_preference_pairs for cls in trainable)
     rollout = recipe.data_source == "rollout"
     checkpoint_args = {role.checkpoint_arg for role in recipe.roles}
     checkpoint_args |= {role.reference_checkpoint_arg for role in recipe.roles if role.reference_checkpoint_arg}

@@ -1,23 +1,27 @@
 """The workload registry: what runs a recipe of each `TrainingConfig.modality`.
 
-A recipe says what its policy generates (`modality`). The core runs the `"text"` modality itself
-(`StacxTrainer` over `RoleRuntime`s); every other modality is a registered `Workload`:
+A recipe says what its policy generates (`modality`); every modality is a registered `Workload`,
+the core's own `"text"` (LLM recipes: `StacxTrainer` over `RoleRuntime`s, registered below) like the
+others:
 
     register_workload(Workload(modality="image", description="...", driver=DiffusionDriver,
                                objective_base=DiffusionObjective, runtime=DiffusionRuntime))
 
-`stacx train` asks `get_workload(recipe.modality)` for the driver of a non-text recipe; a recipe
-naming a modality nobody registered fails at `@recipe` time, listing the registered ones. A package
-registers its workload the way plugins are found: `stacx.launch.workloads` imports the built-in
-ones and the `stacx.workloads` entry points of installed packages; a `stacx/custom/` or
-`--custom-module` file may call `register_workload` itself. The core never imports a workload's
-package.
+`stacx train` asks `get_workload(recipe.modality)` for the driver of a non-text recipe (a text recipe
+runs the core's own launch path: preflight, `--dry-run` placement, `run_training`); a recipe naming a
+modality nobody registered fails at `@recipe` time, listing the registered ones. A package registers its
+workload the way plugins are found: `stacx.launch.workloads` imports the built-in ones and the
+`stacx.workloads` entry points of installed packages; a `stacx/custom/` or `--custom-module` file may
+call `register_workload` itself. The core never imports a workload's package.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
+
+from stacx.plugins.registry import ImportedOnCall, Registry
+from stacx.specializations.base import Specialization
 
 TEXT_MODALITY = "text"
 """The modality the core runs itself (LLM recipes: `StacxTrainer`, `RoleRuntime`)."""
@@ -40,7 +44,7 @@ class Workload:
     """How runs of one modality are driven and what each rank of their roles holds."""
 
     modality: str
-    """The `TrainingConfig.modality` this workload runs (an identifier, not 'text')."""
+    """The `TrainingConfig.modality` this workload runs (an identifier)."""
     description: str
     """One line for `stacx recipes` and error messages."""
     driver: Callable[..., WorkloadDriver]
@@ -55,9 +59,6 @@ class Workload:
     def __post_init__(self) -> None:
         if not isinstance(self.modality, str) or not self.modality.isidentifier():
             raise ValueError(f"Workload.modality must be an identifier, got {self.modality!r}")
-        if self.modality == TEXT_MODALITY:
-            raise ValueError(f"Workload.modality {TEXT_MODALITY!r} is the core's own (StacxTrainer); "
-                             "register a workload under another modality name")
         if not isinstance(self.objective_base, type):
             raise ValueError(f"workload {self.modality!r}: field 'objective_base' must be a class, "
                              f"got {self.objective_base!r}")
@@ -67,21 +68,17 @@ class Workload:
                                  f"got {getattr(self, name)!r}")
 
 
-WORKLOADS: dict[str, Workload] = {}
-"""modality -> its registered Workload."""
+WORKLOADS: Registry[Workload] = Registry("workload", entries_are_callable=False, same_entry_again_is_noop=True,
+                                         known_as="registered modalities")
+"""modality -> its registered Workload (a `stacx.plugins.registry.Registry`)."""
 
 
 def register_workload(workload: Workload) -> Workload:
-    """Register `workload` under its modality. Registering the same object again is a no-op (a module
+    """Register `workload` under its modality. Registering the same workload again is a no-op (a module
     imported twice); another workload under a taken modality is refused, naming both."""
     if not isinstance(workload, Workload):
         raise TypeError(f"register_workload expects a Workload, got {type(workload).__name__}")
-    known = WORKLOADS.get(workload.modality)
-    if known is not None and known != workload:
-        raise ValueError(f"modality {workload.modality!r} already has a workload ({known.description!r}); "
-                         "pick another modality name for yours")
-    WORKLOADS[workload.modality] = workload
-    return workload
+    return WORKLOADS.add(workload.modality, workload, origin=workload.driver)
 
 
 def unregister_workload(modality: str) -> None:
@@ -90,19 +87,29 @@ def unregister_workload(modality: str) -> None:
 
 
 def known_modalities() -> tuple[str, ...]:
-    """'text' and every registered workload's modality."""
-    return (TEXT_MODALITY, *sorted(WORKLOADS))
+    """'text' and every other registered workload's modality."""
+    return (TEXT_MODALITY, *(name for name in WORKLOADS.names() if name != TEXT_MODALITY))
 
 
 def get_workload(modality: str) -> Workload:
     """The workload registered for `modality`; ValueError listing the registered ones otherwise."""
     try:
-        return WORKLOADS[modality]
-    except KeyError:
-        raise ValueError(f"no workload runs modality {modality!r}; registered: {', '.join(sorted(WORKLOADS)) or 'none'} "
-                         f"({TEXT_MODALITY!r} is the core's own). Install or load the package that registers it "
-                         "(a `stacx.workloads` entry point, stacx/custom/, or --custom-module)") from None
+        return WORKLOADS.get(modality)
+    except ValueError as err:
+        raise ValueError(f"{err}. Install or load the package that registers it (a `stacx.workloads` entry point, "
+                         "stacx/custom/, or --custom-module)") from None
 
 
-__all__ = ["TEXT_MODALITY", "WORKLOADS", "Workload", "WorkloadDriver", "get_workload", "known_modalities",
+TEXT_WORKLOAD = register_workload(Workload(
+    modality=TEXT_MODALITY,
+    description="LLM recipes: StacxTrainer over RoleRuntimes (the core)",
+    driver=ImportedOnCall("stacx.trainer.text_workload:TextDriver"),
+    objective_base=Specialization,
+    runtime=ImportedOnCall("stacx.trainer.text_workload:text_runtime"),
+))
+"""The core's own workload; its driver and runtime are named, not imported (`trainer.config` never imports the
+trainer's loop or runtime)."""
+
+
+__all__ = ["TEXT_MODALITY", "TEXT_WORKLOAD", "WORKLOADS", "Workload", "WorkloadDriver", "get_workload", "known_modalities",
            "register_workload", "unregister_workload"]

@@ -276,9 +276,7 @@ class RoleRuntime:
             if name == "values":
                 if not self.role.outputs_values:
                     raise ValueError(f"role {self.role.name!r} has no value head; it cannot compute 'values'")
-                compute_values = getattr(self.specialization, "compute_values", None)
-                values = (compute_values(output, batch) if compute_values is not None
-                          else self.specialization.whole_responses(output, batch.layout))
+                values = self.specialization.compute_values(output, batch)
             else:
                 values = self.specialization.compute_log_probs(output, batch)
             return [v.detach().float().cpu() for v in values]
@@ -508,7 +506,5 @@ class RoleRuntime:
 
     def close(self) -> None:
         for client in self._engine_clients.values():
-            shutdown = getattr(client, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            client.shutdown()
         self._engine_clients.clear()

@@ -100,6 +100,7 @@ def test_partial_credit_is_the_fraction_of_listed_tests_that_passed():
         assert ending.done and ending.reward == pytest.approx(reward)
 
 
+@pytest.mark.slow
 def test_errors_are_observations_and_the_turn_limit_closes_the_session():
     # 8 s of wall time per command: the sleep times out, and a sandboxed read_file on a loaded machine does not
     # (4 s was passed by one on two cores at a load average of 15-39)

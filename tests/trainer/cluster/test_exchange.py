@@ -146,6 +146,7 @@ def test_a_pickle_payload_in_the_header_key_is_never_run(pair, tmp_path):
 REFUSED_TIMEOUT_S = 5.0
 
 
+@pytest.mark.slow
 def test_a_member_with_another_secret_is_refused():
     source, target, _ = _open_pair("wrong_secret", secrets.token_bytes(32), secrets.token_bytes(32),
                                    timeout_s=REFUSED_TIMEOUT_S)

@@ -59,6 +59,7 @@ def _non_loopback_ipv4() -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_gloo_listens_on_the_node_address_not_where_the_host_name_resolves():
     node_address = _non_loopback_ipv4()
     if node_address is None:

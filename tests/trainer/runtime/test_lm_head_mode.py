@@ -232,6 +232,7 @@ def test_fused_and_logits_train_and_score_alike_at_tp1(single_process_groups, ch
     check_modes_agree(_both_modes_on_rank(single_process_groups, checkpoint))
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_fused_and_logits_train_and_score_alike_at_tp2_with_a_padded_vocab(checkpoint):
     results = run_distributed(_both_modes_on_rank, world_size=2, tensor_model_parallel_size=2, args=(checkpoint, True))

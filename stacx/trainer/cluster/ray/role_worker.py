@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from stacx.objectives.discovery import import_user_module_sources
+from stacx.plugins.discovery import import_user_module_sources
 from stacx.parallel.bound_store import host_bound_store
 from stacx.parallel.groups import default_backend, destroy_parallel_layout, initialize_parallel_layout
 from stacx.trainer.cluster.node_interface import bind_collectives_to_node
@@ -62,7 +62,7 @@ class RoleWorker:
 
     def __init__(self, role_name: str, rank: int, world_size: int, *, num_threads: int | None = None,
                  user_modules: tuple = ()):
-        """`user_modules`: `stacx.objectives.discovery.UserModuleSource`s to import before any call."""
+        """`user_modules`: `stacx.plugins.discovery.UserModuleSource`s to import before any call."""
         self.role_name = role_name
         self.rank = rank
         self.world_size = world_size

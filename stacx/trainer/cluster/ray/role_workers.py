@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from stacx.objectives.discovery import user_module_sources
+from stacx.plugins.discovery import user_module_sources
 from stacx.trainer.cluster.ray.health import WorkerLabel, wait_for_worker_results
 from stacx.trainer.cluster.ray.placement import RolePlacement
 from stacx.trainer.cluster.ray.role_worker import RoleWorker
@@ -78,7 +78,7 @@ class RoleWorkers:
         expert grid over the same ranks (ep x etp must divide num_ranks / pp; etp None: tp).
         `num_threads` sets torch's intra-op threads per worker (None leaves Ray's default).
         `user_modules`: sources of the user modules every actor imports when it starts
-        (`stacx.objectives.discovery.UserModuleSource`); None ships every user module this
+        (`stacx.plugins.discovery.UserModuleSource`); None ships every user module this
         process has imported (`--custom-module` files and `stacx/custom/`).
         """
         # Imported here: Ray is slow to import (start-up time).
