@@ -20,6 +20,7 @@ def run_training(run_config) -> dict:
     from stacx.tasks.data import resolve_builtin_data
     from stacx.trainer.config.checks import fit_response_length_to_context
     from stacx.trainer.lifetime import end_with_launcher
+    from stacx.trainer.restarts import ELASTIC_RESTART_WAIT_S, elastic_restart_config, elastic_restart_count
     from stacx.trainer.save_lock import hold_save_folder
     from stacx.trainer.spmd import launched_by_torchrun
 
@@ -27,28 +28,37 @@ def run_training(run_config) -> dict:
     torchrun = launched_by_torchrun()
     if torchrun:
         end_with_launcher()  # a SIGKILLed torchrun must not leave this rank training (stacx.trainer.lifetime)
-    # One writer per --save folder: the driver (torchrun: rank 0) holds its lock until the run has ended.
+        run_config = elastic_restart_config(run_config)  # a torch elastic restart resumes the newest checkpoint
+    # One writer per --save folder: the driver (torchrun: rank 0) holds its lock until the run has ended
+    # (a Ray driver across its --max-restarts; a restarted rank 0 waits for the dead one's to be dropped).
     is_driver = not torchrun or os.environ.get("RANK", "0") == "0"
-    with hold_save_folder(run_config.model.save if is_driver else None):
+    wait_s = ELASTIC_RESTART_WAIT_S if torchrun and elastic_restart_count() else 0.0
+    with hold_save_folder(run_config.model.save if is_driver else None, wait_s=wait_s):
         return _build_and_run(run_config, torchrun)
 
 
 def _build_and_run(run_config, torchrun: bool) -> dict:
     # Imported here: `import stacx.trainer` stays light (no Ray, megatron-core or loop until a run starts).
     from stacx.trainer.heartbeat import Heartbeat
+    from stacx.trainer.restarts import RESTARTS_METRIC, elastic_restart_count, install_fault_hook, run_with_restarts
     from stacx.trainer.spmd import build_spmd_trainer
 
     if torchrun:
         with Heartbeat("starting", "the process group, this rank's model and the rollout engine",
                        enabled=os.environ.get("RANK", "0") == "0"):
             trainer = build_spmd_trainer(run_config)
+        if run_config.train.max_restarts:
+            trainer.run_counters[RESTARTS_METRIC] = float(elastic_restart_count())
+        install_fault_hook(trainer, generation=elastic_restart_count(), torchrun=True)
         return trainer.run()
     # Imported here: Ray and the role workers load only for a Ray run (start-up time).
     from stacx.trainer.factory import create_trainer
 
-    with Heartbeat("starting", "Ray, the role workers and their models, the rollout engine"):
-        trainer = create_trainer(run_config)
-    return trainer.run()
+    def build(config):
+        with Heartbeat("starting", "Ray, the role workers and their models, the rollout engine"):
+            return create_trainer(config)
+
+    return run_with_restarts(run_config, build)
 
 
 # Lazy exports: `from stacx.trainer import StacxTrainer` without importing Ray at package import.

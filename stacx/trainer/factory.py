@@ -84,6 +84,10 @@ def build_driver_side(run_config: RunConfig, training_config: TrainingConfig, *,
     try:
         if run_config.model.hf_checkpoint is None:
             raise ValueError("--hf-checkpoint is not set (the model every role starts from, and its tokenizer)")
+        if run_config.train.replay_rollouts:  # the batches come from the dump: no data, engine or reward
+            if launched is not None:
+                launched.stop()
+            return None, None, None
         tokenizer = load_tokenizer(run_config.model.hf_checkpoint)
         data = StepDataSource(run_config, training_config, tokenizer)
     except BaseException:
@@ -106,7 +110,8 @@ def launch_rollout_server(run_config: RunConfig, training_config: TrainingConfig
     started now without waiting for them (None when the run starts none such): they load their model
     while the role workers start, and `build_driver_side` waits for them.
     Only the process starts early; the driver itself does one thing at a time."""
-    if training_config.data_source != "rollout" or replays_trajectories(run_config, training_config):
+    if training_config.data_source != "rollout" or replays_trajectories(run_config, training_config) \
+            or run_config.train.replay_rollouts:
         return None
     return RolloutService.launch_beside_workers(run_config.rollout, hf_checkpoint=run_config.model.hf_checkpoint)
 

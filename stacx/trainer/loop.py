@@ -3,6 +3,7 @@
     for step in range(start, num_steps):                       # rollout steps
         eval/* of the model after `step` rollout steps, every eval_interval steps (0: the starting model)
         batch = rollout (responses, rewards, teacher log-probs)  |  the dataset's next batch
+                | the step's file of --replay-rollouts (written to --dump-rollouts: stacx.trainer.rollout_dump)
         forward-only fields: reference log-probs (in-worker reference), old log-probs, inject syncs
         advantages (registry, by name) and returns for a critic
         for each mini-batch (num_epochs x num_steps_per_rollout of them, config/mini_batches.py):
@@ -72,6 +73,7 @@ from stacx.trainer.heartbeat import Heartbeat
 from stacx.trainer.interrupts import stop_on_termination_signals
 from stacx.trainer.metrics import ROLLOUT_STEP_KEY, MetricsLogger
 from stacx.trainer.numerics import NonFiniteGuard
+from stacx.trainer.rollout_dump import RolloutDumpWriter
 from stacx.trainer.sample_sources import AsyncRolloutSamples, NoSamples, SampleSource, choose_sample_source
 from stacx.wire.types import EngineTarget
 
@@ -143,6 +145,15 @@ class StacxTrainer:
         """The running phase's heartbeat (stacx.trainer.heartbeat); `beat` starts one."""
         self.nonfinite = NonFiniteGuard(run_config.train.skip_nonfinite_steps)
         """Stops the run at the first NaN/inf (or skips up to --skip-nonfinite-steps steps)."""
+        self.rollout_dump = (RolloutDumpWriter(run_config.train.dump_rollouts, recipe=training_config.name,
+                                               seed=run_config.train.seed, train_section=run_config.to_dict().get("train"))
+                             if run_config.train.dump_rollouts and channel.is_driver else None)
+        """--dump-rollouts: the driver's writer of each step's batch (stacx.trainer.rollout_dump)."""
+        self.run_counters: dict[str, float] = {}
+        """Counters logged in every trained row (`run/restarts` of stacx.trainer.restarts)."""
+        self.after_step: Callable[[int], None] = lambda completed_steps: None
+        """Called after each rollout step is logged (and saved when due); stacx.trainer.restarts' test-only
+        fault hook uses it."""
 
     @property
     def step_rollout(self) -> Optional[Any]:
@@ -190,6 +201,7 @@ class StacxTrainer:
                     if self.should_save(self.step):
                         self.heartbeat.phase = "saving the checkpoint"
                         self.save_checkpoint(self.step)
+                    self.after_step(self.step)
             with self.beat("the final model", "eval"):
                 final_eval = self.evaluate_if_due(train.num_steps)
             if final_eval:  # the trained model's own row; the progress bar stays at num_steps
@@ -243,7 +255,7 @@ class StacxTrainer:
         self.update_rows = []
         started = time.monotonic()
         self.heartbeat.phase = self.samples.phase
-        batch, metrics = self.channel.share(self.collect_batch(step) if self.channel.is_driver else None)
+        batch, metrics = self.channel.share(self.driver_batch(step) if self.channel.is_driver else None)
         sample_role = (self.training_config.rollout_role or self.training_config.trainable_roles[0]).name
         if self.nonfinite.check_samples(step=step, role=sample_role, name="reward", values=batch.rewards or ()):
             return self._skipped_step(metrics, started)
@@ -280,6 +292,15 @@ class StacxTrainer:
         return metrics
 
     # ---- data ------------------------------------------------------------------------------
+
+    def driver_batch(self, step: int) -> tuple[StepBatch, dict]:
+        """The step's batch on the driver from the sample source (--replay-rollouts: the dump's file), written
+        to --dump-rollouts as it reaches the trainer, before any field the trainer adds."""
+        batch, metrics = self.collect_batch(step)
+        if self.rollout_dump is not None:
+            seconds, size = self.rollout_dump.write(step, batch, metrics, getattr(self.samples, "last_samples", None))
+            metrics.update({"time/rollout_dump_s": seconds, "rollout_dump/bytes": float(size)})
+        return batch, metrics
 
     def collect_batch(self, step: int) -> tuple[StepBatch, dict]:
         """(step batch, rollout metrics), on the driver, from the run's sample source."""
@@ -426,6 +447,7 @@ class StacxTrainer:
             if self.channel.is_driver and self.metrics_logger is not None:
                 self.metrics_logger.log(first, {ROLLOUT_STEP_METRIC: step, **metrics}, trained=False)
             return
+        metrics.update(self.run_counters)
         self.last_metrics = metrics
         rows = [*self.update_rows, dict(metrics)]
         self.update_rows = []

@@ -12,6 +12,8 @@ What it checks (each failure is one paragraph naming the flag and the fix):
 - --load holds a complete checkpoint whose manifest.json parses (a truncated one is named);
 - --save does not hold another run's checkpoints (unless --load resumes it or --overwrite), and no live
   run holds its lock (`stacx.trainer.save_lock`);
+- --max-restarts comes with --save; --replay-rollouts names a dump folder other than --dump-rollouts
+  (a replay skips the engine, teacher, reward and data checks below: it uses none of them);
 - a recipe that scores rollouts with a teacher has --teacher-url (or a trajectory corpus to replay),
   the teacher answers `/health` within TEACHER_TIMEOUT_S, and its vocabulary matches the student's;
   --rollout-engine is a registered engine kind, and one that attaches (http) has --rollout-urls;
@@ -77,6 +79,7 @@ from stacx.trainer.config.recipe import TrainingConfig, role_checkpoint_path, ro
 from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import CUSTOM_HYPERPARAMETERS_KEY, ConfigError, RunConfig
 from stacx.trainer.resume_checks import check_resume
+from stacx.trainer.rollout_dump import MANIFEST_NAME as DUMP_MANIFEST_NAME
 from stacx.trainer.save_lock import SaveFolderInUse, check_save_folder_free
 from stacx.wire.http_client import API_KEY_ENV
 
@@ -104,6 +107,9 @@ def run_preflight(run_config: RunConfig, training_config: TrainingConfig, algori
     check_mini_batches(run_config, training_config)
     check_rollout_mode(run_config, training_config, algorithm)
     check_resume_and_save(run_config)
+    check_restarts_and_dumps(run_config)
+    if run_config.train.replay_rollouts:  # the batches come from the dump: no engine, teacher, reward or data
+        return
     check_services(run_config, training_config)
     check_data_paths(run_config, training_config)
     if load_data:
@@ -465,6 +471,22 @@ def replays_trajectories(run_config: RunConfig, training_config: TrainingConfig)
     """True when online_dagger replays a saved teacher corpus (no engine, no teacher server)."""
     teacher = apply_env_overrides(run_config.teacher)
     return training_config.rollin_protocol == "teacher_relabel" and teacher.dagger_sft_mode == "trajectory"
+
+
+def check_restarts_and_dumps(run_config: RunConfig) -> None:
+    """--max-restarts needs --save (a restart resumes its newest checkpoint); --replay-rollouts names a dump
+    folder and is not the folder --dump-rollouts writes (docs/rollout_dumps.md)."""
+    train = run_config.train
+    if train.max_restarts and not run_config.model.save:
+        raise PreflightError(f"--max-restarts {train.max_restarts} restarts the run from its newest checkpoint in "
+                             "--save; give --save DIR (and --save-interval N to checkpoint every N steps)")
+    if train.replay_rollouts:
+        if not os.path.isfile(os.path.join(train.replay_rollouts, DUMP_MANIFEST_NAME)):
+            raise PreflightError(f"--replay-rollouts {train.replay_rollouts}: no {DUMP_MANIFEST_NAME} there; give a "
+                                 "folder a run wrote with --dump-rollouts")
+        if train.dump_rollouts and os.path.realpath(train.dump_rollouts) == os.path.realpath(train.replay_rollouts):
+            raise PreflightError(f"--dump-rollouts and --replay-rollouts name the same folder "
+                                 f"({train.replay_rollouts}); drop --dump-rollouts or dump into another folder")
 
 
 def check_services(run_config: RunConfig, training_config: TrainingConfig) -> None:

@@ -13,7 +13,8 @@ The sources:
 - `RolloutSamples`: the driver's `StepRollout` (roll-ins, DAPO sampling, environments) or an external
   agent's sessions (`AgentRollout`, `--agent` / `--agent-command`), one synchronous rollout per step;
 - `AsyncRolloutSamples`: `--rollout-mode async`, the producer thread's batch of each step;
-- `NoSamples`: a rank that is not the driver (it receives the driver's batch over the channel).
+- `NoSamples`: a rank that is not the driver (it receives the driver's batch over the channel);
+- `ReplaySamples`: `--replay-rollouts`, the driver reads each step's batch from a rollout dump (no engine).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from stacx.trainer.batch import StepBatch, StepDataSource
 from stacx.trainer.config.recipe import TrainingConfig
 from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import RunConfig
+from stacx.trainer.rollout_dump import RolloutReplay
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +132,20 @@ class NoSamples(_SyncSource):
         pass
 
 
+class ReplaySamples(NoSamples):
+    """The driver's source of a --replay-rollouts run: each step's batch read from the dump
+    (stacx.trainer.rollout_dump); like a non-driver rank's source otherwise (no state to checkpoint)."""
+
+    phase = "batch"
+
+    def __init__(self, replay: RolloutReplay, *, off_policy_algorithm: Optional[AlgorithmConfig] = None):
+        super().__init__(off_policy_algorithm=off_policy_algorithm)
+        self.replay = replay
+
+    def collect(self, step: int) -> tuple[StepBatch, dict[str, float]]:
+        return self.replay.read(step)
+
+
 class DatasetSamples(_SyncSource):
     """A fixed dataset's next batch each step (SFT and DPO recipes, replayed trajectories)."""
 
@@ -165,6 +181,7 @@ class RolloutSamples(_SyncSource):
 
     def collect(self, step: int) -> tuple[StepBatch, dict[str, float]]:
         samples, metrics = self.step_rollout.collect(step)
+        self.last_samples = samples  # their weight versions go into --dump-rollouts (stacx.trainer.rollout_dump)
         return rollout_batch(samples, metrics, run_config=self.run_config, algorithm=self.algorithm)
 
     def state_dict(self) -> dict[str, Any]:
@@ -198,6 +215,7 @@ class AsyncRolloutSamples(RolloutSamples):
     def collect(self, step: int) -> tuple[StepBatch, dict[str, float]]:
         samples, metrics = self.async_rollout.take_batch(step)
         self.step_rollout.summarize(step, samples, metrics)
+        self.last_samples = samples  # their per-token versions go into --dump-rollouts (stacx.trainer.rollout_dump)
         return rollout_batch(samples, metrics, run_config=self.run_config, algorithm=self.algorithm)
 
     def trained_batch_metrics(self, batch: StepBatch) -> dict[str, float]:
@@ -281,6 +299,9 @@ def choose_sample_source(*, run_config: RunConfig, training_config: TrainingConf
                          "needs --rollout-mode sync")
     if not is_driver:
         return NoSamples(off_policy_algorithm=algorithm if asynchronous else None)
+    if run_config.train.replay_rollouts:  # the dump's batches: no engine, data or reward
+        return ReplaySamples(RolloutReplay(run_config.train.replay_rollouts, recipe=training_config.name),
+                             off_policy_algorithm=algorithm if asynchronous else None)
     if step_rollout is None and rollout is not None:
         step_rollout = build_step_rollout(run_config, training_config, algorithm, rollout, data)
     phase = "rollout" if training_config.data_source == "rollout" else "batch"

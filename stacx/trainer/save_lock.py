@@ -70,9 +70,10 @@ def check_save_folder_free(save: str | os.PathLike | None) -> None:
 
 
 @contextlib.contextmanager
-def hold_save_folder(save: str | os.PathLike | None):
+def hold_save_folder(save: str | os.PathLike | None, *, wait_s: float = 0.0, poll_s: float = 0.2):
     """Hold `save`'s exclusive lock while the block runs (creating the folder); SaveFolderInUse when
-    another process holds it. Nothing to hold without --save."""
+    another process holds it (for longer than `wait_s`: a restarted rank 0 waits for the process it
+    replaces to end). Nothing to hold without --save."""
     if not save:
         yield
         return
@@ -80,10 +81,15 @@ def hold_save_folder(save: str | os.PathLike | None):
     os.makedirs(save, exist_ok=True)
     fd = os.open(lock_path(save), os.O_RDWR | os.O_CREAT, 0o644)
     with os.fdopen(fd, "r+", encoding="utf-8") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _in_use_error(save, handle) from None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise _in_use_error(save, handle) from None
+                time.sleep(poll_s)
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))

@@ -3,7 +3,8 @@
 process, the torchrun loop on one forked gloo rank (no Ray). Checks: the dumped trajectories mask
 exactly the model's tokens, the per-episode counts reach the `agent/*` metrics, rewards vary so the
 policy gets a gradient, and the trainer's log-probs of the trained tokens equal the engine's (zero
-drift end to end: a re-tokenized trajectory would score other tokens). Then, on the same server, an
+drift end to end: a re-tokenized trajectory would score other tokens); its --dump-rollouts replayed with no
+engine and no environment trains to bitwise the same losses and weights. Then, on the same server, an
 external agent given with --agent (a file:function using the official openai client, two turns per
 episode) is the rollout: its sessions train one GRPO step, scored by a --reward-fn file function."""
 
@@ -14,6 +15,7 @@ import math
 import os
 
 import pytest
+import torch
 
 from stacx.testing.distributed import run_distributed
 from tests.trainer.training_fixtures import ATTACHED_SERVER_KEY, read_metrics, read_rollout_dumps, run_config
@@ -25,14 +27,21 @@ WORDS = (("banana", "a"), ("letter", "t"))
 
 
 def train_grpo_on_episodes(groups, root: str, url: str):
+    """The episodes' run, dumping its batches (--dump-rollouts), then its replay with no engine, environment
+    or sandbox (--replay-rollouts), in this rank on a fresh process group."""
+    from stacx.testing.distributed import find_free_port
     from stacx.trainer.spmd import run_spmd
 
     values = dict(algorithm={"off_policy_corrections": "token_tis"}, train={"algorithm": "grpo"},
-                  hf_checkpoint=os.path.join(root, "policy"), prompt_data=os.path.join(root, "episodes.jsonl"),
-                  custom_module=[os.path.abspath(EXAMPLE)], rollout_engine="http", rollout_urls=[url],
-                  rollout_batch_size=2, n_samples_per_prompt=4, rollout_max_response_len=6, rollout_temperature=1.0,
-                  max_tokens_per_micro_batch=4096, save_rollouts_per_step=100, num_steps=2)
-    return run_spmd(run_config(root, **values))
+                  hf_checkpoint=os.path.join(root, "policy"), custom_module=[os.path.abspath(EXAMPLE)],
+                  rollout_engine="http", rollout_batch_size=2, n_samples_per_prompt=4, rollout_max_response_len=6,
+                  rollout_temperature=1.0, max_tokens_per_micro_batch=4096, num_steps=2)
+    run_spmd(run_config(root, **values, prompt_data=os.path.join(root, "episodes.jsonl"), rollout_urls=[url],
+                        save_rollouts_per_step=100, dump_rollouts=os.path.join(root, "dump"),
+                        save=os.path.join(root, "ckpt")))
+    os.environ["MASTER_PORT"] = str(find_free_port())  # the first run's teardown destroyed the process group
+    run_spmd(run_config(root, **values, replay_rollouts=os.path.join(root, "dump"),
+                        save=os.path.join(root, "ckpt_replay"), out=os.path.join(root, "out_replay")))
 
 
 AGENT_FILE = """
@@ -125,6 +134,20 @@ def test_grpo_trains_on_multi_turn_tool_episodes(tmp_path, monkeypatch):
     # Step 0 trains the weights that generated it: the trainer's log-probs of the dumped tokens are the
     # engine's (float32 rounding apart) only if the tokens are the engine's own.
     assert rows[0]["policy/mismatch_abs_log_ratio"] < 1e-3
+
+    # The replay of the dumped episodes (no engine, no environment) trains to the same losses and weights.
+    replayed = read_metrics(os.path.join(root, "out_replay"))
+    for name in ("policy/loss", "policy/grad_norm"):
+        assert [row[name] for row in replayed] == [row[name] for row in rows], name
+    from tests.checkpointing.helpers import read_torch_dist_tensors
+
+    original, replay = (read_torch_dist_tensors(os.path.join(root, run, "step_000000002", "roles", "policy", "model"))
+                        for run in ("ckpt", "ckpt_replay"))
+    assert original.keys() == replay.keys() and all(torch.equal(original[k], replay[k]) for k in original)
+    from stacx.trainer.rollout_dump import RolloutReplay
+
+    dumped, _ = RolloutReplay(os.path.join(root, "dump")).read(0)
+    assert dumped.executors[0].tolist() == dumps[0][0]["executors"]  # environment tokens kept
 
     # --agent: the external agent's two-turn sessions are the samples; the trained ids are the engine's.
     (agent_row,) = read_metrics(os.path.join(root, "out_agent"))

@@ -8,6 +8,10 @@ run's own lines, the same as a crash. Here the ranks stop the same way (rank 0 p
 lines: what stopped it, and how to resume), torchrun's notices about the signal are left out, and the
 exit status is 128 + the signal number (130 for Ctrl-C), the status `stacx train` has on Ray; so a
 wrapper script can tell "interrupted, resumable" from "crashed".
+
+The run's `--max-restarts N` (a `stacx train` flag) is handed to torchrun as its own `--max-restarts N`
+unless torchrun's arguments give one: torch elastic restarts the ranks after a death, and the restarted
+ranks resume the newest checkpoint in --save (stacx.trainer.restarts).
 """
 
 from __future__ import annotations
@@ -47,6 +51,36 @@ class SignalNotices(logging.Filter):
         return not (self.signalled and "closing signal" in message)
 
 
+MAX_RESTARTS_FLAGS = ("--max-restarts", "--max_restarts")
+"""torchrun's flag for its restarts of the ranks, and the run's own (`stacx train --max-restarts`)."""
+
+
+def _flag_value(args: list[str], flags=MAX_RESTARTS_FLAGS) -> str | None:
+    for index, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if name in flags:
+            return value if equals else (args[index + 1] if index + 1 < len(args) else None)
+    return None
+
+
+def _script_index(argv: list[str]) -> int | None:
+    """Where the training program starts: `stacx.train` after -m, or a script file."""
+    for index, arg in enumerate(argv):
+        if arg == "stacx.train" or arg.endswith(".py"):
+            return index
+    return None
+
+
+def with_elastic_restarts(argv: list[str]) -> list[str]:
+    """torchrun's arguments with the run's --max-restarts handed to torch elastic too (so that one flag
+    restarts the ranks, which then resume the newest checkpoint themselves), unless torchrun has its own."""
+    script = _script_index(argv)
+    if script is None or _flag_value(argv[:script]) is not None:
+        return argv
+    value = _flag_value(argv[script + 1:])
+    return ["--max-restarts", value, *argv] if value is not None else argv
+
+
 def run_argv(argv: list[str]) -> int:
     """torchrun's `main(argv)`; a signal that stopped it returns 128 + its number, without a traceback."""
     # Imported here: torch is slow to import (`stacx --help` stays fast).
@@ -58,7 +92,7 @@ def run_argv(argv: list[str]) -> int:
     for name in ELASTIC_LOGGERS:
         logging.getLogger(name).addFilter(notices)
     try:
-        torchrun_main(argv)
+        torchrun_main(with_elastic_restarts(argv))
     except SignalException as err:  # raised once torchrun has stopped its ranks
         return 128 + int(err.sigval)
     finally:

@@ -146,6 +146,7 @@ def run(args) -> int:
     from stacx.trainer.config.recipe import RecipeError
     from stacx.trainer.factory import resolve_recipe
     from stacx.trainer.preflight import ignored_settings, run_preflight, unread_checkpoint_flags
+    from stacx.trainer.restarts import elastic_restart_config
     from stacx.trainer.resume_checks import check_resume
     from stacx.trainer.config.run import ConfigError
     from stacx.trainer.config.workload import TEXT_MODALITY, get_workload
@@ -157,6 +158,8 @@ def run(args) -> int:
             for line in resume_overrides(args, run_config):
                 print(f"stacx train: {line} overrides the run config saved with --load {args.load}", file=sys.stderr)
         run_config = fit_response_length_to_context(run_config)  # run_training does the same
+        if launched_by_torchrun():  # a rank torch elastic restarted resumes the newest checkpoint (--max-restarts)
+            run_config = elastic_restart_config(run_config)
         check_resume(run_config)  # before the recipe's resolution, which splits the rollout into mini-batches
         recipe, algorithm = resolve_recipe(run_config)  # also checks the algorithm settings against the recipe
         if recipe.modality != TEXT_MODALITY:  # a registered workload's own driver loop

@@ -43,6 +43,8 @@ AGENT_FIELDS = ("agent", "agent_command", "agent_max_parallel_episodes", "agent_
 """Read only with an external agent as the rollout (--agent / --agent-command)."""
 MOE_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "expert_model_parallel_size", "expert_tensor_parallel_size")
 """Read only for a mixture-of-experts checkpoint."""
+FAULT_FIELDS = ("max_restarts", "dump_rollouts", "replay_rollouts")
+"""How a run survives and records its parts (any recipe): shown when given, not as defaults."""
 DISTILL_FIELDS = ("teacher_kl_coef", "student_top_k", "distill_topk_renormalize", "distill_kl_mode", "teacher_top_k")
 
 
@@ -110,7 +112,7 @@ def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
     def train(name: str) -> bool:
         if name == "use_critic":
             return has_critic
-        return name != "dry_run"  # a dry run knows it is one
+        return name != "dry_run" and name not in FAULT_FIELDS  # a dry run knows it is one
 
     def teacher(name: str) -> bool:
         if name in ROLLIN_FIELDS:

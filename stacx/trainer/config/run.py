@@ -145,6 +145,15 @@ class TrainSection:
     """Steps with a NaN/inf loss, grad norm, reward or advantage skipped (no update) before the run stops."""
     dry_run: bool = False
     """Print the resolved recipe, role graph and placement, then exit."""
+    max_restarts: int = 0
+    """Times the run restarts from the newest complete checkpoint in --save when a role worker, a rank or the
+    driver's Ray actors die (0: a death ends the run). Under torchrun, give torchrun the same --max-restarts."""
+    dump_rollouts: str | None = None
+    """Folder where every rollout step's training batch is written as it reached the trainer, one file per step
+    (docs/rollout_dumps.md)."""
+    replay_rollouts: str | None = None
+    """Folder of a --dump-rollouts run to train from instead of rolling out: no engine, sandbox or reward; the
+    losses and weights equal the dumped run's (docs/rollout_dumps.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,6 +263,7 @@ FIELD_MINIMUMS: dict[str, int | float] = {
     "teacher_retries": 0, "lr_warmup_steps": 0, "num_steps": 0, "max_tokens_per_micro_batch": 1,
     "save_interval": 0, "exchange_every_n_steps": 0,
     "global_batch_size": 1, "num_steps_per_rollout": 1, "num_epochs": 1, "skip_nonfinite_steps": 0, "reward_timeout_s": 0.001,
+    "max_restarts": 0,
     "max_staleness": 0, "agent_max_parallel_episodes": 1, "agent_timeout": 0.001, "lr": 0.0, "min_lr": 0.0,
 }
 """Smallest allowed value of numeric run-config fields, checked when a value is given (file or flag)."""
