@@ -57,8 +57,8 @@ def assert_replay_equals_original(root: str) -> None:
 def served(tmp_path_factory):
     """The tiny policy and teacher files, and a function starting a fresh CPU engine server on one of them."""
     from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.rollout.engines.cpu import CpuEngine, ensure_single_process_layout
-    from stacx.rollout.engines.server import EngineHttpServer
+    from stacx.serving.cpu_engine import CpuEngine, ensure_single_process_layout
+    from stacx.serving.server import EngineHttpServer
     from tests.trainer.training_fixtures import write_tiny_run_files
 
     base = tmp_path_factory.mktemp("replay")
