@@ -35,6 +35,7 @@ import time
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Optional, Sequence
 
+from stacx.rollout.engine_health import attach_supervisor, push_failure_action
 from stacx.rollout.engine_pool import EnginePool
 from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.engines.http import HttpEngine
@@ -95,7 +96,8 @@ def launch_engine(kind: EngineKind, rollout: RolloutSection, *, hf_checkpoint: s
     """Start the servers of `kind` (which has a launcher), with a fresh secret when the kind owns one."""
     api_key = secrets.token_urlsafe(32) if kind.owns_secret else None
     servers = kind.launcher(ServerLaunch(hf_checkpoint=hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key,
-                                         return_routed_experts=rollout.use_routing_replay))
+                                         return_routed_experts=rollout.use_routing_replay,
+                                         num_servers=rollout.rollout_num_engines))
     return LaunchedEngine(kind=kind.name, servers=servers, api_key=api_key)
 
 
@@ -182,6 +184,13 @@ class RolloutService:
         num_top = teacher_section.teacher_top_k if teacher_section.distill_kl_mode == "topk" else 0
         if len(urls) > 1:
             engine = EnginePool([kind.connect(u, api_key=api_key) for u in urls], names=urls)
+            try:
+                attach_supervisor(engine, rollout, servers=servers, connect=lambda u: kind.connect(u, api_key=api_key))
+            except BaseException:
+                engine.shutdown()
+                if servers is not None:
+                    servers.stop()
+                raise
         else:
             engine = kind.connect(urls[0], api_key=api_key)
         service = cls(engine, engine_kind=kind.name, url=urls[0], tokenizer=tokenizer,
@@ -241,6 +250,30 @@ class RolloutService:
     def begin_weight_update(self) -> None:
         self.engine.pause()
 
+    @property
+    def supervisor(self):
+        """The engine pool's `EngineSupervisor` (stacx.rollout.engine_health), or None."""
+        return getattr(self.engine, "supervisor", None)
+
+    def weight_push_urls(self) -> tuple[str, ...]:
+        """The URLs a weight push goes to: every engine, or with a supervisor the live ones and those
+        behind (restarted or recovered); set-aside engines get the weights when they rejoin."""
+        if self.supervisor is None:
+            return tuple(self.urls)
+        return tuple(self.urls[index] for index in self.supervisor.update_targets())
+
+    def recover_engine(self, url: str, error: BaseException) -> str:
+        """After a weight push to `url` failed: 'retry' (the engine answers again, or was restarted),
+        'skip' (set aside; it takes the weights when it rejoins) or 'raise' (not an engine failure)."""
+        if self.supervisor is None:
+            return "raise"
+        return push_failure_action(self.supervisor, self.urls.index(url), error)
+
+    def fault_metrics(self) -> dict[str, float]:
+        """rollout/engine_restarts, rollout/requests_reissued, rollout/live_engines, rollout/health_check_s
+        ({} without a supervisor)."""
+        return self.supervisor.metrics() if self.supervisor is not None else {}
+
     def finish_weight_update(self, version: int) -> None:
         """Flush, resume, and confirm every engine now serves `version`."""
         try:
@@ -252,6 +285,8 @@ class RolloutService:
         stale = {url: served for url, served in versions.items() if served != version}
         if stale:
             raise RuntimeError(f"rollout engine(s) serve weight version(s) {stale} after pushing {version}")
+        if self.supervisor is not None:
+            self.supervisor.confirm_version(version, {self.urls.index(url): served for url, served in versions.items()})
 
     def abort_weight_update(self) -> None:
         """Resume generation after a failed push; a failure to resume is logged, not raised, so the

@@ -286,6 +286,7 @@ class StacxTrainer:
         else:
             samples, metrics = self.step_rollout.collect(step)
         batch = StepBatch.from_samples(samples)
+        metrics.update(getattr(self.rollout, "fault_metrics", dict)())  # engine restarts, re-issued requests
         if self.run_config.rollout.use_routing_replay and batch.routed_experts is None:
             raise ValueError("--use-routing-replay: the rollout returned no routed experts (multi-turn environment "
                              "episodes, DAgger roll-ins and --agent rollouts do not carry them yet); drop the flag")
@@ -461,8 +462,12 @@ class StacxTrainer:
         if self.channel.is_driver:
             self.rollout.begin_weight_update()
         try:
-            for url in target.urls:  # every rollout engine takes the update; finish_weight_update checks each version
-                self.roles[role.name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key)
+            # every live rollout engine takes the update (a set-aside one when it rejoins, stacx.rollout.engine_health);
+            # finish_weight_update checks each version
+            push_urls = getattr(self.rollout, "weight_push_urls", lambda: target.urls)
+            urls = self.channel.share(tuple(push_urls()) if self.channel.is_driver else None)
+            for url in urls:
+                self.push_weights_to(role.name, target, url, version)
         except BaseException:
             # Resume without the version check: a stale-version error would hide the push's own error.
             if self.channel.is_driver:
@@ -472,6 +477,23 @@ class StacxTrainer:
             self.rollout.finish_weight_update(version)
         if self.async_rollout is not None:
             self.async_rollout.publish_version(version)
+
+    def push_weights_to(self, role_name: str, target: EngineTarget, url: str, version: int) -> None:
+        """Push to one engine; a push that failed because the engine did not answer is retried once on it,
+        after the rollout service restarted or recovered it ('skip': set aside, it rejoins later)."""
+        try:
+            self.roles[role_name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key)
+            return
+        except Exception as err:  # noqa: BLE001 - the rollout service decides; re-raised unless it recovers
+            # under torchrun the ranks that did not fail are in the push's collectives: no retry there
+            recover = getattr(self.rollout, "recover_engine", None) if getattr(self.channel, "drives_alone", False) else None
+            action = recover(url, err) if recover is not None else "raise"
+            if action == "raise":
+                raise
+            logger.warning("weight push of version %d to %s failed (%s): %s", version, url, err,
+                           "retrying on it" if action == "retry" else "it is set aside until it rejoins")
+        if action == "retry":
+            self.roles[role_name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key)
 
     def evaluate_if_due(self, completed_steps: int) -> dict[str, float]:
         """eval/* of the model after `completed_steps` rollout steps when due (the driver's StepRollout
