@@ -174,7 +174,7 @@ class EngineSupervisor:
 
     # ---- failures ------------------------------------------------------------------------------
 
-    def call(self, index: int, fn: Callable[[], Any]) -> Any:
+    def call(self, index: int, fn: Callable[[], Any], *, what: str = "a generation") -> Any:
         """fn() (a call to engine `index`), watched: a transport failure, missed health checks or the
         generation deadline set the engine aside and raise `EngineFailed`; other errors are raised as is."""
         settings = self.settings
@@ -188,14 +188,14 @@ class EngineSupervisor:
             except FutureTimeout:
                 pass
             except ServerUnavailableError as err:
-                raise self.fail(index, str(err)) from err
+                raise self.fail(index, f"{what}: {err}") from err
             if self.clock() - started >= settings.generation_deadline_s:
-                raise self.fail(index, f"a generation ran past the deadline of {settings.generation_deadline_s:g} s "
+                raise self.fail(index, f"{what} ran past the deadline of {settings.generation_deadline_s:g} s "
                                        "(--engine-deadline-s)")
             misses = 0 if self._healthy(index) else misses + 1
             if misses >= settings.health_misses:
                 raise self.fail(index, f"missed {misses} health checks in a row (every "
-                                       f"{settings.health_interval_s:g} s) during a generation")
+                                       f"{settings.health_interval_s:g} s) during {what}")
 
     def fail(self, index: int, reason: str) -> EngineFailed:
         """Set engine `index` aside (restart it when it can be restarted); returns the error to raise."""
@@ -254,14 +254,16 @@ class EngineSupervisor:
             return [i for i, state in enumerate(self.states) if state in (LIVE, BEHIND)]
 
     def each(self, what: str, action: Callable[[Any], Any], indices: Optional[Sequence[int]] = None) -> dict[int, Any]:
-        """{index: action(engine)} over `indices` (default: the update targets); an engine whose call fails at
-        the transport is set aside (`fail`) and left out; other errors are raised."""
+        """{index: action(engine)} over `indices` (default: the update targets), each call watched as `call`
+        watches a generation (a hung engine is noticed by its health checks); an engine that fails is set
+        aside and left out; other errors are raised."""
         results = {}
         for index in (self.update_targets() if indices is None else indices):
+            engine = self.engines[index]
             try:
-                results[index] = action(self.engines[index])
-            except ServerUnavailableError as err:
-                self.fail(index, f"{what}: {err}")
+                results[index] = self.call(index, lambda: action(engine), what=what)
+            except EngineFailed:
+                pass
         return results
 
     def confirm_version(self, version: int, served: dict[int, int]) -> None:

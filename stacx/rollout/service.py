@@ -37,6 +37,7 @@ from typing import Any, Optional, Sequence
 
 from stacx.rollout.engine_health import attach_supervisor, push_failure_action
 from stacx.rollout.engine_pool import EnginePool
+from stacx.rollout.episode_retry import retrying_reward
 from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch
@@ -44,6 +45,7 @@ from stacx.rollout.engines.registry import EngineKind, resolve_engine_kind
 from stacx.rollout.http_client import RetryPolicy
 from stacx.rollout.manager import RolloutManager
 from stacx.rollout.plan import RolloutPlan
+from stacx.rollout.rewards import resolve_reward_fn
 from stacx.rollout.sections import RolloutSection, TeacherSection
 from stacx.rollout.teacher import TeacherClient
 from stacx.rollout.types import SamplingParams
@@ -220,7 +222,10 @@ class RolloutService:
     def manager(self, step: int, *, seed_offset: int = 0, with_teacher: bool = True):
         """A RolloutManager on the rollout engine(s), its sampling seeds fixed by (rollout_seed, step, offset)."""
         return RolloutManager(
-            self.engine, tokenizer=self.tokenizer, reward_fn=self.rollout_section.reward_fn,
+            self.engine, tokenizer=self.tokenizer,
+            # a reward call that fails for an infrastructure reason is retried (stacx.rollout.episode_retry)
+            reward_fn=retrying_reward(_resolved(self.rollout_section.reward_fn),
+                                      self.rollout_section.episode_retries),
             reward_timeout_s=self.rollout_section.reward_timeout_s,
             teacher=self.teacher if with_teacher else None, num_teacher_top_log_probs=self.num_teacher_top_log_probs,
             seed=self.rollout_section.rollout_seed * 100_003 + step + seed_offset,
@@ -309,3 +314,8 @@ class RolloutService:
         finally:
             if self.servers is not None:
                 self.servers.stop()
+
+
+def _resolved(reward_fn):
+    """A reward name resolved to its function (None and callables as they are)."""
+    return resolve_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn

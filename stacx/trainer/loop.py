@@ -319,10 +319,11 @@ class StacxTrainer:
         times against the engine's OpenAI-compatible endpoint; its recorded turns are the samples."""
         section, tokenizer = self.run_config.rollout, self.rollout.tokenizer
 
-        def next_tasks(step: int) -> list[dict]:
+        def next_tasks(step: int, count: Optional[int] = None) -> list[dict]:
+            """`count` prompt rows as tasks (default: a step's batch); more replace groups that lost an episode."""
             return [{"prompt": tokenizer.decode(example.prompt_ids), "label": example.label,
                      "metadata": dict(example.metadata), "source": example.source}
-                    for example in self.data.next_examples(self.data.batch_size)]
+                    for example in self.data.next_examples(count or self.data.batch_size)]
 
         def uniform_rewards(step: int, samples) -> Optional[str]:
             if self.algorithm.advantage_estimator == "gae":  # a critic's advantages are not 0 then
@@ -338,7 +339,9 @@ class StacxTrainer:
                             next_tasks=next_tasks, n_samples_per_task=section.n_samples_per_prompt,
                             reward_fn=last_turn_reward(resolve_reward_fn(section.reward_fn), tokenizer.decode),
                             max_parallel_episodes=section.agent_max_parallel_episodes, api_key=self.rollout.api_key,
-                            dumper=dumper, uniform_reward_warning=uniform_rewards)
+                            dumper=dumper, uniform_reward_warning=uniform_rewards,
+                            episode_retries=section.episode_retries, max_dropped_fraction=section.max_dropped_fraction,
+                            more_tasks=next_tasks)
 
     def shaped_rewards(self, batch: StepBatch) -> list[float]:
         """opd_rl: R_i - teacher_kl_coef * sum_t m_it (log pi(a_t) - log pi_teacher(a_t)) (rollout log-probs)."""

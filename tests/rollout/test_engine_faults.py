@@ -171,7 +171,7 @@ def test_too_few_live_engines_stop_the_run_naming_the_engine_and_why():
     a.dead = b.dead = True
     pool = pool_of([a, b])
     with pytest.raises(EnginesLost, match=r"only 0 of 2 rollout engines are live.*--min-live-engines 1.*"
-                                          r"a \(out: server a did not answer /generate.*connection refused"):
+                                          r"a \(out: a generation: server a did not answer /generate.*connection refused"):
         pool.generate(requests_of(4))
     with pytest.raises(ValueError, match="--min-live-engines 3 is more than the 2 rollout engines"):
         attach_supervisor(EnginePool([a, b], names=["a", "b"]), RolloutSection(min_live_engines=3), servers=None,
