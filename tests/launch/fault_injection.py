@@ -10,6 +10,15 @@ step (0-based, CALLS_PER_STEP calls a step), so after the step's rollout and bef
   (JSON) to FAULT_REPORT: engines that serve equal weights answer equally;
 - `slow@S`: sleep SLOW_S seconds in this call (a slow reward).
 The reward itself is the sorting task's.
+
+`SandboxedEcho` (`tests.launch.fault_injection:SandboxedEcho` in a prompt row's metadata) is a two-turn
+environment whose steps run a command in a session of a remote sandbox server; CHAOS_PLAN (environment)
+lists `action@N`, done at the N-th step call of the run (0-based; every episode makes two):
+- `kill@N`: SIGKILL the newest engine, mid-rollout (the episodes' second turns are generated next);
+- `sandbox@N`: SIGKILL the sandbox server and start another on its port (this episode's session is gone
+  with it: its command fails, and the episode is played again on the new server);
+- `slow@N`: this step takes SLOW_S seconds more (a slow reward: the environment computes it).
+The restarted sandbox server's process id is written to CHAOS_SANDBOX_PID_FILE.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import time
 
 import requests
 
+from stacx.rollout.environments import Environment, StepResult
+from stacx.sandbox import SandboxConfig, build_sandbox
 from stacx.tasks import get_task
 
 SLOW_S = 3.0
@@ -114,3 +125,89 @@ def faulty_reward(response, label, metadata=None):
         if first:
             inject(step)
     return get_task("sorting").reward(response, label, metadata)
+
+
+_env_steps = [0]
+
+
+def _chaos(index: int, task: dict) -> None:
+    for item in filter(None, os.environ.get("CHAOS_PLAN", "").split(",")):
+        action, at = item.split("@")
+        if int(at) != index:
+            continue
+        if action == "kill":
+            os.kill(engine_processes()[-1], signal.SIGKILL)
+        elif action == "sandbox":
+            restart_sandbox_server(task)
+        elif action == "slow":
+            time.sleep(SLOW_S)
+        else:
+            raise ValueError(f"CHAOS_PLAN: unknown action {action!r}")
+
+
+def restart_sandbox_server(task: dict) -> None:
+    """SIGKILL the sandbox server (its pid from the pid file) and start a new one on its port, healthy on return."""
+    import subprocess
+    import sys
+
+    pid_file = os.environ["CHAOS_SANDBOX_PID_FILE"]
+    with open(pid_file) as handle:
+        os.kill(int(handle.read()), signal.SIGKILL)
+    port = task["sandbox_url"].rsplit(":", 1)[1]
+    env = dict(os.environ, CHAOS_SANDBOX_KEY=task["sandbox_key"])
+    process = subprocess.Popen([sys.executable, "-m", "stacx.sandbox.server", "--port", port,
+                                "--api-key-env", "CHAOS_SANDBOX_KEY"], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    with open(pid_file, "w") as handle:
+        handle.write(str(process.pid))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{task['sandbox_url']}/health", timeout=1).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("the restarted sandbox server did not answer /health within 60 s")
+
+
+class SandboxedEcho(Environment):
+    """Two turns; each step runs `true` in the episode's remote sandbox session (reward 1.0 at the end)."""
+
+    def reset(self, task, rng):
+        self.task = task
+        sandbox = build_sandbox(SandboxConfig(backend="remote", remote_url=task["sandbox_url"],
+                                              remote_api_key=task["sandbox_key"]))
+        self.session = sandbox.create(_snapshot())
+        return [{"role": "user", "content": task["digits"]}]
+
+    def step(self, action):
+        with _lock:
+            index, _env_steps[0] = _env_steps[0], _env_steps[0] + 1
+        _chaos(index, self.task)
+        result = self.session.run(["true"])
+        self.turns = getattr(self, "turns", 0) + 1
+        if self.turns == 1:
+            return StepResult([{"role": "user", "content": "0="}], 0.0, False)
+        return StepResult("", float(result.ok), True)
+
+    def close(self):
+        session = getattr(self, "session", None)
+        if session is not None:
+            session.close()
+
+
+_folder: list = []
+
+
+def _snapshot() -> str:
+    """A tiny folder every session starts from."""
+    import tempfile
+
+    with _lock:
+        if not _folder:
+            folder = tempfile.mkdtemp(prefix="chaos-snapshot-")
+            with open(os.path.join(folder, "README"), "w") as handle:
+                handle.write("chaos\n")
+            _folder.append(folder)
+        return _folder[0]

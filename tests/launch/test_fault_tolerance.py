@@ -16,6 +16,8 @@ import pytest
 from stacx.tasks import write_tiny_checkpoint
 from tests.launch.test_custom_code_on_every_rank import REPO, train_env
 
+pytestmark = pytest.mark.slow  # `stacx train` on Ray
+
 FAULT_REWARD = "tests/launch/fault_injection.py:faulty_reward"
 PROMPTS, SAMPLES = 4, 4
 
@@ -68,3 +70,54 @@ def test_a_killed_and_a_hung_engine_are_restarted_with_the_current_weights(tiny_
     assert "missed 2 health checks in a row" in stderr and "Connection refused" in stderr
     assert_engines_agree(report, version=3)
     assert all(s["rollout/episodes_dropped"] == 0.0 and s["rollout/groups_replaced"] == 0.0 for s in steps)
+
+
+@pytest.mark.timeout(1500)
+def test_chaos_run_engine_kill_sandbox_kill_and_slow_reward_in_one_ten_step_run(tiny_checkpoint, tmp_path,
+                                                                                 shared_ray_address):
+    """Ten steps of two-turn episodes in remote sandbox sessions, on two CPU engines: an engine killed between
+    the turns of step 1 (its second-turn requests re-issued, the engine restarted), the sandbox server killed and
+    restarted during step 4 (that episode played again on the new server), a slow reward step in step 7. The
+    run completes every step, each fault counted."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url, key = f"http://127.0.0.1:{port}", "chaos-key"
+    server = subprocess.Popen([sys.executable, "-m", "stacx.sandbox.server", "--port", str(port), "--api-key-env",
+                               "CHAOS_SANDBOX_KEY"], env=train_env({"CHAOS_SANDBOX_KEY": key}), cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pid_file = tmp_path / "sandbox.pid"
+    pid_file.write_text(str(server.pid))
+    rows = tmp_path / "rows.jsonl"
+    environment = "tests.launch.fault_injection:SandboxedEcho"
+    with open(rows, "w") as handle:
+        for index in range(64):
+            digits = f"{index % 10}{(index * 7) % 10}{(index * 3) % 10}="
+            handle.write(json.dumps({"prompt": digits, "label": "", "metadata": {
+                "environment": environment, "max_turns": 2, "sandbox_url": url, "sandbox_key": key,
+                "digits": digits}}) + "\n")
+    per_step = 2 * PROMPTS * SAMPLES  # environment steps: two per episode
+    plan = f"kill@{per_step + 1},sandbox@{4 * per_step + 3},slow@{7 * per_step}"
+    out = str(tmp_path / "out")
+    command = [sys.executable, "-m", "stacx.train", "--hf-checkpoint", tiny_checkpoint, "--prompt-data", str(rows),
+               "--rollout-batch-size", str(PROMPTS), "--n-samples-per-prompt", str(SAMPLES),
+               "--rollout-max-response-len", "4", "--rollout-engine", "cpu", "--rollout-num-engines", "2",
+               "--engine-health-interval-s", "1", "--engine-deadline-s", "120", "--episode-retries", "2",
+               "--num-steps", "10", "--out", out, "--no-plots", "--no-progress-bar", "--ray-address",
+               shared_ray_address]
+    try:
+        completed = subprocess.run(command, env=train_env({"CHAOS_PLAN": plan, "CHAOS_SANDBOX_PID_FILE": str(pid_file)}),
+                                   capture_output=True, text=True, timeout=1400, cwd=REPO)
+    finally:
+        os.kill(int(pid_file.read_text()), 9)
+        server.wait(timeout=30)
+    assert completed.returncode == 0, completed.stderr[-6000:]
+    with open(os.path.join(out, "metrics.jsonl")) as handle:
+        steps = [json.loads(line) for line in handle]
+    assert len(steps) == 10
+    assert steps[-1]["rollout/engine_restarts"] == 1.0 and steps[-1]["rollout/requests_reissued"] >= 1.0
+    assert sum(s["rollout/episodes_retried"] for s in steps) >= 1.0
+    assert all(s["rollout/num_samples"] == PROMPTS * SAMPLES for s in steps)  # every step's batch complete
+    assert "sandbox: SandboxServerError" in completed.stderr or "sandbox: SandboxUnavailableError" in completed.stderr
