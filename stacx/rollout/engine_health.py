@@ -108,6 +108,9 @@ class EngineSupervisor:
         self.updating = False
         """A weight update is under way (between pause and the version check): a restarted engine waits for it."""
         self.engine_restarts = 0
+        self.generation = [0] * len(engines)
+        """Failures of each engine so far: an engine whose count changed during a weight update missed its push."""
+        self._update_generation = list(self.generation)
         self.requests_reissued = 0
         self.failures: list[tuple[str, str]] = []
         """(engine, reason) of every failure noticed, in order."""
@@ -203,6 +206,7 @@ class EngineSupervisor:
             if self.states[index] in (OUT, RESTARTING):
                 return EngineFailed(index, self.names[index], reason)
             logger.error("rollout engine %s failed: %s", self.names[index], reason)
+            self.generation[index] += 1
             self.failures.append((self.names[index], reason))
             self.reasons[index] = reason
             close = getattr(self.engines[index], "shutdown", None)
@@ -245,6 +249,15 @@ class EngineSupervisor:
 
     def begin_update(self) -> None:
         self.updating = True
+        self._update_generation = list(self.generation)
+
+    def pushed(self, index: int) -> None:
+        """Engine `index` takes this update's push although it failed (and was restarted) during the update."""
+        self._update_generation[index] = self.generation[index]
+
+    def updated_engines(self) -> list[int]:
+        """The update targets that took this update's push: not failed (restarted) since it began."""
+        return [i for i in self.update_targets() if self.generation[i] == self._update_generation[i]]
 
     def update_targets(self) -> list[int]:
         """The engines a weight push goes to: live and behind ones (restarts under way are waited for)."""
@@ -312,7 +325,10 @@ def push_failure_action(supervisor: EngineSupervisor, index: int, error: BaseExc
         return "retry"
     supervisor.fail(index, f"a weight push failed: {error}")
     supervisor.wait_for_restarts()
-    return "retry" if supervisor.states[index] in (LIVE, BEHIND) else "skip"
+    if supervisor.states[index] not in (LIVE, BEHIND):
+        return "skip"
+    supervisor.pushed(index)  # the retried push reaches it: its version is checked with the others'
+    return "retry"
 
 
 def attach_supervisor(pool: Any, rollout: Any, *, servers: Any, connect: Callable[[str], Any]) -> EngineSupervisor:

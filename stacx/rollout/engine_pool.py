@@ -123,7 +123,8 @@ class EnginePool(InferenceEngine):
 
     def weight_versions(self) -> dict[str, int]:
         if self.supervisor is not None:  # the engines the last push reached
-            served = self.supervisor.each("reading the weight version", lambda engine: engine.weight_version())
+            served = self.supervisor.each("reading the weight version", lambda engine: engine.weight_version(),
+                                          self.supervisor.updated_engines())
             return {self.names[index]: version for index, version in served.items()}
         return {name: engine.weight_version() for name, engine in zip(self.names, self.engines)}
 

@@ -203,3 +203,20 @@ def test_a_closed_transport_stops_retrying():
     transport.close()
     with pytest.raises(ServerUnavailableError, match="the client was closed"):
         transport.get("/health")
+
+
+def test_an_engine_that_fails_after_the_push_is_left_out_of_the_version_check_and_waits_for_the_next():
+    a, b = FakeEngine("a"), FakeEngine("b")
+    fresh = FakeEngine("b2", version=0)
+    pool = pool_of([a, b], restart=lambda index: fresh)
+    pool.pause()
+    for index in pool.supervisor.update_targets():
+        pool.engines[index].update_weights([], version=1)
+    b.dead = True  # dies after taking the push: restarted, it serves version 0
+    pool.flush_cache()
+    pool.resume()
+    assert pool.weight_versions() == {"a": 1}
+    pool.supervisor.confirm_version(1, {0: 1})
+    assert pool.supervisor.states == [LIVE, BEHIND]
+    pool.generate(requests_of(4))
+    assert not fresh.generated
