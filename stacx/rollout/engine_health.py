@@ -111,6 +111,8 @@ class EngineSupervisor:
         self.generation = [0] * len(engines)
         """Failures of each engine so far: an engine whose count changed during a weight update missed its push."""
         self._update_generation = list(self.generation)
+        self._pushed: Optional[set] = None
+        """The engines the current weight push goes to (None before the first push)."""
         self.requests_reissued = 0
         self.failures: list[tuple[str, str]] = []
         """(engine, reason) of every failure noticed, in order."""
@@ -249,15 +251,25 @@ class EngineSupervisor:
 
     def begin_update(self) -> None:
         self.updating = True
+
+    def push_targets(self) -> list[int]:
+        """The engines this update's push goes to (`update_targets`), noted: one that fails after this
+        (restarted, it serves the checkpoint's weights) is left out of the version check (`updated_engines`)."""
+        targets = self.update_targets()
         self._update_generation = list(self.generation)
+        self._pushed = set(targets)
+        return targets
 
     def pushed(self, index: int) -> None:
-        """Engine `index` takes this update's push although it failed (and was restarted) during the update."""
+        """Engine `index` takes this update's push although it failed (and was restarted) during the push."""
         self._update_generation[index] = self.generation[index]
+        if self._pushed is not None:
+            self._pushed.add(index)
 
     def updated_engines(self) -> list[int]:
-        """The update targets that took this update's push: not failed (restarted) since it began."""
-        return [i for i in self.update_targets() if self.generation[i] == self._update_generation[i]]
+        """The push targets that took this update's push: not failed (restarted) since they were chosen."""
+        return [i for i in self.update_targets()
+                if (self._pushed is None or i in self._pushed) and self.generation[i] == self._update_generation[i]]
 
     def update_targets(self) -> list[int]:
         """The engines a weight push goes to: live and behind ones (restarts under way are waited for)."""

@@ -265,7 +265,7 @@ class RolloutService:
         behind (restarted or recovered); set-aside engines get the weights when they rejoin."""
         if self.supervisor is None:
             return tuple(self.urls)
-        return tuple(self.urls[index] for index in self.supervisor.update_targets())
+        return tuple(self.urls[index] for index in self.supervisor.push_targets())
 
     def recover_engine(self, url: str, error: BaseException) -> str:
         """After a weight push to `url` failed: 'retry' (the engine answers again, or was restarted),

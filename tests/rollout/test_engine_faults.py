@@ -111,7 +111,7 @@ def test_a_restarted_engine_behind_the_pool_version_waits_for_the_next_push():
     assert not fresh.generated  # never serves version 0 beside version 3
     # the next weight push reaches it; once it confirms the pool's version it serves again
     pool.pause()
-    targets = pool.supervisor.update_targets()
+    targets = pool.supervisor.push_targets()
     assert targets == [0, 1]
     for index in targets:
         pool.engines[index].update_weights([], version=4)
@@ -210,7 +210,7 @@ def test_an_engine_that_fails_after_the_push_is_left_out_of_the_version_check_an
     fresh = FakeEngine("b2", version=0)
     pool = pool_of([a, b], restart=lambda index: fresh)
     pool.pause()
-    for index in pool.supervisor.update_targets():
+    for index in pool.supervisor.push_targets():
         pool.engines[index].update_weights([], version=1)
     b.dead = True  # dies after taking the push: restarted, it serves version 0
     pool.flush_cache()
@@ -220,3 +220,22 @@ def test_an_engine_that_fails_after_the_push_is_left_out_of_the_version_check_an
     assert pool.supervisor.states == [LIVE, BEHIND]
     pool.generate(requests_of(4))
     assert not fresh.generated
+
+
+def test_an_engine_dead_at_the_pause_is_restarted_takes_the_push_and_serves_again():
+    """The `stacx train` case: an engine dies between rollout and weight push; its pause fails, it is restarted
+    before the push, takes it, and is live at the new version."""
+    a, b = FakeEngine("a"), FakeEngine("b")
+    fresh = FakeEngine("b2", version=0)
+    pool = pool_of([a, b], restart=lambda index: fresh)
+    b.dead = True
+    pool.pause()
+    targets = pool.supervisor.push_targets()
+    assert targets == [0, 1] and pool.supervisor.states == [LIVE, BEHIND]
+    for index in targets:
+        pool.engines[index].update_weights([], version=1)
+    pool.flush_cache()
+    pool.resume()
+    assert pool.weight_versions() == {"a": 1, "b": 1}
+    pool.supervisor.confirm_version(1, {0: 1, 1: 1})
+    assert pool.supervisor.states == [LIVE, LIVE] and pool.supervisor.engine_restarts == 1
