@@ -282,6 +282,17 @@ def _run_turns(episodes: Sequence[Episode], *, engines, sampling: SamplingParams
             _append_observation(episode, result, turn)
 
 
+def replay_episodes(failed: Sequence[Episode], *, spec: RollInSpec, iteration: int, engines: Mapping[Executor, Any],
+                    sampling: SamplingParams, tokenizer, rng: random.Random) -> list[Episode]:
+    """Each failed episode played again from its prompt row, in its group (stacx.rollout.episode_retry)."""
+    fresh = start_episodes([e.example for e in failed], n_samples_per_prompt=1, spec=spec, iteration=iteration,
+                           rng=rng, tokenizer=tokenizer)
+    for old, new in zip(failed, fresh):
+        new.sample.group_index = old.sample.group_index
+    run_turns(fresh, engines=engines, sampling=sampling, tokenizer=tokenizer, rng=rng)
+    return fresh
+
+
 def _act(episode: Episode, reply):
     """The environment's answer to `reply`, or the infrastructure error that failed the episode (other
     errors are raised)."""

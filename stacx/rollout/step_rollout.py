@@ -191,17 +191,10 @@ class StepRollout:
             engines[Executor.TEACHER] = self.service.teacher_engine()
         rollin.run_turns(episodes, engines=engines, sampling=sampling, tokenizer=tokenizer, rng=rng)
 
-        def replay(failed: list) -> list:
-            """Each failed episode played again from its prompt row, in its group."""
-            fresh = rollin.start_episodes([e.example for e in failed], n_samples_per_prompt=1, spec=self.spec,
-                                          iteration=step, rng=rng, tokenizer=tokenizer)
-            for old, new in zip(failed, fresh):
-                new.sample.group_index = old.sample.group_index
-            rollin.run_turns(fresh, engines=engines, sampling=sampling, tokenizer=tokenizer, rng=rng)
-            return fresh
-
-        episodes, retried = retry_failed(episodes, failure=lambda e: e.failure, replay=replay,
-                                         retries=self.rollout.episode_retries)
+        episodes, retried = retry_failed(
+            episodes, failure=lambda e: e.failure, retries=self.rollout.episode_retries,
+            replay=lambda failed: rollin.replay_episodes(failed, spec=self.spec, iteration=step, engines=engines,
+                                                         sampling=sampling, tokenizer=tokenizer, rng=rng))
         metrics["rollout/episodes_retried"] = metrics.get("rollout/episodes_retried", 0.0) + retried
         for episode in episodes:
             if episode.failure:
