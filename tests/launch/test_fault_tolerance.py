@@ -37,7 +37,7 @@ def train_with_faults(checkpoint: str, out: str, *, plan: str, num_steps: int, r
                "--num-steps", str(num_steps), "--out", out, "--no-plots", "--no-progress-bar",
                "--ray-address", ray_address]
     env = train_env({"FAULT_PLAN": plan, "FAULT_REPORT": report, "CALLS_PER_STEP": str(PROMPTS * SAMPLES)})
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1400, cwd=REPO)
     assert completed.returncode == 0, completed.stderr[-6000:]
     with open(os.path.join(out, "metrics.jsonl")) as handle:
         steps = [json.loads(line) for line in handle]
@@ -55,7 +55,7 @@ def assert_engines_agree(report: str, version: int) -> None:
     assert [t[0] for t in first] == pytest.approx([t[0] for t in second], abs=1e-5)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_a_killed_and_a_hung_engine_are_restarted_with_the_current_weights(tiny_checkpoint, tmp_path,
                                                                            shared_ray_address):
     """Step 1: an engine is killed (its pause for the weight push is refused); step 2: the other hangs (its
