@@ -103,7 +103,6 @@ def retrying_reward(reward_fn: Callable, retries: int) -> Callable:
                                attempt + 1, retries)
         raise AssertionError("unreachable")
 
-    call.retried_reward = True
     return call
 
 
