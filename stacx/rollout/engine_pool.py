@@ -11,6 +11,10 @@ in flight at that moment (ties: the engine that has received the fewest requests
 concurrent callers (rollout, evaluation, roll-in turns for student and teacher) share the fleet.
 Outputs come back in request order. `requests_sent` counts the requests each engine received.
 
+Failures (`supervisor`, stacx.rollout.engine_health): with a supervisor the pool dispatches to live
+engines only, re-issues the requests of an engine that failed to a live one, and its lifecycle calls
+(pause, flush, resume, versions) go to the engines a weight push reaches; without one, any failure is raised.
+
 Weights are not streamed through the pool: the trainer's ranks stream the buckets to every URL
 (`StacxTrainer.push_policy_weights`); the pool pauses, flushes, resumes and version-checks each.
 """
@@ -21,6 +25,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional, Sequence
 
+from stacx.rollout.engine_health import EngineFailed, EngineSupervisor
 from stacx.wire.engine import InferenceEngine, WeightBucket
 from stacx.wire.types import GenerateOutput, GenerateRequest
 
@@ -44,7 +49,10 @@ def split_balanced(requests: Sequence[GenerateRequest], num_chunks: int) -> list
 class EnginePool(InferenceEngine):
     """Least-loaded dispatch over several engines; lifecycle calls go to every engine."""
 
-    def __init__(self, engines: Sequence[InferenceEngine], names: Sequence[str] | None = None):
+    def __init__(self, engines: Sequence[InferenceEngine], names: Sequence[str] | None = None, *,
+                 supervisor: Optional[EngineSupervisor] = None):
+        """supervisor: notices failed engines and restarts or sets them aside (its `engines` must be this
+        pool's list: `EngineSupervisor(pool.engines, ...)` after building the pool, or `supervise`)."""
         if not engines:
             raise ValueError("EnginePool needs at least one engine (rollout_urls is empty)")
         self.engines = list(engines)
@@ -53,10 +61,17 @@ class EnginePool(InferenceEngine):
         self.requests_sent = [0] * len(self.engines)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.engines)), thread_name_prefix="engine-pool")
+        self.supervisor = supervisor
+
+    def supervise(self, **kwargs) -> EngineSupervisor:
+        """Attach an `EngineSupervisor(self.engines, names=self.names, **kwargs)` and return it."""
+        self.supervisor = EngineSupervisor(self.engines, names=self.names, **kwargs)
+        return self.supervisor
 
     def _acquire(self, num_requests: int) -> int:
+        candidates = self.supervisor.live() if self.supervisor is not None else range(len(self.engines))
         with self._lock:
-            index = min(range(len(self.engines)), key=lambda i: (self.in_flight[i], self.requests_sent[i], i))
+            index = min(candidates, key=lambda i: (self.in_flight[i], self.requests_sent[i], i))
             self.in_flight[index] += num_requests
             self.requests_sent[index] += num_requests
             return index
@@ -66,11 +81,17 @@ class EnginePool(InferenceEngine):
             self.in_flight[index] -= num_requests
 
     def _generate_on_least_loaded(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-        index = self._acquire(len(requests))
-        try:
-            return self.engines[index].generate(requests)
-        finally:
-            self._release(index, len(requests))
+        while True:
+            index = self._acquire(len(requests))
+            engine = self.engines[index]
+            try:
+                if self.supervisor is None:
+                    return engine.generate(requests)
+                return self.supervisor.call(index, lambda: engine.generate(requests))
+            except EngineFailed:  # set aside by the supervisor: the requests go to a live engine
+                self.supervisor.requests_reissued += len(requests)
+            finally:
+                self._release(index, len(requests))
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         if not requests:
@@ -94,10 +115,17 @@ class EnginePool(InferenceEngine):
 
     def abort(self, rids: Optional[Sequence[str]] = None) -> None:
         """Abort on every engine (a rid is in flight on at most one of them; the others ignore it)."""
+        if self.supervisor is not None:
+            self.supervisor.each("abort", lambda engine: engine.abort(rids), self.supervisor.live())
+            return
         for engine in self.engines:
             engine.abort(rids)
 
     def weight_versions(self) -> dict[str, int]:
+        if self.supervisor is not None:  # the engines the last push reached
+            served = self.supervisor.each("reading the weight version", lambda engine: engine.weight_version(),
+                                          self.supervisor.updated_engines())
+            return {self.names[index]: version for index, version in served.items()}
         return {name: engine.weight_version() for name, engine in zip(self.names, self.engines)}
 
     def weight_version(self) -> int:
@@ -106,7 +134,12 @@ class EnginePool(InferenceEngine):
 
     def pause(self) -> None:
         """Pauses every engine. If any fails, the ones already paused are resumed (so no engine is
-        left paused by a half-done pause) and one error names every engine that failed."""
+        left paused by a half-done pause) and one error names every engine that failed. With a supervisor,
+        an engine that fails is set aside (restarted when it can be) and the others are paused."""
+        if self.supervisor is not None:
+            self.supervisor.begin_update()
+            self.supervisor.each("pause", lambda engine: engine.pause())
+            return
         paused, errors = [], []
         for name, engine in zip(self.names, self.engines):
             try:
@@ -124,6 +157,9 @@ class EnginePool(InferenceEngine):
         raise RuntimeError("pausing rollout engines failed: " + "; ".join(errors))
 
     def resume(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.each("resume", lambda engine: engine.resume())
+            return
         errors = []
         for name, engine in zip(self.names, self.engines):
             try:
@@ -134,6 +170,9 @@ class EnginePool(InferenceEngine):
             raise RuntimeError("resuming rollout engines failed: " + "; ".join(errors))
 
     def flush_cache(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.each("flush", lambda engine: engine.flush_cache())
+            return
         for engine in self.engines:
             engine.flush_cache()
 
@@ -143,5 +182,7 @@ class EnginePool(InferenceEngine):
     def shutdown(self) -> None:
         self._shutdown_submissions()
         self._pool.shutdown(wait=False)
+        if self.supervisor is not None:
+            self.supervisor.shutdown()
         for engine in self.engines:
             engine.shutdown()

@@ -45,6 +45,7 @@ from stacx.env_overrides import apply_env_overrides, read_env_overrides
 from stacx.rollout.agents.environments import check_task, resolve_environment
 from stacx.rollout.agents.episode import AgentSession, append_action
 from stacx.rollout.dagger import AggreVaTeRollIn, BetaMixtureRollIn, BetaSchedule, KappaPlan, build_roll_in
+from stacx.rollout.episode_retry import infrastructure_cause
 from stacx.rollout.sections import TeacherSection
 from stacx.wire.sample import Executor, Sample
 from stacx.wire.trajectories import append_template, empty_sample
@@ -125,6 +126,21 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     kappa: Optional[int] = None
     student_versions: list[int] = field(default_factory=list)
+    example: Any = None
+    """The prompt row it plays (a retry plays it again)."""
+    failure: Optional[str] = None
+    """Why it failed for an infrastructure reason (stacx.rollout.episode_retry), None when it did not."""
+
+
+def fail_episode(episode: Episode, error: BaseException) -> None:
+    """End `episode` as failed for an infrastructure reason (its session closed, best effort)."""
+    episode.failure = f"{infrastructure_cause(error)}: {type(error).__name__}: {error}"
+    episode.done = True
+    if episode.session is not None:
+        try:
+            episode.session.close()
+        except Exception:  # noqa: BLE001 - the sandbox behind it may be gone
+            pass
 
 
 def start_episodes(examples: Sequence[Any], *, n_samples_per_prompt: int, spec: RollInSpec, iteration: int,
@@ -151,10 +167,15 @@ def _start(episodes: list, examples, *, n_samples_per_prompt, spec, iteration, r
     for index, example in enumerate(examples):
         metadata = dict(example.metadata or {})
         for _ in range(n_samples_per_prompt):
-            session, prompt, max_turns = None, list(example.prompt_ids), 1
+            session, prompt, max_turns, failed = None, list(example.prompt_ids), 1, None
             if metadata.get(ENVIRONMENT_KEY):
-                session, max_turns = _start_session(example, metadata, rng=rng, tokenizer=tokenizer)
-                prompt = list(session.prompt_ids)
+                try:
+                    session, max_turns = _start_session(example, metadata, rng=rng, tokenizer=tokenizer)
+                    prompt = list(session.prompt_ids)
+                except Exception as err:  # noqa: BLE001 - an infrastructure failure fails this episode only
+                    if infrastructure_cause(err) is None:
+                        raise
+                    failed = err
             if spec.roll_in is None:
                 plan, kappa = (lambda turn: Executor.STUDENT), None
             else:
@@ -164,7 +185,10 @@ def _start(episodes: list, examples, *, n_samples_per_prompt, spec, iteration, r
                                   metadata={**metadata, "turn_executors": []})
             if kappa is not None:
                 sample.metadata["kappa"] = kappa
-            episodes.append(Episode(sample=sample, plan=plan, session=session, max_turns=max_turns, kappa=kappa))
+            episodes.append(Episode(sample=sample, plan=plan, session=session, max_turns=max_turns, kappa=kappa,
+                                    example=example))
+            if failed is not None:
+                fail_episode(episodes[-1], failed)
 
 
 def _start_session(example, metadata: dict, *, rng: random.Random, tokenizer) -> tuple[AgentSession, int]:
@@ -251,9 +275,34 @@ def _run_turns(episodes: Sequence[Episode], *, engines, sampling: SamplingParams
         # The environments act concurrently (a slow or hanging tool delays its own episode only);
         # reading and tokenizing stay in this thread.
         with ThreadPoolExecutor(max_workers=max(1, min(MAX_CONCURRENT_ENVIRONMENT_STEPS, len(playing)))) as pool:
-            results = list(pool.map(lambda pair: pair[0].session.act(pair[1]), zip(playing, replies)))
+            results = list(pool.map(lambda pair: _act(*pair), zip(playing, replies)))
         for episode, result in zip(playing, results):
+            if isinstance(result, BaseException):
+                fail_episode(episode, result)
+                continue
             _append_observation(episode, result, turn)
+
+
+def replay_episodes(failed: Sequence[Episode], *, spec: RollInSpec, iteration: int, engines: Mapping[Executor, Any],
+                    sampling: SamplingParams, tokenizer, rng: random.Random) -> list[Episode]:
+    """Each failed episode played again from its prompt row, in its group (stacx.rollout.episode_retry)."""
+    fresh = start_episodes([e.example for e in failed], n_samples_per_prompt=1, spec=spec, iteration=iteration,
+                           rng=rng, tokenizer=tokenizer)
+    for old, new in zip(failed, fresh):
+        new.sample.group_index = old.sample.group_index
+    run_turns(fresh, engines=engines, sampling=sampling, tokenizer=tokenizer, rng=rng)
+    return fresh
+
+
+def _act(episode: Episode, reply):
+    """The environment's answer to `reply`, or the infrastructure error that failed the episode (other
+    errors are raised)."""
+    try:
+        return episode.session.act(reply)
+    except Exception as err:  # noqa: BLE001 - classified: only an infrastructure failure is contained
+        if infrastructure_cause(err) is None:
+            raise
+        return err
 
 
 def relabel_with_teacher(episodes: Sequence[Episode], *, teacher_engine, sampling: SamplingParams,

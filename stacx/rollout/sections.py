@@ -19,6 +19,24 @@ class RolloutSection:
     @register_engine (docs/adding-an-engine.md)."""
     rollout_urls: tuple[str, ...] = ()
     """URLs of running inference servers to attach to."""
+    rollout_num_engines: int = 1
+    """Servers the run starts for an engine kind it launches ('cpu': that many `stacx serve` processes;
+    'sglang' starts one); requests are spread over them, each takes every weight update."""
+    min_live_engines: int = 1
+    """With several engines, the run goes on while at least this many are live (a dead or hung one is
+    restarted, or set aside until its health check passes, docs/fault_tolerance.md); below it, it stops
+    naming each engine out and why."""
+    engine_deadline_s: float = 3600.0
+    """Seconds one generation call on an engine may run before the engine counts as hung (several engines)."""
+    engine_health_interval_s: float = 10.0
+    """Seconds between health checks of an engine while a generation runs on it (two missed in a row: it
+    counts as dead), and of a set-aside engine."""
+    episode_retries: int = 2
+    """Times an episode that failed for an infrastructure reason (sandbox server gone, tool transport error,
+    agent program crash it reported as such, reward call error; never a bad action or a timeout the policy
+    caused) is played again before it is dropped and its group replaced by a fresh prompt."""
+    max_dropped_fraction: float = 0.25
+    """A step whose dropped episodes exceed this fraction of its episodes stops the run, naming the cause."""
     agent: str | None = None
     """Bring your own scaffold: 'path/to/file.py:function' or 'module:function', called once per episode as
     function(base_url, task) -> reward (or None: --reward-fn scores the last turn). It talks to the

@@ -35,12 +35,15 @@ import time
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Optional, Sequence
 
+from stacx.rollout.engine_health import attach_supervisor, push_failure_action
 from stacx.rollout.engine_pool import EnginePool
+from stacx.rollout.episode_retry import retrying_reward
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch
 from stacx.rollout.engines.registry import EngineKind, resolve_engine_kind
 from stacx.rollout.manager import RolloutManager
 from stacx.rollout.plan import RolloutPlan
+from stacx.rollout.rewards import resolve_reward_fn
 from stacx.rollout.sections import RolloutSection, TeacherSection
 from stacx.rollout.teacher import TeacherClient
 from stacx.wire.engine import InferenceEngine
@@ -95,7 +98,8 @@ def launch_engine(kind: EngineKind, rollout: RolloutSection, *, hf_checkpoint: s
     """Start the servers of `kind` (which has a launcher), with a fresh secret when the kind owns one."""
     api_key = secrets.token_urlsafe(32) if kind.owns_secret else None
     servers = kind.launcher(ServerLaunch(hf_checkpoint=hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key,
-                                         return_routed_experts=rollout.use_routing_replay))
+                                         return_routed_experts=rollout.use_routing_replay,
+                                         num_servers=rollout.rollout_num_engines))
     return LaunchedEngine(kind=kind.name, servers=servers, api_key=api_key)
 
 
@@ -182,6 +186,13 @@ class RolloutService:
         num_top = teacher_section.teacher_top_k if teacher_section.distill_kl_mode == "topk" else 0
         if len(urls) > 1:
             engine = EnginePool([kind.connect(u, api_key=api_key) for u in urls], names=urls)
+            try:
+                attach_supervisor(engine, rollout, servers=servers, connect=lambda u: kind.connect(u, api_key=api_key))
+            except BaseException:
+                engine.shutdown()
+                if servers is not None:
+                    servers.stop()
+                raise
         else:
             engine = kind.connect(urls[0], api_key=api_key)
         service = cls(engine, engine_kind=kind.name, url=urls[0], tokenizer=tokenizer,
@@ -211,7 +222,10 @@ class RolloutService:
     def manager(self, step: int, *, seed_offset: int = 0, with_teacher: bool = True):
         """A RolloutManager on the rollout engine(s), its sampling seeds fixed by (rollout_seed, step, offset)."""
         return RolloutManager(
-            self.engine, tokenizer=self.tokenizer, reward_fn=self.rollout_section.reward_fn,
+            self.engine, tokenizer=self.tokenizer,
+            # a reward call that fails for an infrastructure reason is retried (stacx.rollout.episode_retry)
+            reward_fn=retrying_reward(_resolved(self.rollout_section.reward_fn),
+                                      self.rollout_section.episode_retries),
             reward_timeout_s=self.rollout_section.reward_timeout_s,
             teacher=self.teacher if with_teacher else None, num_teacher_top_log_probs=self.num_teacher_top_log_probs,
             seed=self.rollout_section.rollout_seed * 100_003 + step + seed_offset,
@@ -241,6 +255,30 @@ class RolloutService:
     def begin_weight_update(self) -> None:
         self.engine.pause()
 
+    @property
+    def supervisor(self):
+        """The engine pool's `EngineSupervisor` (stacx.rollout.engine_health), or None."""
+        return getattr(self.engine, "supervisor", None)
+
+    def weight_push_urls(self) -> tuple[str, ...]:
+        """The URLs a weight push goes to: every engine, or with a supervisor the live ones and those
+        behind (restarted or recovered); set-aside engines get the weights when they rejoin."""
+        if self.supervisor is None:
+            return tuple(self.urls)
+        return tuple(self.urls[index] for index in self.supervisor.push_targets())
+
+    def recover_engine(self, url: str, error: BaseException) -> str:
+        """After a weight push to `url` failed: 'retry' (the engine answers again, or was restarted),
+        'skip' (set aside; it takes the weights when it rejoins) or 'raise' (not an engine failure)."""
+        if self.supervisor is None:
+            return "raise"
+        return push_failure_action(self.supervisor, self.urls.index(url), error)
+
+    def fault_metrics(self) -> dict[str, float]:
+        """rollout/engine_restarts, rollout/requests_reissued, rollout/live_engines, rollout/health_check_s
+        ({} without a supervisor)."""
+        return self.supervisor.metrics() if self.supervisor is not None else {}
+
     def finish_weight_update(self, version: int) -> None:
         """Flush, resume, and confirm every engine now serves `version`."""
         try:
@@ -252,6 +290,8 @@ class RolloutService:
         stale = {url: served for url, served in versions.items() if served != version}
         if stale:
             raise RuntimeError(f"rollout engine(s) serve weight version(s) {stale} after pushing {version}")
+        if self.supervisor is not None:
+            self.supervisor.confirm_version(version, {self.urls.index(url): served for url, served in versions.items()})
 
     def abort_weight_update(self) -> None:
         """Resume generation after a failed push; a failure to resume is logged, not raised, so the
@@ -274,3 +314,8 @@ class RolloutService:
         finally:
             if self.servers is not None:
                 self.servers.stop()
+
+
+def _resolved(reward_fn):
+    """A reward name resolved to its function (None and callables as they are)."""
+    return resolve_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn

@@ -34,6 +34,7 @@ from typing import Any, Optional, Sequence, TYPE_CHECKING
 from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
 from stacx.rollout import rollin
 from stacx.rollout.agents.episode import episode_metrics
+from stacx.rollout.episode_retry import DROPPED_KEY, replace_dropped_groups, retry_failed
 from stacx.rollout.data import DataConfig, ExampleSource, load_examples
 from stacx.rollout.dynamic_sampling import collect_informative_groups
 from stacx.rollout.evaluation import RolloutDumper, evaluate
@@ -125,8 +126,16 @@ class StepRollout:
         metrics: dict[str, float] = {}
         batch_size = self.data.batch_size
 
-        def draw(num_prompts: int) -> list:
+        def play(num_prompts: int) -> list:
             return self.generate(manager, self.data.next_examples(num_prompts), step, rng, metrics)
+
+        def draw(num_prompts: int) -> list:
+            """num_prompts complete groups: a group with a dropped episode is replaced (stacx.rollout.episode_retry)."""
+            samples, counts = replace_dropped_groups(play(num_prompts), play, num_groups=num_prompts, step=step,
+                                                     max_dropped_fraction=self.rollout.max_dropped_fraction)
+            for name, value in counts.items():
+                metrics[name] = metrics.get(name, 0.0) + value
+            return samples
 
         if self.dynamic:
             result = collect_informative_groups(
@@ -181,6 +190,15 @@ class StepRollout:
         if self.spec.uses_teacher_engine:
             engines[Executor.TEACHER] = self.service.teacher_engine()
         rollin.run_turns(episodes, engines=engines, sampling=sampling, tokenizer=tokenizer, rng=rng)
+
+        episodes, retried = retry_failed(
+            episodes, failure=lambda e: e.failure, retries=self.rollout.episode_retries,
+            replay=lambda failed: rollin.replay_episodes(failed, spec=self.spec, iteration=step, engines=engines,
+                                                         sampling=sampling, tokenizer=tokenizer, rng=rng))
+        metrics["rollout/episodes_retried"] = metrics.get("rollout/episodes_retried", 0.0) + retried
+        for episode in episodes:
+            if episode.failure:
+                episode.sample.metadata[DROPPED_KEY] = episode.failure
         samples = [e.sample for e in episodes]
         versions = [v for e in episodes for v in e.student_versions]
         for episode in episodes:

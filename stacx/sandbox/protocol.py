@@ -30,7 +30,17 @@ Source = Union[str, os.PathLike, bytes]
 
 
 class SandboxUnavailableError(RuntimeError):
-    """The configured backend cannot run on this machine; the message names the setting and the fix."""
+    """The configured backend cannot run on this machine, or its server does not answer; the message
+    names the setting and the fix."""
+
+    infrastructure_cause = "sandbox"
+    """Not the policy's doing: an episode that meets it is played again (stacx.rollout.episode_retry)."""
+
+
+class SandboxServerError(RuntimeError):
+    """The sandbox server failed a request (HTTP 5xx) or no longer knows the session (404: it restarted)."""
+
+    infrastructure_cause = "sandbox"
 
 
 class SandboxClosedError(RuntimeError):

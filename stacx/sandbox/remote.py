@@ -15,7 +15,8 @@ import requests
 
 from stacx.sandbox.limits import SandboxLimits
 from stacx.sandbox.process import RunSlots
-from stacx.sandbox.protocol import ClosedOnExit, Command, RunResult, SandboxClosedError, SandboxUnavailableError, Source
+from stacx.sandbox.protocol import (ClosedOnExit, Command, RunResult, SandboxClosedError, SandboxServerError,
+                                    SandboxUnavailableError, Source)
 from stacx.sandbox.working_copy import pack_folder
 
 RESULT_FIELDS = tuple(field.name for field in fields(RunResult))
@@ -46,7 +47,10 @@ class RemoteSession(ClosedOnExit):
         if self._closed:
             return
         self._closed = True
-        self._sandbox.request("DELETE", f"/sessions/{self.session_id}", timeout=REQUEST_MARGIN_S)
+        try:
+            self._sandbox.request("DELETE", f"/sessions/{self.session_id}", timeout=REQUEST_MARGIN_S)
+        except (SandboxUnavailableError, SandboxServerError):
+            pass  # the server is gone or restarted: the session went with it
 
 
 def read_api_key_file(path: str) -> str:
@@ -83,13 +87,21 @@ class RemoteSandbox:
                                           "`python -m stacx.sandbox.server` or fix the URL") from None
 
     def request(self, method: str, path: str, **kwargs) -> dict:
-        response = self._http.request(method, f"{self.url}{path}", **kwargs)
+        """The server's JSON answer. A server that does not answer raises SandboxUnavailableError, one that fails
+        the request (5xx) or lost the session (404) SandboxServerError, a refused request ValueError (400) or
+        RuntimeError (401, 403, ...)."""
+        try:
+            response = self._http.request(method, f"{self.url}{path}", **kwargs)
+        except (requests.ConnectionError, requests.Timeout) as err:
+            raise SandboxUnavailableError(f"sandbox server {self.url}: {method} {path} got no answer: "
+                                          f"{type(err).__name__}: {err}") from None
         if response.status_code >= 400:
             try:
                 detail = response.json().get("detail", response.text)
             except ValueError:
                 detail = response.text
-            error = ValueError if response.status_code == 400 else RuntimeError
+            error = ValueError if response.status_code == 400 else (
+                SandboxServerError if response.status_code == 404 or response.status_code >= 500 else RuntimeError)
             raise error(f"sandbox server {self.url}: {method} {path} -> {response.status_code}: {detail}")
         return response.json()
 

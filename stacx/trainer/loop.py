@@ -297,6 +297,8 @@ class StacxTrainer:
         """The step's batch on the driver from the sample source (--replay-rollouts: the dump's file), written
         to --dump-rollouts as it reaches the trainer, before any field the trainer adds."""
         batch, metrics = self.collect_batch(step)
+        if self.rollout is not None:
+            metrics.update(self.rollout.fault_metrics())  # engine restarts, re-issued requests
         if self.rollout_dump is not None:
             seconds, size = self.rollout_dump.write(step, batch, metrics, getattr(self.samples, "last_samples", None))
             metrics.update({"time/rollout_dump_s": seconds, "rollout_dump/bytes": float(size)})
@@ -416,8 +418,12 @@ class StacxTrainer:
         if self.channel.is_driver:
             self.rollout.begin_weight_update()
         try:
-            for url in target.urls:  # every rollout engine takes the update; finish_weight_update checks each version
-                self.roles[role.name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key)
+            # every live rollout engine takes the update (a set-aside one when it rejoins, stacx.rollout.engine_health);
+            # finish_weight_update checks each version
+            push_urls = getattr(self.rollout, "weight_push_urls", lambda: target.urls)
+            urls = self.channel.share(tuple(push_urls()) if self.channel.is_driver else None)
+            for url in urls:
+                self.push_weights_to(role.name, target, url, version)
         except BaseException:
             # Resume without the version check: a stale-version error would hide the push's own error.
             if self.channel.is_driver:
@@ -426,6 +432,23 @@ class StacxTrainer:
         if self.channel.is_driver:
             self.rollout.finish_weight_update(version)
         self.samples.publish_version(version)
+
+    def push_weights_to(self, role_name: str, target: EngineTarget, url: str, version: int) -> None:
+        """Push to one engine; a push that failed because the engine did not answer is retried once on it,
+        after the rollout service restarted or recovered it ('skip': set aside, it rejoins later)."""
+        try:
+            self.roles[role_name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key)
+            return
+        except Exception as err:  # noqa: BLE001 - the rollout service decides; re-raised unless it recovers
+            # under torchrun the ranks that did not fail are in the push's collectives: no retry there
+            recover = getattr(self.rollout, "recover_engine", None) if getattr(self.channel, "drives_alone", False) else None
+            action = recover(url, err) if recover is not None else "raise"
+            if action == "raise":
+                raise
+            logger.warning("weight push of version %d to %s failed (%s): %s", version, url, err,
+                           "retrying on it" if action == "retry" else "it is set aside until it rejoins")
+        if action == "retry":
+            self.roles[role_name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key)
 
     def evaluate_if_due(self, completed_steps: int) -> dict[str, float]:
         """eval/* of the model after `completed_steps` rollout steps when due (the driver's StepRollout

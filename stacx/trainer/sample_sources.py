@@ -329,10 +329,11 @@ def build_agent_rollout(run_config: RunConfig, algorithm: AlgorithmConfig, rollo
     times against the engine's OpenAI-compatible endpoint; its recorded turns are the samples."""
     section, tokenizer = run_config.rollout, rollout.tokenizer
 
-    def next_tasks(step: int) -> list[dict]:
+    def next_tasks(step: int, count: Optional[int] = None) -> list[dict]:
+        """`count` prompt rows as tasks (default: a step's batch); more replace groups that lost an episode."""
         return [{"prompt": tokenizer.decode(example.prompt_ids), "label": example.label,
                  "metadata": dict(example.metadata), "source": example.source}
-                for example in data.next_examples(data.batch_size)]
+                for example in data.next_examples(count or data.batch_size)]
 
     def uniform_rewards(step: int, samples) -> Optional[str]:
         if algorithm.advantage_estimator == "gae":  # a critic's advantages are not 0 then
@@ -348,4 +349,6 @@ def build_agent_rollout(run_config: RunConfig, algorithm: AlgorithmConfig, rollo
                         next_tasks=next_tasks, n_samples_per_task=section.n_samples_per_prompt,
                         reward_fn=last_turn_reward(resolve_reward_fn(section.reward_fn), tokenizer.decode),
                         max_parallel_episodes=section.agent_max_parallel_episodes, api_key=rollout.api_key,
-                        dumper=dumper, uniform_reward_warning=uniform_rewards)
+                        dumper=dumper, uniform_reward_warning=uniform_rewards,
+                        episode_retries=section.episode_retries, max_dropped_fraction=section.max_dropped_fraction,
+                        more_tasks=next_tasks)

@@ -88,6 +88,8 @@ class HttpTransport:
         max_connections: connections kept open for reuse (as many as threads calling at once)."""
         self.url = url.rstrip("/")
         self.retry = retry
+        self.closed = False
+        """Set by `close`: a request still retrying (its server died) stops at its next attempt."""
         self._session = requests.Session()
         if max_connections != 10:  # requests' default pool size
             adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=max_connections)
@@ -112,6 +114,9 @@ class HttpTransport:
         last_error = ""
         for attempt in range(1, policy.max_attempts + 1):
             time.sleep(policy.sleep_before(attempt))
+            if self.closed:  # the pool gave this server up (stacx.rollout.engine_health): no further attempt
+                raise ServerUnavailableError(self.url, endpoint, summary or "-", attempt - 1,
+                                             last_error or "the client was closed")
             try:
                 response = self._session.request(
                     method, self.url + endpoint, json=json_body, data=data, timeout=policy.timeout_s
@@ -143,6 +148,7 @@ class HttpTransport:
         return self.request("GET", endpoint, retry=retry)
 
     def close(self) -> None:
+        self.closed = True
         self._session.close()
 
 

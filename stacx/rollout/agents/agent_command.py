@@ -39,6 +39,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from stacx.rollout.episode_retry import AGENT_INFRASTRUCTURE_EXIT_CODE, InfrastructureError
+
 __all__ = ["AgentCommand", "AgentCommandTimeout", "agent_environment", "read_reward_file", "substitute_placeholders",
            "PASSED_THROUGH", "DEFAULT_AGENT_TIMEOUT_S", "EPISODE_API_KEY"]
 
@@ -188,6 +190,9 @@ class AgentCommand:
                     f"output: {_tail(stderr_path, STDERR_SHOWN_CHARS) or _tail(stdout_path, STDERR_SHOWN_CHARS)}")
             finally:
                 _kill_group(process)  # no process of the episode outlives it
+            if returncode == AGENT_INFRASTRUCTURE_EXIT_CODE:  # the program says: not the policy's doing
+                raise InfrastructureError("agent_program", f"agent command {argv[0]} exited with {returncode} "
+                                          f"(infrastructure failure): {_tail(stderr_path, STDERR_SHOWN_CHARS)}")
             if returncode != 0:
                 raise RuntimeError(f"agent command {argv[0]} exited with {returncode}: "
                                    f"{_tail(stderr_path, STDERR_SHOWN_CHARS)}")

@@ -41,6 +41,7 @@ import requests
 from stacx.plugins.discovery import resolve_callable
 from stacx.rollout.agents.agent_command import DEFAULT_AGENT_TIMEOUT_S, AgentCommand
 from stacx.rollout.agents.agent_trajectories import assemble_trajectories, branch_metrics
+from stacx.rollout.episode_retry import DROPPED_KEY, EpisodeLossError, infrastructure_cause, replace_dropped_groups
 from stacx.rollout.evaluation import RolloutDumper
 from stacx.wire.sample import Sample
 from stacx.wire.trajectories import RecordedTurn
@@ -138,7 +139,9 @@ class AgentRollout:
                  next_tasks: Callable[[int], Sequence[dict]], n_samples_per_task: int = 1,
                  reward_fn: Optional[RewardFn] = None, max_parallel_episodes: int = 8, request_timeout_s: float = 60.0,
                  api_key: Optional[str] = None, dumper: Optional[RolloutDumper] = None,
-                 uniform_reward_warning: Optional[Callable[[int, Sequence[Sample]], Optional[str]]] = None):
+                 uniform_reward_warning: Optional[Callable[[int, Sequence[Sample]], Optional[str]]] = None,
+                 episode_retries: int = 0, max_dropped_fraction: float = 1.0,
+                 more_tasks: Optional[Callable[[int, int], Sequence[dict]]] = None):
         if n_samples_per_task < 1:
             raise ValueError(f"n_samples_per_task must be >= 1, got {n_samples_per_task}")
         if max_parallel_episodes < 1:
@@ -160,6 +163,13 @@ class AgentRollout:
         """(step, samples) -> the warning when every task's episodes earned the same reward, else None
         (stacx.rollout.step_rollout.uniform_reward_warning); logged once per run."""
         self.warned_uniform_rewards = False
+        self.episode_retries = episode_retries
+        """Times an episode whose agent failed for an infrastructure reason is played again."""
+        self.episodes_retried = 0
+        self.max_dropped_fraction = max_dropped_fraction
+        """A step whose dropped episodes exceed this fraction stops the run (--max-dropped-fraction)."""
+        self.more_tasks = more_tasks
+        """(step, k) -> k fresh tasks, which replace the tasks whose groups lost an episode."""
 
     def waiting_for(self) -> str:
         """The episodes still running ('' when none), for the run's heartbeat (RunningEpisodes.describe)."""
@@ -171,10 +181,18 @@ class AgentRollout:
         if not tasks:
             raise ValueError(f"step {step}: next_tasks gave no task")
         episodes = [(index, task) for index, task in enumerate(tasks) for _ in range(self.n_samples_per_task)]
-        with ThreadPoolExecutor(max_workers=min(self.max_parallel_episodes, len(episodes))) as pool:
-            results = list(pool.map(lambda episode: self.run_episode(*episode[1], episode_id=episode[0]),
-                                    enumerate(episodes)))
-        samples = [sample for result in results for sample in result]
+        retried_before = self.episodes_retried
+        results = self.play(episodes)
+        next_episode_id = [len(episodes)]
+
+        def fresh(num_tasks: int) -> list[Sample]:
+            played = self.play_fresh(step, num_tasks, next_episode_id[0])
+            next_episode_id[0] += num_tasks * self.n_samples_per_task
+            return played
+
+        samples, replaced = replace_dropped_groups([sample for result in results for sample in result], fresh,
+                                                   num_groups=len(tasks), step=step,
+                                                   max_dropped_fraction=self.max_dropped_fraction)
         if not samples:
             raise RuntimeError(f"step {step}: none of the {len(episodes)} agent episodes made a model call through "
                                f"its base URL ({session_base_url(self.server_url, '<session>')}); check that the "
@@ -187,9 +205,25 @@ class AgentRollout:
                    "rollout/agent_samples": float(len(samples)),
                    "rollout/agent_turns_mean": sum(s.metadata["num_turns"] for s in samples) / len(samples),
                    "rollout/reward_mean": sum(episode_rewards) / len(episode_rewards),
+                   "rollout/episodes_retried": float(self.episodes_retried - retried_before), **replaced,
                    **branch_metrics(results)}
         self.report(step, samples)
         return samples, metrics
+
+    def play(self, episodes: Sequence[tuple[int, dict]], first_episode_id: int = 0) -> list[list[Sample]]:
+        """Each (group index, task) episode's samples, `max_parallel_episodes` at once."""
+        with ThreadPoolExecutor(max_workers=min(self.max_parallel_episodes, len(episodes))) as pool:
+            return list(pool.map(lambda episode: self.run_episode(*episode[1], episode_id=first_episode_id + episode[0]),
+                                 enumerate(episodes)))
+
+    def play_fresh(self, step: int, num_tasks: int, first_episode_id: int) -> list[Sample]:
+        """The samples of `num_tasks` fresh tasks (replacing groups with a dropped episode), episode ids unique."""
+        if self.more_tasks is None:
+            raise EpisodeLossError(f"step {step}: {num_tasks} task(s) had an episode dropped after its retries, and "
+                                   "this rollout has no source of fresh tasks to replace them (AgentRollout(more_tasks=))")
+        tasks = list(self.more_tasks(step, num_tasks))
+        episodes = [(index, task) for index, task in enumerate(tasks) for _ in range(self.n_samples_per_task)]
+        return [sample for result in self.play(episodes, first_episode_id) for sample in result]
 
     def report(self, step: int, samples: Sequence[Sample]) -> None:
         """The uniform-reward warning (once per run) and the rollout dump of the step's samples."""
@@ -205,14 +239,31 @@ class AgentRollout:
         return {}
 
     def run_episode(self, group_index: int, task: dict, *, episode_id: Optional[int] = None) -> list[Sample]:
+        """One episode -> its samples; an episode whose agent failed for an infrastructure reason is played
+        again, up to `episode_retries` times (stacx.rollout.episode_retry); then its samples are marked dropped."""
+        for attempt in range(self.episode_retries + 1):
+            samples = self.play_episode(group_index, task, episode_id=episode_id)
+            failure = next((s.metadata.get("infrastructure_failure") for s in samples), None)
+            if failure is None:
+                return samples
+            if attempt < self.episode_retries:
+                self.episodes_retried += 1
+                logger.warning("agent episode on task %d failed for an infrastructure reason (%s); playing it again",
+                               group_index, failure)
+        for sample in samples:
+            sample.metadata[DROPPED_KEY] = failure
+        return samples
+
+    def play_episode(self, group_index: int, task: dict, *, episode_id: Optional[int] = None) -> list[Sample]:
         """One episode in a fresh session -> its samples (one per branch), each with the episode's reward."""
         session_id, secret = self.open_session()
-        reward, error = None, None
+        reward, error, cause = None, None, None
         try:
             reward = self.agent(session_base_url(self.server_url, session_id, secret), task)
         except Exception as err:  # noqa: BLE001 - one failing episode must not end the run
             error = f"{type(err).__name__}: {err}"
             logger.warning("agent episode on task %d failed: %s", group_index, error)
+            cause = infrastructure_cause(err)
         samples = assemble_trajectories(self.take_turns(session_id, secret), group_index=group_index,
                                         episode_id=episode_id)
         if samples and error is None and reward is None:
@@ -224,6 +275,8 @@ class AgentRollout:
             sample.reward = 0.0 if error is not None else float(reward)
             sample.reward_error = error
             sample.metadata.update(session_id=session_id, task=task)
+            if cause is not None:
+                sample.metadata["infrastructure_failure"] = f"{cause}: {error}"
         return samples
 
     def open_session(self) -> tuple[str, str]:

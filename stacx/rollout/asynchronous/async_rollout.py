@@ -59,7 +59,8 @@ from stacx.rollout.continuation import continuation_request, join_outputs
 from stacx.rollout.data import ExampleSource
 from stacx.rollout.engines.registry import resolve_engine_kind
 from stacx.rollout.plan import RolloutPlan
-from stacx.rollout.rollin import has_environment, run_turns, start_episodes
+from stacx.rollout.episode_retry import EpisodeLossError, retry_failed
+from stacx.rollout.rollin import has_environment, replay_episodes, run_turns, start_episodes
 from stacx.rollout.sections import RolloutSection
 from stacx.wire.sample import Executor, Sample
 from stacx.wire.types import GenerateOutput, GenerateRequest
@@ -377,6 +378,7 @@ class AsyncRollout:
                                   spec=self.step_rollout.spec, iteration=0, rng=rng, tokenizer=tokenizer)
         run_turns(episodes, engines={Executor.STUDENT: self.engine}, sampling=self._sampling, tokenizer=tokenizer,
                   rng=rng)
+        episodes = self._retry_failed(prompt, episodes, rng)
         samples, versions = [], []
         for episode in episodes:
             sample = episode.sample
@@ -391,6 +393,21 @@ class AsyncRollout:
         self._manager.score_with_teacher(samples)
         self.step_rollout.apply_overlong_penalty(samples)
         return samples, versions
+
+    def _retry_failed(self, prompt: _Prompt, episodes: list, rng: random.Random) -> list:
+        """Episodes failed for an infrastructure reason played again (--episode-retries); one still failing stops
+        the run: replacing its group by a fresh prompt is not done in asynchronous mode."""
+        episodes, _ = retry_failed(episodes, failure=lambda e: e.failure, retries=self.section.episode_retries,
+                                   replay=lambda failed: replay_episodes(
+                                       failed, spec=self.step_rollout.spec, iteration=0,
+                                       engines={Executor.STUDENT: self.engine}, sampling=self._sampling,
+                                       tokenizer=self.service.tokenizer, rng=rng))
+        failure = next((e.failure for e in episodes if e.failure), None)
+        if failure is not None:
+            raise EpisodeLossError(f"prompt row {prompt.example.source}: an episode failed {self.section.episode_retries + 1} "
+                                   f"times for an infrastructure reason ({failure}); --rollout-mode async does not "
+                                   "replace a group yet: fix the cause, raise --episode-retries or use --rollout-mode sync")
+        return episodes
 
     def _on_episodes(self, group_id: int, future: Future) -> None:
         try:

@@ -96,7 +96,16 @@ class HttpEngine(InferenceEngine):
             self._staging = self._open_staging()
         if self.weight_transport == "shm":
             header = self._staging.write(bucket, version=version, final=final, index=index)
-            self.transport.post_json(SHM_BUCKET_ENDPOINT, header, summary=f"{len(bucket)} tensors via {self._staging.path}")
+            try:
+                self.transport.post_json(SHM_BUCKET_ENDPOINT, header,
+                                         summary=f"{len(bucket)} tensors via {self._staging.path}")
+            except ServerRequestError as err:
+                if err.status_code != 400 or "is not a staging file of this server" not in str(err):
+                    raise
+                # the server restarted (stacx.rollout.engine_health) and lost this staging file: a fresh one
+                stale, self._staging = self._staging, None
+                stale.close()
+                self._post_bucket(bucket, version=version, index=index, final=final)
             return
         # the tensors' own memory goes to the socket; the server receives one flat buffer
         chunks = bucket_wire_chunks(bucket, version=version, final=final, index=index)

@@ -6,6 +6,10 @@ Every launcher has one shape (what `register_engine(launcher=...)` takes):
     servers = launcher(ServerLaunch(hf_checkpoint=..., seed=..., api_key=...))   # returns once started
     urls = servers.wait_until_ready()     # every server's URL; on failure nothing is left running
     servers.stop()                        # best effort, idempotent
+
+Servers that can be restarted also have `restart(index) -> url`: stop server `index` (dead or hung) and
+start it again on the same URL (the run's engine pool does, stacx.rollout.engine_health); the 'cpu'
+kind's have it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class ServerLaunch:
     return_routed_experts: bool = False
     """The run replays routes (--use-routing-replay): servers that need a switch for it get it
     (SGLang's --enable-return-routed-experts; `stacx serve` always can)."""
+    num_servers: int = 1
+    """Servers to start (--rollout-num-engines); the requests are spread over them."""
 
 
 class LaunchedServers(Protocol):
@@ -54,16 +60,18 @@ class CpuServerProcess:
     """`stacx serve --hf-checkpoint PATH --port 0` as a child process; `url` once it is ready."""
 
     def __init__(self, hf_checkpoint: str, *, seed: int = 0, host: str = "127.0.0.1", num_threads: int = 1,
-                 timeout_s: float = SERVER_START_TIMEOUT_S, api_key: Optional[str] = None, wait: bool = True):
+                 timeout_s: float = SERVER_START_TIMEOUT_S, api_key: Optional[str] = None, wait: bool = True,
+                 port: int = 0):
         """api_key: the secret the server requires on mutating endpoints, handed over in its
         environment (STACX_API_KEY), never on its command line where other users could read it.
         wait=False returns once the process is started; `wait_until_ready()` then gives `url`
-        (a run starts its server this way while its role workers start)."""
+        (a run starts its server this way while its role workers start). port: 0 picks a free one; a
+        restarted server takes its predecessor's."""
         env = dict(os.environ, OMP_NUM_THREADS=str(num_threads), PYTHONUNBUFFERED="1")
         env.pop("STACX_API_KEY", None)
         if api_key:
             env["STACX_API_KEY"] = api_key
-        command = [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", hf_checkpoint, "--port", "0",
+        command = [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", hf_checkpoint, "--port", str(port),
                    "--host", host, "--seed", str(seed), "--parent-pid", str(os.getpid())]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.output = ReadyLineWatch(self.process, name="the CPU rollout server (stacx serve)")
@@ -90,22 +98,53 @@ class CpuServerProcess:
 
 @dataclass(eq=False)
 class LaunchedCpuServer:
-    """The 'cpu' kind's one `stacx serve` child as `LaunchedServers`."""
+    """The 'cpu' kind's `stacx serve` children as `LaunchedServers` (restartable)."""
 
     process: CpuServerProcess
+    """The first server (`processes[0]`)."""
+    launch: Optional[ServerLaunch] = None
+    """What started them (a restart starts the same server again)."""
+    others: list = field(default_factory=list)
+    """The second and further servers (--rollout-num-engines)."""
+
+    @property
+    def processes(self) -> list:
+        return [self.process, *self.others]
 
     def wait_until_ready(self) -> tuple[str, ...]:
-        return (self.process.wait_until_ready(),)
+        try:
+            return tuple(process.wait_until_ready() for process in self.processes)
+        except BaseException:
+            self.stop()
+            raise
+
+    def restart(self, index: int) -> str:
+        """Stop server `index` (killed if it does not stop: it may be hung) and start it again on its URL;
+        returns the URL once it serves (the checkpoint's weights, version 0)."""
+        old = self.processes[index]
+        if old.url is None or self.launch is None:
+            raise RuntimeError(f"rollout server {index} never became ready; it cannot be restarted")
+        stop_process(old.process, timeout_s=5)
+        port = int(old.url.rsplit(":", 1)[1])
+        new = CpuServerProcess(self.launch.hf_checkpoint, seed=self.launch.seed + index, api_key=self.launch.api_key,
+                               port=port)
+        if index == 0:
+            self.process = new
+        else:
+            self.others[index - 1] = new
+        return new.url
 
     def stop(self) -> None:
-        self.process.stop()
+        for process in self.processes:
+            process.stop()
 
 
 def launch_cpu_server(launch: ServerLaunch) -> LaunchedCpuServer:
-    """Start `stacx serve` on loopback without waiting for it: it loads its model while the run's
-    role workers start."""
-    return LaunchedCpuServer(CpuServerProcess(launch.hf_checkpoint, seed=launch.seed, api_key=launch.api_key,
-                                              wait=False))
+    """Start `launch.num_servers` `stacx serve` processes on loopback without waiting for them: they
+    load their model while the run's role workers start."""
+    started = [CpuServerProcess(launch.hf_checkpoint, seed=launch.seed + index, api_key=launch.api_key, wait=False)
+               for index in range(launch.num_servers)]
+    return LaunchedCpuServer(started[0], launch, started[1:])
 
 
 @dataclass(eq=False)
@@ -133,6 +172,9 @@ class LaunchedSglangServers:
 
 def launch_sglang_servers(launch: ServerLaunch) -> LaunchedSglangServers:
     """One SGLang server on the Ray cluster's GPUs (blocks until it is healthy)."""
+    if launch.num_servers != 1:
+        raise ValueError(f"--rollout-num-engines {launch.num_servers}: the 'sglang' kind launches one server; start "
+                         "more yourself and attach them with --rollout-engine http --rollout-urls")
     extra = ("--enable-return-routed-experts",) if launch.return_routed_experts else ()
     actors, urls = launch_sglang_servers_on_ray([SglangServerSpec(model_path=launch.hf_checkpoint, port=SGLANG_PORT,
                                                                   api_key=launch.api_key, extra_args=extra)])

@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 from stacx.rollout.agents.environments import Environment, Messages, StepResult, register_environment
 from stacx.rollout.agents.tools import MAX_TOOL_OUTPUT_CHARS, ToolResult, ToolSpec, argument_errors
+from stacx.rollout.episode_retry import infrastructure_cause
 from stacx.sandbox import RunResult, SandboxConfig, SandboxLimits, SandboxSession
 from stacx.tasks.swe.evaluate import SweEvaluation, evaluate_session, snapshot_source
 from stacx.tasks.swe.reward import sandbox_for, task_of
@@ -110,7 +111,9 @@ class SweEnvironment(Environment):
         return [self.specs[name] for name in self.tools]
 
     def call_tool(self, call: ToolCall) -> ToolResult:
-        """Run one call in the session; a sandbox failure or timeout is an error observation, never a crash."""
+        """Run one call in the session; a timeout or a failed command is an error observation. A sandbox server
+        that does not answer, fails or lost the session is raised: it is not the policy's doing, and the
+        episode is played again (stacx.rollout.episode_retry)."""
         spec = self.specs.get(call.name)
         if spec is None:
             return ToolResult(call, f"error: unknown tool {call.name!r}; available: {list(self.tools)}", "unknown_tool")
@@ -123,6 +126,8 @@ class SweEnvironment(Environment):
         try:
             return run(self, call, **call.arguments)
         except Exception as error:  # noqa: BLE001 - a broken sandbox is the agent's observation, counted
+            if infrastructure_cause(error) is not None:
+                raise
             return ToolResult(call, f"error: the sandbox failed: {type(error).__name__}: {error}", "raised")
 
     def _bash(self, call: ToolCall, command: str) -> ToolResult:

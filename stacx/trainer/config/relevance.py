@@ -21,6 +21,10 @@ SAMPLING_FIELDS = ("rollout_engine", "rollout_urls", "n_samples_per_prompt", "ro
 ASYNC_FIELDS = ("max_staleness", "partial_rollout")
 """Read only in --rollout-mode async."""
 REWARD_FIELDS = ("reward_fn", "reward_timeout_s")
+ENGINE_FAULT_FIELDS = ("rollout_num_engines", "min_live_engines", "engine_deadline_s", "engine_health_interval_s")
+"""Read only with several rollout engines (the pool watches them)."""
+EPISODE_FAULT_FIELDS = ("episode_retries", "max_dropped_fraction")
+"""Read only when an episode fails for an infrastructure reason: shown when given."""
 EVAL_DETAIL_FIELDS = ("eval_interval", "eval_n_samples", "eval_temperature")
 ROLLIN_FIELDS = ("dagger_sampling_mode", "dagger_sft_mode", "trajectory_corpus", "dagger_beta_schedule",
                  "dagger_beta_start", "dagger_beta_end", "dagger_beta_iters", "dagger_kappa_start",
@@ -99,6 +103,11 @@ def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
             return rollout and engine_attaches
         if name in EVAL_DETAIL_FIELDS:
             return has_eval_data
+        if name in ENGINE_FAULT_FIELDS:
+            return rollout and (int(rollout_values.get("rollout_num_engines") or 1) > 1
+                                or len(rollout_values.get("rollout_urls") or ()) > 1)
+        if name in EPISODE_FAULT_FIELDS:
+            return False
         if name in ASYNC_FIELDS:
             return rollout and rollout_values.get("rollout_mode") == "async"
         if name in SAMPLING_FIELDS:

@@ -444,7 +444,17 @@ class RoleRuntime:
                 sent[0] += len(bucket)
                 yield bucket
 
-        self._engine_clients[key].update_weights(counted(), version=version)
+        try:
+            self._engine_clients[key].update_weights(counted(), version=version)
+        except BaseException:
+            # a retried push (stacx.rollout.engine_health) may reach a restarted server: a fresh client
+            # opens a fresh shared-memory staging file there
+            stale = self._engine_clients.pop(key)
+            try:
+                stale.shutdown()
+            except Exception:  # noqa: BLE001 - the push's own error is the one reported
+                pass
+            raise
         return sent[0]
 
     def export_hf(self, out_dir: str) -> None:

@@ -129,6 +129,8 @@ class RayChannel:
     """The Ray driver is the only process running the loop."""
 
     is_driver = True
+    drives_alone = True
+    """No other process runs the loop: the driver may decide alone mid-collective (a weight push's retry)."""
 
     def share(self, value: Any) -> Any:
         return value

@@ -1,0 +1,360 @@
+"""Engine failures: a dead or hung rollout engine is noticed, restarted or set aside, and its requests re-issued.
+
+    supervisor = EngineSupervisor(engines, names=urls, settings=EngineFaultSettings(min_live_engines=1),
+                                  restart=restart_server)          # None for attached servers (--rollout-urls)
+    pool = EnginePool(engines, names=urls, supervisor=supervisor)  # dispatches to live engines only
+
+An engine has failed when (`EngineSupervisor.call`):
+- a call to it fails at the transport (`ServerUnavailableError`: refused or reset connections, timeouts and
+  5xx answers once the client's own retries are spent; a 4xx is the caller's mistake and is raised as is);
+- it misses `health_misses` health checks in a row while one of its generations is in flight (`/health`
+  is probed every `health_interval_s`);
+- a generation on it runs past `generation_deadline_s`.
+
+What follows:
+- a **launched** engine (the run started its server; `restart` given) is set aside, its client closed (a
+  request still retrying against it stops), and its server stopped and started again on the same URL
+  in a background thread (`rollout/engine_restarts`). It serves again only at the pool's weight version:
+  at once when that is the version a fresh server loads (0: no weights pushed yet), else from the next
+  weight push, which goes to it like to every engine and is version-checked;
+- an **attached** engine (`--rollout-urls`, or a kind whose servers cannot be restarted) is set aside and
+  probed at most once per `health_interval_s`; when its health check passes it rejoins, by the same
+  version rule;
+- the failed call's requests go to a live engine (`rollout/requests_reissued`). A request that continues
+  an aborted generation (partial rollout) carries its tokens so far in its prompt, so it continues from
+  them; the tokens the failed engine was generating are lost and that request starts again;
+- with fewer than `min_live_engines` engines live, `EnginesLost` stops the run naming each engine out and why.
+
+The pool never dispatches to an engine that is restarting, set aside or behind the pool's version, so
+engines never serve different weight versions unnoticed; the per-token versions of every output say
+which weights produced each token.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence
+
+from stacx.wire.http_client import ServerUnavailableError
+
+logger = logging.getLogger(__name__)
+
+LIVE, RESTARTING, BEHIND, OUT = "live", "restarting", "behind", "out"
+"""Engine states: serving; its server restarting; serving an older weight version than the pool (waits
+for the next push); set aside (failed, not restartable, or its restart failed)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineFaultSettings:
+    """When an engine counts as failed, and how many must stay live (run flags of the same names)."""
+
+    min_live_engines: int = 1
+    """The run goes on while at least this many engines are live; below it, it stops naming the engines out."""
+    generation_deadline_s: float = 3600.0
+    """A generation call on one engine running longer than this marks the engine hung."""
+    health_interval_s: float = 10.0
+    """Seconds between health checks of an engine with a generation in flight (and of a set-aside engine)."""
+    health_misses: int = 2
+    """Health checks missed in a row that mark an engine dead."""
+
+    def __post_init__(self):
+        if self.min_live_engines < 1:
+            raise ValueError(f"--min-live-engines must be >= 1, got {self.min_live_engines}")
+        if not self.generation_deadline_s > 0:
+            raise ValueError(f"--engine-deadline-s must be > 0, got {self.generation_deadline_s}")
+        if not self.health_interval_s > 0:
+            raise ValueError(f"--engine-health-interval-s must be > 0, got {self.health_interval_s}")
+        if self.health_misses < 1:
+            raise ValueError(f"health_misses must be >= 1, got {self.health_misses}")
+
+
+class EngineFailed(RuntimeError):
+    """Engine `index` failed during a call (the supervisor has set it aside); re-issue the call elsewhere."""
+
+    def __init__(self, index: int, name: str, reason: str):
+        self.index, self.name, self.reason = index, name, reason
+        super().__init__(f"rollout engine {name} failed: {reason}")
+
+
+class EnginesLost(RuntimeError):
+    """Fewer than --min-live-engines engines are live: the run stops, naming each engine out and why."""
+
+
+Restart = Callable[[int], Any]
+"""restart(index) -> the new client of engine `index`, once its server serves again (blocking)."""
+
+
+class EngineSupervisor:
+    """The state of each engine of a pool, its failures, restarts and the counters (module doc)."""
+
+    def __init__(self, engines: List[Any], *, names: Sequence[str], settings: EngineFaultSettings = EngineFaultSettings(),
+                 restart: Optional[Restart] = None, clock: Callable[[], float] = time.monotonic):
+        """engines: the pool's clients (this list is updated in place when a restarted engine gets a new client);
+        restart: None when the servers cannot be restarted (they are attached)."""
+        self.engines = engines
+        self.names = list(names)
+        self.settings = settings
+        self.restart = restart
+        self.clock = clock
+        self.states = [LIVE] * len(engines)
+        self.reasons: list[str] = [""] * len(engines)
+        self.version = 0
+        """The weight version the pool serves (the last one every live engine confirmed)."""
+        self.updating = False
+        """A weight update is under way (between pause and the version check): a restarted engine waits for it."""
+        self.engine_restarts = 0
+        self.generation = [0] * len(engines)
+        """Failures of each engine so far: an engine whose count changed during a weight update missed its push."""
+        self._update_generation = list(self.generation)
+        self._pushed: Optional[set] = None
+        """The engines the current weight push goes to (None before the first push)."""
+        self.requests_reissued = 0
+        self.failures: list[tuple[str, str]] = []
+        """(engine, reason) of every failure noticed, in order."""
+        self.health_check_s = 0.0
+        """Seconds spent in health checks (the cost docs/performance.md reports)."""
+        self._next_probe = [0.0] * len(engines)
+        self._restarts: dict[int, threading.Thread] = {}
+        self._lock = threading.RLock()
+        self._calls = ThreadPoolExecutor(max_workers=max(4, 4 * len(engines)), thread_name_prefix="engine-call")
+
+    # ---- which engines serve -----------------------------------------------------------------
+
+    def live(self) -> list[int]:
+        """The live engines (set-aside attached engines probed first when due); raises `EnginesLost` below
+        min_live_engines."""
+        self._probe_set_aside()
+        with self._lock:
+            live = [i for i, state in enumerate(self.states) if state == LIVE]
+            if len(live) < self.settings.min_live_engines:
+                raise EnginesLost(self._lost_message(len(live)))
+            return live
+
+    def _lost_message(self, num_live: int) -> str:
+        out = [f"{self.names[i]} ({self.states[i]}: {self.reasons[i] or 'behind the pool weight version'})"
+               for i, state in enumerate(self.states) if state != LIVE]
+        return (f"only {num_live} of {len(self.states)} rollout engines are live, fewer than --min-live-engines "
+                f"{self.settings.min_live_engines}: " + "; ".join(out) + ". Check those servers (their logs say why "
+                "they stopped), or lower --min-live-engines to go on with fewer")
+
+    def _probe_set_aside(self) -> None:
+        now = self.clock()
+        for index in [i for i, state in enumerate(self.states) if state == OUT and self.restart is None]:
+            if now < self._next_probe[index]:
+                continue
+            self._next_probe[index] = now + self.settings.health_interval_s
+            if self._healthy(index):
+                self._rejoin(index, why="its health check passes again")
+
+    def _healthy(self, index: int) -> bool:
+        started = self.clock()
+        try:
+            return bool(self.engines[index].health())
+        except Exception:  # noqa: BLE001 - an engine that cannot answer is not healthy
+            return False
+        finally:
+            self.health_check_s += self.clock() - started
+
+    def _rejoin(self, index: int, *, why: str) -> None:
+        """A restarted or recovered engine: live when it serves the pool's version and no update is under way,
+        else behind (the next push brings it)."""
+        try:
+            served = int(self.engines[index].weight_version())
+        except Exception as err:  # noqa: BLE001 - it failed again right away
+            with self._lock:
+                self.states[index], self.reasons[index] = OUT, f"{why}, but its weight version cannot be read: {err}"
+            return
+        with self._lock:
+            if served == self.version and not self.updating:
+                self.states[index], self.reasons[index] = LIVE, ""
+            else:
+                self.states[index] = BEHIND
+                self.reasons[index] = f"serves weight version {served}, the pool {self.version}: waits for the next push"
+        logger.warning("rollout engine %s rejoins the pool (%s): %s", self.names[index], why, self.states[index])
+
+    # ---- failures ------------------------------------------------------------------------------
+
+    def call(self, index: int, fn: Callable[[], Any], *, what: str = "a generation") -> Any:
+        """fn() (a call to engine `index`), watched: a transport failure, missed health checks or the
+        generation deadline set the engine aside and raise `EngineFailed`; other errors are raised as is."""
+        settings = self.settings
+        future: Future = self._calls.submit(fn)
+        started = self.clock()
+        misses = 0
+        while True:
+            remaining = settings.generation_deadline_s - (self.clock() - started)
+            try:
+                return future.result(timeout=max(0.0, min(settings.health_interval_s, remaining)))
+            except FutureTimeout:
+                pass
+            except ServerUnavailableError as err:
+                raise self.fail(index, f"{what}: {err}") from err
+            if self.clock() - started >= settings.generation_deadline_s:
+                raise self.fail(index, f"{what} ran past the deadline of {settings.generation_deadline_s:g} s "
+                                       "(--engine-deadline-s)")
+            misses = 0 if self._healthy(index) else misses + 1
+            if misses >= settings.health_misses:
+                raise self.fail(index, f"missed {misses} health checks in a row (every "
+                                       f"{settings.health_interval_s:g} s) during {what}")
+
+    def fail(self, index: int, reason: str) -> EngineFailed:
+        """Set engine `index` aside (restart it when it can be restarted); returns the error to raise."""
+        with self._lock:
+            if self.states[index] in (OUT, RESTARTING):
+                return EngineFailed(index, self.names[index], reason)
+            logger.error("rollout engine %s failed: %s", self.names[index], reason)
+            self.generation[index] += 1
+            self.failures.append((self.names[index], reason))
+            self.reasons[index] = reason
+            close = getattr(self.engines[index], "shutdown", None)
+            if close is not None:
+                try:
+                    close()  # a request still retrying against it stops at its next attempt
+                except Exception:  # noqa: BLE001 - the engine is gone already
+                    pass
+            if self.restart is None:
+                self.states[index] = OUT
+                self._next_probe[index] = self.clock() + self.settings.health_interval_s
+            else:
+                self.states[index] = RESTARTING
+                self.engine_restarts += 1
+                thread = threading.Thread(target=self._restart, args=(index,), daemon=True,
+                                          name=f"engine-restart-{index}")
+                self._restarts[index] = thread
+                thread.start()
+        return EngineFailed(index, self.names[index], reason)
+
+    def _restart(self, index: int) -> None:
+        try:
+            client = self.restart(index)
+        except Exception as err:  # noqa: BLE001 - reported in the state, and by EnginesLost if it matters
+            logger.error("restarting rollout engine %s failed: %s", self.names[index], err)
+            with self._lock:
+                self.states[index] = OUT
+                self.reasons[index] += f"; its restart failed: {type(err).__name__}: {err}"
+            return
+        self.engines[index] = client
+        self._rejoin(index, why="restarted")
+
+    def wait_for_restarts(self, timeout_s: Optional[float] = None) -> None:
+        """Block until every restart under way has finished (a weight push reaches the restarted engines)."""
+        for thread in list(self._restarts.values()):
+            thread.join(timeout_s)
+        self._restarts = {index: t for index, t in self._restarts.items() if t.is_alive()}
+
+    # ---- weight updates --------------------------------------------------------------------------
+
+    def begin_update(self) -> None:
+        self.updating = True
+
+    def push_targets(self) -> list[int]:
+        """The engines this update's push goes to (`update_targets`), noted: one that fails after this
+        (restarted, it serves the checkpoint's weights) is left out of the version check (`updated_engines`)."""
+        targets = self.update_targets()
+        self._update_generation = list(self.generation)
+        self._pushed = set(targets)
+        return targets
+
+    def pushed(self, index: int) -> None:
+        """Engine `index` takes this update's push although it failed (and was restarted) during the push."""
+        self._update_generation[index] = self.generation[index]
+        if self._pushed is not None:
+            self._pushed.add(index)
+
+    def updated_engines(self) -> list[int]:
+        """The push targets that took this update's push: not failed (restarted) since they were chosen."""
+        return [i for i in self.update_targets()
+                if (self._pushed is None or i in self._pushed) and self.generation[i] == self._update_generation[i]]
+
+    def update_targets(self) -> list[int]:
+        """The engines a weight push goes to: live and behind ones (restarts under way are waited for)."""
+        self.wait_for_restarts()
+        self._probe_set_aside()
+        with self._lock:
+            return [i for i, state in enumerate(self.states) if state in (LIVE, BEHIND)]
+
+    def each(self, what: str, action: Callable[[Any], Any], indices: Optional[Sequence[int]] = None) -> dict[int, Any]:
+        """{index: action(engine)} over `indices` (default: the update targets), each call watched as `call`
+        watches a generation (a hung engine is noticed by its health checks); an engine that fails is set
+        aside and left out; other errors are raised."""
+        results = {}
+        for index in (self.update_targets() if indices is None else indices):
+            engine = self.engines[index]
+            try:
+                results[index] = self.call(index, lambda: action(engine), what=what)
+            except EngineFailed:
+                pass
+        return results
+
+    def confirm_version(self, version: int, served: dict[int, int]) -> None:
+        """After a push of `version`: the targets that serve it are live; one that does not is a failure."""
+        with self._lock:
+            self.version = version
+            self.updating = False
+            for index, got in served.items():
+                if got == version:
+                    self.states[index], self.reasons[index] = LIVE, ""
+
+    def metrics(self) -> dict[str, float]:
+        """rollout/engine_restarts and rollout/requests_reissued (cumulative), rollout/live_engines (now),
+        rollout/health_check_s (cumulative seconds of health checks)."""
+        with self._lock:
+            return {"rollout/engine_restarts": float(self.engine_restarts),
+                    "rollout/requests_reissued": float(self.requests_reissued),
+                    "rollout/live_engines": float(sum(state == LIVE for state in self.states)),
+                    "rollout/health_check_s": float(self.health_check_s)}
+
+    def shutdown(self) -> None:
+        self._calls.shutdown(wait=False, cancel_futures=True)
+
+
+def is_transport_failure(error: BaseException) -> bool:
+    """Whether `error` (or an error it was raised from; a Ray task error included) is a server that did
+    not answer, as opposed to a refused request or a bug."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, ServerUnavailableError) or type(error).__name__ == "ConnectionError":
+            return True
+        error = error.__cause__ or error.__context__ or getattr(error, "cause", None)
+    return False
+
+
+def push_failure_action(supervisor: EngineSupervisor, index: int, error: BaseException) -> str:
+    """What the trainer does after a weight push to engine `index` failed: 'retry' on it (it answers
+    again, or was restarted and waits for these weights), 'skip' it (set aside: it takes the weights
+    when it rejoins) or 'raise' (the push was refused or broke: not an engine failure)."""
+    if not is_transport_failure(error):
+        return "raise"
+    if supervisor.states[index] in (LIVE, BEHIND) and supervisor._healthy(index):
+        logger.warning("weight push to rollout engine %s failed (%s); it answers its health check: retrying",
+                       supervisor.names[index], error)
+        return "retry"
+    supervisor.fail(index, f"a weight push failed: {error}")
+    supervisor.wait_for_restarts()
+    if supervisor.states[index] not in (LIVE, BEHIND):
+        return "skip"
+    supervisor.pushed(index)  # the retried push reaches it: its version is checked with the others'
+    return "retry"
+
+
+def attach_supervisor(pool: Any, rollout: Any, *, servers: Any, connect: Callable[[str], Any]) -> EngineSupervisor:
+    """Supervise `pool` (an EnginePool) with the run's settings (`rollout`: the RolloutSection); `servers`:
+    the servers the run launched (restarted when they have `restart(index) -> url`), None when attached;
+    `connect(url)`: a client for a restarted server."""
+    settings = EngineFaultSettings(min_live_engines=rollout.min_live_engines,
+                                   generation_deadline_s=rollout.engine_deadline_s,
+                                   health_interval_s=rollout.engine_health_interval_s)
+    if settings.min_live_engines > len(pool.engines):
+        raise ValueError(f"--min-live-engines {settings.min_live_engines} is more than the {len(pool.engines)} rollout "
+                         "engines of this run; lower it or add engines (--rollout-num-engines, --rollout-urls)")
+    restart = None
+    if servers is not None and callable(getattr(servers, "restart", None)):
+        def restart(index: int) -> Any:
+            return connect(servers.restart(index))
+    return pool.supervise(settings=settings, restart=restart)
