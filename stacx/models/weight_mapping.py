@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from stacx.models.architectures import DecoderShape
+from stacx.models.lora import is_adapter_param_name
 
 # (megatron name pattern, kind, HF name templates). `{i}` is the layer index.
 _RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -228,6 +229,8 @@ def param_mappings(gpt_model) -> list[ParamMapping]:
     first_experts = _first_local_experts(gpt_model)
     mappings = []
     for name, param in gpt_model.named_parameters():
+        if is_adapter_param_name(name):
+            continue  # LoRA adapters: stacx.models.lora.adapter_param_mappings
         layer_mlp = name.split(".experts.local_experts.")[0]
         kind, hf_names, routed = _match(name, offset, first_experts.get(layer_mlp, 0))
         if tied_copy and name == "output_layer.weight":

@@ -63,6 +63,30 @@ class ModelSection:
     sequence_parallel: bool = False
     """At --tensor-model-parallel-size > 1: megatron's sequence parallelism (the activations outside attention
     and the MLP split along the sequence over TP); required for mixture-of-experts models there."""
+    lora_rank: int = 0
+    """LoRA: the rank of the adapters put on the trainable policy's linears (0: full fine-tuning). Only the
+    adapters are trained (gradients, optimizer state); the base weights are frozen (docs/lora.md)."""
+    lora_alpha: float = 16.0
+    """LoRA: the adapters' update is scaled by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """LoRA: dropout probability on each adapter's input while training, in [0, 1)."""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """LoRA: the linears that get adapters, any of linear_qkv, linear_proj, linear_fc1, linear_fc2, experts
+    (the routed experts' fc1 and fc2), or all-linear; repeatable."""
+
+    def __post_init__(self):
+        unknown = [name for name in self.lora_target_modules if name not in (*LORA_TARGET_MODULES, "all-linear")]
+        if unknown or not self.lora_target_modules:
+            raise ConfigError(f"--lora-target-modules: unknown or missing module names {unknown}; choose from "
+                              f"{[*LORA_TARGET_MODULES, 'all-linear']}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_rank > 0 and not self.lora_alpha > 0:
+            raise ConfigError(f"--lora-alpha must be > 0 with --lora-rank {self.lora_rank}, got {self.lora_alpha}")
+
+
+LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts")
+"""--lora-target-modules names (stacx.models.lora.TARGET_MODULES, which this config may not import)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,6 +279,7 @@ FIELD_MINIMUMS: dict[str, int | float] = {
     "save_interval": 0, "exchange_every_n_steps": 0,
     "global_batch_size": 1, "num_steps_per_rollout": 1, "num_epochs": 1, "skip_nonfinite_steps": 0, "reward_timeout_s": 0.001,
     "max_staleness": 0, "agent_max_parallel_episodes": 1, "agent_timeout": 0.001, "lr": 0.0, "min_lr": 0.0,
+    "lora_rank": 0, "lora_alpha": 0.0,
 }
 """Smallest allowed value of numeric run-config fields, checked when a value is given (file or flag)."""
 
