@@ -345,3 +345,55 @@ def peft_adapter_config(settings: LoraSettings, base_model: str | None) -> dict:
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
             "lora_dropout": settings.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "base_model_name_or_path": base_model, "inference_mode": True}
+
+
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def is_peft_adapter_folder(path) -> bool:
+    """Whether `path` is a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)."""
+    import os
+
+    return all(os.path.isfile(os.path.join(path, name)) for name in (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE))
+
+
+@torch.no_grad()
+def load_peft_adapter(model, path: str, groups, settings: LoraSettings, *, flag: str = "--load") -> None:
+    """Copy a PEFT LoRA folder's adapters into `model`'s adapters (each rank its shard). The folder's r and
+    lora_alpha must be the run's; a fused linear's Hugging Face modules (q, k, v; gate, up) must share one A
+    (as Stacx writes them). Raises ValueError naming `flag` otherwise."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    from stacx.models.architectures import decoder_shape
+    from stacx.models.builder import hf_config_of, model_chunks, unwrap_model
+
+    config = json.loads(open(os.path.join(path, PEFT_CONFIG_FILE)).read())
+    if int(config.get("r", -1)) != settings.rank or float(config.get("lora_alpha", -1)) != settings.alpha:
+        raise ValueError(f"{flag} {path}: a PEFT adapter of r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; "
+                         f"set --lora-rank {config.get('r')} --lora-alpha {config.get('lora_alpha')}")
+    tensors = {name.removeprefix("base_model.model."): t for name, t in load_file(os.path.join(path, PEFT_WEIGHTS_FILE)).items()}
+    for chunk in model_chunks(model):
+        gpt = unwrap_model(chunk)
+        shape = decoder_shape(hf_config_of(gpt))
+        params = dict(gpt.named_parameters())
+        for mapping in adapter_param_mappings(gpt):
+            for hf_name in mapping.hf_names:
+                if hf_name not in tensors:
+                    raise ValueError(f"{flag} {path}: no tensor {hf_name!r}; the adapter targets other modules than "
+                                     f"--lora-target-modules {' '.join(settings.target_modules)}")
+                module, _, _ = hf_name.removesuffix(".lora_A.weight").rpartition(".")
+                for sibling in SHARED_A.get(hf_name.removesuffix(".lora_A.weight").rsplit(".", 1)[-1], ()):
+                    other = tensors.get(f"{module}.{sibling}.lora_A.weight")
+                    if hf_name.endswith(".lora_A.weight") and other is not None and not torch.equal(other, tensors[hf_name]):
+                        raise ValueError(f"{flag} {path}: {hf_name} and {module}.{sibling}.lora_A.weight differ; Stacx's "
+                                         "fused linear has one A for them (load adapters written by Stacx)")
+            rank, size = mapping.shard_rank_and_size(groups)
+            pieces = []
+            for hf_name, part in zip(mapping.hf_names, mapping.local_slices(shape, rank, size)):
+                full = tensors[hf_name]
+                pieces.append(full if part.dim is None else full.narrow(part.dim, part.start, part.stop - part.start))
+            params[mapping.megatron_name].copy_(mapping.assemble_local(pieces, shape, size))

@@ -531,7 +531,16 @@ class RoleRuntime:
 
     def load_start_weights(self, path: str) -> None:
         """Replace the role's weights with those of model folder `path` (Hugging Face or torch_dist,
-        detected; `--load` naming a model rather than a training checkpoint). Collective."""
+        detected; `--load` naming a model rather than a training checkpoint), or with --lora-rank the adapters of a
+        PEFT adapter folder (on the run's base model). Collective."""
+        from stacx.models.lora import is_peft_adapter_folder, load_peft_adapter
+
+        if is_peft_adapter_folder(path):
+            if self.lora is None:
+                raise ValueError(f"--load {path}: a PEFT adapter folder; set --lora-rank (and --lora-alpha, "
+                                 "--lora-target-modules) to the adapter's to start from it")
+            load_peft_adapter(self.model, path, self.groups, self.lora)
+            return
         load_model_weights(self.model, path, self.groups, flag="--load")
 
     def load_rank_state(self, loaded, role_name: str, rank: int) -> None:
