@@ -397,3 +397,29 @@ def load_peft_adapter(model, path: str, groups, settings: LoraSettings, *, flag:
                 full = tensors[hf_name]
                 pieces.append(full if part.dim is None else full.narrow(part.dim, part.start, part.stop - part.start))
             params[mapping.megatron_name].copy_(mapping.assemble_local(pieces, shape, size))
+
+
+class MergedAdapters:
+    """An inference model's adapters, merged into its weights: the receiving end of an adapter-only weight sync.
+
+    The adapters are attached but switched off (the forward reads the plain weights, so a decoder that mirrors
+    them, such as the CPU engine's KV-cache decoder, needs nothing new); each adapted linear's base weight W0
+    is kept, and `apply` sets W = W0 + scale * B A from the adapters last received. Unmerging is exact (W0 is
+    copied back, never subtracted)."""
+
+    def __init__(self, model, settings: LoraSettings, groups=None):
+        attach_lora(model, settings, groups)
+        self.modules = adapted_linears(model)
+        for module in self.modules:
+            module.lora_enabled = False
+        self.base_weights = [module.weight.detach().clone() for module in self.modules]
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        for module, base in zip(self.modules, self.base_weights):
+            module.weight.copy_(base + module.lora_scale * (module.lora_b @ module.lora_a).to(base.dtype))
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        for module, base in zip(self.modules, self.base_weights):
+            module.weight.copy_(base)

@@ -141,12 +141,18 @@ def checkpoints(tmp_path_factory):
     return {"qwen3": str(root / "qwen3"), "qwen3_moe": str(root / "qwen3_moe")}
 
 
-def _hf_log_probs(path, tensors, micro_batches_tokens):
-    """Per-sample log-probs of the response tokens from `transformers` with the streamed merged weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _hf_log_probs(path, tensors, micro_batches_tokens, folder):
+    """Per-sample log-probs of the response tokens from `transformers` with the streamed merged weights (written
+    as a checkpoint folder: `from_pretrained` converts per-expert tensors to its fused experts)."""
+    import shutil
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32).eval()
-    model.load_state_dict(tensors, strict=False)
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    folder.mkdir()
+    shutil.copy(f"{path}/config.json", folder / "config.json")
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for tokens, response in micro_batches_tokens:
@@ -160,7 +166,7 @@ def _close(ours, reference, tolerance=TOLERANCE):
 
 
 @pytest.mark.distributed
-def test_sharded_adapters_match_the_single_rank_adapter(checkpoints):
+def test_sharded_adapters_match_the_single_rank_adapter(checkpoints, tmp_path):
     from tests.trainer.runtime.test_lm_head_mode import step_batch
 
     single = run_distributed(run_layouts, 1, args=(checkpoints, SINGLE), timeout_s=600)[0]
@@ -174,7 +180,7 @@ def test_sharded_adapters_match_the_single_rank_adapter(checkpoints):
         batch = step_batch()
         order = [0, 2, 1, 3]  # the micro-batches' sample order
         hf = _hf_log_probs(checkpoints[key[0]], one["merged"],
-                           [(batch.tokens[i], batch.response_lengths[i]) for i in order])
+                           [(batch.tokens[i], batch.response_lengths[i]) for i in order], tmp_path / key[0])
         assert _close(hf, one["after"], 1e-5), f"{key}: transformers with the merged weights differs"
     for layout in LAYOUTS:
         reference = single[(layout[0], 1, 1, 1, 1)]
