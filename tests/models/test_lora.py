@@ -185,6 +185,7 @@ def test_sharded_adapters_match_the_single_rank_adapter(checkpoints, tmp_path):
     for layout in LAYOUTS:
         reference = single[(layout[0], 1, 1, 1, 1)]
         assert any(results[layout]["adapted"] is not None for results in sharded), layout
+        assert sharded[0][layout]["grads"], layout  # rank 0 (the first stage) receives every adapter
         for rank, results in enumerate(sharded):
             got = results[layout]
             where = f"{layout} rank {rank}"
@@ -194,6 +195,8 @@ def test_sharded_adapters_match_the_single_rank_adapter(checkpoints, tmp_path):
                 assert _close(got["after"], reference["after"], 1e-5), f"{where}: log-probs after the step differ"
                 assert all(torch.equal(a, b) for a, b in zip(got["reference"], got["base"])), where
             assert abs(got["loss"] - reference["loss"]) <= TOLERANCE * max(1.0, abs(reference["loss"])), where
+            if not got["grads"]:
+                continue  # a later pipeline stage streams its adapters to the first one
             assert got["grads"].keys() == reference["grads"].keys(), where
             for name, grad in got["grads"].items():
                 assert torch.allclose(grad, reference["grads"][name], atol=TOLERANCE, rtol=0), f"{where}: {name}"

@@ -38,6 +38,8 @@ class ServerLaunch:
     return_routed_experts: bool = False
     """The run replays routes (--use-routing-replay): servers that need a switch for it get it
     (SGLang's --enable-return-routed-experts; `stacx serve` always can)."""
+    lora_flags: tuple[str, ...] = ()
+    """`stacx serve`'s --lora-* flags when the run pushes LoRA adapters only (--lora-sync adapters)."""
 
 
 class LaunchedServers(Protocol):
@@ -54,7 +56,8 @@ class CpuServerProcess:
     """`stacx serve --hf-checkpoint PATH --port 0` as a child process; `url` once it is ready."""
 
     def __init__(self, hf_checkpoint: str, *, seed: int = 0, host: str = "127.0.0.1", num_threads: int = 1,
-                 timeout_s: float = SERVER_START_TIMEOUT_S, api_key: Optional[str] = None, wait: bool = True):
+                 timeout_s: float = SERVER_START_TIMEOUT_S, api_key: Optional[str] = None, wait: bool = True,
+                 extra_args: tuple[str, ...] = ()):
         """api_key: the secret the server requires on mutating endpoints, handed over in its
         environment (STACX_API_KEY), never on its command line where other users could read it.
         wait=False returns once the process is started; `wait_until_ready()` then gives `url`
@@ -64,7 +67,7 @@ class CpuServerProcess:
         if api_key:
             env["STACX_API_KEY"] = api_key
         command = [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", hf_checkpoint, "--port", "0",
-                   "--host", host, "--seed", str(seed), "--parent-pid", str(os.getpid())]
+                   "--host", host, "--seed", str(seed), "--parent-pid", str(os.getpid()), *extra_args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.output = ReadyLineWatch(self.process, name="the CPU rollout server (stacx serve)")
         self.url: Optional[str] = None
@@ -105,7 +108,7 @@ def launch_cpu_server(launch: ServerLaunch) -> LaunchedCpuServer:
     """Start `stacx serve` on loopback without waiting for it: it loads its model while the run's
     role workers start."""
     return LaunchedCpuServer(CpuServerProcess(launch.hf_checkpoint, seed=launch.seed, api_key=launch.api_key,
-                                              wait=False))
+                                              wait=False, extra_args=launch.lora_flags))
 
 
 @dataclass(eq=False)

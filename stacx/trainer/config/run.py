@@ -73,6 +73,10 @@ class ModelSection:
     lora_target_modules: tuple[str, ...] = ("all-linear",)
     """LoRA: the linears that get adapters, any of linear_qkv, linear_proj, linear_fc1, linear_fc2, experts
     (the routed experts' fc1 and fc2), or all-linear; repeatable."""
+    lora_sync: str = "merged"
+    """LoRA: what a weight push sends the rollout engine: 'merged' (W + s B A under the base names, any engine) or
+    'adapters' (the adapters only; the 'cpu' engine's `stacx serve` is started with the run's --lora-* flags and
+    merges them, attached servers must be started with them)."""
 
     def __post_init__(self):
         unknown = [name for name in self.lora_target_modules if name not in (*LORA_TARGET_MODULES, "all-linear")]
@@ -83,6 +87,14 @@ class ModelSection:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if self.lora_rank > 0 and not self.lora_alpha > 0:
             raise ConfigError(f"--lora-alpha must be > 0 with --lora-rank {self.lora_rank}, got {self.lora_alpha}")
+
+
+def engine_lora_flags(model: ModelSection) -> tuple[str, ...]:
+    """The `stacx serve` flags of an engine that takes the policy's adapters only (--lora-sync adapters), else ()."""
+    if model.lora_rank <= 0 or model.lora_sync != "adapters":
+        return ()
+    return ("--lora-rank", str(model.lora_rank), "--lora-alpha", str(model.lora_alpha),
+            "--lora-target-modules", *model.lora_target_modules)
 
 
 LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts")
@@ -287,6 +299,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "lm_head_log_probs": ("auto", "fused", "logits"),
     "rollout_mode": ("sync", "async"),
     "log_expert_load": ("summary", "per-expert"),
+    "lora_sync": ("merged", "adapters"),
 }
 """Allowed values of string run-config fields with a fixed set of choices, checked when a value is given."""
 

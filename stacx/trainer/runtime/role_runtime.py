@@ -459,7 +459,10 @@ class RoleRuntime:
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import iter_hf_weight_buckets
 
-        return iter_hf_weight_buckets(self.model, self.groups, bucket_bytes, only_to_tp_rank=only_to_tp_rank)
+        # --lora-sync adapters: the engine merges the adapters itself; they are all that changes.
+        adapters = self.lora is not None and self.model_section.lora_sync == "adapters"
+        return iter_hf_weight_buckets(self.model, self.groups, bucket_bytes, only_to_tp_rank=only_to_tp_rank,
+                                      adapters=adapters)
 
     def push_weights_to_engine(self, engine_kind: str, url: str, version: int, bucket_bytes: int,
                                api_key: str | None = None) -> int:
