@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from stacx.models.weight_mapping import ADAPTER_PARAMS, is_adapter_param_name  # noqa: F401  (re-exported)
+
 TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts")
 """Names of `--lora-target-modules`: megatron's attention and MLP linears (a shared expert's count as the dense
 MLP's), and `experts`, the routed experts' fc1 and fc2."""
@@ -45,7 +47,6 @@ ALL_LINEAR = "all-linear"
 
 _COLUMN = ("linear_qkv", "linear_fc1")
 _ROW = ("linear_proj", "linear_fc2")
-ADAPTER_PARAMS = ("lora_a", "lora_b")
 _ROUTED_EXPERTS = ".experts.local_experts."
 
 
@@ -252,11 +253,6 @@ def adapted_linears(model) -> list:
 
 def has_lora(model) -> bool:
     return bool(adapted_linears(model))
-
-
-def is_adapter_param_name(name: str) -> bool:
-    """Whether a megatron parameter name is an adapter's (`...linear_qkv.lora_a`)."""
-    return name.rsplit(".", 1)[-1] in ADAPTER_PARAMS
 
 
 def adapter_parameters(model) -> list[torch.nn.Parameter]:

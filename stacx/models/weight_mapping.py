@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from stacx.models.architectures import DecoderShape
-from stacx.models.lora import is_adapter_param_name
 
 # (megatron name pattern, kind, HF name templates). `{i}` is the layer index.
 _RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -71,6 +70,16 @@ _RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (r"decoder\.layers\.(\d+)\.mlp\.shared_experts\.gate_weight", "replicated",
      ("model.layers.{i}.mlp.shared_expert_gate.weight",)),
 )
+
+ADAPTER_PARAMS = ("lora_a", "lora_b")
+"""Names of a LoRA adapter's parameters on its linear (stacx.models.lora); they have no Hugging Face mapping of the
+base model (`adapter_param_mappings` gives theirs)."""
+
+
+def is_adapter_param_name(name: str) -> bool:
+    """Whether a megatron parameter name is a LoRA adapter's (`...linear_qkv.lora_a`)."""
+    return name.rsplit(".", 1)[-1] in ADAPTER_PARAMS
+
 
 # HF tensors a checkpoint may carry that have no megatron parameter (recomputed buffers).
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -79,8 +79,9 @@ def lora_settings_of(step_folder: str | os.PathLike):
 
 def role_has_adapters(model_folder: str | os.PathLike) -> bool:
     """Whether a role's torch_dist folder holds LoRA adapters (`...lora_a` tensors)."""
-    from stacx.checkpointing.torch_dist import _checkpoint_keys
+    # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
     from stacx.checkpointing.folders import resolve_torch_dist_folder
+    from stacx.checkpointing.torch_dist import _checkpoint_keys
 
     return any(key.endswith(".lora_a") for key in _checkpoint_keys(resolve_torch_dist_folder(model_folder)))
 
@@ -103,6 +104,7 @@ def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_
     verify_checkpoint_files(step_folder, manifest, roles=[role], model_only=True)
     folder = role_model_folder(step_folder, role)
     if role_has_adapters(folder):
+        # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
         from stacx.checkpointing.lora_export import export_lora_role
 
         settings = lora_settings_of(step_folder)

@@ -198,6 +198,7 @@ class CpuEngine(InferenceEngine):
         load_hf_checkpoint(model, path, groups)
         adapters = None
         if lora is not None:
+            # Imported here, like stacx.models above: megatron-core is slow to import (start-up time).
             from stacx.models.lora import MergedAdapters
 
             adapters = MergedAdapters(model, lora, groups)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from stacx.checkpointing.folders import load_model_weights
 from stacx.models.builder import RouterLosses, model_chunks, unwrap_model
+from stacx.models.lora import LoraSettings, adapted_linears, attach_lora, is_peft_adapter_folder, load_peft_adapter
 from stacx.models.moe import (
     ExpertLoadRecorder,
     expert_load_metrics,
@@ -65,9 +66,6 @@ def lora_settings(role: ModelRole, model: ModelSection, seed: int):
     the critic, is fully trained), else None."""
     if model.lora_rank <= 0 or not role.trainable or role.outputs_values:
         return None
-    # Imported here: megatron-core is slow to import (start-up time); LoraSettings itself is light.
-    from stacx.models.lora import LoraSettings
-
     return LoraSettings(rank=model.lora_rank, alpha=model.lora_alpha, dropout=model.lora_dropout,
                         target_modules=model.lora_target_modules, seed=seed)
 
@@ -168,9 +166,6 @@ class RoleRuntime:
             self.reference_weights = [p.detach().clone() for p in self._reference_params()]
         load_model_weights(self.model, path, groups, flag="--" + role.checkpoint_arg.replace("_", "-"))
         if self.lora is not None:
-            # Imported here: megatron-core is slow to import (start-up time).
-            from stacx.models.lora import attach_lora
-
             attach_lora(self.model, self.lora, groups)  # freezes the base weights
         if role.outputs_values and self.model.config.sequence_parallel:
             raise ValueError(f"role {role.name!r} outputs values, whose head reads the whole sequence on every TP "
@@ -287,8 +282,6 @@ class RoleRuntime:
         reference is the base model: the swap switches the adapters off (and on again).
         """
         if self.reference_is_base:
-            from stacx.models.lora import adapted_linears
-
             for module in adapted_linears(self.model):
                 module.lora_enabled = not module.lora_enabled
             return
@@ -536,8 +529,6 @@ class RoleRuntime:
         """Replace the role's weights with those of model folder `path` (Hugging Face or torch_dist,
         detected; `--load` naming a model rather than a training checkpoint), or with --lora-rank the adapters of a
         PEFT adapter folder (on the run's base model). Collective."""
-        from stacx.models.lora import is_peft_adapter_folder, load_peft_adapter
-
         if is_peft_adapter_folder(path):
             if self.lora is None:
                 raise ValueError(f"--load {path}: a PEFT adapter folder; set --lora-rank (and --lora-alpha, "
