@@ -35,7 +35,7 @@ def write_peft_adapter(model, groups, settings, out_dir: str, base_model: str | 
         raise ValueError("a PEFT adapter folder of routed experts' adapters is not supported (transformers fuses the "
                          "experts' weights); export with --lora merged")
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {name: tensor.contiguous() for name, tensor in peft_named_tensors(named).items()}
+    tensors = {name: tensor.clone() for name, tensor in peft_named_tensors(named).items()}  # the repeated A: copies
     save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(peft_adapter_config(settings, base_model), f, indent=2)

@@ -212,7 +212,16 @@ def attach_lora(model, settings: LoraSettings, groups=None) -> int:
 
 
 def _adapt(module, name: str, global_name: str, settings: LoraSettings) -> None:
+    # Imported here: megatron-core is slow to import (start-up time).
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
     kind = "column" if name.rsplit(".", 1)[-1] in _COLUMN else "row"
+    if not isinstance(module, ColumnParallelLinear if kind == "column" else RowParallelLinear):
+        # transformer-engine's linears (the GPU layer spec) fuse the layer norm into linear_qkv and linear_fc1,
+        # whose adapter must read the normalized input: not supported yet.
+        raise ValueError(f"LoRA on {name}: {type(module).__name__} is not megatron-core's "
+                         f"{'Column' if kind == 'column' else 'Row'}ParallelLinear (transformer-engine's layer spec is "
+                         "not supported yet); run without --lora-rank there")
     tp_size = module.tp_group.size()
     if getattr(module, "explicit_expert_comm", False) and tp_size > 1:
         raise ValueError(f"LoRA on routed experts at --expert-tensor-parallel-size {tp_size} is not supported "
