@@ -17,7 +17,8 @@ import pytest
 
 from tests.launch.test_custom_code_on_every_rank import REPO, SMALL_ROLLOUT, run_stacx_train, tiny_checkpoint  # noqa: F401
 
-LORA_FLAGS = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", "linear_qkv", "linear_fc2",
+LORA_FLAGS = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", "linear_qkv",
+              "--lora-target-modules", "linear_fc2",
               "--lora-sync", "adapters"]
 
 

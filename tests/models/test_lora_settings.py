@@ -65,3 +65,17 @@ def test_a_fused_linears_one_a_is_repeated_for_each_peft_module():
     prefix = "base_model.model.model.layers.0.self_attn."
     assert set(named) == {prefix + "q_proj.lora_A.weight", prefix + "k_proj.lora_A.weight",
                           prefix + "v_proj.lora_A.weight", prefix + "q_proj.lora_B.weight"}
+
+
+def test_an_adapter_sync_starts_the_cpu_server_with_the_runs_lora_flags():
+    from stacx.launch.cli import build_parser
+    from stacx.trainer.config.run import engine_lora_flags
+
+    model = RunConfig.from_dict({"lora_rank": 8, "lora_alpha": 16, "lora_target_modules": ["linear_qkv", "experts"],
+                                 "lora_sync": "adapters"}).model
+    flags = engine_lora_flags(model)
+    args = build_parser().parse_args(["serve", "--hf-checkpoint", "x", *flags])
+    assert (args.lora_rank, args.lora_alpha, args.lora_target_modules) == (8, 16.0, ["linear_qkv", "experts"])
+    assert engine_lora_flags(RunConfig.from_dict({"lora_rank": 8}).model) == ()  # merged pushes: a plain server
+    with pytest.raises(ConfigError, match="--lora-sync"):
+        RunConfig.from_dict({"lora_sync": "both"})

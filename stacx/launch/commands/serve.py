@@ -73,8 +73,8 @@ def add_arguments(parser) -> None:
                         help="take a LoRA run's adapters only (its --lora-sync adapters): the rank of its adapters, "
                              "merged into the weights on each update (default: 0, full weight updates)")
     parser.add_argument("--lora-alpha", type=float, default=16.0, help="the run's --lora-alpha (default: %(default)s)")
-    parser.add_argument("--lora-target-modules", nargs="+", default=["all-linear"],
-                        help="the run's --lora-target-modules (default: all-linear)")
+    parser.add_argument("--lora-target-modules", action="append", default=None, metavar="NAME",
+                        help="the run's --lora-target-modules, repeatable (default: all-linear)")
     for field in dataclasses.fields(ServerLimits):  # one flag per limit, named, typed and defaulted by its field
         default = getattr(limits, field.name)
         parser.add_argument(flag_name(field.name), type=type(default), default=default,
@@ -175,7 +175,7 @@ def run(args) -> int:
 
         try:
             lora = LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha,
-                                target_modules=tuple(args.lora_target_modules))
+                                target_modules=tuple(args.lora_target_modules or ("all-linear",)))
         except ValueError as err:
             raise SystemExit(f"stacx serve: {err}") from None
     engine = CpuEngine.from_hf_checkpoint(args.hf_checkpoint, params_dtype=getattr(torch, args.dtype), seed=args.seed,

@@ -93,8 +93,8 @@ def engine_lora_flags(model: ModelSection) -> tuple[str, ...]:
     """The `stacx serve` flags of an engine that takes the policy's adapters only (--lora-sync adapters), else ()."""
     if model.lora_rank <= 0 or model.lora_sync != "adapters":
         return ()
-    return ("--lora-rank", str(model.lora_rank), "--lora-alpha", str(model.lora_alpha),
-            "--lora-target-modules", *model.lora_target_modules)
+    targets = [token for name in model.lora_target_modules for token in ("--lora-target-modules", name)]
+    return ("--lora-rank", str(model.lora_rank), "--lora-alpha", str(model.lora_alpha), *targets)
 
 
 LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts")
