@@ -54,7 +54,7 @@ def export_and_reload(groups, base: str, root: str):
     return ours, _stacx_log_probs(fresh, tokens, groups), tokens
 
 
-@pytest.mark.slow  # one spawn, two exports, peft and transformers loads: ~20 s of CPU
+@pytest.mark.slow  # with tests/models/test_lora.py: 69 s of CPU
 @pytest.mark.distributed
 def test_peft_round_trip_and_merged_export_give_stacx_log_probs(tmp_path):
     from peft import PeftModel

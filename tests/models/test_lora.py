@@ -165,7 +165,7 @@ def _close(ours, reference, tolerance=TOLERANCE):
     return all(torch.allclose(a, b, atol=tolerance, rtol=0) for a, b in zip(ours, reference))
 
 
-@pytest.mark.slow  # two spawns, six layouts of RoleRuntime: ~45 s of CPU
+@pytest.mark.slow  # two spawns, six RoleRuntime layouts (with test_lora_export.py: 69 s of CPU)
 @pytest.mark.distributed
 def test_sharded_adapters_match_the_single_rank_adapter(checkpoints, tmp_path):
     from tests.trainer.runtime.test_lm_head_mode import step_batch
