@@ -83,7 +83,8 @@ def role_has_adapters(model_folder: str | os.PathLike) -> bool:
     from stacx.checkpointing.folders import resolve_torch_dist_folder
     from stacx.checkpointing.torch_dist import _checkpoint_keys
 
-    return any(key.endswith(".lora_a") for key in _checkpoint_keys(resolve_torch_dist_folder(model_folder)))
+    keys = _checkpoint_keys(resolve_torch_dist_folder(model_folder, flag="--load"))
+    return any(key.endswith(".lora_a") for key in keys)
 
 
 def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_dir: str | os.PathLike,
