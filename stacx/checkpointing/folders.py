@@ -123,10 +123,13 @@ def detect_model_folder(path: str | os.PathLike, *, flag: str) -> str:
 
 
 def is_model_folder(path: str | os.PathLike) -> bool:
-    """Whether `path` holds a model in either layout (rather than, say, a training checkpoint's root)."""
+    """Whether `path` holds a model in either layout, or a PEFT adapter folder (a LoRA run's start adapters), rather
+    than, say, a training checkpoint's root."""
+    from stacx.models.lora import is_peft_adapter_folder
+
     folder = Path(path)
     return folder.is_dir() and (is_torch_dist_folder(folder) or _is_hf_folder(folder)
-                                or (folder / TRACKER_FILE).is_file())
+                                or (folder / TRACKER_FILE).is_file() or is_peft_adapter_folder(folder))
 
 
 def load_model_weights(model, path: str | os.PathLike, groups: ProcessGroups, *, flag: str) -> str:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from stacx.models.architectures import decoder_shape, load_hf_config
 from stacx.models.builder import hf_config_of, model_chunks, unwrap_model
+from stacx.models.lora import adapter_param_mappings, merged_weight
 from stacx.models.weight_mapping import (
     IGNORED_HF_SUFFIXES,
     expected_param_mappings,
@@ -197,7 +198,8 @@ def _gather_tp(tensor: torch.Tensor, groups: ProcessGroups, only_to_tp_rank: int
 
 @torch.no_grad()
 def iter_hf_weight_buckets(
-    model, groups: ProcessGroups, bucket_bytes: int, dtype: torch.dtype | None = None, *, only_to_tp_rank: int | None = None
+    model, groups: ProcessGroups, bucket_bytes: int, dtype: torch.dtype | None = None, *, only_to_tp_rank: int | None = None,
+    adapters: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (hf_name, full unpadded tensor) of about `bucket_bytes` each, in a fixed order.
 
@@ -208,21 +210,28 @@ def iter_hf_weight_buckets(
     default every TP rank receives the same buckets; with `only_to_tp_rank` only that TP rank
     receives the shards (half the traffic at tp=2) and yields buckets, while the other TP ranks
     take part in the gathers and yield nothing (they must still exhaust the iterator). A tensor larger than `bucket_bytes` is a bucket alone. `dtype` converts the
-    tensors (default: the parameters' own dtype).
+    tensors (default: the parameters' own dtype). A linear with a LoRA adapter yields its merged weight
+    W + scale * B A; `adapters=True` yields the adapters instead, under PEFT's names
+    (`stacx.models.lora.adapter_param_mappings`).
     """
     # Under PP each stage gathers its own layers over TP (chunk by chunk with virtual stages); the first
     # stage receives the others' in stage order.
     own = (pair for chunk in model_chunks(model)
-           for pair in _iter_hf_tensors(unwrap_model(chunk), groups, dtype, only_to_tp_rank))
+           for pair in _iter_hf_tensors(unwrap_model(chunk), groups, dtype, only_to_tp_rank, adapters))
     named = stream_to_first_stage(own, groups)
     yield from split_into_buckets(named, bucket_bytes)
 
 
-def _iter_hf_tensors(gpt, groups: ProcessGroups, dtype, only_to_tp_rank) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_hf_tensors(gpt, groups: ProcessGroups, dtype, only_to_tp_rank, adapters=False) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, full tensor) one parameter at a time, gathered over TP as the caller iterates."""
     shape = decoder_shape(hf_config_of(gpt))
     params = dict(gpt.named_parameters())
-    for mapping in param_mappings(gpt):
+    if adapters:
+        mappings = adapter_param_mappings(gpt)
+    else:
+        mappings = param_mappings(gpt)
+        params = {name: merged_weight(gpt, name, param) for name, param in params.items()}
+    for mapping in mappings:
         if holds_tied_head_copy(gpt) and mapping.megatron_name == "output_layer.weight":
             continue  # the first stage sends the embedding, which Hugging Face stores once
         if mapping.routed_expert:

@@ -33,7 +33,11 @@ class HfWeightReceiver:
         self.params = dict(gpt.named_parameters())
         self.ignored_suffixes = IGNORED_HF_SUFFIXES
         self.targets = defaultdict(list)  # hf_name -> [(mapping, index in mapping.hf_names)]
-        for mapping in param_mappings(gpt):
+        # Imported here, like stacx.models above: megatron-core is slow to import (start-up time).
+        from stacx.models.lora import adapter_param_mappings
+
+        # A model with LoRA adapters (an engine taking adapter-only syncs) also receives them, under PEFT's names.
+        for mapping in param_mappings(gpt) + adapter_param_mappings(gpt):
             for index, hf_name in enumerate(mapping.hf_names):
                 self.targets[hf_name].append((mapping, index))
         self.pending: dict[str, dict[int, torch.Tensor]] = {}

@@ -72,6 +72,16 @@ _RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("model.layers.{i}.mlp.shared_expert_gate.weight",)),
 )
 
+ADAPTER_PARAMS = ("lora_a", "lora_b")
+"""Names of a LoRA adapter's parameters on its linear (stacx.models.lora); they have no Hugging Face mapping of the
+base model (`adapter_param_mappings` gives theirs)."""
+
+
+def is_adapter_param_name(name: str) -> bool:
+    """Whether a megatron parameter name is a LoRA adapter's (`...linear_qkv.lora_a`)."""
+    return name.rsplit(".", 1)[-1] in ADAPTER_PARAMS
+
+
 # HF tensors a checkpoint may carry that have no megatron parameter (recomputed buffers).
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -229,6 +239,8 @@ def param_mappings(gpt_model) -> list[ParamMapping]:
     first_experts = _first_local_experts(gpt_model)
     mappings = []
     for name, param in gpt_model.named_parameters():
+        if is_adapter_param_name(name):
+            continue  # LoRA adapters: stacx.models.lora.adapter_param_mappings
         layer_mlp = name.split(".experts.local_experts.")[0]
         kind, hf_names, routed = _match(name, offset, first_experts.get(layer_mlp, 0))
         if tied_copy and name == "output_layer.weight":

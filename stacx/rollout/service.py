@@ -94,12 +94,17 @@ class LaunchedEngine:
         self.servers.stop()
 
 
-def launch_engine(kind: EngineKind, rollout: RolloutSection, *, hf_checkpoint: str) -> LaunchedEngine:
-    """Start the servers of `kind` (which has a launcher), with a fresh secret when the kind owns one."""
+def launch_engine(kind: EngineKind, rollout: RolloutSection, *, hf_checkpoint: str,
+                  lora_flags: tuple[str, ...] = ()) -> LaunchedEngine:
+    """Start the servers of `kind` (which has a launcher), with a fresh secret when the kind owns one; `lora_flags`:
+    `stacx serve`'s --lora-* flags when the run pushes LoRA adapters only (the 'cpu' kind takes them)."""
+    if lora_flags and kind.name != "cpu":
+        raise ValueError(f"--lora-sync adapters: the {kind.name!r} engine takes merged weights only; "
+                         "use --lora-sync merged, or --rollout-engine cpu")
     api_key = secrets.token_urlsafe(32) if kind.owns_secret else None
     servers = kind.launcher(ServerLaunch(hf_checkpoint=hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key,
                                          return_routed_experts=rollout.use_routing_replay,
-                                         num_servers=rollout.rollout_num_engines))
+                                         num_servers=rollout.rollout_num_engines, lora_flags=lora_flags))
     return LaunchedEngine(kind=kind.name, servers=servers, api_key=api_key)
 
 
@@ -134,19 +139,20 @@ class RolloutService:
         self._teacher_engine = None
 
     @staticmethod
-    def launch_beside_workers(rollout: RolloutSection, *, hf_checkpoint: Optional[str]) -> Optional[LaunchedEngine]:
+    def launch_beside_workers(rollout: RolloutSection, *, hf_checkpoint: Optional[str],
+                              lora_flags: tuple[str, ...] = ()) -> Optional[LaunchedEngine]:
         """Start the servers of an engine kind that loads beside the role workers (the CPU engine's
         `stacx serve`) without waiting for them; None for other kinds. A run launches them first,
         starts its role workers, then hands them to `start`, which waits for them."""
         kind = resolve_engine_kind(rollout.rollout_engine)
         if kind.launcher is None or not kind.starts_beside_workers or hf_checkpoint is None:
             return None
-        return launch_engine(kind, rollout, hf_checkpoint=hf_checkpoint)
+        return launch_engine(kind, rollout, hf_checkpoint=hf_checkpoint, lora_flags=lora_flags)
 
     @classmethod
     def start(cls, rollout: RolloutSection, teacher_section: TeacherSection, *, plan: RolloutPlan,
               hf_checkpoint: Optional[str], tokenizer=None,
-              launched: Optional[LaunchedEngine] = None) -> "RolloutService":
+              launched: Optional[LaunchedEngine] = None, lora_flags: tuple[str, ...] = ()) -> "RolloutService":
         """Start or attach the engine named by `rollout.rollout_engine` for a run of `plan`, serving
         `hf_checkpoint`; `launched`: the servers `launch_beside_workers` already started for this run
         (stopped here if anything fails)."""
@@ -167,7 +173,8 @@ class RolloutService:
                 raise ValueError(f"--rollout-urls lists a server twice: {list(rollout.rollout_urls)}")
             urls, api_key = tuple(rollout.rollout_urls), os.environ.get("STACX_API_KEY") or None
         else:
-            launched = launched if launched is not None else launch_engine(kind, rollout, hf_checkpoint=hf_checkpoint)
+            launched = launched if launched is not None else launch_engine(kind, rollout, hf_checkpoint=hf_checkpoint,
+                                                                           lora_flags=lora_flags)
             try:
                 urls = tuple(launched.servers.wait_until_ready())
             except BaseException:

@@ -178,10 +178,14 @@ class CpuEngine(InferenceEngine):
         if decoding == "kv_cache":
             self._cached_decoder = KvCacheDecoder(self.model, self.groups)
 
+    adapters = None
+    """`stacx.models.lora.MergedAdapters` when the engine takes adapter-only syncs (`from_hf_checkpoint(lora=...)`)."""
+
     @classmethod
     def from_hf_checkpoint(cls, path: str, *, params_dtype: torch.dtype = torch.float32, seed: int = 0,
-                           decoding: str = "kv_cache") -> "CpuEngine":
-        """Build the model from `path`'s config.json, load its weights, read eos from its config."""
+                           decoding: str = "kv_cache", lora=None) -> "CpuEngine":
+        """Build the model from `path`'s config.json, load its weights, read eos from its config. `lora`
+        (LoraSettings): the engine takes the policy's adapters only and merges them (`MergedAdapters`)."""
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import build_model, load_hf_checkpoint
         from stacx.models.architectures import load_hf_config
@@ -190,10 +194,18 @@ class CpuEngine(InferenceEngine):
         groups = ensure_single_process_layout()
         model = build_model(config, groups, params_dtype=params_dtype)
         load_hf_checkpoint(model, path, groups)
+        adapters = None
+        if lora is not None:
+            # Imported here, like stacx.models above: megatron-core is slow to import (start-up time).
+            from stacx.models.lora import MergedAdapters
+
+            adapters = MergedAdapters(model, lora, groups)
         eos = getattr(config, "eos_token_id", None)
         if isinstance(eos, (list, tuple)):
             eos = eos[0] if eos else None
-        return cls(model, eos_token_id=eos, seed=seed, model_path=str(path), decoding=decoding)
+        engine = cls(model, eos_token_id=eos, seed=seed, model_path=str(path), decoding=decoding)
+        engine.adapters = adapters
+        return engine
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -536,6 +548,10 @@ class CpuEngine(InferenceEngine):
         """Mark the update finished; raises if a parameter received only part of its tensors."""
         with self._lock:
             self._receiver.check_complete()
+            if self.adapters is not None:  # an adapter-only sync: the weights become W0 + s B A
+                self.adapters.apply()
+                if self._cached_decoder is not None:
+                    self._cached_decoder.mark_stale()
             self._version = int(version)
 
     def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:

@@ -62,8 +62,37 @@ def base_checkpoint_of(step_folder: str | os.PathLike, override: str | None = No
                               "are needed; pass --hf-checkpoint with that folder's new place") from None
 
 
-def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_dir: str | os.PathLike) -> str:
-    """Write `role`'s weights at `step_folder` as a Hugging Face checkpoint in `out_dir`; returns it."""
+def lora_settings_of(step_folder: str | os.PathLike):
+    """The LoRA settings the run at `step_folder` trained with (its run_config.json's --lora-* fields), or None."""
+    # Imported here: megatron-core is slow to import (start-up time); LoraSettings itself is light.
+    from stacx.models.lora import LoraSettings
+
+    loaded = LoadedCheckpoint(path=str(step_folder), manifest=read_manifest(step_folder), expected_layouts={})
+    model = loaded.run_config().get("model") or {}
+    if int(model.get("lora_rank") or 0) <= 0:
+        return None
+    return LoraSettings(rank=int(model["lora_rank"]), alpha=float(model.get("lora_alpha", 16.0)),
+                        dropout=float(model.get("lora_dropout", 0.0)),
+                        target_modules=tuple(model.get("lora_target_modules") or ("all-linear",)),
+                        seed=int((loaded.run_config().get("train") or {}).get("seed", 0)))
+
+
+def role_has_adapters(model_folder: str | os.PathLike) -> bool:
+    """Whether a role's torch_dist folder holds LoRA adapters (`...lora_a` tensors)."""
+    # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
+    from stacx.checkpointing.folders import resolve_torch_dist_folder
+    from stacx.checkpointing.torch_dist import _checkpoint_keys
+
+    keys = _checkpoint_keys(resolve_torch_dist_folder(model_folder, flag="--load"))
+    return any(key.endswith(".lora_a") for key in keys)
+
+
+def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_dir: str | os.PathLike,
+                      lora: str | None = None) -> str:
+    """Write `role`'s weights at `step_folder` as a Hugging Face checkpoint in `out_dir`; returns it.
+
+    A role trained with LoRA adapters is written merged (W + s B A) or, with `lora="adapter"`, as a PEFT adapter
+    folder for `base` (`stacx.checkpointing.lora_export`)."""
     # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
     from stacx.checkpointing.convert import convert_torch_dist_to_hf
 
@@ -74,4 +103,17 @@ def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_
                               "torch_dist weights); export it with the Stacx version that wrote it")
     # The same check as resuming (`load_checkpoint`): a damaged shard is named, never converted.
     verify_checkpoint_files(step_folder, manifest, roles=[role], model_only=True)
-    return convert_torch_dist_to_hf(role_model_folder(step_folder, role), out_dir, hf_config=base, what="--load")
+    folder = role_model_folder(step_folder, role)
+    if role_has_adapters(folder):
+        # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
+        from stacx.checkpointing.lora_export import export_lora_role
+
+        settings = lora_settings_of(step_folder)
+        if settings is None:
+            raise CheckpointError(f"checkpoint {step_folder}: role {role!r} holds LoRA adapters but its run_config.json "
+                                  "has no --lora-rank; the checkpoint is damaged")
+        return export_lora_role(folder, out_dir, base, settings, mode=lora or "merged")
+    if lora is not None:
+        raise CheckpointError(f"--lora {lora}: role {role!r} of {step_folder} holds no LoRA adapters (its run had no "
+                              "--lora-rank); drop --lora")
+    return convert_torch_dist_to_hf(folder, out_dir, hf_config=base, what="--load")

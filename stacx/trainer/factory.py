@@ -35,7 +35,7 @@ from stacx.trainer.config.resolve import (
     user_algorithm_values,
 )
 from stacx.trainer.config.rollout_plan import rollout_plan
-from stacx.trainer.config.run import RunConfig
+from stacx.trainer.config.run import RunConfig, engine_lora_flags
 from stacx.trainer.loop import StacxTrainer
 from stacx.trainer.metrics import ROLLOUTS_FILE, MetricsLogger, keep_rows_before
 from stacx.trainer.preflight import replays_trajectories
@@ -99,7 +99,7 @@ def build_driver_side(run_config: RunConfig, training_config: TrainingConfig, *,
         rollout = RolloutService.start(run_config.rollout, run_config.teacher,
                                        plan=rollout_plan(training_config, run_config),
                                        hf_checkpoint=run_config.model.hf_checkpoint, tokenizer=tokenizer,
-                                       launched=launched)
+                                       launched=launched, lora_flags=engine_lora_flags(run_config.model))
     elif launched is not None:
         launched.stop()
     return tokenizer, data, rollout
@@ -113,7 +113,8 @@ def launch_rollout_server(run_config: RunConfig, training_config: TrainingConfig
     if training_config.data_source != "rollout" or replays_trajectories(run_config, training_config) \
             or run_config.train.replay_rollouts:
         return None
-    return RolloutService.launch_beside_workers(run_config.rollout, hf_checkpoint=run_config.model.hf_checkpoint)
+    return RolloutService.launch_beside_workers(run_config.rollout, hf_checkpoint=run_config.model.hf_checkpoint,
+                                                lora_flags=engine_lora_flags(run_config.model))
 
 
 def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None):

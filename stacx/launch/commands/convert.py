@@ -3,6 +3,7 @@
     stacx convert hf-to-torch-dist --hf-checkpoint IN --tensor-model-parallel-size N --out DIR
     stacx convert torch-dist-to-hf --load DIR [--hf-checkpoint HF] --out HF_DIR
     stacx convert checkpoint-to-hf --load runs/x/step_000000004 --role policy --out HF_DIR
+    stacx convert checkpoint-to-hf --load runs/x --lora adapter --out PEFT_DIR   # a LoRA run's adapters
 
 A torch_dist folder stores global tensors and loads at any tensor-parallel size (`--ref-load` and
 `--hf-checkpoint` accept it); the size given here only splits the conversion's work over that many
@@ -42,6 +43,9 @@ def add_arguments(parser) -> None:
     step_to_hf.add_argument("--hf-checkpoint", default=None,
                             help="config and tokenizer source (default: the run's own --hf-checkpoint)")
     step_to_hf.add_argument("--out", required=True, help="Hugging Face folder to write (new or empty)")
+    step_to_hf.add_argument("--lora", choices=("merged", "adapter"), default=None,
+                            help="a LoRA run's role: merged weights (the default) or a PEFT adapter folder "
+                            "(adapter_config.json + adapter_model.safetensors) for the base model")
     for name in RETIRED:  # the old flags are accepted, so the answer is the retirement, not a flag error
         retired = sub.add_parser(name)  # no help: argparse lists a subcommand only when it has one
         for flag in ("--hf-checkpoint", "--load", "--out", "--tensor-model-parallel-size", "--max-shard-gb"):
@@ -74,7 +78,7 @@ def _convert(args) -> str:
 
     step = resolve_checkpoint_folder(args.load)
     role = pick_role(read_manifest(step), args.role)
-    return export_role_to_hf(step, role, base_checkpoint_of(step, args.hf_checkpoint), args.out)
+    return export_role_to_hf(step, role, base_checkpoint_of(step, args.hf_checkpoint), args.out, lora=args.lora)
 
 
 def run(args) -> int:

@@ -69,6 +69,12 @@ def add_arguments(parser) -> None:
                              "ignores SIGINT (a Ctrl-C reaches the driver, which stops it)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter dtype")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="take a LoRA run's adapters only (its --lora-sync adapters): the rank of its adapters, "
+                             "merged into the weights on each update (default: 0, full weight updates)")
+    parser.add_argument("--lora-alpha", type=float, default=16.0, help="the run's --lora-alpha (default: %(default)s)")
+    parser.add_argument("--lora-target-modules", action="append", default=None, metavar="NAME",
+                        help="the run's --lora-target-modules, repeatable (default: all-linear)")
     for field in dataclasses.fields(ServerLimits):  # one flag per limit, named, typed and defaulted by its field
         default = getattr(limits, field.name)
         parser.add_argument(flag_name(field.name), type=type(default), default=default,
@@ -163,7 +169,17 @@ def run(args) -> int:
 
     if args.parent_pid is None:  # a server a run started: its driver printed the line already
         print_cpu_path_notice()
-    engine = CpuEngine.from_hf_checkpoint(args.hf_checkpoint, params_dtype=getattr(torch, args.dtype), seed=args.seed)
+    lora = None
+    if args.lora_rank > 0:
+        from stacx.models.lora import LoraSettings
+
+        try:
+            lora = LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha,
+                                target_modules=tuple(args.lora_target_modules or ("all-linear",)))
+        except ValueError as err:
+            raise SystemExit(f"stacx serve: {err}") from None
+    engine = CpuEngine.from_hf_checkpoint(args.hf_checkpoint, params_dtype=getattr(torch, args.dtype), seed=args.seed,
+                                          lora=lora)
     server = EngineHttpServer(engine, host=args.host, port=args.port, model_path=args.hf_checkpoint,
                               api_key=api_key, weight_updates=not args.no_weight_updates, limits=limits,
                               tokenizer=load_tokenizer_if_saved(args.hf_checkpoint))

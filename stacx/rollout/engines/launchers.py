@@ -44,6 +44,8 @@ class ServerLaunch:
     (SGLang's --enable-return-routed-experts; `stacx serve` always can)."""
     num_servers: int = 1
     """Servers to start (--rollout-num-engines); the requests are spread over them."""
+    lora_flags: tuple[str, ...] = ()
+    """`stacx serve`'s --lora-* flags when the run pushes LoRA adapters only (--lora-sync adapters)."""
 
 
 class LaunchedServers(Protocol):
@@ -61,7 +63,7 @@ class CpuServerProcess:
 
     def __init__(self, hf_checkpoint: str, *, seed: int = 0, host: str = "127.0.0.1", num_threads: int = 1,
                  timeout_s: float = SERVER_START_TIMEOUT_S, api_key: Optional[str] = None, wait: bool = True,
-                 port: int = 0):
+                 port: int = 0, extra_args: tuple[str, ...] = ()):
         """api_key: the secret the server requires on mutating endpoints, handed over in its
         environment (STACX_API_KEY), never on its command line where other users could read it.
         wait=False returns once the process is started; `wait_until_ready()` then gives `url`
@@ -72,7 +74,7 @@ class CpuServerProcess:
         if api_key:
             env["STACX_API_KEY"] = api_key
         command = [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", hf_checkpoint, "--port", str(port),
-                   "--host", host, "--seed", str(seed), "--parent-pid", str(os.getpid())]
+                   "--host", host, "--seed", str(seed), "--parent-pid", str(os.getpid()), *extra_args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.output = ReadyLineWatch(self.process, name="the CPU rollout server (stacx serve)")
         self.url: Optional[str] = None
@@ -127,7 +129,7 @@ class LaunchedCpuServer:
         stop_process(old.process, timeout_s=5)
         port = int(old.url.rsplit(":", 1)[1])
         new = CpuServerProcess(self.launch.hf_checkpoint, seed=self.launch.seed + index, api_key=self.launch.api_key,
-                               port=port)
+                               port=port, extra_args=self.launch.lora_flags)
         if index == 0:
             self.process = new
         else:
@@ -142,7 +144,8 @@ class LaunchedCpuServer:
 def launch_cpu_server(launch: ServerLaunch) -> LaunchedCpuServer:
     """Start `launch.num_servers` `stacx serve` processes on loopback without waiting for them: they
     load their model while the run's role workers start."""
-    started = [CpuServerProcess(launch.hf_checkpoint, seed=launch.seed + index, api_key=launch.api_key, wait=False)
+    started = [CpuServerProcess(launch.hf_checkpoint, seed=launch.seed + index, api_key=launch.api_key, wait=False,
+                                extra_args=launch.lora_flags)
                for index in range(launch.num_servers)]
     return LaunchedCpuServer(started[0], launch, started[1:])
 

@@ -63,6 +63,42 @@ class ModelSection:
     sequence_parallel: bool = False
     """At --tensor-model-parallel-size > 1: megatron's sequence parallelism (the activations outside attention
     and the MLP split along the sequence over TP); required for mixture-of-experts models there."""
+    lora_rank: int = 0
+    """LoRA: the rank of the adapters put on the trainable policy's linears (0: full fine-tuning). Only the
+    adapters are trained (gradients, optimizer state); the base weights are frozen (docs/lora.md)."""
+    lora_alpha: float = 16.0
+    """LoRA: the adapters' update is scaled by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """LoRA: dropout probability on each adapter's input while training, in [0, 1)."""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """LoRA: the linears that get adapters, any of linear_qkv, linear_proj, linear_fc1, linear_fc2, experts
+    (the routed experts' fc1 and fc2), or all-linear; repeatable."""
+    lora_sync: str = "merged"
+    """LoRA: what a weight push sends the rollout engine: 'merged' (W + s B A under the base names, any engine) or
+    'adapters' (the adapters only; the 'cpu' engine's `stacx serve` is started with the run's --lora-* flags and
+    merges them, attached servers must be started with them)."""
+
+    def __post_init__(self):
+        unknown = [name for name in self.lora_target_modules if name not in (*LORA_TARGET_MODULES, "all-linear")]
+        if unknown or not self.lora_target_modules:
+            raise ConfigError(f"--lora-target-modules: unknown or missing module names {unknown}; choose from "
+                              f"{[*LORA_TARGET_MODULES, 'all-linear']}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_rank > 0 and not self.lora_alpha > 0:
+            raise ConfigError(f"--lora-alpha must be > 0 with --lora-rank {self.lora_rank}, got {self.lora_alpha}")
+
+
+def engine_lora_flags(model: ModelSection) -> tuple[str, ...]:
+    """The `stacx serve` flags of an engine that takes the policy's adapters only (--lora-sync adapters), else ()."""
+    if model.lora_rank <= 0 or model.lora_sync != "adapters":
+        return ()
+    targets = [token for name in model.lora_target_modules for token in ("--lora-target-modules", name)]
+    return ("--lora-rank", str(model.lora_rank), "--lora-alpha", str(model.lora_alpha), *targets)
+
+
+LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts")
+"""--lora-target-modules names (stacx.models.lora.TARGET_MODULES, which this config may not import)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,6 +301,7 @@ FIELD_MINIMUMS: dict[str, int | float] = {
     "global_batch_size": 1, "num_steps_per_rollout": 1, "num_epochs": 1, "skip_nonfinite_steps": 0, "reward_timeout_s": 0.001,
     "max_restarts": 0,
     "max_staleness": 0, "agent_max_parallel_episodes": 1, "agent_timeout": 0.001, "lr": 0.0, "min_lr": 0.0,
+    "lora_rank": 0, "lora_alpha": 0.0,
 }
 """Smallest allowed value of numeric run-config fields, checked when a value is given (file or flag)."""
 
@@ -272,6 +309,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "lm_head_log_probs": ("auto", "fused", "logits"),
     "rollout_mode": ("sync", "async"),
     "log_expert_load": ("summary", "per-expert"),
+    "lora_sync": ("merged", "adapters"),
 }
 """Allowed values of string run-config fields with a fixed set of choices, checked when a value is given."""
 

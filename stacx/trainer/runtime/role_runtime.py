@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from stacx.checkpointing.folders import load_model_weights
 from stacx.models.builder import RouterLosses, model_chunks, unwrap_model
+from stacx.models.lora import LoraSettings, adapted_linears, attach_lora, is_peft_adapter_folder, load_peft_adapter
 from stacx.models.moe import (
     ExpertLoadRecorder,
     expert_load_metrics,
@@ -58,6 +59,15 @@ from stacx.trainer.runtime.optim import build_optimizer, current_lr, wrap_ddp
 from stacx.trainer.runtime.value_head import attach_value_head
 
 logger = logging.getLogger(__name__)
+
+
+def lora_settings(role: ModelRole, model: ModelSection, seed: int):
+    """The LoRA settings of a trainable language-model role when --lora-rank is set (a role with a value head,
+    the critic, is fully trained), else None."""
+    if model.lora_rank <= 0 or not role.trainable or role.outputs_values:
+        return None
+    return LoraSettings(rank=model.lora_rank, alpha=model.lora_alpha, dropout=model.lora_dropout,
+                        target_modules=model.lora_target_modules, seed=seed)
 
 #: Fields a forward-only pass can compute (`compute_fields`).
 COMPUTABLE_FIELDS = ("ref_log_probs", "log_probs", "values")
@@ -145,6 +155,9 @@ class RoleRuntime:
         )
         if reference_path is not None and role.outputs_values:
             raise ValueError(f"role {role.name!r} has a value head; an in-worker reference needs a language-model head")
+        self.lora = lora_settings(role, model, train.seed)
+        if reference_path is not None and self.lora is not None:
+            reference_path = self._reference_is_the_base(reference_path, path)
         if reference_path is not None:
             # Load the reference into the one module, keep its tensors, then load the role's own weights:
             # no second model object is ever built.
@@ -152,6 +165,8 @@ class RoleRuntime:
                                flag="--" + role.reference_checkpoint_arg.replace("_", "-"))
             self.reference_weights = [p.detach().clone() for p in self._reference_params()]
         load_model_weights(self.model, path, groups, flag="--" + role.checkpoint_arg.replace("_", "-"))
+        if self.lora is not None:
+            attach_lora(self.model, self.lora, groups)  # freezes the base weights
         if role.outputs_values and self.model.config.sequence_parallel:
             raise ValueError(f"role {role.name!r} outputs values, whose head reads the whole sequence on every TP "
                              "rank; --sequence-parallel is not supported for it yet (leave it off)")
@@ -246,11 +261,30 @@ class RoleRuntime:
         return routes_replayed(module, batch.model_routes(), tp_rank=self.groups.tp_rank,
                                tp_size=self.groups.tp_size)
 
+    def _reference_is_the_base(self, reference_path: str, path: str) -> None:
+        """With LoRA the reference is the base model, the adapters switched off (no second copy of the weights):
+        None (nothing to load), or ValueError when the reference's flag names other weights."""
+        if os.path.realpath(reference_path) != os.path.realpath(path):
+            flag = "--" + self.role.reference_checkpoint_arg.replace("_", "-")
+            raise ValueError(f"role {self.role.name!r} trains LoRA adapters (--lora-rank {self.lora.rank}); its "
+                             f"reference is the base model with the adapters off, but {flag} names other weights "
+                             f"({reference_path}); drop {flag} or point it at {path}")
+        self.reference_is_base = True
+        return None
+
+    reference_is_base = False
+    """True with LoRA and a reference: `swap_reference` switches the adapters off and on."""
+
     def swap_reference(self) -> None:
         """Exchange the module's weights with the held reference weights (call twice to undo).
 
-        Swapping `.data` moves no bytes and keeps the Parameter objects the optimizer holds.
+        Swapping `.data` moves no bytes and keeps the Parameter objects the optimizer holds. With LoRA the
+        reference is the base model: the swap switches the adapters off (and on again).
         """
+        if self.reference_is_base:
+            for module in adapted_linears(self.model):
+                module.lora_enabled = not module.lora_enabled
+            return
         if self.reference_weights is None:
             flag = "--" + (self.role.reference_checkpoint_arg or "ref_load").replace("_", "-")
             raise ValueError(f"role {self.role.name!r} holds no reference model; set {flag}")
@@ -416,7 +450,10 @@ class RoleRuntime:
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import iter_hf_weight_buckets
 
-        return iter_hf_weight_buckets(self.model, self.groups, bucket_bytes, only_to_tp_rank=only_to_tp_rank)
+        # --lora-sync adapters: the engine merges the adapters itself; they are all that changes.
+        adapters = self.lora is not None and self.model_section.lora_sync == "adapters"
+        return iter_hf_weight_buckets(self.model, self.groups, bucket_bytes, only_to_tp_rank=only_to_tp_rank,
+                                      adapters=adapters)
 
     def push_weights_to_engine(self, engine_kind: str, url: str, version: int, bucket_bytes: int,
                                api_key: str | None = None) -> int:
@@ -498,7 +535,14 @@ class RoleRuntime:
 
     def load_start_weights(self, path: str) -> None:
         """Replace the role's weights with those of model folder `path` (Hugging Face or torch_dist,
-        detected; `--load` naming a model rather than a training checkpoint). Collective."""
+        detected; `--load` naming a model rather than a training checkpoint), or with --lora-rank the adapters of a
+        PEFT adapter folder (on the run's base model). Collective."""
+        if is_peft_adapter_folder(path):
+            if self.lora is None:
+                raise ValueError(f"--load {path}: a PEFT adapter folder; set --lora-rank (and --lora-alpha, "
+                                 "--lora-target-modules) to the adapter's to start from it")
+            load_peft_adapter(self.model, path, self.groups, self.lora)
+            return
         load_model_weights(self.model, path, self.groups, flag="--load")
 
     def load_rank_state(self, loaded, role_name: str, rank: int) -> None:

@@ -1,0 +1,431 @@
+"""LoRA adapters on megatron-core's parallel linears, sharded as their base layer is.
+
+    settings = LoraSettings(rank=8, alpha=16, target_modules=("all-linear",))
+    attach_lora(model, settings, groups)      # after the base weights are loaded; freezes them
+    with adapters_disabled(model): ...        # the base model (the reference of KL-regularized recipes)
+
+An adapted linear computes y = W x + (alpha / rank) * B A dropout(x), with A [rank, in] and B [out, rank].
+Its parameters `lora_a` and `lora_b` sit on the linear itself, beside `weight` (megatron names such as
+`decoder.layers.0.self_attention.linear_qkv.lora_a`), so the base names, their checkpoint keys and their
+Hugging Face mappings do not change. Sharding follows the base layer's tensor-parallel group (tp, or etp for
+a routed expert):
+
+| base layer       | A                          | B                           | communication (of the [tokens, rank] tensor) |
+| ---------------- | -------------------------- | --------------------------- | --------------------------------------------- |
+| column-parallel  | replicated                 | split on the output dim     | copy to TP (all-reduce of its gradient); under sequence parallelism an all-gather along the sequence, A's gradient then summed over TP (`sequence_parallel` mark) |
+| row-parallel     | split on the input dim     | replicated                  | all-reduce of the partial A x (the partial sums are reduced before B, an all-reduce of `rank` numbers per token instead of `out`); under sequence parallelism B x is split along the sequence afterwards |
+| routed expert    | as above over etp          | as above over etp           | none at etp = 1 (etp > 1 with adapted experts is refused) |
+
+Routed experts' adapters live with their experts (one pair per local expert; expert parallelism moves them
+with the expert), and like every routed-expert parameter they are reduced over the expert-data-parallel
+group (`allreduce = False`, see `stacx.trainer.runtime.optim.keep_routed_experts_apart`). Context and
+pipeline parallelism need nothing: an adapter is per token and per layer.
+
+A starts from PyTorch's default linear init drawn from a generator seeded by the run seed and the adapter's
+global name (layer, module, expert), so every layout starts from the same full A; B starts at zero (the
+adapted model starts equal to the base). Dropout uses the default generator, as megatron's hidden dropout:
+the TP ranks of a replicated input draw the same mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from stacx.models.weight_mapping import ADAPTER_PARAMS, is_adapter_param_name  # noqa: F401  (re-exported)
+from stacx.parallel.groups import ProcessGroups
+
+TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts")
+"""Names of `--lora-target-modules`: megatron's attention and MLP linears (a shared expert's count as the dense
+MLP's), and `experts`, the routed experts' fc1 and fc2."""
+ALL_LINEAR = "all-linear"
+"""`--lora-target-modules all-linear`: every name of TARGET_MODULES."""
+
+_COLUMN = ("linear_qkv", "linear_fc1")
+_ROW = ("linear_proj", "linear_fc2")
+_ROUTED_EXPERTS = ".experts.local_experts."
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSettings:
+    """The adapters of a trainable role (run flags --lora-*)."""
+
+    rank: int
+    """--lora-rank: the rank r of each adapter (A is [r, in], B is [out, r])."""
+    alpha: float
+    """--lora-alpha: the update is scaled by alpha / r."""
+    dropout: float = 0.0
+    """--lora-dropout: dropout probability on the adapter's input (training only)."""
+    target_modules: tuple[str, ...] = (ALL_LINEAR,)
+    """--lora-target-modules: which linears get adapters (TARGET_MODULES, or all-linear)."""
+    seed: int = 0
+    """Seed of A's initialization (the run's --seed)."""
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"--lora-rank must be >= 1 to attach adapters, got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+        check_target_modules(self.target_modules)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def targets(self) -> frozenset[str]:
+        """The TARGET_MODULES names adapted (all-linear expanded)."""
+        return frozenset(TARGET_MODULES) if ALL_LINEAR in self.target_modules else frozenset(self.target_modules)
+
+
+def check_target_modules(names) -> None:
+    """Raise ValueError naming --lora-target-modules for an unknown or missing name."""
+    if not names:
+        raise ValueError(f"--lora-target-modules needs at least one of {[*TARGET_MODULES, ALL_LINEAR]}")
+    unknown = [name for name in names if name not in (*TARGET_MODULES, ALL_LINEAR)]
+    if unknown:
+        raise ValueError(f"--lora-target-modules: unknown module(s) {unknown}; choose from "
+                         f"{[*TARGET_MODULES, ALL_LINEAR]}")
+
+
+def target_of(module_name: str) -> str | None:
+    """The TARGET_MODULES name of a GPTModel submodule (`decoder.layers.0.mlp.linear_fc1` -> linear_fc1;
+    a routed expert's fc1 or fc2 -> experts), or None for a module no adapter goes on."""
+    last = module_name.rsplit(".", 1)[-1]
+    if last not in _COLUMN + _ROW:
+        return None
+    return "experts" if _ROUTED_EXPERTS in module_name else last
+
+
+class LoraLinearMixin:
+    """Mixed into the class of an adapted megatron linear (`attach_lora`): its forward adds the adapter's term."""
+
+    lora_enabled: bool = True
+
+    def forward(self, input_, *args, **kwargs):
+        output, bias = super().forward(input_, *args, **kwargs)
+        if not self.lora_enabled:
+            return output, bias
+        return output + self.lora_delta(input_).to(output.dtype), bias
+
+    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        # Imported here: megatron-core is slow to import (start-up time).
+        from megatron.core.tensor_parallel import mappings
+
+        if self.lora_dropout > 0.0 and self.training:
+            x = F.dropout(x, p=self.lora_dropout)
+        group, parallel = self.tp_group, self.tp_group.size() > 1
+        sequence_parallel = parallel and self.lora_sequence_parallel
+        h = F.linear(x.to(self.lora_a.dtype), self.lora_a)  # [s, b, r]
+        if self.lora_kind == "column":
+            if sequence_parallel:
+                h = mappings.gather_from_sequence_parallel_region(h, group=group)
+            elif parallel:
+                h = mappings.copy_to_tensor_model_parallel_region(h, group=group)
+            return F.linear(h, self.lora_b) * self.lora_scale
+        if parallel:
+            h = mappings.reduce_from_tensor_model_parallel_region(h, group=group)
+        y = F.linear(h, self.lora_b) * self.lora_scale
+        if sequence_parallel:
+            y = mappings.scatter_to_sequence_parallel_region(y, group=group)
+        return y
+
+    def lora_merged_weight(self) -> torch.Tensor:
+        """This rank's shard of W + scale * B A (the shard of the merged weight: B A of the local shards)."""
+        return self.weight + self.lora_scale * (self.lora_b @ self.lora_a).to(self.weight.dtype)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """megatron's, with the adapters sharded like the base weight (B on dim 0 of a column-parallel
+        linear, A on dim 1 of a row-parallel one; the other replicated)."""
+        # Imported here: megatron-core is slow to import (start-up time).
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        axes = {"weight": 0, "bias": 0, "lora_b": 0} if self.lora_kind == "column" else {"weight": 1, "lora_a": 1}
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, axes, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+
+
+_ADAPTED_CLASSES: dict[type, type] = {}
+
+
+def _adapted_class(base_cls: type) -> type:
+    if base_cls not in _ADAPTED_CLASSES:
+        _ADAPTED_CLASSES[base_cls] = type(f"Lora{base_cls.__name__}", (LoraLinearMixin, base_cls), {})
+    return _ADAPTED_CLASSES[base_cls]
+
+
+def _global_names(gpt_model) -> dict[str, str]:
+    """{module name: layout-free name} of every adaptable linear: the global layer index (a pipeline stage
+    numbers its layers from 0) and the global expert index (expert parallelism)."""
+    names = {}
+    first_expert = {name: module.local_expert_indices[0] for name, module in gpt_model.named_modules()
+                    if getattr(module, "local_expert_indices", None)}
+    for layer_index, layer in enumerate(gpt_model.decoder.layers):
+        prefix = f"decoder.layers.{layer_index}."
+        for inner, _ in layer.named_modules():
+            full = prefix + inner
+            if target_of(full) is None:
+                continue
+            name = f"layers.{int(layer.layer_number) - 1}.{inner}"
+            if _ROUTED_EXPERTS in full:
+                moe, rest = full.split(_ROUTED_EXPERTS)
+                local, tail = rest.split(".", 1)
+                name = name.split(_ROUTED_EXPERTS)[0] + f".experts.{first_expert[moe] + int(local)}.{tail}"
+            names[full] = name
+    return names
+
+
+def _init_a(settings: LoraSettings, global_name: str, full_in: int) -> torch.Tensor:
+    """The full A [rank, full_in] of one adapter: PyTorch's default linear init from a generator seeded by the
+    run seed and the adapter's global name (the same on every layout)."""
+    generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + zlib.crc32(global_name.encode()))
+    bound = 1.0 / math.sqrt(full_in)  # kaiming_uniform_(a=sqrt(5)) of a [rank, full_in] weight
+    return (torch.rand(settings.rank, full_in, generator=generator) * 2 - 1) * bound
+
+
+def attach_lora(model, settings: LoraSettings, groups: ProcessGroups | None = None) -> int:
+    """Attach adapters to the target linears of `model` (a GPTModel or a list of chunks) and freeze every other
+    parameter; returns how many linears were adapted on this rank. Call after the base weights are loaded and
+    before DDP and the optimizer are built."""
+    from stacx.models.builder import model_chunks, unwrap_model
+
+    adapted = 0
+    for chunk in model_chunks(model):
+        gpt = unwrap_model(chunk)
+        for param in gpt.parameters():
+            param.requires_grad_(False)
+        global_names = _global_names(gpt)
+        for name, module in list(gpt.named_modules()):
+            target = target_of(name)
+            if target is None or target not in settings.targets or name not in global_names:
+                continue
+            _adapt(module, name, global_names[name], settings)
+            adapted += 1
+    return adapted
+
+
+def _adapt(module, name: str, global_name: str, settings: LoraSettings) -> None:
+    # Imported here: megatron-core is slow to import (start-up time).
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    kind = "column" if name.rsplit(".", 1)[-1] in _COLUMN else "row"
+    if not isinstance(module, ColumnParallelLinear if kind == "column" else RowParallelLinear):
+        # transformer-engine's linears (the GPU layer spec) fuse the layer norm into linear_qkv and linear_fc1,
+        # whose adapter must read the normalized input: not supported yet.
+        raise ValueError(f"LoRA on {name}: {type(module).__name__} is not megatron-core's "
+                         f"{'Column' if kind == 'column' else 'Row'}ParallelLinear (transformer-engine's layer spec is "
+                         "not supported yet); run without --lora-rank there")
+    tp_size = module.tp_group.size()
+    if getattr(module, "explicit_expert_comm", False) and tp_size > 1:
+        raise ValueError(f"LoRA on routed experts at --expert-tensor-parallel-size {tp_size} is not supported "
+                         f"({name}); set --expert-tensor-parallel-size 1 or drop `experts` from --lora-target-modules")
+    if getattr(module, "gather_output", False):
+        raise ValueError(f"LoRA on {name}: a column-parallel linear that gathers its output is not supported")
+    out_local, in_local = module.weight.shape
+    full_in = in_local * tp_size if kind == "row" else in_local
+    a_full = _init_a(settings, global_name, full_in)
+    rank = module.tp_group.rank()
+    a_local = a_full[:, rank * in_local:(rank + 1) * in_local] if kind == "row" else a_full
+    dtype, device = module.weight.dtype, module.weight.device
+    module.lora_a = torch.nn.Parameter(a_local.to(dtype=dtype, device=device).contiguous())
+    module.lora_b = torch.nn.Parameter(torch.zeros(out_local, settings.rank, dtype=dtype, device=device))
+    sequence_parallel = bool(getattr(module, "sequence_parallel", False)) and tp_size > 1
+    if kind == "column":
+        module.lora_b.tensor_model_parallel, module.lora_b.partition_dim, module.lora_b.partition_stride = True, 0, 1
+        # Each TP rank saw its part of the sequence: A's gradient is summed over TP (finalize_model_grads).
+        module.lora_a.sequence_parallel = sequence_parallel
+    else:
+        module.lora_a.tensor_model_parallel, module.lora_a.partition_dim, module.lora_a.partition_stride = True, 1, 1
+    if _ROUTED_EXPERTS in name:
+        for param in (module.lora_a, module.lora_b):
+            param.allreduce = False  # reduced over expert-data-parallel ranks, like the expert's weight
+    module.lora_kind, module.lora_scale = kind, settings.scale
+    module.lora_dropout, module.lora_sequence_parallel = settings.dropout, sequence_parallel
+    module.lora_global_name = global_name
+    module.__class__ = _adapted_class(type(module))
+
+
+def adapted_linears(model) -> list:
+    """Every adapted linear of `model` (a GPTModel, a wrapper or a list of chunks), in module order."""
+    from stacx.models.builder import model_chunks
+
+    return [module for chunk in model_chunks(model) for module in chunk.modules()
+            if isinstance(module, LoraLinearMixin)]
+
+
+def has_lora(model) -> bool:
+    return bool(adapted_linears(model))
+
+
+def adapter_parameters(model) -> list[torch.nn.Parameter]:
+    return [p for module in adapted_linears(model) for p in (module.lora_a, module.lora_b)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Run `model` as its base: every adapter's term is left out inside the block (no copy of any weight)."""
+    modules = adapted_linears(model)
+    before = [module.lora_enabled for module in modules]
+    for module in modules:
+        module.lora_enabled = False
+    try:
+        yield
+    finally:
+        for module, enabled in zip(modules, before):
+            module.lora_enabled = enabled
+
+
+def merged_weight(gpt_model, megatron_name: str, param: torch.Tensor) -> torch.Tensor:
+    """`param`, or for the weight of an adapted linear this rank's shard of W + scale * B A."""
+    if not megatron_name.endswith(".weight"):
+        return param
+    module = gpt_model.get_submodule(megatron_name.rsplit(".", 1)[0])
+    if isinstance(module, LoraLinearMixin) and module.lora_enabled:
+        return module.lora_merged_weight()
+    return param
+
+
+# ---- Hugging Face (PEFT) names of the adapters ----------------------------------------------------------------
+
+SHARED_A = {"q_proj": ("k_proj", "v_proj"), "gate_proj": ("up_proj",)}
+"""A fused megatron linear has one A for the Hugging Face modules it stands for (q, k and v; gate and up): it is
+streamed once, under the first module's name, and `peft_named_tensors` repeats it for the others."""
+
+
+def adapter_param_mappings(gpt_model) -> list:
+    """A `ParamMapping` per adapter parameter of an (unwrapped) GPTModel, to PEFT's tensor names without the
+    `base_model.model.` prefix (`model.layers.0.self_attn.q_proj.lora_B.weight`). B of a column-parallel
+    linear has the base weight's row layout (its kind: qkv, gate_up), A of a row-parallel one its column
+    layout (row); the other is replicated."""
+    from stacx.models.weight_mapping import ParamMapping, _first_local_experts, _match, layer_offset
+
+    offset, first_experts = layer_offset(gpt_model), _first_local_experts(gpt_model)
+    mappings = []
+    for name, param in gpt_model.named_parameters():
+        if not is_adapter_param_name(name):
+            continue
+        module_name, which = name.rsplit(".", 1)
+        kind, hf_names, routed = _match(module_name + ".weight", offset,
+                                        first_experts.get(name.split(_ROUTED_EXPERTS)[0], 0))
+        suffix = ".lora_A.weight" if which == "lora_a" else ".lora_B.weight"
+        hf_names = tuple(hf.removesuffix(".weight") + suffix for hf in hf_names)
+        column = kind in ("qkv", "gate_up")
+        if which == "lora_a":
+            kind, hf_names = ("replicated", hf_names[:1]) if column else ("row", hf_names)
+        elif not column:
+            kind = "replicated"
+        mappings.append(ParamMapping(name, kind, hf_names, tuple(param.shape), routed))
+    return mappings
+
+
+def peft_named_tensors(named) -> dict[str, torch.Tensor]:
+    """{PEFT name: tensor} from the streamed adapters (`iter_hf_weight_buckets(..., adapters=True)`): the shared
+    A of a fused linear repeated for each Hugging Face module it stands for, names under `base_model.model.`."""
+    out = {}
+    for name, tensor in named:
+        out["base_model.model." + name] = tensor
+        module = name.removesuffix(".lora_A.weight").rsplit(".", 1)
+        if name.endswith(".lora_A.weight") and module[-1] in SHARED_A:
+            for sibling in SHARED_A[module[-1]]:
+                out[f"base_model.model.{module[0]}.{sibling}.lora_A.weight"] = tensor
+    return out
+
+
+PEFT_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",),
+                "experts": ("gate_proj", "up_proj", "down_proj")}
+"""PEFT's `target_modules` (Hugging Face module names) of each --lora-target-modules name."""
+
+
+def peft_adapter_config(settings: LoraSettings, base_model: str | None) -> dict:
+    """adapter_config.json of a PEFT LoRA adapter with these settings."""
+    modules = sorted({hf for target in settings.targets for hf in PEFT_MODULES[target]})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
+            "lora_dropout": settings.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "base_model_name_or_path": base_model, "inference_mode": True}
+
+
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def is_peft_adapter_folder(path) -> bool:
+    """Whether `path` is a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)."""
+    import os
+
+    return all(os.path.isfile(os.path.join(path, name)) for name in (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE))
+
+
+@torch.no_grad()
+def load_peft_adapter(model, path: str, groups: ProcessGroups, settings: LoraSettings, *, flag: str = "--load") -> None:
+    """Copy a PEFT LoRA folder's adapters into `model`'s adapters (each rank its shard). The folder's r and
+    lora_alpha must be the run's; a fused linear's Hugging Face modules (q, k, v; gate, up) must share one A
+    (as Stacx writes them). Raises ValueError naming `flag` otherwise."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    from stacx.models.architectures import decoder_shape
+    from stacx.models.builder import hf_config_of, model_chunks, unwrap_model
+
+    config = json.loads(open(os.path.join(path, PEFT_CONFIG_FILE)).read())
+    if int(config.get("r", -1)) != settings.rank or float(config.get("lora_alpha", -1)) != settings.alpha:
+        raise ValueError(f"{flag} {path}: a PEFT adapter of r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; "
+                         f"set --lora-rank {config.get('r')} --lora-alpha {config.get('lora_alpha')}")
+    tensors = {name.removeprefix("base_model.model."): t for name, t in load_file(os.path.join(path, PEFT_WEIGHTS_FILE)).items()}
+    for chunk in model_chunks(model):
+        gpt = unwrap_model(chunk)
+        shape = decoder_shape(hf_config_of(gpt))
+        params = dict(gpt.named_parameters())
+        for mapping in adapter_param_mappings(gpt):
+            for hf_name in mapping.hf_names:
+                if hf_name not in tensors:
+                    raise ValueError(f"{flag} {path}: no tensor {hf_name!r}; the adapter targets other modules than "
+                                     f"--lora-target-modules {' '.join(settings.target_modules)}")
+                module, _, _ = hf_name.removesuffix(".lora_A.weight").rpartition(".")
+                for sibling in SHARED_A.get(hf_name.removesuffix(".lora_A.weight").rsplit(".", 1)[-1], ()):
+                    other = tensors.get(f"{module}.{sibling}.lora_A.weight")
+                    if hf_name.endswith(".lora_A.weight") and other is not None and not torch.equal(other, tensors[hf_name]):
+                        raise ValueError(f"{flag} {path}: {hf_name} and {module}.{sibling}.lora_A.weight differ; Stacx's "
+                                         "fused linear has one A for them (load adapters written by Stacx)")
+            rank, size = mapping.shard_rank_and_size(groups)
+            pieces = []
+            for hf_name, part in zip(mapping.hf_names, mapping.local_slices(shape, rank, size)):
+                full = tensors[hf_name]
+                pieces.append(full if part.dim is None else full.narrow(part.dim, part.start, part.stop - part.start))
+            params[mapping.megatron_name].copy_(mapping.assemble_local(pieces, shape, size))
+
+
+class MergedAdapters:
+    """An inference model's adapters, merged into its weights: the receiving end of an adapter-only weight sync.
+
+    The adapters are attached but switched off (the forward reads the plain weights, so a decoder that mirrors
+    them, such as the CPU engine's KV-cache decoder, needs nothing new); each adapted linear's base weight W0
+    is kept, and `apply` sets W = W0 + scale * B A from the adapters last received. Unmerging is exact (W0 is
+    copied back, never subtracted)."""
+
+    def __init__(self, model, settings: LoraSettings, groups: ProcessGroups | None = None):
+        attach_lora(model, settings, groups)
+        self.modules = adapted_linears(model)
+        for module in self.modules:
+            module.lora_enabled = False
+        self.base_weights = [module.weight.detach().clone() for module in self.modules]
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        for module, base in zip(self.modules, self.base_weights):
+            module.weight.copy_(base + module.lora_scale * (module.lora_b @ module.lora_a).to(base.dtype))
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        for module, base in zip(self.modules, self.base_weights):
+            module.weight.copy_(base)
