@@ -15,10 +15,17 @@ from dataclasses import dataclass
 class RolloutSection:
     rollout_engine: str = "auto"
     """Engine kind: 'cpu' (`stacx serve` started on loopback), 'http' (attach to rollout_urls), 'sglang' (SGLang
-    servers on the Ray cluster's GPUs), 'auto' (sglang on GPU, else cpu), or a kind registered with
+    servers on the Ray cluster's GPUs), 'vllm' (vLLM's server from its own environment, docs/vllm.md), 'auto'
+    (sglang on GPU, else cpu), or a kind registered with
     @register_engine (docs/adding-an-engine.md)."""
     rollout_urls: tuple[str, ...] = ()
-    """URLs of running inference servers to attach to."""
+    """URLs of running inference servers to attach to (with 'http', and with 'vllm' instead of launching one)."""
+    vllm_python: str | None = None
+    """--rollout-engine vllm: the python of the vLLM environment the run starts its server with (default:
+    $STACX_VLLM_PYTHON; `scripts/setup_vllm_venv.sh` makes one; docs/vllm.md)."""
+    weight_check_every: int = 1
+    """After every Nth weight push, compare a digest of every tensor the engine holds with the trainer's; a
+    mismatch stops the run naming the tensor (0: never; docs/vllm.md, 'Post-sync check')."""
     agent: str | None = None
     """Bring your own scaffold: 'path/to/file.py:function' or 'module:function', called once per episode as
     function(base_url, task) -> reward (or None: --reward-fn scores the last turn). It talks to the

@@ -53,6 +53,7 @@ from stacx.rollout.evaluation import RolloutDumper
 from stacx.rollout.step_rollout import StepRollout, uniform_reward_warning
 from stacx.rollout.types import EngineTarget
 from stacx.rollout.service import RolloutService
+from stacx.rollout.weight_check import check_due
 from stacx.trainer.batch import StepBatch, StepDataSource, plan_micro_batches
 from stacx.trainer.checkpoint import (
     CheckpointError,
@@ -461,8 +462,10 @@ class StacxTrainer:
         if self.channel.is_driver:
             self.rollout.begin_weight_update()
         try:
+            check = check_due(version, self.run_config.rollout.weight_check_every)  # the post-sync digest check
             for url in target.urls:  # every rollout engine takes the update; finish_weight_update checks each version
-                self.roles[role.name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key)
+                self.roles[role.name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key,
+                                                   check)
         except BaseException:
             # Resume without the version check: a stale-version error would hide the push's own error.
             if self.channel.is_driver:

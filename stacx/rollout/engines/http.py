@@ -30,6 +30,7 @@ BUCKET_ENDPOINT = "/stacx/update_weights_bucket"
 SHM_BUCKET_ENDPOINT = "/stacx/update_weights_from_shm"
 SHM_STAGING_ENDPOINT = "/stacx/shm_staging"
 SHM_RELEASE_ENDPOINT = "/stacx/shm_staging/release"
+DIGEST_ENDPOINT = "/stacx/weight_digests"
 WEIGHT_TRANSPORTS = ("auto", "http", "shm")
 
 
@@ -149,6 +150,27 @@ class HttpEngine(InferenceEngine):
 
     def weight_version(self) -> int:
         return int(self.transport.get("/get_weight_version")["weight_version"])
+
+    def _digest_answer(self, names: Sequence[str]) -> Optional[dict]:
+        """`stacx serve`'s digest answer; None from a server without the endpoint (another SGLang-API server)."""
+        try:
+            return self.transport.post_json(DIGEST_ENDPOINT, {"names": list(names)}, summary=f"{len(names)} digests")
+        except ServerRequestError as err:
+            if err.status_code == 404:
+                return None
+            raise
+
+    def weight_digests(self, names: Sequence[str]) -> dict:
+        """{name: digest or None (unverified)} of the served weights (stacx.rollout.weight_check)."""
+        answer = self._digest_answer(names)
+        return answer["digests"] if answer is not None else {name: None for name in names}
+
+    def weight_digest_dtype(self):
+        """The served weights' dtype: the sender digests floating tensors cast to it (None: unknown)."""
+        from stacx.parallel.tensor_buckets import TENSOR_DTYPES
+
+        answer = self._digest_answer([])
+        return TENSOR_DTYPES[answer["dtype"]] if answer is not None else None
 
     def pause(self) -> None:
         self.transport.post_json("/pause_generation", {})

@@ -38,6 +38,9 @@ class ServerLaunch:
     return_routed_experts: bool = False
     """The run replays routes (--use-routing-replay): servers that need a switch for it get it
     (SGLang's --enable-return-routed-experts; `stacx serve` always can)."""
+    engine_python: Optional[str] = None
+    """The python of the engine's own environment, for kinds whose server runs outside Stacx's (vLLM:
+    --vllm-python)."""
 
 
 class LaunchedServers(Protocol):

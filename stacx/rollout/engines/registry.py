@@ -23,7 +23,8 @@ A kind declares, where it is registered:
   torchrun job cannot overlap it with training (`--rollout-mode async`).
 
 Built-ins: 'cpu' (`stacx serve` as a child of the driver), 'http' (attach to --rollout-urls),
-'sglang' (SGLang servers on the Ray cluster's GPUs). 'auto' is no kind: it resolves to 'sglang'
+'sglang' (SGLang servers on the Ray cluster's GPUs), 'vllm' (vLLM's server from its own environment,
+or attached with --rollout-urls: `attaches_with_urls`). 'auto' is no kind: it resolves to 'sglang'
 with CUDA, else 'cpu' (`resolve_engine_kind`). A user kind comes from a `--custom-module` file (or
 `stacx/custom/`) like every plugin; the file is shipped to the role workers, where the weight push
 looks the kind up again. Names are unique: registering one twice is refused.
@@ -43,6 +44,7 @@ from stacx.rollout.engines.base import InferenceEngine
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch, launch_cpu_server, launch_sglang_servers
 from stacx.rollout.engines.sglang import SglangEngine
+from stacx.rollout.engines.vllm import VllmEngine, launch_vllm_servers
 from stacx.rollout.http_client import RetryPolicy
 
 AUTO = "auto"
@@ -71,6 +73,8 @@ class EngineKind:
     launches_on_ray: bool = False
     """The launcher places the servers on the Ray cluster, which a torchrun job does not have (its
     asynchronous rollout needs an engine in its own process)."""
+    attaches_with_urls: bool = False
+    """Given --rollout-urls, the run attaches to those servers instead of launching its own (vLLM)."""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or self.name == AUTO:
@@ -84,6 +88,10 @@ class EngineKind:
     def attaches(self) -> bool:
         """The run starts no server of this kind: it attaches to `--rollout-urls`."""
         return self.launcher is None
+
+    def attaches_to(self, rollout_urls) -> bool:
+        """Whether a run with these --rollout-urls attaches rather than launches."""
+        return self.attaches or (self.attaches_with_urls and bool(rollout_urls))
 
     def connect(self, url: str, *, api_key: Optional[str] = None,
                 retry: Optional[RetryPolicy] = None) -> InferenceEngine:
@@ -161,3 +169,5 @@ def engine_client(kind: str, url: str, *, api_key: Optional[str] = None) -> Infe
 add_engine_kind(EngineKind(name="cpu", client=HttpEngine, launcher=launch_cpu_server, starts_beside_workers=True))
 add_engine_kind(EngineKind(name="http", client=HttpEngine))
 add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True))
+add_engine_kind(EngineKind(name="vllm", client=VllmEngine, launcher=launch_vllm_servers, starts_beside_workers=True,
+                           attaches_with_urls=True))
