@@ -17,6 +17,7 @@ from typing import Iterable, Optional, Sequence
 from urllib.parse import urlparse
 
 from stacx.network import is_loopback_host
+from stacx.parallel.tensor_buckets import TENSOR_DTYPES
 from stacx.rollout.engines.base import InferenceEngine, WeightBucket
 from stacx.rollout.http_client import HttpTransport, RetryPolicy, ServerRequestError
 from stacx.rollout.engines.sglang_protocol import build_abort_payload, build_generate_payload, parse_generate_response
@@ -167,8 +168,6 @@ class HttpEngine(InferenceEngine):
 
     def weight_digest_dtype(self):
         """The served weights' dtype: the sender digests floating tensors cast to it (None: unknown)."""
-        from stacx.parallel.tensor_buckets import TENSOR_DTYPES
-
         answer = self._digest_answer([])
         return TENSOR_DTYPES[answer["dtype"]] if answer is not None else None
 

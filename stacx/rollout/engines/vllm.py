@@ -19,17 +19,19 @@ import json
 import logging
 import os
 import shlex
+import socket
 import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
+from urllib.parse import urlparse
 
 import torch
 
 from stacx.network import is_loopback_host
-from stacx.parallel.tensor_buckets import TENSOR_DTYPES, plan_buckets, bucket_chunks
+from stacx.parallel.tensor_buckets import TENSOR_DTYPES, bucket_chunks, pack_bucket, plan_buckets
 from stacx.rollout.engines.base import InferenceEngine, WeightBucket
 from stacx.rollout.engines.processes import stop_process
 from stacx.rollout.engines.vllm_protocol import (
@@ -88,8 +90,6 @@ class VllmEngine(InferenceEngine):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         self.transport = HttpTransport(url, retry, api_key=api_key, max_connections=self.max_concurrent_submissions + 2)
-        from urllib.parse import urlparse
-
         loopback = is_loopback_host(urlparse(self.transport.url).hostname)
         self.weight_transport = ("shm" if loopback else "http") if weight_transport == "auto" else weight_transport
         self.pause_mode = pause_mode
@@ -231,8 +231,6 @@ class _StagingFile:
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def write(self, bucket: WeightBucket, slots, num_bytes: int) -> str:
-        from stacx.parallel.tensor_buckets import pack_bucket
-
         if num_bytes > self.capacity:
             os.truncate(self.path, num_bytes)
             self.buffer = torch.from_file(self.path, shared=True, size=num_bytes, dtype=torch.uint8)
@@ -253,8 +251,6 @@ class _StagingFile:
 
 
 def free_loopback_port() -> int:
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -334,6 +330,7 @@ class VllmServerProcess:
         """The URL once /health answers; the server's last log lines when it exits or times out first."""
         if self.url is not None:
             return self.url
+        # Imported here: only the launcher's readiness probe needs it.
         import requests
 
         url = f"http://127.0.0.1:{self.port}"

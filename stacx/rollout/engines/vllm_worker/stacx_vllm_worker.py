@@ -8,6 +8,7 @@ VLLM_SERVER_DEV_MODE=1). Every argument is one JSON string, every answer a JSON 
     stacx_load_bucket(header)      one bucket of Hugging Face-named tensors, staged by the client
     stacx_weight_digests(request)  {name: digest} of what the engine holds now (post-sync check)
     stacx_weight_version()         the version of the weights the engine serves
+    stacx_reset_weight_version()   serve them as version 0 (a new run attaching to a long-lived server)
 
 A bucket is Stacx's own format (`stacx.parallel.tensor_buckets`: names, dtypes, shapes, offsets
 into one flat buffer), staged either in a same-host shared-memory file the client wrote
@@ -229,6 +230,19 @@ class StacxWorkerExtension:
 
     def stacx_weight_version(self) -> dict:
         return {"weight_version": self._stacx_order().served}
+
+    def stacx_reset_weight_version(self) -> dict:
+        """Serve the current weights as version 0: a new run attaching to a long-lived server numbers its
+        pushes from 1 again (an unfinished update is finished first)."""
+        order = self._stacx_order()
+        if order.loading is not None:
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+        order.served, order.loading = 0, None
+        return {"weight_version": 0}
 
     def stacx_load_bucket(self, header_json: str) -> dict:
         from vllm.config import set_current_vllm_config
