@@ -34,7 +34,7 @@ def test_completion_payload_sends_ids_and_asks_for_ids_and_log_probs():
     assert payload["prompt"] == [5, 6, 7] and payload["max_tokens"] == 4 and payload["request_id"] == "r1"
     assert payload["return_token_ids"] and payload["return_tokens_as_token_ids"] and not payload["add_special_tokens"]
     assert (payload["logprobs"], payload["prompt_logprobs"], payload["seed"], payload["stop_token_ids"]) == (2, 2, 3, [1])
-    assert build_abort_payload(None) == {"request_ids": []} and build_abort_payload(["a"]) == {"request_ids": ["a"]}
+    assert build_abort_payload(None) == {"request_ids": []} and build_abort_payload(["a"]) == {"request_ids": ["cmpl-a-0"]}
     assert json.loads(build_rpc_payload("m", {"x": 1})["args"][0]) == {"x": 1}
     with pytest.raises(ValueError, match="worker-extension-cls"):
         parse_rpc_results({"results": "nope"}, "stacx_load_bucket")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 from urllib.parse import urlparse
 
+import requests
 import torch
 
 from stacx.network import is_loopback_host
@@ -330,9 +331,6 @@ class VllmServerProcess:
         """The URL once /health answers; the server's last log lines when it exits or times out first."""
         if self.url is not None:
             return self.url
-        # Imported here: only the launcher's readiness probe needs it.
-        import requests
-
         url = f"http://127.0.0.1:{self.port}"
         while True:
             if self.process.poll() is not None:
@@ -341,6 +339,7 @@ class VllmServerProcess:
                                    f"ready; its log ({self.log_path}) ends:\n{self.log_tail()}")
             try:
                 if requests.get(url + "/health", timeout=2).status_code == 200:
+                    self._first_forward(url)
                     self.url = url
                     return url
             except requests.RequestException:
@@ -350,6 +349,15 @@ class VllmServerProcess:
                 raise RuntimeError(f"the vLLM server did not become ready within {self._timeout_s:.0f}s; its log "
                                    f"({self.log_path}) ends:\n{self.log_tail()}")
             time.sleep(0.5)
+
+    def _first_forward(self, url: str) -> None:
+        """One token of one request: the first forward of a CPU server can take minutes (kernel set-up), and a
+        server counts as ready once it has answered one."""
+        model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        remaining = max(30.0, self._deadline - time.monotonic())
+        answer = requests.post(url + "/v1/completions", json={"model": model, "prompt": [0], "max_tokens": 1},
+                               timeout=remaining)
+        answer.raise_for_status()
 
     def stop(self) -> None:
         """Stop the server and the engine-core processes it spawned (its own process group)."""

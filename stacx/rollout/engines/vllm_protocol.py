@@ -67,14 +67,20 @@ def build_completion_payload(request: GenerateRequest, *, model: str) -> dict:
     return payload
 
 
+def engine_request_id(rid: str) -> str:
+    """The id vLLM's engine knows a completion by: the server names prompt 0 of request `rid` `cmpl-<rid>-0`."""
+    return f"cmpl-{rid}-0"
+
+
 def build_abort_payload(rids: Optional[Sequence[str]] = None) -> dict:
-    """`POST /abort_requests`: these request ids, or every in-flight request (None)."""
+    """`POST /abort_requests`: the engine ids of these requests (`engine_request_id`), or every in-flight
+    request (None)."""
     if rids is None:
         return {"request_ids": []}
     rids = list(rids)
     if not all(isinstance(r, str) and r for r in rids):
         raise ValueError(f"abort: request ids must be non-empty strings, got {rids!r}")
-    return {"request_ids": rids}
+    return {"request_ids": [engine_request_id(r) for r in rids]}
 
 
 def build_rpc_payload(method: str, argument: Optional[dict] = None, *, timeout_s: Optional[float] = None) -> dict:

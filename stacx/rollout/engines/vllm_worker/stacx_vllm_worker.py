@@ -212,11 +212,13 @@ def read_back(model: torch.nn.Module, params: dict, hf_name: str) -> Optional[to
         return full[start:start + sizes[shard]]
     if hf_name in params:
         param = params[hf_name]
+        module = model.get_submodule(hf_name.rpartition(".")[0])
         if hf_name.endswith("weight") and not param.numel():
-            return linear_weight(model.get_submodule(hf_name.rpartition(".")[0]), param)
-        return param
+            return linear_weight(module, param)
+        vocab = getattr(module, "org_vocab_size", None)  # embeddings and LM head: rows padded past the vocab
+        return param[:vocab] if isinstance(vocab, int) and param.shape[0] > vocab else param
     if hf_name == "lm_head.weight" and "model.embed_tokens.weight" in params:  # tied embeddings
-        return params["model.embed_tokens.weight"]
+        return read_back(model, params, "model.embed_tokens.weight")
     return None
 
 
