@@ -279,7 +279,7 @@ def vllm_server_command(python: str, hf_checkpoint: str, *, port: int, seed: int
                "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
                "--seed", str(seed), "--dtype", checkpoint_dtype(hf_checkpoint),
                "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--optimization-level", "0",
-               "--worker-extension-cls", WORKER_EXTENSION, "--disable-log-stats"]
+               "--worker-extension-cls", WORKER_EXTENSION]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
     if return_routed_experts:
