@@ -39,4 +39,4 @@ venv-vllm:
 	bash scripts/setup_vllm_venv.sh .venv-vllm
 
 test-vllm: venv-test venv-vllm
-	STACX_VLLM_PYTHON=$(CURDIR)/.venv-vllm/bin/python $(PY) -m pytest -q -m vllm tests/vllm --durations=10 -o timeout=1800
+	STACX_VLLM_PYTHON=$(CURDIR)/.venv-vllm/bin/python $(PY) -m pytest -q -m vllm tests/vllm --durations=10 -o timeout=3600

@@ -55,10 +55,12 @@ def vllm_rows(args, model, groups, buckets) -> dict:
 
     from stacx.models import export_hf_checkpoint
     from stacx.rollout.engines.vllm import VllmEngine, VllmServerProcess
+    from stacx.rollout.tokenizer import build_char_tokenizer
 
     folder = tempfile.mkdtemp(prefix="weight-sync-vllm-")
     export_hf_checkpoint(model, folder, groups)
-    server = VllmServerProcess(folder, python=args.vllm_python, extra_args=["--skip-tokenizer-init"])
+    build_char_tokenizer().save_pretrained(folder)  # vLLM loads a tokenizer; any will do for token ids
+    server = VllmServerProcess(folder, python=args.vllm_python, timeout_s=2400)
     try:
         client = VllmEngine(server.url)
         version = iter(range(1, 10**6))

@@ -41,7 +41,8 @@ def vllm_server(vllm_python, vllm_checkpoints):
     """(url, server process) of the session's one vLLM server, serving the first checkpoint."""
     from stacx.rollout.engines.vllm import VllmServerProcess
 
-    server = VllmServerProcess(vllm_checkpoints[0], python=vllm_python, wait=False)
+    # vLLM starts in about a minute on two quiet cores; a loaded CI machine can take many times that
+    server = VllmServerProcess(vllm_checkpoints[0], python=vllm_python, timeout_s=2400, wait=False)
     try:
         yield server.wait_until_ready(), server
     finally:

@@ -338,12 +338,18 @@ class VllmServerProcess:
                 raise RuntimeError(f"the vLLM server exited with code {self.process.returncode} before it was "
                                    f"ready; its log ({self.log_path}) ends:\n{self.log_tail()}")
             try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    self._first_forward(url)
-                    self.url = url
-                    return url
+                healthy = requests.get(url + "/health", timeout=2).status_code == 200
             except requests.RequestException:
-                pass
+                healthy = False
+            if healthy:
+                try:
+                    self._first_forward(url)
+                except BaseException as err:
+                    self.stop()
+                    raise RuntimeError(f"the vLLM server at {url} answered /health but failed its first request "
+                                       f"({err}); its log ({self.log_path}) ends:\n{self.log_tail()}") from err
+                self.url = url
+                return url
             if time.monotonic() > self._deadline:
                 self.stop()
                 raise RuntimeError(f"the vLLM server did not become ready within {self._timeout_s:.0f}s; its log "
