@@ -12,7 +12,6 @@ from tests.launch.test_custom_code_on_every_rank import ray_address_for, run_sta
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.mark.timeout(900)
 @pytest.mark.parametrize("launcher", ["ray", "torchrun"])
 def test_two_grpo_steps_roll_out_on_vllm(launcher, vllm_server, vllm_checkpoints, tmp_path, request):
     url, _ = vllm_server
