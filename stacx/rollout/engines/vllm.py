@@ -91,6 +91,8 @@ class VllmEngine(InferenceEngine):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         self.transport = HttpTransport(url, retry, api_key=api_key, max_connections=self.max_concurrent_submissions + 2)
+        self._api_key = api_key
+        self._rpc_transport = HttpTransport(url, RPC_RETRY, api_key=api_key)
         loopback = is_loopback_host(urlparse(self.transport.url).hostname)
         self.weight_transport = ("shm" if loopback else "http") if weight_transport == "auto" else weight_transport
         self.pause_mode = pause_mode
@@ -152,9 +154,16 @@ class VllmEngine(InferenceEngine):
     # ---- weights ------------------------------------------------------------------------
 
     def rpc(self, method: str, argument: Optional[dict] = None) -> list[dict]:
-        """Call a Stacx worker-extension method on every worker; one answer per worker."""
-        body = self.transport.post_json("/collective_rpc", build_rpc_payload(method, argument), summary=method,
-                                        retry=RPC_RETRY)
+        """Call a Stacx worker-extension method on every worker; one answer per worker. Its own connection,
+        dropped after a failure (the server closes a connection it answered 500 on, and a refused bucket
+        is answered 500), so the next call never lands on a dead socket."""
+        try:
+            body = self._rpc_transport.post_json("/collective_rpc", build_rpc_payload(method, argument),
+                                                 summary=method)
+        except BaseException:
+            self._rpc_transport.close()
+            self._rpc_transport = HttpTransport(self.transport.url, RPC_RETRY, api_key=self._api_key)
+            raise
         return parse_rpc_results(body, method)
 
     def weight_version(self) -> int:
@@ -215,6 +224,7 @@ class VllmEngine(InferenceEngine):
             staging.close()
         self._shutdown_submissions()
         self._fan_out.shutdown(wait=False, cancel_futures=True)
+        self._rpc_transport.close()
         self.transport.close()
 
     close = shutdown
