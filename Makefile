@@ -1,7 +1,7 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv first.
 PY := .venv/bin/python
 
-.PHONY: venv venv-test demo test test-fast test-slow test-distributed test-gpu
+.PHONY: venv venv-test venv-vllm demo test test-fast test-slow test-distributed test-gpu test-vllm
 
 # The demo installs only what it runs; the test extra (pytest, TRL, diffusers) is the tests' own.
 venv:
@@ -33,3 +33,10 @@ test-distributed: venv-test
 
 test-gpu: venv-test
 	$(PY) -m pytest -q -m gpu
+
+# The vLLM tier: a real vLLM server (CPU build) from its own environment, .venv-vllm (docs/vllm.md).
+venv-vllm:
+	bash scripts/setup_vllm_venv.sh .venv-vllm
+
+test-vllm: venv-test venv-vllm
+	STACX_VLLM_PYTHON=$(CURDIR)/.venv-vllm/bin/python $(PY) -m pytest -q -m vllm tests/vllm --durations=10 -o timeout=3600

@@ -1,6 +1,7 @@
-"""Weight-sync bandwidth of the CPU engine's update path against a plain in-memory copy.
+"""Weight-sync bandwidth of the CPU engine's update path against a plain in-memory copy (and vLLM's).
 
     python bench/weight_sync.py [--hidden 768 --layers 6 --vocab 32000 --bucket-mb 64 --repeats 3]
+                                [--vllm-python ENV/bin/python]
 
 Builds a llama-shaped model of a few hundred MB, takes its Hugging Face-named weights as
 buckets (prepared before timing), and measures, in the same process:
@@ -8,7 +9,11 @@ buckets (prepared before timing), and measures, in the same process:
   in_process CpuEngine.update_weights(buckets)      (receiver: map names, fuse q/k/v and gate/up, copy)
   serve_shm  HttpEngine -> stacx serve on 127.0.0.1, bucket staged in shared memory (copy in, copy out)
   serve_http HttpEngine -> stacx serve, bucket bytes in the request body over loopback TCP
-Prints GB/s and each path's ratio to the baseline; writes bench/results/weight_sync.json.
+  vllm_shm   VllmEngine -> a vLLM server (--vllm-python: its environment) serving the same weights, each
+             bucket staged in shared memory and loaded by Stacx's worker extension (layerwise reload)
+and the post-sync check (stacx.rollout.weight_check: the sender's digests while streaming, the engine's
+read-back digests, the comparison) after a push to `stacx serve` and to vLLM, as `check_*` rows.
+Prints seconds, bytes, GB/s and each path's ratio to the baseline; writes bench/results/weight_sync.json.
 """
 
 from __future__ import annotations
@@ -33,6 +38,40 @@ def best_seconds(fn, repeats: int) -> float:
     return min(times)
 
 
+def checked_push(client, buckets, version: int) -> None:
+    """A push with the post-sync check: digests while streaming, then the engine's, compared."""
+    from stacx.rollout.weight_check import DigestingBuckets, verify_engine_weights
+
+    digesting = DigestingBuckets(buckets, dtype=client.weight_digest_dtype())
+    client.update_weights(digesting, version=version)
+    report = verify_engine_weights(client, digesting.digests, url=client.url, version=version)
+    assert report["unverified"] == 0, report
+
+
+def vllm_rows(args, model, groups, buckets) -> dict:
+    """vllm_shm (a push) and check_vllm (the post-sync check's extra time) against a vLLM server serving the
+    same weights, written as a Hugging Face folder (fp32)."""
+    import tempfile
+
+    from stacx.models import export_hf_checkpoint
+    from stacx.rollout.engines.vllm import VllmEngine, VllmServerProcess
+    from stacx.rollout.tokenizer import build_char_tokenizer
+
+    folder = tempfile.mkdtemp(prefix="weight-sync-vllm-")
+    export_hf_checkpoint(model, folder, groups)
+    build_char_tokenizer().save_pretrained(folder)  # vLLM loads a tokenizer; any will do for token ids
+    server = VllmServerProcess(folder, python=args.vllm_python, timeout_s=2400)
+    try:
+        client = VllmEngine(server.url)
+        version = iter(range(1, 10**6))
+        push = best_seconds(lambda: client.update_weights(buckets, version=next(version)), args.repeats)
+        check = best_seconds(lambda: checked_push(client, buckets, next(version)), args.repeats) - push
+        client.shutdown()
+    finally:
+        server.stop()
+    return {"vllm_shm": push, "check_vllm": check}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=768)
@@ -41,6 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--vllm-python", default=None, help="python of a vLLM environment: adds the vLLM rows")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "weight_sync.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -77,7 +117,12 @@ def main(argv=None) -> int:
             results[f"serve_{transport}"] = best_seconds(
                 lambda: client.update_weights(buckets, version=next(version)), args.repeats)
             assert client.weight_version() == engine.weight_version()
+            if transport == "shm":
+                results["check_serve"] = best_seconds(lambda: checked_push(client, buckets, next(version)), args.repeats) \
+                    - results["serve_shm"]
             client.shutdown()
+    if args.vllm_python:
+        results.update(vllm_rows(args, engine.model, groups, buckets))
 
     report = {
         "model_bytes": num_bytes, "num_tensors": len(tensors), "num_buckets": len(buckets), "bucket_mb": args.bucket_mb,
@@ -88,8 +133,10 @@ def main(argv=None) -> int:
     print(f"weights: {num_bytes / 1e6:.0f} MB in {len(tensors)} tensors, {len(buckets)} buckets of <= {args.bucket_mb} MB")
     for name, seconds in results.items():
         gbps = num_bytes / seconds / 1e9
-        report["paths"][name] = {"seconds": seconds, "GB_per_s": gbps, "ratio_to_copy": gbps / base_gbps}
-        print(f"{name:>10}: {seconds * 1e3:8.1f} ms  {gbps:6.2f} GB/s  ratio to copy {gbps / base_gbps:5.2f}")
+        report["paths"][name] = {"seconds": seconds, "bytes": num_bytes, "GB_per_s": gbps,
+                                 "ratio_to_copy": gbps / base_gbps}
+        print(f"{name:>11}: {seconds * 1e3:8.1f} ms  {num_bytes} bytes  {gbps:6.2f} GB/s  "
+              f"ratio to copy {gbps / base_gbps:5.2f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=2)

@@ -65,7 +65,19 @@ def _order_files(items) -> None:
     items.sort(key=key)
 
 
+def _deselect_vllm_tier(config, items):
+    """The `vllm` tier runs against a real vLLM server from its own environment (`make test-vllm`); a run
+    whose -m expression does not name it leaves it out."""
+    if "vllm" in (config.getoption("markexpr", "") or ""):
+        return
+    tier = [item for item in items if item.get_closest_marker("vllm") is not None]
+    if tier:
+        config.hook.pytest_deselected(items=tier)
+        items[:] = [item for item in items if item.get_closest_marker("vllm") is None]
+
+
 def pytest_collection_modifyitems(config, items):
+    _deselect_vllm_tier(config, items)
     _order_files(items)
     unmarked = [item.nodeid for item in items
                 if set(RAY_STARTING_FIXTURES) & set(getattr(item, "fixturenames", ())) and "slow" not in item.keywords]

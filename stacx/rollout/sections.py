@@ -15,10 +15,11 @@ from dataclasses import dataclass
 class RolloutSection:
     rollout_engine: str = "auto"
     """Engine kind: 'cpu' (`stacx serve` started on loopback), 'http' (attach to rollout_urls), 'sglang' (SGLang
-    servers on the Ray cluster's GPUs), 'auto' (sglang on GPU, else cpu), or a kind registered with
+    servers on the Ray cluster's GPUs), 'vllm' (vLLM's server from its own environment, docs/vllm.md), 'auto'
+    (sglang on GPU, else cpu), or a kind registered with
     @register_engine (docs/adding-an-engine.md)."""
     rollout_urls: tuple[str, ...] = ()
-    """URLs of running inference servers to attach to."""
+    """URLs of running inference servers to attach to (with 'http', and with 'vllm' instead of launching one)."""
     rollout_num_engines: int = 1
     """Servers the run starts for an engine kind it launches ('cpu': that many `stacx serve` processes;
     'sglang' starts one); requests are spread over them, each takes every weight update."""
@@ -37,6 +38,12 @@ class RolloutSection:
     caused) is played again before it is dropped and its group replaced by a fresh prompt."""
     max_dropped_fraction: float = 0.25
     """A step whose dropped episodes exceed this fraction of its episodes stops the run, naming the cause."""
+    vllm_python: str | None = None
+    """--rollout-engine vllm: the python of the vLLM environment the run starts its server with (default:
+    $STACX_VLLM_PYTHON; `scripts/setup_vllm_venv.sh` makes one; docs/vllm.md)."""
+    weight_check_every: int = 1
+    """After every Nth weight push, compare a digest of every tensor the engine holds with the trainer's; a
+    mismatch stops the run naming the tensor (0: never; docs/vllm.md, 'Post-sync check')."""
     agent: str | None = None
     """Bring your own scaffold: 'path/to/file.py:function' or 'module:function', called once per episode as
     function(base_url, task) -> reward (or None: --reward-fn scores the last turn). It talks to the

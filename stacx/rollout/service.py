@@ -104,7 +104,8 @@ def launch_engine(kind: EngineKind, rollout: RolloutSection, *, hf_checkpoint: s
     api_key = secrets.token_urlsafe(32) if kind.owns_secret else None
     servers = kind.launcher(ServerLaunch(hf_checkpoint=hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key,
                                          return_routed_experts=rollout.use_routing_replay,
-                                         num_servers=rollout.rollout_num_engines, lora_flags=lora_flags))
+                                         num_servers=rollout.rollout_num_engines, lora_flags=lora_flags,
+                                         engine_python=rollout.vllm_python))
     return LaunchedEngine(kind=kind.name, servers=servers, api_key=api_key)
 
 
@@ -145,7 +146,7 @@ class RolloutService:
         `stacx serve`) without waiting for them; None for other kinds. A run launches them first,
         starts its role workers, then hands them to `start`, which waits for them."""
         kind = resolve_engine_kind(rollout.rollout_engine)
-        if kind.launcher is None or not kind.starts_beside_workers or hf_checkpoint is None:
+        if kind.attaches_to(rollout.rollout_urls) or not kind.starts_beside_workers or hf_checkpoint is None:
             return None
         return launch_engine(kind, rollout, hf_checkpoint=hf_checkpoint, lora_flags=lora_flags)
 
@@ -165,7 +166,7 @@ class RolloutService:
             if launched is not None:
                 launched.stop()
             raise
-        if kind.attaches:
+        if kind.attaches_to(rollout.rollout_urls):
             if not rollout.rollout_urls:
                 raise ValueError(f"rollout_engine {kind.name!r} attaches to running servers; give them with "
                                  "--rollout-urls")

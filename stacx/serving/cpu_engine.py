@@ -562,6 +562,16 @@ class CpuEngine(InferenceEngine):
     def weight_version(self) -> int:
         return self._version
 
+    def weight_digests(self, names: Sequence[str]) -> dict:
+        """{"digests": {name: digest or None}, "dtype"} of the weights served now (stacx.rollout.weight_check)."""
+        # Imported here: megatron-core is slow to import (start-up time).
+        from stacx.models.weight_digests import hf_weight_digests, model_dtype
+
+        with self._lock:
+            dtype = model_dtype(self.model)
+            return {"digests": hf_weight_digests(self.model, self.groups, names, dtype=dtype),
+                    "dtype": str(dtype).removeprefix("torch.")}
+
     def pause(self) -> None:
         """New calls wait (and a call waiting for the running one does not start) until `resume`."""
         self._resumed.clear()

@@ -42,6 +42,7 @@ Endpoints (SGLang's names unless marked stacx; the schema is at GET /openapi.jso
   POST /stacx/update_weights_bucket      (stacx) one flattened bucket in the body, see weight_transfer.py
   POST /stacx/shm_staging                (stacx) same-host handshake: {} -> {"staging_id", "path"} of a
                                          file this server created in its own shared-memory prefix
+  POST /stacx/weight_digests           (stacx) {"names"} -> {"digests": {name: digest}, "dtype"} (post-sync check)
   POST /stacx/update_weights_from_shm    (stacx) bucket metadata + the `staging_id` (never a path)
   POST /stacx/shm_staging/release        (stacx) {"staging_id"}: remove that staging file
   POST [/sessions/ID]/v1/chat/completions, [/sessions/ID]/v1/completions, GET [/sessions/ID]/v1/models
@@ -93,6 +94,7 @@ from stacx.wire.engine import GenerationCancelled
 from stacx.wire.sglang_protocol import parse_abort_payload, parse_generate_payload, render_generate_item
 from stacx.wire.weight_transfer import (
     BUCKET_ENDPOINT,
+    DIGEST_ENDPOINT,
     SHM_BUCKET_ENDPOINT,
     SHM_RELEASE_ENDPOINT,
     SHM_STAGING_ENDPOINT,
@@ -417,6 +419,8 @@ def build_app(server: EngineHttpServer) -> FastAPI:
         (("POST",), SHM_BUCKET_ENDPOINT, endpoints.update_from_shm,
          "load the bucket staged under staging_id: bucket header + staging_id (needs the API key)", json_body),
         (("POST",), SHM_RELEASE_ENDPOINT, endpoints.shm_release, "{staging_id}: remove that staging file", json_body),
+        (("POST",), DIGEST_ENDPOINT, endpoints.weight_digests,
+         "{names}: {digests: {name: digest}, dtype} of the served weights (the post-sync check)", json_body),
     ]
     server.openai = OpenAIEndpoints(server, endpoints._json)
     routes += server.openai.routes(json_body)
@@ -558,6 +562,13 @@ class _Endpoints:
                 return server.apply_bucket(flat, header, where=BUCKET_ENDPOINT)
 
             return 200, await anyio.to_thread.run_sync(apply)
+
+    async def weight_digests(self, request: Request):
+        body = await self._json(request)
+        names = body.get("names") if isinstance(body, dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f'{DIGEST_ENDPOINT}: body must be {{"names": [tensor names]}}')
+        return 200, await anyio.to_thread.run_sync(self.server.engine.weight_digests, names)
 
     async def shm_staging(self, request: Request):
         await self._small_body(request)

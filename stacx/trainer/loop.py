@@ -49,6 +49,7 @@ from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_conf
 from stacx.parallel.reduction import StepCounts, count_loss_tokens
 from stacx.rollout.asynchronous.async_rollout import AsyncRollout
 from stacx.rollout.service import RolloutService
+from stacx.rollout.weight_check import check_due
 from stacx.trainer.batch import StepBatch, StepDataSource, plan_micro_batches
 from stacx.trainer.checkpoint import (
     CheckpointError,
@@ -420,10 +421,11 @@ class StacxTrainer:
         try:
             # every live rollout engine takes the update (a set-aside one when it rejoins, stacx.rollout.engine_health);
             # finish_weight_update checks each version
+            check = check_due(version, self.run_config.rollout.weight_check_every)  # the post-sync digest check
             push_urls = getattr(self.rollout, "weight_push_urls", lambda: target.urls)
             urls = self.channel.share(tuple(push_urls()) if self.channel.is_driver else None)
             for url in urls:
-                self.push_weights_to(role.name, target, url, version)
+                self.push_weights_to(role.name, target, url, version, check)
         except BaseException:
             # Resume without the version check: a stale-version error would hide the push's own error.
             if self.channel.is_driver:
@@ -433,11 +435,13 @@ class StacxTrainer:
             self.rollout.finish_weight_update(version)
         self.samples.publish_version(version)
 
-    def push_weights_to(self, role_name: str, target: EngineTarget, url: str, version: int) -> None:
-        """Push to one engine; a push that failed because the engine did not answer is retried once on it,
-        after the rollout service restarted or recovered it ('skip': set aside, it rejoins later)."""
+    def push_weights_to(self, role_name: str, target: EngineTarget, url: str, version: int,
+                        check: bool = False) -> None:
+        """Push to one engine (check: then compare its per-tensor digests with the sent ones); a push that
+        failed because the engine did not answer is retried once on it, after the rollout service restarted
+        or recovered it ('skip': set aside, it rejoins later)."""
         try:
-            self.roles[role_name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key)
+            self.roles[role_name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key, check)
             return
         except Exception as err:  # noqa: BLE001 - the rollout service decides; re-raised unless it recovers
             # under torchrun the ranks that did not fail are in the push's collectives: no retry there
@@ -448,7 +452,7 @@ class StacxTrainer:
             logger.warning("weight push of version %d to %s failed (%s): %s", version, url, err,
                            "retrying on it" if action == "retry" else "it is set aside until it rejoins")
         if action == "retry":
-            self.roles[role_name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key)
+            self.roles[role_name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key, check)
 
     def evaluate_if_due(self, completed_steps: int) -> dict[str, float]:
         """eval/* of the model after `completed_steps` rollout steps when due (the driver's StepRollout

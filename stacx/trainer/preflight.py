@@ -16,7 +16,8 @@ What it checks (each failure is one paragraph naming the flag and the fix):
   (a replay skips the engine, teacher, reward and data checks below: it uses none of them);
 - a recipe that scores rollouts with a teacher has --teacher-url (or a trajectory corpus to replay),
   the teacher answers `/health` within TEACHER_TIMEOUT_S, and its vocabulary matches the student's;
-  --rollout-engine is a registered engine kind, and one that attaches (http) has --rollout-urls;
+  --rollout-engine is a registered engine kind, and one that attaches (http) has --rollout-urls; vllm without
+  --rollout-urls has its environment's python (--vllm-python); --weight-check-every is >= 0;
   --reward-fn resolves; --wandb-project has the wandb package;
 - the advantage estimator is registered, and no custom key is a misspelling of a knob the run's
   kernels declare (`check_objective_names`);
@@ -61,6 +62,7 @@ from stacx.plugins.registry import Registry
 from stacx.rollout.asynchronous.async_rollout import check_async_supported
 from stacx.rollout.data import MalformedRowError
 from stacx.rollout.engines.registry import resolve_engine_kind
+from stacx.rollout.engines.vllm import vllm_python
 from stacx.rollout.rewards import resolve_reward_fn
 from stacx.rollout.service import load_tokenizer
 from stacx.specializations.actor import correction_names
@@ -512,6 +514,13 @@ def check_services(run_config: RunConfig, training_config: TrainingConfig) -> No
     if engine_kind.attaches and not run_config.rollout.rollout_urls:
         raise PreflightError(f"--rollout-engine {engine_kind.name} attaches to running servers; give them with "
                              "--rollout-urls")
+    if engine_kind.name == "vllm" and not run_config.rollout.rollout_urls:
+        try:
+            vllm_python(run_config.rollout.vllm_python)  # the run starts vLLM's server from its own environment
+        except ValueError as err:
+            raise PreflightError(str(err)) from None
+    if run_config.rollout.weight_check_every < 0:
+        raise PreflightError(f"--weight-check-every must be >= 0 (0: never), got {run_config.rollout.weight_check_every}")
     if training_config.uses_reward:
         try:
             resolve_reward_fn(run_config.rollout.reward_fn)

@@ -56,6 +56,8 @@ SHM_STAGING_ENDPOINT = "/stacx/shm_staging"
 """... that creates a staging file and hands back its id and path."""
 SHM_RELEASE_ENDPOINT = "/stacx/shm_staging/release"
 """... that removes a staging file."""
+DIGEST_ENDPOINT = "/stacx/weight_digests"
+"""... that answers a digest of every tensor the engine holds (the post-sync check)."""
 
 @dataclass(frozen=True)
 class FlatBucket:

@@ -11,6 +11,8 @@ from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.manager import RolloutManager
 from stacx.rollout.service import RolloutService
 from stacx.rollout.teacher import TeacherClient
+from stacx.parallel.tensor_digests import tensor_digest
+from stacx.rollout.weight_check import WeightSyncMismatch, verify_engine_weights
 from stacx.serving.cpu_engine import CpuEngine, draw_index, filter_top_k_top_p
 from stacx.serving.server import EngineHttpServer
 from stacx.trainer.batch import StepBatch
@@ -133,6 +135,15 @@ def test_http_generation_weight_update_and_pause(tiny_checkpoints, single_proces
         client.update_weights(iter(buckets), version=3)
         service.finish_weight_update(3)
         assert client.weight_version() == 3
+        # the post-sync check: every tensor stacx serve holds now equals the one sent; a changed one is named
+        dtype = client.weight_digest_dtype()
+        sent = {name: tensor_digest(tensor, dtype=dtype) for bucket in buckets for name, tensor in bucket}
+        assert verify_engine_weights(client, sent, url=client.url, version=3) == {"checked": len(sent), "unverified": 0}
+        norm = dict(tensor for bucket in buckets for tensor in bucket)["model.norm.weight"]
+        engine.load_weights([("model.norm.weight", norm + 1.0)])
+        with pytest.raises(WeightSyncMismatch, match="model.norm.weight"):
+            verify_engine_weights(client, sent, url=client.url, version=3)
+        engine.load_weights([("model.norm.weight", norm)])
         greedy = [GenerateRequest(input_ids=(4, 15, 16), sampling=SamplingParams(max_new_tokens=5, temperature=0.0,
                                                                                  ignore_eos=True))]
         (after,) = client.generate(greedy)

@@ -36,7 +36,7 @@ class FakeRoleGroup:
         self._record("compute_fields")
         return [None]
 
-    def push_weights(self, engine_kind, url, version, bucket_bytes, api_key) -> list[int]:
+    def push_weights(self, engine_kind, url, version, bucket_bytes, api_key, check_weights=False) -> list[int]:
         self._record("push_weights")
         return [0]
 

@@ -17,14 +17,15 @@ from typing import Iterable, Optional, Sequence
 from urllib.parse import urlparse
 
 from stacx.network import is_loopback_host
+from stacx.parallel.tensor_buckets import TENSOR_DTYPES
 from stacx.wire.engine import InferenceEngine, WeightBucket
 from stacx.wire.http_client import HttpTransport, RetryPolicy, ServerRequestError
 from stacx.wire.sglang_protocol import build_abort_payload, build_generate_payload, parse_generate_response
 from stacx.wire.weight_versions import is_own_accepted_bucket
 from stacx.wire.types import GenerateOutput, GenerateRequest
 from stacx.wire.weight_transfer import (
-    BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_RELEASE_ENDPOINT, SHM_STAGING_ENDPOINT, SharedMemoryStaging,
-    bucket_wire_chunks
+    BUCKET_ENDPOINT, DIGEST_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_RELEASE_ENDPOINT, SHM_STAGING_ENDPOINT,
+    SharedMemoryStaging, bucket_wire_chunks
 )
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,25 @@ class HttpEngine(InferenceEngine):
 
     def weight_version(self) -> int:
         return int(self.transport.get("/get_weight_version")["weight_version"])
+
+    def _digest_answer(self, names: Sequence[str]) -> Optional[dict]:
+        """`stacx serve`'s digest answer; None from a server without the endpoint (another SGLang-API server)."""
+        try:
+            return self.transport.post_json(DIGEST_ENDPOINT, {"names": list(names)}, summary=f"{len(names)} digests")
+        except ServerRequestError as err:
+            if err.status_code == 404:
+                return None
+            raise
+
+    def weight_digests(self, names: Sequence[str]) -> dict:
+        """{name: digest or None (unverified)} of the served weights (stacx.rollout.weight_check)."""
+        answer = self._digest_answer(names)
+        return answer["digests"] if answer is not None else {name: None for name in names}
+
+    def weight_digest_dtype(self):
+        """The served weights' dtype: the sender digests floating tensors cast to it (None: unknown)."""
+        answer = self._digest_answer([])
+        return TENSOR_DTYPES[answer["dtype"]] if answer is not None else None
 
     def pause(self) -> None:
         self.transport.post_json("/pause_generation", {})

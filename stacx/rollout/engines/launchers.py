@@ -46,6 +46,9 @@ class ServerLaunch:
     """Servers to start (--rollout-num-engines); the requests are spread over them."""
     lora_flags: tuple[str, ...] = ()
     """`stacx serve`'s --lora-* flags when the run pushes LoRA adapters only (--lora-sync adapters)."""
+    engine_python: Optional[str] = None
+    """The python of the engine's own environment, for kinds whose server runs outside Stacx's (vLLM:
+    --vllm-python)."""
 
 
 class LaunchedServers(Protocol):

@@ -25,7 +25,8 @@ A kind declares, where it is registered:
   token ids and log-probs (`stacx serve`), so `--agent` / `--agent-command` runs may use the kind.
 
 Built-ins: 'cpu' (`stacx serve` as a child of the driver), 'http' (attach to --rollout-urls),
-'sglang' (SGLang servers on the Ray cluster's GPUs). 'auto' is no kind: it resolves to 'sglang'
+'sglang' (SGLang servers on the Ray cluster's GPUs), 'vllm' (vLLM's server from its own environment,
+or attached with --rollout-urls: `attaches_with_urls`). 'auto' is no kind: it resolves to 'sglang'
 with CUDA, else 'cpu' (`resolve_engine_kind`). A user kind comes from a `--custom-module` file (or
 `stacx/custom/`) like every plugin; the file is shipped to the role workers, where the weight push
 looks the kind up again. Names are unique: registering one twice is refused.
@@ -43,6 +44,7 @@ from stacx.plugins.registry import Registry
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch, launch_cpu_server, launch_sglang_servers
 from stacx.rollout.engines.sglang import SglangEngine
+from stacx.rollout.engines.vllm import VllmEngine, launch_vllm_servers
 from stacx.wire.engine import InferenceEngine
 from stacx.wire.http_client import RetryPolicy
 
@@ -75,6 +77,8 @@ class EngineKind:
     records_sessions: bool = False
     """The servers record OpenAI-compatible sessions turn by turn, token ids and log-probs included (`stacx
     serve`), which an `--agent` / `--agent-command` run trains on."""
+    attaches_with_urls: bool = False
+    """Given --rollout-urls, the run attaches to those servers instead of launching its own (vLLM)."""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or self.name == AUTO:
@@ -88,6 +92,10 @@ class EngineKind:
     def attaches(self) -> bool:
         """The run starts no server of this kind: it attaches to `--rollout-urls`."""
         return self.launcher is None
+
+    def attaches_to(self, rollout_urls) -> bool:
+        """Whether a run with these --rollout-urls attaches rather than launches."""
+        return self.attaches or (self.attaches_with_urls and bool(rollout_urls))
 
     def connect(self, url: str, *, api_key: Optional[str] = None,
                 retry: Optional[RetryPolicy] = None) -> InferenceEngine:
@@ -157,3 +165,5 @@ add_engine_kind(EngineKind(name="cpu", client=HttpEngine, launcher=launch_cpu_se
                            records_sessions=True))
 add_engine_kind(EngineKind(name="http", client=HttpEngine, records_sessions=True))  # attaches to `stacx serve`
 add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True))
+add_engine_kind(EngineKind(name="vllm", client=VllmEngine, launcher=launch_vllm_servers, starts_beside_workers=True,
+                           attaches_with_urls=True))

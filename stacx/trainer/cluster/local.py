@@ -43,8 +43,9 @@ class LocalRoleGroup:
         return all_gather_values(self.runtime.compute_fields(shards[self.rank], names))
 
     def push_weights(self, engine_kind: str, url: str, version: int, bucket_bytes: int,
-                     api_key: str | None) -> list[int]:
-        return all_gather_values(self.runtime.push_weights_to_engine(engine_kind, url, version, bucket_bytes, api_key))
+                     api_key: str | None, check_weights: bool = False) -> list[int]:
+        return all_gather_values(self.runtime.push_weights_to_engine(engine_kind, url, version, bucket_bytes, api_key,
+                                                                     check_weights=check_weights))
 
     def save(self, staging_dir: str) -> list[RankFileInfo]:
         return all_gather_values(self.runtime.save_rank_state(staging_dir, self.name, self.rank))

@@ -47,8 +47,9 @@ class RoleGroup(Protocol):
         ...
 
     def push_weights(self, engine_kind: str, url: str, version: int, bucket_bytes: int,
-                     api_key: str | None) -> list[int]:
-        """Stream the role's weights to the inference server at `url`; tensors sent per rank."""
+                     api_key: str | None, check_weights: bool = False) -> list[int]:
+        """Stream the role's weights to the inference server at `url`; tensors sent per rank. check_weights:
+        then compare the engine's per-tensor digests with the sent ones (stacx.rollout.weight_check)."""
         ...
 
     def save(self, staging_dir: str) -> list[RankFileInfo]:

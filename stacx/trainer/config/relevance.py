@@ -55,7 +55,8 @@ DISTILL_FIELDS = ("teacher_kl_coef", "student_top_k", "distill_topk_renormalize"
 def _engine_attaches(name: str) -> bool:
     """Whether the engine kind `name` attaches to --rollout-urls (False for a name the preflight refuses)."""
     try:
-        return resolve_engine_kind(name).attaches
+        kind = resolve_engine_kind(name)
+        return kind.attaches or kind.attaches_with_urls
     except ValueError:
         return False
 
@@ -101,6 +102,10 @@ def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
     def rollout_section(name: str) -> bool:
         if name == "rollout_urls":
             return rollout and engine_attaches
+        if name == "vllm_python":
+            return rollout and rollout_values.get("rollout_engine") == "vllm"
+        if name == "weight_check_every":
+            return rollout
         if name in EVAL_DETAIL_FIELDS:
             return has_eval_data
         if name in ENGINE_FAULT_FIELDS:

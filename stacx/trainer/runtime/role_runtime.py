@@ -45,6 +45,7 @@ from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sum
 from stacx.parallel.pipeline import from_every_stage, from_last_stage, run_pipeline
 from stacx.parallel.reduction import Reducer
 from stacx.rollout.engines.registry import engine_client
+from stacx.rollout.weight_check import DigestingBuckets, verify_engine_weights
 from stacx.specializations.base import NUM_LOSS_TOKENS, PLUGIN_METRIC_SUFFIX
 from stacx.specializations.batch import MicroBatch
 from stacx.trainer.batch import StepBatch
@@ -456,11 +457,13 @@ class RoleRuntime:
                                       adapters=adapters)
 
     def push_weights_to_engine(self, engine_kind: str, url: str, version: int, bucket_bytes: int,
-                               api_key: str | None = None) -> int:
+                               api_key: str | None = None, *, check_weights: bool = False) -> int:
         """Stream this role's weights to an inference server: ranks with cp = dp = 0 gather over TP,
         TP rank 0 sends the buckets (the driver pauses, flushes and checks the version around this). With
         experts spread over ep > 1 every rank takes part in the gathers (each holds experts the sender's
         TP group lacks), so the sender streams every expert under its Hugging Face name.
+        check_weights: after the push, compare the engine's digest of every tensor with the sent one
+        (stacx.rollout.weight_check: a mismatch raises WeightSyncMismatch naming the tensor).
         Returns the number of tensors sent (0 on ranks that do not send)."""
         sender_group = self.groups.cp_rank == 0 and self.groups.dp_rank == 0
         if not sender_group and self.groups.ep_size == 1:
@@ -481,8 +484,14 @@ class RoleRuntime:
                 sent[0] += len(bucket)
                 yield bucket
 
+        client = self._engine_clients[key]
         try:
-            self._engine_clients[key].update_weights(counted(), version=version)
+            if not check_weights:
+                client.update_weights(counted(), version=version)
+                return sent[0]
+            digest_dtype = getattr(client, "weight_digest_dtype", None)
+            digesting = DigestingBuckets(counted(), dtype=digest_dtype() if digest_dtype is not None else None)
+            client.update_weights(digesting, version=version)
         except BaseException:
             # a retried push (stacx.rollout.engine_health) may reach a restarted server: a fresh client
             # opens a fresh shared-memory staging file there
@@ -492,6 +501,7 @@ class RoleRuntime:
             except Exception:  # noqa: BLE001 - the push's own error is the one reported
                 pass
             raise
+        verify_engine_weights(client, digesting.digests, url=url, version=version)
         return sent[0]
 
     def export_hf(self, out_dir: str) -> None:

@@ -54,8 +54,9 @@ def _compute_fields(worker: RoleWorker, micro_batches: MicroBatches, names: Sequ
 
 
 def _push_weights(worker: RoleWorker, engine_kind: str, url: str, version: int, bucket_bytes: int,
-                  api_key: str | None) -> int:
-    return runtime_of(worker).push_weights_to_engine(engine_kind, url, version, bucket_bytes, api_key)
+                  api_key: str | None, check_weights: bool = False) -> int:
+    return runtime_of(worker).push_weights_to_engine(engine_kind, url, version, bucket_bytes, api_key,
+                                                     check_weights=check_weights)
 
 
 def _save(worker: RoleWorker, staging_dir: str) -> RankFileInfo:
@@ -109,8 +110,8 @@ class RayRoleGroup:
         return self.workers.execute_per_rank(_compute_fields, [(shard, names) for shard in shards])
 
     def push_weights(self, engine_kind: str, url: str, version: int, bucket_bytes: int,
-                     api_key: str | None) -> list[int]:
-        return self.workers.execute_all(_push_weights, engine_kind, url, version, bucket_bytes, api_key)
+                     api_key: str | None, check_weights: bool = False) -> list[int]:
+        return self.workers.execute_all(_push_weights, engine_kind, url, version, bucket_bytes, api_key, check_weights)
 
     def save(self, staging_dir: str) -> list[RankFileInfo]:
         return self.workers.execute_all(_save, staging_dir)

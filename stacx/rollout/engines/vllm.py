@@ -1,0 +1,418 @@
+"""The vLLM engine (`--rollout-engine vllm`): vLLM's OpenAI server as a rollout engine, in its own environment.
+
+vLLM pins its own torch and transformers, so the server runs from a second Python environment
+(`scripts/setup_vllm_venv.sh` makes one): a run launches one server per engine with that
+environment's python (`--vllm-python`, or STACX_VLLM_PYTHON), or attaches to running ones with
+`--rollout-urls`. The client speaks vLLM's own protocol (`vllm_protocol`): completions with prompt
+token ids, token ids and per-token log-probs back, and the RL endpoints `/pause`, `/resume`,
+`/abort_requests`. Weights go through Stacx's worker extension (`vllm_worker/stacx_vllm_worker.py`)
+over `/collective_rpc`: each bucket is staged in a same-host shared-memory file (or carried in the
+request, base64, for another host) and loaded in Hugging Face names with versions that only move
+forward; `weight_digests` reads the loaded weights back for the post-sync check
+(stacx.rollout.weight_check). docs/vllm.md has the details and what is verified where.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import shlex
+import socket
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+from urllib.parse import urlparse
+
+import requests
+import torch
+
+from stacx.network import is_loopback_host
+from stacx.parallel.tensor_buckets import TENSOR_DTYPES, bucket_chunks, pack_bucket, plan_buckets
+from stacx.wire.engine import InferenceEngine, WeightBucket
+from stacx.rollout.engines.processes import stop_process
+from stacx.rollout.engines.vllm_protocol import (
+    build_abort_payload,
+    build_completion_payload,
+    build_rpc_payload,
+    parse_completion_response,
+    parse_rpc_results,
+)
+from stacx.wire.http_client import HttpTransport, RetryPolicy
+from stacx.wire.types import GenerateOutput, GenerateRequest
+from stacx.wire.weight_transfer import SHM_FILE_PREFIX, header_columns, shared_memory_directory
+
+logger = logging.getLogger(__name__)
+
+VLLM_PYTHON_ENV = "STACX_VLLM_PYTHON"
+"""The python of the vLLM environment when --vllm-python is not given."""
+EXTRA_ARGS_ENV = "STACX_VLLM_EXTRA_ARGS"
+"""More `vllm serve` flags for the servers a run starts (e.g. '--max-num-seqs 64')."""
+WORKER_EXTENSION = "stacx_vllm_worker.StacxWorkerExtension"
+WORKER_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker")
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+SERVED_MODEL_NAME = "stacx-policy"
+VLLM_START_TIMEOUT_S = 900.0
+PAUSE_MODES = ("abort", "wait", "keep")
+RPC_RETRY = RetryPolicy(timeout_s=600.0, max_attempts=1)
+"""A worker-extension call is never retried: a refused bucket must surface, not be replayed."""
+
+
+def vllm_python(flag_value: Optional[str] = None) -> str:
+    """The vLLM environment's python: `--vllm-python`, else STACX_VLLM_PYTHON; a clear error when neither
+    names an executable."""
+    path = flag_value or os.environ.get(VLLM_PYTHON_ENV)
+    if not path:
+        raise ValueError("--rollout-engine vllm runs vLLM's server from its own Python environment: pass "
+                         f"--vllm-python PATH/bin/python (or set {VLLM_PYTHON_ENV}); make one with "
+                         "`scripts/setup_vllm_venv.sh` (docs/vllm.md)")
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise ValueError(f"--vllm-python {path!r} is not an executable python; make the vLLM environment with "
+                         "`scripts/setup_vllm_venv.sh` (docs/vllm.md)")
+    return path
+
+
+class VllmEngine(InferenceEngine):
+    """One vLLM server (use one engine per server; `EnginePool` spreads over several)."""
+
+    max_concurrent_submissions = 64
+
+    def __init__(self, url: str, *, api_key: Optional[str] = None, retry: RetryPolicy = RetryPolicy(),
+                 weight_transport: str = "auto", pause_mode: str = "wait"):
+        """weight_transport: 'shm' stages buckets in a same-host shared-memory file the engine maps,
+        'http' carries them in the request; 'auto' is shm for a loopback URL. pause_mode: what `pause`
+        does to in-flight requests (vLLM's /pause modes; partial rollout aborts them first itself)."""
+        if weight_transport not in ("auto", "http", "shm"):
+            raise ValueError(f"weight_transport must be 'auto', 'http' or 'shm', got {weight_transport!r}")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        self.transport = HttpTransport(url, retry, api_key=api_key, max_connections=self.max_concurrent_submissions + 2)
+        self._api_key = api_key
+        self._rpc_transport = HttpTransport(url, RPC_RETRY, api_key=api_key)
+        loopback = is_loopback_host(urlparse(self.transport.url).hostname)
+        self.weight_transport = ("shm" if loopback else "http") if weight_transport == "auto" else weight_transport
+        self.pause_mode = pause_mode
+        self._model: Optional[str] = None
+        self._version = 0
+        self._staging: Optional[_StagingFile] = None
+        self._fan_out = ThreadPoolExecutor(max_workers=self.max_concurrent_submissions,
+                                           thread_name_prefix="VllmEngine-generate")
+
+    @property
+    def url(self) -> str:
+        return self.transport.url
+
+    # ---- generation ---------------------------------------------------------------------
+
+    def model_name(self) -> str:
+        """The name the server serves its model under (`GET /v1/models`, read once)."""
+        if self._model is None:
+            answer = self.transport.get("/v1/models")
+            try:
+                self._model = answer["data"][0]["id"]
+            except (KeyError, IndexError, TypeError) as err:
+                raise RuntimeError(f"{self.url}/v1/models lists no model: {str(answer)[:200]}") from err
+        return self._model
+
+    def _generate_one(self, request: GenerateRequest) -> GenerateOutput:
+        version = self._version
+        body = self.transport.post_json("/v1/completions", build_completion_payload(request, model=self.model_name()),
+                                        summary=f"prompt of {len(request.input_ids)} tokens, "
+                                                f"max_tokens {request.sampling.max_new_tokens}")
+        return parse_completion_response(body, request, weight_version=version)
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+        """One `/v1/completions` per request, all in flight at once (the server batches them)."""
+        if len(requests) <= 1:
+            return [self._generate_one(r) for r in requests]
+        return list(self._fan_out.map(self._generate_one, requests))
+
+    def abort(self, rids: Optional[Sequence[str]] = None) -> None:
+        self.transport.post_json("/abort_requests", build_abort_payload(rids),
+                                 summary="abort every request" if rids is None else f"abort {len(rids)} request(s)")
+
+    def pause(self) -> None:
+        self.transport.post_json(f"/pause?mode={self.pause_mode}", {}, summary=f"pause ({self.pause_mode})")
+
+    def resume(self) -> None:
+        self.transport.post_json("/resume", {})
+
+    def flush_cache(self) -> None:
+        self.transport.post_json("/reset_prefix_cache", {})
+
+    def health(self) -> bool:
+        try:
+            self.transport.get("/health", retry=RetryPolicy(timeout_s=5.0, max_attempts=1))
+            return True
+        except Exception:  # noqa: BLE001 - any failure means "not serving now"
+            return False
+
+    # ---- weights ------------------------------------------------------------------------
+
+    def rpc(self, method: str, argument: Optional[dict] = None) -> list[dict]:
+        """Call a Stacx worker-extension method on every worker; one answer per worker. Its own connection,
+        dropped after a failure (the server closes a connection it answered 500 on, and a refused bucket
+        is answered 500), so the next call never lands on a dead socket."""
+        try:
+            body = self._rpc_transport.post_json("/collective_rpc", build_rpc_payload(method, argument),
+                                                 summary=method)
+        except BaseException:
+            self._rpc_transport.close()
+            self._rpc_transport = HttpTransport(self.transport.url, RPC_RETRY, api_key=self._api_key)
+            raise
+        return parse_rpc_results(body, method)
+
+    def weight_version(self) -> int:
+        versions = {int(answer["weight_version"]) for answer in self.rpc("stacx_weight_version")}
+        if len(versions) != 1:
+            raise RuntimeError(f"the workers of {self.url} serve different weight versions {sorted(versions)}")
+        self._version = versions.pop()
+        return self._version
+
+    def weight_digest_dtype(self) -> torch.dtype:
+        """The engine's parameter dtype: the sender digests floating tensors cast to it."""
+        name = self.rpc("stacx_model_dtype")[0]["dtype"]
+        if name not in TENSOR_DTYPES:
+            raise RuntimeError(f"{self.url} reports model dtype {name!r}, not one of {sorted(TENSOR_DTYPES)}")
+        return TENSOR_DTYPES[name]
+
+    def weight_digests(self, names: Sequence[str]) -> dict[str, Optional[str]]:
+        """{name: digest of the weight the engine holds (None: not readable)} (stacx.rollout.weight_check)."""
+        digests: dict[str, Optional[str]] = {}
+        for answer in self.rpc("stacx_weight_digests", {"names": list(names)}):
+            for name, digest in answer["digests"].items():
+                if digests.get(name) is not None and digest is not None and digests[name] != digest:
+                    digests[name] = "workers-disagree"
+                else:
+                    digests[name] = digests.get(name) or digest
+        return digests
+
+    def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
+        """Load every bucket (numbered 0, 1, ..., the last one final) under `version`."""
+        pending, index = None, -1
+        for bucket in buckets:
+            if pending is not None:
+                self._send_bucket(pending, version=version, index=index, final=False)
+            pending, index = bucket, index + 1
+        if pending is None:
+            raise ValueError("update_weights: no buckets given")
+        self._send_bucket(pending, version=version, index=index, final=True)
+        self._version = version
+
+    def _send_bucket(self, bucket: WeightBucket, *, version: int, index: int, final: bool) -> None:
+        slots, (num_bytes,) = plan_buckets(bucket)
+        header = {**header_columns(slots), "num_bytes": num_bytes, "version": int(version), "bucket": int(index),
+                  "final": bool(final)}
+        if self.weight_transport == "shm":
+            if self._staging is None:
+                self._staging = _StagingFile()
+            header["staging_path"] = self._staging.write(bucket, slots, num_bytes)
+        else:
+            header["body_b64"] = base64.b64encode(b"".join(bytes(c) for c in bucket_chunks(bucket, slots))).decode()
+        answers = self.rpc("stacx_load_bucket", header)
+        if any(answer.get("loaded") != len(bucket) for answer in answers):
+            raise RuntimeError(f"{self.url}: stacx_load_bucket loaded {[a.get('loaded') for a in answers]} of "
+                               f"{len(bucket)} tensors of bucket {index}, version {version}")
+
+    def shutdown(self) -> None:
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.close()
+        self._shutdown_submissions()
+        self._fan_out.shutdown(wait=False, cancel_futures=True)
+        self._rpc_transport.close()
+        self.transport.close()
+
+    close = shutdown
+
+
+class _StagingFile:
+    """The client's same-host staging file (`stacx-weights-*` in the shared-memory folder, mode 0600):
+    vLLM's server offers no staging handshake, so the sender creates it and names it in the header;
+    the worker opens only such a file (stacx_vllm_worker.open_staging_file)."""
+
+    def __init__(self):
+        handle, self.path = tempfile.mkstemp(prefix=SHM_FILE_PREFIX + "vllm-", dir=shared_memory_directory())
+        os.close(handle)
+        self.capacity = 0
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def write(self, bucket: WeightBucket, slots, num_bytes: int) -> str:
+        if num_bytes > self.capacity:
+            os.truncate(self.path, num_bytes)
+            self.buffer = torch.from_file(self.path, shared=True, size=num_bytes, dtype=torch.uint8)
+            self.capacity = num_bytes
+        if num_bytes:
+            pack_bucket(bucket, slots, 0, num_bytes, out=self.buffer)
+        return self.path
+
+    def close(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+# ---- launching ---------------------------------------------------------------------------------
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def checkpoint_dtype(hf_checkpoint: str) -> str:
+    """The dtype config.json names ('dtype', else 'torch_dtype'; 'auto' when neither): vLLM's CPU build would
+    otherwise serve an fp32 checkpoint in bf16, and the rollout's log-probs would not be the trainer's."""
+    try:
+        with open(os.path.join(hf_checkpoint, "config.json"), encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return "auto"
+    dtype = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
+
+
+def vllm_server_command(python: str, hf_checkpoint: str, *, port: int, seed: int = 0,
+                        return_routed_experts: bool = False, max_model_len: Optional[int] = None,
+                        extra_args: Sequence[str] = ()) -> list[str]:
+    """The `vllm.entrypoints.openai.api_server` command line a run starts: loopback only (vLLM's RL and RPC
+    endpoints take no API key), the checkpoint's own dtype, log-probs of the sampling distribution, eager
+    execution (no compilation: minutes of start-up on a CPU), then STACX_VLLM_EXTRA_ARGS and `extra_args`."""
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_checkpoint,
+               "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+               "--seed", str(seed), "--dtype", checkpoint_dtype(hf_checkpoint),
+               "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--optimization-level", "0",
+               "--worker-extension-cls", WORKER_EXTENSION]
+    if max_model_len is not None:
+        command += ["--max-model-len", str(max_model_len)]
+    if return_routed_experts:
+        command += ["--enable-return-routed-experts"]
+    return command + shlex.split(os.environ.get(EXTRA_ARGS_ENV, "")) + list(extra_args)
+
+
+def vllm_server_env(api_key: Optional[str], *, num_threads: Optional[int] = None) -> dict:
+    """The server's environment: the RL and RPC endpoints on, the worker extension importable, the secret
+    handed over in VLLM_API_KEY (never on the command line)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_API_KEY", "STACX_API_KEY")}
+    env.update(VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([WORKER_FOLDER, PROJECT_ROOT]))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if num_threads is not None:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if num_threads <= 0 else f"0-{num_threads - 1}")
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+    return env
+
+
+class VllmServerProcess:
+    """One vLLM OpenAI server, a child process of this one; `url` once it answers /health."""
+
+    def __init__(self, hf_checkpoint: str, *, python: str, seed: int = 0, api_key: Optional[str] = None,
+                 return_routed_experts: bool = False, timeout_s: float = VLLM_START_TIMEOUT_S,
+                 extra_args: Sequence[str] = (), wait: bool = True):
+        self.port = free_loopback_port()
+        self.log_path = os.path.join(tempfile.mkdtemp(prefix="stacx-vllm-"), "server.log")
+        self._log = open(self.log_path, "w")
+        command = vllm_server_command(python, hf_checkpoint, port=self.port, seed=seed,
+                                      return_routed_experts=return_routed_experts, extra_args=extra_args)
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=vllm_server_env(api_key), start_new_session=True)
+        self.url: Optional[str] = None
+        self._deadline = time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
+        if wait:
+            self.wait_until_ready()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as handle:
+                return "".join(handle.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait_until_ready(self) -> str:
+        """The URL once /health answers; the server's last log lines when it exits or times out first."""
+        if self.url is not None:
+            return self.url
+        url = f"http://127.0.0.1:{self.port}"
+        while True:
+            if self.process.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"the vLLM server exited with code {self.process.returncode} before it was "
+                                   f"ready; its log ({self.log_path}) ends:\n{self.log_tail()}")
+            try:
+                healthy = requests.get(url + "/health", timeout=2).status_code == 200
+            except requests.RequestException:
+                healthy = False
+            if healthy:
+                try:
+                    self._first_forward(url)
+                except BaseException as err:
+                    self.stop()
+                    raise RuntimeError(f"the vLLM server at {url} answered /health but failed its first request "
+                                       f"({err}); its log ({self.log_path}) ends:\n{self.log_tail()}") from err
+                self.url = url
+                return url
+            if time.monotonic() > self._deadline:
+                self.stop()
+                raise RuntimeError(f"the vLLM server did not become ready within {self._timeout_s:.0f}s; its log "
+                                   f"({self.log_path}) ends:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def _first_forward(self, url: str) -> None:
+        """One token of one request: the first forward of a CPU server can take minutes (kernel set-up), and a
+        server counts as ready once it has answered one."""
+        model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        remaining = max(30.0, self._deadline - time.monotonic())
+        answer = requests.post(url + "/v1/completions", json={"model": model, "prompt": [0], "max_tokens": 1},
+                               timeout=remaining)
+        answer.raise_for_status()
+
+    def stop(self) -> None:
+        """Stop the server and the engine-core processes it spawned (its own process group)."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, 15)
+            except ProcessLookupError:
+                pass
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, 9)
+                self.process.wait(timeout=10)
+        stop_process(self.process, timeout_s=5)
+        self._log.close()
+
+
+@dataclass(eq=False)
+class LaunchedVllmServers:
+    """The 'vllm' kind's servers as `LaunchedServers`."""
+
+    processes: Sequence[VllmServerProcess]
+
+    def wait_until_ready(self) -> tuple[str, ...]:
+        try:
+            return tuple(p.wait_until_ready() for p in self.processes)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.stop()
+
+
+def launch_vllm_servers(launch) -> LaunchedVllmServers:
+    """One vLLM server on loopback, started without waiting (it loads while the role workers start)."""
+    python = vllm_python(launch.engine_python)
+    return LaunchedVllmServers([VllmServerProcess(launch.hf_checkpoint, python=python, seed=launch.seed,
+                                                  api_key=launch.api_key,
+                                                  return_routed_experts=launch.return_routed_experts, wait=False)])
+

@@ -1,0 +1,303 @@
+"""Stacx's weight loading inside a vLLM worker: vLLM's `worker_extension_cls`.
+
+vLLM mixes this class into each of its workers (`--worker-extension-cls
+stacx_vllm_worker.StacxWorkerExtension`, with this folder and the Stacx checkout on the server's
+PYTHONPATH) and the client calls its methods through vLLM's `POST /collective_rpc` (served with
+VLLM_SERVER_DEV_MODE=1). Every argument is one JSON string, every answer a JSON object:
+
+    stacx_load_bucket(header)      one bucket of Hugging Face-named tensors, staged by the client
+    stacx_weight_digests(request)  {name: digest} of what the engine holds now (post-sync check)
+    stacx_weight_version()         the version of the weights the engine serves
+    stacx_reset_weight_version()   serve them as version 0 (a new run attaching to a long-lived server)
+
+A bucket is Stacx's own format (`stacx.parallel.tensor_buckets`: names, dtypes, shapes, offsets
+into one flat buffer), staged either in a same-host shared-memory file the client wrote
+(`staging_path`, a `stacx-weights-*` file of the shared-memory folder) or carried in the request
+(`body_b64`, base64 of the raw bytes: another host). A bucket is refused, before any parameter is
+touched, when its header is malformed, a tensor holds NaN or infinity (a diverged trainer), or its
+version and number replay an update (versions only move forward, buckets come once and in order:
+the rules of `stacx serve`, stacx.wire.weight_versions). Loading goes through vLLM's
+layerwise reload (the first bucket of a version starts it, the final one finishes it), which
+re-runs each layer's post-load processing, so a CPU engine's repacked GEMM weights are rebuilt.
+
+This module imports torch, the standard library and `stacx.parallel` only (vLLM's environment
+does not hold Stacx's dependencies), and vLLM inside the methods.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import stat
+from typing import Any, Optional
+
+import torch
+
+from stacx.parallel.tensor_buckets import TENSOR_DTYPES, check_slot, unpack_bucket
+from stacx.parallel.tensor_digests import tensor_digest
+
+STAGING_PREFIX = "stacx-weights-"
+"""Name prefix of the staging files a client may name (`stacx.wire.weight_transfer.SHM_FILE_PREFIX`)."""
+HEADER_COLUMNS = ("names", "dtypes", "shapes", "offsets")
+
+
+class BucketRefused(ValueError):
+    """A bucket the worker did not load (the message says why); collective_rpc reports it as an error."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_bucket_header(header: Any, num_bytes_available: int) -> list:
+    """The header's tensor slots, every field checked before any byte is viewed (ValueError names it)."""
+    if not isinstance(header, dict):
+        raise BucketRefused("stacx_load_bucket: the header must be a JSON object")
+    missing = [key for key in (*HEADER_COLUMNS, "num_bytes", "version", "bucket", "final") if key not in header]
+    if missing:
+        raise BucketRefused(f"stacx_load_bucket: header is missing field(s) {missing}")
+    if not _is_int(header["version"]) or header["version"] < 1:
+        raise BucketRefused(f"stacx_load_bucket: 'version' must be an integer >= 1, got {header['version']!r}")
+    if not _is_int(header["bucket"]) or header["bucket"] < 0:
+        raise BucketRefused(f"stacx_load_bucket: 'bucket' must be a non-negative integer, got {header['bucket']!r}")
+    if not isinstance(header["final"], bool):
+        raise BucketRefused(f"stacx_load_bucket: 'final' must be true or false, got {header['final']!r}")
+    num_bytes = header["num_bytes"]
+    if not _is_int(num_bytes) or not 0 <= num_bytes <= num_bytes_available:
+        raise BucketRefused(f"stacx_load_bucket: 'num_bytes' must be an integer in [0, {num_bytes_available}], "
+                            f"got {num_bytes!r}")
+    columns = [header[key] for key in HEADER_COLUMNS]
+    if not all(isinstance(c, list) for c in columns) or len({len(c) for c in columns}) != 1:
+        raise BucketRefused("stacx_load_bucket: 'names', 'dtypes', 'shapes' and 'offsets' must be lists with one "
+                            "entry per tensor")
+    slots = []
+    for i, (name, dtype, shape, offset) in enumerate(zip(*columns)):
+        sized = dtype in TENSOR_DTYPES and isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
+        numel = 1
+        for d in shape if sized else ():
+            numel *= d
+        entry = {"name": name, "dtype": dtype, "shape": shape, "bucket": 0, "offset": offset,
+                 "num_bytes": numel * TENSOR_DTYPES[dtype].itemsize if sized else 0}
+        try:
+            slots.append(check_slot(entry, f"stacx_load_bucket: tensor {i}", bucket_bytes=num_bytes))
+        except ValueError as err:
+            raise BucketRefused(str(err)) from None
+    return slots
+
+
+def open_staging_file(path: Any, num_bytes: int) -> torch.Tensor:
+    """The first `num_bytes` of a client's staging file, mapped: only a regular `stacx-weights-*` file
+    directly in the shared-memory folder is opened (never a link)."""
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    if not isinstance(path, str) or not os.path.basename(path).startswith(STAGING_PREFIX):
+        raise BucketRefused(f"stacx_load_bucket: 'staging_path' {str(path)[:120]!r} is not a {STAGING_PREFIX}* file")
+    if folder is not None and os.path.dirname(os.path.abspath(path)) != folder:
+        raise BucketRefused(f"stacx_load_bucket: 'staging_path' {path!r} is not in {folder}")
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise BucketRefused(f"stacx_load_bucket: staging file {path} does not exist (is the engine on another "
+                            "host? send weights with weight_transport='http')") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise BucketRefused(f"stacx_load_bucket: staging file {path} is not a regular file")
+    if info.st_size < num_bytes:
+        raise BucketRefused(f"stacx_load_bucket: staging file {path} holds {info.st_size} bytes, the header "
+                            f"says {num_bytes}")
+    if num_bytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_file(path, shared=False, size=num_bytes, dtype=torch.uint8)
+
+
+def refuse_non_finite(named_tensors) -> None:
+    for name, tensor in named_tensors:
+        if tensor.dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
+            raise BucketRefused(f"stacx_load_bucket: tensor {name!r} holds "
+                                f"{int((~torch.isfinite(tensor)).sum())} NaN or infinite values; the bucket was not "
+                                "loaded (the sender's weights diverged)")
+
+
+class VersionOrder:
+    """Versions only move forward; within a version, buckets come once and in order."""
+
+    def __init__(self):
+        self.served = 0
+        self.loading: Optional[tuple[int, int]] = None
+        """(version, last bucket) of the update being loaded."""
+
+    def admit(self, version: int, bucket: int) -> bool:
+        """Whether this bucket starts a new update (True) or continues the one being loaded (False);
+        raises BucketRefused for a replayed or stale bucket."""
+        if version <= self.served:
+            raise BucketRefused(f"stacx_load_bucket: weight version {version} is not newer than the version this "
+                                f"engine serves ({self.served}); versions only move forward (a replayed or stale "
+                                "update)")
+        if self.loading is not None and self.loading[0] == version:
+            if bucket <= self.loading[1]:
+                raise BucketRefused(f"stacx_load_bucket: bucket {bucket} of weight version {version} comes after "
+                                    f"bucket {self.loading[1]} was accepted; a bucket is sent once, in order (a "
+                                    "replayed or stale bucket)")
+            return False
+        if self.loading is not None and version < self.loading[0]:
+            raise BucketRefused(f"stacx_load_bucket: weight version {version} is older than the update being loaded "
+                                f"({self.loading[0]})")
+        if bucket != 0:
+            raise BucketRefused(f"stacx_load_bucket: weight version {version} starts with bucket {bucket}, not 0")
+        return True
+
+
+def stacked_source(model: torch.nn.Module, hf_name: str):
+    """(vLLM parameter name, shard index) holding Hugging Face tensor `hf_name` in a fused parameter
+    (qkv_proj, gate_up_proj: the model's `packed_modules_mapping`), or None when it is not fused."""
+    mapping = getattr(model, "packed_modules_mapping", None) or {}
+    parts = hf_name.split(".")
+    for fused, shards in mapping.items():
+        for index, shard in enumerate(shards):
+            if shard in parts:
+                position = parts.index(shard)
+                return ".".join(parts[:position] + [fused] + parts[position + 1:]), index
+    return None
+
+
+def expert_source(hf_name: str):
+    """(vLLM fused-experts parameter, expert, rows) for `...mlp.experts.E.{gate,up,down}_proj.weight`, else None.
+    rows: 'first' / 'second' half of w13 (gate, up), or 'all' of w2 (down)."""
+    parts = hf_name.split(".")
+    if "experts" not in parts or parts[-1] != "weight":
+        return None
+    i = parts.index("experts")
+    if i + 3 != len(parts) - 1 or not parts[i + 1].isdigit():
+        return None
+    prefix, expert, proj = ".".join(parts[:i + 1]), int(parts[i + 1]), parts[i + 2]
+    if proj in ("gate_proj", "w1"):
+        return f"{prefix}.w13_weight", expert, "first"
+    if proj in ("up_proj", "w3"):
+        return f"{prefix}.w13_weight", expert, "second"
+    if proj in ("down_proj", "w2"):
+        return f"{prefix}.w2_weight", expert, "all"
+    return None
+
+
+def linear_weight(module: torch.nn.Module, param: torch.Tensor) -> Optional[torch.Tensor]:
+    """A linear layer's full [out, in] weight: the parameter itself, or, where vLLM's CPU GEMM kept only a
+    repacked copy (the parameter is emptied), the layer applied to the identity (exact: one product per
+    entry)."""
+    if param.numel():
+        return param
+    cpu_linear = getattr(module, "cpu_linear", None)
+    in_features = getattr(module, "input_size_per_partition", None)
+    if cpu_linear is None or not isinstance(in_features, int):
+        return None
+    identity = torch.eye(in_features, dtype=param.dtype)
+    return cpu_linear(identity, None, None).t()
+
+
+def read_back(model: torch.nn.Module, params: dict, hf_name: str) -> Optional[torch.Tensor]:
+    """The tensor the engine holds under Hugging Face name `hf_name` (None: not readable here)."""
+    expert = expert_source(hf_name)
+    if expert is not None and expert[0] in params:
+        name, index, rows = expert
+        weight = params[name][index]
+        half = weight.shape[0] // 2
+        return {"first": weight[:half], "second": weight[half:], "all": weight}[rows]
+    stacked = stacked_source(model, hf_name)
+    if stacked is not None and stacked[0] in params:
+        name, shard = stacked
+        module = model.get_submodule(name.rpartition(".")[0])
+        full = linear_weight(module, params[name]) if name.endswith("weight") else params[name]
+        sizes = getattr(module, "output_sizes", None)
+        if full is None or not sizes or sum(sizes) != full.shape[0]:
+            return None
+        start = sum(sizes[:shard])
+        return full[start:start + sizes[shard]]
+    if hf_name in params:
+        param = params[hf_name]
+        module = model.get_submodule(hf_name.rpartition(".")[0])
+        if hf_name.endswith("weight") and not param.numel():
+            return linear_weight(module, param)
+        vocab = getattr(module, "org_vocab_size", None)  # embeddings and LM head: rows padded past the vocab
+        return param[:vocab] if isinstance(vocab, int) and param.shape[0] > vocab else param
+    if hf_name == "lm_head.weight" and "model.embed_tokens.weight" in params:  # tied embeddings
+        return read_back(model, params, "model.embed_tokens.weight")
+    return None
+
+
+class StacxWorkerExtension:
+    """Methods vLLM adds to its worker (`self` is the worker: `self.model_runner`, `self.vllm_config`)."""
+
+    def _stacx_order(self) -> VersionOrder:
+        if not hasattr(self, "_stacx_version_order"):
+            self._stacx_version_order = VersionOrder()
+        return self._stacx_version_order
+
+    def stacx_weight_version(self) -> dict:
+        return {"weight_version": self._stacx_order().served}
+
+    def stacx_reset_weight_version(self) -> dict:
+        """Serve the current weights as version 0: a new run attaching to a long-lived server numbers its
+        pushes from 1 again (an unfinished update is finished first)."""
+        order = self._stacx_order()
+        if order.loading is not None:
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+        order.served, order.loading = 0, None
+        return {"weight_version": 0}
+
+    def stacx_load_bucket(self, header_json: str) -> dict:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        header = json.loads(header_json)
+        if not isinstance(header, dict):
+            raise BucketRefused("stacx_load_bucket: the header must be a JSON object")
+        if "body_b64" in header:
+            raw = bytearray(base64.b64decode(header["body_b64"]))
+            data = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            slots = parse_bucket_header(header, data.numel())
+        else:
+            slots = parse_bucket_header(header, 1 << 62)
+            data = open_staging_file(header.get("staging_path"), header["num_bytes"])
+        order = self._stacx_order()
+        starts = order.admit(header["version"], header["bucket"])
+        tensors = list(unpack_bucket(data[:header["num_bytes"]], slots).items())
+        refuse_non_finite(tensors)
+        model = self.model_runner.get_model()
+        # layerwise reload keeps a layer's tensors until the layer is complete: own copies, not views of the file
+        tensors = [(name, tensor.clone()) for name, tensor in tensors]
+        with set_current_vllm_config(self.vllm_config):
+            if starts:
+                if order.loading is not None:  # an abandoned update: finish it before starting anew
+                    finalize_layerwise_reload(model, self.vllm_config.model_config)
+                initialize_layerwise_reload(model)
+            order.loading = (header["version"], header["bucket"])
+            with disable_mtp_completeness_check():
+                model.load_weights(tensors)
+            if header["final"]:
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+                order.served, order.loading = header["version"], None
+        return {"loaded": len(tensors), "version": header["version"], "bucket": header["bucket"],
+                "final": header["final"]}
+
+    def stacx_weight_digests(self, request_json: str) -> dict:
+        """{"digests": {name: digest or None (not readable)}, "dtype": the engine's parameter dtype} for
+        the request's `names` (Hugging Face names), each cast to the engine's dtype."""
+        request = json.loads(request_json)
+        names = request.get("names") if isinstance(request, dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError("stacx_weight_digests: 'names' must be a list of tensor names")
+        dtype = self.vllm_config.model_config.dtype
+        model = self.model_runner.get_model()
+        params = dict(model.named_parameters())
+        digests = {}
+        with torch.no_grad():
+            for name in names:
+                tensor = read_back(model, params, name)
+                digests[name] = None if tensor is None else tensor_digest(tensor, dtype=dtype)
+        return {"digests": digests, "dtype": str(dtype).removeprefix("torch.")}
+
+    def stacx_model_dtype(self) -> dict:
+        return {"dtype": str(self.vllm_config.model_config.dtype).removeprefix("torch.")}

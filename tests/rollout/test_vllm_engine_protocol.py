@@ -1,0 +1,157 @@
+"""The vLLM engine's CPU-side logic without a vLLM server: wire format, registry, launch command, the
+worker extension's checks (bucket header, versions, non-finite weights, read-back of fused parameters)
+and the post-sync digest comparison. The same paths against a real vLLM server: tests/vllm/."""
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from stacx.parallel.tensor_buckets import plan_buckets, pack_bucket
+from stacx.parallel.tensor_digests import tensor_digest
+from stacx.rollout.engines.registry import resolve_engine_kind
+from stacx.rollout.engines.vllm import WORKER_EXTENSION, VllmEngine, vllm_python, vllm_server_command
+from stacx.rollout.engines.vllm_protocol import (
+    build_abort_payload,
+    build_completion_payload,
+    build_rpc_payload,
+    parse_completion_response,
+    parse_rpc_results,
+)
+from stacx.rollout.engines.vllm_worker import stacx_vllm_worker as worker
+from stacx.wire.types import GenerateRequest, SamplingParams
+from stacx.rollout.weight_check import DigestingBuckets, WeightSyncMismatch, check_due, compare_digests
+
+
+def test_completion_payload_sends_ids_and_asks_for_ids_and_log_probs():
+    request = GenerateRequest(input_ids=(5, 6, 7), rid="r1", logprob_start_len=1, top_logprobs_num=2,
+                              sampling=SamplingParams(max_new_tokens=4, temperature=0.7, top_k=5, seed=3,
+                                                      stop_token_ids=(1,)))
+    payload = build_completion_payload(request, model="m")
+    assert payload["prompt"] == [5, 6, 7] and payload["max_tokens"] == 4 and payload["request_id"] == "r1"
+    assert payload["return_token_ids"] and payload["return_tokens_as_token_ids"] and not payload["add_special_tokens"]
+    assert (payload["logprobs"], payload["prompt_logprobs"], payload["seed"], payload["stop_token_ids"]) == (2, 2, 3, [1])
+    assert build_abort_payload(None) == {"request_ids": []} and build_abort_payload(["a"]) == {"request_ids": ["cmpl-a-0"]}
+    assert json.loads(build_rpc_payload("m", {"x": 1})["args"][0]) == {"x": 1}
+    with pytest.raises(ValueError, match="worker-extension-cls"):
+        parse_rpc_results({"results": "nope"}, "stacx_load_bucket")
+
+
+def test_completion_answer_becomes_output_with_versions_prompt_log_probs_and_routes():
+    routes = np.arange(2 * 3 * 2, dtype=np.int32).reshape(3, 2, 2)[:, :, ::-1]
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(routes))
+    body = {"choices": [{"token_ids": [8, 9], "finish_reason": "abort", "routed_experts": base64.b64encode(buffer.getvalue()).decode(),
+                         "logprobs": {"tokens": ["token_id:8", "token_id:9"], "token_logprobs": [-0.5, -1.5],
+                                      "top_logprobs": [{"token_id:8": -0.5, "token_id:3": -2.0},
+                                                       {"token_id:4": -0.25, "token_id:9": -1.5}]},
+                         "prompt_logprobs": [None, {"6": {"logprob": -3.0, "rank": 2}, "2": {"logprob": -0.1, "rank": 1}}]}]}
+    request = GenerateRequest(input_ids=(5, 6), logprob_start_len=0, top_logprobs_num=2, return_routed_experts=True)
+    out = parse_completion_response(body, request, weight_version=4)
+    assert out.output_ids == [8, 9] and out.finish_reason == "abort" and out.output_token_versions == [4, 4]
+    assert out.output_log_probs == [-0.5, -1.5] and out.output_top_log_probs[1] == [(-0.25, 4), (-1.5, 9)]
+    assert out.input_log_probs == [None, -3.0] and out.input_top_log_probs[1] == [(-0.1, 2), (-3.0, 6)]
+    assert out.routed_experts.shape == (3, 2, 2) and out.routed_experts[0, 0].tolist() == [0, 1]
+    body["choices"][0]["logprobs"]["tokens"] = ["token_id:8", "token_id:7"]
+    with pytest.raises(ValueError, match="do not match token_ids"):
+        parse_completion_response(body, request, weight_version=4)
+
+
+def test_vllm_kind_is_registered_launches_or_attaches_and_names_its_python_flag(tmp_path, monkeypatch):
+    kind = resolve_engine_kind("vllm")
+    assert kind.client is VllmEngine and not kind.attaches
+    assert kind.attaches_to(("http://127.0.0.1:1",)) and not kind.attaches_to(())
+    monkeypatch.delenv("STACX_VLLM_PYTHON", raising=False)
+    with pytest.raises(ValueError, match="--vllm-python"):
+        vllm_python(None)
+    with pytest.raises(ValueError, match="setup_vllm_venv.sh"):
+        vllm_python(str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    command = vllm_server_command("py", str(tmp_path), port=5, return_routed_experts=True)
+    assert command[command.index("--dtype") + 1] == "float32" and command[command.index("--host") + 1] == "127.0.0.1"
+    assert command[command.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
+    assert "--enable-return-routed-experts" in command and "processed_logprobs" in command
+
+
+def _header(bucket, *, version, index, final):
+    slots, (num_bytes,) = plan_buckets(bucket)
+    data = torch.empty(num_bytes, dtype=torch.uint8)
+    pack_bucket(bucket, slots, 0, num_bytes, out=data)
+    header = {"names": [s.name for s in slots], "dtypes": [s.dtype for s in slots], "shapes": [list(s.shape) for s in slots],
+              "offsets": [s.offset for s in slots], "num_bytes": num_bytes, "version": version, "bucket": index,
+              "final": final}
+    return header, data
+
+
+def test_worker_refuses_malformed_headers_replays_and_non_finite_weights():
+    header, data = _header([("w", torch.ones(3))], version=1, index=0, final=True)
+    assert [s.name for s in worker.parse_bucket_header(header, data.numel())] == ["w"]
+    with pytest.raises(worker.BucketRefused, match="'num_bytes'"):
+        worker.parse_bucket_header(header, data.numel() - 1)
+    with pytest.raises(worker.BucketRefused, match="missing"):
+        worker.parse_bucket_header({k: v for k, v in header.items() if k != "final"}, data.numel())
+    with pytest.raises(worker.BucketRefused, match="not a stacx-weights"):
+        worker.open_staging_file("/etc/passwd", 4)
+    with pytest.raises(worker.BucketRefused, match="'w2' holds 1 NaN"):
+        worker.refuse_non_finite([("w", torch.ones(2)), ("w2", torch.tensor([1.0, float("nan")]))])
+    order = worker.VersionOrder()
+    assert order.admit(1, 0) is True
+    order.loading = (1, 0)
+    assert order.admit(1, 1) is False
+    with pytest.raises(worker.BucketRefused, match="sent once, in order"):
+        order.admit(1, 0)
+    order.served, order.loading = 1, None
+    with pytest.raises(worker.BucketRefused, match="not newer"):
+        order.admit(1, 0)
+
+
+class _Fused(torch.nn.Module):
+    """vLLM's fused projection: one [q; k; v] weight, `output_sizes` rows each; `repacked` empties the
+    parameter and keeps only a CPU GEMM (as vLLM's oneDNN path does)."""
+
+    def __init__(self, weight, sizes, repacked=False):
+        super().__init__()
+        self.output_sizes, self.input_size_per_partition = sizes, weight.shape[1]
+        self.weight = torch.nn.Parameter(torch.empty(0) if repacked else weight.clone())
+        if repacked:
+            self.cpu_linear = lambda x, w, b: x @ weight.t()
+
+
+class _Model(torch.nn.Module):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+    def __init__(self, weight, repacked):
+        super().__init__()
+        self.attn = torch.nn.Module()
+        self.attn.qkv_proj = _Fused(weight, [4, 2, 2], repacked)
+        self.experts = torch.nn.Module()
+        self.experts.w13_weight = torch.nn.Parameter(torch.arange(2 * 6 * 3, dtype=torch.float32).view(2, 6, 3))
+
+
+@pytest.mark.parametrize("repacked", [False, True])
+def test_worker_reads_back_fused_and_expert_tensors_in_hugging_face_names(repacked):
+    q, k, v = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3)
+    model = _Model(torch.cat([q, k, v]), repacked)
+    params = dict(model.named_parameters())
+    assert torch.equal(worker.read_back(model, params, "attn.k_proj.weight"), k)
+    assert torch.equal(worker.read_back(model, params, "attn.v_proj.weight"), v)
+    assert torch.equal(worker.read_back(model, params, "experts.1.up_proj.weight"), model.experts.w13_weight[1, 3:])
+    assert worker.read_back(model, params, "not.a.weight") is None
+
+
+def test_digests_compare_per_tensor_and_name_the_mismatch():
+    assert tensor_digest(torch.tensor([-0.0, 1.0])) == tensor_digest(torch.tensor([0.0, 1.0]))
+    assert tensor_digest(torch.ones(2, 3)) != tensor_digest(torch.ones(3, 2))
+    assert tensor_digest(torch.ones(2, dtype=torch.float32), dtype=torch.bfloat16) == tensor_digest(
+        torch.ones(2, dtype=torch.bfloat16))
+    digesting = DigestingBuckets([[("a", torch.ones(2))], [("b", torch.zeros(2))]])
+    assert [len(b) for b in digesting] == [1, 1] and set(digesting.digests) == {"a", "b"}
+    held = dict(digesting.digests, c=None)
+    assert compare_digests({**digesting.digests, "c": "x"}, held, url="u", version=2) == ["c"]
+    with pytest.raises(WeightSyncMismatch, match="version 2.*'?b'?") as caught:
+        compare_digests(digesting.digests, {"a": digesting.digests["a"], "b": "other"}, url="u", version=2)
+    assert caught.value.names == ["b"]
+    assert [check_due(v, 3) for v in (1, 3, 6)] == [False, True, True] and not check_due(5, 0)
