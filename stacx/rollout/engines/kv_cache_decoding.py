@@ -26,6 +26,8 @@ from typing import Sequence
 
 import torch
 
+from stacx.rollout.engines.dense_kv_decoding import DenseKvDecoder
+
 
 def _growing_layer_class():
     """A `transformers` DynamicLayer that writes into a preallocated [B, H, capacity, D] buffer
@@ -201,6 +203,9 @@ class KvCacheDecoder:
         self._routes_per_gate: list[torch.Tensor] = []
         for gate in self._gates:
             gate.register_forward_hook(self._keep_routes)
+        self.dense = DenseKvDecoder(self.hf_model) if DenseKvDecoder.supports(self.hf_model) else None
+        """The lean forward of dense Llama-family models (dense_kv_decoding.py), None for other
+        architectures; decoding uses it unless routes are recorded. Set to None to use `transformers`'."""
 
     def _keep_routes(self, _module, _inputs, outputs) -> None:
         # transformers' MoE routers return (router_logits, top-k weights, top-k expert ids [B*S, k])
@@ -245,6 +250,8 @@ class KvCacheDecoder:
                 written.add(param_name)
         missing = sorted(set(params) - written)
         assert not missing, f"the KV-cache mirror received no weights for {missing[:5]}"
+        if self.dense is not None:
+            self.dense.pack_weights()
         self._stale = False
 
     @torch.inference_mode()
@@ -256,6 +263,8 @@ class KvCacheDecoder:
         """
         if self._stale:
             self.sync_weights()
+        if self.dense is not None and not self.record_routes:
+            return self.dense.prefill(prompts, num_prompt_logits, max_new_tokens)
         lengths = [len(p) for p in prompts]
         assert min(lengths) > 0, "the KV-cache decoder needs a non-empty prompt"
         max_length = max(lengths)
