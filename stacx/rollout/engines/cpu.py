@@ -30,6 +30,7 @@ import torch.distributed as dist
 from stacx.parallel.groups import ProcessGroups, initialize_parallel_layout
 from stacx.parallel.megatron_import import import_megatron_core
 from stacx.rollout.engines.aborts import AbortBook, AbortFlag
+from stacx.rollout.engines.batched_sampling import choose_tokens
 from stacx.rollout.engines.base import GenerationCancelled, InferenceEngine, WeightBucket
 from stacx.rollout.engines.kv_cache_decoding import KvCacheDecoder
 from stacx.rollout.engines.weight_loading import HfWeightReceiver
@@ -442,10 +443,7 @@ class CpuEngine(InferenceEngine):
                 active = still
             temperatures_B1 = torch.tensor([[requests[i].sampling.temperature or 1.0] for i in active])
             log_probs_BV = torch.log_softmax(logits_BV / temperatures_B1, dim=-1)
-            greedy_B = log_probs_BV.argmax(dim=-1).tolist()
-            tokens = [greedy_B[row] if requests[i].sampling.temperature == 0
-                      else sample_token(log_probs_BV[row], requests[i].sampling, generators[i])
-                      for row, i in enumerate(active)]
+            tokens = choose_tokens(log_probs_BV, [requests[i].sampling for i in active], [generators[i] for i in active])
             chosen_B = log_probs_BV.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
             kept_rows = []
             for row, i in enumerate(active):
