@@ -12,6 +12,8 @@ model, as Hugging Face-named tensors, the first time it decodes after any weight
 
 so a batch of N new tokens costs N small forwards instead of N forwards of the whole
 (prompt + tokens so far) rows. Finished rows leave the cache (`CachedBatch.keep_rows`).
+For dense llama/qwen2/qwen3 models the forward is `DenseKvDecoder` (dense_kv_decoding.py), a
+lean one on the same mirror's parameters; `transformers`' forward serves the other models.
 
 Why this route (docs/performance.md, "Generation"): on CPU it is as fast as Hugging Face
 `generate` on the same weights, and its fp32 log-probs agree with the trainer's packed forward
