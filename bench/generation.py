@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,6 +86,8 @@ class VllmWorker:
         for line in self._process.stdout:
             if line.startswith(self._prefix):
                 return json.loads(line[len(self._prefix):])
+            self._log.write(line)  # vLLM's own log lines
+            self._log.flush()
         raise RuntimeError(f"the vLLM worker exited (code {self._process.wait()}); its log: {self._log_path}")
 
     def generate(self, prompts, new_tokens: int, temperature: float) -> dict:
@@ -189,7 +192,7 @@ def main(argv=None) -> int:
             vllm = VllmWorker(args.vllm_python, checkpoint_dir, max_model_len=args.prompt_len + max(args.new_tokens),
                               max_num_seqs=args.prompts, cpu_bind=args.vllm_cpu_bind or f"0-{args.threads - 1}",
                               log_path=os.path.join(checkpoint_dir, "vllm.log"))
-            print(f"{shape}: vLLM ready in {time.perf_counter() - start:.0f} s (log {checkpoint_dir}/vllm.log)", flush=True)
+            print(f"{shape}: vLLM ready in {time.perf_counter() - start:.0f} s", flush=True)
             vllm.generate([list(p) for p in prompt_lists[:2]], 4, 0.0)  # warm-up
         try:
             rows += run_shape(args, shape, num_params, model, hf_model, groups, engine, packed, vllm, prompts,
@@ -197,6 +200,7 @@ def main(argv=None) -> int:
         finally:
             if vllm is not None:
                 vllm.close()
+                shutil.rmtree(checkpoint_dir, ignore_errors=True)
     result = {
         "benchmark": "generation", "rows": rows, "threads": args.threads, "rounds": args.rounds,
         "load_average_1_5_15_before": load_before, "load_average_1_5_15_after": os.getloadavg(),
