@@ -200,7 +200,8 @@ def main(argv=None) -> int:
         finally:
             if vllm is not None:
                 vllm.close()
-                shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        if checkpoint_dir is not None:  # kept (with vLLM's log) when the run failed
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)
     result = {
         "benchmark": "generation", "rows": rows, "threads": args.threads, "rounds": args.rounds,
         "load_average_1_5_15_before": load_before, "load_average_1_5_15_after": os.getloadavg(),
