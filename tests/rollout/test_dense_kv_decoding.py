@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from stacx.rollout.engines.batched_sampling import choose_tokens
-from stacx.rollout.engines.cpu import CpuEngine, sample_token
+from stacx.rollout.engines.cpu import CpuEngine, filter_top_k_top_p, sample_token
 from stacx.rollout.engines.dense_kv_decoding import DenseKvDecoder, PackedLinear, onednn_packing_available
 from stacx.rollout.types import SamplingParams
 
@@ -25,7 +25,7 @@ def test_batched_choice_makes_the_per_row_draws():
         expected = [sample_token(lp, s, g) for lp, s, g in zip(log_probs_BV, samplings, generators)]
         shared.manual_seed(seed)
         generators[1].manual_seed(100 + seed)
-        assert choose_tokens(log_probs_BV, samplings, generators) == expected
+        assert choose_tokens(log_probs_BV, samplings, generators, filter_top_k_top_p) == expected
 
 
 def _decoders(arch, single_process_world, **overrides):

@@ -11,7 +11,7 @@ top-p filter get their filtered distribution (`filter_top_k_top_p`) row by row f
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -37,13 +37,11 @@ def draw_rows(probs_SV: torch.Tensor, generators: Sequence[torch.Generator]) -> 
 
 
 def choose_tokens(log_probs_BV: torch.Tensor, samplings: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator]) -> list[int]:
+                  generators: Sequence[torch.Generator], filter_top_k_top_p: Callable) -> list[int]:
     """The next token of every row: `sample_token(log_probs_BV[row], samplings[row], generators[row])`
     for each row, in fewer calls (see the module docstring). Rows draw in row order, as before, so rows
-    sharing one generator (unseeded requests) get the same draws too."""
-    # Imported here: cpu.py imports this module.
-    from stacx.rollout.engines.cpu import filter_top_k_top_p
-
+    sharing one generator (unseeded requests) get the same draws too. `filter_top_k_top_p`: the
+    engine's filter (log-probs [V], top_k, top_p) -> log-probs with the dropped tokens at -inf."""
     vocab_size = log_probs_BV.shape[1]
     tokens = [0] * len(samplings)
     greedy = [row for row, s in enumerate(samplings) if s.temperature == 0]

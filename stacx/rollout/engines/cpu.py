@@ -443,7 +443,8 @@ class CpuEngine(InferenceEngine):
                 active = still
             temperatures_B1 = torch.tensor([[requests[i].sampling.temperature or 1.0] for i in active])
             log_probs_BV = torch.log_softmax(logits_BV / temperatures_B1, dim=-1)
-            tokens = choose_tokens(log_probs_BV, [requests[i].sampling for i in active], [generators[i] for i in active])
+            tokens = choose_tokens(log_probs_BV, [requests[i].sampling for i in active], [generators[i] for i in active],
+                                   filter_top_k_top_p)
             chosen_B = log_probs_BV.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
             kept_rows = []
             for row, i in enumerate(active):

@@ -9,7 +9,8 @@ none of that:
     one fused q/k/v matmul and one fused gate/up matmul per layer (the mirror's q/k/v and gate/up
         parameters are views into one buffer each, so weight syncs write straight into them);
     a KV cache preallocated per call, [layers, B, kv heads, capacity, head dim], written in place;
-    grouped-query attention as two batched matmuls per layer, kv heads never repeated;
+    grouped-query attention by torch's CPU flash kernel (`scaled_dot_product_attention`, kv heads never
+        repeated);
     rotary cos/sin looked up from a table computed once per call (the mirror's own rotary module);
     the lm head only on the positions whose logits are kept.
 
@@ -191,9 +192,8 @@ class DenseKvDecoder:
         start, end = cache.length, cache.length + new
         cos_BSD, sin_BSD = cache.cos[positions_BS], cache.sin[positions_BS]
         cos_B1SD, sin_B1SD = cos_BSD.unsqueeze(1), sin_BSD.unsqueeze(1)
-        groups = self.num_heads // self.num_kv_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias_B1GST = cache.attention_bias(bias_B1ST, new, end) if bias_B1ST is not None or new > 1 else None
+        mask_B1ST = cache.attention_bias(bias_B1ST, new, end) if bias_B1ST is not None or new > 1 else None
         hidden_BSH = F.embedding(input_ids_BS, self.embed)
         for index, layer in enumerate(self.layers):
             x_BSH = _rms_norm(hidden_BSH, layer.input_norm, self.eps)
@@ -208,15 +208,11 @@ class DenseKvDecoder:
             keys_BKCD, values_BKCD = cache.keys[index], cache.values[index]
             keys_BKCD[:, :, start:end] = _rotate(k_BSKD.transpose(1, 2), cos_B1SD, sin_B1SD)
             values_BKCD[:, :, start:end] = v_BSKD.transpose(1, 2)
-            # grouped-query attention: the query heads of one kv head as extra query rows
-            q_BKGD = q_BNSD.reshape(batch, self.num_kv_heads, groups * new, self.head_dim)
-            scores_BKGT = torch.matmul(q_BKGD, keys_BKCD[:, :, :end].transpose(2, 3)) * self.scaling
-            if bias_B1GST is not None:
-                scores_BKGT = (scores_BKGT.view(batch, self.num_kv_heads, groups, new, end)
-                               + bias_B1GST).view_as(scores_BKGT)
-            probs_BKGT = torch.softmax(scores_BKGT, dim=-1)
-            attended_BKGD = torch.matmul(probs_BKGT, values_BKCD[:, :, :end])
-            attended_BSF = attended_BKGD.view(batch, self.num_heads, new, self.head_dim).transpose(1, 2)
+            # grouped-query attention without repeating kv heads (torch's CPU flash kernel)
+            attended_BNSD = F.scaled_dot_product_attention(
+                q_BNSD, keys_BKCD[:, :, :end], values_BKCD[:, :, :end], attn_mask=mask_B1ST,
+                scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads)
+            attended_BSF = attended_BNSD.transpose(1, 2)
             hidden_BSH = hidden_BSH + layer.o_proj(attended_BSF.reshape(batch, new, q_size))
             x_BSH = _rms_norm(hidden_BSH, layer.post_attention_norm, self.eps)
             gate_up_BSF = layer.gate_up(x_BSH)
@@ -256,15 +252,15 @@ class DenseCachedBatch:
         """Dense models route nothing."""
 
     def attention_bias(self, key_bias_B11C: Optional[torch.Tensor], new: int, end: int) -> torch.Tensor:
-        """Additive mask [B or 1, 1, 1, new, end] for `new` queries at columns [end - new, end): causal among
+        """Additive mask [B or 1, 1, new, end] for `new` queries at columns [end - new, end): causal among
         the new tokens, the key padding bias on top. A query on a padding position sees itself (its
         output is never used, and a row of -inf alone would make NaN)."""
-        bias = torch.zeros(1, 1, 1, new, end)
+        bias = torch.zeros(1, 1, new, end)
         if new > 1:
             causal_SS = torch.ones(new, new, dtype=torch.bool).triu(1)
             bias[..., end - new:] = bias[..., end - new:].masked_fill(causal_SS, float("-inf"))
         if key_bias_B11C is not None:
-            bias = bias + key_bias_B11C[..., :end].unsqueeze(1)
+            bias = bias + key_bias_B11C[..., :end]
             if new > 1:
                 diagonal = torch.arange(new)
                 bias[..., diagonal, end - new + diagonal] = 0.0
