@@ -26,8 +26,8 @@ tokens (fp32). Writes bench/results/generation.json.
 Shapes (Qwen2: q/k/v bias, tied embeddings, head dim 64; vocab 32,000 unless given):
   S      hidden 128, 4 layers, 4 heads (2 kv), ffn 512                   ~5.2M params
   M      hidden 512, 13 layers, 8 heads (2 kv), ffn 1536                 ~56M params
-  256x4  hidden 256, 4 layers, 4 heads (2 kv), ffn 768, vocab 4,096      ~3.5M params
-  512x8  hidden 512, 8 layers, 8 heads (2 kv), ffn 1536                  ~42M params
+  256x4  hidden 256, 4 layers, 4 heads (2 kv), ffn 768, vocab 4,096      ~4.2M params
+  512x8  hidden 512, 8 layers, 8 heads (2 kv), ffn 1536                  ~40.5M params
 """
 
 from __future__ import annotations
