@@ -31,6 +31,7 @@ from stacx.models.weight_loading import HfWeightReceiver
 from stacx.parallel.groups import ProcessGroups, initialize_parallel_layout
 from stacx.parallel.megatron_import import import_megatron_core
 from stacx.serving.aborts import AbortBook, AbortFlag
+from stacx.serving.batched_sampling import choose_tokens
 from stacx.serving.kv_cache_decoding import KvCacheDecoder
 from stacx.serving.request_batching import GenerateBatcher
 from stacx.wire.engine import GenerationCancelled, InferenceEngine, WeightBucket
@@ -452,10 +453,8 @@ class CpuEngine(InferenceEngine):
                 active = still
             temperatures_B1 = torch.tensor([[requests[i].sampling.temperature or 1.0] for i in active])
             log_probs_BV = torch.log_softmax(logits_BV / temperatures_B1, dim=-1)
-            greedy_B = log_probs_BV.argmax(dim=-1).tolist()
-            tokens = [greedy_B[row] if requests[i].sampling.temperature == 0
-                      else sample_token(log_probs_BV[row], requests[i].sampling, generators[i])
-                      for row, i in enumerate(active)]
+            tokens = choose_tokens(log_probs_BV, [requests[i].sampling for i in active], [generators[i] for i in active],
+                                   filter_top_k_top_p)
             chosen_B = log_probs_BV.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
             kept_rows = []
             for row, i in enumerate(active):

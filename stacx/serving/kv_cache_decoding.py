@@ -12,6 +12,8 @@ model, as Hugging Face-named tensors, the first time it decodes after any weight
 
 so a batch of N new tokens costs N small forwards instead of N forwards of the whole
 (prompt + tokens so far) rows. Finished rows leave the cache (`CachedBatch.keep_rows`).
+For dense llama/qwen2/qwen3 models the forward is `DenseKvDecoder` (dense_kv_decoding.py), a
+lean one on the same mirror's parameters; `transformers`' forward serves the other models.
 
 Why this route (docs/performance.md, "Generation"): on CPU it is as fast as Hugging Face
 `generate` on the same weights, and its fp32 log-probs agree with the trainer's packed forward
@@ -25,6 +27,8 @@ import re
 from typing import Sequence
 
 import torch
+
+from stacx.serving.dense_kv_decoding import DenseKvDecoder
 
 
 def _growing_layer_class():
@@ -202,6 +206,9 @@ class KvCacheDecoder:
         self._routes_per_gate: list[torch.Tensor] = []
         for gate in self._gates:
             gate.register_forward_hook(self._keep_routes)
+        self.dense = DenseKvDecoder(self.hf_model) if DenseKvDecoder.supports(self.hf_model) else None
+        """The lean forward of dense Llama-family models (dense_kv_decoding.py), None for other
+        architectures; decoding uses it unless routes are recorded. Set to None to use `transformers`'."""
 
     def _keep_routes(self, _module, _inputs, outputs) -> None:
         # transformers' MoE routers return (router_logits, top-k weights, top-k expert ids [B*S, k])
@@ -246,6 +253,8 @@ class KvCacheDecoder:
                 written.add(param_name)
         missing = sorted(set(params) - written)
         assert not missing, f"the KV-cache mirror received no weights for {missing[:5]}"
+        if self.dense is not None:
+            self.dense.pack_weights()
         self._stale = False
 
     @torch.inference_mode()
@@ -257,6 +266,8 @@ class KvCacheDecoder:
         """
         if self._stale:
             self.sync_weights()
+        if self.dense is not None and not self.record_routes:
+            return self.dense.prefill(prompts, num_prompt_logits, max_new_tokens)
         lengths = [len(p) for p in prompts]
         assert min(lengths) > 0, "the KV-cache decoder needs a non-empty prompt"
         max_length = max(lengths)
