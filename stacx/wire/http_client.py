@@ -147,6 +147,14 @@ class HttpTransport:
     def get(self, endpoint: str, *, retry: Optional[RetryPolicy] = None) -> Any:
         return self.request("GET", endpoint, retry=retry)
 
+    def answers_health(self, endpoint: str = "/health", timeout_s: float = 5.0) -> bool:
+        """Whether the server answers `endpoint` now (one try, `timeout_s`); any failure means "not serving"."""
+        try:
+            self.get(endpoint, retry=RetryPolicy(timeout_s=timeout_s, max_attempts=1))
+            return True
+        except Exception:  # noqa: BLE001 - any failure means "not serving now"
+            return False
+
     def close(self) -> None:
         self.closed = True
         self._session.close()

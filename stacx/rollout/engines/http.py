@@ -188,11 +188,7 @@ class HttpEngine(InferenceEngine):
         self.transport.post_json("/flush_cache", {})
 
     def health(self) -> bool:
-        try:
-            self.transport.get("/health", retry=RetryPolicy(timeout_s=5.0, max_attempts=1))
-            return True
-        except Exception:
-            return False
+        return self.transport.answers_health()
 
     def model_info(self) -> dict:
         return self.transport.get("/get_model_info")

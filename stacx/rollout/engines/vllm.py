@@ -145,11 +145,7 @@ class VllmEngine(InferenceEngine):
         self.transport.post_json("/reset_prefix_cache", {})
 
     def health(self) -> bool:
-        try:
-            self.transport.get("/health", retry=RetryPolicy(timeout_s=5.0, max_attempts=1))
-            return True
-        except Exception:  # noqa: BLE001 - any failure means "not serving now"
-            return False
+        return self.transport.answers_health()
 
     # ---- weights ------------------------------------------------------------------------
 
