@@ -33,9 +33,13 @@ def hf_weight_digests(model, groups: ProcessGroups, names: Sequence[str], *, dty
     wanted = set(names)
     dtype = dtype or model_dtype(model)
     digests: dict[str, Optional[str]] = {name: None for name in names}
+    # LoRA adapters (an engine taking adapter-only syncs) stream under their PEFT names, apart from the weights
+    streams = (False, True) if any(".lora_" in name for name in wanted) else (False,)
     with torch.no_grad():
-        for bucket in iter_hf_weight_buckets(model, groups, DIGEST_BUCKET_BYTES, only_to_tp_rank=0):
-            for name, tensor in bucket:
-                if name in wanted:
-                    digests[name] = tensor_digest(tensor, dtype=dtype)
+        for adapters in streams:
+            for bucket in iter_hf_weight_buckets(model, groups, DIGEST_BUCKET_BYTES, only_to_tp_rank=0,
+                                                 adapters=adapters):
+                for name, tensor in bucket:
+                    if name in wanted:
+                        digests[name] = tensor_digest(tensor, dtype=dtype)
     return digests

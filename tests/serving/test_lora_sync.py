@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from stacx.rollout.weight_check import DigestingBuckets, compare_digests
 from stacx.wire.types import GenerateRequest, SamplingParams
 
 REQUESTS = [GenerateRequest(input_ids=(4, 10, 11, 12), sampling=SamplingParams(max_new_tokens=8, temperature=0.0)),
@@ -56,6 +57,12 @@ def test_an_adapter_push_changes_the_engine_output_exactly_as_merging(tmp_path):
     assert _bytes(adapters) < 0.2 * _bytes(full)
     adapter_engine.update_weights(adapters, version=1)
     merged_engine.update_weights(full, version=1)
+    # the post-sync check reads the adapters back (what `stacx serve` answers on its digest endpoint): every
+    # pushed adapter tensor is there and equal, none unverified
+    sent = DigestingBuckets(adapters, dtype=torch.float32)
+    list(sent)
+    held = adapter_engine.weight_digests(sorted(sent.digests))["digests"]
+    assert compare_digests(sent.digests, held, url="in-process", version=1) == []
     by_adapters, by_merging = _greedy(adapter_engine), _greedy(merged_engine)
     assert [ids for ids, _ in by_adapters] == [ids for ids, _ in by_merging]
     assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for (_, a), (_, b) in zip(by_adapters, by_merging))
