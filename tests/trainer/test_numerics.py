@@ -60,6 +60,9 @@ class FakeMegatronOptimizer:
         self.calls.append("prepare_grads")
         return False
 
+    def get_grad_stats_parallel_group(self):
+        return None  # the default (world) group, where the test's process has one
+
     def get_grad_norm(self):
         return float(self.param.grad.norm())
 

@@ -190,13 +190,13 @@ class AgentRollout:
             next_episode_id[0] += num_tasks * self.n_samples_per_task
             return played
 
-        samples, replaced = replace_dropped_groups([sample for result in results for sample in result], fresh,
-                                                   num_groups=len(tasks), step=step,
-                                                   max_dropped_fraction=self.max_dropped_fraction)
-        if not samples:
+        played = [sample for result in results for sample in result]
+        if not played:
             raise RuntimeError(f"step {step}: none of the {len(episodes)} agent episodes made a model call through "
                                f"its base URL ({session_base_url(self.server_url, '<session>')}); check that the "
                                "agent uses the base_url it is given")
+        samples, replaced = replace_dropped_groups(played, fresh, num_groups=len(tasks), step=step,
+                                                   max_dropped_fraction=self.max_dropped_fraction)
         failed = sum(any(s.reward_error for s in result) for result in results)
         # One reward per episode (every sample of an episode, one per branch, carries it): the mean over
         # episodes, not over samples, so an episode that branched weighs as much as one that did not.
