@@ -112,8 +112,10 @@ logger = logging.getLogger(__name__)
 
 WEIGHT_ENDPOINTS = frozenset({BUCKET_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_STAGING_ENDPOINT, SHM_RELEASE_ENDPOINT})
 """Endpoints that change the served weights; refused by a server started with weight_updates=False."""
-MUTATING_ENDPOINTS = WEIGHT_ENDPOINTS | {"/pause_generation", "/continue_generation", "/abort_request", "/flush_cache"}
-"""Endpoints that change the server's state; they need the bearer token."""
+MUTATING_ENDPOINTS = WEIGHT_ENDPOINTS | {"/pause_generation", "/continue_generation", "/abort_request", "/flush_cache",
+                                         DIGEST_ENDPOINT}
+"""Endpoints that change the server's state, or read its weights back (the digest endpoint: a full pass over the
+weights, which an anonymous client must not be able to demand); they need the bearer token."""
 LISTEN_BACKLOG = 2048
 """Connections the kernel queues before the server accepts them (the standard library's 5 reset
 5-10 % of requests from 32 parallel clients)."""

@@ -5,8 +5,10 @@ and the post-sync digest comparison. The same paths against a real vLLM server: 
 import base64
 import io
 import json
+import os
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -95,6 +97,19 @@ def test_worker_refuses_malformed_headers_replays_and_non_finite_weights():
         worker.parse_bucket_header({k: v for k, v in header.items() if k != "final"}, data.numel())
     with pytest.raises(worker.BucketRefused, match="not a stacx-weights"):
         worker.open_staging_file("/etc/passwd", 4)
+
+
+def test_worker_opens_only_its_own_users_staging_file(monkeypatch):
+    path = os.path.join("/dev/shm", f"{worker.STAGING_PREFIX}test-{os.getpid()}")
+    with open(path, "wb") as handle:
+        handle.write(b"\x01\x02\x03\x04")
+    try:
+        assert worker.open_staging_file(path, 4).tolist() == [1, 2, 3, 4]
+        monkeypatch.setattr(worker.os, "getuid", lambda: os.stat(path).st_uid + 1)  # as another user's server
+        with pytest.raises(worker.BucketRefused, match="belongs to uid"):
+            worker.open_staging_file(path, 4)
+    finally:
+        os.remove(path)
     with pytest.raises(worker.BucketRefused, match="'w2' holds 1 NaN"):
         worker.refuse_non_finite([("w", torch.ones(2)), ("w2", torch.tensor([1.0, float("nan")]))])
     order = worker.VersionOrder()

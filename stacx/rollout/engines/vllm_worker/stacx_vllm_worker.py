@@ -88,7 +88,7 @@ def parse_bucket_header(header: Any, num_bytes_available: int) -> list:
 
 def open_staging_file(path: Any, num_bytes: int) -> torch.Tensor:
     """The first `num_bytes` of a client's staging file, mapped: only a regular `stacx-weights-*` file
-    directly in the shared-memory folder is opened (never a link)."""
+    directly in the shared-memory folder, owned by this server's user, is opened (never a link)."""
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
     if not isinstance(path, str) or not os.path.basename(path).startswith(STAGING_PREFIX):
         raise BucketRefused(f"stacx_load_bucket: 'staging_path' {str(path)[:120]!r} is not a {STAGING_PREFIX}* file")
@@ -101,6 +101,9 @@ def open_staging_file(path: Any, num_bytes: int) -> torch.Tensor:
                             "host? send weights with weight_transport='http')") from None
     if not stat.S_ISREG(info.st_mode):
         raise BucketRefused(f"stacx_load_bucket: staging file {path} is not a regular file")
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():  # another local user's file is not our trainer's
+        raise BucketRefused(f"stacx_load_bucket: staging file {path} belongs to uid {info.st_uid}, not this server's "
+                            f"user ({os.getuid()})")
     if info.st_size < num_bytes:
         raise BucketRefused(f"stacx_load_bucket: staging file {path} holds {info.st_size} bytes, the header "
                             f"says {num_bytes}")
