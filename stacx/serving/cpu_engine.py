@@ -30,6 +30,7 @@ import torch.distributed as dist
 from stacx.models.weight_loading import HfWeightReceiver
 from stacx.parallel.groups import ProcessGroups, initialize_parallel_layout
 from stacx.parallel.megatron_import import import_megatron_core
+from stacx.parallel.node_interface import collectives_on_loopback
 from stacx.serving.aborts import AbortBook, AbortFlag
 from stacx.serving.batched_sampling import choose_tokens
 from stacx.serving.kv_cache_decoding import KvCacheDecoder
@@ -116,7 +117,8 @@ def _first_prompt_logit(request: GenerateRequest) -> int:
 
 def ensure_single_process_layout():
     """megatron-core builds its layers from its global groups, even for one process: create a
-    world of one gloo rank (in-memory store, no port) and the trivial tp = cp = dp = 1 layout.
+    world of one gloo rank (in-memory store) and the trivial tp = cp = dp = 1 layout. Each group's gloo
+    device still listens on a socket: on loopback only (`collectives_on_loopback`), as no other host joins.
 
     Raises if this process already belongs to a larger torch.distributed world (a trainer rank):
     the CPU engine runs in the driver or in `stacx serve`, never inside a sharded worker.
@@ -127,14 +129,15 @@ def ensure_single_process_layout():
                 f"CpuEngine needs a single-process world, but torch.distributed has {dist.get_world_size()} ranks; "
                 "run the engine in the driver or in `stacx serve`"
             )
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     import_megatron_core()  # a server process imports megatron-core first here
     # Imported here: megatron-core is slow to import (start-up time).
     from megatron.core import parallel_state
 
-    if not parallel_state.model_parallel_is_initialized():
-        initialize_parallel_layout(1, 1)
+    with collectives_on_loopback():
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        if not parallel_state.model_parallel_is_initialized():
+            initialize_parallel_layout(1, 1)
     return ProcessGroups.single_process()
 
 

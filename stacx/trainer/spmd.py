@@ -21,7 +21,7 @@ from stacx.rollout.asynchronous.async_rollout import check_async_supported
 from stacx.rollout.engines.registry import resolve_engine_kind
 from stacx.trainer.checkpoint import verify_start_folders
 from stacx.trainer.cluster.local import LocalRoleGroup, TorchrunChannel
-from stacx.trainer.cluster.node_interface import bind_collectives_to_node, local_address_toward
+from stacx.parallel.node_interface import bind_collectives_to_node, local_address_toward
 from stacx.trainer.config.checks import check_agent_supported
 from stacx.trainer.config.mini_batches import with_resolved_mini_batches
 from stacx.trainer.config.resolve import apply_run_env_overrides

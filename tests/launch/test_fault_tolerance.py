@@ -49,6 +49,7 @@ def assert_engines_agree(report: str, version: int) -> None:
     """Both engines (one of them restarted) serve `version` and answer a greedy request alike."""
     with open(report) as handle:
         engines = json.load(handle)
+    assert "error" not in engines, engines
     assert len(engines) == 2 and {e["version"] for e in engines} == {version}, engines
     first, second = (e["output_token_logprobs"] for e in engines)
     assert [t[1] for t in first] == [t[1] for t in second]

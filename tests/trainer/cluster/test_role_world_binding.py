@@ -15,7 +15,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from stacx.testing.listening_sockets import listening_addresses
-from stacx.trainer.cluster.node_interface import (
+from stacx.parallel.node_interface import (
     _ipv4_address_of,
     bind_collectives_to_node,
     interface_for_address,

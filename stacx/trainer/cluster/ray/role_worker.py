@@ -32,7 +32,7 @@ import torch.distributed as dist
 from stacx.plugins.discovery import import_user_module_sources
 from stacx.parallel.bound_store import host_bound_store
 from stacx.parallel.groups import default_backend, destroy_parallel_layout, initialize_parallel_layout
-from stacx.trainer.cluster.node_interface import bind_collectives_to_node
+from stacx.parallel.node_interface import bind_collectives_to_node
 from stacx.trainer.cluster.ray.exchange_endpoint import ExchangeEndpoint, host_store
 
 

@@ -11,19 +11,24 @@ A torchrun rank uses the interface of its address toward `MASTER_ADDR` (`local_a
 A value the user exported already wins (they chose the interface); gloo then still listens on an
 interface address, never on 0.0.0.0 / ::.
 
+A world of one process (the CPU engine in `stacx serve` or the driver) talks to no other host: its
+groups are built inside `collectives_on_loopback()`, so their gloo devices listen on loopback whatever
+the host name resolves to (megatron-core's layout makes about twenty such groups, each a listening socket).
+
 Linux only (ioctl and `/proc/net/if_inet6`); elsewhere `interface_for_address` returns None and
 gloo keeps its default.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import logging
 import os
 import socket
 import struct
-from typing import MutableMapping
+from typing import Iterator, MutableMapping
 
 logger = logging.getLogger(__name__)
 
@@ -101,3 +106,24 @@ def bind_collectives_to_node(address: str, environ: MutableMapping[str, str] | N
     for variable in COLLECTIVE_INTERFACE_VARIABLES:
         environ.setdefault(variable, interface)
     return environ["GLOO_SOCKET_IFNAME"]
+
+
+LOOPBACK_ADDRESS = "127.0.0.1"
+
+
+@contextlib.contextmanager
+def collectives_on_loopback(environ: MutableMapping[str, str] | None = None) -> Iterator[str | None]:
+    """Within: gloo's new devices listen on the loopback interface (`GLOO_SOCKET_IFNAME`, the user's
+    value included, is restored on exit). For a single-process world only: no other host could join it."""
+    environ = os.environ if environ is None else environ
+    interface = interface_for_address(LOOPBACK_ADDRESS)
+    before = environ.get("GLOO_SOCKET_IFNAME")
+    if interface is not None:
+        environ["GLOO_SOCKET_IFNAME"] = interface
+    try:
+        yield interface
+    finally:
+        if before is None:
+            environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            environ["GLOO_SOCKET_IFNAME"] = before
