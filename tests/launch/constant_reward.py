@@ -5,8 +5,3 @@ not importable as a module: tests/launch/test_custom_code_on_every_rank.py."""
 def quarter(response, label, metadata=None):
     """0.25 for every response, so the run's mean reward shows which function scored it."""
     return 0.25
-
-
-def response_length(response, label, metadata=None):
-    """A tenth of the response's length: responses of different lengths give GRPO nonzero advantages."""
-    return len(response) / 10
