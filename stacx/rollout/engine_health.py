@@ -319,7 +319,8 @@ def is_transport_failure(error: BaseException) -> bool:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, ServerUnavailableError) or type(error).__name__ == "ConnectionError":
+        if isinstance(error, ServerUnavailableError) or type(error).__name__ == "ConnectionError" \
+                or getattr(error, "transport_failure", False):  # a torchrun push's error, alike on every rank
             return True
         error = error.__cause__ or error.__context__ or getattr(error, "cause", None)
     return False

@@ -439,14 +439,18 @@ class StacxTrainer:
                         check: bool = False) -> None:
         """Push to one engine (check: then compare its per-tensor digests with the sent ones); a push that
         failed because the engine did not answer is retried once on it, after the rollout service restarted
-        or recovered it ('skip': set aside, it rejoins later)."""
+        or recovered it ('skip': set aside, it rejoins later), on Ray and under torchrun alike."""
         try:
             self.roles[role_name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key, check)
             return
         except Exception as err:  # noqa: BLE001 - the rollout service decides; re-raised unless it recovers
-            # under torchrun the ranks that did not fail are in the push's collectives: no retry there
-            recover = getattr(self.rollout, "recover_engine", None) if getattr(self.channel, "drives_alone", False) else None
-            action = recover(url, err) if recover is not None else "raise"
+            # The driver decides and every rank follows: on Ray it drives alone; under torchrun every rank
+            # raised this error together (stacx.trainer.runtime.push_outcome), else no rank may retry alone.
+            if not (getattr(self.channel, "drives_alone", False) or getattr(self.roles[role_name], "fails_together", False)):
+                raise
+            recover = getattr(self.rollout, "recover_engine", None) if self.channel.is_driver else None
+            action = self.channel.share((recover(url, err) if recover is not None else "raise")
+                                        if self.channel.is_driver else None)
             if action == "raise":
                 raise
             logger.warning("weight push of version %d to %s failed (%s): %s", version, url, err,
