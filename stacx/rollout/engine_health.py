@@ -85,6 +85,16 @@ class EnginesLost(RuntimeError):
     """Fewer than --min-live-engines engines are live: the run stops, naming each engine out and why."""
 
 
+class EnginesBehind(EnginesLost):
+    """Too few engines are live, but enough serve again behind the pool's weight version (restarted, or back
+    after a failure): the trainer pushes the weights of `version` to them (`StacxTrainer.shared_batch`) and
+    the step's rollout starts again. Left uncaught it stops the run like `EnginesLost`."""
+
+    def __init__(self, message: str, *, version: int):
+        super().__init__(message)
+        self.version = version
+
+
 Restart = Callable[[int], Any]
 """restart(index) -> the new client of engine `index`, once its server serves again (blocking)."""
 
@@ -126,14 +136,26 @@ class EngineSupervisor:
     # ---- which engines serve -----------------------------------------------------------------
 
     def live(self) -> list[int]:
-        """The live engines (set-aside attached engines probed first when due); raises `EnginesLost` below
-        min_live_engines."""
+        """The live engines (set-aside attached engines probed first when due). Below min_live_engines the
+        restarts under way are waited for; then `EnginesBehind` when enough engines serve again but behind the
+        pool's weights (a single engine restarted after a push), else `EnginesLost`."""
         self._probe_set_aside()
-        with self._lock:
-            live = [i for i, state in enumerate(self.states) if state == LIVE]
-            if len(live) < self.settings.min_live_engines:
-                raise EnginesLost(self._lost_message(len(live)))
+        live = self._in_state(LIVE)
+        if len(live) < self.settings.min_live_engines and self._restarts:
+            self.wait_for_restarts()
+            live = self._in_state(LIVE)
+        if len(live) >= self.settings.min_live_engines:
             return live
+        with self._lock:
+            message = self._lost_message(len(live))
+            if len(live) + len(self._in_state(BEHIND)) >= self.settings.min_live_engines:
+                raise EnginesBehind(message + "; they serve again once the current weights are pushed to them",
+                                    version=self.version)
+            raise EnginesLost(message)
+
+    def _in_state(self, state: str) -> list[int]:
+        with self._lock:
+            return [i for i, current in enumerate(self.states) if current == state]
 
     def _lost_message(self, num_live: int) -> str:
         out = [f"{self.names[i]} ({self.states[i]}: {self.reasons[i] or 'behind the pool weight version'})"
