@@ -22,7 +22,10 @@ What follows:
   version rule;
 - the failed call's requests go to a live engine (`rollout/requests_reissued`). A request that continues
   an aborted generation (partial rollout) carries its tokens so far in its prompt, so it continues from
-  them; the tokens the failed engine was generating are lost and that request starts again;
+  them; requests with rids on a stalled engine (missed health checks, the deadline) are aborted there first
+  and continue from the tokens it returns (stacx.rollout.salvage); a dead engine's tokens are lost;
+- below min_live_engines the restarts under way are waited for; engines back but behind the pool's weights
+  raise `EnginesBehind` (the trainer pushes the weights and the step rolls out again);
 - with fewer than `min_live_engines` engines live, `EnginesLost` stops the run naming each engine out and why.
 
 The pool never dispatches to an engine that is restarting, set aside or behind the pool's version, so
@@ -78,6 +81,8 @@ class EngineFailed(RuntimeError):
 
     def __init__(self, index: int, name: str, reason: str):
         self.index, self.name, self.reason = index, name, reason
+        self.partial: Optional[Any] = None
+        """What the call returned after the engine was asked to abort it (stacx.rollout.salvage), else None."""
         super().__init__(f"rollout engine {name} failed: {reason}")
 
 
@@ -94,6 +99,9 @@ class EnginesBehind(EnginesLost):
         super().__init__(message)
         self.version = version
 
+
+SALVAGE_WAIT_S = 5.0
+"""At least this long a stalled engine is given to answer the abort of a call, and the call to return after it."""
 
 Restart = Callable[[int], Any]
 """restart(index) -> the new client of engine `index`, once its server serves again (blocking)."""
@@ -201,9 +209,12 @@ class EngineSupervisor:
 
     # ---- failures ------------------------------------------------------------------------------
 
-    def call(self, index: int, fn: Callable[[], Any], *, what: str = "a generation") -> Any:
+    def call(self, index: int, fn: Callable[[], Any], *, what: str = "a generation",
+             salvage: Optional[Callable[[], Any]] = None) -> Any:
         """fn() (a call to engine `index`), watched: a transport failure, missed health checks or the
-        generation deadline set the engine aside and raise `EngineFailed`; other errors are raised as is."""
+        generation deadline set the engine aside and raise `EngineFailed`; other errors are raised as is.
+        salvage: asks the engine to stop the call early (abort its rids); on missed health checks or the
+        deadline it is tried first, and what the call then returns is the error's `partial` (stacx.rollout.salvage)."""
         settings = self.settings
         future: Future = self._calls.submit(fn)
         started = self.clock()
@@ -217,12 +228,28 @@ class EngineSupervisor:
             except ServerUnavailableError as err:
                 raise self.fail(index, f"{what}: {err}") from err
             if self.clock() - started >= settings.generation_deadline_s:
-                raise self.fail(index, f"{what} ran past the deadline of {settings.generation_deadline_s:g} s "
-                                       "(--engine-deadline-s)")
+                raise self._stalled(index, future, salvage, f"{what} ran past the deadline of "
+                                                            f"{settings.generation_deadline_s:g} s (--engine-deadline-s)")
             misses = 0 if self._healthy(index) else misses + 1
             if misses >= settings.health_misses:
-                raise self.fail(index, f"missed {misses} health checks in a row (every "
-                                       f"{settings.health_interval_s:g} s) during {what}")
+                raise self._stalled(index, future, salvage, f"missed {misses} health checks in a row (every "
+                                                            f"{settings.health_interval_s:g} s) during {what}")
+
+    def _stalled(self, index: int, future: Future, salvage: Optional[Callable[[], Any]], reason: str) -> EngineFailed:
+        """The engine made no progress on a call: ask it to abort the call (salvage) and keep what the call then
+        returns (each waited for at most a health interval or SALVAGE_WAIT_S, the longer); then set it aside."""
+        partial = None
+        if salvage is not None:
+            wait_s = max(self.settings.health_interval_s, SALVAGE_WAIT_S)
+            try:
+                self._calls.submit(salvage).result(timeout=wait_s)
+                partial = future.result(timeout=wait_s)
+            except Exception:  # noqa: BLE001 - it does not answer the abort either: nothing is kept
+                partial = None
+        error = self.fail(index, reason + ("; it answered the abort: its tokens so far are kept" if partial is not None
+                                           else ""))
+        error.partial = partial
+        return error
 
     def fail(self, index: int, reason: str) -> EngineFailed:
         """Set engine `index` aside (restart it when it can be restarted); returns the error to raise."""
