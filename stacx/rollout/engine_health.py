@@ -100,6 +100,10 @@ class EnginesBehind(EnginesLost):
         self.version = version
 
 
+CALL_THREADS_PER_ENGINE = 64
+"""Watched calls in flight at once per engine (threads start as needed): as many as an asynchronous rollout's
+concurrent group calls, which a server merges into its batches; fewer would throttle it."""
+
 SALVAGE_WAIT_S = 5.0
 """At least this long a stalled engine is given to answer the abort of a call, and the call to return after it."""
 
@@ -139,7 +143,8 @@ class EngineSupervisor:
         self._next_probe = [0.0] * len(engines)
         self._restarts: dict[int, threading.Thread] = {}
         self._lock = threading.RLock()
-        self._calls = ThreadPoolExecutor(max_workers=max(4, 4 * len(engines)), thread_name_prefix="engine-call")
+        self._calls = ThreadPoolExecutor(max_workers=CALL_THREADS_PER_ENGINE * len(engines),
+                                         thread_name_prefix="engine-call")
 
     # ---- which engines serve -----------------------------------------------------------------
 
