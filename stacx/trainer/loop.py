@@ -85,6 +85,8 @@ ROLLOUT_STEP_METRIC = ROLLOUT_STEP_KEY
 """Key of the rollout step in every metrics row (a row's `step` is its optimizer step)."""
 REFRESH_WEIGHTS = "refresh_weights_version"
 """What the driver shares instead of a step's batch when restarted engines need the current weights first."""
+MAX_WEIGHT_REFRESHES_PER_STEP = 3
+"""Times one step's rollout starts again after pushing the weights to restarted engines; then the run stops."""
 
 WEIGHT_BUCKET_BYTES = 256 * 1024 * 1024
 """Weight-sync bucket size: hundreds of MB per message keeps large syncs fast."""
@@ -303,17 +305,20 @@ class StacxTrainer:
         live but enough restarted behind the pool's weights (a single engine that died: `EnginesBehind`,
         stacx.rollout.engine_health), every rank pushes the current weights to them and the rollout
         starts again (a synchronous source collects a step again from its start; async stops the run)."""
+        refreshes = 0
         while True:
-            batch, metrics = self.channel.share(self._driver_batch_or_refresh(step) if self.channel.is_driver else None)
+            batch, metrics = self.channel.share(self._driver_batch_or_refresh(step, refreshes)
+                                                if self.channel.is_driver else None)
             if batch is not None:
                 return batch, metrics
             self.push_policy_weights(version=int(metrics[REFRESH_WEIGHTS]))
+            refreshes += 1
 
-    def _driver_batch_or_refresh(self, step: int):
+    def _driver_batch_or_refresh(self, step: int, refreshes: int):
         try:
             return self.driver_batch(step)
         except EnginesBehind as behind:
-            if isinstance(self.samples, AsyncRolloutSamples):
+            if isinstance(self.samples, AsyncRolloutSamples) or refreshes >= MAX_WEIGHT_REFRESHES_PER_STEP:
                 raise
             logger.warning("step %d: %s: pushing the weights of version %d to them and rolling out again",
                            step + 1, behind, behind.version)

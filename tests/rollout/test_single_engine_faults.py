@@ -179,6 +179,17 @@ def test_the_trainer_pushes_the_current_weights_on_every_rank_and_rolls_the_step
     assert other.shared_batch(3) == ("batch", {}) and other.pushed == [3]  # it takes part in the push
 
 
+def test_an_engine_that_keeps_coming_back_behind_stops_the_run_after_a_few_refreshes():
+    class AlwaysBehind:
+        def collect(self, step):
+            raise EnginesBehind("only 0 of 1 rollout engines are live", version=3)
+
+    driver = trainer(Rank(True), AlwaysBehind())
+    with pytest.raises(EnginesBehind):
+        driver.shared_batch(3)
+    assert driver.pushed == [3, 3, 3]
+
+
 def test_an_async_run_does_not_roll_a_step_out_again():
     samples = object.__new__(AsyncRolloutSamples)
     samples.collect = BehindOnce().collect
