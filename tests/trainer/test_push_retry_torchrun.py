@@ -157,3 +157,12 @@ def test_a_group_whose_ranks_do_not_fail_together_is_never_retried_by_one_rank_a
     rollout = SimpleNamespace(recover_engine=lambda url, err: pytest.fail("asked to recover"))
     with pytest.raises(WeightPushFailed):
         trainer_on(TorchrunRank(True), group, rollout).push_weights_to("policy", TARGET, "http://engine-1", 4)
+
+
+def test_the_outcomes_and_the_refresh_marker_travel_as_rank_messages():
+    from stacx.trainer.cluster.rank_messages import decode_message, encode_message
+    from stacx.trainer.loop import REFRESH_WEIGHTS
+
+    failed = push_outcome(lambda: (_ for _ in ()).throw(unanswered()))
+    for value in (failed, push_outcome(lambda: 3), (None, {REFRESH_WEIGHTS: 3.0})):
+        assert decode_message(encode_message(value)) == value
