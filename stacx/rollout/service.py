@@ -10,9 +10,9 @@
 Engines (`rollout.rollout_engine`) are kinds of the engine registry (`stacx.rollout.engines.registry`):
 a kind with a launcher has its servers started by the run ('cpu': `stacx serve` as a child process
 on loopback; 'sglang': SGLang servers on the Ray cluster's GPUs), a kind without one attaches to
-every URL of `rollout.rollout_urls` ('http': running `stacx serve` or SGLang servers). With
-several URLs an `EnginePool` spreads requests (least-loaded) and every engine takes each weight
-update and confirms its version. 'auto' is 'sglang' when CUDA is present, else 'cpu'.
+every URL of `rollout.rollout_urls` ('http': running `stacx serve` or SGLang servers). An `EnginePool`
+(one engine or several) spreads requests (least-loaded), every engine takes each weight update and
+confirms its version, and its supervisor restarts or sets aside a failed engine (engine_health). 'auto' is 'sglang' when CUDA is present, else 'cpu'.
 
 Authentication: the servers a run starts of a kind that owns its secret ('cpu', 'sglang') get a
 fresh shared secret (`secrets.token_urlsafe`, in the child's environment for `stacx serve`, SGLang's
@@ -192,17 +192,15 @@ class RolloutService:
                 servers.stop()  # a server this call started must not outlive the error
             raise
         num_top = teacher_section.teacher_top_k if teacher_section.distill_kl_mode == "topk" else 0
-        if len(urls) > 1:
-            engine = EnginePool([kind.connect(u, api_key=api_key) for u in urls], names=urls)
-            try:
-                attach_supervisor(engine, rollout, servers=servers, connect=lambda u: kind.connect(u, api_key=api_key))
-            except BaseException:
-                engine.shutdown()
-                if servers is not None:
-                    servers.stop()
-                raise
-        else:
-            engine = kind.connect(urls[0], api_key=api_key)
+        # one engine or several: a supervised pool (a failed engine is restarted or set aside, engine_health)
+        engine = EnginePool([kind.connect(u, api_key=api_key) for u in urls], names=urls)
+        try:
+            attach_supervisor(engine, rollout, servers=servers, connect=lambda u: kind.connect(u, api_key=api_key))
+        except BaseException:
+            engine.shutdown()
+            if servers is not None:
+                servers.stop()
+            raise
         service = cls(engine, engine_kind=kind.name, url=urls[0], tokenizer=tokenizer,
                       rollout_section=rollout, teacher=teacher, num_teacher_top_log_probs=num_top, servers=servers,
                       urls=urls, teacher_section=teacher_section, api_key=api_key)

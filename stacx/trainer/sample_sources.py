@@ -24,6 +24,7 @@ from typing import Any, Optional, Protocol
 
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.rollout.agents.agent_rollout import AgentRollout, agent_from_settings, last_turn_reward
+from stacx.rollout.agents.episode_engines import EpisodeEngines
 from stacx.rollout.asynchronous.async_rollout import AsyncRollout, importance_weight_metrics
 from stacx.rollout.evaluation import RolloutDumper
 from stacx.rollout.rewards import resolve_reward_fn
@@ -351,4 +352,6 @@ def build_agent_rollout(run_config: RunConfig, algorithm: AlgorithmConfig, rollo
                         max_parallel_episodes=section.agent_max_parallel_episodes, api_key=rollout.api_key,
                         dumper=dumper, uniform_reward_warning=uniform_rewards,
                         episode_retries=section.episode_retries, max_dropped_fraction=section.max_dropped_fraction,
-                        more_tasks=next_tasks)
+                        more_tasks=next_tasks,
+                        # each episode on a live engine of the supervised pool, moved when it fails
+                        engines=EpisodeEngines(rollout.engine) if rollout.supervisor is not None else None)

@@ -184,8 +184,9 @@ SGLANG_SCHEDULING_MARGIN_S = 120.0
 
 
 def launch_sglang_servers_on_ray(specs: Sequence[SglangServerSpec], *, num_gpus_per_server: Optional[int] = None,
-                                 startup_timeout_s: float = 900.0):
+                                 startup_timeout_s: float = 900.0, pin_to_host: bool = False):
     """One Ray actor per server on the rollout GPUs; returns (actors, urls). Needs a Ray cluster with GPUs.
+    pin_to_host: place each actor on the node of its spec's host (Ray's `node:<address>` resource; a restart).
 
     Fails (instead of waiting forever) when the servers are not up within startup_timeout_s plus a
     scheduling margin, e.g. because the cluster lacks the GPUs; every actor started is killed first.
@@ -198,7 +199,9 @@ def launch_sglang_servers_on_ray(specs: Sequence[SglangServerSpec], *, num_gpus_
     try:
         for spec in specs:
             num_gpus = num_gpus_per_server or spec.tensor_model_parallel_size
-            actors.append(actor_cls.options(num_gpus=num_gpus).remote(spec, startup_timeout_s=startup_timeout_s))
+            placement = {"resources": {f"node:{spec.host}": 0.001}} if pin_to_host and spec.host else {}
+            actors.append(actor_cls.options(num_gpus=num_gpus, **placement).remote(spec,
+                                                                                  startup_timeout_s=startup_timeout_s))
         wait_s = startup_timeout_s + SGLANG_SCHEDULING_MARGIN_S
         try:
             urls = ray.get([a.__ray_call__.remote(lambda self: self.url) for a in actors], timeout=wait_s)

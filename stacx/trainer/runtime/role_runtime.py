@@ -478,9 +478,18 @@ class RoleRuntime:
         if key not in self._engine_clients:
             self._engine_clients[key] = engine_client(engine_kind, url, api_key=api_key)
         sent = [0]
+        gathers_failed = [False]
 
         def counted():
-            for bucket in buckets:
+            iterator = iter(buckets)
+            while True:
+                try:
+                    bucket = next(iterator)
+                except StopIteration:
+                    return
+                except BaseException:
+                    gathers_failed[0] = True  # a collective broke: nothing left to match
+                    raise
                 sent[0] += len(bucket)
                 yield bucket
 
@@ -492,7 +501,10 @@ class RoleRuntime:
             digest_dtype = getattr(client, "weight_digest_dtype", None)
             digesting = DigestingBuckets(counted(), dtype=digest_dtype() if digest_dtype is not None else None)
             client.update_weights(digesting, version=version)
-        except BaseException:
+        except BaseException as err:
+            if isinstance(err, Exception) and not gathers_failed[0]:
+                for _ in buckets:  # the engine failed, the other ranks' gathers go on: match them (a retry needs them)
+                    pass
             # a retried push (stacx.rollout.engine_health) may reach a restarted server: a fresh client
             # opens a fresh shared-memory staging file there
             stale = self._engine_clients.pop(key)
