@@ -408,8 +408,8 @@ def attach_supervisor(pool: Any, rollout: Any, *, servers: Any, connect: Callabl
     if settings.min_live_engines > len(pool.engines):
         raise ValueError(f"--min-live-engines {settings.min_live_engines} is more than the {len(pool.engines)} rollout "
                          "engines of this run; lower it or add engines (--rollout-num-engines, --rollout-urls)")
-    restart = None
-    if servers is not None and callable(getattr(servers, "restart", None)):
-        def restart(index: int) -> Any:
-            return connect(servers.restart(index))
-    return pool.supervise(settings=settings, restart=restart)
+    def restart_and_connect(index: int) -> Any:
+        return connect(servers.restart(index))
+
+    restartable = servers is not None and callable(getattr(servers, "restart", None))
+    return pool.supervise(settings=settings, restart=restart_and_connect if restartable else None)

@@ -56,7 +56,7 @@ def test_pinning_places_the_actor_on_its_hosts_node(monkeypatch):
                 __ray_call__=SimpleNamespace(remote=lambda fn: "url")))
 
     monkeypatch.setattr(ray, "remote", lambda cls: FakeActorClass())
-    monkeypatch.setattr(ray, "get", lambda refs, timeout: [f"http://10.0.0.7:30000"])
+    monkeypatch.setattr(ray, "get", lambda refs, timeout: ["http://10.0.0.7:30000"])
     pinned = SglangServerSpec(model_path="policy", port=30000, host="10.0.0.7")
     sglang_engine.launch_sglang_servers_on_ray([pinned], pin_to_host=True)
     sglang_engine.launch_sglang_servers_on_ray([pinned])
