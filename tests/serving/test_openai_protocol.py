@@ -11,7 +11,7 @@ from stacx.serving.openai_protocol import parse_chat_request, parse_completion_r
 from stacx.serving.openai_sessions import SessionBook, SessionTurn, chat_prompt_ids, completion_prompt_ids
 from stacx.wire.tool_calls import parse_tool_calls
 from stacx.wire.trajectories import RecordedTurn
-from tests.rollout.agent_fixtures import BASH_TOOL, tool_tokenizer
+from tests.rollout.agents.agent_fixtures import BASH_TOOL, tool_tokenizer
 
 
 def test_hermes_tool_calls_are_split_from_the_content_and_a_malformed_one_is_reported_alone():

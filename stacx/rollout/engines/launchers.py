@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence
 
-from stacx.rollout.engines.processes import ReadyLineWatch, stop_process
+from stacx.rollout.engines.processes import LocalServerGroup, ReadyLineWatch, stop_process
 from stacx.rollout.engines.sglang import SglangServerSpec, launch_sglang_servers_on_ray
 
 SERVER_START_TIMEOUT_S = 180.0
@@ -103,7 +103,7 @@ class CpuServerProcess:
 
 
 @dataclass(eq=False)
-class LaunchedCpuServer:
+class LaunchedCpuServer(LocalServerGroup):
     """The 'cpu' kind's `stacx serve` children as `LaunchedServers` (restartable)."""
 
     process: CpuServerProcess
@@ -116,13 +116,6 @@ class LaunchedCpuServer:
     @property
     def processes(self) -> list:
         return [self.process, *self.others]
-
-    def wait_until_ready(self) -> tuple[str, ...]:
-        try:
-            return tuple(process.wait_until_ready() for process in self.processes)
-        except BaseException:
-            self.stop()
-            raise
 
     def restart(self, index: int) -> str:
         """Stop server `index` (killed if it does not stop: it may be hung) and start it again on its URL;
@@ -139,10 +132,6 @@ class LaunchedCpuServer:
         else:
             self.others[index - 1] = new
         return new.url
-
-    def stop(self) -> None:
-        for process in self.processes:
-            process.stop()
 
 
 def launch_cpu_server(launch: ServerLaunch) -> LaunchedCpuServer:

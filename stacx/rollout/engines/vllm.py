@@ -32,9 +32,9 @@ import requests
 import torch
 
 from stacx.network import is_loopback_host
-from stacx.parallel.tensor_buckets import TENSOR_DTYPES, bucket_chunks, pack_bucket, plan_buckets
+from stacx.parallel.tensor_buckets import TENSOR_DTYPES, bucket_chunks, plan_buckets
 from stacx.wire.engine import InferenceEngine, WeightBucket
-from stacx.rollout.engines.processes import stop_process
+from stacx.rollout.engines.processes import LocalServerGroup, stop_process
 from stacx.rollout.engines.vllm_protocol import (
     build_abort_payload,
     build_completion_payload,
@@ -44,7 +44,9 @@ from stacx.rollout.engines.vllm_protocol import (
 )
 from stacx.wire.http_client import HttpTransport, RetryPolicy
 from stacx.wire.types import GenerateOutput, GenerateRequest
-from stacx.wire.weight_transfer import SHM_FILE_PREFIX, header_columns, shared_memory_directory
+from stacx.wire.weight_transfer import (
+    SHM_FILE_PREFIX, MappedStagingFile, header_columns, numbered_buckets, shared_memory_directory
+)
 
 logger = logging.getLogger(__name__)
 
@@ -189,14 +191,8 @@ class VllmEngine(InferenceEngine):
 
     def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
         """Load every bucket (numbered 0, 1, ..., the last one final) under `version`."""
-        pending, index = None, -1
-        for bucket in buckets:
-            if pending is not None:
-                self._send_bucket(pending, version=version, index=index, final=False)
-            pending, index = bucket, index + 1
-        if pending is None:
-            raise ValueError("update_weights: no buckets given")
-        self._send_bucket(pending, version=version, index=index, final=True)
+        for index, bucket, final in numbered_buckets(buckets):
+            self._send_bucket(bucket, version=version, index=index, final=final)
         self._version = version
 
     def _send_bucket(self, bucket: WeightBucket, *, version: int, index: int, final: bool) -> None:
@@ -226,7 +222,7 @@ class VllmEngine(InferenceEngine):
     close = shutdown
 
 
-class _StagingFile:
+class _StagingFile(MappedStagingFile):
     """The client's same-host staging file (`stacx-weights-*` in the shared-memory folder, mode 0600):
     vLLM's server offers no staging handshake, so the sender creates it and names it in the header;
     the worker opens only such a file (stacx_vllm_worker.open_staging_file)."""
@@ -238,12 +234,7 @@ class _StagingFile:
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def write(self, bucket: WeightBucket, slots, num_bytes: int) -> str:
-        if num_bytes > self.capacity:
-            os.truncate(self.path, num_bytes)
-            self.buffer = torch.from_file(self.path, shared=True, size=num_bytes, dtype=torch.uint8)
-            self.capacity = num_bytes
-        if num_bytes:
-            pack_bucket(bucket, slots, 0, num_bytes, out=self.buffer)
+        self.pack(bucket, slots, num_bytes)
         return self.path
 
     def close(self) -> None:
@@ -388,21 +379,10 @@ class VllmServerProcess:
 
 
 @dataclass(eq=False)
-class LaunchedVllmServers:
+class LaunchedVllmServers(LocalServerGroup):
     """The 'vllm' kind's servers as `LaunchedServers`."""
 
     processes: Sequence[VllmServerProcess]
-
-    def wait_until_ready(self) -> tuple[str, ...]:
-        try:
-            return tuple(p.wait_until_ready() for p in self.processes)
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        for process in self.processes:
-            process.stop()
 
 
 def launch_vllm_servers(launch) -> LaunchedVllmServers:
