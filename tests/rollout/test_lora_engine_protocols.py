@@ -136,7 +136,8 @@ def test_a_vllm_adapter_push_loads_a_peft_folder_and_generation_asks_for_the_ada
     for name, tensor in sent.items():
         assert torch.equal(second_tensors["base_model.model." + name], tensor)
     for sibling in ("k_proj", "v_proj"):  # the fused qkv's one A, repeated for each module
-        assert torch.equal(second_tensors[f"{prefix}self_attn.{sibling}.lora_A.weight"], sent[f"model.layers.0.self_attn.q_proj.lora_A.weight"])
+        assert torch.equal(second_tensors[f"{prefix}self_attn.{sibling}.lora_A.weight"],
+                           sent["model.layers.0.self_attn.q_proj.lora_A.weight"])
     assert not any("/update" in path or "stacx_load_bucket" in json.dumps(body) for path, body in server.calls)
 
     assert driver.weight_version() == 2  # the worker serves the adapters' version; the driver finds the adapter

@@ -12,7 +12,6 @@ import math
 import os
 
 import pytest
-import torch
 
 from tests.trainer.training_fixtures import ATTACHED_SERVER_KEY, VARIED_REWARD, run_config, write_tiny_run_files
 
