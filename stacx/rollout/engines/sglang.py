@@ -344,8 +344,8 @@ class SglangEngine(HttpEngine):
         answer = self.transport.get("/v1/models")
         cards = answer.get("data") if isinstance(answer, dict) else None
         names = [card.get("id") for card in cards or () if isinstance(card, dict)]
-        versions = [int(n[len(LORA_ADAPTER_PREFIX):]) for n in names
-                    if isinstance(n, str) and n.startswith(LORA_ADAPTER_PREFIX) and n[len(LORA_ADAPTER_PREFIX):].isdigit()]
+        suffixes = [n[len(LORA_ADAPTER_PREFIX):] for n in names if isinstance(n, str) and n.startswith(LORA_ADAPTER_PREFIX)]
+        versions = [int(suffix) for suffix in suffixes if suffix.isdigit()]
         return f"{LORA_ADAPTER_PREFIX}{max(versions)}" if versions else None
 
     def _update_from_tensor(self, bucket: WeightBucket, *, version: int, final: bool) -> None:
