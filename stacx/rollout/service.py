@@ -40,7 +40,7 @@ from stacx.rollout.engine_pool import EnginePool
 from stacx.rollout.episode_retry import retrying_reward
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch
-from stacx.rollout.engines.registry import EngineKind, resolve_engine_kind
+from stacx.rollout.engines.registry import ENGINE_KINDS, EngineKind, resolve_engine_kind
 from stacx.rollout.manager import RolloutManager
 from stacx.rollout.plan import RolloutPlan
 from stacx.rollout.rewards import resolve_reward_fn
@@ -97,10 +97,11 @@ class LaunchedEngine:
 def launch_engine(kind: EngineKind, rollout: RolloutSection, *, hf_checkpoint: str,
                   lora_flags: tuple[str, ...] = ()) -> LaunchedEngine:
     """Start the servers of `kind` (which has a launcher), with a fresh secret when the kind owns one; `lora_flags`:
-    `stacx serve`'s --lora-* flags when the run pushes LoRA adapters only (the 'cpu' kind takes them)."""
-    if lora_flags and kind.name != "cpu":
+    the run's --lora-* flags when it pushes LoRA adapters only (kinds with `takes_lora_adapters`)."""
+    if lora_flags and not kind.takes_lora_adapters:
+        takers = sorted(name for name, other in ENGINE_KINDS.items() if other.takes_lora_adapters and other.launcher)
         raise ValueError(f"--lora-sync adapters: the {kind.name!r} engine takes merged weights only; "
-                         "use --lora-sync merged, or --rollout-engine cpu")
+                         f"use --lora-sync merged, or --rollout-engine {' or '.join(takers)}")
     api_key = secrets.token_urlsafe(32) if kind.owns_secret else None
     servers = kind.launcher(ServerLaunch(hf_checkpoint=hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key,
                                          return_routed_experts=rollout.use_routing_replay,

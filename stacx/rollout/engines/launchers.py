@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence
 
 from stacx.rollout.engines.processes import LocalServerGroup, ReadyLineWatch, stop_process
-from stacx.rollout.engines.sglang import SglangServerSpec, launch_sglang_servers_on_ray
+from stacx.rollout.engines.sglang import SglangServerSpec, launch_sglang_servers_on_ray, sglang_lora_args
 
 SERVER_START_TIMEOUT_S = 180.0
 SGLANG_PORT = 30000
@@ -46,7 +46,8 @@ class ServerLaunch:
     num_servers: int = 1
     """Servers to start (--rollout-num-engines); the requests are spread over them."""
     lora_flags: tuple[str, ...] = ()
-    """`stacx serve`'s --lora-* flags when the run pushes LoRA adapters only (--lora-sync adapters)."""
+    """The run's --lora-* flags (as `stacx serve` takes them) when it pushes LoRA adapters only (--lora-sync
+    adapters); the 'vllm' and 'sglang' launchers turn them into their servers' LoRA flags."""
     engine_python: Optional[str] = None
     """The python of the engine's own environment, for kinds whose server runs outside Stacx's (vLLM:
     --vllm-python)."""
@@ -202,6 +203,8 @@ def launch_sglang_servers(launch: ServerLaunch) -> LaunchedSglangServers:
         raise ValueError(f"--rollout-num-engines {launch.num_servers}: the 'sglang' kind launches one server; start "
                          "more yourself and attach them with --rollout-engine http --rollout-urls")
     extra = ("--enable-return-routed-experts",) if launch.return_routed_experts else ()
+    if launch.lora_flags:  # --lora-sync adapters: SGLang's LoRA API takes the pushes
+        extra += tuple(sglang_lora_args(launch.lora_flags))
     specs = [SglangServerSpec(model_path=launch.hf_checkpoint, port=SGLANG_PORT, api_key=launch.api_key,
                               extra_args=extra)]
     actors, urls = launch_sglang_servers_on_ray(specs)

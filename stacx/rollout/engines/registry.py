@@ -79,6 +79,9 @@ class EngineKind:
     serve`), which an `--agent` / `--agent-command` run trains on."""
     attaches_with_urls: bool = False
     """Given --rollout-urls, the run attaches to those servers instead of launching its own (vLLM)."""
+    takes_lora_adapters: bool = False
+    """The servers take adapter-only pushes (--lora-sync adapters): the launcher starts them for the run's --lora-*
+    flags (`ServerLaunch.lora_flags`), and the client loads the pushed adapters."""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or self.name == AUTO:
@@ -162,8 +165,9 @@ def engine_client(kind: str, url: str, *, api_key: Optional[str] = None) -> Infe
 
 
 add_engine_kind(EngineKind(name="cpu", client=HttpEngine, launcher=launch_cpu_server, starts_beside_workers=True,
-                           records_sessions=True))
-add_engine_kind(EngineKind(name="http", client=HttpEngine, records_sessions=True))  # attaches to `stacx serve`
-add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True))
+                           records_sessions=True, takes_lora_adapters=True))
+add_engine_kind(EngineKind(name="http", client=HttpEngine, records_sessions=True, takes_lora_adapters=True))  # attaches to `stacx serve`
+add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True,
+                           takes_lora_adapters=True))
 add_engine_kind(EngineKind(name="vllm", client=VllmEngine, launcher=launch_vllm_servers, starts_beside_workers=True,
-                           attaches_with_urls=True))
+                           attaches_with_urls=True, takes_lora_adapters=True))

@@ -32,7 +32,14 @@ import torch.distributed as dist
 
 from stacx.checkpointing.folders import load_model_weights
 from stacx.models.builder import RouterLosses, model_chunks, unwrap_model
-from stacx.models.lora import LoraSettings, adapted_linears, attach_lora, is_peft_adapter_folder, load_peft_adapter
+from stacx.models.lora import (
+    LoraSettings,
+    adapted_linears,
+    attach_lora,
+    is_peft_adapter_folder,
+    load_peft_adapter,
+    peft_adapter_config,
+)
 from stacx.models.moe import (
     ExpertLoadRecorder,
     expert_load_metrics,
@@ -477,6 +484,10 @@ class RoleRuntime:
         key = (engine_kind, url)
         if key not in self._engine_clients:
             self._engine_clients[key] = engine_client(engine_kind, url, api_key=api_key)
+            use_lora_config = getattr(self._engine_clients[key], "use_lora_config", None)
+            if use_lora_config is not None and self.lora is not None and self.model_section.lora_sync == "adapters":
+                # an engine that loads PEFT adapter folders (vLLM, SGLang) is told the adapters' settings
+                use_lora_config(peft_adapter_config(self.lora, base_model=None))
         sent = [0]
         gathers_failed = [False]
 
