@@ -4,6 +4,7 @@ checks the same world on a non-loopback address)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -31,6 +32,10 @@ def _worker_node_address() -> str:
     return ray.util.get_node_ip_address()
 
 
+def _worker_niceness() -> int:
+    return os.nice(0)
+
+
 def test_a_local_cluster_reports_and_listens_on_loopback_only():
     """The cluster's processes, then a 2-rank role world on it (one cluster start for both)."""
     import ray
@@ -44,6 +49,8 @@ def test_a_local_cluster_reports_and_listens_on_loopback_only():
         assert node_addresses() == [LOOPBACK_ADDRESS]
         assert ray.util.get_node_ip_address() == LOOPBACK_ADDRESS
         assert ray.get(ray.remote(_worker_node_address).remote(), timeout=120) == LOOPBACK_ADDRESS
+        # Its workers run at this driver's priority, not Ray's default of 15 lower (WORKER_NICENESS_INCREMENT).
+        assert ray.get(ray.remote(_worker_niceness).remote(), timeout=120) == os.nice(0)
         assert ray_constants.ENABLE_RAY_CLUSTER == switch_before  # the switch is restored after ray.init
         # What the kernel says, not what Ray says: the GCS, raylet, agents and workers (all started
         # below this process) listen on loopback and never on 0.0.0.0 / ::.

@@ -33,6 +33,13 @@ RAY_LOGGING_LEVEL = logging.WARNING
 """Level of Ray's own loggers in the driver and the workers (`ray.init(logging_level=...)`): Ray's INFO
 lines (the local instance started, the dashboard, the connection) stay out of a run's output; its
 warnings and errors, and everything the run's workers print or raise, still show."""
+WORKER_NICENESS_INCREMENT = 0
+"""Ray's `worker_niceness` for a local cluster `connect_ray` starts: how much lower than the cluster's own
+processes its workers run (Ray adds it with nice(2)). Ray's default, 15, keeps a driver responsive beside
+busy workers; in a Stacx run the role workers are the run's work and the driver mostly waits on them, so
+at 15 a run on a busy machine trains at the leftovers of every other process (a demo's role worker got
+11 s of CPU in its first 4 minutes at load 15 on 2 cores, importing torch). 0: the run's own priority;
+`nice stacx ...` still lowers the whole run. An attached cluster keeps its own `ray start` setting."""
 RAY_AUTH_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
 """Ray's logger that warns, on every new local cluster, that it turned token authentication on."""
 
@@ -229,6 +236,7 @@ def connect_ray(
             namespace=namespace,
             log_to_driver=log_to_driver,
             logging_level=RAY_LOGGING_LEVEL,
+            _system_config={"worker_niceness": WORKER_NICENESS_INCREMENT},
         )
     except BaseException:
         reaper.finish()
