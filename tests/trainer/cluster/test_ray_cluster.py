@@ -103,7 +103,8 @@ def test_a_cluster_on_another_address_is_shut_down_and_named(monkeypatch):
     with pytest.raises(RuntimeError, match=r"node addresses \['192.0.2.7'\] instead of 127.0.0.1.*--ray-address"):
         ray_cluster.start_local_cluster(num_cpus=1)
     (kwargs, switch_during_init), shutdown = calls
-    assert kwargs == {"_node_ip_address": LOOPBACK_ADDRESS, "num_cpus": 1} and switch_during_init is False
+    assert kwargs == {"_node_ip_address": LOOPBACK_ADDRESS, "num_cpus": 1,
+                      "_system_config": {"worker_niceness": 0}} and switch_during_init is False
     assert shutdown == "shutdown"
 
 
