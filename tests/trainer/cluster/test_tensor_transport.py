@@ -36,15 +36,21 @@ def test_a_plain_tensor_arrives_equal_as_raw_bytes_out_of_band(tensor):
     rebuilt, buffers = _trip(tensor)
     assert rebuilt.dtype == tensor.dtype and rebuilt.shape == tensor.shape and torch.equal(rebuilt, tensor)
     assert rebuilt.is_contiguous()
-    assert tensor_to_payload(tensor)[0] == "raw" and len(buffers) == 1  # the bytes are not pickled in band
+    assert tensor_to_payload(tensor)[0] in ("numpy", "raw") and len(buffers) == 1  # the bytes are not pickled in band
     rebuilt.add_(1) if rebuilt.dtype != torch.bool else rebuilt.logical_not_()  # it owns writable memory
     assert not torch.equal(rebuilt, tensor) or tensor.numel() == 0
+
+
+def test_a_dtype_numpy_lacks_travels_as_bytes_beside_its_dtype():
+    tensor = torch.randn(4, 3).to(torch.bfloat16)
+    assert tensor_to_payload(tensor)[:3] == ("raw", torch.bfloat16, (4, 3))
+    assert tensor_to_payload(tensor.float())[0] == "numpy"
 
 
 def test_a_view_carries_only_its_own_elements():
     whole = torch.arange(100_000, dtype=torch.float32)
     payload = tensor_to_payload(whole[10:20])
-    assert payload[3].nbytes == 10 * 4  # the default pickle sends the whole 400 kB storage
+    assert payload[-1].nbytes == 10 * 4  # the default pickle sends the whole 400 kB storage
 
 
 def test_a_tensor_that_needs_more_than_its_bytes_goes_through_torch_save():
