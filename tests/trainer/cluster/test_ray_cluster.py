@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from stacx.testing.listening_sockets import descendant_pids, listening_addresses
 from stacx.trainer.cluster.ray import connect as ray_cluster
@@ -32,6 +33,10 @@ def _worker_node_address() -> str:
     return ray.util.get_node_ip_address()
 
 
+def _as_received(tensors: list) -> list:
+    return [(tensor, tensor.is_contiguous()) for tensor in tensors]
+
+
 def _worker_niceness() -> int:
     return os.nice(0)
 
@@ -51,6 +56,10 @@ def test_a_local_cluster_reports_and_listens_on_loopback_only():
         assert ray.get(ray.remote(_worker_node_address).remote(), timeout=120) == LOOPBACK_ADDRESS
         # Its workers run at this driver's priority, not Ray's default of 15 lower (WORKER_NICENESS_INCREMENT).
         assert ray.get(ray.remote(_worker_niceness).remote(), timeout=120) == os.nice(0)
+        # Tensors sent by this driver arrive through the raw-bytes transport (stacx.trainer.cluster.ray.tensor_transport).
+        sent = [torch.randn(4, 3).to(torch.bfloat16), torch.arange(20)[::3], torch.tensor(True)]
+        arrived = ray.get(ray.remote(_as_received).remote(sent), timeout=120)
+        assert all(contiguous and torch.equal(a, b) and a.dtype == b.dtype for (a, contiguous), b in zip(arrived, sent))
         assert ray_constants.ENABLE_RAY_CLUSTER == switch_before  # the switch is restored after ray.init
         # What the kernel says, not what Ray says: the GCS, raylet, agents and workers (all started
         # below this process) listen on loopback and never on 0.0.0.0 / ::.
