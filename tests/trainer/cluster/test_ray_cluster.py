@@ -56,7 +56,7 @@ def test_a_local_cluster_reports_and_listens_on_loopback_only():
         assert ray.get(ray.remote(_worker_node_address).remote(), timeout=120) == LOOPBACK_ADDRESS
         # Its workers run at this driver's priority, not Ray's default of 15 lower (WORKER_NICENESS_INCREMENT).
         assert ray.get(ray.remote(_worker_niceness).remote(), timeout=120) == os.nice(0)
-        # Tensors sent by this driver arrive through the raw-bytes transport (stacx.trainer.cluster.ray.tensor_transport).
+        # Tensors this driver sends arrive through the raw-bytes transport (trainer/cluster/ray/tensor_transport.py).
         sent = [torch.randn(4, 3).to(torch.bfloat16), torch.arange(20)[::3], torch.tensor(True)]
         arrived = ray.get(ray.remote(_as_received).remote(sent), timeout=120)
         assert all(contiguous and torch.equal(a, b) and a.dtype == b.dtype for (a, contiguous), b in zip(arrived, sent))

@@ -160,8 +160,8 @@ def start_local_cluster(**init_kwargs) -> None:
             with _ray_keeps_loopback_node_addresses(), _quiet_token_auth_notice():
                 # A new dict per attempt: Ray writes its defaults into the one it is given, and warns about
                 # them ("object spilling config ... unstable API") when a retry passes them back.
-                ray.init(_node_ip_address=LOOPBACK_ADDRESS, _system_config={"worker_niceness": WORKER_NICENESS_INCREMENT},
-                         **init_kwargs)
+                ray.init(_node_ip_address=LOOPBACK_ADDRESS,
+                         _system_config={"worker_niceness": WORKER_NICENESS_INCREMENT}, **init_kwargs)
             break
         except Exception as err:  # Ray raises a bare Exception for this one
             if _RAY_NODE_START_TIMEOUT not in str(err):
