@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from stacx.wire.engine import InferenceEngine
 from stacx.wire.http_client import HttpTransport, RetryPolicy, ServerUnavailableError
 from stacx.wire.sglang_protocol import build_generate_payload, parse_generate_response
 from stacx.wire.types import GenerateRequest, SamplingParams
@@ -47,12 +48,15 @@ _SCORING = SamplingParams(max_new_tokens=0, temperature=1.0)
 class TeacherClient:
     """Scores trajectories on one or more teacher servers (requests spread round-robin)."""
 
-    def __init__(self, urls: str | Sequence[str], *, retry: RetryPolicy = RetryPolicy(), max_concurrency: int = 8,
-                 sequences_per_request: int = 8):
+    def __init__(self, urls: str | Sequence[str] = (), *, retry: RetryPolicy = RetryPolicy(), max_concurrency: int = 8,
+                 sequences_per_request: int = 8, engines: Sequence[InferenceEngine] = ()):
+        """urls: teacher servers that speak `/generate` (`stacx serve`, SGLang); engines: engine clients that
+        score instead (a `VllmEngine`: its prompt log-probs, top-k included), used when given."""
         urls = [urls] if isinstance(urls, str) else list(urls)
-        if not urls:
+        if not urls and not engines:
             raise ValueError("TeacherClient: no teacher URL given (teacher.urls)")
-        self.transports = [HttpTransport(u, retry) for u in urls]
+        self.engines = list(engines)
+        self.transports = [] if self.engines else [HttpTransport(u, retry) for u in urls]
         self.max_concurrency = max_concurrency
         self.sequences_per_request = sequences_per_request
 
@@ -90,6 +94,8 @@ class TeacherClient:
                 for i, o in enumerate(outputs)]
 
     def _send(self, chunk_index: int, requests: list[GenerateRequest]):
+        if self.engines:
+            return self.engines[chunk_index % len(self.engines)].generate(requests)
         transport = self.transports[chunk_index % len(self.transports)]
         summary = f"teacher scoring of {len(requests)} trajectories, lengths {[len(r.input_ids) for r in requests][:8]}"
         try:
@@ -114,3 +120,5 @@ class TeacherClient:
     def close(self) -> None:
         for t in self.transports:
             t.close()
+        for engine in self.engines:
+            engine.shutdown()
