@@ -11,6 +11,11 @@ One `/generate` request per trajectory with max_new_tokens=0, logprob_start_len=
 the response positions come back. SGLang's `token_ids_logprob` is one id list for every
 position of a request, so per-position ids are sent as their union and picked per position.
 Log-probs are at temperature 1 (the teacher's own distribution).
+
+A teacher that does not speak `/generate` is scored through its engine client instead
+(`TeacherClient(engines=[VllmEngine(url)])`): the same requests, through `InferenceEngine.generate`;
+vLLM's answers carry the prompt's log-probs and top-k (caller-chosen ids per position are SGLang's and
+`stacx serve`'s only).
 """
 
 from __future__ import annotations
