@@ -74,6 +74,10 @@ class TeacherClient:
         ids_per_position: Optional[Sequence[torch.Tensor]] = None,
     ) -> list[TeacherScores]:
         """Teacher fields per trajectory. ids_per_position[i]: int [R_i, M] ids to score per position."""
+        if self.engines and ids_per_position is not None:
+            raise ValueError("a teacher scored through engine clients (vLLM) returns its top-k, not the log-probs of "
+                             "caller-chosen ids per position: use --distill-kl-mode topk, or a `stacx serve` or "
+                             "SGLang teacher (--teacher-url)")
         if len(tokens) != len(response_lengths):
             raise ValueError(f"score: {len(tokens)} trajectories but {len(response_lengths)} response_lengths")
         requests = []

@@ -5,6 +5,7 @@ a live server: tests/vllm/test_vllm_top_log_probs.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from stacx.rollout.engines.vllm_protocol import build_completion_payload, parse_completion_response
@@ -47,6 +48,8 @@ def test_a_teacher_scores_through_engine_clients():
     engine = ScoringEngine()
     teacher = TeacherClient(engines=[engine])
     (scores,) = teacher.score([[5, 6, 7]], [2], top_k=2)
+    with pytest.raises(ValueError, match="caller-chosen ids per position"):
+        teacher.score([[5, 6, 7]], [2], ids_per_position=[torch.tensor([[1], [2]])])
     teacher.close()
     (request,) = engine.requests
     assert request.sampling.max_new_tokens == 0 and request.logprob_start_len == 1 and request.top_logprobs_num == 2
