@@ -37,7 +37,8 @@ def test_top_k_log_probs_of_the_rollout_and_of_a_teacher_agree_with_the_trainer(
         (scores,) = teacher.score([sequence], [len(output.output_ids)], top_k=TOP_K)
     finally:
         teacher.close()
-    gathered = torch.tensor([ref[start + j, token].item() for j, token in enumerate(output.output_ids)])
+    gathered = torch.tensor([ref[start + j, token].item() for j, token in enumerate(output.output_ids)],
+                            dtype=torch.float64)
     torch.testing.assert_close(scores.log_probs.double(), gathered, atol=FP32_TOLERANCE, rtol=0)
     assert scores.top_ids.tolist() == [ids.tolist() for _, ids in expected]
     torch.testing.assert_close(scores.top_log_probs.double(), torch.stack([values for values, _ in expected]),
