@@ -139,6 +139,12 @@ class RolloutService:
     def __post_init__(self) -> None:
         self.urls = tuple(self.urls) or (self.url,)
         self._teacher_engine = None
+        self._closers: list = []
+
+    def close_first(self, stop) -> None:
+        """Call `stop()` when the service closes, before its clients shut down (a session recorder in front of
+        the engine: stacx.trainer.session_recorder); the last one added is stopped first."""
+        self._closers.append(stop)
 
     @staticmethod
     def launch_beside_workers(rollout: RolloutSection, *, hf_checkpoint: Optional[str],
@@ -309,8 +315,14 @@ class RolloutService:
             logger.exception("resuming the rollout engine after a failed weight push failed")
 
     def close(self) -> None:
-        """Close the clients, then stop the servers this run started, even when a client's close fails."""
+        """Stop what sits in front of the engine (`close_first`), close the clients, then stop the servers this
+        run started, even when a client's close fails."""
         try:
+            while self._closers:
+                try:
+                    self._closers.pop()()
+                except Exception:  # noqa: BLE001 - the engine and servers below must still close
+                    logger.exception("stopping what sits in front of the rollout engine failed")
             shutdown = getattr(self.engine, "shutdown", None)
             if shutdown is not None:
                 shutdown()
