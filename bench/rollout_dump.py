@@ -2,6 +2,7 @@
 
     python bench/rollout_dump.py [--steps 10] [--out bench/results/rollout_dump.json]          # the writer alone
     python bench/rollout_dump.py --runs [--steps 10] [--out ...]                               # three training runs
+    python bench/rollout_dump.py --runs --in-process-engine [--steps 3]                        # engine in this process
 
 Default: the dump writer alone on `--steps` step batches of the demo's GRPO shape (16 prompts x 8 samples
 of the sorting task, the char tokenizer's prompt ids, responses at the task's length limit, the fields a
@@ -13,7 +14,10 @@ loop in this process: no Ray start on a busy machine): plain, with --dump-rollou
 dump (no engine). The initial model is random, so every response runs to
 the task's length limit: the bytes are the demo task's most per step. Printed: the dump's seconds and bytes
 per step (the runs' own `time/rollout_dump_s` and `rollout_dump/bytes`), and each run's mean step time
-(`time/step_s`, steps after the first) and wall time; the replay's losses are checked equal to the dump's.
+(`time/step_s`, steps after the first) and wall time, and each run's ratio to the plain run's step time; the
+replay's losses are checked equal to the dump's. --in-process-engine serves the initial model from a fresh
+engine server in this process for each run (attached, `--rollout-engine http`) instead of a `stacx serve`
+child: no child start on a busy machine.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--runs", action="store_true", help="three training runs (plain, dump, replay), not the writer alone")
+    parser.add_argument("--in-process-engine", action="store_true",
+                        help="serve the engine in this process (a fresh server per run) instead of a stacx serve child")
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "rollout_dump.json"))
     args = parser.parse_args(argv)
     if not args.runs:
@@ -62,8 +68,16 @@ def main(argv=None) -> int:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     for name, values in runs.items():
         os.environ["MASTER_PORT"] = str(find_free_port())  # each run's teardown ends its process group
+        server = None
+        if args.in_process_engine and name != "replay":  # a replay starts no engine
+            server = _serve(paths["init"])
+            values = {**values, "rollout_engine": "http", "rollout_urls": [server.url]}
         started = time.monotonic()
-        run_spmd(demo_run_config(settings, work, name, {**base, **values}))
+        try:
+            run_spmd(demo_run_config(settings, work, name, {**base, **values}))
+        finally:
+            if server is not None:
+                server.stop()
         rows = _rows(os.path.join(work, name))
         results[name] = {"wall_s": time.monotonic() - started,
                          "step_s_mean": statistics.mean(row["time/step_s"] for row in rows[1:]),
@@ -73,7 +87,10 @@ def main(argv=None) -> int:
             results[name]["dump_bytes_per_step"] = statistics.mean(row["rollout_dump/bytes"] for row in rows)
         print(f"{name:6s}: {results[name]['step_s_mean']:.3f} s per step, {results[name]['wall_s']:.1f} s wall",
               flush=True)
+    for name in runs:
+        results[name]["step_s_vs_plain"] = results[name]["step_s_mean"] / results["plain"]["step_s_mean"]
     dumped = results["dump"]
+    dumped["dump_share_of_step"] = dumped["dump_s_per_step"] / dumped["step_s_mean"]
     assert results["replay"]["losses"] == dumped["losses"], "the replay's losses differ from the dumped run's"
     print(f"dump: {dumped['dump_s_per_step'] * 1000:.1f} ms and {dumped['dump_bytes_per_step'] / 1024:.1f} KiB per step "
           f"({settings.grpo.prompts_per_step} x {settings.grpo.samples_per_prompt} samples); replay losses equal")
@@ -82,6 +99,19 @@ def main(argv=None) -> int:
         json.dump({"benchmark": "rollout_dump", "steps": args.steps, "runs": results}, handle, indent=2)
     print(f"wrote {args.out}")
     return 0
+
+
+def _serve(checkpoint: str):
+    """A fresh CPU engine server in this process on `checkpoint` (its key in STACX_API_KEY, which the run sends)."""
+    import secrets
+
+    from stacx.serving.cpu_engine import CpuEngine, ensure_single_process_layout
+    from stacx.serving.server import EngineHttpServer
+
+    key = secrets.token_urlsafe(16)
+    os.environ["STACX_API_KEY"] = key
+    ensure_single_process_layout()
+    return EngineHttpServer(CpuEngine.from_hf_checkpoint(checkpoint, seed=0), api_key=key).start()
 
 
 def demo_shaped_batch(step: int):

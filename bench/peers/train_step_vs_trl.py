@@ -2,6 +2,7 @@
 
     python bench/peers/train_step_vs_trl.py [--sizes S M --rounds 3 --threads 2]
     python bench/peers/train_step_vs_trl.py --smoke          # tiny model, one round (the test)
+    python bench/peers/train_step_vs_trl.py --lora-rank 8    # LoRA on both: TRL with a PEFT LoraConfig
 
 Needs TRL: `pip install -e .[bench]` (pin torch / transformers / megatron-core with a constraints file).
 
@@ -25,6 +26,13 @@ A training step is, for TRL: `trainer.training_step` on the prepared batch (gene
 (Stacx recomputes nothing either; `--trl-gradient-checkpointing` turns it on). For Stacx:
 `RoleRuntime.train_step` on the micro-batches the driver plans (packed, 4096-token budget),
 which includes the optimizer and scheduler steps.
+
+With `--lora-rank R` both train LoRA adapters (rank R, `--lora-alpha`, on every linear: q, k, v, o, gate, up,
+down) and nothing else: TRL's GRPOTrainer is given a PEFT `LoraConfig` (`peft_config`), Stacx `--lora-rank`. The
+adapters are the same: TRL's are set to Stacx's initial ones (A from the seed, B zero). Stacx's fused q/k/v (and
+gate/up) linear has one A where PEFT has three (two), a design difference: the two agree step by step until those
+A's first move (B is zero at the first step, so A's gradient is zero then: the first two steps, warm-up and
+round 1, agree; after that only the loss's trend is comparable). Results in bench/results/peers_lora.json.
 
 Rounds alternate the order (TRL first on even rounds). Every step's loss and grad norm of the two
 are compared (same weights, same data, same optimizer: they must agree step by step). Tokens/s
@@ -127,7 +135,8 @@ class TrlSide:
 
     name = "trl"
 
-    def __init__(self, checkpoint: str, data: dict, old_log_probs: list[torch.Tensor], args, work_dir: str):
+    def __init__(self, checkpoint: str, data: dict, old_log_probs: list[torch.Tensor], args, work_dir: str,
+                 adapters: dict | None = None):
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from trl import GRPOConfig, GRPOTrainer
@@ -143,8 +152,21 @@ class TrlSide:
         )
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
         dataset = Dataset.from_dict({"prompt": ["0"] * n})
+        peft_config = None
+        if args.lora_rank:
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, bias="none",
+                                     target_modules=list(LORA_MODULES), task_type="CAUSAL_LM")
         self.trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                                   args=config, train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(checkpoint))
+                                   args=config, train_dataset=dataset, peft_config=peft_config,
+                                   processing_class=AutoTokenizer.from_pretrained(checkpoint))
+        if args.lora_rank and adapters is not None:  # Stacx's initial adapters: the same starting point
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.trainer.model, adapters)
+            if result.unexpected_keys:
+                raise RuntimeError(f"PEFT did not take adapters {result.unexpected_keys[:4]}")
         self.trainer.create_optimizer_and_scheduler(num_training_steps=1000)
         self.trainer._prepare_inputs = lambda inputs: inputs  # the batch below is the generation's output
         self.trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which is not run here
@@ -172,7 +194,8 @@ class TrlSide:
         trainer = self.trainer
         model = trainer.model
         loss = trainer.training_step(model, dict(self.inputs), torch.tensor(self.num_items))
-        grad_norm = trainer.accelerator.clip_grad_norm_(model.parameters(), trainer.args.max_grad_norm)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        grad_norm = trainer.accelerator.clip_grad_norm_(trainable, trainer.args.max_grad_norm)
         trainer.optimizer.step()
         trainer.lr_scheduler.step()
         model.zero_grad(set_to_none=True)
@@ -184,7 +207,8 @@ class StacxSide:
 
     name = "stacx"
 
-    def __init__(self, checkpoint: str, data: dict, old_log_probs: list[torch.Tensor], args, work_dir: str):
+    def __init__(self, checkpoint: str, data: dict, old_log_probs: list[torch.Tensor], args, work_dir: str,
+                 adapters: dict | None = None):
         from stacx.parallel.reduction import compute_step_counts
         from stacx.serving.cpu_engine import ensure_single_process_layout
         from stacx.trainer.batch import StepBatch, plan_micro_batches
@@ -198,6 +222,7 @@ class StacxSide:
             "weight_decay": 0.0, "clip_grad": 1.0, "num_steps": 1000, "seed": args.seed,
             "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
             "clip_ratio_low": 0.2, "clip_ratio_high": 0.2,
+            **({"lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha} if args.lora_rank else {}),
         }, source="bench")
         training_config, algorithm = resolve_recipe(run_config)
         policy = next(role for role in training_config.roles if role.trainable)
@@ -219,6 +244,18 @@ class StacxSide:
         self.micro_batches = [batch.select(indices) for indices in plan[0]]
         self.counts = compute_step_counts(batch.loss_masks, groups.dp)
 
+    def peft_adapters(self) -> dict:
+        """The policy's adapters under PEFT's names (the shared A of a fused linear repeated), for TRL's side."""
+        from stacx.models import iter_hf_weight_buckets
+        from stacx.models.lora import peft_named_tensors
+
+        named = [pair for bucket in iter_hf_weight_buckets(self.runtime.model, self.runtime.groups, 1 << 30,
+                                                            adapters=True) for pair in bucket]
+        return {name: tensor.clone() for name, tensor in peft_named_tensors(named).items()}
+
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.runtime.model.parameters() if p.requires_grad)
+
     def step(self) -> dict:
         metrics = self.runtime.train_step(self.micro_batches, self.counts)
         return {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
@@ -231,6 +268,17 @@ def optimizer_kind_of(megatron_optimizer) -> str:
 
 
 SIDES = {"trl": TrlSide, "stacx": StacxSide}
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""PEFT's target modules of `--lora-rank` (Stacx: --lora-target-modules all-linear)."""
+LORA_AGREEING_STEPS = 2
+"""With LoRA, the steps TRL and Stacx must agree on (module doc: the fused linears' one A moves from step 3)."""
+
+
+def build_sides(checkpoint: str, data: dict, old: list, args, work_dir: str) -> dict:
+    """Both sides; with LoRA, Stacx first, and TRL's adapters set to Stacx's initial ones."""
+    stacx = StacxSide(checkpoint, data, old, args, work_dir)
+    adapters = stacx.peft_adapters() if args.lora_rank else None
+    return {"trl": TrlSide(checkpoint, data, old, args, work_dir, adapters=adapters), "stacx": stacx}
 
 
 # ---- one size ---------------------------------------------------------------------------------
@@ -240,7 +288,8 @@ def child_peak_rss(side: str, size: str, args) -> int:
     command = [sys.executable, os.path.abspath(__file__), "--child", side, "--sizes", size,
                "--threads", str(args.threads), "--vocab", str(args.vocab), "--trajectories", str(args.trajectories),
                "--prompt-len", str(args.prompt_len), "--min-completion", str(args.min_completion),
-               "--max-completion", str(args.max_completion), "--seed", str(args.seed), "--lr", str(args.lr)]
+               "--max-completion", str(args.max_completion), "--seed", str(args.seed), "--lr", str(args.lr),
+               "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha)]
     if args.trl_gradient_checkpointing:
         command.append("--trl-gradient-checkpointing")
     out = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -304,7 +353,9 @@ def bench_size(size: str, args) -> dict:
         write_checkpoint(checkpoint, size, args.vocab, args.prompt_len + args.max_completion)
         data = make_trajectories(args)
         old = initial_log_probs(checkpoint, data)
-        sides = {name: cls(checkpoint, data, old, args, work_dir) for name, cls in SIDES.items()}
+        sides = build_sides(checkpoint, data, old, args, work_dir)
+        trainable = {"trl": sum(p.numel() for p in sides["trl"].trainer.model.parameters() if p.requires_grad),
+                     "stacx": sides["stacx"].trainable_parameters()}
         num_tokens = num_step_tokens(data)
         steps = {name: [] for name in sides}
         times = {name: [] for name in sides}
@@ -318,8 +369,9 @@ def bench_size(size: str, args) -> dict:
                 times[name].append(time.perf_counter() - start)
         optimizer_kinds = {name: side.optimizer_kind for name, side in sides.items()}
         del sides
-    loss_diffs = [relative_difference(t["loss"], s["loss"]) for t, s in zip(steps["trl"], steps["stacx"])]
-    norm_diffs = [relative_difference(t["grad_norm"], s["grad_norm"]) for t, s in zip(steps["trl"], steps["stacx"])]
+    compared = list(zip(steps["trl"], steps["stacx"]))[: LORA_AGREEING_STEPS if args.lora_rank else None]
+    loss_diffs = [relative_difference(t["loss"], s["loss"]) for t, s in compared]
+    norm_diffs = [relative_difference(t["grad_norm"], s["grad_norm"]) for t, s in compared]
     row = {
         "size": size, "tokens_per_step": num_tokens,
         "completion_tokens": sum(len(c) for c in data["completions"]),
@@ -328,7 +380,8 @@ def bench_size(size: str, args) -> dict:
         "trl_rounds_s": times["trl"], "stacx_rounds_s": times["stacx"],
         "trl_steps": steps["trl"], "stacx_steps": steps["stacx"],
         "max_loss_rel_diff": max(loss_diffs), "max_grad_norm_rel_diff": max(norm_diffs),
-        "optimizers": optimizer_kinds,
+        "optimizers": optimizer_kinds, "trainable_parameters": trainable,
+        "lora": {"rank": args.lora_rank, "alpha": args.lora_alpha, "compared_steps": len(compared)} if args.lora_rank else None,
     }
     row["trl_tokens_per_s"] = num_tokens / row["trl_step_s"]
     row["stacx_tokens_per_s"] = num_tokens / row["stacx_step_s"]
@@ -367,6 +420,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=4096)
     parser.add_argument("--trl-gradient-checkpointing", action="store_true")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on both sides (0: full)")
+    parser.add_argument("--lora-alpha", type=float, default=16.0)
     parser.add_argument("--skip-memory", action="store_true", help="no peak-RSS child processes")
     parser.add_argument("--generation", action="store_true",
                         help="add the generation rows (bench/generation.py: engine vs HF generate)")
@@ -383,12 +438,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.out is None:
         moe = any(size in MOE_SHAPES for size in args.sizes)
-        args.out = os.path.join(BENCH_DIR, "results", "peers_moe.json" if moe else "peers.json")
+        name = "peers_lora" if args.lora_rank else "peers_moe" if moe else "peers"
+        args.out = os.path.join(BENCH_DIR, "results", f"{name}.json")
     if args.smoke:
         args.sizes = sorted({"moe-smoke" if size in MOE_SHAPES else "smoke" for size in args.sizes})
         args.rounds, args.trajectories, args.vocab = 1, 8, 512
         args.prompt_len, args.min_completion, args.max_completion = 8, 4, 24
         args.generation_new_tokens = [8]
+    if args.lora_rank and any(size in MOE_SHAPES for size in args.sizes):
+        parser.error("--lora-rank: the LoRA comparison covers the dense sizes (PEFT and Stacx adapt routed experts "
+                     "differently)")
     if args.trajectories % GROUP_SIZE:
         parser.error(f"--trajectories must be a multiple of the group size {GROUP_SIZE}")
     torch.set_num_threads(args.threads)
@@ -406,7 +465,7 @@ def main(argv=None) -> int:
         "benchmark": "train_step_vs_trl", "rows": rows, "rounds": args.rounds, "threads": args.threads,
         "workload": {k: getattr(args, k) for k in ("trajectories", "prompt_len", "min_completion", "max_completion",
                                                     "vocab", "seed", "lr", "max_tokens_per_micro_batch",
-                                                    "trl_gradient_checkpointing")},
+                                                    "trl_gradient_checkpointing", "lora_rank", "lora_alpha")},
         "load_average": os.getloadavg(), "torch": torch.__version__, "python": sys.version.split()[0],
         "machine": platform.machine(), "versions": package_versions(),
         "rerun": "python bench/peers/train_step_vs_trl.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -47,6 +47,15 @@ def refuse_model_parallelism(parallel) -> None:
                              f"on every rank); set {flag} 1 and scale with --data-parallel-size")
 
 
+def refuse_uneven_batches(run_config) -> None:
+    """Every step splits --rollout-batch-size prompts evenly over the data-parallel ranks: checked before the
+    run starts, not at its first step."""
+    size, dp = run_config.rollout.rollout_batch_size, run_config.parallel.data_parallel_size
+    if size % dp:
+        raise ValueError(f"--rollout-batch-size {size} must be divisible by --data-parallel-size {dp} (each rank "
+                         f"takes an equal share of the step's prompts); use a multiple of {dp}")
+
+
 def load_prompts(run_config) -> tuple[str, ...]:
     """Training prompts: --prompt-data (JSONL, --input-key) or the built-in colour / shape set."""
     path = run_config.rollout.prompt_data
@@ -223,6 +232,7 @@ class DiffusionDriver:
 
     def __init__(self, run_config, recipe, *, log=print):
         refuse_model_parallelism(run_config.parallel)
+        refuse_uneven_batches(run_config)
         self.run_config, self.recipe, self.log = run_config, recipe, log
         self.algorithm = resolve_diffusion_algorithm(recipe, run_config)
         self.source = model_source(run_config.model.hf_checkpoint, self.algorithm)

@@ -39,6 +39,13 @@ import torch.nn.functional as F
 
 from stacx.models.weight_mapping import ADAPTER_PARAMS, is_adapter_param_name  # noqa: F401  (re-exported)
 from stacx.parallel.groups import ProcessGroups
+from stacx.models.peft_adapters import (  # noqa: F401  (SHARED_A, peft_named_tensors re-exported)
+    PEFT_CONFIG_FILE,
+    PEFT_WEIGHTS_FILE,
+    SHARED_A,
+    hf_target_modules,
+    peft_named_tensors,
+)
 
 TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts")
 """Names of `--lora-target-modules`: megatron's attention and MLP linears (a shared expert's count as the dense
@@ -295,11 +302,6 @@ def merged_weight(gpt_model, megatron_name: str, param: torch.Tensor) -> torch.T
 
 # ---- Hugging Face (PEFT) names of the adapters ----------------------------------------------------------------
 
-SHARED_A = {"q_proj": ("k_proj", "v_proj"), "gate_proj": ("up_proj",)}
-"""A fused megatron linear has one A for the Hugging Face modules it stands for (q, k and v; gate and up): it is
-streamed once, under the first module's name, and `peft_named_tensors` repeats it for the others."""
-
-
 def adapter_param_mappings(gpt_model) -> list:
     """A `ParamMapping` per adapter parameter of an (unwrapped) GPTModel, to PEFT's tensor names without the
     `base_model.model.` prefix (`model.layers.0.self_attn.q_proj.lora_B.weight`). B of a column-parallel
@@ -326,35 +328,12 @@ def adapter_param_mappings(gpt_model) -> list:
     return mappings
 
 
-def peft_named_tensors(named) -> dict[str, torch.Tensor]:
-    """{PEFT name: tensor} from the streamed adapters (`iter_hf_weight_buckets(..., adapters=True)`): the shared
-    A of a fused linear repeated for each Hugging Face module it stands for, names under `base_model.model.`."""
-    out = {}
-    for name, tensor in named:
-        out["base_model.model." + name] = tensor
-        module = name.removesuffix(".lora_A.weight").rsplit(".", 1)
-        if name.endswith(".lora_A.weight") and module[-1] in SHARED_A:
-            for sibling in SHARED_A[module[-1]]:
-                out[f"base_model.model.{module[0]}.{sibling}.lora_A.weight"] = tensor
-    return out
-
-
-PEFT_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-                "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",),
-                "experts": ("gate_proj", "up_proj", "down_proj")}
-"""PEFT's `target_modules` (Hugging Face module names) of each --lora-target-modules name."""
-
-
 def peft_adapter_config(settings: LoraSettings, base_model: str | None) -> dict:
     """adapter_config.json of a PEFT LoRA adapter with these settings."""
-    modules = sorted({hf for target in settings.targets for hf in PEFT_MODULES[target]})
+    modules = hf_target_modules(settings.targets)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
             "lora_dropout": settings.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "base_model_name_or_path": base_model, "inference_mode": True}
-
-
-PEFT_CONFIG_FILE = "adapter_config.json"
-PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def is_peft_adapter_folder(path) -> bool:

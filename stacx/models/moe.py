@@ -124,21 +124,21 @@ class ExpertLoadRecorder(RouterHooks):
     def tokens_per_expert(self, groups: ProcessGroups) -> torch.Tensor:
         """[layers, experts] token slots routed to each expert, summed over the DP x CP (x TP under sequence
         parallelism) ranks (collective)."""
-        counts = self._counts_LE.clone()
-        if groups.dp_cp is not None and groups.dp_cp_size > 1:
-            dist.all_reduce(counts, group=groups.dp_cp)
-        if self._sequence_parallel and groups.tp_size > 1:
-            dist.all_reduce(counts, group=groups.tp)
-        return counts
+        return self._summed_over_token_ranks(self._counts_LE, groups)
 
     def dropped_token_slots(self, groups: ProcessGroups) -> torch.Tensor:
         """[layers] token slots the routers dropped, summed as `tokens_per_expert` sums (collective)."""
-        dropped = self._dropped_L.clone()
+        return self._summed_over_token_ranks(self._dropped_L, groups)
+
+    def _summed_over_token_ranks(self, local: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+        """`local` (this rank's counts) summed over the ranks that hold other tokens: DP x CP, and TP under
+        sequence parallelism (collective)."""
+        total = local.clone()
         if groups.dp_cp is not None and groups.dp_cp_size > 1:
-            dist.all_reduce(dropped, group=groups.dp_cp)
+            dist.all_reduce(total, group=groups.dp_cp)
         if self._sequence_parallel and groups.tp_size > 1:
-            dist.all_reduce(dropped, group=groups.tp)
-        return dropped
+            dist.all_reduce(total, group=groups.tp)
+        return total
 
     @property
     def layers(self) -> list[int]:

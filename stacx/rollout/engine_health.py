@@ -22,7 +22,10 @@ What follows:
   version rule;
 - the failed call's requests go to a live engine (`rollout/requests_reissued`). A request that continues
   an aborted generation (partial rollout) carries its tokens so far in its prompt, so it continues from
-  them; the tokens the failed engine was generating are lost and that request starts again;
+  them; requests with rids on a stalled engine (missed health checks, the deadline) are aborted there first
+  and continue from the tokens it returns (stacx.rollout.salvage); a dead engine's tokens are lost;
+- below min_live_engines the restarts under way are waited for; engines back but behind the pool's weights
+  raise `EnginesBehind` (the trainer pushes the weights and the step rolls out again);
 - with fewer than `min_live_engines` engines live, `EnginesLost` stops the run naming each engine out and why.
 
 The pool never dispatches to an engine that is restarting, set aside or behind the pool's version, so
@@ -78,12 +81,31 @@ class EngineFailed(RuntimeError):
 
     def __init__(self, index: int, name: str, reason: str):
         self.index, self.name, self.reason = index, name, reason
+        self.partial: Optional[Any] = None
+        """What the call returned after the engine was asked to abort it (stacx.rollout.salvage), else None."""
         super().__init__(f"rollout engine {name} failed: {reason}")
 
 
 class EnginesLost(RuntimeError):
     """Fewer than --min-live-engines engines are live: the run stops, naming each engine out and why."""
 
+
+class EnginesBehind(EnginesLost):
+    """Too few engines are live, but enough serve again behind the pool's weight version (restarted, or back
+    after a failure): the trainer pushes the weights of `version` to them (`StacxTrainer.shared_batch`) and
+    the step's rollout starts again. Left uncaught it stops the run like `EnginesLost`."""
+
+    def __init__(self, message: str, *, version: int):
+        super().__init__(message)
+        self.version = version
+
+
+CALL_THREADS_PER_ENGINE = 64
+"""Watched calls in flight at once per engine (threads start as needed): as many as an asynchronous rollout's
+concurrent group calls, which a server merges into its batches; fewer would throttle it."""
+
+SALVAGE_WAIT_S = 5.0
+"""At least this long a stalled engine is given to answer the abort of a call, and the call to return after it."""
 
 Restart = Callable[[int], Any]
 """restart(index) -> the new client of engine `index`, once its server serves again (blocking)."""
@@ -121,19 +143,32 @@ class EngineSupervisor:
         self._next_probe = [0.0] * len(engines)
         self._restarts: dict[int, threading.Thread] = {}
         self._lock = threading.RLock()
-        self._calls = ThreadPoolExecutor(max_workers=max(4, 4 * len(engines)), thread_name_prefix="engine-call")
+        self._calls = ThreadPoolExecutor(max_workers=CALL_THREADS_PER_ENGINE * len(engines),
+                                         thread_name_prefix="engine-call")
 
     # ---- which engines serve -----------------------------------------------------------------
 
     def live(self) -> list[int]:
-        """The live engines (set-aside attached engines probed first when due); raises `EnginesLost` below
-        min_live_engines."""
+        """The live engines (set-aside attached engines probed first when due). Below min_live_engines the
+        restarts under way are waited for; then `EnginesBehind` when enough engines serve again but behind the
+        pool's weights (a single engine restarted after a push), else `EnginesLost`."""
         self._probe_set_aside()
-        with self._lock:
-            live = [i for i, state in enumerate(self.states) if state == LIVE]
-            if len(live) < self.settings.min_live_engines:
-                raise EnginesLost(self._lost_message(len(live)))
+        live = self._in_state(LIVE)
+        if len(live) < self.settings.min_live_engines and self._restarts:
+            self.wait_for_restarts()
+            live = self._in_state(LIVE)
+        if len(live) >= self.settings.min_live_engines:
             return live
+        with self._lock:
+            message = self._lost_message(len(live))
+            if len(live) + len(self._in_state(BEHIND)) >= self.settings.min_live_engines:
+                raise EnginesBehind(message + "; they serve again once the current weights are pushed to them",
+                                    version=self.version)
+            raise EnginesLost(message)
+
+    def _in_state(self, state: str) -> list[int]:
+        with self._lock:
+            return [i for i, current in enumerate(self.states) if current == state]
 
     def _lost_message(self, num_live: int) -> str:
         out = [f"{self.names[i]} ({self.states[i]}: {self.reasons[i] or 'behind the pool weight version'})"
@@ -179,9 +214,12 @@ class EngineSupervisor:
 
     # ---- failures ------------------------------------------------------------------------------
 
-    def call(self, index: int, fn: Callable[[], Any], *, what: str = "a generation") -> Any:
+    def call(self, index: int, fn: Callable[[], Any], *, what: str = "a generation",
+             salvage: Optional[Callable[[], Any]] = None) -> Any:
         """fn() (a call to engine `index`), watched: a transport failure, missed health checks or the
-        generation deadline set the engine aside and raise `EngineFailed`; other errors are raised as is."""
+        generation deadline set the engine aside and raise `EngineFailed`; other errors are raised as is.
+        salvage: asks the engine to stop the call early (abort its rids); on missed health checks or the
+        deadline it is tried first, and what the call then returns is the error's `partial` (stacx.rollout.salvage)."""
         settings = self.settings
         future: Future = self._calls.submit(fn)
         started = self.clock()
@@ -195,12 +233,28 @@ class EngineSupervisor:
             except ServerUnavailableError as err:
                 raise self.fail(index, f"{what}: {err}") from err
             if self.clock() - started >= settings.generation_deadline_s:
-                raise self.fail(index, f"{what} ran past the deadline of {settings.generation_deadline_s:g} s "
-                                       "(--engine-deadline-s)")
+                raise self._stalled(index, future, salvage, f"{what} ran past the deadline of "
+                                                            f"{settings.generation_deadline_s:g} s (--engine-deadline-s)")
             misses = 0 if self._healthy(index) else misses + 1
             if misses >= settings.health_misses:
-                raise self.fail(index, f"missed {misses} health checks in a row (every "
-                                       f"{settings.health_interval_s:g} s) during {what}")
+                raise self._stalled(index, future, salvage, f"missed {misses} health checks in a row (every "
+                                                            f"{settings.health_interval_s:g} s) during {what}")
+
+    def _stalled(self, index: int, future: Future, salvage: Optional[Callable[[], Any]], reason: str) -> EngineFailed:
+        """The engine made no progress on a call: ask it to abort the call (salvage) and keep what the call then
+        returns (each waited for at most a health interval or SALVAGE_WAIT_S, the longer); then set it aside."""
+        partial = None
+        if salvage is not None:
+            wait_s = max(self.settings.health_interval_s, SALVAGE_WAIT_S)
+            try:
+                self._calls.submit(salvage).result(timeout=wait_s)
+                partial = future.result(timeout=wait_s)
+            except Exception:  # noqa: BLE001 - it does not answer the abort either: nothing is kept
+                partial = None
+        error = self.fail(index, reason + ("; it answered the abort: its tokens so far are kept" if partial is not None
+                                           else ""))
+        error.partial = partial
+        return error
 
     def fail(self, index: int, reason: str) -> EngineFailed:
         """Set engine `index` aside (restart it when it can be restarted); returns the error to raise."""
@@ -319,7 +373,8 @@ def is_transport_failure(error: BaseException) -> bool:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, ServerUnavailableError) or type(error).__name__ == "ConnectionError":
+        if isinstance(error, ServerUnavailableError) or type(error).__name__ == "ConnectionError" \
+                or getattr(error, "transport_failure", False):  # a torchrun push's error, alike on every rank
             return True
         error = error.__cause__ or error.__context__ or getattr(error, "cause", None)
     return False
@@ -353,8 +408,8 @@ def attach_supervisor(pool: Any, rollout: Any, *, servers: Any, connect: Callabl
     if settings.min_live_engines > len(pool.engines):
         raise ValueError(f"--min-live-engines {settings.min_live_engines} is more than the {len(pool.engines)} rollout "
                          "engines of this run; lower it or add engines (--rollout-num-engines, --rollout-urls)")
-    restart = None
-    if servers is not None and callable(getattr(servers, "restart", None)):
-        def restart(index: int) -> Any:
-            return connect(servers.restart(index))
-    return pool.supervise(settings=settings, restart=restart)
+    def restart_and_connect(index: int) -> Any:
+        return connect(servers.restart(index))
+
+    restartable = servers is not None and callable(getattr(servers, "restart", None))
+    return pool.supervise(settings=settings, restart=restart_and_connect if restartable else None)

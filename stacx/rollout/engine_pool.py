@@ -25,7 +25,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional, Sequence
 
+from stacx.rollout.continuation import continuation_request
 from stacx.rollout.engine_health import EngineFailed, EngineSupervisor
+from stacx.rollout.salvage import can_salvage, joined, salvaged
 from stacx.wire.engine import InferenceEngine, WeightBucket
 from stacx.wire.types import GenerateOutput, GenerateRequest
 
@@ -84,14 +86,28 @@ class EnginePool(InferenceEngine):
         while True:
             index = self._acquire(len(requests))
             engine = self.engines[index]
+            partial = None
             try:
                 if self.supervisor is None:
                     return engine.generate(requests)
-                return self.supervisor.call(index, lambda: engine.generate(requests))
-            except EngineFailed:  # set aside by the supervisor: the requests go to a live engine
+                # requests with rids can be aborted on a stalled engine, keeping their tokens (stacx.rollout.salvage)
+                salvage = (lambda: engine.abort([r.rid for r in requests])) if can_salvage(requests) else None
+                return self.supervisor.call(index, lambda: engine.generate(requests), salvage=salvage)
+            except EngineFailed as failed:  # set aside by the supervisor: the requests go to a live engine
                 self.supervisor.requests_reissued += len(requests)
+                partial = failed.partial
             finally:
                 self._release(index, len(requests))
+            if partial is not None:
+                return self._continue_salvaged(requests, partial)
+
+    def _continue_salvaged(self, requests: list[GenerateRequest], partial: list[GenerateOutput]) -> list[GenerateOutput]:
+        """A failed engine's aborted outputs continued on a live engine from their tokens, joined."""
+        kept = salvaged(requests, partial)
+        if not kept:
+            return list(partial)
+        continued = self._generate_on_least_loaded([continuation_request(requests[i], out) for i, out in kept.items()])
+        return joined(partial, kept, continued)
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         if not requests:

@@ -10,9 +10,9 @@
 Engines (`rollout.rollout_engine`) are kinds of the engine registry (`stacx.rollout.engines.registry`):
 a kind with a launcher has its servers started by the run ('cpu': `stacx serve` as a child process
 on loopback; 'sglang': SGLang servers on the Ray cluster's GPUs), a kind without one attaches to
-every URL of `rollout.rollout_urls` ('http': running `stacx serve` or SGLang servers). With
-several URLs an `EnginePool` spreads requests (least-loaded) and every engine takes each weight
-update and confirms its version. 'auto' is 'sglang' when CUDA is present, else 'cpu'.
+every URL of `rollout.rollout_urls` ('http': running `stacx serve` or SGLang servers). An `EnginePool`
+(one engine or several) spreads requests (least-loaded), every engine takes each weight update and
+confirms its version, and its supervisor restarts or sets aside a failed engine (engine_health). 'auto' is 'sglang' when CUDA is present, else 'cpu'.
 
 Authentication: the servers a run starts of a kind that owns its secret ('cpu', 'sglang') get a
 fresh shared secret (`secrets.token_urlsafe`, in the child's environment for `stacx serve`, SGLang's
@@ -40,7 +40,7 @@ from stacx.rollout.engine_pool import EnginePool
 from stacx.rollout.episode_retry import retrying_reward
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch
-from stacx.rollout.engines.registry import EngineKind, resolve_engine_kind
+from stacx.rollout.engines.registry import ENGINE_KINDS, EngineKind, resolve_engine_kind
 from stacx.rollout.manager import RolloutManager
 from stacx.rollout.plan import RolloutPlan
 from stacx.rollout.rewards import resolve_reward_fn
@@ -97,10 +97,11 @@ class LaunchedEngine:
 def launch_engine(kind: EngineKind, rollout: RolloutSection, *, hf_checkpoint: str,
                   lora_flags: tuple[str, ...] = ()) -> LaunchedEngine:
     """Start the servers of `kind` (which has a launcher), with a fresh secret when the kind owns one; `lora_flags`:
-    `stacx serve`'s --lora-* flags when the run pushes LoRA adapters only (the 'cpu' kind takes them)."""
-    if lora_flags and kind.name != "cpu":
+    the run's --lora-* flags when it pushes LoRA adapters only (kinds with `takes_lora_adapters`)."""
+    if lora_flags and not kind.takes_lora_adapters:
+        takers = sorted(name for name, other in ENGINE_KINDS.items() if other.takes_lora_adapters and other.launcher)
         raise ValueError(f"--lora-sync adapters: the {kind.name!r} engine takes merged weights only; "
-                         "use --lora-sync merged, or --rollout-engine cpu")
+                         f"use --lora-sync merged, or --rollout-engine {' or '.join(takers)}")
     api_key = secrets.token_urlsafe(32) if kind.owns_secret else None
     servers = kind.launcher(ServerLaunch(hf_checkpoint=hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key,
                                          return_routed_experts=rollout.use_routing_replay,
@@ -138,6 +139,12 @@ class RolloutService:
     def __post_init__(self) -> None:
         self.urls = tuple(self.urls) or (self.url,)
         self._teacher_engine = None
+        self._closers: list = []
+
+    def close_first(self, stop) -> None:
+        """Call `stop()` when the service closes, before its clients shut down (a session recorder in front of
+        the engine: stacx.trainer.session_recorder); the last one added is stopped first."""
+        self._closers.append(stop)
 
     @staticmethod
     def launch_beside_workers(rollout: RolloutSection, *, hf_checkpoint: Optional[str],
@@ -192,17 +199,15 @@ class RolloutService:
                 servers.stop()  # a server this call started must not outlive the error
             raise
         num_top = teacher_section.teacher_top_k if teacher_section.distill_kl_mode == "topk" else 0
-        if len(urls) > 1:
-            engine = EnginePool([kind.connect(u, api_key=api_key) for u in urls], names=urls)
-            try:
-                attach_supervisor(engine, rollout, servers=servers, connect=lambda u: kind.connect(u, api_key=api_key))
-            except BaseException:
-                engine.shutdown()
-                if servers is not None:
-                    servers.stop()
-                raise
-        else:
-            engine = kind.connect(urls[0], api_key=api_key)
+        # one engine or several: a supervised pool (a failed engine is restarted or set aside, engine_health)
+        engine = EnginePool([kind.connect(u, api_key=api_key) for u in urls], names=urls)
+        try:
+            attach_supervisor(engine, rollout, servers=servers, connect=lambda u: kind.connect(u, api_key=api_key))
+        except BaseException:
+            engine.shutdown()
+            if servers is not None:
+                servers.stop()
+            raise
         service = cls(engine, engine_kind=kind.name, url=urls[0], tokenizer=tokenizer,
                       rollout_section=rollout, teacher=teacher, num_teacher_top_log_probs=num_top, servers=servers,
                       urls=urls, teacher_section=teacher_section, api_key=api_key)
@@ -310,8 +315,14 @@ class RolloutService:
             logger.exception("resuming the rollout engine after a failed weight push failed")
 
     def close(self) -> None:
-        """Close the clients, then stop the servers this run started, even when a client's close fails."""
+        """Stop what sits in front of the engine (`close_first`), close the clients, then stop the servers this
+        run started, even when a client's close fails."""
         try:
+            while self._closers:
+                try:
+                    self._closers.pop()()
+                except Exception:  # noqa: BLE001 - the engine and servers below must still close
+                    logger.exception("stopping what sits in front of the rollout engine failed")
             shutdown = getattr(self.engine, "shutdown", None)
             if shutdown is not None:
                 shutdown()

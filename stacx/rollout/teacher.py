@@ -11,6 +11,11 @@ One `/generate` request per trajectory with max_new_tokens=0, logprob_start_len=
 the response positions come back. SGLang's `token_ids_logprob` is one id list for every
 position of a request, so per-position ids are sent as their union and picked per position.
 Log-probs are at temperature 1 (the teacher's own distribution).
+
+A teacher that does not speak `/generate` is scored through its engine client instead
+(`TeacherClient(engines=[VllmEngine(url)])`): the same requests, through `InferenceEngine.generate`;
+vLLM's answers carry the prompt's log-probs and top-k (caller-chosen ids per position are SGLang's and
+`stacx serve`'s only).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from stacx.wire.engine import InferenceEngine
 from stacx.wire.http_client import HttpTransport, RetryPolicy, ServerUnavailableError
 from stacx.wire.sglang_protocol import build_generate_payload, parse_generate_response
 from stacx.wire.types import GenerateRequest, SamplingParams
@@ -47,12 +53,15 @@ _SCORING = SamplingParams(max_new_tokens=0, temperature=1.0)
 class TeacherClient:
     """Scores trajectories on one or more teacher servers (requests spread round-robin)."""
 
-    def __init__(self, urls: str | Sequence[str], *, retry: RetryPolicy = RetryPolicy(), max_concurrency: int = 8,
-                 sequences_per_request: int = 8):
+    def __init__(self, urls: str | Sequence[str] = (), *, retry: RetryPolicy = RetryPolicy(), max_concurrency: int = 8,
+                 sequences_per_request: int = 8, engines: Sequence[InferenceEngine] = ()):
+        """urls: teacher servers that speak `/generate` (`stacx serve`, SGLang); engines: engine clients that
+        score instead (a `VllmEngine`: its prompt log-probs, top-k included), used when given."""
         urls = [urls] if isinstance(urls, str) else list(urls)
-        if not urls:
+        if not urls and not engines:
             raise ValueError("TeacherClient: no teacher URL given (teacher.urls)")
-        self.transports = [HttpTransport(u, retry) for u in urls]
+        self.engines = list(engines)
+        self.transports = [] if self.engines else [HttpTransport(u, retry) for u in urls]
         self.max_concurrency = max_concurrency
         self.sequences_per_request = sequences_per_request
 
@@ -65,6 +74,10 @@ class TeacherClient:
         ids_per_position: Optional[Sequence[torch.Tensor]] = None,
     ) -> list[TeacherScores]:
         """Teacher fields per trajectory. ids_per_position[i]: int [R_i, M] ids to score per position."""
+        if self.engines and ids_per_position is not None:
+            raise ValueError("a teacher scored through engine clients (vLLM) returns its top-k, not the log-probs of "
+                             "caller-chosen ids per position: use --distill-kl-mode topk, or a `stacx serve` or "
+                             "SGLang teacher (--teacher-url)")
         if len(tokens) != len(response_lengths):
             raise ValueError(f"score: {len(tokens)} trajectories but {len(response_lengths)} response_lengths")
         requests = []
@@ -90,6 +103,8 @@ class TeacherClient:
                 for i, o in enumerate(outputs)]
 
     def _send(self, chunk_index: int, requests: list[GenerateRequest]):
+        if self.engines:
+            return self.engines[chunk_index % len(self.engines)].generate(requests)
         transport = self.transports[chunk_index % len(self.transports)]
         summary = f"teacher scoring of {len(requests)} trajectories, lengths {[len(r.input_ids) for r in requests][:8]}"
         try:
@@ -114,3 +129,5 @@ class TeacherClient:
     def close(self) -> None:
         for t in self.transports:
             t.close()
+        for engine in self.engines:
+            engine.shutdown()

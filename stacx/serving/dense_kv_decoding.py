@@ -16,7 +16,7 @@ none of that:
 
 The engine picks it when `DenseKvDecoder.supports(hf_model)`; mixture-of-experts models, route
 recording and other architectures keep the `transformers` path. Its fp32 log-probs agree with the
-trainer's packed forward as the `transformers` path's do (tests/rollout/test_dense_kv_decoding.py).
+trainer's packed forward as the `transformers` path's do (tests/serving/test_dense_kv_decoding.py).
 """
 
 from __future__ import annotations

@@ -54,16 +54,19 @@ def write_tiny_tool_checkpoint(out_dir: str, *, style: str = "qwen", hidden_size
 
 def write_tiny_moe_checkpoint(out_dir: str, task_name: str = "sorting", *, num_experts: int = 4,
                               num_experts_per_tok: int = 2, hidden_size: int = 64, num_layers: int = 2,
-                              max_position_embeddings: int = 256, seed: int = 0) -> str:
+                              max_position_embeddings: int = 256, seed: int = 0, head_dim: int = 16) -> str:
     """Write a random Qwen3-MoE decoder (`num_experts` routed experts, top-`num_experts_per_tok`) with the
     character tokenizer of `task_name`, for mixture-of-experts runs (`--expert-model-parallel-size`,
-    `--use-routing-replay`); returns `out_dir`."""
+    `--use-routing-replay`); returns `out_dir`. `head_dim`: hidden_size // head_dim heads of it (vLLM's CPU
+    attention takes head sizes from 32 up: `head_dim=32` for a model vLLM serves on CPU)."""
     from stacx.rollout.tokenizer import build_char_tokenizer
 
-    heads = max(1, hidden_size // 16)
+    if head_dim <= 0 or hidden_size % head_dim:
+        raise ValueError(f"head_dim {head_dim} must be a positive divisor of hidden_size {hidden_size}")
+    heads = hidden_size // head_dim
     return _write_random_model(out_dir, "qwen3_moe", build_char_tokenizer(get_task(task_name).alphabet), seed,
                                hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=heads,
-                               num_key_value_heads=heads, head_dim=16, num_experts=num_experts,
+                               num_key_value_heads=heads, head_dim=head_dim, num_experts=num_experts,
                                num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=hidden_size // 2,
                                intermediate_size=2 * hidden_size, max_position_embeddings=max_position_embeddings)
 

@@ -48,6 +48,7 @@ from stacx.objectives.advantages_returns import gae_returns
 from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
 from stacx.parallel.reduction import StepCounts, count_loss_tokens
 from stacx.rollout.asynchronous.async_rollout import AsyncRollout
+from stacx.rollout.engine_health import EnginesBehind
 from stacx.rollout.service import RolloutService
 from stacx.rollout.weight_check import check_due
 from stacx.trainer.batch import StepBatch, StepDataSource, plan_micro_batches
@@ -82,6 +83,11 @@ logger = logging.getLogger(__name__)
 
 ROLLOUT_STEP_METRIC = ROLLOUT_STEP_KEY
 """Key of the rollout step in every metrics row (a row's `step` is its optimizer step)."""
+REFRESH_WEIGHTS = "refresh_weights_version"
+"""What the driver shares instead of a step's batch when restarted engines need the current weights first."""
+MAX_WEIGHT_REFRESHES_PER_STEP = 3
+"""Times one step's rollout starts again after pushing the weights to restarted engines; then the run stops."""
+
 WEIGHT_BUCKET_BYTES = 256 * 1024 * 1024
 """Weight-sync bucket size: hundreds of MB per message keeps large syncs fast."""
 
@@ -256,7 +262,7 @@ class StacxTrainer:
         self.update_rows = []
         started = time.monotonic()
         self.heartbeat.phase = self.samples.phase
-        batch, metrics = self.channel.share(self.driver_batch(step) if self.channel.is_driver else None)
+        batch, metrics = self.shared_batch(step)
         sample_role = (self.training_config.rollout_role or self.training_config.trainable_roles[0]).name
         if self.nonfinite.check_samples(step=step, role=sample_role, name="reward", values=batch.rewards or ()):
             return self._skipped_step(metrics, started)
@@ -293,6 +299,30 @@ class StacxTrainer:
         return metrics
 
     # ---- data ------------------------------------------------------------------------------
+
+    def shared_batch(self, step: int) -> tuple[StepBatch, dict]:
+        """The step's batch from the driver, on every rank. When the step's rollout found too few engines
+        live but enough restarted behind the pool's weights (a single engine that died: `EnginesBehind`,
+        stacx.rollout.engine_health), every rank pushes the current weights to them and the rollout
+        starts again (a synchronous source collects a step again from its start; async stops the run)."""
+        refreshes = 0
+        while True:
+            batch, metrics = self.channel.share(self._driver_batch_or_refresh(step, refreshes)
+                                                if self.channel.is_driver else None)
+            if batch is not None:
+                return batch, metrics
+            self.push_policy_weights(version=int(metrics[REFRESH_WEIGHTS]))
+            refreshes += 1
+
+    def _driver_batch_or_refresh(self, step: int, refreshes: int):
+        try:
+            return self.driver_batch(step)
+        except EnginesBehind as behind:
+            if isinstance(self.samples, AsyncRolloutSamples) or refreshes >= MAX_WEIGHT_REFRESHES_PER_STEP:
+                raise
+            logger.warning("step %d: %s: pushing the weights of version %d to them and rolling out again",
+                           step + 1, behind, behind.version)
+            return None, {REFRESH_WEIGHTS: float(behind.version)}
 
     def driver_batch(self, step: int) -> tuple[StepBatch, dict]:
         """The step's batch on the driver from the sample source (--replay-rollouts: the dump's file), written
@@ -439,14 +469,18 @@ class StacxTrainer:
                         check: bool = False) -> None:
         """Push to one engine (check: then compare its per-tensor digests with the sent ones); a push that
         failed because the engine did not answer is retried once on it, after the rollout service restarted
-        or recovered it ('skip': set aside, it rejoins later)."""
+        or recovered it ('skip': set aside, it rejoins later), on Ray and under torchrun alike."""
         try:
             self.roles[role_name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key, check)
             return
         except Exception as err:  # noqa: BLE001 - the rollout service decides; re-raised unless it recovers
-            # under torchrun the ranks that did not fail are in the push's collectives: no retry there
-            recover = getattr(self.rollout, "recover_engine", None) if getattr(self.channel, "drives_alone", False) else None
-            action = recover(url, err) if recover is not None else "raise"
+            # The driver decides and every rank follows: on Ray it drives alone; under torchrun every rank
+            # raised this error together (stacx.trainer.runtime.push_outcome), else no rank may retry alone.
+            if not (getattr(self.channel, "drives_alone", False) or getattr(self.roles[role_name], "fails_together", False)):
+                raise
+            recover = getattr(self.rollout, "recover_engine", None) if self.channel.is_driver else None
+            action = self.channel.share((recover(url, err) if recover is not None else "raise")
+                                        if self.channel.is_driver else None)
             if action == "raise":
                 raise
             logger.warning("weight push of version %d to %s failed (%s): %s", version, url, err,

@@ -24,7 +24,9 @@ from typing import Any, Optional, Protocol
 
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.rollout.agents.agent_rollout import AgentRollout, agent_from_settings, last_turn_reward
+from stacx.rollout.agents.episode_engines import EpisodeEngines
 from stacx.rollout.asynchronous.async_rollout import AsyncRollout, importance_weight_metrics
+from stacx.rollout.engines.registry import resolve_engine_kind
 from stacx.rollout.evaluation import RolloutDumper
 from stacx.rollout.rewards import resolve_reward_fn
 from stacx.rollout.service import RolloutService
@@ -34,6 +36,7 @@ from stacx.trainer.config.recipe import TrainingConfig
 from stacx.trainer.config.rollout_plan import rollout_plan
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.rollout_dump import RolloutReplay
+from stacx.trainer.session_recorder import session_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -345,10 +348,14 @@ def build_agent_rollout(run_config: RunConfig, algorithm: AlgorithmConfig, rollo
               if section.save_rollouts_per_step > 0 else None)
     agent = agent_from_settings(section.agent, section.agent_command, agent_timeout=section.agent_timeout,
                                 agent_env=section.agent_env)
-    return AgentRollout(agent, server_url=rollout.url,
+    endpoint = session_endpoint(resolve_engine_kind(rollout.engine_kind), rollout,
+                                model_path=run_config.model.hf_checkpoint or "")
+    return AgentRollout(agent, server_url=endpoint.url,
                         next_tasks=next_tasks, n_samples_per_task=section.n_samples_per_prompt,
                         reward_fn=last_turn_reward(resolve_reward_fn(section.reward_fn), tokenizer.decode),
-                        max_parallel_episodes=section.agent_max_parallel_episodes, api_key=rollout.api_key,
+                        max_parallel_episodes=section.agent_max_parallel_episodes, api_key=endpoint.api_key,
                         dumper=dumper, uniform_reward_warning=uniform_rewards,
                         episode_retries=section.episode_retries, max_dropped_fraction=section.max_dropped_fraction,
-                        more_tasks=next_tasks)
+                        more_tasks=next_tasks,
+                        # each episode on a live engine of the supervised pool, moved when it fails
+                        engines=EpisodeEngines(rollout.engine) if rollout.supervisor is not None else None)

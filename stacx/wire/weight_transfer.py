@@ -31,7 +31,7 @@ import struct
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -95,6 +95,21 @@ def bucket_wire_chunks(bucket: Sequence[tuple[str, torch.Tensor]], *, version: i
 
 HEADER_BYTES_PER_TENSOR = 1024
 """Room for one tensor's header entry (name, dtype, shape, offset; ~150 bytes for real names)."""
+
+
+def numbered_buckets(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]
+                     ) -> Iterator[tuple[int, Sequence[tuple[str, torch.Tensor]], bool]]:
+    """(index, bucket, final) of an update's buckets, numbered 0, 1, ... with only the last one final: each
+    bucket is handed on once the next one is known (the buckets may be produced lazily). ValueError when
+    there are none."""
+    pending, index = None, -1
+    for bucket in buckets:
+        if pending is not None:
+            yield index, pending, False
+        pending, index = bucket, index + 1
+    if pending is None:
+        raise ValueError("update_weights: no buckets given")
+    yield index, pending, True
 
 
 def max_bucket_body_bytes(num_tensor_bytes: int, num_tensors: int) -> int:
@@ -194,7 +209,29 @@ def shared_memory_directory() -> str:
 SHM_FILE_PREFIX = "stacx-weights-"
 
 
-class SharedMemoryStaging:
+class MappedStagingFile:
+    """A same-host staging file seen as one byte tensor (`buffer`) that grows to the largest bucket packed
+    into it. A subclass sets `path`, `capacity` (0) and an empty `buffer` when it opens the file."""
+
+    path: str
+    capacity: int
+    buffer: torch.Tensor
+
+    def _resize_file(self, num_bytes: int) -> None:
+        os.truncate(self.path, num_bytes)
+
+    def pack(self, bucket: Sequence[tuple[str, torch.Tensor]], slots: Sequence[TensorSlot], num_bytes: int) -> None:
+        """Copy the bucket's tensors, laid out by `slots` (`num_bytes` in all), into the file, first growing
+        it (and its mapping) when the bucket is larger than any before."""
+        if num_bytes > self.capacity:
+            self._resize_file(num_bytes)
+            self.buffer = torch.from_file(self.path, shared=True, size=num_bytes, dtype=torch.uint8)
+            self.capacity = num_bytes
+        if num_bytes:
+            pack_bucket(bucket, slots, 0, num_bytes, out=self.buffer)
+
+
+class SharedMemoryStaging(MappedStagingFile):
     """The sender's end of a same-host staging file that the server created (see
     `SharedMemoryRegistry`): the sender copies a bucket's tensors into it (one copy) and posts only
     the metadata and the server's `staging_id`; the server maps the same file and copies into its
@@ -218,15 +255,13 @@ class SharedMemoryStaging:
             raise RuntimeError(f"shared-memory staging {self.path} is closed")
         slots, sizes = plan_buckets(bucket)
         total = sizes[0] if sizes else 0
-        if total > self.capacity:
-            os.ftruncate(self._fd, total)
-            self.buffer = torch.from_file(self.path, shared=True, size=total, dtype=torch.uint8)
-            self.capacity = total
-        if total:
-            pack_bucket(bucket, slots, 0, total, out=self.buffer)
+        self.pack(bucket, slots, total)
         header = {"staging_id": self.staging_id, **header_columns(slots), "num_bytes": total,
                   "version": int(version), "bucket": int(index), "final": bool(final)}
         return header
+
+    def _resize_file(self, num_bytes: int) -> None:
+        os.ftruncate(self._fd, num_bytes)  # the descriptor opened without following links
 
     def close(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)

@@ -47,6 +47,10 @@ def test_stacx_train_sends_a_diffusion_recipe_to_its_loop(capsys):
     assert "did you mean 'sde_sigma_schedule'" in capsys.readouterr().err
     assert main(["train", "--algorithm", "flow_grpo", "--tensor-model-parallel-size", "2", "--dry-run"]) == 2
     assert "the diffusion recipes run data parallel only" in capsys.readouterr().err
+    # an uneven split is refused with the flags, before any worker starts (not at the first step)
+    assert main(["train", "--algorithm", "flow_grpo", "--data-parallel-size", "2", "--rollout-batch-size", "3",
+                 "--dry-run"]) == 2
+    assert "--rollout-batch-size 3 must be divisible by --data-parallel-size 2" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ The restarted sandbox server's process id is written to CHAOS_SANDBOX_PID_FILE.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -56,37 +57,18 @@ def engine_processes() -> list[int]:
     return sorted(found)
 
 
-def http_port(pid: int) -> int:
-    """The port `stacx serve` process `pid` answers HTTP on. The process also listens on a socket per gloo
-    group of its single-process world (about twenty, on loopback): its HTTP socket is the newest (the
-    highest inode: bound after the engine built its groups), confirmed by a `/health` answer."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    listening = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as handle:
-            for line in list(handle)[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                    listening.append((int(fields[9]), int(fields[1].rsplit(":", 1)[1], 16)))
-    for _, port in sorted(listening, reverse=True):
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=10).ok:
-                return port
-        except requests.RequestException:
-            continue
-    raise RuntimeError(f"process {pid} answers /health on none of its {len(listening)} listening ports")
+def engine_urls() -> dict[int, str]:
+    """{process id: URL} of this run's live `stacx serve` engines, from the run's own launcher objects (the
+    reward runs in the driver, which holds them). A server process also listens on one socket per gloo
+    group of its single-process world, so its listening ports alone do not say which one is HTTP."""
+    from stacx.rollout.engines.launchers import CpuServerProcess
+
+    return {server.process.pid: server.url for server in gc.get_objects()
+            if isinstance(server, CpuServerProcess) and server.url and server.process.poll() is None}
 
 
-def ask_engine(pid: int) -> dict:
+def ask_engine(pid: int, url: str) -> dict:
     """Engine `pid`'s weight version and its greedy completion of a fixed prompt, with log-probs."""
-    url = f"http://127.0.0.1:{http_port(pid)}"
     answer = requests.post(f"{url}/generate", json={
         "input_ids": [3, 4, 5, 6, 7], "sampling_params": {"temperature": 0.0, "max_new_tokens": 4},
         "return_logprob": True}, timeout=60)
@@ -97,10 +79,10 @@ def ask_engine(pid: int) -> dict:
 
 
 def compare_engines() -> None:
-    report = []
+    report, urls = [], engine_urls()
     for pid in engine_processes():
         try:
-            report.append(ask_engine(pid))
+            report.append(ask_engine(pid, urls[pid]))
         except Exception as err:  # noqa: BLE001 - written down for the test to name, the run goes on
             report.append({"pid": pid, "error": f"{type(err).__name__}: {err}"})
     with open(os.environ["CHAOS_REPORT"], "w") as handle:

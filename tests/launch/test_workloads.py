@@ -65,15 +65,23 @@ def test_the_registry_refuses_a_second_workload_for_a_modality_and_names_the_reg
     assert set(WORKLOADS) == {"image", "text"}
 
 
-def test_text_is_a_workload_like_the_others():
+def test_text_is_a_workload_like_the_others(monkeypatch):
+    from stacx.launch.commands import train
     from stacx.specializations.base import Specialization
+    from stacx.trainer.config.run import ConfigError, RunConfig
     from stacx.trainer.recipes import get_recipe
-    from stacx.trainer.text_workload import TextDriver
 
     text, grpo = get_workload("text"), get_recipe("grpo")
     assert text.objective_base is Specialization
-    driver = text.driver(None, grpo)
-    assert isinstance(driver, TextDriver) and driver.describe() == grpo.describe()
+    # Built like every workload's driver, it runs the preflight: a run it would refuse is refused here.
+    with pytest.raises(ConfigError, match="--hf-checkpoint /nonexistent/ckpt: no such folder"):
+        text.driver(RunConfig.from_dict({"hf_checkpoint": "/nonexistent/ckpt"}), grpo)
+    # `stacx train` launches a text recipe through the one path of the registered workloads.
+    launched = []
+    monkeypatch.setattr(train, "run_workload", lambda workload, run_config, recipe: launched.append(
+        (workload, recipe.name)) or 0)
+    assert main(["train", "--algorithm", "grpo", "--dry-run"]) == 0
+    assert launched == [(text, "grpo")]
 
 
 def test_a_failing_entry_point_is_named(monkeypatch):

@@ -18,6 +18,7 @@ import torch
 from stacx.specializations.batch import MicroBatch
 from stacx.wire.types import GenerateRequest, SamplingParams
 from tests.models.test_moe import save_moe_checkpoint
+from tests.serving.fixtures import single_process_world  # noqa: F401  (a fixture, found by name)
 
 PROMPTS = [(3, 9, 14, 2, 7, 11), (5, 1, 8), (12, 4, 6, 10, 13)]
 MAX_NEW_TOKENS = 6
@@ -28,15 +29,6 @@ def moe_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("moe_r3")
     save_moe_checkpoint("qwen3_moe", str(path), seed=3)
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def world():
-    from stacx.parallel.groups import destroy_parallel_layout
-    from stacx.serving.cpu_engine import ensure_single_process_layout
-
-    yield ensure_single_process_layout()
-    destroy_parallel_layout()
 
 
 def _requests(temperature=1.0):
@@ -87,15 +79,15 @@ def _response_log_probs(model, batch, world, routes=None):
 
 
 @pytest.mark.parametrize("decoding", ["kv_cache", "packed"])
-def test_engine_routes_are_the_trainer_forwards_routes(moe_checkpoint, world, decoding):
+def test_engine_routes_are_the_trainer_forwards_routes(moe_checkpoint, single_process_world, decoding):
     from stacx.serving.cpu_engine import CpuEngine
 
     engine = CpuEngine.from_hf_checkpoint(moe_checkpoint, decoding=decoding)
     requests = _requests()
     outputs = engine.generate(requests)
-    model = _trainer_model(moe_checkpoint, world)
+    model = _trainer_model(moe_checkpoint, single_process_world)
     batch = _micro_batch(outputs, requests)
-    _, own_routes = _response_log_probs(model, batch, world)
+    _, own_routes = _response_log_probs(model, batch, single_process_world)
     offset = 0
     for request, output in zip(requests, outputs):
         length = len(request.input_ids) + len(output.output_ids)
@@ -108,17 +100,17 @@ def test_engine_routes_are_the_trainer_forwards_routes(moe_checkpoint, world, de
     assert plain.routed_experts is None and plain.output_ids == outputs[0].output_ids
 
 
-def test_replaying_the_models_own_routes_changes_nothing(moe_checkpoint, world):
+def test_replaying_the_models_own_routes_changes_nothing(moe_checkpoint, single_process_world):
     from stacx.serving.cpu_engine import CpuEngine
 
     engine = CpuEngine.from_hf_checkpoint(moe_checkpoint, decoding="packed")
     requests = _requests()
     outputs = engine.generate(requests)
-    model = _trainer_model(moe_checkpoint, world)
+    model = _trainer_model(moe_checkpoint, single_process_world)
     batch = _micro_batch(outputs, requests)
-    plain, own = _response_log_probs(model, batch, world)
+    plain, own = _response_log_probs(model, batch, single_process_world)
     routes = batch.model_routes()
-    replayed, taken = _response_log_probs(model, batch, world, routes=routes)
+    replayed, taken = _response_log_probs(model, batch, single_process_world, routes=routes)
     assert torch.equal(plain, replayed)
     run = routes[:, 0, 0] >= 0
     assert int((~run).sum()) == len(outputs)  # each sequence's last token: no engine ran it, it routes itself
@@ -127,28 +119,28 @@ def test_replaying_the_models_own_routes_changes_nothing(moe_checkpoint, world):
     assert (replayed - engine_log_probs).abs().max() <= 1e-5
 
 
-def test_replay_of_a_bf16_engines_routes(moe_checkpoint, world):
+def test_replay_of_a_bf16_engines_routes(moe_checkpoint, single_process_world):
     from stacx.models import build_model, load_hf_checkpoint
     from stacx.serving.cpu_engine import CpuEngine
 
-    bf16 = build_model(moe_checkpoint, world, params_dtype=torch.bfloat16)
-    load_hf_checkpoint(bf16, moe_checkpoint, world)
+    bf16 = build_model(moe_checkpoint, single_process_world, params_dtype=torch.bfloat16)
+    load_hf_checkpoint(bf16, moe_checkpoint, single_process_world)
     engine = CpuEngine(bf16, decoding="kv_cache")
     requests = [GenerateRequest(input_ids=tuple((7 * i + 3 * j) % 16 for j in range(12)), return_routed_experts=True,
                                 sampling=SamplingParams(max_new_tokens=16, seed=i, ignore_eos=True))
                 for i in range(16)]
     outputs = engine.generate(requests)
-    model = _trainer_model(moe_checkpoint, world)
+    model = _trainer_model(moe_checkpoint, single_process_world)
     model.train()
     batch = _micro_batch(outputs, requests)
     engine_log_probs = torch.tensor([lp for o in outputs for lp in o.output_log_probs], dtype=torch.float64)
     with torch.no_grad():
-        plain, own = _response_log_probs(model, batch, world)
+        plain, own = _response_log_probs(model, batch, single_process_world)
     routes = batch.model_routes()
     run = routes[:, 0, 0] >= 0  # tokens the engine ran
     differs = (own[run] != routes[run]).any(-1)
     assert differs.any(), "the guard: bf16 routing must differ from fp32 routing somewhere"
-    replayed, taken = _response_log_probs(model, batch, world, routes=routes)
+    replayed, taken = _response_log_probs(model, batch, single_process_world, routes=routes)
     assert torch.equal(taken[run], routes[run])
     # Where the replayed routes change a response log-prob (a route that differs in the last layer at a prompt
     # token changes none), the trainer's log-prob moves towards the engine's.
@@ -179,7 +171,7 @@ def test_model_routes_follow_the_cp_layout():
         assert int(run.sum()) > 0 and int((~run).sum()) > 0
 
 
-def test_routes_travel_from_the_rollout_manager_to_the_micro_batch(moe_checkpoint, world):
+def test_routes_travel_from_the_rollout_manager_to_the_micro_batch(moe_checkpoint, single_process_world):
     from stacx.rollout.continuation import join_outputs
     from stacx.rollout.manager import RolloutManager
     from stacx.serving.cpu_engine import CpuEngine

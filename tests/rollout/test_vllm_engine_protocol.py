@@ -170,3 +170,69 @@ def test_digests_compare_per_tensor_and_name_the_mismatch():
         compare_digests(digesting.digests, {"a": digesting.digests["a"], "b": "other"}, url="u", version=2)
     assert caught.value.names == ["b"]
     assert [check_due(v, 3) for v in (1, 3, 6)] == [False, True, True] and not check_due(5, 0)
+
+
+def test_an_update_goes_to_the_workers_numbered_and_staged_in_the_clients_own_file():
+    """`VllmEngine.update_weights` over the same-host staging file: buckets 0, 1, ... under the version, only
+    the last final, each staged whole (the file grows for a larger bucket) and the file removed at shutdown."""
+    engine = VllmEngine("http://127.0.0.1:9", weight_transport="shm")
+    received = []
+
+    def rpc(method, header):
+        assert method == "stacx_load_bucket"
+        tensors = worker.open_staging_file(header["staging_path"], header["num_bytes"])  # the worker's own check
+        slots = worker.parse_bucket_header(header, header["num_bytes"])
+        received.append((header["version"], header["bucket"], header["final"],
+                         {name: tensor.clone() for name, tensor in worker.unpack_bucket(tensors, slots).items()}))
+        return [{"loaded": len(header["names"])}]
+
+    engine.rpc = rpc
+    buckets = [[("a", torch.arange(3, dtype=torch.float32))],
+               [("b", torch.arange(100, dtype=torch.float32)), ("c", torch.ones(2, 2, dtype=torch.bfloat16))]]
+    try:
+        engine.update_weights(iter(buckets), version=3)
+        staging_path = engine._staging.path
+    finally:
+        engine.shutdown()
+    assert [(version, index, final) for version, index, final, _ in received] == [(3, 0, False), (3, 1, True)]
+    for sent, (_, _, _, got) in zip(buckets, received):
+        assert list(got) == [name for name, _ in sent]
+        assert all(torch.equal(got[name], tensor) for name, tensor in sent)
+    assert not os.path.exists(staging_path)
+    refusing = VllmEngine("http://127.0.0.1:9", weight_transport="http")
+    try:
+        with pytest.raises(ValueError, match="no buckets given"):
+            refusing.update_weights([], version=4)
+    finally:
+        refusing.shutdown()
+
+
+def test_launched_servers_are_ready_together_or_all_stopped():
+    """`LocalServerGroup` (the cpu and vllm kinds' launched servers): every URL once all are ready; when one
+    fails to start, every server is stopped before the error goes on."""
+    from stacx.rollout.engines.launchers import LaunchedCpuServer
+    from stacx.rollout.engines.vllm import LaunchedVllmServers
+
+    class Server:
+        def __init__(self, url):
+            self.url, self.stopped = url, False
+
+        def wait_until_ready(self):
+            if self.url is None:
+                raise RuntimeError("server exited before it was ready")
+            return self.url
+
+        def stop(self):
+            self.stopped = True
+
+    ready = [Server("http://127.0.0.1:1"), Server("http://127.0.0.1:2")]
+    assert LaunchedVllmServers(ready).wait_until_ready() == ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    assert LaunchedCpuServer(ready[0], None, [ready[1]]).wait_until_ready() == ("http://127.0.0.1:1",
+                                                                                "http://127.0.0.1:2")
+    assert not any(server.stopped for server in ready)
+    for launched in (lambda servers: LaunchedVllmServers(servers), lambda servers: LaunchedCpuServer(servers[0], None,
+                                                                                                    servers[1:])):
+        servers = [Server("http://127.0.0.1:1"), Server(None), Server("http://127.0.0.1:3")]
+        with pytest.raises(RuntimeError, match="exited before it was ready"):
+            launched(servers).wait_until_ready()
+        assert all(server.stopped for server in servers)

@@ -66,7 +66,7 @@ def _run_temp_folder(tmp_path_factory):
 def taught_policy(tmp_path_factory):
     """(checkpoint path, tokenizer) of the taught tool-calling policy (`tests/serving/taught_policy.py`):
     taught once per pytest run, whichever worker asks first; the others wait for it and reuse it."""
-    from tests.rollout.agent_fixtures import tool_tokenizer
+    from tests.rollout.agents.agent_fixtures import tool_tokenizer
     from tests.serving.taught_policy import taught_checkpoint
 
     return taught_checkpoint(_run_temp_folder(tmp_path_factory)), tool_tokenizer()

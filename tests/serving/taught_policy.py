@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from tests.rollout.agent_fixtures import save_policy, tool_tokenizer
+from tests.rollout.agents.agent_fixtures import save_policy, tool_tokenizer
 
 SYSTEM = "You run bash."
 TASK = "Create done.txt"

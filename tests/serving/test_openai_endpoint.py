@@ -18,7 +18,7 @@ import sys
 import pytest
 import requests
 
-from tests.rollout.agent_fixtures import BASH_TOOL, engine_weight_buckets, train_one_grpo_step
+from tests.rollout.agents.agent_fixtures import BASH_TOOL, engine_weight_buckets, train_one_grpo_step
 from tests.serving.taught_policy import BASH, OBSERVATION, SUBMIT, SYSTEM, TASK
 
 try:

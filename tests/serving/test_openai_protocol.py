@@ -11,7 +11,7 @@ from stacx.serving.openai_protocol import parse_chat_request, parse_completion_r
 from stacx.serving.openai_sessions import SessionBook, SessionTurn, chat_prompt_ids, completion_prompt_ids
 from stacx.wire.tool_calls import parse_tool_calls
 from stacx.wire.trajectories import RecordedTurn
-from tests.rollout.agent_fixtures import BASH_TOOL, tool_tokenizer
+from tests.rollout.agents.agent_fixtures import BASH_TOOL, tool_tokenizer
 
 
 def test_hermes_tool_calls_are_split_from_the_content_and_a_malformed_one_is_reported_alone():
@@ -110,16 +110,16 @@ def test_a_failing_episode_keeps_its_turns_with_reward_zero_and_a_missing_reward
         raise RuntimeError("scaffold crashed")
 
     rollout = AgentRollout(crashing, server_url="http://127.0.0.1:1", next_tasks=lambda step: [{"q": 1}])
-    monkeypatch.setattr(AgentRollout, "open_session", lambda self: ("s", "secret"))
-    monkeypatch.setattr(rollout, "take_turns", lambda session_id, secret: [turn])
+    monkeypatch.setattr(AgentRollout, "open_session", lambda self, server_url=None: ("s", "secret"))
+    monkeypatch.setattr(rollout, "take_turns", lambda session_id, secret, server_url=None: [turn])
     samples, metrics = rollout.collect(0)
     assert [(s.reward, s.reward_error) for s in samples] == [(0.0, "RuntimeError: scaffold crashed")]
     assert metrics["rollout/agent_failed_episodes"] == 1.0
     silent = AgentRollout(lambda base_url, task: None, server_url="http://127.0.0.1:1", next_tasks=lambda step: [{}])
-    monkeypatch.setattr(silent, "take_turns", lambda session_id, secret: [turn])
+    monkeypatch.setattr(silent, "take_turns", lambda session_id, secret, server_url=None: [turn])
     with pytest.raises(ValueError, match="returned no reward and AgentRollout has no reward_fn"):
         silent.collect(0)
-    monkeypatch.setattr(silent, "take_turns", lambda session_id, secret: [])
+    monkeypatch.setattr(silent, "take_turns", lambda session_id, secret, server_url=None: [])
     with pytest.raises(RuntimeError, match="none of the 1 agent episodes made a model call"):
         silent.collect(0)
 

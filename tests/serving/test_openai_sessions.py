@@ -9,7 +9,7 @@ import logging
 import pytest
 import requests
 
-from tests.rollout.agent_fixtures import save_policy, tool_tokenizer
+from tests.rollout.agents.agent_fixtures import save_policy, tool_tokenizer
 from tests.serving.fixtures import served_policy
 
 try:

@@ -51,7 +51,7 @@ def _train(files, root, *, tp: int, cp: int, num_steps: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def baseline(files, ray_address, engine_world, tmp_path_factory):
+def baseline(files, ray_address, single_process_world, tmp_path_factory):
     """The CP=1, TP=1 run's first step."""
     return _train(files, tmp_path_factory.mktemp("cp1"), tp=1, cp=1, num_steps=1)[0]
 
@@ -72,5 +72,5 @@ def _assert_first_step_matches(rows: list[dict], baseline: dict) -> None:
     assert math.isfinite(rows[1]["policy/loss"]) and rows[1]["policy/grad_norm"] > 0
 
 
-def test_tp2_cp2_first_step_equals_cp1(files, ray_address, engine_world, baseline, tmp_path):
+def test_tp2_cp2_first_step_equals_cp1(files, ray_address, single_process_world, baseline, tmp_path):
     _assert_first_step_matches(_train(files, tmp_path, tp=2, cp=2, num_steps=2), baseline)

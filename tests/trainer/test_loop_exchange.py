@@ -30,7 +30,7 @@ def _hf_weights_per_rank(role_group) -> list[dict[str, torch.Tensor]]:
     return [{name.split("/", 1)[1]: t for name, t in result.items()} for result in results]
 
 
-def test_reference_role_is_refreshed_from_the_policy_bitwise(ray_address, files, engine_world, tmp_path,
+def test_reference_role_is_refreshed_from_the_policy_bitwise(ray_address, files, single_process_world, tmp_path,
                                                              attached_server_key):
     from safetensors.torch import load_file
 

@@ -58,7 +58,7 @@ def _overlong_penalty_reference(length: int, max_length: int, buffer: int, facto
     return -factor * min(length - (max_length - buffer), buffer) / buffer
 
 
-def test_dapo_dynamic_sampling_overlong_penalty_and_eval(ray_address, files, engine_world, tmp_path):
+def test_dapo_dynamic_sampling_overlong_penalty_and_eval(ray_address, files, single_process_world, tmp_path):
     from stacx.rollout.data import DataConfig, load_examples
     from stacx.rollout.manager import RolloutManager
     from stacx.rollout.service import load_tokenizer
@@ -126,7 +126,7 @@ def _greedy(engine, prompt):
     return out.output_ids, out.output_log_probs
 
 
-def test_grpo_spreads_rollouts_over_two_servers_and_updates_both(ray_address, files, engine_world, tmp_path,
+def test_grpo_spreads_rollouts_over_two_servers_and_updates_both(ray_address, files, single_process_world, tmp_path,
                                                                 attached_server_key):
     from stacx.rollout.engines.http import HttpEngine
     from stacx.rollout.engines.launchers import CpuServerProcess

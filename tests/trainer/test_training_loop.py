@@ -23,7 +23,7 @@ from tests.trainer.training_fixtures import (ATTACHED_SERVER_KEY, VARIED_REWARD,
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
-def _serve(engine_world, checkpoint: str, seed: int = 0):
+def _serve(single_process_world, checkpoint: str, seed: int = 0):
     from stacx.serving.cpu_engine import CpuEngine
     from stacx.serving.server import EngineHttpServer
 
@@ -46,11 +46,11 @@ def _finite(metrics: dict, *names: str) -> None:
         assert math.isfinite(metrics[name]), (name, metrics[name])
 
 
-def test_grpo_tp2_with_reference_trains_and_the_engine_follows(ray_address, files, engine_world, tmp_path,
+def test_grpo_tp2_with_reference_trains_and_the_engine_follows(ray_address, files, single_process_world, tmp_path,
                                                                attached_server_key):
     from stacx.trainer.factory import create_trainer
 
-    engine, server = _serve(engine_world, files["policy"])
+    engine, server = _serve(single_process_world, files["policy"])
     prompt = [5, 7, 9, 11]
     before = _greedy_log_probs(engine, prompt)
     try:
@@ -112,10 +112,10 @@ def test_ppo_actor_and_critic_with_injected_values_train_two_steps(ray_address, 
     assert all("actor/loss" in row and "critic/loss" in row for row in rows)
 
 
-def test_opd_step_scores_rollouts_with_a_teacher_server(ray_address, files, engine_world, tmp_path):
+def test_opd_step_scores_rollouts_with_a_teacher_server(ray_address, files, single_process_world, tmp_path):
     from stacx.trainer.factory import create_trainer
 
-    _, teacher = _serve(engine_world, files["teacher"])
+    _, teacher = _serve(single_process_world, files["teacher"])
     try:
         cfg = run_config(str(tmp_path), train={"algorithm": "opd"}, hf_checkpoint=files["policy"],
                          prompt_data=files["prompts"], rollout_engine="cpu", teacher_url=teacher.url, num_steps=1)

@@ -46,14 +46,21 @@ def push_checkpoint(engine, path: str, *, check: bool = True) -> int:
     return version
 
 
+_TRAINER_MODELS: dict = {}
+"""Checkpoint path -> (megatron model, groups): built once per session (a build is seconds of CPU)."""
+
+
 def trainer_log_probs(path: str, sequences, temperature: float = 1.0):
     """The trainer's fp32 log-probs of `sequences` (megatron model built from `path`, one packed forward)."""
     from stacx.models import build_model, forward_packed, hf_config_of, load_hf_checkpoint
     from stacx.serving.cpu_engine import ensure_single_process_layout
 
-    groups = ensure_single_process_layout()
-    model = build_model(path, groups).eval()
-    load_hf_checkpoint(model, path, groups)
+    if path not in _TRAINER_MODELS:
+        groups = ensure_single_process_layout()
+        model = build_model(path, groups).eval()
+        load_hf_checkpoint(model, path, groups)
+        _TRAINER_MODELS[path] = model, groups
+    model, groups = _TRAINER_MODELS[path]
     lengths = [len(s) for s in sequences]
     with torch.no_grad():
         logits = forward_packed(model, torch.tensor([t for s in sequences for t in s]), lengths, groups)

@@ -41,6 +41,7 @@ import requests
 from stacx.plugins.discovery import resolve_callable
 from stacx.rollout.agents.agent_command import DEFAULT_AGENT_TIMEOUT_S, AgentCommand
 from stacx.rollout.agents.agent_trajectories import assemble_trajectories, branch_metrics
+from stacx.rollout.agents.episode_engines import MAX_REISSUES, EpisodeEngines, is_unanswered
 from stacx.rollout.episode_retry import DROPPED_KEY, EpisodeLossError, infrastructure_cause, replace_dropped_groups
 from stacx.rollout.evaluation import RolloutDumper
 from stacx.wire.sample import Sample
@@ -141,7 +142,8 @@ class AgentRollout:
                  api_key: Optional[str] = None, dumper: Optional[RolloutDumper] = None,
                  uniform_reward_warning: Optional[Callable[[int, Sequence[Sample]], Optional[str]]] = None,
                  episode_retries: int = 0, max_dropped_fraction: float = 1.0,
-                 more_tasks: Optional[Callable[[int, int], Sequence[dict]]] = None):
+                 more_tasks: Optional[Callable[[int, int], Sequence[dict]]] = None,
+                 engines: Optional[EpisodeEngines] = None):
         if n_samples_per_task < 1:
             raise ValueError(f"n_samples_per_task must be >= 1, got {n_samples_per_task}")
         if max_parallel_episodes < 1:
@@ -170,6 +172,9 @@ class AgentRollout:
         """A step whose dropped episodes exceed this fraction stops the run (--max-dropped-fraction)."""
         self.more_tasks = more_tasks
         """(step, k) -> k fresh tasks, which replace the tasks whose groups lost an episode."""
+        self.engines = engines
+        """The run's supervised engines: each episode runs on a live one and moves when it fails
+        (stacx.rollout.agents.episode_engines); None: every episode talks to `server_url`."""
 
     def waiting_for(self) -> str:
         """The episodes still running ('' when none), for the run's heartbeat (RunningEpisodes.describe)."""
@@ -255,16 +260,41 @@ class AgentRollout:
         return samples
 
     def play_episode(self, group_index: int, task: dict, *, episode_id: Optional[int] = None) -> list[Sample]:
-        """One episode in a fresh session -> its samples (one per branch), each with the episode's reward."""
-        session_id, secret = self.open_session()
+        """One episode in a fresh session -> its samples (one per branch), each with the episode's reward. With
+        `engines`, on a live engine, played again on another when that one fails (episode_engines)."""
+        if self.engines is None:
+            return self.play_on(self.server_url, group_index, task, episode_id=episode_id)
+        failures = []
+        while len(failures) <= MAX_REISSUES:
+            with self.engines.chosen() as (index, url):
+                try:
+                    samples = self.play_on(url, group_index, task, episode_id=episode_id)
+                except Exception as err:  # noqa: BLE001 - a session call to a dead engine; others raised as is
+                    if not is_unanswered(err):
+                        raise
+                    failures.append(str(self.engines.failed(index, f"{type(err).__name__}: {err}")))
+                    continue
+                failed = next((s.reward_error for s in samples if s.reward_error), None)
+                if failed is None or self.engines.answers(index):
+                    return samples
+                failures.append(str(self.engines.failed(index, f"the agent failed ({failed}) and the engine "
+                                                               "does not answer its health check")))
+            logger.warning("agent episode on task %d: %s; playing it again on a live engine", group_index, failures[-1])
+        raise RuntimeError(f"an agent episode on task {group_index} lost its engine {len(failures)} times in a row: "
+                           + "; ".join(failures) + ". Check the rollout servers' logs")
+
+    def play_on(self, server_url: str, group_index: int, task: dict, *,
+                episode_id: Optional[int] = None) -> list[Sample]:
+        """One episode in a fresh session on the server at `server_url` (play_episode)."""
+        session_id, secret = self.open_session(server_url)
         reward, error, cause = None, None, None
         try:
-            reward = self.agent(session_base_url(self.server_url, session_id, secret), task)
+            reward = self.agent(session_base_url(server_url, session_id, secret), task)
         except Exception as err:  # noqa: BLE001 - one failing episode must not end the run
             error = f"{type(err).__name__}: {err}"
             logger.warning("agent episode on task %d failed: %s", group_index, error)
             cause = infrastructure_cause(err)
-        samples = assemble_trajectories(self.take_turns(session_id, secret), group_index=group_index,
+        samples = assemble_trajectories(self.take_turns(session_id, secret, server_url), group_index=group_index,
                                         episode_id=episode_id)
         if samples and error is None and reward is None:
             if self.reward_fn is None:
@@ -279,24 +309,27 @@ class AgentRollout:
                 sample.metadata["infrastructure_failure"] = f"{cause}: {error}"
         return samples
 
-    def open_session(self) -> tuple[str, str]:
-        """(a new session id, its secret): opened on the server before the agent starts, so only this
-        episode can use it and the server keeps it until `take_turns`."""
+    def open_session(self, server_url: Optional[str] = None) -> tuple[str, str]:
+        """(a new session id, its secret): opened on the server (default `server_url`) before the agent starts,
+        so only this episode can use it and the server keeps it until `take_turns`."""
+        server_url = (server_url or self.server_url).rstrip("/")
         session_id = uuid.uuid4().hex
         headers = {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
-        answer = requests.post(f"{self.server_url}/stacx/sessions/{session_id}", headers=headers,
+        answer = requests.post(f"{server_url}/stacx/sessions/{session_id}", headers=headers,
                                timeout=self.request_timeout_s)
         if answer.status_code in (401, 403):
-            raise RuntimeError(f"{self.server_url} refused to open an episode's session ({answer.status_code}): "
+            raise RuntimeError(f"{server_url} refused to open an episode's session ({answer.status_code}): "
                                "pass AgentRollout(api_key=) the server's API key (stacx serve --api-key / "
                                "STACX_API_KEY)")
         answer.raise_for_status()
         return session_id, answer.json()["secret"]
 
-    def take_turns(self, session_id: str, secret: Optional[str] = None) -> list[RecordedTurn]:
-        """The session's recorded turns, removed from the server."""
+    def take_turns(self, session_id: str, secret: Optional[str] = None,
+                   server_url: Optional[str] = None) -> list[RecordedTurn]:
+        """The session's recorded turns, removed from the server (default `server_url`)."""
         headers = {} if secret is None else {"Authorization": f"Bearer {secret}"}
-        answer = requests.delete(f"{self.server_url}/stacx/sessions/{session_id}", headers=headers,
+        server_url = (server_url or self.server_url).rstrip("/")
+        answer = requests.delete(f"{server_url}/stacx/sessions/{session_id}", headers=headers,
                                  timeout=self.request_timeout_s)
         answer.raise_for_status()
         return [RecordedTurn.from_json(row) for row in answer.json()["turns"]]

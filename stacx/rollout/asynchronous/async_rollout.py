@@ -22,6 +22,10 @@ A prompt row that names an environment plays its n multi-turn episodes as one un
 (`rollin.start_episodes` / `run_turns` on a group thread): admitted, completed and trained as a group;
 an update waits for its episodes to end, so their actions all come from the admission version.
 
+A group with a dropped member (an episode out of --episode-retries, a reward call that failed every time)
+plays the next prompt of the data order under the same group id instead (`rollout/groups_replaced`,
+stacx.rollout.asynchronous.group_replacement): the batch keeps its size and its admission version.
+
 Partial rollout: `begin_update` aborts the in-flight rids; a group whose responses come back
 "abort" is `interrupt`ed with them and, after `publish_version`, continued (`continuation_request`)
 before any new prompt; the joined response keeps each token's behaviour log-prob and version.
@@ -55,6 +59,7 @@ import torch
 
 from stacx.objectives.algorithm_config import AlgorithmConfig, as_algorithm_config
 from stacx.rollout.asynchronous.async_scheduler import AsyncRolloutConfig, AsyncRolloutScheduler
+from stacx.rollout.asynchronous.group_replacement import MAX_REPLACEMENT_ROUNDS, GroupReplacements
 from stacx.rollout.continuation import continuation_request, join_outputs
 from stacx.rollout.data import ExampleSource
 from stacx.rollout.engines.registry import resolve_engine_kind
@@ -170,8 +175,9 @@ class AsyncRollout:
             max_staleness=rollout_section.max_staleness, groups_per_step=self.groups_per_step,
             samples_per_group=self.samples_per_group, partial_rollout=rollout_section.partial_rollout,
             start_version=start_version))
-        self.submit_lock = threading.Lock()
-        """Held while a group is admitted and submitted, and by `begin_update` (the scheduler's protocol)."""
+        self.submit_lock = threading.RLock()
+        """Held while a group is admitted and submitted, and by `begin_update` (the scheduler's protocol); a group
+        replaced by a fresh prompt is submitted under it too, from a callback the producer may run itself."""
         self._lock = threading.Lock()  # the runs and rids below (engine callbacks run on engine threads)
         self._runs: dict[int, _GroupRun] = {}
         self._in_flight: dict[str, int] = {}  # rid -> group id
@@ -192,6 +198,9 @@ class AsyncRollout:
         self._skip = set(self._trained_ahead)
         self._restore_buffer(resume_state.get("scheduler"))
         self._error: Optional[BaseException] = None
+        self.replacements = GroupReplacements(max_dropped_fraction=rollout_section.max_dropped_fraction)
+        """Groups with a dropped member, replaced by fresh prompts (stacx.rollout.asynchronous.group_replacement)."""
+        self._replacement_rounds: dict[int, int] = {}  # group id -> times replaced in a row
         self._thread = threading.Thread(target=self._produce, name="stacx-async-rollout", daemon=True)
 
     # ---- the trainer's side ----------------------------------------------------------------------
@@ -217,11 +226,12 @@ class AsyncRollout:
         with self.submit_lock:
             for position, group in enumerate(batch.groups):
                 self._trained_ahead.add(self._admitted.pop(group.group_id))
+                self._replacement_rounds.pop(group.group_id, None)
                 for sample in group.result:
                     sample.group_index = position
                     samples.append(sample)
             self._prune_trained_ahead()
-        metrics = {**batch.metrics(), **self.scheduler.metrics()}
+        metrics = {**batch.metrics(), **self.scheduler.metrics(), **self.replacements.take_metrics(step)}
         return samples, metrics
 
     def begin_update(self) -> None:
@@ -363,13 +373,14 @@ class AsyncRollout:
         episode's actions come from the weights it was admitted under."""
         with self._lock:
             self._episode_groups.add(group_id)
-        future = self._group_calls().submit(self._play_episodes, prompt)
+        future = self._group_calls().submit(self._play_episodes, prompt, group_id)
         future.add_done_callback(lambda f, g=group_id: self._on_episodes(g, f))
 
-    def _play_episodes(self, prompt: _Prompt) -> tuple[list[Sample], list[list[int]]]:
+    def _play_episodes(self, prompt: _Prompt, group_id: int) -> tuple[list[Sample], list[list[int]]]:
         """(samples, each sample's per-action-token versions) of a prompt's n episodes. The episodes'
         randomness (the environment's reset, each turn's seed) comes from the prompt's first sample
-        seed, so a prompt plays the same episodes whenever it is drawn."""
+        seed, so a prompt plays the same episodes whenever it is drawn. An episode still failing for an
+        infrastructure reason after its retries drops the group: a fresh prompt's episodes are played instead."""
         rng = random.Random(prompt_sample_seed(self.section.rollout_seed, prompt.index, 0,
                                                prompts_per_step=self.groups_per_step,
                                                samples_per_prompt=self.samples_per_group))
@@ -379,6 +390,9 @@ class AsyncRollout:
         run_turns(episodes, engines={Executor.STUDENT: self.engine}, sampling=self._sampling, tokenizer=tokenizer,
                   rng=rng)
         episodes = self._retry_failed(prompt, episodes, rng)
+        failures = [episode.failure for episode in episodes if episode.failure]
+        if self.replacements.played([episode.sample for episode in episodes], failures):
+            return self._play_episodes(self._fresh_prompt(group_id, prompt, failures), group_id)
         samples, versions = [], []
         for episode in episodes:
             sample = episode.sample
@@ -395,19 +409,32 @@ class AsyncRollout:
         return samples, versions
 
     def _retry_failed(self, prompt: _Prompt, episodes: list, rng: random.Random) -> list:
-        """Episodes failed for an infrastructure reason played again (--episode-retries); one still failing stops
-        the run: replacing its group by a fresh prompt is not done in asynchronous mode."""
+        """Episodes failed for an infrastructure reason played again (--episode-retries); one still failing
+        keeps its `failure` (its group is replaced by a fresh prompt's, `_play_episodes`)."""
         episodes, _ = retry_failed(episodes, failure=lambda e: e.failure, retries=self.section.episode_retries,
                                    replay=lambda failed: replay_episodes(
                                        failed, spec=self.step_rollout.spec, iteration=0,
                                        engines={Executor.STUDENT: self.engine}, sampling=self._sampling,
                                        tokenizer=self.service.tokenizer, rng=rng))
-        failure = next((e.failure for e in episodes if e.failure), None)
-        if failure is not None:
-            raise EpisodeLossError(f"prompt row {prompt.example.source}: an episode failed {self.section.episode_retries + 1} "
-                                   f"times for an infrastructure reason ({failure}); --rollout-mode async does not "
-                                   "replace a group yet: fix the cause, raise --episode-retries or use --rollout-mode sync")
         return episodes
+
+    def _fresh_prompt(self, group_id: int, dropped: _Prompt, reasons: Sequence[str]) -> _Prompt:
+        """The next prompt of the data order, now group `group_id`'s instead of `dropped` (a member was dropped:
+        `reasons`); the dropped prompt counts as consumed. `EpisodeLossError` after MAX_REPLACEMENT_ROUNDS."""
+        with self.submit_lock:
+            rounds = self._replacement_rounds.get(group_id, 0) + 1
+            if rounds > MAX_REPLACEMENT_ROUNDS:
+                raise EpisodeLossError(f"prompt row {dropped.example.source}: a group lost an episode {rounds} times in "
+                                       f"a row, each time replaced by a fresh prompt; last causes: {'; '.join(reasons[:3])}. "
+                                       "Fix what fails (the sandbox server, the reward service) or raise --episode-retries")
+            self._replacement_rounds[group_id] = rounds
+            self.replacements.replaced()
+            fresh = self._draw()
+            self._admitted[group_id] = fresh.index
+            self._trained_ahead.add(dropped.index)  # consumed: a resumed run does not draw it again
+        logger.warning("async rollout: prompt row %s lost an episode (%s); its group plays the fresh prompt row %s",
+                       dropped.example.source, reasons[0], fresh.example.source)
+        return fresh
 
     def _on_episodes(self, group_id: int, future: Future) -> None:
         try:
@@ -449,6 +476,11 @@ class AsyncRollout:
                 self.scheduler.interrupt(group_id, run)
                 return
             samples = self._build_samples(run)
+            reasons = self.replacements.played(samples)
+            if reasons:  # a reward call failed every time: the group plays a fresh prompt instead
+                with self.submit_lock:
+                    self._submit_group(group_id, self._fresh_prompt(group_id, run.prompt, reasons))
+                return
             with self._lock:
                 del self._runs[group_id]
             self.scheduler.complete(group_id, samples, [o.output_token_versions for o in run.outputs])

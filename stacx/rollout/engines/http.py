@@ -25,7 +25,7 @@ from stacx.wire.weight_versions import is_own_accepted_bucket
 from stacx.wire.types import GenerateOutput, GenerateRequest
 from stacx.wire.weight_transfer import (
     BUCKET_ENDPOINT, DIGEST_ENDPOINT, SHM_BUCKET_ENDPOINT, SHM_RELEASE_ENDPOINT, SHM_STAGING_ENDPOINT,
-    SharedMemoryStaging, bucket_wire_chunks
+    SharedMemoryStaging, bucket_wire_chunks, numbered_buckets
 )
 
 logger = logging.getLogger(__name__)
@@ -74,14 +74,8 @@ class HttpEngine(InferenceEngine):
     def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
         """Send the buckets numbered 0, 1, ... under `version`, the last one marked final (the server
         refuses a version it serves already, or older: stacx.wire.weight_versions)."""
-        pending, index = None, -1
-        for bucket in buckets:
-            if pending is not None:
-                self._send_bucket(pending, version=version, index=index, final=False)
-            pending, index = bucket, index + 1
-        if pending is None:
-            raise ValueError("update_weights: no buckets given")
-        self._send_bucket(pending, version=version, index=index, final=True)
+        for index, bucket, final in numbered_buckets(buckets):
+            self._send_bucket(bucket, version=version, index=index, final=final)
 
     def _send_bucket(self, bucket: WeightBucket, *, version: int, index: int, final: bool) -> None:
         try:

@@ -9,11 +9,12 @@ Every launcher has one shape (what `register_engine(launcher=...)` takes):
 
 Servers that can be restarted also have `restart(index) -> url`: stop server `index` (dead or hung) and
 start it again on the same URL (the run's engine pool does, stacx.rollout.engine_health); the 'cpu'
-kind's have it.
+kind's (a new `stacx serve` child) and the 'sglang' kind's (a new actor on the same node and port) have it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -21,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence
 
-from stacx.rollout.engines.processes import ReadyLineWatch, stop_process
-from stacx.rollout.engines.sglang import SglangServerSpec, launch_sglang_servers_on_ray
+from stacx.rollout.engines.processes import LocalServerGroup, ReadyLineWatch, stop_process
+from stacx.rollout.engines.sglang import SglangServerSpec, launch_sglang_servers_on_ray, sglang_lora_args
 
 SERVER_START_TIMEOUT_S = 180.0
 SGLANG_PORT = 30000
@@ -45,7 +46,8 @@ class ServerLaunch:
     num_servers: int = 1
     """Servers to start (--rollout-num-engines); the requests are spread over them."""
     lora_flags: tuple[str, ...] = ()
-    """`stacx serve`'s --lora-* flags when the run pushes LoRA adapters only (--lora-sync adapters)."""
+    """The run's --lora-* flags (as `stacx serve` takes them) when it pushes LoRA adapters only (--lora-sync
+    adapters); the 'vllm' and 'sglang' launchers turn them into their servers' LoRA flags."""
     engine_python: Optional[str] = None
     """The python of the engine's own environment, for kinds whose server runs outside Stacx's (vLLM:
     --vllm-python)."""
@@ -102,7 +104,7 @@ class CpuServerProcess:
 
 
 @dataclass(eq=False)
-class LaunchedCpuServer:
+class LaunchedCpuServer(LocalServerGroup):
     """The 'cpu' kind's `stacx serve` children as `LaunchedServers` (restartable)."""
 
     process: CpuServerProcess
@@ -115,13 +117,6 @@ class LaunchedCpuServer:
     @property
     def processes(self) -> list:
         return [self.process, *self.others]
-
-    def wait_until_ready(self) -> tuple[str, ...]:
-        try:
-            return tuple(process.wait_until_ready() for process in self.processes)
-        except BaseException:
-            self.stop()
-            raise
 
     def restart(self, index: int) -> str:
         """Stop server `index` (killed if it does not stop: it may be hung) and start it again on its URL;
@@ -139,10 +134,6 @@ class LaunchedCpuServer:
             self.others[index - 1] = new
         return new.url
 
-    def stop(self) -> None:
-        for process in self.processes:
-            process.stop()
-
 
 def launch_cpu_server(launch: ServerLaunch) -> LaunchedCpuServer:
     """Start `launch.num_servers` `stacx serve` processes on loopback without waiting for them: they
@@ -155,13 +146,32 @@ def launch_cpu_server(launch: ServerLaunch) -> LaunchedCpuServer:
 
 @dataclass(eq=False)
 class LaunchedSglangServers:
-    """The SGLang server actors of the 'sglang' kind as `LaunchedServers` (ready when launched)."""
+    """The SGLang server actors of the 'sglang' kind as `LaunchedServers` (ready when launched; restartable)."""
 
     actors: Sequence[Any]
     urls: tuple[str, ...]
+    specs: Sequence[SglangServerSpec] = ()
+    """What started each server (a restart starts the same server again on its node and port); () when unknown."""
+    launch_on_ray: Any = launch_sglang_servers_on_ray
+    """(specs, pin_to_host=) -> (actors, urls): how a server is started again (tests give a fake)."""
 
     def wait_until_ready(self) -> tuple[str, ...]:
         return self.urls
+
+    def restart(self, index: int) -> str:
+        """Kill server `index`'s actor (it may be hung) and start the same server again, pinned to its node and
+        bound to its address and port; returns its URL once it is healthy (the checkpoint's weights)."""
+        if index >= len(self.specs):
+            raise RuntimeError(f"SGLang server {index} was started without a spec; it cannot be restarted")
+        url = self.urls[index]
+        _kill_actor(self.actors[index])
+        host = url.split("://", 1)[1].rsplit(":", 1)[0]
+        spec = dataclasses.replace(self.specs[index], host=host, port=int(url.rsplit(":", 1)[1]))
+        actors, urls = self.launch_on_ray([spec], pin_to_host=True)
+        self.actors = [*self.actors[:index], actors[0], *self.actors[index + 1:]]
+        if urls[0] != url:  # the run's clients and weight pushes know the old address
+            raise RuntimeError(f"SGLang server {url} came back at {urls[0]}; the run's clients cannot follow it")
+        return url
 
     def stop(self) -> None:
         """Kill every actor (best effort: a failure to kill one never keeps the others alive)."""
@@ -176,12 +186,26 @@ class LaunchedSglangServers:
                 pass
 
 
+def _kill_actor(actor: Any) -> None:
+    """Kill one server actor (best effort: it may be gone already)."""
+    # Imported here: Ray is slow to import (start-up time), and only this kind needs it.
+    import ray
+
+    try:
+        ray.kill(actor)
+    except Exception:  # noqa: BLE001 - a dead actor is what a restart expects
+        pass
+
+
 def launch_sglang_servers(launch: ServerLaunch) -> LaunchedSglangServers:
     """One SGLang server on the Ray cluster's GPUs (blocks until it is healthy)."""
     if launch.num_servers != 1:
         raise ValueError(f"--rollout-num-engines {launch.num_servers}: the 'sglang' kind launches one server; start "
                          "more yourself and attach them with --rollout-engine http --rollout-urls")
     extra = ("--enable-return-routed-experts",) if launch.return_routed_experts else ()
-    actors, urls = launch_sglang_servers_on_ray([SglangServerSpec(model_path=launch.hf_checkpoint, port=SGLANG_PORT,
-                                                                  api_key=launch.api_key, extra_args=extra)])
-    return LaunchedSglangServers(actors, tuple(urls))
+    if launch.lora_flags:  # --lora-sync adapters: SGLang's LoRA API takes the pushes
+        extra += tuple(sglang_lora_args(launch.lora_flags))
+    specs = [SglangServerSpec(model_path=launch.hf_checkpoint, port=SGLANG_PORT, api_key=launch.api_key,
+                              extra_args=extra)]
+    actors, urls = launch_sglang_servers_on_ray(specs)
+    return LaunchedSglangServers(actors, tuple(urls), specs)

@@ -69,6 +69,23 @@ class ReadyLineWatch:
 
 
 
+class LocalServerGroup:
+    """`LaunchedServers` (stacx.rollout.engines.launchers) over local server processes: `processes`, each
+    with `wait_until_ready()` (its URL) and `stop()`, ready when every one is and stopped together."""
+
+    def wait_until_ready(self) -> tuple[str, ...]:
+        """Every server's URL; when one fails to start, all are stopped before the error goes on."""
+        try:
+            return tuple(process.wait_until_ready() for process in self.processes)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.stop()
+
+
 def stop_process(process: subprocess.Popen, *, timeout_s: float) -> None:
     """SIGTERM, wait up to `timeout_s`, then SIGKILL and reap it; nothing when it has already exited."""
     if process.poll() is not None:

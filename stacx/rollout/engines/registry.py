@@ -22,7 +22,10 @@ A kind declares, where it is registered:
 - **launches_on_ray**: the launcher places the servers on the Ray cluster (SGLang's), so a
   torchrun job cannot overlap it with training (`--rollout-mode async`);
 - **records_sessions**: the servers record the turns of OpenAI-compatible sessions with their
-  token ids and log-probs (`stacx serve`), so `--agent` / `--agent-command` runs may use the kind.
+  token ids and log-probs (`stacx serve`), so `--agent` / `--agent-command` runs may use the kind;
+- **sessions_through_recorder**: the servers record no sessions, but the client generates from token
+  ids with per-token log-probs, so an agent run puts `stacx serve`'s session recorder in front of it
+  (in the driver: `stacx.trainer.session_recorder`) and may use the kind too (vLLM).
 
 Built-ins: 'cpu' (`stacx serve` as a child of the driver), 'http' (attach to --rollout-urls),
 'sglang' (SGLang servers on the Ray cluster's GPUs), 'vllm' (vLLM's server from its own environment,
@@ -79,6 +82,19 @@ class EngineKind:
     serve`), which an `--agent` / `--agent-command` run trains on."""
     attaches_with_urls: bool = False
     """Given --rollout-urls, the run attaches to those servers instead of launching its own (vLLM)."""
+    takes_lora_adapters: bool = False
+    """The servers take adapter-only pushes (--lora-sync adapters): the launcher starts them for the run's --lora-*
+    flags (`ServerLaunch.lora_flags`), and the client loads the pushed adapters."""
+    sessions_through_recorder: bool = False
+    """The servers record no sessions, but the client takes and returns token ids with per-token log-probs:
+    an `--agent` / `--agent-command` run records the sessions with `stacx serve`'s recorder in front of the
+    client (stacx.trainer.session_recorder)."""
+
+    @property
+    def serves_agents(self) -> bool:
+        """An `--agent` / `--agent-command` run may use this kind: its servers record the sessions, or a
+        recorder in front of its client does."""
+        return self.records_sessions or self.sessions_through_recorder
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or self.name == AUTO:
@@ -118,14 +134,15 @@ def add_engine_kind(kind: EngineKind) -> EngineKind:
 
 def register_engine(name: str, *, launcher: Optional[Launcher] = None, owns_secret: bool = True,
                     starts_beside_workers: bool = False, launches_on_ray: bool = False,
-                    records_sessions: bool = False) -> Callable[[C], C]:
+                    records_sessions: bool = False, sessions_through_recorder: bool = False) -> Callable[[C], C]:
     """Class (or factory) decorator registering an engine kind whose client is the decorated object;
     the traits are those of `EngineKind`. Returns the client unchanged."""
 
     def decorator(client: C) -> C:
         add_engine_kind(EngineKind(name=name, client=client, launcher=launcher, owns_secret=owns_secret,
                                    starts_beside_workers=starts_beside_workers, launches_on_ray=launches_on_ray,
-                                   records_sessions=records_sessions))
+                                   records_sessions=records_sessions,
+                                   sessions_through_recorder=sessions_through_recorder))
         return client
 
     return decorator
@@ -162,8 +179,9 @@ def engine_client(kind: str, url: str, *, api_key: Optional[str] = None) -> Infe
 
 
 add_engine_kind(EngineKind(name="cpu", client=HttpEngine, launcher=launch_cpu_server, starts_beside_workers=True,
-                           records_sessions=True))
-add_engine_kind(EngineKind(name="http", client=HttpEngine, records_sessions=True))  # attaches to `stacx serve`
-add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True))
+                           records_sessions=True, takes_lora_adapters=True))
+add_engine_kind(EngineKind(name="http", client=HttpEngine, records_sessions=True, takes_lora_adapters=True))  # attaches to `stacx serve`
+add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True,
+                           takes_lora_adapters=True))
 add_engine_kind(EngineKind(name="vllm", client=VllmEngine, launcher=launch_vllm_servers, starts_beside_workers=True,
-                           attaches_with_urls=True))
+                           attaches_with_urls=True, takes_lora_adapters=True, sessions_through_recorder=True))

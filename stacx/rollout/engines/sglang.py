@@ -12,6 +12,16 @@ one of two ways (field names from SGLang's io_struct, see docs/sglang.md):
   while the trainer joins the same group as rank 0 (`WeightBroadcastGroup`); then per bucket
   `POST /update_weights_from_distributed` `{"names", "dtypes", "shapes", "group_name",
   "flush_cache", "weight_version"}` and, concurrently, one broadcast per tensor from rank 0.
+
+A push of LoRA adapters only (`--lora-sync adapters`: every tensor a PEFT `lora_A` / `lora_B`) goes through
+SGLang's LoRA API instead: `POST /load_lora_adapter_from_tensors` `{"lora_name", "config_dict",
+"serialized_tensors", "load_format"}` (the adapters in PEFT's names, serialized as a dict by the same serializer)
+under a name per version (`stacx-policy-lora-v{version}`: a reused name may keep serving its old weights), then
+`POST /update_weight_version` `{"new_version", "abort_all_requests"}` and `POST /unload_lora_adapter`
+`{"lora_name"}` of the previous version's adapter. Generation names the adapter in `/generate`'s `lora_path`;
+a client that did not push (the driver's) finds it in `GET /v1/models`, which lists the loaded adapters, after
+each weight version check. The server must be started with `--enable-lora`, `--max-lora-rank` and
+`--lora-target-modules` (`sglang_lora_args`).
 """
 
 from __future__ import annotations
@@ -29,12 +39,16 @@ import torch.distributed as dist
 
 from stacx.parallel.bound_store import host_bound_store
 from stacx.parallel.tensor_buckets import dtype_name
-from stacx.rollout.engines.http import HttpEngine
+from stacx.rollout.engines.http import HttpEngine, summarize_requests
 from stacx.rollout.engines.processes import stop_process
 from stacx.wire.engine import WeightBucket
 from stacx.wire.http_client import RetryPolicy
+from stacx.wire.sglang_protocol import build_generate_payload, parse_generate_response
+from stacx.wire.types import GenerateOutput, GenerateRequest
 
 WEIGHT_UPDATE_MODES = ("tensor", "distributed")
+LORA_ADAPTER_PREFIX = "stacx-policy-lora-v"
+"""An adapter-only push of version N is served under `stacx-policy-lora-vN`."""
 
 
 def build_update_from_tensor_payload(serialized_per_rank: Sequence[str], *, version: int, final: bool) -> dict:
@@ -55,6 +69,26 @@ def build_update_from_distributed_payload(bucket: WeightBucket, *, group_name: s
         "flush_cache": bool(final),
         "weight_version": str(version),
     }
+
+
+def build_load_lora_from_tensors_payload(serialized: str, *, lora_name: str, config: dict) -> dict:
+    return {"lora_name": lora_name, "config_dict": dict(config), "serialized_tensors": serialized, "load_format": None}
+
+
+def build_update_weight_version_payload(version: int) -> dict:
+    return {"new_version": str(version), "abort_all_requests": False}
+
+
+def sglang_lora_args(lora_flags: Sequence[str]) -> list[str]:
+    """`sglang.launch_server` flags of a server that takes adapter-only pushes with a run's engine --lora-* flags
+    (`stacx.trainer.config.run.engine_lora_flags`): rank and Hugging Face target modules are fixed at start-up."""
+    # Imported here: stacx.models imports megatron-core, slow to import (a launcher needs only these names).
+    from stacx.models.peft_adapters import hf_target_modules
+
+    flags = list(lora_flags)
+    targets = [flags[i + 1] for i, flag in enumerate(flags) if flag == "--lora-target-modules"] or ["all-linear"]
+    return ["--enable-lora", "--max-lora-rank", flags[flags.index("--lora-rank") + 1], "--max-loras-per-batch", "1",
+            "--lora-target-modules", *hf_target_modules(targets)]
 
 
 def build_init_group_payload(*, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -184,8 +218,9 @@ SGLANG_SCHEDULING_MARGIN_S = 120.0
 
 
 def launch_sglang_servers_on_ray(specs: Sequence[SglangServerSpec], *, num_gpus_per_server: Optional[int] = None,
-                                 startup_timeout_s: float = 900.0):
+                                 startup_timeout_s: float = 900.0, pin_to_host: bool = False):
     """One Ray actor per server on the rollout GPUs; returns (actors, urls). Needs a Ray cluster with GPUs.
+    pin_to_host: place each actor on the node of its spec's host (Ray's `node:<address>` resource; a restart).
 
     Fails (instead of waiting forever) when the servers are not up within startup_timeout_s plus a
     scheduling margin, e.g. because the cluster lacks the GPUs; every actor started is killed first.
@@ -198,7 +233,9 @@ def launch_sglang_servers_on_ray(specs: Sequence[SglangServerSpec], *, num_gpus_
     try:
         for spec in specs:
             num_gpus = num_gpus_per_server or spec.tensor_model_parallel_size
-            actors.append(actor_cls.options(num_gpus=num_gpus).remote(spec, startup_timeout_s=startup_timeout_s))
+            placement = {"resources": {f"node:{spec.host}": 0.001}} if pin_to_host and spec.host else {}
+            actors.append(actor_cls.options(num_gpus=num_gpus, **placement).remote(spec,
+                                                                                  startup_timeout_s=startup_timeout_s))
         wait_s = startup_timeout_s + SGLANG_SCHEDULING_MARGIN_S
         try:
             urls = ray.get([a.__ray_call__.remote(lambda self: self.url) for a in actors], timeout=wait_s)
@@ -232,6 +269,9 @@ class SglangEngine(HttpEngine):
         self.broadcast_group = broadcast_group
         self.group_name = group_name
         self._version = 0
+        self._lora_config: Optional[dict] = None
+        self._lora_name: Optional[str] = None
+        """The adapter generation asks for (`lora_path`), None: the base model."""
 
     def init_weight_update_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                  backend: str = "nccl") -> WeightBroadcastGroup:
@@ -247,10 +287,27 @@ class SglangEngine(HttpEngine):
         self.broadcast_group = group
         return group
 
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
+        if self._lora_name is None or not requests:
+            return super().generate(requests)
+        payload = {**build_generate_payload(requests), "lora_path": [self._lora_name] * len(requests)}
+        body = self.transport.post_json("/generate", payload, summary=summarize_requests(requests))
+        return parse_generate_response(body, requests)
+
+    def use_lora_config(self, config: dict) -> None:
+        """The PEFT `adapter_config.json` of the adapters this client pushes (`--lora-sync adapters`)."""
+        self._lora_config = dict(config)
+
     def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
+        # Imported here: stacx.models imports megatron-core, slow to import (only a trainer rank pushes).
+        from stacx.models.peft_adapters import is_adapter_tensor_name
+
         buckets = list(buckets)
         if not buckets:
             raise ValueError("update_weights: no buckets given")
+        if all(is_adapter_tensor_name(name) for bucket in buckets for name, _ in bucket):
+            self.load_adapters(buckets, version=version)
+            return
         for index, bucket in enumerate(buckets):
             final = index == len(buckets) - 1
             if self.weight_update == "tensor":
@@ -258,6 +315,41 @@ class SglangEngine(HttpEngine):
             else:
                 self._update_from_distributed(bucket, version=version, final=final)
         self._version = version
+
+    def load_adapters(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
+        """An adapter-only push through SGLang's LoRA API (module doc): load version `version`'s adapter, report
+        the version, unload the previous one."""
+        if self._lora_config is None:
+            raise ValueError(f"{self.url}: a push of LoRA adapters only needs the run's adapter settings "
+                             "(use_lora_config; the trainer passes them with --lora-sync adapters)")
+        # Imported here: stacx.models imports megatron-core, slow to import (only a trainer rank pushes).
+        from stacx.models.peft_adapters import peft_named_tensors
+
+        tensors = peft_named_tensors(pair for bucket in buckets for pair in bucket)
+        if torch.cuda.is_available():  # SGLang's ranks open CUDA IPC handles, as on the weight path
+            tensors = {name: tensor.cuda() for name, tensor in tensors.items()}
+        name = f"{LORA_ADAPTER_PREFIX}{int(version)}"
+        serialize = self._serializer or default_serializer()
+        answer = self.transport.post_json("/load_lora_adapter_from_tensors",
+                                          build_load_lora_from_tensors_payload(serialize(tensors), lora_name=name,
+                                                                               config=self._lora_config),
+                                          summary=f"LoRA adapter {name} of {len(tensors)} tensors")
+        _check_success(answer, "/load_lora_adapter_from_tensors")
+        _check_success(self.transport.post_json("/update_weight_version", build_update_weight_version_payload(version),
+                                                summary=f"weight version {version}"), "/update_weight_version")
+        previous, self._lora_name, self._version = self._lora_name, name, version
+        if previous is not None and previous != name:
+            _check_success(self.transport.post_json("/unload_lora_adapter", {"lora_name": previous},
+                                                    summary=f"unload {previous}"), "/unload_lora_adapter")
+
+    def _served_adapter(self) -> Optional[str]:
+        """The newest `stacx-policy-lora-vN` that `GET /v1/models` lists, None when it lists none."""
+        answer = self.transport.get("/v1/models")
+        cards = answer.get("data") if isinstance(answer, dict) else None
+        names = [card.get("id") for card in cards or () if isinstance(card, dict)]
+        suffixes = [n[len(LORA_ADAPTER_PREFIX):] for n in names if isinstance(n, str) and n.startswith(LORA_ADAPTER_PREFIX)]
+        versions = [int(suffix) for suffix in suffixes if suffix.isdigit()]
+        return f"{LORA_ADAPTER_PREFIX}{max(versions)}" if versions else None
 
     def _update_from_tensor(self, bucket: WeightBucket, *, version: int, final: bool) -> None:
         serialize = self._serializer or default_serializer()
@@ -307,7 +399,10 @@ class SglangEngine(HttpEngine):
         """The server's own report when it has one, else the last version pushed."""
         info = self.model_info()
         reported = info.get("weight_version") if isinstance(info, dict) else None
-        return int(reported) if reported not in (None, "", "default") else self._version
+        version = int(reported) if reported not in (None, "", "default") else self._version
+        if self._lora_config is None and version > 0:  # not the pusher: serve the adapter a push loaded, if any
+            self._lora_name = self._served_adapter()
+        return version
 
 
 def _check_success(answer, endpoint: str) -> None:

@@ -15,10 +15,12 @@ forward; `weight_digests` reads the loaded weights back for the post-sync check
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import logging
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -32,9 +34,9 @@ import requests
 import torch
 
 from stacx.network import is_loopback_host
-from stacx.parallel.tensor_buckets import TENSOR_DTYPES, bucket_chunks, pack_bucket, plan_buckets
+from stacx.parallel.tensor_buckets import TENSOR_DTYPES, bucket_chunks, plan_buckets
 from stacx.wire.engine import InferenceEngine, WeightBucket
-from stacx.rollout.engines.processes import stop_process
+from stacx.rollout.engines.processes import LocalServerGroup, stop_process
 from stacx.rollout.engines.vllm_protocol import (
     build_abort_payload,
     build_completion_payload,
@@ -44,7 +46,9 @@ from stacx.rollout.engines.vllm_protocol import (
 )
 from stacx.wire.http_client import HttpTransport, RetryPolicy
 from stacx.wire.types import GenerateOutput, GenerateRequest
-from stacx.wire.weight_transfer import SHM_FILE_PREFIX, header_columns, shared_memory_directory
+from stacx.wire.weight_transfer import (
+    SHM_FILE_PREFIX, MappedStagingFile, header_columns, numbered_buckets, shared_memory_directory
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,11 @@ WORKER_EXTENSION = "stacx_vllm_worker.StacxWorkerExtension"
 WORKER_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker")
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SERVED_MODEL_NAME = "stacx-policy"
+LORA_ADAPTER_NAME = SERVED_MODEL_NAME + "-lora"
+"""The name a pushed LoRA adapter is served under (`--lora-sync adapters`); generation then asks for it."""
+LORA_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+"""vLLM serves `/v1/load_lora_adapter` only with this set (a server started for `--lora-sync adapters` has it)."""
+LORA_FOLDER_PREFIX = "stacx-lora-"
 VLLM_START_TIMEOUT_S = 900.0
 PAUSE_MODES = ("abort", "wait", "keep")
 RPC_RETRY = RetryPolicy(timeout_s=600.0, max_attempts=1)
@@ -99,6 +108,8 @@ class VllmEngine(InferenceEngine):
         self._model: Optional[str] = None
         self._version = 0
         self._staging: Optional[_StagingFile] = None
+        self._lora_config: Optional[dict] = None
+        self._lora_folder: Optional[str] = None
         self._fan_out = ThreadPoolExecutor(max_workers=self.max_concurrent_submissions,
                                            thread_name_prefix="VllmEngine-generate")
 
@@ -109,11 +120,13 @@ class VllmEngine(InferenceEngine):
     # ---- generation ---------------------------------------------------------------------
 
     def model_name(self) -> str:
-        """The name the server serves its model under (`GET /v1/models`, read once)."""
+        """The name generation asks for (`GET /v1/models`, read again after each weight version check): the
+        pushed LoRA adapter when the server lists one (`--lora-sync adapters`), else the served model."""
         if self._model is None:
             answer = self.transport.get("/v1/models")
             try:
-                self._model = answer["data"][0]["id"]
+                names = [card["id"] for card in answer["data"]]
+                self._model = LORA_ADAPTER_NAME if LORA_ADAPTER_NAME in names else names[0]
             except (KeyError, IndexError, TypeError) as err:
                 raise RuntimeError(f"{self.url}/v1/models lists no model: {str(answer)[:200]}") from err
         return self._model
@@ -167,6 +180,7 @@ class VllmEngine(InferenceEngine):
         if len(versions) != 1:
             raise RuntimeError(f"the workers of {self.url} serve different weight versions {sorted(versions)}")
         self._version = versions.pop()
+        self._model = None  # a push may have loaded an adapter since (another client of the same server)
         return self._version
 
     def weight_digest_dtype(self) -> torch.dtype:
@@ -187,17 +201,61 @@ class VllmEngine(InferenceEngine):
                     digests[name] = digests.get(name) or digest
         return digests
 
+    def use_lora_config(self, config: dict) -> None:
+        """The PEFT `adapter_config.json` of the adapters this client pushes (`--lora-sync adapters`:
+        `stacx.models.lora.peft_adapter_config` of the run's settings)."""
+        self._lora_config = dict(config)
+
     def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
-        """Load every bucket (numbered 0, 1, ..., the last one final) under `version`."""
-        pending, index = None, -1
-        for bucket in buckets:
-            if pending is not None:
-                self._send_bucket(pending, version=version, index=index, final=False)
-            pending, index = bucket, index + 1
-        if pending is None:
-            raise ValueError("update_weights: no buckets given")
-        self._send_bucket(pending, version=version, index=index, final=True)
+        """Load every bucket (numbered 0, 1, ..., the last one final) under `version`; a push of LoRA
+        adapters only (PEFT names) goes through vLLM's LoRA loading instead (`load_adapters`)."""
+        # Imported here: stacx.models imports megatron-core, slow to import (only a trainer rank pushes).
+        from stacx.models.peft_adapters import is_adapter_tensor_name
+
+        buckets = iter(buckets)
+        first = next(buckets, None)
+        if first is not None and first and all(is_adapter_tensor_name(name) for name, _ in first):
+            self.load_adapters([first, *buckets], version=version)
+            return
+        for index, bucket, final in numbered_buckets(itertools.chain([] if first is None else [first], buckets)):
+            self._send_bucket(bucket, version=version, index=index, final=final)
         self._version = version
+
+    def load_adapters(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
+        """An adapter-only push: the adapters (PEFT names, the shared A of a fused linear sent once) written as a
+        PEFT folder in this host's shared-memory folder and loaded with vLLM's `/v1/load_lora_adapter` under
+        LORA_ADAPTER_NAME (in place: the name keeps its adapter id; a new folder per version, so no cached state
+        of the last one is reused); the worker then serves `version`. The server reads the folder from disk: a
+        server on this host only."""
+        if self._lora_config is None:
+            raise ValueError(f"{self.url}: a push of LoRA adapters only needs the run's adapter settings "
+                             "(use_lora_config; the trainer passes them with --lora-sync adapters)")
+        if self.weight_transport != "shm":
+            raise ValueError(f"--lora-sync adapters with --rollout-engine vllm: vLLM loads an adapter from a folder on "
+                             f"its own host, and {self.url} is not on this one; use --lora-sync merged")
+        # Imported here: stacx.models imports megatron-core, slow to import (only a trainer rank pushes).
+        from stacx.models.peft_adapters import peft_named_tensors, write_peft_folder
+
+        served = self.weight_version()
+        if version <= served:  # checked before loading: a stale adapter must not reach the server at all
+            raise ValueError(f"{self.url}: adapter push of weight version {version} is not newer than the version the "
+                             f"engine serves ({served}); versions only move forward")
+        tensors = peft_named_tensors(pair for bucket in buckets for pair in bucket)
+        folder = tempfile.mkdtemp(prefix=LORA_FOLDER_PREFIX, dir=shared_memory_directory())
+        try:
+            write_peft_folder(folder, tensors, self._lora_config)
+            self.transport.post_json("/v1/load_lora_adapter",
+                                     {"lora_name": LORA_ADAPTER_NAME, "lora_path": folder, "load_inplace": True},
+                                     summary=f"LoRA adapter of {len(tensors)} tensors, version {version}",
+                                     retry=RPC_RETRY)
+            self.rpc("stacx_adapters_loaded", {"version": int(version)})
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        previous, self._lora_folder = self._lora_folder, folder
+        if previous is not None:  # vLLM holds the loaded adapter in memory; the last folder is kept for a reload
+            shutil.rmtree(previous, ignore_errors=True)
+        self._model, self._version = LORA_ADAPTER_NAME, version
 
     def _send_bucket(self, bucket: WeightBucket, *, version: int, index: int, final: bool) -> None:
         slots, (num_bytes,) = plan_buckets(bucket)
@@ -218,6 +276,9 @@ class VllmEngine(InferenceEngine):
         staging, self._staging = self._staging, None
         if staging is not None:
             staging.close()
+        folder, self._lora_folder = self._lora_folder, None
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
         self._shutdown_submissions()
         self._fan_out.shutdown(wait=False, cancel_futures=True)
         self._rpc_transport.close()
@@ -226,7 +287,7 @@ class VllmEngine(InferenceEngine):
     close = shutdown
 
 
-class _StagingFile:
+class _StagingFile(MappedStagingFile):
     """The client's same-host staging file (`stacx-weights-*` in the shared-memory folder, mode 0600):
     vLLM's server offers no staging handshake, so the sender creates it and names it in the header;
     the worker opens only such a file (stacx_vllm_worker.open_staging_file)."""
@@ -238,12 +299,7 @@ class _StagingFile:
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def write(self, bucket: WeightBucket, slots, num_bytes: int) -> str:
-        if num_bytes > self.capacity:
-            os.truncate(self.path, num_bytes)
-            self.buffer = torch.from_file(self.path, shared=True, size=num_bytes, dtype=torch.uint8)
-            self.capacity = num_bytes
-        if num_bytes:
-            pack_bucket(bucket, slots, 0, num_bytes, out=self.buffer)
+        self.pack(bucket, slots, num_bytes)
         return self.path
 
     def close(self) -> None:
@@ -275,9 +331,27 @@ def checkpoint_dtype(hf_checkpoint: str) -> str:
     return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's --max-lora-rank takes."""
+
+
+def vllm_lora_args(lora_rank: int) -> list[str]:
+    """`vllm serve` flags of a server that takes adapter-only pushes of rank `lora_rank` (one adapter)."""
+    fitting = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
+    if lora_rank < 1 or not fitting:
+        raise ValueError(f"--lora-rank {lora_rank}: vLLM serves LoRA adapters of rank 1 to {VLLM_LORA_RANKS[-1]}")
+    return ["--enable-lora", "--max-lora-rank", str(fitting[0]), "--max-loras", "1"]
+
+
+def lora_rank_of_flags(lora_flags: Sequence[str]) -> Optional[int]:
+    """The rank in a run's engine --lora-* flags (`stacx.trainer.config.run.engine_lora_flags`), None without."""
+    flags = list(lora_flags)
+    return int(flags[flags.index("--lora-rank") + 1]) if "--lora-rank" in flags else None
+
+
 def vllm_server_command(python: str, hf_checkpoint: str, *, port: int, seed: int = 0,
                         return_routed_experts: bool = False, max_model_len: Optional[int] = None,
-                        extra_args: Sequence[str] = ()) -> list[str]:
+                        lora_rank: Optional[int] = None, extra_args: Sequence[str] = ()) -> list[str]:
     """The `vllm.entrypoints.openai.api_server` command line a run starts: loopback only (vLLM's RL and RPC
     endpoints take no API key), the checkpoint's own dtype, log-probs of the sampling distribution, eager
     execution (no compilation: minutes of start-up on a CPU), then STACX_VLLM_EXTRA_ARGS and `extra_args`."""
@@ -290,12 +364,14 @@ def vllm_server_command(python: str, hf_checkpoint: str, *, port: int, seed: int
         command += ["--max-model-len", str(max_model_len)]
     if return_routed_experts:
         command += ["--enable-return-routed-experts"]
+    if lora_rank is not None:
+        command += vllm_lora_args(lora_rank)
     return command + shlex.split(os.environ.get(EXTRA_ARGS_ENV, "")) + list(extra_args)
 
 
-def vllm_server_env(api_key: Optional[str], *, num_threads: Optional[int] = None) -> dict:
-    """The server's environment: the RL and RPC endpoints on, the worker extension importable, the secret
-    handed over in VLLM_API_KEY (never on the command line)."""
+def vllm_server_env(api_key: Optional[str], *, num_threads: Optional[int] = None, lora: bool = False) -> dict:
+    """The server's environment: the RL and RPC endpoints on (with `lora`, the LoRA loading endpoints too), the
+    worker extension importable, the secret handed over in VLLM_API_KEY (never on the command line)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_API_KEY", "STACX_API_KEY")}
     env.update(VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([WORKER_FOLDER, PROJECT_ROOT]))
@@ -304,6 +380,8 @@ def vllm_server_env(api_key: Optional[str], *, num_threads: Optional[int] = None
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if num_threads <= 0 else f"0-{num_threads - 1}")
     if api_key:
         env["VLLM_API_KEY"] = api_key
+    if lora:
+        env[LORA_UPDATING_ENV] = "True"
     return env
 
 
@@ -312,14 +390,17 @@ class VllmServerProcess:
 
     def __init__(self, hf_checkpoint: str, *, python: str, seed: int = 0, api_key: Optional[str] = None,
                  return_routed_experts: bool = False, timeout_s: float = VLLM_START_TIMEOUT_S,
-                 extra_args: Sequence[str] = (), wait: bool = True):
+                 lora_rank: Optional[int] = None, extra_args: Sequence[str] = (), wait: bool = True):
+        """lora_rank: the server takes adapter-only pushes of adapters up to this rank (--lora-sync adapters)."""
         self.port = free_loopback_port()
         self.log_path = os.path.join(tempfile.mkdtemp(prefix="stacx-vllm-"), "server.log")
         self._log = open(self.log_path, "w")
         command = vllm_server_command(python, hf_checkpoint, port=self.port, seed=seed,
-                                      return_routed_experts=return_routed_experts, extra_args=extra_args)
+                                      return_routed_experts=return_routed_experts, lora_rank=lora_rank,
+                                      extra_args=extra_args)
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env=vllm_server_env(api_key), start_new_session=True)
+                                        env=vllm_server_env(api_key, lora=lora_rank is not None),
+                                        start_new_session=True)
         self.url: Optional[str] = None
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
@@ -388,21 +469,10 @@ class VllmServerProcess:
 
 
 @dataclass(eq=False)
-class LaunchedVllmServers:
+class LaunchedVllmServers(LocalServerGroup):
     """The 'vllm' kind's servers as `LaunchedServers`."""
 
     processes: Sequence[VllmServerProcess]
-
-    def wait_until_ready(self) -> tuple[str, ...]:
-        try:
-            return tuple(p.wait_until_ready() for p in self.processes)
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        for process in self.processes:
-            process.stop()
 
 
 def launch_vllm_servers(launch) -> LaunchedVllmServers:
@@ -410,5 +480,6 @@ def launch_vllm_servers(launch) -> LaunchedVllmServers:
     python = vllm_python(launch.engine_python)
     return LaunchedVllmServers([VllmServerProcess(launch.hf_checkpoint, python=python, seed=launch.seed,
                                                   api_key=launch.api_key,
-                                                  return_routed_experts=launch.return_routed_experts, wait=False)])
+                                                  return_routed_experts=launch.return_routed_experts,
+                                                  lora_rank=lora_rank_of_flags(launch.lora_flags), wait=False)])
 

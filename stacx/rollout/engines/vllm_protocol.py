@@ -43,7 +43,7 @@ def build_completion_payload(request: GenerateRequest, *, model: str) -> dict:
     payload: dict[str, Any] = {
         "model": model,
         "prompt": list(request.input_ids),
-        "max_tokens": sampling.max_new_tokens,
+        "max_tokens": max(1, sampling.max_new_tokens),  # vLLM refuses 0: a scoring request's one token is dropped
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
@@ -124,6 +124,11 @@ def _prompt_entry(entry: Optional[dict], token_id: int) -> tuple[Optional[float]
     return own, sorted(pairs, key=lambda pair: -pair[0])
 
 
+def _first_positions(logprobs: Optional[dict], count: int) -> dict:
+    """A completion's `logprobs` cut to its first `count` generated positions."""
+    return {key: (value[:count] if isinstance(value, list) else value) for key, value in (logprobs or {}).items()}
+
+
 def parse_routed_experts(encoded: Optional[str], num_tokens: int) -> torch.Tensor:
     """`routed_experts` (base64 `.npy`, [tokens - 1, layers, top_k]) -> [num_tokens, layers, top_k] int32."""
     if not isinstance(encoded, str):
@@ -149,6 +154,10 @@ def parse_completion_response(body: Any, request: GenerateRequest, *, weight_ver
     finish = _FINISH_REASONS.get(reason, "abort" if reason is None else None)
     if finish is None:
         raise ValueError(f"choices[0].finish_reason {reason!r} is not one of {sorted(_FINISH_REASONS)}")
+    scoring = request.sampling.max_new_tokens == 0  # prefill only (a teacher's scoring): the one token vLLM drew goes
+    if scoring:
+        choice = {**choice, "token_ids": [], "logprobs": _first_positions(choice.get("logprobs"), 0)}
+        output_ids, finish = [], "length"
     out = GenerateOutput(output_ids=output_ids, finish_reason=finish, weight_version=weight_version,
                          output_token_versions=[weight_version] * len(output_ids))
     if request.return_logprob:

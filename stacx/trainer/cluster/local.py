@@ -17,6 +17,7 @@ import torch.distributed as dist
 from stacx.parallel.reduction import StepCounts
 from stacx.trainer.checkpoint import LoadedCheckpoint, RankFileInfo
 from stacx.trainer.cluster.protocol import MicroBatches
+from stacx.trainer.runtime.push_outcome import push_outcome, settle_push
 from stacx.trainer.cluster.rank_messages import all_gather_values, broadcast_value
 from stacx.trainer.config.layout import RankCoords, RoleLayout
 from stacx.trainer.runtime.role_runtime import RoleRuntime
@@ -24,6 +25,9 @@ from stacx.trainer.runtime.role_runtime import RoleRuntime
 
 class LocalRoleGroup:
     """A `RoleGroup` whose ranks are the processes of this torchrun job; this one is `dist.get_rank()`."""
+
+    fails_together = True
+    """A failed weight push raises the same error on every rank (the loop may then retry it on every rank)."""
 
     def __init__(self, runtime: RoleRuntime, name: str):
         self.name = name
@@ -44,8 +48,10 @@ class LocalRoleGroup:
 
     def push_weights(self, engine_kind: str, url: str, version: int, bucket_bytes: int,
                      api_key: str | None, check_weights: bool = False) -> list[int]:
-        return all_gather_values(self.runtime.push_weights_to_engine(engine_kind, url, version, bucket_bytes, api_key,
-                                                                     check_weights=check_weights))
+        # every rank raises alike when one failed (a retry needs every rank; stacx.trainer.runtime.push_outcome)
+        outcome = push_outcome(lambda: self.runtime.push_weights_to_engine(engine_kind, url, version, bucket_bytes,
+                                                                           api_key, check_weights=check_weights))
+        return settle_push(all_gather_values(outcome), url=url)
 
     def save(self, staging_dir: str) -> list[RankFileInfo]:
         return all_gather_values(self.runtime.save_rank_state(staging_dir, self.name, self.rank))

@@ -124,8 +124,9 @@ def check_examples(examples: Sequence[Any], *, run_config: RunConfig, training_c
 
 def check_agent_supported(run_config: RunConfig, training_config: TrainingConfig) -> None:
     """--agent / --agent-command: the agent's sessions replace the generation of a rollout recipe, so
-    the recipe draws prompts and rolls in nothing, the rollout is synchronous, and the engine is a
-    `stacx serve` (the CPU server a run starts, or attached ones): it records the sessions."""
+    the recipe draws prompts and rolls in nothing, the rollout is synchronous, and the engine records the
+    sessions (`stacx serve`: the CPU server a run starts, or attached ones) or takes a recorder in front
+    (vLLM: stacx.trainer.session_recorder)."""
     rollout = run_config.rollout
     flag = "--agent" if rollout.agent else "--agent-command"
     if not (rollout.agent or rollout.agent_command):
@@ -145,9 +146,10 @@ def check_agent_supported(run_config: RunConfig, training_config: TrainingConfig
         engine_kind = resolve_engine_kind(rollout.rollout_engine)
     except ValueError:
         return  # an unknown --rollout-engine is reported by the engine check, with the known kinds
-    if not engine_kind.records_sessions:
-        raise PreflightError(f"{flag} needs an engine that records the agent's sessions (`stacx serve`, or a kind "
-                             f"registered with records_sessions=True): --rollout-engine cpu, or http with "
+    if not engine_kind.serves_agents:
+        raise PreflightError(f"{flag} needs an engine that records the agent's sessions (`stacx serve`, "
+                             f"or a kind registered with records_sessions=True or "
+                             f"sessions_through_recorder=True): --rollout-engine cpu, vllm, or http with "
                              f"--rollout-urls of stacx serve servers (got {engine_kind.name!r})")
     if rollout.agent and (rollout.agent_env or rollout.agent_timeout != RolloutSection.agent_timeout):
         given = "--agent-env" if rollout.agent_env else "--agent-timeout"

@@ -75,8 +75,9 @@ class ModelSection:
     (the routed experts' fc1 and fc2), or all-linear; repeatable."""
     lora_sync: str = "merged"
     """LoRA: what a weight push sends the rollout engine: 'merged' (W + s B A under the base names, any engine) or
-    'adapters' (the adapters only; the 'cpu' engine's `stacx serve` is started with the run's --lora-* flags and
-    merges them, attached servers must be started with them)."""
+    'adapters' (the adapters only: the 'cpu' engine's `stacx serve` is started with the run's --lora-* flags and
+    merges them; vLLM and SGLang load them with their own LoRA loading; attached servers must be started with the
+    matching flags; docs/lora.md)."""
 
     def __post_init__(self):
         unknown = [name for name in self.lora_target_modules if name not in (*LORA_TARGET_MODULES, "all-linear")]

@@ -7,9 +7,9 @@ others:
     register_workload(Workload(modality="image", description="...", driver=DiffusionDriver,
                                objective_base=DiffusionObjective, runtime=DiffusionRuntime))
 
-`stacx train` asks `get_workload(recipe.modality)` for the driver of a non-text recipe (a text recipe
-runs the core's own launch path: preflight, `--dry-run` placement, `run_training`); a recipe naming a
-modality nobody registered fails at `@recipe` time, listing the registered ones. A package registers its
+`stacx train` asks `get_workload(recipe.modality)` for the driver of every recipe, a text one included
+(its driver runs the preflight when built, prints the placement for `--dry-run` and calls `run_training`);
+a recipe naming a modality nobody registered fails at `@recipe` time, listing the registered ones. A package registers its
 workload the way plugins are found: `stacx.launch.workloads` imports the built-in ones and the
 `stacx.workloads` entry points of installed packages; a `stacx/custom/` or `--custom-module` file may
 call `register_workload` itself. The core never imports a workload's package.

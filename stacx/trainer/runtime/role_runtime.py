@@ -32,7 +32,14 @@ import torch.distributed as dist
 
 from stacx.checkpointing.folders import load_model_weights
 from stacx.models.builder import RouterLosses, model_chunks, unwrap_model
-from stacx.models.lora import LoraSettings, adapted_linears, attach_lora, is_peft_adapter_folder, load_peft_adapter
+from stacx.models.lora import (
+    LoraSettings,
+    adapted_linears,
+    attach_lora,
+    is_peft_adapter_folder,
+    load_peft_adapter,
+    peft_adapter_config,
+)
 from stacx.models.moe import (
     ExpertLoadRecorder,
     expert_load_metrics,
@@ -477,10 +484,23 @@ class RoleRuntime:
         key = (engine_kind, url)
         if key not in self._engine_clients:
             self._engine_clients[key] = engine_client(engine_kind, url, api_key=api_key)
+            use_lora_config = getattr(self._engine_clients[key], "use_lora_config", None)
+            if use_lora_config is not None and self.lora is not None and self.model_section.lora_sync == "adapters":
+                # an engine that loads PEFT adapter folders (vLLM, SGLang) is told the adapters' settings
+                use_lora_config(peft_adapter_config(self.lora, base_model=None))
         sent = [0]
+        gathers_failed = [False]
 
         def counted():
-            for bucket in buckets:
+            iterator = iter(buckets)
+            while True:
+                try:
+                    bucket = next(iterator)
+                except StopIteration:
+                    return
+                except BaseException:
+                    gathers_failed[0] = True  # a collective broke: nothing left to match
+                    raise
                 sent[0] += len(bucket)
                 yield bucket
 
@@ -492,7 +512,10 @@ class RoleRuntime:
             digest_dtype = getattr(client, "weight_digest_dtype", None)
             digesting = DigestingBuckets(counted(), dtype=digest_dtype() if digest_dtype is not None else None)
             client.update_weights(digesting, version=version)
-        except BaseException:
+        except BaseException as err:
+            if isinstance(err, Exception) and not gathers_failed[0]:
+                for _ in buckets:  # the engine failed, the other ranks' gathers go on: match them (a retry needs them)
+                    pass
             # a retried push (stacx.rollout.engine_health) may reach a restarted server: a fresh client
             # opens a fresh shared-memory staging file there
             stale = self._engine_clients.pop(key)

@@ -4,10 +4,12 @@ checks the same world on a non-loopback address)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from stacx.testing.listening_sockets import descendant_pids, listening_addresses
 from stacx.trainer.cluster.ray import connect as ray_cluster
@@ -31,6 +33,14 @@ def _worker_node_address() -> str:
     return ray.util.get_node_ip_address()
 
 
+def _as_received(tensors: list) -> list:
+    return [(tensor, tensor.is_contiguous()) for tensor in tensors]
+
+
+def _worker_niceness() -> int:
+    return os.nice(0)
+
+
 def test_a_local_cluster_reports_and_listens_on_loopback_only():
     """The cluster's processes, then a 2-rank role world on it (one cluster start for both)."""
     import ray
@@ -44,6 +54,12 @@ def test_a_local_cluster_reports_and_listens_on_loopback_only():
         assert node_addresses() == [LOOPBACK_ADDRESS]
         assert ray.util.get_node_ip_address() == LOOPBACK_ADDRESS
         assert ray.get(ray.remote(_worker_node_address).remote(), timeout=120) == LOOPBACK_ADDRESS
+        # Its workers run at this driver's priority, not Ray's default of 15 lower (WORKER_NICENESS_INCREMENT).
+        assert ray.get(ray.remote(_worker_niceness).remote(), timeout=120) == os.nice(0)
+        # Tensors this driver sends arrive through the raw-bytes transport (trainer/cluster/ray/tensor_transport.py).
+        sent = [torch.randn(4, 3).to(torch.bfloat16), torch.arange(20)[::3], torch.tensor(True)]
+        arrived = ray.get(ray.remote(_as_received).remote(sent), timeout=120)
+        assert all(contiguous and torch.equal(a, b) and a.dtype == b.dtype for (a, contiguous), b in zip(arrived, sent))
         assert ray_constants.ENABLE_RAY_CLUSTER == switch_before  # the switch is restored after ray.init
         # What the kernel says, not what Ray says: the GCS, raylet, agents and workers (all started
         # below this process) listen on loopback and never on 0.0.0.0 / ::.
@@ -96,7 +112,8 @@ def test_a_cluster_on_another_address_is_shut_down_and_named(monkeypatch):
     with pytest.raises(RuntimeError, match=r"node addresses \['192.0.2.7'\] instead of 127.0.0.1.*--ray-address"):
         ray_cluster.start_local_cluster(num_cpus=1)
     (kwargs, switch_during_init), shutdown = calls
-    assert kwargs == {"_node_ip_address": LOOPBACK_ADDRESS, "num_cpus": 1} and switch_during_init is False
+    assert kwargs == {"_node_ip_address": LOOPBACK_ADDRESS, "num_cpus": 1,
+                      "_system_config": {"worker_niceness": 0}} and switch_during_init is False
     assert shutdown == "shutdown"
 
 

@@ -285,6 +285,20 @@ class StacxWorkerExtension:
         return {"loaded": len(tensors), "version": header["version"], "bucket": header["bucket"],
                 "final": header["final"]}
 
+    def stacx_adapters_loaded(self, request_json: str) -> dict:
+        """The client loaded a LoRA adapter through `/v1/load_lora_adapter` (an adapter-only push): serve its
+        `version` (versions only move forward, as for weight buckets)."""
+        request = json.loads(request_json)
+        version = request.get("version") if isinstance(request, dict) else None
+        if not _is_int(version):
+            raise BucketRefused(f"stacx_adapters_loaded: 'version' must be an integer, got {version!r}")
+        order = self._stacx_order()
+        if order.loading is not None:
+            raise BucketRefused(f"stacx_adapters_loaded: weight version {order.loading[0]} is still being loaded")
+        order.admit(version, 0)
+        order.served = version
+        return {"weight_version": version}
+
     def stacx_weight_digests(self, request_json: str) -> dict:
         """{"digests": {name: digest or None (not readable)}, "dtype": the engine's parameter dtype} for
         the request's `names` (Hugging Face names), each cast to the engine's dtype."""

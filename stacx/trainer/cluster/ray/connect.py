@@ -25,6 +25,7 @@ from typing import Iterator, Mapping
 
 from stacx.network import is_loopback_host
 from stacx.trainer.cluster.ray.reaper import ClusterReaper
+from stacx.trainer.cluster.ray.tensor_transport import register_tensor_transport
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 LOOPBACK_ADDRESS = "127.0.0.1"
@@ -33,6 +34,13 @@ RAY_LOGGING_LEVEL = logging.WARNING
 """Level of Ray's own loggers in the driver and the workers (`ray.init(logging_level=...)`): Ray's INFO
 lines (the local instance started, the dashboard, the connection) stay out of a run's output; its
 warnings and errors, and everything the run's workers print or raise, still show."""
+WORKER_NICENESS_INCREMENT = 0
+"""Ray's `worker_niceness` for a local cluster `connect_ray` starts: how much lower than the cluster's own
+processes its workers run (Ray adds it with nice(2)). Ray's default, 15, keeps a driver responsive beside
+busy workers; in a Stacx run the role workers are the run's work and the driver mostly waits on them, so
+at 15 a run on a busy machine trains at the leftovers of every other process (a demo's role worker got
+11 s of CPU in its first 4 minutes at load 15 on 2 cores, importing torch). 0: the run's own priority;
+`nice stacx ...` still lowers the whole run. An attached cluster keeps its own `ray start` setting."""
 RAY_AUTH_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
 """Ray's logger that warns, on every new local cluster, that it turned token authentication on."""
 
@@ -137,7 +145,8 @@ _RAY_NODE_START_TIMEOUT = "timed out during startup"
 
 
 def start_local_cluster(**init_kwargs) -> None:
-    """`ray.init(**init_kwargs)` for a new single-node cluster whose node address is 127.0.0.1.
+    """`ray.init(**init_kwargs)` for a new single-node cluster whose node address is 127.0.0.1, its workers at
+    this process's priority (WORKER_NICENESS_INCREMENT).
 
     A start that Ray abandons because the node did not register in time is retried (LOCAL_START_ATTEMPTS
     in all), then fails with a RuntimeError that says what to do. RuntimeError (after shutting it down) if
@@ -149,7 +158,10 @@ def start_local_cluster(**init_kwargs) -> None:
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         try:
             with _ray_keeps_loopback_node_addresses(), _quiet_token_auth_notice():
-                ray.init(_node_ip_address=LOOPBACK_ADDRESS, **init_kwargs)
+                # A new dict per attempt: Ray writes its defaults into the one it is given, and warns about
+                # them ("object spilling config ... unstable API") when a retry passes them back.
+                ray.init(_node_ip_address=LOOPBACK_ADDRESS,
+                         _system_config={"worker_niceness": WORKER_NICENESS_INCREMENT}, **init_kwargs)
             break
         except Exception as err:  # Ray raises a bare Exception for this one
             if _RAY_NODE_START_TIMEOUT not in str(err):
@@ -203,6 +215,7 @@ def connect_ray(
             f"{sorted(sized)} only size a local cluster - set them on that cluster's `ray start` instead"
         )
     if ray.is_initialized():
+        register_tensor_transport()
         return RayConnection(address=None, started_locally=False, already_connected=True)
     if address is not None:
         # A loopback cluster (one `connect_ray` started, e.g. in another process) is reached on
@@ -216,6 +229,7 @@ def connect_ray(
             raise ConnectionError(
                 f"cannot attach to the Ray cluster at {address!r} (from --ray-address or {RAY_ADDRESS_ENV}): {err}"
             ) from err
+        register_tensor_transport()
         return RayConnection(address=address, started_locally=False)
     _announce(f"starting a local Ray cluster ({'all' if num_cpus is None else f'{num_cpus:g}'} CPUs; "
               "tens of seconds on a busy machine)...")
@@ -233,4 +247,5 @@ def connect_ray(
     except BaseException:
         reaper.finish()
         raise
+    register_tensor_transport()
     return RayConnection(address=None, started_locally=True, reaper=reaper)

@@ -34,6 +34,7 @@ from stacx.parallel.bound_store import host_bound_store
 from stacx.parallel.groups import default_backend, destroy_parallel_layout, initialize_parallel_layout
 from stacx.parallel.node_interface import bind_collectives_to_node
 from stacx.trainer.cluster.ray.exchange_endpoint import ExchangeEndpoint, host_store
+from stacx.trainer.cluster.ray.tensor_transport import register_tensor_transport
 
 
 def join_role_world(rank: int, world_size: int, *, node_address: str, store_address: str, store_port: int,
@@ -74,6 +75,7 @@ class RoleWorker:
         self._hosted_stores: dict[str, Any] = {}
         self._rendezvous_store = None
         """Rank 0: the role's torch.distributed store, started by `host_rendezvous` and used by `setup`."""
+        register_tensor_transport()  # its results (log-probs, metrics) go back as raw bytes
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.user_module_names: list[str] = []

@@ -17,7 +17,7 @@ from stacx.rollout.data import Example
 from stacx.wire.sample import Executor
 from stacx.wire.tool_calls import parse_tool_calls
 from stacx.wire.types import SamplingParams
-from tests.rollout.agent_fixtures import ScriptedEngine
+from tests.rollout.agents.agent_fixtures import ScriptedEngine
 
 CALL = '{"name": "calculator", "arguments": {"expression": "3*4"}}'
 

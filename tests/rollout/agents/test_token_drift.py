@@ -30,7 +30,7 @@ from stacx.rollout.agents.episode import run_episode
 from stacx.rollout.agents.tools import ToolResult, ToolSpec
 from stacx.wire.sample import Executor
 from stacx.wire.types import SamplingParams
-from tests.rollout.agent_fixtures import ScriptedEngine
+from tests.rollout.agents.agent_fixtures import ScriptedEngine
 
 try:
     import openai

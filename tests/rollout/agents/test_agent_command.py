@@ -84,8 +84,8 @@ def test_a_reward_printed_on_stdout_earns_nothing_only_the_reward_file_counts(mo
     assert echoing("u", {}) is None
     rollout = AgentRollout(echoing, server_url="http://127.0.0.1:1", next_tasks=lambda step: [{"label": "t"}],
                            reward_fn=lambda task, samples: 0.0)
-    monkeypatch.setattr(AgentRollout, "open_session", lambda self: ("s", "secret"))
-    monkeypatch.setattr(rollout, "take_turns", lambda session_id, secret: [TURN])
+    monkeypatch.setattr(AgentRollout, "open_session", lambda self, server_url=None: ("s", "secret"))
+    monkeypatch.setattr(rollout, "take_turns", lambda session_id, secret, server_url=None: [TURN])
     samples, _ = rollout.collect(0)
     assert [(s.reward, s.reward_error) for s in samples] == [(0.0, None)]
     # What the program writes to STACX_REWARD_FILE is the reward, whatever it prints.
@@ -159,8 +159,8 @@ def test_the_heartbeat_names_the_episodes_a_step_waits_for(monkeypatch):
 
     rollout = AgentRollout(slow_agent, server_url="http://127.0.0.1:1", n_samples_per_task=2,
                            next_tasks=lambda step: [{"source": "rows.jsonl:4"}])
-    monkeypatch.setattr(AgentRollout, "open_session", lambda self: ("s", "secret"))
-    monkeypatch.setattr(rollout, "take_turns", lambda session_id, secret: [TURN])
+    monkeypatch.setattr(AgentRollout, "open_session", lambda self, server_url=None: ("s", "secret"))
+    monkeypatch.setattr(rollout, "take_turns", lambda session_id, secret, server_url=None: [TURN])
     assert rollout.waiting_for() == ""
     collected = []
     worker = threading.Thread(target=lambda: collected.append(rollout.collect(0)))

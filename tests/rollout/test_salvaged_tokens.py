@@ -1,0 +1,108 @@
+"""Partial rollouts keep the tokens of an engine that stalled (issue 44): a call that misses its health checks is
+aborted on that engine first; what it generated so far continues from its tokens on a live engine, joined token
+by token with each token's version. An engine that answers nothing, or requests without rids, restart as before.
+In-process fakes; the stalled call is released by the abort itself, never by a timer."""
+
+from __future__ import annotations
+
+import threading
+
+from stacx.rollout.engine_health import EngineFaultSettings
+from stacx.rollout.engine_pool import EnginePool
+from stacx.wire.engine import InferenceEngine
+from stacx.wire.types import GenerateOutput, GenerateRequest, SamplingParams
+
+class Engine(InferenceEngine):
+    """The lifecycle calls a pool does not make here."""
+
+    def update_weights(self, buckets, *, version):
+        raise AssertionError("no weight update here")
+
+    def weight_version(self):
+        return 1
+
+    def pause(self):
+        pass
+
+    def resume(self):
+        pass
+
+    def flush_cache(self):
+        pass
+
+
+FAST = EngineFaultSettings(health_interval_s=0.05, health_misses=2, generation_deadline_s=30.0)
+
+
+class Stalling(Engine):
+    """Generated two tokens (version 1) of each request, then stalls: its health check fails; `abort(rids)`
+    returns the call with those tokens, finish 'abort' (unless `answers_abort` is False)."""
+
+    def __init__(self, answers_abort: bool = True):
+        self.answers_abort, self.aborted = answers_abort, threading.Event()
+        self.abort_calls = []
+
+    def generate(self, requests):
+        self.aborted.wait(30)
+        return [GenerateOutput(output_ids=[90, 91], output_log_probs=[-0.5, -0.6], finish_reason="abort",
+                               output_token_versions=[1, 1], weight_version=1) for _ in requests]
+
+    def abort(self, rids=None):
+        self.abort_calls.append(list(rids or []))
+        if not self.answers_abort:
+            raise ConnectionError("no answer")
+        self.aborted.set()
+
+    def health(self):
+        return False
+
+    def shutdown(self):
+        self.aborted.set()  # the stalled call ends when its client closes
+
+
+class Live(Engine):
+    """Three more tokens (version 1) for each request; records what it was asked."""
+
+    def __init__(self):
+        self.asked: list[GenerateRequest] = []
+
+    def generate(self, requests):
+        self.asked += list(requests)
+        return [GenerateOutput(output_ids=[7, 8, 9][:r.sampling.max_new_tokens], output_log_probs=[-0.1, -0.2, -0.3],
+                               finish_reason="stop", output_token_versions=[1, 1, 1], weight_version=1)
+                for r in requests]
+
+    def health(self):
+        return True
+
+    def shutdown(self):
+        pass
+
+
+def pool_of(stalled, live):
+    pool = EnginePool([stalled, live], names=["http://a", "http://b"])
+    pool.supervise(settings=FAST)
+    pool.in_flight[1] = 1  # the first call goes to the stalling engine
+    return pool
+
+
+def request(rid):
+    return GenerateRequest(input_ids=(1, 2, 3), sampling=SamplingParams(max_new_tokens=8, seed=5), rid=rid)
+
+
+def test_a_stalled_engines_tokens_are_kept_and_the_request_continues_from_them_on_a_live_engine():
+    stalled, live = Stalling(), Live()
+    [output] = pool_of(stalled, live).generate([request("g0-s0")])
+    assert stalled.abort_calls == [["g0-s0"]]
+    assert output.output_ids == [90, 91, 7, 8, 9] and output.finish_reason == "stop"
+    assert output.output_log_probs == [-0.5, -0.6, -0.1, -0.2, -0.3] and output.output_token_versions == [1] * 5
+    [continued] = live.asked  # the continuation: prompt + the kept tokens, the budget left
+    assert continued.input_ids == (1, 2, 3, 90, 91) and continued.sampling.max_new_tokens == 6
+
+
+def test_an_engine_that_does_not_answer_the_abort_or_requests_without_rids_start_again():
+    for stalled, rid in ((Stalling(answers_abort=False), "g0-s0"), (Stalling(), None)):
+        live = Live()
+        [output] = pool_of(stalled, live).generate([request(rid)])
+        assert output.output_ids == [7, 8, 9] and live.asked[0].input_ids == (1, 2, 3)  # from its prompt
+        assert stalled.abort_calls == ([["g0-s0"]] if rid else [])
