@@ -6,6 +6,7 @@ against a live vLLM server is tests/vllm/test_vllm_training.py's torchrun launch
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -20,8 +21,7 @@ from stacx.trainer.config.run import RunConfig
 from stacx.trainer.preflight import PreflightError
 from stacx.trainer.recipes import get_recipe
 from stacx.trainer.session_recorder import session_endpoint
-from stacx.wire.engine import InferenceEngine
-from stacx.wire.types import GenerateOutput
+from tests.rollout.agents.agent_fixtures import ScriptedEngine
 
 CALCULATOR = {"type": "function", "function": {"name": "calculator", "description": "evaluate an expression",
                                                "parameters": {"type": "object",
@@ -29,39 +29,18 @@ CALCULATOR = {"type": "function", "function": {"name": "calculator", "descriptio
 LOG_PROB = -0.25
 
 
-class ScriptedIdsEngine(InferenceEngine):
-    """Answers request k with the k-th id list, each id with LOG_PROB; keeps every request's input ids (an engine
+class ScriptedIdsEngine(ScriptedEngine):
+    """The shared scripted engine at weight version 3 (its outputs carry it), each id with LOG_PROB (an engine
     client that takes and returns ids, as VllmEngine does)."""
 
     def __init__(self, turns: list[list[int]]):
-        self.turns, self.inputs = turns, []
+        super().__init__(turns, log_prob=LOG_PROB)
 
     def generate(self, requests):
-        outputs = []
-        for request in requests:
-            ids = self.turns[len(self.inputs)]
-            self.inputs.append(list(request.input_ids))
-            outputs.append(GenerateOutput(output_ids=list(ids), output_log_probs=[LOG_PROB] * len(ids),
-                                          finish_reason="stop", weight_version=3))
-        return outputs
-
-    def update_weights(self, buckets, *, version):
-        raise NotImplementedError
+        return [dataclasses.replace(output, weight_version=3) for output in super().generate(requests)]
 
     def weight_version(self):
         return 3
-
-    def pause(self):
-        pass
-
-    def resume(self):
-        pass
-
-    def flush_cache(self):
-        pass
-
-    def health(self):
-        return True
 
 
 def _chars(tokenizer, text: str) -> list[int]:
