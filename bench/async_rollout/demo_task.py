@@ -17,8 +17,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
@@ -32,52 +30,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "async_demo_task.json"))
     args = parser.parse_args(argv)
 
-    from stacx.launch.demo import measure
-    from stacx.launch.demo.phases import demo_run_config, train
-    from stacx.launch.demo.pipeline import DemoSettings, _prepare, _save_tokenizer
-    from stacx.rollout.tokenizer import build_char_tokenizer
-    from stacx.tasks import get_task
-    from stacx.trainer.cluster.ray.connect import connect_ray
+    from bench.demo_grpo_arms import run_demo_grpo_arms
 
-    settings = DemoSettings(progress_bar=False)
-    task = get_task(settings.task)
-    tokenizer = build_char_tokenizer(task.alphabet)
-    max_new_tokens = task.max_answer_chars + 1
-    work = tempfile.mkdtemp(prefix="stacx-async-demo-")
-    paths = _prepare(settings, work)
-    with open(paths["eval"]) as handle:
-        eval_rows = [json.loads(line) for line in handle][: settings.num_eval_prompts]
-
-    def accuracy(path: str) -> float:
-        return measure.greedy_accuracy(measure.load_reference_model(path), tokenizer, eval_rows,
-                                       max_new_tokens=max_new_tokens)
-
-    connection = connect_ray(None, log_to_driver=False)
-    runs = []
-    try:
-        train(demo_run_config(settings, work, "sft", {
-            **settings.sft.run_values(), "hf_checkpoint": paths["init"], "prompt_data": paths["train"],
-            "export_hf": paths["sft"]}))
-        _save_tokenizer(task.name, paths["sft"])
-        start_accuracy = accuracy(paths["sft"])
-        print(f"SFT model: held-out accuracy {start_accuracy:.3f}", flush=True)
-        for seed in args.seeds:
-            for mode, values in MODES.items():
-                name = f"grpo_{mode.replace(' ', '').replace('=', '')}_seed{seed}"
-                export = os.path.join(work, "checkpoints", name)
-                config = demo_run_config(dataclasses_replace(settings, seed=seed), work, name, {
-                    **settings.grpo.run_values(), "hf_checkpoint": paths["sft"], "ref_load": paths["sft"],
-                    "prompt_data": paths["train"], "rollout_max_response_len": max_new_tokens, "export_hf": export,
-                    **values})
-                started = time.monotonic()
-                train(config)
-                seconds = time.monotonic() - started
-                _save_tokenizer(task.name, export)
-                runs.append({"seed": seed, "mode": mode, "seconds": seconds, "accuracy": accuracy(export)})
-                print(f"seed {seed} {mode:9s}: held-out accuracy {runs[-1]['accuracy']:.3f} in {seconds:.1f} s",
-                      flush=True)
-    finally:
-        connection.shutdown()
+    start_accuracy, runs = run_demo_grpo_arms(MODES, args.seeds, work_prefix="stacx-async-demo-")
 
     summary = {}
     for mode in MODES:
@@ -101,11 +56,6 @@ def main(argv=None) -> int:
     print(f"wrote {args.out} and {figure_path}")
     return 0
 
-
-def dataclasses_replace(settings, **changes):
-    import dataclasses
-
-    return dataclasses.replace(settings, **changes)
 
 
 def draw(result: dict, path: str) -> None:
