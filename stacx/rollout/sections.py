@@ -131,6 +131,10 @@ class RolloutSection:
 class TeacherSection:
     teacher_url: str | None = None
     """URL of the frozen teacher server (distillation recipes)."""
+    teacher_engine: str = "http"
+    """Engine kind of the --teacher-url server, as --rollout-engine names kinds: 'http' (a server that speaks
+    `/generate`: `stacx serve` or SGLang), 'vllm' (vLLM's OpenAI server: prompt log-probs and top-k), or a
+    registered kind whose client scores."""
     teacher_top_k: int = 8
     """Top-K of teacher log-probs requested for top-K reverse KL."""
     teacher_timeout_s: float = 60.0

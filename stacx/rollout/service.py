@@ -20,7 +20,7 @@ fresh shared secret (`secrets.token_urlsafe`, in the child's environment for `st
 Attached servers use the `STACX_API_KEY` environment variable of the driver, if set.
 
 Roll-in recipes also get a teacher engine (`teacher_engine()`): the teacher server at
-`teacher_url` generates the teacher-executed turns through the same `/generate` API.
+`teacher_url` generates the teacher-executed turns through its `--teacher-engine` kind's client.
 
 Sampling seeds: step s uses a RolloutManager seeded with (rollout_seed, s), so a resumed run draws
 the same samples as an uninterrupted one.
@@ -38,7 +38,6 @@ from typing import Any, Optional, Sequence
 from stacx.rollout.engine_health import attach_supervisor, push_failure_action
 from stacx.rollout.engine_pool import EnginePool
 from stacx.rollout.episode_retry import retrying_reward
-from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch
 from stacx.rollout.engines.registry import ENGINE_KINDS, EngineKind, resolve_engine_kind
 from stacx.rollout.manager import RolloutManager
@@ -70,11 +69,20 @@ def load_tokenizer(path: str):
 
 
 def build_teacher(teacher_section):
-    """TeacherClient for `teacher.teacher_url` (None when unset)."""
+    """TeacherClient for `teacher.teacher_url` (None when unset): `/generate` requests for the default 'http'
+    kind (`stacx serve`, SGLang), else scoring through the `--teacher-engine` kind's client (vLLM)."""
     if not teacher_section.teacher_url:
         return None
+    retry = teacher_retry_policy(teacher_section)
+    if teacher_section.teacher_engine == TeacherSection.teacher_engine:  # the default: a server speaking /generate
+        return TeacherClient(teacher_section.teacher_url, retry=retry)
+    return TeacherClient(engines=[teacher_engine_client(teacher_section)])
 
-    return TeacherClient(teacher_section.teacher_url, retry=teacher_retry_policy(teacher_section))
+
+def teacher_engine_client(teacher_section) -> InferenceEngine:
+    """The `--teacher-engine` kind's client for the `--teacher-url` server (scoring and roll-in turns)."""
+    kind = resolve_engine_kind(teacher_section.teacher_engine, flag="--teacher-engine")
+    return kind.connect(teacher_section.teacher_url, retry=teacher_retry_policy(teacher_section))
 
 
 def teacher_retry_policy(teacher_section):
@@ -252,7 +260,7 @@ class RolloutService:
             if section is None or not section.teacher_url:
                 raise ValueError("DAgger roll-ins let the teacher act; set --teacher-url (a `stacx serve` or SGLang teacher)")
 
-            self._teacher_engine = HttpEngine(section.teacher_url, teacher_retry_policy(section))
+            self._teacher_engine = teacher_engine_client(section)
         return self._teacher_engine
 
     def generate(self, examples: Sequence[Any], *, step: int) -> list:

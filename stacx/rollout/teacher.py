@@ -13,7 +13,7 @@ position of a request, so per-position ids are sent as their union and picked pe
 Log-probs are at temperature 1 (the teacher's own distribution).
 
 A teacher that does not speak `/generate` is scored through its engine client instead
-(`TeacherClient(engines=[VllmEngine(url)])`): the same requests, through `InferenceEngine.generate`;
+(`TeacherClient(engines=[VllmEngine(url)])`, what `--teacher-engine vllm` builds): the same requests, through `InferenceEngine.generate`;
 vLLM's answers carry the prompt's log-probs and top-k (caller-chosen ids per position are SGLang's and
 `stacx serve`'s only).
 """
@@ -104,7 +104,11 @@ class TeacherClient:
 
     def _send(self, chunk_index: int, requests: list[GenerateRequest]):
         if self.engines:
-            return self.engines[chunk_index % len(self.engines)].generate(requests)
+            engine = self.engines[chunk_index % len(self.engines)]
+            try:
+                return engine.generate(requests)
+            except ServerUnavailableError as err:
+                raise TeacherUnavailableError(f"teacher {err}") from err
         transport = self.transports[chunk_index % len(self.transports)]
         summary = f"teacher scoring of {len(requests)} trajectories, lengths {[len(r.input_ids) for r in requests][:8]}"
         try:

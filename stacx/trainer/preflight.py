@@ -506,6 +506,10 @@ def check_services(run_config: RunConfig, training_config: TrainingConfig) -> No
         raise PreflightError(f"--teacher-url is not set: recipe {training_config.name!r} scores rollouts with a "
                              "teacher server; start one (`stacx serve --hf-checkpoint TEACHER`) and pass its URL")
     if training_config.uses_teacher:
+        try:
+            resolve_engine_kind(run_config.teacher.teacher_engine, flag="--teacher-engine")
+        except ValueError as err:
+            raise PreflightError(str(err)) from None
         check_teacher(run_config.teacher.teacher_url, run_config.model.hf_checkpoint)
     try:
         engine_kind = resolve_engine_kind(run_config.rollout.rollout_engine)  # custom modules are loaded by now
@@ -569,6 +573,20 @@ def teacher_vocabulary(model_info: Any) -> tuple[Optional[dict], Optional[int]]:
     return None, vocab_size
 
 
+def teacher_model_info(base: str, timeout_s: float) -> Any:
+    """The teacher's `/get_model_info` answer (`stacx serve`, SGLang), or for an OpenAI-compatible server
+    without it (vLLM) `{"model_path": ...}` from the `root` of its first `/v1/models` entry; None when
+    neither says. Raises OSError when the server stops answering."""
+    status, model_info = _get_json(base + "/get_model_info", timeout_s)
+    if status == 200:
+        return model_info
+    status, models = _get_json(base + "/v1/models", timeout_s)
+    entries = models.get("data") if status == 200 and isinstance(models, dict) else None
+    if isinstance(entries, list) and entries and isinstance(entries[0], dict) and entries[0].get("root"):
+        return {"model_path": entries[0]["root"]}
+    return None
+
+
 def check_teacher(teacher_url: str, hf_checkpoint: Optional[str], *, timeout_s: float = TEACHER_TIMEOUT_S) -> None:
     """The teacher answers GET /health with 200 within timeout_s, and its tokenizer maps every token to
     the same id as the student's (or, when only sizes are known, its vocab_size equals the student's)."""
@@ -583,7 +601,7 @@ def check_teacher(teacher_url: str, hf_checkpoint: Optional[str], *, timeout_s: 
         raise PreflightError(f"--teacher-url {teacher_url}: {base}/health answered {status}, not 200; wait until "
                              "the teacher is ready or restart it")
     try:
-        _, model_info = _get_json(base + "/get_model_info", timeout_s)
+        model_info = teacher_model_info(base, timeout_s)
     except OSError:
         return  # /health answered: a server without /get_model_info is not refused
     teacher_vocab, teacher_size = teacher_vocabulary(model_info)
