@@ -168,7 +168,7 @@ def check_slot(entry: Any, where: str, *, bucket_bytes: int | None = None,
     if not isinstance(name, str) or not name:
         raise error(f"{where}: field 'name' must be a non-empty string, got {name!r}")
     where = f"{where} ({name!r})"
-    if dtype not in TENSOR_DTYPES:
+    if not isinstance(dtype, str) or dtype not in TENSOR_DTYPES:
         raise error(f"{where}: field 'dtype' is {dtype!r}, not one of {', '.join(TENSOR_DTYPES)}")
     if not isinstance(shape, (list, tuple)) or not all(_is_count(d) for d in shape):
         raise error(f"{where}: field 'shape' must be a list of non-negative ints, got {shape!r}")
