@@ -164,11 +164,13 @@ NEVER_IMPORTS = (
     ("stacx.rollout", "stacx.launch"),
     ("stacx.serving", "stacx.rollout"),
     ("stacx.rollout", "stacx.serving"),
+    ("stacx.trainer", "stacx.serving"),
 )
 """(importer, imported) pairs forbidden outright: the core never names a workload's package, a
 workload never reaches into the command line, the rollout never reaches up into the trainer
 (it receives the sections and the plan it reads: `stacx.rollout.sections`, `stacx.rollout.plan`), and
-the server process and the driver meet only in `stacx.wire` (serving never imports rollout, nor rollout serving).
+the server process and the driver meet only in `stacx.wire` (serving never imports rollout, nor rollout or the trainer
+serving: the recorder an agent run starts in front of vLLM gets `stacx serve`'s HTTP server from `stacx.launch`).
 Counted with function-local and `TYPE_CHECKING` imports, as the table test counts them."""
 
 

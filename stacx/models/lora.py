@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from stacx.models.weight_mapping import ADAPTER_PARAMS, is_adapter_param_name  # noqa: F401  (re-exported)
 from stacx.parallel.groups import ProcessGroups
+from stacx.ranges import require_in_range
 from stacx.models.peft_adapters import (  # noqa: F401  (SHARED_A, peft_named_tensors re-exported)
     PEFT_CONFIG_FILE,
     PEFT_WEIGHTS_FILE,
@@ -74,12 +75,9 @@ class LoraSettings:
     """Seed of A's initialization (the run's --seed)."""
 
     def __post_init__(self):
-        if self.rank < 1:
-            raise ValueError(f"--lora-rank must be >= 1 to attach adapters, got {self.rank}")
-        if not self.alpha > 0:
-            raise ValueError(f"--lora-alpha must be > 0, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+        require_in_range("--lora-rank", self.rank, at_least=1, why="to attach adapters")
+        require_in_range("--lora-alpha", self.alpha, above=0)
+        require_in_range("--lora-dropout", self.dropout, at_least=0, below=1)
         check_target_modules(self.target_modules)
 
     @property

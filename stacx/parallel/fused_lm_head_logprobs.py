@@ -51,6 +51,8 @@ Not handled: an output-layer bias (Qwen/Llama heads have none). The hidden state
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
@@ -59,6 +61,7 @@ from stacx.parallel.collectives import all_reduce_sum_, group_rank, group_size
 # The softmax-gradient helper is the one `vocab_parallel` uses in its own backward: shared on
 # purpose, so the fused and unfused gradients cannot drift apart.
 from stacx.parallel.vocab_parallel import (
+    VocabParallelOptions,
     _chunk_grad_s,
     combine_shard_statistics,
     entropy_output,
@@ -66,6 +69,9 @@ from stacx.parallel.vocab_parallel import (
     local_chunk_statistics,
     shifted_fp32_chunk,
 )
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11+
+    from typing_extensions import Unpack
 
 
 #: The default tile holds all tokens up to this many (one pass over the weight per block).
@@ -293,30 +299,27 @@ def fused_lm_head_log_probs_at_ids(
     return log_probs, (entropy_T.view(leading) if with_entropy else None)
 
 
+class FusedLMHeadOptions(VocabParallelOptions, total=False):
+    """The keyword options of `fused_lm_head_log_probs_at_ids`, which its per-token form
+    (`fused_lm_head_log_probs_and_entropy`) passes on: those of the logits' form, and the vocab tiling."""
+
+    vocab_block: int | None
+    """Vocab rows per tile of logits (default None: `default_tile`)."""
+    vocab_size: int | None
+    """The real vocab when the weight's rows are padded (rows with a global id >= vocab_size are left out, as
+    `mask_vocab_padding` leaves out their logits); default None: no padding."""
+
+
 def fused_lm_head_log_probs_and_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
-    temperature: float = 1.0,
-    chunk_tokens: int | None = None,
-    vocab_block: int | None = None,
-    with_entropy: bool = True,
-    entropy_requires_grad: bool = True,
-    vocab_size: int | None = None,
+    hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor, **options: Unpack[FusedLMHeadOptions],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log p(target) and (only when `with_entropy`) entropy, without the logits.
 
     hidden: [..., H]; weight: [V/tp, H]; target_ids: [...] global vocab ids.
     Returns (log_probs [...] fp32, entropy [...] fp32 or None). Same values and gradients as
-    `vocab_parallel_log_probs_and_entropy(hidden @ weight.T, target_ids, ...)`;
-    `entropy_requires_grad=False` returns a detached entropy and keeps no entropy state.
-    vocab_size: the real vocab when the weight holds padding rows (see `fused_lm_head_log_probs_at_ids`).
+    `vocab_parallel_log_probs_and_entropy(hidden @ weight.T, target_ids, ...)`. `options` (`FusedLMHeadOptions`):
+    those of `fused_lm_head_log_probs_at_ids`, `with_entropy` defaulting to True.
     """
-    log_probs, entropy = fused_lm_head_log_probs_at_ids(
-        hidden, weight, target_ids.unsqueeze(-1), tp_group=tp_group, temperature=temperature,
-        chunk_tokens=chunk_tokens, vocab_block=vocab_block, with_entropy=with_entropy,
-        entropy_requires_grad=entropy_requires_grad, vocab_size=vocab_size,
-    )
+    log_probs, entropy = fused_lm_head_log_probs_at_ids(hidden, weight, target_ids.unsqueeze(-1),
+                                                        **{"with_entropy": True, **options})
     return log_probs.squeeze(-1), entropy

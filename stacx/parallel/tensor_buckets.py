@@ -168,7 +168,7 @@ def check_slot(entry: Any, where: str, *, bucket_bytes: int | None = None,
     if not isinstance(name, str) or not name:
         raise error(f"{where}: field 'name' must be a non-empty string, got {name!r}")
     where = f"{where} ({name!r})"
-    if dtype not in TENSOR_DTYPES:
+    if not isinstance(dtype, str) or dtype not in TENSOR_DTYPES:
         raise error(f"{where}: field 'dtype' is {dtype!r}, not one of {', '.join(TENSOR_DTYPES)}")
     if not isinstance(shape, (list, tuple)) or not all(_is_count(d) for d in shape):
         raise error(f"{where}: field 'shape' must be a list of non-negative ints, got {shape!r}")
@@ -187,3 +187,49 @@ def check_slot(entry: Any, where: str, *, bucket_bytes: int | None = None,
         raise error(f"{where}: bytes [{entry['offset']}, {entry['offset'] + entry['num_bytes']}) are not inside "
                     f"the {bucket_bytes}-byte bucket")
     return TensorSlot(name, dtype, tuple(shape), entry["bucket"], entry["offset"], entry["num_bytes"])
+
+
+HEADER_COLUMNS = ("names", "dtypes", "shapes", "offsets")
+"""A bucket header's per-tensor lists (one entry per tensor; with `num_bytes`, `version`, `bucket` and `final`)."""
+
+
+def check_bucket_header(header: Any, num_bytes_available: int, *, where: str, first_version: int = 0,
+                        bucket_required: bool = False, error: type[ValueError] = ValueError) -> list[TensorSlot]:
+    """The slots a received bucket header describes, checked as a whole against the `num_bytes_available` bytes
+    that back it before any tensor is viewed: `names`, `dtypes`, `shapes`, `offsets` are lists of one length and
+    each tensor's entry passes `check_slot`; `num_bytes` is an int no larger than the bytes available; `version` an
+    int >= `first_version`; `bucket` a non-negative int (optional unless `bucket_required`: older senders omit it);
+    `final` a bool. `error` (naming `where` and the field) otherwise: the receiver's refusal type (`stacx serve`'s
+    weight endpoints and the vLLM worker extension both check headers here)."""
+    if not isinstance(header, dict):
+        raise error(f"{where}: the weight header must be a JSON object, got {type(header).__name__}")
+    required = (*HEADER_COLUMNS, "num_bytes", "version", *(("bucket",) if bucket_required else ()), "final")
+    missing = [key for key in required if key not in header]
+    if missing:
+        raise error(f"{where}: the header is missing field(s) {missing}")
+    if not _is_count(header["version"]) or header["version"] < first_version:
+        raise error(f"{where}: 'version' must be an integer >= {first_version}, got {header['version']!r}")
+    if "bucket" in header and not _is_count(header["bucket"]):
+        raise error(f"{where}: 'bucket' must be a non-negative integer, got {header['bucket']!r}")
+    if not isinstance(header["final"], bool):
+        raise error(f"{where}: 'final' must be true or false, got {header['final']!r}")
+    num_bytes = header["num_bytes"]
+    if not _is_count(num_bytes) or num_bytes > num_bytes_available:
+        raise error(f"{where}: 'num_bytes' must be an integer in [0, {num_bytes_available}] (the bytes sent), "
+                    f"got {num_bytes!r}")
+    columns = {key: header[key] for key in HEADER_COLUMNS}
+    for key, value in columns.items():
+        if not isinstance(value, list):
+            raise error(f"{where}: '{key}' must be a list, got {type(value).__name__}")
+    lengths = {key: len(value) for key, value in columns.items()}
+    if len(set(lengths.values())) != 1:
+        raise error(f"{where}: 'names', 'dtypes', 'shapes' and 'offsets' must have one entry per tensor; "
+                    f"got lengths {lengths}")
+    slots = []
+    for i, (name, dtype, shape, offset) in enumerate(zip(*columns.values())):
+        sized = (isinstance(dtype, str) and dtype in TENSOR_DTYPES and isinstance(shape, list)
+                 and all(_is_count(d) for d in shape))
+        entry = {"name": name, "dtype": dtype, "shape": shape, "bucket": 0, "offset": offset,
+                 "num_bytes": math.prod(shape) * TENSOR_DTYPES[dtype].itemsize if sized else 0}
+        slots.append(check_slot(entry, f"{where}: tensor {i}", bucket_bytes=num_bytes, error=error))
+    return slots

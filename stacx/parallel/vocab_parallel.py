@@ -26,8 +26,13 @@ chunk-sized temporaries: chunk_tokens * V/tp * 4 bytes each, never [T, V].
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypedDict
+
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11+
+    from typing_extensions import Unpack
 
 from stacx.parallel.collectives import all_gather_stacked, group_rank, group_size
 
@@ -191,27 +196,34 @@ def _chunk_grad_s(log_p_CV: torch.Tensor, grad_sum_C, entropy_terms) -> torch.Te
     return coefficient_CV.mul_(p_CV)
 
 
+class VocabParallelOptions(TypedDict, total=False):
+    """The keyword options of `vocab_parallel_log_probs_at_ids`, which its per-token form
+    (`vocab_parallel_log_probs_and_entropy`) passes on."""
+
+    tp_group: dist.ProcessGroup | None
+    """The tensor-parallel group the vocab is sharded over (default None: one rank holds it all)."""
+    temperature: float
+    """The logits are divided by it before the softmax (> 0; default 1)."""
+    chunk_tokens: int | None
+    """Positions per chunk of the computation (default None: `default_chunk_tokens`)."""
+    with_entropy: bool
+    """Also return the entropy of each position's distribution (default False; True for the per-token form)."""
+    entropy_requires_grad: bool
+    """False (entropy coefficient 0): a detached entropy, and no entropy state kept for backward (default True)."""
+
+
 def vocab_parallel_log_probs_and_entropy(
-    logits: torch.Tensor,
-    target_ids: torch.Tensor,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
-    temperature: float = 1.0,
-    chunk_tokens: int | None = None,
-    with_entropy: bool = True,
-    entropy_requires_grad: bool = True,
+    logits: torch.Tensor, target_ids: torch.Tensor, **options: Unpack[VocabParallelOptions],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log p(target) and entropy from this rank's TP logits shard.
 
     logits: [..., V/tp] (any float dtype; math in fp32). target_ids: [...] global vocab ids.
     Returns (log_probs [...] fp32, entropy [...] fp32 or None when with_entropy is False).
-    `entropy_requires_grad=False` (entropy coefficient 0) returns a detached entropy and keeps
-    no entropy state for backward. One all-gather over `tp_group` in forward, none in backward.
+    `options` (`VocabParallelOptions`): those of `vocab_parallel_log_probs_at_ids`, `with_entropy` defaulting
+    to True. One all-gather over `tp_group` in forward, none in backward.
     """
-    log_probs, entropy = vocab_parallel_log_probs_at_ids(
-        logits, target_ids.unsqueeze(-1), tp_group=tp_group, temperature=temperature,
-        chunk_tokens=chunk_tokens, with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad,
-    )
+    log_probs, entropy = vocab_parallel_log_probs_at_ids(logits, target_ids.unsqueeze(-1),
+                                                         **{"with_entropy": True, **options})
     return log_probs.squeeze(-1), entropy
 
 

@@ -43,6 +43,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
+from stacx.ranges import require_in_range
 from stacx.wire.http_client import ServerUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -66,14 +67,10 @@ class EngineFaultSettings:
     """Health checks missed in a row that mark an engine dead."""
 
     def __post_init__(self):
-        if self.min_live_engines < 1:
-            raise ValueError(f"--min-live-engines must be >= 1, got {self.min_live_engines}")
-        if not self.generation_deadline_s > 0:
-            raise ValueError(f"--engine-deadline-s must be > 0, got {self.generation_deadline_s}")
-        if not self.health_interval_s > 0:
-            raise ValueError(f"--engine-health-interval-s must be > 0, got {self.health_interval_s}")
-        if self.health_misses < 1:
-            raise ValueError(f"health_misses must be >= 1, got {self.health_misses}")
+        require_in_range("--min-live-engines", self.min_live_engines, at_least=1)
+        require_in_range("--engine-deadline-s", self.generation_deadline_s, above=0)
+        require_in_range("--engine-health-interval-s", self.health_interval_s, above=0)
+        require_in_range("health_misses", self.health_misses, at_least=1)
 
 
 class EngineFailed(RuntimeError):

@@ -21,6 +21,8 @@ from typing import Any, Iterable, Optional
 
 import requests
 
+from stacx.ranges import require_in_range
+
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "STACX_API_KEY"
@@ -67,10 +69,8 @@ class RetryPolicy:
     """Longest sleep between two attempts."""
 
     def __post_init__(self):
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        require_in_range("max_attempts", self.max_attempts, at_least=1)
+        require_in_range("timeout_s", self.timeout_s, above=0)
 
     def sleep_before(self, attempt: int) -> float:
         """Seconds to wait before attempt number `attempt` (1-based; attempt 1 waits 0)."""

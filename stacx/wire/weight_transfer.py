@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import secrets
 import stat
@@ -37,10 +36,9 @@ import torch
 
 from stacx.parallel.tensor_buckets import (
     ALIGN_BYTES,
-    TENSOR_DTYPES,
     TensorSlot,
     bucket_chunks,
-    check_slot,
+    check_bucket_header,
     pack_bucket,
     plan_buckets,
     unpack_bucket,
@@ -69,9 +67,6 @@ class FlatBucket:
     @property
     def num_bytes(self) -> int:
         return self.data.numel()
-
-
-HEADER_COLUMNS = ("names", "dtypes", "shapes", "offsets")
 
 
 def header_columns(slots: Sequence[TensorSlot]) -> dict[str, list]:
@@ -120,49 +115,12 @@ def max_bucket_body_bytes(num_tensor_bytes: int, num_tensors: int) -> int:
 
 
 def validate_bucket_header(header, num_bytes_available: int, *, where: str) -> FlatBucket:
-    """Check a whole bucket header against the `num_bytes_available` bytes that back it.
-
-    Every field is checked before any tensor is viewed: `names`, `dtypes`, `shapes`, `offsets`
-    are lists of one length, and each tensor's entry passes `tensor_buckets.check_slot` (a known
-    dtype, a shape of non-negative ints, an offset that is a multiple of the itemsize, bytes inside
-    [0, num_bytes)); `num_bytes` is an int no larger than the bytes available; `version` an int,
-    `bucket` (optional: older senders omit it) a non-negative int and `final` a bool. Raises ValueError naming the field (`where` names the endpoint). Returns
-    the slots with an empty `data` placeholder.
-    """
-    if not isinstance(header, dict):
-        raise ValueError(f"{where}: the weight header must be a JSON object, got {type(header).__name__}")
-    missing = [key for key in (*HEADER_COLUMNS, "num_bytes", "version", "final") if key not in header]
-    if missing:
-        raise ValueError(f"{where}: request is missing field(s) {missing}")
-    if not _is_int(header["version"]) or header["version"] < 0:
-        raise ValueError(f"{where}: 'version' must be a non-negative integer, got {header['version']!r}")
-    if "bucket" in header and (not _is_int(header["bucket"]) or header["bucket"] < 0):
-        raise ValueError(f"{where}: 'bucket' must be a non-negative integer, got {header['bucket']!r}")
-    if not isinstance(header["final"], bool):
-        raise ValueError(f"{where}: 'final' must be true or false, got {header['final']!r}")
-    num_bytes = header["num_bytes"]
-    if not _is_int(num_bytes) or not 0 <= num_bytes <= num_bytes_available:
-        raise ValueError(f"{where}: 'num_bytes' must be an integer in [0, {num_bytes_available}] "
-                         f"(the bytes sent), got {num_bytes!r}")
-    columns = {key: header[key] for key in HEADER_COLUMNS}
-    for key, value in columns.items():
-        if not isinstance(value, list):
-            raise ValueError(f"{where}: '{key}' must be a list, got {type(value).__name__}")
-    lengths = {key: len(value) for key, value in columns.items()}
-    if len(set(lengths.values())) != 1:
-        raise ValueError(f"{where}: 'names', 'dtypes', 'shapes' and 'offsets' must have one entry per tensor; "
-                         f"got lengths {lengths}")
-    slots = []
-    for i, (name, dtype, shape, offset) in enumerate(zip(*columns.values())):
-        sized = dtype in TENSOR_DTYPES and isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
-        entry = {"name": name, "dtype": dtype, "shape": shape, "bucket": 0, "offset": offset,
-                 "num_bytes": math.prod(shape) * TENSOR_DTYPES[dtype].itemsize if sized else 0}
-        slots.append(check_slot(entry, f"{where}: tensor {i}", bucket_bytes=num_bytes))
+    """Check a whole bucket header against the `num_bytes_available` bytes that back it, before any tensor is
+    viewed (`tensor_buckets.check_bucket_header`: `version` an int >= 0, `bucket` optional, older senders omit
+    it). Raises ValueError naming the field (`where` names the endpoint). Returns the slots with an empty `data`
+    placeholder."""
+    slots = check_bucket_header(header, num_bytes_available, where=where)
     return FlatBucket(slots, torch.empty(0, dtype=torch.uint8))
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def unflatten_bucket(flat: FlatBucket) -> list[tuple[str, torch.Tensor]]:

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from stacx.launch.session_front import install_session_front
 from stacx.launch.workloads import discover_workloads
 
 HELP = "train with a recipe (RL, distillation, SFT, DPO); flags or --config run.yaml, --dry-run to inspect"
@@ -63,6 +64,7 @@ def run_workload(workload, run_config, recipe) -> int:
     configuration (exit status 2 with the message), prints it for --dry-run, or trains. A run that ends early
     says why: stopped by a signal (`RunInterrupted`: its exit status, and how to resume), non-finite steps
     (1), a --save folder taken after the checks (2), a start checkpoint that no longer loads (1)."""
+    install_session_front()  # the recorder an agent run on vLLM starts in front of it (stacx.launch.session_front)
     try:
         driver = workload.driver(run_config, recipe)
         if run_config.train.dry_run:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import logging
 from typing import Iterable, Optional, Sequence
-from urllib.parse import urlparse
 
-from stacx.network import is_loopback_host
 from stacx.parallel.tensor_buckets import TENSOR_DTYPES
-from stacx.wire.engine import InferenceEngine, WeightBucket
-from stacx.wire.http_client import HttpTransport, RetryPolicy, ServerRequestError
+from stacx.rollout.engines.server_client import ServerClient
+from stacx.wire.engine import WeightBucket
+from stacx.wire.http_client import RetryPolicy, ServerRequestError
 from stacx.wire.sglang_protocol import build_abort_payload, build_generate_payload, parse_generate_response
 from stacx.wire.weight_versions import is_own_accepted_bucket
 from stacx.wire.types import GenerateOutput, GenerateRequest
@@ -30,8 +29,6 @@ from stacx.wire.weight_transfer import (
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_TRANSPORTS = ("auto", "http", "shm")
-
 
 def summarize_requests(requests: Sequence[GenerateRequest]) -> str:
     lengths = [len(r.input_ids) for r in requests]
@@ -39,12 +36,8 @@ def summarize_requests(requests: Sequence[GenerateRequest]) -> str:
             f"max_new_tokens {requests[0].sampling.max_new_tokens}")
 
 
-class HttpEngine(InferenceEngine):
-    """Talks to one server URL."""
-
-    max_concurrent_submissions = 64
-    """`submit`'s requests in flight at once: `stacx serve`'s default bound per client
-    (`--max-requests-per-client`, `--max-queued-requests`); more wait here instead of drawing 503s."""
+class HttpEngine(ServerClient):
+    """Talks to one server URL over SGLang's native API."""
 
     def __init__(self, url: str, retry: RetryPolicy = RetryPolicy(), *, weight_transport: str = "auto",
                  api_key: Optional[str] = None):
@@ -52,18 +45,9 @@ class HttpEngine(InferenceEngine):
         same-host shared-memory file the server creates and sends only metadata; 'auto' tries shm
         for a loopback URL and falls back to http when the server offers no staging file.
         api_key: the server's shared secret (None: `STACX_API_KEY` if set)."""
-        if weight_transport not in WEIGHT_TRANSPORTS:
-            raise ValueError(f"weight_transport must be one of {WEIGHT_TRANSPORTS}, got {weight_transport!r}")
-        self.transport = HttpTransport(url, retry, api_key=api_key, max_connections=self.max_concurrent_submissions + 2)
-        host = urlparse(self.transport.url).hostname
+        super().__init__(url, retry, api_key=api_key, weight_transport=weight_transport)
         self._shm_fallback = weight_transport == "auto"
-        self.weight_transport = ("shm" if is_loopback_host(host) else "http") \
-            if weight_transport == "auto" else weight_transport
         self._staging: SharedMemoryStaging | None = None
-
-    @property
-    def url(self) -> str:
-        return self.transport.url
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         if not requests:
@@ -180,9 +164,6 @@ class HttpEngine(InferenceEngine):
 
     def flush_cache(self) -> None:
         self.transport.post_json("/flush_cache", {})
-
-    def health(self) -> bool:
-        return self.transport.answers_health()
 
     def model_info(self) -> dict:
         return self.transport.get("/get_model_info")

@@ -28,15 +28,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
-from urllib.parse import urlparse
 
 import requests
 import torch
 
-from stacx.network import is_loopback_host
 from stacx.parallel.tensor_buckets import TENSOR_DTYPES, bucket_chunks, plan_buckets
-from stacx.wire.engine import InferenceEngine, WeightBucket
+from stacx.wire.engine import WeightBucket
 from stacx.rollout.engines.processes import LocalServerGroup, stop_process
+from stacx.rollout.engines.server_client import ServerClient
 from stacx.rollout.engines.vllm_protocol import (
     build_abort_payload,
     build_completion_payload,
@@ -85,25 +84,19 @@ def vllm_python(flag_value: Optional[str] = None) -> str:
     return path
 
 
-class VllmEngine(InferenceEngine):
+class VllmEngine(ServerClient):
     """One vLLM server (use one engine per server; `EnginePool` spreads over several)."""
-
-    max_concurrent_submissions = 64
 
     def __init__(self, url: str, *, api_key: Optional[str] = None, retry: RetryPolicy = RetryPolicy(),
                  weight_transport: str = "auto", pause_mode: str = "wait"):
         """weight_transport: 'shm' stages buckets in a same-host shared-memory file the engine maps,
         'http' carries them in the request; 'auto' is shm for a loopback URL. pause_mode: what `pause`
         does to in-flight requests (vLLM's /pause modes; partial rollout aborts them first itself)."""
-        if weight_transport not in ("auto", "http", "shm"):
-            raise ValueError(f"weight_transport must be 'auto', 'http' or 'shm', got {weight_transport!r}")
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        self.transport = HttpTransport(url, retry, api_key=api_key, max_connections=self.max_concurrent_submissions + 2)
+        super().__init__(url, retry, api_key=api_key, weight_transport=weight_transport)
         self._api_key = api_key
         self._rpc_transport = HttpTransport(url, RPC_RETRY, api_key=api_key)
-        loopback = is_loopback_host(urlparse(self.transport.url).hostname)
-        self.weight_transport = ("shm" if loopback else "http") if weight_transport == "auto" else weight_transport
         self.pause_mode = pause_mode
         self._model: Optional[str] = None
         self._version = 0
@@ -112,10 +105,6 @@ class VllmEngine(InferenceEngine):
         self._lora_folder: Optional[str] = None
         self._fan_out = ThreadPoolExecutor(max_workers=self.max_concurrent_submissions,
                                            thread_name_prefix="VllmEngine-generate")
-
-    @property
-    def url(self) -> str:
-        return self.transport.url
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -156,9 +145,6 @@ class VllmEngine(InferenceEngine):
 
     def flush_cache(self) -> None:
         self.transport.post_json("/reset_prefix_cache", {})
-
-    def health(self) -> bool:
-        return self.transport.answers_health()
 
     # ---- weights ------------------------------------------------------------------------
 

@@ -83,23 +83,26 @@ BOUNDARY = Family("boundary_comparison", "gatekeep", "`{name}` gets the boundary
     _threshold("has_quorum", 3, "members present"),
 ))
 
+def _default_when_empty(name, expression, default, doc, keep):
+    """`return <expression>` over `values`, fixed by returning `default` when there are none."""
+    return Variant(name, "values", doc, f"    return {expression}\n",
+                   f"    return {expression} if values else {default!r}\n",
+                   keeps=(keep,), breaks=((f"{name}([])", default),))
+
+
 EMPTY_INPUT = Family("empty_input", "statkit", "`{name}` fails on empty input instead of returning its default.", (
-    Variant("average", "values", "The mean of values; 0.0 when there are none.",
-            "    return sum(values) / len(values)\n", "    return sum(values) / len(values) if values else 0.0\n",
-            keeps=(("average([2, 4])", 3.0),), breaks=(("average([])", 0.0),)),
+    _default_when_empty("average", "sum(values) / len(values)", 0.0, "The mean of values; 0.0 when there are none.",
+                        ("average([2, 4])", 3.0)),
     Variant("largest", "values", "The largest of values; None when there are none.",
             "    return max(values)\n", "    return max(values, default=None)\n",
             keeps=(("largest([3, 9, 2])", 9),), breaks=(("largest([])", None),)),
     Variant("first_word", "text", "The first word of text; '' when it has none.",
             "    return text.split()[0]\n", "    words = text.split()\n    return words[0] if words else ''\n",
             keeps=(("first_word('hello world')", "hello"),), breaks=(("first_word('')", ""), ("first_word('   ')", ""))),
-    Variant("spread", "values", "max - min of values; 0 when there are none.",
-            "    return max(values) - min(values)\n", "    return max(values) - min(values) if values else 0\n",
-            keeps=(("spread([4, 1, 7])", 6),), breaks=(("spread([])", 0),)),
-    Variant("middle", "values", "The middle element of the sorted values; None when there are none.",
-            "    return sorted(values)[len(values) // 2]\n",
-            "    return sorted(values)[len(values) // 2] if values else None\n",
-            keeps=(("middle([5, 1, 3])", 3),), breaks=(("middle([])", None),)),
+    _default_when_empty("spread", "max(values) - min(values)", 0, "max - min of values; 0 when there are none.",
+                        ("spread([4, 1, 7])", 6)),
+    _default_when_empty("middle", "sorted(values)[len(values) // 2]", None,
+                        "The middle element of the sorted values; None when there are none.", ("middle([5, 1, 3])", 3)),
 ))
 
 

@@ -34,12 +34,13 @@ class RoleLayout:
     """Ranks sharding each expert's width; None (and manifests written before EP existed): the tensor-parallel
     size, megatron's default, which the layout then holds."""
 
-    def __post_init__(self) -> None:
-        if self.expert_tensor_parallel_size is None:
-            object.__setattr__(self, "expert_tensor_parallel_size", self.tensor_model_parallel_size)
     state_replicated_across_data_parallel: bool = True
     """Whether ranks that differ only in (cp, dp) hold identical state (no distributed optimizer). Kept in the
     manifest for the record: torch_dist state loads under any layout either way."""
+
+    def __post_init__(self) -> None:
+        if self.expert_tensor_parallel_size is None:
+            object.__setattr__(self, "expert_tensor_parallel_size", self.tensor_model_parallel_size)
 
     @property
     def world_size(self) -> int:

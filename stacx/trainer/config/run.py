@@ -32,6 +32,7 @@ from stacx.objectives.algorithm_config import (
     hyperparameter_fields,
     scalar_type,
 )
+from stacx.ranges import require_in_range
 from stacx.rollout.sections import RolloutSection, TeacherSection  # the sections the rollout reads, defined there
 
 
@@ -84,10 +85,10 @@ class ModelSection:
         if unknown or not self.lora_target_modules:
             raise ConfigError(f"--lora-target-modules: unknown or missing module names {unknown}; choose from "
                               f"{[*LORA_TARGET_MODULES, 'all-linear']}")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
-        if self.lora_rank > 0 and not self.lora_alpha > 0:
-            raise ConfigError(f"--lora-alpha must be > 0 with --lora-rank {self.lora_rank}, got {self.lora_alpha}")
+        require_in_range("--lora-dropout", self.lora_dropout, at_least=0, below=1, error=ConfigError)
+        if self.lora_rank > 0:
+            require_in_range("--lora-alpha", self.lora_alpha, above=0, why=f"with --lora-rank {self.lora_rank}",
+                             error=ConfigError)
 
 
 def engine_lora_flags(model: ModelSection) -> tuple[str, ...]:

@@ -35,6 +35,10 @@ import torch
 
 DECAY_STYLES = ("constant", "linear", "cosine")
 
+OPTIMIZER_CONFIG_SETTINGS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad")
+"""The `OptimSection` settings that megatron's `OptimizerConfig` takes as they are, under the same names (the
+schedule's settings go to `OptimizerParamScheduler`)."""
+
 
 ROUTED_EXPERT_PARAM = ".mlp.experts."
 """In megatron's parameter names, the routed experts' (`decoder.layers.<i>.mlp.experts.local_experts.<j>...`;
@@ -88,12 +92,7 @@ def build_optimizer(ddp_model, optim: Any, *, total_steps: int):
     dtype = chunks[0].module.config.params_dtype
     config = OptimizerConfig(
         optimizer="adam",
-        lr=optim.lr,
-        min_lr=optim.min_lr,
-        weight_decay=optim.weight_decay,
-        adam_beta1=optim.adam_beta1,
-        adam_beta2=optim.adam_beta2,
-        clip_grad=optim.clip_grad,
+        **{name: getattr(optim, name) for name in OPTIMIZER_CONFIG_SETTINGS},
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         params_dtype=dtype,

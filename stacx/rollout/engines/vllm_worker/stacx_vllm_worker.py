@@ -34,12 +34,11 @@ from typing import Any, Optional
 
 import torch
 
-from stacx.parallel.tensor_buckets import TENSOR_DTYPES, check_slot, unpack_bucket
+from stacx.parallel.tensor_buckets import check_bucket_header, unpack_bucket
 from stacx.parallel.tensor_digests import tensor_digest
 
 STAGING_PREFIX = "stacx-weights-"
 """Name prefix of the staging files a client may name (`stacx.wire.weight_transfer.SHM_FILE_PREFIX`)."""
-HEADER_COLUMNS = ("names", "dtypes", "shapes", "offsets")
 
 
 class BucketRefused(ValueError):
@@ -51,39 +50,11 @@ def _is_int(value: Any) -> bool:
 
 
 def parse_bucket_header(header: Any, num_bytes_available: int) -> list:
-    """The header's tensor slots, every field checked before any byte is viewed (ValueError names it)."""
-    if not isinstance(header, dict):
-        raise BucketRefused("stacx_load_bucket: the header must be a JSON object")
-    missing = [key for key in (*HEADER_COLUMNS, "num_bytes", "version", "bucket", "final") if key not in header]
-    if missing:
-        raise BucketRefused(f"stacx_load_bucket: header is missing field(s) {missing}")
-    if not _is_int(header["version"]) or header["version"] < 1:
-        raise BucketRefused(f"stacx_load_bucket: 'version' must be an integer >= 1, got {header['version']!r}")
-    if not _is_int(header["bucket"]) or header["bucket"] < 0:
-        raise BucketRefused(f"stacx_load_bucket: 'bucket' must be a non-negative integer, got {header['bucket']!r}")
-    if not isinstance(header["final"], bool):
-        raise BucketRefused(f"stacx_load_bucket: 'final' must be true or false, got {header['final']!r}")
-    num_bytes = header["num_bytes"]
-    if not _is_int(num_bytes) or not 0 <= num_bytes <= num_bytes_available:
-        raise BucketRefused(f"stacx_load_bucket: 'num_bytes' must be an integer in [0, {num_bytes_available}], "
-                            f"got {num_bytes!r}")
-    columns = [header[key] for key in HEADER_COLUMNS]
-    if not all(isinstance(c, list) for c in columns) or len({len(c) for c in columns}) != 1:
-        raise BucketRefused("stacx_load_bucket: 'names', 'dtypes', 'shapes' and 'offsets' must be lists with one "
-                            "entry per tensor")
-    slots = []
-    for i, (name, dtype, shape, offset) in enumerate(zip(*columns)):
-        sized = dtype in TENSOR_DTYPES and isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
-        numel = 1
-        for d in shape if sized else ():
-            numel *= d
-        entry = {"name": name, "dtype": dtype, "shape": shape, "bucket": 0, "offset": offset,
-                 "num_bytes": numel * TENSOR_DTYPES[dtype].itemsize if sized else 0}
-        try:
-            slots.append(check_slot(entry, f"stacx_load_bucket: tensor {i}", bucket_bytes=num_bytes))
-        except ValueError as err:
-            raise BucketRefused(str(err)) from None
-    return slots
+    """The header's tensor slots, every field checked before any byte is viewed (`BucketRefused` names it):
+    `stacx serve`'s header rules (`tensor_buckets.check_bucket_header`), with versions from 1 and the bucket
+    number required."""
+    return check_bucket_header(header, num_bytes_available, where="stacx_load_bucket", first_version=1,
+                               bucket_required=True, error=BucketRefused)
 
 
 def open_staging_file(path: Any, num_bytes: int) -> torch.Tensor:

@@ -217,14 +217,15 @@ def connect_ray(
     if ray.is_initialized():
         register_tensor_transport()
         return RayConnection(address=None, started_locally=False, already_connected=True)
+    # This driver's side of the connection: the same whether it attaches or starts the cluster.
+    driver = {"namespace": namespace, "log_to_driver": log_to_driver, "logging_level": RAY_LOGGING_LEVEL}
     if address is not None:
         # A loopback cluster (one `connect_ray` started, e.g. in another process) is reached on
         # loopback too: Ray would rewrite 127.0.0.1 to the host's interface address, where it does not listen.
         attach_loopback = _ray_keeps_loopback_node_addresses() if is_loopback_address(address) else contextlib.nullcontext()
         try:
             with attach_loopback:
-                ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver,
-                         logging_level=RAY_LOGGING_LEVEL)
+                ray.init(address=address, **driver)
         except ConnectionError as err:
             raise ConnectionError(
                 f"cannot attach to the Ray cluster at {address!r} (from --ray-address or {RAY_ADDRESS_ENV}): {err}"
@@ -235,15 +236,8 @@ def connect_ray(
               "tens of seconds on a busy machine)...")
     reaper = ClusterReaper.start()  # the cluster's processes end with this driver, even a SIGKILLed one
     try:
-        start_local_cluster(
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-            object_store_memory=object_store_memory_bytes,
-            include_dashboard=False,
-            namespace=namespace,
-            log_to_driver=log_to_driver,
-            logging_level=RAY_LOGGING_LEVEL,
-        )
+        start_local_cluster(num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory_bytes,
+                            include_dashboard=False, **driver)
     except BaseException:
         reaper.finish()
         raise
