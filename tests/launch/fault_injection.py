@@ -1,23 +1,21 @@
-"""Faults injected into a `stacx train` run from its reward function (`--reward-fn
-tests/launch/fault_injection.py:faulty_reward`), which runs in the driver, the parent of the run's
-`stacx serve` engines: tests/launch/test_fault_tolerance.py.
-
-FAULT_PLAN (environment): comma-separated `action@step`, done once, at the first reward call of that
-step (0-based, CALLS_PER_STEP calls a step), so after the step's rollout and before its weight push:
-- `kill@S`: SIGKILL the newest engine (a dead engine);
-- `stop@S`: SIGSTOP the oldest engine (a hung one: it stops answering, its socket stays open);
-- `compare@S`: ask every engine for the same greedy completion and its weight version, and write them
-  (JSON) to FAULT_REPORT: engines that serve equal weights answer equally;
-- `slow@S`: sleep SLOW_S seconds in this call (a slow reward).
-The reward itself is the sorting task's.
+"""Faults injected into a `stacx train` run from its episodes' environment, which runs in the driver, the parent
+of the run's `stacx serve` engines: tests/launch/test_fault_tolerance.py.
 
 `SandboxedEcho` (`tests.launch.fault_injection:SandboxedEcho` in a prompt row's metadata) is a two-turn
-environment whose steps run a command in a session of a remote sandbox server; CHAOS_PLAN (environment)
-lists `action@N`, done at the N-th step call of the run (0-based; every episode makes two):
-- `kill@N`: SIGKILL the newest engine, mid-rollout (the episodes' second turns are generated next);
-- `sandbox@N`: SIGKILL the sandbox server and start another on its port (this episode's session is gone
+environment whose steps run a command in a session of a remote sandbox server. CHAOS_PLAN (environment) lists
+`action@S.N`, each done once, at the N-th environment step call (0-based; every episode makes two) of rollout
+step S (0-based: the rows the run's CHAOS_METRICS file, its metrics.jsonl, holds when the call is made; the
+driver writes a step's row before the next rollout starts, so a retried episode shifts no later step's calls):
+- `kill@S.N`: SIGKILL the newest engine (mid-rollout: the episodes' next turns are generated after it; at the
+  step's last call, after its generations and before its weight push: the push's pause is refused);
+- `stop@S.N`: SIGSTOP the oldest engine (a hung one: it stops answering, its socket stays open; at the step's
+  last call, its pause for the push misses the health checks);
+- `sandbox@S.N`: SIGKILL the sandbox server and start another on its port (this episode's session is gone
   with it: its command fails, and the episode is played again on the new server);
-- `slow@N`: this step takes SLOW_S seconds more (a slow reward: the environment computes it).
+- `slow@S.N`: this step takes SLOW_S seconds more (a slow reward: the environment computes it);
+- `compare@S.N`: ask every engine for the same greedy completion and its weight version, and write them (JSON)
+  to CHAOS_REPORT: engines that serve equal weights answer equally (an engine that cannot be asked is
+  written with its error, so the test names it).
 The restarted sandbox server's process id is written to CHAOS_SANDBOX_PID_FILE.
 """
 
@@ -34,24 +32,14 @@ import requests
 
 from stacx.rollout.agents.environments import Environment, StepResult
 from stacx.sandbox import SandboxConfig, build_sandbox
-from stacx.tasks import get_task
 
 SLOW_S = 3.0
 _lock = threading.Lock()
-_calls = [0]
-_done: set = set()
-
-
-def _plan() -> dict[int, list[str]]:
-    plan: dict[int, list[str]] = {}
-    for item in filter(None, os.environ.get("FAULT_PLAN", "").split(",")):
-        action, step = item.split("@")
-        plan.setdefault(int(step), []).append(action)
-    return plan
 
 
 def engine_processes() -> list[int]:
-    """Process ids of this process's `stacx serve` children, oldest first."""
+    """Process ids of this process's live `stacx serve` children, oldest first (a killed one not yet reaped, a
+    zombie, is not an engine)."""
     me = str(os.getpid())
     found = []
     for entry in os.listdir("/proc"):
@@ -59,12 +47,12 @@ def engine_processes() -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/stat") as handle:
-                parent = handle.read().rsplit(")", 1)[1].split()[1]
+                state, parent = handle.read().rsplit(")", 1)[1].split()[:2]
             with open(f"/proc/{entry}/cmdline", "rb") as handle:
                 command = handle.read().split(b"\0")
         except OSError:
             continue
-        if parent == me and b"serve" in command and b"stacx" in command:
+        if parent == me and state != "Z" and b"serve" in command and b"stacx" in command:
             found.append(int(entry))
     return sorted(found)
 
@@ -79,70 +67,64 @@ def engine_urls() -> dict[int, str]:
             if isinstance(server, CpuServerProcess) and server.url and server.process.poll() is None}
 
 
+def ask_engine(pid: int, url: str) -> dict:
+    """Engine `pid`'s weight version and its greedy completion of a fixed prompt, with log-probs."""
+    answer = requests.post(f"{url}/generate", json={
+        "input_ids": [3, 4, 5, 6, 7], "sampling_params": {"temperature": 0.0, "max_new_tokens": 4},
+        "return_logprob": True}, timeout=60)
+    answer.raise_for_status()
+    version = requests.get(f"{url}/get_weight_version", timeout=60).json()["weight_version"]
+    logprobs = answer.json()["meta_info"]["output_token_logprobs"]
+    return {"pid": pid, "version": int(version), "output_token_logprobs": logprobs}
+
+
 def compare_engines() -> None:
-    """Writes FAULT_REPORT; a failure here is written there too (a reward error would be retried, hiding it)."""
-    try:
-        report = engine_answers()
-    except Exception as err:  # noqa: BLE001 - reported to the test through the file
-        report = {"error": f"{type(err).__name__}: {err}"}
-    with open(os.environ["FAULT_REPORT"], "w") as handle:
+    report, urls = [], engine_urls()
+    for pid in engine_processes():
+        try:
+            report.append(ask_engine(pid, urls[pid]))
+        except Exception as err:  # noqa: BLE001 - written down for the test to name, the run goes on
+            report.append({"pid": pid, "error": f"{type(err).__name__}: {err}"})
+    with open(os.environ["CHAOS_REPORT"], "w") as handle:
         json.dump(report, handle)
 
 
-def engine_answers() -> list[dict]:
-    report = []
-    urls = engine_urls()
-    for pid in engine_processes():
-        url = urls[pid]
-        answer = requests.post(f"{url}/generate", json={
-            "input_ids": [3, 4, 5, 6, 7], "sampling_params": {"temperature": 0.0, "max_new_tokens": 4},
-            "return_logprob": True}, timeout=60).json()
-        version = requests.get(f"{url}/get_weight_version", timeout=60).json()["weight_version"]
-        report.append({"pid": pid, "version": int(version),
-                       "output_token_logprobs": answer["meta_info"]["output_token_logprobs"]})
-    return report
+_step_calls: dict[int, int] = {}
 
 
-def inject(step: int) -> None:
-    for action in _plan().get(step, []):
-        engines = engine_processes()
-        if action == "kill":
-            os.kill(engines[-1], signal.SIGKILL)
-        elif action == "stop":
-            os.kill(engines[0], signal.SIGSTOP)
-        elif action == "compare":
-            compare_engines()
-        elif action == "slow":
-            time.sleep(SLOW_S)
-        else:
-            raise ValueError(f"FAULT_PLAN: unknown action {action!r}")
+def _rollout_step() -> int:
+    """The rollout step being played: the rows of the run's metrics.jsonl (flushed as each step ends)."""
+    try:
+        with open(os.environ["CHAOS_METRICS"]) as handle:
+            return sum(1 for line in handle if line.strip())
+    except FileNotFoundError:
+        return 0
 
 
-def faulty_reward(response, label, metadata=None):
-    calls_per_step = int(os.environ.get("CALLS_PER_STEP", "16"))
+def _next_call() -> tuple[int, int]:
+    """(rollout step, this environment step call's index within it)."""
     with _lock:
-        step, _calls[0] = _calls[0] // calls_per_step, _calls[0] + 1
-        first = step not in _done
-        _done.add(step)
-        if first:
-            inject(step)
-    return get_task("sorting").reward(response, label, metadata)
+        step = _rollout_step()
+        index = _step_calls.get(step, 0)
+        _step_calls[step] = index + 1
+        return step, index
 
 
-_env_steps = [0]
-
-
-def _chaos(index: int, task: dict) -> None:
+def _chaos(step: int, index: int, task: dict) -> None:
     for item in filter(None, os.environ.get("CHAOS_PLAN", "").split(",")):
         action, at = item.split("@")
-        if int(at) != index:
+        if at != f"{step}.{index}":
             continue
         if action == "kill":
             os.kill(engine_processes()[-1], signal.SIGKILL)
+        elif action == "stop":
+            os.kill(engine_processes()[0], signal.SIGSTOP)
         elif action == "sandbox":
             restart_sandbox_server(task)
         elif action == "slow":
             time.sleep(SLOW_S)
+        elif action == "compare":
+            compare_engines()
         else:
             raise ValueError(f"CHAOS_PLAN: unknown action {action!r}")
 
@@ -184,9 +166,7 @@ class SandboxedEcho(Environment):
         return [{"role": "user", "content": task["digits"]}]
 
     def step(self, action):
-        with _lock:
-            index, _env_steps[0] = _env_steps[0], _env_steps[0] + 1
-        _chaos(index, self.task)
+        _chaos(*_next_call(), self.task)
         result = self.session.run(["true"])
         self.turns = getattr(self, "turns", 0) + 1
         if self.turns == 1:

@@ -1,13 +1,16 @@
-"""Runs that survive their parts, through `stacx train` on Ray (the shared test cluster): two CPU engines,
-one killed and later one hung (SIGSTOP: it stops answering, its socket stays open) by the run's own
-reward function (tests/launch/fault_injection.py); each is noticed, restarted and given the current
-weights, and the run completes. The slow tier's chaos run adds a slow reward to the same faults over
-ten steps. Unit-level checks of each path: tests/rollout/test_engine_faults.py, test_episode_faults.py."""
+"""Runs that survive their parts, through `stacx train` on Ray (the shared test cluster), in one ten-step run of
+two-turn episodes in remote sandbox sessions on two CPU engines, every fault injected by the episodes' own
+environment (tests/launch/fault_injection.py): an engine killed mid-rollout, one killed before a weight push, one
+hung (SIGSTOP: it stops answering, its socket stays open) before the next push, the sandbox server killed and
+restarted, a slow reward. Each engine is noticed, restarted and given the current weights, the episode on the dead
+sandbox is played again, and the run completes every step with full batches. Unit-level checks of each path:
+tests/rollout/test_engine_faults.py, test_episode_faults.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -18,8 +21,17 @@ from tests.launch.test_custom_code_on_every_rank import REPO, train_env
 
 pytestmark = pytest.mark.slow  # `stacx train` on Ray
 
-FAULT_REWARD = "tests/launch/fault_injection.py:faulty_reward"
 PROMPTS, SAMPLES = 4, 4
+LAST_CALL = 2 * PROMPTS * SAMPLES - 1
+"""The index of a rollout step's last environment step call (two per episode): its generations are done."""
+CHAOS_PLAN = ",".join([
+    "kill@1.1",  # the newest engine, mid-rollout: its requests are re-issued, it is restarted
+    f"kill@2.{LAST_CALL}",  # the newest engine, before step 2's weight push: the push's pause is refused
+    f"stop@3.{LAST_CALL}",  # the oldest engine hangs before step 3's push: it misses its health checks
+    "sandbox@4.3",  # the sandbox server killed and restarted: the episode is played again
+    "slow@7.0",  # a slow reward
+    f"compare@9.{LAST_CALL}",  # both engines (each restarted) asked the same greedy request at the last step
+])
 
 
 @pytest.fixture(scope="module")
@@ -27,61 +39,22 @@ def tiny_checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "sorting"), "sorting", seed=0)
 
 
-def train_with_faults(checkpoint: str, out: str, *, plan: str, num_steps: int, ray_address: str,
-                      report: str) -> tuple[list[dict], str]:
-    """(metrics of each step, the run's stderr) of a GRPO run on two CPU engines with FAULT_PLAN `plan`."""
-    command = [sys.executable, "-m", "stacx.train", "--hf-checkpoint", checkpoint, "--prompt-data", "builtin:sorting",
-               "--rollout-batch-size", str(PROMPTS), "--n-samples-per-prompt", str(SAMPLES),
-               "--rollout-max-response-len", "6", "--rollout-engine", "cpu", "--rollout-num-engines", "2",
-               "--engine-health-interval-s", "1", "--engine-deadline-s", "120", "--reward-fn", FAULT_REWARD,
-               "--num-steps", str(num_steps), "--out", out, "--no-plots", "--no-progress-bar",
-               "--ray-address", ray_address]
-    env = train_env({"FAULT_PLAN": plan, "FAULT_REPORT": report, "CALLS_PER_STEP": str(PROMPTS * SAMPLES)})
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1400, cwd=REPO)
-    assert completed.returncode == 0, completed.stderr[-6000:]
-    with open(os.path.join(out, "metrics.jsonl")) as handle:
-        steps = [json.loads(line) for line in handle]
-    assert len(steps) == num_steps, steps
-    return steps, completed.stderr
-
-
 def assert_engines_agree(report: str, version: int) -> None:
-    """Both engines (one of them restarted) serve `version` and answer a greedy request alike."""
+    """Both engines (each restarted) serve `version` and answer a greedy request alike."""
     with open(report) as handle:
         engines = json.load(handle)
-    assert "error" not in engines, engines
-    assert len(engines) == 2 and {e["version"] for e in engines} == {version}, engines
+    assert len(engines) == 2 and all("error" not in e for e in engines), engines
+    assert {e["version"] for e in engines} == {version}, engines
     first, second = (e["output_token_logprobs"] for e in engines)
     assert [t[1] for t in first] == [t[1] for t in second]
     assert [t[0] for t in first] == pytest.approx([t[0] for t in second], abs=1e-5)
 
 
 @pytest.mark.timeout(1500)
-def test_a_killed_and_a_hung_engine_are_restarted_with_the_current_weights(tiny_checkpoint, tmp_path,
-                                                                           shared_ray_address):
-    """Step 1: an engine is killed (its pause for the weight push is refused); step 2: the other hangs (its
-    pause misses two health checks). Each is restarted on its URL and takes the push; at step 3 both serve
-    version 3 and answer a greedy request alike; all 4 steps train."""
-    report = str(tmp_path / "engines.json")
-    steps, stderr = train_with_faults(tiny_checkpoint, str(tmp_path / "out"), plan="kill@1,stop@2,compare@3",
-                                      num_steps=4, ray_address=shared_ray_address, report=report)
-    assert [s["rollout/engine_restarts"] for s in steps] == [0.0, 0.0, 1.0, 2.0]
-    assert [s["rollout/weight_version"] for s in steps] == [0.0, 1.0, 2.0, 3.0]
-    assert all(s["rollout/live_engines"] == 2.0 for s in steps)
-    assert "missed 2 health checks in a row" in stderr and "Connection refused" in stderr
-    assert_engines_agree(report, version=3)
-    assert all(s["rollout/episodes_dropped"] == 0.0 and s["rollout/groups_replaced"] == 0.0 for s in steps)
-
-
-@pytest.mark.timeout(1500)
-def test_chaos_run_engine_kill_sandbox_kill_and_slow_reward_in_one_ten_step_run(tiny_checkpoint, tmp_path,
-                                                                                 shared_ray_address):
-    """Ten steps of two-turn episodes in remote sandbox sessions, on two CPU engines: an engine killed between
-    the turns of step 1 (its second-turn requests re-issued, the engine restarted), the sandbox server killed and
-    restarted during step 4 (that episode played again on the new server), a slow reward step in step 7. The
-    run completes every step, each fault counted."""
-    import socket
-
+def test_chaos_run_engine_kill_hang_sandbox_kill_and_slow_reward_in_one_ten_step_run(tiny_checkpoint, tmp_path,
+                                                                                      shared_ray_address):
+    """Ten steps (CHAOS_PLAN says which fault comes where): three engine restarts, each engine serving the
+    current weights at the next rollout, the sandbox episode played again, every step's batch complete."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -99,26 +72,39 @@ def test_chaos_run_engine_kill_sandbox_kill_and_slow_reward_in_one_ten_step_run(
             handle.write(json.dumps({"prompt": digits, "label": "", "metadata": {
                 "environment": environment, "max_turns": 2, "sandbox_url": url, "sandbox_key": key,
                 "digits": digits}}) + "\n")
-    per_step = 2 * PROMPTS * SAMPLES  # environment steps: two per episode
-    plan = f"kill@{per_step + 1},sandbox@{4 * per_step + 3},slow@{7 * per_step}"
-    out = str(tmp_path / "out")
+    out, report = str(tmp_path / "out"), str(tmp_path / "engines.json")
     command = [sys.executable, "-m", "stacx.train", "--hf-checkpoint", tiny_checkpoint, "--prompt-data", str(rows),
                "--rollout-batch-size", str(PROMPTS), "--n-samples-per-prompt", str(SAMPLES),
                "--rollout-max-response-len", "4", "--rollout-engine", "cpu", "--rollout-num-engines", "2",
                "--engine-health-interval-s", "1", "--engine-deadline-s", "120", "--episode-retries", "2",
                "--num-steps", "10", "--out", out, "--no-plots", "--no-progress-bar", "--ray-address",
                shared_ray_address]
+    env = train_env({"CHAOS_PLAN": CHAOS_PLAN, "CHAOS_SANDBOX_PID_FILE": str(pid_file), "CHAOS_REPORT": report,
+                     "CHAOS_METRICS": os.path.join(out, "metrics.jsonl")})
     try:
-        completed = subprocess.run(command, env=train_env({"CHAOS_PLAN": plan, "CHAOS_SANDBOX_PID_FILE": str(pid_file)}),
-                                   capture_output=True, text=True, timeout=1400, cwd=REPO)
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1400, cwd=REPO)
     finally:
         os.kill(int(pid_file.read_text()), 9)
         server.wait(timeout=30)
+    (tmp_path / "train.stderr").write_text(completed.stderr)  # the whole of it, for a failure's post-mortem
     assert completed.returncode == 0, completed.stderr[-6000:]
     with open(os.path.join(out, "metrics.jsonl")) as handle:
         steps = [json.loads(line) for line in handle]
     assert len(steps) == 10
-    assert steps[-1]["rollout/engine_restarts"] == 1.0 and steps[-1]["rollout/requests_reissued"] >= 1.0
-    assert sum(s["rollout/episodes_retried"] for s in steps) >= 1.0
     assert all(s["rollout/num_samples"] == PROMPTS * SAMPLES for s in steps)  # every step's batch complete
+    assert [s["rollout/weight_version"] for s in steps] == [float(step) for step in range(10)]
+    # Restarts are counted when an engine is found dead: the mid-rollout kill during step 1 (or, at the latest, at
+    # the push after it), the kill before step 2's push and the hang before step 3's push at those pushes.
+    restarts = [s["rollout/engine_restarts"] for s in steps]
+    assert restarts[0] == 0.0 and restarts[2:] == [1.0, 2.0] + [3.0] * 6, restarts
+    assert steps[-1]["rollout/requests_reissued"] >= 1.0  # the mid-rollout kill's requests went to the other engine
+    # Each restarted engine took the push and serves from the next rollout on (step 1's is restarted mid-rollout).
+    assert all(s["rollout/live_engines"] == 2.0 for s in steps if s["step"] != 1), (steps, completed.stderr[-4000:])
+    assert "Connection refused" in completed.stderr  # the killed engines
+    assert "missed 2 health checks in a row" in completed.stderr  # the hung one
+    assert_engines_agree(report, version=9)
+    # The sandbox's episode was played again; no engine fault cost an episode or a group.
+    assert sum(s["rollout/episodes_retried"] for s in steps) >= 1.0
     assert "sandbox: SandboxServerError" in completed.stderr or "sandbox: SandboxUnavailableError" in completed.stderr
+    assert all(s["rollout/episodes_dropped"] == 0.0 and s["rollout/groups_replaced"] == 0.0
+               for s in steps if s["step"] != 4), steps

@@ -1,12 +1,14 @@
-"""The rollout side of the loop on a local Ray cluster: DAPO's dynamic sampling and overlong
-penalty, evaluation every N steps, rollout dumps, and two `stacx serve` rollout engines.
+"""The rollout side of the loop on a local Ray cluster, in one DAPO run over two `stacx serve` rollout
+engines (attached with rollout_urls): dynamic sampling and the overlong penalty, evaluation every N steps,
+rollout dumps, and the requests spread over both engines.
 
-- dapo: half the prompts get the same reward for every response (their groups must be dropped and
-  refilled); every trained sample's reward is the reward function's plus the overlong penalty,
-  recomputed here from the dumped responses; eval/* metrics equal a greedy evaluation of the
-  exported final policy, run here in-process.
-- grpo with rollout_urls = two `stacx serve` processes: both receive requests, both serve the
-  final weight version, and both answer greedily like each other and unlike the initial weights.
+- half the prompts get the same reward for every response (their groups must be dropped and refilled);
+  every trained sample's reward is the reward function's plus the overlong penalty, recomputed here from
+  the dumped responses; eval/* metrics equal a greedy evaluation of the exported final policy, run here
+  in-process;
+- both servers receive requests (each counted once), both serve the final weight version, and both answer
+  greedily like each other and unlike the initial weights.
+(One run since session 9: the two-server check was a GRPO run of its own, docs/testing.md.)
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import threading
 import pytest
 
 from tests.trainer.training_fixtures import (
-    ATTACHED_SERVER_KEY,
     read_metrics,
     read_rollout_dumps,
     run_config,
@@ -58,20 +59,50 @@ def _overlong_penalty_reference(length: int, max_length: int, buffer: int, facto
     return -factor * min(length - (max_length - buffer), buffer) / buffer
 
 
-def test_dapo_dynamic_sampling_overlong_penalty_and_eval(ray_address, files, single_process_world, tmp_path):
+@pytest.fixture
+def two_servers(files, attached_server_key):
+    """Two `stacx serve` processes of the initial policy (seeds 0 and 1), started side by side; their URLs."""
+    from stacx.rollout.engines.launchers import CpuServerProcess
+
+    servers: list = [None, None]
+
+    def start(index):
+        servers[index] = CpuServerProcess(files["policy"], seed=index, api_key=attached_server_key)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert all(s is not None for s in servers), "a stacx serve process did not start"
+        yield [s.url for s in servers]
+    finally:
+        for s in servers:
+            if s is not None:
+                s.stop()
+
+
+def test_dapo_dynamic_sampling_overlong_penalty_and_eval_over_two_servers(ray_address, files, single_process_world,
+                                                                          tmp_path, two_servers):
     from stacx.rollout.data import DataConfig, load_examples
+    from stacx.rollout.engines.http import HttpEngine
     from stacx.rollout.manager import RolloutManager
     from stacx.rollout.service import load_tokenizer
     from stacx.serving.cpu_engine import CpuEngine
     from stacx.trainer.factory import create_trainer
     from stacx.wire.types import SamplingParams
 
+    prompt = [5, 7, 9, 11]
+    before = _greedy(CpuEngine.from_hf_checkpoint(files["policy"]), prompt)
     cfg = run_config(str(tmp_path), train={"algorithm": "dapo"}, algorithm={"overlong_buffer_length": 2, "overlong_penalty_factor": 0.5},
-                     hf_checkpoint=files["policy"], prompt_data=files["dapo_prompts"], rollout_engine="cpu",
-                     reward_fn=HALF_UNIFORM_REWARD, save_rollouts_per_step=100, eval_data=files["eval_prompts"],
-                     eval_interval=1, eval_n_samples=2, eval_temperature=0.0, export_hf=str(tmp_path / "export"))
+                     hf_checkpoint=files["policy"], prompt_data=files["dapo_prompts"], rollout_engine="http",
+                     rollout_urls=two_servers, reward_fn=HALF_UNIFORM_REWARD, save_rollouts_per_step=100,
+                     eval_data=files["eval_prompts"], eval_interval=1, eval_n_samples=2, eval_temperature=0.0,
+                     export_hf=str(tmp_path / "export"))
     trainer = create_trainer(cfg)
     assert trainer.step_rollout.dynamic  # the dapo recipe's filter_zero_variance_groups
+    assert trainer.rollout.urls == tuple(two_servers)
     trainer.run()
     rows, dumps = read_metrics(str(tmp_path / "out")), read_rollout_dumps(str(tmp_path / "out"))
     assert [row["step"] for row in rows] == [0, 1, 2]  # two steps' rows, then the final model's eval row
@@ -115,6 +146,22 @@ def test_dapo_dynamic_sampling_overlong_penalty_and_eval(ray_address, files, sin
     assert rows[-1]["eval/mean_reward"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-9)
     solved = sum(r > 0.5 for r in rewards) / len(rewards)
     assert rows[-1]["eval/pass@1"] == pytest.approx(solved) and rows[-1]["eval/pass@2"] == pytest.approx(solved)
+    # Two servers: both received requests, each counted once (by the last training row: the drawn groups' 2
+    # samples each, and the evaluations before steps 0 and 1, 3 prompts x 2 samples each).
+    last = rows[1]
+    assert last["rollout/engine0_requests"] > 0 and last["rollout/engine1_requests"] > 0
+    drawn = sum(row["rollout/dynamic_groups_drawn"] for row in rows[:2])
+    assert last["rollout/engine0_requests"] + last["rollout/engine1_requests"] == 2 * drawn + 2 * 3 * 2, rows[:2]
+    assert rows[1]["rollout/weight_version"] == 1.0
+    # Both serve the final weights (version 2) and answer greedily alike, unlike the initial weights.
+    clients = [HttpEngine(url) for url in two_servers]
+    assert [c.weight_version() for c in clients] == [2, 2]
+    served = [_greedy(c, prompt) for c in clients]
+    assert served[0][0] == served[1][0]
+    assert served[0][1] == pytest.approx(served[1][1], abs=1e-6)
+    assert served[0][1] != pytest.approx(before[1], abs=1e-5)
+    for c in clients:
+        c.shutdown()
 
 
 def _greedy(engine, prompt):
@@ -124,51 +171,3 @@ def _greedy(engine, prompt):
                                                                                ignore_eos=True))
     out = engine.generate([request])[0]
     return out.output_ids, out.output_log_probs
-
-
-def test_grpo_spreads_rollouts_over_two_servers_and_updates_both(ray_address, files, single_process_world, tmp_path,
-                                                                attached_server_key):
-    from stacx.rollout.engines.http import HttpEngine
-    from stacx.rollout.engines.launchers import CpuServerProcess
-    from stacx.serving.cpu_engine import CpuEngine
-    from stacx.trainer.factory import create_trainer
-
-    servers: list = [None, None]
-
-    def start(index):
-        servers[index] = CpuServerProcess(files["policy"], seed=index, api_key=attached_server_key)
-
-    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    try:
-        assert all(s is not None for s in servers), "a stacx serve process did not start"
-        urls = [s.url for s in servers]
-        prompt = [5, 7, 9, 11]
-        before = _greedy(CpuEngine.from_hf_checkpoint(files["policy"]), prompt)
-        cfg = run_config(str(tmp_path), train={"algorithm": "grpo"}, hf_checkpoint=files["policy"],
-                         prompt_data=files["prompts"], rollout_engine="http", rollout_urls=urls,
-                         reward_fn="tests.trainer.training_fixtures:varied_reward")
-        trainer = create_trainer(cfg)
-        assert trainer.rollout.urls == tuple(urls)
-        trainer.run()
-        rows = read_metrics(str(tmp_path / "out"))
-        last = rows[-1]
-        # 2 steps x 2 prompts x 2 samples, spread over both engines.
-        assert last["rollout/engine0_requests"] > 0 and last["rollout/engine1_requests"] > 0
-        assert last["rollout/engine0_requests"] + last["rollout/engine1_requests"] == 8
-        assert rows[1]["rollout/weight_version"] == 1.0
-        clients = [HttpEngine(url) for url in urls]
-        assert [c.weight_version() for c in clients] == [2, 2]
-        served = [_greedy(c, prompt) for c in clients]
-        assert served[0][0] == served[1][0]
-        assert served[0][1] == pytest.approx(served[1][1], abs=1e-6)
-        assert served[0][1] != pytest.approx(before[1], abs=1e-5)
-        for c in clients:
-            c.shutdown()
-    finally:
-        for s in servers:
-            if s is not None:
-                s.stop()

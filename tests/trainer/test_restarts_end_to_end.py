@@ -1,9 +1,9 @@
 """--max-restarts on Ray, end to end, in one LoRA run: `stacx train` (in this process, attached to the shared
 Ray cluster; the CPU engine's `stacx serve` beside the workers) of GRPO with the KL loss (the reference is the base
-with the adapters off) and --lora-sync adapters, whose policy worker is killed right after the step-3 checkpoint of
-6 (the test-only STACX_FAULT_KILL_AT_STEP hook). It restarts once from that checkpoint (`--load`, the resume path),
-ends at step 6, counts the restart in `run/restarts`, and its final weights (base and adapters) and its losses of
-steps 4-6 equal an uninterrupted LoRA run's bitwise (same seed, CPU path); its last checkpoint is exported as a PEFT
+with the adapters off) and --lora-sync adapters, whose policy worker is killed right after the step-2 checkpoint of
+4 (the test-only STACX_FAULT_KILL_AT_STEP hook). It restarts once from that checkpoint (`--load`, the resume path),
+ends at step 4, counts the restart in `run/restarts`, and its final weights (base and adapters) and its losses of
+steps 3-4 equal an uninterrupted LoRA run's bitwise (same seed, CPU path); its last checkpoint is exported as a PEFT
 adapter folder and as merged weights with `stacx convert checkpoint-to-hf --lora`.
 Under `stacx torchrun` (one launch, SFT, one rank killed after the step-2 checkpoint of 4): torch elastic restarts
 the rank with the run's own --max-restarts, the restarted rank 0 takes the --save lock again, loads the
@@ -28,15 +28,15 @@ LORA_FLAGS = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", 
 
 
 def _train_lora_grpo(root, files, address: str, *extra: str) -> list[dict]:
-    """`stacx train` (the command's own code, in this process: it is the Ray driver) of a 6-step LoRA GRPO run
-    saving every 3 steps under `root`; the metrics of its steps."""
+    """`stacx train` (the command's own code, in this process: it is the Ray driver) of a 4-step LoRA GRPO run
+    saving every 2 steps under `root`; the metrics of its steps."""
     from stacx.launch.cli import main
 
     flags = ["train", "--algorithm", "grpo", "--hf-checkpoint", files["policy"], "--ref-load", files["policy"],
              "--use-kl-loss", "--kl-loss-coef", "0.01", "--lr", "1e-2", *LORA_FLAGS,
              "--prompt-data", files["prompts"], "--rollout-engine", "cpu", "--reward-fn", VARIED_REWARD,
              "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
-             "--max-tokens-per-micro-batch", "64", "--num-steps", "6", "--save-interval", "3",
+             "--max-tokens-per-micro-batch", "64", "--num-steps", "4", "--save-interval", "2",
              "--save", str(root / "ckpt"), "--out", str(root / "out"), "--collective-timeout-s", "120",
              "--no-plots", "--no-progress-bar", "--no-tensorboard", "--ray-address", address, *extra]
     assert main(flags) == 0
@@ -46,7 +46,7 @@ def _train_lora_grpo(root, files, address: str, *extra: str) -> list[dict]:
 def _weights(root) -> dict:
     from tests.checkpointing.helpers import read_torch_dist_tensors
 
-    return read_torch_dist_tensors(root / "ckpt" / "step_000000006" / "roles" / "policy" / "model")
+    return read_torch_dist_tensors(root / "ckpt" / "step_000000004" / "roles" / "policy" / "model")
 
 
 def test_a_lora_worker_killed_after_a_checkpoint_restarts_from_it_ends_as_an_uninterrupted_run_and_exports_peft(
@@ -56,22 +56,22 @@ def test_a_lora_worker_killed_after_a_checkpoint_restarts_from_it_ends_as_an_uni
     straight, restarted = tmp_path / "straight", tmp_path / "restarted"
     straight_rows = _train_lora_grpo(straight, files, ray_address)
     # Each step sampled from the adapters pushed after the one before, which the engine merged and confirmed.
-    assert [row["rollout/weight_version"] for row in straight_rows] == [float(step) for step in range(6)]
+    assert [row["rollout/weight_version"] for row in straight_rows] == [float(step) for step in range(4)]
     assert all(row["policy/grad_norm"] > 0 for row in straight_rows)  # the adapters' gradients (the base has none)
     # The reference is the base with the adapters off: equal to the policy at step 0 (B = 0), not after a step.
     assert straight_rows[0]["policy/kl_loss"] == 0.0 and straight_rows[1]["policy/kl_loss"] > 0.0
     capsys.readouterr()
 
-    monkeypatch.setenv("STACX_FAULT_KILL_AT_STEP", "3")
+    monkeypatch.setenv("STACX_FAULT_KILL_AT_STEP", "2")
     rows = _train_lora_grpo(restarted, files, ray_address, "--max-restarts", "1")
     err = capsys.readouterr().err
-    assert "STACX_FAULT_KILL_AT_STEP=3: killing role 'policy' rank 0" in err
-    assert "restart 1 of --max-restarts 1 from checkpoint" in err and "step_000000003" in err
+    assert "STACX_FAULT_KILL_AT_STEP=2: killing role 'policy' rank 0" in err
+    assert "restart 1 of --max-restarts 1 from checkpoint" in err and "step_000000002" in err
     assert "worker role 'policy' rank 0 died" in err
-    assert [row["step"] for row in rows] == list(range(6))
-    assert [row["run/restarts"] for row in rows] == [0.0] * 3 + [1.0] * 3
+    assert [row["step"] for row in rows] == list(range(4))
+    assert [row["run/restarts"] for row in rows] == [0.0] * 2 + [1.0] * 2
     # The restarted generation resumed the adapters and the engine's version from the checkpoint (`--load`).
-    assert [row["rollout/weight_version"] for row in rows] == [float(step) for step in range(6)]
+    assert [row["rollout/weight_version"] for row in rows] == [float(step) for step in range(4)]
     assert all(row["policy/grad_norm"] > 0 for row in rows)
     assert [row["policy/loss"] for row in rows] == [row["policy/loss"] for row in straight_rows]
     a, b = _weights(straight), _weights(restarted)
