@@ -179,3 +179,45 @@ def _check_alive(procs, collected) -> None:
     for rank, proc in enumerate(procs):
         if rank not in collected and not proc.is_alive() and proc.exitcode not in (None, 0):
             raise DistributedRunError(f"rank {rank} died with exit code {proc.exitcode}", rank=rank)
+
+
+def _forked_main(fn, args, results, environ, stdio):
+    stdio.adopt()
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        results.put((True, pickle.dumps(fn(*args))))
+    except BaseException:  # noqa: BLE001 - the failure must reach the parent
+        results.put((False, traceback.format_exc()))
+
+
+def run_forked(fn: Callable[..., Any], *args: Any, environ: dict | None = None, timeout_s: float = 120.0) -> Any:
+    """`fn(*args)` in one process forked from the rank forkserver (torch and megatron-core imported, no
+    process group), with `environ` as its whole environment (default: the caller's); returns its value.
+
+    For a check that needs a process of its own (what it listens on, what it imports) without paying a fresh
+    interpreter's imports. `fn` must be importable by name; its exception is re-raised as `DistributedRunError`."""
+    ctx = _rank_context()
+    results = ctx.Queue()
+    proc = ctx.Process(target=_forked_main, args=(fn, args, results, dict(os.environ if environ is None else environ),
+                                                  _ParentStdio()), daemon=False)
+    proc.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                ok, value = results.get(timeout=0.5)
+                break
+            except queue_module.Empty:
+                if not proc.is_alive() and proc.exitcode not in (None, 0):
+                    raise DistributedRunError(f"the forked process died with exit code {proc.exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise DistributedRunError(f"the forked process did not finish in {timeout_s:.0f}s") from None
+        if not ok:
+            raise DistributedRunError(f"the forked process raised:\n{value}")
+        return pickle.loads(value)  # pickled by our own child
+    finally:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)

@@ -4,10 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-
 import pytest
 from transformers import AutoConfig
 
@@ -97,19 +93,10 @@ def test_to_transformers_keeps_every_field(tmp_path):
 
 @pytest.mark.slow
 def test_building_a_model_from_a_folder_imports_no_transformers(tmp_path):
-    """What every role worker and rank does at start: its model from config.json, transformers never imported."""
+    """What every role worker and rank does at start: its model from config.json, transformers never imported.
+    A forked rank stands for the fresh process (it shares none of this test process's modules)."""
+    from stacx.testing.distributed import run_distributed
+    from tests.models.rank_imports import build_from_folder_imports_transformers
+
     tiny_hf_config("qwen3").save_pretrained(tmp_path)
-    script = ("import sys\n"
-              "import torch.distributed as dist\n"
-              "from stacx.parallel.groups import ProcessGroups, initialize_parallel_layout\n"
-              "from stacx.parallel.megatron_import import import_megatron_core\n"
-              "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
-              "import_megatron_core()\n"
-              "initialize_parallel_layout(1, 1)\n"
-              "from stacx.models import build_model\n"
-              f"build_model({str(tmp_path)!r}, ProcessGroups.single_process())\n"
-              "print('transformers' in sys.modules)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "False", result.stdout
+    assert run_distributed(build_from_folder_imports_transformers, 1, args=(str(tmp_path),)) == [False]

@@ -4,33 +4,36 @@ engine builds about twenty such groups, each a listening socket."""
 
 from __future__ import annotations
 
+import os
 import socket
-import subprocess
-import sys
 
 from stacx.parallel.node_interface import _ipv4_address_of, collectives_on_loopback
+from stacx.testing.distributed import run_forked
 
-WORLD_OF_ONE = """
-import os, socket, torch.distributed as dist
-from stacx.parallel.node_interface import collectives_on_loopback
-with collectives_on_loopback():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    dist.new_group([0])
-assert os.environ.get("GLOO_SOCKET_IFNAME") == {given!r}, os.environ.get("GLOO_SOCKET_IFNAME")
-inodes = set()
-for fd in os.listdir("/proc/self/fd"):
-    try:
-        target = os.readlink(f"/proc/self/fd/{{fd}}")
-    except OSError:  # the listing's own descriptor, closed by now
-        continue
-    if target.startswith("socket:["):
-        inodes.add(target[8:-1])
-for line in list(open("/proc/net/tcp"))[1:]:
-    fields = line.split()
-    if fields[3] == "0A" and fields[9] in inodes:  # a listening socket of this process
-        address = fields[1].split(":")[0]
-        print(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
-"""
+def listening_addresses_of_a_world_of_one() -> list[str]:
+    """In a process of its own: build a one-rank world and one more group inside `collectives_on_loopback`,
+    then the IPv4 addresses of every TCP socket this process listens on (from the kernel's table)."""
+    import torch.distributed as dist
+
+    given = os.environ.get("GLOO_SOCKET_IFNAME")
+    with collectives_on_loopback():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.new_group([0])
+    assert os.environ.get("GLOO_SOCKET_IFNAME") == given, os.environ.get("GLOO_SOCKET_IFNAME")
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    addresses = []
+    for line in list(open("/proc/net/tcp"))[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # a listening socket of this process
+            addresses.append(socket.inet_ntoa(bytes.fromhex(fields[1].split(":")[0])[::-1]))
+    return addresses
 
 
 def network_interface() -> str | None:
@@ -43,11 +46,11 @@ def network_interface() -> str | None:
 
 
 def test_a_world_of_one_listens_on_loopback_where_gloo_would_use_a_network_interface():
+    # A process forked from the rank forkserver (torch imported, no process group yet) with only the
+    # interface in its environment.
     given = network_interface() or "lo"
-    completed = subprocess.run([sys.executable, "-c", WORLD_OF_ONE.format(given=given)], capture_output=True,
-                               text=True, timeout=120, env={"GLOO_SOCKET_IFNAME": given, "PATH": "/usr/bin:/bin"})
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    addresses = completed.stdout.split()
+    addresses = run_forked(listening_addresses_of_a_world_of_one,
+                           environ={"GLOO_SOCKET_IFNAME": given, "PATH": "/usr/bin:/bin"})
     assert len(addresses) >= 2 and set(addresses) == {"127.0.0.1"}, (given, addresses)
 
 

@@ -94,31 +94,28 @@ def test_cp_rope_slicing_picks_load_balanced_chunks():
     assert results == [[0.0, 1.0, 6.0, 7.0], [2.0, 3.0, 4.0, 5.0]]
 
 
+def write_a_torch_dist_folder(_groups, folder):
+    """On a CPU rank (its world of one made by the harness, the patches applied as every rank applies them):
+    whether torch.cuda.synchronize is the patch's no-op, and megatron's torch_dist writer wrote `folder`."""
+    from megatron.core.dist_checkpointing import save
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from stacx.checkpointing.torch_dist import _use_in_process_results_queue, is_torch_dist_folder
+    from stacx.parallel import megatron_cpu_compat as c
+
+    active = c.apply_if_needed() is True and c.is_applied()
+    patched = torch.cuda.synchronize.__module__ != "torch.cuda" and torch.cuda.synchronize() is None
+    _use_in_process_results_queue()
+    save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 2), replica_id=0)}, folder)
+    return active, patched, is_torch_dist_folder(folder)
+
+
 @pytest.mark.slow
 def test_cuda_synchronize_is_a_no_op_so_megatrons_checkpoint_writer_runs(tmp_path):
     """Without the patch, torch_dist's writer calls torch.cuda.synchronize and a CPU-only torch raises."""
-    code = (
-        "import sys, torch\n"
-        "from stacx.parallel import megatron_cpu_compat as c\n"
-        "original = torch.cuda.synchronize\n"
-        "assert c.apply_if_needed() is True\n"
-        "assert torch.cuda.synchronize is not original and torch.cuda.synchronize() is None\n"
-        "from stacx.checkpointing.convert import single_process_world\n"
-        "from stacx.checkpointing.torch_dist import is_torch_dist_folder\n"
-        "with single_process_world():\n"
-        "    from megatron.core.dist_checkpointing import save\n"
-        "    from megatron.core.dist_checkpointing.mapping import ShardedTensor\n"
-        "    from stacx.checkpointing.torch_dist import _use_in_process_results_queue\n"
-        "    _use_in_process_results_queue()\n"
-        "    save({'w': ShardedTensor.from_rank_offsets('w', torch.ones(2, 2), replica_id=0)}, sys.argv[1])\n"
-        "assert is_torch_dist_folder(sys.argv[1])\n"
-        "print('written')\n"
-    )
     folder = tmp_path / "dist"
     folder.mkdir()
-    out = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "written" in out.stdout
+    assert run_distributed(write_a_torch_dist_folder, 1, args=(str(folder),)) == [(True, True, True)]
 
 
 @pytest.mark.slow

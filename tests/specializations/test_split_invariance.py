@@ -149,11 +149,14 @@ def test_gradient_and_metrics_are_invariant_to_context_and_data_parallel_ranks(f
     assert max(several) > 1, "a distributed split should use several micro-batches per rank"
 
 
-def _run_family_at_cp2(groups, family_name: str) -> dict:
+def _run_families_at_cp2(groups, family_names: tuple[str, ...]) -> dict:
     from tests.specializations.split_invariance_cases import run_split_on_rank
 
-    result = run_split_on_rank(groups, family_name, "token-mean", Split("cp=2", 1, 2, 10_000))
-    return dict(result, gradient=result["gradient"].numpy())
+    results = {}
+    for family_name in family_names:
+        result = run_split_on_rank(groups, family_name, "token-mean", Split("cp=2", 1, 2, 10_000))
+        results[family_name] = dict(result, gradient=result["gradient"].numpy())
+    return results
 
 
 @pytest.mark.slow
@@ -165,13 +168,14 @@ def test_a_custom_sequence_loss_gets_whole_sequences_under_cp_unless_declared_to
                  for name in ("actor_custom_sequence_loss", "actor_custom_sequence_loss_declared_token_local")}
     torch.testing.assert_close(reference["actor_custom_sequence_loss"]["gradient"],
                                reference["actor_custom_sequence_loss_declared_token_local"]["gradient"])
-    results = run_distributed(_run_family_at_cp2, world_size=2, context_parallel_size=2,
-                              args=("actor_custom_sequence_loss",), timeout_s=300)
-    for rank, result in enumerate(results):
+    undeclared, declared = "actor_custom_sequence_loss", "actor_custom_sequence_loss_declared_token_local"
+    results = run_distributed(_run_families_at_cp2, world_size=2, context_parallel_size=2,
+                              args=((undeclared, declared),), timeout_s=300)  # one spawn for both losses
+    for rank, by_family in enumerate(results):
+        result = by_family[undeclared]
         assert_same_step(f"undeclared, cp=2, rank {rank}", dict(result, gradient=torch.from_numpy(result["gradient"])),
-                         reference["actor_custom_sequence_loss"])
-    wrong = run_distributed(_run_family_at_cp2, world_size=2, context_parallel_size=2,
-                            args=("actor_custom_sequence_loss_declared_token_local",), timeout_s=300)[0]
+                         reference[undeclared])
+    wrong = results[0][declared]
     want = reference["actor_custom_sequence_loss_declared_token_local"]["gradient"]
     error = float((torch.from_numpy(wrong["gradient"]) - want).abs().max())
     assert error > 100 * GRADIENT_TOLERANCE * float(want.abs().max()), "CP slices should change a sequence-level loss"

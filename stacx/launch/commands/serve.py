@@ -152,6 +152,9 @@ def load_tokenizer_if_saved(path: str):
 
 
 def run(args) -> int:
+    # The flags are checked first: a refused start costs no model imports.
+    api_key = resolve_api_key(args)
+    limits = build_limits(args)
     # Imported here: torch, megatron-core and the HTTP stack are slow to import (`stacx --help` stays fast).
     import torch
 
@@ -159,8 +162,6 @@ def run(args) -> int:
     from stacx.serving.cpu_engine import CpuEngine
     from stacx.serving.server import EngineHttpServer
 
-    api_key = resolve_api_key(args)
-    limits = build_limits(args)
     try:
         require_hf_checkpoint_folder(args.hf_checkpoint)
     except CheckpointNotFoundError as err:
