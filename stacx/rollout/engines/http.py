@@ -13,6 +13,7 @@ Same-host shared memory: the client asks the server for a staging file (`POST /s
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Iterable, Optional, Sequence
 from urllib.parse import urlparse
 
@@ -60,6 +61,9 @@ class HttpEngine(InferenceEngine):
         self.weight_transport = ("shm" if is_loopback_host(host) else "http") \
             if weight_transport == "auto" else weight_transport
         self._staging: SharedMemoryStaging | None = None
+        self.sender = secrets.token_hex(8)
+        """This client's id in every weight bucket it sends (stacx.wire.weight_versions: a retry is told from
+        another sender's bucket of the same version and number)."""
 
     @property
     def url(self) -> str:
@@ -82,7 +86,8 @@ class HttpEngine(InferenceEngine):
             self._post_bucket(bucket, version=version, index=index, final=final)
         except ServerRequestError as err:
             # a retried bucket whose first attempt landed (only its answer was lost) is refused as a replay
-            if err.status_code == 409 and is_own_accepted_bucket(err.answer, version=version, bucket=index):
+            if err.status_code == 409 and is_own_accepted_bucket(err.answer, version=version, bucket=index,
+                                                                 sender=self.sender):
                 return
             raise
 
@@ -90,7 +95,7 @@ class HttpEngine(InferenceEngine):
         if self.weight_transport == "shm" and self._staging is None:
             self._staging = self._open_staging()
         if self.weight_transport == "shm":
-            header = self._staging.write(bucket, version=version, final=final, index=index)
+            header = self._staging.write(bucket, version=version, final=final, index=index, sender=self.sender)
             try:
                 self.transport.post_json(SHM_BUCKET_ENDPOINT, header,
                                          summary=f"{len(bucket)} tensors via {self._staging.path}")
@@ -103,7 +108,7 @@ class HttpEngine(InferenceEngine):
                 self._post_bucket(bucket, version=version, index=index, final=final)
             return
         # the tensors' own memory goes to the socket; the server receives one flat buffer
-        chunks = bucket_wire_chunks(bucket, version=version, final=final, index=index)
+        chunks = bucket_wire_chunks(bucket, version=version, final=final, index=index, sender=self.sender)
         body = _ChunkedBody(chunks)
         self.transport.request(
             "POST", BUCKET_ENDPOINT, data=body,
