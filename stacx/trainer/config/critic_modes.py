@@ -31,7 +31,7 @@ class CriticMode:
     adapters: bool
     """Whether the critic's decoder gets LoRA adapters (its base weights then frozen, its value head trained)."""
     description: str
-    """One line for the docs and error messages."""
+    """One line for the error that lists the choices."""
 
 
 CRITIC_MODES: dict[str, CriticMode] = {
@@ -55,7 +55,8 @@ def critic_mode(name: str) -> CriticMode:
     try:
         return CRITIC_MODES[name]
     except KeyError:
-        raise CriticModeError(f"--lora-critic {name!r}: choose one of {list(CRITIC_MODES)}") from None
+        choices = "; ".join(f"{key}: {mode.description}" for key, mode in CRITIC_MODES.items())
+        raise CriticModeError(f"--lora-critic {name!r}: choose one of {list(CRITIC_MODES)} ({choices})") from None
 
 
 def check_critic_mode(name: str, lora_rank: int) -> None:
@@ -69,7 +70,7 @@ def check_critic_mode(name: str, lora_rank: int) -> None:
 def with_critic_as_configured(training_config, model_section):
     """`training_config` with its critic as `model_section.lora_critic` says (`frozen`: the critic role becomes
     frozen); CriticModeError when a mode other than `full` is set for a recipe without a critic."""
-    name = getattr(model_section, "lora_critic", DEFAULT_CRITIC_MODE)
+    name = model_section.lora_critic
     mode = critic_mode(name)
     if name == DEFAULT_CRITIC_MODE:
         return training_config
