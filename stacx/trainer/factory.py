@@ -21,6 +21,7 @@ from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
 from stacx.trainer.cluster.ray.group import RayChannel, RayRoleGroup
 from stacx.trainer.config.algorithm import infer_algorithm
 from stacx.trainer.config.checks import check_agent_supported
+from stacx.trainer.config.critic_modes import with_critic_as_configured
 from stacx.trainer.config.mini_batches import (
     num_optimizer_steps,
     optimizer_steps_per_rollout,
@@ -57,7 +58,7 @@ def resolve_recipe(run_config: RunConfig):
         warnings.warn(warning, UserWarning, stacklevel=2)
     name = infer_algorithm({"algorithm": recipe_named_by_config(run_config), "use_critic": run_config.train.use_critic,
                             "advantage_estimator": estimator})
-    training_config = get_recipe(name)
+    training_config = with_critic_as_configured(get_recipe(name), run_config.model)  # --lora-critic frozen
     return training_config, resolve_algorithm_config(training_config, run_config)
 
 

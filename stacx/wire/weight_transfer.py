@@ -5,9 +5,10 @@ sync fast (per-tensor sends are ~10x slower at scale). The HTTP body of a bucket
 
     [8-byte little-endian header length][JSON header][raw bytes of all tensors, back to back]
 
-with header `{"names", "dtypes", "shapes", "offsets", "num_bytes", "version", "bucket", "final"}`
+with header `{"names", "dtypes", "shapes", "offsets", "num_bytes", "version", "bucket", "final", "sender"}`
 (offsets in bytes; `bucket` numbers the update's buckets from 0, so that a server can refuse a
-replayed one, see stacx.wire.weight_versions). The layout, the dtype table and the per-tensor checks are the one codec of
+replayed one, and `sender` is the sending client's random id, so that a client's retry is told from
+another sender's bucket; see stacx.wire.weight_versions). The layout, the dtype table and the per-tensor checks are the one codec of
 `stacx.parallel.tensor_buckets` (also used by exchange syncs and torchrun rank messages): each
 tensor starts at a 64-byte aligned offset. The receiver views the raw bytes as tensors without
 copying and copies each into its parameter.
@@ -30,7 +31,7 @@ import struct
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -76,7 +77,7 @@ def header_columns(slots: Sequence[TensorSlot]) -> dict[str, list]:
 
 
 def bucket_wire_chunks(bucket: Sequence[tuple[str, torch.Tensor]], *, version: int, final: bool,
-                       index: int = 0) -> list:
+                       index: int = 0, sender: Optional[str] = None) -> list:
     """The HTTP body of bucket number `index` of an update as buffers to send back to back: the
     length-prefixed header, then each tensor's bytes in place (no concatenation copy; the receiver
     gets one flat buffer)."""
@@ -84,9 +85,16 @@ def bucket_wire_chunks(bucket: Sequence[tuple[str, torch.Tensor]], *, version: i
         raise ValueError("bucket_wire_chunks: empty bucket")
     slots, (num_bytes,) = plan_buckets(bucket)
     header = json.dumps({**header_columns(slots), "num_bytes": num_bytes, "version": int(version),
-                         "bucket": int(index), "final": bool(final)}).encode()
+                         "bucket": int(index), "final": bool(final), **_sender_field(sender)}).encode()
     return [struct.pack("<Q", len(header)) + header, *bucket_chunks(bucket, slots)]
 
+
+def _sender_field(sender: Optional[str]) -> dict:
+    return {} if sender is None else {"sender": str(sender)}
+
+
+MAX_SENDER_CHARS = 64
+"""The longest `sender` id a bucket header may carry."""
 
 HEADER_BYTES_PER_TENSOR = 1024
 """Room for one tensor's header entry (name, dtype, shape, offset; ~150 bytes for real names)."""
@@ -117,9 +125,12 @@ def max_bucket_body_bytes(num_tensor_bytes: int, num_tensors: int) -> int:
 def validate_bucket_header(header, num_bytes_available: int, *, where: str) -> FlatBucket:
     """Check a whole bucket header against the `num_bytes_available` bytes that back it, before any tensor is
     viewed (`tensor_buckets.check_bucket_header`: `version` an int >= 0, `bucket` optional, older senders omit
-    it). Raises ValueError naming the field (`where` names the endpoint). Returns the slots with an empty `data`
-    placeholder."""
+    it), and its optional `sender` (a string of 1 to MAX_SENDER_CHARS characters). Raises ValueError naming the
+    field (`where` names the endpoint). Returns the slots with an empty `data` placeholder."""
     slots = check_bucket_header(header, num_bytes_available, where=where)
+    if "sender" in header and (not isinstance(header["sender"], str) or not 0 < len(header["sender"]) <= MAX_SENDER_CHARS):
+        raise ValueError(f"{where}: 'sender' must be a string of 1 to {MAX_SENDER_CHARS} characters, "
+                         f"got {header['sender']!r}")
     return FlatBucket(slots, torch.empty(0, dtype=torch.uint8))
 
 
@@ -206,7 +217,8 @@ class SharedMemoryStaging(MappedStagingFile):
         self.capacity = 0
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
-    def write(self, bucket: Sequence[tuple[str, torch.Tensor]], *, version: int, final: bool, index: int = 0) -> dict:
+    def write(self, bucket: Sequence[tuple[str, torch.Tensor]], *, version: int, final: bool, index: int = 0,
+              sender: Optional[str] = None) -> dict:
         """Copy bucket number `index` of an update into the file; return the header the receiver
         needs (with `staging_id`)."""
         if self._fd is None:
@@ -215,7 +227,7 @@ class SharedMemoryStaging(MappedStagingFile):
         total = sizes[0] if sizes else 0
         self.pack(bucket, slots, total)
         header = {"staging_id": self.staging_id, **header_columns(slots), "num_bytes": total,
-                  "version": int(version), "bucket": int(index), "final": bool(final)}
+                  "version": int(version), "bucket": int(index), "final": bool(final), **_sender_field(sender)}
         return header
 
     def _resize_file(self, num_bytes: int) -> None:

@@ -13,6 +13,7 @@ Same-host shared memory: the client asks the server for a staging file (`POST /s
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Iterable, Optional, Sequence
 
 from stacx.parallel.tensor_buckets import TENSOR_DTYPES
@@ -48,6 +49,9 @@ class HttpEngine(ServerClient):
         super().__init__(url, retry, api_key=api_key, weight_transport=weight_transport)
         self._shm_fallback = weight_transport == "auto"
         self._staging: SharedMemoryStaging | None = None
+        self.sender = secrets.token_hex(8)
+        """This client's id in every weight bucket it sends (stacx.wire.weight_versions: a retry is told from
+        another sender's bucket of the same version and number)."""
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         if not requests:
@@ -66,7 +70,8 @@ class HttpEngine(ServerClient):
             self._post_bucket(bucket, version=version, index=index, final=final)
         except ServerRequestError as err:
             # a retried bucket whose first attempt landed (only its answer was lost) is refused as a replay
-            if err.status_code == 409 and is_own_accepted_bucket(err.answer, version=version, bucket=index):
+            if err.status_code == 409 and is_own_accepted_bucket(err.answer, version=version, bucket=index,
+                                                                 sender=self.sender):
                 return
             raise
 
@@ -74,7 +79,7 @@ class HttpEngine(ServerClient):
         if self.weight_transport == "shm" and self._staging is None:
             self._staging = self._open_staging()
         if self.weight_transport == "shm":
-            header = self._staging.write(bucket, version=version, final=final, index=index)
+            header = self._staging.write(bucket, version=version, final=final, index=index, sender=self.sender)
             try:
                 self.transport.post_json(SHM_BUCKET_ENDPOINT, header,
                                          summary=f"{len(bucket)} tensors via {self._staging.path}")
@@ -87,7 +92,7 @@ class HttpEngine(ServerClient):
                 self._post_bucket(bucket, version=version, index=index, final=final)
             return
         # the tensors' own memory goes to the socket; the server receives one flat buffer
-        chunks = bucket_wire_chunks(bucket, version=version, final=final, index=index)
+        chunks = bucket_wire_chunks(bucket, version=version, final=final, index=index, sender=self.sender)
         body = _ChunkedBody(chunks)
         self.transport.request(
             "POST", BUCKET_ENDPOINT, data=body,

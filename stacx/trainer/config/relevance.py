@@ -47,8 +47,9 @@ AGENT_FIELDS = ("agent", "agent_command", "agent_max_parallel_episodes", "agent_
 """Read only with an external agent as the rollout (--agent / --agent-command)."""
 MOE_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "expert_model_parallel_size", "expert_tensor_parallel_size")
 """Read only for a mixture-of-experts checkpoint."""
-LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_sync")
-"""Read only with --lora-rank > 0 (LoRA adapters on); a full fine-tune shows none of them."""
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_sync", "lora_critic")
+"""Read only with --lora-rank > 0 (LoRA adapters on); a full fine-tune shows none of them (lora_critic: only in a
+recipe with a critic)."""
 FAULT_FIELDS = ("max_restarts", "dump_rollouts", "replay_rollouts")
 """How a run survives and records its parts (any recipe): shown when given, not as defaults."""
 DISTILL_FIELDS = ("teacher_kl_coef", "student_top_k", "distill_topk_renormalize", "distill_kl_mode", "teacher_top_k")
@@ -97,7 +98,7 @@ def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
         if name in MOE_FIELDS:
             return moe
         if name in LORA_FIELDS:
-            return int(resolved.get("model", {}).get("lora_rank") or 0) > 0
+            return int(resolved.get("model", {}).get("lora_rank") or 0) > 0 and (name != "lora_critic" or has_critic)
         return name not in ("ref_load", "critic_load") or name in checkpoint_args
 
     def parallel(name: str) -> bool:

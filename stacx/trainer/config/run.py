@@ -34,6 +34,12 @@ from stacx.objectives.algorithm_config import (
 )
 from stacx.ranges import require_in_range
 from stacx.rollout.sections import RolloutSection, TeacherSection  # the sections the rollout reads, defined there
+from stacx.trainer.config.critic_modes import (
+    CRITIC_MODES,
+    DEFAULT_CRITIC_MODE,
+    CriticModeError,
+    check_critic_mode,
+)
 
 
 class ConfigError(ValueError):
@@ -79,6 +85,11 @@ class ModelSection:
     'adapters' (the adapters only: the 'cpu' engine's `stacx serve` is started with the run's --lora-* flags and
     merges them; vLLM and SGLang load them with their own LoRA loading; attached servers must be started with the
     matching flags; docs/lora.md)."""
+    lora_critic: str = DEFAULT_CRITIC_MODE
+    """LoRA: what a critic (a role with a value head, PPO's) does while the policy trains adapters: 'full' (trained
+    whole), 'adapters' (its base frozen; adapters of its own, with the run's --lora-* settings, and its value head
+    train) or 'frozen' (it keeps its --critic-load weights and only computes values: no optimizer state);
+    stacx.trainer.config.critic_modes, docs/lora.md."""
 
     def __post_init__(self):
         unknown = [name for name in self.lora_target_modules if name not in (*LORA_TARGET_MODULES, "all-linear")]
@@ -89,6 +100,10 @@ class ModelSection:
         if self.lora_rank > 0:
             require_in_range("--lora-alpha", self.lora_alpha, above=0, why=f"with --lora-rank {self.lora_rank}",
                              error=ConfigError)
+        try:
+            check_critic_mode(self.lora_critic, self.lora_rank)
+        except CriticModeError as err:
+            raise ConfigError(str(err)) from None
 
 
 def engine_lora_flags(model: ModelSection) -> tuple[str, ...]:
@@ -312,6 +327,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "rollout_mode": ("sync", "async"),
     "log_expert_load": ("summary", "per-expert"),
     "lora_sync": ("merged", "adapters"),
+    "lora_critic": tuple(CRITIC_MODES),
 }
 """Allowed values of string run-config fields with a fixed set of choices, checked when a value is given."""
 

@@ -57,6 +57,7 @@ from stacx.specializations.base import NUM_LOSS_TOKENS, PLUGIN_METRIC_SUFFIX
 from stacx.specializations.batch import MicroBatch
 from stacx.trainer.batch import StepBatch
 from stacx.trainer.checkpoint import capture_rng_state, restore_rng_state, write_rank_state
+from stacx.trainer.config.critic_modes import critic_mode
 from stacx.trainer.config.layout import RankCoords
 from stacx.trainer.config.mini_batches import num_optimizer_steps
 from stacx.trainer.config.recipe import ModelRole, role_checkpoint_path
@@ -70,9 +71,12 @@ logger = logging.getLogger(__name__)
 
 
 def lora_settings(role: ModelRole, model: ModelSection, seed: int):
-    """The LoRA settings of a trainable language-model role when --lora-rank is set (a role with a value head,
-    the critic, is fully trained), else None."""
-    if model.lora_rank <= 0 or not role.trainable or role.outputs_values:
+    """The LoRA settings of a trainable role when --lora-rank is set, else None. A role with a value head (a
+    critic) gets adapters only with --lora-critic adapters (stacx.trainer.config.critic_modes): `full` trains it
+    whole, and a `frozen` critic is a frozen role of the recipe."""
+    if model.lora_rank <= 0 or not role.trainable:
+        return None
+    if role.outputs_values and not critic_mode(model.lora_critic).adapters:
         return None
     return LoraSettings(rank=model.lora_rank, alpha=model.lora_alpha, dropout=model.lora_dropout,
                         target_modules=model.lora_target_modules, seed=seed)
