@@ -166,6 +166,10 @@ class EngineSupervisor:
                                     version=self.version)
             raise EnginesLost(message)
 
+    def serving(self) -> bool:
+        """Enough engines are live now to dispatch (without waiting for a restart)."""
+        return len(self._in_state(LIVE)) >= self.settings.min_live_engines
+
     def _in_state(self, state: str) -> list[int]:
         with self._lock:
             return [i for i, current in enumerate(self.states) if current == state]

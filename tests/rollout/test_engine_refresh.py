@@ -11,6 +11,7 @@ so the verdicts (bitwise losses and weights) do not.
 
 from __future__ import annotations
 
+from stacx.rollout.asynchronous.async_scheduler import AsyncRolloutConfig, AsyncRolloutScheduler
 from stacx.rollout.engine_health import EngineFaultSettings
 from stacx.rollout.engine_pool import EnginePool
 from stacx.rollout.service import RolloutService
@@ -45,9 +46,10 @@ class PoolEngine:
     """What the digest policy pushes to: the pool's current engine (a restart replaces the client)."""
 
     def __init__(self, pool: EnginePool):
-        self.pool = pool
+        self.pool, self.pushed = pool, []
 
     def update_weights(self, buckets, *, version):
+        self.pushed.append(version)
         self.pool.engines[0].update_weights(buckets, version=version)
 
 
@@ -75,8 +77,38 @@ def test_a_refreshed_synchronous_step_replays_its_own_prompts_and_trains_what_an
     rows, policy, pool = run("sync", dies_at=2)
     assert pool.supervisor.engine_restarts == 1 and not isinstance(pool.engines[0], DiesAtVersion)
     assert [row["rollout/engine_restarts"] for row in rows] == [0.0, 0.0, 1.0, 1.0]
+    assert policy.engine.pushed == [1, 2, 2, 3, 4]  # version 2 again: the restarted engine's refresh
     # the same prompts, seeds and weight versions in every step: bitwise the same losses and weights
     assert [row["policy/loss"] for row in rows] == [row["policy/loss"] for row in plain_rows]
     assert policy.weights == plain_policy.weights
     assert [row["rollout/weight_version"] for row in rows] == [0.0, 1.0, 2.0, 3.0]
     assert len({row["policy/loss"] for row in rows}) == 4  # not trivial: every step trained other samples
+
+
+def test_an_async_run_on_one_engine_refreshes_the_restarted_engine_and_trains_what_an_uninterrupted_run_trains():
+    # --max-staleness 0: the async schedule trains the sync run's batches, so the uninterrupted sync run is the
+    # reference; the engine dies under version 2, when step 2's groups are on it and the trainer waits for them
+    plain_rows, plain_policy, _ = run("sync", dies_at=None)
+    rows, policy, pool = run("async", dies_at=2)
+    assert pool.supervisor.engine_restarts == 1 and not isinstance(pool.engines[0], DiesAtVersion)
+    assert rows[-1]["rollout/engine_restarts"] == 1.0
+    assert policy.engine.pushed.count(2) >= 2  # the published version again: the restarted engine's refresh
+    assert [row["policy/loss"] for row in rows] == [row["policy/loss"] for row in plain_rows]
+    assert policy.weights == plain_policy.weights
+    assert [row["rollout/weight_version"] for row in rows] == [0.0, 1.0, 2.0, 3.0]
+    assert max(row["async/staleness_max"] for row in rows) == 0.0
+    assert _no_producer_threads()
+
+
+def test_a_set_aside_group_waits_for_the_refresh_and_keeps_its_deadline_without_partial_rollout():
+    scheduler = AsyncRolloutScheduler(AsyncRolloutConfig(max_staleness=0, groups_per_step=1))
+    group = scheduler.admit("prompt")
+    scheduler.begin_update()  # what the producer does before setting a group aside
+    scheduler.set_aside(group, "its requests")
+    assert scheduler.pop_continuation() is None and not scheduler.can_admit()  # nothing before the refresh
+    scheduler.end_update()  # the published version pushed again
+    continued = scheduler.pop_continuation()
+    assert (continued.group_id, continued.state, continued.admit_version) == (group, "its requests", 0)
+    scheduler.complete(group, ["sample"], [[0, 0]])
+    assert scheduler.take_batch(0, timeout=0).groups[0].result == ["sample"]
+    assert scheduler.metrics()["async/interrupts_total"] == 0.0  # not an interruption at a weight update
