@@ -11,6 +11,8 @@ so the verdicts (bitwise losses and weights) do not.
 
 from __future__ import annotations
 
+import dataclasses
+
 from stacx.rollout.asynchronous.async_scheduler import AsyncRolloutConfig, AsyncRolloutScheduler
 from stacx.rollout.engine_health import EngineFaultSettings
 from stacx.rollout.engine_pool import EnginePool
@@ -42,6 +44,22 @@ class DiesAtVersion(ScriptedEngine):
         return not self.dead
 
 
+class ComesBack(DiesAtVersion):
+    """An attached server that dies at `version` and is back (restarted by its owner: version 0) when the pool's
+    health probe asks for the second time."""
+
+    def __init__(self, version: int):
+        super().__init__(version)
+        self.probes = 0
+
+    def health(self):
+        if self.dead:
+            self.probes += 1
+            if self.probes == 2:
+                self.dead, self.dies_at, self.version = False, None, 0
+        return not self.dead
+
+
 class PoolEngine:
     """What the digest policy pushes to: the pool's current engine (a restart replaces the client)."""
 
@@ -53,15 +71,19 @@ class PoolEngine:
         self.pool.engines[0].update_weights(buckets, version=version)
 
 
-def run(mode: str, *, dies_at: int | None, num_steps: int = 4):
-    """(metrics rows, policy, pool) of a run over one supervised engine that dies at `dies_at` (None: never)."""
+def run(mode: str, *, dies_at: int | None, num_steps: int = 4, attached: bool = False):
+    """(metrics rows, policy, pool) of a run over one supervised engine that dies at `dies_at` (None: never);
+    attached: the run cannot restart it, it comes back by itself (`ComesBack`)."""
     config = RunConfig.from_dict({
         "num_steps": num_steps, "rollout_batch_size": 2, "n_samples_per_prompt": 3, "rollout_max_response_len": 6,
         "save_rollouts_per_step": 0, "rollout_mode": mode, "max_staleness": 0,
         "reward_fn": "tests.trainer.test_loop_async:varied_reward"})
-    engine = DiesAtVersion(dies_at) if dies_at is not None else ScriptedEngine()
+    engine = (ComesBack if attached else DiesAtVersion)(dies_at) if dies_at is not None else ScriptedEngine()
     pool = EnginePool([engine], names=[URL])
-    pool.supervise(settings=FAST, restart=lambda index: ScriptedEngine())  # a fresh server serves version 0
+    if attached:
+        pool.supervise(settings=dataclasses.replace(FAST, attached_wait_s=60.0), restart=None)
+    else:
+        pool.supervise(settings=FAST, restart=lambda index: ScriptedEngine())  # a fresh server serves version 0
     policy = DigestPolicy(PoolEngine(pool))
     service = RolloutService(pool, engine_kind="cpu", url=URL, tokenizer=TOKENIZER, rollout_section=config.rollout)
     trainer = make_trainer("grpo", roles={"policy": policy}, run_config=config, rollout=service, data=Prompts(2))
@@ -112,3 +134,12 @@ def test_a_set_aside_group_waits_for_the_refresh_and_keeps_its_deadline_without_
     scheduler.complete(group, ["sample"], [[0, 0]])
     assert scheduler.take_batch(0, timeout=0).groups[0].result == ["sample"]
     assert scheduler.metrics()["async/interrupts_total"] == 0.0  # not an interruption at a weight update
+
+
+def test_a_run_on_one_attached_engine_waits_for_it_and_pushes_it_the_current_weights_when_it_is_back():
+    plain_rows, plain_policy, _ = run("sync", dies_at=None)
+    rows, policy, pool = run("sync", dies_at=2, attached=True)
+    assert pool.engines[0].probes == 2 and pool.supervisor.engine_restarts == 0  # waited for, not restarted
+    assert policy.engine.pushed == [1, 2, 2, 3, 4]  # version 2 again: the server came back serving version 0
+    assert [row["policy/loss"] for row in rows] == [row["policy/loss"] for row in plain_rows]
+    assert policy.weights == plain_policy.weights
