@@ -25,7 +25,9 @@ What follows:
 - the failed call's requests go to a live engine (`rollout/requests_reissued`). A request that continues
   an aborted generation (partial rollout) carries its tokens so far in its prompt, so it continues from
   them; requests with rids on a stalled engine (missed health checks, the deadline) are aborted there first
-  and continue from the tokens it returns (stacx.rollout.salvage); a dead engine's tokens are lost;
+  and continue from the tokens it returns (stacx.rollout.salvage); a dead engine's tokens are lost, unless
+  the transport error carries them (`partial`: the outputs a streaming client received before the
+  connection broke, unfinished ones with finish reason "abort"), which continue the same way;
 - below min_live_engines the restarts under way are waited for; engines back but behind the pool's weights
   raise `EnginesBehind` (the trainer pushes the weights and the step rolls out again);
 - with fewer than `min_live_engines` engines live, `EnginesLost` stops the run naming each engine out and why.
@@ -280,7 +282,10 @@ class EngineSupervisor:
             except FutureTimeout:
                 pass
             except ServerUnavailableError as err:
-                raise self.fail(index, f"{what}: {err}") from err
+                error = self.fail(index, f"{what}: {err}")
+                # the outputs a streaming client received before the connection broke (module doc)
+                error.partial = getattr(err, "partial", None)
+                raise error from err
             if self.clock() - started >= settings.generation_deadline_s:
                 raise self._stalled(index, future, salvage, f"{what} ran past the deadline of "
                                                             f"{settings.generation_deadline_s:g} s (--engine-deadline-s)")
