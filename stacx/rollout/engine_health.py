@@ -17,13 +17,17 @@ What follows:
   in a background thread (`rollout/engine_restarts`). It serves again only at the pool's weight version:
   at once when that is the version a fresh server loads (0: no weights pushed yet), else from the next
   weight push, which goes to it like to every engine and is version-checked;
-- an **attached** engine (`--rollout-urls`, or a kind whose servers cannot be restarted) is set aside and
-  probed at most once per `health_interval_s`; when its health check passes it rejoins, by the same
-  version rule;
+- an **attached** engine (`--rollout-urls`, or a kind whose servers cannot be restarted) is set aside (its
+  client closed and, with `connect`, a fresh one made for it) and probed at most once per `health_interval_s`;
+  when its health check passes it rejoins, by the same version rule (a server restarted by its owner serves
+  its start weights: behind, the next push brings it). Below min_live_engines it is waited for, up to
+  `attached_wait_s` after it failed (`--attached-engine-wait-s`), probed every health interval;
 - the failed call's requests go to a live engine (`rollout/requests_reissued`). A request that continues
   an aborted generation (partial rollout) carries its tokens so far in its prompt, so it continues from
   them; requests with rids on a stalled engine (missed health checks, the deadline) are aborted there first
-  and continue from the tokens it returns (stacx.rollout.salvage); a dead engine's tokens are lost;
+  and continue from the tokens it returns (stacx.rollout.salvage); a dead engine's tokens are lost, unless
+  the transport error carries them (`partial`: the outputs a streaming client received before the
+  connection broke, unfinished ones with finish reason "abort"), which continue the same way;
 - below min_live_engines the restarts under way are waited for; engines back but behind the pool's weights
   raise `EnginesBehind` (the trainer pushes the weights and the step rolls out again);
 - with fewer than `min_live_engines` engines live, `EnginesLost` stops the run naming each engine out and why.
@@ -65,12 +69,18 @@ class EngineFaultSettings:
     """Seconds between health checks of an engine with a generation in flight (and of a set-aside engine)."""
     health_misses: int = 2
     """Health checks missed in a row that mark an engine dead."""
+    attached_wait_s: float = 0.0
+    """Seconds an attached engine (one the run cannot restart) that failed is waited for while too few engines
+    are live: probed every health_interval_s, it rejoins when its health check passes (behind: the current
+    weights are pushed to it); after this long the run stops naming it. 0: stop at once (the run's
+    --attached-engine-wait-s defaults to 600)."""
 
     def __post_init__(self):
         require_in_range("--min-live-engines", self.min_live_engines, at_least=1)
         require_in_range("--engine-deadline-s", self.generation_deadline_s, above=0)
         require_in_range("--engine-health-interval-s", self.health_interval_s, above=0)
         require_in_range("health_misses", self.health_misses, at_least=1)
+        require_in_range("--attached-engine-wait-s", self.attached_wait_s, at_least=0)
 
 
 class EngineFailed(RuntimeError):
@@ -112,13 +122,17 @@ class EngineSupervisor:
     """The state of each engine of a pool, its failures, restarts and the counters (module doc)."""
 
     def __init__(self, engines: List[Any], *, names: Sequence[str], settings: EngineFaultSettings = EngineFaultSettings(),
-                 restart: Optional[Restart] = None, clock: Callable[[], float] = time.monotonic):
+                 restart: Optional[Restart] = None, clock: Callable[[], float] = time.monotonic,
+                 connect: Optional[Callable[[int], Any]] = None):
         """engines: the pool's clients (this list is updated in place when a restarted engine gets a new client);
-        restart: None when the servers cannot be restarted (they are attached)."""
+        restart: None when the servers cannot be restarted (they are attached); connect(index): a fresh client of
+        engine `index` (a failed attached engine's client is closed, so that a request still retrying on it stops;
+        its probes and its rejoining use the new one). None: the closed client is probed (it must answer again)."""
         self.engines = engines
         self.names = list(names)
         self.settings = settings
         self.restart = restart
+        self.connect = connect
         self.clock = clock
         self.states = [LIVE] * len(engines)
         self.reasons: list[str] = [""] * len(engines)
@@ -138,6 +152,8 @@ class EngineSupervisor:
         self.health_check_s = 0.0
         """Seconds spent in health checks (the cost docs/performance.md reports)."""
         self._next_probe = [0.0] * len(engines)
+        self._out_since = [0.0] * len(engines)
+        """When each attached engine was set aside (its wait is bounded by attached_wait_s from then)."""
         self._restarts: dict[int, threading.Thread] = {}
         self._lock = threading.RLock()
         self._calls = ThreadPoolExecutor(max_workers=CALL_THREADS_PER_ENGINE * len(engines),
@@ -154,6 +170,8 @@ class EngineSupervisor:
         if len(live) < self.settings.min_live_engines and self._restarts:
             self.wait_for_restarts()
             live = self._in_state(LIVE)
+        if len(live) < self.settings.min_live_engines:
+            live = self._wait_for_attached()
         if len(live) >= self.settings.min_live_engines:
             return live
         with self._lock:
@@ -163,16 +181,48 @@ class EngineSupervisor:
                                     version=self.version)
             raise EnginesLost(message)
 
+    def serving(self) -> bool:
+        """Enough engines are live now to dispatch (without waiting for a restart)."""
+        return len(self._in_state(LIVE)) >= self.settings.min_live_engines
+
     def _in_state(self, state: str) -> list[int]:
         with self._lock:
             return [i for i, current in enumerate(self.states) if current == state]
 
+    def _wait_for_attached(self) -> list[int]:
+        """Below min_live_engines: probe the set-aside attached engines still within attached_wait_s of their
+        failure, every health interval, until enough serve again (live, or behind the pool's weights) or none
+        is left to wait for; returns the live engines."""
+        while True:
+            live = self._in_state(LIVE)
+            if len(live) + len(self._in_state(BEHIND)) >= self.settings.min_live_engines:
+                return live
+            waiting = self._attached_waiting()
+            if not waiting:
+                return live
+            due = min(self._next_probe[i] for i in waiting)
+            time.sleep(max(0.0, min(due - self.clock(), self.settings.health_interval_s)))
+            self._probe_set_aside()
+
+    def _attached_waiting(self) -> list[int]:
+        """The set-aside attached engines whose wait (attached_wait_s from their failure) has not passed."""
+        if self.restart is not None:
+            return []
+        now = self.clock()
+        with self._lock:
+            return [i for i, state in enumerate(self.states)
+                    if state == OUT and now - self._out_since[i] < self.settings.attached_wait_s]
+
     def _lost_message(self, num_live: int) -> str:
         out = [f"{self.names[i]} ({self.states[i]}: {self.reasons[i] or 'behind the pool weight version'})"
                for i, state in enumerate(self.states) if state != LIVE]
+        attached = [self.names[i] for i, state in enumerate(self.states) if state == OUT and self.restart is None]
+        waited = (f". The run cannot restart an attached server: {', '.join(attached)} did not pass its health check "
+                  f"within --attached-engine-wait-s {self.settings.attached_wait_s:g} s of failing; restart it, or "
+                  "raise --attached-engine-wait-s to wait longer" if attached else "")
         return (f"only {num_live} of {len(self.states)} rollout engines are live, fewer than --min-live-engines "
-                f"{self.settings.min_live_engines}: " + "; ".join(out) + ". Check those servers (their logs say why "
-                "they stopped), or lower --min-live-engines to go on with fewer")
+                f"{self.settings.min_live_engines}: " + "; ".join(out) + waited + ". Check those servers (their logs "
+                "say why they stopped), or lower --min-live-engines to go on with fewer")
 
     def _probe_set_aside(self) -> None:
         now = self.clock()
@@ -228,7 +278,10 @@ class EngineSupervisor:
             except FutureTimeout:
                 pass
             except ServerUnavailableError as err:
-                raise self.fail(index, f"{what}: {err}") from err
+                error = self.fail(index, f"{what}: {err}")
+                # the outputs a streaming client received before the connection broke (module doc)
+                error.partial = getattr(err, "partial", None)
+                raise error from err
             if self.clock() - started >= settings.generation_deadline_s:
                 raise self._stalled(index, future, salvage, f"{what} ran past the deadline of "
                                                             f"{settings.generation_deadline_s:g} s (--engine-deadline-s)")
@@ -270,7 +323,17 @@ class EngineSupervisor:
                     pass
             if self.restart is None:
                 self.states[index] = OUT
+                self._out_since[index] = self.clock()
                 self._next_probe[index] = self.clock() + self.settings.health_interval_s
+                if self.connect is not None:  # the closed client answers nothing: probe through a fresh one
+                    try:
+                        self.engines[index] = self.connect(index)
+                    except Exception:  # noqa: BLE001 - probed through the old one; the failure is reported
+                        logger.exception("a new client of rollout engine %s could not be made", self.names[index])
+                if self.settings.attached_wait_s > 0:
+                    logger.warning("rollout engine %s is attached (the run cannot restart it): it rejoins when its "
+                                   "health check passes; with too few engines live the run waits up to %g s for it "
+                                   "(--attached-engine-wait-s)", self.names[index], self.settings.attached_wait_s)
             else:
                 self.states[index] = RESTARTING
                 self.engine_restarts += 1
@@ -401,7 +464,8 @@ def attach_supervisor(pool: Any, rollout: Any, *, servers: Any, connect: Callabl
     `connect(url)`: a client for a restarted server."""
     settings = EngineFaultSettings(min_live_engines=rollout.min_live_engines,
                                    generation_deadline_s=rollout.engine_deadline_s,
-                                   health_interval_s=rollout.engine_health_interval_s)
+                                   health_interval_s=rollout.engine_health_interval_s,
+                                   attached_wait_s=rollout.attached_engine_wait_s)
     if settings.min_live_engines > len(pool.engines):
         raise ValueError(f"--min-live-engines {settings.min_live_engines} is more than the {len(pool.engines)} rollout "
                          "engines of this run; lower it or add engines (--rollout-num-engines, --rollout-urls)")
@@ -409,4 +473,5 @@ def attach_supervisor(pool: Any, rollout: Any, *, servers: Any, connect: Callabl
         return connect(servers.restart(index))
 
     restartable = servers is not None and callable(getattr(servers, "restart", None))
-    return pool.supervise(settings=settings, restart=restart_and_connect if restartable else None)
+    return pool.supervise(settings=settings, restart=restart_and_connect if restartable else None,
+                          connect=lambda index: connect(pool.names[index]))

@@ -32,6 +32,11 @@ class RolloutSection:
     engine_health_interval_s: float = 10.0
     """Seconds between health checks of an engine while a generation runs on it (two missed in a row: it
     counts as dead), and of a set-aside engine."""
+    attached_engine_wait_s: float = 600.0
+    """Seconds an attached engine (--rollout-urls: the run cannot restart it) that failed is waited for when too
+    few engines are live (--min-live-engines): its health is checked every --engine-health-interval-s, and when it
+    answers it gets the current weights and the run goes on; after this long the run stops naming it. 0: stop at
+    once."""
     episode_retries: int = 2
     """Times an episode that failed for an infrastructure reason (sandbox server gone, tool transport error,
     agent program crash it reported as such, reward call error; never a bad action or a timeout the policy

@@ -304,7 +304,8 @@ class StacxTrainer:
         """The step's batch from the driver, on every rank. When the step's rollout found too few engines
         live but enough restarted behind the pool's weights (a single engine that died: `EnginesBehind`,
         stacx.rollout.engine_health), every rank pushes the current weights to them and the rollout
-        starts again (a synchronous source collects a step again from its start; async stops the run)."""
+        starts again (a synchronous source collects the step again from its start, its own prompts; the
+        asynchronous producer sends the groups that waited again and the step takes its batch)."""
         refreshes = 0
         while True:
             batch, metrics = self.channel.share(self._driver_batch_or_refresh(step, refreshes)
@@ -318,7 +319,7 @@ class StacxTrainer:
         try:
             return self.driver_batch(step)
         except EnginesBehind as behind:
-            if isinstance(self.samples, AsyncRolloutSamples) or refreshes >= MAX_WEIGHT_REFRESHES_PER_STEP:
+            if refreshes >= MAX_WEIGHT_REFRESHES_PER_STEP:
                 raise
             logger.warning("step %d: %s: pushing the weights of version %d to them and rolling out again",
                            step + 1, behind, behind.version)
@@ -442,7 +443,8 @@ class StacxTrainer:
     def push_policy_weights(self, version: int) -> None:
         """Pause the engine, stream the rollout role's weights in buckets, resume, check the version.
         In async mode the scheduler's update window brackets it: begin_update (abort the in-flight
-        requests with partial rollout, else wait for them) ... publish_version."""
+        requests with partial rollout, else wait for them) ... publish_version (the published version
+        again: restarted engines refreshed, `shared_batch`)."""
         target = self.engine_target
         role = self.training_config.rollout_role
         self.samples.begin_update()

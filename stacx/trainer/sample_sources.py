@@ -26,6 +26,7 @@ from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.rollout.agents.agent_rollout import AgentRollout, agent_from_settings, last_turn_reward
 from stacx.rollout.agents.episode_engines import EpisodeEngines
 from stacx.rollout.asynchronous.async_rollout import AsyncRollout, importance_weight_metrics
+from stacx.rollout.engine_health import EnginesBehind
 from stacx.rollout.engines.registry import resolve_engine_kind
 from stacx.rollout.evaluation import RolloutDumper
 from stacx.rollout.rewards import resolve_reward_fn
@@ -183,7 +184,17 @@ class RolloutSamples(_SyncSource):
         self.algorithm = algorithm
 
     def collect(self, step: int) -> tuple[StepBatch, dict[str, float]]:
-        samples, metrics = self.step_rollout.collect(step)
+        """The step's samples. A rollout stopped by restarted engines that need the current weights
+        (`EnginesBehind`) leaves the data where the step began: after the trainer's refresh push the step
+        replays its own prompts (its sampling seeds are the step's already), so the data order and a resume
+        stay exactly an uninterrupted run's."""
+        start = self.data.state_dict() if self.data is not None else None
+        try:
+            samples, metrics = self.step_rollout.collect(step)
+        except EnginesBehind:
+            if start is not None:
+                self.data.load_state_dict(start)
+            raise
         self.last_samples = samples  # their weight versions go into --dump-rollouts (stacx.trainer.rollout_dump)
         return rollout_batch(samples, metrics, run_config=self.run_config, algorithm=self.algorithm)
 

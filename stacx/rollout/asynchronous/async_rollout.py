@@ -36,6 +36,13 @@ run, across epochs) with B prompts per step gets, for its sample j, the seed the
 --max-staleness 0 (the synchronous schedule: the same prompts in the same steps) an async run
 samples exactly what a sync run samples.
 
+Engines behind (a run whose only engine died and was restarted serving its start weights): a group whose
+engine call raises `EnginesBehind` is set aside with the requests of that call (`AsyncRolloutScheduler.set_aside`,
+the update window opened first, so nothing is admitted meanwhile). The trainer's next weight push reaches the
+restarted engine and resubmits them; a trainer waiting for a batch those groups hold gets the `EnginesBehind`
+from `take_batch` and pushes the published version again (`publish_version` of that version closes the window). The requests are sent again
+as they were (same seeds), so the samples are those an uninterrupted run draws (a dead engine's tokens are lost).
+
 Checkpoints (`checkpoint_state`): admission is held while the groups on the engine finish, then every
 generated, untrained group is saved with its samples and admission version, so a resumed run trains
 exactly the batches the uninterrupted run trains (same data, same versions, same staleness). The data
@@ -62,6 +69,7 @@ from stacx.rollout.asynchronous.async_scheduler import AsyncRolloutConfig, Async
 from stacx.rollout.asynchronous.group_replacement import MAX_REPLACEMENT_ROUNDS, GroupReplacements
 from stacx.rollout.continuation import continuation_request, join_outputs
 from stacx.rollout.data import ExampleSource
+from stacx.rollout.engine_health import EnginesBehind
 from stacx.rollout.engines.registry import resolve_engine_kind
 from stacx.rollout.plan import RolloutPlan
 from stacx.rollout.episode_retry import EpisodeLossError, retry_failed
@@ -157,6 +165,16 @@ class _GroupRun:
     outputs: list[Optional[GenerateOutput]]
     pending: set[int] = field(default_factory=set)
     """Samples whose current request has not answered yet."""
+    set_aside: list[tuple[int, GenerateRequest]] = field(default_factory=list)
+    """(sample, request) of a call that found the engines behind: sent again as they are once refreshed."""
+
+
+@dataclass(frozen=True)
+class _EpisodesBehind:
+    """An episode group's engine call found the engines behind: its prompt is played again once refreshed."""
+
+    prompt: _Prompt
+    error: EnginesBehind
 
 
 class AsyncRollout:
@@ -198,6 +216,9 @@ class AsyncRollout:
         self._skip = set(self._trained_ahead)
         self._restore_buffer(resume_state.get("scheduler"))
         self._error: Optional[BaseException] = None
+        self._behind: Optional[EnginesBehind] = None
+        """Set while groups wait for restarted engines to get the current weights (module doc)."""
+        self._behind_lock = threading.Lock()  # a group set aside vs. the trainer's refresh or publish
         self.replacements = GroupReplacements(max_dropped_fraction=rollout_section.max_dropped_fraction)
         """Groups with a dropped member, replaced by fresh prompts (stacx.rollout.asynchronous.group_replacement)."""
         self._replacement_rounds: dict[int, int] = {}  # group id -> times replaced in a row
@@ -222,6 +243,9 @@ class AsyncRollout:
             if self.scheduler.closed:
                 raise RuntimeError("the asynchronous rollout was closed while the trainer waited for a batch")
             batch = self.scheduler.take_batch(step, timeout=TAKE_POLL_S)
+            behind = self._behind
+            if batch is None and behind is not None:  # the trainer pushes the weights, then `engines_refreshed`
+                raise behind
         samples = []
         with self.submit_lock:
             for position, group in enumerate(batch.groups):
@@ -260,8 +284,15 @@ class AsyncRollout:
         return not self.scheduler.closed
 
     def publish_version(self, version: int) -> None:
-        """The engine serves `version`: admission reopens, interrupted groups first."""
-        self.scheduler.publish_version(version)
+        """The engine serves `version`: admission reopens, interrupted (and set-aside) groups first. The published
+        version again is the trainer's refresh of restarted engines (after `EnginesBehind` from `take_batch`): the
+        window closes without a new version."""
+        with self._behind_lock:
+            self._behind = None  # the push reached the engines behind too
+            if version == self.scheduler.policy_version:
+                self.scheduler.end_update()
+            else:
+                self.scheduler.publish_version(version)
 
     def checkpoint_state(self) -> tuple[dict, dict]:
         """(data state, async state) of a checkpoint written between steps. Admission is held until the
@@ -271,9 +302,13 @@ class AsyncRollout:
         after the oldest untrained one that were trained already. Admission reopens before it returns."""
         self.scheduler.hold_admission()
         try:
-            if not self.scheduler.wait_until_settled():
+            while not self.scheduler.wait_until_settled(timeout=TAKE_POLL_S):
                 self._raise_if_failed()
-                raise RuntimeError("the asynchronous rollout was closed while a checkpoint waited for its groups")
+                if self.scheduler.closed:
+                    raise RuntimeError("the asynchronous rollout was closed while a checkpoint waited for its groups")
+                if self._behind is not None:  # set-aside groups settle only after a weight push: none comes here
+                    raise RuntimeError(f"a checkpoint waited for groups whose engines need the current weights: "
+                                       f"{self._behind}")
             with self.submit_lock:
                 self._prune_trained_ahead()
                 state = self.scheduler.state_dict()
@@ -310,6 +345,9 @@ class AsyncRollout:
             while self.scheduler.wait_for_work():
                 with self.submit_lock:
                     continuation = self.scheduler.pop_continuation()
+                    if isinstance(getattr(continuation, "state", None), _EpisodesBehind):
+                        self._submit_episodes(continuation.group_id, continuation.state.prompt)
+                        continue
                     if continuation is not None:
                         self._submit_continuation(continuation.group_id, continuation.state)
                         continue
@@ -351,9 +389,14 @@ class AsyncRollout:
         self._submit(group_id, run, [(sample, request) for sample, request in enumerate(requests)])
 
     def _submit_continuation(self, group_id: int, run: _GroupRun) -> None:
-        resubmit = [(sample, continuation_request(run.requests[sample], output))
-                    for sample, output in enumerate(run.outputs) if _resumable(output, run.requests[sample])]
-        self._submit(group_id, run, resubmit)
+        """An interrupted group's aborted responses continued from their tokens, and a set-aside call's requests
+        sent again as they were."""
+        resubmit, run.set_aside = list(run.set_aside), []
+        waiting = {sample for sample, _ in resubmit}
+        resubmit += [(sample, continuation_request(run.requests[sample], output))
+                     for sample, output in enumerate(run.outputs)
+                     if sample not in waiting and _resumable(output, run.requests[sample])]
+        self._submit(group_id, run, sorted(resubmit, key=lambda pair: pair[0]))
 
     def _submit(self, group_id: int, run: _GroupRun, requests: list[tuple[int, GenerateRequest]]) -> None:
         with self._lock:
@@ -387,9 +430,12 @@ class AsyncRollout:
         tokenizer = self.service.tokenizer
         episodes = start_episodes([prompt.example], n_samples_per_prompt=self.samples_per_group,
                                   spec=self.step_rollout.spec, iteration=0, rng=rng, tokenizer=tokenizer)
-        run_turns(episodes, engines={Executor.STUDENT: self.engine}, sampling=self._sampling, tokenizer=tokenizer,
-                  rng=rng)
-        episodes = self._retry_failed(prompt, episodes, rng)
+        try:
+            run_turns(episodes, engines={Executor.STUDENT: self.engine}, sampling=self._sampling, tokenizer=tokenizer,
+                      rng=rng)
+            episodes = self._retry_failed(prompt, episodes, rng)
+        except EnginesBehind as behind:  # played again from the prompt once the engines are refreshed
+            return _EpisodesBehind(prompt, behind)
         failures = [episode.failure for episode in episodes if episode.failure]
         if self.replacements.played([episode.sample for episode in episodes], failures):
             return self._play_episodes(self._fresh_prompt(group_id, prompt, failures), group_id)
@@ -438,7 +484,11 @@ class AsyncRollout:
 
     def _on_episodes(self, group_id: int, future: Future) -> None:
         try:
-            samples, versions = future.result()
+            result = future.result()
+            if isinstance(result, _EpisodesBehind):
+                self._set_aside(group_id, result, result.error)
+                return
+            samples, versions = result
             if not self.scheduler.closed:
                 self.scheduler.complete(group_id, samples, versions)
         except BaseException as err:  # noqa: BLE001 - handed to the trainer through take_batch
@@ -457,9 +507,22 @@ class AsyncRollout:
         return self._calls
 
     def _on_outputs(self, group_id: int, samples: list[int], requests: list[GenerateRequest], future: Future) -> None:
-        """Engine thread: a group's call answered; complete the group, or interrupt it when aborted."""
+        """Engine thread: a group's call answered; complete the group, or interrupt it when aborted (set it
+        aside when the engines are behind the pool's weights)."""
         try:
-            outputs = future.result()
+            try:
+                outputs = future.result()
+            except EnginesBehind as behind:
+                with self._lock:
+                    run = self._runs[group_id]
+                    for sample, request in zip(samples, requests):
+                        self._in_flight.pop(request.rid, None)
+                        run.pending.discard(sample)
+                        run.set_aside.append((sample, request))
+                    if run.pending:
+                        return
+                self._set_aside(group_id, run, behind)
+                return
             with self._lock:
                 run = self._runs[group_id]
                 for sample, request, output in zip(samples, requests, outputs):
@@ -487,6 +550,22 @@ class AsyncRollout:
         except BaseException as err:  # noqa: BLE001 - handed to the trainer through take_batch
             if not self.scheduler.closed:
                 self._fail(err)
+
+    def _set_aside(self, group_id: int, state: Any, behind: EnginesBehind) -> None:
+        """Group `group_id` waits for the engines to get the current weights (module doc). An error raised before
+        a push that has since brought the engines up to date (they serve now) only sends the group again."""
+        with self._behind_lock:
+            if self.scheduler.closed:
+                return
+            supervisor = getattr(self.engine, "supervisor", None)
+            if supervisor is not None and supervisor.serving():
+                self.scheduler.set_aside(group_id, state)  # continued at once: the window is not opened
+                return
+            if self._behind is None:
+                logger.warning("async rollout: %s; the groups on it wait for the trainer's weight push", behind)
+            self.scheduler.begin_update()  # first: nothing is admitted or continued before the refresh
+            self.scheduler.set_aside(group_id, state)
+            self._behind = behind  # last: the trainer refreshes only once the group waits
 
     def _build_samples(self, run: _GroupRun) -> list[Sample]:
         example = run.prompt.example

@@ -58,6 +58,11 @@ driver interrupts the engine's in-flight groups and hands each one's state to `i
 `publish_version`, `pop_continuation` returns them, oldest first, ahead of any new admission. An
 interrupted group keeps its deadline, so continuing it needs no capacity.
 
+Engines behind: a group whose engine call found the only engines restarted and waiting for the current
+weights is `set_aside` (an update window is opened first); it waits like an interrupted group (its deadline
+kept, so the bound's proof is unchanged) and is continued after `publish_version`, or after `end_update` when
+the trainer pushed the published version again to bring the restarted engines up to date.
+
 Checkpoints: `hold_admission()` stops admission (continuations still run), `wait_until_settled()`
 waits until every unconsumed group is complete, and `state_dict()` then lists them with their
 admission versions (plus the run totals); `release_admission()` reopens. A fresh scheduler of the
@@ -348,6 +353,18 @@ class AsyncRolloutScheduler:
             bisect.insort(self._continuations, group_id)  # admission order: the oldest is continued first
             self._cond.notify_all()
 
+    def set_aside(self, group_id: int, state: Any) -> None:
+        """A running group whose engine call found the engines behind the pool's weights (restarted ones wait for
+        the current weights: stacx.rollout.engine_health.EnginesBehind) waits like an interrupted group, with or
+        without partial rollout: it keeps its deadline and is continued first once the window closes
+        (`publish_version`, or `end_update` after a push of the published version). Open the update window first
+        (`begin_update`), so that it is not continued before the engines are refreshed."""
+        with self._cond:
+            group = self._running(group_id, "set_aside")
+            group.state, group.partial = GroupState.INTERRUPTED, state
+            bisect.insort(self._continuations, group_id)
+            self._cond.notify_all()
+
     def _running(self, group_id: int, action: str) -> _Group:
         group = self._groups.get(group_id)
         if group is None or group.state is not GroupState.RUNNING:
@@ -427,6 +444,13 @@ class AsyncRolloutScheduler:
                                  f"{self._policy_version} and at most the next train version {self._next_train_version} "
                                  f"(version v exists once step v - 1 was taken)")
             self._policy_version = version
+            self._updating = False
+            self._cond.notify_all()
+
+    def end_update(self) -> None:
+        """Close the update window without a new version: the engines were refreshed with the published version's
+        weights (restarted engines brought up to date); set-aside groups are continued first, admission reopens."""
+        with self._cond:
             self._updating = False
             self._cond.notify_all()
 

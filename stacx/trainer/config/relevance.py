@@ -107,6 +107,8 @@ def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
     def rollout_section(name: str) -> bool:
         if name == "rollout_urls":
             return rollout and engine_attaches
+        if name == "attached_engine_wait_s":  # a failed attached engine is waited for, one or several
+            return rollout and engine_attaches
         if name == "vllm_python":
             return rollout and rollout_values.get("rollout_engine") == "vllm"
         if name == "weight_check_every":  # every push is checked unless it says otherwise: shown when given
