@@ -189,9 +189,3 @@ def test_an_engine_that_keeps_coming_back_behind_stops_the_run_after_a_few_refre
         driver.shared_batch(3)
     assert driver.pushed == [3, 3, 3]
 
-
-def test_an_async_run_does_not_roll_a_step_out_again():
-    samples = object.__new__(AsyncRolloutSamples)
-    samples.collect = BehindOnce().collect
-    with pytest.raises(EnginesBehind):
-        trainer(Rank(True), samples).shared_batch(3)

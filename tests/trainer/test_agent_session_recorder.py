@@ -20,6 +20,7 @@ from stacx.trainer.config.checks import check_agent_supported
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.preflight import PreflightError
 from stacx.trainer.recipes import get_recipe
+from stacx.launch.session_front import engine_http_server
 from stacx.trainer.session_recorder import session_endpoint
 from tests.rollout.agents.agent_fixtures import ScriptedEngine
 
@@ -75,7 +76,7 @@ def test_a_tool_calling_episode_is_recorded_token_exact_by_the_recorder_in_front
     engine = ScriptedIdsEngine(turns)
     service = RolloutService(engine, engine_kind="vllm", url="http://127.0.0.1:9", tokenizer=tokenizer,
                              rollout_section=None)
-    endpoint = session_endpoint(resolve_engine_kind("vllm"), service, model_path="")
+    endpoint = session_endpoint(resolve_engine_kind("vllm"), service, model_path="", front_factory=engine_http_server)
     assert endpoint.url != service.url and endpoint.api_key
     seen_calls = []
 
