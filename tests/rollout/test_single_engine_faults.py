@@ -14,7 +14,6 @@ from stacx.rollout.plan import RolloutPlan
 from stacx.rollout.sections import RolloutSection, TeacherSection
 from stacx.rollout.service import RolloutService
 from stacx.trainer.loop import StacxTrainer
-from stacx.trainer.sample_sources import AsyncRolloutSamples
 from stacx.wire.engine import InferenceEngine
 from stacx.wire.http_client import ServerUnavailableError
 from stacx.wire.types import GenerateOutput, GenerateRequest
