@@ -28,6 +28,9 @@ fixture) must be marked `slow`, so that `pytest -m "not slow"` never starts Ray.
 
 FIRST_FILES = (
     "tests/launch/test_demo_end_to_end.py",
+    "tests/launch/test_fault_tolerance.py",
+    "tests/trainer/test_restarts_end_to_end.py",
+    "tests/launch/test_newcomer_path.py",
     "tests/trainer/cluster/test_ray_multinode.py",
     "tests/launch/test_design_doc_examples.py",
     "tests/trainer/test_training_loop.py",
@@ -37,7 +40,8 @@ FIRST_FILES = (
     "tests/serving/test_openai_sessions.py",
 )
 """Files started before all others, longest first (measured with --durations: the demo is the longest,
-about 100 s on a quiet machine, then the two-node cluster, about 80 s): a long file that starts last
+about 195 s on a quiet machine, then the chaos run, the two restart launches and the newcomer's hour,
+about 140-200 s each, then the two-node cluster, about 110 s): a long file that starts last
 runs alone while the other pytest worker has nothing left to do. The OpenAI endpoint's file also teaches
 the policy that `tests/serving/test_anthropic_endpoint.py` serves (`taught_policy`, once per run): started
 early, it has taught it before the Anthropic file, one of the short ones, waits for it."""
