@@ -69,15 +69,17 @@ def kill(server: EngineHttpServer) -> None:
 class Watched(HttpEngine):
     """The streaming client; `holds(n)` is set once it has received n tokens of every request."""
 
-    def __init__(self, url: str, tokens: int):
+    def __init__(self, url: str, tokens: int, num_requests: int = len(REQUESTS)):
         super().__init__(url, RetryPolicy(timeout_s=TIMEOUT_S, max_attempts=1), stream_progress=True)
         self.holds, received, post_lines = threading.Event(), {}, self.transport.post_lines
+        self.progress_lines = []
 
         def watched_lines(*args, **kwargs):
             for line in post_lines(*args, **kwargs):
                 for piece in line.get("progress", ()):
                     received[piece["index"]] = piece["start"] + len(piece["output_ids"])
-                if len(received) == len(REQUESTS) and min(received.values()) >= tokens:
+                    self.progress_lines.append(piece)
+                if len(received) == num_requests and min(received.values()) >= tokens:
                     self.holds.set()
                 yield line
 
@@ -136,3 +138,32 @@ def test_a_broken_stream_raises_with_the_tokens_received():
     assert [o.output_log_probs for o in broken.value.partial] == [[-0.1], [-0.1]]
     assert {o.finish_reason for o in broken.value.partial} == {"abort"}
     assert [o.output_token_versions for o in broken.value.partial] == [[3], [3]]
+
+
+@pytest.mark.slow  # the CPU engine fixture costs ~14 s here; in test_cpu_engine_and_server.py it is built already
+def test_the_cpu_engine_streams_its_tokens_as_it_decodes(cpu_engine, monkeypatch):
+    held, release, calls, forward = threading.Event(), threading.Event(), [0], cpu_engine._model_call
+
+    def model_call(*args):  # the 4th forward (prefill, then one a token) waits until the client holds 3 tokens
+        calls[0] += 1
+        if calls[0] == 4:
+            held.set()
+            assert release.wait(TIMEOUT_S), "the test never released the held forward"
+        return forward(*args)
+
+    monkeypatch.setattr(cpu_engine, "_model_call", model_call)
+    request = GenerateRequest(input_ids=(4, 10, 11), return_logprob=True,
+                              sampling=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    with EngineHttpServer(cpu_engine) as server:
+        client = Watched(server.url, tokens=3, num_requests=1)
+        with ThreadPoolExecutor(1) as caller:
+            call = caller.submit(client.generate, [request])
+            assert client.holds.wait(TIMEOUT_S), "the client never received the first three tokens"
+            release.set()
+            streamed = call.result(TIMEOUT_S)
+        plain = HttpEngine(server.url).generate([request])
+    assert streamed == plain and len(streamed[0].output_ids) == 6
+    received = [t for piece in client.progress_lines for t in piece["output_ids"]]
+    assert received[:3] == streamed[0].output_ids[:3]  # streamed before the call ended, as the answer has them
+    assert [lp for piece in client.progress_lines for lp in piece["output_log_probs"]][:3] == \
+        pytest.approx(streamed[0].output_log_probs[:3])
