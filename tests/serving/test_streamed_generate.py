@@ -120,6 +120,7 @@ def test_the_tokens_a_server_streamed_before_it_went_away_continue_on_a_live_ser
     assert first.output_log_probs == pytest.approx([-0.1, -0.2, -0.1, -0.2, -0.3])
     assert second.output_ids == [301, 302, 403, 404, 405] and first.finish_reason == second.finish_reason == "length"
     assert pool.supervisor.metrics()["rollout/requests_reissued"] == 2.0
+    assert pool.supervisor.metrics()["rollout/tokens_salvaged"] == 4.0
 
 
 def test_a_broken_stream_raises_with_the_tokens_received():
