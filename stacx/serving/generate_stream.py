@@ -4,10 +4,11 @@ them on a live engine).
 
 The answer is `application/x-ndjson`, one JSON object a line:
 
-    {"progress": [{"index": 0, "start": 0, "output_ids": [5, 9], "output_log_probs": [-0.1, -2.3], "weight_version": 3}]}
-    ...                                       each request's new tokens, at most every STREAM_INTERVAL_S while any changed
+    {"progress": [{"index": 0, "start": 0, "output_ids": [5, 9], "output_log_probs": [-0.1, -2.3],
+                   "weight_version": 3}]}     each request's new tokens (every STREAM_INTERVAL_S while any changed)
+    ...
     {"result": <exactly the answer the same call gets unstreamed>}
-    {"error": "..."}                          instead of the result, when the engine failed after the answer began
+    {"error": "..."}                          instead of the result: the engine failed after the answer began
 
 Only what an engine that decodes in this process records on the request's `AbortFlag.output` is streamed: the token
 ids, their log-probs (when asked) and the weight version. Top-k and token-id log-probs and routed experts come
