@@ -147,6 +147,8 @@ class EngineSupervisor:
         self._pushed: Optional[set] = None
         """The engines the current weight push goes to (None before the first push)."""
         self.requests_reissued = 0
+        self.tokens_salvaged = 0
+        """Tokens of failed engines' calls kept and continued on a live engine (stacx.rollout.salvage)."""
         self.failures: list[tuple[str, str]] = []
         """(engine, reason) of every failure noticed, in order."""
         self.health_check_s = 0.0
@@ -415,11 +417,12 @@ class EngineSupervisor:
                     self.states[index], self.reasons[index] = LIVE, ""
 
     def metrics(self) -> dict[str, float]:
-        """rollout/engine_restarts and rollout/requests_reissued (cumulative), rollout/live_engines (now),
-        rollout/health_check_s (cumulative seconds of health checks)."""
+        """rollout/engine_restarts, rollout/requests_reissued and rollout/tokens_salvaged (cumulative),
+        rollout/live_engines (now), rollout/health_check_s (cumulative seconds of health checks)."""
         with self._lock:
             return {"rollout/engine_restarts": float(self.engine_restarts),
                     "rollout/requests_reissued": float(self.requests_reissued),
+                    "rollout/tokens_salvaged": float(self.tokens_salvaged),
                     "rollout/live_engines": float(sum(state == LIVE for state in self.states)),
                     "rollout/health_check_s": float(self.health_check_s)}
 

@@ -106,6 +106,7 @@ class EnginePool(InferenceEngine):
         kept = salvaged(requests, partial)
         if not kept:
             return list(partial)
+        self.supervisor.tokens_salvaged += sum(len(output.output_ids) for output in kept.values())
         continued = self._generate_on_least_loaded([continuation_request(requests[i], out) for i, out in kept.items()])
         return joined(partial, kept, continued)
 

@@ -15,13 +15,16 @@ from typing import Iterable, Optional, Sequence
 
 
 class AbortFlag:
-    """Set once the request with `rid` (None: no rid) must stop."""
+    """Set once the request with `rid` (None: no rid) must stop. `output`: the request's `GenerateOutput` while
+    an engine that decodes in this process builds it (set when its decoding starts, appended to token by token),
+    which a streamed `/generate` reads (stacx.serving.generate_stream); None before."""
 
-    __slots__ = ("rid", "_event")
+    __slots__ = ("rid", "_event", "output")
 
     def __init__(self, rid: Optional[str]):
         self.rid = rid
         self._event = threading.Event()
+        self.output = None
 
     def set(self) -> None:
         self._event.set()

@@ -346,6 +346,8 @@ class CpuEngine(InferenceEngine):
                          abort_flags: Sequence[AbortFlag]) -> list[GenerateOutput]:
         """The "packed" decoder: every step, one packed forward of all active (prompt + tokens) rows."""
         outputs = [GenerateOutput(output_ids=[], weight_version=self._version) for _ in requests]
+        for flag, output in zip(abort_flags, outputs):
+            flag.output = output  # its tokens so far, for a streamed /generate (stacx.serving.generate_stream)
         generators = [
             torch.Generator().manual_seed(r.sampling.seed) if r.sampling.seed is not None else self._generator
             for r in requests
@@ -406,6 +408,8 @@ class CpuEngine(InferenceEngine):
         if not requests:
             return []
         outputs = [GenerateOutput(output_ids=[], weight_version=self._version) for _ in requests]
+        for flag, output in zip(abort_flags, outputs):
+            flag.output = output  # its tokens so far, for a streamed /generate (stacx.serving.generate_stream)
         generators = [
             torch.Generator().manual_seed(r.sampling.seed) if r.sampling.seed is not None else self._generator
             for r in requests

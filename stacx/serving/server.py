@@ -31,7 +31,8 @@ Endpoints (SGLang's names unless marked stacx; the schema is at GET /openapi.jso
   GET  /health, /health_generate        200 when the engine can serve, 503 when it is wedged
   GET  /get_model_info                   {"model_path", "weight_version", "is_generation"}
   GET  /get_weight_version               {"weight_version"}
-  POST /generate                         SGLang request fields -> SGLang answers (see sglang_protocol)
+  POST /generate                         SGLang request fields -> SGLang answers (see sglang_protocol); with
+                                         "stream": true the tokens as they come, then the answer (generate_stream)
   POST /pause_generation                 new /generate requests wait until /continue_generation (in-flight
                                          ones finish, or stop at /abort_request)
   POST /continue_generation
@@ -72,11 +73,12 @@ from typing import Awaitable, Callable, Optional
 import anyio
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stacx.serving.aborts import AbortBook
 from stacx.serving.anthropic_endpoints import AnthropicEndpoints
+from stacx.serving.generate_stream import stream_asked, stream_generate
 from stacx.serving.http_guard import (
     ConnectionCounter,
     HttpError,
@@ -291,15 +293,17 @@ class EngineHttpServer:
             self._generate_threads[lane] = anyio.CapacityLimiter(self.limits.max_queued_requests)
         return self._generate_threads[lane]
 
-    async def run_engine(self, request: Request, requests: list) -> list:
+    async def run_engine(self, request: Request, requests: list, *, flags: Optional[list] = None) -> list:
         """Generate for `requests` on behalf of the HTTP `request` (the event loop's thread): admitted
         against max_queued_requests, waiting while paused, abortable by rid, stopped when the client
-        leaves; 503 when generation stays paused for pause_timeout_s."""
+        leaves; 503 when generation stays paused for pause_timeout_s. flags: their abort flags, registered
+        by the caller (a streamed answer reads their outputs); None: registered here."""
         lane = self.lane_of(request)
         self.admit_generate(lane)
         gone = threading.Event()
         watcher = asyncio.ensure_future(_watch_disconnect(request, gone))
-        flags = self.aborts.register([r.rid for r in requests])  # abortable from arrival on
+        if flags is None:
+            flags = self.aborts.register([r.rid for r in requests])  # abortable from arrival on
 
         def run():
             deadline = time.monotonic() + self.pause_timeout_s
@@ -519,8 +523,12 @@ class _Endpoints:
         payload = await self._json(request)
         if isinstance(payload, dict) and payload.get("text") is not None:
             check_text_budget(payload["text"], server.max_text_chars, "/generate: 'text'")
+        streamed = stream_asked(payload)  # the tokens as they come, then the answer (stacx.serving.generate_stream)
         # Tokenizing (and checking a long id list) runs off the event loop: /health and every other request go on.
         requests, is_batch = await anyio.to_thread.run_sync(parse_generate_payload, payload, server.tokenizer)
+        if streamed:
+            return 200, StreamingResponse(stream_generate(server, request, requests, is_batch),
+                                          media_type="application/x-ndjson")
         outputs = await server.run_engine(request, requests)
         items = [render_generate_item(o, r, r.rid or uuid.uuid4().hex, server.tokenizer)
                  for o, r in zip(outputs, requests)]

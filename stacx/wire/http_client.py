@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import requests
 
@@ -140,6 +140,42 @@ class HttpTransport:
             except (json.JSONDecodeError, ValueError):
                 return response.text
         raise ServerUnavailableError(self.url, endpoint, summary or "-", policy.max_attempts, last_error)
+
+    def post_lines(self, endpoint: str, body: Any, *, summary: str = "") -> Iterator[Any]:
+        """POST `body` and yield each JSON line of the streamed answer as it arrives. Until the answer starts
+        the request is retried as `request` retries it; once it has started, a break is not retried (what
+        arrived is the caller's to keep): `ServerUnavailableError` when the server does not answer, answers
+        5xx after the retries, or the answer breaks off; `ServerRequestError` on 4xx."""
+        policy, last_error, response = self.retry, "", None
+        for attempt in range(1, policy.max_attempts + 1):
+            time.sleep(policy.sleep_before(attempt))
+            if self.closed:
+                raise ServerUnavailableError(self.url, endpoint, summary or "-", attempt - 1,
+                                             last_error or "the client was closed")
+            try:
+                response = self._session.post(self.url + endpoint, json=body, stream=True, timeout=policy.timeout_s)
+            except (requests.ConnectionError, requests.Timeout) as err:
+                last_error, response = f"{type(err).__name__}: {err}", None
+                continue
+            if response.status_code < 500:
+                break
+            last_error = f"HTTP {response.status_code}: {response.text[:300]}"
+            response.close()
+            response = None
+        if response is None:
+            raise ServerUnavailableError(self.url, endpoint, summary or "-", policy.max_attempts, last_error)
+        with response:
+            if response.status_code >= 400:
+                raise ServerRequestError(f"server {self.url} rejected {endpoint} (request: {summary or '-'}): "
+                                         f"HTTP {response.status_code}: {response.text[:500]}",
+                                         response.status_code, _json_or_none(response))
+            try:
+                for line in response.iter_lines():
+                    if line:
+                        yield json.loads(line)
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as err:
+                raise ServerUnavailableError(self.url, endpoint, summary or "-", 1,
+                                             f"the answer broke off: {type(err).__name__}: {err}") from err
 
     def post_json(self, endpoint: str, body: Any, *, summary: str = "", retry: Optional[RetryPolicy] = None) -> Any:
         return self.request("POST", endpoint, json_body=body, summary=summary, retry=retry)

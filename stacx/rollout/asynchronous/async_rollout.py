@@ -40,8 +40,8 @@ Engines behind (a run whose only engine died and was restarted serving its start
 engine call raises `EnginesBehind` is set aside with the requests of that call (`AsyncRolloutScheduler.set_aside`,
 the update window opened first, so nothing is admitted meanwhile). The trainer's next weight push reaches the
 restarted engine and resubmits them; a trainer waiting for a batch those groups hold gets the `EnginesBehind`
-from `take_batch` and pushes the published version again (`publish_version` of that version closes the window). The requests are sent again
-as they were (same seeds), so the samples are those an uninterrupted run draws (a dead engine's tokens are lost).
+from `take_batch` and pushes the published version again (`publish_version` of that version closes the window).
+The requests are sent again as they were (same seeds), so the samples are those an uninterrupted run draws.
 
 Checkpoints (`checkpoint_state`): admission is held while the groups on the engine finish, then every
 generated, untrained group is saved with its samples and admission version, so a resumed run trains
@@ -244,7 +244,7 @@ class AsyncRollout:
                 raise RuntimeError("the asynchronous rollout was closed while the trainer waited for a batch")
             batch = self.scheduler.take_batch(step, timeout=TAKE_POLL_S)
             behind = self._behind
-            if batch is None and behind is not None:  # the trainer pushes the weights, then `engines_refreshed`
+            if batch is None and behind is not None:  # the trainer pushes the published version again
                 raise behind
         samples = []
         with self.submit_lock:

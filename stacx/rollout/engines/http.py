@@ -18,6 +18,7 @@ from typing import Iterable, Optional, Sequence
 
 from stacx.parallel.tensor_buckets import TENSOR_DTYPES
 from stacx.rollout.engines.server_client import ServerClient
+from stacx.rollout.engines.streamed_generate import generate_streamed, streamable
 from stacx.wire.engine import WeightBucket
 from stacx.wire.http_client import RetryPolicy, ServerRequestError
 from stacx.wire.sglang_protocol import build_abort_payload, build_generate_payload, parse_generate_response
@@ -41,11 +42,14 @@ class HttpEngine(ServerClient):
     """Talks to one server URL over SGLang's native API."""
 
     def __init__(self, url: str, retry: RetryPolicy = RetryPolicy(), *, weight_transport: str = "auto",
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, stream_progress: bool = False):
         """weight_transport: 'http' sends bucket bytes in the request body; 'shm' stages them in a
         same-host shared-memory file the server creates and sends only metadata; 'auto' tries shm
         for a loopback URL and falls back to http when the server offers no staging file.
-        api_key: the server's shared secret (None: `STACX_API_KEY` if set)."""
+        api_key: the server's shared secret (None: `STACX_API_KEY` if set). stream_progress: ask `stacx serve`
+        for a streamed `/generate` (the tokens as they come), so a call to a server whose process died raises with
+        the tokens received so far (stacx.rollout.engines.streamed_generate); one attempt per call then."""
+        self.stream_progress = stream_progress
         super().__init__(url, retry, api_key=api_key, weight_transport=weight_transport)
         self._shm_fallback = weight_transport == "auto"
         self._staging: SharedMemoryStaging | None = None
@@ -56,6 +60,8 @@ class HttpEngine(ServerClient):
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         if not requests:
             return []
+        if self.stream_progress and streamable(requests):
+            return generate_streamed(self.transport, requests, summary=summarize_requests(requests))
         body = self.transport.post_json("/generate", build_generate_payload(requests), summary=summarize_requests(requests))
         return parse_generate_response(body, requests)
 

@@ -178,7 +178,15 @@ def engine_client(kind: str, url: str, *, api_key: Optional[str] = None) -> Infe
     return resolve_engine_kind(kind).connect(url, api_key=api_key)
 
 
-add_engine_kind(EngineKind(name="cpu", client=HttpEngine, launcher=launch_cpu_server, starts_beside_workers=True,
+def launched_stacx_serve_client(url: str, *, api_key: Optional[str] = None,
+                                retry: RetryPolicy = RetryPolicy()) -> HttpEngine:
+    """The client of a `stacx serve` the run launched: its `/generate` answers are streamed, so the tokens of a
+    server that is killed mid-call are kept and continued on a live one (stacx.rollout.engines.streamed_generate).
+    Attached servers ('http') may be SGLang, which streams another format: they are asked unstreamed."""
+    return HttpEngine(url, retry, api_key=api_key, stream_progress=True)
+
+
+add_engine_kind(EngineKind(name="cpu", client=launched_stacx_serve_client, launcher=launch_cpu_server, starts_beside_workers=True,
                            records_sessions=True, takes_lora_adapters=True))
 add_engine_kind(EngineKind(name="http", client=HttpEngine, records_sessions=True, takes_lora_adapters=True))  # attaches to `stacx serve`
 add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True,

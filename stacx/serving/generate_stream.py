@@ -1,0 +1,84 @@
+"""A streamed `/generate` (`"stream": true`): the tokens of each request as they are generated, then the answer,
+so a client keeps what an engine generated before its process died (stacx.rollout.salvage's pool path continues
+them on a live engine).
+
+The answer is `application/x-ndjson`, one JSON object a line:
+
+    {"progress": [{"index": 0, "start": 0, "output_ids": [5, 9], "output_log_probs": [-0.1, -2.3],
+                   "weight_version": 3}]}     each request's new tokens (every STREAM_INTERVAL_S while any changed)
+    ...
+    {"result": <exactly the answer the same call gets unstreamed>}
+    {"error": "..."}                          instead of the result: the engine failed after the answer began
+
+Only what an engine that decodes in this process records on the request's `AbortFlag.output` is streamed: the token
+ids, their log-probs (when asked) and the weight version. Top-k and token-id log-probs and routed experts come
+in the result only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, AsyncIterator, Sequence
+
+from stacx.wire.sglang_protocol import render_generate_item
+
+STREAM_INTERVAL_S = 0.05
+"""How often the stream looks for new tokens (a line is sent only when some request has new ones)."""
+
+
+def stream_asked(payload: Any) -> bool:
+    """Whether a `/generate` body asks a streamed answer; removes its `stream` field (the rest is parsed as usual)."""
+    if not isinstance(payload, dict) or "stream" not in payload:
+        return False
+    stream = payload.pop("stream")
+    if not isinstance(stream, bool):
+        raise ValueError(f"/generate: 'stream' must be true or false, got {stream!r}")
+    return stream
+
+
+def progress(flags: Sequence[Any], requests: Sequence[Any], sent: list[int]) -> list[dict]:
+    """Each request's tokens since `sent[i]` (advanced here), with their log-probs when asked."""
+    lines = []
+    for index, (flag, request) in enumerate(zip(flags, requests)):
+        output = flag.output
+        if output is None:
+            continue
+        ids = list(output.output_ids[sent[index]:])
+        log_probs: list = []
+        if request.return_logprob:  # the engine appends a token's id before its log-prob: send both or neither
+            log_probs = list(output.output_log_probs[sent[index]:sent[index] + len(ids)])
+            ids = ids[:len(log_probs)]
+        if not ids:
+            continue
+        lines.append({"index": index, "start": sent[index], "output_ids": ids, "output_log_probs": log_probs,
+                      "weight_version": output.weight_version})
+        sent[index] += len(ids)
+    return lines
+
+
+async def stream_generate(server: Any, request: Any, requests: list, is_batch: bool) -> AsyncIterator[bytes]:
+    """The lines of a streamed `/generate` of `requests` on `server` (an EngineHttpServer; module doc)."""
+    flags = server.aborts.register([r.rid for r in requests])
+    call = asyncio.ensure_future(server.run_engine(request, requests, flags=flags))
+    sent = [0] * len(requests)
+    try:
+        while not call.done():
+            await asyncio.wait({call}, timeout=STREAM_INTERVAL_S)
+            new = progress(flags, requests, sent)
+            if new:
+                yield _line({"progress": new})
+        outputs = call.result()
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    except Exception as err:  # noqa: BLE001 - the status line is sent already: the error is the last line
+        yield _line({"error": f"{type(err).__name__}: {err}"})
+        return
+    items = [render_generate_item(o, r, r.rid or uuid.uuid4().hex, server.tokenizer) for o, r in zip(outputs, requests)]
+    yield _line({"result": items if is_batch else items[0]})
+
+
+def _line(body: dict) -> bytes:
+    return (json.dumps(body) + "\n").encode()
