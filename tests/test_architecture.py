@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -196,11 +194,13 @@ def test_the_forbidden_pairs_are_also_forbidden_by_the_package_table():
 
 def test_importing_the_server_loads_no_driver_module_and_no_loss_kernel():
     """`stacx serve`'s process imports the server, the endpoints and what both ends speak, never the
-    driver (rollout), the trainer or the loss math (objectives). Run in a fresh interpreter."""
-    probe = ("import sys, stacx.serving.server; "
-             "print('\\n'.join(m for m in sys.modules if m.startswith('stacx')))")
-    loaded = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True,
-                            timeout=120).stdout.split()
+    driver (rollout), the trainer or the loss math (objectives). Run in a process of its own, forked from the
+    rank forkserver: what it preloaded counts as loaded too, so the check is at least as strict as a fresh
+    interpreter's."""
+    from stacx.testing.distributed import run_forked
+    from tests.import_probe import stacx_modules_after_importing
+
+    loaded = run_forked(stacx_modules_after_importing, "stacx.serving.server")
     assert "stacx.serving.server" in loaded
     driver = [m for m in loaded if any(within(m, p) for p in ("stacx.rollout", "stacx.trainer", "stacx.objectives"))]
     assert not driver, f"importing stacx.serving.server loads {driver}"

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stacx.testing.distributed import DistributedRunError, run_distributed
+from stacx.testing.distributed import DistributedRunError, run_distributed, run_forked
 
 pytestmark = pytest.mark.distributed
 
@@ -106,3 +106,15 @@ def test_ranks_write_to_the_callers_stdout_and_see_its_environment_at_call_time(
     assert values == ["set after the server started"] * 2
     out = capfd.readouterr().out
     assert "rank 0 says hello" in out and "rank 1 says hello" in out
+
+
+def environment_and_world(name):
+    if name == "raise":
+        raise ValueError("raised in the forked process")
+    return os.environ.get(name), sorted(os.environ), dist.is_initialized()
+
+
+def test_run_forked_runs_one_process_with_the_given_environment_and_no_world():
+    assert run_forked(environment_and_world, "ONLY", environ={"ONLY": "this"}) == ("this", ["ONLY"], False)
+    with pytest.raises(DistributedRunError, match=r"(?s)raised:.*ValueError: raised in the forked process"):
+        run_forked(environment_and_world, "raise")

@@ -15,6 +15,7 @@ A split runs what `RoleRuntime.train_step` does, with the same functions: the dr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -79,7 +80,14 @@ def response_log_probs(model: TinyTokenModel, tokens: torch.Tensor, response_len
 
 
 def make_global_batch(seed: int = 5) -> dict[str, list]:
-    """The step batch (per-sample lists, the trainer's format) with every field any family reads."""
+    """The step batch (per-sample lists, the trainer's format) with every field any family reads: a copy of
+    the one built for `seed` (built once per process; every split and family of a process reads the same batch)."""
+    return {name: [value.clone() if isinstance(value, torch.Tensor) else value for value in values]
+            for name, values in _built_global_batch(seed).items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _built_global_batch(seed: int) -> dict[str, list]:
     gen = torch.Generator().manual_seed(seed)
     noise = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     model = TinyTokenModel()
