@@ -358,6 +358,7 @@ def test_a_maximal_text_is_refused_before_tokenizing_while_health_answers(text_s
         timeout=60)))
     with http.Session() as probe:
         probe.get(server.url + "/health", timeout=5)  # connected before the big body goes out
+        sender_started = time.monotonic()
         sender.start()
         health_s = []
         while sender.is_alive():
@@ -365,12 +366,15 @@ def test_a_maximal_text_is_refused_before_tokenizing_while_health_answers(text_s
             assert probe.get(server.url + "/health", timeout=5).status_code == 200
             health_s.append(time.monotonic() - started)
         sender.join()
+        sender_s = time.monotonic() - sender_started
     (answer,) = answers
     assert answer.status_code == 400 and "'text' holds 10,000,000 characters" in answer.json()["error"]
     assert "--max-chars-per-token" in answer.json()["error"]
-    # Typically 2-50 ms on two cores; the worst probe is bounded loosely (a busy CI machine's scheduling),
-    # the median at the 100 ms the issue asks: before, every probe waited the whole 15 s of tokenizing.
-    assert health_s and sorted(health_s)[len(health_s) // 2] < 0.1 and max(health_s) < 1.0, health_s
+    # Typically 2-50 ms on two cores; the median is held to the 100 ms the issue asks. Before, a probe waited the
+    # whole tokenizing (15 s quiet): the worst probe is held to 1 s, or on a machine so loaded that refusing the
+    # body itself took longer, to a quarter of that time (a probe stalled by the handler waits nearly all of it).
+    assert health_s and sorted(health_s)[len(health_s) // 2] < 0.1, health_s
+    assert max(health_s) < max(1.0, sender_s / 4), (health_s, sender_s)
     # a text inside the bound is still served
     assert http.post(server.url + "/generate", json={"text": "ab", "sampling_params": {"max_new_tokens": 1}},
                      timeout=30).status_code == 200
