@@ -51,8 +51,8 @@ def test_engine_kinds_rewards_tasks_and_recipes_answer_with_the_registry_rules()
     from stacx.trainer.config.recipe import RecipeError
     from stacx.trainer.recipes import get_recipe
 
-    with pytest.raises(ValueError, match=r"engine kind 'cpu' is already registered \(by stacx.rollout.engines.http."
-                                         r"HttpEngine\); registered engine kind names: \['cpu', 'http', 'sglang'"):
+    with pytest.raises(ValueError, match=r"engine kind 'cpu' is already registered \(by stacx.rollout.engines.registry."
+                                         r"launched_stacx_serve_client\); registered engine kind names: \['cpu', 'http', 'sglang'"):
         register_engine("cpu")(HttpEngine)
     with pytest.raises(ValueError, match=r"reward function 'exact_match' is already registered \(by stacx.rollout"):
         register_reward("exact_match")(len)
