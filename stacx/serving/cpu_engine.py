@@ -345,13 +345,7 @@ class CpuEngine(InferenceEngine):
     def _generate_packed(self, requests: Sequence[GenerateRequest], should_stop: Optional[Callable[[], bool]],
                          abort_flags: Sequence[AbortFlag]) -> list[GenerateOutput]:
         """The "packed" decoder: every step, one packed forward of all active (prompt + tokens) rows."""
-        outputs = [GenerateOutput(output_ids=[], weight_version=self._version) for _ in requests]
-        for flag, output in zip(abort_flags, outputs):
-            flag.output = output  # its tokens so far, for a streamed /generate (stacx.serving.generate_stream)
-        generators = [
-            torch.Generator().manual_seed(r.sampling.seed) if r.sampling.seed is not None else self._generator
-            for r in requests
-        ]
+        outputs, generators = self._start_outputs(requests, abort_flags)
         sequences = [list(r.input_ids) for r in requests]
         active = list(range(len(requests)))
         first_step = True
@@ -387,6 +381,20 @@ class CpuEngine(InferenceEngine):
                 out.routed_experts = out.routed_experts[: len(request.input_ids) + len(out.output_ids) - 1]
         return outputs
 
+    def _start_outputs(self, requests: Sequence[GenerateRequest],
+                       abort_flags: Sequence[AbortFlag]) -> tuple[list[GenerateOutput], list[torch.Generator]]:
+        """Both decoders' start: an empty output per request at the served version, each exposed on its abort flag
+        (its tokens so far, for a streamed /generate: stacx.serving.generate_stream), and the generator each
+        request samples from (its own seed's, else the engine's)."""
+        outputs = [GenerateOutput(output_ids=[], weight_version=self._version) for _ in requests]
+        for flag, output in zip(abort_flags, outputs):
+            flag.output = output
+        generators = [
+            torch.Generator().manual_seed(r.sampling.seed) if r.sampling.seed is not None else self._generator
+            for r in requests
+        ]
+        return outputs, generators
+
     def _check_routes_asked(self, requests: Sequence[GenerateRequest]) -> bool:
         """Whether any request asks for routed experts; raises naming the field for a dense model."""
         # Imported here: megatron-core is slow to import (start-up time).
@@ -407,13 +415,7 @@ class CpuEngine(InferenceEngine):
         """
         if not requests:
             return []
-        outputs = [GenerateOutput(output_ids=[], weight_version=self._version) for _ in requests]
-        for flag, output in zip(abort_flags, outputs):
-            flag.output = output  # its tokens so far, for a streamed /generate (stacx.serving.generate_stream)
-        generators = [
-            torch.Generator().manual_seed(r.sampling.seed) if r.sampling.seed is not None else self._generator
-            for r in requests
-        ]
+        outputs, generators = self._start_outputs(requests, abort_flags)
         prompt_starts = [_first_prompt_logit(r) for r in requests]
         num_prompt_logits = max(len(r.input_ids) - start for r, start in zip(requests, prompt_starts))
         self._cached_decoder.record_routes = self._check_routes_asked(requests)
