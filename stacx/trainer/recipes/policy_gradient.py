@@ -120,7 +120,8 @@ def ppo_config() -> TrainingConfig:
         syncs=(InjectSync(source_role="critic", target_role="actor", keys=("values",)),),
         description=(
             "PPO with a learned critic: per-token values from the critic are injected into the actor's batch, GAE "
-            "turns rewards and values into advantages and returns, and both roles train every step."
+            "turns rewards and values into advantages and returns, and both roles train every step (with LoRA, "
+            "--lora-critic adapters trains the critic's adapters and value head, frozen trains it not at all)."
         ),
         algorithm=recipe_algorithm(advantage_estimator="gae", policy_loss="ppo_clip", loss_agg_mode="token-mean",
                                     gamma=1.0, lam=0.95, value_clip=0.5),
