@@ -28,7 +28,6 @@ from stacx.parallel.groups import ProcessGroups
 from stacx.parallel.packing import pack_micro_batches
 from stacx.specializations.batch import MicroBatch, SampleFields
 from stacx.specializations.dpo import DPOSpecialization
-from stacx.trainer.config.checks import check_examples
 
 __all__ = ["MicroBatch", "StepBatch", "StepDataSource", "data_kind", "plan_micro_batches"]
 
@@ -179,9 +178,11 @@ class StepDataSource:
     """Examples for each step in a deterministic, checkpointable epoch order."""
 
     def __init__(self, run_config, training_config, tokenizer):
-        # Imported here: the data readers (Parquet, tokenizer templates) load only on the driver.
+        # Imported here: the data readers (Parquet, tokenizer templates) and the run checks (which import the
+        # rollout stack) load only on the driver, not in every role worker that imports this module.
         from stacx.rollout.data import DataConfig, EpochLoader, load_examples, load_trajectory_corpus
         from stacx.env_overrides import apply_env_overrides
+        from stacx.trainer.config.checks import check_examples
 
         rollout = run_config.rollout
         self.kind = data_kind(training_config)

@@ -31,7 +31,9 @@ class TextDriver:
 
         self.run_config = run_config
         self.recipe = recipe
-        run_preflight(run_config, recipe, resolve_algorithm_config(recipe, run_config))
+        # The data (its tokenizer: `transformers`, seconds of start-up) is read and checked by the first rank
+        # only: under torchrun it alone drives the run, and its failure stops the other ranks.
+        run_preflight(run_config, recipe, resolve_algorithm_config(recipe, run_config), load_data=is_first_rank())
         if is_first_rank():
             for message in [*unread_checkpoint_flags(run_config, recipe).values(), *ignored_settings(run_config)]:
                 print(f"stacx train: warning: {message}", file=sys.stderr)
