@@ -243,8 +243,13 @@ def plan_family_plot(history: list[Mapping[str, Any]], family: str) -> FamilyPlo
     else:
         panels = [tuple(values)] if values else []
     panels = [chunk for panel in panels for chunk in at_most(panel, MAX_SERIES_PER_PANEL)]
+    identical = identical_series(series, list(values), list(counts))
+    # A series equal to another is drawn once, under its group's first name: a panel holding only later names of
+    # such groups (drawn in another panel) would be an empty box with an empty legend, and stays out.
+    later_names = {key for group in identical for key in group[1:]}
+    panels = [panel for panel in panels if not set(panel) <= later_names]
     return FamilyPlot(family=family, value_panels=tuple(panels), count_keys=counts, zero_keys=zero,
-                      identical=identical_series(series, list(values), list(counts)))
+                      identical=identical)
 
 
 MAX_SERIES_PER_PANEL = 6

@@ -62,6 +62,19 @@ def test_a_series_equal_to_another_is_drawn_once_with_both_names():
     assert plan_family_plot(history, "loss").identical == ()
 
 
+def test_a_panel_of_series_drawn_in_another_panel_is_left_out(recwarn):
+    """A PPO run's `rollout/live_engines` equalled `actor/mismatch_ratio` (1.0 at every step): drawn once in the
+    actor panel, it left its own rollout panel an empty box with an empty legend (and matplotlib's warning)."""
+    history = [{"step": s, "actor/mismatch_ratio": 1.0, "actor/entropy": 2.9 - 0.01 * s, "rollout/live_engines": 1.0,
+                "rollout/response_length_mean": 5.0 + s} for s in range(3)]
+    plan = plan_family_plot(history, OTHER_PLOT)
+    assert plan.identical == (("actor/mismatch_ratio", "rollout/live_engines"),)
+    assert all(set(panel) != {"rollout/live_engines"} for panel in plan.value_panels), plan.value_panels
+    figure = draw_family_figure(history, plan)
+    assert all(axes.get_lines() for axes in figure.axes)
+    assert not [w for w in recwarn if "No artists with labels" in str(w.message)]
+
+
 def test_every_png_title_names_the_run_and_the_recipe(tmp_path):
     out = tmp_path / "grpo_math"
     with MetricsLogger(out, total_steps=10, tensorboard=False, progress_bar=False, plots=False,
