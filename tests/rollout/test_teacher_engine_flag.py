@@ -5,10 +5,6 @@ as vLLM 0.32 writes them); a live vLLM teacher: tests/vllm/test_vllm_top_log_pro
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 import torch
 
@@ -20,40 +16,13 @@ from stacx.rollout.teacher import TeacherUnavailableError
 from stacx.trainer.recipes import get_recipe
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.preflight import PreflightError, check_services, check_teacher
+from tests.json_routes import serve_json_routes
 
 COMPLETION = {"choices": [{"token_ids": [9], "finish_reason": "length",
                            "logprobs": {"tokens": ["token_id:9"], "token_logprobs": [-0.7],
                                         "top_logprobs": [{"token_id:9": -0.7}]},
                            "prompt_logprobs": [None, {"6": {"logprob": -3.0}, "2": {"logprob": -0.1}},
                                                {"7": {"logprob": -0.2}, "1": {"logprob": -1.9}}]}]}
-
-
-def _serve(get_routes: dict, post_routes: dict):
-    """A thread answering GET and POST paths with (status, JSON body); POST bodies are kept in `posted`."""
-    posted = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def _answer(self, status, body):
-            payload = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def do_GET(self):
-            self._answer(*get_routes.get(self.path, (404, {"detail": "Not Found"})))
-
-        def do_POST(self):
-            posted.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
-            self._answer(*post_routes.get(self.path, (404, {"detail": "Not Found"})))
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}", posted
 
 
 def test_the_default_teacher_speaks_generate_and_vllm_scores_through_its_client():
@@ -71,7 +40,7 @@ def test_the_default_teacher_speaks_generate_and_vllm_scores_through_its_client(
 
 
 def test_a_vllm_teacher_scores_a_trajectory_over_http():
-    server, url, posted = _serve({"/v1/models": (200, {"data": [{"id": "teacher", "root": "/models/t"}]})},
+    server, url, posted = serve_json_routes({"/v1/models": (200, {"data": [{"id": "teacher", "root": "/models/t"}]})},
                                  {"/v1/completions": (200, COMPLETION)})
     teacher = build_teacher(TeacherSection(teacher_url=url, teacher_engine="vllm", teacher_retries=0))
     try:
@@ -86,7 +55,7 @@ def test_a_vllm_teacher_scores_a_trajectory_over_http():
 
 
 def test_a_vllm_teacher_that_is_gone_fails_as_the_teacher():
-    server, url, _ = _serve({}, {})
+    server, url, _ = serve_json_routes({}, {})
     server.shutdown()
     server.server_close()  # nothing listens there now
     teacher = build_teacher(TeacherSection(teacher_url=url, teacher_engine="vllm", teacher_retries=0,
@@ -114,7 +83,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 def test_a_vllm_teacher_is_checked_by_the_tokenizer_folder_its_models_list_names(checkpoints):
     """vLLM has no /get_model_info; its /v1/models entry's `root` is the folder it serves."""
     for served, refused in ((checkpoints["sorting"], True), (checkpoints["addition"], False)):
-        server, url, _ = _serve({"/health": (200, {}), "/v1/models": (200, {"data": [{"id": "t", "root": served}]})}, {})
+        server, url, _ = serve_json_routes({"/health": (200, {}), "/v1/models": (200, {"data": [{"id": "t", "root": served}]})}, {})
         try:
             if refused:
                 with pytest.raises(PreflightError, match=r"--teacher-url .*tokenizer .* differs from the student's"):

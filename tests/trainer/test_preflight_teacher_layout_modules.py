@@ -4,14 +4,11 @@ one PreflightError naming the flag and the fix."""
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 
 from stacx.trainer.preflight import (PreflightError, check_custom_modules, check_parallel_layout, check_teacher)
 from stacx.trainer.config.run import RunConfig
+from tests.json_routes import serve_json_routes
 
 
 @pytest.fixture(scope="module")
@@ -26,22 +23,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 def _serve(routes: dict[str, tuple[int, object]]):
     """A thread serving GET `routes` (path -> (status, JSON body)); returns (server, base URL)."""
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            status, body = routes.get(self.path, (404, {"error": "not found"}))
-            payload = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
+    server, url, _ = serve_json_routes(routes)
+    return server, url
 
 
 def test_a_teacher_with_the_students_tokenizer_passes(checkpoints):

@@ -1,0 +1,46 @@
+"""A loopback HTTP server answering fixed JSON routes, for checks of clients and preflights against a fake server.
+
+    server, url, posted = serve_json_routes({"/health": (200, {})}, {"/v1/completions": (200, ANSWER)})
+    ...
+    server.shutdown()
+
+GET and POST paths map to (status, JSON body); an unknown path is a 404 `{"detail": "Not Found"}` (as FastAPI
+answers); every POST's path and parsed body are appended to `posted`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+NOT_FOUND = (404, {"detail": "Not Found"})
+
+
+def serve_json_routes(get_routes: dict, post_routes: dict | None = None):
+    """Start the server on a free loopback port in a daemon thread; returns (server, base URL, posted)."""
+    posted: list[tuple[str, object]] = []
+    post_routes = post_routes or {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, status, body):
+            payload = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def do_GET(self):
+            self._answer(*get_routes.get(self.path, NOT_FOUND))
+
+        def do_POST(self):
+            posted.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            self._answer(*post_routes.get(self.path, NOT_FOUND))
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}", posted
