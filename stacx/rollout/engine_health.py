@@ -168,8 +168,10 @@ class EngineSupervisor:
         restarts under way are waited for; then `EnginesBehind` when enough engines serve again but behind the
         pool's weights (a single engine restarted after a push), else `EnginesLost`."""
         self._probe_set_aside()
-        live = self._in_state(LIVE)
-        if len(live) < self.settings.min_live_engines and self._restarts:
+        with self._lock:  # one view of the states and the restarts (a failing call sets both under the lock)
+            live = self._in_state(LIVE)
+            restarting = bool(self._restarts)
+        if len(live) < self.settings.min_live_engines and restarting:
             self.wait_for_restarts()
             live = self._in_state(LIVE)
         if len(live) < self.settings.min_live_engines:
@@ -359,9 +361,12 @@ class EngineSupervisor:
 
     def wait_for_restarts(self, timeout_s: Optional[float] = None) -> None:
         """Block until every restart under way has finished (a weight push reaches the restarted engines)."""
-        for thread in list(self._restarts.values()):
+        with self._lock:
+            threads = list(self._restarts.values())
+        for thread in threads:
             thread.join(timeout_s)
-        self._restarts = {index: t for index, t in self._restarts.items() if t.is_alive()}
+        with self._lock:  # a restart another thread began meanwhile is kept
+            self._restarts = {index: t for index, t in self._restarts.items() if t.is_alive()}
 
     # ---- weight updates --------------------------------------------------------------------------
 
