@@ -266,12 +266,15 @@ class EngineSupervisor:
     # ---- failures ------------------------------------------------------------------------------
 
     def call(self, index: int, fn: Callable[[], Any], *, what: str = "a generation",
-             salvage: Optional[Callable[[], Any]] = None) -> Any:
+             salvage: Optional[Callable[[], Any]] = None, client: Any = None) -> Any:
         """fn() (a call to engine `index`), watched: a transport failure, missed health checks or the
         generation deadline set the engine aside and raise `EngineFailed`; other errors are raised as is.
         salvage: asks the engine to stop the call early (abort its rids); on missed health checks or the
-        deadline it is tried first, and what the call then returns is the error's `partial` (stacx.rollout.salvage)."""
+        deadline it is tried first, and what the call then returns is the error's `partial` (stacx.rollout.salvage).
+        client: the engine's client fn calls (default: the pool's client of `index` now); a failure of a client
+        the pool has replaced since (the engine was restarted meanwhile) is not the new engine's (`fail`)."""
         settings = self.settings
+        client = self.engines[index] if client is None else client
         future: Future = self._calls.submit(fn)
         started = self.clock()
         misses = 0
@@ -282,19 +285,22 @@ class EngineSupervisor:
             except FutureTimeout:
                 pass
             except ServerUnavailableError as err:
-                error = self.fail(index, f"{what}: {err}")
+                error = self.fail(index, f"{what}: {err}", client=client)
                 # the outputs a streaming client received before the connection broke (module doc)
                 error.partial = getattr(err, "partial", None)
                 raise error from err
             if self.clock() - started >= settings.generation_deadline_s:
                 raise self._stalled(index, future, salvage, f"{what} ran past the deadline of "
-                                                            f"{settings.generation_deadline_s:g} s (--engine-deadline-s)")
+                                                            f"{settings.generation_deadline_s:g} s (--engine-deadline-s)",
+                                    client=client)
             misses = 0 if self._healthy(index) else misses + 1
             if misses >= settings.health_misses:
                 raise self._stalled(index, future, salvage, f"missed {misses} health checks in a row (every "
-                                                            f"{settings.health_interval_s:g} s) during {what}")
+                                                            f"{settings.health_interval_s:g} s) during {what}",
+                                    client=client)
 
-    def _stalled(self, index: int, future: Future, salvage: Optional[Callable[[], Any]], reason: str) -> EngineFailed:
+    def _stalled(self, index: int, future: Future, salvage: Optional[Callable[[], Any]], reason: str, *,
+                 client: Any = None) -> EngineFailed:
         """The engine made no progress on a call: ask it to abort the call (salvage) and keep what the call then
         returns (each waited for at most a health interval or SALVAGE_WAIT_S, the longer); then set it aside."""
         partial = None
@@ -306,14 +312,18 @@ class EngineSupervisor:
             except Exception:  # noqa: BLE001 - it does not answer the abort either: nothing is kept
                 partial = None
         error = self.fail(index, reason + ("; it answered the abort: its tokens so far are kept" if partial is not None
-                                           else ""))
+                                           else ""), client=client)
         error.partial = partial
         return error
 
-    def fail(self, index: int, reason: str) -> EngineFailed:
-        """Set engine `index` aside (restart it when it can be restarted); returns the error to raise."""
+    def fail(self, index: int, reason: str, *, client: Any = None) -> EngineFailed:
+        """Set engine `index` aside (restart it when it can be restarted); returns the error to raise.
+        client: the client the failure was seen on; when the pool has replaced it since (a restart finished
+        while this call was failing on the old server), the failure is the old engine's and changes nothing:
+        the caller re-issues its requests, the new engine is neither set aside nor restarted a second time."""
         with self._lock:
-            if self.states[index] in (OUT, RESTARTING):
+            stale = client is not None and client is not self.engines[index]
+            if stale or self.states[index] in (OUT, RESTARTING):
                 return EngineFailed(index, self.names[index], reason)
             logger.error("rollout engine %s failed: %s", self.names[index], reason)
             self.generation[index] += 1
@@ -407,7 +417,7 @@ class EngineSupervisor:
         for index in (self.update_targets() if indices is None else indices):
             engine = self.engines[index]
             try:
-                results[index] = self.call(index, lambda: action(engine), what=what)
+                results[index] = self.call(index, lambda: action(engine), what=what, client=engine)
             except EngineFailed:
                 pass
         return results

@@ -92,7 +92,8 @@ class EnginePool(InferenceEngine):
                     return engine.generate(requests)
                 # requests with rids can be aborted on a stalled engine, keeping their tokens (stacx.rollout.salvage)
                 salvage = (lambda: engine.abort([r.rid for r in requests])) if can_salvage(requests) else None
-                return self.supervisor.call(index, lambda: engine.generate(requests), salvage=salvage)
+                return self.supervisor.call(index, lambda: engine.generate(requests), salvage=salvage,
+                                            client=engine)
             except EngineFailed as failed:  # set aside by the supervisor: the requests go to a live engine
                 self.supervisor.requests_reissued += len(requests)
                 partial = failed.partial

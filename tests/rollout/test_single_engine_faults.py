@@ -188,3 +188,25 @@ def test_an_engine_that_keeps_coming_back_behind_stops_the_run_after_a_few_refre
         driver.shared_batch(3)
     assert driver.pushed == [3, 3, 3]
 
+
+
+def test_a_failure_seen_on_a_client_the_restart_already_replaced_neither_sets_aside_nor_restarts_the_new_engine():
+    """Two calls in flight on the one engine when it dies: the first failure restarts it; the second call's
+    failure, reported only after the restart finished, is the old server's (the async run's flake: a second
+    restart of the fresh engine, or EnginesLost while it was under way). Ordered by hand, never by timing."""
+    old, fresh = Engine(), Engine("http://engine-restarted")
+    restarts = []
+    pool = single(old, restart=lambda index: restarts.append(index) or fresh)
+    supervisor = pool.supervisor
+    old.dead = True
+    with pytest.raises(Exception):
+        supervisor.call(0, lambda: old.generate(REQUESTS), client=old)
+    supervisor.wait_for_restarts()
+    assert pool.engines[0] is fresh and supervisor.states[0] == LIVE
+    late = supervisor.call  # the second call captured the old client before the restart
+    with pytest.raises(Exception):
+        late(0, lambda: old.generate(REQUESTS), client=old)
+    supervisor.wait_for_restarts()
+    assert restarts == [0] and supervisor.states[0] == LIVE and pool.engines[0] is fresh
+    assert supervisor.metrics()["rollout/engine_restarts"] == 1.0
+    assert [o.output_ids for o in pool.generate(REQUESTS)] == [[1, 2], [3, 4]]
