@@ -40,10 +40,10 @@ def main(argv=None) -> int:
 
     import random
 
-    from stacx.rollout.engine_health import EngineFaultSettings
     from stacx.rollout.engine_pool import EnginePool
     from stacx.rollout.engines.http import HttpEngine
     from stacx.rollout.engines.launchers import CpuServerProcess
+    from stacx.rollout.sections import RolloutSection
     from stacx.rollout.tokenizer import build_char_tokenizer
     from stacx.wire.types import GenerateRequest, SamplingParams
     from stacx.tasks import get_task, write_tiny_checkpoint
@@ -65,8 +65,8 @@ def main(argv=None) -> int:
                 engines.supervise(settings=settings)
             return engines
 
-        pools = {"unwatched": pool(None), "default": pool(EngineFaultSettings()),
-                 "every 10 ms": pool(EngineFaultSettings(health_interval_s=0.01))}
+        pools = {"unwatched": pool(None), "default": pool(RolloutSection()),
+                 "every 10 ms": pool(RolloutSection(engine_health_interval_s=0.01))}
         times = {name: [] for name in pools}
         seed = 0
         for _ in range(args.rounds):

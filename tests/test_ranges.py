@@ -9,7 +9,7 @@ import pytest
 
 from stacx.models.lora import LoraSettings
 from stacx.ranges import require_in_range
-from stacx.rollout.engine_health import EngineFaultSettings
+from stacx.rollout.sections import RolloutSection
 from stacx.trainer.config.run import ConfigError, RunConfig
 from stacx.wire.http_client import RetryPolicy
 
@@ -38,9 +38,9 @@ def test_a_value_inside_its_range_passes_and_the_bounds_are_checked():
 
 def test_the_settings_refuse_out_of_range_values_naming_their_flags():
     with pytest.raises(ValueError, match=r"^--min-live-engines must be >= 1, got 0$"):
-        EngineFaultSettings(min_live_engines=0)
+        RolloutSection(min_live_engines=0)
     with pytest.raises(ValueError, match=r"^--engine-health-interval-s must be > 0, got -1.0$"):
-        EngineFaultSettings(health_interval_s=-1.0)
+        RolloutSection(engine_health_interval_s=-1.0)
     with pytest.raises(ValueError, match=r"^timeout_s must be > 0, got 0$"):
         RetryPolicy(timeout_s=0)
     with pytest.raises(ValueError, match=r"^--lora-rank must be >= 1 to attach adapters, got 0$"):

@@ -1,15 +1,18 @@
 """Engine failures: a dead or hung rollout engine is noticed, restarted or set aside, and its requests re-issued.
 
-    supervisor = EngineSupervisor(engines, names=urls, settings=EngineFaultSettings(min_live_engines=1),
+    supervisor = EngineSupervisor(engines, names=urls, settings=rollout_section,  # the run's RolloutSection
                                   restart=restart_server)          # None for attached servers (--rollout-urls)
     pool = EnginePool(engines, names=urls, supervisor=supervisor)  # dispatches to live engines only
 
 An engine has failed when (`EngineSupervisor.call`):
 - a call to it fails at the transport (`ServerUnavailableError`: refused or reset connections, timeouts and
   5xx answers once the client's own retries are spent; a 4xx is the caller's mistake and is raised as is);
-- it misses `health_misses` health checks in a row while one of its generations is in flight (`/health`
-  is probed every `health_interval_s`);
-- a generation on it runs past `generation_deadline_s`.
+- it misses `HEALTH_MISSES` health checks in a row while one of its generations is in flight (`/health`
+  is probed every `--engine-health-interval-s`);
+- a generation on it runs past `--engine-deadline-s`.
+
+The settings are the run's (`RolloutSection`: min_live_engines, engine_deadline_s, engine_health_interval_s,
+attached_engine_wait_s, checked when the section is made).
 
 What follows:
 - a **launched** engine (the run started its server; `restart` given) is set aside, its client closed (a
@@ -18,10 +21,10 @@ What follows:
   at once when that is the version a fresh server loads (0: no weights pushed yet), else from the next
   weight push, which goes to it like to every engine and is version-checked;
 - an **attached** engine (`--rollout-urls`, or a kind whose servers cannot be restarted) is set aside (its
-  client closed and, with `connect`, a fresh one made for it) and probed at most once per `health_interval_s`;
+  client closed and, with `connect`, a fresh one made for it) and probed at most once per health interval;
   when its health check passes it rejoins, by the same version rule (a server restarted by its owner serves
   its start weights: behind, the next push brings it). Below min_live_engines it is waited for, up to
-  `attached_wait_s` after it failed (`--attached-engine-wait-s`), probed every health interval;
+  `--attached-engine-wait-s` after it failed, probed every health interval;
 - the failed call's requests go to a live engine (`rollout/requests_reissued`). A request that continues
   an aborted generation (partial rollout) carries its tokens so far in its prompt, so it continues from
   them; requests with rids on a stalled engine (missed health checks, the deadline) are aborted there first
@@ -44,10 +47,9 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
-from stacx.ranges import require_in_range
+from stacx.rollout.sections import RolloutSection
 from stacx.wire.http_client import ServerUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -57,30 +59,8 @@ LIVE, RESTARTING, BEHIND, OUT = "live", "restarting", "behind", "out"
 for the next push); set aside (failed, not restartable, or its restart failed)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class EngineFaultSettings:
-    """When an engine counts as failed, and how many must stay live (run flags of the same names)."""
-
-    min_live_engines: int = 1
-    """The run goes on while at least this many engines are live; below it, it stops naming the engines out."""
-    generation_deadline_s: float = 3600.0
-    """A generation call on one engine running longer than this marks the engine hung."""
-    health_interval_s: float = 10.0
-    """Seconds between health checks of an engine with a generation in flight (and of a set-aside engine)."""
-    health_misses: int = 2
-    """Health checks missed in a row that mark an engine dead."""
-    attached_wait_s: float = 0.0
-    """Seconds an attached engine (one the run cannot restart) that failed is waited for while too few engines
-    are live: probed every health_interval_s, it rejoins when its health check passes (behind: the current
-    weights are pushed to it); after this long the run stops naming it. 0: stop at once (the run's
-    --attached-engine-wait-s defaults to 600)."""
-
-    def __post_init__(self):
-        require_in_range("--min-live-engines", self.min_live_engines, at_least=1)
-        require_in_range("--engine-deadline-s", self.generation_deadline_s, above=0)
-        require_in_range("--engine-health-interval-s", self.health_interval_s, above=0)
-        require_in_range("health_misses", self.health_misses, at_least=1)
-        require_in_range("--attached-engine-wait-s", self.attached_wait_s, at_least=0)
+HEALTH_MISSES = 2
+"""Health checks an engine misses in a row, while one of its generations is in flight, that mark it dead."""
 
 
 class EngineFailed(RuntimeError):
@@ -121,13 +101,15 @@ Restart = Callable[[int], Any]
 class EngineSupervisor:
     """The state of each engine of a pool, its failures, restarts and the counters (module doc)."""
 
-    def __init__(self, engines: List[Any], *, names: Sequence[str], settings: EngineFaultSettings = EngineFaultSettings(),
+    def __init__(self, engines: List[Any], *, names: Sequence[str], settings: RolloutSection = RolloutSection(),
                  restart: Optional[Restart] = None, clock: Callable[[], float] = time.monotonic,
                  connect: Optional[Callable[[int], Any]] = None):
         """engines: the pool's clients (this list is updated in place when a restarted engine gets a new client);
-        restart: None when the servers cannot be restarted (they are attached); connect(index): a fresh client of
-        engine `index` (a failed attached engine's client is closed, so that a request still retrying on it stops;
-        its probes and its rejoining use the new one). None: the closed client is probed (it must answer again)."""
+        settings: the run's rollout section, whose engine fault fields the supervisor reads (min_live_engines,
+        engine_deadline_s, engine_health_interval_s, attached_engine_wait_s); restart: None when the servers cannot
+        be restarted (they are attached); connect(index): a fresh client of engine `index` (a failed attached
+        engine's client is closed, so that a request still retrying on it stops; its probes and its rejoining use
+        the new one). None: the closed client is probed (it must answer again)."""
         self.engines = engines
         self.names = list(names)
         self.settings = settings
@@ -155,7 +137,7 @@ class EngineSupervisor:
         """Seconds spent in health checks (the cost docs/performance.md reports)."""
         self._next_probe = [0.0] * len(engines)
         self._out_since = [0.0] * len(engines)
-        """When each attached engine was set aside (its wait is bounded by attached_wait_s from then)."""
+        """When each attached engine was set aside (its wait is bounded by attached_engine_wait_s from then)."""
         self._restarts: dict[int, threading.Thread] = {}
         self._lock = threading.RLock()
         self._calls = ThreadPoolExecutor(max_workers=CALL_THREADS_PER_ENGINE * len(engines),
@@ -194,7 +176,7 @@ class EngineSupervisor:
             return [i for i, current in enumerate(self.states) if current == state]
 
     def _wait_for_attached(self) -> list[int]:
-        """Below min_live_engines: probe the set-aside attached engines still within attached_wait_s of their
+        """Below min_live_engines: probe the set-aside attached engines still within attached_engine_wait_s of their
         failure, every health interval, until enough serve again (live, or behind the pool's weights) or none
         is left to wait for; returns the live engines."""
         while True:
@@ -205,25 +187,25 @@ class EngineSupervisor:
             if not waiting:
                 return live
             due = min(self._next_probe[i] for i in waiting)
-            time.sleep(max(0.0, min(due - self.clock(), self.settings.health_interval_s)))
+            time.sleep(max(0.0, min(due - self.clock(), self.settings.engine_health_interval_s)))
             self._probe_set_aside()
 
     def _attached_waiting(self) -> list[int]:
-        """The set-aside attached engines whose wait (attached_wait_s from their failure) has not passed."""
+        """The set-aside attached engines whose wait (attached_engine_wait_s from their failure) has not passed."""
         if self.restart is not None:
             return []
         now = self.clock()
         with self._lock:
             return [i for i, state in enumerate(self.states)
-                    if state == OUT and now - self._out_since[i] < self.settings.attached_wait_s]
+                    if state == OUT and now - self._out_since[i] < self.settings.attached_engine_wait_s]
 
     def _lost_message(self, num_live: int) -> str:
         out = [f"{self.names[i]} ({self.states[i]}: {self.reasons[i] or 'behind the pool weight version'})"
                for i, state in enumerate(self.states) if state != LIVE]
         attached = [self.names[i] for i, state in enumerate(self.states) if state == OUT and self.restart is None]
         waited = (f". The run cannot restart an attached server: {', '.join(attached)} did not pass its health check "
-                  f"within --attached-engine-wait-s {self.settings.attached_wait_s:g} s of failing; restart it, or "
-                  "raise --attached-engine-wait-s to wait longer" if attached else "")
+                  f"within --attached-engine-wait-s {self.settings.attached_engine_wait_s:g} s of failing; restart it, "
+                  "or raise --attached-engine-wait-s to wait longer" if attached else "")
         return (f"only {num_live} of {len(self.states)} rollout engines are live, fewer than --min-live-engines "
                 f"{self.settings.min_live_engines}: " + "; ".join(out) + waited + ". Check those servers (their logs "
                 "say why they stopped), or lower --min-live-engines to go on with fewer")
@@ -233,7 +215,7 @@ class EngineSupervisor:
         for index in [i for i, state in enumerate(self.states) if state == OUT and self.restart is None]:
             if now < self._next_probe[index]:
                 continue
-            self._next_probe[index] = now + self.settings.health_interval_s
+            self._next_probe[index] = now + self.settings.engine_health_interval_s
             if self._healthy(index):
                 self._rejoin(index, why="its health check passes again")
 
@@ -279,9 +261,9 @@ class EngineSupervisor:
         started = self.clock()
         misses = 0
         while True:
-            remaining = settings.generation_deadline_s - (self.clock() - started)
+            remaining = settings.engine_deadline_s - (self.clock() - started)
             try:
-                return future.result(timeout=max(0.0, min(settings.health_interval_s, remaining)))
+                return future.result(timeout=max(0.0, min(settings.engine_health_interval_s, remaining)))
             except FutureTimeout:
                 pass
             except ServerUnavailableError as err:
@@ -289,14 +271,14 @@ class EngineSupervisor:
                 # the outputs a streaming client received before the connection broke (module doc)
                 error.partial = getattr(err, "partial", None)
                 raise error from err
-            if self.clock() - started >= settings.generation_deadline_s:
+            if self.clock() - started >= settings.engine_deadline_s:
                 raise self._stalled(index, future, salvage, f"{what} ran past the deadline of "
-                                                            f"{settings.generation_deadline_s:g} s (--engine-deadline-s)",
+                                                            f"{settings.engine_deadline_s:g} s (--engine-deadline-s)",
                                     client=client)
             misses = 0 if self._healthy(index) else misses + 1
-            if misses >= settings.health_misses:
+            if misses >= HEALTH_MISSES:
                 raise self._stalled(index, future, salvage, f"missed {misses} health checks in a row (every "
-                                                            f"{settings.health_interval_s:g} s) during {what}",
+                                                            f"{settings.engine_health_interval_s:g} s) during {what}",
                                     client=client)
 
     def _stalled(self, index: int, future: Future, salvage: Optional[Callable[[], Any]], reason: str, *,
@@ -305,7 +287,7 @@ class EngineSupervisor:
         returns (each waited for at most a health interval or SALVAGE_WAIT_S, the longer); then set it aside."""
         partial = None
         if salvage is not None:
-            wait_s = max(self.settings.health_interval_s, SALVAGE_WAIT_S)
+            wait_s = max(self.settings.engine_health_interval_s, SALVAGE_WAIT_S)
             try:
                 self._calls.submit(salvage).result(timeout=wait_s)
                 partial = future.result(timeout=wait_s)
@@ -338,16 +320,17 @@ class EngineSupervisor:
             if self.restart is None:
                 self.states[index] = OUT
                 self._out_since[index] = self.clock()
-                self._next_probe[index] = self.clock() + self.settings.health_interval_s
+                self._next_probe[index] = self.clock() + self.settings.engine_health_interval_s
                 if self.connect is not None:  # the closed client answers nothing: probe through a fresh one
                     try:
                         self.engines[index] = self.connect(index)
                     except Exception:  # noqa: BLE001 - probed through the old one; the failure is reported
                         logger.exception("a new client of rollout engine %s could not be made", self.names[index])
-                if self.settings.attached_wait_s > 0:
+                if self.settings.attached_engine_wait_s > 0:
                     logger.warning("rollout engine %s is attached (the run cannot restart it): it rejoins when its "
                                    "health check passes; with too few engines live the run waits up to %g s for it "
-                                   "(--attached-engine-wait-s)", self.names[index], self.settings.attached_wait_s)
+                                   "(--attached-engine-wait-s)", self.names[index],
+                                   self.settings.attached_engine_wait_s)
             else:
                 self.states[index] = RESTARTING
                 self.engine_restarts += 1
@@ -476,20 +459,17 @@ def push_failure_action(supervisor: EngineSupervisor, index: int, error: BaseExc
     return "retry"
 
 
-def attach_supervisor(pool: Any, rollout: Any, *, servers: Any, connect: Callable[[str], Any]) -> EngineSupervisor:
+def attach_supervisor(pool: Any, rollout: RolloutSection, *, servers: Any,
+                      connect: Callable[[str], Any]) -> EngineSupervisor:
     """Supervise `pool` (an EnginePool) with the run's settings (`rollout`: the RolloutSection); `servers`:
     the servers the run launched (restarted when they have `restart(index) -> url`), None when attached;
     `connect(url)`: a client for a restarted server."""
-    settings = EngineFaultSettings(min_live_engines=rollout.min_live_engines,
-                                   generation_deadline_s=rollout.engine_deadline_s,
-                                   health_interval_s=rollout.engine_health_interval_s,
-                                   attached_wait_s=rollout.attached_engine_wait_s)
-    if settings.min_live_engines > len(pool.engines):
-        raise ValueError(f"--min-live-engines {settings.min_live_engines} is more than the {len(pool.engines)} rollout "
+    if rollout.min_live_engines > len(pool.engines):
+        raise ValueError(f"--min-live-engines {rollout.min_live_engines} is more than the {len(pool.engines)} rollout "
                          "engines of this run; lower it or add engines (--rollout-num-engines, --rollout-urls)")
     def restart_and_connect(index: int) -> Any:
         return connect(servers.restart(index))
 
     restartable = servers is not None and callable(getattr(servers, "restart", None))
-    return pool.supervise(settings=settings, restart=restart_and_connect if restartable else None,
+    return pool.supervise(settings=rollout, restart=restart_and_connect if restartable else None,
                           connect=lambda index: connect(pool.names[index]))

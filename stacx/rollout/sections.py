@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stacx.ranges import require_in_range
+
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutSection:
@@ -28,10 +30,10 @@ class RolloutSection:
     restarted, or set aside until its health check passes, docs/fault_tolerance.md); below it, it stops
     naming each engine out and why."""
     engine_deadline_s: float = 3600.0
-    """Seconds one generation call on an engine may run before the engine counts as hung (several engines)."""
+    """Seconds one generation call on an engine may run before the engine counts as hung."""
     engine_health_interval_s: float = 10.0
-    """Seconds between health checks of an engine while a generation runs on it (two missed in a row: it
-    counts as dead), and of a set-aside engine."""
+    """Seconds between health checks of an engine while a generation runs on it (stacx.rollout.engine_health.
+    HEALTH_MISSES missed in a row: it counts as dead), and of a set-aside engine."""
     attached_engine_wait_s: float = 600.0
     """Seconds an attached engine (--rollout-urls: the run cannot restart it) that failed is waited for when too
     few engines are live (--min-live-engines): its health is checked every --engine-health-interval-s, and when it
@@ -130,6 +132,12 @@ class RolloutSection:
     """Eval sampling temperature (0: greedy)."""
     save_rollouts_per_step: int = 4
     """Rollouts per step written to rollouts.jsonl for inspection."""
+
+    def __post_init__(self):
+        require_in_range("--min-live-engines", self.min_live_engines, at_least=1)
+        require_in_range("--engine-deadline-s", self.engine_deadline_s, above=0)
+        require_in_range("--engine-health-interval-s", self.engine_health_interval_s, above=0)
+        require_in_range("--attached-engine-wait-s", self.attached_engine_wait_s, at_least=0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,7 +35,8 @@ What it checks (each failure is one paragraph naming the flag and the fix):
   with one, and no prompt (plus --rollout-max-response-len) exceeds the model's context.
 
 Range and type errors of single settings (`--rollout-batch-size 0`, a dict for a string) are
-refused earlier, by `RunConfig.from_dict` (FIELD_MINIMUMS).
+refused earlier, by `RunConfig.from_dict` (FIELD_MINIMUMS, and the sections' own checks in `__post_init__`:
+--lora-dropout, the engine fault flags of `RolloutSection`).
 """
 
 from __future__ import annotations

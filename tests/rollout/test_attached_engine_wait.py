@@ -17,8 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from stacx.rollout.engine_health import (BEHIND, LIVE, OUT, EngineFaultSettings, EnginesBehind, EnginesLost,
-                                         attach_supervisor)
+from stacx.rollout.engine_health import BEHIND, LIVE, OUT, EnginesBehind, EnginesLost, attach_supervisor
 from stacx.rollout.engine_pool import EnginePool
 from stacx.rollout.engines.http import HttpEngine
 from stacx.rollout.sections import RolloutSection
@@ -109,8 +108,8 @@ def attached_service(server: FakeServer, *, wait_s: float, comes_back_at: int | 
         return clients[-1]
 
     pool = EnginePool([HttpEngine(server.url, NO_RETRY)], names=[server.url])
-    pool.supervise(settings=EngineFaultSettings(health_interval_s=0.05, attached_wait_s=wait_s), restart=None,
-                   connect=connect)
+    pool.supervise(settings=RolloutSection(engine_health_interval_s=0.05, attached_engine_wait_s=wait_s),
+                   restart=None, connect=connect)
     return RolloutService(pool, engine_kind="http", url=server.url, tokenizer=None, rollout_section=None), clients
 
 
@@ -162,12 +161,12 @@ def test_an_attached_engine_that_does_not_come_back_within_the_bound_stops_the_r
 def test_the_run_flag_reaches_the_supervisor_and_zero_stops_at_once():
     assert RolloutSection().attached_engine_wait_s == 600.0
     with pytest.raises(ValueError, match="--attached-engine-wait-s must be >= 0"):
-        EngineFaultSettings(attached_wait_s=-1.0)
+        RolloutSection(attached_engine_wait_s=-1.0)
     server = FakeServer()
     pool = EnginePool([HttpEngine(server.url, NO_RETRY)], names=[server.url])
     supervisor = attach_supervisor(pool, RolloutSection(attached_engine_wait_s=0.0), servers=None,
                                    connect=lambda url: ProbingClient(server, None))
-    assert supervisor.settings.attached_wait_s == 0.0 and supervisor.restart is None
+    assert supervisor.settings.attached_engine_wait_s == 0.0 and supervisor.restart is None
     server.go_away()
     with pytest.raises(EnginesLost, match="--attached-engine-wait-s 0 s"):
         pool.generate(REQUESTS)

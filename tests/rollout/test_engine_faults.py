@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from stacx.rollout.engine_health import (BEHIND, LIVE, OUT, EngineFaultSettings, EnginesLost, attach_supervisor,
+from stacx.rollout.engine_health import (BEHIND, LIVE, OUT, EnginesLost, attach_supervisor,
                                          is_transport_failure, push_failure_action)
 from stacx.rollout.engine_pool import EnginePool
 from stacx.wire.engine import InferenceEngine
@@ -17,7 +17,7 @@ from stacx.wire.http_client import HttpTransport, RetryPolicy, ServerRequestErro
 from stacx.rollout.sections import RolloutSection
 from stacx.wire.types import GenerateOutput, GenerateRequest
 
-FAST = EngineFaultSettings(health_interval_s=0.02, health_misses=2, generation_deadline_s=30.0)
+FAST = RolloutSection(engine_health_interval_s=0.02, engine_deadline_s=30.0, attached_engine_wait_s=0.0)
 
 
 class FakeEngine(InferenceEngine):
@@ -144,7 +144,7 @@ def test_a_hung_engine_is_noticed_by_missed_health_checks_and_replaced():
 def test_a_generation_past_the_deadline_marks_the_engine_hung_even_when_it_answers_health_checks():
     a, b = FakeEngine("a"), FakeEngine("b")
     b.hang.set()  # healthy, but its generation never returns
-    settings = EngineFaultSettings(health_interval_s=0.02, health_misses=2, generation_deadline_s=0.1)
+    settings = RolloutSection(engine_health_interval_s=0.02, engine_deadline_s=0.1, attached_engine_wait_s=0.0)
     pool = pool_of([a, b], settings=settings)  # attached: set aside, not restarted
     try:
         outputs = pool.generate(requests_of(6))

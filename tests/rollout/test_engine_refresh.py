@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 from stacx.rollout.asynchronous.async_scheduler import AsyncRolloutConfig, AsyncRolloutScheduler
-from stacx.rollout.engine_health import EngineFaultSettings
 from stacx.rollout.engine_pool import EnginePool
+from stacx.rollout.sections import RolloutSection
 from stacx.rollout.service import RolloutService
 from stacx.trainer.config.run import RunConfig
 from stacx.wire.http_client import ServerUnavailableError
@@ -24,7 +24,7 @@ from tests.trainer.test_loop_async import TOKENIZER, DigestPolicy, Prompts, Scri
 from tests.trainer.test_loop_mini_batches import RecordingLogger
 
 URL = "http://engine"
-FAST = EngineFaultSettings(health_interval_s=0.05, health_misses=2, generation_deadline_s=60.0)
+FAST = RolloutSection(engine_health_interval_s=0.05, engine_deadline_s=60.0, attached_engine_wait_s=0.0)
 
 
 class DiesAtVersion(ScriptedEngine):
@@ -72,7 +72,7 @@ class PoolEngine:
 
 
 def run(mode: str, *, dies_at: int | None, num_steps: int = 4, attached: bool = False, rollout_batch_size: int = 2,
-        settings: EngineFaultSettings = FAST):
+        settings: RolloutSection = FAST):
     """(metrics rows, policy, pool) of a run over one supervised engine that dies at `dies_at` (None: never);
     attached: the run cannot restart it, it comes back by itself (`ComesBack`)."""
     config = RunConfig.from_dict({
@@ -82,7 +82,7 @@ def run(mode: str, *, dies_at: int | None, num_steps: int = 4, attached: bool = 
     engine = (ComesBack if attached else DiesAtVersion)(dies_at) if dies_at is not None else ScriptedEngine()
     pool = EnginePool([engine], names=[URL])
     if attached:
-        pool.supervise(settings=dataclasses.replace(FAST, attached_wait_s=60.0), restart=None)
+        pool.supervise(settings=dataclasses.replace(FAST, attached_engine_wait_s=60.0), restart=None)
     else:
         pool.supervise(settings=settings, restart=lambda index: ScriptedEngine())  # a fresh server serves version 0
     policy = DigestPolicy(PoolEngine(pool))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import threading
 
-from stacx.rollout.engine_health import EngineFaultSettings
 from stacx.rollout.engine_pool import EnginePool
+from stacx.rollout.sections import RolloutSection
 from stacx.wire.engine import InferenceEngine
 from stacx.wire.http_client import ServerUnavailableError
 from stacx.wire.types import GenerateOutput, GenerateRequest, SamplingParams
@@ -33,7 +33,7 @@ class Engine(InferenceEngine):
         pass
 
 
-FAST = EngineFaultSettings(health_interval_s=0.05, health_misses=2, generation_deadline_s=30.0)
+FAST = RolloutSection(engine_health_interval_s=0.05, engine_deadline_s=30.0, attached_engine_wait_s=0.0)
 
 
 class Stalling(Engine):
@@ -153,7 +153,7 @@ class LiveAtVersion4(Engine):
 def test_tokens_received_before_an_engine_died_are_continued_on_a_live_engine_keeping_their_versions():
     live = LiveAtVersion4()
     pool = EnginePool([DiesMidStream(), live], names=["http://a", "http://b"])
-    pool.supervise(settings=EngineFaultSettings(health_interval_s=0.05))
+    pool.supervise(settings=RolloutSection(engine_health_interval_s=0.05, attached_engine_wait_s=0.0))
     pool.in_flight[1] = 10  # the first call goes to the engine that dies
     first, second = pool._generate_on_least_loaded(list(TWO_REQUESTS))
     assert [r.input_ids for r in live.seen] == [(1, 2, 7, 8)]  # only the unfinished one continues, from its tokens

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from stacx.rollout.engine_health import BEHIND, LIVE, EngineFaultSettings, EnginesBehind, EnginesLost
+from stacx.rollout.engine_health import BEHIND, LIVE, EnginesBehind, EnginesLost
 from stacx.rollout.engine_pool import EnginePool
 from stacx.rollout.engines.registry import register_engine, unregister_engine
 from stacx.rollout.plan import RolloutPlan
@@ -18,7 +18,7 @@ from stacx.wire.engine import InferenceEngine
 from stacx.wire.http_client import ServerUnavailableError
 from stacx.wire.types import GenerateOutput, GenerateRequest
 
-FAST = EngineFaultSettings(health_interval_s=0.02, health_misses=2, generation_deadline_s=30.0)
+FAST = RolloutSection(engine_health_interval_s=0.02, engine_deadline_s=30.0, attached_engine_wait_s=0.0)
 
 
 class Engine(InferenceEngine):

@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from stacx.rollout.engine_health import EngineFaultSettings
 from stacx.rollout.engine_pool import EnginePool
 from stacx.rollout.engines.http import HttpEngine
+from stacx.rollout.sections import RolloutSection
 from stacx.serving.server import EngineHttpServer
 from stacx.wire.http_client import RetryPolicy, ServerUnavailableError
 from stacx.wire.types import GenerateOutput, GenerateRequest, SamplingParams
@@ -104,7 +104,7 @@ def test_the_tokens_a_server_streamed_before_it_went_away_continue_on_a_live_ser
         watched = Watched(server.url, tokens=2)
         pool = EnginePool([watched, HttpEngine(other.url, stream_progress=True)], names=[server.url, other.url])
         # health checks every TIMEOUT_S: the broken stream, not a missed check, is what notices the server gone
-        pool.supervise(settings=EngineFaultSettings(health_interval_s=TIMEOUT_S))
+        pool.supervise(settings=RolloutSection(engine_health_interval_s=TIMEOUT_S, attached_engine_wait_s=0.0))
         pool.in_flight[1] = 10  # the call goes to the server that goes away
         with ThreadPoolExecutor(1) as caller:
             call = caller.submit(pool._generate_on_least_loaded, list(REQUESTS))

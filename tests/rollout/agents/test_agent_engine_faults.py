@@ -10,11 +10,12 @@ import requests
 
 from stacx.rollout.agents.agent_rollout import AgentRollout
 from stacx.rollout.agents.episode_engines import EpisodeEngines
-from stacx.rollout.engine_health import LIVE, EngineFaultSettings
+from stacx.rollout.engine_health import LIVE
 from stacx.rollout.engine_pool import EnginePool
+from stacx.rollout.sections import RolloutSection
 from stacx.wire.sample import Sample
 
-FAST = EngineFaultSettings(health_interval_s=0.02, health_misses=2, generation_deadline_s=30.0)
+FAST = RolloutSection(engine_health_interval_s=0.02, engine_deadline_s=30.0, attached_engine_wait_s=0.0)
 
 
 class Engine:
