@@ -32,8 +32,8 @@ class RolloutSection:
     engine_deadline_s: float = 3600.0
     """Seconds one generation call on an engine may run before the engine counts as hung."""
     engine_health_interval_s: float = 10.0
-    """Seconds between health checks of an engine while a generation runs on it (stacx.rollout.engine_health.
-    HEALTH_MISSES missed in a row: it counts as dead), and of a set-aside engine."""
+    """Seconds between health checks of an engine while a generation runs on it (it counts as dead after
+    stacx.rollout.engine_health.HEALTH_MISSES missed in a row), and of a set-aside engine."""
     attached_engine_wait_s: float = 600.0
     """Seconds an attached engine (--rollout-urls: the run cannot restart it) that failed is waited for when too
     few engines are live (--min-live-engines): its health is checked every --engine-health-interval-s, and when it
