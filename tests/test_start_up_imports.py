@@ -6,7 +6,7 @@ driver's calls arrive. The modules below are each a second or more of CPU per pr
 only elsewhere: the rollout stack and the run checks on the driver, `transformers` in the engine and
 the tokenizer, `torch._dynamo` only when something compiles. Run in a fresh interpreter.
 
-Every process that loads a tokenizer (the driver, each `stacx serve`, the preflight) loads it without
+Every process that loads a tokenizer (the driver, the preflight, `stacx eval`, `stacx serve`) loads it without
 `AutoTokenizer`'s resolution of the model's config class, which imports transformers' model registry and its
 model-loading stack (`stacx.models.saved_tokenizer`).
 """
@@ -58,7 +58,8 @@ def test_loading_a_saved_tokenizer_loads_no_model_registry(tmp_path):
         "from stacx.rollout.tokenizer import build_char_tokenizer\n"
         "from stacx.models.saved_tokenizer import load_saved_tokenizer\n"
         f"build_char_tokenizer('0123456789=').save_pretrained({folder!r})\n"
-        f"with open(os.path.join({folder!r}, 'config.json'), 'w') as handle: json.dump({{'model_type': 'llama'}}, handle)\n"
+        f"with open(os.path.join({folder!r}, 'config.json'), 'w') as handle:\n"
+        "    json.dump({'model_type': 'llama'}, handle)\n"
         f"assert load_saved_tokenizer({folder!r}).encode('12=') == [7, 8, 16]")
     assert "transformers.tokenization_utils_tokenizers" in loaded
     crept_in = under(loaded, NOT_LOADED_BY_A_TOKENIZER)

@@ -3,8 +3,9 @@
 `AutoTokenizer.from_pretrained` resolves the folder's `config.json` to its configuration class before
 it looks at `tokenizer_config.json`, and resolving the class imports the family's configuration module
 and with it `transformers`' model-loading stack (`torch.distributed.tensor`, sympy, accelerate): 2-5 s
-of CPU in every process that loads a tokenizer (the driver, each `stacx serve`, the preflight), for a
-class it then does not use. A folder whose `tokenizer_config.json` names the generic fast class
+of CPU in every process that loads a tokenizer without building a `transformers` model (the driver, the
+preflight, `stacx eval`; `stacx serve` builds one for its KV cache anyway), for a class it then does not
+use. A folder whose `tokenizer_config.json` names the generic fast class
 (`TokenizersBackend`, which `PreTrainedTokenizerFast` is in transformers 5) beside a `tokenizer.json`, for
 a model family whose registered tokenizer `AutoTokenizer` would not substitute (`DIRECT_MODEL_TYPES`),
 is loaded with that class directly: `AutoTokenizer` returns that same class built from the same files.

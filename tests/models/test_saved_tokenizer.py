@@ -87,7 +87,8 @@ def test_a_generic_class_spelled_the_older_way_or_without_a_config_loads_directl
 @pytest.mark.parametrize("change", ["qwen2 model type", "named class", "auto_map", "no tokenizer.json"])
 def test_any_other_folder_goes_through_auto_tokenizer(change, tmp_path):
     """qwen2 is one of transformers' families whose registered tokenizer replaces a generic class."""
-    folder = save_tokenizer(tmp_path, build_char_tokenizer("0123="), "qwen2" if change == "qwen2 model type" else "llama",
+    model_type = "qwen2" if change == "qwen2 model type" else "llama"
+    folder = save_tokenizer(tmp_path, build_char_tokenizer("0123="), model_type,
                             tokenizer_class="Qwen2Tokenizer" if change == "named class" else None)
     edits = {"auto_map": {"auto_map": {"AutoTokenizer": [None, "tok.MyTokenizer"]}}}.get(change)
     if edits:
