@@ -55,15 +55,13 @@ logger = logging.getLogger(__name__)
 def load_tokenizer(path: str):
     """The tokenizer saved next to a Hugging Face checkpoint; a clear error when there is none.
     A path that is not a local checkpoint folder fails at once (never a Hub download attempt)."""
-    # Imported here: transformers is slow to import (start-up time).
-    from transformers import AutoTokenizer
-
     # Imported here: megatron-core is slow to import (start-up time).
     from stacx.models.checkpoint import require_hf_checkpoint_folder
+    from stacx.models.saved_tokenizer import load_saved_tokenizer
 
     require_hf_checkpoint_folder(path)
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return load_saved_tokenizer(path)
     except Exception as err:  # noqa: BLE001 - transformers raises several types for a missing tokenizer
         raise ValueError(f"--hf-checkpoint {path}: cannot load its tokenizer ({err})") from err
 

@@ -56,6 +56,7 @@ from stacx.checkpointing.folders import HF, ModelFolderError, detect_model_folde
 from stacx.checkpointing.safetensors_check import SafetensorsError, check_safetensors_folder
 from stacx.env_overrides import apply_env_overrides
 from stacx.models.architectures import decoder_shape, load_hf_config, num_virtual_stages
+from stacx.models.saved_tokenizer import load_saved_tokenizer
 from stacx.objectives import load_custom_modules
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.objectives.registry import ADVANTAGES, OFF_POLICY_CORRECTIONS, POLICY_LOSSES
@@ -566,9 +567,7 @@ def teacher_vocabulary(model_info: Any) -> tuple[Optional[dict], Optional[int]]:
     if isinstance(folder, str) and os.path.isdir(folder):
         vocab_size = vocab_size or read_model_config(folder).get("vocab_size")
         try:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(folder, local_files_only=True).get_vocab(), vocab_size
+            return load_saved_tokenizer(folder).get_vocab(), vocab_size
         except Exception:  # noqa: BLE001 - no readable tokenizer there: compare sizes only
             return None, vocab_size
     return None, vocab_size
@@ -609,9 +608,7 @@ def check_teacher(teacher_url: str, hf_checkpoint: Optional[str], *, timeout_s: 
     student_size = read_model_config(hf_checkpoint).get("vocab_size")
     if teacher_vocab is not None and hf_checkpoint:
         try:
-            from transformers import AutoTokenizer
-
-            student_vocab = AutoTokenizer.from_pretrained(hf_checkpoint, local_files_only=True).get_vocab()
+            student_vocab = load_saved_tokenizer(hf_checkpoint).get_vocab()
         except Exception:  # noqa: BLE001 - the data check names a missing student tokenizer
             student_vocab = None
         if student_vocab is not None and student_vocab != teacher_vocab:

@@ -142,10 +142,10 @@ def watch_parent(parent_pid: int) -> None:
 
 def load_tokenizer_if_saved(path: str):
     """The checkpoint folder's tokenizer, or None (then /generate takes token ids only) with a note."""
-    from transformers import AutoTokenizer
+    from stacx.models.saved_tokenizer import load_saved_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return load_saved_tokenizer(path)
     except Exception as err:  # noqa: BLE001 - transformers raises several types for a missing tokenizer
         print(f"stacx serve: no tokenizer in {path} ({type(err).__name__}); /generate takes 'input_ids' only "
               "and answers carry no text", flush=True)
