@@ -20,7 +20,7 @@ import torch.distributed as dist
 from stacx.models.architectures import decoder_shape, load_hf_config
 from stacx.models.builder import hf_config_of, model_chunks, unwrap_model
 from stacx.models.lora import adapter_param_mappings, merged_weight
-from stacx.models.value_head_weights import value_head_tensor_names
+from stacx.models.value_head_names import value_head_tensor_names
 from stacx.models.weight_mapping import (
     IGNORED_HF_SUFFIXES,
     expected_param_mappings,
@@ -368,7 +368,7 @@ def export_hf_checkpoint(model, out_dir: str, groups: ProcessGroups, hf_config=N
 
 def _with_value_head(buckets, value_head: tuple[torch.Tensor, torch.Tensor], dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """`buckets` without the language-model head, then one bucket holding the value head under EXPORT_NAMES."""
-    from stacx.models.value_head_weights import EXPORT_NAMES
+    from stacx.models.value_head_names import EXPORT_NAMES
 
     for bucket in buckets:
         kept = [(name, tensor) for name, tensor in bucket if name != "lm_head.weight"]
@@ -421,7 +421,7 @@ def _write_index_and_config(out_dir: str, shard_files, config, *, value_head: bo
     config = as_transformers_config(config)
     config.architectures = [ARCHITECTURES[config.model_type].hf_class_name]
     if value_head:
-        from stacx.models.value_head_weights import token_classification_config
+        from stacx.models.value_head_names import token_classification_config
 
         config = token_classification_config(config)
     config.save_pretrained(out_dir)

@@ -12,7 +12,7 @@ the library that trained it:
     head = read_hf_value_head(path, hidden_size)    # HFValueHead(weight, bias, names) or None (no head)
 
 `stacx convert checkpoint-to-hf` of a critic writes `score.weight` and `score.bias` with the config of the model
-family's `*ForTokenClassification` and `num_labels` 1 (`token_classification_config`): transformers'
+family's `*ForTokenClassification` and `num_labels` 1 (`value_head_names.token_classification_config`): transformers'
 `AutoModelForTokenClassification` loads it, and its logits are the critic's values.
 """
 
@@ -23,32 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True, kw_only=True)
-class ValueHeadNames:
-    """The tensor names one library stores a value head under."""
-
-    weight: str
-    """The head's weight, [1, hidden] (a classification head with num_labels 1)."""
-    bias: str
-    """The head's bias, [1]; a folder without it has none (b = 0)."""
-    written_by: str
-    """Who writes these names (for log lines and errors)."""
-
-
-TRANSFORMERS_SCORE = ValueHeadNames(weight="score.weight", bias="score.bias",
-                                    written_by="transformers' *ForTokenClassification / *ForSequenceClassification")
-TRL_VALUE_HEAD = ValueHeadNames(weight="v_head.summary.weight", bias="v_head.summary.bias",
-                                written_by="TRL's AutoModelForCausalLMWithValueHead")
-VALUE_HEAD_NAMES = (TRANSFORMERS_SCORE, TRL_VALUE_HEAD)
-"""Every naming read, in the order tried."""
-EXPORT_NAMES = TRANSFORMERS_SCORE
-"""The names a critic's export writes."""
-
-
-def value_head_tensor_names() -> frozenset[str]:
-    """Every tensor name a value head may have in a Hugging Face folder (the decoder's loader leaves them alone)."""
-    return frozenset(name for names in VALUE_HEAD_NAMES for name in (names.weight, names.bias))
+from stacx.models.value_head_names import VALUE_HEAD_NAMES, ValueHeadNames
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,25 +75,4 @@ def _read(files: dict[str, str], name: str) -> torch.Tensor:
         return handle.get_tensor(name)
 
 
-def token_classification_config(config):
-    """`config` (a transformers config) as the config of its family's *ForTokenClassification with one label."""
-    from stacx.models.architectures import ARCHITECTURES
-
-    causal = ARCHITECTURES[config.model_type].hf_class_name
-    config.architectures = [causal.replace("ForCausalLM", "ForTokenClassification")]
-    config.num_labels = 1
-    return config
-
-
-__all__ = [
-    "EXPORT_NAMES",
-    "HFValueHead",
-    "TRANSFORMERS_SCORE",
-    "TRL_VALUE_HEAD",
-    "VALUE_HEAD_NAMES",
-    "ValueHeadNames",
-    "ValueHeadShapeError",
-    "read_hf_value_head",
-    "token_classification_config",
-    "value_head_tensor_names",
-]
+__all__ = ["HFValueHead", "ValueHeadShapeError", "read_hf_value_head"]

@@ -92,7 +92,8 @@ def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_
     """Write `role`'s weights at `step_folder` as a Hugging Face checkpoint in `out_dir`; returns it.
 
     A role trained with LoRA adapters is written merged (W + s B A) or, with `lora="adapter"`, as a PEFT adapter
-    folder for `base` (`stacx.checkpointing.lora_export`)."""
+    folder for `base` (`stacx.checkpointing.lora_export`). A critic (a value head) is written as its family's
+    *ForTokenClassification with one label (`score.weight`, `score.bias`); a critic with adapters is refused."""
     # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
     from stacx.checkpointing.convert import convert_torch_dist_to_hf
 
@@ -106,7 +107,16 @@ def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_
     folder = role_model_folder(step_folder, role)
     if role_has_adapters(folder):
         # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
+        from stacx.checkpointing.folders import resolve_torch_dist_folder
         from stacx.checkpointing.lora_export import export_lora_role
+        from stacx.checkpointing.value_head import holds_torch_dist_value_head
+        from stacx.models.architectures import load_hf_config
+
+        if holds_torch_dist_value_head(resolve_torch_dist_folder(folder, flag="--load"),
+                                       load_hf_config(base).hidden_size):
+            raise CheckpointError(f"role {role!r} of {step_folder} is a critic trained with --lora-critic adapters; "
+                                  "exporting its adapters with its value head is not supported yet. Export the "
+                                  "actor (--role actor), or train the critic with --lora-critic full to export it")
 
         settings = lora_settings_of(step_folder)
         if settings is None:

@@ -46,7 +46,7 @@ from stacx.models.moe import (
     is_mixture_of_experts,
     scale_router_losses_in_backward,
 )
-from stacx.models.value_head_weights import VALUE_HEAD_NAMES
+from stacx.models.value_head_names import VALUE_HEAD_NAMES
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.groups import ProcessGroups, with_virtual_pipeline_stages
 from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
