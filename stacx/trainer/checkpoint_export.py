@@ -87,6 +87,22 @@ def role_has_adapters(model_folder: str | os.PathLike) -> bool:
     return any(key.endswith(".lora_a") for key in keys)
 
 
+def refuse_an_adapted_critic(model_folder: str | os.PathLike, base: str, role: str,
+                             step_folder: str | os.PathLike) -> None:
+    """CheckpointError when the role's torch_dist folder holds a value head (a critic trained with
+    --lora-critic adapters: its adapters export with no value head yet)."""
+    # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
+    from stacx.checkpointing.folders import resolve_torch_dist_folder
+    from stacx.checkpointing.value_head import holds_torch_dist_value_head
+    from stacx.models.architectures import load_hf_config
+
+    if holds_torch_dist_value_head(resolve_torch_dist_folder(model_folder, flag="--load"),
+                                   load_hf_config(base).hidden_size):
+        raise CheckpointError(f"role {role!r} of {step_folder} is a critic trained with --lora-critic adapters; "
+                              "exporting its adapters with its value head is not supported yet. Export the actor "
+                              "(--role actor), or train the critic with --lora-critic full to export it")
+
+
 def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_dir: str | os.PathLike,
                       lora: str | None = None) -> str:
     """Write `role`'s weights at `step_folder` as a Hugging Face checkpoint in `out_dir`; returns it.
@@ -107,16 +123,9 @@ def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_
     folder = role_model_folder(step_folder, role)
     if role_has_adapters(folder):
         # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
-        from stacx.checkpointing.folders import resolve_torch_dist_folder
         from stacx.checkpointing.lora_export import export_lora_role
-        from stacx.checkpointing.value_head import holds_torch_dist_value_head
-        from stacx.models.architectures import load_hf_config
 
-        if holds_torch_dist_value_head(resolve_torch_dist_folder(folder, flag="--load"),
-                                       load_hf_config(base).hidden_size):
-            raise CheckpointError(f"role {role!r} of {step_folder} is a critic trained with --lora-critic adapters; "
-                                  "exporting its adapters with its value head is not supported yet. Export the "
-                                  "actor (--role actor), or train the critic with --lora-critic full to export it")
+        refuse_an_adapted_critic(folder, base, role, step_folder)
 
         settings = lora_settings_of(step_folder)
         if settings is None:

@@ -8,6 +8,7 @@ saves the role's weights as a run saves them (torch_dist, with its optimizer), a
 - TRL's names (`v_head.summary.weight`, `v_head.summary.bias` beside the causal LM's tensors) and a
   *ForSequenceClassification folder (`score.weight` without bias, no `lm_head.weight`): their head;
 - a folder without a head: a zero head, and one log line saying so.
+And `checkpoint-to-hf` refuses a critic trained with --lora-critic adapters (its head would be lost), naming the fix.
 """
 
 from __future__ import annotations
@@ -25,12 +26,23 @@ from stacx.testing.distributed import run_distributed
 HIDDEN = 32
 
 
-def _critic(groups, checkpoint: str, critic_load: str | None = None):
+def _refusal(folder: str, checkpoint: str) -> str | None:
+    from stacx.trainer.checkpoint import CheckpointError
+    from stacx.trainer.checkpoint_export import refuse_an_adapted_critic
+
+    try:
+        refuse_an_adapted_critic(folder, checkpoint, "critic", "runs/x/step_000000001")
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def _critic(groups, checkpoint: str, critic_load: str | None = None, lora: dict | None = None):
     from stacx.trainer.config.run import RunConfig
     from stacx.trainer.factory import resolve_recipe
     from stacx.trainer.runtime.role_runtime import RoleRuntime
 
-    values = {"train": {"algorithm": "ppo"}, "hf_checkpoint": checkpoint}
+    values = {"train": {"algorithm": "ppo"}, "hf_checkpoint": checkpoint, **(lora or {})}
     if critic_load is not None:
         values["critic_load"] = critic_load
     run_config = RunConfig.from_dict(values)
@@ -93,7 +105,12 @@ def load_heads(groups, checkpoint: str, work: str) -> dict:
                        {"v_head.summary.weight": weight, "v_head.summary.bias": bias})
     reward = _folder_with(checkpoint, os.path.join(work, "reward"), {"score.weight": weight}, drop=("lm_head.weight",))
 
-    result = {"trained_values": trained_values, "trained_head": trained_head, "given": (weight, bias)}
+    adapted = _critic(groups, checkpoint, lora={"lora_rank": 4, "lora_alpha": 8.0, "lora_critic": "adapters"})
+    adapted_folder = os.path.join(work, "adapted", "roles", "critic", "model")
+    save_torch_dist(adapted_folder, adapted.model, adapted.optimizer, groups=groups)
+
+    result = {"trained_values": trained_values, "trained_head": trained_head, "given": (weight, bias),
+              "adapted_refusal": _refusal(adapted_folder, checkpoint), "full_refusal": _refusal(role_folder, checkpoint)}
     for name, folder in (("torch_dist", role_folder), ("export", exported), ("trl", trl), ("reward", reward),
                          ("none", checkpoint)):
         records.clear()
@@ -116,7 +133,7 @@ def _same_head(found, expected) -> bool:
     return all(torch.equal(a, b) for a, b in zip(found, expected))
 
 
-@pytest.mark.slow  # one forked rank that builds six critics (about 15 s of CPU)
+@pytest.mark.slow  # one forked rank that builds seven critics (about 15 s of CPU)
 @pytest.mark.distributed
 def test_a_run_s_critic_folder_restores_its_value_head(heads):
     loaded = heads["torch_dist"]
@@ -126,7 +143,7 @@ def test_a_run_s_critic_folder_restores_its_value_head(heads):
     assert any("value head from --critic-load" in line and "output_layer" in line for line in loaded["log"])
 
 
-@pytest.mark.slow  # one forked rank that builds six critics (about 15 s of CPU)
+@pytest.mark.slow  # one forked rank that builds seven critics (about 15 s of CPU)
 @pytest.mark.distributed
 def test_a_critic_s_export_round_trips_its_values(heads):
     loaded = heads["export"]
@@ -135,7 +152,7 @@ def test_a_critic_s_export_round_trips_its_values(heads):
     assert any("score.weight and score.bias" in line for line in loaded["log"])
 
 
-@pytest.mark.slow  # one forked rank that builds six critics (about 15 s of CPU)
+@pytest.mark.slow  # one forked rank that builds seven critics (about 15 s of CPU)
 @pytest.mark.distributed
 def test_transformers_loads_a_critic_s_export_as_token_classification(heads):
     from transformers import AutoModelForTokenClassification
@@ -150,21 +167,21 @@ def test_transformers_loads_a_critic_s_export_as_token_classification(heads):
     assert torch.equal(model.score.bias.detach(), heads["trained_head"][1])
 
 
-@pytest.mark.slow  # one forked rank that builds six critics (about 15 s of CPU)
+@pytest.mark.slow  # one forked rank that builds seven critics (about 15 s of CPU)
 @pytest.mark.distributed
 def test_trl_s_value_head_names_load(heads):
     assert _same_head(heads["trl"]["head"], heads["given"])
     assert any("v_head.summary.weight" in line and "TRL" in line for line in heads["trl"]["log"])
 
 
-@pytest.mark.slow  # one forked rank that builds six critics (about 15 s of CPU)
+@pytest.mark.slow  # one forked rank that builds seven critics (about 15 s of CPU)
 @pytest.mark.distributed
 def test_a_sequence_classification_score_without_bias_loads_with_a_zero_bias(heads):
     weight, _ = heads["given"]
     assert _same_head(heads["reward"]["head"], (weight, torch.zeros(1)))
 
 
-@pytest.mark.slow  # one forked rank that builds six critics (about 15 s of CPU)
+@pytest.mark.slow  # one forked rank that builds seven critics (about 15 s of CPU)
 @pytest.mark.distributed
 def test_a_folder_without_a_value_head_gives_a_zero_head_and_says_so(heads):
     loaded = heads["none"]
@@ -172,6 +189,13 @@ def test_a_folder_without_a_value_head_gives_a_zero_head_and_says_so(heads):
     assert torch.equal(loaded["values"], torch.zeros_like(loaded["values"]))
     said = [line for line in loaded["log"] if "holds no value head" in line]
     assert len(said) == 1 and "score.weight" in said[0] and "v_head.summary.weight" in said[0]
+
+
+@pytest.mark.slow  # one forked rank that builds seven critics (about 15 s of CPU)
+@pytest.mark.distributed
+def test_exporting_a_critic_with_adapters_is_refused_naming_the_actor(heads):
+    assert heads["full_refusal"] is None
+    assert "--lora-critic adapters" in heads["adapted_refusal"] and "--role actor" in heads["adapted_refusal"]
 
 
 def test_a_classification_head_with_several_labels_is_refused_naming_the_tensor(tmp_path):
