@@ -89,15 +89,15 @@ def role_has_adapters(model_folder: str | os.PathLike) -> bool:
 
 def refuse_an_adapted_critic(model_folder: str | os.PathLike, base: str, role: str,
                              step_folder: str | os.PathLike) -> None:
-    """CheckpointError when the role's torch_dist folder holds a value head (a critic trained with
-    --lora-critic adapters: its adapters export with no value head yet)."""
+    """CheckpointError when the role's torch_dist folder holds LoRA adapters and a value head (a critic trained
+    with --lora-critic adapters: its adapters export with no value head yet)."""
     # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
     from stacx.checkpointing.folders import resolve_torch_dist_folder
     from stacx.checkpointing.value_head import holds_torch_dist_value_head
     from stacx.models.architectures import load_hf_config
 
-    if holds_torch_dist_value_head(resolve_torch_dist_folder(model_folder, flag="--load"),
-                                   load_hf_config(base).hidden_size):
+    if role_has_adapters(model_folder) and holds_torch_dist_value_head(
+            resolve_torch_dist_folder(model_folder, flag="--load"), load_hf_config(base).hidden_size):
         raise CheckpointError(f"role {role!r} of {step_folder} is a critic trained with --lora-critic adapters; "
                               "exporting its adapters with its value head is not supported yet. Export the actor "
                               "(--role actor), or train the critic with --lora-critic full to export it")
@@ -121,11 +121,10 @@ def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_
     # The same check as resuming (`load_checkpoint`): a damaged shard is named, never converted.
     verify_checkpoint_files(step_folder, manifest, roles=[role], model_only=True)
     folder = role_model_folder(step_folder, role)
+    refuse_an_adapted_critic(folder, base, role, step_folder)
     if role_has_adapters(folder):
         # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
         from stacx.checkpointing.lora_export import export_lora_role
-
-        refuse_an_adapted_critic(folder, base, role, step_folder)
 
         settings = lora_settings_of(step_folder)
         if settings is None:
