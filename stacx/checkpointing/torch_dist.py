@@ -213,6 +213,11 @@ def load_torch_dist(folder: str | os.PathLike, model, optimizer=None, *, what: s
         raise TorchDistCheckpointError(f"{what} {folder}: reading failed ({type(err).__name__}: {err})") from err
     missing_model = sorted(key for key in missing if not is_optimizer_key(key)
                            and not (value_head and key.startswith(LANGUAGE_MODEL_HEAD)))
+    if missing_model and strict_model and all(key.endswith((".lora_a", ".lora_b")) for key in missing_model):
+        raise TorchDistCheckpointError(
+            f"{what} {folder} holds LoRA adapters ({missing_model[0]!r}, {len(missing_model)} in all) that this "
+            "model does not have: it is the role of a run trained with --lora-rank. Export it merged first "
+            "(`stacx convert checkpoint-to-hf --load STEP --role ROLE --lora merged --out DIR`) and pass DIR")
     if missing_model and strict_model:
         raise TorchDistCheckpointError(
             f"{what} {folder} has no tensor {missing_model[0]!r} that the model needs"

@@ -87,29 +87,13 @@ def role_has_adapters(model_folder: str | os.PathLike) -> bool:
     return any(key.endswith(".lora_a") for key in keys)
 
 
-def refuse_an_adapted_critic(model_folder: str | os.PathLike, base: str, role: str,
-                             step_folder: str | os.PathLike) -> None:
-    """CheckpointError when the role's torch_dist folder holds LoRA adapters and a value head (a critic trained
-    with --lora-critic adapters: its adapters export with no value head yet)."""
-    # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
-    from stacx.checkpointing.folders import resolve_torch_dist_folder
-    from stacx.checkpointing.value_head import holds_torch_dist_value_head
-    from stacx.models.architectures import load_hf_config
-
-    if role_has_adapters(model_folder) and holds_torch_dist_value_head(
-            resolve_torch_dist_folder(model_folder, flag="--load"), load_hf_config(base).hidden_size):
-        raise CheckpointError(f"role {role!r} of {step_folder} is a critic trained with --lora-critic adapters; "
-                              "exporting its adapters with its value head is not supported yet. Export the actor "
-                              "(--role actor), or train the critic with --lora-critic full to export it")
-
-
 def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_dir: str | os.PathLike,
                       lora: str | None = None) -> str:
     """Write `role`'s weights at `step_folder` as a Hugging Face checkpoint in `out_dir`; returns it.
 
     A role trained with LoRA adapters is written merged (W + s B A) or, with `lora="adapter"`, as a PEFT adapter
     folder for `base` (`stacx.checkpointing.lora_export`). A critic (a value head) is written as its family's
-    *ForTokenClassification with one label (`score.weight`, `score.bias`); a critic with adapters is refused."""
+    *ForTokenClassification with one label (`score.weight`, `score.bias`); a critic with adapters merged only."""
     # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
     from stacx.checkpointing.convert import convert_torch_dist_to_hf
 
@@ -121,7 +105,6 @@ def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_
     # The same check as resuming (`load_checkpoint`): a damaged shard is named, never converted.
     verify_checkpoint_files(step_folder, manifest, roles=[role], model_only=True)
     folder = role_model_folder(step_folder, role)
-    refuse_an_adapted_critic(folder, base, role, step_folder)
     if role_has_adapters(folder):
         # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
         from stacx.checkpointing.lora_export import export_lora_role

@@ -8,7 +8,8 @@ saves the role's weights as a run saves them (torch_dist, with its optimizer), a
 - TRL's names (`v_head.summary.weight`, `v_head.summary.bias` beside the causal LM's tensors) and a
   *ForSequenceClassification folder (`score.weight` without bias, no `lm_head.weight`): their head;
 - a folder without a head: a zero head, and one log line saying so.
-And `checkpoint-to-hf` refuses a critic trained with --lora-critic adapters (its head would be lost), naming the fix.
+A critic trained with --lora-critic adapters exports merged (W + s B A and its head: the same values read back) and
+is refused as a PEFT adapter folder (which would lose its head).
 """
 
 from __future__ import annotations
@@ -26,13 +27,20 @@ from stacx.testing.distributed import run_distributed
 HIDDEN = 32
 
 
-def _refusal(folder: str, checkpoint: str) -> str | None:
-    from stacx.trainer.checkpoint import CheckpointError
-    from stacx.trainer.checkpoint_export import refuse_an_adapted_critic
+def _merged_export(folder: str, out: str, checkpoint: str) -> str:
+    from stacx.checkpointing.lora_export import export_lora_role
+    from stacx.models.lora import LoraSettings
+
+    return export_lora_role(folder, out, checkpoint, LoraSettings(rank=4, alpha=8.0), mode="merged")
+
+
+def _adapter_refusal(folder: str, checkpoint: str) -> str | None:
+    from stacx.checkpointing.lora_export import export_lora_role
+    from stacx.models.lora import LoraSettings
 
     try:
-        refuse_an_adapted_critic(folder, checkpoint, "critic", "runs/x/step_000000001")
-    except CheckpointError as err:
+        export_lora_role(folder, folder + "_peft", checkpoint, LoraSettings(rank=4, alpha=8.0), mode="adapter")
+    except ValueError as err:
         return str(err)
     return None
 
@@ -106,13 +114,24 @@ def load_heads(groups, checkpoint: str, work: str) -> dict:
     reward = _folder_with(checkpoint, os.path.join(work, "reward"), {"score.weight": weight}, drop=("lm_head.weight",))
 
     adapted = _critic(groups, checkpoint, lora={"lora_rank": 4, "lora_alpha": 8.0, "lora_critic": "adapters"})
+    with torch.no_grad():
+        for name, param in adapted.model.named_parameters():
+            if name.endswith("lora_b") or name.startswith("output_layer."):
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    adapted_values = _values(adapted)
     adapted_folder = os.path.join(work, "adapted", "roles", "critic", "model")
     save_torch_dist(adapted_folder, adapted.model, adapted.optimizer, groups=groups)
+    merged = _merged_export(adapted_folder, os.path.join(work, "adapted_hf"), checkpoint)
 
-    result = {"trained_values": trained_values, "trained_head": trained_head, "given": (weight, bias),
-              "adapted_refusal": _refusal(adapted_folder, checkpoint), "full_refusal": _refusal(role_folder, checkpoint)}
+    try:
+        _critic(groups, checkpoint, adapted_folder)
+        direct = None
+    except Exception as err:  # noqa: BLE001 - the message is what is checked
+        direct = str(err)
+    result = {"direct_refusal": direct, "trained_values": trained_values, "trained_head": trained_head, "given": (weight, bias),
+              "adapted_values": adapted_values, "adapter_refusal": _adapter_refusal(adapted_folder, checkpoint)}
     for name, folder in (("torch_dist", role_folder), ("export", exported), ("trl", trl), ("reward", reward),
-                         ("none", checkpoint)):
+                         ("none", checkpoint), ("merged", merged)):
         records.clear()
         critic = _critic(groups, checkpoint, folder)
         result[name] = {"values": _values(critic), "head": _head(critic), "log": list(records)}
@@ -193,9 +212,12 @@ def test_a_folder_without_a_value_head_gives_a_zero_head_and_says_so(heads):
 
 @pytest.mark.slow  # one forked rank that builds seven critics (about 15 s of CPU)
 @pytest.mark.distributed
-def test_exporting_a_critic_with_adapters_is_refused_naming_the_actor(heads):
-    assert heads["full_refusal"] is None
-    assert "--lora-critic adapters" in heads["adapted_refusal"] and "--role actor" in heads["adapted_refusal"]
+def test_a_critic_with_adapters_exports_merged_with_its_head_and_not_as_a_peft_folder(heads):
+    torch.testing.assert_close(heads["merged"]["values"], heads["adapted_values"], atol=1e-6, rtol=0)
+    assert heads["adapted_values"].abs().max() > 0.1
+    assert "use --lora merged" in heads["adapter_refusal"]
+    # --critic-load of the adapted critic's folder itself names the merged export
+    assert "holds LoRA adapters" in heads["direct_refusal"] and "--lora merged" in heads["direct_refusal"]
 
 
 def test_a_classification_head_with_several_labels_is_refused_naming_the_tensor(tmp_path):
