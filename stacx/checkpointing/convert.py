@@ -110,9 +110,15 @@ def _torch_dist_to_hf_rank(groups: ProcessGroups, dist_dir: str, out_dir: str, c
     from stacx.models import build_model
     from stacx.models.checkpoint import export_hf_checkpoint
 
+    from stacx.checkpointing.value_head import holds_torch_dist_value_head, read_torch_dist_value_head
+
     model = build_model(config_dir, groups, initialize_weights=False)
-    load_torch_dist(dist_dir, model, what=what)
-    export_hf_checkpoint(model, out_dir, groups, config_dir, tokenizer_from=config_dir, max_shard_bytes=max_shard_bytes)
+    # A critic's folder: its decoder, and its value head written as *ForTokenClassification's score
+    critic = holds_torch_dist_value_head(dist_dir, model.config.hidden_size)
+    load_torch_dist(dist_dir, model, what=what, value_head=critic)
+    value_head = read_torch_dist_value_head(dist_dir, model.config.hidden_size) if critic else None
+    export_hf_checkpoint(model, out_dir, groups, config_dir, tokenizer_from=config_dir, max_shard_bytes=max_shard_bytes,
+                         value_head=value_head)
 
 
 def _config_source(dist_dir: str | os.PathLike, hf_config: str | os.PathLike | None, what: str) -> str:

@@ -132,20 +132,47 @@ def is_model_folder(path: str | os.PathLike) -> bool:
                                 or (folder / TRACKER_FILE).is_file() or is_peft_adapter_folder(folder))
 
 
-def load_model_weights(model, path: str | os.PathLike, groups: ProcessGroups, *, flag: str) -> str:
+def load_model_weights(model, path: str | os.PathLike, groups: ProcessGroups, *, flag: str,
+                       value_head: bool = False) -> str:
     """Copy the weights of folder `path` (either layout, detected) into `model`'s shard; returns the kind.
 
-    Collective over the model's world for a torch_dist folder (every rank reads its own chunks)."""
+    `value_head`: `model` is a critic's decoder, loaded without its language-model head (a value head replaces
+    it: `read_value_head_weights`). Collective over the model's world for a torch_dist folder (every rank reads
+    its own chunks)."""
     kind = detect_model_folder(path, flag=flag)
     if kind == HF:
         from stacx.models.checkpoint import load_hf_checkpoint
 
-        load_hf_checkpoint(model, os.fspath(path), groups)
+        load_hf_checkpoint(model, os.fspath(path), groups, value_head=value_head)
     else:
         from stacx.checkpointing.torch_dist import load_torch_dist
 
-        load_torch_dist(resolve_torch_dist_folder(path, flag=flag), model, what=flag)
+        load_torch_dist(resolve_torch_dist_folder(path, flag=flag), model, what=flag, value_head=value_head)
     return kind
+
+
+def read_value_head_weights(path: str | os.PathLike, hidden_size: int, *, flag: str,
+                            dtype=None) -> tuple[object, object, str] | None:
+    """(weight [1, hidden], bias [1], where it was found) of the value head that folder `path` holds, or None:
+    a Stacx critic's torch_dist folder (`stacx.checkpointing.value_head`) or a Hugging Face folder with a value
+    head under a name of `stacx.models.value_head_weights`. Collective over the default group for torch_dist."""
+    import torch
+
+    dtype = dtype or torch.float32
+    if detect_model_folder(path, flag=flag) == HF:
+        from stacx.models.value_head_weights import read_hf_value_head
+
+        head = read_hf_value_head(path, hidden_size)
+        if head is None:
+            return None
+        return (head.weight.to(dtype), head.bias.to(dtype),
+                f"{head.names.weight} and {head.names.bias} ({head.names.written_by})")
+    from stacx.checkpointing.value_head import VALUE_HEAD_BIAS, VALUE_HEAD_WEIGHT, read_torch_dist_value_head
+
+    head = read_torch_dist_value_head(resolve_torch_dist_folder(path, flag=flag), hidden_size, dtype=dtype)
+    if head is None:
+        return None
+    return head[0], head[1], f"{VALUE_HEAD_WEIGHT} and {VALUE_HEAD_BIAS} (a Stacx critic's torch_dist folder)"
 
 
 __all__ = [
@@ -159,6 +186,7 @@ __all__ = [
     "is_model_folder",
     "iteration_folder_name",
     "load_model_weights",
+    "read_value_head_weights",
     "resolve_torch_dist_folder",
     "retired_format_message",
 ]

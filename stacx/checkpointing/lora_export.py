@@ -49,11 +49,19 @@ def _export_rank(groups: ProcessGroups, dist_dir: str, out_dir: str, config_dir:
     from stacx.models.checkpoint import export_hf_checkpoint
     from stacx.models.lora import attach_lora
 
+    from stacx.checkpointing.value_head import holds_torch_dist_value_head, read_torch_dist_value_head
+
     model = build_model(config_dir, groups, initialize_weights=False)
     attach_lora(model, settings, groups)
-    load_torch_dist(dist_dir, model, what=what)
+    # A critic trained with --lora-critic adapters: merged, its value head written as *ForTokenClassification's score
+    critic = holds_torch_dist_value_head(dist_dir, model.config.hidden_size)
+    if critic and mode != "merged":
+        raise ValueError(f"{what} {dist_dir}: a critic's adapters export merged only (a PEFT adapter folder would "
+                         "lose its value head); use --lora merged")
+    load_torch_dist(dist_dir, model, what=what, value_head=critic)
     if mode == "merged":
-        export_hf_checkpoint(model, out_dir, groups, config_dir, tokenizer_from=config_dir)
+        value_head = read_torch_dist_value_head(dist_dir, model.config.hidden_size) if critic else None
+        export_hf_checkpoint(model, out_dir, groups, config_dir, tokenizer_from=config_dir, value_head=value_head)
     else:
         write_peft_adapter(model, groups, settings, out_dir, base_model=config_dir)
 

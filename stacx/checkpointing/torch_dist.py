@@ -160,15 +160,34 @@ def _checkpoint_keys(folder: Path) -> set[str]:
     return set(load_tensors_metadata(str(folder)))
 
 
+def _checkpoint_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Every tensor of torch_dist `folder`: its global shape."""
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    return {key: tuple(tensor.global_shape) for key, tensor in load_tensors_metadata(os.fspath(folder)).items()}
+
+
+LANGUAGE_MODEL_HEAD = "output_layer."
+"""The keys of the language-model head, which a critic's value head replaces (`stacx.checkpointing.value_head`)."""
+
+
+def _without_language_model_head(model_state: dict[str, Any]) -> dict[str, Any]:
+    """A model's sharded state dict (or {"chunk<i>": ...}) without the language-model head's tensors."""
+    return {key: (_without_language_model_head(value) if isinstance(value, dict) else value)
+            for key, value in model_state.items() if not key.startswith(LANGUAGE_MODEL_HEAD)}
+
+
 @torch.no_grad()
 def load_torch_dist(folder: str | os.PathLike, model, optimizer=None, *, what: str = "checkpoint",
-                    strict_model: bool = True) -> bool:
+                    strict_model: bool = True, value_head: bool = False) -> bool:
     """Read `folder` into `model` (and `optimizer`) at this run's layout, resharding as needed; collective.
 
     Returns whether the optimizer state was loaded: False when `optimizer` is given but the folder holds
     no optimizer state (a reference model or a converted Hugging Face checkpoint). Every model tensor
     must be in the folder (else TorchDistCheckpointError naming the first missing key); extra tensors
-    (another model's optimizer, for instance) are ignored. A file that fails to read is named.
+    (another model's optimizer, for instance) are ignored. A file that fails to read is named. `value_head`: the
+    model is a critic's decoder, loaded without its language-model head (which a value head replaces; read it with
+    `stacx.checkpointing.value_head`); only without an optimizer.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -181,6 +200,10 @@ def load_torch_dist(folder: str | os.PathLike, model, optimizer=None, *, what: s
     if with_optimizer is not None:
         _require_same_optimizer_chain(saved_keys, with_optimizer, folder, what)
     state = _full_sharded_state_dict(model, with_optimizer, is_loading=True)
+    if value_head:
+        if with_optimizer is not None:
+            raise ValueError("load_torch_dist: value_head=True reads start weights only, without an optimizer")
+        state["model"] = _without_language_model_head(state["model"])
     try:
         loaded, missing, _unexpected = dist_checkpointing.load(
             state, str(folder), strict=StrictHandling.RETURN_ALL)
@@ -188,7 +211,13 @@ def load_torch_dist(folder: str | os.PathLike, model, optimizer=None, *, what: s
         raise
     except Exception as err:  # noqa: BLE001 - DCP and megatron raise many types; name the folder
         raise TorchDistCheckpointError(f"{what} {folder}: reading failed ({type(err).__name__}: {err})") from err
-    missing_model = sorted(key for key in missing if not is_optimizer_key(key))
+    missing_model = sorted(key for key in missing if not is_optimizer_key(key)
+                           and not (value_head and key.startswith(LANGUAGE_MODEL_HEAD)))
+    if missing_model and strict_model and all(key.endswith((".lora_a", ".lora_b")) for key in missing_model):
+        raise TorchDistCheckpointError(
+            f"{what} {folder} holds LoRA adapters ({missing_model[0]!r}, {len(missing_model)} in all) that this "
+            "model does not have: it is the role of a run trained with --lora-rank. Export it merged first "
+            "(`stacx convert checkpoint-to-hf --load STEP --role ROLE --lora merged --out DIR`) and pass DIR")
     if missing_model and strict_model:
         raise TorchDistCheckpointError(
             f"{what} {folder} has no tensor {missing_model[0]!r} that the model needs"

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from stacx.models.architectures import decoder_shape, load_hf_config
 from stacx.models.builder import hf_config_of, model_chunks, unwrap_model
 from stacx.models.lora import adapter_param_mappings, merged_weight
+from stacx.models.value_head_names import value_head_tensor_names
 from stacx.models.weight_mapping import (
     IGNORED_HF_SUFFIXES,
     expected_param_mappings,
@@ -31,6 +32,8 @@ from stacx.parallel.pipeline import stream_to_first_stage
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+VALUE_HEAD_REPLACES = "output_layer.weight"
+"""The language-model head's parameter, which a critic's value head replaces (never read into a critic)."""
 
 
 class CheckpointMismatchError(ValueError):
@@ -88,7 +91,7 @@ def hf_weight_files(path: str) -> dict[str, str]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {SAFETENSORS_INDEX} in {path}")
 
 
-def _check_names(mappings, files: dict[str, str], shape, path: str) -> None:
+def _check_names(mappings, files: dict[str, str], shape, path: str, *, value_head: bool = False) -> None:
     needed = {name for m in mappings for name in m.hf_names}
     missing = sorted(needed - set(files))
     if missing:
@@ -96,7 +99,9 @@ def _check_names(mappings, files: dict[str, str], shape, path: str) -> None:
             f"checkpoint {path} has no tensor {missing[0]!r} that the config needs"
             + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else "")
         )
-    tolerated = {"lm_head.weight"} if shape.tie_word_embeddings else set()
+    tolerated = {"lm_head.weight"} if shape.tie_word_embeddings or value_head else set()
+    if value_head:  # a critic replaces the language-model head; a value head of the folder is read apart
+        tolerated |= value_head_tensor_names()
     # A rank holds num_experts / ep routed experts: the other ranks' experts are described too.
     tolerated |= {_renumber_expert(name, expert - _expert_index(name)) for m in mappings if m.routed_expert
                   for name in m.hf_names for expert in range(shape.moe.num_experts)}
@@ -149,26 +154,33 @@ class HFTensorReader:
         ]
         return mapping.assemble_local(pieces, shape, tp_size)
 
-    def check_names(self, mappings, shape) -> None:
-        _check_names(mappings, self.files, shape, self.path)
+    def check_names(self, mappings, shape, *, value_head: bool = False) -> None:
+        _check_names(mappings, self.files, shape, self.path, value_head=value_head)
 
 
 @torch.no_grad()
-def load_hf_checkpoint(model, path: str, groups: ProcessGroups) -> None:
+def load_hf_checkpoint(model, path: str, groups: ProcessGroups, *, value_head: bool = False) -> None:
     """Copy a Hugging Face safetensors checkpoint into `model`'s TP shard, reading only that shard.
 
-    Raises FileNotFoundError for a missing folder/file and CheckpointMismatchError naming the
-    first tensor whose name or shape does not match the model's config.
+    `value_head`: the model is a critic's decoder, whose language-model head a value head replaces: the folder's
+    `lm_head.weight` is not needed (a *ForTokenClassification folder has none) and not read, and the folder's value
+    head (`stacx.models.value_head_weights`) is left for the critic to read. Raises FileNotFoundError for a
+    missing folder/file and CheckpointMismatchError naming the first tensor whose name or shape does not match
+    the model's config.
     """
     chunks = [unwrap_model(chunk) for chunk in model_chunks(model)]
     shape = decoder_shape(hf_config_of(chunks[0]))
     reader = HFTensorReader(path)
     # A pipeline stage holds some of the layers: the checkpoint is checked against the whole model.
     whole_model = param_mappings(chunks[0]) if groups.pp_size == 1 else expected_param_mappings(shape, groups.tp_size)
-    reader.check_names(whole_model, shape)
+    if value_head:
+        whole_model = [m for m in whole_model if m.megatron_name != VALUE_HEAD_REPLACES]
+    reader.check_names(whole_model, shape, value_head=value_head)
     for gpt in chunks:
         params = dict(gpt.named_parameters())
         for mapping in param_mappings(gpt):
+            if value_head and mapping.megatron_name == VALUE_HEAD_REPLACES:
+                continue
             rank, size = mapping.shard_rank_and_size(groups)
             params[mapping.megatron_name].copy_(reader.read_local_shard(mapping, shape, rank, size))
 
@@ -318,7 +330,8 @@ def copy_tokenizer_files(source: str | os.PathLike, out_dir: str | os.PathLike) 
 
 
 def export_hf_checkpoint(model, out_dir: str, groups: ProcessGroups, hf_config=None, *, max_shard_bytes: int = 5 * 1024**3,
-                         tokenizer_from: str | None = None) -> None:
+                         tokenizer_from: str | None = None,
+                         value_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write the model as a Hugging Face checkpoint (safetensors shards + index + config.json).
 
     Call on every rank. Ranks with cp_rank == dp_rank == 0 gather over TP (every rank when experts are
@@ -326,6 +339,9 @@ def export_hf_checkpoint(model, out_dir: str, groups: ProcessGroups, hf_config=N
     Tensors are written in the config's `dtype` (else the parameters' dtype), vocab padding
     stripped. `tokenizer_from`: a folder (the checkpoint the model started from) whose tokenizer
     files are copied next to the weights, so the export loads, serves and evaluates on its own.
+    `value_head` (weight [1, hidden], bias [1]): the model is a critic's decoder; its language-model head is not
+    written, the head is, as `score.weight` and `score.bias` with the family's *ForTokenClassification config and
+    num_labels 1 (`stacx.models.value_head_weights`), which AutoModelForTokenClassification loads.
     Returns after the files exist on every rank (a barrier when distributed).
     """
     config = load_hf_config(hf_config) if hf_config is not None else hf_config_of(model)
@@ -335,17 +351,32 @@ def export_hf_checkpoint(model, out_dir: str, groups: ProcessGroups, hf_config=N
             os.makedirs(out_dir, exist_ok=True)
         shard_files: list[tuple[str, list[str]]] = []
         buckets = iter_hf_weight_buckets(model, groups, max_shard_bytes, dtype=config_dtype(config), only_to_tp_rank=0)
+        if value_head is not None:
+            buckets = _with_value_head(buckets, value_head, config_dtype(config))
         for number, bucket in enumerate(buckets):
             if is_writer:
                 file = f"model-{number + 1:05d}.safetensors"
                 _save_safetensors(dict(bucket), os.path.join(out_dir, file))
                 shard_files.append((file, [name for name, _ in bucket]))
         if is_writer:
-            _write_index_and_config(out_dir, shard_files, config)
+            _write_index_and_config(out_dir, shard_files, config, value_head=value_head is not None)
             if tokenizer_from is not None:
                 copy_tokenizer_files(tokenizer_from, out_dir)
     if dist.is_initialized():
         dist.barrier()
+
+
+def _with_value_head(buckets, value_head: tuple[torch.Tensor, torch.Tensor], dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`buckets` without the language-model head, then one bucket holding the value head under EXPORT_NAMES."""
+    from stacx.models.value_head_names import EXPORT_NAMES
+
+    for bucket in buckets:
+        kept = [(name, tensor) for name, tensor in bucket if name != "lm_head.weight"]
+        if kept:
+            yield kept
+    weight, bias = (t.detach().cpu().contiguous() if dtype is None else t.detach().cpu().to(dtype).contiguous()
+                    for t in value_head)
+    yield [(EXPORT_NAMES.weight, weight), (EXPORT_NAMES.bias, bias)]
 
 
 def current_umask() -> int:
@@ -371,7 +402,7 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], file: str) -> None:
     os.chmod(file, 0o666 & ~current_umask())
 
 
-def _write_index_and_config(out_dir: str, shard_files, config) -> None:
+def _write_index_and_config(out_dir: str, shard_files, config, *, value_head: bool = False) -> None:
     from stacx.models.architectures import ARCHITECTURES
     from stacx.models.hf_config import as_transformers_config
 
@@ -389,4 +420,8 @@ def _write_index_and_config(out_dir: str, shard_files, config) -> None:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     config = as_transformers_config(config)
     config.architectures = [ARCHITECTURES[config.model_type].hf_class_name]
+    if value_head:
+        from stacx.models.value_head_names import token_classification_config
+
+        config = token_classification_config(config)
     config.save_pretrained(out_dir)

@@ -92,7 +92,8 @@ def export_role_to_hf(step_folder: str | os.PathLike, role: str, base: str, out_
     """Write `role`'s weights at `step_folder` as a Hugging Face checkpoint in `out_dir`; returns it.
 
     A role trained with LoRA adapters is written merged (W + s B A) or, with `lora="adapter"`, as a PEFT adapter
-    folder for `base` (`stacx.checkpointing.lora_export`)."""
+    folder for `base` (`stacx.checkpointing.lora_export`). A critic (a value head) is written as its family's
+    *ForTokenClassification with one label (`score.weight`, `score.bias`); a critic with adapters merged only."""
     # Imported here: megatron-core's dist checkpointing is slow to import (start-up time).
     from stacx.checkpointing.convert import convert_torch_dist_to_hf
 

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from stacx.checkpointing.folders import load_model_weights
+from stacx.checkpointing.folders import load_model_weights, read_value_head_weights
 from stacx.models.builder import RouterLosses, model_chunks, unwrap_model
 from stacx.models.lora import (
     LoraSettings,
@@ -46,6 +46,7 @@ from stacx.models.moe import (
     is_mixture_of_experts,
     scale_router_losses_in_backward,
 )
+from stacx.models.value_head_names import VALUE_HEAD_NAMES
 from stacx.objectives.algorithm_config import AlgorithmConfig
 from stacx.parallel.groups import ProcessGroups, with_virtual_pipeline_stages
 from stacx.parallel.metrics_allreduce import MetricTotals, all_reduce_metric_sums
@@ -176,14 +177,21 @@ class RoleRuntime:
             load_model_weights(self.model, reference_path, groups,
                                flag="--" + role.reference_checkpoint_arg.replace("_", "-"))
             self.reference_weights = [p.detach().clone() for p in self._reference_params()]
-        load_model_weights(self.model, path, groups, flag="--" + role.checkpoint_arg.replace("_", "-"))
+        flag = "--" + role.checkpoint_arg.replace("_", "-")
+        load_model_weights(self.model, path, groups, flag=flag, value_head=role.outputs_values)
+        # Every rank reads the head (a torch_dist read is collective); the last stage holds it.
+        start_head = self._start_value_head(path, flag) if role.outputs_values else None
         if self.lora is not None:
             attach_lora(self.model, self.lora, groups)  # freezes the base weights
         if role.outputs_values and self.model.config.sequence_parallel:
             raise ValueError(f"role {role.name!r} outputs values, whose head reads the whole sequence on every TP "
                              "rank; --sequence-parallel is not supported for it yet (leave it off)")
         if role.outputs_values and self.groups.is_last_stage:
-            attach_value_head(model_chunks(self.model)[-1])
+            head = attach_value_head(model_chunks(self.model)[-1])
+            if start_head is not None:
+                with torch.no_grad():
+                    head.weight.copy_(start_head[0])
+                    head.bias.copy_(start_head[1])
         self.specialization = role.specialization_cls(algorithm, groups)
         # V_pad/tp and the device, for the per-micro-batch choice of logits or fused log-probs.
         self.vocab_local = padded_vocab_size(self._vocab_size(), groups.tp_size) // groups.tp_size
@@ -202,6 +210,21 @@ class RoleRuntime:
             for chunk in model_chunks(self.model):
                 for p in chunk.parameters():
                     p.requires_grad_(False)
+
+    def _start_value_head(self, path: str, flag: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(weight, bias) of the value head that the critic's start folder holds, or None (the head starts at 0);
+        one log line either way."""
+        hidden_size = unwrap_model(model_chunks(self.model)[-1]).config.hidden_size
+        dtype = unwrap_model(model_chunks(self.model)[-1]).config.params_dtype
+        found = read_value_head_weights(path, hidden_size, flag=flag, dtype=dtype)
+        if self.rank == 0:
+            if found is None:
+                logger.info("role %r: %s %s holds no value head (looked for %s, and a Stacx critic's output_layer "
+                            "[1, %d]); it starts at 0, so the first values are 0", self.role.name, flag, path,
+                            ", ".join(names.weight for names in VALUE_HEAD_NAMES), hidden_size)
+            else:
+                logger.info("role %r: value head from %s %s: %s", self.role.name, flag, path, found[2])
+        return None if found is None else (found[0], found[1])
 
     # ---- forward ---------------------------------------------------------------------------
 
