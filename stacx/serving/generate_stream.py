@@ -4,15 +4,16 @@ them on a live engine).
 
 The answer is `application/x-ndjson`, one JSON object a line:
 
-    {"progress": [{"index": 0, "start": 0, "output_ids": [5, 9], "output_log_probs": [-0.1, -2.3],
-                   "weight_version": 3}]}     each request's new tokens (every STREAM_INTERVAL_S while any changed)
+    {"progress": [<piece>, ...]}    each request's new tokens with all their fields (every STREAM_INTERVAL_S
+                                    while any changed; the pieces' format: stacx.wire.generate_progress)
     ...
     {"result": <exactly the answer the same call gets unstreamed>}
-    {"error": "..."}                          instead of the result: the engine failed after the answer began
+    {"error": "..."}                instead of the result: the engine failed after the answer began
 
-Only what an engine that decodes in this process records on the request's `AbortFlag.output` is streamed: the token
-ids, their log-probs (when asked) and the weight version. Top-k and token-id log-probs and routed experts come
-in the result only.
+A piece carries everything the answer carries for its tokens (log-probs, top-k and token-id log-probs, routed
+experts; the prompt's log-probs once, with the first tokens), read from what an engine that decodes in this process
+records on the request's `AbortFlag` (`output`, `routes`) as it decodes. Another engine streams no pieces: its
+answer comes as the result line only.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import uuid
 from typing import Any, AsyncIterator, Sequence
 
+from stacx.wire.generate_progress import ready_tokens, render_piece
 from stacx.wire.sglang_protocol import render_generate_item
 
 STREAM_INTERVAL_S = 0.05
@@ -39,22 +41,17 @@ def stream_asked(payload: Any) -> bool:
 
 
 def progress(flags: Sequence[Any], requests: Sequence[Any], sent: list[int]) -> list[dict]:
-    """Each request's tokens since `sent[i]` (advanced here), with their log-probs when asked."""
+    """Each request's tokens since `sent[i]` (advanced here) that have every field it asks."""
     lines = []
     for index, (flag, request) in enumerate(zip(flags, requests)):
         output = flag.output
         if output is None:
             continue
-        ids = list(output.output_ids[sent[index]:])
-        log_probs: list = []
-        if request.return_logprob:  # the engine appends a token's id before its log-prob: send both or neither
-            log_probs = list(output.output_log_probs[sent[index]:sent[index] + len(ids)])
-            ids = ids[:len(log_probs)]
-        if not ids:
+        ready = ready_tokens(output, request, flag.routes)
+        if ready <= sent[index]:
             continue
-        lines.append({"index": index, "start": sent[index], "output_ids": ids, "output_log_probs": log_probs,
-                      "weight_version": output.weight_version})
-        sent[index] += len(ids)
+        lines.append(render_piece(index, output, request, sent[index], ready, flag.routes))
+        sent[index] = ready
     return lines
 
 
