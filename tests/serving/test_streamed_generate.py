@@ -19,11 +19,13 @@ import torch
 from stacx.rollout.engine_health import EngineFaultSettings
 from stacx.rollout.engine_pool import EnginePool
 from stacx.rollout.engines.http import HttpEngine
+from stacx.rollout.engines.registry import engine_client
 from stacx.serving.aborts import AbortFlag
 from stacx.serving.server import EngineHttpServer
-from stacx.wire.generate_progress import extend_output
+from stacx.wire.generate_progress import STREAM_CAPABILITY, extend_output
 from stacx.wire.http_client import RetryPolicy, ServerUnavailableError
 from stacx.wire.types import GenerateOutput, GenerateRequest, SamplingParams
+from tests.json_routes import serve_json_routes
 
 TIMEOUT_S = 30
 REQUESTS = [GenerateRequest(input_ids=(10, 11), sampling=SamplingParams(max_new_tokens=5), return_logprob=True,
@@ -293,3 +295,31 @@ def test_a_salvaged_request_keeps_the_prompt_and_top_k_fields_its_dead_server_st
     assert outputs[1].input_log_probs == [dying.prompt_log_prob(1)] and len(outputs[1].output_top_log_probs) == 4
     assert outputs[2].output_ids == [301, 302, 403] and outputs[2].routed_experts.shape == (1 + 3 - 1, 4)
     assert pool.supervisor.metrics()["rollout/tokens_salvaged"] == 6.0
+
+
+SGLANG_ANSWER = {"text": "", "output_ids": [7, 8], "meta_info": {
+    "finish_reason": {"type": "length", "length": 2}, "weight_version": "2",
+    "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None]]}}
+
+
+def test_an_attached_server_is_streamed_when_its_model_info_offers_it_and_asked_plainly_otherwise():
+    """The `http` kind (`--rollout-urls`) streams from `stacx serve`, which says so in /get_model_info, and asks
+    SGLang (no such key) or a server without the endpoint unstreamed, as before."""
+    request = [GenerateRequest(input_ids=(10,), sampling=SamplingParams(max_new_tokens=2), rid="r")]
+    engine = StepwiseEngine(version=3)
+    with EngineHttpServer(engine) as server:
+        client = engine_client("http", server.url)
+        lines, post_lines = [], client.transport.post_lines
+        client.transport.post_lines = lambda *args, **kwargs: (lines.append(args[0]), post_lines(*args, **kwargs))[1]
+        engine.allow(2)
+        [streamed] = client.generate(request)
+        assert lines == ["/generate"] and client.stream_progress is True
+        assert streamed.output_ids == [301, 302] and client.model_info()[STREAM_CAPABILITY] is True
+    for model_info in ({"/get_model_info": (200, {"model_path": "org/model", "weight_version": "2"})}, {}):
+        fake, url, posted = serve_json_routes(model_info, {"/generate": (200, SGLANG_ANSWER)})
+        try:
+            [plain] = engine_client("http", url).generate(request)
+        finally:
+            fake.shutdown()
+        assert plain.output_ids == [7, 8] and plain.output_log_probs == [-0.5, -0.25]
+        assert [path for path, _ in posted] == ["/generate"] and posted[0][1]["stream"] is False
