@@ -1,9 +1,8 @@
 """Runs that survive their parts, through `stacx train` on Ray (the shared test cluster), in one ten-step run of
 two-turn episodes in remote sandbox sessions on two CPU engines, every fault injected by the episodes' own
 environment (tests/launch/fault_injection.py): an engine killed mid-generation (the tokens it streamed are
-continued on the other engine), one killed before a weight push, one
-hung (SIGSTOP: it stops answering, its socket stays open) before the next push, the sandbox server killed and
-restarted, a slow reward. Each engine is noticed, restarted and given the current weights, the episode on the dead
+continued on the other engine), one killed before a weight push, one hung (SIGSTOP: it stops answering, its socket
+stays open) before the next push, the sandbox server killed and restarted, a slow reward. Each engine is noticed, restarted and given the current weights, the episode on the dead
 sandbox is played again, and the run completes every step with full batches. Unit-level checks of each path:
 tests/rollout/test_engine_faults.py, test_episode_faults.py."""
 
