@@ -8,7 +8,8 @@ The answer is `application/x-ndjson`, one JSON object a line:
                                     while any changed; the pieces' format: stacx.wire.generate_progress)
     ...
     {"result": <exactly the answer the same call gets unstreamed>}
-    {"error": "..."}                instead of the result: the engine failed after the answer began
+    {"error": "...", "status": 500}  instead of the result: the call failed after the answer began (the status
+                                    the unstreamed call answers: 4xx is the request's fault, 5xx the engine's)
 
 A piece carries everything the answer carries for its tokens (log-probs, top-k and token-id log-probs, routed
 experts; the prompt's log-probs once, with the first tokens), read from what an engine that decodes in this process
@@ -23,7 +24,9 @@ import json
 import uuid
 from typing import Any, AsyncIterator, Sequence
 
+from stacx.serving.http_guard import HttpError
 from stacx.wire.generate_progress import ready_tokens, render_piece
+from stacx.wire.weight_versions import StaleWeightsError
 from stacx.wire.sglang_protocol import render_generate_item
 
 STREAM_INTERVAL_S = 0.05
@@ -71,10 +74,22 @@ async def stream_generate(server: Any, request: Any, requests: list, is_batch: b
         call.cancel()
         raise
     except Exception as err:  # noqa: BLE001 - the status line is sent already: the error is the last line
-        yield _line({"error": f"{type(err).__name__}: {err}"})
+        yield _line(error_line(err))
         return
     items = [render_generate_item(o, r, r.rid or uuid.uuid4().hex, server.tokenizer) for o, r in zip(outputs, requests)]
     yield _line({"result": items if is_batch else items[0]})
+
+
+def error_line(err: Exception) -> dict:
+    """The last line of a call that failed after its answer began, with the status the unstreamed call answers
+    (4xx: the request's fault, which the client raises as a rejection, not as a failed engine)."""
+    if isinstance(err, HttpError):
+        return {"error": str(err), "status": err.status}
+    if isinstance(err, StaleWeightsError):
+        return {"error": str(err), "status": 409, **err.fields}
+    if isinstance(err, ValueError):  # the caller's mistake
+        return {"error": str(err), "status": 400}
+    return {"error": f"{type(err).__name__}: {err}", "status": 500}
 
 
 def _line(body: dict) -> bytes:

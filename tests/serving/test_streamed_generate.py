@@ -23,7 +23,7 @@ from stacx.rollout.engines.registry import engine_client
 from stacx.serving.aborts import AbortFlag
 from stacx.serving.server import EngineHttpServer
 from stacx.wire.generate_progress import STREAM_CAPABILITY, extend_output
-from stacx.wire.http_client import RetryPolicy, ServerUnavailableError
+from stacx.wire.http_client import RetryPolicy, ServerRequestError, ServerUnavailableError
 from stacx.wire.types import GenerateOutput, GenerateRequest, SamplingParams
 from tests.json_routes import serve_json_routes
 
@@ -323,3 +323,21 @@ def test_an_attached_server_is_streamed_when_its_model_info_offers_it_and_asked_
             fake.shutdown()
         assert plain.output_ids == [7, 8] and plain.output_log_probs == [-0.5, -0.25]
         assert [path for path, _ in posted] == ["/generate"] and posted[0][1]["stream"] is False
+
+
+class Refusing(StepwiseEngine):
+    """Refuses a request as the CPU engine refuses one past its context length: a ValueError naming the field."""
+
+    def generate(self, requests, *, should_stop=None, abort_flags=None):
+        raise ValueError("request 0: input_ids + sampling_params.max_new_tokens exceeds the model's context length")
+
+
+def test_a_request_the_engine_refuses_is_a_rejection_streamed_or_not_never_a_failed_engine():
+    """The streamed answer's status line is sent before the engine runs: its error line carries the status the
+    unstreamed call answers (400), and the client raises the same `ServerRequestError`, which a supervised pool
+    does not count against the engine."""
+    with EngineHttpServer(Refusing(version=3)) as server:
+        for client in (HttpEngine(server.url, stream_progress=True), HttpEngine(server.url)):
+            with pytest.raises(ServerRequestError, match="exceeds the model's context length") as refused:
+                client.generate(REQUESTS)
+            assert refused.value.status_code == 400
