@@ -48,7 +48,8 @@ def continuation_request(request: GenerateRequest, so_far: GenerateOutput) -> Ge
     """The request that continues `request` after it was aborted having produced `so_far`.
 
     input_ids = request.input_ids + so_far.output_ids; max_new_tokens = what is left; prompt
-    log-probs are not asked again (they are in `so_far`: logprob_start_len = -1); the output
+    log-probs are not asked again when `so_far` holds them (logprob_start_len = -1; an output that
+    stopped before its first token may not: an engine that died before streaming any); the output
     log-prob fields (top-K, chosen ids) and the rid stay; a seed becomes `continuation_seed`.
     """
     if so_far.finish_reason != "abort":
@@ -62,13 +63,15 @@ def continuation_request(request: GenerateRequest, so_far: GenerateOutput) -> Ge
     sampling = dataclasses.replace(
         request.sampling, max_new_tokens=remaining,
         seed=None if seed is None else continuation_seed(seed, len(so_far.output_ids)))
+    prompt_again = not so_far.output_ids and not so_far.input_log_probs
     return dataclasses.replace(request, input_ids=tuple(request.input_ids) + tuple(so_far.output_ids),
-                               sampling=sampling, logprob_start_len=-1)
+                               sampling=sampling, logprob_start_len=request.logprob_start_len if prompt_again else -1)
 
 
 def join_outputs(so_far: GenerateOutput, continued: GenerateOutput) -> GenerateOutput:
     """`so_far` (aborted) followed by `continued` (the answer to `continuation_request`): output
-    fields concatenated token by token, prompt fields from `so_far`, the finish reason of
+    fields concatenated token by token, prompt fields from `so_far` (from `continued` when `so_far`
+    stopped before any: `continuation_request` asked them again), the finish reason of
     `continued`, `weight_version` the oldest version among the tokens."""
     if so_far.finish_reason != "abort":
         raise ValueError(f"join_outputs: the first segment finished with {so_far.finish_reason!r}, not 'abort'")
@@ -77,14 +80,15 @@ def join_outputs(so_far: GenerateOutput, continued: GenerateOutput) -> GenerateO
             raise ValueError(f"join_outputs: {name} has {len(segment.output_ids)} tokens but "
                              f"{len(segment.output_token_versions)} output_token_versions")
     versions = so_far.output_token_versions + continued.output_token_versions
+    prompt = so_far if so_far.output_ids or so_far.input_log_probs else continued
     return GenerateOutput(
         output_ids=so_far.output_ids + continued.output_ids,
         output_log_probs=so_far.output_log_probs + continued.output_log_probs,
         finish_reason=continued.finish_reason,
-        input_log_probs=list(so_far.input_log_probs),
-        input_top_log_probs=list(so_far.input_top_log_probs),
+        input_log_probs=list(prompt.input_log_probs),
+        input_top_log_probs=list(prompt.input_top_log_probs),
         output_top_log_probs=so_far.output_top_log_probs + continued.output_top_log_probs,
-        input_token_ids_log_probs=list(so_far.input_token_ids_log_probs),
+        input_token_ids_log_probs=list(prompt.input_token_ids_log_probs),
         output_token_ids_log_probs=so_far.output_token_ids_log_probs + continued.output_token_ids_log_probs,
         output_token_versions=versions,
         weight_version=min(versions) if versions else continued.weight_version,

@@ -17,14 +17,17 @@ from typing import Iterable, Optional, Sequence
 class AbortFlag:
     """Set once the request with `rid` (None: no rid) must stop. `output`: the request's `GenerateOutput` while
     an engine that decodes in this process builds it (set when its decoding starts, appended to token by token),
-    which a streamed `/generate` reads (stacx.serving.generate_stream); None before."""
+    which a streamed `/generate` reads (stacx.serving.generate_stream); None before. `routes`: with
+    `return_routed_experts`, the route rows computed so far, as pieces laid end to end (the output gets them at the
+    end of the call; stacx.wire.generate_progress)."""
 
-    __slots__ = ("rid", "_event", "output")
+    __slots__ = ("rid", "_event", "output", "routes")
 
     def __init__(self, rid: Optional[str]):
         self.rid = rid
         self._event = threading.Event()
         self.output = None
+        self.routes = ()
 
     def set(self) -> None:
         self._event.set()

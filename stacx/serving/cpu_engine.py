@@ -360,6 +360,7 @@ class CpuEngine(InferenceEngine):
                 request, out = requests[i], outputs[i]
                 if request.return_routed_experts:  # this forward ran every token of the sequence so far
                     out.routed_experts = routes[row]
+                    abort_flags[i].routes = (routes[row],)
                 log_probs_LV = sampling_log_probs(logits_LV, request.sampling.temperature)
                 if first_step and request.return_logprob and request.logprob_start_len >= 0:
                     self._fill_prompt_fields(out, request, log_probs_LV)
@@ -432,6 +433,8 @@ class CpuEngine(InferenceEngine):
                                  max(r.sampling.max_new_tokens for r in requests))
         self._progress_at = time.monotonic()
         routes = [[] for _ in requests]  # per request, [S, MoE layers, top_k] pieces
+        for flag, pieces in zip(abort_flags, routes):  # a streamed /generate reads them as they come
+            flag.routes = pieces
         if batch.last_routes_BSLK is not None:
             for i, request in enumerate(requests):  # prompts are left-padded
                 routes[i].append(batch.last_routes_BSLK[i, batch.last_routes_BSLK.shape[1] - len(request.input_ids):])

@@ -4,15 +4,17 @@ them on a live engine).
 
 The answer is `application/x-ndjson`, one JSON object a line:
 
-    {"progress": [{"index": 0, "start": 0, "output_ids": [5, 9], "output_log_probs": [-0.1, -2.3],
-                   "weight_version": 3}]}     each request's new tokens (every STREAM_INTERVAL_S while any changed)
+    {"progress": [<piece>, ...]}    each request's new tokens with all their fields (every STREAM_INTERVAL_S
+                                    while any changed; the pieces' format: stacx.wire.generate_progress)
     ...
     {"result": <exactly the answer the same call gets unstreamed>}
-    {"error": "..."}                          instead of the result: the engine failed after the answer began
+    {"error": "...", "status": 500}  instead of the result: the call failed after the answer began (the status
+                                    the unstreamed call answers: 4xx is the request's fault, 5xx the engine's)
 
-Only what an engine that decodes in this process records on the request's `AbortFlag.output` is streamed: the token
-ids, their log-probs (when asked) and the weight version. Top-k and token-id log-probs and routed experts come
-in the result only.
+A piece carries everything the answer carries for its tokens (log-probs, top-k and token-id log-probs, routed
+experts; the prompt's log-probs once, with the first tokens), read from what an engine that decodes in this process
+records on the request's `AbortFlag` (`output`, `routes`) as it decodes. Another engine streams no pieces: its
+answer comes as the result line only.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import json
 import uuid
 from typing import Any, AsyncIterator, Sequence
 
+from stacx.serving.http_guard import HttpError
+from stacx.wire.generate_progress import ready_tokens, render_piece
+from stacx.wire.weight_versions import StaleWeightsError
 from stacx.wire.sglang_protocol import render_generate_item
 
 STREAM_INTERVAL_S = 0.05
@@ -39,22 +44,17 @@ def stream_asked(payload: Any) -> bool:
 
 
 def progress(flags: Sequence[Any], requests: Sequence[Any], sent: list[int]) -> list[dict]:
-    """Each request's tokens since `sent[i]` (advanced here), with their log-probs when asked."""
+    """Each request's tokens since `sent[i]` (advanced here) that have every field it asks."""
     lines = []
     for index, (flag, request) in enumerate(zip(flags, requests)):
         output = flag.output
         if output is None:
             continue
-        ids = list(output.output_ids[sent[index]:])
-        log_probs: list = []
-        if request.return_logprob:  # the engine appends a token's id before its log-prob: send both or neither
-            log_probs = list(output.output_log_probs[sent[index]:sent[index] + len(ids)])
-            ids = ids[:len(log_probs)]
-        if not ids:
+        ready = ready_tokens(output, request, flag.routes)
+        if ready <= sent[index]:
             continue
-        lines.append({"index": index, "start": sent[index], "output_ids": ids, "output_log_probs": log_probs,
-                      "weight_version": output.weight_version})
-        sent[index] += len(ids)
+        lines.append(render_piece(index, output, request, sent[index], ready, flag.routes))
+        sent[index] = ready
     return lines
 
 
@@ -74,10 +74,22 @@ async def stream_generate(server: Any, request: Any, requests: list, is_batch: b
         call.cancel()
         raise
     except Exception as err:  # noqa: BLE001 - the status line is sent already: the error is the last line
-        yield _line({"error": f"{type(err).__name__}: {err}"})
+        yield _line(error_line(err))
         return
     items = [render_generate_item(o, r, r.rid or uuid.uuid4().hex, server.tokenizer) for o, r in zip(outputs, requests)]
     yield _line({"result": items if is_batch else items[0]})
+
+
+def error_line(err: Exception) -> dict:
+    """The last line of a call that failed after its answer began, with the status the unstreamed call answers
+    (4xx: the request's fault, which the client raises as a rejection, not as a failed engine)."""
+    if isinstance(err, HttpError):
+        return {"error": str(err), "status": err.status}
+    if isinstance(err, StaleWeightsError):
+        return {"error": str(err), "status": 409, **err.fields}
+    if isinstance(err, ValueError):  # the caller's mistake
+        return {"error": str(err), "status": 400}
+    return {"error": f"{type(err).__name__}: {err}", "status": 500}
 
 
 def _line(body: dict) -> bytes:

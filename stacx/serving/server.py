@@ -29,7 +29,8 @@ Generation and the reads stay open.
 
 Endpoints (SGLang's names unless marked stacx; the schema is at GET /openapi.json):
   GET  /health, /health_generate        200 when the engine can serve, 503 when it is wedged
-  GET  /get_model_info                   {"model_path", "weight_version", "is_generation"}
+  GET  /get_model_info                   {"model_path", "weight_version", "is_generation",
+                                          "stacx_generate_stream": true}
   GET  /get_weight_version               {"weight_version"}
   POST /generate                         SGLang request fields -> SGLang answers (see sglang_protocol); with
                                          "stream": true the tokens as they come, then the answer (generate_stream)
@@ -79,6 +80,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from stacx.serving.aborts import AbortBook
 from stacx.serving.anthropic_endpoints import AnthropicEndpoints
 from stacx.serving.generate_stream import stream_asked, stream_generate
+from stacx.wire.generate_progress import STREAM_CAPABILITY
 from stacx.serving.http_guard import (
     ConnectionCounter,
     HttpError,
@@ -513,7 +515,8 @@ class _Endpoints:
     async def model_info(self, request: Request):
         await self._small_body(request)
         return 200, {"model_path": self.server.model_path, "is_generation": True,
-                     "weight_version": str(self.server.engine.weight_version())}
+                     "weight_version": str(self.server.engine.weight_version()),
+                     STREAM_CAPABILITY: True}  # its /generate streams (generate_stream)
 
     async def weight_version(self, request: Request):
         return 200, {"weight_version": str(self.server.engine.weight_version())}

@@ -82,13 +82,15 @@ def parse_abort_payload(payload: Any) -> Optional[list[str]]:
     return rids
 
 
-def _entries_to_pairs(entries: Optional[list]) -> Optional[list[tuple[float, int]]]:
+def entries_to_pairs(entries: Optional[list]) -> Optional[list[tuple[float, int]]]:
+    """SGLang's `[[log-prob, token id, text], ...]` of one position -> [(log-prob, token id), ...] (None stays)."""
     if entries is None:
         return None
-    return [(_as_float(e[0]), int(e[1])) for e in entries]
+    return [(as_optional_float(e[0]), int(e[1])) for e in entries]
 
 
-def _as_float(value) -> Optional[float]:
+def as_optional_float(value) -> Optional[float]:
+    """A JSON log-prob (None at a position that has none) as a float."""
     return None if value is None else float(value)
 
 
@@ -156,15 +158,15 @@ def parse_generate_item(item: dict, request: GenerateRequest) -> GenerateOutput:
                     f"meta_info.input_token_logprobs has {len(input_entries)} entries, expected {expected} "
                     f"(prompt {len(request.input_ids)} tokens from logprob_start_len {request.logprob_start_len})"
                 )
-            out.input_log_probs = [_as_float(e[0]) for e in input_entries]
+            out.input_log_probs = [as_optional_float(e[0]) for e in input_entries]
         if request.top_logprobs_num > 0:
-            out.output_top_log_probs = [_entries_to_pairs(p) for p in meta.get("output_top_logprobs") or []]
+            out.output_top_log_probs = [entries_to_pairs(p) for p in meta.get("output_top_logprobs") or []]
             if request.logprob_start_len >= 0:
-                out.input_top_log_probs = [_entries_to_pairs(p) for p in meta.get("input_top_logprobs") or []]
+                out.input_top_log_probs = [entries_to_pairs(p) for p in meta.get("input_top_logprobs") or []]
         if request.token_ids_logprob:
-            out.output_token_ids_log_probs = [_entries_to_pairs(p) for p in meta.get("output_token_ids_logprobs") or []]
+            out.output_token_ids_log_probs = [entries_to_pairs(p) for p in meta.get("output_token_ids_logprobs") or []]
             if request.logprob_start_len >= 0:
-                out.input_token_ids_log_probs = [_entries_to_pairs(p) for p in meta.get("input_token_ids_logprobs") or []]
+                out.input_token_ids_log_probs = [entries_to_pairs(p) for p in meta.get("input_token_ids_logprobs") or []]
     return out
 
 
@@ -335,7 +337,8 @@ def _check_token_ids(ids: list, where: str) -> None:
             raise ValueError(f"/generate: '{where}[{j}]' must be a non-negative integer token id, got {token!r}")
 
 
-def _pairs_to_entries(pairs):
+def pairs_to_entries(pairs):
+    """[(log-prob, token id), ...] of one position -> SGLang's entries (`entries_to_pairs` reversed)."""
     return None if pairs is None else [[lp, tok, None] for lp, tok in pairs]
 
 
@@ -362,13 +365,13 @@ def render_generate_item(output: GenerateOutput, request: GenerateRequest, rid: 
             prompt_ids = request.input_ids[request.logprob_start_len:]
             meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(output.input_log_probs, prompt_ids)]
         if request.top_logprobs_num > 0:
-            meta["output_top_logprobs"] = [_pairs_to_entries(p) for p in output.output_top_log_probs]
+            meta["output_top_logprobs"] = [pairs_to_entries(p) for p in output.output_top_log_probs]
             if request.logprob_start_len >= 0:
-                meta["input_top_logprobs"] = [_pairs_to_entries(p) for p in output.input_top_log_probs]
+                meta["input_top_logprobs"] = [pairs_to_entries(p) for p in output.input_top_log_probs]
         if request.token_ids_logprob:
-            meta["output_token_ids_logprobs"] = [_pairs_to_entries(p) for p in output.output_token_ids_log_probs]
+            meta["output_token_ids_logprobs"] = [pairs_to_entries(p) for p in output.output_token_ids_log_probs]
             if request.logprob_start_len >= 0:
-                meta["input_token_ids_logprobs"] = [_pairs_to_entries(p) for p in output.input_token_ids_log_probs]
+                meta["input_token_ids_logprobs"] = [pairs_to_entries(p) for p in output.input_token_ids_log_probs]
     if output.routed_experts is not None:  # SGLang's encoding: base64 of the flat int32 array
         routes = output.routed_experts.to(torch.int32).contiguous()
         meta["routed_experts"] = base64.b64encode(routes.numpy().tobytes()).decode("ascii")

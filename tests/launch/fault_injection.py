@@ -8,6 +8,10 @@ step S (0-based: the rows the run's CHAOS_METRICS file, its metrics.jsonl, holds
 driver writes a step's row before the next rollout starts, so a retried episode shifts no later step's calls):
 - `kill@S.N`: SIGKILL the newest engine (mid-rollout: the episodes' next turns are generated after it; at the
   step's last call, after its generations and before its weight push: the push's pause is refused);
+- `midkill@S.N`: the newest engine is killed mid-generation: it holds its next generation after its first token
+  (`hold_engine_when_asked`, in the engine) and is SIGKILLed once the run's client has received that token in a
+  streamed piece (`kill_held_engines_on_their_pieces`, in the driver), so the tokens it streamed are salvaged
+  (`rollout/tokens_salvaged`); its held call can never finish first: no timing decides it;
 - `stop@S.N`: SIGSTOP the oldest engine (a hung one: it stops answering, its socket stays open; at the step's
   last call, its pause for the push misses the health checks);
 - `sandbox@S.N`: SIGKILL the sandbox server and start another on its port (this episode's session is gone
@@ -16,7 +20,9 @@ driver writes a step's row before the next rollout starts, so a retried episode 
 - `compare@S.N`: ask every engine for the same greedy completion and its weight version, and write them (JSON)
   to CHAOS_REPORT: engines that serve equal weights answer equally (an engine that cannot be asked is
   written with its error, so the test names it).
-The restarted sandbox server's process id is written to CHAOS_SANDBOX_PID_FILE.
+The restarted sandbox server's process id is written to CHAOS_SANDBOX_PID_FILE. A `midkill` engine is told to
+hold through a file named by its process id in CHAOS_HOLD_DIR; the engines load `hold_engine_when_asked` from
+tests/launch/chaos_engine_hooks/sitecustomize.py (on their PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import gc
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -110,6 +117,70 @@ def _next_call() -> tuple[int, int]:
         return step, index
 
 
+HELD_PIECE = "chaos_held"
+"""The key an engine adds to a streamed piece of the generation it holds (`hold_engine_when_asked`)."""
+_kill_on_held_piece: dict[str, int] = {}
+"""{engine URL: its process id} of the engines to SIGKILL at their first held piece."""
+
+
+def hold_engine_when_asked() -> None:
+    """In a `stacx serve` engine: once CHAOS_HOLD_DIR holds a file named by its process id, the next token the
+    engine records is its last: the decoding waits (until the process is killed), and the streamed pieces of that
+    token's request are marked HELD_PIECE. Only the held call's own pieces are marked: a call that already finished
+    may still be sending its last piece and its answer, and killing on that piece would not break its stream."""
+    from stacx.serving import cpu_engine, generate_stream
+
+    hold_file = os.path.join(os.environ["CHAOS_HOLD_DIR"], str(os.getpid()))
+    held: list = []  # the held output
+    record, progress = cpu_engine.CpuEngine._record_token, generate_stream.progress
+
+    def record_then_hold(self, out, *args):
+        going_on = record(self, out, *args)
+        if os.path.exists(hold_file):
+            held.append(out)
+            threading.Event().wait()  # the driver kills this process once its client holds the token
+        return going_on
+
+    def marked_progress(flags, requests, sent):
+        pieces = progress(flags, requests, sent)
+        for piece in pieces:
+            if any(flags[piece["index"]].output is out for out in held):
+                piece[HELD_PIECE] = True
+        return pieces
+
+    cpu_engine.CpuEngine._record_token = record_then_hold
+    generate_stream.progress = marked_progress
+
+
+def kill_held_engines_on_their_pieces() -> None:
+    """In the driver, before its first generation (this module is imported for the episodes' environment): the
+    streamed `/generate` of every client SIGKILLs an engine armed by `midkill` as soon as it receives a piece of
+    the engine's held generation, before the client keeps it."""
+    from stacx.wire.http_client import HttpTransport
+
+    post_lines = HttpTransport.post_lines
+
+    def watched_lines(self, endpoint, body, **kwargs):
+        for line in post_lines(self, endpoint, body, **kwargs):
+            if any(piece.get(HELD_PIECE) for piece in line.get("progress", ())):
+                with _lock:
+                    pid = _kill_on_held_piece.pop(self.url, None)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+            yield line
+
+    HttpTransport.post_lines = watched_lines
+
+
+def arm_mid_generation_kill() -> None:
+    """`midkill`: the newest engine holds its next generation and is killed at the client's first piece of it."""
+    pid = engine_processes()[-1]
+    with _lock:
+        _kill_on_held_piece[engine_urls()[pid]] = pid
+    with open(os.path.join(os.environ["CHAOS_HOLD_DIR"], str(pid)), "w"):
+        pass
+
+
 def _chaos(step: int, index: int, task: dict) -> None:
     for item in filter(None, os.environ.get("CHAOS_PLAN", "").split(",")):
         action, at = item.split("@")
@@ -117,6 +188,8 @@ def _chaos(step: int, index: int, task: dict) -> None:
             continue
         if action == "kill":
             os.kill(engine_processes()[-1], signal.SIGKILL)
+        elif action == "midkill":
+            arm_mid_generation_kill()
         elif action == "stop":
             os.kill(engine_processes()[0], signal.SIGSTOP)
         elif action == "sandbox":
@@ -132,7 +205,6 @@ def _chaos(step: int, index: int, task: dict) -> None:
 def restart_sandbox_server(task: dict) -> None:
     """SIGKILL the sandbox server (its pid from the pid file) and start a new one on its port, healthy on return."""
     import subprocess
-    import sys
 
     pid_file = os.environ["CHAOS_SANDBOX_PID_FILE"]
     with open(pid_file) as handle:
@@ -193,3 +265,7 @@ def _snapshot() -> str:
                 handle.write("chaos\n")
             _folder.append(folder)
         return _folder[0]
+
+
+if os.environ.get("CHAOS_HOLD_DIR") and "serve" not in sys.orig_argv:  # the driver (the engines: sitecustomize)
+    kill_held_engines_on_their_pieces()

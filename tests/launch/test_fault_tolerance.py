@@ -1,8 +1,8 @@
 """Runs that survive their parts, through `stacx train` on Ray (the shared test cluster), in one ten-step run of
 two-turn episodes in remote sandbox sessions on two CPU engines, every fault injected by the episodes' own
-environment (tests/launch/fault_injection.py): an engine killed mid-rollout, one killed before a weight push, one
-hung (SIGSTOP: it stops answering, its socket stays open) before the next push, the sandbox server killed and
-restarted, a slow reward. Each engine is noticed, restarted and given the current weights, the episode on the dead
+environment (tests/launch/fault_injection.py): an engine killed mid-generation (the tokens it streamed are
+continued on the other engine), one killed before a weight push, one hung (SIGSTOP: it stops answering, its socket
+stays open) before the next push, the sandbox server killed and restarted, a slow reward. Each engine is noticed, restarted and given the current weights, the episode on the dead
 sandbox is played again, and the run completes every step with full batches. Unit-level checks of each path:
 tests/rollout/test_engine_faults.py, test_episode_faults.py."""
 
@@ -21,11 +21,13 @@ from tests.launch.test_custom_code_on_every_rank import REPO, train_env
 
 pytestmark = pytest.mark.slow  # `stacx train` on Ray
 
+HOOKS = os.path.join(REPO, "tests", "launch", "chaos_engine_hooks")
+"""On the run's PYTHONPATH: its sitecustomize gives the engines the `midkill` hold (fault_injection.py)."""
 PROMPTS, SAMPLES = 4, 4
 LAST_CALL = 2 * PROMPTS * SAMPLES - 1
 """The index of a rollout step's last environment step call (two per episode): its generations are done."""
 CHAOS_PLAN = ",".join([
-    "kill@1.1",  # the newest engine, mid-rollout: its requests are re-issued, it is restarted
+    "midkill@1.1",  # the newest engine, mid-generation: its streamed tokens continue elsewhere, it is restarted
     f"kill@2.{LAST_CALL}",  # the newest engine, before step 2's weight push: the push's pause is refused
     f"stop@3.{LAST_CALL}",  # the oldest engine hangs before step 3's push: it misses its health checks
     "sandbox@4.3",  # the sandbox server killed and restarted: the episode is played again
@@ -79,8 +81,12 @@ def test_chaos_run_engine_kill_hang_sandbox_kill_and_slow_reward_in_one_ten_step
                "--engine-health-interval-s", "1", "--engine-deadline-s", "120", "--episode-retries", "2",
                "--num-steps", "10", "--out", out, "--no-plots", "--no-progress-bar", "--ray-address",
                shared_ray_address]
+    hold_dir = tmp_path / "hold"
+    hold_dir.mkdir()
+    python_path = os.pathsep.join([HOOKS, REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
     env = train_env({"CHAOS_PLAN": CHAOS_PLAN, "CHAOS_SANDBOX_PID_FILE": str(pid_file), "CHAOS_REPORT": report,
-                     "CHAOS_METRICS": os.path.join(out, "metrics.jsonl")})
+                     "CHAOS_METRICS": os.path.join(out, "metrics.jsonl"), "CHAOS_HOLD_DIR": str(hold_dir),
+                     "PYTHONPATH": python_path})
     try:
         completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1400, cwd=REPO)
     finally:
@@ -98,6 +104,8 @@ def test_chaos_run_engine_kill_hang_sandbox_kill_and_slow_reward_in_one_ten_step
     restarts = [s["rollout/engine_restarts"] for s in steps]
     assert restarts[0] == 0.0 and restarts[2:] == [1.0, 2.0] + [3.0] * 6, restarts
     assert steps[-1]["rollout/requests_reissued"] >= 1.0  # the mid-rollout kill's requests went to the other engine
+    # it was killed holding a generation whose first token its client had: that token went on on the other engine
+    assert steps[1]["rollout/tokens_salvaged"] >= 1.0 and os.listdir(hold_dir), (steps[1], completed.stderr[-4000:])
     # Each restarted engine took the push and serves from the next rollout on (step 1's is restarted mid-rollout).
     assert all(s["rollout/live_engines"] == 2.0 for s in steps if s["step"] != 1), (steps, completed.stderr[-4000:])
     assert "Connection refused" in completed.stderr  # the killed engines

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 
+from stacx.rollout.continuation import continuation_request, join_outputs
 from stacx.rollout.engine_pool import EnginePool
 from stacx.rollout.sections import RolloutSection
 from stacx.wire.engine import InferenceEngine
@@ -163,3 +164,21 @@ def test_tokens_received_before_an_engine_died_are_continued_on_a_live_engine_ke
     assert second.output_ids == [9, 9] and second.output_token_versions == [3, 3]  # finished: kept as it came
     assert pool.supervisor.metrics()["rollout/requests_reissued"] == 2.0
     pool.shutdown()
+
+
+def test_a_request_whose_engine_died_before_its_first_token_asks_its_prompt_log_probs_again():
+    """A streamed request gets its prompt's log-probs with its first tokens: one whose engine died before any
+    holds none, so its continuation asks them again and the joined output takes them from it."""
+    asked = GenerateRequest(input_ids=(1, 2, 3), sampling=SamplingParams(max_new_tokens=4), logprob_start_len=1,
+                            top_logprobs_num=1)
+    nothing = GenerateOutput(output_ids=[], finish_reason="abort", weight_version=3)
+    again = continuation_request(asked, nothing)
+    assert again.logprob_start_len == 1 and again.input_ids == (1, 2, 3)
+    answer = GenerateOutput(output_ids=[5], output_log_probs=[-0.5], output_token_versions=[4], weight_version=4,
+                            input_log_probs=[-1.0, -2.0], input_top_log_probs=[[(-1.0, 2)], [(-2.0, 3)]])
+    joined = join_outputs(nothing, answer)
+    assert joined.input_log_probs == [-1.0, -2.0] and joined.input_top_log_probs == [[(-1.0, 2)], [(-2.0, 3)]]
+    streamed = GenerateOutput(output_ids=[7], output_log_probs=[-0.1], output_token_versions=[3], weight_version=3,
+                              finish_reason="abort", input_log_probs=[-1.5, -2.5])
+    assert continuation_request(asked, streamed).logprob_start_len == -1  # streamed with its first token
+    assert join_outputs(streamed, answer).input_log_probs == [-1.5, -2.5]

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 from stacx.parallel.tensor_buckets import TENSOR_DTYPES
 from stacx.rollout.engines.server_client import ServerClient
-from stacx.rollout.engines.streamed_generate import generate_streamed, streamable
+from stacx.rollout.engines.streamed_generate import generate_streamed
 from stacx.wire.engine import WeightBucket
+from stacx.wire.generate_progress import STREAM_CAPABILITY
 from stacx.wire.http_client import RetryPolicy, ServerRequestError
 from stacx.wire.sglang_protocol import build_abort_payload, build_generate_payload, parse_generate_response
 from stacx.wire.weight_versions import is_own_accepted_bucket
@@ -30,6 +31,10 @@ from stacx.wire.weight_transfer import (
 )
 
 logger = logging.getLogger(__name__)
+
+IF_OFFERED = "if_offered"
+"""`HttpEngine(stream_progress=IF_OFFERED)`: a streamed `/generate` when the server offers one (an attached
+server may be `stacx serve` or SGLang)."""
 
 
 def summarize_requests(requests: Sequence[GenerateRequest]) -> str:
@@ -42,13 +47,18 @@ class HttpEngine(ServerClient):
     """Talks to one server URL over SGLang's native API."""
 
     def __init__(self, url: str, retry: RetryPolicy = RetryPolicy(), *, weight_transport: str = "auto",
-                 api_key: Optional[str] = None, stream_progress: bool = False):
+                 api_key: Optional[str] = None, stream_progress: Union[bool, str] = False):
         """weight_transport: 'http' sends bucket bytes in the request body; 'shm' stages them in a
         same-host shared-memory file the server creates and sends only metadata; 'auto' tries shm
         for a loopback URL and falls back to http when the server offers no staging file.
-        api_key: the server's shared secret (None: `STACX_API_KEY` if set). stream_progress: ask `stacx serve`
+        api_key: the server's shared secret (None: `STACX_API_KEY` if set). stream_progress: True asks `stacx serve`
         for a streamed `/generate` (the tokens as they come), so a call to a server whose process died raises with
-        the tokens received so far (stacx.rollout.engines.streamed_generate); one attempt per call then."""
+        the tokens received so far (stacx.rollout.engines.streamed_generate); the request is retried until its
+        answer starts, not after. IF_OFFERED: streamed when the server says it can (`stream_offered`: asked once,
+        at the first call), else unstreamed (SGLang streams another format)."""
+        if stream_progress not in (True, False, IF_OFFERED):
+            raise ValueError(f"HttpEngine: stream_progress must be True, False or {IF_OFFERED!r}, "
+                             f"got {stream_progress!r}")
         self.stream_progress = stream_progress
         super().__init__(url, retry, api_key=api_key, weight_transport=weight_transport)
         self._shm_fallback = weight_transport == "auto"
@@ -60,10 +70,21 @@ class HttpEngine(ServerClient):
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         if not requests:
             return []
-        if self.stream_progress and streamable(requests):
+        if self.stream_progress == IF_OFFERED:
+            self.stream_progress = self.stream_offered()
+        if self.stream_progress:
             return generate_streamed(self.transport, requests, summary=summarize_requests(requests))
         body = self.transport.post_json("/generate", build_generate_payload(requests), summary=summarize_requests(requests))
         return parse_generate_response(body, requests)
+
+    def stream_offered(self) -> bool:
+        """Whether the server streams `/generate` as `stacx serve` does: its `/get_model_info` names the
+        capability (stacx.wire.generate_progress.STREAM_CAPABILITY); a server without the endpoint does not."""
+        try:
+            info = self.transport.get("/get_model_info")
+        except ServerRequestError:
+            return False
+        return isinstance(info, dict) and info.get(STREAM_CAPABILITY) is True
 
     def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
         """Send the buckets numbered 0, 1, ... under `version`, the last one marked final (the server

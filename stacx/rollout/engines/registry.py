@@ -44,7 +44,7 @@ from typing import Callable, Optional, TypeVar
 import torch
 
 from stacx.plugins.registry import Registry
-from stacx.rollout.engines.http import HttpEngine
+from stacx.rollout.engines.http import IF_OFFERED, HttpEngine
 from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch, launch_cpu_server, launch_sglang_servers
 from stacx.rollout.engines.sglang import SglangEngine
 from stacx.rollout.engines.vllm import VllmEngine, launch_vllm_servers
@@ -182,13 +182,21 @@ def launched_stacx_serve_client(url: str, *, api_key: Optional[str] = None,
                                 retry: RetryPolicy = RetryPolicy()) -> HttpEngine:
     """The client of a `stacx serve` the run launched: its `/generate` answers are streamed, so the tokens of a
     server that is killed mid-call are kept and continued on a live one (stacx.rollout.engines.streamed_generate).
-    Attached servers ('http') may be SGLang, which streams another format: they are asked unstreamed."""
+    An attached server ('http', `attached_server_client`) is asked whether it streams."""
     return HttpEngine(url, retry, api_key=api_key, stream_progress=True)
+
+
+def attached_server_client(url: str, *, api_key: Optional[str] = None,
+                           retry: RetryPolicy = RetryPolicy()) -> HttpEngine:
+    """The client of an attached server (`--rollout-urls`): `stacx serve` offers a streamed `/generate` (its
+    `/get_model_info` says so), so a killed server's tokens are kept as with a launched one; another server
+    (SGLang, which streams another format) is asked unstreamed."""
+    return HttpEngine(url, retry, api_key=api_key, stream_progress=IF_OFFERED)
 
 
 add_engine_kind(EngineKind(name="cpu", client=launched_stacx_serve_client, launcher=launch_cpu_server, starts_beside_workers=True,
                            records_sessions=True, takes_lora_adapters=True))
-add_engine_kind(EngineKind(name="http", client=HttpEngine, records_sessions=True, takes_lora_adapters=True))  # attaches to `stacx serve`
+add_engine_kind(EngineKind(name="http", client=attached_server_client, records_sessions=True, takes_lora_adapters=True))  # attaches to `stacx serve`
 add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True,
                            takes_lora_adapters=True))
 add_engine_kind(EngineKind(name="vllm", client=VllmEngine, launcher=launch_vllm_servers, starts_beside_workers=True,
