@@ -59,18 +59,37 @@ def packed_causal_attention(
     # One split per tensor, not a slice per sequence: the backward of a split is one concatenation,
     # that of each slice a zero-filled [T, H, D] gradient (a cost quadratic in the sequence count).
     local_lengths = [length // cp_size for length in padded_lengths]
-    outputs = []
-    for length, q, k, v in zip(padded_lengths, query.split(local_lengths), full_key.split(padded_lengths),
-                               full_value.split(padded_lengths)):
+    queries = query.split(local_lengths)
+    keys, values = full_key.split(padded_lengths), full_value.split(padded_lengths)
+    outputs: list = [None] * len(padded_lengths)
+    # Sequences of one padded length share their mask and query positions: one attention call for all
+    # of them (a batch), not one per sequence. A row's result does not depend on the other rows of its
+    # batch (each batch row and head is computed on its own), so the output is the per-sequence one.
+    for length, indices in _indices_by_length(padded_lengths).items():
         # Positions (inside the sequence) of this rank's queries: chunks r and 2cp-1-r.
         q_pos = local_positions([length], cp_rank, cp_size).to(query.device)  # [Lq]
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [Hq, Lq, D], [Hkv, L, D]
         allowed = q_pos[:, None] >= torch.arange(length, device=query.device)[None, :]  # [Lq, L]
+        batch = len(indices)
+        # [B*H, L, D]: heads of every sequence along one batch dimension, as a single sequence's
+        # [H, L, D] is (GQA pairs query head b*Hq + h with key head b*Hkv + h*Hkv//Hq, as it should).
+        q = torch.stack([queries[i] for i in indices]).transpose(1, 2).flatten(0, 1)  # [B*Hq, Lq, D]
+        k = torch.stack([keys[i] for i in indices]).transpose(1, 2).flatten(0, 1)  # [B*Hkv, L, D]
+        v = torch.stack([values[i] for i in indices]).transpose(1, 2).flatten(0, 1)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, scale=softmax_scale, enable_gqa=q.shape[0] != k.shape[0]
         )
-        outputs.append(out.transpose(0, 1))  # [Lq, Hq, D]
+        rows = out.unflatten(0, (batch, -1)).transpose(1, 2).unbind(0)  # [Lq, Hq, D] each
+        for index, row in zip(indices, rows):
+            outputs[index] = row
     return torch.cat(outputs)
+
+
+def _indices_by_length(lengths: list[int]) -> dict[int, list[int]]:
+    """The positions in `lengths` of each distinct length, in order of first appearance."""
+    groups: dict[int, list[int]] = {}
+    for index, length in enumerate(lengths):
+        groups.setdefault(length, []).append(index)
+    return groups
 
 
 class PackedCoreAttention(MegatronModule):

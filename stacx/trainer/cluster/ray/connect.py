@@ -59,6 +59,38 @@ def _quiet_token_auth_notice() -> Iterator[None]:
         notice_logger.setLevel(previous)
 
 
+LEAN_DAEMON_ENV = {
+    "RAY_enable_metrics_collection": "0",
+    "REPORTER_UPDATE_INTERVAL_MS": "60000",
+    "METRICS_RECORD_INTERVAL_S": "60",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+"""The environment a local cluster's daemons start with (a value the user set wins). A cluster `connect_ray`
+starts has no dashboard, so nothing reads Ray's metrics: without them no process exports OpenTelemetry
+histograms to the dashboard agent every few seconds and the agent ingests none; the agent's and the
+dashboard head's psutil sweeps of every Ray process run every minute instead of every 5 s; and no usage
+statistics are collected. These daemons poll, so they cost CPU in proportion to a run's wall time: in the
+CPU demo Ray's own processes took 31 s of CPU instead of 52 (docs/testing.md, session 10)."""
+QUIET_LOG_MONITOR_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "5"}
+"""Also, for a driver that takes no worker logs (`log_to_driver=False`): Ray's log monitor looks for new log
+files every 5 s instead of every 0.1 s (it forwards worker output only to drivers that take it)."""
+
+
+@contextlib.contextmanager
+def _lean_daemon_environment(log_to_driver: bool) -> Iterator[None]:
+    """While active (the `ray.init` that starts a local cluster, whose daemons and workers inherit it), the
+    environment of LEAN_DAEMON_ENV (and QUIET_LOG_MONITOR_ENV without worker logs); variables the user
+    set keep their values. Restored after, so the run's other child processes do not get it."""
+    wanted = {**LEAN_DAEMON_ENV, **({} if log_to_driver else QUIET_LOG_MONITOR_ENV)}
+    added = [name for name in wanted if name not in os.environ]
+    os.environ.update({name: wanted[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
 def _announce(message: str) -> None:
     """A line on stderr before a wait that can pass 10 s, so that a quiet start never looks hung."""
     import sys
@@ -146,7 +178,7 @@ _RAY_NODE_START_TIMEOUT = "timed out during startup"
 
 def start_local_cluster(**init_kwargs) -> None:
     """`ray.init(**init_kwargs)` for a new single-node cluster whose node address is 127.0.0.1, its workers at
-    this process's priority (WORKER_NICENESS_INCREMENT).
+    this process's priority (WORKER_NICENESS_INCREMENT), its daemons polling less (LEAN_DAEMON_ENV).
 
     A start that Ray abandons because the node did not register in time is retried (LOCAL_START_ATTEMPTS
     in all), then fails with a RuntimeError that says what to do. RuntimeError (after shutting it down) if
@@ -157,7 +189,8 @@ def start_local_cluster(**init_kwargs) -> None:
 
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         try:
-            with _ray_keeps_loopback_node_addresses(), _quiet_token_auth_notice():
+            with _ray_keeps_loopback_node_addresses(), _quiet_token_auth_notice(), \
+                    _lean_daemon_environment(init_kwargs.get("log_to_driver", True)):
                 # A new dict per attempt: Ray writes its defaults into the one it is given, and warns about
                 # them ("object spilling config ... unstable API") when a retry passes them back.
                 ray.init(_node_ip_address=LOOPBACK_ADDRESS,
