@@ -1,6 +1,7 @@
 """Resuming never runs code from a checkpoint: planted pickle payloads are refused naming the file,
 and a real training checkpoint (megatron optimizer and scheduler, RNG, data position) loads with
-`torch.load(weights_only=True)` and nothing added to its allow-list."""
+`torch.load(weights_only=True)` and nothing added to its allow-list (checked on the checkpoint
+tests/trainer/test_training_spmd.py's one-rank SFT run saves, which needs no run of its own here)."""
 
 from __future__ import annotations
 
@@ -73,30 +74,23 @@ def test_the_allow_list_admits_only_what_is_listed(tmp_path):
     assert CHECKPOINT_SAFE_GLOBALS == ()
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.timeout(400)
-def test_a_real_training_checkpoint_needs_nothing_beyond_torchs_defaults(tmp_path):
-    """One SFT rank with megatron's DDP, optimizer and scheduler saves a checkpoint; every .pt file (Stacx's
-    and torch_dist's common.pt) loads with weights_only=True and an empty allow-list, and the torch_dist
-    folder holds the optimizer state resume restores."""
-    from stacx.testing.distributed import run_distributed
-    from tests.trainer.test_training_spmd import train_sft_spmd
-    from tests.trainer.training_fixtures import write_tiny_run_files
-
-    root = str(tmp_path)
-    write_tiny_run_files(root)
-    run_distributed(train_sft_spmd, 1, args=(root, "out", 2, {"save": os.path.join(root, "ckpt")}))
-    files = sorted(Path(root, "ckpt").rglob("*.pt"))
+def assert_a_real_training_checkpoint_needs_nothing_beyond_torchs_defaults(folder: str, *, rollout_steps: int,
+                                                                           optimizer_steps: int) -> None:
+    """One SFT rank with megatron's DDP, optimizer and scheduler saved `folder`; every .pt file (Stacx's and
+    torch_dist's common.pt) loads with weights_only=True and an empty allow-list, and the torch_dist folder holds
+    the optimizer state resume restores. Made on the one-rank run of
+    tests/trainer/test_training_spmd.py::test_sft_two_ranks_match_one_rank_loss_curve (Session 10: this file's
+    own one-rank SFT run, the same run with one step fewer, was folded into it)."""
+    files = sorted(Path(folder).rglob("*.pt"))
     assert {f.name for f in files} == {"driver.pt", "rank_00000.pt", "common.pt"}
     for path in files:
         assert torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) == [], path
-    loaded = load_checkpoint(Path(root, "ckpt"), expected_recipe="sft", expected_layouts={"policy": LAYOUT})
+    loaded = load_checkpoint(Path(folder), expected_recipe="sft", expected_layouts={"policy": LAYOUT})
     state = loaded.rank_state("policy", 0)
-    # 2 rollout steps of 2 optimizer steps each (train_sft_spmd): the scheduler counts optimizer steps.
-    assert state["num_steps"] == 4 and state["scheduler"]["num_steps"] == 4
+    # The scheduler counts optimizer steps (several per rollout step with mini-batches), not rollout steps.
+    assert state["num_steps"] == optimizer_steps and state["scheduler"]["num_steps"] == optimizer_steps
     from tests.checkpointing.helpers import read_torch_dist_tensors
 
     saved = read_torch_dist_tensors(loaded.model_folder("policy"))
     assert any(key.startswith("optimizer.state.exp_avg.") for key in saved)
-    assert loaded.driver_state()["step"] == loaded.step == 2
+    assert loaded.driver_state()["step"] == loaded.step == rollout_steps

@@ -2,7 +2,8 @@
 optimizer steps, per rollout step); resume guards.
 
 Each rank runs `run_spmd` (the same StacxTrainer loop as a Ray run, with LocalRoleGroup); the
-reference is the same run on a world of one.
+reference is the same run on a world of one, whose checkpoint is also the one
+test_checkpoint_security.py checks loads with torch's defaults alone.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import pytest
 
 from stacx.testing.distributed import run_distributed
+from tests.trainer.test_checkpoint_security import assert_a_real_training_checkpoint_needs_nothing_beyond_torchs_defaults
 from tests.trainer.training_fixtures import read_metrics, run_config, write_tiny_run_files
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(400)]
@@ -63,6 +65,10 @@ def test_sft_two_ranks_match_one_rank_loss_curve(tmp_path):
     assert curve_1[-1] < curve_1[0]  # lr 1e-3 on 8 examples: the loss goes down
     assert double[0]["policy/loss"] == pytest.approx(double[1]["policy/loss"])  # every rank sees the metrics
     assert single[0]["policy/num_loss_tokens"] == double[0]["policy/num_loss_tokens"]
+    # The one-rank run's checkpoint needs nothing beyond torch's defaults to load (the check of
+    # test_checkpoint_security.py's former one-rank SFT run, folded here): 3 rollout steps of 2 optimizer steps.
+    assert_a_real_training_checkpoint_needs_nothing_beyond_torchs_defaults(os.path.join(root, "ckpt_dp1"),
+                                                                           rollout_steps=3, optimizer_steps=6)
 
     message, dpo_metrics = run_distributed(dpo_runs, 1, args=(root,))[0]
     assert "CheckpointError" in message and "'sft'" in message and "'dpo'" in message, message

@@ -2,8 +2,9 @@
 
 The shared test Ray cluster (4 CPUs, `ray_address`) and one role graph are used by the module: a 2-rank TP=2
 `policy` and a 2-rank DP=2 `reference` colocated on one pool, with an exchange sync
-policy -> reference. The failure tests start their own small role so that killing a worker
-does not disturb the shared graph.
+policy -> reference. The failure test starts its own small role so that killing a worker
+does not disturb the shared graph; that role is also the one a two-file `stacx/custom/` folder is shipped to
+(one role's start-up, not two: each costs a Ray actor per rank).
 """
 
 from __future__ import annotations
@@ -173,40 +174,6 @@ def test_raising_method_names_role_and_rank_and_worker_survives(role_graph):
     assert policy.execute_all(RoleWorker.ping) == [("policy", 0), ("policy", 1)]
 
 
-@pytest.fixture()
-def disposable_role(ray_address):
-    pool = PlacedPool.create(ResourcePool(name="disposable", num_bundles=2, num_cpus_per_bundle=0.5))
-    workers = RoleWorkers("scratch", 2, RolePlacement(pool), collective_timeout_s=30.0)
-    workers.setup()
-    yield workers
-    workers.kill()
-    pool.remove()
-
-
-def test_dead_or_slow_workers_fail_the_call_fast_with_role_and_rank(disposable_role):
-    # A call past its deadline names the rank still running.
-    with pytest.raises(RoleWorkerTimeout, match="role 'scratch' rank 1"):
-        disposable_role.submit_per_rank(sleep_then_return, [(0.0,), (6.0,)], timeout_s=2.0).result()
-    # A worker that exits mid-collective: the driver's call fails naming it, well under 60 s.
-    start = time.monotonic()
-    with pytest.raises(RoleWorkerDied) as info:
-        disposable_role.execute_all(exit_on_rank_one_during_all_reduce)
-    assert time.monotonic() - start < 60.0
-    assert (info.value.role_name, info.value.rank) == ("scratch", 1)
-    assert "role 'scratch' rank 1 died" in str(info.value)
-    # A worker killed from outside while a call runs on it.
-    import ray
-
-    pending = disposable_role.submit_all(partial(sleep_then_return, seconds=30.0))
-    time.sleep(1.0)
-    start = time.monotonic()
-    ray.kill(disposable_role.actors[0], no_restart=True)
-    with pytest.raises(RoleWorkerDied) as info:
-        pending.result()
-    assert time.monotonic() - start < 60.0
-    assert (info.value.role_name, info.value.rank) == ("scratch", 0)
-
-
 # ---- user code shipped to workers -------------------------------------------------------
 
 TWO_FILE_SPEC = "class TwoFileSpecialization:\n    SCALE = 7\n"
@@ -243,33 +210,68 @@ def two_file_custom_folder(tmp_path):
             sys.modules.pop(name, None)
 
 
-def test_a_two_file_custom_folder_reaches_workers_and_a_failing_file_is_shown_whole(ray_address,
-                                                                                    two_file_custom_folder):
-    """Issue 27: the recipe file's `from stacx.custom.my_algo_spec import ...` failed on workers
-    (`No module named 'stacx.custom.my_algo_spec'`): the files were executed in walk order, the
-    recipe before the file it imports. And the driver cut the worker's error to its first 600 characters."""
+@pytest.fixture()
+def disposable_role(ray_address, two_file_custom_folder):
+    """A 2-rank role of its own, its workers started with the two-file folder's sources (shipped in walk order,
+    recipe first: the folder is importable as a package all the same), and beside it on the same pool a
+    1-rank role whose only user file raises at import. Both start at once (their start-ups overlap)."""
     from stacx.plugins.discovery import UserModuleSource
 
-    assert [entry.module_name for entry in two_file_custom_folder] == ["stacx.custom.twofile_algo_spec",
-                                                                       "stacx.custom.twofile_algo"]
-    pool = PlacedPool.create(ResourcePool(name="shipped_code", num_bundles=1, num_cpus_per_bundle=1.0),
+    pool = PlacedPool.create(ResourcePool(name="disposable", num_bundles=2, num_cpus_per_bundle=0.5),
                              num_sharing_roles=2)
     failing = UserModuleSource("stacx.custom.failing_user_file", FAILING_FILE, "/driver/only/failing_user_file.py")
-    good = bad = None
-    try:  # both start at once (the two actors' start-up overlaps)
-        # Shipped in walk order (recipe first) all the same: the folder is importable as a package.
-        good = RoleWorkers("custom_code", 1, RolePlacement(pool), user_modules=list(reversed(two_file_custom_folder)))
-        bad = RoleWorkers("failing_code", 1, RolePlacement(pool), user_modules=[failing])
-        result, names = good.execute_rank0(read_two_file_result, timeout_s=120.0)
-        assert result == 42 and set(names) == {"stacx.custom.twofile_algo", "stacx.custom.twofile_algo_spec"}
-        with pytest.raises(RoleWorkerDied) as info:
-            bad.execute_rank0(RoleWorker.ping, timeout_s=120.0)
+    workers = failing_workers = None
+    try:
+        workers = RoleWorkers("scratch", 2, RolePlacement(pool), collective_timeout_s=30.0,
+                              user_modules=list(reversed(two_file_custom_folder)))
+        failing_workers = RoleWorkers("failing_code", 1, RolePlacement(pool), user_modules=[failing])
+        workers.setup()
+        yield workers, failing_workers
     finally:
-        for workers in (good, bad):
-            if workers is not None:
-                workers.kill()
+        for role in (workers, failing_workers):
+            if role is not None:
+                role.kill()
         pool.remove()
+
+
+def test_dead_or_slow_workers_fail_the_call_fast_with_role_and_rank(disposable_role, two_file_custom_folder):
+    """Also the check of test_a_two_file_custom_folder_reaches_workers_and_a_failing_file_is_shown_whole (folded
+    here, Session 10: its role was a second start-up of the same kind), made on this role before it is broken:
+    issue 27, the recipe file's `from stacx.custom.my_algo_spec import ...` failed on workers
+    (`No module named 'stacx.custom.my_algo_spec'`): the files were executed in walk order, the recipe before
+    the file it imports. And the driver cut the worker's error to its first 600 characters."""
+    disposable_role, failing_workers = disposable_role
+    # The user code shipped to workers: the two files (the recipe imports the other) reach every rank.
+    assert [entry.module_name for entry in two_file_custom_folder] == ["stacx.custom.twofile_algo_spec",
+                                                                       "stacx.custom.twofile_algo"]
+    expected_names = {"stacx.custom.twofile_algo", "stacx.custom.twofile_algo_spec"}
+    for result, names in disposable_role.execute_all(read_two_file_result, timeout_s=120.0):
+        assert result == 42 and set(names) == expected_names
+    # A user file that raises at import: the worker's error names it and keeps its traceback whole.
+    with pytest.raises(RoleWorkerDied) as info:
+        failing_workers.execute_rank0(RoleWorker.ping, timeout_s=120.0)
     message = str(info.value)
     assert "custom module 'stacx.custom.failing_user_file' (from /driver/only/failing_user_file.py)" in message
     assert "deliberate failure inside the user file: " + "x" * 800 in message  # whole, not cut
     assert "line 2, in helper" in message  # the user file's own traceback
+    # A call past its deadline names the rank still running.
+    with pytest.raises(RoleWorkerTimeout, match="role 'scratch' rank 1"):
+        disposable_role.submit_per_rank(sleep_then_return, [(0.0,), (6.0,)], timeout_s=2.0).result()
+    # A worker that exits mid-collective: the driver's call fails naming it, well under 60 s.
+    start = time.monotonic()
+    with pytest.raises(RoleWorkerDied) as info:
+        disposable_role.execute_all(exit_on_rank_one_during_all_reduce)
+    assert time.monotonic() - start < 60.0
+    assert (info.value.role_name, info.value.rank) == ("scratch", 1)
+    assert "role 'scratch' rank 1 died" in str(info.value)
+    # A worker killed from outside while a call runs on it.
+    import ray
+
+    pending = disposable_role.submit_all(partial(sleep_then_return, seconds=30.0))
+    time.sleep(1.0)
+    start = time.monotonic()
+    ray.kill(disposable_role.actors[0], no_restart=True)
+    with pytest.raises(RoleWorkerDied) as info:
+        pending.result()
+    assert time.monotonic() - start < 60.0
+    assert (info.value.role_name, info.value.rank) == ("scratch", 0)
