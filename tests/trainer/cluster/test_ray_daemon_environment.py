@@ -6,27 +6,12 @@ from __future__ import annotations
 
 import os
 
-from stacx.trainer.cluster.ray import connect as ray_cluster
-from stacx.trainer.cluster.ray.connect import LEAN_DAEMON_ENV, LOOPBACK_ADDRESS, QUIET_LOG_MONITOR_ENV, connect_ray
+from stacx.trainer.cluster.ray.connect import LEAN_DAEMON_ENV, QUIET_LOG_MONITOR_ENV, connect_ray
+from tests.trainer.cluster.fake_ray import fake_local_ray
 
 
 def _fake_ray(monkeypatch, seen: list[dict]) -> None:
-    import ray
-
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append(dict(os.environ)))
-    monkeypatch.setattr(ray, "shutdown", lambda: None)
-    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeManagerAddress": LOOPBACK_ADDRESS}])
-
-    class NoReaper:  # no cluster starts here, so no process to sweep it
-        @classmethod
-        def start(cls):
-            return cls()
-
-        def finish(self):
-            pass
-
-    monkeypatch.setattr(ray_cluster, "ClusterReaper", NoReaper)
+    fake_local_ray(monkeypatch, lambda **kwargs: seen.append(dict(os.environ)))
 
 
 def test_a_local_clusters_daemons_start_with_metrics_off_and_slow_sweeps_and_the_driver_keeps_its_environment(

@@ -6,26 +6,13 @@ from __future__ import annotations
 import logging
 
 from stacx.trainer.cluster.ray import connect as ray_cluster
-from stacx.trainer.cluster.ray.connect import LOOPBACK_ADDRESS, RAY_LOGGING_LEVEL, connect_ray
+from stacx.trainer.cluster.ray.connect import RAY_LOGGING_LEVEL, connect_ray
+from tests.trainer.cluster.fake_ray import fake_local_ray
 
 
 def _fake_ray(monkeypatch) -> list[dict]:
-    import ray
-
     calls: list[dict] = []
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
-    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeManagerAddress": LOOPBACK_ADDRESS}])
-
-    class NoReaper:  # no cluster starts here, so no process to sweep it
-        @classmethod
-        def start(cls):
-            return cls()
-
-        def finish(self):
-            pass
-
-    monkeypatch.setattr(ray_cluster, "ClusterReaper", NoReaper)
+    fake_local_ray(monkeypatch, lambda **kwargs: calls.append(kwargs))
     return calls
 
 

@@ -4,14 +4,12 @@ The real cluster's workers are checked in tests/trainer/cluster/test_ray_cluster
 
 from __future__ import annotations
 
-from stacx.trainer.cluster.ray import connect as ray_cluster
-from stacx.trainer.cluster.ray.connect import LOOPBACK_ADDRESS, WORKER_NICENESS_INCREMENT, connect_ray
+from stacx.trainer.cluster.ray.connect import WORKER_NICENESS_INCREMENT, connect_ray
+from tests.trainer.cluster.fake_ray import fake_local_ray
 
 
 def test_every_local_start_asks_ray_for_workers_at_the_drivers_priority_and_an_attach_leaves_the_cluster_alone(
         monkeypatch):
-    import ray
-
     calls: list[dict] = []
 
     def init(**kwargs):
@@ -22,20 +20,8 @@ def test_every_local_start_asks_ray_for_workers_at_the_drivers_priority_and_an_a
         if len(calls) == 1:
             raise Exception("The current node timed out during startup.")  # retried once
 
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", init)
-    monkeypatch.setattr(ray, "shutdown", lambda: None)
-    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeManagerAddress": LOOPBACK_ADDRESS}])
+    fake_local_ray(monkeypatch, init)
 
-    class NoReaper:  # no cluster starts here, so no process to sweep it
-        @classmethod
-        def start(cls):
-            return cls()
-
-        def finish(self):
-            pass
-
-    monkeypatch.setattr(ray_cluster, "ClusterReaper", NoReaper)
     connect_ray(None, num_cpus=1, environ={})
     connect_ray("10.0.0.1:6379", environ={})
     assert WORKER_NICENESS_INCREMENT == 0

@@ -9,9 +9,9 @@ import pickle
 import pytest
 import torch
 
-from stacx.trainer.cluster.ray import connect as ray_cluster
-from stacx.trainer.cluster.ray.connect import LOOPBACK_ADDRESS, connect_ray
+from stacx.trainer.cluster.ray.connect import connect_ray
 from stacx.trainer.cluster.ray.tensor_transport import tensor_from_payload, tensor_to_payload
+from tests.trainer.cluster.fake_ray import fake_local_ray
 
 
 def _trip(tensor: torch.Tensor) -> tuple[torch.Tensor, list]:
@@ -64,20 +64,9 @@ def test_every_connection_registers_the_transport_with_ray(monkeypatch):
     import ray
 
     registered = []
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
-    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeManagerAddress": LOOPBACK_ADDRESS}])
+    fake_local_ray(monkeypatch, lambda **kwargs: None)
     monkeypatch.setattr(ray.util, "register_serializer", lambda cls, **kw: registered.append((cls, kw)))
 
-    class NoReaper:
-        @classmethod
-        def start(cls):
-            return cls()
-
-        def finish(self):
-            pass
-
-    monkeypatch.setattr(ray_cluster, "ClusterReaper", NoReaper)
     connect_ray(None, num_cpus=1, environ={})
     connect_ray("10.0.0.1:6379", environ={})
     assert [cls for cls, _ in registered] == [torch.Tensor, torch.Tensor]
