@@ -3,6 +3,14 @@
     trainer = create_trainer(run_config)      # a Ray run (the role workers: stacx.trainer.cluster.ray.graph)
     trainer.run()
 
+Several runs on one set of running role workers (a sweep, a notebook, a test module), each starting as
+on fresh workers but without their process start (docs/python-api.md, "Warm role workers"):
+
+    graph = create_run_workers(run_config)                        # Ray connected first
+    for lr in (1e-4, 3e-4):
+        create_trainer(with_lr(run_config, lr), graph=graph).run()   # the graph stays open
+    graph.shutdown()
+
 The torchrun path is `stacx.trainer.spmd.build_spmd_trainer`; both share the driver-side pieces here.
 """
 
@@ -17,7 +25,7 @@ from stacx.rollout.service import RolloutService, load_tokenizer
 from stacx.trainer.batch import StepDataSource
 from stacx.trainer.checkpoint import verify_start_folders
 from stacx.trainer.cluster.ray.connect import connect_ray
-from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
+from stacx.trainer.cluster.ray.graph import RoleWorkerGraph, WorkerLayout, check_graph_fits, create_role_workers
 from stacx.trainer.cluster.ray.group import RayChannel, RayRoleGroup
 from stacx.trainer.config.algorithm import infer_algorithm
 from stacx.trainer.config.checks import check_agent_supported
@@ -118,10 +126,31 @@ def launch_rollout_server(run_config: RunConfig, training_config: TrainingConfig
                                                 lora_flags=engine_lora_flags(run_config.model))
 
 
-def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None):
+def create_run_workers(run_config: RunConfig, *, layout: WorkerLayout | None = None):
+    """Start the role workers of `run_config`'s recipe and layout, for runs given them with
+    `create_trainer(..., graph=)`; the caller shuts the returned `RoleWorkerGraph` down. Ray must be
+    connected (`stacx.trainer.cluster.ray.connect.connect_ray`, or `ray.init`)."""
+    import ray
+
+    if not ray.is_initialized():
+        raise RuntimeError("create_run_workers needs a Ray connection: call stacx.trainer.cluster.ray.connect."
+                           "connect_ray(address) (or ray.init) first, and keep it while the workers are used")
+    run_config = apply_run_env_overrides(run_config)
+    training_config, _ = resolve_recipe(run_config)
+    return create_role_workers(training_config, layout or WorkerLayout.from_parallel_section(run_config.parallel))
+
+
+def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None, graph: RoleWorkerGraph | None = None):
     """A ready `StacxTrainer` for a Ray run: recipe, Ray, role workers with their runtimes, rollout, logger.
 
     `layout` overrides the worker layout derived from `run_config.parallel` (tests pin CPUs with it).
+    `graph`: running role workers to train on (`create_run_workers`, `create_role_workers`) instead of
+    starting the run's own: their roles and layouts must be this run's (else ValueError naming the role,
+    both layouts and the fix, before anything starts); every worker is emptied and set up again first
+    (`RoleWorkerGraph.prepare_run`), so the run is the one fresh workers would train, bit for bit. The
+    run uses the caller's Ray connection and leaves the graph running (its models freed) when it ends;
+    a failed run kills the graph's workers (a rank may be stuck in a collective) and the graph refuses
+    further runs.
     On failure everything started so far is released before the error propagates.
     """
     run_config = apply_run_env_overrides(run_config)  # STACX_* read once; workers get the result
@@ -131,12 +160,22 @@ def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None)
     check_async_supported(run_config.rollout, plan, algorithm)
     check_agent_supported(run_config, training_config)
     verify_start_folders(run_config.model, training_config)  # once, here, rather than on every worker
-    connection = connect_ray(run_config.parallel.ray_address)
+    layout = layout or WorkerLayout.from_parallel_section(run_config.parallel)
+    borrowed = graph
+    if borrowed is not None:
+        check_graph_fits(borrowed, training_config, layout)  # refused before a server or Ray call starts
+        connection = BorrowedConnection()
+    else:
+        connection = connect_ray(run_config.parallel.ray_address)
     graph, rollout = None, None
     launched = launch_rollout_server(run_config, training_config)
     try:
         try:
-            graph = create_role_workers(training_config, layout or WorkerLayout.from_parallel_section(run_config.parallel))
+            if borrowed is not None:
+                borrowed.prepare_run(training_config, layout)
+                graph = borrowed
+            else:
+                graph = create_role_workers(training_config, layout)
             roles = {role.name: RayRoleGroup(graph.workers[role.name], role, run_config, algorithm)
                      for role in training_config.roles}
         except BaseException:
@@ -146,11 +185,14 @@ def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None)
         _, data, rollout = build_driver_side(run_config, training_config, launched=launched)
 
         def close():
-            graph.shutdown()
+            if borrowed is None:
+                graph.shutdown()
+            else:
+                graph.release_run()
             connection.shutdown()
 
         def fail():
-            graph.kill()
+            graph.kill("killed after a failed run")
             connection.shutdown()
 
         samples = choose_sample_source(run_config=run_config, training_config=training_config, algorithm=algorithm,
@@ -163,9 +205,16 @@ def create_trainer(run_config: RunConfig, *, layout: WorkerLayout | None = None)
     except BaseException:
         try:
             if graph is not None:
-                graph.kill()
+                graph.kill("killed after a failed run")
             if rollout is not None:
                 rollout.close()
         finally:
             connection.shutdown()
         raise
+
+
+class BorrowedConnection:
+    """The Ray connection of a run on a caller's graph: the caller's, left open when the run ends."""
+
+    def shutdown(self) -> None:
+        pass

@@ -5,6 +5,11 @@
     graph.exchanges["actor_to_critic"].transfer(produce, consume)
     graph.shutdown()
 
+A graph outlives a run when the run is given it (`create_trainer(run_config, graph=graph)`: sweeps,
+notebooks, tests running several recipes): `prepare_run` checks that the run's roles and layouts are
+the graph's, empties every worker (`RoleWorker.clear_for_next_run`) and sets the roles up again, so the
+run starts as on fresh workers, without paying their process start.
+
 Pools: every pool of `training_config.role_graph()` becomes one placement group of
 `max(tp * cp over its roles) * data_parallel_size` bundles. The roles colocated on it each take
 an equal share of every bundle and each uses all bundles: a role's tp and cp come from the role
@@ -17,10 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from stacx.plugins.discovery import user_module_sources
 from stacx.trainer.cluster.ray.exchange import ExchangeSyncGroup
 from stacx.trainer.config.layout import RoleLayout
 from stacx.trainer.config.recipe import TrainingConfig
 from stacx.trainer.cluster.ray.placement import PlacedPool, ResourcePool, RolePlacement
+from stacx.trainer.cluster.ray.role_worker import RoleWorker
 from stacx.trainer.cluster.ray.role_workers import RoleWorkers, wait_all
 
 MIB = 1024 * 1024
@@ -134,13 +141,19 @@ class RoleWorkerGraph:
     """The running role graph: pools, one worker group per role, connected exchange syncs."""
 
     training_config: TrainingConfig
+    """The recipe the workers are set up for now (the last run's, on a graph that served several)."""
     layouts: dict[str, RoleLayout]
     pools: dict[str, PlacedPool] = field(default_factory=dict)
     workers: dict[str, RoleWorkers] = field(default_factory=dict)
     exchanges: dict[str, ExchangeSyncGroup] = field(default_factory=dict)
+    layout: WorkerLayout = field(default_factory=WorkerLayout)
+    """The layout the workers were started with (`check_graph_fits` compares a run's with it)."""
+    ended: str | None = None
+    """Why the workers are gone ('shut down', 'killed after a failed run'); None while they run."""
 
     def shutdown(self) -> None:
         """Close exchanges, tear down every role's groups, kill the actors, free the pools."""
+        self.ended = self.ended or "shut down"
         for exchange in self.exchanges.values():
             exchange.close()
         for workers in self.workers.values():
@@ -148,12 +161,87 @@ class RoleWorkerGraph:
         for pool in self.pools.values():
             pool.remove()
 
-    def kill(self) -> None:
+    def kill(self, reason: str = "killed") -> None:
         """Kill every actor without teardown (after a failure) and free the pools."""
+        self.ended = self.ended or reason
         for workers in self.workers.values():
             workers.kill()
         for pool in self.pools.values():
             pool.remove()
+
+    def prepare_run(self, training_config: TrainingConfig, layout: WorkerLayout) -> None:
+        """Make the running workers ready for a new run of `training_config` laid out by `layout`.
+
+        Refuses (before any worker is touched) a run whose roles or layouts differ from the graph's, and a
+        graph whose workers have ended (`check_graph_fits`). Then every worker is emptied
+        (`RoleWorker.clear_for_next_run`: runtime, process groups, megatron-core's module state; the driver's
+        user modules imported where missing), set up again with the run's collective timeout, and the run's
+        exchange syncs are connected: what a fresh graph would have, in the same processes.
+        """
+        check_graph_fits(self, training_config, layout)
+        try:
+            for exchange in self.exchanges.values():
+                exchange.close()
+            self.exchanges = {}
+            sources = user_module_sources()
+            wait_all(*(workers.submit_all(RoleWorker.clear_for_next_run, sources)
+                       for workers in self.workers.values()), what="emptying the role workers for the next run")
+            self.training_config = training_config
+            for workers in self.workers.values():
+                workers.collective_timeout_s = layout.collective_timeout_s
+                workers.call_timeout_s = layout.call_timeout_s
+            set_up_roles(self, training_config, layout)
+        except BaseException:
+            self.kill("killed: preparing a run on them failed")
+            raise
+
+    def release_run(self) -> None:
+        """Free what the finished run built on the workers (models, optimizers); the workers stay."""
+        wait_all(*(workers.submit_all(_drop_state) for workers in self.workers.values()),
+                 what="releasing the finished run's models")
+
+
+def _drop_state(worker: RoleWorker) -> None:
+    worker.state.clear()
+
+
+def _describe_layout(layout: RoleLayout) -> str:
+    return (f"tp={layout.tensor_model_parallel_size} cp={layout.context_parallel_size} "
+            f"pp={layout.pipeline_model_parallel_size} dp={layout.data_parallel_size} "
+            f"ep={layout.expert_model_parallel_size} etp={layout.expert_tensor_parallel_size} "
+            f"({layout.world_size} ranks)")
+
+
+def _colocation(training_config: TrainingConfig) -> set[frozenset[str]]:
+    return {frozenset(members) for members in training_config.role_graph().pools.values()}
+
+
+def check_graph_fits(graph: RoleWorkerGraph, training_config: TrainingConfig, layout: WorkerLayout) -> None:
+    """Raise ValueError naming what differs when a run of `training_config` under `layout` cannot use
+    `graph`'s workers: its roles, a role's layout (tp, cp, pp, dp, ep, etp), which roles share a pool, the
+    GPUs per rank or the workers' environment variables (all fixed when the workers started); RuntimeError
+    when the workers are gone (`RoleWorkerGraph.ended`)."""
+    fix = ("start workers laid out for this run (create_role_workers with this run's recipe and layout), "
+           "or leave graph= out and the run starts its own")
+    if graph.ended is not None:
+        raise RuntimeError(f"the role-worker graph's workers are gone ({graph.ended}); {fix}")
+    wanted = resolve_role_layouts(training_config, layout)
+    if set(wanted) != set(graph.layouts):
+        raise ValueError(f"recipe {training_config.name!r} has roles {sorted(wanted)}, the role-worker graph runs "
+                         f"roles {sorted(graph.layouts)}; {fix}")
+    for name, role_layout in wanted.items():
+        running = graph.layouts[name]
+        if role_layout.parallel_sizes() != running.parallel_sizes() or role_layout.world_size != running.world_size:
+            raise ValueError(f"role {name!r}: this run lays it out {_describe_layout(role_layout)}, the graph's "
+                             f"workers are laid out {_describe_layout(running)}; {fix}")
+    if _colocation(training_config) != _colocation(graph.training_config):
+        raise ValueError(f"recipe {training_config.name!r} shares pools as "
+                         f"{sorted(sorted(p) for p in _colocation(training_config))}, the graph's workers as "
+                         f"{sorted(sorted(p) for p in _colocation(graph.training_config))}; {fix}")
+    for name in ("num_gpus_per_rank", "worker_env_vars"):
+        if getattr(layout, name) != getattr(graph.layout, name):
+            raise ValueError(f"worker layout field {name!r}: this run asks {getattr(layout, name)!r}, the graph's "
+                             f"workers started with {getattr(graph.layout, name)!r}; {fix}")
 
 
 def create_role_workers(training_config: TrainingConfig, layout: Any = None, *, pool_timeout_s: float = 120.0) -> RoleWorkerGraph:
@@ -169,7 +257,7 @@ def create_role_workers(training_config: TrainingConfig, layout: Any = None, *, 
     elif not isinstance(layout, WorkerLayout):
         layout = WorkerLayout.from_parallel_section(layout)
     role_graph = training_config.role_graph()
-    graph = RoleWorkerGraph(training_config, resolve_role_layouts(training_config, layout))
+    graph = RoleWorkerGraph(training_config, resolve_role_layouts(training_config, layout), layout=layout)
     try:
         for pool_name, members in role_graph.pools.items():
             pool = ResourcePool(
@@ -192,22 +280,27 @@ def create_role_workers(training_config: TrainingConfig, layout: Any = None, *, 
                 call_timeout_s=layout.call_timeout_s,
                 env_vars=dict(layout.worker_env_vars) or None,
             )
-        wait_all(*(workers.submit_setup() for workers in graph.workers.values()), what="role worker setup")
-        for sync in role_graph.exchange_syncs:
-            colocated = training_config.pool_of(sync.source_role) == training_config.pool_of(sync.target_role)
-            # NCCL refuses two ranks on one GPU; colocated GPU roles exchange over gloo.
-            backend = "gloo" if colocated and layout.num_gpus_per_rank > 0 else "auto"
-            exchange = ExchangeSyncGroup(
-                sync.name,
-                graph.workers[sync.source_role],
-                graph.workers[sync.target_role],
-                backend=backend,
-                timeout_s=layout.collective_timeout_s,
-                bucket_bytes=sync.bucket_size_mb * MIB,
-            )
-            exchange.connect()
-            graph.exchanges[exchange.name] = exchange
+        set_up_roles(graph, training_config, layout)
     except BaseException:
         graph.kill()
         raise
     return graph
+
+
+def set_up_roles(graph: RoleWorkerGraph, training_config: TrainingConfig, layout: WorkerLayout) -> None:
+    """Every role's process groups (`RoleWorker.setup`), then `training_config`'s exchange syncs connected."""
+    wait_all(*(workers.submit_setup() for workers in graph.workers.values()), what="role worker setup")
+    for sync in training_config.role_graph().exchange_syncs:
+        colocated = training_config.pool_of(sync.source_role) == training_config.pool_of(sync.target_role)
+        # NCCL refuses two ranks on one GPU; colocated GPU roles exchange over gloo.
+        backend = "gloo" if colocated and layout.num_gpus_per_rank > 0 else "auto"
+        exchange = ExchangeSyncGroup(
+            sync.name,
+            graph.workers[sync.source_role],
+            graph.workers[sync.target_role],
+            backend=backend,
+            timeout_s=layout.collective_timeout_s,
+            bucket_bytes=sync.bucket_size_mb * MIB,
+        )
+        exchange.connect()
+        graph.exchanges[exchange.name] = exchange

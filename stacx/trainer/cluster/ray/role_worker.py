@@ -17,11 +17,14 @@ cluster address (never 0.0.0.0 / ::); `setup(...)` initializes torch.distributed
 role's ranks and megatron-core's (tp, cp, pp, dp) groups and expert grid (etp, ep, edp) with
 `initialize_parallel_layout`;
 `open_exchange(...)` joins an exchange group with another role's workers; `shutdown()` tears
-everything down. Every collective inherits the timeout given to `setup`.
+everything down. Every collective inherits the timeout given to `setup`. A worker kept for another run
+(`RoleWorkerGraph.prepare_run`) is emptied by `clear_for_next_run` and set up again: nothing of the run
+it served is left but the modules it imported.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 from typing import Any, Callable
@@ -32,6 +35,7 @@ import torch.distributed as dist
 from stacx.plugins.discovery import import_user_module_sources
 from stacx.parallel.bound_store import host_bound_store
 from stacx.parallel.groups import default_backend, destroy_parallel_layout, initialize_parallel_layout
+from stacx.parallel.megatron_globals import reset_megatron_globals
 from stacx.parallel.node_interface import bind_collectives_to_node
 from stacx.trainer.cluster.ray.exchange_endpoint import ExchangeEndpoint, host_store
 from stacx.trainer.cluster.ray.tensor_transport import register_tensor_transport
@@ -245,3 +249,25 @@ class RoleWorker:
         destroy_parallel_layout()
         self.groups = None
         self._rendezvous_store = None
+
+    def clear_for_next_run(self, user_modules: tuple = ()) -> list[str]:
+        """Leave nothing of the run this worker served, as a fresh worker would start the next one.
+
+        Drops `state` (the runtime: model, optimizer, reference weights, specialization), closes its exchange
+        groups, ends megatron-core's groups and the default process group (`setup` builds them again), resets
+        megatron-core's other module state (RNG tracker, micro-batch calculator, MoE loss tracker, rerun
+        machine: `parallel.megatron_globals`) and turns gradients back on. `user_modules`: the driver's user
+        module sources now; those this process lacks are imported, in the driver's order, as a worker started
+        now would import them (a user module is never un-imported: the driver keeps every one it loaded and
+        ships them all to new workers too). Returns the user modules imported in this process.
+        """
+        self.shutdown()
+        self.state.clear()
+        reset_megatron_globals()
+        torch.set_grad_enabled(True)
+        if user_modules:
+            imported = set(self.user_module_names)
+            self.user_module_names += [name for name in import_user_module_sources(user_modules)
+                                       if name not in imported]
+        gc.collect()
+        return list(self.user_module_names)
