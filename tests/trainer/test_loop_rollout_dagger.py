@@ -6,7 +6,8 @@
 - online_dagger live: every visited turn becomes an SFT sample labeled by the teacher.
 Each run trains 2 steps (1 for online_dagger); every sample is dumped to rollouts.jsonl, and the
 test checks the dumps against the roll-in plan, the teacher server (re-scored in-process) and the
-loss metrics the policy logged.
+loss metrics the policy logged. The three runs share one running policy worker (`create_trainer(...,
+graph=)`: each starts as on a fresh one).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import pytest
 
 from tests.trainer.training_fixtures import (ATTACHED_SERVER_KEY, read_metrics, read_rollout_dumps, run_config,
-                                             write_tiny_run_files)
+                                             warm_role_workers, write_tiny_run_files)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -60,7 +61,14 @@ def servers(files):
     destroy_parallel_layout()
 
 
-def _run(tmp_path, files, servers, **values):
+@pytest.fixture(scope="module")
+def policy_workers(ray_address):
+    """One policy worker (one rank) for the module's three runs."""
+    with warm_role_workers("online_dagger") as graph:
+        yield graph
+
+
+def _run(tmp_path, files, servers, graph, **values):
     from stacx.trainer.factory import create_trainer
 
     student = servers["student"]()
@@ -69,7 +77,7 @@ def _run(tmp_path, files, servers, **values):
                      **values)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STACX_API_KEY", ATTACHED_SERVER_KEY)  # the driver's key for the attached student server
-        last = create_trainer(cfg).run()
+        last = create_trainer(cfg, graph=graph).run()
     return last, read_metrics(str(tmp_path / "out")), read_rollout_dumps(str(tmp_path / "out"))
 
 
@@ -106,8 +114,8 @@ def _check_loss_metrics_match_executors(metrics_row, rows):
         assert metrics_row["policy/k3_mean"] > 0  # two different random models
 
 
-def test_mixture_dagger_opd_beta_one_then_zero(ray_address, files, servers, tmp_path):
-    last, rows, dumps = _run(tmp_path, files, servers, train={"algorithm": "mixture_dagger_opd"},
+def test_mixture_dagger_opd_beta_one_then_zero(ray_address, files, servers, policy_workers, tmp_path):
+    last, rows, dumps = _run(tmp_path, files, servers, policy_workers, train={"algorithm": "mixture_dagger_opd"},
                              prompt_data=files["prompts"], dagger_beta_schedule="step", dagger_beta_start=1.0,
                              dagger_beta_end=0.0, dagger_beta_iters=1)
     assert [row["step"] for row in rows] == [0, 1]
@@ -126,8 +134,8 @@ def test_mixture_dagger_opd_beta_one_then_zero(ray_address, files, servers, tmp_
     assert rows[1]["rollout/weight_version"] == 1.0
 
 
-def test_mixture_aggrevate_opd_student_leads_kappa_turns(ray_address, files, servers, tmp_path):
-    last, rows, dumps = _run(tmp_path, files, servers, train={"algorithm": "mixture_aggrevate_opd"},
+def test_mixture_aggrevate_opd_student_leads_kappa_turns(ray_address, files, servers, policy_workers, tmp_path):
+    last, rows, dumps = _run(tmp_path, files, servers, policy_workers, train={"algorithm": "mixture_aggrevate_opd"},
                              prompt_data=files["episodes"], rollout_batch_size=3, n_samples_per_prompt=2,
                              dagger_kappa_start=1, dagger_kappa_step=1, dagger_kappa_cap=3)
     assert [row["rollin/t_max"] for row in rows] == [1.0, 2.0]
@@ -152,10 +160,10 @@ def test_mixture_aggrevate_opd_student_leads_kappa_turns(ray_address, files, ser
     assert len(set(kappas)) > 1  # both student-led and teacher-only episodes happened
 
 
-def test_online_dagger_live_trains_on_teacher_relabels(ray_address, files, servers, tmp_path):
+def test_online_dagger_live_trains_on_teacher_relabels(ray_address, files, servers, policy_workers, tmp_path):
     """One rollout step split into two optimizer steps (--num-steps-per-rollout 2): the relabeled
     samples, however many the roll-in produced, are trained across the two."""
-    last, rows, dumps = _run(tmp_path, files, servers, train={"algorithm": "online_dagger"},
+    last, rows, dumps = _run(tmp_path, files, servers, policy_workers, train={"algorithm": "online_dagger"},
                              prompt_data=files["episodes"], rollout_batch_size=2, n_samples_per_prompt=2, num_steps=1, num_steps_per_rollout=2,
                              dagger_beta_schedule="linear", dagger_beta_start=0.5, dagger_beta_end=0.5)
     samples = dumps[0]

@@ -3,7 +3,10 @@ inject sync of values), OPD (teacher server), exact resume in a fresh driver, a 
 
 One module-scoped cluster (4 CPUs, 200 MB object store) is shared by every run. Models are tiny
 llama decoders with a character tokenizer; each run trains 2 steps on 2 prompts x 2 samples of
-at most 4 tokens.
+at most 4 tokens. Runs of the same roles and layout share running role workers (`create_trainer(...,
+graph=)`, each run starting as on fresh ones): GRPO and the killed SFT run one TP=2 policy, OPD and the
+resume test's straight run one single-rank policy. The killed-worker test runs right after GRPO, the
+last run on its graph, which it leaves killed (its two CPUs free for the runs after it).
 """
 
 from __future__ import annotations
@@ -19,9 +22,23 @@ import pytest
 import torch
 
 from tests.trainer.training_fixtures import (ATTACHED_SERVER_KEY, VARIED_REWARD, read_metrics, run_config,
-                                            run_four_grpo_steps)
+                                            run_four_grpo_steps, warm_role_workers)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
+
+@pytest.fixture(scope="module")
+def tp2_policy(ray_address):
+    """A TP=2 policy (two ranks) for the GRPO run, then the killed SFT run, which kills it."""
+    with warm_role_workers("grpo", tensor_model_parallel_size=2) as graph:
+        yield graph
+
+
+@pytest.fixture(scope="module")
+def one_rank_policy(ray_address):
+    """A one-rank policy for the OPD run and the resume test's straight run."""
+    with warm_role_workers("grpo") as graph:
+        yield graph
+
 
 def _serve(single_process_world, checkpoint: str, seed: int = 0):
     from stacx.serving.cpu_engine import CpuEngine
@@ -47,7 +64,7 @@ def _finite(metrics: dict, *names: str) -> None:
 
 
 def test_grpo_tp2_with_reference_trains_and_the_engine_follows(ray_address, files, single_process_world, tmp_path,
-                                                               attached_server_key):
+                                                               attached_server_key, tp2_policy):
     from stacx.trainer.factory import create_trainer
 
     engine, server = _serve(single_process_world, files["policy"])
@@ -58,7 +75,7 @@ def test_grpo_tp2_with_reference_trains_and_the_engine_follows(ray_address, file
                          hf_checkpoint=files["policy"], ref_load=files["policy"], prompt_data=files["prompts"],
                          rollout_engine="http", rollout_urls=[server.url], tensor_model_parallel_size=2,
                          reward_fn=VARIED_REWARD, export_hf=str(tmp_path / "export"))
-        trainer = create_trainer(cfg)
+        trainer = create_trainer(cfg, graph=tp2_policy)
         assert trainer.roles["policy"].layout.tensor_model_parallel_size == 2
         last = trainer.run()
         rows = read_metrics(str(tmp_path / "out"))
@@ -79,6 +96,34 @@ def test_grpo_tp2_with_reference_trains_and_the_engine_follows(ray_address, file
         assert served[1] != pytest.approx(before[1], abs=1e-5)
     finally:
         server.stop()
+
+
+def test_a_killed_worker_ends_the_run_naming_role_and_rank(ray_address, files, tmp_path, tp2_policy):
+    """On the module's TP=2 policy, which the failed run then kills: the graph refuses further runs."""
+    import ray
+
+    from stacx.trainer.factory import create_trainer
+    from stacx.trainer.cluster.ray import RoleWorkerError
+
+    cfg = run_config(str(tmp_path), train={"algorithm": "sft"}, hf_checkpoint=files["policy"],
+                     prompt_data=files["sft"], tensor_model_parallel_size=2, num_steps=10_000)
+    trainer = create_trainer(cfg, graph=tp2_policy)
+    killed_at = []
+
+    def kill_after_first_step():
+        while trainer.step < 1:
+            time.sleep(0.05)
+        killed_at.append(time.monotonic())
+        ray.kill(trainer.roles["policy"].workers.actors[1], no_restart=True)
+
+    threading.Thread(target=kill_after_first_step, daemon=True).start()
+    with pytest.raises(RoleWorkerError) as caught:
+        trainer.run()
+    assert time.monotonic() - killed_at[0] < 60
+    assert (caught.value.role_name, caught.value.rank) == ("policy", 1)
+    assert "'policy'" in str(caught.value) and "rank" in str(caught.value)
+    with pytest.raises(RuntimeError, match="workers are gone .killed after a failed run"):
+        create_trainer(cfg, graph=tp2_policy)
 
 
 def test_ppo_actor_and_critic_with_injected_values_train_two_steps(ray_address, files, tmp_path):
@@ -112,14 +157,15 @@ def test_ppo_actor_and_critic_with_injected_values_train_two_steps(ray_address, 
     assert all("actor/loss" in row and "critic/loss" in row for row in rows)
 
 
-def test_opd_step_scores_rollouts_with_a_teacher_server(ray_address, files, single_process_world, tmp_path):
+def test_opd_step_scores_rollouts_with_a_teacher_server(ray_address, files, single_process_world, tmp_path,
+                                                        one_rank_policy):
     from stacx.trainer.factory import create_trainer
 
     _, teacher = _serve(single_process_world, files["teacher"])
     try:
         cfg = run_config(str(tmp_path), train={"algorithm": "opd"}, hf_checkpoint=files["policy"],
                          prompt_data=files["prompts"], rollout_engine="cpu", teacher_url=teacher.url, num_steps=1)
-        last = create_trainer(cfg).run()
+        last = create_trainer(cfg, graph=one_rank_policy).run()
     finally:
         teacher.stop()
     _finite(last, "policy/loss", "rollout/teacher_log_prob_mean", "policy/grad_norm")
@@ -141,17 +187,18 @@ def _model_state(checkpoint_root: str, step: int) -> dict:
     return {"model": read_torch_dist_tensors(folder)}  # the weights and optimizer state resume reads
 
 
-def test_resume_in_a_fresh_driver_gives_bitwise_identical_weights(ray_address, files, tmp_path):
+def test_resume_in_a_fresh_driver_gives_bitwise_identical_weights(ray_address, files, tmp_path, one_rank_policy):
     """The straight run is asynchronous with --max-staleness 0, the resumed one synchronous: the two
     modes train steps 2 and 3 to bitwise-identical weights and losses, and the async checkpoint of
     step 2 (taken while step 2's prompts were already generating) resumes at the right prompts. The
-    straight run's driver is this test process (already attached to the cluster); the resumed one's a new one."""
+    straight run's driver is this test process (already attached to the cluster, on the module's running
+    one-rank policy); the resumed one's a new one, with new workers."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     resumed.mkdir()
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=repo_root)
     common = [files["policy"], files["prompts"], ray_address]
-    run_four_grpo_steps(str(straight), *common, None, "async")
+    run_four_grpo_steps(str(straight), *common, None, "async", graph=one_rank_policy)
     # A new driver process (and new workers) resumes from the straight run's step-2 checkpoint.
     subprocess.run([sys.executable, "-c", RESUME_SCRIPT, str(resumed), *common,
                     str(straight / "ckpt" / "step_000000002"), "sync"], check=True, env=env, timeout=300)
@@ -166,28 +213,3 @@ def test_resume_in_a_fresh_driver_gives_bitwise_identical_weights(ray_address, f
     straight_rows = read_metrics(str(straight / "out"))
     assert "async/staleness_max" in straight_rows[-1] and "async/staleness_max" not in rows[-1]
     assert [row["policy/loss"] for row in rows][-2:] == [row["policy/loss"] for row in straight_rows][-2:]
-
-
-def test_a_killed_worker_ends_the_run_naming_role_and_rank(ray_address, files, tmp_path):
-    import ray
-
-    from stacx.trainer.factory import create_trainer
-    from stacx.trainer.cluster.ray import RoleWorkerError
-
-    cfg = run_config(str(tmp_path), train={"algorithm": "sft"}, hf_checkpoint=files["policy"],
-                     prompt_data=files["sft"], tensor_model_parallel_size=2, num_steps=10_000)
-    trainer = create_trainer(cfg)
-    killed_at = []
-
-    def kill_after_first_step():
-        while trainer.step < 1:
-            time.sleep(0.05)
-        killed_at.append(time.monotonic())
-        ray.kill(trainer.roles["policy"].workers.actors[1], no_restart=True)
-
-    threading.Thread(target=kill_after_first_step, daemon=True).start()
-    with pytest.raises(RoleWorkerError) as caught:
-        trainer.run()
-    assert time.monotonic() - killed_at[0] < 60
-    assert (caught.value.role_name, caught.value.rank) == ("policy", 1)
-    assert "'policy'" in str(caught.value) and "rank" in str(caught.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -75,13 +76,30 @@ server that takes weight updates always has one, and the driver reads it from ST
 (the `attached_server_key` fixture)."""
 
 
-def run_four_grpo_steps(root: str, policy: str, prompts: str, address: str, load: str | None, mode: str):
+@contextlib.contextmanager
+def warm_role_workers(recipe: str, **layout):
+    """Running role workers of `recipe`, laid out by `WorkerLayout(**layout)`, that a test module's runs of the
+    same roles and layout share (`create_trainer(cfg, graph=graph)`: each run starts as on fresh workers, without
+    their process start); shut down at the end. Ray must be connected (the `ray_address` fixture)."""
+    from stacx.trainer.cluster.ray.graph import WorkerLayout, create_role_workers
+    from stacx.trainer.recipes import get_recipe
+
+    graph = create_role_workers(get_recipe(recipe), WorkerLayout(**layout))
+    try:
+        yield graph
+    finally:
+        graph.shutdown()
+
+
+def run_four_grpo_steps(root: str, policy: str, prompts: str, address: str, load: str | None, mode: str,
+                        graph=None):
     """Four GRPO steps (a checkpoint every two) under `root`, resuming from `load` when given, in rollout
-    `mode` ('sync' or 'async' with --max-staleness 0): the fresh-driver resume test's run, in this process."""
+    `mode` ('sync' or 'async' with --max-staleness 0): the fresh-driver resume test's run, in this process
+    (on `graph`'s running role workers when given)."""
     from stacx.trainer.factory import create_trainer
 
     cfg = run_config(root, train={"algorithm": "grpo"}, hf_checkpoint=policy, prompt_data=prompts, rollout_engine="cpu",
                      reward_fn="tests.trainer.training_fixtures:varied_reward", num_steps=4, save_interval=2,
                      save=os.path.join(root, "ckpt"), load=load or None, ray_address=address,
                      out=os.path.join(root, "out"), rollout_mode=mode, max_staleness=0)
-    return create_trainer(cfg).run()
+    return create_trainer(cfg, graph=graph).run()
