@@ -11,10 +11,12 @@ import os
 from stacx.lazy_names import lazy_names
 
 
-def run_training(run_config) -> dict:
+def run_training(run_config, *, graph=None) -> dict:
     """Train with the right launcher: SPMD under torchrun, Ray otherwise. Returns the last metrics.
 
     `builtin:<task>` data (stacx.tasks) is resolved to files here, so Python callers get it too.
+    `graph`: running Ray role workers to train on (`create_trainer(..., graph=)`; several runs on one set of
+    workers); not under torchrun, nor with --max-restarts (a failed run kills the graph's workers).
     """
     # Imported here: `import stacx.trainer` stays light (no Ray, megatron-core or loop until a run starts).
     from stacx.tasks.data import resolve_builtin_data
@@ -26,6 +28,11 @@ def run_training(run_config) -> dict:
 
     run_config = fit_response_length_to_context(resolve_builtin_data(run_config))
     torchrun = launched_by_torchrun()
+    if graph is not None and (torchrun or run_config.train.max_restarts):
+        raise ValueError("run_training(graph=...): running role workers serve a Ray run without --max-restarts "
+                         "(a failed run kills them, so a restart would have none); "
+                         + ("under torchrun there are no role workers to give" if torchrun
+                            else "set --max-restarts 0 or leave graph= out"))
     if torchrun:
         end_with_launcher()  # a SIGKILLed torchrun must not leave this rank training (stacx.trainer.lifetime)
         run_config = elastic_restart_config(run_config)  # a torch elastic restart resumes the newest checkpoint
@@ -34,10 +41,10 @@ def run_training(run_config) -> dict:
     is_driver = not torchrun or os.environ.get("RANK", "0") == "0"
     wait_s = ELASTIC_RESTART_WAIT_S if torchrun and elastic_restart_count() else 0.0
     with hold_save_folder(run_config.model.save if is_driver else None, wait_s=wait_s):
-        return _build_and_run(run_config, torchrun)
+        return _build_and_run(run_config, torchrun, graph)
 
 
-def _build_and_run(run_config, torchrun: bool) -> dict:
+def _build_and_run(run_config, torchrun: bool, graph=None) -> dict:
     # Imported here: `import stacx.trainer` stays light (no Ray, megatron-core or loop until a run starts).
     from stacx.trainer.heartbeat import Heartbeat
     from stacx.trainer.restarts import RESTARTS_METRIC, elastic_restart_count, install_fault_hook, run_with_restarts
@@ -56,7 +63,7 @@ def _build_and_run(run_config, torchrun: bool) -> dict:
 
     def build(config):
         with Heartbeat("starting", "Ray, the role workers and their models, the rollout engine"):
-            return create_trainer(config)
+            return create_trainer(config, graph=graph)
 
     return run_with_restarts(run_config, build)
 

@@ -12,9 +12,6 @@ import torch
 
 from tests.trainer.training_fixtures import read_metrics, run_config
 
-DPO_FILES = ("policy", "dpo")
-
-
 def _graph_for(recipe: str, layout):
     """A `RoleWorkerGraph` as `create_role_workers` would describe it, without starting a worker."""
     from stacx.trainer.cluster.ray.graph import RoleWorkerGraph, resolve_role_layouts
@@ -131,3 +128,11 @@ def test_a_run_on_warm_workers_equals_the_run_on_fresh_workers_bit_for_bit(ray_a
     assert warm.keys() == fresh.keys()
     for name in warm:
         assert torch.equal(warm[name], fresh[name]), name
+
+
+def test_run_training_refuses_running_workers_with_restarts_before_anything_starts(tmp_path):
+    """A failed run kills the graph's workers, so a restart (--max-restarts) would have none: refused up front."""
+    from stacx.trainer import run_training
+
+    with pytest.raises(ValueError, match="--max-restarts"):
+        run_training(run_config(str(tmp_path), train={"algorithm": "sft"}, max_restarts=1), graph=object())

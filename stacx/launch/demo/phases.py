@@ -94,15 +94,17 @@ def demo_run_config(settings, out_dir: str, phase: str, values: dict):
     return RunConfig.from_dict({**base, **values}, source=f"demo {phase} phase")
 
 
-def train(run_config) -> None:
+def train(run_config, graph=None) -> None:
+    """One phase's run, on `graph`'s running role workers when given (the demo's phases share one policy worker)."""
     from stacx.trainer import run_training
 
-    run_training(run_config)
+    run_training(run_config, graph=graph)
 
 
-def run_phase(settings, out_dir: str, phase: str, values: dict, *, metric: str) -> tuple[float, float]:
-    """Train one phase; returns the means of `metric` over its first and its last steps."""
-    train(demo_run_config(settings, out_dir, phase, values))
+def run_phase(settings, out_dir: str, phase: str, values: dict, *, metric: str, graph=None) -> tuple[float, float]:
+    """Train one phase (on `graph`'s workers when given); returns the means of `metric` over its first and its
+    last steps."""
+    train(demo_run_config(settings, out_dir, phase, values), graph)
     return head_tail_means(metric_series(os.path.join(out_dir, phase, "metrics.jsonl"), metric))
 
 

@@ -12,7 +12,9 @@
    (top-K reverse KL).                                               metric: reverse KL to teacher
 
 Each phase is a real `stacx.trainer.run_training` run (Ray role workers, the CPU rollout
-engine) writing metrics.jsonl, TensorBoard events and plots under `out_dir/<phase>/`. Before
+engine) writing metrics.jsonl, TensorBoard events and plots under `out_dir/<phase>/`. The three
+phases train one `policy` role laid out alike, so they share one running role worker (emptied and set
+up again before each phase: `create_trainer(..., graph=)`) instead of starting one each. Before
 and after numbers are measured on held-out prompts with `transformers` (see measure.py).
 """
 
@@ -149,6 +151,7 @@ def _run_demo(settings: DemoSettings, out_dir: str, *, log) -> dict:
     from stacx.rollout.tokenizer import build_char_tokenizer
     from stacx.tasks import get_task
     from stacx.trainer.cluster.ray.connect import connect_ray
+    from stacx.trainer.factory import create_run_workers
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # checkpoint load/save bars would interleave with the demo's own
@@ -171,7 +174,9 @@ def _run_demo(settings: DemoSettings, out_dir: str, *, log) -> dict:
     # One local Ray cluster for the three runs (each run attaches to it instead of starting its own).
     connection = connect_ray(None, log_to_driver=False)
     results: list[PhaseResult] = []
+    graph = None
     try:
+        graph = create_run_workers(demo_run_config(settings, out_dir, "sft", settings.sft.run_values()))
         # ---- 1. SFT warm-up -------------------------------------------------------------------
         log(f"\n[1/3] SFT warm-up: {settings.sft.steps} steps x {settings.sft.batch_size} examples, "
             f"{settings.teacher.describe()} model")
@@ -179,7 +184,7 @@ def _run_demo(settings: DemoSettings, out_dir: str, *, log) -> dict:
         before = accuracy(paths["init"])
         loss_first, loss_last = run_phase(settings, out_dir, "sft", {
             **settings.sft.run_values(), "hf_checkpoint": paths["init"], "prompt_data": paths["train"],
-            "export_hf": paths["sft"]}, metric="policy/loss")
+            "export_hf": paths["sft"]}, metric="policy/loss", graph=graph)
         _save_tokenizer(task.name, paths["sft"])
         results.append(PhaseResult("sft", "held-out accuracy", before, accuracy(paths["sft"]),
                                    time.monotonic() - phase_start,
@@ -193,7 +198,7 @@ def _run_demo(settings: DemoSettings, out_dir: str, *, log) -> dict:
             "prompt_data": paths["train"], "rollout_max_response_len": max_new_tokens, "export_hf": paths["grpo"],
             # The run's own checkpoint too: `stacx train --load`, `stacx eval --load` and
             # `stacx convert checkpoint-to-hf` in the docs work on it as written.
-            "save": paths["grpo_run"]}, metric="rollout/reward_mean")
+            "save": paths["grpo_run"]}, metric="rollout/reward_mean", graph=graph)
         _save_tokenizer(task.name, paths["grpo"])
         results.append(PhaseResult("grpo", "held-out accuracy", results[-1].after, accuracy(paths["grpo"]),
                                    time.monotonic() - phase_start,
@@ -219,7 +224,7 @@ def _run_demo(settings: DemoSettings, out_dir: str, *, log) -> dict:
             train(demo_run_config(settings, out_dir, "opd", {
                 **settings.opd.run_values(), "hf_checkpoint": paths["student_init"], "prompt_data": paths["train"],
                 "teacher_url": server.url, "distill_kl_mode": settings.opd_kl_mode,
-                "rollout_max_response_len": max_new_tokens, "export_hf": paths["student"]}))
+                "rollout_max_response_len": max_new_tokens, "export_hf": paths["student"]}), graph)
             _save_tokenizer(task.name, paths["student"])
             kl_after, accuracy_after = reverse_kl(paths["student"]), accuracy(paths["student"])
         finally:
@@ -230,7 +235,11 @@ def _run_demo(settings: DemoSettings, out_dir: str, *, log) -> dict:
                                    {"student_accuracy_before": accuracy_before, "student_accuracy_after": accuracy_after,
                                     "teacher_accuracy": results[-1].after}))
     finally:
-        connection.shutdown()
+        try:
+            if graph is not None and graph.ended is None:
+                graph.shutdown()
+        finally:
+            connection.shutdown()
 
     plot = write_demo_plot(out_dir, ["sft", "grpo", "opd"], [asdict(result) for result in results], task=task.name)
     summary = {
