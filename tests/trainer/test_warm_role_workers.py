@@ -93,9 +93,11 @@ def _trained_values(rows: list[dict]) -> list[dict]:
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_a_run_on_warm_workers_equals_the_run_on_fresh_workers_bit_for_bit(ray_address, files, tmp_path):
-    """Workers that trained a DPO run (another seed and learning rate, an in-worker reference) then train an SFT
-    run: its metrics and final weights equal those of the same SFT run on fresh workers, bit for bit, and the
-    graph is still running afterwards."""
+    """An SFT run on new worker processes, then a DPO run (another seed and learning rate, an in-worker
+    reference) on the same workers, then the same SFT run again on them: the two SFT runs' metrics and final
+    weights are equal bit for bit, and the graph is still running, on the same processes, afterwards. (The
+    first run is the fresh one: its processes had served nothing, and a run given no graph starts its workers
+    the same way, `create_role_workers`; one worker start fewer than a third, graph-less run.)"""
     from stacx.trainer.cluster.ray.graph import WorkerLayout
     from stacx.trainer.cluster.ray.role_worker import RoleWorker
     from stacx.trainer.factory import create_run_workers, create_trainer
@@ -106,19 +108,20 @@ def test_a_run_on_warm_workers_equals_the_run_on_fresh_workers_bit_for_bit(ray_a
 
     dpo = run_config(str(tmp_path / "dpo"), train={"algorithm": "dpo", "seed": 5}, lr=5e-3,
                      hf_checkpoint=files["policy"], ref_load=files["teacher"], prompt_data=files["dpo"])
-    graph = create_run_workers(dpo)
+    graph = create_run_workers(sft(tmp_path / "fresh"))
     try:
         assert graph.layout == WorkerLayout.from_parallel_section(dpo.parallel)
+        pid = graph.workers["policy"].execute_all(RoleWorker.placement_info)[0]["pid"]
+        create_trainer(sft(tmp_path / "fresh"), graph=graph).run()
         create_trainer(dpo, graph=graph).run()
-        warm_pid = graph.workers["policy"].execute_all(RoleWorker.placement_info)[0]["pid"]
+        assert read_metrics(str(tmp_path / "dpo" / "out"))[-1]["policy/loss"] > 0
         create_trainer(sft(tmp_path / "warm"), graph=graph).run()
         # The graph stays open, on the same process, emptied of the run's model.
-        info = graph.workers["policy"].execute_all(RoleWorker.placement_info)[0]
-        assert info["pid"] == warm_pid and graph.ended is None
+        assert graph.workers["policy"].execute_all(RoleWorker.placement_info)[0]["pid"] == pid
+        assert graph.ended is None
         assert graph.workers["policy"].execute_all(lambda worker: sorted(worker.state)) == [[]]
     finally:
         graph.shutdown()
-    create_trainer(sft(tmp_path / "fresh")).run()
 
     warm_rows, fresh_rows = read_metrics(str(tmp_path / "warm" / "out")), read_metrics(str(tmp_path / "fresh" / "out"))
     assert [row["step"] for row in warm_rows] == [0, 1]
