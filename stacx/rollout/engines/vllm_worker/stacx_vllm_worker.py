@@ -139,8 +139,14 @@ def stacked_source(model: torch.nn.Module, hf_name: str):
     return None
 
 
+FUSED_EXPERT_FOLDERS = ("", "routed_experts.")
+"""Where a layer's fused expert weights sit under its `experts` module: directly (`experts.w13_weight`), or in vLLM
+0.32's `RoutedExperts` submodule (`experts.routed_experts.w13_weight`, Qwen3-MoE on CPU)."""
+
+
 def expert_source(hf_name: str):
-    """(vLLM fused-experts parameter, expert, rows) for `...mlp.experts.E.{gate,up,down}_proj.weight`, else None.
+    """(vLLM fused-experts parameter, expert, rows) for `...mlp.experts.E.{gate,up,down}_proj.weight`, else None;
+    the parameter named as directly under `experts` (`read_back` looks in FUSED_EXPERT_FOLDERS).
     rows: 'first' / 'second' half of w13 (gate, up), or 'all' of w2 (down)."""
     parts = hf_name.split(".")
     if "experts" not in parts or parts[-1] != "weight":
@@ -165,7 +171,8 @@ def linear_weight(module: torch.nn.Module, param: torch.Tensor) -> Optional[torc
     if param.numel():
         return param
     cpu_linear = getattr(module, "cpu_linear", None)
-    in_features = getattr(module, "input_size_per_partition", None)
+    # a tensor-parallel linear's input width; a replicated one (an MoE router) has only `input_size`
+    in_features = getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None)
     if cpu_linear is None or not isinstance(in_features, int):
         return None
     identity = torch.eye(in_features, dtype=param.dtype)
@@ -175,11 +182,14 @@ def linear_weight(module: torch.nn.Module, param: torch.Tensor) -> Optional[torc
 def read_back(model: torch.nn.Module, params: dict, hf_name: str) -> Optional[torch.Tensor]:
     """The tensor the engine holds under Hugging Face name `hf_name` (None: not readable here)."""
     expert = expert_source(hf_name)
-    if expert is not None and expert[0] in params:
+    if expert is not None:
         name, index, rows = expert
-        weight = params[name][index]
-        half = weight.shape[0] // 2
-        return {"first": weight[:half], "second": weight[half:], "all": weight}[rows]
+        folder, _, weight_name = name.rpartition(".")
+        found = [f"{folder}.{sub}{weight_name}" for sub in FUSED_EXPERT_FOLDERS if f"{folder}.{sub}{weight_name}" in params]
+        if found:
+            weight = params[found[0]][index]
+            half = weight.shape[0] // 2
+            return {"first": weight[:half], "second": weight[half:], "all": weight}[rows]
     stacked = stacked_source(model, hf_name)
     if stacked is not None and stacked[0] in params:
         name, shard = stacked
