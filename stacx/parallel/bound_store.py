@@ -2,9 +2,9 @@
 
 `TCPStore(host, port, is_master=True)` listens on every interface whatever `host` it is given, so
 anyone who can reach the machine can join a process group's rendezvous. Every store Stacx hosts
-(role worlds, exchange groups, SGLang's weight-update group) goes through `host_bound_store`,
-which binds the listening socket to one address itself and hands it to the store by file
-descriptor. Wildcard addresses (0.0.0.0, ::) are refused.
+(role worlds, exchange groups, SGLang's weight-update group, vLLM's gloo weight-transfer group) goes
+through `host_bound_store`, which binds the listening socket to one address itself and hands it to the
+store by file descriptor. Wildcard addresses (0.0.0.0, ::) are refused.
 
     store, port = host_bound_store(ray.util.get_node_ip_address(), timeout_s=300)
 """

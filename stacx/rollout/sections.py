@@ -48,6 +48,12 @@ class RolloutSection:
     vllm_python: str | None = None
     """--rollout-engine vllm: the python of the vLLM environment the run starts its server with (default:
     $STACX_VLLM_PYTHON; `scripts/setup_vllm_venv.sh` makes one; docs/vllm.md)."""
+    vllm_weight_transfer: str = "auto"
+    """--rollout-engine vllm: how the trainer's weights reach the server. 'auto' (Stacx's buckets through its
+    worker extension: same-host shared memory for a loopback server, else in the request), 'shm', 'http', or
+    vLLM's own weight-transfer API: 'nccl' (GPU; the sending trainer rank broadcasts to the server's workers) or
+    'gloo' (the same API on CPU). A server the run launches is started for it; an attached one must be started
+    with vLLM's --weight-transfer-config (docs/vllm.md)."""
     weight_check_every: int = 1
     """After every Nth weight push, compare a digest of every tensor the engine holds with the trainer's; a
     mismatch stops the run naming the tensor (0: never; docs/vllm.md, 'Post-sync check')."""
@@ -132,6 +138,11 @@ class RolloutSection:
     """Eval sampling temperature (0: greedy)."""
     save_rollouts_per_step: int = 4
     """Rollouts per step written to rollouts.jsonl for inspection."""
+
+    def weight_transfer_for(self, engine_kind: str) -> str | None:
+        """The weight transfer a push to an engine of `engine_kind` asks for (`EngineTarget.weight_transfer`):
+        --vllm-weight-transfer for vLLM when set, else None (the kind's own)."""
+        return self.vllm_weight_transfer if engine_kind == "vllm" and self.vllm_weight_transfer != "auto" else None
 
     def __post_init__(self):
         require_in_range("--min-live-engines", self.min_live_engines, at_least=1)

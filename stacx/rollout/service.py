@@ -112,7 +112,8 @@ def launch_engine(kind: EngineKind, rollout: RolloutSection, *, hf_checkpoint: s
     servers = kind.launcher(ServerLaunch(hf_checkpoint=hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key,
                                          return_routed_experts=rollout.use_routing_replay,
                                          num_servers=rollout.rollout_num_engines, lora_flags=lora_flags,
-                                         engine_python=rollout.vllm_python))
+                                         engine_python=rollout.vllm_python,
+                                         weight_transfer=rollout.vllm_weight_transfer))
     return LaunchedEngine(kind=kind.name, servers=servers, api_key=api_key)
 
 

@@ -133,7 +133,9 @@ class StacxTrainer:
         # Every rank that streams weights needs the servers' URLs and shared secret (shared as plain
         # values: rank messages carry no rollout types).
         shared = channel.share((rollout.engine_kind, tuple(rollout.urls), rollout.api_key) if rollout is not None else None)
-        self.engine_target: Optional[EngineTarget] = EngineTarget(*shared) if shared is not None else None
+        self.engine_target: Optional[EngineTarget] = (
+            EngineTarget(*shared, weight_transfer=run_config.rollout.weight_transfer_for(shared[0]))
+            if shared is not None else None)
         self.samples: SampleSource = sample_source if sample_source is not None else choose_sample_source(
             run_config=run_config, training_config=training_config, algorithm=self.algorithm, data=data,
             rollout=rollout, is_driver=channel.is_driver, step_rollout=step_rollout)
@@ -473,7 +475,8 @@ class StacxTrainer:
         failed because the engine did not answer is retried once on it, after the rollout service restarted
         or recovered it ('skip': set aside, it rejoins later), on Ray and under torchrun alike."""
         try:
-            self.roles[role_name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key, check)
+            self.roles[role_name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key, check,
+                                               **target.push_options())
             return
         except Exception as err:  # noqa: BLE001 - the rollout service decides; re-raised unless it recovers
             # The driver decides and every rank follows: on Ray it drives alone; under torchrun every rank
@@ -488,7 +491,8 @@ class StacxTrainer:
             logger.warning("weight push of version %d to %s failed (%s): %s", version, url, err,
                            "retrying on it" if action == "retry" else "it is set aside until it rejoins")
         if action == "retry":
-            self.roles[role_name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key, check)
+            self.roles[role_name].push_weights(target.kind, url, version, WEIGHT_BUCKET_BYTES, target.api_key, check,
+                                               **target.push_options())
 
     def evaluate_if_due(self, completed_steps: int) -> dict[str, float]:
         """eval/* of the model after `completed_steps` rollout steps when due (the driver's StepRollout

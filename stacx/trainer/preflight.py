@@ -17,7 +17,8 @@ What it checks (each failure is one paragraph naming the flag and the fix):
 - a recipe that scores rollouts with a teacher has --teacher-url (or a trajectory corpus to replay),
   the teacher answers `/health` within TEACHER_TIMEOUT_S, and its vocabulary matches the student's;
   --rollout-engine is a registered engine kind, and one that attaches (http) has --rollout-urls; vllm without
-  --rollout-urls has its environment's python (--vllm-python); --weight-check-every is >= 0;
+  --rollout-urls has its environment's python (--vllm-python); --vllm-weight-transfer other than auto comes
+  with --rollout-engine vllm; --weight-check-every is >= 0;
   --reward-fn resolves; --wandb-project has the wandb package;
 - the advantage estimator is registered, and no custom key is a misspelling of a knob the run's
   kernels declare (`check_objective_names`);
@@ -525,6 +526,9 @@ def check_services(run_config: RunConfig, training_config: TrainingConfig) -> No
             vllm_python(run_config.rollout.vllm_python)  # the run starts vLLM's server from its own environment
         except ValueError as err:
             raise PreflightError(str(err)) from None
+    if run_config.rollout.vllm_weight_transfer != "auto" and engine_kind.name != "vllm":
+        raise PreflightError(f"--vllm-weight-transfer {run_config.rollout.vllm_weight_transfer}: only the vllm engine "
+                             f"takes it (this run's is --rollout-engine {engine_kind.name}); drop it")
     if run_config.rollout.weight_check_every < 0:
         raise PreflightError(f"--weight-check-every must be >= 0 (0: never), got {run_config.rollout.weight_check_every}")
     if training_config.uses_reward:

@@ -154,3 +154,9 @@ class EngineTarget:
     kind: str
     urls: tuple[str, ...]
     api_key: Optional[str] = field(default=None, repr=False)
+    weight_transfer: Optional[str] = None
+    """How the weights travel when the kind offers a choice (vLLM: --vllm-weight-transfer); None: the kind's own."""
+
+    def push_options(self) -> dict:
+        """The keyword arguments a weight push takes beyond the kind, URL and key: only those set."""
+        return {} if self.weight_transfer is None else {"weight_transfer": self.weight_transfer}

@@ -135,25 +135,46 @@ class _Fused(torch.nn.Module):
             self.cpu_linear = lambda x, w, b: x @ weight.t()
 
 
+class _Router(torch.nn.Module):
+    """vLLM's replicated MoE router (`ReplicatedLinear`): `input_size` only; `repacked` as in `_Fused`."""
+
+    def __init__(self, weight, repacked=False):
+        super().__init__()
+        self.input_size = weight.shape[1]
+        self.weight = torch.nn.Parameter(torch.empty(0) if repacked else weight.clone())
+        if repacked:
+            self.cpu_linear = lambda x, w, b: x @ weight.t()
+
+
 class _Model(torch.nn.Module):
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
 
-    def __init__(self, weight, repacked):
+    def __init__(self, weight, repacked, router):
         super().__init__()
         self.attn = torch.nn.Module()
         self.attn.qkv_proj = _Fused(weight, [4, 2, 2], repacked)
         self.experts = torch.nn.Module()
         self.experts.w13_weight = torch.nn.Parameter(torch.arange(2 * 6 * 3, dtype=torch.float32).view(2, 6, 3))
+        # vLLM 0.32's Qwen3-MoE on CPU: the fused experts one module deeper, the router a replicated linear
+        self.moe = torch.nn.Module()
+        self.moe.experts = torch.nn.Module()
+        self.moe.experts.routed_experts = torch.nn.Module()
+        self.moe.experts.routed_experts.w2_weight = torch.nn.Parameter(torch.randn(2, 3, 4))
+        self.moe.gate = _Router(router, repacked)
 
 
 @pytest.mark.parametrize("repacked", [False, True])
 def test_worker_reads_back_fused_and_expert_tensors_in_hugging_face_names(repacked):
     q, k, v = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3)
-    model = _Model(torch.cat([q, k, v]), repacked)
+    router = torch.randn(2, 3)
+    model = _Model(torch.cat([q, k, v]), repacked, router)
     params = dict(model.named_parameters())
     assert torch.equal(worker.read_back(model, params, "attn.k_proj.weight"), k)
     assert torch.equal(worker.read_back(model, params, "attn.v_proj.weight"), v)
     assert torch.equal(worker.read_back(model, params, "experts.1.up_proj.weight"), model.experts.w13_weight[1, 3:])
+    assert torch.equal(worker.read_back(model, params, "moe.experts.1.down_proj.weight"),
+                       model.moe.experts.routed_experts.w2_weight[1])
+    assert torch.equal(worker.read_back(model, params, "moe.gate.weight"), router)
     assert worker.read_back(model, params, "not.a.weight") is None
 
 

@@ -38,11 +38,14 @@ def vllm_checkpoints(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="session")
 def vllm_server(vllm_python, vllm_checkpoints):
-    """(url, server process) of the session's one vLLM server, serving the first checkpoint."""
+    """(url, server process) of the session's one vLLM server, serving the first checkpoint (its worker also takes
+    weights through vLLM's weight-transfer API over gloo: `--vllm-weight-transfer gloo`)."""
     from stacx.rollout.engines.vllm import VllmServerProcess
 
-    # vLLM starts in about a minute on two quiet cores; a loaded CI machine can take many times that
-    server = VllmServerProcess(vllm_checkpoints[0], python=vllm_python, timeout_s=2400, wait=False)
+    # vLLM starts in about a minute on two quiet cores; a loaded CI machine can take many times that. Its workers
+    # also take weights through vLLM's weight-transfer API over gloo (test_vllm_weight_transfer.py).
+    server = VllmServerProcess(vllm_checkpoints[0], python=vllm_python, timeout_s=2400, weight_transfer="gloo",
+                               wait=False)
     try:
         yield server.wait_until_ready(), server
     finally:

@@ -51,6 +51,9 @@ class ServerLaunch:
     engine_python: Optional[str] = None
     """The python of the engine's own environment, for kinds whose server runs outside Stacx's (vLLM:
     --vllm-python)."""
+    weight_transfer: Optional[str] = None
+    """How the weights reach the servers, for kinds that offer a choice (vLLM: --vllm-weight-transfer; its
+    'nccl' and 'gloo' start the server's own weight-transfer engine)."""
 
 
 class LaunchedServers(Protocol):

@@ -26,6 +26,9 @@ A kind declares, where it is registered:
 - **sessions_through_recorder**: the servers record no sessions, but the client generates from token
   ids with per-token log-probs, so an agent run puts `stacx serve`'s session recorder in front of it
   (in the driver: `stacx.trainer.session_recorder`) and may use the kind too (vLLM).
+- **weight_transfers**: ways of sending weights the client offers beyond its default
+  (`client(url, ..., weight_transport=NAME)`), which the sending rank's client is built with when a run asks
+  for one (vLLM: `--vllm-weight-transfer`, e.g. its NCCL weight-transfer engine).
 
 Built-ins: 'cpu' (`stacx serve` as a child of the driver), 'http' (attach to --rollout-urls),
 'sglang' (SGLang servers on the Ray cluster's GPUs), 'vllm' (vLLM's server from its own environment,
@@ -47,7 +50,7 @@ from stacx.plugins.registry import Registry
 from stacx.rollout.engines.http import IF_OFFERED, HttpEngine
 from stacx.rollout.engines.launchers import LaunchedServers, ServerLaunch, launch_cpu_server, launch_sglang_servers
 from stacx.rollout.engines.sglang import SglangEngine
-from stacx.rollout.engines.vllm import VllmEngine, launch_vllm_servers
+from stacx.rollout.engines.vllm import VLLM_WEIGHT_TRANSFERS, VllmEngine, launch_vllm_servers
 from stacx.wire.engine import InferenceEngine
 from stacx.wire.http_client import RetryPolicy
 
@@ -89,6 +92,9 @@ class EngineKind:
     """The servers record no sessions, but the client takes and returns token ids with per-token log-probs:
     an `--agent` / `--agent-command` run records the sessions with `stacx serve`'s recorder in front of the
     client (stacx.trainer.session_recorder)."""
+    weight_transfers: tuple[str, ...] = ()
+    """The ways of sending weights the client offers beyond its default, given as `client(url, ...,
+    weight_transport=NAME)` (vLLM: --vllm-weight-transfer); empty: one way only."""
 
     @property
     def serves_agents(self) -> bool:
@@ -113,13 +119,17 @@ class EngineKind:
         """Whether a run with these --rollout-urls attaches rather than launches."""
         return self.attaches or (self.attaches_with_urls and bool(rollout_urls))
 
-    def connect(self, url: str, *, api_key: Optional[str] = None,
-                retry: Optional[RetryPolicy] = None) -> InferenceEngine:
+    def connect(self, url: str, *, api_key: Optional[str] = None, retry: Optional[RetryPolicy] = None,
+                weight_transfer: Optional[str] = None) -> InferenceEngine:
         """The client for the server at `url`; `api_key` is the server's secret; `retry` replaces the
-        client's default timeouts and attempts."""
-        if retry is None:
-            return self.client(url, api_key=api_key)
-        return self.client(url, api_key=api_key, retry=retry)
+        client's default timeouts and attempts; `weight_transfer` one of `weight_transfers` (None: the default)."""
+        options = {} if retry is None else {"retry": retry}
+        if weight_transfer is not None:
+            if weight_transfer not in self.weight_transfers:
+                raise ValueError(f"engine kind {self.name!r} sends weights one way only; weight transfer "
+                                 f"{weight_transfer!r} is not one of its {list(self.weight_transfers)}")
+            options["weight_transport"] = weight_transfer
+        return self.client(url, api_key=api_key, **options)
 
 
 ENGINE_KINDS: Registry[EngineKind] = Registry("engine kind", entries_are_callable=False)
@@ -172,10 +182,12 @@ def resolve_engine_kind(name: str, *, flag: str = "--rollout-engine") -> EngineK
     return ENGINE_KINDS[name]
 
 
-def engine_client(kind: str, url: str, *, api_key: Optional[str] = None) -> InferenceEngine:
+def engine_client(kind: str, url: str, *, api_key: Optional[str] = None,
+                  weight_transfer: Optional[str] = None) -> InferenceEngine:
     """The InferenceEngine client for a server of `kind` at `url` (an SGLang server gets SGLang's
-    weight-update endpoints; `stacx serve` gets the bucket endpoint); `api_key` is the server's secret."""
-    return resolve_engine_kind(kind).connect(url, api_key=api_key)
+    weight-update endpoints; `stacx serve` gets the bucket endpoint); `api_key` is the server's secret;
+    `weight_transfer` one of the kind's `weight_transfers`."""
+    return resolve_engine_kind(kind).connect(url, api_key=api_key, weight_transfer=weight_transfer)
 
 
 def launched_stacx_serve_client(url: str, *, api_key: Optional[str] = None,
@@ -200,4 +212,5 @@ add_engine_kind(EngineKind(name="http", client=attached_server_client, records_s
 add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True,
                            takes_lora_adapters=True))
 add_engine_kind(EngineKind(name="vllm", client=VllmEngine, launcher=launch_vllm_servers, starts_beside_workers=True,
-                           attaches_with_urls=True, takes_lora_adapters=True, sessions_through_recorder=True))
+                           attaches_with_urls=True, takes_lora_adapters=True, sessions_through_recorder=True,
+                           weight_transfers=VLLM_WEIGHT_TRANSFERS))

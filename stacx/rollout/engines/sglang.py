@@ -31,14 +31,12 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from stacx.parallel.bound_store import host_bound_store
 from stacx.parallel.tensor_buckets import dtype_name
+from stacx.parallel.weight_broadcast import WeightBroadcastGroup
 from stacx.rollout.engines.http import HttpEngine, summarize_requests
 from stacx.rollout.engines.processes import stop_process
 from stacx.wire.engine import WeightBucket
@@ -104,35 +102,6 @@ def default_serializer() -> Callable[[list], str]:
     except ImportError as err:
         raise ImportError("weight_update='tensor' needs the sglang package (pip install 'stacx[sglang]')") from err
     return lambda named_tensors: MultiprocessingSerializer.serialize(named_tensors, output_str=True)
-
-
-class WeightBroadcastGroup:
-    """The trainer's end (rank 0) of the weight-update group SGLang's ranks join.
-
-    A standalone process group over its own TCPStore, outside the trainer's default world:
-    NCCL on GPU, gloo on CPU (the tests use gloo).
-    """
-
-    def __init__(self, *, master_address: str, master_port: int, world_size: int, rank: int = 0,
-                 backend: str = "nccl", timeout_s: float = 600.0):
-        if rank == 0:  # the trainer hosts the group's store on the address SGLang's ranks were given, only there
-            store, _ = host_bound_store(master_address, timeout_s, port=master_port, world_size=world_size,
-                                        purpose="SGLang weight-update group")
-        else:
-            store = dist.TCPStore(master_address, master_port, world_size, is_master=False,
-                                  timeout=timedelta(seconds=timeout_s))
-        if backend == "gloo":
-            self.group = dist.ProcessGroupGloo(store, rank, world_size)
-        elif backend == "nccl":
-            self.group = dist.ProcessGroupNCCL(store, rank, world_size)
-        else:
-            raise ValueError(f"weight update backend must be 'nccl' or 'gloo', got {backend!r}")
-        self.rank, self.world_size, self.backend = rank, world_size, backend
-
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        self.group.broadcast([tensor], options).wait()
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")

@@ -28,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
+from urllib.parse import urlparse
 
 import requests
 import torch
@@ -35,13 +36,24 @@ import torch
 from stacx.parallel.tensor_buckets import TENSOR_DTYPES, bucket_chunks, plan_buckets
 from stacx.wire.engine import WeightBucket
 from stacx.rollout.engines.processes import LocalServerGroup, stop_process
-from stacx.rollout.engines.server_client import ServerClient
+from stacx.network import is_loopback_host
+from stacx.parallel.weight_broadcast import require_cuda
+from stacx.rollout.engines.server_client import WEIGHT_TRANSPORTS, ServerClient
+from stacx.rollout.engines.sglang import node_address
 from stacx.rollout.engines.vllm_protocol import (
     build_abort_payload,
     build_completion_payload,
     build_rpc_payload,
     parse_completion_response,
     parse_rpc_results,
+)
+from stacx.rollout.engines.vllm_weight_transfer import (
+    FLAG as WEIGHT_TRANSFER_FLAG,
+    TRANSFER_BACKENDS,
+    TransferBackend,
+    WeightTransferRefused,
+    WeightTransferSession,
+    weight_transfer_config_arg,
 )
 from stacx.wire.http_client import HttpTransport, RetryPolicy
 from stacx.wire.types import GenerateOutput, GenerateRequest
@@ -68,6 +80,10 @@ VLLM_START_TIMEOUT_S = 900.0
 PAUSE_MODES = ("abort", "wait", "keep")
 RPC_RETRY = RetryPolicy(timeout_s=600.0, max_attempts=1)
 """A worker-extension call is never retried: a refused bucket must surface, not be replayed."""
+VLLM_WEIGHT_TRANSFERS = (*WEIGHT_TRANSPORTS, *TRANSFER_BACKENDS)
+"""--vllm-weight-transfer: Stacx's buckets through the worker extension ('auto': same-host shared memory for a
+loopback server, else in the request; 'shm'; 'http'), or vLLM's own weight-transfer API ('nccl'; 'gloo' on CPU:
+stacx.rollout.engines.vllm_weight_transfer)."""
 
 
 def vllm_python(flag_value: Optional[str] = None) -> str:
@@ -90,17 +106,27 @@ class VllmEngine(ServerClient):
     def __init__(self, url: str, *, api_key: Optional[str] = None, retry: RetryPolicy = RetryPolicy(),
                  weight_transport: str = "auto", pause_mode: str = "wait"):
         """weight_transport: 'shm' stages buckets in a same-host shared-memory file the engine maps,
-        'http' carries them in the request; 'auto' is shm for a loopback URL. pause_mode: what `pause`
-        does to in-flight requests (vLLM's /pause modes; partial rollout aborts them first itself)."""
+        'http' carries them in the request; 'auto' is shm for a loopback URL; 'nccl' and 'gloo' send through
+        vLLM's own weight-transfer API (VLLM_WEIGHT_TRANSFERS; NCCL needs a CUDA device here). pause_mode: what
+        `pause` does to in-flight requests (vLLM's /pause modes; partial rollout aborts them first itself)."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        super().__init__(url, retry, api_key=api_key, weight_transport=weight_transport)
+        if weight_transport not in VLLM_WEIGHT_TRANSFERS:
+            raise ValueError(f"{WEIGHT_TRANSFER_FLAG} {weight_transport!r}: choose one of {list(VLLM_WEIGHT_TRANSFERS)}")
+        self.transfer_backend: Optional[TransferBackend] = TRANSFER_BACKENDS.get(weight_transport)
+        """vLLM's weight-transfer API backend the weights go through (None: Stacx's buckets)."""
+        if self.transfer_backend is not None and self.transfer_backend.name == "nccl":
+            require_cuda(f"{WEIGHT_TRANSFER_FLAG} nccl (on CPU use {WEIGHT_TRANSFER_FLAG} gloo, or the default, "
+                         "Stacx's own buckets)")
+        super().__init__(url, retry, api_key=api_key,
+                         weight_transport="auto" if self.transfer_backend is not None else weight_transport)
         self._api_key = api_key
         self._rpc_transport = HttpTransport(url, RPC_RETRY, api_key=api_key)
         self.pause_mode = pause_mode
         self._model: Optional[str] = None
         self._version = 0
         self._staging: Optional[_StagingFile] = None
+        self._transfer: Optional[WeightTransferSession] = None
         self._lora_config: Optional[dict] = None
         self._lora_folder: Optional[str] = None
         self._fan_out = ThreadPoolExecutor(max_workers=self.max_concurrent_submissions,
@@ -203,8 +229,37 @@ class VllmEngine(ServerClient):
         if first is not None and first and all(is_adapter_tensor_name(name) for name, _ in first):
             self.load_adapters([first, *buckets], version=version)
             return
+        if self.transfer_backend is not None:
+            self.transfer_weights(itertools.chain([] if first is None else [first], buckets), version=version)
+            return
         for index, bucket, final in numbered_buckets(itertools.chain([] if first is None else [first], buckets)):
             self._send_bucket(bucket, version=version, index=index, final=final)
+        self._version = version
+
+    def transfer_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
+        """Send every bucket through vLLM's weight-transfer API (`transfer_backend`; the group is formed with the
+        server on the first push), then record `version` as served in the worker extension. A version not newer
+        than the served one, or a server started for another backend, is refused before anything is sent."""
+        backend = self.transfer_backend
+        served = self.weight_version()
+        if version <= served:
+            raise WeightTransferRefused(f"{self.url}: weight version {version} is not newer than the version the "
+                                        f"engine serves ({served}); versions only move forward (a replayed or stale "
+                                        "update)")
+        if self._transfer is None:
+            configured = self.rpc("stacx_weight_transfer")[0].get("backend")
+            if configured != backend.server_backend:
+                raise WeightTransferRefused(
+                    f"{WEIGHT_TRANSFER_FLAG} {backend.name}: the vLLM server at {self.url} was started with "
+                    f"{'weight-transfer backend ' + repr(configured) if configured else 'no weight-transfer backend'}; "
+                    f"start it with {shlex.join(weight_transfer_config_arg(backend.name))} (a run that launches its "
+                    f"server does), or drop {WEIGHT_TRANSFER_FLAG}")
+            host = urlparse(self.url).hostname or ""
+            self._transfer = WeightTransferSession(
+                HttpTransport(self.url, RPC_RETRY, api_key=self._api_key), backend,
+                rendezvous_host="127.0.0.1" if is_loopback_host(host) else node_address())
+        self._transfer.send(buckets, version=version)
+        self.rpc("stacx_transfer_finished", {"version": int(version)})
         self._version = version
 
     def load_adapters(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
@@ -259,6 +314,9 @@ class VllmEngine(ServerClient):
                                f"{len(bucket)} tensors of bucket {index}, version {version}")
 
     def shutdown(self) -> None:
+        transfer, self._transfer = self._transfer, None
+        if transfer is not None:
+            transfer.close()
         staging, self._staging = self._staging, None
         if staging is not None:
             staging.close()
@@ -337,10 +395,13 @@ def lora_rank_of_flags(lora_flags: Sequence[str]) -> Optional[int]:
 
 def vllm_server_command(python: str, hf_checkpoint: str, *, port: int, seed: int = 0,
                         return_routed_experts: bool = False, max_model_len: Optional[int] = None,
-                        lora_rank: Optional[int] = None, extra_args: Sequence[str] = ()) -> list[str]:
+                        lora_rank: Optional[int] = None, weight_transfer: Optional[str] = None,
+                        extra_args: Sequence[str] = ()) -> list[str]:
     """The `vllm.entrypoints.openai.api_server` command line a run starts: loopback only (vLLM's RL and RPC
     endpoints take no API key), the checkpoint's own dtype, log-probs of the sampling distribution, eager
-    execution (no compilation: minutes of start-up on a CPU), then STACX_VLLM_EXTRA_ARGS and `extra_args`."""
+    execution (no compilation: minutes of start-up on a CPU), vLLM's weight-transfer engine for a
+    `weight_transfer` through its API (--vllm-weight-transfer nccl or gloo), then STACX_VLLM_EXTRA_ARGS and
+    `extra_args`."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_checkpoint,
                "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
                "--seed", str(seed), "--dtype", checkpoint_dtype(hf_checkpoint),
@@ -352,6 +413,8 @@ def vllm_server_command(python: str, hf_checkpoint: str, *, port: int, seed: int
         command += ["--enable-return-routed-experts"]
     if lora_rank is not None:
         command += vllm_lora_args(lora_rank)
+    if weight_transfer in TRANSFER_BACKENDS:
+        command += weight_transfer_config_arg(weight_transfer)
     return command + shlex.split(os.environ.get(EXTRA_ARGS_ENV, "")) + list(extra_args)
 
 
@@ -376,14 +439,16 @@ class VllmServerProcess:
 
     def __init__(self, hf_checkpoint: str, *, python: str, seed: int = 0, api_key: Optional[str] = None,
                  return_routed_experts: bool = False, timeout_s: float = VLLM_START_TIMEOUT_S,
-                 lora_rank: Optional[int] = None, extra_args: Sequence[str] = (), wait: bool = True):
-        """lora_rank: the server takes adapter-only pushes of adapters up to this rank (--lora-sync adapters)."""
+                 lora_rank: Optional[int] = None, weight_transfer: Optional[str] = None, extra_args: Sequence[str] = (),
+                 wait: bool = True):
+        """lora_rank: the server takes adapter-only pushes of adapters up to this rank (--lora-sync adapters).
+        weight_transfer: the run's --vllm-weight-transfer (nccl or gloo start vLLM's weight-transfer engine)."""
         self.port = free_loopback_port()
         self.log_path = os.path.join(tempfile.mkdtemp(prefix="stacx-vllm-"), "server.log")
         self._log = open(self.log_path, "w")
         command = vllm_server_command(python, hf_checkpoint, port=self.port, seed=seed,
                                       return_routed_experts=return_routed_experts, lora_rank=lora_rank,
-                                      extra_args=extra_args)
+                                      weight_transfer=weight_transfer, extra_args=extra_args)
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                         env=vllm_server_env(api_key, lora=lora_rank is not None),
                                         start_new_session=True)
@@ -467,5 +532,6 @@ def launch_vllm_servers(launch) -> LaunchedVllmServers:
     return LaunchedVllmServers([VllmServerProcess(launch.hf_checkpoint, python=python, seed=launch.seed,
                                                   api_key=launch.api_key,
                                                   return_routed_experts=launch.return_routed_experts,
-                                                  lora_rank=lora_rank_of_flags(launch.lora_flags), wait=False)])
+                                                  lora_rank=lora_rank_of_flags(launch.lora_flags),
+                                                  weight_transfer=launch.weight_transfer, wait=False)])
 

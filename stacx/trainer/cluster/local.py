@@ -47,10 +47,12 @@ class LocalRoleGroup:
         return all_gather_values(self.runtime.compute_fields(shards[self.rank], names))
 
     def push_weights(self, engine_kind: str, url: str, version: int, bucket_bytes: int,
-                     api_key: str | None, check_weights: bool = False) -> list[int]:
+                     api_key: str | None, check_weights: bool = False, *,
+                     weight_transfer: str | None = None) -> list[int]:
         # every rank raises alike when one failed (a retry needs every rank; stacx.trainer.runtime.push_outcome)
         outcome = push_outcome(lambda: self.runtime.push_weights_to_engine(engine_kind, url, version, bucket_bytes,
-                                                                           api_key, check_weights=check_weights))
+                                                                           api_key, check_weights=check_weights,
+                                                                           weight_transfer=weight_transfer))
         return settle_push(all_gather_values(outcome), url=url)
 
     def save(self, staging_dir: str) -> list[RankFileInfo]:

@@ -47,9 +47,12 @@ class RoleGroup(Protocol):
         ...
 
     def push_weights(self, engine_kind: str, url: str, version: int, bucket_bytes: int,
-                     api_key: str | None, check_weights: bool = False) -> list[int]:
+                     api_key: str | None, check_weights: bool = False, *,
+                     weight_transfer: str | None = None) -> list[int]:
         """Stream the role's weights to the inference server at `url`; tensors sent per rank. check_weights:
-        then compare the engine's per-tensor digests with the sent ones (stacx.rollout.weight_check)."""
+        then compare the engine's per-tensor digests with the sent ones (stacx.rollout.weight_check).
+        weight_transfer: how the weights travel, for a kind that offers a choice (`EngineTarget.push_options`;
+        passed only when set)."""
         ...
 
     def save(self, staging_dir: str) -> list[RankFileInfo]:

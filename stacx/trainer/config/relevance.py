@@ -109,7 +109,7 @@ def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
             return rollout and engine_attaches
         if name == "attached_engine_wait_s":  # a failed attached engine is waited for, one or several
             return rollout and engine_attaches
-        if name == "vllm_python":
+        if name in ("vllm_python", "vllm_weight_transfer"):
             return rollout and rollout_values.get("rollout_engine") == "vllm"
         if name == "weight_check_every":  # every push is checked unless it says otherwise: shown when given
             return False

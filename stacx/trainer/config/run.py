@@ -328,6 +328,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "log_expert_load": ("summary", "per-expert"),
     "lora_sync": ("merged", "adapters"),
     "lora_critic": tuple(CRITIC_MODES),
+    "vllm_weight_transfer": ("auto", "http", "shm", "nccl", "gloo"),  # stacx.rollout.engines.vllm.VLLM_WEIGHT_TRANSFERS
 }
 """Allowed values of string run-config fields with a fixed set of choices, checked when a value is given."""
 

@@ -491,13 +491,16 @@ class RoleRuntime:
                                       adapters=adapters)
 
     def push_weights_to_engine(self, engine_kind: str, url: str, version: int, bucket_bytes: int,
-                               api_key: str | None = None, *, check_weights: bool = False) -> int:
+                               api_key: str | None = None, *, check_weights: bool = False,
+                               weight_transfer: str | None = None) -> int:
         """Stream this role's weights to an inference server: ranks with cp = dp = 0 gather over TP,
         TP rank 0 sends the buckets (the driver pauses, flushes and checks the version around this). With
         experts spread over ep > 1 every rank takes part in the gathers (each holds experts the sender's
         TP group lacks), so the sender streams every expert under its Hugging Face name.
         check_weights: after the push, compare the engine's digest of every tensor with the sent one
-        (stacx.rollout.weight_check: a mismatch raises WeightSyncMismatch naming the tensor).
+        (stacx.rollout.weight_check: a mismatch raises WeightSyncMismatch naming the tensor). weight_transfer: how
+        the sender's client sends, for a kind that offers a choice (vLLM: --vllm-weight-transfer, e.g. 'nccl':
+        this rank alone joins the server's weight-transfer group and broadcasts the gathered tensors).
         Returns the number of tensors sent (0 on ranks that do not send)."""
         sender_group = self.groups.cp_rank == 0 and self.groups.dp_rank == 0
         if not sender_group and self.groups.ep_size == 1:
@@ -510,7 +513,8 @@ class RoleRuntime:
 
         key = (engine_kind, url)
         if key not in self._engine_clients:
-            self._engine_clients[key] = engine_client(engine_kind, url, api_key=api_key)
+            options = {} if weight_transfer is None else {"weight_transfer": weight_transfer}
+            self._engine_clients[key] = engine_client(engine_kind, url, api_key=api_key, **options)
             use_lora_config = getattr(self._engine_clients[key], "use_lora_config", None)
             if use_lora_config is not None and self.lora is not None and self.model_section.lora_sync == "adapters":
                 # an engine that loads PEFT adapter folders (vLLM, SGLang) is told the adapters' settings

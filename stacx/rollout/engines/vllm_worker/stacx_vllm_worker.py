@@ -9,6 +9,8 @@ VLLM_SERVER_DEV_MODE=1). Every argument is one JSON string, every answer a JSON 
     stacx_weight_digests(request)  {name: digest} of what the engine holds now (post-sync check)
     stacx_weight_version()         the version of the weights the engine serves
     stacx_reset_weight_version()   serve them as version 0 (a new run attaching to a long-lived server)
+    stacx_weight_transfer()        the backend of vLLM's weight-transfer API the server was started with
+    stacx_transfer_finished(req)   an update through that API (`--vllm-weight-transfer`) is done: serve its version
 
 A bucket is Stacx's own format (`stacx.parallel.tensor_buckets`: names, dtypes, shapes, offsets
 into one flat buffer), staged either in a same-host shared-memory file the client wrote
@@ -19,6 +21,10 @@ version and number replay an update (versions only move forward, buckets come on
 the rules of `stacx serve`, stacx.wire.weight_versions). Loading goes through vLLM's
 layerwise reload (the first bucket of a version starts it, the final one finishes it), which
 re-runs each layer's post-load processing, so a CPU engine's repacked GEMM weights are rebuilt.
+
+Weights sent through vLLM's own weight-transfer API (NCCL, or gloo on CPU: `stacx_gloo_transfer`, registered
+here when vLLM imports this module) are loaded by vLLM; the sender then reports the version with
+`stacx_transfer_finished`, under the same version rules.
 
 This module imports torch, the standard library and `stacx.parallel` only (vLLM's environment
 does not hold Stacx's dependencies), and vLLM inside the methods.
@@ -133,8 +139,14 @@ def stacked_source(model: torch.nn.Module, hf_name: str):
     return None
 
 
+FUSED_EXPERT_FOLDERS = ("", "routed_experts.")
+"""Where a layer's fused expert weights sit under its `experts` module: directly (`experts.w13_weight`), or in vLLM
+0.32's `RoutedExperts` submodule (`experts.routed_experts.w13_weight`, Qwen3-MoE on CPU)."""
+
+
 def expert_source(hf_name: str):
-    """(vLLM fused-experts parameter, expert, rows) for `...mlp.experts.E.{gate,up,down}_proj.weight`, else None.
+    """(vLLM fused-experts parameter, expert, rows) for `...mlp.experts.E.{gate,up,down}_proj.weight`, else None;
+    the parameter named as directly under `experts` (`read_back` looks in FUSED_EXPERT_FOLDERS).
     rows: 'first' / 'second' half of w13 (gate, up), or 'all' of w2 (down)."""
     parts = hf_name.split(".")
     if "experts" not in parts or parts[-1] != "weight":
@@ -159,7 +171,8 @@ def linear_weight(module: torch.nn.Module, param: torch.Tensor) -> Optional[torc
     if param.numel():
         return param
     cpu_linear = getattr(module, "cpu_linear", None)
-    in_features = getattr(module, "input_size_per_partition", None)
+    # a tensor-parallel linear's input width; a replicated one (an MoE router) has only `input_size`
+    in_features = getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None)
     if cpu_linear is None or not isinstance(in_features, int):
         return None
     identity = torch.eye(in_features, dtype=param.dtype)
@@ -169,11 +182,14 @@ def linear_weight(module: torch.nn.Module, param: torch.Tensor) -> Optional[torc
 def read_back(model: torch.nn.Module, params: dict, hf_name: str) -> Optional[torch.Tensor]:
     """The tensor the engine holds under Hugging Face name `hf_name` (None: not readable here)."""
     expert = expert_source(hf_name)
-    if expert is not None and expert[0] in params:
+    if expert is not None:
         name, index, rows = expert
-        weight = params[name][index]
-        half = weight.shape[0] // 2
-        return {"first": weight[:half], "second": weight[half:], "all": weight}[rows]
+        folder, _, weight_name = name.rpartition(".")
+        found = [f"{folder}.{sub}{weight_name}" for sub in FUSED_EXPERT_FOLDERS if f"{folder}.{sub}{weight_name}" in params]
+        if found:
+            weight = params[found[0]][index]
+            half = weight.shape[0] // 2
+            return {"first": weight[:half], "second": weight[half:], "all": weight}[rows]
     stacked = stacked_source(model, hf_name)
     if stacked is not None and stacked[0] in params:
         name, shard = stacked
@@ -256,19 +272,35 @@ class StacxWorkerExtension:
         return {"loaded": len(tensors), "version": header["version"], "bucket": header["bucket"],
                 "final": header["final"]}
 
-    def stacx_adapters_loaded(self, request_json: str) -> dict:
-        """The client loaded a LoRA adapter through `/v1/load_lora_adapter` (an adapter-only push): serve its
-        `version` (versions only move forward, as for weight buckets)."""
+    def _stacx_serve_loaded(self, method: str, request_json: str) -> dict:
+        """Weights loaded another way than `stacx_load_bucket` are served as the request's `version` (versions
+        only move forward, as for weight buckets)."""
         request = json.loads(request_json)
         version = request.get("version") if isinstance(request, dict) else None
         if not _is_int(version):
-            raise BucketRefused(f"stacx_adapters_loaded: 'version' must be an integer, got {version!r}")
+            raise BucketRefused(f"{method}: 'version' must be an integer, got {version!r}")
         order = self._stacx_order()
         if order.loading is not None:
-            raise BucketRefused(f"stacx_adapters_loaded: weight version {order.loading[0]} is still being loaded")
+            raise BucketRefused(f"{method}: weight version {order.loading[0]} is still being loaded")
         order.admit(version, 0)
         order.served = version
         return {"weight_version": version}
+
+    def stacx_adapters_loaded(self, request_json: str) -> dict:
+        """The client loaded a LoRA adapter through `/v1/load_lora_adapter` (an adapter-only push): serve its
+        `version`."""
+        return self._stacx_serve_loaded("stacx_adapters_loaded", request_json)
+
+    def stacx_transfer_finished(self, request_json: str) -> dict:
+        """The client's update through vLLM's weight-transfer API finished (`/finish_weight_update`): serve its
+        `version`."""
+        return self._stacx_serve_loaded("stacx_transfer_finished", request_json)
+
+    def stacx_weight_transfer(self) -> dict:
+        """{"backend": vLLM's weight-transfer backend this server was started with (--weight-transfer-config),
+        or None}."""
+        config = getattr(self.vllm_config, "weight_transfer_config", None)
+        return {"backend": getattr(config, "backend", None)}
 
     def stacx_weight_digests(self, request_json: str) -> dict:
         """{"digests": {name: digest or None (not readable)}, "dtype": the engine's parameter dtype} for
@@ -289,3 +321,16 @@ class StacxWorkerExtension:
 
     def stacx_model_dtype(self) -> dict:
         return {"dtype": str(self.vllm_config.model_config.dtype).removeprefix("torch.")}
+
+
+try:  # inside vLLM's worker: offer the gloo backend of its weight-transfer API before the worker builds its engine
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as _Factory  # noqa: F401
+except ImportError:  # imported outside vLLM's environment (Stacx's tests of this module)
+    pass
+else:
+    if __package__:  # imported as part of the stacx package
+        from .stacx_gloo_transfer import register as _register_gloo_transfer
+    else:  # vLLM imports it from this folder on its PYTHONPATH
+        from stacx_gloo_transfer import register as _register_gloo_transfer
+
+    _register_gloo_transfer()

@@ -54,9 +54,9 @@ def _compute_fields(worker: RoleWorker, micro_batches: MicroBatches, names: Sequ
 
 
 def _push_weights(worker: RoleWorker, engine_kind: str, url: str, version: int, bucket_bytes: int,
-                  api_key: str | None, check_weights: bool = False) -> int:
+                  api_key: str | None, check_weights: bool = False, weight_transfer: str | None = None) -> int:
     return runtime_of(worker).push_weights_to_engine(engine_kind, url, version, bucket_bytes, api_key,
-                                                     check_weights=check_weights)
+                                                     check_weights=check_weights, weight_transfer=weight_transfer)
 
 
 def _save(worker: RoleWorker, staging_dir: str) -> RankFileInfo:
@@ -110,8 +110,10 @@ class RayRoleGroup:
         return self.workers.execute_per_rank(_compute_fields, [(shard, names) for shard in shards])
 
     def push_weights(self, engine_kind: str, url: str, version: int, bucket_bytes: int,
-                     api_key: str | None, check_weights: bool = False) -> list[int]:
-        return self.workers.execute_all(_push_weights, engine_kind, url, version, bucket_bytes, api_key, check_weights)
+                     api_key: str | None, check_weights: bool = False, *,
+                     weight_transfer: str | None = None) -> list[int]:
+        return self.workers.execute_all(_push_weights, engine_kind, url, version, bucket_bytes, api_key, check_weights,
+                                        weight_transfer)
 
     def save(self, staging_dir: str) -> list[RankFileInfo]:
         return self.workers.execute_all(_save, staging_dir)
