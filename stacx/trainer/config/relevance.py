@@ -59,7 +59,7 @@ def _engine_attaches(name: str) -> bool:
     """Whether the engine kind `name` attaches to --rollout-urls (False for a name the preflight refuses)."""
     try:
         kind = resolve_engine_kind(name)
-        return kind.attaches or kind.attaches_with_urls
+        return kind.attaches or kind.attaches_with_urls or kind.attaches_beside_launched
     except ValueError:
         return False
 
