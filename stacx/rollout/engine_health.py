@@ -20,11 +20,12 @@ What follows:
   in a background thread (`rollout/engine_restarts`). It serves again only at the pool's weight version:
   at once when that is the version a fresh server loads (0: no weights pushed yet), else from the next
   weight push, which goes to it like to every engine and is version-checked;
-- an **attached** engine (`--rollout-urls`, or a kind whose servers cannot be restarted) is set aside (its
+- an **attached** engine (`--rollout-urls`, or a kind whose servers cannot be restarted; `attached`: those a 'cpu'
+  run attached beside the ones it launched) is set aside (`rollout/engines_set_aside`; its
   client closed and, with `connect`, a fresh one made for it) and probed at most once per health interval;
-  when its health check passes it rejoins, by the same version rule (a server restarted by its owner serves
-  its start weights: behind, the next push brings it). Below min_live_engines it is waited for, up to
-  `--attached-engine-wait-s` after it failed, probed every health interval;
+  when its health check passes it rejoins (`rollout/engines_rejoined`), by the same version rule (a server
+  restarted by its owner serves its start weights: behind, the next push brings it). Below min_live_engines
+  it is waited for, up to `--attached-engine-wait-s` after it failed, probed every health interval;
 - the failed call's requests go to a live engine (`rollout/requests_reissued`). A request that continues
   an aborted generation (partial rollout) carries its tokens so far in its prompt, so it continues from
   them; requests with rids on a stalled engine (missed health checks, the deadline) are aborted there first
@@ -103,17 +104,21 @@ class EngineSupervisor:
 
     def __init__(self, engines: List[Any], *, names: Sequence[str], settings: RolloutSection = RolloutSection(),
                  restart: Optional[Restart] = None, clock: Callable[[], float] = time.monotonic,
-                 connect: Optional[Callable[[int], Any]] = None):
+                 connect: Optional[Callable[[int], Any]] = None, attached: Sequence[int] = ()):
         """engines: the pool's clients (this list is updated in place when a restarted engine gets a new client);
         settings: the run's rollout section, whose engine fault fields the supervisor reads (min_live_engines,
         engine_deadline_s, engine_health_interval_s, attached_engine_wait_s); restart: None when the servers cannot
         be restarted (they are attached); connect(index): a fresh client of engine `index` (a failed attached
         engine's client is closed, so that a request still retrying on it stops; its probes and its rejoining use
-        the new one). None: the closed client is probed (it must answer again)."""
+        the new one). None: the closed client is probed (it must answer again). attached: the engines the run
+        attached beside the ones `restart` restarts (a 'cpu' run given --rollout-urls); with `restart` None every
+        engine is attached."""
         self.engines = engines
         self.names = list(names)
         self.settings = settings
         self.restart = restart
+        self.attached = frozenset(range(len(engines)) if restart is None else attached)
+        """The engines the run cannot restart (set aside when they fail, back when their health check passes)."""
         self.connect = connect
         self.clock = clock
         self.states = [LIVE] * len(engines)
@@ -123,6 +128,10 @@ class EngineSupervisor:
         self.updating = False
         """A weight update is under way (between pause and the version check): a restarted engine waits for it."""
         self.engine_restarts = 0
+        self.engines_set_aside = 0
+        """Failures of attached engines (each set aside until its health check passes)."""
+        self.engines_rejoined = 0
+        """Set-aside attached engines that passed their health check again and rejoined the pool."""
         self.generation = [0] * len(engines)
         """Failures of each engine so far: an engine whose count changed during a weight update missed its push."""
         self._update_generation = list(self.generation)
@@ -192,17 +201,15 @@ class EngineSupervisor:
 
     def _attached_waiting(self) -> list[int]:
         """The set-aside attached engines whose wait (attached_engine_wait_s from their failure) has not passed."""
-        if self.restart is not None:
-            return []
         now = self.clock()
         with self._lock:
-            return [i for i, state in enumerate(self.states)
-                    if state == OUT and now - self._out_since[i] < self.settings.attached_engine_wait_s]
+            return [i for i, state in enumerate(self.states) if state == OUT and i in self.attached
+                    and now - self._out_since[i] < self.settings.attached_engine_wait_s]
 
     def _lost_message(self, num_live: int) -> str:
         out = [f"{self.names[i]} ({self.states[i]}: {self.reasons[i] or 'behind the pool weight version'})"
                for i, state in enumerate(self.states) if state != LIVE]
-        attached = [self.names[i] for i, state in enumerate(self.states) if state == OUT and self.restart is None]
+        attached = [self.names[i] for i, state in enumerate(self.states) if state == OUT and i in self.attached]
         waited = (f". The run cannot restart an attached server: {', '.join(attached)} did not pass its health check "
                   f"within --attached-engine-wait-s {self.settings.attached_engine_wait_s:g} s of failing; restart it, "
                   "or raise --attached-engine-wait-s to wait longer" if attached else "")
@@ -212,12 +219,13 @@ class EngineSupervisor:
 
     def _probe_set_aside(self) -> None:
         now = self.clock()
-        for index in [i for i, state in enumerate(self.states) if state == OUT and self.restart is None]:
+        for index in [i for i, state in enumerate(self.states) if state == OUT and i in self.attached]:
             if now < self._next_probe[index]:
                 continue
             self._next_probe[index] = now + self.settings.engine_health_interval_s
-            if self._healthy(index):
-                self._rejoin(index, why="its health check passes again")
+            if self._healthy(index) and self._rejoin(index, why="its health check passes again"):
+                with self._lock:
+                    self.engines_rejoined += 1
 
     def _healthy(self, index: int) -> bool:
         started = self.clock()
@@ -228,15 +236,15 @@ class EngineSupervisor:
         finally:
             self.health_check_s += self.clock() - started
 
-    def _rejoin(self, index: int, *, why: str) -> None:
+    def _rejoin(self, index: int, *, why: str) -> bool:
         """A restarted or recovered engine: live when it serves the pool's version and no update is under way,
-        else behind (the next push brings it)."""
+        else behind (the next push brings it). False: it failed again right away (still out)."""
         try:
             served = int(self.engines[index].weight_version())
         except Exception as err:  # noqa: BLE001 - it failed again right away
             with self._lock:
                 self.states[index], self.reasons[index] = OUT, f"{why}, but its weight version cannot be read: {err}"
-            return
+            return False
         with self._lock:
             if served == self.version and not self.updating:
                 self.states[index], self.reasons[index] = LIVE, ""
@@ -244,6 +252,7 @@ class EngineSupervisor:
                 self.states[index] = BEHIND
                 self.reasons[index] = f"serves weight version {served}, the pool {self.version}: waits for the next push"
         logger.warning("rollout engine %s rejoins the pool (%s): %s", self.names[index], why, self.states[index])
+        return True
 
     # ---- failures ------------------------------------------------------------------------------
 
@@ -317,8 +326,9 @@ class EngineSupervisor:
                     close()  # a request still retrying against it stops at its next attempt
                 except Exception:  # noqa: BLE001 - the engine is gone already
                     pass
-            if self.restart is None:
+            if index in self.attached:
                 self.states[index] = OUT
+                self.engines_set_aside += 1
                 self._out_since[index] = self.clock()
                 self._next_probe[index] = self.clock() + self.settings.engine_health_interval_s
                 if self.connect is not None:  # the closed client answers nothing: probe through a fresh one
@@ -415,10 +425,13 @@ class EngineSupervisor:
                     self.states[index], self.reasons[index] = LIVE, ""
 
     def metrics(self) -> dict[str, float]:
-        """rollout/engine_restarts, rollout/requests_reissued and rollout/tokens_salvaged (cumulative),
+        """rollout/engine_restarts, rollout/engines_set_aside and rollout/engines_rejoined (attached engines that
+        failed, and that came back), rollout/requests_reissued and rollout/tokens_salvaged (cumulative),
         rollout/live_engines (now), rollout/health_check_s (cumulative seconds of health checks)."""
         with self._lock:
             return {"rollout/engine_restarts": float(self.engine_restarts),
+                    "rollout/engines_set_aside": float(self.engines_set_aside),
+                    "rollout/engines_rejoined": float(self.engines_rejoined),
                     "rollout/requests_reissued": float(self.requests_reissued),
                     "rollout/tokens_salvaged": float(self.tokens_salvaged),
                     "rollout/live_engines": float(sum(state == LIVE for state in self.states)),
@@ -460,10 +473,11 @@ def push_failure_action(supervisor: EngineSupervisor, index: int, error: BaseExc
 
 
 def attach_supervisor(pool: Any, rollout: RolloutSection, *, servers: Any,
-                      connect: Callable[[str], Any]) -> EngineSupervisor:
+                      connect: Callable[[str], Any], attached: Sequence[int] = ()) -> EngineSupervisor:
     """Supervise `pool` (an EnginePool) with the run's settings (`rollout`: the RolloutSection); `servers`:
     the servers the run launched (restarted when they have `restart(index) -> url`), None when attached;
-    `connect(url)`: a client for a restarted server."""
+    `connect(url)`: a client for a restarted server; `attached`: the pool's engines the run attached beside the
+    servers it launched (the last ones: `servers.restart` never sees their indices)."""
     if rollout.min_live_engines > len(pool.engines):
         raise ValueError(f"--min-live-engines {rollout.min_live_engines} is more than the {len(pool.engines)} rollout "
                          "engines of this run; lower it or add engines (--rollout-num-engines, --rollout-urls)")
@@ -472,4 +486,4 @@ def attach_supervisor(pool: Any, rollout: RolloutSection, *, servers: Any,
 
     restartable = servers is not None and callable(getattr(servers, "restart", None))
     return pool.supervise(settings=rollout, restart=restart_and_connect if restartable else None,
-                          connect=lambda index: connect(pool.names[index]))
+                          connect=lambda index: connect(pool.names[index]), attached=attached)

@@ -11,10 +11,11 @@ log-prob and weight version of the engine that sampled it); a request that had f
     rest = pool.generate([continuation_request(requests[i], out) for i, out in kept.items()])
     outputs = joined(requests, outputs, kept, rest)
 
-An engine whose process died answers nothing. A launched `stacx serve` streams its `/generate` answers
-(stacx.serving.generate_stream), so its client holds the tokens received before the death and raises them as the
-error's `partial`: they continue the same way. Other engines' tokens are lost and their requests start again (a
-request that was already a continuation carries its earlier tokens in its prompt, so only the last segment is lost).
+An engine whose process died answers nothing. `stacx serve` streams its `/generate` answers
+(stacx.serving.generate_stream), and vLLM its completions (stacx.rollout.engines.vllm), so their clients hold the
+tokens received before the death and raise them as the error's `partial`: they continue the same way. Other engines'
+tokens (SGLang's) are lost and their requests start again (a request that was already a continuation carries its
+earlier tokens in its prompt, so only the last segment is lost).
 `rollout/tokens_salvaged` counts the tokens kept.
 """
 

@@ -17,7 +17,10 @@ confirms its version, and its supervisor restarts or sets aside a failed engine 
 Authentication: the servers a run starts of a kind that owns its secret ('cpu', 'sglang') get a
 fresh shared secret (`secrets.token_urlsafe`, in the child's environment for `stacx serve`, SGLang's
 `--api-key`), and every client of them (the driver's, the policy ranks' weight pushes) sends it.
-Attached servers use the `STACX_API_KEY` environment variable of the driver, if set.
+Attached servers use the `STACX_API_KEY` environment variable of the driver, if set. A 'cpu' run given
+`--rollout-urls` attaches those running `stacx serve`s beside the ones it launches (one pool: the launched
+engines are restarted when they fail, the attached ones set aside until they answer again); its launched
+servers then take the driver's `STACX_API_KEY` (a fresh secret when it is unset), the one key every client sends.
 
 Roll-in recipes also get a teacher engine (`teacher_engine()`): the teacher server at
 `teacher_url` generates the teacher-executed turns through its `--teacher-engine` kind's client.
@@ -46,7 +49,7 @@ from stacx.rollout.rewards import resolve_reward_fn
 from stacx.rollout.sections import RolloutSection, TeacherSection
 from stacx.rollout.teacher import TeacherClient
 from stacx.wire.engine import InferenceEngine
-from stacx.wire.http_client import RetryPolicy
+from stacx.wire.http_client import RetryPolicy, api_key_from_env
 from stacx.wire.types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -108,7 +111,9 @@ def launch_engine(kind: EngineKind, rollout: RolloutSection, *, hf_checkpoint: s
         takers = sorted(name for name, other in ENGINE_KINDS.items() if other.takes_lora_adapters and other.launcher)
         raise ValueError(f"--lora-sync adapters: the {kind.name!r} engine takes merged weights only; "
                          f"use --lora-sync merged, or --rollout-engine {' or '.join(takers)}")
-    api_key = secrets.token_urlsafe(32) if kind.owns_secret else None
+    api_key = None
+    if kind.owns_secret:  # servers attached beside them take the driver's STACX_API_KEY: the one key of the pool
+        api_key = (api_key_from_env() if kind.attached_beside(rollout.rollout_urls) else None) or secrets.token_urlsafe(32)
     servers = kind.launcher(ServerLaunch(hf_checkpoint=hf_checkpoint, seed=rollout.rollout_seed, api_key=api_key,
                                          return_routed_experts=rollout.use_routing_replay,
                                          num_servers=rollout.rollout_num_engines, lora_flags=lora_flags,
@@ -192,11 +197,15 @@ class RolloutService:
                                                                            lora_flags=lora_flags)
             try:
                 urls = tuple(launched.servers.wait_until_ready())
+                beside = kind.attached_beside(rollout.rollout_urls)  # running servers that join the launched ones
+                if len(set(urls + beside)) != len(urls) + len(beside):
+                    raise ValueError(f"--rollout-urls lists a server twice, or one the run launched: {list(beside)}")
             except BaseException:
                 launched.stop()
                 raise
-            api_key = launched.api_key
+            urls, api_key = urls + beside, launched.api_key
         servers = launched.servers if launched is not None else None
+        attached = range(len(urls) - len(kind.attached_beside(rollout.rollout_urls)), len(urls))
         try:
             teacher = build_teacher(teacher_section) if plan.uses_teacher else None
             if plan.uses_teacher and teacher is None:
@@ -209,7 +218,8 @@ class RolloutService:
         # one engine or several: a supervised pool (a failed engine is restarted or set aside, engine_health)
         engine = EnginePool([kind.connect(u, api_key=api_key) for u in urls], names=urls)
         try:
-            attach_supervisor(engine, rollout, servers=servers, connect=lambda u: kind.connect(u, api_key=api_key))
+            attach_supervisor(engine, rollout, servers=servers, connect=lambda u: kind.connect(u, api_key=api_key),
+                              attached=attached)
         except BaseException:
             engine.shutdown()
             if servers is not None:

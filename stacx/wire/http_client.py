@@ -12,6 +12,7 @@ request carries `Authorization: Bearer <key>`, the header both `stacx serve` and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -146,6 +147,28 @@ class HttpTransport:
         the request is retried as `request` retries it; once it has started, a break is not retried (what
         arrived is the caller's to keep): `ServerUnavailableError` when the server does not answer, answers
         5xx after the retries, or the answer breaks off; `ServerRequestError` on 4xx."""
+        with self._streamed_answer(endpoint, body, summary=summary) as lines:
+            for line in lines:
+                if line:
+                    yield json.loads(line)
+
+    def post_events(self, endpoint: str, body: Any, *, summary: str = "") -> Iterator[Any]:
+        """POST `body` and yield the JSON data of each server-sent event (`data: {...}`, the OpenAI servers'
+        streamed answers: vLLM's, SGLang's) as it arrives, until `data: [DONE]`; other event fields are skipped.
+        Retried and failing as `post_lines`; an answer that ends before `[DONE]` broke off."""
+        with self._streamed_answer(endpoint, body, summary=summary) as lines:
+            for line in lines:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[len(b"data:"):].strip()
+                if data == b"[DONE]":
+                    return
+                yield json.loads(data)
+        raise ServerUnavailableError(self.url, endpoint, summary or "-", 1, "the answer ended before its [DONE] event")
+
+    @contextlib.contextmanager
+    def _streamed_answer(self, endpoint: str, body: Any, *, summary: str) -> Iterator[Iterator[bytes]]:
+        """The lines of a streamed POST answer (module doc of `post_lines`: retried until it starts, never after)."""
         policy, last_error, response = self.retry, "", None
         for attempt in range(1, policy.max_attempts + 1):
             time.sleep(policy.sleep_before(attempt))
@@ -170,9 +193,7 @@ class HttpTransport:
                                          f"HTTP {response.status_code}: {response.text[:500]}",
                                          response.status_code, _json_or_none(response))
             try:
-                for line in response.iter_lines():
-                    if line:
-                        yield json.loads(line)
+                yield response.iter_lines()
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as err:
                 raise ServerUnavailableError(self.url, endpoint, summary or "-", 1,
                                              f"the answer broke off: {type(err).__name__}: {err}") from err

@@ -1,23 +1,30 @@
 """Faults injected into a `stacx train` run from its episodes' environment, which runs in the driver, the parent
-of the run's `stacx serve` engines: tests/launch/test_fault_tolerance.py.
+of the run's launched `stacx serve` engines: tests/launch/test_fault_tolerance.py. The run also has an attached
+engine (`--rollout-urls`): a `stacx serve` the test started, its process id in CHAOS_ATTACHED_PID_FILE, the
+command that starts it (JSON) in CHAOS_ATTACHED_COMMAND.
 
 `SandboxedEcho` (`tests.launch.fault_injection:SandboxedEcho` in a prompt row's metadata) is a two-turn
 environment whose steps run a command in a session of a remote sandbox server. CHAOS_PLAN (environment) lists
 `action@S.N`, each done once, at the N-th environment step call (0-based; every episode makes two) of rollout
 step S (0-based: the rows the run's CHAOS_METRICS file, its metrics.jsonl, holds when the call is made; the
 driver writes a step's row before the next rollout starts, so a retried episode shifts no later step's calls):
-- `kill@S.N`: SIGKILL the newest engine (mid-rollout: the episodes' next turns are generated after it; at the
+- `kill@S.N`: SIGKILL the newest launched engine (mid-rollout: the episodes' next turns are generated after it; at the
   step's last call, after its generations and before its weight push: the push's pause is refused);
 - `midkill@S.N`: the newest engine is killed mid-generation: it holds its next generation after its first token
   (`hold_engine_when_asked`, in the engine) and is SIGKILLed once the run's client has received that token in a
   streamed piece (`kill_held_engines_on_their_pieces`, in the driver), so the tokens it streamed are salvaged
   (`rollout/tokens_salvaged`); its held call can never finish first: no timing decides it;
-- `stop@S.N`: SIGSTOP the oldest engine (a hung one: it stops answering, its socket stays open; at the step's
+- `stop@S.N`: SIGSTOP the oldest launched engine (a hung one: it stops answering, its socket stays open; at the step's
   last call, its pause for the push misses the health checks);
 - `sandbox@S.N`: SIGKILL the sandbox server and start another on its port (this episode's session is gone
   with it: its command fails, and the episode is played again on the new server);
 - `slow@S.N`: this step takes SLOW_S seconds more (a slow reward: the environment computes it);
-- `compare@S.N`: ask every engine for the same greedy completion and its weight version, and write them (JSON)
+- `detach@S.N`: SIGKILL the attached engine (at the step's last call: the push's pause finds it dead, the run
+  sets it aside, it cannot restart it);
+- `reattach@S.N`: start the attached engine again on its port (its owner restarted it: it serves the
+  checkpoint's weights), then wait until the run's pool has taken it back (its health probe passed: it is
+  behind the pool's weights until the next push), bounded;
+- `compare@S.N`: ask every engine, the attached one included, for the same greedy completion and its weight version, and write them (JSON)
   to CHAOS_REPORT: engines that serve equal weights answer equally (an engine that cannot be asked is
   written with its error, so the test names it).
 The restarted sandbox server's process id is written to CHAOS_SANDBOX_PID_FILE. A `midkill` engine is told to
@@ -45,9 +52,9 @@ _lock = threading.Lock()
 
 
 def engine_processes() -> list[int]:
-    """Process ids of this process's live `stacx serve` children, oldest first (a killed one not yet reaped, a
-    zombie, is not an engine)."""
-    me = str(os.getpid())
+    """Process ids of this process's live launched `stacx serve` children, oldest first (a killed one not yet
+    reaped, a zombie, is not an engine; the attached engine, restarted from here, is not one of them)."""
+    me, attached = str(os.getpid()), attached_engine_pid()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -59,7 +66,7 @@ def engine_processes() -> list[int]:
                 command = handle.read().split(b"\0")
         except OSError:
             continue
-        if parent == me and state != "Z" and b"serve" in command and b"stacx" in command:
+        if parent == me and state != "Z" and b"serve" in command and b"stacx" in command and int(entry) != attached:
             found.append(int(entry))
     return sorted(found)
 
@@ -85,9 +92,61 @@ def ask_engine(pid: int, url: str) -> dict:
     return {"pid": pid, "version": int(version), "output_token_logprobs": logprobs}
 
 
+def attached_engine_pid() -> int | None:
+    path = os.environ.get("CHAOS_ATTACHED_PID_FILE")
+    if not path:
+        return None
+    with open(path) as handle:
+        return int(handle.read())
+
+
+def attached_engine_url() -> str:
+    command = json.loads(os.environ["CHAOS_ATTACHED_COMMAND"])
+    return f"http://127.0.0.1:{command[command.index('--port') + 1]}"
+
+
+def restart_attached_engine() -> None:
+    """`reattach`: the attached engine's command again (on its port, exiting with this driver), healthy on return;
+    then the run's pool is asked (`EngineSupervisor.live`: it probes a set-aside engine once per health
+    interval) until it has taken the engine back."""
+    import subprocess
+
+    from stacx.rollout.engine_health import OUT, EngineSupervisor
+
+    url = attached_engine_url()
+    command = [*json.loads(os.environ["CHAOS_ATTACHED_COMMAND"]), "--parent-pid", str(os.getpid())]
+    process = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    with open(os.environ["CHAOS_ATTACHED_PID_FILE"], "w") as handle:
+        handle.write(str(process.pid))
+    _wait_until(lambda: requests.get(f"{url}/health", timeout=1).ok, "the restarted attached engine's /health")
+    supervisor = next(s for s in gc.get_objects() if isinstance(s, EngineSupervisor) and url in s.names)
+    index = supervisor.names.index(url)
+
+    def taken_back() -> bool:
+        supervisor.live()  # probes the set-aside engine when its health interval has passed
+        return supervisor.states[index] != OUT
+
+    _wait_until(taken_back, "the run's pool to take the attached engine back")
+
+
+def _wait_until(ready, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if ready():
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"waited {timeout_s:g} s for {what}")
+
+
 def compare_engines() -> None:
     report, urls = [], engine_urls()
-    for pid in engine_processes():
+    if attached_engine_pid() is not None:
+        urls[attached_engine_pid()] = attached_engine_url()
+    for pid in [*engine_processes(), *filter(None, [attached_engine_pid()])]:
         try:
             report.append(ask_engine(pid, urls[pid]))
         except Exception as err:  # noqa: BLE001 - written down for the test to name, the run goes on
@@ -198,6 +257,10 @@ def _chaos(step: int, index: int, task: dict) -> None:
             time.sleep(SLOW_S)
         elif action == "compare":
             compare_engines()
+        elif action == "detach":
+            os.kill(attached_engine_pid(), signal.SIGKILL)
+        elif action == "reattach":
+            restart_attached_engine()
         else:
             raise ValueError(f"CHAOS_PLAN: unknown action {action!r}")
 
@@ -216,15 +279,8 @@ def restart_sandbox_server(task: dict) -> None:
                                stderr=subprocess.DEVNULL)
     with open(pid_file, "w") as handle:
         handle.write(str(process.pid))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{task['sandbox_url']}/health", timeout=1).ok:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError("the restarted sandbox server did not answer /health within 60 s")
+    _wait_until(lambda: requests.get(f"{task['sandbox_url']}/health", timeout=1).ok,
+                "the restarted sandbox server's /health", timeout_s=60.0)
 
 
 class SandboxedEcho(Environment):

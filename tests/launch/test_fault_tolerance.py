@@ -1,10 +1,14 @@
 """Runs that survive their parts, through `stacx train` on Ray (the shared test cluster), in one ten-step run of
-two-turn episodes in remote sandbox sessions on two CPU engines, every fault injected by the episodes' own
-environment (tests/launch/fault_injection.py): an engine killed mid-generation (the tokens it streamed are
-continued on the other engine), one killed before a weight push, one hung (SIGSTOP: it stops answering, its socket
-stays open) before the next push, the sandbox server killed and restarted, a slow reward. Each engine is noticed, restarted and given the current weights, the episode on the dead
-sandbox is played again, and the run completes every step with full batches. Unit-level checks of each path:
-tests/rollout/test_engine_faults.py, test_episode_faults.py."""
+two-turn episodes in remote sandbox sessions on two CPU engines, one the run launched and one it attached
+(`--rollout-urls`: a `stacx serve` this test started), every fault injected by the episodes' own environment
+(tests/launch/fault_injection.py): the launched engine killed mid-generation (the tokens it streamed are continued
+on the attached one), killed before a weight push, hung (SIGSTOP: it stops answering, its socket stays open) before
+the next push; the attached engine killed before a push and started again on its port a step later; the sandbox
+server killed and restarted, a slow reward. The launched engine is noticed, restarted and given the current
+weights each time; the attached one is set aside, taken back when its health check passes and given the current
+weights; the episode on the dead sandbox is played again, and the run completes every step with full batches.
+Unit-level checks of each path: tests/rollout/test_engine_faults.py, test_episode_faults.py,
+test_attached_engine_wait.py."""
 
 from __future__ import annotations
 
@@ -27,18 +31,28 @@ PROMPTS, SAMPLES = 4, 4
 LAST_CALL = 2 * PROMPTS * SAMPLES - 1
 """The index of a rollout step's last environment step call (two per episode): its generations are done."""
 CHAOS_PLAN = ",".join([
-    "midkill@1.1",  # the newest engine, mid-generation: its streamed tokens continue elsewhere, it is restarted
-    f"kill@2.{LAST_CALL}",  # the newest engine, before step 2's weight push: the push's pause is refused
-    f"stop@3.{LAST_CALL}",  # the oldest engine hangs before step 3's push: it misses its health checks
+    "midkill@1.1",  # the launched engine, mid-generation: its streamed tokens continue on the attached one
+    f"kill@2.{LAST_CALL}",  # the launched engine, before step 2's weight push: the push's pause is refused
+    f"stop@3.{LAST_CALL}",  # the launched engine hangs before step 3's push: it misses its health checks
     "sandbox@4.3",  # the sandbox server killed and restarted: the episode is played again
+    f"detach@5.{LAST_CALL}",  # the attached engine killed before step 5's push: set aside, not restarted
+    "reattach@6.0",  # its owner starts it again: the pool takes it back behind, step 6's push brings it
     "slow@7.0",  # a slow reward
     f"compare@9.{LAST_CALL}",  # both engines (each restarted) asked the same greedy request at the last step
 ])
+API_KEY = "chaos-engine-key"
+"""The driver's STACX_API_KEY: the attached engine takes it, and the launched one beside it is given it."""
 
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "sorting"), "sorting", seed=0)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def assert_engines_agree(report: str, version: int) -> None:
@@ -55,11 +69,10 @@ def assert_engines_agree(report: str, version: int) -> None:
 @pytest.mark.timeout(1500)
 def test_chaos_run_engine_kill_hang_sandbox_kill_and_slow_reward_in_one_ten_step_run(tiny_checkpoint, tmp_path,
                                                                                       shared_ray_address):
-    """Ten steps (CHAOS_PLAN says which fault comes where): three engine restarts, each engine serving the
-    current weights at the next rollout, the sandbox episode played again, every step's batch complete."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    """Ten steps (CHAOS_PLAN says which fault comes where): three restarts of the launched engine, the attached one
+    set aside and taken back, each engine serving the current weights at the next rollout, the sandbox episode
+    played again, every step's batch complete."""
+    port = free_port()
     url, key = f"http://127.0.0.1:{port}", "chaos-key"
     server = subprocess.Popen([sys.executable, "-m", "stacx.sandbox.server", "--port", str(port), "--api-key-env",
                                "CHAOS_SANDBOX_KEY"], env=train_env({"CHAOS_SANDBOX_KEY": key}), cwd=REPO,
@@ -75,23 +88,40 @@ def test_chaos_run_engine_kill_hang_sandbox_kill_and_slow_reward_in_one_ten_step
                 "environment": environment, "max_turns": 2, "sandbox_url": url, "sandbox_key": key,
                 "digits": digits}}) + "\n")
     out, report = str(tmp_path / "out"), str(tmp_path / "engines.json")
+    attached_url = f"http://127.0.0.1:{free_port()}"
     command = [sys.executable, "-m", "stacx.train", "--hf-checkpoint", tiny_checkpoint, "--prompt-data", str(rows),
                "--rollout-batch-size", str(PROMPTS), "--n-samples-per-prompt", str(SAMPLES),
-               "--rollout-max-response-len", "4", "--rollout-engine", "cpu", "--rollout-num-engines", "2",
+               "--rollout-max-response-len", "4", "--rollout-engine", "cpu", "--rollout-num-engines", "1",
+               "--rollout-urls", attached_url, "--attached-engine-wait-s", "300",
                "--engine-health-interval-s", "1", "--engine-deadline-s", "120", "--episode-retries", "2",
                "--num-steps", "10", "--out", out, "--no-plots", "--no-progress-bar", "--ray-address",
                shared_ray_address]
     hold_dir = tmp_path / "hold"
     hold_dir.mkdir()
     python_path = os.pathsep.join([HOOKS, REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
+    # the attached engine: started here (the run cannot restart it), loading while the run starts
+    attached_command = [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", tiny_checkpoint, "--host",
+                        "127.0.0.1", "--port", attached_url.rsplit(":", 1)[1], "--seed", "1"]
+    attached_pid_file = tmp_path / "attached.pid"
     env = train_env({"CHAOS_PLAN": CHAOS_PLAN, "CHAOS_SANDBOX_PID_FILE": str(pid_file), "CHAOS_REPORT": report,
                      "CHAOS_METRICS": os.path.join(out, "metrics.jsonl"), "CHAOS_HOLD_DIR": str(hold_dir),
+                     "CHAOS_ATTACHED_PID_FILE": str(attached_pid_file),
+                     "CHAOS_ATTACHED_COMMAND": json.dumps(attached_command), "STACX_API_KEY": API_KEY,
                      "PYTHONPATH": python_path})
+    attached = subprocess.Popen(attached_command, env=dict(env, OMP_NUM_THREADS="1"), cwd=REPO,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # as the run starts its own
+    attached_pid_file.write_text(str(attached.pid))
     try:
         completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1400, cwd=REPO)
     finally:
         os.kill(int(pid_file.read_text()), 9)
         server.wait(timeout=30)
+        for pid in {attached.pid, int(attached_pid_file.read_text())}:  # the first one, and the one started again
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        attached.wait(timeout=30)
     (tmp_path / "train.stderr").write_text(completed.stderr)  # the whole of it, for a failure's post-mortem
     assert completed.returncode == 0, completed.stderr[-6000:]
     with open(os.path.join(out, "metrics.jsonl")) as handle:
@@ -100,17 +130,24 @@ def test_chaos_run_engine_kill_hang_sandbox_kill_and_slow_reward_in_one_ten_step
     assert all(s["rollout/num_samples"] == PROMPTS * SAMPLES for s in steps)  # every step's batch complete
     assert [s["rollout/weight_version"] for s in steps] == [float(step) for step in range(10)]
     # Restarts are counted when an engine is found dead: the mid-rollout kill during step 1 (or, at the latest, at
-    # the push after it), the kill before step 2's push and the hang before step 3's push at those pushes.
+    # the push after it), the kill before step 2's push and the hang before step 3's push at those pushes. The
+    # attached engine is never restarted by the run.
     restarts = [s["rollout/engine_restarts"] for s in steps]
     assert restarts[0] == 0.0 and restarts[2:] == [1.0, 2.0] + [3.0] * 6, restarts
     assert steps[-1]["rollout/requests_reissued"] >= 1.0  # the mid-rollout kill's requests went to the other engine
     # it was killed holding a generation whose first token its client had: that token went on on the other engine
     assert steps[1]["rollout/tokens_salvaged"] >= 1.0 and os.listdir(hold_dir), (steps[1], completed.stderr[-4000:])
+    # The attached engine, killed after step 5's generations, is set aside at the push (step 6's row counts it); back
+    # during step 6 (the pool took it back before the step went on: reattach), behind, it serves from step 7 on.
+    assert [s["rollout/engines_set_aside"] for s in steps] == [0.0] * 6 + [1.0] * 4, steps
+    assert [s["rollout/engines_rejoined"] for s in steps] == [0.0] * 6 + [1.0] * 4, steps
+    assert "rejoins the pool (its health check passes again)" in completed.stderr
     # Each restarted engine took the push and serves from the next rollout on (step 1's is restarted mid-rollout).
-    assert all(s["rollout/live_engines"] == 2.0 for s in steps if s["step"] != 1), (steps, completed.stderr[-4000:])
+    live = [s["rollout/live_engines"] for s in steps]
+    assert [n for step, n in enumerate(live) if step != 1] == [2.0] * 5 + [1.0] + [2.0] * 3, (live, completed.stderr[-4000:])
     assert "Connection refused" in completed.stderr  # the killed engines
     assert "missed 2 health checks in a row" in completed.stderr  # the hung one
-    assert_engines_agree(report, version=9)
+    assert_engines_agree(report, version=9)  # the launched engine and the attached one
     # The sandbox's episode was played again; no engine fault cost an episode or a group.
     assert sum(s["rollout/episodes_retried"] for s in steps) >= 1.0
     assert "sandbox: SandboxServerError" in completed.stderr or "sandbox: SandboxUnavailableError" in completed.stderr

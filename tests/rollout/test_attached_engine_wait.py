@@ -1,5 +1,7 @@
 """A single attached engine (`--rollout-urls`: the run cannot restart it) that fails is waited for, up to
-`--attached-engine-wait-s`, and gets the current weights when it answers again (issue 44).
+`--attached-engine-wait-s`, and gets the current weights when it answers again (issue 44); in a pool of launched
+and attached engines (a 'cpu' run given --rollout-urls) a failed launched engine is restarted and a failed attached
+one set aside until it answers again (`rollout/engines_set_aside`, `rollout/engines_rejoined`).
 
 Over HTTP on loopback: a fake `/generate` server in this process that goes away (its socket closed: connection
 refused) and comes back on the same port serving weight version 0 (its owner restarted it), through the real
@@ -20,7 +22,9 @@ import pytest
 from stacx.rollout.engine_health import BEHIND, LIVE, OUT, EnginesBehind, EnginesLost, attach_supervisor
 from stacx.rollout.engine_pool import EnginePool
 from stacx.rollout.engines.http import HttpEngine
-from stacx.rollout.sections import RolloutSection
+from stacx.rollout.engines.registry import EngineKind, add_engine_kind, resolve_engine_kind, unregister_engine
+from stacx.rollout.plan import RolloutPlan
+from stacx.rollout.sections import RolloutSection, TeacherSection
 from stacx.rollout.service import RolloutService
 from stacx.wire.http_client import RetryPolicy
 from stacx.wire.types import GenerateRequest, SamplingParams
@@ -172,3 +176,82 @@ def test_the_run_flag_reaches_the_supervisor_and_zero_stops_at_once():
         pool.generate(REQUESTS)
     assert isinstance(pool.engines[0], ProbingClient) and pool.engines[0].probes == 0  # a fresh client, no wait
     pool.shutdown()
+
+
+def test_in_a_pool_of_launched_and_attached_engines_the_launched_one_is_restarted_the_attached_one_set_aside():
+    launched, attached = FakeServer(), FakeServer()
+    now, restarted = [0.0], []
+
+    def restart(index):
+        restarted.append(index)
+        launched.start(version=0)
+        return HttpEngine(launched.url, NO_RETRY)
+
+    pool = EnginePool([HttpEngine(s.url, NO_RETRY) for s in (launched, attached)], names=[launched.url, attached.url])
+    supervisor = pool.supervise(settings=RolloutSection(engine_health_interval_s=1.0, attached_engine_wait_s=60.0),
+                                restart=restart, connect=lambda index: HttpEngine(pool.names[index], NO_RETRY),
+                                clock=lambda: now[0], attached=[1])
+    try:
+        attached.go_away()  # the second chunk goes to it (fewest requests sent), fails, and goes to the launched one
+        assert [o.output_ids for o in pool.generate(REQUESTS)] == [[1, 2], [3, 4]]
+        assert supervisor.states == [LIVE, OUT] and restarted == []  # set aside: the run cannot restart it
+        launched.go_away()
+        attached.start(version=0)  # its owner restarted it
+        now[0] += 1.0  # a health interval later its probe is due: it answers, at the pool's version 0
+        assert [o.output_ids for o in pool.generate(REQUESTS)] == [[1, 2], [3, 4]]
+        supervisor.wait_for_restarts()
+        assert restarted == [0] and supervisor.states == [LIVE, LIVE]  # the launched one: restarted
+        metrics = supervisor.metrics()
+        assert [metrics[f"rollout/{key}"] for key in ("engine_restarts", "engines_set_aside", "engines_rejoined")] \
+            == [1.0, 1.0, 1.0]
+    finally:
+        pool.shutdown()
+        launched.go_away()
+        attached.go_away()
+
+
+def test_a_run_that_launches_its_servers_attaches_the_rollout_urls_beside_them_under_one_key(monkeypatch):
+    assert resolve_engine_kind("cpu").attached_beside(["http://a"]) == ("http://a",)
+    assert resolve_engine_kind("http").attached_beside(["http://a"]) == ()  # attached only: nothing launched
+    launched, attached = FakeServer(), FakeServer()
+    seen = {"restarted": []}
+
+    class Servers:
+        def wait_until_ready(self):
+            return (launched.url,)
+
+        def restart(self, index):
+            seen["restarted"].append(index)
+            return launched.url
+
+        def stop(self):
+            pass
+
+    def launcher(launch):
+        seen["key"] = launch.api_key
+        return Servers()
+
+    monkeypatch.setenv("STACX_API_KEY", "the-pool-key")
+    add_engine_kind(EngineKind(name="fake_beside", launcher=launcher, attaches_beside_launched=True,
+                               client=lambda url, *, api_key=None: HttpEngine(url, NO_RETRY, api_key=api_key)))
+    plan = RolloutPlan(recipe="grpo", data_source="rollout")
+    try:
+        with pytest.raises(ValueError, match="--rollout-urls lists a server twice, or one the run launched"):
+            RolloutService.start(RolloutSection(rollout_engine="fake_beside", rollout_urls=(launched.url,)),
+                                 TeacherSection(), plan=plan, hf_checkpoint="tiny", tokenizer=object())
+        service = RolloutService.start(RolloutSection(rollout_engine="fake_beside", rollout_urls=(attached.url,),
+                                                      attached_engine_wait_s=0.0), TeacherSection(), plan=plan,
+                                       hf_checkpoint="tiny", tokenizer=object())
+    finally:
+        unregister_engine("fake_beside")
+    try:
+        # one pool, one key: the launched servers take the driver's STACX_API_KEY, which the attached one takes
+        assert service.urls == (launched.url, attached.url) and seen["key"] == service.api_key == "the-pool-key"
+        assert service.supervisor.attached == {1}
+        attached.go_away()
+        assert [o.output_ids for o in service.engine.generate(REQUESTS)] == [[1, 2], [3, 4]]
+        assert service.supervisor.states == [LIVE, OUT] and seen["restarted"] == []
+        assert service.fault_metrics()["rollout/engines_set_aside"] == 1.0
+    finally:
+        service.close()
+        launched.go_away()

@@ -30,7 +30,8 @@ A kind declares, where it is registered:
   (`client(url, ..., weight_transport=NAME)`), which the sending rank's client is built with when a run asks
   for one (vLLM: `--vllm-weight-transfer`, e.g. its NCCL weight-transfer engine).
 
-Built-ins: 'cpu' (`stacx serve` as a child of the driver), 'http' (attach to --rollout-urls),
+Built-ins: 'cpu' (`stacx serve` as a child of the driver; with --rollout-urls, those running `stacx serve`s
+join the pool too: `attaches_beside_launched`), 'http' (attach to --rollout-urls),
 'sglang' (SGLang servers on the Ray cluster's GPUs), 'vllm' (vLLM's server from its own environment,
 or attached with --rollout-urls: `attaches_with_urls`). 'auto' is no kind: it resolves to 'sglang'
 with CUDA, else 'cpu' (`resolve_engine_kind`). A user kind comes from a `--custom-module` file (or
@@ -85,6 +86,10 @@ class EngineKind:
     serve`), which an `--agent` / `--agent-command` run trains on."""
     attaches_with_urls: bool = False
     """Given --rollout-urls, the run attaches to those servers instead of launching its own (vLLM)."""
+    attaches_beside_launched: bool = False
+    """Given --rollout-urls, the run attaches to those running servers (of this kind) as well as launching its own
+    (`stacx serve`: 'cpu'): one pool whose launched engines are restarted and attached ones set aside when they
+    fail (docs/fault_tolerance.md)."""
     takes_lora_adapters: bool = False
     """The servers take adapter-only pushes (--lora-sync adapters): the launcher starts them for the run's --lora-*
     flags (`ServerLaunch.lora_flags`), and the client loads the pushed adapters."""
@@ -118,6 +123,11 @@ class EngineKind:
     def attaches_to(self, rollout_urls) -> bool:
         """Whether a run with these --rollout-urls attaches rather than launches."""
         return self.attaches or (self.attaches_with_urls and bool(rollout_urls))
+
+    def attached_beside(self, rollout_urls) -> tuple[str, ...]:
+        """The --rollout-urls a run that launches this kind's servers attaches as well (() unless
+        `attaches_beside_launched`)."""
+        return tuple(rollout_urls) if self.attaches_beside_launched and not self.attaches_to(rollout_urls) else ()
 
     def connect(self, url: str, *, api_key: Optional[str] = None, retry: Optional[RetryPolicy] = None,
                 weight_transfer: Optional[str] = None) -> InferenceEngine:
@@ -207,7 +217,7 @@ def attached_server_client(url: str, *, api_key: Optional[str] = None,
 
 
 add_engine_kind(EngineKind(name="cpu", client=launched_stacx_serve_client, launcher=launch_cpu_server, starts_beside_workers=True,
-                           records_sessions=True, takes_lora_adapters=True))
+                           records_sessions=True, takes_lora_adapters=True, attaches_beside_launched=True))
 add_engine_kind(EngineKind(name="http", client=attached_server_client, records_sessions=True, takes_lora_adapters=True))  # attaches to `stacx serve`
 add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True,
                            takes_lora_adapters=True))

@@ -4,7 +4,8 @@ vLLM pins its own torch and transformers, so the server runs from a second Pytho
 (`scripts/setup_vllm_venv.sh` makes one): a run launches one server per engine with that
 environment's python (`--vllm-python`, or STACX_VLLM_PYTHON), or attaches to running ones with
 `--rollout-urls`. The client speaks vLLM's own protocol (`vllm_protocol`): completions with prompt
-token ids, token ids and per-token log-probs back, and the RL endpoints `/pause`, `/resume`,
+token ids, token ids and per-token log-probs back (streamed, so that the tokens of a server killed mid-call are
+kept and continued on a live engine: stacx.rollout.salvage), and the RL endpoints `/pause`, `/resume`,
 `/abort_requests`. Weights go through Stacx's worker extension (`vllm_worker/stacx_vllm_worker.py`)
 over `/collective_rpc`: each bucket is staged in a same-host shared-memory file (or carried in the
 request, base64, for another host) and loaded in Hugging Face names with versions that only move
@@ -44,8 +45,11 @@ from stacx.rollout.engines.vllm_protocol import (
     build_abort_payload,
     build_completion_payload,
     build_rpc_payload,
+    extend_from_chunk,
     parse_completion_response,
     parse_rpc_results,
+    stream_error,
+    streams,
 )
 from stacx.rollout.engines.vllm_weight_transfer import (
     FLAG as WEIGHT_TRANSFER_FLAG,
@@ -55,7 +59,7 @@ from stacx.rollout.engines.vllm_weight_transfer import (
     WeightTransferSession,
     weight_transfer_config_arg,
 )
-from stacx.wire.http_client import HttpTransport, RetryPolicy
+from stacx.wire.http_client import HttpTransport, RetryPolicy, ServerRequestError, ServerUnavailableError
 from stacx.wire.types import GenerateOutput, GenerateRequest
 from stacx.wire.weight_transfer import (
     SHM_FILE_PREFIX, MappedStagingFile, header_columns, numbered_buckets, shared_memory_directory
@@ -104,11 +108,16 @@ class VllmEngine(ServerClient):
     """One vLLM server (use one engine per server; `EnginePool` spreads over several)."""
 
     def __init__(self, url: str, *, api_key: Optional[str] = None, retry: RetryPolicy = RetryPolicy(),
-                 weight_transport: str = "auto", pause_mode: str = "wait"):
+                 weight_transport: str = "auto", pause_mode: str = "wait", stream_progress: bool = True):
         """weight_transport: 'shm' stages buckets in a same-host shared-memory file the engine maps,
         'http' carries them in the request; 'auto' is shm for a loopback URL; 'nccl' and 'gloo' send through
         vLLM's own weight-transfer API (VLLM_WEIGHT_TRANSFERS; NCCL needs a CUDA device here). pause_mode: what
-        `pause` does to in-flight requests (vLLM's /pause modes; partial rollout aborts them first itself)."""
+        `pause` does to in-flight requests (vLLM's /pause modes; partial rollout aborts them first itself).
+        stream_progress: ask for streamed completions (the tokens as they come: `vllm_protocol.streams` says
+        which requests can be; False: every request unstreamed), so a call to a server that dies raises with the
+        tokens received so far (`ServerUnavailableError.partial`, one output per request, finish reason "abort"),
+        which a supervised pool continues on a live engine (stacx.rollout.salvage); a request is retried until
+        its answer starts, not after."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         if weight_transport not in VLLM_WEIGHT_TRANSFERS:
@@ -123,6 +132,7 @@ class VllmEngine(ServerClient):
         self._api_key = api_key
         self._rpc_transport = HttpTransport(url, RPC_RETRY, api_key=api_key)
         self.pause_mode = pause_mode
+        self.stream_progress = stream_progress
         self._model: Optional[str] = None
         self._version = 0
         self._staging: Optional[_StagingFile] = None
@@ -148,16 +158,55 @@ class VllmEngine(ServerClient):
 
     def _generate_one(self, request: GenerateRequest) -> GenerateOutput:
         version = self._version
-        body = self.transport.post_json("/v1/completions", build_completion_payload(request, model=self.model_name()),
-                                        summary=f"prompt of {len(request.input_ids)} tokens, "
-                                                f"max_tokens {request.sampling.max_new_tokens}")
+        payload = build_completion_payload(request, model=self.model_name())
+        summary = f"prompt of {len(request.input_ids)} tokens, max_tokens {request.sampling.max_new_tokens}"
+        if self.stream_progress and streams(request):
+            return self._generate_streamed(request, payload, summary, version)
+        body = self.transport.post_json("/v1/completions", payload, summary=summary)
         return parse_completion_response(body, request, weight_version=version)
 
+    def _generate_streamed(self, request: GenerateRequest, payload: dict, summary: str, version: int) -> GenerateOutput:
+        """A streamed completion; a broken stream raises `ServerUnavailableError` whose `partial` is the tokens
+        received (a one-output list)."""
+        output, finished = GenerateOutput(output_ids=[], finish_reason="abort", weight_version=version), False
+        try:
+            for chunk in self.transport.post_events("/v1/completions", {**payload, "stream": True}, summary=summary):
+                error = stream_error(chunk)
+                if error is not None and 400 <= error[0] < 500:  # the request's fault, as unstreamed
+                    raise ServerRequestError(f"server {self.url} rejected /v1/completions (request: {summary}): "
+                                             f"HTTP {error[0]}: {error[1]}", error[0], chunk)
+                if error is not None:
+                    raise ServerUnavailableError(self.url, "/v1/completions", summary, 1,
+                                                 f"the engine failed during the call: HTTP {error[0]}: {error[1]}")
+                finished = extend_from_chunk(output, request, chunk, weight_version=version) or finished
+            if not finished:
+                raise ServerUnavailableError(self.url, "/v1/completions", summary, 1,
+                                             "the answer ended without a finish reason")
+        except ServerUnavailableError as err:
+            err.partial = [output]
+            raise
+        return output
+
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
-        """One `/v1/completions` per request, all in flight at once (the server batches them)."""
+        """One `/v1/completions` per request, all in flight at once (the server batches them). Streamed
+        (`stream_progress`), a server that dies during the call raises one `ServerUnavailableError` whose
+        `partial` has an output per request: the finished ones whole, the others with the tokens received."""
         if len(requests) <= 1:
             return [self._generate_one(r) for r in requests]
-        return list(self._fan_out.map(self._generate_one, requests))
+        futures = [self._fan_out.submit(self._generate_one, r) for r in requests]
+        outputs, broken = [], None
+        for future in futures:
+            try:
+                outputs.append(future.result())
+            except ServerUnavailableError as err:
+                partial = getattr(err, "partial", None)
+                outputs.append(partial[0] if partial else GenerateOutput(output_ids=[], finish_reason="abort",
+                                                                         weight_version=self._version))
+                broken = broken or err
+        if broken is not None:
+            broken.partial = outputs
+            raise broken
+        return outputs
 
     def abort(self, rids: Optional[Sequence[str]] = None) -> None:
         self.transport.post_json("/abort_requests", build_abort_payload(rids),

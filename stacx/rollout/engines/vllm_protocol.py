@@ -15,6 +15,13 @@ base64 of a `.npy` array [tokens - 1, layers, top_k] (servers started with
 token's log-prob is that of the distribution it was drawn from (after temperature), Stacx's convention
 (stacx.wire.types).
 
+Streamed (`"stream": true`), the answer is server-sent events, one `data: {...}` per engine step, then
+`data: [DONE]`: each chunk's `choices[0]` holds the step's new `token_ids` and their `logprobs` (the same
+fields, for those tokens only), `finish_reason` null until the last; the first one also has
+`prompt_token_ids`. No chunk carries `prompt_logprobs` or `routed_experts`, so only requests that ask
+neither are streamed (`streams`). A failure after the answer began is a chunk `{"error": {"message",
+"type", "code"}}` with the HTTP status the unstreamed call would have answered.
+
 The RL control endpoints (served with VLLM_SERVER_DEV_MODE=1): `POST /pause?mode=abort|wait|keep`,
 `POST /resume`, `POST /abort_requests {"request_ids": [...]}` (empty: all), `POST /reset_prefix_cache`,
 and `POST /collective_rpc {"method", "args": [json string]}` -> `{"results": [one per worker]}`, which
@@ -139,6 +146,49 @@ def parse_routed_experts(encoded: Optional[str], num_tokens: int) -> torch.Tenso
     if routes.shape[0] != num_tokens:
         raise ValueError(f"choices[0].routed_experts covers {routes.shape[0]} tokens, expected {num_tokens}")
     return routes.sort(dim=-1).values if routes.dim() == 3 else routes
+
+
+def streams(request: GenerateRequest) -> bool:
+    """Whether `request`'s answer can come streamed: it generates, and asks nothing the chunks lack (the prompt's
+    log-probs, routed experts)."""
+    prompt_asked = request.return_logprob and request.logprob_start_len >= 0
+    return request.sampling.max_new_tokens > 0 and not prompt_asked and not request.return_routed_experts
+
+
+def stream_error(chunk: Any) -> Optional[tuple[int, str]]:
+    """(HTTP status, message) of a streamed error chunk; None for a completion chunk."""
+    error = chunk.get("error") if isinstance(chunk, dict) else None
+    if error is None:
+        return None
+    if not isinstance(error, dict):
+        return 500, str(error)
+    return int(error.get("code") or 500), str(error.get("message", error))
+
+
+def extend_from_chunk(output: GenerateOutput, request: GenerateRequest, chunk: Any, *, weight_version: int) -> bool:
+    """Append one streamed completion chunk's tokens (and their log-prob fields) to `output`, the tokens received so
+    far of `request`; True when the chunk is the last (its finish reason is then `output`'s). A chunk without
+    choices (usage) adds nothing."""
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not choices:
+        return False
+    choice = choices[0]
+    ids = [int(t) for t in choice.get("token_ids") or []]
+    if ids or choice.get("logprobs"):
+        part = parse_completion_response({"choices": [{**choice, "token_ids": ids, "finish_reason": "length"}]},
+                                         request, weight_version=weight_version)
+        output.output_ids.extend(part.output_ids)
+        output.output_token_versions.extend(part.output_token_versions)
+        output.output_log_probs.extend(part.output_log_probs)
+        output.output_top_log_probs.extend(part.output_top_log_probs)
+        output.output_token_ids_log_probs.extend(part.output_token_ids_log_probs)
+    reason = choice.get("finish_reason")
+    if reason is None:
+        return False
+    if reason not in _FINISH_REASONS:
+        raise ValueError(f"choices[0].finish_reason {reason!r} is not one of {sorted(_FINISH_REASONS)}")
+    output.finish_reason = _FINISH_REASONS[reason]
+    return True
 
 
 def parse_completion_response(body: Any, request: GenerateRequest, *, weight_version: int) -> GenerateOutput:

@@ -55,11 +55,12 @@ FAULT_FIELDS = ("max_restarts", "dump_rollouts", "replay_rollouts")
 DISTILL_FIELDS = ("teacher_kl_coef", "student_top_k", "distill_topk_renormalize", "distill_kl_mode", "teacher_top_k")
 
 
-def _engine_attaches(name: str) -> bool:
-    """Whether the engine kind `name` attaches to --rollout-urls (False for a name the preflight refuses)."""
+def _engine_attaches(name: str, rollout_urls) -> bool:
+    """Whether the engine kind `name` attaches to --rollout-urls (False for a name the preflight refuses; a kind that
+    attaches them beside the servers it launches, only when they are given)."""
     try:
         kind = resolve_engine_kind(name)
-        return kind.attaches or kind.attaches_with_urls
+        return kind.attaches or kind.attaches_with_urls or (kind.attaches_beside_launched and bool(rollout_urls))
     except ValueError:
         return False
 
@@ -80,7 +81,7 @@ def _section_filters(recipe: TrainingConfig, algorithm: AlgorithmConfig,
                      resolved: Mapping[str, Any]) -> dict[str, Callable[[str], bool]]:
     """section -> whether the recipe reads a field of it."""
     rollout_values = resolved.get("rollout", {})
-    engine_attaches = _engine_attaches(rollout_values.get("rollout_engine", "auto"))
+    engine_attaches = _engine_attaches(rollout_values.get("rollout_engine", "auto"), rollout_values.get("rollout_urls"))
     has_eval_data = rollout_values.get("eval_data") is not None
     trainable = [role.specialization_cls for role in recipe.roles if role.trainable]
     runs_policy_loss = any(cls.policy_loss_in_use() for cls in trainable)
