@@ -4,7 +4,7 @@
     attach_lora(model, settings, groups)      # after the base weights are loaded; freezes them
     with adapters_disabled(model): ...        # the base model (the reference of KL-regularized recipes)
 
-An adapted linear computes y = W x + (alpha / rank) * B A dropout(x), with A [rank, in] and B [out, rank].
+An adapted linear computes y = W x + (alpha / rank) * B A dropout(x) (alpha / sqrt(rank) with `rslora`), with A [rank, in] and B [out, rank].
 Its parameters `lora_a` and `lora_b` sit on the linear itself, beside `weight` (megatron names such as
 `decoder.layers.0.self_attention.linear_qkv.lora_a`), so the base names, their checkpoint keys and their
 Hugging Face mappings do not change. Sharding follows the base layer's tensor-parallel group (tp, or etp for
@@ -71,6 +71,8 @@ class LoraSettings:
     """--lora-dropout: dropout probability on the adapter's input (training only)."""
     target_modules: tuple[str, ...] = (ALL_LINEAR,)
     """--lora-target-modules: which linears get adapters (TARGET_MODULES, or all-linear)."""
+    rslora: bool = False
+    """--lora-rslora: rank-stabilized scaling, alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."""
     seed: int = 0
     """Seed of A's initialization (the run's --seed)."""
 
@@ -82,7 +84,8 @@ class LoraSettings:
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        """The factor of B A in the update: alpha / r, or alpha / sqrt(r) with rslora (as PEFT computes it)."""
+        return self.alpha / math.sqrt(self.rank) if self.rslora else self.alpha / self.rank
 
     @property
     def targets(self) -> frozenset[str]:
@@ -331,7 +334,15 @@ def peft_adapter_config(settings: LoraSettings, base_model: str | None) -> dict:
     modules = hf_target_modules(settings.targets)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
             "lora_dropout": settings.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "base_model_name_or_path": base_model, "inference_mode": True}
+            "use_rslora": settings.rslora, "base_model_name_or_path": base_model, "inference_mode": True}
+
+
+def engine_adapter_config(settings: LoraSettings) -> dict:
+    """The PEFT config an inference engine (vLLM, SGLang) is given with adapter-only pushes: the export's, with the
+    scale written as a plain lora_alpha / r (lora_alpha = scale x r, use_rslora false), so an engine that reads only
+    lora_alpha / r (SGLang's LoRA loading ignores use_rslora) applies the run's scale under --lora-rslora too."""
+    return {**peft_adapter_config(settings, base_model=None), "lora_alpha": settings.scale * settings.rank,
+            "use_rslora": False}
 
 
 def is_peft_adapter_folder(path) -> bool:
@@ -343,8 +354,8 @@ def is_peft_adapter_folder(path) -> bool:
 
 @torch.no_grad()
 def load_peft_adapter(model, path: str, groups: ProcessGroups, settings: LoraSettings, *, flag: str = "--load") -> None:
-    """Copy a PEFT LoRA folder's adapters into `model`'s adapters (each rank its shard). The folder's r and
-    lora_alpha must be the run's; a fused linear's Hugging Face modules (q, k, v; gate, up) must share one A
+    """Copy a PEFT LoRA folder's adapters into `model`'s adapters (each rank its shard). The folder's r,
+    lora_alpha and use_rslora must be the run's; a fused linear's Hugging Face modules (q, k, v; gate, up) must share one A
     (as Stacx writes them). Raises ValueError naming `flag` otherwise."""
     import json
     import os
@@ -358,6 +369,10 @@ def load_peft_adapter(model, path: str, groups: ProcessGroups, settings: LoraSet
     if int(config.get("r", -1)) != settings.rank or float(config.get("lora_alpha", -1)) != settings.alpha:
         raise ValueError(f"{flag} {path}: a PEFT adapter of r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; "
                          f"set --lora-rank {config.get('r')} --lora-alpha {config.get('lora_alpha')}")
+    if bool(config.get("use_rslora", False)) != settings.rslora:
+        raise ValueError(f"{flag} {path}: a PEFT adapter with use_rslora {bool(config.get('use_rslora', False))}, "
+                         f"scaled by lora_alpha / {'sqrt(r)' if config.get('use_rslora') else 'r'}; "
+                         f"{'set' if config.get('use_rslora') else 'drop'} --lora-rslora")
     tensors = {name.removeprefix("base_model.model."): t for name, t in load_file(os.path.join(path, PEFT_WEIGHTS_FILE)).items()}
     for chunk in model_chunks(model):
         gpt = unwrap_model(chunk)
