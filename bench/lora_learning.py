@@ -43,11 +43,14 @@ def lora_arm(spec: str) -> tuple[str, dict]:
 
 
 def run_value(item: str) -> tuple[str, object]:
-    """`FIELD=VALUE` -> (field, VALUE as a bool for true/false, else a number)."""
+    """`FIELD=VALUE` -> (field, VALUE as a bool for true/false, a number, else the word)."""
     field, value = item.split("=")
     if value.lower() in ("true", "false"):
         return field, value.lower() == "true"
-    return field, float(value)
+    try:
+        return field, float(value)
+    except ValueError:
+        return field, value
 
 
 def modes(args) -> dict[str, dict]:

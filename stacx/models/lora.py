@@ -54,6 +54,9 @@ MLP's), and `experts`, the routed experts' fc1 and fc2."""
 ALL_LINEAR = "all-linear"
 """`--lora-target-modules all-linear`: every name of TARGET_MODULES."""
 
+LORA_INITS = ("random", "principal")
+"""`--lora-init` values (LoraSettings.init)."""
+
 _COLUMN = ("linear_qkv", "linear_fc1")
 _ROW = ("linear_proj", "linear_fc2")
 _ROUTED_EXPERTS = ".experts.local_experts."
@@ -73,6 +76,10 @@ class LoraSettings:
     """--lora-target-modules: which linears get adapters (TARGET_MODULES, or all-linear)."""
     rslora: bool = False
     """--lora-rslora: rank-stabilized scaling, alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."""
+    init: str = "random"
+    """--lora-init: how A starts (B starts at zero either way, so the adapted model starts equal to the base):
+    'random' (PyTorch's default linear init) or 'principal' (A's rows along the base weight's top-r right singular
+    vectors, PiSSA's input subspace, at the norm of the random init's rows; the base weight is not changed)."""
     seed: int = 0
     """Seed of A's initialization (the run's --seed)."""
 
@@ -81,6 +88,8 @@ class LoraSettings:
         require_in_range("--lora-alpha", self.alpha, above=0)
         require_in_range("--lora-dropout", self.dropout, at_least=0, below=1)
         check_target_modules(self.target_modules)
+        if self.init not in LORA_INITS:
+            raise ValueError(f"--lora-init {self.init!r}: choose one of {list(LORA_INITS)}")
 
     @property
     def scale(self) -> float:
@@ -199,6 +208,31 @@ def _init_a(settings: LoraSettings, global_name: str, full_in: int) -> torch.Ten
     return (torch.rand(settings.rank, full_in, generator=generator) * 2 - 1) * bound
 
 
+def _principal_a(full_weight: torch.Tensor, rank: int) -> torch.Tensor:
+    """A [rank, in] whose rows are the top-`rank` right singular vectors of the full base weight [out, in] (in
+    float64, the same on every layout), each at the expected row norm of the random init (sqrt(1/3): uniform
+    entries of bound 1/sqrt(in)), so the adapters' step sizes, and the learning rates that suit them, stay those of
+    the random init. A rank above min(out, in) is refused (no such directions)."""
+    weight = full_weight.detach().to(dtype=torch.float64, device="cpu")
+    if rank > min(weight.shape):
+        raise ValueError(f"--lora-init principal: --lora-rank {rank} exceeds the rank of a {tuple(weight.shape)} weight")
+    _, _, vt = torch.linalg.svd(weight, full_matrices=False)
+    return (vt[:rank] / math.sqrt(3.0)).to(torch.float32)
+
+
+def _full_weight(module, kind: str) -> torch.Tensor:
+    """The full base weight of a (TP-sharded) linear on every rank: the shards gathered along the output dim of a
+    column-parallel linear, the input dim of a row-parallel one."""
+    group = module.tp_group
+    if group.size() == 1:
+        return module.weight.detach()
+    import torch.distributed as dist
+
+    shards = [torch.empty_like(module.weight) for _ in range(group.size())]
+    dist.all_gather(shards, module.weight.detach().contiguous(), group=group)
+    return torch.cat(shards, dim=0 if kind == "column" else 1)
+
+
 def attach_lora(model, settings: LoraSettings, groups: ProcessGroups | None = None) -> int:
     """Attach adapters to the target linears of `model` (a GPTModel or a list of chunks) and freeze every other
     parameter; returns how many linears were adapted on this rank. Call after the base weights are loaded and
@@ -239,7 +273,10 @@ def _adapt(module, name: str, global_name: str, settings: LoraSettings) -> None:
         raise ValueError(f"LoRA on {name}: a column-parallel linear that gathers its output is not supported")
     out_local, in_local = module.weight.shape
     full_in = in_local * tp_size if kind == "row" else in_local
-    a_full = _init_a(settings, global_name, full_in)
+    if settings.init == "principal":
+        a_full = _principal_a(_full_weight(module, kind), settings.rank)
+    else:
+        a_full = _init_a(settings, global_name, full_in)
     rank = module.tp_group.rank()
     a_local = a_full[:, rank * in_local:(rank + 1) * in_local] if kind == "row" else a_full
     dtype, device = module.weight.dtype, module.weight.device

@@ -139,3 +139,32 @@ def test_without_lora_plus_every_adapter_keeps_the_one_learning_rate(single_proc
     optimizer, _ = build_optimizer(wrap_ddp(model), OptimSection(lr=LR), total_steps=4)
     lrs = _groups_by_kind(optimizer)
     assert set(lrs["lora_a"]) == set(lrs["lora_b"]) == {LR}
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"lora_rank": 8, "lora_init": "pissa"}, "--lora-init"),
+    ({"lora_init": "principal"}, "--lora-init principal .* --lora-rank is 0"),
+])
+def test_a_wrong_lora_init_is_named(values, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_dict(values)
+    with pytest.raises(ValueError, match="--lora-init 'pissa'"):
+        LoraSettings(rank=4, alpha=8, init="pissa")
+
+
+def test_principal_init_starts_a_along_the_base_weights_top_right_singular_vectors(single_process_world):
+    from stacx.models.lora import adapted_linears
+
+    model = _adapted_model(single_process_world, LoraSettings(rank=4, alpha=8, init="principal"))
+    random_rows = adapted_linears(_adapted_model(single_process_world, LoraSettings(rank=4, alpha=8)))[0].lora_a
+    for linear in adapted_linears(model):
+        a, weight = linear.lora_a.detach().double(), linear.weight.detach().double()
+        _, _, vt = torch.linalg.svd(weight, full_matrices=False)
+        # Rows orthogonal, each at the random init's expected row norm sqrt(1/3); they span W's top-4 input directions.
+        assert torch.allclose(a @ a.T, torch.eye(4, dtype=torch.float64) / 3, atol=1e-6)
+        projector = vt[:4].T @ vt[:4]
+        assert torch.allclose(a @ projector, a, atol=1e-6), "A leaves W's principal input subspace"
+        assert torch.count_nonzero(linear.lora_b) == 0  # the run starts from the base model
+    assert random_rows.norm(dim=1).mean().item() == pytest.approx(1 / math.sqrt(3), rel=0.15)
+    with pytest.raises(ValueError, match="--lora-rank 80 exceeds the rank"):
+        _adapted_model(single_process_world, LoraSettings(rank=80, alpha=8, init="principal"))

@@ -87,6 +87,10 @@ class ModelSection:
     lora_rslora: bool = False
     """Rank-stabilized LoRA (rsLoRA, Kalajdzievski 2023): the update is scaled by lora_alpha / sqrt(lora_rank)
     instead of lora_alpha / lora_rank (a PEFT export then says use_rslora: true)."""
+    lora_init: str = "random"
+    """LoRA: how each adapter's A starts (B starts at zero, so the run starts from the base model): 'random'
+    (PyTorch's default linear init) or 'principal' (A's rows along the base weight's top-rank right singular
+    vectors, PiSSA's input subspace; the base is not changed; docs/lora.md)."""
     lora_sync: str = "merged"
     """LoRA: what a weight push sends the rollout engine: 'merged' (W + s B A under the base names, any engine) or
     'adapters' (the adapters only: the 'cpu' engine's `stacx serve` is started with the run's --lora-* flags and
@@ -110,7 +114,8 @@ class ModelSection:
                              error=ConfigError)
         else:
             for flag, value, default in (("--lora-plus-ratio", self.lora_plus_ratio, 1.0),
-                                         ("--lora-rslora", self.lora_rslora, False)):
+                                         ("--lora-rslora", self.lora_rslora, False),
+                                         ("--lora-init", self.lora_init, "random")):
                 if value != default:
                     raise ConfigError(f"{flag} {value} shapes LoRA adapters, but --lora-rank is 0 (full fine-tuning); "
                                       f"set --lora-rank (e.g. 8) or drop {flag}")
@@ -342,6 +347,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "rollout_mode": ("sync", "async"),
     "log_expert_load": ("summary", "per-expert"),
     "lora_sync": ("merged", "adapters"),
+    "lora_init": ("random", "principal"),
     "lora_critic": tuple(CRITIC_MODES),
 }
 """Allowed values of string run-config fields with a fixed set of choices, checked when a value is given."""

@@ -80,7 +80,8 @@ def lora_settings(role: ModelRole, model: ModelSection, seed: int):
     if role.outputs_values and not critic_mode(model.lora_critic).adapters:
         return None
     return LoraSettings(rank=model.lora_rank, alpha=model.lora_alpha, dropout=model.lora_dropout,
-                        target_modules=model.lora_target_modules, rslora=model.lora_rslora, seed=seed)
+                        target_modules=model.lora_target_modules, rslora=model.lora_rslora,
+                        init=model.lora_init, seed=seed)
 
 #: Fields a forward-only pass can compute (`compute_fields`).
 COMPUTABLE_FIELDS = ("ref_log_probs", "log_probs", "values")
