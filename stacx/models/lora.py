@@ -209,15 +209,19 @@ def _init_a(settings: LoraSettings, global_name: str, full_in: int) -> torch.Ten
 
 
 def _principal_a(full_weight: torch.Tensor, rank: int) -> torch.Tensor:
-    """A [rank, in] whose rows are the top-`rank` right singular vectors of the full base weight [out, in] (in
-    float64, the same on every layout), each at the expected row norm of the random init (sqrt(1/3): uniform
-    entries of bound 1/sqrt(in)), so the adapters' step sizes, and the learning rates that suit them, stay those of
-    the random init. A rank above min(out, in) is refused (no such directions)."""
+    """A [rank, in] whose rows are the top-`rank` right singular vectors of the full base weight [out, in], each at
+    the expected row norm of the random init (sqrt(1/3): uniform entries of bound 1/sqrt(in)), so the adapters' step
+    sizes, and the learning rates that suit them, stay those of the random init. The SVD runs in float64 and each
+    vector's sign is fixed (its largest entry positive), so every layout (whose gathered weight may order the rows
+    differently: megatron's qkv and gate/up interleaving) starts from the same A up to rounding. A rank above
+    min(out, in) is refused (no such directions)."""
     weight = full_weight.detach().to(dtype=torch.float64, device="cpu")
     if rank > min(weight.shape):
         raise ValueError(f"--lora-init principal: --lora-rank {rank} exceeds the rank of a {tuple(weight.shape)} weight")
     _, _, vt = torch.linalg.svd(weight, full_matrices=False)
-    return (vt[:rank] / math.sqrt(3.0)).to(torch.float32)
+    top = vt[:rank]
+    signs = torch.sign(top.gather(1, top.abs().argmax(dim=1, keepdim=True)))
+    return (top * signs / math.sqrt(3.0)).to(torch.float32)
 
 
 def _full_weight(module, kind: str) -> torch.Tensor:

@@ -168,3 +168,15 @@ def test_principal_init_starts_a_along_the_base_weights_top_right_singular_vecto
     assert random_rows.norm(dim=1).mean().item() == pytest.approx(1 / math.sqrt(3), rel=0.15)
     with pytest.raises(ValueError, match="--lora-rank 80 exceeds the rank"):
         _adapted_model(single_process_world, LoraSettings(rank=80, alpha=8, init="principal"))
+
+
+def test_principal_init_is_the_same_for_any_row_order_of_the_gathered_weight():
+    """TP layouts gather megatron's qkv and gate/up rows in another order: the same A (signs fixed) either way."""
+    from stacx.models.lora import _principal_a
+
+    weight = torch.randn(48, 32, generator=torch.Generator().manual_seed(4))
+    a = _principal_a(weight, 8)
+    permuted = _principal_a(weight[torch.randperm(48, generator=torch.Generator().manual_seed(5))], 8)
+    assert torch.allclose(a, permuted, atol=1e-6)
+    largest = a.gather(1, a.abs().argmax(dim=1, keepdim=True))
+    assert bool((largest > 0).all())
