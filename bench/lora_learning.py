@@ -2,6 +2,7 @@
 
     python bench/lora_learning.py [--seeds 0 1 2] [--lora-lr 5e-3] [--lora-alpha 16] [--out bench/results/lora_learning.json]
     python bench/lora_learning.py --arm 8:16:1e-2:10 --arm 16:32:5e-3:0 --full-from bench/results/lora_learning.json
+    python bench/lora_learning.py --arm 8:16:3.125e-4:0:lora_plus_ratio=16 --arm 8:16:1.77e-3:0:lora_rslora=true ...
 
 The demo's SFT phase runs once (seed 0); then, for each seed, the demo's GRPO phase (40 steps x 16 prompts x 8
 samples, KL 0.001 to the SFT model, the CPU engine as a `stacx serve` child) runs twice from that SFT model: full
@@ -11,7 +12,8 @@ transformers as the demo does) is compared with the SFT model's: the gain. The r
 runs' mean gain over the full runs' mean gain (the issue asks for at least 0.9).
 
 `--arm RANK:ALPHA:LR:WARMUP` (repeatable) runs several LoRA arms from the one SFT model (WARMUP: --lr-warmup-steps,
-linear from 0; every arm runs the same 40 steps as the full run). `--full-from FILE` takes the full runs' gains
+linear from 0; every arm runs the same 40 steps as the full run), optionally followed by `:FIELD=VALUE` run-config
+values (`lora_plus_ratio=16`: LoRA+, B at 16 x LR; `lora_rslora=true`: alpha / sqrt(rank)). `--full-from FILE` takes the full runs' gains
 from an earlier result file instead of running them again (a run is deterministic given its seed; the file's
 SFT accuracy must equal this invocation's, else the full arm runs).
 """
@@ -29,13 +31,26 @@ sys.path.insert(0, REPO)
 
 
 def lora_arm(spec: str) -> tuple[str, dict]:
-    """`RANK:ALPHA:LR:WARMUP` -> (arm name, the run values it adds to the demo's GRPO phase)."""
+    """`RANK:ALPHA:LR:WARMUP[:FIELD=VALUE...]` -> (arm name, the run values it adds to the demo's GRPO phase)."""
     try:
-        rank, alpha, lr, warmup = spec.split(":")
+        rank, alpha, lr, warmup, *extra = spec.split(":")
         values = {"lora_rank": int(rank), "lora_alpha": float(alpha), "lr": float(lr), "lr_warmup_steps": int(warmup)}
+        values.update(run_value(item) for item in extra)
     except ValueError:
-        raise SystemExit(f"--arm {spec!r}: expected RANK:ALPHA:LR:WARMUP, e.g. 8:16:5e-3:0") from None
-    return f"LoRA r={rank} a={alpha} lr={lr} wu={warmup}", values
+        raise SystemExit(f"--arm {spec!r}: expected RANK:ALPHA:LR:WARMUP[:FIELD=VALUE...], e.g. 8:16:5e-3:0 or "
+                         "8:16:3.125e-4:0:lora_plus_ratio=16") from None
+    return f"LoRA r={rank} a={alpha} lr={lr} wu={warmup}" + "".join(f" {item}" for item in extra), values
+
+
+def run_value(item: str) -> tuple[str, object]:
+    """`FIELD=VALUE` -> (field, VALUE as a bool for true/false, a number, else the word)."""
+    field, value = item.split("=")
+    if value.lower() in ("true", "false"):
+        return field, value.lower() == "true"
+    try:
+        return field, float(value)
+    except ValueError:
+        return field, value
 
 
 def modes(args) -> dict[str, dict]:

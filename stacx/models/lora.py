@@ -4,7 +4,7 @@
     attach_lora(model, settings, groups)      # after the base weights are loaded; freezes them
     with adapters_disabled(model): ...        # the base model (the reference of KL-regularized recipes)
 
-An adapted linear computes y = W x + (alpha / rank) * B A dropout(x), with A [rank, in] and B [out, rank].
+An adapted linear computes y = W x + (alpha / rank) * B A dropout(x) (alpha / sqrt(rank) with `rslora`), with A [rank, in] and B [out, rank].
 Its parameters `lora_a` and `lora_b` sit on the linear itself, beside `weight` (megatron names such as
 `decoder.layers.0.self_attention.linear_qkv.lora_a`), so the base names, their checkpoint keys and their
 Hugging Face mappings do not change. Sharding follows the base layer's tensor-parallel group (tp, or etp for
@@ -54,6 +54,9 @@ MLP's), and `experts`, the routed experts' fc1 and fc2."""
 ALL_LINEAR = "all-linear"
 """`--lora-target-modules all-linear`: every name of TARGET_MODULES."""
 
+LORA_INITS = ("random", "principal")
+"""`--lora-init` values (LoraSettings.init)."""
+
 _COLUMN = ("linear_qkv", "linear_fc1")
 _ROW = ("linear_proj", "linear_fc2")
 _ROUTED_EXPERTS = ".experts.local_experts."
@@ -71,6 +74,12 @@ class LoraSettings:
     """--lora-dropout: dropout probability on the adapter's input (training only)."""
     target_modules: tuple[str, ...] = (ALL_LINEAR,)
     """--lora-target-modules: which linears get adapters (TARGET_MODULES, or all-linear)."""
+    rslora: bool = False
+    """--lora-rslora: rank-stabilized scaling, alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."""
+    init: str = "random"
+    """--lora-init: how A starts (B starts at zero either way, so the adapted model starts equal to the base):
+    'random' (PyTorch's default linear init) or 'principal' (A's rows along the base weight's top-r right singular
+    vectors, PiSSA's input subspace, at the norm of the random init's rows; the base weight is not changed)."""
     seed: int = 0
     """Seed of A's initialization (the run's --seed)."""
 
@@ -79,10 +88,13 @@ class LoraSettings:
         require_in_range("--lora-alpha", self.alpha, above=0)
         require_in_range("--lora-dropout", self.dropout, at_least=0, below=1)
         check_target_modules(self.target_modules)
+        if self.init not in LORA_INITS:
+            raise ValueError(f"--lora-init {self.init!r}: choose one of {list(LORA_INITS)}")
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        """The factor of B A in the update: alpha / r, or alpha / sqrt(r) with rslora (as PEFT computes it)."""
+        return self.alpha / math.sqrt(self.rank) if self.rslora else self.alpha / self.rank
 
     @property
     def targets(self) -> frozenset[str]:
@@ -196,6 +208,35 @@ def _init_a(settings: LoraSettings, global_name: str, full_in: int) -> torch.Ten
     return (torch.rand(settings.rank, full_in, generator=generator) * 2 - 1) * bound
 
 
+def _principal_a(full_weight: torch.Tensor, rank: int) -> torch.Tensor:
+    """A [rank, in] whose rows are the top-`rank` right singular vectors of the full base weight [out, in], each at
+    the expected row norm of the random init (sqrt(1/3): uniform entries of bound 1/sqrt(in)), so the adapters' step
+    sizes, and the learning rates that suit them, stay those of the random init. The SVD runs in float64 and each
+    vector's sign is fixed (its largest entry positive), so every layout (whose gathered weight may order the rows
+    differently: megatron's qkv and gate/up interleaving) starts from the same A up to rounding. A rank above
+    min(out, in) is refused (no such directions)."""
+    weight = full_weight.detach().to(dtype=torch.float64, device="cpu")
+    if rank > min(weight.shape):
+        raise ValueError(f"--lora-init principal: --lora-rank {rank} exceeds the rank of a {tuple(weight.shape)} weight")
+    _, _, vt = torch.linalg.svd(weight, full_matrices=False)
+    top = vt[:rank]
+    signs = torch.sign(top.gather(1, top.abs().argmax(dim=1, keepdim=True)))
+    return (top * signs / math.sqrt(3.0)).to(torch.float32)
+
+
+def _full_weight(module, kind: str) -> torch.Tensor:
+    """The full base weight of a (TP-sharded) linear on every rank: the shards gathered along the output dim of a
+    column-parallel linear, the input dim of a row-parallel one."""
+    group = module.tp_group
+    if group.size() == 1:
+        return module.weight.detach()
+    import torch.distributed as dist
+
+    shards = [torch.empty_like(module.weight) for _ in range(group.size())]
+    dist.all_gather(shards, module.weight.detach().contiguous(), group=group)
+    return torch.cat(shards, dim=0 if kind == "column" else 1)
+
+
 def attach_lora(model, settings: LoraSettings, groups: ProcessGroups | None = None) -> int:
     """Attach adapters to the target linears of `model` (a GPTModel or a list of chunks) and freeze every other
     parameter; returns how many linears were adapted on this rank. Call after the base weights are loaded and
@@ -236,7 +277,10 @@ def _adapt(module, name: str, global_name: str, settings: LoraSettings) -> None:
         raise ValueError(f"LoRA on {name}: a column-parallel linear that gathers its output is not supported")
     out_local, in_local = module.weight.shape
     full_in = in_local * tp_size if kind == "row" else in_local
-    a_full = _init_a(settings, global_name, full_in)
+    if settings.init == "principal":
+        a_full = _principal_a(_full_weight(module, kind), settings.rank)
+    else:
+        a_full = _init_a(settings, global_name, full_in)
     rank = module.tp_group.rank()
     a_local = a_full[:, rank * in_local:(rank + 1) * in_local] if kind == "row" else a_full
     dtype, device = module.weight.dtype, module.weight.device
@@ -331,7 +375,15 @@ def peft_adapter_config(settings: LoraSettings, base_model: str | None) -> dict:
     modules = hf_target_modules(settings.targets)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
             "lora_dropout": settings.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "base_model_name_or_path": base_model, "inference_mode": True}
+            "use_rslora": settings.rslora, "base_model_name_or_path": base_model, "inference_mode": True}
+
+
+def engine_adapter_config(settings: LoraSettings) -> dict:
+    """The PEFT config an inference engine (vLLM, SGLang) is given with adapter-only pushes: the export's, with the
+    scale written as a plain lora_alpha / r (lora_alpha = scale x r, use_rslora false), so an engine that reads only
+    lora_alpha / r (SGLang's LoRA loading ignores use_rslora) applies the run's scale under --lora-rslora too."""
+    return {**peft_adapter_config(settings, base_model=None), "lora_alpha": settings.scale * settings.rank,
+            "use_rslora": False}
 
 
 def is_peft_adapter_folder(path) -> bool:
@@ -343,8 +395,8 @@ def is_peft_adapter_folder(path) -> bool:
 
 @torch.no_grad()
 def load_peft_adapter(model, path: str, groups: ProcessGroups, settings: LoraSettings, *, flag: str = "--load") -> None:
-    """Copy a PEFT LoRA folder's adapters into `model`'s adapters (each rank its shard). The folder's r and
-    lora_alpha must be the run's; a fused linear's Hugging Face modules (q, k, v; gate, up) must share one A
+    """Copy a PEFT LoRA folder's adapters into `model`'s adapters (each rank its shard). The folder's r,
+    lora_alpha and use_rslora must be the run's; a fused linear's Hugging Face modules (q, k, v; gate, up) must share one A
     (as Stacx writes them). Raises ValueError naming `flag` otherwise."""
     import json
     import os
@@ -358,6 +410,10 @@ def load_peft_adapter(model, path: str, groups: ProcessGroups, settings: LoraSet
     if int(config.get("r", -1)) != settings.rank or float(config.get("lora_alpha", -1)) != settings.alpha:
         raise ValueError(f"{flag} {path}: a PEFT adapter of r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; "
                          f"set --lora-rank {config.get('r')} --lora-alpha {config.get('lora_alpha')}")
+    if bool(config.get("use_rslora", False)) != settings.rslora:
+        raise ValueError(f"{flag} {path}: a PEFT adapter with use_rslora {bool(config.get('use_rslora', False))}, "
+                         f"scaled by lora_alpha / {'sqrt(r)' if config.get('use_rslora') else 'r'}; "
+                         f"{'set' if config.get('use_rslora') else 'drop'} --lora-rslora")
     tensors = {name.removeprefix("base_model.model."): t for name, t in load_file(os.path.join(path, PEFT_WEIGHTS_FILE)).items()}
     for chunk in model_chunks(model):
         gpt = unwrap_model(chunk)

@@ -74,6 +74,7 @@ def lora_settings_of(step_folder: str | os.PathLike):
     return LoraSettings(rank=int(model["lora_rank"]), alpha=float(model.get("lora_alpha", 16.0)),
                         dropout=float(model.get("lora_dropout", 0.0)),
                         target_modules=tuple(model.get("lora_target_modules") or ("all-linear",)),
+                        rslora=bool(model.get("lora_rslora", False)),
                         seed=int((loaded.run_config().get("train") or {}).get("seed", 0)))
 
 

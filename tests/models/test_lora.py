@@ -9,7 +9,9 @@ Qwen3 and a Qwen3-MoE (adapters on the routed experts too). At each layout the r
   full PEFT-named tensors, must equal the single rank's to 1e-6; only the adapters have gradients and
   optimizer state, the base weights do not move;
 - streams the merged weights (W + scale * B A) as Hugging Face tensors: a `transformers` model loaded with
-  them gives the runtime's log-probs (the merged push an engine receives).
+  them gives the runtime's log-probs (the merged push an engine receives);
+- `--lora-init principal` (A from the SVD of the gathered base weight) starts every layout from the single
+  rank's A to 1e-6.
 """
 
 from __future__ import annotations
@@ -80,6 +82,18 @@ def _log_probs(runtime, micro_batches, name="log_probs"):
     return None if fields is None else [lp for one in fields for lp in one[name]]
 
 
+def _principal_a_tensors(path, groups) -> dict[str, torch.Tensor]:
+    """The A's `--lora-init principal` starts a model of `path` with, as full PEFT-named tensors (this stage's)."""
+    from stacx.models import build_model, iter_hf_weight_buckets, load_hf_checkpoint
+    from stacx.models.lora import LoraSettings, attach_lora
+
+    model = build_model(path, groups, initialize_weights=False)
+    load_hf_checkpoint(model, path, groups)
+    attach_lora(model, LoraSettings(rank=4, alpha=8.0, init="principal"), groups)
+    return {name: tensor.clone() for bucket in iter_hf_weight_buckets(model, groups, 1 << 30, adapters=True)
+            for name, tensor in bucket if ".lora_A." in name}
+
+
 def run_layouts(_groups, paths, layouts):
     from stacx.models import iter_hf_weight_buckets
     from stacx.models.lora import adapter_parameters, has_lora
@@ -126,7 +140,7 @@ def run_layouts(_groups, paths, layouts):
             base_frozen=all(torch.equal(a, b) for a, b in zip(frozen_before, frozen_after)),
             adapters_moved=all(not torch.equal(a, b) for a, b in zip(adapters_before, adapters)),
             merged=merged if torch.distributed.get_rank() == 0 else None,
-            after=_log_probs(runtime, micro_batches))
+            after=_log_probs(runtime, micro_batches), principal=_principal_a_tensors(paths[arch], groups))
     return results
 
 
@@ -187,9 +201,12 @@ def test_sharded_adapters_match_the_single_rank_adapter(checkpoints, tmp_path):
         reference = single[(layout[0], 1, 1, 1, 1)]
         assert any(results[layout]["adapted"] is not None for results in sharded), layout
         assert sharded[0][layout]["grads"], layout  # rank 0 (the first stage) receives every adapter
+        assert sharded[0][layout]["principal"], layout
         for rank, results in enumerate(sharded):
             got = results[layout]
             where = f"{layout} rank {rank}"
+            for name, a in got["principal"].items():
+                assert torch.allclose(a, reference["principal"][name], atol=1e-6, rtol=0), f"{where}: principal A {name}"
             assert got["only_adapters_train"] and got["base_frozen"] and got["adapters_moved"], where
             if got["adapted"] is not None:
                 assert _close(got["adapted"], reference["adapted"]), f"{where}: adapted log-probs differ"

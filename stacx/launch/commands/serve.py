@@ -74,6 +74,8 @@ def add_arguments(parser) -> None:
                         help="take a LoRA run's adapters only (its --lora-sync adapters): the rank of its adapters, "
                              "merged into the weights on each update (default: 0, full weight updates)")
     parser.add_argument("--lora-alpha", type=float, default=16.0, help="the run's --lora-alpha (default: %(default)s)")
+    parser.add_argument("--lora-rslora", action="store_true",
+                        help="the run's --lora-rslora: the adapters are scaled by alpha / sqrt(rank)")
     parser.add_argument("--lora-target-modules", action="append", default=None, metavar="NAME",
                         help="the run's --lora-target-modules, repeatable (default: all-linear)")
     for field in dataclasses.fields(ServerLimits):  # one flag per limit, named, typed and defaulted by its field
@@ -176,7 +178,7 @@ def run(args) -> int:
         from stacx.models.lora import LoraSettings
 
         try:
-            lora = LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha,
+            lora = LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, rslora=args.lora_rslora,
                                 target_modules=tuple(args.lora_target_modules or ("all-linear",)))
         except ValueError as err:
             raise SystemExit(f"stacx serve: {err}") from None

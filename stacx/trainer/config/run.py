@@ -80,6 +80,17 @@ class ModelSection:
     lora_target_modules: tuple[str, ...] = ("all-linear",)
     """LoRA: the linears that get adapters, any of linear_qkv, linear_proj, linear_fc1, linear_fc2, experts
     (the routed experts' fc1 and fc2), or all-linear; repeatable."""
+    lora_plus_ratio: float = 1.0
+    """LoRA+ (Hayou et al. 2024): the adapters' B matrices learn at this many times --lr (A and every other
+    parameter at --lr; --min-lr scaled alike); 1: plain LoRA. The LoRA+ paper suggests about 16 with a lower
+    --lr (docs/lora.md)."""
+    lora_rslora: bool = False
+    """Rank-stabilized LoRA (rsLoRA, Kalajdzievski 2023): the update is scaled by lora_alpha / sqrt(lora_rank)
+    instead of lora_alpha / lora_rank (a PEFT export then says use_rslora: true)."""
+    lora_init: str = "random"
+    """LoRA: how each adapter's A starts (B starts at zero, so the run starts from the base model): 'random'
+    (PyTorch's default linear init) or 'principal' (A's rows along the base weight's top-rank right singular
+    vectors, PiSSA's input subspace; the base is not changed; docs/lora.md)."""
     lora_sync: str = "merged"
     """LoRA: what a weight push sends the rollout engine: 'merged' (W + s B A under the base names, any engine) or
     'adapters' (the adapters only: the 'cpu' engine's `stacx serve` is started with the run's --lora-* flags and
@@ -97,9 +108,17 @@ class ModelSection:
             raise ConfigError(f"--lora-target-modules: unknown or missing module names {unknown}; choose from "
                               f"{[*LORA_TARGET_MODULES, 'all-linear']}")
         require_in_range("--lora-dropout", self.lora_dropout, at_least=0, below=1, error=ConfigError)
+        require_in_range("--lora-plus-ratio", self.lora_plus_ratio, above=0, error=ConfigError)
         if self.lora_rank > 0:
             require_in_range("--lora-alpha", self.lora_alpha, above=0, why=f"with --lora-rank {self.lora_rank}",
                              error=ConfigError)
+        else:
+            for flag, value, default in (("--lora-plus-ratio", self.lora_plus_ratio, 1.0),
+                                         ("--lora-rslora", self.lora_rslora, False),
+                                         ("--lora-init", self.lora_init, "random")):
+                if value != default:
+                    raise ConfigError(f"{flag} {value} shapes LoRA adapters, but --lora-rank is 0 (full fine-tuning); "
+                                      f"set --lora-rank (e.g. 8) or drop {flag}")
         try:
             check_critic_mode(self.lora_critic, self.lora_rank)
         except CriticModeError as err:
@@ -111,7 +130,8 @@ def engine_lora_flags(model: ModelSection) -> tuple[str, ...]:
     if model.lora_rank <= 0 or model.lora_sync != "adapters":
         return ()
     targets = [token for name in model.lora_target_modules for token in ("--lora-target-modules", name)]
-    return ("--lora-rank", str(model.lora_rank), "--lora-alpha", str(model.lora_alpha), *targets)
+    rslora = ("--lora-rslora",) if model.lora_rslora else ()
+    return ("--lora-rank", str(model.lora_rank), "--lora-alpha", str(model.lora_alpha), *rslora, *targets)
 
 
 LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts")
@@ -327,6 +347,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "rollout_mode": ("sync", "async"),
     "log_expert_load": ("summary", "per-expert"),
     "lora_sync": ("merged", "adapters"),
+    "lora_init": ("random", "principal"),
     "lora_critic": tuple(CRITIC_MODES),
     "vllm_weight_transfer": ("auto", "http", "shm", "nccl", "gloo"),  # stacx.rollout.engines.vllm.VLLM_WEIGHT_TRANSFERS
 }

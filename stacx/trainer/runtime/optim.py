@@ -21,6 +21,11 @@ another DP or CP degree. Without transformer-engine and apex (the CPU path) mega
 time on CPU; `use_fused_adamw_on_cpu` switches those groups to torch's fused kernel (the same
 update formula, ~1e-8 apart in fp32; 5-7x faster on the S and M shapes of bench/peers).
 
+LoRA+ (`lora_plus_ratio`, Hayou et al. 2024): the adapters' B matrices (`*.lora_b`) form a param group of their
+own whose peak and final learning rates are `lora_plus_ratio` x lr and x min_lr (megatron's per-group `max_lr`,
+`min_lr` overrides, which its scheduler reads for every group); every other parameter keeps lr. megatron's standard
+overrides (no weight decay on biases and 1-d parameters) are kept beside it.
+
 Schedule (megatron's OptimizerParamScheduler, stepped once per optimizer step; `step` and the
 warm-up count optimizer steps, num_steps_per_rollout x num_epochs of them per rollout step):
     step < warmup:  lr = lr_peak * step / warmup
@@ -75,9 +80,14 @@ def wrap_ddp(model):
     return DistributedDataParallel(model.config, config, model)
 
 
-def build_optimizer(ddp_model, optim: Any, *, total_steps: int):
+LORA_B_PARAMS = "*.lora_b"
+"""The parameter names of the adapters' B matrices (`stacx.models.lora`), which LoRA+ gives their own learning rate."""
+
+
+def build_optimizer(ddp_model, optim: Any, *, total_steps: int, lora_plus_ratio: float = 1.0):
     """(megatron optimizer, OptimizerParamScheduler) from an `OptimSection`-like object; `ddp_model` is one
-    DDP model or a list of them (model chunks), all under one optimizer."""
+    DDP model or a list of them (model chunks), all under one optimizer. `lora_plus_ratio` != 1: LoRA+ (the
+    module doc), B's learning rate that many times lr."""
     # Imported here: megatron-core is slow to import (start-up time).
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -98,7 +108,9 @@ def build_optimizer(ddp_model, optim: Any, *, total_steps: int):
         params_dtype=dtype,
         use_distributed_optimizer=False,
     )
-    optimizer = get_megatron_optimizer(config, chunks)
+    if lora_plus_ratio <= 0:
+        raise ValueError(f"--lora-plus-ratio must be > 0, got {lora_plus_ratio}")
+    optimizer = get_megatron_optimizer(config, chunks, config_overrides=lora_plus_overrides(config, lora_plus_ratio))
     use_fused_adamw_on_cpu(optimizer)
     decay_steps = max(int(total_steps), optim.lr_warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
@@ -115,6 +127,19 @@ def build_optimizer(ddp_model, optim: Any, *, total_steps: int):
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def lora_plus_overrides(config, ratio: float):
+    """megatron's `config_overrides` with LoRA+'s B group at `ratio` x the learning rates (None at ratio 1:
+    megatron's standard overrides only)."""
+    if ratio == 1.0:
+        return None
+    # Imported here: megatron-core is slow to import (start-up time).
+    from megatron.core.optimizer import ParamKey, get_standard_config_overrides
+
+    overrides = get_standard_config_overrides(config)
+    overrides[ParamKey(name=LORA_B_PARAMS)] = {"max_lr": config.lr * ratio, "min_lr": config.min_lr * ratio}
+    return overrides
 
 
 def torch_optimizers_of(megatron_optimizer) -> list[torch.optim.Optimizer]:

@@ -37,8 +37,8 @@ from stacx.models.lora import (
     adapted_linears,
     attach_lora,
     is_peft_adapter_folder,
+    engine_adapter_config,
     load_peft_adapter,
-    peft_adapter_config,
 )
 from stacx.models.moe import (
     ExpertLoadRecorder,
@@ -80,7 +80,8 @@ def lora_settings(role: ModelRole, model: ModelSection, seed: int):
     if role.outputs_values and not critic_mode(model.lora_critic).adapters:
         return None
     return LoraSettings(rank=model.lora_rank, alpha=model.lora_alpha, dropout=model.lora_dropout,
-                        target_modules=model.lora_target_modules, seed=seed)
+                        target_modules=model.lora_target_modules, rslora=model.lora_rslora,
+                        init=model.lora_init, seed=seed)
 
 #: Fields a forward-only pass can compute (`compute_fields`).
 COMPUTABLE_FIELDS = ("ref_log_probs", "log_probs", "values")
@@ -204,7 +205,9 @@ class RoleRuntime:
         if role.trainable:
             self.ddp = wrap_ddp(self.model)
             # The LR schedule counts optimizer steps: num_steps_per_rollout x num_epochs per rollout step.
-            self.optimizer, self.scheduler = build_optimizer(self.ddp, optim, total_steps=num_optimizer_steps(train))
+            self.optimizer, self.scheduler = build_optimizer(
+                self.ddp, optim, total_steps=num_optimizer_steps(train),
+                lora_plus_ratio=model.lora_plus_ratio if self.lora is not None else 1.0)
         else:
             self.ddp, self.optimizer, self.scheduler = None, None, None
             for chunk in model_chunks(self.model):
@@ -518,7 +521,7 @@ class RoleRuntime:
             use_lora_config = getattr(self._engine_clients[key], "use_lora_config", None)
             if use_lora_config is not None and self.lora is not None and self.model_section.lora_sync == "adapters":
                 # an engine that loads PEFT adapter folders (vLLM, SGLang) is told the adapters' settings
-                use_lora_config(peft_adapter_config(self.lora, base_model=None))
+                use_lora_config(engine_adapter_config(self.lora))
         sent = [0]
         gathers_failed = [False]
 
