@@ -71,7 +71,7 @@ def _trainer_rank(rank: int, port: int, checkpoint: str, url: str, queue) -> Non
             logits = forward_packed(model, tokens, [len(PROMPT)], groups)  # [T, V_pad / 2], fp32
             log_probs = vocab_parallel_log_probs(logits[:-1], tokens[1:].to(logits.device), tp_group=groups.tp)
         # The rank's runtime as far as the push reads it; the push itself is RoleRuntime's own code.
-        runtime = types.SimpleNamespace(model=model, groups=groups, _engine_clients={})
+        runtime = types.SimpleNamespace(model=model, groups=groups, _engine_clients={}, lora=None)
         runtime.weight_buckets = functools.partial(RoleRuntime.weight_buckets, runtime)
         sent = RoleRuntime.push_weights_to_engine(runtime, "sglang", url, 1, WEIGHT_BUCKET_BYTES)
         queue.put((rank, sent, log_probs.cpu()))
