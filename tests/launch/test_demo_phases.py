@@ -33,6 +33,7 @@ def test_every_long_wait_of_the_demo_says_what_it_waits_for(tmp_path, monkeypatc
 
     from stacx.launch.demo import measure, pipeline, report
     from stacx.rollout import teacher
+    from stacx.trainer import factory
     from stacx.trainer.cluster.ray import connect
 
     eval_path = tmp_path / "eval.jsonl"
@@ -41,12 +42,15 @@ def test_every_long_wait_of_the_demo_says_what_it_waits_for(tmp_path, monkeypatc
     monkeypatch.setattr(pipeline, "_prepare", lambda settings, out: {"eval": str(eval_path), "train": "t",
                                                                      **{name: f"/ckpt/{name}" for name in names}})
     monkeypatch.setattr(pipeline, "run_phase", lambda *args, **kwargs: (1.0, 0.5))
-    monkeypatch.setattr(pipeline, "train", lambda run_config: None)
+    monkeypatch.setattr(pipeline, "train", lambda run_config, graph=None: None)
     monkeypatch.setattr(pipeline, "_save_tokenizer", lambda *args: None)
     monkeypatch.setattr(pipeline, "phase_outputs", lambda *args: {})
     monkeypatch.setattr(pipeline, "TeacherServer", lambda *args: type("Server", (), {"url": "u", "close": lambda s: None})())
     monkeypatch.setattr(teacher, "TeacherClient", lambda url: type("Client", (), {"close": lambda s: None})())
     monkeypatch.setattr(connect, "connect_ray", lambda *args, **kwargs: type("C", (), {"shutdown": lambda s: None})())
+    # The phases' one running policy worker (stacx.trainer.factory.create_run_workers), stubbed as the runs are.
+    monkeypatch.setattr(factory, "create_run_workers",
+                        lambda *args, **kwargs: type("Graph", (), {"ended": None, "shutdown": lambda s: None})())
     monkeypatch.setattr(report, "write_demo_plot", lambda *args, **kwargs: "demo.png")
     monkeypatch.setattr(measure, "load_reference_model", lambda path: path)
     monkeypatch.setattr(measure, "greedy_accuracy", lambda *args, **kwargs: 0.5)

@@ -115,7 +115,8 @@ def test_a_vllm_adapter_push_loads_a_peft_folder_and_generation_asks_for_the_ada
 
     fake = FakeVllm()
     server, url = serve(fake)
-    pusher, driver = VllmEngine(url, retry=ONE_TRY), VllmEngine(url, retry=ONE_TRY)
+    # The fake answers completions unstreamed (streaming has its own tests: test_streamed_vllm_completions.py).
+    pusher, driver = VllmEngine(url, retry=ONE_TRY), VllmEngine(url, retry=ONE_TRY, stream_progress=False)
     with pytest.raises(ValueError, match="use_lora_config"):
         pusher.update_weights(adapter_buckets(), version=1)
     assert driver.weight_version() == 0 and driver.model_name() == SERVED_MODEL_NAME
