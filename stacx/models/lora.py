@@ -22,8 +22,9 @@ group (`allreduce = False`, see `stacx.trainer.runtime.optim.keep_routed_experts
 pipeline parallelism need nothing: an adapter is per token and per layer.
 
 A starts from PyTorch's default linear init drawn from a generator seeded by the run seed and the adapter's
-global name (layer, module, expert), so every layout starts from the same full A; B starts at zero (the
-adapted model starts equal to the base). Dropout uses the default generator, as megatron's hidden dropout:
+global name (layer, module, expert), so every layout starts from the same full A; or, with `init="principal"`
+(--lora-init), along the top right singular vectors of the full (gathered) base weight. B starts at zero (the
+adapted model starts equal to the base). With `rslora` the scale is alpha / sqrt(rank) (PEFT's use_rslora). Dropout uses the default generator, as megatron's hidden dropout:
 the TP ranks of a replicated input draw the same mask.
 """
 
