@@ -4,7 +4,8 @@
     attach_lora(model, settings, groups)      # after the base weights are loaded; freezes them
     with adapters_disabled(model): ...        # the base model (the reference of KL-regularized recipes)
 
-An adapted linear computes y = W x + (alpha / rank) * B A dropout(x) (alpha / sqrt(rank) with `rslora`), with A [rank, in] and B [out, rank].
+An adapted linear computes y = W x + (alpha / rank) * B A dropout(x) (alpha / sqrt(rank) with `rslora`), with
+A [rank, in] and B [out, rank].
 Its parameters `lora_a` and `lora_b` sit on the linear itself, beside `weight` (megatron names such as
 `decoder.layers.0.self_attention.linear_qkv.lora_a`), so the base names, their checkpoint keys and their
 Hugging Face mappings do not change. Sharding follows the base layer's tensor-parallel group (tp, or etp for
@@ -22,9 +23,11 @@ group (`allreduce = False`, see `stacx.trainer.runtime.optim.keep_routed_experts
 pipeline parallelism need nothing: an adapter is per token and per layer.
 
 A starts from PyTorch's default linear init drawn from a generator seeded by the run seed and the adapter's
-global name (layer, module, expert), so every layout starts from the same full A; B starts at zero (the
-adapted model starts equal to the base). Dropout uses the default generator, as megatron's hidden dropout:
-the TP ranks of a replicated input draw the same mask.
+global name (layer, module, expert), so every layout starts from the same full A; or, with `init="principal"`
+(--lora-init), along the top right singular vectors of the full (gathered) base weight. B starts at zero (the
+adapted model starts equal to the base). With `rslora` the scale is alpha / sqrt(rank) (PEFT's use_rslora).
+Dropout uses the default generator, as megatron's hidden dropout: the TP ranks of a replicated input draw the
+same mask.
 """
 
 from __future__ import annotations
@@ -396,8 +399,8 @@ def is_peft_adapter_folder(path) -> bool:
 @torch.no_grad()
 def load_peft_adapter(model, path: str, groups: ProcessGroups, settings: LoraSettings, *, flag: str = "--load") -> None:
     """Copy a PEFT LoRA folder's adapters into `model`'s adapters (each rank its shard). The folder's r,
-    lora_alpha and use_rslora must be the run's; a fused linear's Hugging Face modules (q, k, v; gate, up) must share one A
-    (as Stacx writes them). Raises ValueError naming `flag` otherwise."""
+    lora_alpha and use_rslora must be the run's; a fused linear's Hugging Face modules (q, k, v; gate, up) must
+    share one A (as Stacx writes them). Raises ValueError naming `flag` otherwise."""
     import json
     import os
 
