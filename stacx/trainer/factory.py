@@ -4,7 +4,7 @@
     trainer.run()
 
 Several runs on one set of running role workers (a sweep, a notebook, a test module), each starting as
-on fresh workers but without their process start (docs/python-api.md, "Warm role workers"):
+on fresh workers but without their process start (docs/training-loop.md, "Warm role workers"):
 
     graph = create_run_workers(run_config)                        # Ray connected first
     for lr in (1e-4, 3e-4):
