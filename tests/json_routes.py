@@ -17,6 +17,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 NOT_FOUND = (404, {"detail": "Not Found"})
 
 
+def answer_json(handler: BaseHTTPRequestHandler, status: int, body) -> None:
+    """Send `body` as a JSON answer with `status` from a request handler (the fakes' one way to answer)."""
+    payload = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(payload)))
+    handler.end_headers()
+    handler.wfile.write(payload)
+
+
 def serve_json_routes(get_routes: dict, post_routes: dict | None = None):
     """Start the server on a free loopback port in a daemon thread; returns (server, base URL, posted)."""
     posted: list[tuple[str, object]] = []
@@ -24,12 +34,7 @@ def serve_json_routes(get_routes: dict, post_routes: dict | None = None):
 
     class Handler(BaseHTTPRequestHandler):
         def _answer(self, status, body):
-            payload = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
+            answer_json(self, status, body)
 
         def do_GET(self):
             self._answer(*get_routes.get(self.path, NOT_FOUND))

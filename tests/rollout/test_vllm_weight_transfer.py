@@ -27,6 +27,7 @@ from stacx.rollout.engines.vllm_worker import stacx_vllm_worker as worker
 from stacx.rollout.sections import RolloutSection
 from stacx.trainer.config.run import FIELD_CHOICES
 from stacx.wire.types import EngineTarget
+from tests.json_routes import answer_json
 
 # vLLM 0.32's NCCLWeightTransferInitInfo (nccl_common.py) and NCCLWeightTransferUpdateInfo (nccl_engine.py) fields
 INIT_INFO_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64", "packed",
@@ -53,12 +54,7 @@ class FakeVllm:
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self, status, body):
-                payload = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                answer_json(self, status, body)
 
             def do_GET(self):
                 fake.calls.append((self.path, None))

@@ -25,6 +25,7 @@ from stacx.rollout.engines.vllm_protocol import streams
 from stacx.rollout.sections import RolloutSection
 from stacx.wire.http_client import RetryPolicy, ServerRequestError, ServerUnavailableError
 from stacx.wire.types import GenerateRequest, SamplingParams
+from tests.json_routes import answer_json
 
 PAYLOADS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "wire", "payloads")
 CASES = ("greedy_top2", "sampled_ids", "plain")
@@ -63,12 +64,7 @@ class Replay(BaseHTTPRequestHandler):
         pass
 
     def _json(self, status: int, body) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        answer_json(self, status, body)
 
     def do_GET(self):
         if self.path == "/v1/models":
