@@ -13,7 +13,8 @@ model, as Hugging Face-named tensors, the first time it decodes after any weight
 so a batch of N new tokens costs N small forwards instead of N forwards of the whole
 (prompt + tokens so far) rows. Finished rows leave the cache (`CachedBatch.keep_rows`).
 For dense llama/qwen2/qwen3 models the forward is `DenseKvDecoder` (dense_kv_decoding.py), a
-lean one on the same mirror's parameters; `transformers`' forward serves the other models.
+lean one, and the mirror holding its parameters is `DenseMirror` (dense_mirror.py), built without
+`transformers` (start-up time); `transformers`' model and forward serve the other models.
 
 Why this route (docs/performance.md, "Generation"): on CPU it is as fast as Hugging Face
 `generate` on the same weights, and its fp32 log-probs agree with the trainer's packed forward
@@ -29,6 +30,7 @@ from typing import Sequence
 import torch
 
 from stacx.serving.dense_kv_decoding import DenseKvDecoder
+from stacx.serving.dense_mirror import DenseMirror
 
 
 def _growing_layer_class():
@@ -179,27 +181,35 @@ class KvCacheDecoder:
 
     gpt_model: a single-process megatron GPTModel built by `stacx.models.build_model`.
     groups: its (trivial) ProcessGroups, used to read its weights under Hugging Face names.
+    lean_mirror: hold a dense model's weights in `DenseMirror` (no `transformers` model is built); False
+        builds `transformers`' model for every architecture (its own forward then serves when `dense` is None).
     """
 
-    def __init__(self, gpt_model, groups):
-        # Imported here: transformers is slow to import (start-up time).
-        from transformers import AutoModelForCausalLM
-
+    def __init__(self, gpt_model, groups, *, lean_mirror: bool = True):
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import hf_config_of
-        from stacx.models.hf_config import as_transformers_config
+        from stacx.models.architectures import decoder_shape
 
         self._gpt_model = gpt_model
         self._groups = groups
         dtype = next(gpt_model.parameters()).dtype
         config = hf_config_of(gpt_model)
         self.vocab_size = int(config.vocab_size)
-        self.hf_model = AutoModelForCausalLM.from_config(as_transformers_config(config), dtype=dtype).eval()
-        self.hf_model.requires_grad_(False)
         self._stale = True
-        # transformers 5.x names the cache argument `cache` (`past_key_values` is deprecated there)
-        forward_arguments = inspect.signature(self.hf_model.forward).parameters
-        self._cache_argument = "cache" if "cache" in forward_arguments else "past_key_values"
+        if lean_mirror and DenseMirror.supports(decoder_shape(config)):
+            self.hf_model = DenseMirror(decoder_shape(config), dtype).eval()
+            self._cache_argument = None  # DenseMirror has no forward: DenseKvDecoder decodes on it
+        else:
+            # Imported here: transformers is slow to import (start-up time).
+            from transformers import AutoModelForCausalLM
+
+            from stacx.models.hf_config import as_transformers_config
+
+            self.hf_model = AutoModelForCausalLM.from_config(as_transformers_config(config), dtype=dtype).eval()
+            self.hf_model.requires_grad_(False)
+            # transformers 5.x names the cache argument `cache` (`past_key_values` is deprecated there)
+            forward_arguments = inspect.signature(self.hf_model.forward).parameters
+            self._cache_argument = "cache" if "cache" in forward_arguments else "past_key_values"
         self.record_routes = False
         """Set by the engine for calls that return routed experts: each forward keeps its routes."""
         self._gates = [module for name, module in self.hf_model.named_modules() if name.endswith(".mlp.gate")]
@@ -208,7 +218,8 @@ class KvCacheDecoder:
             gate.register_forward_hook(self._keep_routes)
         self.dense = DenseKvDecoder(self.hf_model) if DenseKvDecoder.supports(self.hf_model) else None
         """The lean forward of dense Llama-family models (dense_kv_decoding.py), None for other
-        architectures; decoding uses it unless routes are recorded. Set to None to use `transformers`'."""
+        architectures; decoding uses it unless routes are recorded. Set to None to use `transformers`' (only
+        on a mirror built with `lean_mirror=False`)."""
 
     def _keep_routes(self, _module, _inputs, outputs) -> None:
         # transformers' MoE routers return (router_logits, top-k weights, top-k expert ids [B*S, k])

@@ -7,6 +7,7 @@ import torch
 from stacx.serving.batched_sampling import choose_tokens
 from stacx.serving.cpu_engine import CpuEngine, filter_top_k_top_p, sample_token
 from stacx.serving.dense_kv_decoding import DenseKvDecoder, PackedLinear, onednn_packing_available
+from stacx.serving.kv_cache_decoding import KvCacheDecoder
 from stacx.wire.types import SamplingParams
 
 TOLERANCE = 1e-5
@@ -43,11 +44,10 @@ def test_dense_forward_equals_transformers_forward(arch, tied, single_process_wo
     assert decoder.dense is not None  # the default for dense llama-family models
     prompts = [[4, 10, 11, 12, 13, 14], [4, 20], [5, 6, 7, 8]]  # left padding
     lean = decoder.prefill(prompts, num_prompt_logits=3, max_new_tokens=6)
-    dense, decoder.dense = decoder.dense, None
-    try:
-        reference = decoder.prefill(prompts, num_prompt_logits=3, max_new_tokens=6)
-    finally:
-        decoder.dense = dense
+    # transformers' model and its own forward on the same weights
+    transformers_decoder = KvCacheDecoder(engine.model, engine.groups, lean_mirror=False)
+    transformers_decoder.dense = None
+    reference = transformers_decoder.prefill(prompts, num_prompt_logits=3, max_new_tokens=6)
     # prompt positions that exist (left padding: the shortest prompt has 2)
     assert torch.allclose(lean.prompt_logits_BKV[:, -2:], reference.prompt_logits_BKV[:, -2:], atol=TOLERANCE)
     assert torch.allclose(lean.prompt_logits_BKV[0], reference.prompt_logits_BKV[0], atol=TOLERANCE)
