@@ -200,9 +200,8 @@ class KvCacheDecoder:
             self.hf_model = DenseMirror(decoder_shape(config), dtype).eval()
             self._cache_argument = None  # DenseMirror has no forward: DenseKvDecoder decodes on it
         else:
-            # Imported here: transformers is slow to import (start-up time).
+            # Imported here: transformers (and the conversion to its config) is slow to import (start-up time).
             from transformers import AutoModelForCausalLM
-
             from stacx.models.hf_config import as_transformers_config
 
             self.hf_model = AutoModelForCausalLM.from_config(as_transformers_config(config), dtype=dtype).eval()
