@@ -25,7 +25,8 @@ What follows:
   client closed and, with `connect`, a fresh one made for it) and probed at most once per health interval;
   when its health check passes it rejoins (`rollout/engines_rejoined`), by the same version rule (a server
   restarted by its owner serves its start weights: behind, the next push brings it). Below min_live_engines
-  it is waited for, up to `--attached-engine-wait-s` after it failed, probed every health interval;
+  it is waited for, up to `--attached-engine-wait-s` after it failed, probed every health interval (the wait
+  logged at its start and end, `rollout/attached_engine_waits`, `rollout/attached_engine_wait_s`);
 - the failed call's requests go to a live engine (`rollout/requests_reissued`). A request that continues
   an aborted generation (partial rollout) carries its tokens so far in its prompt, so it continues from
   them; requests with rids on a stalled engine (missed health checks, the deadline) are aborted there first
