@@ -25,7 +25,8 @@ What follows:
   client closed and, with `connect`, a fresh one made for it) and probed at most once per health interval;
   when its health check passes it rejoins (`rollout/engines_rejoined`), by the same version rule (a server
   restarted by its owner serves its start weights: behind, the next push brings it). Below min_live_engines
-  it is waited for, up to `--attached-engine-wait-s` after it failed, probed every health interval;
+  it is waited for, up to `--attached-engine-wait-s` after it failed, probed every health interval (the wait
+  logged at its start and end, `rollout/attached_engine_waits`, `rollout/attached_engine_wait_s`);
 - the failed call's requests go to a live engine (`rollout/requests_reissued`). A request that continues
   an aborted generation (partial rollout) carries its tokens so far in its prompt, so it continues from
   them; requests with rids on a stalled engine (missed health checks, the deadline) are aborted there first
@@ -137,6 +138,12 @@ class EngineSupervisor:
         self._update_generation = list(self.generation)
         self._pushed: Optional[set] = None
         """The engines the current weight push goes to (None before the first push)."""
+        self.attached_engine_waits = 0
+        """Times the rollout blocked below min_live_engines waiting for set-aside attached engines."""
+        self.attached_engine_wait_s = 0.0
+        """Seconds the rollout spent in those waits (counted once however many calls waited together)."""
+        self._waiters = 0
+        self._wait_started = 0.0
         self.requests_reissued = 0
         self.tokens_salvaged = 0
         """Tokens of failed engines' calls kept and continued on a live engine (stacx.rollout.salvage)."""
@@ -187,17 +194,47 @@ class EngineSupervisor:
     def _wait_for_attached(self) -> list[int]:
         """Below min_live_engines: probe the set-aside attached engines still within attached_engine_wait_s of their
         failure, every health interval, until enough serve again (live, or behind the pool's weights) or none
-        is left to wait for; returns the live engines."""
-        while True:
-            live = self._in_state(LIVE)
-            if len(live) + len(self._in_state(BEHIND)) >= self.settings.min_live_engines:
-                return live
-            waiting = self._attached_waiting()
-            if not waiting:
-                return live
-            due = min(self._next_probe[i] for i in waiting)
-            time.sleep(max(0.0, min(due - self.clock(), self.settings.engine_health_interval_s)))
-            self._probe_set_aside()
+        is left to wait for; returns the live engines. The wait is counted once however many calls wait in it
+        (`attached_engine_waits`, `attached_engine_wait_s`)."""
+        waited = False
+        try:
+            while True:
+                live = self._in_state(LIVE)
+                if len(live) + len(self._in_state(BEHIND)) >= self.settings.min_live_engines:
+                    return live
+                waiting = self._attached_waiting()
+                if not waiting:
+                    return live
+                if not waited:
+                    waited = True
+                    self._begin_attached_wait(waiting, len(live))
+                due = min(self._next_probe[i] for i in waiting)
+                time.sleep(max(0.0, min(due - self.clock(), self.settings.engine_health_interval_s)))
+                self._probe_set_aside()
+        finally:
+            if waited:
+                self._end_attached_wait()
+
+    def _begin_attached_wait(self, waiting: Sequence[int], num_live: int) -> None:
+        with self._lock:
+            self._waiters += 1
+            if self._waiters > 1:
+                return
+            self.attached_engine_waits += 1
+            self._wait_started = self.clock()
+        logger.warning("only %d of %d rollout engines are live, fewer than --min-live-engines %d: the rollout waits "
+                       "up to %g s (--attached-engine-wait-s) for the attached engine(s) %s to pass their health "
+                       "check again", num_live, len(self.states), self.settings.min_live_engines,
+                       self.settings.attached_engine_wait_s, ", ".join(self.names[i] for i in waiting))
+
+    def _end_attached_wait(self) -> None:
+        with self._lock:
+            self._waiters -= 1
+            if self._waiters == 0:
+                seconds = self.clock() - self._wait_started
+                self.attached_engine_wait_s += seconds
+                logger.warning("the rollout waited %.1f s for set-aside attached engines (--attached-engine-wait-s)",
+                               seconds)
 
     def _attached_waiting(self) -> list[int]:
         """The set-aside attached engines whose wait (attached_engine_wait_s from their failure) has not passed."""
@@ -427,11 +464,15 @@ class EngineSupervisor:
     def metrics(self) -> dict[str, float]:
         """rollout/engine_restarts, rollout/engines_set_aside and rollout/engines_rejoined (attached engines that
         failed, and that came back), rollout/requests_reissued and rollout/tokens_salvaged (cumulative),
-        rollout/live_engines (now), rollout/health_check_s (cumulative seconds of health checks)."""
+        rollout/attached_engine_waits and rollout/attached_engine_wait_s (the rollout blocked below
+        --min-live-engines for set-aside attached engines: times, seconds; cumulative), rollout/live_engines (now),
+        rollout/health_check_s (cumulative seconds of health checks)."""
         with self._lock:
             return {"rollout/engine_restarts": float(self.engine_restarts),
                     "rollout/engines_set_aside": float(self.engines_set_aside),
                     "rollout/engines_rejoined": float(self.engines_rejoined),
+                    "rollout/attached_engine_waits": float(self.attached_engine_waits),
+                    "rollout/attached_engine_wait_s": float(self.attached_engine_wait_s),
                     "rollout/requests_reissued": float(self.requests_reissued),
                     "rollout/tokens_salvaged": float(self.tokens_salvaged),
                     "rollout/live_engines": float(sum(state == LIVE for state in self.states)),

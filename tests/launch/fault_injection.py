@@ -20,10 +20,9 @@ driver writes a step's row before the next rollout starts, so a retried episode 
   with it: its command fails, and the episode is played again on the new server);
 - `slow@S.N`: this step takes SLOW_S seconds more (a slow reward: the environment computes it);
 - `detach@S.N`: SIGKILL the attached engine (at the step's last call: the push's pause finds it dead, the run
-  sets it aside, it cannot restart it);
-- `reattach@S.N`: start the attached engine again on its port (its owner restarted it: it serves the
-  checkpoint's weights), then wait until the run's pool has taken it back (its health probe passed: it is
-  behind the pool's weights until the next push), bounded;
+  sets it aside, it cannot restart it) and start it again on its port once the run's pool waits for it
+  (`reattach_once_the_run_waits`: the next rollout finds one engine live, fewer than --min-live-engines, and
+  blocks within --attached-engine-wait-s); back, it serves the checkpoint's weights, behind the pool's;
 - `compare@S.N`: ask every engine, the attached one included, for the same greedy completion and its weight version, and write them (JSON)
   to CHAOS_REPORT: engines that serve equal weights answer equally (an engine that cannot be asked is
   written with its error, so the test names it).
@@ -105,29 +104,29 @@ def attached_engine_url() -> str:
     return f"http://127.0.0.1:{command[command.index('--port') + 1]}"
 
 
-def restart_attached_engine() -> None:
-    """`reattach`: the attached engine's command again (on its port, exiting with this driver), healthy on return;
-    then the run's pool is asked (`EngineSupervisor.live`: it probes a set-aside engine once per health
-    interval) until it has taken the engine back."""
-    import subprocess
-
-    from stacx.rollout.engine_health import OUT, EngineSupervisor
+def reattach_once_the_run_waits() -> None:
+    """`detach`'s second half, in a thread of the driver: once the run's pool is blocked waiting for the attached
+    engine (its supervisor counts the wait: `attached_engine_waits`; the run has --min-live-engines 2, so one
+    engine out stops its rollout), the attached engine's command again (on its port, exiting with this driver).
+    The run's own health probe then takes it back: the engine coming back can never come first, no timing
+    decides it."""
+    from stacx.rollout.engine_health import EngineSupervisor
 
     url = attached_engine_url()
-    command = [*json.loads(os.environ["CHAOS_ATTACHED_COMMAND"]), "--parent-pid", str(os.getpid())]
-    process = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    with open(os.environ["CHAOS_ATTACHED_PID_FILE"], "w") as handle:
-        handle.write(str(process.pid))
-    _wait_until(lambda: requests.get(f"{url}/health", timeout=1).ok, "the restarted attached engine's /health")
     supervisor = next(s for s in gc.get_objects() if isinstance(s, EngineSupervisor) and url in s.names)
-    index = supervisor.names.index(url)
 
-    def taken_back() -> bool:
-        supervisor.live()  # probes the set-aside engine when its health interval has passed
-        return supervisor.states[index] != OUT
+    def restart() -> None:
+        import subprocess
 
-    _wait_until(taken_back, "the run's pool to take the attached engine back")
+        _wait_until(lambda: supervisor.attached_engine_waits > 0, "the run's pool to wait for the attached engine",
+                    timeout_s=900.0)
+        command = [*json.loads(os.environ["CHAOS_ATTACHED_COMMAND"]), "--parent-pid", str(os.getpid())]
+        process = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        with open(os.environ["CHAOS_ATTACHED_PID_FILE"], "w") as handle:
+            handle.write(str(process.pid))
+
+    threading.Thread(target=restart, daemon=True, name="chaos-reattach").start()
 
 
 def _wait_until(ready, what: str, timeout_s: float = 120.0) -> None:
@@ -259,8 +258,7 @@ def _chaos(step: int, index: int, task: dict) -> None:
             compare_engines()
         elif action == "detach":
             os.kill(attached_engine_pid(), signal.SIGKILL)
-        elif action == "reattach":
-            restart_attached_engine()
+            reattach_once_the_run_waits()
         else:
             raise ValueError(f"CHAOS_PLAN: unknown action {action!r}")
 

@@ -1,12 +1,14 @@
 """Runs that survive their parts, through `stacx train` on Ray (the shared test cluster), in one ten-step run of
 two-turn episodes in remote sandbox sessions on two CPU engines, one the run launched and one it attached
-(`--rollout-urls`: a `stacx serve` this test started), every fault injected by the episodes' own environment
-(tests/launch/fault_injection.py): the launched engine killed mid-generation (the tokens it streamed are continued
-on the attached one), killed before a weight push, hung (SIGSTOP: it stops answering, its socket stays open) before
-the next push; the attached engine killed before a push and started again on its port a step later; the sandbox
-server killed and restarted, a slow reward. The launched engine is noticed, restarted and given the current
-weights each time; the attached one is set aside, taken back when its health check passes and given the current
-weights; the episode on the dead sandbox is played again, and the run completes every step with full batches.
+(`--rollout-urls`: a `stacx serve` this test started), with `--min-live-engines 2` (one engine out stops the
+rollout until it is back), every fault injected by the episodes' own environment (tests/launch/fault_injection.py):
+the launched engine killed mid-generation (the rollout waits for its restart, then the tokens it streamed are
+continued), killed before a weight push, hung (SIGSTOP: it stops answering, its socket stays open) before the next
+push; the attached engine killed before a push: the next rollout blocks within `--attached-engine-wait-s` until
+its owner has started it again on its port and its health check passes; the sandbox server killed and restarted,
+a slow reward. The launched engine is noticed, restarted and given the current weights each time; the attached
+one is set aside, waited for, taken back and given the current weights; the episode on the dead sandbox is played
+again, and the run completes every step with full batches.
 Unit-level checks of each path: tests/rollout/test_engine_faults.py, test_episode_faults.py,
 test_attached_engine_wait.py."""
 
@@ -31,12 +33,14 @@ PROMPTS, SAMPLES = 4, 4
 LAST_CALL = 2 * PROMPTS * SAMPLES - 1
 """The index of a rollout step's last environment step call (two per episode): its generations are done."""
 CHAOS_PLAN = ",".join([
-    "midkill@1.1",  # the launched engine, mid-generation: its streamed tokens continue on the attached one
+    "midkill@0.1",  # the launched engine, mid-generation: restarted (version 0 still: it serves at once), its
+    # streamed tokens continue once it is back (the pool waits for its restart: --min-live-engines 2)
     f"kill@2.{LAST_CALL}",  # the launched engine, before step 2's weight push: the push's pause is refused
     f"stop@3.{LAST_CALL}",  # the launched engine hangs before step 3's push: it misses its health checks
     "sandbox@4.3",  # the sandbox server killed and restarted: the episode is played again
-    f"detach@5.{LAST_CALL}",  # the attached engine killed before step 5's push: set aside, not restarted
-    "reattach@6.0",  # its owner starts it again: the pool takes it back behind, step 6's push brings it
+    f"detach@5.{LAST_CALL}",  # the attached engine killed before step 5's push: set aside, not restarted; step
+    # 6's rollout waits for it (--attached-engine-wait-s), its owner starts it again once the run waits, it is
+    # taken back behind, the weights are pushed to it and the step rolls out again
     "slow@7.0",  # a slow reward
     f"compare@9.{LAST_CALL}",  # both engines (each restarted) asked the same greedy request at the last step
 ])
@@ -55,6 +59,24 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def wait_for_health(url: str, process: subprocess.Popen, timeout_s: float = 900.0) -> None:
+    """Until the server at `url` answers /health (polled; bounded); its exit first fails the test."""
+    import time
+
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the attached engine exited with {process.returncode} before it served"
+        try:
+            if requests.get(f"{url}/health", timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"the attached engine at {url} did not answer /health within {timeout_s:g} s")
+
+
 def assert_engines_agree(report: str, version: int) -> None:
     """Both engines (each restarted) serve `version` and answer a greedy request alike."""
     with open(report) as handle:
@@ -70,8 +92,8 @@ def assert_engines_agree(report: str, version: int) -> None:
 def test_chaos_run_engine_kill_hang_sandbox_kill_and_slow_reward_in_one_ten_step_run(tiny_checkpoint, tmp_path,
                                                                                       shared_ray_address):
     """Ten steps (CHAOS_PLAN says which fault comes where): three restarts of the launched engine, the attached one
-    set aside and taken back, each engine serving the current weights at the next rollout, the sandbox episode
-    played again, every step's batch complete."""
+    set aside, waited for and taken back, each engine serving the current weights at the next rollout, the sandbox
+    episode played again, every step's batch complete."""
     port = free_port()
     url, key = f"http://127.0.0.1:{port}", "chaos-key"
     server = subprocess.Popen([sys.executable, "-m", "stacx.sandbox.server", "--port", str(port), "--api-key-env",
@@ -92,7 +114,7 @@ def test_chaos_run_engine_kill_hang_sandbox_kill_and_slow_reward_in_one_ten_step
     command = [sys.executable, "-m", "stacx.train", "--hf-checkpoint", tiny_checkpoint, "--prompt-data", str(rows),
                "--rollout-batch-size", str(PROMPTS), "--n-samples-per-prompt", str(SAMPLES),
                "--rollout-max-response-len", "4", "--rollout-engine", "cpu", "--rollout-num-engines", "1",
-               "--rollout-urls", attached_url, "--attached-engine-wait-s", "300",
+               "--rollout-urls", attached_url, "--attached-engine-wait-s", "300", "--min-live-engines", "2",
                "--engine-health-interval-s", "1", "--engine-deadline-s", "120", "--episode-retries", "2",
                "--num-steps", "10", "--out", out, "--no-plots", "--no-progress-bar", "--ray-address",
                shared_ray_address]
@@ -112,6 +134,7 @@ def test_chaos_run_engine_kill_hang_sandbox_kill_and_slow_reward_in_one_ten_step
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # as the run starts its own
     attached_pid_file.write_text(str(attached.pid))
     try:
+        wait_for_health(attached_url, attached)  # the run checks its engines once, within 60 s of its own start
         completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1400, cwd=REPO)
     finally:
         os.kill(int(pid_file.read_text()), 9)
@@ -129,22 +152,29 @@ def test_chaos_run_engine_kill_hang_sandbox_kill_and_slow_reward_in_one_ten_step
     assert len(steps) == 10
     assert all(s["rollout/num_samples"] == PROMPTS * SAMPLES for s in steps)  # every step's batch complete
     assert [s["rollout/weight_version"] for s in steps] == [float(step) for step in range(10)]
-    # Restarts are counted when an engine is found dead: the mid-rollout kill during step 1 (or, at the latest, at
-    # the push after it), the kill before step 2's push and the hang before step 3's push at those pushes. The
-    # attached engine is never restarted by the run.
+    # Restarts are counted when an engine is found dead: the mid-rollout kill during step 0, the kill before step
+    # 2's push and the hang before step 3's push at those pushes. The attached engine is never restarted by the run.
     restarts = [s["rollout/engine_restarts"] for s in steps]
-    assert restarts[0] == 0.0 and restarts[2:] == [1.0, 2.0] + [3.0] * 6, restarts
-    assert steps[-1]["rollout/requests_reissued"] >= 1.0  # the mid-rollout kill's requests went to the other engine
-    # it was killed holding a generation whose first token its client had: that token went on on the other engine
-    assert steps[1]["rollout/tokens_salvaged"] >= 1.0 and os.listdir(hold_dir), (steps[1], completed.stderr[-4000:])
-    # The attached engine, killed after step 5's generations, is set aside at the push (step 6's row counts it); back
-    # during step 6 (the pool took it back before the step went on: reattach), behind, it serves from step 7 on.
+    assert restarts == [1.0] * 3 + [2.0] + [3.0] * 6, restarts
+    assert steps[-1]["rollout/requests_reissued"] >= 1.0  # the mid-rollout kill's requests went on after its restart
+    # it was killed holding a generation whose first token its client had: that token went on once it was back
+    assert steps[0]["rollout/tokens_salvaged"] >= 1.0 and os.listdir(hold_dir), (steps[0], completed.stderr[-4000:])
+    # The attached engine, killed after step 5's generations, is set aside at the push (step 6's row counts it).
+    # Step 6's rollout finds one engine live, fewer than --min-live-engines 2, and waits (its owner starts it again
+    # only once the run waits: the wait cannot be skipped); back behind the pool's weights, it gets version 6 and
+    # the step rolls out again on both engines.
     assert [s["rollout/engines_set_aside"] for s in steps] == [0.0] * 6 + [1.0] * 4, steps
     assert [s["rollout/engines_rejoined"] for s in steps] == [0.0] * 6 + [1.0] * 4, steps
+    assert [s["rollout/attached_engine_waits"] for s in steps] == [0.0] * 6 + [1.0] * 4, steps
+    waited = [s["rollout/attached_engine_wait_s"] for s in steps]
+    assert waited[:6] == [0.0] * 6 and 0.0 < waited[6] < 300.0 and waited[6:] == [waited[6]] * 4, waited
+    assert "the rollout waits up to 300 s (--attached-engine-wait-s) for the attached engine(s) " \
+           f"{attached_url}" in completed.stderr, completed.stderr[-4000:]
     assert "rejoins the pool (its health check passes again)" in completed.stderr
-    # Each restarted engine took the push and serves from the next rollout on (step 1's is restarted mid-rollout).
+    assert "pushing the weights of version 6 to them and rolling out again" in completed.stderr
+    # Each restarted engine took the push and serves from the next rollout on; every rollout ended on both engines.
     live = [s["rollout/live_engines"] for s in steps]
-    assert [n for step, n in enumerate(live) if step != 1] == [2.0] * 5 + [1.0] + [2.0] * 3, (live, completed.stderr[-4000:])
+    assert live == [2.0] * 10, (live, completed.stderr[-4000:])
     assert "Connection refused" in completed.stderr  # the killed engines
     assert "missed 2 health checks in a row" in completed.stderr  # the hung one
     assert_engines_agree(report, version=9)  # the launched engine and the attached one

@@ -138,6 +138,8 @@ def test_an_attached_engine_that_went_away_is_waited_for_and_given_the_current_w
             service.engine.generate(REQUESTS)
         assert behind.value.version == 3 and service.supervisor.states == [BEHIND]
         assert len(clients) == 1 and clients[0].probes == 2
+        metrics = service.fault_metrics()  # the wait is counted, with its seconds (a probe interval at least)
+        assert metrics["rollout/attached_engine_waits"] == 1.0 and metrics["rollout/attached_engine_wait_s"] >= 0.05
         push(service, server, 3)
         assert service.supervisor.states == [LIVE]
         outputs = service.engine.generate(REQUESTS)
@@ -159,6 +161,8 @@ def test_an_attached_engine_that_does_not_come_back_within_the_bound_stops_the_r
         service.engine.generate(REQUESTS)
     assert not isinstance(lost.value, EnginesBehind) and service.supervisor.states == [OUT]
     assert time.monotonic() - started >= 0.3 and clients[0].probes >= 2  # it waited, probing, for the bound
+    assert service.fault_metrics()["rollout/attached_engine_waits"] == 1.0
+    assert service.fault_metrics()["rollout/attached_engine_wait_s"] >= 0.3
     service.close()
 
 

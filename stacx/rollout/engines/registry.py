@@ -216,10 +216,16 @@ def attached_server_client(url: str, *, api_key: Optional[str] = None,
     return HttpEngine(url, retry, api_key=api_key, stream_progress=IF_OFFERED)
 
 
+def sglang_client(url: str, *, api_key: Optional[str] = None, **options) -> SglangEngine:
+    """A run's client of an SGLang server: its `/generate` answers are streamed (SGLang's event format), so the
+    tokens of a server killed mid-call are kept and continued on a live one (stacx.wire.sglang_stream)."""
+    return SglangEngine(url, api_key=api_key, stream_progress=True, **options)
+
+
 add_engine_kind(EngineKind(name="cpu", client=launched_stacx_serve_client, launcher=launch_cpu_server, starts_beside_workers=True,
                            records_sessions=True, takes_lora_adapters=True, attaches_beside_launched=True))
 add_engine_kind(EngineKind(name="http", client=attached_server_client, records_sessions=True, takes_lora_adapters=True))  # attaches to `stacx serve`
-add_engine_kind(EngineKind(name="sglang", client=SglangEngine, launcher=launch_sglang_servers, launches_on_ray=True,
+add_engine_kind(EngineKind(name="sglang", client=sglang_client, launcher=launch_sglang_servers, launches_on_ray=True,
                            takes_lora_adapters=True))
 add_engine_kind(EngineKind(name="vllm", client=VllmEngine, launcher=launch_vllm_servers, starts_beside_workers=True,
                            attaches_with_urls=True, takes_lora_adapters=True, sessions_through_recorder=True,

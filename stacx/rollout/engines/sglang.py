@@ -1,6 +1,8 @@
 """The SGLang engine for GPU clusters: launch (or attach to) SGLang servers, update their weights.
 
-Generation, pause/resume, flush and health are `HttpEngine`'s (SGLang's native API). Weights go
+Generation, pause/resume, flush and health are `HttpEngine`'s (SGLang's native API); a run's client streams
+`/generate` in SGLang's own event format (stacx.wire.sglang_stream), so the tokens of a server that dies
+mid-answer are kept and continued on a live one. Weights go
 one of two ways (field names from SGLang's io_struct, see docs/sglang.md):
 
 - colocated (`weight_update="tensor"`): `POST /update_weights_from_tensor` with
@@ -39,6 +41,7 @@ from stacx.parallel.tensor_buckets import dtype_name
 from stacx.parallel.weight_broadcast import WeightBroadcastGroup
 from stacx.rollout.engines.http import HttpEngine, summarize_requests
 from stacx.rollout.engines.processes import stop_process
+from stacx.rollout.engines.streamed_generate import generate_sglang_streamed, sglang_streams
 from stacx.wire.engine import WeightBucket
 from stacx.wire.http_client import RetryPolicy
 from stacx.wire.sglang_protocol import build_generate_payload, parse_generate_response
@@ -225,13 +228,18 @@ class SglangEngine(HttpEngine):
     def __init__(self, url: str, *, weight_update: str = "tensor", retry: RetryPolicy = RetryPolicy(),
                  serializer: Optional[Callable[[list], str]] = None, server_tp_size: Optional[int] = None,
                  broadcast_group: Optional[WeightBroadcastGroup] = None, group_name: str = "weight_update_group",
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, stream_progress: bool = False):
         """api_key: the server's `--api-key` (None: `STACX_API_KEY` if set). server_tp_size: the server's
         TP degree, one serialized entry per TP rank on the tensor path (None: the server's own
-        `tp_size`, read once from `GET /get_server_info`)."""
+        `tp_size`, read once from `GET /get_server_info`). stream_progress: ask for SGLang's streamed `/generate`
+        (the tokens as they come, `sglang_streams` says which requests can be), so a call to a server that dies
+        raises with the tokens received so far (stacx.rollout.engines.streamed_generate); a run's client streams
+        (`stacx.rollout.engines.registry`)."""
         if weight_update not in WEIGHT_UPDATE_MODES:
             raise ValueError(f"weight_update must be one of {WEIGHT_UPDATE_MODES}, got {weight_update!r}")
-        super().__init__(url, retry, api_key=api_key)
+        if not isinstance(stream_progress, bool):
+            raise ValueError(f"SglangEngine: stream_progress must be True or False, got {stream_progress!r}")
+        super().__init__(url, retry, api_key=api_key, stream_progress=stream_progress)
         self.weight_update = weight_update
         self._serializer = serializer
         self.server_tp_size = server_tp_size
@@ -257,10 +265,17 @@ class SglangEngine(HttpEngine):
         return group
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
-        if self._lora_name is None or not requests:
-            return super().generate(requests)
-        payload = {**build_generate_payload(requests), "lora_path": [self._lora_name] * len(requests)}
-        body = self.transport.post_json("/generate", payload, summary=summarize_requests(requests))
+        """One batched `/generate` (naming the pushed adapter, if any); streamed when `stream_progress` and every
+        request can be (`sglang_streams`)."""
+        if not requests:
+            return []
+        payload = build_generate_payload(requests)
+        if self._lora_name is not None:
+            payload["lora_path"] = [self._lora_name] * len(requests)
+        summary = summarize_requests(requests)
+        if self.stream_progress and all(sglang_streams(r) for r in requests):
+            return generate_sglang_streamed(self.transport, requests, payload, summary=summary)
+        body = self.transport.post_json("/generate", payload, summary=summary)
         return parse_generate_response(body, requests)
 
     def use_lora_config(self, config: dict) -> None:
