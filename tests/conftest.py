@@ -21,7 +21,7 @@ discover_workloads()
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RAY_STARTING_FIXTURES = ("shared_ray_address", "ray_address")
+RAY_STARTING_FIXTURES = ("shared_ray_cluster", "shared_ray_address", "ray_address")
 """Fixtures that start a local Ray cluster: every test using them (directly or through another
 fixture) must be marked `slow`, so that `pytest -m "not slow"` never starts Ray."""
 
@@ -130,13 +130,10 @@ def _user_modules_stay_with_their_test():
 
 
 @pytest.fixture(scope="session")
-def shared_ray_address():
-    """The address of one loopback Ray cluster (4 CPUs, 300 MB object store) for this pytest process
-    (each xdist worker has its own, so a test never shares it with a test running beside it).
-
-    End-to-end runs that do not test cluster start-up attach to it (`--ray-address`), instead of
-    paying a cluster start and stop each; a run's job ends when its driver detaches, and Ray then
-    kills that job's actors, so every test starts from an empty cluster."""
+def shared_ray_cluster():
+    """One loopback Ray cluster (4 CPUs, 300 MB object store) for this pytest process, held by its own
+    process (`tests/shared_ray_cluster.py`); each xdist worker has its own, so a test never shares it
+    with a test running beside it. Tests take its address through `shared_ray_address`."""
     from tests.shared_ray_cluster import SharedRayCluster
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -146,8 +143,18 @@ def shared_ray_address():
         cluster.close()
         raise RuntimeError(f"the shared Ray cluster needs {mismatched} to attach, which this test process "
                            "lacks (set at conftest import, before Ray reads it)")
-    yield cluster.address
+    yield cluster
     cluster.close()
+
+
+@pytest.fixture(scope="session")
+def shared_ray_address(shared_ray_cluster):
+    """The address of this pytest process's shared cluster (`shared_ray_cluster`).
+
+    End-to-end runs that do not test cluster start-up attach to it (`--ray-address`), instead of
+    paying a cluster start and stop each; a run's job ends when its driver detaches, and Ray then
+    kills that job's actors, so every test starts from an empty cluster."""
+    return shared_ray_cluster.address
 
 
 @pytest.fixture(scope="module")

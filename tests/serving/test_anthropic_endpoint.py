@@ -12,14 +12,11 @@ import json
 import pytest
 import requests
 
+from tests.deferred_import import deferred_import
 from tests.serving.taught_policy import SUBMIT, SYSTEM, TASK
 
-try:
-    import anthropic
-    import openai
-except ImportError as missing:  # a failure with the fix, never a skip
-    raise ImportError("these tests drive the endpoint with the official anthropic and openai clients, in the test "
-                      "extra: pip install -e '.[test]'") from missing
+anthropic = deferred_import("anthropic", "these tests drive the endpoint with the official anthropic client")
+openai = deferred_import("openai", "these tests drive the endpoint with the official openai client")
 
 SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
 ANTHROPIC_BASH = {"name": "bash", "description": "run a command", "input_schema": SCHEMA}

@@ -18,14 +18,11 @@ import sys
 import pytest
 import requests
 
+from tests.deferred_import import deferred_import
 from tests.rollout.agents.agent_fixtures import BASH_TOOL, engine_weight_buckets, train_one_grpo_step
 from tests.serving.taught_policy import BASH, OBSERVATION, SUBMIT, SYSTEM, TASK
 
-try:
-    import openai
-except ImportError as missing:  # a failure with the fix, never a skip
-    raise ImportError("these tests drive the endpoint with the official openai client, in the test extra: "
-                      "pip install -e '.[test]'") from missing
+openai = deferred_import("openai", "these tests drive the endpoint with the official openai client")
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,11 @@ import logging
 import pytest
 import requests
 
+from tests.deferred_import import deferred_import
 from tests.rollout.agents.agent_fixtures import save_policy, tool_tokenizer
 from tests.serving.fixtures import served_policy
 
-try:
-    import openai
-except ImportError as missing:  # a failure with the fix, never a skip
-    raise ImportError("these tests drive the endpoint with the official openai client, in the test extra: "
-                      "pip install -e '.[test]'") from missing
+openai = deferred_import("openai", "these tests drive the endpoint with the official openai client")
 
 
 @pytest.fixture(scope="module")

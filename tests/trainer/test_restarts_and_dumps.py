@@ -32,6 +32,7 @@ from stacx.trainer.rollout_dump import (
     step_file_name,
 )
 from tests.trainer.fakes import FakeDataSource, FakeRoleGroup, make_trainer
+from tests.trainer.save_lock_holder import hold_the_save_lock_until_released
 
 
 def _batch(offset: int = 0) -> StepBatch:
@@ -245,21 +246,13 @@ def test_a_rank_torch_elastic_restarted_loads_the_newest_checkpoint(tmp_path, ca
     assert again is restarted and capsys.readouterr().err == ""  # resolved once, announced once
 
 
-def _hold_lock_briefly(save: str, held, release) -> None:
-    from stacx.trainer.save_lock import hold_save_folder
-
-    with hold_save_folder(save):
-        held.set()
-        release.wait(30)
-
-
 def test_a_restarted_rank_0_takes_the_save_lock_once_the_dead_one_has_dropped_it(tmp_path):
     from stacx.trainer.save_lock import SaveFolderInUse, hold_save_folder
 
     save = str(tmp_path / "ckpt")
     context = multiprocessing.get_context("spawn")
     held, release = context.Event(), context.Event()
-    holder = context.Process(target=_hold_lock_briefly, args=(save, held, release))
+    holder = context.Process(target=hold_the_save_lock_until_released, args=(save, held, release))
     holder.start()
     try:
         assert held.wait(60)

@@ -30,13 +30,10 @@ from stacx.rollout.agents.episode import run_episode
 from stacx.rollout.agents.tools import ToolResult, ToolSpec
 from stacx.wire.sample import Executor
 from stacx.wire.types import SamplingParams
+from tests.deferred_import import deferred_import
 from tests.rollout.agents.agent_fixtures import ScriptedEngine
 
-try:
-    import openai
-except ImportError as missing:  # a failure with the fix, never a skip
-    raise ImportError("the endpoint path is driven by the official openai client, in the test extra: "
-                      "pip install -e '.[test]'") from missing
+openai = deferred_import("openai", "the endpoint path is driven by the official openai client")
 
 STYLES = ("qwen", "qwen_compact", "llama3")
 PATHS = ("episode", "endpoint")

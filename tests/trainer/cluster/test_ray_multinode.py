@@ -35,6 +35,8 @@ import pytest
 from stacx.tasks import write_tiny_checkpoint
 from stacx.testing.ray_jobs import JobAgentNotReadyError, wait_until_jobs_are_accepted
 from stacx.trainer.cluster.ray.cluster_check import RESULT_PREFIX, rank_contribution
+from stacx.trainer.cluster.ray.connect import LEAN_DAEMON_ENV
+from tests.shared_ray_cluster import NO_IDLE_WORKERS_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -151,8 +153,11 @@ def two_node_cluster():
 
 def _two_node_cluster():
     temp_dir = tempfile.mkdtemp(prefix="stacx-ray-")  # short: Ray's socket paths must stay < 108 chars
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_USAGE_STATS_ENABLED="0",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    # Its daemons poll as a local cluster's do (LEAN_DAEMON_ENV: no metrics export, slow psutil sweeps) and
+    # prestart no workers: the cluster lives through both tests (docs/testing.md, session 12).
+    env = {**os.environ, **LEAN_DAEMON_ENV, **NO_IDLE_WORKERS_ENV, "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_USAGE_STATS_ENABLED": "0",
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     env.pop("RAY_ADDRESS", None)
     sessions = []
 
