@@ -62,6 +62,31 @@ def test_completion_answer_becomes_output_with_versions_prompt_log_probs_and_rou
         parse_completion_response(body, request, weight_version=4)
 
 
+def encoded_routes(routes: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, routes)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_routes_in_vllms_narrow_dtypes_become_int32_and_an_abort_before_the_first_forward_carries_none():
+    """vLLM 0.32 sends each token's experts in the narrowest dtype that holds every expert id (uint8 below 256
+    experts), one row per forwarded token (the last sampled token has none), and no routes at all for a request
+    aborted before its first forward (entrypoints/openai/completion/protocol.py, `routed_experts`)."""
+    request = GenerateRequest(input_ids=(5, 6, 7), return_routed_experts=True)
+    routes = np.array([[[3, 1]], [[0, 2]], [[1, 2]], [[3, 0]]], dtype=np.uint8)  # 3 prompt + 2 output - 1 tokens
+    body = {"choices": [{"token_ids": [8, 9], "finish_reason": "length", "routed_experts": encoded_routes(routes),
+                         "logprobs": {"tokens": ["token_id:8", "token_id:9"], "token_logprobs": [-0.5, -1.5]}}]}
+    out = parse_completion_response(body, request, weight_version=1)
+    assert out.routed_experts.dtype == torch.int32 and out.routed_experts[:, 0].tolist() == [[1, 3], [0, 2], [1, 2],
+                                                                                              [0, 3]]
+    aborted = {"choices": [{"token_ids": [], "finish_reason": "abort", "routed_experts": None,
+                            "logprobs": {"tokens": [], "token_logprobs": []}}]}
+    assert parse_completion_response(aborted, request, weight_version=1).routed_experts is None
+    finished = {"choices": [{**aborted["choices"][0], "finish_reason": "length"}]}
+    with pytest.raises(ValueError, match="--enable-return-routed-experts"):  # a finished answer must carry them
+        parse_completion_response(finished, request, weight_version=1)
+
+
 def test_vllm_kind_is_registered_launches_or_attaches_and_names_its_python_flag(tmp_path, monkeypatch):
     kind = resolve_engine_kind("vllm")
     assert kind.client is VllmEngine and not kind.attaches
@@ -257,3 +282,18 @@ def test_launched_servers_are_ready_together_or_all_stopped():
         with pytest.raises(RuntimeError, match="exited before it was ready"):
             launched(servers).wait_until_ready()
         assert all(server.stopped for server in servers)
+
+
+def test_a_cpu_server_refusing_routed_experts_stops_the_start_naming_the_flag_and_why(tmp_path):
+    """vLLM 0.32 captures routed experts only in its V2 model runner, which needs Triton: its CPU build refuses
+    --enable-return-routed-experts at start-up (config/vllm.py). The start fails at once, naming the run's flag."""
+    from stacx.rollout.engines.vllm import VllmServerProcess
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig'\n"
+                    "echo '  Value error, Model Runner V2 requires Triton. [type=value_error]'\nexit 1\n")
+    fake.chmod(0o755)
+    server = VllmServerProcess(str(tmp_path), python=str(fake), return_routed_experts=True, timeout_s=60, wait=False)
+    with pytest.raises(RuntimeError, match=r"needs Triton.*--use-routing-replay needs a vLLM server on a GPU"):
+        server.wait_until_ready()

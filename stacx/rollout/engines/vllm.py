@@ -483,6 +483,20 @@ def vllm_server_env(api_key: Optional[str], *, num_threads: Optional[int] = None
     return env
 
 
+ROUTED_EXPERTS_NEED_V2_RUNNER = ("AuxOutput Connector requires Model Runner V2", "Model Runner V2 requires Triton")
+"""vLLM 0.32's refusals of --enable-return-routed-experts where its V2 model runner cannot run (config/vllm.py):
+only that runner captures routed experts, and it needs Triton, which vLLM's CPU build lacks."""
+
+
+def start_failure_hint(log_tail: str) -> str:
+    """What to do about a vLLM server that stopped before it was ready, when its log says why ('' otherwise)."""
+    if any(refusal in log_tail for refusal in ROUTED_EXPERTS_NEED_V2_RUNNER):
+        return (": vLLM returns routed experts only from its V2 model runner, which needs Triton (vLLM's CPU build "
+                "has none), so --use-routing-replay needs a vLLM server on a GPU; drop --use-routing-replay for a "
+                "CPU server (docs/vllm.md, Mixture of experts)")
+    return ""
+
+
 class VllmServerProcess:
     """One vLLM OpenAI server, a child process of this one; `url` once it answers /health."""
 
@@ -522,8 +536,9 @@ class VllmServerProcess:
         while True:
             if self.process.poll() is not None:
                 self.stop()
+                tail = self.log_tail()
                 raise RuntimeError(f"the vLLM server exited with code {self.process.returncode} before it was "
-                                   f"ready; its log ({self.log_path}) ends:\n{self.log_tail()}")
+                                   f"ready{start_failure_hint(tail)}; its log ({self.log_path}) ends:\n{tail}")
             try:
                 healthy = requests.get(url + "/health", timeout=2).status_code == 200
             except requests.RequestException:
