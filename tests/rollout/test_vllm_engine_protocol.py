@@ -297,3 +297,72 @@ def test_a_cpu_server_refusing_routed_experts_stops_the_start_naming_the_flag_an
     server = VllmServerProcess(str(tmp_path), python=str(fake), return_routed_experts=True, timeout_s=60, wait=False)
     with pytest.raises(RuntimeError, match=r"needs Triton.*--use-routing-replay needs a vLLM server on a GPU"):
         server.wait_until_ready()
+
+
+class _FakeCpuExperts:
+    """vLLM 0.32's `CPUUnquantizedExperts`: its processing prepacks the fused weights (here: each expert's rows
+    reversed and its columns rolled, a permutation within each expert)."""
+
+    isa = "vec"
+
+    def __init__(self, intermediate):
+        self.moe_config = type("MoEConfig", (), {"intermediate_size_per_partition": intermediate})()
+
+    def _padded_intermediate_size(self, moe_config):
+        return moe_config.intermediate_size_per_partition
+
+    def process_weights_after_loading(self, layer):
+        layer.w13_weight = torch.nn.Parameter(prepack(layer.w13_weight.data))
+
+
+def prepack(weight, isa="vec"):
+    return weight.flip(1).roll(1, dims=2).contiguous()
+
+
+class _FakeUnquantizedMoEMethod:
+    """vLLM 0.32's `UnquantizedFusedMoEMethod`: prepacks on the first load only; on an update it copies the new
+    plain weights in and skips the kernel's processing (the bug the worker works around)."""
+
+    def __init__(self, experts):
+        self.moe_kernel = type("Kernel", (), {"fused_experts": experts})()
+
+    def process_weights_after_loading(self, layer):
+        pass
+
+
+def test_worker_reads_experts_through_vllms_cpu_prepacked_layout_and_prepacks_them_again_after_an_update(monkeypatch):
+    """On CPU, vLLM 0.32 keeps fused expert weights prepacked and, after a weight update, leaves them plain (its
+    kernel then reads them in the wrong layout: 1.5e-2 of log-prob off on the tiny Qwen3-MoE while the raw
+    parameters' digests matched). The read-back unpacks, so an unprepacked update is caught; the worker prepacks
+    after every update, so the served experts are the sent ones."""
+    import sys
+    import types
+
+    cpu_moe = types.ModuleType("vllm.model_executor.layers.fused_moe.experts.cpu_moe")
+    cpu_moe.CPUUnquantizedExperts = _FakeCpuExperts
+    ops = types.ModuleType("vllm._custom_ops")
+    ops.cpu_prepack_moe_weight = prepack
+    for name in ("vllm", "vllm.model_executor", "vllm.model_executor.layers", "vllm.model_executor.layers.fused_moe",
+                 "vllm.model_executor.layers.fused_moe.experts"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, cpu_moe.__name__, cpu_moe)
+    monkeypatch.setitem(sys.modules, ops.__name__, ops)
+    model = torch.nn.Module()
+    model.experts = torch.nn.Module()
+    layer = model.experts.routed_experts = torch.nn.Module()
+    layer.quant_method = _FakeUnquantizedMoEMethod(_FakeCpuExperts(intermediate=3))
+    first, update = torch.randn(2, 6, 4), torch.randn(2, 6, 4)
+    layer.w13_weight = torch.nn.Parameter(prepack(first))  # as served after the first load
+
+    def read(name):
+        return worker.read_back(model, dict(model.named_parameters()), name)
+
+    assert torch.equal(read("experts.1.gate_proj.weight"), first[1, :3])
+    layer.w13_weight.data.copy_(update)  # vLLM's update: the new weights copied in plain
+    layer.quant_method.process_weights_after_loading(layer)
+    assert not torch.equal(read("experts.1.up_proj.weight"), update[1, 3:])  # caught: not what was sent
+    worker.keep_cpu_experts_prepacked(model)
+    layer.w13_weight.data.copy_(update)
+    layer.quant_method.process_weights_after_loading(layer)  # now prepacks after the update
+    assert torch.equal(read("experts.1.up_proj.weight"), update[1, 3:])
+    assert torch.equal(read("experts.0.gate_proj.weight"), update[0, :3])
