@@ -366,3 +366,47 @@ def test_worker_reads_experts_through_vllms_cpu_prepacked_layout_and_prepacks_th
     layer.quant_method.process_weights_after_loading(layer)  # now prepacks after the update
     assert torch.equal(read("experts.1.up_proj.weight"), update[1, 3:])
     assert torch.equal(read("experts.0.gate_proj.weight"), update[0, :3])
+
+
+KEYED_FAKE_VLLM = '''#!{python}
+import http.server, json, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+import os
+key = os.environ.get("VLLM_API_KEY")
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def answer(self, body):
+        if self.path != "/health" and self.headers.get("Authorization") != f"Bearer {{key}}":
+            self.send_response(401); self.end_headers(); self.wfile.write(b'{{"error": "Unauthorized"}}'); return
+        data = json.dumps(body).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self.answer({{"data": [{{"id": "stacx-policy"}}]}})
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.answer({{"choices": [{{"token_ids": [3], "finish_reason": "length"}}]}})
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def test_a_server_the_run_starts_with_its_key_is_ready_once_it_answers_the_keyed_first_request(tmp_path):
+    """A run's own vLLM server takes the run's key (VLLM_API_KEY): the readiness probe's first request sends it
+    (it did not: every launched server failed its first request with a 401, and `--rollout-engine vllm` without
+    `--rollout-urls` could not start)."""
+    import sys
+
+    from stacx.rollout.engines.vllm import VllmServerProcess
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    fake = tmp_path / "python"
+    fake.write_text(KEYED_FAKE_VLLM.format(python=sys.executable))
+    fake.chmod(0o755)
+    server = VllmServerProcess(str(tmp_path), python=str(fake), api_key="run-key", timeout_s=60)
+    try:
+        assert server.url is not None
+    finally:
+        server.stop()

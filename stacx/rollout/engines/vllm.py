@@ -516,6 +516,7 @@ class VllmServerProcess:
                                         env=vllm_server_env(api_key, lora=lora_rank is not None),
                                         start_new_session=True)
         self.url: Optional[str] = None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
         if wait:
@@ -561,10 +562,12 @@ class VllmServerProcess:
     def _first_forward(self, url: str) -> None:
         """One token of one request: the first forward of a CPU server can take minutes (kernel set-up), and a
         server counts as ready once it has answered one."""
-        model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        listed = requests.get(url + "/v1/models", headers=self._headers, timeout=30)
+        listed.raise_for_status()  # a server a run started takes the run's key (VLLM_API_KEY)
+        model = listed.json()["data"][0]["id"]
         remaining = max(30.0, self._deadline - time.monotonic())
         answer = requests.post(url + "/v1/completions", json={"model": model, "prompt": [0], "max_tokens": 1},
-                               timeout=remaining)
+                               headers=self._headers, timeout=remaining)
         answer.raise_for_status()
 
     def stop(self) -> None:
