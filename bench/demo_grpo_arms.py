@@ -16,8 +16,10 @@ import time
 from typing import Sequence
 
 
-def run_demo_grpo_arms(arms: dict[str, dict], seeds: Sequence[int], *, work_prefix: str) -> tuple[float, list[dict]]:
-    """(the SFT model's held-out accuracy, a row per run: seed, mode (the arm's name), seconds, accuracy)."""
+def run_demo_grpo_arms(arms: dict[str, dict], seeds: Sequence[int], *, work_prefix: str,
+                       settings=None) -> tuple[float, list[dict]]:
+    """(the SFT model's held-out accuracy, a row per run: seed, mode (the arm's name), seconds, accuracy).
+    `settings`: the demo's `DemoSettings` (default: the demo's own, without a progress bar)."""
     from stacx.launch.demo import measure
     from stacx.launch.demo.phases import demo_run_config, train
     from stacx.launch.demo.pipeline import DemoSettings, _prepare, _save_tokenizer
@@ -25,7 +27,7 @@ def run_demo_grpo_arms(arms: dict[str, dict], seeds: Sequence[int], *, work_pref
     from stacx.tasks import get_task
     from stacx.trainer.cluster.ray.connect import connect_ray
 
-    settings = DemoSettings(progress_bar=False)
+    settings = settings or DemoSettings(progress_bar=False)
     task = get_task(settings.task)
     tokenizer = build_char_tokenizer(task.alphabet)
     max_new_tokens = task.max_answer_chars + 1

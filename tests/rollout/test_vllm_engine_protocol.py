@@ -62,6 +62,31 @@ def test_completion_answer_becomes_output_with_versions_prompt_log_probs_and_rou
         parse_completion_response(body, request, weight_version=4)
 
 
+def encoded_routes(routes: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, routes)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_routes_in_vllms_narrow_dtypes_become_int32_and_an_abort_before_the_first_forward_carries_none():
+    """vLLM 0.32 sends each token's experts in the narrowest dtype that holds every expert id (uint8 below 256
+    experts), one row per forwarded token (the last sampled token has none), and no routes at all for a request
+    aborted before its first forward (entrypoints/openai/completion/protocol.py, `routed_experts`)."""
+    request = GenerateRequest(input_ids=(5, 6, 7), return_routed_experts=True)
+    routes = np.array([[[3, 1]], [[0, 2]], [[1, 2]], [[3, 0]]], dtype=np.uint8)  # 3 prompt + 2 output - 1 tokens
+    body = {"choices": [{"token_ids": [8, 9], "finish_reason": "length", "routed_experts": encoded_routes(routes),
+                         "logprobs": {"tokens": ["token_id:8", "token_id:9"], "token_logprobs": [-0.5, -1.5]}}]}
+    out = parse_completion_response(body, request, weight_version=1)
+    assert out.routed_experts.dtype == torch.int32 and out.routed_experts[:, 0].tolist() == [[1, 3], [0, 2], [1, 2],
+                                                                                              [0, 3]]
+    aborted = {"choices": [{"token_ids": [], "finish_reason": "abort", "routed_experts": None,
+                            "logprobs": {"tokens": [], "token_logprobs": []}}]}
+    assert parse_completion_response(aborted, request, weight_version=1).routed_experts is None
+    finished = {"choices": [{**aborted["choices"][0], "finish_reason": "length"}]}
+    with pytest.raises(ValueError, match="--enable-return-routed-experts"):  # a finished answer must carry them
+        parse_completion_response(finished, request, weight_version=1)
+
+
 def test_vllm_kind_is_registered_launches_or_attaches_and_names_its_python_flag(tmp_path, monkeypatch):
     kind = resolve_engine_kind("vllm")
     assert kind.client is VllmEngine and not kind.attaches
@@ -257,3 +282,131 @@ def test_launched_servers_are_ready_together_or_all_stopped():
         with pytest.raises(RuntimeError, match="exited before it was ready"):
             launched(servers).wait_until_ready()
         assert all(server.stopped for server in servers)
+
+
+def test_a_cpu_server_refusing_routed_experts_stops_the_start_naming_the_flag_and_why(tmp_path):
+    """vLLM 0.32 captures routed experts only in its V2 model runner, which needs Triton: its CPU build refuses
+    --enable-return-routed-experts at start-up (config/vllm.py). The start fails at once, naming the run's flag."""
+    from stacx.rollout.engines.vllm import VllmServerProcess
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig'\n"
+                    "echo '  Value error, Model Runner V2 requires Triton. [type=value_error]'\nexit 1\n")
+    fake.chmod(0o755)
+    server = VllmServerProcess(str(tmp_path), python=str(fake), return_routed_experts=True, timeout_s=60, wait=False)
+    with pytest.raises(RuntimeError, match=r"needs Triton.*--use-routing-replay needs a vLLM server on a GPU"):
+        server.wait_until_ready()
+
+
+class _FakeCpuExperts:
+    """vLLM 0.32's `CPUUnquantizedExperts`: its processing prepacks the fused weights (here: each expert's rows
+    reversed and its columns rolled, a permutation within each expert)."""
+
+    isa = "vec"
+
+    def __init__(self, intermediate):
+        self.moe_config = type("MoEConfig", (), {"intermediate_size_per_partition": intermediate})()
+
+    def _padded_intermediate_size(self, moe_config):
+        return moe_config.intermediate_size_per_partition
+
+    def process_weights_after_loading(self, layer):
+        layer.w13_weight = torch.nn.Parameter(prepack(layer.w13_weight.data))
+
+
+def prepack(weight, isa="vec"):
+    return weight.flip(1).roll(1, dims=2).contiguous()
+
+
+class _FakeUnquantizedMoEMethod:
+    """vLLM 0.32's `UnquantizedFusedMoEMethod`: prepacks on the first load only; on an update it copies the new
+    plain weights in and skips the kernel's processing (the bug the worker works around)."""
+
+    def __init__(self, experts):
+        self.moe_kernel = type("Kernel", (), {"fused_experts": experts})()
+
+    def process_weights_after_loading(self, layer):
+        pass
+
+
+def test_worker_reads_experts_through_vllms_cpu_prepacked_layout_and_prepacks_them_again_after_an_update(monkeypatch):
+    """On CPU, vLLM 0.32 keeps fused expert weights prepacked and, after a weight update, leaves them plain (its
+    kernel then reads them in the wrong layout: 1.5e-2 of log-prob off on the tiny Qwen3-MoE while the raw
+    parameters' digests matched). The read-back unpacks, so an unprepacked update is caught; the worker prepacks
+    after every update, so the served experts are the sent ones."""
+    import sys
+    import types
+
+    cpu_moe = types.ModuleType("vllm.model_executor.layers.fused_moe.experts.cpu_moe")
+    cpu_moe.CPUUnquantizedExperts = _FakeCpuExperts
+    ops = types.ModuleType("vllm._custom_ops")
+    ops.cpu_prepack_moe_weight = prepack
+    for name in ("vllm", "vllm.model_executor", "vllm.model_executor.layers", "vllm.model_executor.layers.fused_moe",
+                 "vllm.model_executor.layers.fused_moe.experts"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, cpu_moe.__name__, cpu_moe)
+    monkeypatch.setitem(sys.modules, ops.__name__, ops)
+    model = torch.nn.Module()
+    model.experts = torch.nn.Module()
+    layer = model.experts.routed_experts = torch.nn.Module()
+    layer.quant_method = _FakeUnquantizedMoEMethod(_FakeCpuExperts(intermediate=3))
+    first, update = torch.randn(2, 6, 4), torch.randn(2, 6, 4)
+    layer.w13_weight = torch.nn.Parameter(prepack(first))  # as served after the first load
+
+    def read(name):
+        return worker.read_back(model, dict(model.named_parameters()), name)
+
+    assert torch.equal(read("experts.1.gate_proj.weight"), first[1, :3])
+    layer.w13_weight.data.copy_(update)  # vLLM's update: the new weights copied in plain
+    layer.quant_method.process_weights_after_loading(layer)
+    assert not torch.equal(read("experts.1.up_proj.weight"), update[1, 3:])  # caught: not what was sent
+    worker.keep_cpu_experts_prepacked(model)
+    layer.w13_weight.data.copy_(update)
+    layer.quant_method.process_weights_after_loading(layer)  # now prepacks after the update
+    assert torch.equal(read("experts.1.up_proj.weight"), update[1, 3:])
+    assert torch.equal(read("experts.0.gate_proj.weight"), update[0, :3])
+
+
+KEYED_FAKE_VLLM = '''#!{python}
+import http.server, json, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+import os
+key = os.environ.get("VLLM_API_KEY")
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def answer(self, body):
+        if self.path != "/health" and self.headers.get("Authorization") != f"Bearer {{key}}":
+            self.send_response(401); self.end_headers(); self.wfile.write(b'{{"error": "Unauthorized"}}'); return
+        data = json.dumps(body).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self.answer({{"data": [{{"id": "stacx-policy"}}]}})
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.answer({{"choices": [{{"token_ids": [3], "finish_reason": "length"}}]}})
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def test_a_server_the_run_starts_with_its_key_is_ready_once_it_answers_the_keyed_first_request(tmp_path):
+    """A run's own vLLM server takes the run's key (VLLM_API_KEY): the readiness probe's first request sends it
+    (it did not: every launched server failed its first request with a 401, and `--rollout-engine vllm` without
+    `--rollout-urls` could not start)."""
+    import sys
+
+    from stacx.rollout.engines.vllm import VllmServerProcess
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    fake = tmp_path / "python"
+    fake.write_text(KEYED_FAKE_VLLM.format(python=sys.executable))
+    fake.chmod(0o755)
+    server = VllmServerProcess(str(tmp_path), python=str(fake), api_key="run-key", timeout_s=60)
+    try:
+        assert server.url is not None
+    finally:
+        server.stop()

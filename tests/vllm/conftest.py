@@ -59,3 +59,15 @@ def vllm_engine(vllm_server):
     engine = VllmEngine(vllm_server[0])
     yield engine
     engine.shutdown()
+
+
+TIER_TEST_TIMEOUT_S = 2400
+"""pytest.ini's 600 s per test counts a fixture's set-up too, and the first test to need a vLLM server pays its
+start: on two loaded cores that alone took 8 minutes. A test of this tier that names no timeout gets this one."""
+
+
+def pytest_collection_modifyitems(config, items):
+    folder = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        if str(item.fspath).startswith(folder + os.sep) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TIER_TEST_TIMEOUT_S))

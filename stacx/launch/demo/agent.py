@@ -97,8 +97,8 @@ def _prepare(settings: AgentDemoSettings, out_dir: str, tokenizer) -> dict:
     save_tiny_hf_checkpoint(paths["init"], "llama", seed=settings.seed, vocab_size=len(tokenizer),
                             hidden_size=settings.model.hidden_size, intermediate_size=2 * settings.model.hidden_size,
                             num_hidden_layers=settings.model.num_layers,
-                            num_attention_heads=settings.model.hidden_size // 16,
-                            num_key_value_heads=settings.model.hidden_size // 16,
+                            num_attention_heads=settings.model.num_attention_heads,
+                            num_key_value_heads=settings.model.num_attention_heads,
                             max_position_embeddings=1024, initializer_range=settings.init_std,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
                             rope_parameters={"rope_type": "default", "rope_theta": settings.rope_theta})

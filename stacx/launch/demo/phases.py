@@ -21,6 +21,9 @@ class TinyModel:
     """Model width."""
     num_layers: int
     """Transformer layers."""
+    num_attention_heads: int = 4
+    """Attention heads (hidden_size // num_attention_heads each; vLLM's CPU attention takes head sizes from 32 up,
+    so a model served by vLLM has hidden_size // 32 heads or fewer)."""
 
     def describe(self) -> str:
         return f"{self.num_layers}-layer hidden-{self.hidden_size}"

@@ -118,9 +118,11 @@ def _prepare(settings: DemoSettings, out_dir: str) -> dict:
         "student": os.path.join(out_dir, "checkpoints", "student_opd"),
     }
     write_tiny_checkpoint(paths["init"], settings.task, hidden_size=settings.teacher.hidden_size,
-                          num_layers=settings.teacher.num_layers, seed=settings.seed)
+                          num_layers=settings.teacher.num_layers,
+                          num_attention_heads=settings.teacher.num_attention_heads, seed=settings.seed)
     write_tiny_checkpoint(paths["student_init"], settings.task, hidden_size=settings.student.hidden_size,
-                          num_layers=settings.student.num_layers, seed=settings.seed + 1)
+                          num_layers=settings.student.num_layers,
+                          num_attention_heads=settings.student.num_attention_heads, seed=settings.seed + 1)
     return paths
 
 

@@ -483,6 +483,20 @@ def vllm_server_env(api_key: Optional[str], *, num_threads: Optional[int] = None
     return env
 
 
+ROUTED_EXPERTS_NEED_V2_RUNNER = ("AuxOutput Connector requires Model Runner V2", "Model Runner V2 requires Triton")
+"""vLLM 0.32's refusals of --enable-return-routed-experts where its V2 model runner cannot run (config/vllm.py):
+only that runner captures routed experts, and it needs Triton, which vLLM's CPU build lacks."""
+
+
+def start_failure_hint(log_tail: str) -> str:
+    """What to do about a vLLM server that stopped before it was ready, when its log says why ('' otherwise)."""
+    if any(refusal in log_tail for refusal in ROUTED_EXPERTS_NEED_V2_RUNNER):
+        return (": vLLM returns routed experts only from its V2 model runner, which needs Triton (vLLM's CPU build "
+                "has none), so --use-routing-replay needs a vLLM server on a GPU; drop --use-routing-replay for a "
+                "CPU server (docs/vllm.md, Mixture of experts)")
+    return ""
+
+
 class VllmServerProcess:
     """One vLLM OpenAI server, a child process of this one; `url` once it answers /health."""
 
@@ -502,6 +516,7 @@ class VllmServerProcess:
                                         env=vllm_server_env(api_key, lora=lora_rank is not None),
                                         start_new_session=True)
         self.url: Optional[str] = None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
         if wait:
@@ -522,8 +537,9 @@ class VllmServerProcess:
         while True:
             if self.process.poll() is not None:
                 self.stop()
+                tail = self.log_tail()
                 raise RuntimeError(f"the vLLM server exited with code {self.process.returncode} before it was "
-                                   f"ready; its log ({self.log_path}) ends:\n{self.log_tail()}")
+                                   f"ready{start_failure_hint(tail)}; its log ({self.log_path}) ends:\n{tail}")
             try:
                 healthy = requests.get(url + "/health", timeout=2).status_code == 200
             except requests.RequestException:
@@ -546,10 +562,12 @@ class VllmServerProcess:
     def _first_forward(self, url: str) -> None:
         """One token of one request: the first forward of a CPU server can take minutes (kernel set-up), and a
         server counts as ready once it has answered one."""
-        model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        listed = requests.get(url + "/v1/models", headers=self._headers, timeout=30)
+        listed.raise_for_status()  # a server a run started takes the run's key (VLLM_API_KEY)
+        model = listed.json()["data"][0]["id"]
         remaining = max(30.0, self._deadline - time.monotonic())
         answer = requests.post(url + "/v1/completions", json={"model": model, "prompt": [0], "max_tokens": 1},
-                               timeout=remaining)
+                               headers=self._headers, timeout=remaining)
         answer.raise_for_status()
 
     def stop(self) -> None:

@@ -236,7 +236,8 @@ def parse_completion_response(body: Any, request: GenerateRequest, *, weight_ver
             if request.top_logprobs_num > 0:
                 out.input_top_log_probs = [None if own is None and not pairs else pairs[:request.top_logprobs_num]
                                            for own, pairs in parsed[start:]]
-    if request.return_routed_experts:
+    if request.return_routed_experts and not (finish == "abort" and choice.get("routed_experts") is None):
+        # vLLM returns none for a request aborted before its first forward: its continuation routes them all
         out.routed_experts = parse_routed_experts(choice.get("routed_experts"),
                                                   len(request.input_ids) + len(output_ids) - 1)
     return out

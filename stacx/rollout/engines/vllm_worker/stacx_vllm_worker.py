@@ -179,6 +179,69 @@ def linear_weight(module: torch.nn.Module, param: torch.Tensor) -> Optional[torc
     return cpu_linear(identity, None, None).t()
 
 
+def cpu_prepack_isa(module: torch.nn.Module) -> Optional[str]:
+    """The grouped-GEMM layout ('vec', 'amx', ...) vLLM's CPU MoE kernel keeps `module`'s fused expert weights in
+    (`CPUUnquantizedExperts.process_weights_after_loading` prepacks them), else None."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return None
+    experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+        return None
+    return experts.isa
+
+
+_PREPACK_ORDERS: dict = {}
+
+
+def unpack_cpu_experts(param: torch.Tensor, isa: str) -> torch.Tensor:
+    """`param` [experts, rows, cols] from vLLM's prepacked CPU layout back to the plain one. The layout is a
+    permutation within each expert, found by prepacking the positions themselves (in digits small enough to stay
+    exact in the parameter's dtype)."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    key = (tuple(param.shape[1:]), param.dtype, isa)
+    if key not in _PREPACK_ORDERS:
+        count = param[0].numel()
+        base = 128 if param.dtype in (torch.bfloat16, torch.float16) else 4096
+        positions, order, scale = torch.arange(count), torch.zeros(count, dtype=torch.long), 1
+        while scale < count:
+            digit = (positions // scale % base).to(param.dtype).reshape(1, *param.shape[1:])
+            order += cpu_prepack_moe_weight(digit, isa).flatten().long() * scale
+            scale *= base
+        _PREPACK_ORDERS[key] = order
+    order = _PREPACK_ORDERS[key]
+    plain = torch.empty_like(param).reshape(param.shape[0], -1)
+    plain[:, order] = param.reshape(param.shape[0], -1)
+    return plain.reshape(param.shape)
+
+
+def keep_cpu_experts_prepacked(model: torch.nn.Module) -> None:
+    """Works around vLLM 0.32 serving corrupted experts after a weight update on CPU: on an update its
+    `UnquantizedFusedMoEMethod._setup_kernel` (fused_moe/unquantized_fused_moe_method.py) copies the new weights in
+    but skips the kernel's own `process_weights_after_loading`, which on CPU is what prepacks them into the
+    grouped-GEMM layout, so the kernel reads plain weights as prepacked. Each MoE layer's processing here runs it
+    after an update too (only where vLLM pads nothing: its CPU padding assumes unpadded weights)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or getattr(method, "_stacx_prepacks_on_update", False) or cpu_prepack_isa(module) is None:
+            continue
+        experts = method.moe_kernel.fused_experts
+        if experts._padded_intermediate_size(experts.moe_config) != experts.moe_config.intermediate_size_per_partition:
+            continue
+        original = method.process_weights_after_loading
+
+        def process(layer, _original=original, _method=method):
+            updating = getattr(_method, "moe_kernel", None) is not None
+            _original(layer)
+            if updating and cpu_prepack_isa(layer) is not None:
+                _method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+        method.process_weights_after_loading = process
+        method._stacx_prepacks_on_update = True
+
+
 def read_back(model: torch.nn.Module, params: dict, hf_name: str) -> Optional[torch.Tensor]:
     """The tensor the engine holds under Hugging Face name `hf_name` (None: not readable here)."""
     expert = expert_source(hf_name)
@@ -187,7 +250,8 @@ def read_back(model: torch.nn.Module, params: dict, hf_name: str) -> Optional[to
         folder, _, weight_name = name.rpartition(".")
         found = [f"{folder}.{sub}{weight_name}" for sub in FUSED_EXPERT_FOLDERS if f"{folder}.{sub}{weight_name}" in params]
         if found:
-            weight = params[found[0]][index]
+            isa = cpu_prepack_isa(model.get_submodule(found[0].rpartition(".")[0]))
+            weight = (params[found[0]] if isa is None else unpack_cpu_experts(params[found[0]], isa))[index]
             half = weight.shape[0] // 2
             return {"first": weight[:half], "second": weight[half:], "all": weight}[rows]
     stacked = stacked_source(model, hf_name)
@@ -260,6 +324,7 @@ class StacxWorkerExtension:
         tensors = [(name, tensor.clone()) for name, tensor in tensors]
         with set_current_vllm_config(self.vllm_config):
             if starts:
+                keep_cpu_experts_prepacked(model)
                 if order.loading is not None:  # an abandoned update: finish it before starting anew
                     finalize_layerwise_reload(model, self.vllm_config.model_config)
                 initialize_layerwise_reload(model)
@@ -300,6 +365,7 @@ class StacxWorkerExtension:
         """{"backend": vLLM's weight-transfer backend this server was started with (--weight-transfer-config),
         or None}."""
         config = getattr(self.vllm_config, "weight_transfer_config", None)
+        keep_cpu_experts_prepacked(self.model_runner.get_model())  # asked before the first transfer
         return {"backend": getattr(config, "backend", None)}
 
     def stacx_weight_digests(self, request_json: str) -> dict:
