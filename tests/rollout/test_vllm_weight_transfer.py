@@ -299,6 +299,8 @@ def test_a_server_refusing_the_rendezvous_is_reported_with_its_own_error(fake_vl
 def test_the_worker_extension_serves_a_finished_transfers_version_once_and_reports_its_backend():
     extension = worker.StacxWorkerExtension()
     extension.vllm_config = types.SimpleNamespace(weight_transfer_config=types.SimpleNamespace(backend="nccl"))
+    # a dense model: nothing for the CPU experts' prepacking to wrap when the backend is asked
+    extension.model_runner = types.SimpleNamespace(get_model=lambda: torch.nn.Linear(2, 2))
     assert extension.stacx_weight_transfer() == {"backend": "nccl"}
     assert extension.stacx_transfer_finished(json.dumps({"version": 2})) == {"weight_version": 2}
     assert extension.stacx_weight_version() == {"weight_version": 2}
