@@ -2,6 +2,7 @@
 
     python bench/lora_gradient_init.py [--seeds 0 1 2] [--arm 5e-3] [--arm 2.5e-3] [--oracle 5e-3]
         [--out bench/results/lora_learning_gradient_init.json]
+    python bench/lora_gradient_init.py --subspaces SFT_FOLDER PROBE_FOLDER FULL_FOLDER
     python bench/lora_gradient_init.py --seeds 2 --full-from bench/results/lora_learning.json \
         --full-export WORK/checkpoints/grpo_full_seed{seed} --arm 5e-3 --oracle 5e-3
 
@@ -16,6 +17,11 @@ The demo's SFT model is made once (as in `bench/lora_learning.py`); then for eac
    the SFT model, and B's first gradient s G A^T is the part of the gradient in that subspace;
 4. for each `--oracle LR`: the same with A from the whole 40-step full run's dW (the subspace full fine-tuning ends
    in: what an A-subspace init could give at best).
+
+`--subspaces SFT PROBE FULL` runs nothing: for each adapted linear it prints how much of the full run's update
+(FULL - SFT, squared Frobenius norm) lies in the top-8 input directions of the probe's update (PROBE - SFT), of the
+SFT weight (`--lora-init principal`'s), of a random 8-dim subspace (`--lora-init random`'s span) and of the full
+update itself (the best possible).
 
 `--full-from FILE` takes the full runs' gains from an earlier `bench/lora_learning.py` result (the runs are
 deterministic given the seed; the SFT accuracy must match) instead of running them, and `--full-export PATTERN`
@@ -86,6 +92,37 @@ def write_subspace_adapter(out: str, start: str, moved: str) -> str:
     return write_peft_folder(out, tensors, config)
 
 
+def print_subspaces(sft: str, probe: str, full: str, rank: int = RANK) -> None:
+    """The `--subspaces` table (module doc)."""
+    import torch
+
+    before, first, whole = weights(sft), weights(probe), weights(full)
+    layers = sorted({int(name.split(".")[2]) for name in before if name.startswith("model.layers.")})
+    generator = torch.Generator().manual_seed(0)
+
+    def top_inputs(matrix):
+        return torch.linalg.svd(matrix, full_matrices=False)[2][:rank]
+
+    print(f"share of the full update's energy in each top-{rank} input subspace")
+    print("linear               in  dW1    W  random  dW(full)  |dW1|/|dW|  cos(dW1, dW)")
+    for layer in layers:
+        for first_module, modules in FUSED.items():
+            part = "self_attn" if first_module in ("q_proj", "o_proj") else "mlp"
+            names = [f"model.layers.{layer}.{part}.{module}.weight" for module in modules]
+            step = torch.cat([first[n] - before[n] for n in names]).double()
+            update = torch.cat([whole[n] - before[n] for n in names]).double()
+            weight = torch.cat([before[n] for n in names]).double()
+            random = torch.linalg.qr(torch.randn(update.shape[1], rank, generator=generator, dtype=torch.float64))[0].T
+
+            def share(rows):
+                return float((update @ rows.T @ rows).norm() ** 2 / update.norm() ** 2)
+
+            cosine = float((step * update).sum() / step.norm() / update.norm())
+            print(f"L{layer} {first_module:14s} {update.shape[1]:4d} {share(top_inputs(step)):4.2f} "
+                  f"{share(top_inputs(weight)):4.2f} {share(random):6.2f} {share(top_inputs(update)):9.2f} "
+                  f"{float(step.norm() / update.norm()):11.2f} {cosine:13.2f}")
+
+
 def lora_values(lr: float, source: str, tag: str, source_pattern: str | None = None):
     """The run values of a LoRA arm at `lr` whose A start in the update subspace of the seed's `source` arm (or of
     the folder `source_pattern` names for the seed)."""
@@ -106,10 +143,15 @@ def main(argv=None) -> int:
                         help="a LoRA arm whose A start in dW1's subspace (repeatable; default 5e-3)")
     parser.add_argument("--oracle", type=float, action="append", default=[], metavar="LR",
                         help="a LoRA arm whose A start in the 40-step full run's dW subspace (repeatable)")
+    parser.add_argument("--subspaces", nargs=3, metavar=("SFT", "PROBE", "FULL"),
+                        help="print the subspace table of three exported folders and exit")
     parser.add_argument("--full-from", metavar="FILE", help="reuse the full runs' gains of this result file")
     parser.add_argument("--full-export", metavar="PATTERN", help="the full runs' exports, {seed} in the path")
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "lora_learning_gradient_init.json"))
     args = parser.parse_args(argv)
+    if args.subspaces:
+        print_subspaces(*args.subspaces)
+        return 0
 
     from bench.demo_grpo_arms import demo_grpo_lr, run_demo_grpo_arms
 
