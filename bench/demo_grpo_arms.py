@@ -13,12 +13,15 @@ import json
 import os
 import tempfile
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 
-def run_demo_grpo_arms(arms: dict[str, dict], seeds: Sequence[int], *, work_prefix: str,
-                       settings=None) -> tuple[float, list[dict]]:
+def run_demo_grpo_arms(arms: dict[str, dict | Callable[[int, dict], dict]], seeds: Sequence[int], *,
+                       work_prefix: str, settings=None) -> tuple[float, list[dict]]:
     """(the SFT model's held-out accuracy, a row per run: seed, mode (the arm's name), seconds, accuracy).
+
+    An arm's run values may be a function of (seed, exports): `exports` maps "sft" and each earlier arm of the same
+    seed to its exported Hugging Face folder (what an arm started from another arm's result needs).
     `settings`: the demo's `DemoSettings` (default: the demo's own, without a progress bar)."""
     from stacx.launch.demo import measure
     from stacx.launch.demo.phases import demo_run_config, train
@@ -50,9 +53,11 @@ def run_demo_grpo_arms(arms: dict[str, dict], seeds: Sequence[int], *, work_pref
         start_accuracy = accuracy(paths["sft"])
         print(f"SFT model: held-out accuracy {start_accuracy:.3f}", flush=True)
         for seed in seeds:
+            exports = {"sft": paths["sft"]}
             for index, (mode, values) in enumerate(arms.items()):
                 name = f"grpo_arm{index}_seed{seed}"
                 export = os.path.join(work, "checkpoints", name)
+                values = values(seed, exports) if callable(values) else values
                 config = demo_run_config(dataclasses.replace(settings, seed=seed), work, name, {
                     **settings.grpo.run_values(), "hf_checkpoint": paths["sft"], "ref_load": paths["sft"],
                     "prompt_data": paths["train"], "rollout_max_response_len": max_new_tokens, "export_hf": export,
@@ -61,6 +66,7 @@ def run_demo_grpo_arms(arms: dict[str, dict], seeds: Sequence[int], *, work_pref
                 train(config)
                 seconds = time.monotonic() - started
                 _save_tokenizer(task.name, export)
+                exports[mode] = export
                 runs.append({"seed": seed, "mode": mode, "seconds": seconds, "accuracy": accuracy(export)})
                 print(f"seed {seed} {mode:9s}: held-out accuracy {runs[-1]['accuracy']:.3f} in {seconds:.1f} s",
                       flush=True)
