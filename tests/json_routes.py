@@ -11,6 +11,7 @@ answers); every POST's path and parsed body are appended to `posted`.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -49,3 +50,41 @@ def serve_json_routes(get_routes: dict, post_routes: dict | None = None):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}", posted
+
+
+def answer_event_stream(handler: BaseHTTPRequestHandler, frames: list[bytes], cut: int | None = None) -> None:
+    """Send server-sent events, one chunk per frame (`b"data: ..."`), from a request handler; with `cut`, only the
+    first `cut` frames before the connection drops (a server killed mid-answer)."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream; charset=utf-8")
+    handler.send_header("Transfer-Encoding", "chunked")
+    handler.end_headers()
+    for number, frame in enumerate(frames):
+        if cut is not None and number == cut:
+            handler.wfile.flush()
+            handler.connection.shutdown(socket.SHUT_RDWR)
+            handler.close_connection = True
+            return
+        data = frame + b"\n\n"
+        handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        handler.wfile.flush()
+    handler.wfile.write(b"0\r\n\r\n")
+
+
+class ReplayServer:
+    """A loopback server of `handler_class` whose handlers read `server.answer` and append each POST's body to
+    `server.bodies` (the streamed-answer fakes)."""
+
+    def __init__(self, handler_class, answer):
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler_class)
+        self.httpd.answer, self.httpd.bodies = answer, []
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
+
+    @property
+    def bodies(self) -> list[dict]:
+        return self.httpd.bodies
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

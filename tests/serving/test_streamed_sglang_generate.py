@@ -17,9 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -31,7 +29,7 @@ from stacx.rollout.sections import RolloutSection
 from stacx.wire.http_client import RetryPolicy, ServerRequestError, ServerUnavailableError
 from stacx.wire.sglang_protocol import build_generate_payload
 from stacx.wire.types import GenerateRequest, SamplingParams
-from tests.json_routes import answer_json
+from tests.json_routes import ReplayServer, answer_event_stream, answer_json
 
 PAYLOADS = pathlib.Path(__file__).parents[1] / "wire" / "payloads"
 NO_RETRY = RetryPolicy(timeout_s=30, max_attempts=1)
@@ -66,36 +64,14 @@ class Replay(BaseHTTPRequestHandler):
         whole, events, cut = self.server.answer(body)
         if not body.get("stream"):
             return answer_json(self, 200, whole)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        for number, event in enumerate([*events, "[DONE]"]):
-            if cut is not None and number == cut:  # killed: the connection drops mid-answer
-                self.wfile.flush()
-                self.connection.shutdown(socket.SHUT_RDWR)
-                self.close_connection = True
-                return
-            data = b"data: " + (event.encode() if isinstance(event, str) else json.dumps(event).encode()) + b"\n\n"
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-            self.wfile.flush()
-        self.wfile.write(b"0\r\n\r\n")
+        frames = [b"data: " + (event.encode() if isinstance(event, str) else json.dumps(event).encode())
+                  for event in [*events, "[DONE]"]]
+        answer_event_stream(self, frames, cut)
 
 
-class FakeSglang:
+class FakeSglang(ReplayServer):
     def __init__(self, answer):
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Replay)
-        self.httpd.answer, self.httpd.bodies = answer, []
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
-
-    @property
-    def bodies(self) -> list[dict]:
-        return self.httpd.bodies
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Replay, answer)
 
 
 def replaying(events=EVENTS, cut: int | None = None):

@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -25,7 +23,7 @@ from stacx.rollout.engines.vllm_protocol import streams
 from stacx.rollout.sections import RolloutSection
 from stacx.wire.http_client import RetryPolicy, ServerRequestError, ServerUnavailableError
 from stacx.wire.types import GenerateRequest, SamplingParams
-from tests.json_routes import answer_json
+from tests.json_routes import ReplayServer, answer_event_stream, answer_json
 
 PAYLOADS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "wire", "payloads")
 CASES = ("greedy_top2", "sampled_ids", "plain")
@@ -77,36 +75,12 @@ class Replay(BaseHTTPRequestHandler):
         whole, events, cut = self.server.answer(body)
         if not body.get("stream"):
             return self._json(200, whole)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        for number, event in enumerate(events):
-            if cut is not None and number == cut:  # killed: the connection drops mid-answer
-                self.wfile.flush()
-                self.connection.shutdown(socket.SHUT_RDWR)
-                self.close_connection = True
-                return
-            data = event + b"\n\n"
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-            self.wfile.flush()
-        self.wfile.write(b"0\r\n\r\n")
+        answer_event_stream(self, list(events), cut)
 
 
-class FakeVllm:
+class FakeVllm(ReplayServer):
     def __init__(self, answer):
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Replay)
-        self.httpd.answer, self.httpd.bodies = answer, []
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
-
-    @property
-    def bodies(self) -> list[dict]:
-        return self.httpd.bodies
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Replay, answer)
 
 
 def replaying(cut: int | None = None):
