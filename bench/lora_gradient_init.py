@@ -68,8 +68,8 @@ def subspace_a(update_rows, rank: int):
     return (top * signs / math.sqrt(3.0)).float()
 
 
-def write_subspace_adapter(out: str, start: str, moved: str) -> str:
-    """A PEFT folder (rank 8, alpha 16, every linear) whose A lie in the subspace of `moved` - `start`, B zero."""
+def write_subspace_adapter(out: str, start: str, moved: str, alpha: float = ALPHA) -> str:
+    """A PEFT folder (rank 8, `alpha`, every linear) whose A lie in the subspace of `moved` - `start`, B zero."""
     import torch
 
     from stacx.models.lora import LoraSettings, peft_adapter_config
@@ -88,7 +88,7 @@ def write_subspace_adapter(out: str, start: str, moved: str) -> str:
                 prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
                 tensors[f"{prefix}.lora_A.weight"] = a.clone()
                 tensors[f"{prefix}.lora_B.weight"] = torch.zeros(before[name].shape[0], RANK)
-    config = peft_adapter_config(LoraSettings(rank=RANK, alpha=ALPHA), base_model=None)
+    config = peft_adapter_config(LoraSettings(rank=RANK, alpha=alpha), base_model=None)
     return write_peft_folder(out, tensors, config)
 
 
@@ -123,29 +123,58 @@ def print_subspaces(sft: str, probe: str, full: str, rank: int = RANK) -> None:
                   f"{float(step.norm() / update.norm()):11.2f} {cosine:13.2f}")
 
 
-def lora_values(lr: float, source: str, tag: str, source_pattern: str | None = None):
+def lora_values(lr: float, source: str, tag: str, source_pattern: str | None = None, extra: dict | None = None):
     """The run values of a LoRA arm at `lr` whose A start in the update subspace of the seed's `source` arm (or of
-    the folder `source_pattern` names for the seed)."""
+    the folder `source_pattern` names for the seed), plus the run values `extra` (`lora_alpha` also sets the start
+    folder's)."""
+    extra = dict(extra or {})
+    alpha = float(extra.pop("lora_alpha", ALPHA))
 
     def values(seed: int, exports: dict) -> dict:
         moved = source_pattern.format(seed=seed) if source_pattern else exports[source]
         folder = write_subspace_adapter(os.path.join(os.path.dirname(exports["sft"]), f"init_{tag}_seed{seed}"),
-                                        exports["sft"], moved)
-        return {"lora_rank": RANK, "lora_alpha": ALPHA, "lr": lr, "load": folder}
+                                        exports["sft"], moved, alpha)
+        return {"lora_rank": RANK, "lora_alpha": alpha, "lr": lr, "load": folder, **extra}
 
     return values
+
+
+def probe_name(steps: int) -> str:
+    """The arm name of the probe run of `steps` full fine-tuning steps ("probe" for one, as in earlier results)."""
+    return "probe" if steps == 1 else f"probe {steps} steps"
+
+
+def gradient_arm(spec: str) -> tuple[str, float, int, dict]:
+    """`LR[:probe=K][:FIELD=VALUE...]` -> (arm name, LR, the probe's steps K (default 1), run values FIELD=VALUE).
+    A from the update of the first K full fine-tuning steps (dW_K); FIELD=VALUE as in bench/lora_learning.py
+    (`lora_plus_ratio=2`, `lora_alpha=32`)."""
+    from bench.lora_learning import run_value
+
+    try:
+        lr, *items = spec.split(":")
+        lr = float(lr)
+        extra = dict(run_value(item) for item in items)
+        steps = int(extra.pop("probe", 1))
+    except ValueError:
+        raise SystemExit(f"--arm {spec!r}: expected LR[:probe=K][:FIELD=VALUE...], e.g. 1e-3 or "
+                         "1e-3:probe=3:lora_plus_ratio=2") from None
+    name = f"LoRA r=8 a=16 lr={lr:g} A from dW{steps}" + "".join(f" {item}" for item in items if not
+                                                                 item.startswith("probe="))
+    return name, lr, steps, extra
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--arm", type=float, action="append", metavar="LR",
-                        help="a LoRA arm whose A start in dW1's subspace (repeatable; default 5e-3)")
+    parser.add_argument("--arm", action="append", metavar="LR[:probe=K][:FIELD=VALUE...]",
+                        help="a LoRA arm whose A start in the subspace of the first K steps' update (default K=1: "
+                             "dW1), with run values FIELD=VALUE (repeatable; default 5e-3)")
     parser.add_argument("--oracle", type=float, action="append", default=[], metavar="LR",
                         help="a LoRA arm whose A start in the 40-step full run's dW subspace (repeatable)")
     parser.add_argument("--subspaces", nargs=3, metavar=("SFT", "PROBE", "FULL"),
                         help="print the subspace table of three exported folders and exit")
-    parser.add_argument("--full-from", metavar="FILE", help="reuse the full runs' gains of this result file")
+    parser.add_argument("--full-from", metavar="FILE", action="append",
+                        help="reuse the full runs' gains of this result file (repeatable: the first with a seed wins)")
     parser.add_argument("--full-export", metavar="PATTERN", help="the full runs' exports, {seed} in the path")
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "lora_learning_gradient_init.json"))
     args = parser.parse_args(argv)
@@ -158,21 +187,30 @@ def main(argv=None) -> int:
     if args.oracle and args.full_from and not args.full_export:
         raise SystemExit("--oracle with --full-from needs --full-export (the full runs' exported folders)")
     arms = {} if args.full_from else {"full": {}}
-    arms["probe"] = {"num_steps": 1}
-    for lr in args.arm or [5e-3]:
-        arms[f"LoRA r=8 a=16 lr={lr:g} A from dW1"] = lora_values(lr, "probe", f"dw1_{lr:g}")
+    specs = [gradient_arm(spec) for spec in args.arm or ["5e-3"]]
+    for steps in sorted({steps for _, _, steps, _ in specs}):
+        arms[probe_name(steps)] = {"num_steps": steps}
+    for index, (name, lr, steps, extra) in enumerate(specs):
+        arms[name] = lora_values(lr, probe_name(steps), f"arm{index}", extra=extra)
     for lr in args.oracle:
         arms[f"LoRA r=8 a=16 lr={lr:g} A from dW40 (oracle)"] = lora_values(lr, "full", f"dw40_{lr:g}",
                                                                             args.full_export if args.full_from else None)
     start_accuracy, runs = run_demo_grpo_arms(arms, args.seeds, work_prefix="stacx-lora-gradient-init-")
     if args.full_from:
-        with open(args.full_from) as handle:
-            earlier = json.load(handle)
-        if earlier["sft_accuracy"] != start_accuracy:
-            raise SystemExit(f"--full-from {args.full_from}: SFT accuracy {earlier['sft_accuracy']}, this run's "
-                             f"{start_accuracy}")
-        runs = [{**run, "reused_from": os.path.basename(args.full_from)} for run in earlier["runs"]
-                if run["mode"] == "full" and run["seed"] in args.seeds] + runs
+        reused = []
+        for path in args.full_from:
+            with open(path) as handle:
+                earlier = json.load(handle)
+            if earlier["sft_accuracy"] != start_accuracy:
+                raise SystemExit(f"--full-from {path}: SFT accuracy {earlier['sft_accuracy']}, this run's "
+                                 f"{start_accuracy}")
+            reused += [{**run, "reused_from": os.path.basename(path)} for run in earlier["runs"]
+                       if run["mode"] == "full" and run["seed"] in args.seeds
+                       and run["seed"] not in {r["seed"] for r in reused}]
+        missing = sorted(set(args.seeds) - {run["seed"] for run in reused})
+        if missing:
+            raise SystemExit(f"--full-from: no full run of seed(s) {missing} in {args.full_from}")
+        runs = reused + runs
         arms = {"full": {}, **arms}
     for run in runs:
         run["gain"] = run["accuracy"] - start_accuracy

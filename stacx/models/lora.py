@@ -24,8 +24,10 @@ pipeline parallelism need nothing: an adapter is per token and per layer.
 
 A starts from PyTorch's default linear init drawn from a generator seeded by the run seed and the adapter's
 global name (layer, module, expert), so every layout starts from the same full A; or, with `init="principal"`
-(--lora-init), along the top right singular vectors of the full (gathered) base weight. B starts at zero (the
-adapted model starts equal to the base). With `rslora` the scale is alpha / sqrt(rank) (PEFT's use_rslora).
+(--lora-init), along the top right singular vectors of the full (gathered) base weight; or, with `init="gradient"`
+(or "gradient-sign"), along those of the base weight's gradient on the first training batch (or of its sign),
+which the trainer computes and sets before its first step (`base_weight_gradients`, `init_a_from_gradients`).
+B starts at zero (the adapted model starts equal to the base). With `rslora` the scale is alpha / sqrt(rank) (PEFT's use_rslora).
 Dropout uses the default generator, as megatron's hidden dropout: the TP ranks of a replicated input draw the
 same mask.
 """
@@ -57,8 +59,10 @@ MLP's), and `experts`, the routed experts' fc1 and fc2."""
 ALL_LINEAR = "all-linear"
 """`--lora-target-modules all-linear`: every name of TARGET_MODULES."""
 
-LORA_INITS = ("random", "principal")
+LORA_INITS = ("random", "principal", "gradient", "gradient-sign")
 """`--lora-init` values (LoraSettings.init)."""
+FROM_GRADIENT = ("gradient", "gradient-sign")
+"""The `--lora-init` values whose A is set from the first batch's weight gradients (`init_a_from_gradients`)."""
 
 _COLUMN = ("linear_qkv", "linear_fc1")
 _ROW = ("linear_proj", "linear_fc2")
@@ -81,8 +85,11 @@ class LoraSettings:
     """--lora-rslora: rank-stabilized scaling, alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."""
     init: str = "random"
     """--lora-init: how A starts (B starts at zero either way, so the adapted model starts equal to the base):
-    'random' (PyTorch's default linear init) or 'principal' (A's rows along the base weight's top-r right singular
-    vectors, PiSSA's input subspace, at the norm of the random init's rows; the base weight is not changed)."""
+    'random' (PyTorch's default linear init), 'principal' (A's rows along the base weight's top-r right singular
+    vectors, PiSSA's input subspace, at the norm of the random init's rows; the base weight is not changed),
+    'gradient' (along the top-r right singular vectors of the base weight's gradient on the first training batch,
+    LoRA-GA's input subspace, same norm; set by the trainer before its first step, `init_a_from_gradients`) or
+    'gradient-sign' (the same of the gradient's sign: the input directions of Adam's first full fine-tuning step)."""
     seed: int = 0
     """Seed of A's initialization (the run's --seed)."""
 
@@ -212,31 +219,62 @@ def _init_a(settings: LoraSettings, global_name: str, full_in: int) -> torch.Ten
 
 
 def _principal_a(full_weight: torch.Tensor, rank: int) -> torch.Tensor:
-    """A [rank, in] whose rows are the top-`rank` right singular vectors of the full base weight [out, in], each at
-    the expected row norm of the random init (sqrt(1/3): uniform entries of bound 1/sqrt(in)), so the adapters' step
-    sizes, and the learning rates that suit them, stay those of the random init. The SVD runs in float64 and each
-    vector's sign is fixed (its largest entry positive), so every layout (whose gathered weight may order the rows
-    differently: megatron's qkv and gate/up interleaving) starts from the same A up to rounding. A rank above
-    min(out, in) is refused (no such directions)."""
-    weight = full_weight.detach().to(dtype=torch.float64, device="cpu")
-    if rank > min(weight.shape):
-        raise ValueError(f"--lora-init principal: --lora-rank {rank} exceeds the rank of a {tuple(weight.shape)} weight")
-    _, _, vt = torch.linalg.svd(weight, full_matrices=False)
-    top = vt[:rank]
+    """A [rank, in] whose rows are the top-`rank` right singular vectors of the full base weight [out, in]
+    (`top_input_directions`). A rank above min(out, in) is refused (no such directions)."""
+    if rank > min(full_weight.shape):
+        raise ValueError(f"--lora-init principal: --lora-rank {rank} exceeds the rank of a "
+                         f"{tuple(full_weight.shape)} weight")
+    return top_input_directions(full_weight, rank)
+
+
+RELATIVE_RANK_TOLERANCE = 1e-6
+"""A singular value below this times the largest counts as zero in `top_input_directions` (its vector is arbitrary)."""
+
+
+def top_input_directions(matrix: torch.Tensor, rank: int, fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """A [rank, in] whose rows are the top-`rank` right singular vectors of `matrix` [out, in], each at the expected
+    row norm of the random init (sqrt(1/3): uniform entries of bound 1/sqrt(in)), so the adapters' step sizes, and
+    the learning rates that suit them, stay those of the random init. The SVD runs in float64 and each vector's sign
+    is fixed (its largest entry positive), so every layout (whose gathered matrix may order the rows differently:
+    megatron's qkv and gate/up interleaving) gets the same A up to rounding.
+
+    Directions the matrix does not have (a singular value of 0, or below RELATIVE_RANK_TOLERANCE of the largest:
+    a gradient of fewer tokens than `rank`, or none) are arbitrary in an SVD, so they come from `fallback` [rank, in]
+    instead (its rows made orthogonal to the directions kept, in order: the same on every layout); without a
+    fallback `rank` must not exceed min(out, in)."""
+    m = matrix.detach().to(dtype=torch.float64, device="cpu")
+    _, s, vt = torch.linalg.svd(m, full_matrices=False)
+    num_kept = int((s > s[0] * RELATIVE_RANK_TOLERANCE).sum()) if s.numel() and s[0] > 0 else 0
+    top = vt[:min(rank, num_kept)]
     signs = torch.sign(top.gather(1, top.abs().argmax(dim=1, keepdim=True)))
-    return (top * signs / math.sqrt(3.0)).to(torch.float32)
+    rows = top * signs
+    if rows.shape[0] < rank:
+        if fallback is None:
+            raise ValueError(f"a {tuple(m.shape)} matrix of rank {num_kept} has no {rank} input directions")
+        extra = fallback.detach().to(dtype=torch.float64, device="cpu")[rows.shape[0]:]
+        basis = [row for row in rows]
+        for row in extra:
+            for kept in basis:
+                row = row - (row @ kept) * kept
+            basis.append(row / row.norm())
+        rows = torch.stack(basis)
+    return (rows / math.sqrt(3.0)).to(torch.float32)
 
 
 def _full_weight(module, kind: str) -> torch.Tensor:
-    """The full base weight of a (TP-sharded) linear on every rank: the shards gathered along the output dim of a
+    """The full base weight of a (TP-sharded) linear on every rank (`_gathered`)."""
+    return _gathered(module.weight.detach(), module.tp_group, kind)
+
+
+def _gathered(shard: torch.Tensor, group, kind: str) -> torch.Tensor:
+    """The full [out, in] matrix of a linear's TP shard on every rank: the shards gathered along the output dim of a
     column-parallel linear, the input dim of a row-parallel one."""
-    group = module.tp_group
     if group.size() == 1:
-        return module.weight.detach()
+        return shard
     import torch.distributed as dist
 
-    shards = [torch.empty_like(module.weight) for _ in range(group.size())]
-    dist.all_gather(shards, module.weight.detach().contiguous(), group=group)
+    shards = [torch.empty_like(shard) for _ in range(group.size())]
+    dist.all_gather(shards, shard.contiguous(), group=group)
     return torch.cat(shards, dim=0 if kind == "column" else 1)
 
 
@@ -282,7 +320,7 @@ def _adapt(module, name: str, global_name: str, settings: LoraSettings) -> None:
     full_in = in_local * tp_size if kind == "row" else in_local
     if settings.init == "principal":
         a_full = _principal_a(_full_weight(module, kind), settings.rank)
-    else:
+    else:  # random; a gradient init starts from it until the first batch's gradients set A (init_a_from_gradients)
         a_full = _init_a(settings, global_name, full_in)
     rank = module.tp_group.rank()
     a_local = a_full[:, rank * in_local:(rank + 1) * in_local] if kind == "row" else a_full
@@ -296,7 +334,8 @@ def _adapt(module, name: str, global_name: str, settings: LoraSettings) -> None:
         module.lora_a.sequence_parallel = sequence_parallel
     else:
         module.lora_a.tensor_model_parallel, module.lora_a.partition_dim, module.lora_a.partition_stride = True, 1, 1
-    if _ROUTED_EXPERTS in name:
+    module.lora_routed = _ROUTED_EXPERTS in name
+    if module.lora_routed:
         for param in (module.lora_a, module.lora_b):
             param.allreduce = False  # reduced over expert-data-parallel ranks, like the expert's weight
     module.lora_kind, module.lora_scale = kind, settings.scale
@@ -333,6 +372,60 @@ def adapters_disabled(model):
     finally:
         for module, enabled in zip(modules, before):
             module.lora_enabled = enabled
+
+
+@contextlib.contextmanager
+def base_weight_gradients(model):
+    """Inside the block every adapted linear's base weight takes a gradient (megatron's linear then computes its
+    weight gradient, gathering a sequence-parallel input as for training) into `weight.grad`, outside the DDP
+    buffers; after it the weights are frozen again and the gradients dropped. What `init_a_from_gradients` reads."""
+    modules = adapted_linears(model)
+    for module in modules:
+        module.weight.grad = None
+        module.weight.requires_grad_(True)
+    try:
+        yield modules
+    finally:
+        for module in modules:
+            module.weight.requires_grad_(False)
+            module.weight.grad = None
+
+
+@torch.no_grad()
+def init_a_from_gradients(model, settings: LoraSettings, groups: ProcessGroups) -> int:
+    """Set every adapter's A from its base weight's gradient (in `weight.grad`, from a forward and backward inside
+    `base_weight_gradients`), B to zero: A's rows along the top-r right singular vectors of the full gradient G
+    [out, in] (`top_input_directions`), or of sign(G) with `--lora-init gradient-sign`. Each rank holds a part of
+    G: its data's (summed over DP x CP, a routed expert's over expert-DP, as training sums the gradients) and its
+    TP shard's (gathered as `principal` gathers the weight: the output dim of a column-parallel linear, the input
+    dim of a row-parallel one); a pipeline stage sets its own layers' A. A direction G lacks (no token reached a
+    routed expert) keeps the random init's row, made orthogonal to the others. Collective over those groups;
+    returns the number of A set from a nonzero gradient on this rank."""
+    import torch.distributed as dist
+
+    from_gradient = 0
+    for module in adapted_linears(model):
+        grad = module.weight.grad
+        if grad is None:
+            raise RuntimeError(f"{module.lora_global_name}: no weight gradient; run the forward and backward inside "
+                               "base_weight_gradients")
+        grad = grad.detach().to(torch.float32).contiguous()
+        group = groups.edp if module.lora_routed else groups.dp_cp
+        if group is not None and group.size() > 1:
+            dist.all_reduce(grad, group=group)
+        full = _gathered(grad, module.tp_group, module.lora_kind)
+        if settings.init == "gradient-sign":
+            full = full.sign()
+        full_in = full.shape[1]
+        fallback = _init_a(settings, module.lora_global_name, full_in)
+        a_full = top_input_directions(full, settings.rank, fallback=fallback)
+        in_local = module.lora_a.shape[1]
+        rank = module.tp_group.rank()
+        a_local = a_full[:, rank * in_local:(rank + 1) * in_local] if module.lora_kind == "row" else a_full
+        module.lora_a.copy_(a_local.to(module.lora_a.dtype))
+        module.lora_b.zero_()
+        from_gradient += int(bool(full.any()))
+    return from_gradient
 
 
 def merged_weight(gpt_model, megatron_name: str, param: torch.Tensor) -> torch.Tensor:

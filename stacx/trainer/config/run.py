@@ -89,8 +89,11 @@ class ModelSection:
     instead of lora_alpha / lora_rank (a PEFT export then says use_rslora: true)."""
     lora_init: str = "random"
     """LoRA: how each adapter's A starts (B starts at zero, so the run starts from the base model): 'random'
-    (PyTorch's default linear init) or 'principal' (A's rows along the base weight's top-rank right singular
-    vectors, PiSSA's input subspace; the base is not changed; docs/lora.md)."""
+    (PyTorch's default linear init), 'principal' (A's rows along the base weight's top-rank right singular
+    vectors, PiSSA's input subspace; the base is not changed), 'gradient' (along the top-rank right singular vectors
+    of the base weight's gradient on the first training batch, LoRA-GA's A; one extra forward and backward before
+    the first step) or 'gradient-sign' (the same of the gradient's sign: the input directions of Adam's first full
+    fine-tuning step); docs/lora.md."""
     lora_sync: str = "merged"
     """LoRA: what a weight push sends the rollout engine: 'merged' (W + s B A under the base names, any engine) or
     'adapters' (the adapters only: the 'cpu' engine's `stacx serve` is started with the run's --lora-* flags and
@@ -347,7 +350,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "rollout_mode": ("sync", "async"),
     "log_expert_load": ("summary", "per-expert"),
     "lora_sync": ("merged", "adapters"),
-    "lora_init": ("random", "principal"),
+    "lora_init": ("random", "principal", "gradient", "gradient-sign"),  # stacx.models.lora.LORA_INITS
     "lora_critic": tuple(CRITIC_MODES),
     "vllm_weight_transfer": ("auto", "http", "shm", "nccl", "gloo"),  # stacx.rollout.engines.vllm.VLLM_WEIGHT_TRANSFERS
 }

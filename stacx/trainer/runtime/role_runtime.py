@@ -33,11 +33,14 @@ import torch.distributed as dist
 from stacx.checkpointing.folders import load_model_weights, read_value_head_weights
 from stacx.models.builder import RouterLosses, model_chunks, unwrap_model
 from stacx.models.lora import (
+    FROM_GRADIENT,
     LoraSettings,
     adapted_linears,
     attach_lora,
+    base_weight_gradients,
     is_peft_adapter_folder,
     engine_adapter_config,
+    init_a_from_gradients,
     load_peft_adapter,
 )
 from stacx.models.moe import (
@@ -184,6 +187,9 @@ class RoleRuntime:
         start_head = self._start_value_head(path, flag) if role.outputs_values else None
         if self.lora is not None:
             attach_lora(self.model, self.lora, groups)  # freezes the base weights
+        self.adapters_await_gradients = self.lora is not None and self.lora.init in FROM_GRADIENT
+        """--lora-init gradient: A is set from the first train step's batch (`_init_adapters_from_gradients`); off
+        once set, and for a run that starts from adapters (`--load` of a PEFT folder, a resumed checkpoint)."""
         if role.outputs_values and self.model.config.sequence_parallel:
             raise ValueError(f"role {role.name!r} outputs values, whose head reads the whole sequence on every TP "
                              "rank; --sequence-parallel is not supported for it yet (leave it off)")
@@ -401,15 +407,56 @@ class RoleRuntime:
         ddp_chunks = model_chunks(self.ddp)
         for chunk in ddp_chunks:
             chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
         reducer = Reducer.for_step(mode=self.specialization.loss_agg_mode(), counts=counts, groups=self.groups,
                                    norm_length=norm_length)
-        totals = MetricTotals()
-        uncounted: set[str] = set()
         batches = [self.pack(micro_batch) for micro_batch in micro_batches]
         if self.mixture_of_experts:
             reducer = self._with_routed_token_count(reducer, batches)
+        if self.adapters_await_gradients:
+            self._init_adapters_from_gradients(batches, reducer)
+        for chunk in ddp_chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        totals = MetricTotals()
+        uncounted: set[str] = set()
+        with self._expert_load() as load:
+            self._forward_backward(batches, reducer, totals, uncounted)
+            if self.groups.pp_size > 1:
+                # Grad sync over DP x CP, plus the tied embedding's grads between the first and last stage.
+                finalize_model_grads(ddp_chunks)
+                # The metrics (and the loss the finite check reads) exist on the last stage only.
+                totals.sums, uncounted = from_last_stage((totals.sums, uncounted), self.groups)
+            elif self.groups.tp_size > 1:
+                # Grad sync over DP x CP, plus the sum over TP of the gradients each TP rank holds only a
+                # part of: qk-norm weights (each rank normalizes its own heads) and, under sequence
+                # parallelism, the norms and routers (each rank sees its part of the sequence).
+                finalize_model_grads([self.ddp])
+            else:
+                self.ddp.finish_grad_sync()
+        loss_total = totals.sums.pop(LOSS_METRIC)
+        # Never step on NaN/inf (megatron's fp32/bf16 step would apply it); the same decision on every rank.
+        outcome = step_optimizer_if_finite(self.optimizer, loss_total)
+        if outcome.applied:
+            self.scheduler.step(increment=1)
+        self.num_steps += 1
+        metrics = self.specialization.metric_means(totals.sums)
+        metrics.update({name: totals.sums[name] for name in uncounted})
+        metrics.update(loss=loss_total, grad_norm=outcome.grad_norm, lr=current_lr(self.optimizer),
+                       update_skipped=float(not outcome.applied))
+        metrics[WEIGHTS_NONFINITE_METRIC] = float(not outcome.weights_finite)
+        if load is not None:
+            # Each stage routes through its own layers: the counts of every stage, in layer order.
+            per_stage = from_every_stage((load.tokens_per_expert(self.groups), load.layers,
+                                          load.dropped_token_slots(self.groups)), self.groups)
+            metrics.update(expert_load_metrics(torch.cat([counts for counts, _, _ in per_stage]),
+                                               [layer for _, layers, _ in per_stage for layer in layers],
+                                               torch.cat([dropped for _, _, dropped in per_stage])))
+        return metrics
+
+    def _forward_backward(self, batches: Sequence[MicroBatch], reducer: Reducer, totals: MetricTotals,
+                          uncounted: set[str]) -> None:
+        """The forward and backward of a step's micro-batches (through the pipeline schedule at pp > 1): the
+        gradients accumulate (not yet synced over DP x CP), the metric sums into `totals`."""
 
         def with_router_loss_scale(tensor, batch):
             # The tensor this stage's backward of `batch` starts from (see stacx.models.moe).
@@ -430,43 +477,27 @@ class RoleRuntime:
             totals.add(all_reduce_metric_sums(metric_sums, self.groups.dp_cp))
             return with_router_loss_scale(loss, batch), None
 
-        with self._expert_load() as load:
-            if self.groups.pp_size > 1:
-                run_pipeline(self.ddp, batches, stage_forward, micro_batch_loss, forward_only=False)
-                # Grad sync over DP x CP, plus the tied embedding's grads between the first and last stage.
-                finalize_model_grads(ddp_chunks)
-                # The metrics (and the loss the finite check reads) exist on the last stage only.
-                totals.sums, uncounted = from_last_stage((totals.sums, uncounted), self.groups)
-            else:
-                for batch in batches:
-                    loss, _ = micro_batch_loss(stage_forward(batch), batch)
-                    loss.backward()
-                if self.groups.tp_size > 1:
-                    # Grad sync over DP x CP, plus the sum over TP of the gradients each TP rank holds only a
-                    # part of: qk-norm weights (each rank normalizes its own heads) and, under sequence
-                    # parallelism, the norms and routers (each rank sees its part of the sequence).
-                    finalize_model_grads([self.ddp])
-                else:
-                    self.ddp.finish_grad_sync()
-        loss_total = totals.sums.pop(LOSS_METRIC)
-        # Never step on NaN/inf (megatron's fp32/bf16 step would apply it); the same decision on every rank.
-        outcome = step_optimizer_if_finite(self.optimizer, loss_total)
-        if outcome.applied:
-            self.scheduler.step(increment=1)
-        self.num_steps += 1
-        metrics = self.specialization.metric_means(totals.sums)
-        metrics.update({name: totals.sums[name] for name in uncounted})
-        metrics.update(loss=loss_total, grad_norm=outcome.grad_norm, lr=current_lr(self.optimizer),
-                       update_skipped=float(not outcome.applied))
-        metrics[WEIGHTS_NONFINITE_METRIC] = float(not outcome.weights_finite)
-        if load is not None:
-            # Each stage routes through its own layers: the counts of every stage, in layer order.
-            per_stage = from_every_stage((load.tokens_per_expert(self.groups), load.layers,
-                                          load.dropped_token_slots(self.groups)), self.groups)
-            metrics.update(expert_load_metrics(torch.cat([counts for counts, _, _ in per_stage]),
-                                               [layer for _, layers, _ in per_stage for layer in layers],
-                                               torch.cat([dropped for _, _, dropped in per_stage])))
-        return metrics
+        if self.groups.pp_size > 1:
+            run_pipeline(self.ddp, batches, stage_forward, micro_batch_loss, forward_only=False)
+        else:
+            for batch in batches:
+                loss, _ = micro_batch_loss(stage_forward(batch), batch)
+                loss.backward()
+
+    def _init_adapters_from_gradients(self, batches: Sequence[MicroBatch], reducer: Reducer) -> None:
+        """--lora-init gradient: one forward and backward of the first step's micro-batches with the adapted
+        linears' base weights taking gradients, then every A from them (`init_a_from_gradients`), B zero. The
+        adapters' own gradients of this pass are dropped (the step zeroes the DDP buffers after it), and megatron's
+        fp32 main copies of the adapters (bf16 training) are refreshed."""
+        with base_weight_gradients(self.model):
+            self._forward_backward(batches, reducer, MetricTotals(), set())
+            from_gradient = init_a_from_gradients(self.model, self.lora, self.groups)
+        self.optimizer.reload_model_params()
+        self.adapters_await_gradients = False
+        if self.rank == 0:
+            logger.info("role %r: --lora-init %s set %d of %d adapters' A from the first batch's weight gradients "
+                        "(rank 0's; the others had none and keep their random A)", self.role.name, self.lora.init,
+                        from_gradient, len(adapted_linears(self.model)))
 
     def _with_routed_token_count(self, reducer: Reducer, batches) -> Reducer:
         """The reducer with StepCounts.num_routed_tokens: every packed position of the step, over the DP ranks
@@ -609,8 +640,11 @@ class RoleRuntime:
                 raise ValueError(f"--load {path}: a PEFT adapter folder; set --lora-rank (and --lora-alpha, "
                                  "--lora-target-modules) to the adapter's to start from it")
             load_peft_adapter(self.model, path, self.groups, self.lora)
-            return
-        load_model_weights(self.model, path, self.groups, flag="--load")
+            self.adapters_await_gradients = False  # the run starts from the folder's adapters
+        else:
+            load_model_weights(self.model, path, self.groups, flag="--load")
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()  # megatron's fp32 main copies of bf16 parameters follow the load
 
     def load_rank_state(self, loaded, role_name: str, rank: int) -> None:
         """Load this rank's state from a `LoadedCheckpoint`: weights and optimizer state resharded to this
@@ -624,6 +658,7 @@ class RoleRuntime:
             logger.warning("role %r: checkpoint %s holds no optimizer state; the optimizer starts afresh",
                            role_name, loaded.path)
         self.load_state_dict(loaded.rank_state(role_name, rank, self.coords()))
+        self.adapters_await_gradients = False  # a resumed run keeps its trained adapters
 
     def close(self) -> None:
         for client in self._engine_clients.values():
