@@ -68,8 +68,9 @@ def main(argv=None) -> int:
                         help="LoRA's learning rate (the full run keeps the demo's 5e-4; adapters usually want ~10x)")
     parser.add_argument("--arm", action="append", metavar="RANK:ALPHA:LR:WARMUP",
                         help="a LoRA arm (repeatable; replaces --lora-rank/--lora-alpha/--lora-lr)")
-    parser.add_argument("--full-from", metavar="FILE",
-                        help="an earlier result file whose full runs (same seeds, same SFT accuracy) are reused")
+    parser.add_argument("--full-from", metavar="FILE", action="append",
+                        help="an earlier result file whose full runs (same seeds, same SFT accuracy) are reused "
+                             "(repeatable: the first file with a seed's run gives it)")
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "lora_learning.json"))
     args = parser.parse_args(argv)
 
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
         if earlier["sft_accuracy"] != start_accuracy:
             raise SystemExit(f"--full-from {args.full_from}: its SFT accuracy {earlier['sft_accuracy']} is not this "
                              f"run's {start_accuracy}; run without --full-from")
-        runs = [dict(run, reused_from=os.path.basename(args.full_from)) for run in earlier["runs"]] + runs
+        runs = earlier["runs"] + runs
     for run in runs:
         run["gain"] = run["accuracy"] - start_accuracy
     full_lr = demo_grpo_lr()
@@ -111,18 +112,23 @@ def main(argv=None) -> int:
     return 0
 
 
-def reusable_full_runs(path: str | None, seeds) -> dict | None:
-    """{"sft_accuracy", "runs"} of the full runs of `seeds` in result file `path` (None without a file, or when
-    it lacks one of the seeds)."""
-    if not path:
+def reusable_full_runs(paths, seeds) -> dict | None:
+    """{"sft_accuracy", "runs"} of the full runs of `seeds` in result files `paths` (a path or a list: the first
+    file with a seed's full run gives it; their SFT accuracies must agree), or None without a file, or when they
+    lack one of the seeds."""
+    if not paths:
         return None
-    with open(path) as handle:
-        earlier = json.load(handle)
-    runs = [run for run in earlier["runs"] if run["mode"] == "full" and run["seed"] in seeds]
-    if sorted(run["seed"] for run in runs) != sorted(seeds):
+    runs, accuracies = [], set()
+    for path in [paths] if isinstance(paths, str) else paths:
+        with open(path) as handle:
+            earlier = json.load(handle)
+        accuracies.add(earlier["sft_accuracy"])
+        runs += [dict({k: v for k, v in run.items() if k != "gain"}, reused_from=os.path.basename(path))
+                 for run in earlier["runs"] if run["mode"] == "full" and run["seed"] in seeds
+                 and run["seed"] not in {r["seed"] for r in runs}]
+    if sorted(run["seed"] for run in runs) != sorted(seeds) or len(accuracies) != 1:
         return None
-    return {"sft_accuracy": earlier["sft_accuracy"], "runs": [{k: v for k, v in run.items() if k != "gain"}
-                                                              for run in runs]}
+    return {"sft_accuracy": accuracies.pop(), "runs": runs}
 
 
 if __name__ == "__main__":
