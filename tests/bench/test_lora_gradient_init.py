@@ -48,3 +48,16 @@ def test_each_a_spans_the_top_input_directions_of_its_linears_update_and_b_is_ze
             b = tensors[f"{prefix}{name}.lora_B.weight"]
             assert b.shape == (shapes[name][0], 8) and not b.any()
     assert math.isclose(float(a.norm(dim=1)[0]), math.sqrt(1 / 3), rel_tol=1e-5)
+
+
+def test_a_gradient_init_arm_takes_the_probe_steps_and_run_values():
+    import pytest
+
+    from bench.lora_gradient_init import gradient_arm, probe_name
+
+    assert gradient_arm("1e-3") == ("LoRA r=8 a=16 lr=0.001 A from dW1", 1e-3, 1, {})
+    assert gradient_arm("7.5e-4:probe=3:lora_plus_ratio=2") == (
+        "LoRA r=8 a=16 lr=0.00075 A from dW3 lora_plus_ratio=2", 7.5e-4, 3, {"lora_plus_ratio": 2.0})
+    assert (probe_name(1), probe_name(3)) == ("probe", "probe 3 steps")
+    with pytest.raises(SystemExit, match="LR\\[:probe=K\\]"):
+        gradient_arm("fast")

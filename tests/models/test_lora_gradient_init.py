@@ -194,3 +194,41 @@ def test_every_layout_starts_from_the_single_ranks_gradient_directions(checkpoin
                 # (A's projector) must agree to 1e-6, each direction to 1e-5.
                 assert torch.allclose(3 * a.T @ a, 3 * reference[name].T @ reference[name], atol=TOLERANCE), where
                 assert torch.allclose(a, reference[name], atol=1e-5, rtol=0), where
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"lora_rank": 8, "lora_init_steps": 3}, "--lora-init-steps 3 .* --lora-init is random; set --lora-init gradient"),
+    ({"lora_init_steps": 3}, "--lora-init-steps 3 .* --lora-rank is 0"),
+    ({"lora_rank": 8, "lora_init": "gradient", "lora_init_steps": 0}, "--lora-init-steps must be >= 1"),
+    ({"lora_init": "gradient"}, "--lora-init gradient .* --lora-rank is 0"),
+])
+def test_a_wrong_gradient_init_setting_is_named(values, message):
+    from stacx.trainer.config.run import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_dict(values)
+
+
+def test_the_gradient_inits_reach_the_model_section():
+    from stacx.trainer.config.run import RunConfig
+
+    model = RunConfig.from_dict({"lora_rank": 8, "lora_init": "gradient-sign", "lora_init_steps": 3}).model
+    assert (model.lora_init, model.lora_init_steps) == ("gradient-sign", 3)
+    assert RunConfig.from_dict({"lora_rank": 8}).model.lora_init_steps == 1
+
+
+def test_top_input_directions_fill_missing_directions_from_the_fallback_orthogonally():
+    from stacx.models.lora import top_input_directions
+
+    generator = torch.Generator().manual_seed(0)
+    rank_two = torch.randn(6, 2, generator=generator) @ torch.randn(2, 10, generator=generator)
+    fallback = torch.randn(4, 10, generator=generator)
+    a = top_input_directions(rank_two, 4, fallback=fallback).double()
+    assert torch.allclose(a @ a.T, torch.eye(4, dtype=torch.float64) / 3, atol=1e-6)
+    top = torch.linalg.svd(rank_two.double(), full_matrices=False)[2][:2]
+    assert torch.allclose(a[:2] @ top.T @ top, a[:2], atol=1e-6)  # the matrix's own two directions first
+    assert torch.allclose(top_input_directions(torch.zeros(6, 10), 4, fallback=fallback).double() @ fallback.T.double()
+                          @ torch.linalg.inv(fallback.double() @ fallback.T.double()) @ fallback.double(),
+                          top_input_directions(torch.zeros(6, 10), 4, fallback=fallback).double(), atol=1e-6)
+    with pytest.raises(ValueError, match="no 4 input directions"):
+        top_input_directions(rank_two, 4)
