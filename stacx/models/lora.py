@@ -406,6 +406,7 @@ def accumulate_base_gradients(model, settings: LoraSettings, groups: ProcessGrou
             raise RuntimeError(f"{module.lora_global_name}: no weight gradient; run the forward and backward inside "
                                "base_weight_gradients")
         grad = grad.detach().to(torch.float32).contiguous()
+        module.weight.grad = None  # one linear's gradient at a time beside the sums
         group = groups.edp if module.lora_routed else groups.dp_cp
         if group is not None and group.size() > 1:
             dist.all_reduce(grad, group=group)
