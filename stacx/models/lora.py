@@ -392,42 +392,32 @@ def base_weight_gradients(model):
 
 
 @torch.no_grad()
-def accumulate_base_gradients(model, settings: LoraSettings, groups: ProcessGroups) -> None:
-    """Add each adapted linear's base-weight gradient (in `weight.grad`, from a forward and backward inside
-    `base_weight_gradients`) to its running sum `lora_gradient_sum`: this rank's TP shard of the step's whole
-    gradient G, summed over DP x CP (a routed expert's over expert-DP, as training sums the gradients), or of
-    sign(G) with `--lora-init gradient-sign` (elementwise, so a shard's sign is the whole's). Collective over those
-    groups."""
+def init_a_from_gradients(model, settings: LoraSettings, groups: ProcessGroups) -> int:
+    """Set every adapter's A from its base weight's gradient (in `weight.grad`, from a forward and backward inside
+    `base_weight_gradients`), B to zero: A's rows along the top-r right singular vectors of the full gradient G
+    [out, in] (`top_input_directions`), or of sign(G) with `--lora-init gradient-sign`. Each rank holds a part of
+    G: its data's (summed over DP x CP, a routed expert's over expert-DP, as training sums the gradients) and its
+    TP shard's (gathered as `principal` gathers the weight: the output dim of a column-parallel linear, the input
+    dim of a row-parallel one); a pipeline stage sets its own layers' A. A direction G lacks (no token reached a
+    routed expert) keeps the random init's row, made orthogonal to the others. One linear at a time (its gradient
+    dropped once used). Collective over those groups; returns the number of A set from a nonzero gradient on this
+    rank."""
     import torch.distributed as dist
 
+    from_gradient = 0
     for module in adapted_linears(model):
         grad = module.weight.grad
         if grad is None:
             raise RuntimeError(f"{module.lora_global_name}: no weight gradient; run the forward and backward inside "
                                "base_weight_gradients")
         grad = grad.detach().to(torch.float32).contiguous()
-        module.weight.grad = None  # one linear's gradient at a time beside the sums
+        module.weight.grad = None
         group = groups.edp if module.lora_routed else groups.dp_cp
         if group is not None and group.size() > 1:
             dist.all_reduce(grad, group=group)
+        full = _gathered(grad, module.tp_group, module.lora_kind)
         if settings.init == "gradient-sign":
-            grad = grad.sign()
-        previous = getattr(module, "lora_gradient_sum", None)
-        module.lora_gradient_sum = grad if previous is None else previous + grad
-
-
-@torch.no_grad()
-def init_a_from_gradient_sums(model, settings: LoraSettings) -> int:
-    """Set every adapter's A from its `lora_gradient_sum` (`accumulate_base_gradients`) and B to zero, then drop the
-    sums: A's rows along the top-r right singular vectors of the full sum (`top_input_directions`), the TP shards
-    gathered as `principal` gathers the weight (the output dim of a column-parallel linear, the input dim of a
-    row-parallel one); a pipeline stage sets its own layers' A. A direction the sum lacks (no token reached a routed
-    expert) keeps the random init's row, made orthogonal to the others. Collective over TP; returns the number of A
-    set from a nonzero sum on this rank."""
-    from_gradient = 0
-    for module in adapted_linears(model):
-        full = _gathered(module.lora_gradient_sum, module.tp_group, module.lora_kind)
-        del module.lora_gradient_sum
+            full = full.sign()
         fallback = _init_a(settings, module.lora_global_name, full.shape[1])
         a_full = top_input_directions(full, settings.rank, fallback=fallback)
         in_local = module.lora_a.shape[1]
@@ -437,12 +427,6 @@ def init_a_from_gradient_sums(model, settings: LoraSettings) -> int:
         module.lora_b.zero_()
         from_gradient += int(bool(full.any()))
     return from_gradient
-
-
-def init_a_from_gradients(model, settings: LoraSettings, groups: ProcessGroups) -> int:
-    """`accumulate_base_gradients` then `init_a_from_gradient_sums`: A from one backward's base-weight gradients."""
-    accumulate_base_gradients(model, settings, groups)
-    return init_a_from_gradient_sums(model, settings)
 
 
 def merged_weight(gpt_model, megatron_name: str, param: torch.Tensor) -> torch.Tensor:

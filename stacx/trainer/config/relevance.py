@@ -48,7 +48,7 @@ AGENT_FIELDS = ("agent", "agent_command", "agent_max_parallel_episodes", "agent_
 MOE_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "expert_model_parallel_size", "expert_tensor_parallel_size")
 """Read only for a mixture-of-experts checkpoint."""
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_plus_ratio", "lora_rslora",
-               "lora_init", "lora_init_steps", "lora_sync", "lora_critic")
+               "lora_init", "lora_sync", "lora_critic")
 """Read only with --lora-rank > 0 (LoRA adapters on); a full fine-tune shows none of them (lora_critic: only in a
 recipe with a critic)."""
 FAULT_FIELDS = ("max_restarts", "dump_rollouts", "replay_rollouts")

@@ -94,10 +94,6 @@ class ModelSection:
     of the base weight's gradient on the first training batch, LoRA-GA's A; one extra forward and backward before
     the first step) or 'gradient-sign' (the same of the gradient's sign: the input directions of Adam's first full
     fine-tuning step); docs/lora.md."""
-    lora_init_steps: int = 1
-    """LoRA with --lora-init gradient or gradient-sign: the first this many train steps' gradients (each step's
-    sign with gradient-sign) are summed for A; the steps before the last of them update nothing (the policy stays
-    the base model, so their rollouts are the base's), and the last sets A and takes the first real step."""
     lora_sync: str = "merged"
     """LoRA: what a weight push sends the rollout engine: 'merged' (W + s B A under the base names, any engine) or
     'adapters' (the adapters only: the 'cpu' engine's `stacx serve` is started with the run's --lora-* flags and
@@ -119,14 +115,8 @@ class ModelSection:
         if self.lora_rank > 0:
             require_in_range("--lora-alpha", self.lora_alpha, above=0, why=f"with --lora-rank {self.lora_rank}",
                              error=ConfigError)
-            require_in_range("--lora-init-steps", self.lora_init_steps, at_least=1, error=ConfigError)
-            if self.lora_init_steps != 1 and self.lora_init not in ("gradient", "gradient-sign"):
-                raise ConfigError(f"--lora-init-steps {self.lora_init_steps} sums the first steps' gradients for A, "
-                                  f"but --lora-init is {self.lora_init}; set --lora-init gradient (or gradient-sign) "
-                                  "or drop --lora-init-steps")
         else:
             for flag, value, default in (("--lora-plus-ratio", self.lora_plus_ratio, 1.0),
-                                         ("--lora-init-steps", self.lora_init_steps, 1),
                                          ("--lora-rslora", self.lora_rslora, False),
                                          ("--lora-init", self.lora_init, "random")):
                 if value != default:

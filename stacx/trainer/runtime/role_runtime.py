@@ -37,11 +37,10 @@ from stacx.models.lora import (
     LoraSettings,
     adapted_linears,
     attach_lora,
-    accumulate_base_gradients,
     base_weight_gradients,
     is_peft_adapter_folder,
     engine_adapter_config,
-    init_a_from_gradient_sums,
+    init_a_from_gradients,
     load_peft_adapter,
 )
 from stacx.models.moe import (
@@ -189,11 +188,8 @@ class RoleRuntime:
         if self.lora is not None:
             attach_lora(self.model, self.lora, groups)  # freezes the base weights
         self.adapters_await_gradients = self.lora is not None and self.lora.init in FROM_GRADIENT
-        """--lora-init gradient: A is set from the first --lora-init-steps train steps' batches
-        (`_gradient_init_step`); off once set, and for a run that starts from adapters (`--load` of a PEFT folder, a
-        resumed checkpoint whose B has moved)."""
-        self.gradient_init_steps_done = 0
-        """Train steps whose base-weight gradients are summed for the gradient init so far."""
+        """--lora-init gradient: A is set from the first train step's batch (`_init_adapters_from_gradients`); off
+        once set, and for a run that starts from adapters (`--load` of a PEFT folder, a resumed checkpoint)."""
         if role.outputs_values and self.model.config.sequence_parallel:
             raise ValueError(f"role {role.name!r} outputs values, whose head reads the whole sequence on every TP "
                              "rank; --sequence-parallel is not supported for it yet (leave it off)")
@@ -417,9 +413,7 @@ class RoleRuntime:
         if self.mixture_of_experts:
             reducer = self._with_routed_token_count(reducer, batches)
         if self.adapters_await_gradients:
-            metrics = self._gradient_init_step(batches, reducer)
-            if metrics is not None:
-                return metrics
+            self._init_adapters_from_gradients(batches, reducer)
         for chunk in ddp_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -490,39 +484,20 @@ class RoleRuntime:
                 loss, _ = micro_batch_loss(stage_forward(batch), batch)
                 loss.backward()
 
-    def _gradient_init_step(self, batches: Sequence[MicroBatch], reducer: Reducer) -> dict | None:
-        """--lora-init gradient: one forward and backward of the step's micro-batches with the adapted linears' base
-        weights taking gradients, added to each adapter's sum (`accumulate_base_gradients`). Before the last of the
-        --lora-init-steps steps nothing is updated (B stays zero: the policy stays the base model) and the step's
-        metrics are returned (`update_skipped` 1); at the last, every A is set from the sums, B zero, megatron's fp32
-        main copies of the adapters (bf16 training) are refreshed, and None lets the step run as usual (the
-        adapters' own gradients of this pass are dropped: the step zeroes the DDP buffers after it)."""
-        totals, uncounted = MetricTotals(), set()
+    def _init_adapters_from_gradients(self, batches: Sequence[MicroBatch], reducer: Reducer) -> None:
+        """--lora-init gradient: one forward and backward of the first step's micro-batches with the adapted
+        linears' base weights taking gradients, then every A from them (`init_a_from_gradients`), B zero. The
+        adapters' own gradients of this pass are dropped (the step zeroes the DDP buffers after it), and megatron's
+        fp32 main copies of the adapters (bf16 training) are refreshed."""
         with base_weight_gradients(self.model):
-            self._forward_backward(batches, reducer, totals, uncounted)
-            accumulate_base_gradients(self.model, self.lora, self.groups)
-        self.gradient_init_steps_done += 1
-        for chunk in model_chunks(self.ddp):
-            chunk.zero_grad_buffer()
-        if self.gradient_init_steps_done < self.model_section.lora_init_steps:
-            if self.groups.pp_size > 1:
-                totals.sums, uncounted = from_last_stage((totals.sums, uncounted), self.groups)
-            loss_total = totals.sums.pop(LOSS_METRIC)
-            self.num_steps += 1
-            metrics = self.specialization.metric_means(totals.sums)
-            metrics.update({name: totals.sums[name] for name in uncounted})
-            metrics.update(loss=loss_total, grad_norm=0.0, lr=current_lr(self.optimizer), update_skipped=1.0)
-            metrics[WEIGHTS_NONFINITE_METRIC] = 0.0
-            return metrics
-        from_gradient = init_a_from_gradient_sums(self.model, self.lora)
+            self._forward_backward(batches, reducer, MetricTotals(), set())
+            from_gradient = init_a_from_gradients(self.model, self.lora, self.groups)
         self.optimizer.reload_model_params()
         self.adapters_await_gradients = False
         if self.rank == 0:
-            logger.info("role %r: --lora-init %s: %d of rank 0's %d adapters' A from the base weights' gradients of "
-                        "the first %d step(s) (the rest had none: no token reached the expert; they keep a random A)",
-                        self.role.name, self.lora.init, from_gradient, len(adapted_linears(self.model)),
-                        self.gradient_init_steps_done)
-        return None
+            logger.info("role %r: --lora-init %s: %d of rank 0's %d adapters' A from the first batch's base-weight "
+                        "gradients (the rest had none: no token reached the expert; they keep a random A)",
+                        self.role.name, self.lora.init, from_gradient, len(adapted_linears(self.model)))
 
     def _with_routed_token_count(self, reducer: Reducer, batches) -> Reducer:
         """The reducer with StepCounts.num_routed_tokens: every packed position of the step, over the DP ranks
@@ -683,20 +658,7 @@ class RoleRuntime:
             logger.warning("role %r: checkpoint %s holds no optimizer state; the optimizer starts afresh",
                            role_name, loaded.path)
         self.load_state_dict(loaded.rank_state(role_name, rank, self.coords()))
-        # A resumed run keeps its trained adapters; one saved before its first update (every B still zero: during
-        # --lora-init-steps) sums the gradients for A again (the sums are not checkpointed).
-        if self.adapters_await_gradients and self._adapters_have_moved():
-            self.adapters_await_gradients = False
-        self.gradient_init_steps_done = 0
-
-    def _adapters_have_moved(self) -> bool:
-        """Whether any of the role's ranks holds a nonzero B: reduced over TP, pipeline stages and expert ranks, the
-        axes whose ranks hold different adapters (DP and CP replicas hold the same)."""
-        moved = torch.tensor([float(any(module.lora_b.detach().any() for module in adapted_linears(self.model)))])
-        for group in (self.groups.tp, self.groups.pp, self.groups.ep):
-            if group is not None and group.size() > 1:
-                dist.all_reduce(moved, op=dist.ReduceOp.MAX, group=group)
-        return bool(moved.item())
+        self.adapters_await_gradients = False  # a resumed run keeps its trained adapters
 
     def close(self) -> None:
         for client in self._engine_clients.values():
