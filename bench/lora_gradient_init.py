@@ -2,6 +2,8 @@
 
     python bench/lora_gradient_init.py [--seeds 0 1 2] [--arm 5e-3] [--arm 2.5e-3] [--oracle 5e-3]
         [--out bench/results/lora_learning_gradient_init.json]
+    python bench/lora_gradient_init.py --seeds 0 1 2 3 --full-from bench/results/lora_learning.json \
+        --full-from bench/results/lora_learning_seed3.json --arm 7.5e-4:probe=3 --arm 5e-4:lora_plus_ratio=2
     python bench/lora_gradient_init.py --subspaces SFT_FOLDER PROBE_FOLDER FULL_FOLDER
     python bench/lora_gradient_init.py --seeds 2 --full-from bench/results/lora_learning.json \
         --full-export WORK/checkpoints/grpo_full_seed{seed} --arm 5e-3 --oracle 5e-3
@@ -11,10 +13,12 @@ The demo's SFT model is made once (as in `bench/lora_learning.py`); then for eac
 1. `full`: the demo's GRPO phase, full fine-tuning (40 steps, lr 5e-4);
 2. `probe`: the same run stopped after its first step. Its update dW1 = W1 - W_sft is full fine-tuning's first
    update (Adam's first step, so lr x sign(g) entrywise: the direction full fine-tuning actually takes);
-3. for each `--arm LR`: LoRA rank 8, alpha 16 on every linear at LR, started (`--load`, a PEFT folder) with every
-   A set to the top-8 right singular vectors of dW1 of its linear (the fused linears' rows stacked: q, k and v;
+3. for each `--arm LR[:probe=K][:FIELD=VALUE...]`: LoRA rank 8, alpha 16 on every linear at LR, started (`--load`,
+   a PEFT folder) with every A set to the top-8 right singular vectors of dW1 (or, with `probe=K`, of dW_K, the
+   update of a K-step probe run, full fine-tuning's first K updates summed) of its linear (the fused linears' rows stacked: q, k and v;
    gate and up, which share one A in Stacx), at the random init's row norm (sqrt(1/3)), B zero: the run starts from
-   the SFT model, and B's first gradient s G A^T is the part of the gradient in that subspace;
+   the SFT model, and B's first gradient s G A^T is the part of the gradient in that subspace; FIELD=VALUE adds
+   run values as in `bench/lora_learning.py` (`lora_plus_ratio=2`; `lora_alpha=32` also sets the folder's alpha);
 4. for each `--oracle LR`: the same with A from the whole 40-step full run's dW (the subspace full fine-tuning ends
    in: what an A-subspace init could give at best).
 
@@ -23,8 +27,9 @@ The demo's SFT model is made once (as in `bench/lora_learning.py`); then for eac
 SFT weight (`--lora-init principal`'s), of a random 8-dim subspace (`--lora-init random`'s span) and of the full
 update itself (the best possible).
 
-`--full-from FILE` takes the full runs' gains from an earlier `bench/lora_learning.py` result (the runs are
-deterministic given the seed; the SFT accuracy must match) instead of running them, and `--full-export PATTERN`
+`--full-from FILE` (repeatable: the first file with a seed's full run gives it) takes the full runs' gains from
+earlier `bench/lora_learning.py` results (the runs are deterministic given the seed; the SFT accuracy must match)
+instead of running them, and `--full-export PATTERN`
 (`{seed}` in it) names their exported folders, which the oracle arms need.
 
 The gain of each run over the SFT model, and the LoRA arms' mean gain over the full runs', as `bench/lora_learning.py`.
