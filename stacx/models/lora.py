@@ -218,13 +218,14 @@ def _init_a(settings: LoraSettings, global_name: str, full_in: int) -> torch.Ten
     return (torch.rand(settings.rank, full_in, generator=generator) * 2 - 1) * bound
 
 
-def _principal_a(full_weight: torch.Tensor, rank: int) -> torch.Tensor:
+def _principal_a(full_weight: torch.Tensor, rank: int, fallback: torch.Tensor | None = None) -> torch.Tensor:
     """A [rank, in] whose rows are the top-`rank` right singular vectors of the full base weight [out, in]
-    (`top_input_directions`). A rank above min(out, in) is refused (no such directions)."""
+    (`top_input_directions`; directions a rank-deficient weight lacks from `fallback`). A rank above min(out, in) is
+    refused (no such directions)."""
     if rank > min(full_weight.shape):
         raise ValueError(f"--lora-init principal: --lora-rank {rank} exceeds the rank of a "
                          f"{tuple(full_weight.shape)} weight")
-    return top_input_directions(full_weight, rank)
+    return top_input_directions(full_weight, rank, fallback=fallback)
 
 
 RELATIVE_RANK_TOLERANCE = 1e-6
@@ -319,7 +320,8 @@ def _adapt(module, name: str, global_name: str, settings: LoraSettings) -> None:
     out_local, in_local = module.weight.shape
     full_in = in_local * tp_size if kind == "row" else in_local
     if settings.init == "principal":
-        a_full = _principal_a(_full_weight(module, kind), settings.rank)
+        a_full = _principal_a(_full_weight(module, kind), settings.rank,
+                              fallback=_init_a(settings, global_name, full_in))
     else:  # random; a gradient init starts from it until the first batch's gradients set A (init_a_from_gradients)
         a_full = _init_a(settings, global_name, full_in)
     rank = module.tp_group.rank()
