@@ -36,6 +36,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from tests.warm import warm_python
+
 ADDRESS_LINE_PREFIX = "address="
 ATTACH_ENV_LINE_PREFIX = "attach_env="
 RAY_AUTH_ENV_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
@@ -67,7 +69,7 @@ class SharedRayCluster:
         RuntimeError with the holder's output if it exits or stays silent past the deadline.
         """
         process = subprocess.Popen(
-            [sys.executable, "-m", "tests.shared_ray_cluster", "--num-cpus", str(num_cpus),
+            [warm_python(), "-m", "tests.shared_ray_cluster", "--num-cpus", str(num_cpus),
              "--object-store-mb", str(object_store_mb)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=env, cwd=cwd, start_new_session=True)
