@@ -12,6 +12,7 @@ import tempfile
 
 COLD_ENV = "STACX_TEST_COLD_PROCESSES"
 TESTS = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(TESTS), "examples")
 
 _warm = None
 
@@ -27,7 +28,7 @@ def warm_python() -> str:
         folder = tempfile.mkdtemp(prefix="stacx-warm-python-")
         preload = os.environ.get("STACX_TEST_WARM_PRELOAD")
         kwargs = {"preload": tuple(preload.split(","))} if preload else {}
-        _warm = start(folder, warm_folders=(TESTS,), **kwargs)
+        _warm = start(folder, warm_folders=(TESTS, EXAMPLES), **kwargs)
         os.environ.update(_warm.environ())  # every process this one starts can reach it
         atexit.register(_warm.stop)
     return _warm.client

@@ -105,7 +105,7 @@ def _report_uncaught(error: BaseException) -> None:
     """`sys.excepthook` on the error, its traceback starting at the program's own frames (a cold
     interpreter's traceback has no runner frames above them)."""
     traceback = error.__traceback__
-    while traceback is not None and (traceback.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")):
+    while traceback is not None and traceback.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
         traceback = traceback.tb_next
     sys.excepthook(type(error), error.with_traceback(traceback), traceback)
 
@@ -124,6 +124,11 @@ def _run_child(request: dict, client_path: str) -> int:
     if threads and threads.isdigit() and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
     sys.executable = client_path
+    if request["warnings"]:
+        import warnings
+
+        sys.warnoptions.extend(request["warnings"])
+        warnings._processoptions(request["warnings"])
     sys.orig_argv = [client_path, *request["argv"]]
     _apply_python_path(request["env"])
     kind, target, args = request["kind"], request["target"], request["args"]
@@ -134,6 +139,11 @@ def _run_child(request: dict, client_path: str) -> int:
             sys.argv = [target, *args]
             sys.path[0] = os.getcwd()
             runpy._run_module_as_main(target, alter_argv=True)  # what `python -m` calls
+        elif kind == "code":
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            sys.argv = ["-c", *args]
+            sys.path[0] = ""
+            exec(compile(target, "<string>", "exec"), main.__dict__)
         else:
             sys.argv = [target, *args]
             sys.path[0] = os.path.dirname(os.path.abspath(target))
@@ -298,30 +308,40 @@ def cold():
 
 
 def parse(argv):
-    unbuffered = False
+    unbuffered, warnings = False, []
     index = 0
     while index < len(argv) and argv[index].startswith("-") and argv[index] not in ("-m", "-c", "-"):
         option = argv[index]
-        if option in ("-u",):
+        if option == "-u":
             unbuffered = True
         elif option in ("-B", "-s"):
             pass
+        elif option == "-W" and index + 1 < len(argv):
+            index += 1
+            warnings.append(argv[index])
+        elif option.startswith("-W") and len(option) > 2:
+            warnings.append(option[2:])
         else:
             return None
         index += 1
+    if index + 1 >= len(argv) and argv[index:index + 1] in (["-m"], ["-c"]):
+        return None
     if index >= len(argv):
         return None
-    if argv[index] == "-m" and index + 1 < len(argv):
+    common = dict(unbuffered=unbuffered, warnings=warnings)
+    if argv[index] == "-c":
+        return dict(kind="code", target=argv[index + 1], args=argv[index + 2:], **common)
+    if argv[index] == "-m":
         module = argv[index + 1]
         if not any(module == warm or module.startswith(warm + ".") for warm in WARM_MODULES):
             return None
-        return dict(kind="module", target=module, args=argv[index + 2:], unbuffered=unbuffered)
+        return dict(kind="module", target=module, args=argv[index + 2:], **common)
     script = argv[index]
     absolute = os.path.abspath(script)
     if script.startswith("-") or not (any(absolute.endswith(suffix) for suffix in WARM_SCRIPTS)
                                       or any(absolute.startswith(folder + os.sep) for folder in WARM_FOLDERS)):
         return None
-    return dict(kind="script", target=script, args=argv[index + 1:], unbuffered=unbuffered)
+    return dict(kind="script", target=script, args=argv[index + 1:], **common)
 
 
 def has_site_hook(environ):

@@ -211,7 +211,7 @@ def test_a_recipe_file_in_the_custom_folder_is_found_without_an_import_cycle(tin
     folder.mkdir()
     (folder / "folder_recipe.py").write_text(RECIPE_IN_CUSTOM_FOLDER)
     completed = subprocess.run(
-        [sys.executable, "-W", "error::RuntimeWarning", CUSTOM_FOLDER_LAUNCHER, "--algorithm", "folder_sft",
+        [warm_python(), "-W", "error::RuntimeWarning", CUSTOM_FOLDER_LAUNCHER, "--algorithm", "folder_sft",
          "--hf-checkpoint", tiny_checkpoint, "--prompt-data", "builtin:sorting", "--dry-run"],
         env=train_env({"STACX_TEST_CUSTOM_DIRS": str(folder)}), capture_output=True, text=True, timeout=300, cwd=REPO)
     assert completed.returncode == 0, completed.stderr[-3000:]

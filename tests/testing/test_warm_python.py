@@ -63,6 +63,14 @@ def test_a_warm_child_gets_the_clients_arguments_streams_environment_folder_and_
     assert _run(zygote.client, program, "exit", "7").returncode == 7
 
 
+def test_code_and_warning_options_run_warm_as_the_interpreter_would_run_them(warm):
+    zygote, _ = warm
+    code = "import sys, warnings; print(sys.argv, 'stacx.testing.warm_python_client' in sys.modules); warnings.warn('w')"
+    completed = _run(zygote.client, "-W", "error::UserWarning", "-c", code, "a", "b")
+    assert "['-c', 'a', 'b'] True" in completed.stdout
+    assert completed.returncode == 1 and "UserWarning: w" in completed.stderr
+
+
 def test_an_uncaught_error_exits_1_with_a_traceback_that_starts_in_the_program(warm):
     zygote, program = warm
     completed = _run(zygote.client, program, "raise")
@@ -93,7 +101,7 @@ def test_a_sigkilled_client_takes_its_child_with_it(warm):
 def test_what_the_client_does_not_run_warm_runs_cold(warm, tmp_path):
     zygote, program = warm
     # A module outside the warm prefixes, an interpreter option it does not know, a site hook on PYTHONPATH.
-    assert _run(zygote.client, "-c", "import sys; print(sys.executable)").stdout.strip() == sys.executable
+    assert _run(zygote.client, "-m", "platform").stdout.strip() == _run(sys.executable, "-m", "platform").stdout.strip()
     completed = _run(zygote.client, "-O", program, "exit", "3")
     assert completed.returncode == 3 and "zygote_modules False" in completed.stdout
     (tmp_path / "sitecustomize.py").write_text("")
