@@ -29,7 +29,6 @@ def warm_python() -> str:
         preload = os.environ.get("STACX_TEST_WARM_PRELOAD")
         kwargs = {"preload": tuple(preload.split(","))} if preload else {}
         _warm = start(folder, warm_folders=(TESTS, EXAMPLES), **kwargs)
-        os.environ.update(_warm.environ())  # every process this one starts can reach it
         atexit.register(_warm.stop)
     return _warm.client
 

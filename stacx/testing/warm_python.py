@@ -15,7 +15,7 @@ Semantics a caller relies on, kept:
 - inside the child `sys.executable` is the client again, so what it starts (`stacx serve` beside a
   driver, torchrun's ranks, a Ray cluster's workers) is warm too.
 
-Anything the client does not recognise (an interpreter option other than -u/-B/-s, a module or script
+Anything the client does not recognise (an interpreter option other than -u/-B/-s/-W, a module or script
 outside the allowed prefixes, a `sitecustomize` on the child's `PYTHONPATH`, no zygote) runs cold with
 `os.execv` of the real interpreter: the fallback is always today's behaviour. The suite keeps cold
 processes where process identity is what a test checks (signals, orphans, `ps`); see docs/testing.md.
@@ -32,9 +32,6 @@ import threading
 from typing import Sequence
 
 from stacx.testing.warm_python_client import recv_message, send_message
-
-SOCKET_ENV = "STACX_WARM_PYTHON_SOCKET"
-"""Overrides the zygote's unix socket the client was written for; a client that cannot connect runs cold."""
 
 DEFAULT_PRELOAD = (
     "torch", "torch.distributed", "stacx.testing.megatron_preload", "transformers", "torch.distributed.run",
@@ -298,7 +295,6 @@ REAL_PYTHON = {real_python!r}
 WARM_MODULES = {warm_modules!r}
 WARM_SCRIPTS = {warm_scripts!r}
 WARM_FOLDERS = {warm_folders!r}
-SOCKET_ENV = {socket_env!r}
 SOCKET_PATH = {socket_path!r}
 sys.path.insert(0, {stacx_testing!r})
 
@@ -354,15 +350,14 @@ def has_site_hook(environ):
 
 def main():
     request = parse(sys.argv[1:])
-    path = os.environ.get(SOCKET_ENV, SOCKET_PATH)
-    if request is None or not path or has_site_hook(os.environ):
+    if request is None or has_site_hook(os.environ):
         cold()
     from warm_python_client import run
     env = dict(os.environ)
     if request["unbuffered"]:
         env["PYTHONUNBUFFERED"] = "1"
     request.update(argv=sys.argv[1:], env=env, cwd=os.getcwd(), client_pid=os.getpid())
-    code = run(path, request)
+    code = run(SOCKET_PATH, request)
     if code is None:
         cold()
     sys.exit(code)
@@ -379,7 +374,7 @@ def write_client(folder: str, socket_path: str, *, real_python: str | None = Non
     path = os.path.join(folder, "python")
     text = CLIENT_TEMPLATE.format(real_python=real_python or sys.executable, socket_path=socket_path,
                                   warm_modules=tuple(warm_modules),
-                                  warm_scripts=tuple(warm_scripts), socket_env=SOCKET_ENV,
+                                  warm_scripts=tuple(warm_scripts),
                                   warm_folders=tuple(os.path.abspath(folder) for folder in warm_folders),
                                   stacx_testing=os.path.dirname(os.path.abspath(__file__)))
     with open(path, "w") as handle:
@@ -395,10 +390,6 @@ class WarmPython:
         self.process = process
         self.client = client
         self.socket_path = socket_path
-
-    def environ(self) -> dict:
-        """What a process must have in its environment for the client to find the zygote."""
-        return {SOCKET_ENV: self.socket_path}
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from stacx.testing.warm_python import start
+from stacx.testing.warm_python import start, write_client
 
 PROGRAM = '''
 import os, sys, time
@@ -108,8 +108,8 @@ def test_what_the_client_does_not_run_warm_runs_cold(warm, tmp_path):
     completed = _run(zygote.client, program, "exit", "0", env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert "zygote_modules False" in completed.stdout
     # No zygote at the socket: cold, not a failure.
-    completed = _run(zygote.client, program, "exit", "4",
-                     env={**os.environ, "STACX_WARM_PYTHON_SOCKET": str(tmp_path / "none")})
+    orphan = write_client(str(tmp_path), str(tmp_path / "no-zygote.sock"), warm_folders=(os.path.dirname(program),))
+    completed = _run(orphan, program, "exit", "4")
     assert completed.returncode == 4 and "zygote_modules False" in completed.stdout
 
 
