@@ -36,7 +36,10 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from tests.warm import warm_python
+
 ADDRESS_LINE_PREFIX = "address="
+HOLDER_PID_LINE_PREFIX = "holder_pid="
 ATTACH_ENV_LINE_PREFIX = "attach_env="
 RAY_AUTH_ENV_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
 """Ray's token-authentication settings, which an attaching driver must share with the cluster's starter."""
@@ -58,6 +61,9 @@ class SharedRayCluster:
     process: subprocess.Popen
     attach_env: dict[str, str]
     """Environment variables a driver attaching to this cluster needs (Ray's auth settings)."""
+    holder_pid: int
+    """The process that started the cluster (its daemons are its descendants). Not `process.pid` when the
+    holder runs warm (tests/warm.py): that is the client the zygote's child reports to."""
 
     @classmethod
     def start(cls, *, num_cpus: int = 4, object_store_mb: int = 300, timeout_s: float = 180.0,
@@ -67,17 +73,20 @@ class SharedRayCluster:
         RuntimeError with the holder's output if it exits or stays silent past the deadline.
         """
         process = subprocess.Popen(
-            [sys.executable, "-m", "tests.shared_ray_cluster", "--num-cpus", str(num_cpus),
+            [warm_python(), "-m", "tests.shared_ray_cluster", "--num-cpus", str(num_cpus),
              "--object-store-mb", str(object_store_mb)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=env, cwd=cwd, start_new_session=True)
         lines: list[str] = []
         found: list[str] = []
+        holder_pid: list[int] = []
         attach_env: dict[str, str] = {}
 
         def read_until_address() -> None:
             for line in process.stdout:
                 lines.append(line)
+                if line.startswith(HOLDER_PID_LINE_PREFIX):
+                    holder_pid.append(int(line[len(HOLDER_PID_LINE_PREFIX):]))
                 if line.startswith(ATTACH_ENV_LINE_PREFIX):
                     attach_env.update(json.loads(line[len(ATTACH_ENV_LINE_PREFIX):]))
                 if line.startswith(ADDRESS_LINE_PREFIX):
@@ -93,7 +102,7 @@ class SharedRayCluster:
             raise RuntimeError(f"the shared Ray cluster holder {state}; its output:\n{''.join(lines)[-4000:]}")
         # Keep draining its output so that Ray's own log lines can never fill the pipe and block it.
         threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
-        return cls(address=found[0], process=process, attach_env=attach_env)
+        return cls(address=found[0], process=process, attach_env=attach_env, holder_pid=holder_pid[0])
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the cluster: close the holder's stdin (it shuts Ray down), kill its session after `timeout_s`."""
@@ -128,6 +137,7 @@ def _hold(num_cpus: int, object_store_mb: int) -> int:
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     print(ATTACH_ENV_LINE_PREFIX + json.dumps({name: os.environ[name] for name in RAY_AUTH_ENV_VARS if name in os.environ}),
           flush=True)
+    print(HOLDER_PID_LINE_PREFIX + str(os.getpid()), flush=True)
     print(ADDRESS_LINE_PREFIX + ray.get_runtime_context().gcs_address, flush=True)
     while not stop.is_set():
         stop.wait(1.0)

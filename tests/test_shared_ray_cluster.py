@@ -40,7 +40,7 @@ def _read(pid: int, name: str) -> bytes:
 
 
 def test_the_shared_clusters_raylet_prestarts_no_workers_and_none_sits_idle(shared_ray_cluster):
-    processes = {pid: _read(pid, "cmdline") for pid in _descendants(shared_ray_cluster.process.pid)}
+    processes = {pid: _read(pid, "cmdline") for pid in _descendants(shared_ray_cluster.holder_pid)}
     raylets = [pid for pid, cmdline in processes.items() if b"/raylet/raylet" in cmdline.split(b"\0")[0]]
     assert len(raylets) == 1, processes
     raylet_env = dict(entry.split(b"=", 1) for entry in _read(raylets[0], "environ").split(b"\0") if b"=" in entry)

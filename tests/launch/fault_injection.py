@@ -45,6 +45,7 @@ import requests
 
 from stacx.rollout.agents.environments import Environment, StepResult
 from stacx.sandbox import SandboxConfig, build_sandbox
+from tests.warm import warm_python
 
 SLOW_S = 3.0
 _lock = threading.Lock()
@@ -272,7 +273,7 @@ def restart_sandbox_server(task: dict) -> None:
         os.kill(int(handle.read()), signal.SIGKILL)
     port = task["sandbox_url"].rsplit(":", 1)[1]
     env = dict(os.environ, CHAOS_SANDBOX_KEY=task["sandbox_key"])
-    process = subprocess.Popen([sys.executable, "-m", "stacx.sandbox.server", "--port", port,
+    process = subprocess.Popen([warm_python(), "-m", "stacx.sandbox.server", "--port", port,
                                 "--api-key-env", "CHAOS_SANDBOX_KEY"], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     with open(pid_file, "w") as handle:

@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from stacx.tasks import write_tiny_checkpoint
+from tests.warm import torchrun_command, warm_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -81,9 +82,9 @@ def run_stacx_train(launcher: str, flags: list[str], out: str, *, custom_dirs: t
     else:
         entry = ["-m", "stacx.train"]
     if launcher == "ray":
-        command = [sys.executable, *entry, *flags]
+        command = [warm_python(), *entry, *flags]
     else:
-        command = [TORCHRUN, "--standalone", "--nproc-per-node=2", *entry, *flags, "--data-parallel-size", "2"]
+        command = [*torchrun_command(), "--standalone", "--nproc-per-node=2", *entry, *flags, "--data-parallel-size", "2"]
     env = train_env({**(env or {}),
                      **({"STACX_TEST_CUSTOM_DIRS": os.pathsep.join(custom_dirs)} if custom_dirs else {})})
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -210,7 +211,7 @@ def test_a_recipe_file_in_the_custom_folder_is_found_without_an_import_cycle(tin
     folder.mkdir()
     (folder / "folder_recipe.py").write_text(RECIPE_IN_CUSTOM_FOLDER)
     completed = subprocess.run(
-        [sys.executable, "-W", "error::RuntimeWarning", CUSTOM_FOLDER_LAUNCHER, "--algorithm", "folder_sft",
+        [warm_python(), "-W", "error::RuntimeWarning", CUSTOM_FOLDER_LAUNCHER, "--algorithm", "folder_sft",
          "--hf-checkpoint", tiny_checkpoint, "--prompt-data", "builtin:sorting", "--dry-run"],
         env=train_env({"STACX_TEST_CUSTOM_DIRS": str(folder)}), capture_output=True, text=True, timeout=300, cwd=REPO)
     assert completed.returncode == 0, completed.stderr[-3000:]

@@ -13,12 +13,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 
 from tests.launch.doc_commands import argv_of, read_commands, substitute, write_diffusion_checkpoint
 from tests.launch.test_end_to_end import REPO, _env
+from tests.warm import warm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 def demo(tmp_path_factory):
     """`stacx demo` once for the module: its outputs, its stdout."""
     out = str(tmp_path_factory.mktemp("demo") / "demo")
-    completed = subprocess.run([sys.executable, "-m", "stacx", "demo", "--out", out, "--no-progress-bar"],
+    completed = subprocess.run([warm_python(), "-m", "stacx", "demo", "--out", out, "--no-progress-bar"],
                                env=_env(), capture_output=True, text=True, timeout=900, cwd=REPO)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     return out, completed.stdout

@@ -20,6 +20,7 @@ import pytest
 from tests.launch.test_custom_code_on_every_rank import (  # noqa: F401
     PER_EXPERT_LOAD, REPO, SMALL_ROLLOUT, assert_moe_steps_trained_on_both_expert_ranks, run_stacx_train, tiny_checkpoint,
     tiny_moe_checkpoint)
+from tests.warm import warm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -80,13 +81,12 @@ def test_guide_001_python_config_object_on_ray(tiny_checkpoint, tmp_path, shared
     the run attaches to the cluster named by RAY_ADDRESS, as under `ray job submit`."""
     import json
     import subprocess
-    import sys
 
     from tests.launch.test_custom_code_on_every_rank import train_env
 
     out = str(tmp_path / "out")
     script = os.path.join(REPO, "tests", "launch", "train_python_config.py")
-    completed = subprocess.run([sys.executable, script, tiny_checkpoint, out], env=train_env({"RAY_ADDRESS": shared_ray_address}),
+    completed = subprocess.run([warm_python(), script, tiny_checkpoint, out], env=train_env({"RAY_ADDRESS": shared_ray_address}),
                                capture_output=True, text=True, timeout=600, cwd=REPO)
     assert completed.returncode == 0, completed.stderr[-5000:]
     with open(os.path.join(out, "metrics.jsonl")) as handle:

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from stacx.tasks import write_tiny_checkpoint
+from tests.warm import torchrun_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -67,7 +68,7 @@ def test_torchrun_sft_with_two_interleaved_pipeline_stages_matches_the_single_ra
         if num_ranks == 1:
             assert run_distributed(_train_in_a_one_rank_world, 1, args=(flags,)) == [0]
         else:
-            completed = subprocess.run([TORCHRUN, "--standalone", f"--nproc-per-node={num_ranks}", "-m", "stacx.train",
+            completed = subprocess.run([*torchrun_command(), "--standalone", f"--nproc-per-node={num_ranks}", "-m", "stacx.train",
                                         *flags], env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
             assert completed.returncode == 0, completed.stderr[-4000:]
         curves[num_ranks] = _series(os.path.join(out, "metrics.jsonl"), "policy/loss")

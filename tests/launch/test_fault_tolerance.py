@@ -18,12 +18,12 @@ import json
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 
 from stacx.tasks import write_tiny_checkpoint
 from tests.launch.test_custom_code_on_every_rank import REPO, train_env
+from tests.warm import warm_python
 
 pytestmark = pytest.mark.slow  # `stacx train` on Ray
 
@@ -96,7 +96,7 @@ def test_chaos_run_engine_kill_hang_sandbox_kill_and_slow_reward_in_one_ten_step
     episode played again, every step's batch complete."""
     port = free_port()
     url, key = f"http://127.0.0.1:{port}", "chaos-key"
-    server = subprocess.Popen([sys.executable, "-m", "stacx.sandbox.server", "--port", str(port), "--api-key-env",
+    server = subprocess.Popen([warm_python(), "-m", "stacx.sandbox.server", "--port", str(port), "--api-key-env",
                                "CHAOS_SANDBOX_KEY"], env=train_env({"CHAOS_SANDBOX_KEY": key}), cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pid_file = tmp_path / "sandbox.pid"
@@ -111,7 +111,7 @@ def test_chaos_run_engine_kill_hang_sandbox_kill_and_slow_reward_in_one_ten_step
                 "digits": digits}}) + "\n")
     out, report = str(tmp_path / "out"), str(tmp_path / "engines.json")
     attached_url = f"http://127.0.0.1:{free_port()}"
-    command = [sys.executable, "-m", "stacx.train", "--hf-checkpoint", tiny_checkpoint, "--prompt-data", str(rows),
+    command = [warm_python(), "-m", "stacx.train", "--hf-checkpoint", tiny_checkpoint, "--prompt-data", str(rows),
                "--rollout-batch-size", str(PROMPTS), "--n-samples-per-prompt", str(SAMPLES),
                "--rollout-max-response-len", "4", "--rollout-engine", "cpu", "--rollout-num-engines", "1",
                "--rollout-urls", attached_url, "--attached-engine-wait-s", "300", "--min-live-engines", "2",
@@ -122,7 +122,7 @@ def test_chaos_run_engine_kill_hang_sandbox_kill_and_slow_reward_in_one_ten_step
     hold_dir.mkdir()
     python_path = os.pathsep.join([HOOKS, REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
     # the attached engine: started here (the run cannot restart it), loading while the run starts
-    attached_command = [sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", tiny_checkpoint, "--host",
+    attached_command = [warm_python(), "-m", "stacx", "serve", "--hf-checkpoint", tiny_checkpoint, "--host",
                         "127.0.0.1", "--port", attached_url.rsplit(":", 1)[1], "--seed", "1"]
     attached_pid_file = tmp_path / "attached.pid"
     env = train_env({"CHAOS_PLAN": CHAOS_PLAN, "CHAOS_SANDBOX_PID_FILE": str(pid_file), "CHAOS_REPORT": report,

@@ -13,12 +13,12 @@ import json
 import os
 import queue
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
 
 import pytest
+from tests.warm import warm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -34,7 +34,7 @@ def _env() -> dict:
 
 
 def _stacx(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stacx", *args], cwd=REPO, env=_env(), capture_output=True,
+    return subprocess.run([warm_python(), "-m", "stacx", *args], cwd=REPO, env=_env(), capture_output=True,
                           text=True, timeout=timeout_s)
 
 
@@ -77,7 +77,7 @@ def _stacx_in_process(capsys, *args: str) -> tuple[int, str]:
 
 def _start_server(export: str):
     """`stacx serve --port 0` on the export; returns (process, base URL) once /health answers 200."""
-    server = subprocess.Popen([sys.executable, "-m", "stacx", "serve", "--hf-checkpoint", export, "--port", "0"],
+    server = subprocess.Popen([warm_python(), "-m", "stacx", "serve", "--hf-checkpoint", export, "--port", "0"],
                               cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()

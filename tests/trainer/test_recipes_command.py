@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from stacx.launch.cli import main
 from stacx.launch.commands.recipes import render_catalog_markdown
 from stacx.trainer.recipes import TRAINING_CONFIGS
+from tests.warm import warm_python
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
 
@@ -20,7 +20,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
 @pytest.mark.slow
 def test_docs_recipes_md_is_the_current_catalog():
     # In a fresh process: recipes that other tests registered in this one are not the catalog.
-    completed = subprocess.run([sys.executable, "-m", "stacx", "recipes", "--markdown"], capture_output=True,
+    completed = subprocess.run([warm_python(), "-m", "stacx", "recipes", "--markdown"], capture_output=True,
                                text=True, timeout=300, cwd=DOC.parents[1],
                                env={k: v for k, v in os.environ.items() if k != "STACX_TEST_CUSTOM_DIRS"})
     assert completed.returncode == 0, completed.stderr[-3000:]

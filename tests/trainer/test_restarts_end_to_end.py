@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.trainer.training_fixtures import VARIED_REWARD, read_metrics, run_config
+from tests.warm import warm_python
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -114,7 +114,7 @@ def test_under_stacx_torchrun_a_killed_rank_is_restarted_by_torch_elastic_and_re
              *[f"--{name.replace('_', '-')}={value}" for name, value in SFT_STEPS.items()]]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", STACX_FAULT_KILL_AT_STEP="2")
-    done = subprocess.run([sys.executable, "-m", "stacx", "torchrun", "--standalone", "--nproc-per-node", "1",
+    done = subprocess.run([warm_python(), "-m", "stacx", "torchrun", "--standalone", "--nproc-per-node", "1",
                            "-m", "stacx.train", *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 import threading
 import time
 
@@ -23,6 +22,7 @@ import torch
 
 from tests.trainer.training_fixtures import (ATTACHED_SERVER_KEY, VARIED_REWARD, read_metrics, run_config,
                                             run_four_grpo_steps, warm_role_workers)
+from tests.warm import warm_python
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -200,7 +200,7 @@ def test_resume_in_a_fresh_driver_gives_bitwise_identical_weights(ray_address, f
     common = [files["policy"], files["prompts"], ray_address]
     run_four_grpo_steps(str(straight), *common, None, "async", graph=one_rank_policy)
     # A new driver process (and new workers) resumes from the straight run's step-2 checkpoint.
-    subprocess.run([sys.executable, "-c", RESUME_SCRIPT, str(resumed), *common,
+    subprocess.run([warm_python(), "-c", RESUME_SCRIPT, str(resumed), *common,
                     str(straight / "ckpt" / "step_000000002"), "sync"], check=True, env=env, timeout=300)
     a, b = _model_state(str(straight / "ckpt"), 4), _model_state(str(resumed / "ckpt"), 4)
     assert a["model"].keys() == b["model"].keys()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 from stacx.testing.listening_sockets import descendant_pids, listening_addresses
 from stacx.trainer.cluster.ray import connect as ray_cluster
 from stacx.trainer.cluster.ray.connect import LOOPBACK_ADDRESS, connect_ray, is_loopback_address, node_addresses
+from tests.warm import warm_python
 
 pytestmark = pytest.mark.slow
 LOOPBACK_FORMS = {LOOPBACK_ADDRESS, "::ffff:127.0.0.1"}  # the second: an IPv4 listener on an IPv6 socket
@@ -67,7 +67,7 @@ def test_a_local_cluster_reports_and_listens_on_loopback_only():
         assert addresses and addresses <= LOOPBACK_FORMS, addresses
         # Another driver attaches by the loopback address (as the tests' runs and `--ray-address` do);
         # Ray alone would rewrite 127.0.0.1 to the host's interface address, where nothing listens.
-        attached = subprocess.run([sys.executable, "-c", ATTACH_SCRIPT, ray.get_runtime_context().gcs_address],
+        attached = subprocess.run([warm_python(), "-c", ATTACH_SCRIPT, ray.get_runtime_context().gcs_address],
                                   capture_output=True, text=True, timeout=240)
         assert f"ATTACHED {LOOPBACK_ADDRESS} 42" in attached.stdout, attached.stdout[-2000:] + attached.stderr[-2000:]
         _check_a_role_world_listens_on_loopback_only()

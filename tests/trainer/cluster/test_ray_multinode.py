@@ -37,6 +37,7 @@ from stacx.testing.ray_jobs import JobAgentNotReadyError, wait_until_jobs_are_ac
 from stacx.trainer.cluster.ray.cluster_check import RESULT_PREFIX, rank_contribution
 from stacx.trainer.cluster.ray.connect import LEAN_DAEMON_ENV
 from tests.shared_ray_cluster import NO_IDLE_WORKERS_ENV
+from tests.warm import warm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -226,7 +227,7 @@ def _check_result(output: str) -> dict:
 
 def test_one_role_spans_two_nodes_and_runs_collectives(two_node_cluster):
     completed = subprocess.run(
-        [sys.executable, "-m", "stacx.trainer.cluster.ray.cluster_check", f"--ray-address={two_node_cluster['address']}",
+        [warm_python(), "-m", "stacx.trainer.cluster.ray.cluster_check", f"--ray-address={two_node_cluster['address']}",
          "--num-ranks=2", "--tp=2", "--bundle-resources=node_a,node_b"],
         env=two_node_cluster["env"], capture_output=True, text=True, timeout=300,
     )
@@ -258,7 +259,7 @@ def _role_worker_nodes(dashboard: str, env: dict) -> dict[str, str]:
     script = ("import json; from ray.util.state import list_actors; "
               f"print(json.dumps({{a.actor_id: a.node_id for a in list_actors(address={dashboard!r}, limit=1000, "
               "filters=[('class_name', '=', 'RoleWorker')], detail=True)}))")
-    completed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    completed = subprocess.run([warm_python(), "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
@@ -291,5 +292,5 @@ def test_ray_job_submit_runs_a_stacx_entry_on_the_cluster(two_node_cluster, sort
     out = str(tmp_path / "submitted")
     _train_grpo_and_check_both_nodes(
         [RAY, "job", "submit", f"--address={two_node_cluster['dashboard']}", "--",
-         sys.executable, *_grpo_two_node_command(sorting_checkpoint, out)],
+         warm_python(), *_grpo_two_node_command(sorting_checkpoint, out)],
         two_node_cluster, out)

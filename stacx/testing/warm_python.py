@@ -1,0 +1,438 @@
+"""Warm Python processes for the test suite: a zygote that imported torch, megatron-core, Ray and Stacx
+once forks each process the suite would otherwise start cold.
+
+Almost all of an end-to-end test's CPU is process start-up: every `stacx train` driver, `stacx serve`,
+Ray role worker and torchrun rank is a fresh interpreter importing the same 3-6 s of modules. Here one
+process (the zygote) imports them once; a tiny stdlib-only client (`write_client`), given to the suite as
+its Python executable, asks the zygote to fork a child that runs the client's command line, with the
+client's arguments, environment, working folder and standard streams, and mirrors its exit status.
+
+Semantics a caller relies on, kept:
+- the exit status is the child's (a signal death is re-raised in the client, so `returncode == -9` holds);
+- SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 sent to the client reach the child;
+- the child dies when its client dies (SIGKILL included: the child watches the client's pidfd), so
+  killing the process the caller started ends the work, as it would for a cold process;
+- inside the child `sys.executable` is the client again, so what it starts (`stacx serve` beside a
+  driver, torchrun's ranks, a Ray cluster's workers) is warm too.
+
+Anything the client does not recognise (an interpreter option other than -u/-B/-s/-W, a module or script
+outside the allowed prefixes, a `sitecustomize` on the child's `PYTHONPATH`, no zygote) runs cold with
+`os.execv` of the real interpreter: the fallback is always today's behaviour. The suite keeps cold
+processes where process identity is what a test checks (signals, orphans, `ps`); see docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+from typing import Sequence
+
+from stacx.testing.warm_python_client import recv_message, send_message
+
+DEFAULT_PRELOAD = (
+    "torch", "torch.distributed", "stacx.testing.megatron_preload", "transformers", "torch.distributed.run",
+    "stacx.serving.server", "stacx.trainer.factory", "stacx.trainer.loop",
+)
+"""What a driver, a `stacx serve`, a role worker and a torchrun rank each import first, Ray excepted."""
+
+NEVER_PRELOADED = ("ray",)
+"""Ray's core library reads its process's environment when it loads (a worker's job id among it), so a
+child forked after it loaded would carry the zygote's: Ray is imported by each child itself (about 0.3-1 s)."""
+
+DEFAULT_WARM_MODULES = ("stacx", "tests", "torch.distributed.run")
+"""`-m` targets run warm (the module or a submodule of it); other modules run cold."""
+
+DEFAULT_WARM_SCRIPTS = ("ray/_private/workers/default_worker.py", "ray/_private/workers/setup_worker.py")
+"""Scripts run warm (absolute path suffixes): Ray's Python worker and its runtime-env wrapper; `write_client`
+adds the folders given as `warm_folders` (a test suite's own launcher scripts)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The child: what a fresh interpreter would do with the client's command line.
+
+
+def _rebuild_standard_streams(unbuffered: bool) -> None:
+    import io
+
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            raw = io.FileIO(fd, mode, closefd=False)
+        except OSError:
+            setattr(sys, name, None)
+            continue
+        tty = raw.isatty()
+        if mode == "r":
+            stream = io.TextIOWrapper(io.BufferedReader(raw), line_buffering=tty)
+        elif unbuffered or name == "stderr":
+            stream = io.TextIOWrapper(io.BufferedWriter(raw), line_buffering=True, write_through=True,
+                                      errors="backslashreplace" if name == "stderr" else "strict")
+        else:
+            stream = io.TextIOWrapper(io.BufferedWriter(raw), line_buffering=tty)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _die_with_client(client_pid: int) -> None:
+    """A daemon thread that SIGKILLs this process's group when the client process ends (it may be SIGKILLed,
+    alone or with its group): a cold process's group would have been the client's."""
+    try:
+        pidfd = os.pidfd_open(client_pid)
+    except (OSError, AttributeError):
+        return
+
+    def watch():
+        select.select([pidfd], [], [])
+        os.killpg(0, signal.SIGKILL)  # this child leads its group: what it started in the group goes too
+
+    threading.Thread(target=watch, name="warm-python-client-watch", daemon=True).start()
+
+
+def _apply_python_path(environ: dict) -> None:
+    """Entries of the child's PYTHONPATH the zygote lacks go first on sys.path, as at a cold start."""
+    entries = [entry for entry in environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    missing = [os.path.abspath(entry) for entry in entries if os.path.abspath(entry) not in sys.path]
+    sys.path[1:1] = missing
+
+
+def _report_uncaught(error: BaseException) -> None:
+    """`sys.excepthook` on the error, its traceback starting at the program's own frames (a cold
+    interpreter's traceback has no runner frames above them)."""
+    traceback = error.__traceback__
+    while traceback is not None and traceback.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
+        traceback = traceback.tb_next
+    sys.excepthook(type(error), error.with_traceback(traceback), traceback)
+
+
+def _run_child(request: dict, client_path: str) -> int:
+    """Run the request as `__main__`; returns the exit code (a signal death re-raises the signal)."""
+    import atexit
+    import runpy
+    import types
+
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _rebuild_standard_streams(request["unbuffered"])
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    sys.executable = client_path
+    if request["warnings"]:
+        import warnings
+
+        sys.warnoptions.extend(request["warnings"])
+        warnings._processoptions(request["warnings"])
+    sys.orig_argv = [client_path, *request["argv"]]
+    _apply_python_path(request["env"])
+    kind, target, args = request["kind"], request["target"], request["args"]
+    code = 0
+    try:
+        if kind == "module":
+            sys.modules["__main__"] = types.ModuleType("__main__")  # runpy runs the module in its namespace
+            sys.argv = [target, *args]
+            sys.path[0] = os.getcwd()
+            runpy._run_module_as_main(target, alter_argv=True)  # what `python -m` calls
+        elif kind == "code":
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            sys.argv = ["-c", *args]
+            sys.path[0] = ""
+            exec(compile(target, "<string>", "exec"), main.__dict__)
+        else:
+            sys.argv = [target, *args]
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code is None:
+            code = 0
+        elif isinstance(exit_.code, int):
+            code = exit_.code
+        else:
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt as interrupt:
+        _report_uncaught(interrupt)
+        code = -signal.SIGINT
+    except BaseException as error:  # noqa: BLE001 (what the interpreter does with an uncaught exception)
+        _report_uncaught(error)
+        code = 1
+    threading._shutdown()  # non-daemon threads end before atexit, as at interpreter exit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    return code
+
+
+def _child_main(request: dict, fds: list[int], client_path: str) -> None:
+    """In the forked child: take the client's streams, session and death, then run the command."""
+    try:
+        os.setsid()
+        for target_fd, fd in enumerate(fds[:3]):
+            os.dup2(fd, target_fd, inheritable=True)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGPIPE):
+            signal.signal(signum, signal.SIG_DFL if signum != signal.SIGPIPE else signal.SIG_IGN)
+        _die_with_client(request["client_pid"])
+        code = _run_child(request, client_path)
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The zygote.
+
+
+def serve(socket_path: str, client_path: str, preload: Sequence[str], owner_pid: int) -> None:
+    """Import `preload`, then fork a child per client request until `owner_pid` ends."""
+    import importlib
+
+    for name in preload:
+        importlib.import_module(name)
+        loaded = [never for never in NEVER_PRELOADED if never in sys.modules]
+        if loaded:
+            raise RuntimeError(f"warm python: preloading {name} imported {loaded}, which must load in each child")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path + ".tmp")
+    listener.listen(64)
+    os.rename(socket_path + ".tmp", socket_path)  # ready: a client never finds a socket nobody accepts on
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    owner = os.pidfd_open(owner_pid)
+    children: dict[int, socket.socket] = {}
+    while True:
+        try:
+            readable, _, _ = select.select([listener, wake_read, owner], [], [])
+        except InterruptedError:
+            continue
+        if owner in readable:
+            break
+        if wake_read in readable:
+            os.read(wake_read, 4096)
+            _reap(children)
+        if listener in readable:
+            connection, _ = listener.accept()
+            fds: list[int] = []
+            try:
+                request = recv_message(connection, fds)
+            except (ConnectionError, ValueError, OSError):
+                connection.close()
+                for fd in fds:
+                    os.close(fd)
+                continue
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                os.close(wake_read)
+                os.close(wake_write)
+                for other in children.values():
+                    other.close()
+                connection.close()
+                _child_main(request, fds, client_path)
+            for fd in fds:
+                os.close(fd)
+            children[pid] = connection
+            try:
+                send_message(connection, {"pid": pid})
+            except OSError:
+                pass
+            _reap(children)
+    for connection in children.values():
+        connection.close()
+    try:
+        os.unlink(socket_path)
+    except OSError:
+        pass
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        connection = children.pop(pid, None)
+        if connection is None:
+            continue
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        try:
+            send_message(connection, {"exit": code})
+        except OSError:
+            pass
+        connection.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The client: a file the suite runs as its Python; it imports only the standard library.
+
+CLIENT_TEMPLATE = '''#!{real_python} -IS
+# Generated by stacx.testing.warm_python: runs this command line in a child of the warm zygote,
+# or cold with the real interpreter when it cannot.
+import os, sys
+REAL_PYTHON = {real_python!r}
+WARM_MODULES = {warm_modules!r}
+WARM_SCRIPTS = {warm_scripts!r}
+WARM_FOLDERS = {warm_folders!r}
+SOCKET_PATH = {socket_path!r}
+sys.path.insert(0, {stacx_testing!r})
+
+
+def cold():
+    os.execv(REAL_PYTHON, [REAL_PYTHON, *sys.argv[1:]])
+
+
+def parse(argv):
+    unbuffered, warnings = False, []
+    index = 0
+    while index < len(argv) and argv[index].startswith("-") and argv[index] not in ("-m", "-c", "-"):
+        option = argv[index]
+        if option == "-u":
+            unbuffered = True
+        elif option in ("-B", "-s"):
+            pass
+        elif option == "-W" and index + 1 < len(argv):
+            index += 1
+            warnings.append(argv[index])
+        elif option.startswith("-W") and len(option) > 2:
+            warnings.append(option[2:])
+        else:
+            return None
+        index += 1
+    if index + 1 >= len(argv) and argv[index:index + 1] in (["-m"], ["-c"]):
+        return None
+    if index >= len(argv):
+        return None
+    common = dict(unbuffered=unbuffered, warnings=warnings)
+    if argv[index] == "-c":
+        return dict(kind="code", target=argv[index + 1], args=argv[index + 2:], **common)
+    if argv[index] == "-m":
+        module = argv[index + 1]
+        if not any(module == warm or module.startswith(warm + ".") for warm in WARM_MODULES):
+            return None
+        return dict(kind="module", target=module, args=argv[index + 2:], **common)
+    script = argv[index]
+    absolute = os.path.abspath(script)
+    if script.startswith("-") or not (any(absolute.endswith(suffix) for suffix in WARM_SCRIPTS)
+                                      or any(absolute.startswith(folder + os.sep) for folder in WARM_FOLDERS)):
+        return None
+    return dict(kind="script", target=script, args=argv[index + 1:], **common)
+
+
+def has_site_hook(environ):
+    for entry in environ.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and (os.path.exists(os.path.join(entry, "sitecustomize.py"))
+                      or os.path.exists(os.path.join(entry, "usercustomize.py"))):
+            return True
+    return False
+
+
+def main():
+    request = parse(sys.argv[1:])
+    if request is None or has_site_hook(os.environ):
+        cold()
+    from warm_python_client import run
+    env = dict(os.environ)
+    if request["unbuffered"]:
+        env["PYTHONUNBUFFERED"] = "1"
+    request.update(argv=sys.argv[1:], env=env, cwd=os.getcwd(), client_pid=os.getpid())
+    code = run(SOCKET_PATH, request)
+    if code is None:
+        cold()
+    sys.exit(code)
+
+
+main()
+'''
+
+
+def write_client(folder: str, socket_path: str, *, real_python: str | None = None,
+                 warm_modules: Sequence[str] = DEFAULT_WARM_MODULES, warm_scripts: Sequence[str] = DEFAULT_WARM_SCRIPTS,
+                 warm_folders: Sequence[str] = ()) -> str:
+    """Write the client script into `folder` (executable; its shebang names the real interpreter)."""
+    path = os.path.join(folder, "python")
+    text = CLIENT_TEMPLATE.format(real_python=real_python or sys.executable, socket_path=socket_path,
+                                  warm_modules=tuple(warm_modules),
+                                  warm_scripts=tuple(warm_scripts),
+                                  warm_folders=tuple(os.path.abspath(folder) for folder in warm_folders),
+                                  stacx_testing=os.path.dirname(os.path.abspath(__file__)))
+    with open(path, "w") as handle:
+        handle.write(text)
+    os.chmod(path, 0o755)
+    return path
+
+
+class WarmPython:
+    """A running zygote and its client (`start`)."""
+
+    def __init__(self, process, client: str, socket_path: str):
+        self.process = process
+        self.client = client
+        self.socket_path = socket_path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+
+
+def start(folder: str, *, preload: Sequence[str] = DEFAULT_PRELOAD, warm_folders: Sequence[str] = (),
+          timeout_s: float = 300.0) -> WarmPython:
+    """Start a zygote owned by this process (it exits when this process does), write its client into
+    `folder`, and wait (polling, at most `timeout_s`) until it accepts requests."""
+    import subprocess
+    import time
+
+    socket_path = os.path.join(folder, "zygote.sock")
+    client = write_client(folder, socket_path, warm_folders=warm_folders)
+    # `-c`, not `-m`: this module's globals must not be `__main__`'s, which a child's `-m` target runs in.
+    process = subprocess.Popen([sys.executable, "-c", "from stacx.testing.warm_python import main; main()",
+                                "--socket", socket_path, "--client", client, "--owner-pid", str(os.getpid()),
+                                "--preload", ",".join(preload)],
+                               stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(socket_path):
+        if process.poll() is not None:
+            raise RuntimeError(f"the warm-python zygote exited with {process.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise TimeoutError(f"the warm-python zygote was not ready after {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return WarmPython(process, client, socket_path)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="the warm-python zygote (test support)")
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--client", required=True)
+    parser.add_argument("--owner-pid", type=int, required=True)
+    parser.add_argument("--preload", default=",".join(DEFAULT_PRELOAD))
+    args = parser.parse_args(argv)
+    serve(args.socket, args.client, [name for name in args.preload.split(",") if name], args.owner_pid)
+
+
+if __name__ == "__main__":
+    main()

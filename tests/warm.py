@@ -1,0 +1,41 @@
+"""The suite's warm Python (stacx/testing/warm_python.py): one zygote per pytest process, started on first
+use, whose client the end-to-end tests run instead of `sys.executable` for the processes they start
+(`stacx train` drivers, torchrun, the shared Ray cluster and, through them, `stacx serve`, the ranks and the
+Ray role workers). `STACX_TEST_COLD_PROCESSES=1` turns it off: every process starts cold."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import tempfile
+
+COLD_ENV = "STACX_TEST_COLD_PROCESSES"
+TESTS = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(TESTS), "examples")
+
+_warm = None
+
+
+def warm_python() -> str:
+    """The executable to start a Stacx process with: the warm client, or `sys.executable` when turned off."""
+    global _warm
+    if os.environ.get(COLD_ENV) == "1":
+        return sys.executable
+    if _warm is None:
+        from stacx.testing.warm_python import start
+
+        folder = tempfile.mkdtemp(prefix="stacx-warm-python-")
+        preload = os.environ.get("STACX_TEST_WARM_PRELOAD")
+        kwargs = {"preload": tuple(preload.split(","))} if preload else {}
+        _warm = start(folder, warm_folders=(TESTS, EXAMPLES), **kwargs)
+        atexit.register(_warm.stop)
+    return _warm.client
+
+
+def torchrun_command() -> list[str]:
+    """torchrun, started warm (its ranks are then warm too)."""
+    python = warm_python()
+    if python == sys.executable:
+        return [os.path.join(os.path.dirname(sys.executable), "torchrun")]
+    return [python, "-m", "torch.distributed.run"]
