@@ -13,6 +13,7 @@ import tempfile
 COLD_ENV = "STACX_TEST_COLD_PROCESSES"
 TESTS = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(TESTS), "examples")
+BENCH = os.path.join(os.path.dirname(TESTS), "bench")
 
 _warm = None
 
@@ -28,7 +29,7 @@ def warm_python() -> str:
         folder = tempfile.mkdtemp(prefix="stacx-warm-python-")
         preload = os.environ.get("STACX_TEST_WARM_PRELOAD")
         kwargs = {"preload": tuple(preload.split(","))} if preload else {}
-        _warm = start(folder, warm_folders=(TESTS, EXAMPLES), **kwargs)
+        _warm = start(folder, warm_folders=(TESTS, EXAMPLES, BENCH), **kwargs)
         atexit.register(_warm.stop)
     return _warm.client
 

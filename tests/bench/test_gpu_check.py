@@ -6,10 +6,11 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.warm import warm_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +25,7 @@ def load_gpu_check():
 @pytest.mark.slow
 def test_dry_run_writes_every_section_and_passes_its_own_check(tmp_path):
     out = tmp_path / "gpu.json"
-    env = dict(os.environ, PYTHON=sys.executable)
+    env = dict(os.environ, PYTHON=warm_python())
     run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, run.stderr[-3000:]
