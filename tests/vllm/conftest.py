@@ -66,14 +66,8 @@ TIER_TEST_TIMEOUT_S = 2400
 start: on two loaded cores that alone took 8 minutes. A test of this tier that names no timeout gets this one."""
 
 
-@pytest.hookimpl(trylast=True)  # after tests/conftest.py has ordered the files
 def pytest_collection_modifyitems(config, items):
-    """A tier test that names no timeout gets TIER_TEST_TIMEOUT_S. Tests of a module with `KILLS_THE_SHARED_SERVER =
-    True` (test_vllm_killed_mid_answer.py SIGKILLs the session's server rather than start one of its own: each vLLM
-    start is three processes importing vLLM and torch, the tier's largest cost) run after every other test; the rest
-    keep their order."""
     folder = os.path.dirname(os.path.abspath(__file__))
     for item in items:
         if str(item.fspath).startswith(folder + os.sep) and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(TIER_TEST_TIMEOUT_S))
-    items.sort(key=lambda item: bool(getattr(getattr(item, "module", None), "KILLS_THE_SHARED_SERVER", False)))

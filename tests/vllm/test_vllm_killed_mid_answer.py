@@ -4,9 +4,8 @@ raises with the tokens it received (`partial`), each with the log-prob the serve
 continues them on a live engine (an in-process CPU engine on the same checkpoint): the continuation asks the
 prompt and the kept tokens for the budget left, and the joined answer is the kept tokens then the live engine's.
 
-The server killed is the tier's shared one (`vllm_server`): a server of its own cost the tier a second vLLM start (three
-processes importing vLLM and torch, the tier's largest cost), so this file runs after every other test of the session
-(`KILLS_THE_SHARED_SERVER`, ordered last by tests/vllm/conftest.py). The kill happens in the client's thread when the first event with tokens arrives, out of a greedy answer of 200 tokens (`ignore_eos`), so
+The server is this file's own (killing the tier's shared one would break the other tests). The kill happens in the
+client's thread when the first event with tokens arrives, out of a greedy answer of 200 tokens (`ignore_eos`), so
 the server is gone long before it could finish; the replayed-fake twin of this test, which decides where the
 answer breaks byte for byte, is tests/serving/test_streamed_vllm_completions.py."""
 
@@ -28,8 +27,16 @@ pytestmark = pytest.mark.vllm
 REQUEST = GenerateRequest(input_ids=(3, 4, 5, 6, 7), return_logprob=True, top_logprobs_num=2,
                           sampling=SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True))
 ONE_TRY = RetryPolicy(timeout_s=600, max_attempts=1)
-KILLS_THE_SHARED_SERVER = True
-"""tests/vllm/conftest.py runs this file's tests after every other test of the session."""
+
+
+@pytest.fixture
+def private_vllm_server(vllm_python, vllm_checkpoints):
+    """A vLLM server of this test alone (it is killed), serving the tier's first checkpoint."""
+    server = VllmServerProcess(vllm_checkpoints[0], python=vllm_python, timeout_s=2400, wait=False)
+    try:
+        yield server.wait_until_ready(), server
+    finally:
+        server.stop()
 
 
 def killed_at_its_first_tokens(engine: VllmEngine, server: VllmServerProcess) -> list[dict]:
@@ -49,10 +56,10 @@ def killed_at_its_first_tokens(engine: VllmEngine, server: VllmServerProcess) ->
 
 
 def test_a_vllm_server_killed_mid_answer_keeps_the_streamed_tokens_and_the_pool_continues_them(
-        vllm_server, vllm_checkpoints):
+        private_vllm_server, vllm_checkpoints):
     from stacx.serving.cpu_engine import CpuEngine
 
-    url, server = vllm_server  # its weights may be an earlier test's push: the test compares it with itself
+    url, server = private_vllm_server
     whole = VllmEngine(url, stream_progress=False)
     (unstreamed,) = whole.generate([REQUEST])  # the same greedy answer, whole, while the server lives
     whole.shutdown()
