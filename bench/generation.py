@@ -206,13 +206,30 @@ def main(argv=None) -> int:
         "benchmark": "generation", "rows": rows, "threads": args.threads, "rounds": args.rounds,
         "load_average_1_5_15_before": load_before, "load_average_1_5_15_after": os.getloadavg(),
         "torch": torch.__version__, "python": sys.version.split()[0], "machine": platform.machine(),
-        "rerun": "python bench/generation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "rerun": "python bench/generation.py " + " ".join(rerun_arguments(argv if argv is not None else sys.argv[1:])),
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"load average before {load_before}, after {os.getloadavg()}; wrote {args.out}")
     return 0
+
+
+def rerun_arguments(argv) -> list[str]:
+    """The command line to record: --vllm-python's value as VENV/bin/python (a machine's own path), --out left out."""
+    kept, skip = [], None
+    for argument in argv:
+        if skip is not None:
+            kept += [] if skip == "--out" else ["VENV/bin/python"]
+            skip = None
+        elif argument in ("--vllm-python", "--out"):
+            skip = argument
+            kept += [] if argument == "--out" else [argument]
+        elif argument.startswith(("--vllm-python=", "--out=")):
+            kept += [] if argument.startswith("--out=") else ["--vllm-python=VENV/bin/python"]
+        else:
+            kept.append(argument)
+    return kept
 
 
 def run_shape(args, shape, num_params, model, hf_model, groups, engine, packed, vllm, prompts, prompt_lists,

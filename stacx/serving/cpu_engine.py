@@ -463,8 +463,10 @@ class CpuEngine(InferenceEngine):
                 batch.keep_rows(kept_rows)
                 logits_BV = logits_BV[kept_rows]
                 active = still
-            temperatures_B1 = torch.tensor([[requests[i].sampling.temperature or 1.0] for i in active])
-            log_probs_BV = torch.log_softmax(logits_BV / temperatures_B1, dim=-1)
+            temperatures = [requests[i].sampling.temperature or 1.0 for i in active]
+            if any(temperature != 1.0 for temperature in temperatures):
+                logits_BV = logits_BV / torch.tensor(temperatures).unsqueeze(1)
+            log_probs_BV = torch.log_softmax(logits_BV, dim=-1)  # (x / 1.0 is x: greedy and T = 1 skip the division)
             tokens = choose_tokens(log_probs_BV, [requests[i].sampling for i in active], [generators[i] for i in active],
                                    filter_top_k_top_p)
             chosen_B = log_probs_BV.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()

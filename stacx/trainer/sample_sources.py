@@ -359,8 +359,8 @@ def build_agent_rollout(run_config: RunConfig, algorithm: AlgorithmConfig, rollo
               if section.save_rollouts_per_step > 0 else None)
     agent = agent_from_settings(section.agent, section.agent_command, agent_timeout=section.agent_timeout,
                                 agent_env=section.agent_env)
-    endpoint = session_endpoint(resolve_engine_kind(rollout.engine_kind), rollout,
-                                model_path=run_config.model.hf_checkpoint or "")
+    kind = resolve_engine_kind(rollout.engine_kind)
+    endpoint = session_endpoint(kind, rollout, model_path=run_config.model.hf_checkpoint or "")
     return AgentRollout(agent, server_url=endpoint.url,
                         next_tasks=next_tasks, n_samples_per_task=section.n_samples_per_prompt,
                         reward_fn=last_turn_reward(resolve_reward_fn(section.reward_fn), tokenizer.decode),
@@ -368,5 +368,14 @@ def build_agent_rollout(run_config: RunConfig, algorithm: AlgorithmConfig, rollo
                         dumper=dumper, uniform_reward_warning=uniform_rewards,
                         episode_retries=section.episode_retries, max_dropped_fraction=section.max_dropped_fraction,
                         more_tasks=next_tasks,
-                        # each episode on a live engine of the supervised pool, moved when it fails
-                        engines=EpisodeEngines(rollout.engine) if rollout.supervisor is not None else None)
+                        engines=episode_engines(kind, rollout))
+
+
+def episode_engines(kind, rollout: RolloutService) -> Optional[EpisodeEngines]:
+    """Where an agent run's episodes open their sessions, engine by engine: each on a live engine of the supervised
+    pool, moved when it fails, when `kind` records sessions itself (`stacx serve`); None (every episode on the one
+    session endpoint) otherwise: an engine that records none (vLLM) is reached through the recorder in front of the
+    driver's engine client (stacx.trainer.session_recorder), and its own URL answers no session call."""
+    if rollout.supervisor is None or not kind.records_sessions:
+        return None
+    return EpisodeEngines(rollout.engine)

@@ -4,7 +4,7 @@ against the `transformers` cached path and the per-row sampler they replace (fp3
 import pytest
 import torch
 
-from stacx.serving.batched_sampling import choose_tokens
+from stacx.serving.batched_sampling import ARGMAX_BLOCK, choose_tokens, first_argmax
 from stacx.serving.cpu_engine import CpuEngine, filter_top_k_top_p, sample_token
 from stacx.serving.dense_kv_decoding import DenseKvDecoder, PackedLinear, onednn_packing_available
 from stacx.serving.kv_cache_decoding import KvCacheDecoder
@@ -27,6 +27,20 @@ def test_batched_choice_makes_the_per_row_draws():
         shared.manual_seed(seed)
         generators[1].manual_seed(100 + seed)
         assert choose_tokens(log_probs_BV, samplings, generators, filter_top_k_top_p) == expected
+
+
+@pytest.mark.parametrize("vocab_size", [32000, 32000 + 77, 151936, 300])
+def test_blocked_argmax_is_torch_argmax_ties_and_nan_included(vocab_size):
+    torch.manual_seed(0)
+    x_BV = torch.log_softmax(torch.randn(9, vocab_size) * 3, dim=-1)
+    x_BV[1, [5, vocab_size - 1]] = x_BV[1].max() + 1  # a tie across blocks: the first one
+    x_BV[2, [ARGMAX_BLOCK + 3, ARGMAX_BLOCK + 9]] = x_BV[2].max() + 1  # a tie inside a block
+    x_BV[3, vocab_size - 1] = x_BV[3].max() + 1  # the maximum in the last column (past the whole blocks)
+    x_BV[4, 17] = float("nan")  # NaN counts as the maximum, as torch.argmax has it
+    x_BV[5, vocab_size - 2] = float("nan")
+    x_BV[6] = float("-inf")
+    x_BV[7, [40, vocab_size - 3]] = float("nan")
+    assert torch.equal(first_argmax(x_BV), x_BV.argmax(dim=-1))
 
 
 def _decoders(arch, single_process_world, **overrides):

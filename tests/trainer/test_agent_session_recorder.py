@@ -110,3 +110,25 @@ def test_a_tool_calling_episode_is_recorded_token_exact_by_the_recorder_in_front
     assert all(lp == (LOG_PROB if m else 0.0) for lp, m in zip(sample.rollout_log_probs, sample.loss_mask))
     with pytest.raises(requests.ConnectionError):  # the front stopped with the service
         requests.get(endpoint.url + "/health", timeout=5)
+
+
+def test_episodes_of_an_engine_that_records_no_sessions_all_go_through_the_recorder_in_front():
+    """A supervised pool moves each episode to a live engine only when the engines record sessions themselves; a
+    vLLM episode sent to the engine's own URL would open its session where no session route exists (404)."""
+    from types import SimpleNamespace
+
+    from stacx.rollout.agents.episode_engines import EpisodeEngines
+    from stacx.rollout.engine_pool import EnginePool
+    from stacx.trainer.sample_sources import episode_engines
+
+    from stacx.rollout.sections import RolloutSection
+
+    pool = EnginePool([ScriptedIdsEngine([[1]])], names=["http://engine"])
+    pool.supervise(settings=RolloutSection(engine_health_interval_s=0.05, attached_engine_wait_s=0.0))
+    try:
+        supervised = SimpleNamespace(supervisor=pool.supervisor, engine=pool)
+        assert episode_engines(resolve_engine_kind("vllm"), supervised) is None
+        assert isinstance(episode_engines(resolve_engine_kind("cpu"), supervised), EpisodeEngines)
+        assert episode_engines(resolve_engine_kind("cpu"), SimpleNamespace(supervisor=None, engine=pool)) is None
+    finally:
+        pool.shutdown()
