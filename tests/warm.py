@@ -27,9 +27,7 @@ def warm_python() -> str:
         from stacx.testing.warm_python import start
 
         folder = tempfile.mkdtemp(prefix="stacx-warm-python-")
-        preload = os.environ.get("STACX_TEST_WARM_PRELOAD")
-        kwargs = {"preload": tuple(preload.split(","))} if preload else {}
-        _warm = start(folder, warm_folders=(TESTS, EXAMPLES, BENCH), **kwargs)
+        _warm = start(folder, warm_folders=(TESTS, EXAMPLES, BENCH))
         atexit.register(_warm.stop)
     return _warm.client
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from stacx.testing.distributed import run_distributed
+from tests.models.test_lora import checkpoints  # noqa: F401 (the same tiny Qwen3 and Qwen3-MoE folders)
 
 # (arch, tp, cp, pp, ep)
 LAYOUTS = [("qwen3", 2, 1, 1, 1), ("qwen3", 1, 2, 1, 1), ("qwen3", 1, 1, 2, 1), ("qwen3_moe", 1, 1, 1, 2)]
@@ -103,17 +104,6 @@ def run_layouts(_groups, paths, layouts, single: bool):
         if single:
             results[(layout, "full")] = _full_fine_tuning_directions(paths[arch], groups, layout)
     return results
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    from stacx.models.testing import save_tiny_hf_checkpoint
-    from tests.models.test_moe import save_moe_checkpoint
-
-    root = tmp_path_factory.mktemp("lora_gradient_init")
-    save_tiny_hf_checkpoint(str(root / "qwen3"), "qwen3", seed=0)
-    save_moe_checkpoint("qwen3_moe", str(root / "qwen3_moe"))
-    return {"qwen3": str(root / "qwen3"), "qwen3_moe": str(root / "qwen3_moe")}
 
 
 @pytest.mark.slow  # two spawns, eleven RoleRuntimes
