@@ -74,16 +74,19 @@ def serve(socket_path: str, client_path: str, preload: Sequence[str], owner_pid:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     owner = os.pidfd_open(owner_pid)
     children: dict[int, socket.socket] = {}
+    departed: set[int] = set()  # children whose client has gone (killed; not yet reaped)
     while True:
         try:
-            readable, _, _ = select.select([listener, wake_read, owner], [], [])
+            clients = [connection for pid, connection in children.items() if pid not in departed]
+            readable, _, _ = select.select([listener, wake_read, owner, *clients], [], [])
         except InterruptedError:
             continue
         if owner in readable:
             break
         if wake_read in readable:
             os.read(wake_read, 4096)
-            _reap(children)
+            _reap(children, departed)
+        _kill_children_whose_client_left(children, departed, readable)
         if listener in readable:
             connection, _ = listener.accept()
             fds: list[int] = []
@@ -110,7 +113,7 @@ def serve(socket_path: str, client_path: str, preload: Sequence[str], owner_pid:
                 send_message(connection, {"pid": pid})
             except OSError:
                 pass
-            _reap(children)
+            _reap(children, departed)
     for connection in children.values():
         connection.close()
     try:
@@ -119,7 +122,22 @@ def serve(socket_path: str, client_path: str, preload: Sequence[str], owner_pid:
         pass
 
 
-def _reap(children: dict[int, socket.socket]) -> None:
+def _kill_children_whose_client_left(children: dict[int, socket.socket], departed: set[int],
+                                     readable: list) -> None:
+    """A client sends nothing after its request: its connection turning readable means it ended (SIGKILL
+    included). Its child's process group is killed from here, so a child that cannot act (stopped by SIGSTOP,
+    or its watch thread starved) still dies with its client, as a cold process would have, being the client."""
+    for pid, connection in children.items():
+        if connection in readable and pid not in departed:
+            departed.add(pid)
+            for kill in (os.killpg, os.kill):  # its group; itself, if it has not made its group yet
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+def _reap(children: dict[int, socket.socket], departed: set[int]) -> None:
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -128,6 +146,7 @@ def _reap(children: dict[int, socket.socket]) -> None:
         if pid == 0:
             return
         connection = children.pop(pid, None)
+        departed.discard(pid)
         if connection is None:
             continue
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
@@ -194,17 +213,16 @@ def parse(argv):
     return dict(kind="script", target=script, args=argv[index + 1:], **common)
 
 
-def has_site_hook(environ):
+def has_user_site_hook(environ):
     for entry in environ.get("PYTHONPATH", "").split(os.pathsep):
-        if entry and (os.path.exists(os.path.join(entry, "sitecustomize.py"))
-                      or os.path.exists(os.path.join(entry, "usercustomize.py"))):
+        if entry and os.path.exists(os.path.join(entry, "usercustomize.py")):
             return True
     return False
 
 
 def main():
     request = parse(sys.argv[1:])
-    if request is None or has_site_hook(os.environ):
+    if request is None or has_user_site_hook(os.environ):
         cold()
     from warm_python_client import run
     env = dict(os.environ)

@@ -55,6 +55,28 @@ def _apply_python_path(environ: dict) -> None:
     sys.path[1:1] = missing
 
 
+def _run_site_hook(environ: dict) -> None:
+    """A cold interpreter imports the first `sitecustomize` on its path as it starts (entries of PYTHONPATH come
+    before site-packages); the zygote's start-up is long past, so the first one on the child's PYTHONPATH runs
+    here, before the program, with `sys.orig_argv` already the child's. An error in it is reported
+    as the interpreter reports it, and the program runs anyway."""
+    import importlib.util
+
+    for entry in filter(None, environ.get("PYTHONPATH", "").split(os.pathsep)):
+        path = os.path.join(os.path.abspath(entry), "sitecustomize.py")
+        if not os.path.isfile(path):
+            continue
+        spec = importlib.util.spec_from_file_location("sitecustomize", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sitecustomize"] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:  # noqa: BLE001 (what site.py does with a failing sitecustomize)
+            print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(error).__name__}: {error}",
+                  file=sys.stderr)
+        return
+
+
 def _report_uncaught(error: BaseException) -> None:
     """`sys.excepthook` on the error, its traceback starting at the program's own frames (a cold
     interpreter's traceback has no runner frames above them)."""
@@ -85,6 +107,7 @@ def _run_child(request: dict, client_path: str) -> int:
         warnings._processoptions(request["warnings"])
     sys.orig_argv = [client_path, *request["argv"]]
     _apply_python_path(request["env"])
+    _run_site_hook(request["env"])
     kind, target, args = request["kind"], request["target"], request["args"]
     code = 0
     try:

@@ -29,6 +29,11 @@ driver writes a step's row before the next rollout starts, so a retried episode 
 The restarted sandbox server's process id is written to CHAOS_SANDBOX_PID_FILE. A `midkill` engine is told to
 hold through a file named by its process id in CHAOS_HOLD_DIR; the engines load `hold_engine_when_asked` from
 tests/launch/chaos_engine_hooks/sitecustomize.py (on their PYTHONPATH).
+
+Every fault acts on the process that serves a server's port (`serving_pid`), not on the process its starter holds:
+the two differ when the suite's processes are forked from its warm zygote (tests/warm.py), where the process a
+starter holds is the client and the server is the client's child; killing that child ends its client with the
+same status, as a cold server's death would.
 """
 
 from __future__ import annotations
@@ -69,6 +74,46 @@ def engine_processes() -> list[int]:
         if parent == me and state != "Z" and b"serve" in command and b"stacx" in command and int(entry) != attached:
             found.append(int(entry))
     return sorted(found)
+
+
+def serving_pid(url: str) -> int:
+    """The process listening on `url`'s port (its socket's inode in /proc/net/tcp, then the process holding it;
+    the oldest holder if a child inherited it)."""
+    port = int(url.rsplit(":", 1)[1])
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as handle:
+                rows = handle.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    holders = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{entry}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{entry}/fd")):
+                with open(f"/proc/{entry}/stat") as handle:
+                    holders[int(entry)] = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+    if not holders:
+        raise RuntimeError(f"no process listens on {url}")
+    return next(pid for pid, parent in holders.items() if parent not in holders)
+
+
+def _wait_until_port_is_free(url: str, timeout_s: float = 60.0) -> None:
+    """Until nothing listens on `url`'s port (a SIGKILLed server may still be exiting)."""
+    def free():
+        try:
+            serving_pid(url)
+        except RuntimeError:
+            return True
+        return False
+
+    _wait_until(free, f"{url}'s port to be free", timeout_s=timeout_s)
 
 
 def engine_urls() -> dict[int, str]:
@@ -233,9 +278,10 @@ def kill_held_engines_on_their_pieces() -> None:
 
 def arm_mid_generation_kill() -> None:
     """`midkill`: the newest engine holds its next generation and is killed at the client's first piece of it."""
-    pid = engine_processes()[-1]
+    url = engine_urls()[engine_processes()[-1]]
+    pid = serving_pid(url)
     with _lock:
-        _kill_on_held_piece[engine_urls()[pid]] = pid
+        _kill_on_held_piece[url] = pid
     with open(os.path.join(os.environ["CHAOS_HOLD_DIR"], str(pid)), "w"):
         pass
 
@@ -246,11 +292,11 @@ def _chaos(step: int, index: int, task: dict) -> None:
         if at != f"{step}.{index}":
             continue
         if action == "kill":
-            os.kill(engine_processes()[-1], signal.SIGKILL)
+            os.kill(serving_pid(engine_urls()[engine_processes()[-1]]), signal.SIGKILL)
         elif action == "midkill":
             arm_mid_generation_kill()
         elif action == "stop":
-            os.kill(engine_processes()[0], signal.SIGSTOP)
+            os.kill(serving_pid(engine_urls()[engine_processes()[0]]), signal.SIGSTOP)
         elif action == "sandbox":
             restart_sandbox_server(task)
         elif action == "slow":
@@ -258,7 +304,7 @@ def _chaos(step: int, index: int, task: dict) -> None:
         elif action == "compare":
             compare_engines()
         elif action == "detach":
-            os.kill(attached_engine_pid(), signal.SIGKILL)
+            os.kill(serving_pid(attached_engine_url()), signal.SIGKILL)
             reattach_once_the_run_waits()
         else:
             raise ValueError(f"CHAOS_PLAN: unknown action {action!r}")
@@ -269,8 +315,8 @@ def restart_sandbox_server(task: dict) -> None:
     import subprocess
 
     pid_file = os.environ["CHAOS_SANDBOX_PID_FILE"]
-    with open(pid_file) as handle:
-        os.kill(int(handle.read()), signal.SIGKILL)
+    os.kill(serving_pid(task["sandbox_url"]), signal.SIGKILL)
+    _wait_until_port_is_free(task["sandbox_url"])
     port = task["sandbox_url"].rsplit(":", 1)[1]
     env = dict(os.environ, CHAOS_SANDBOX_KEY=task["sandbox_key"])
     process = subprocess.Popen([warm_python(), "-m", "stacx.sandbox.server", "--port", port,

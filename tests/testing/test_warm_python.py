@@ -98,13 +98,38 @@ def test_a_sigkilled_client_takes_its_child_with_it(warm):
     _wait_gone(child_pid)
 
 
+def test_a_stopped_child_dies_with_its_sigkilled_client(warm):
+    """SIGSTOP leaves the child unable to act (its own watch cannot run): the zygote, seeing the client's
+    connection close, kills the child's group, as a hung cold process dies when it is killed."""
+    zygote, program = warm
+    process = subprocess.Popen([zygote.client, program, "sleep"], stdout=subprocess.PIPE, text=True)
+    child_pid = int(process.stdout.readline().split()[1])
+    os.kill(child_pid, signal.SIGSTOP)
+    process.kill()
+    assert process.wait(timeout=30) == -signal.SIGKILL
+    _wait_gone(child_pid)
+
+
+def test_a_sitecustomize_on_pythonpath_runs_in_the_warm_child_before_the_program(warm, tmp_path):
+    zygote, program = warm
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\nprint('site hook sees', sys.orig_argv[1:3], flush=True)\n")
+    completed = _run(zygote.client, program, "exit", "0", env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    lines = completed.stdout.splitlines()
+    assert lines[0] == f"site hook sees [{program!r}, 'exit']", completed.stdout  # first, with the child's argv
+    assert "zygote_modules True" in lines[1]
+    (tmp_path / "sitecustomize.py").write_text("raise RuntimeError('broken hook')\n")
+    completed = _run(zygote.client, program, "exit", "5", env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert completed.returncode == 5 and "Error in sitecustomize" in completed.stderr  # reported; the program ran
+
+
 def test_what_the_client_does_not_run_warm_runs_cold(warm, tmp_path):
     zygote, program = warm
-    # A module outside the warm prefixes, an interpreter option it does not know, a site hook on PYTHONPATH.
+    # A module outside the warm prefixes, an interpreter option it does not know, a usercustomize on PYTHONPATH.
     assert _run(zygote.client, "-m", "platform").stdout.strip() == _run(sys.executable, "-m", "platform").stdout.strip()
     completed = _run(zygote.client, "-O", program, "exit", "3")
     assert completed.returncode == 3 and "zygote_modules False" in completed.stdout
-    (tmp_path / "sitecustomize.py").write_text("")
+    (tmp_path / "usercustomize.py").write_text("")
     completed = _run(zygote.client, program, "exit", "0", env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert "zygote_modules False" in completed.stdout
     # No zygote at the socket: cold, not a failure.
