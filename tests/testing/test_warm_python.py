@@ -145,7 +145,7 @@ def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
             with open(f"/proc/{pid}/stat") as handle:
                 if handle.read().split(") ", 1)[1].startswith("Z"):
                     return  # exited, not yet reaped by the zygote
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between it and the read
             return
         time.sleep(0.05)
     raise AssertionError(f"the warm child {pid} outlived its client")
