@@ -129,6 +129,14 @@ def _user_modules_stay_with_their_test():
         sys.modules.pop(module, None)
 
 
+@pytest.fixture
+def warm_engine_servers(monkeypatch):
+    """Engines started by a driver that runs in the pytest process start warm (tests/warm.py)."""
+    from tests.warm import warm_servers_of_in_process_drivers
+
+    warm_servers_of_in_process_drivers(monkeypatch)
+
+
 @pytest.fixture(scope="session")
 def shared_ray_cluster():
     """One loopback Ray cluster (4 CPUs, 300 MB object store) for this pytest process, held by its own

@@ -16,13 +16,15 @@ EXAMPLES = os.path.join(os.path.dirname(TESTS), "examples")
 BENCH = os.path.join(os.path.dirname(TESTS), "bench")
 
 _warm = None
+REAL_PYTHON = sys.executable
+"""The interpreter pytest runs on (`warm_servers_of_in_process_drivers` may point `sys.executable` elsewhere)."""
 
 
 def warm_python() -> str:
     """The executable to start a Stacx process with: the warm client, or `sys.executable` when turned off."""
     global _warm
     if os.environ.get(COLD_ENV) == "1":
-        return sys.executable
+        return REAL_PYTHON
     if _warm is None:
         from stacx.testing.warm_python import start
 
@@ -35,6 +37,12 @@ def warm_python() -> str:
 def torchrun_command() -> list[str]:
     """torchrun, started warm (its ranks are then warm too)."""
     python = warm_python()
-    if python == sys.executable:
-        return [os.path.join(os.path.dirname(sys.executable), "torchrun")]
+    if python == REAL_PYTHON:
+        return [os.path.join(os.path.dirname(REAL_PYTHON), "torchrun")]
     return [python, "-m", "torch.distributed.run"]
+
+
+def warm_servers_of_in_process_drivers(monkeypatch) -> None:
+    """For a test that runs a driver inside the pytest process: the `stacx serve` engines its launcher starts
+    (`[sys.executable, "-m", "stacx", "serve", ...]`) start warm. Only `sys.executable` changes, for the test."""
+    monkeypatch.setattr(sys, "executable", warm_python())

@@ -21,7 +21,8 @@ import torch
 from tests.trainer.training_fixtures import VARIED_REWARD, read_metrics, run_config
 from tests.warm import warm_python
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.usefixtures("warm_engine_servers"),  # the in-process drivers' engines start warm
+              pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
 LORA_FLAGS = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", "linear_qkv",
               "--lora-target-modules", "linear_fc2", "--lora-sync", "adapters"]

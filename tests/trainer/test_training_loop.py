@@ -24,7 +24,8 @@ from tests.trainer.training_fixtures import (ATTACHED_SERVER_KEY, VARIED_REWARD,
                                             run_four_grpo_steps, warm_role_workers)
 from tests.warm import warm_python
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.usefixtures("warm_engine_servers"),  # the in-process drivers' engines start warm
+              pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def tp2_policy(ray_address):
