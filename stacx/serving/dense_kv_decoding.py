@@ -34,9 +34,10 @@ optional per-head q/k RMSNorm) -> RMSNorm -> SwiGLU MLP, with every layer attend
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`transformers`' RMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, back to x's dtype, then the weight.
     The same operations in the same order, each result written into the tensor made by the one before
-    where it can be (fewer allocations per decoding step; the same floats)."""
+    where it can be (fewer allocations per decoding step; the same floats). The mean is written as torch's
+    CPU kernel computes it, a sum divided in place, without `mean`'s own dispatch and copies around it."""
     x32 = x.float()
-    normed = (x32 * x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).to(x.dtype)
+    normed = (x32 * x32.pow(2).sum(-1, keepdim=True).div_(x32.shape[-1]).add_(eps).rsqrt_()).to(x.dtype)
     return normed.mul_(weight) if weight.dtype == normed.dtype else weight * normed
 
 
