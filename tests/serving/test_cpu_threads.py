@@ -60,3 +60,15 @@ def test_cores_outside_the_process_are_refused():
 
     with pytest.raises(ValueError, match="not among this process's cores"):
         OpenMpBinding([max(os.sched_getaffinity(0)) + 1])
+
+
+def test_serve_flag_names_itself_when_the_cores_are_wrong():
+    from stacx.launch.commands.serve import parse_bind_cores
+
+    assert parse_bind_cores(None) is None  # the default: not pinned
+    assert parse_bind_cores(str(min(os.sched_getaffinity(0)))) == (min(os.sched_getaffinity(0)),)
+    with pytest.raises(SystemExit, match="--bind-cores: core list 'zero'"):
+        parse_bind_cores("zero")
+    outside = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(SystemExit, match=rf"--bind-cores {outside}: cores \[{outside}\] are not among"):
+        parse_bind_cores(str(outside))
