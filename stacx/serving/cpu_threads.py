@@ -72,18 +72,17 @@ class OpenMpBinding:
             raise ValueError(f"cores {missing} are not among this process's cores {sorted(available)}")
         self._lib = ctypes.CDLL(_loaded_libgomp())
         self._lib.omp_get_thread_num.restype = ctypes.c_int
-        self._bound_threads: set[int] = set()
-        self._guard = threading.Lock()
+        self._this_thread = threading.local()  # `bound` set in each thread whose team is pinned (dies with it)
+        self.thread_ids: dict[int, int] = {}
+        """The last team bound: {OpenMP thread number: native thread id}."""
 
     def ensure_bound(self) -> None:
         """Bind the calling thread's team unless this thread did already; returns at once after the first call."""
-        ident = threading.get_ident()
-        if ident in self._bound_threads:
+        if getattr(self._this_thread, "bound", False):
             return
         torch.set_num_threads(len(self.cores))
         self.thread_ids = self._bind_team()
-        with self._guard:
-            self._bound_threads.add(ident)
+        self._this_thread.bound = True
 
     def _bind_team(self) -> dict[int, int]:
         """One parallel region of len(cores) threads, each binding itself; {OpenMP thread number: native id}."""
