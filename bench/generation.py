@@ -9,7 +9,9 @@ For each model shape, one random Qwen2-shaped megatron model is built (seed 0) a
 Face-named weights are loaded into a `transformers` Qwen2ForCausalLM, so both sides run the same
 weights. For each number of new tokens and each mode (greedy; sampled at T = 1 with no top-k /
 top-p), in the same process and alternating round by round:
-  stacx        CpuEngine.generate(requests) (decoding="kv_cache"), ignore_eos, per-token log-probs
+  stacx        CpuEngine.generate(requests) (decoding="kv_cache"), ignore_eos, per-token log-probs; with
+               --vllm-python its torch threads are bound to cores 0..threads-1 as vLLM's are (`bind_cores`,
+               --stacx-cpu-bind; "none" leaves them to the scheduler, the default without vLLM)
   hf_generate  model.generate(prompts, max_new_tokens=N, min_new_tokens=N), its KV cache, fp32
   vllm         (--vllm-python) vLLM's offline `LLM.generate` on the same weights (saved as a Hugging Face
                checkpoint) and prompt ids, fp32, in a worker process of vLLM's own Python environment
@@ -59,6 +61,8 @@ DEFAULT_VOCAB = 32000
 AGREEMENT_TOKENS = 8
 """Greedy rows count as agreeing with vLLM when their first this-many tokens are identical (fp32 kernels
 differ in rounding, so long greedy continuations may part at a near-tie)."""
+PROCESS_CORES = os.sched_getaffinity(0)
+"""The cores this process may run on when it starts (children get them back, whatever the bench bound)."""
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_generation_worker.py")
 
 
@@ -75,10 +79,12 @@ class VllmWorker:
                    VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
         env.pop("PYTHONPATH", None)  # Stacx's environment must not leak into vLLM's
         self._log = open(log_path, "w")
+        # The bench's own thread may be bound to one core by now (--stacx-cpu-bind); vLLM binds its own.
         self._process = subprocess.Popen(
             [python, WORKER, "--model", model_dir, "--max-model-len", str(max_model_len),
              "--max-num-seqs", str(max_num_seqs)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+            preexec_fn=lambda: os.sched_setaffinity(0, PROCESS_CORES))
         self._log_path = log_path
         self._read()  # {"ready": true} once the model is loaded (and compiled)
 
@@ -162,6 +168,9 @@ def main(argv=None) -> int:
                         help="the python of an environment with vllm (e.g. a venv's bin/python): adds the vLLM column")
     parser.add_argument("--vllm-cpu-bind", default=None,
                         help="VLLM_CPU_OMP_THREADS_BIND for vLLM's worker (default: cores 0..threads-1)")
+    parser.add_argument("--stacx-cpu-bind", default=None,
+                        help="cores for the Stacx engine's threads, e.g. 0-1, or 'none' to leave them to the scheduler "
+                             "(default with --vllm-python: cores 0..threads-1, as vLLM's; else none)")
     parser.add_argument("--no-hf-generate", action="store_true", help="skip the Hugging Face generate column")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "generation.json"))
     args = parser.parse_args(argv)
@@ -177,7 +186,7 @@ def main(argv=None) -> int:
         model, hf_model = build_pair(shape, args.vocab, args.prompt_len + max(args.new_tokens), groups)
         vocab_size = hf_model.config.vocab_size
         num_params = sum(p.numel() for p in hf_model.parameters())
-        engine = CpuEngine(model, seed=0)
+        engine = CpuEngine(model, seed=0, bind_cores=stacx_cores(args))
         packed = CpuEngine(model, decoding="packed") if args.include_packed else None
         prompts = torch.randint(1, vocab_size, (args.prompts, args.prompt_len), generator=torch.Generator().manual_seed(1))
         prompt_lists = [tuple(p) for p in prompts.tolist()]
@@ -204,6 +213,7 @@ def main(argv=None) -> int:
             shutil.rmtree(checkpoint_dir, ignore_errors=True)
     result = {
         "benchmark": "generation", "rows": rows, "threads": args.threads, "rounds": args.rounds,
+        "stacx_cpu_bind": stacx_cpu_bind(args),
         "load_average_1_5_15_before": load_before, "load_average_1_5_15_after": os.getloadavg(),
         "torch": torch.__version__, "python": sys.version.split()[0], "machine": platform.machine(),
         "rerun": "python bench/generation.py " + " ".join(rerun_arguments(argv if argv is not None else sys.argv[1:])),
@@ -213,6 +223,19 @@ def main(argv=None) -> int:
         json.dump(result, f, indent=1)
     print(f"load average before {load_before}, after {os.getloadavg()}; wrote {args.out}")
     return 0
+
+
+def stacx_cores(args) -> "tuple[int, ...] | None":
+    """The engine's `bind_cores` (None: not bound)."""
+    from stacx.serving.cpu_threads import parse_core_list
+
+    text = stacx_cpu_bind(args)
+    return None if text == "none" else parse_core_list(text)
+
+
+def stacx_cpu_bind(args) -> str:
+    """--stacx-cpu-bind, defaulting to vLLM's cores when vLLM runs beside the engine, else "none"."""
+    return args.stacx_cpu_bind or (f"0-{args.threads - 1}" if args.vllm_python else "none")
 
 
 def rerun_arguments(argv) -> list[str]:

@@ -33,6 +33,7 @@ from stacx.parallel.megatron_import import import_megatron_core
 from stacx.parallel.node_interface import collectives_on_loopback
 from stacx.serving.aborts import AbortBook, AbortFlag
 from stacx.serving.batched_sampling import choose_tokens
+from stacx.serving.cpu_threads import OpenMpBinding
 from stacx.serving.kv_cache_decoding import KvCacheDecoder
 from stacx.serving.request_batching import GenerateBatcher
 from stacx.wire.engine import GenerationCancelled, InferenceEngine, WeightBucket
@@ -149,10 +150,14 @@ class CpuEngine(InferenceEngine):
     eos_token_id: generation stops after it unless a request sets ignore_eos.
     decoding: "kv_cache" (default; a cached decoder that mirrors the model's weights) or
         "packed" (no cache, the trainer's packed forward at every step).
+    bind_cores: core ids to pin the engine's torch threads to, one thread per core, bound by each thread
+        that calls `generate` before its first call (stacx.serving.cpu_threads); None (default) leaves
+        the threads to the scheduler, which is right when other engines or a trainer share the cores.
     """
 
     def __init__(self, model, *, eos_token_id: Optional[int] = None, weight_loader: Optional[WeightLoader] = None,
-                 seed: int = 0, model_path: str = "", decoding: str = "kv_cache"):
+                 seed: int = 0, model_path: str = "", decoding: str = "kv_cache",
+                 bind_cores: Optional[Sequence[int]] = None):
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import hf_config_of
 
@@ -178,6 +183,7 @@ class CpuEngine(InferenceEngine):
         """The requests in flight, by rid, for `abort` (registered where they enter the engine)."""
         self._batcher = GenerateBatcher(self)  # `submit`: concurrent submissions decode as one batch
         self.decoding = decoding
+        self._binding = OpenMpBinding(bind_cores) if bind_cores is not None else None
         self._cached_decoder = None
         if decoding == "kv_cache":
             self._cached_decoder = KvCacheDecoder(self.model, self.groups)
@@ -187,9 +193,11 @@ class CpuEngine(InferenceEngine):
 
     @classmethod
     def from_hf_checkpoint(cls, path: str, *, params_dtype: torch.dtype = torch.float32, seed: int = 0,
-                           decoding: str = "kv_cache", lora=None) -> "CpuEngine":
+                           decoding: str = "kv_cache", lora=None,
+                           bind_cores: Optional[Sequence[int]] = None) -> "CpuEngine":
         """Build the model from `path`'s config.json, load its weights, read eos from its config. `lora`
-        (LoraSettings): the engine takes the policy's adapters only and merges them (`MergedAdapters`)."""
+        (LoraSettings): the engine takes the policy's adapters only and merges them (`MergedAdapters`).
+        `bind_cores`: as in `CpuEngine`."""
         # Imported here: megatron-core is slow to import (start-up time).
         from stacx.models import build_model, load_hf_checkpoint
         from stacx.models.architectures import load_hf_config
@@ -207,7 +215,8 @@ class CpuEngine(InferenceEngine):
         eos = getattr(config, "eos_token_id", None)
         if isinstance(eos, (list, tuple)):
             eos = eos[0] if eos else None
-        engine = cls(model, eos_token_id=eos, seed=seed, model_path=str(path), decoding=decoding)
+        engine = cls(model, eos_token_id=eos, seed=seed, model_path=str(path), decoding=decoding,
+                     bind_cores=bind_cores)
         engine.adapters = adapters
         return engine
 
@@ -281,6 +290,8 @@ class CpuEngine(InferenceEngine):
         if not self._acquire_unpaused(should_stop, abort_flags):
             return [self._aborted_before_start() for _ in requests]
         try:
+            if self._binding is not None:
+                self._binding.ensure_bound()  # once per calling thread (its OpenMP team)
             self._progress_at = time.monotonic()
             outputs: list[Optional[GenerateOutput]] = [None] * len(requests)
             live = []

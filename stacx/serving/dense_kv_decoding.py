@@ -32,10 +32,13 @@ optional per-head q/k RMSNorm) -> RMSNorm -> SwiGLU MLP, with every layer attend
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`transformers`' RMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, back to x's dtype, then the weight."""
+    """`transformers`' RMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, back to x's dtype, then the weight.
+    The same operations in the same order, each result written into the tensor made by the one before
+    where it can be (fewer allocations per decoding step; the same floats). The mean is written as torch's
+    CPU kernel computes it, a sum divided in place, without `mean`'s own dispatch and copies around it."""
     x32 = x.float()
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+    normed = (x32 * x32.pow(2).sum(-1, keepdim=True).div_(x32.shape[-1]).add_(eps).rsqrt_()).to(x.dtype)
+    return normed.mul_(weight) if weight.dtype == normed.dtype else weight * normed
 
 
 def signed_sin_table(sin_PD: torch.Tensor) -> torch.Tensor:
@@ -50,7 +53,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     a * (-b) are the same float), which saves a negation of x per call."""
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + swapped * signed_sin
+    return (x * cos).add_(swapped.mul_(signed_sin))
 
 
 def _fuse_parameters(modules: Sequence[torch.nn.Module], attribute: str) -> Optional[torch.Tensor]:
@@ -224,11 +227,11 @@ class DenseKvDecoder:
             keys_BKCD[:, :, start:end] = k_BKSD
             values_BKCD[:, :, start:end] = v_BSKD.transpose(1, 2)
             attended_BSF = self._attend(q_BNSD, keys_BKCD[:, :, :end], values_BKCD[:, :, :end], mask_B1ST)
-            hidden_BSH = hidden_BSH + layer.o_proj(attended_BSF)
+            hidden_BSH.add_(layer.o_proj(attended_BSF))  # the residual stream is this call's own tensor
             x_BSH = _rms_norm(hidden_BSH, layer.post_attention_norm, self.eps)
             gate_up_BSF = layer.gate_up(x_BSH)
-            gated_BSI = F.silu(gate_up_BSF[..., :layer.intermediate]) * gate_up_BSF[..., layer.intermediate:]
-            hidden_BSH = hidden_BSH + layer.down_proj(gated_BSI)
+            gated_BSI = F.silu(gate_up_BSF[..., :layer.intermediate]).mul_(gate_up_BSF[..., layer.intermediate:])
+            hidden_BSH.add_(layer.down_proj(gated_BSI))
         cache.length = end
         kept_BKH = _rms_norm(hidden_BSH[:, new - num_logits:], self.final_norm, self.eps)
         return self.lm_head(kept_BKH).float()
