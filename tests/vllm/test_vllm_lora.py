@@ -3,8 +3,8 @@ PEFT folder through its own LoRA loading (`/v1/load_lora_adapter`), not merged w
 equals that of the same server given the merged weights (W + s B A) instead; a second adapter push replaces the
 first in place.
 
-The server is this module's own (started with --enable-lora, which the session's shared server is not), on the
-session's tiny fp32 checkpoint (tests/vllm/conftest.py).
+The server is the session's shared one (tests/vllm/conftest.py: started with --enable-lora), given the tiny fp32
+checkpoint's weights first; the test leaves no adapter loaded, so the tests after it generate from the base model.
 """
 
 from __future__ import annotations
@@ -13,24 +13,13 @@ import pytest
 import torch
 
 from stacx.wire.types import GenerateRequest, SamplingParams
+from tests.vllm.conftest import LORA_RANK
+from tests.vllm.test_vllm_engine import push_checkpoint
 
 pytestmark = pytest.mark.vllm
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [(3, 4, 5, 6, 7), (8, 9, 10), (11, 3, 5)]
-LORA_RANK = 8
-
-
-@pytest.fixture(scope="module")
-def lora_server(vllm_python, vllm_checkpoints):
-    from stacx.rollout.engines.vllm import VllmServerProcess
-
-    server = VllmServerProcess(vllm_checkpoints[0], python=vllm_python, timeout_s=2400, lora_rank=LORA_RANK,
-                               wait=False)
-    try:
-        yield server.wait_until_ready()
-    finally:
-        server.stop()
 
 
 def greedy(engine):
@@ -73,7 +62,7 @@ def buckets_of(model, groups, *, adapters: bool) -> list:
             for bucket in iter_hf_weight_buckets(model, groups, 1 << 16, adapters=adapters)]
 
 
-def test_an_adapter_push_loads_peft_adapters_and_decodes_as_the_merged_weights(lora_server, vllm_checkpoints):
+def test_an_adapter_push_loads_peft_adapters_and_decodes_as_the_merged_weights(vllm_server, vllm_checkpoints):
     from stacx.models.lora import LoraSettings, peft_adapter_config
     from stacx.rollout.engines.vllm import LORA_ADAPTER_NAME, SERVED_MODEL_NAME, VllmEngine
 
@@ -81,9 +70,9 @@ def test_an_adapter_push_loads_peft_adapters_and_decodes_as_the_merged_weights(l
     model, groups = trainer_with_adapters(vllm_checkpoints[0], settings)
     adapters, merged = buckets_of(model, groups, adapters=True), buckets_of(model, groups, adapters=False)
     assert all(".lora_" in name for bucket in adapters for name, _ in bucket)
-    engine = VllmEngine(lora_server)
+    engine = VllmEngine(vllm_server[0])
     try:
-        engine.weight_version()
+        push_checkpoint(engine, vllm_checkpoints[0])  # the weights the adapters were trained on (checked)
         base_ids, base_log_probs = greedy(engine)
         assert engine.model_name() == SERVED_MODEL_NAME
 
@@ -110,4 +99,7 @@ def test_an_adapter_push_loads_peft_adapters_and_decodes_as_the_merged_weights(l
         assert merged_ids == adapter_ids
         assert all(torch.allclose(a, b, atol=1e-4, rtol=0) for a, b in zip(merged_log_probs, adapter_log_probs))
     finally:
+        listed = [card["id"] for card in engine.transport.get("/v1/models")["data"]]
+        if LORA_ADAPTER_NAME in listed:  # failed with the adapter loaded: the tests after it want the base model
+            engine.transport.post_json("/v1/unload_lora_adapter", {"lora_name": LORA_ADAPTER_NAME})
         engine.shutdown()
