@@ -6,9 +6,9 @@ Run it with `make test-vllm` (which makes .venv-vllm first) or
 naming how to make one: a skipped tier would read as a passed one.
 
 The tier's time is its vLLM starts (each is three processes importing vLLM and torch, one after the other: about a
-core's worth of a minute), so there are as few as the tests allow and they overlap: one shared server (LoRA loading
-on, vLLM's weight-transfer API over gloo) for every test that can share it, and three of their own for the tests
-that cannot (one is killed, one serves a Qwen3-MoE, one is refused at start). `_start_the_tier_servers` starts all
+core's worth of a minute), so there are as few as the tests allow and they overlap: one shared server (vLLM's
+weight-transfer API over gloo) for every test that can share it, and four of their own for the tests that cannot
+(one loads LoRA adapters, one serves a Qwen3-MoE, one is refused at start, one is killed). `_start_the_tier_servers` starts all
 those the session's tests need at once, the shared one first and the others at a lower CPU priority, so the shared
 server is ready about as soon as if it started alone and the others start on the spare core while the tests on the
 shared server run; the tests on their own servers run last (`pytest_collection_modifyitems`).
@@ -26,8 +26,8 @@ DEFAULT_VLLM_PYTHON = os.path.join(PROJECT_ROOT, ".venv-vllm", "bin", "python")
 START_TIMEOUT_S = 2400
 """vLLM starts in about a minute on two quiet cores; a loaded CI machine can take many times that."""
 LORA_RANK = 8
-"""The shared server takes LoRA adapters up to this rank (tests/vllm/test_vllm_lora.py)."""
-OWN_SERVER_STARTS = ("moe_vllm_start", "routed_experts_vllm_start", "killed_vllm_start")
+"""The LoRA test's server takes adapters up to this rank (tests/vllm/test_vllm_lora.py)."""
+OWN_SERVER_STARTS = ("lora_vllm_start", "moe_vllm_start", "routed_experts_vllm_start", "killed_vllm_start")
 """The start fixtures of the servers some tests need for themselves, in the order their tests run (after every test
 on the shared server). The killed-mid-answer test runs last, alone: its server must stream while nothing else
 competes for the CPU (an API server that falls behind merges a stream's events, and the test needs several)."""
@@ -78,13 +78,27 @@ def started(server, *, background: bool):
 
 @pytest.fixture(scope="session")
 def shared_vllm_start(vllm_python, vllm_checkpoints):
-    """The session's shared vLLM server, started (not yet ready): the first checkpoint, LoRA loading on
-    (`--enable-lora`, rank LORA_RANK), vLLM's weight-transfer API over gloo (`--vllm-weight-transfer gloo`)."""
+    """The session's shared vLLM server, started (not yet ready): the first checkpoint, vLLM's weight-transfer API over
+    gloo (`--vllm-weight-transfer gloo`)."""
     from stacx.rollout.engines.vllm import VllmServerProcess
 
     server = VllmServerProcess(vllm_checkpoints[0], python=vllm_python, timeout_s=START_TIMEOUT_S,
-                               weight_transfer="gloo", lora_rank=LORA_RANK, wait=False)
+                               weight_transfer="gloo", wait=False)
     yield started(server, background=False)
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def lora_vllm_start(vllm_python, vllm_checkpoints):
+    """A server with LoRA loading on (`--enable-lora`, rank LORA_RANK: tests/vllm/test_vllm_lora.py), serving the first
+    checkpoint. Not the shared one: vLLM 0.32's CPU build with LoRA on fails a request that asks for the prompt's
+    log-probs (its LoRA logits path sizes the prompt's rows as the sampled ones: an einsum shape error that kills the
+    engine), and the teacher and top-k tests ask for them."""
+    from stacx.rollout.engines.vllm import VllmServerProcess
+
+    server = VllmServerProcess(vllm_checkpoints[0], python=vllm_python, timeout_s=START_TIMEOUT_S, lora_rank=LORA_RANK,
+                               wait=False)
+    yield started(server, background=True)
     server.stop()
 
 
