@@ -32,7 +32,7 @@ OWN_SERVER_STARTS = ("lora_vllm_start", "moe_vllm_start", "routed_experts_vllm_s
 on the shared server). The killed-mid-answer test runs last, alone: its server must stream while nothing else
 competes for the CPU (an API server that falls behind merges a stream's events, and the test needs several)."""
 BACKGROUND_NICENESS = 10
-"""How much lower the CPU priority of the servers of OWN_SERVER_STARTS is than the shared one's."""
+"""The niceness of the servers of OWN_SERVER_STARTS (the shared one keeps the session's)."""
 
 
 @pytest.fixture(scope="session")
@@ -65,14 +65,22 @@ def moe_checkpoint(tmp_path_factory) -> str:
 
 
 def started(server, *, background: bool):
-    """`server` (a VllmServerProcess just started, not waited for); a background one at a lower CPU priority (its
-    own process group: the processes it spawns inherit it)."""
+    """`server` (a VllmServerProcess just started, not waited for); a background one at a lower CPU priority. The
+    server is a session of its own (its own process group), so on Linux with autogroup scheduling (the default) the
+    kernel shares the CPU between sessions first and a process's nice value counts only inside its session: the
+    session's niceness (/proc/PID/autogroup) is what lowers it, the process group's where there is no autogroup.
+    The processes it spawns inherit both."""
     if background:
-        niceness = min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICENESS)
         try:
+            with open(f"/proc/{server.process.pid}/autogroup", "w") as handle:
+                handle.write(str(BACKGROUND_NICENESS))
+        except OSError:
+            pass  # no autogroup here (then the process group's niceness below is what counts)
+        try:
+            niceness = min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICENESS)
             os.setpriority(os.PRIO_PGRP, server.process.pid, niceness)
-        except (ProcessLookupError, PermissionError):
-            pass  # it already exited (its fixture reports why) or may not be lowered: it only starts later
+        except OSError:
+            pass  # it already exited (its fixture reports why): it only starts later
     return server
 
 
