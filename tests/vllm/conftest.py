@@ -31,7 +31,7 @@ OWN_SERVER_STARTS = ("lora_vllm_start", "moe_vllm_start", "routed_experts_vllm_s
 """The start fixtures of the servers some tests need for themselves, in the order their tests run (after every test
 on the shared server). The killed-mid-answer test runs last, alone: its server must stream while nothing else
 competes for the CPU (an API server that falls behind merges a stream's events, and the test needs several)."""
-BACKGROUND_NICENESS = 10
+BACKGROUND_NICENESS = 5
 """The niceness of the servers of OWN_SERVER_STARTS (the shared one keeps the session's)."""
 
 
