@@ -34,7 +34,7 @@ test-distributed: venv-test
 test-gpu: venv-test
 	$(PY) -m pytest -q -m gpu
 
-# The vLLM tier: a real vLLM server (CPU build) from its own environment, .venv-vllm (docs/vllm.md).
+# The vLLM tier: real vLLM servers (CPU build) from their own environment, .venv-vllm (docs/vllm.md); CI runs it after `make test` (.ci/run).
 venv-vllm:
 	bash scripts/setup_vllm_venv.sh .venv-vllm
 

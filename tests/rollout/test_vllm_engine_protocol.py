@@ -203,6 +203,30 @@ def test_worker_reads_back_fused_and_expert_tensors_in_hugging_face_names(repack
     assert worker.read_back(model, params, "not.a.weight") is None
 
 
+class _LoraWrapped(torch.nn.Module):
+    """vLLM's LoRA layer on a server with `--enable-lora`: the layer it wraps kept as `base_layer`."""
+
+    def __init__(self, base_layer):
+        super().__init__()
+        self.base_layer = base_layer
+        self.lora_a_stacked = torch.nn.Parameter(torch.zeros(1, 2, 3))
+
+
+@pytest.mark.parametrize("repacked", [False, True])
+def test_worker_reads_back_the_layers_a_lora_enabled_server_wrapped(repacked):
+    q, k, v = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3)
+    model = _Model(torch.cat([q, k, v]), repacked, torch.randn(2, 3))
+    model.attn.qkv_proj = _LoraWrapped(model.attn.qkv_proj)
+    o = torch.randn(3, 3)
+    model.attn.o_proj = _LoraWrapped(_Router(o, repacked))
+    params = dict(model.named_parameters())
+    assert "attn.qkv_proj.base_layer.weight" in params and "attn.qkv_proj.weight" not in params
+    assert torch.equal(worker.read_back(model, params, "attn.k_proj.weight"), k)
+    assert torch.equal(worker.read_back(model, params, "attn.o_proj.weight"), o)
+    assert worker.read_back(model, params, "attn.o_proj.lora_a_stacked") is not None  # not wrapped: itself
+    assert worker.read_back(model, params, "attn.x_proj.weight") is None
+
+
 def test_digests_compare_per_tensor_and_name_the_mismatch():
     assert tensor_digest(torch.tensor([-0.0, 1.0])) == tensor_digest(torch.tensor([0.0, 1.0]))
     assert tensor_digest(torch.ones(2, 3)) != tensor_digest(torch.ones(3, 2))

@@ -4,7 +4,8 @@ raises with the tokens it received (`partial`), each with the log-prob the serve
 continues them on a live engine (an in-process CPU engine on the same checkpoint): the continuation asks the
 prompt and the kept tokens for the budget left, and the joined answer is the kept tokens then the live engine's.
 
-The server is this file's own (killing the tier's shared one would break the other tests). The kill happens in the
+The server is this file's own (killing the tier's shared one would break the other tests; it starts with the
+session's other servers, tests/vllm/conftest.py). The kill happens in the
 client's thread when the first event with tokens arrives, out of a greedy answer of 200 tokens (`ignore_eos`), so
 the server is gone long before it could finish; the replayed-fake twin of this test, which decides where the
 answer breaks byte for byte, is tests/serving/test_streamed_vllm_completions.py."""
@@ -30,13 +31,10 @@ ONE_TRY = RetryPolicy(timeout_s=600, max_attempts=1)
 
 
 @pytest.fixture
-def private_vllm_server(vllm_python, vllm_checkpoints):
-    """A vLLM server of this test alone (it is killed), serving the tier's first checkpoint."""
-    server = VllmServerProcess(vllm_checkpoints[0], python=vllm_python, timeout_s=2400, wait=False)
-    try:
-        yield server.wait_until_ready(), server
-    finally:
-        server.stop()
+def private_vllm_server(killed_vllm_start):
+    """A vLLM server of this test alone (it is killed), serving the tier's first checkpoint: started with the
+    session's other servers (tests/vllm/conftest.py), ready here."""
+    return killed_vllm_start.wait_until_ready(), killed_vllm_start
 
 
 def killed_at_its_first_tokens(engine: VllmEngine, server: VllmServerProcess) -> list[dict]:

@@ -3,8 +3,10 @@ PEFT folder through its own LoRA loading (`/v1/load_lora_adapter`), not merged w
 equals that of the same server given the merged weights (W + s B A) instead; a second adapter push replaces the
 first in place.
 
-The server is this module's own (started with --enable-lora, which the session's shared server is not), on the
-session's tiny fp32 checkpoint (tests/vllm/conftest.py).
+The server is this test's own (started with --enable-lora, which the session's shared server is not: vLLM 0.32's CPU
+build with LoRA on fails requests for prompt log-probs; tests/vllm/conftest.py starts it with the session's other
+servers), given the tiny fp32 checkpoint's weights first, checked: the post-sync check reads back the layers vLLM's
+LoRA layers wrap.
 """
 
 from __future__ import annotations
@@ -13,24 +15,13 @@ import pytest
 import torch
 
 from stacx.wire.types import GenerateRequest, SamplingParams
+from tests.vllm.conftest import LORA_RANK
+from tests.vllm.test_vllm_engine import push_checkpoint
 
 pytestmark = pytest.mark.vllm
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [(3, 4, 5, 6, 7), (8, 9, 10), (11, 3, 5)]
-LORA_RANK = 8
-
-
-@pytest.fixture(scope="module")
-def lora_server(vllm_python, vllm_checkpoints):
-    from stacx.rollout.engines.vllm import VllmServerProcess
-
-    server = VllmServerProcess(vllm_checkpoints[0], python=vllm_python, timeout_s=2400, lora_rank=LORA_RANK,
-                               wait=False)
-    try:
-        yield server.wait_until_ready()
-    finally:
-        server.stop()
 
 
 def greedy(engine):
@@ -73,6 +64,11 @@ def buckets_of(model, groups, *, adapters: bool) -> list:
             for bucket in iter_hf_weight_buckets(model, groups, 1 << 16, adapters=adapters)]
 
 
+@pytest.fixture(scope="module")
+def lora_server(lora_vllm_start) -> str:
+    return lora_vllm_start.wait_until_ready()
+
+
 def test_an_adapter_push_loads_peft_adapters_and_decodes_as_the_merged_weights(lora_server, vllm_checkpoints):
     from stacx.models.lora import LoraSettings, peft_adapter_config
     from stacx.rollout.engines.vllm import LORA_ADAPTER_NAME, SERVED_MODEL_NAME, VllmEngine
@@ -83,7 +79,7 @@ def test_an_adapter_push_loads_peft_adapters_and_decodes_as_the_merged_weights(l
     assert all(".lora_" in name for bucket in adapters for name, _ in bucket)
     engine = VllmEngine(lora_server)
     try:
-        engine.weight_version()
+        push_checkpoint(engine, vllm_checkpoints[0])  # the weights the adapters were trained on (checked)
         base_ids, base_log_probs = greedy(engine)
         assert engine.model_name() == SERVED_MODEL_NAME
 

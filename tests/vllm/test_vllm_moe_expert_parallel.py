@@ -6,7 +6,8 @@ back every tensor it was sent, experts and routers included (vLLM 0.32 keeps Qwe
 random model's samples (non-zero advantages), so the step changes the experts: vLLM must then serve the changed
 expert tensors (the run's export, digest for digest, read back through vLLM's CPU prepacked expert layout) and
 generate from them: its fp32 log-probs are the trained model's to 1e-5 and its greedy tokens the trained model's
-argmax. Its own server: the tier's shared one serves a dense Llama."""
+argmax. Its own server (started with the session's others, tests/vllm/conftest.py): the tier's shared one serves
+a dense Llama."""
 
 from __future__ import annotations
 
@@ -24,24 +25,10 @@ FP32_TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory) -> str:
-    from stacx.tasks import write_tiny_moe_checkpoint
-
-    # 4 experts, top-2, two heads of 32 (vLLM's CPU attention takes head sizes from 32 up)
-    return write_tiny_moe_checkpoint(str(tmp_path_factory.mktemp("vllm_moe") / "sorting"), "sorting",
-                                     num_experts=4, head_dim=32, seed=0)
-
-
-@pytest.fixture(scope="module")
-def vllm_moe_server(vllm_python, moe_checkpoint):
-    from stacx.rollout.engines.vllm import VllmServerProcess
-
-    checkpoint = moe_checkpoint
-    server = VllmServerProcess(checkpoint, python=vllm_python, timeout_s=2400)
-    try:
-        yield server.url, checkpoint
-    finally:
-        server.stop()
+def vllm_moe_server(moe_vllm_start, moe_checkpoint):
+    """(url, checkpoint) of the tiny Qwen3-MoE's server (4 experts, top-2, two heads of 32: vLLM's CPU attention
+    takes head sizes from 32 up), started with the session's other servers (tests/vllm/conftest.py)."""
+    return moe_vllm_start.wait_until_ready(), moe_checkpoint
 
 
 def served_probe(engine) -> tuple[list[float], list[int]]:
@@ -132,17 +119,13 @@ def greedy_token_gaps(path: str, greedy: list[int]) -> list[float]:
             for j, token in enumerate(greedy)]
 
 
-def test_vllms_cpu_build_refuses_to_return_routed_experts_and_the_start_names_the_flag(vllm_python, moe_checkpoint):
+def test_vllms_cpu_build_refuses_to_return_routed_experts_and_the_start_names_the_flag(routed_experts_vllm_start):
     """vLLM 0.32 captures routed experts only in its V2 model runner (v1/worker/gpu/model_runner.py's AuxOutput
     connector; the CPU runner extends the V1 one, which has none), and that runner needs Triton, which the CPU
     build lacks: a server started as `--use-routing-replay` starts it (`--enable-return-routed-experts`) stops
     before it is ready, and Stacx names the flag. When this fails, vLLM's CPU build returns routes: check them
     live against the trainer's routing here instead (docs/vllm.md, Mixture of experts)."""
-    from stacx.rollout.engines.vllm import VllmServerProcess
-
-    server = VllmServerProcess(moe_checkpoint, python=vllm_python, return_routed_experts=True, timeout_s=1200,
-                               wait=False)
     with pytest.raises(RuntimeError, match="--use-routing-replay needs a vLLM server on a GPU") as refused:
-        server.wait_until_ready()
+        routed_experts_vllm_start.wait_until_ready()
     assert "exited with code" in str(refused.value)
     assert "AuxOutput Connector requires Model Runner V2" in str(refused.value)  # vLLM's own refusal, in its log

@@ -242,6 +242,16 @@ def keep_cpu_experts_prepacked(model: torch.nn.Module) -> None:
         method._stacx_prepacks_on_update = True
 
 
+def served_name(params: dict, name: str) -> str:
+    """`name`, or where a server with LoRA loading on (`--enable-lora`) wrapped its layer, the wrapped layer's own
+    parameter (`...qkv_proj.base_layer.weight`: vLLM's LoRA layers keep the layer they wrap as `base_layer`)."""
+    if name in params:
+        return name
+    module, _, leaf = name.rpartition(".")
+    wrapped = f"{module}.base_layer.{leaf}"
+    return wrapped if wrapped in params else name
+
+
 def read_back(model: torch.nn.Module, params: dict, hf_name: str) -> Optional[torch.Tensor]:
     """The tensor the engine holds under Hugging Face name `hf_name` (None: not readable here)."""
     expert = expert_source(hf_name)
@@ -255,8 +265,8 @@ def read_back(model: torch.nn.Module, params: dict, hf_name: str) -> Optional[to
             half = weight.shape[0] // 2
             return {"first": weight[:half], "second": weight[half:], "all": weight}[rows]
     stacked = stacked_source(model, hf_name)
-    if stacked is not None and stacked[0] in params:
-        name, shard = stacked
+    if stacked is not None and served_name(params, stacked[0]) in params:
+        name, shard = served_name(params, stacked[0]), stacked[1]
         module = model.get_submodule(name.rpartition(".")[0])
         full = linear_weight(module, params[name]) if name.endswith("weight") else params[name]
         sizes = getattr(module, "output_sizes", None)
@@ -264,10 +274,11 @@ def read_back(model: torch.nn.Module, params: dict, hf_name: str) -> Optional[to
             return None
         start = sum(sizes[:shard])
         return full[start:start + sizes[shard]]
-    if hf_name in params:
-        param = params[hf_name]
-        module = model.get_submodule(hf_name.rpartition(".")[0])
-        if hf_name.endswith("weight") and not param.numel():
+    name = served_name(params, hf_name)
+    if name in params:
+        param = params[name]
+        module = model.get_submodule(name.rpartition(".")[0])
+        if name.endswith("weight") and not param.numel():
             return linear_weight(module, param)
         vocab = getattr(module, "org_vocab_size", None)  # embeddings and LM head: rows padded past the vocab
         return param[:vocab] if isinstance(vocab, int) and param.shape[0] > vocab else param
