@@ -23,8 +23,6 @@ import os
 import threading
 from typing import Optional, Sequence
 
-import torch
-
 
 def parse_core_list(text: str) -> tuple[int, ...]:
     """"0-1", "0,2,4-5" -> (0, 1), (0, 2, 4, 5): core ids in the given order; ValueError naming the text."""
@@ -40,8 +38,18 @@ def parse_core_list(text: str) -> tuple[int, ...]:
     return tuple(cores)
 
 
+def check_cores_available(cores: Sequence[int]) -> None:
+    """ValueError naming the cores this process may not run on (its affinity mask), if any."""
+    available = os.sched_getaffinity(0)
+    missing = sorted(set(cores) - available)
+    if missing:
+        raise ValueError(f"cores {missing} are not among this process's cores {sorted(available)}")
+
+
 def _loaded_libgomp() -> str:
     """The path of the GNU OpenMP runtime torch loaded (torch's own copy first)."""
+    import torch  # here: checking a core list (`stacx serve --bind-cores`) must not import torch
+
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     found: list[str] = []
     with open("/proc/self/maps") as maps:
@@ -66,10 +74,7 @@ class OpenMpBinding:
         self.cores = tuple(cores)
         if not self.cores:
             raise ValueError("OpenMpBinding needs at least one core")
-        available = os.sched_getaffinity(0)
-        missing = sorted(set(self.cores) - available)
-        if missing:
-            raise ValueError(f"cores {missing} are not among this process's cores {sorted(available)}")
+        check_cores_available(self.cores)
         self._lib = ctypes.CDLL(_loaded_libgomp())
         self._lib.omp_get_thread_num.restype = ctypes.c_int
         self._this_thread = threading.local()  # `bound` set in each thread whose team is pinned (dies with it)
@@ -80,6 +85,8 @@ class OpenMpBinding:
         """Bind the calling thread's team unless this thread did already; returns at once after the first call."""
         if getattr(self._this_thread, "bound", False):
             return
+        import torch
+
         torch.set_num_threads(len(self.cores))
         self.thread_ids = self._bind_team()
         self._this_thread.bound = True

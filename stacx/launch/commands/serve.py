@@ -116,16 +116,16 @@ def parse_bind_cores(text: str | None) -> tuple[int, ...] | None:
     """--bind-cores as core ids (None when not given); SystemExit naming the flag when they are not usable here."""
     if text is None:
         return None
-    from stacx.serving.cpu_threads import parse_core_list
+    from stacx.serving.cpu_threads import check_cores_available, parse_core_list
 
     try:
         cores = parse_core_list(text)
     except ValueError as err:
         raise SystemExit(f"--bind-cores: {err}") from None
-    available = os.sched_getaffinity(0)
-    if not set(cores) <= available:
-        raise SystemExit(f"--bind-cores {text}: cores {sorted(set(cores) - available)} are not among this process's "
-                         f"cores {sorted(available)}; name cores from that list")
+    try:
+        check_cores_available(cores)
+    except ValueError as err:
+        raise SystemExit(f"--bind-cores {text}: {err}; name cores from that list") from None
     return cores
 
 
