@@ -14,13 +14,14 @@ NOT_READY_ANSWER = "No available agent to submit job, please try again later."
 
 
 def _fake_ray(tmp_path, not_ready_attempts: int, final_exit: int = 0, final_text: str = "succeeded") -> str:
-    """A `ray` stand-in: the first `not_ready_attempts` calls answer like a head without an agent."""
+    """A `ray` stand-in: the first `not_ready_attempts` calls answer like a head without an agent. It counts its
+    calls in a file replaced whole (a probe killed at the poll's deadline never leaves it empty)."""
     counter = tmp_path / "attempts"
     counter.write_text("0")
     script = tmp_path / "ray"
     script.write_text(
         "#!/usr/bin/env bash\n"
-        f"n=$(cat {counter}); n=$((n+1)); echo $n > {counter}\n"
+        f"n=$(cat {counter}); n=$((n+1)); echo $n > {counter}.$$; mv {counter}.$$ {counter}\n"
         f"if [ $n -le {not_ready_attempts} ]; then echo 'RuntimeError: Request failed with status code 500: "
         f"{NOT_READY_ANSWER}' >&2; exit 1; fi\n"
         f"echo '{final_text}'; exit {final_exit}\n"
