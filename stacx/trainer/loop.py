@@ -72,7 +72,7 @@ from stacx.trainer.config.resolve import check_resumed_algorithm, resolved_run_c
 from stacx.trainer.config.run import RunConfig
 from stacx.trainer.exchange import ExchangeSchedule
 from stacx.trainer.heartbeat import Heartbeat
-from stacx.trainer.interrupts import stop_on_termination_signals
+from stacx.trainer.interrupts import raise_if_interrupted, stop_on_termination_signals
 from stacx.trainer.metrics import ROLLOUT_STEP_KEY, MetricsLogger
 from stacx.trainer.numerics import NonFiniteGuard
 from stacx.trainer.rollout_dump import RolloutDumpWriter
@@ -201,6 +201,7 @@ class StacxTrainer:
             self.samples.start(version=self.step)  # the async producer generates while the trainer trains
             train = self.run_config.train
             for step in range(self.step, train.num_steps):
+                raise_if_interrupted()  # a signal whose exception was lost stops the run here (interrupts.py)
                 with self.beat(f"step {step + 1}/{train.num_steps}", "batch"):
                     evaluated = self.evaluate_if_due(step)  # the weights the engine serves now: `step` steps done
                     metrics = self.train_one_step(step)
@@ -208,6 +209,7 @@ class StacxTrainer:
                     self.step = step + 1
                     self.log(step, metrics)
                     if self.should_save(self.step):
+                        raise_if_interrupted()  # no checkpoint is written after a signal
                         self.heartbeat.phase = "saving the checkpoint"
                         self.save_checkpoint(self.step)
                     self.after_step(self.step)

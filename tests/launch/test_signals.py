@@ -173,7 +173,7 @@ def nan_reward(response: str, label, metadata: dict) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_an_rl_run_with_a_nan_reward_exits_non_zero_naming_step_role_and_metric(checkpoint, tmp_path, shared_ray_address,
-                                                                              monkeypatch, capfd):
+                                                                              monkeypatch, capfd, warm_engine_servers):
     """Before: the NaN went into the advantages, the weights and the engine, and the run died a step
     later as 'server unavailable' (or exited 0 with NaN weights exported).
 
@@ -294,6 +294,7 @@ def test_a_sigkilled_torchrun_leaves_no_rank_or_server_writing_checkpoints(check
     try:
         running = _marked(mark)
         assert any(" serve " in _cmdline(pid) for pid in running), [_cmdline(pid) for pid in running]
+        before_kill = _steps_in(save)
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         left = _wait_gone(mark, 45)
@@ -302,9 +303,16 @@ def test_a_sigkilled_torchrun_leaves_no_rank_or_server_writing_checkpoints(check
         for pid in _marked(mark):
             os.kill(pid, signal.SIGKILL)
     written = sorted(os.listdir(save))
-    steps = [name for name in written if name.startswith("step_")]
+    steps = _steps_in(save)
     assert steps and len(steps) < 500, written  # it was writing, and it stopped
+    # At most the checkpoint being written at the kill completes: the rank stops at its death signal. (Before,
+    # about one run in ten lost that signal in a fork handler and trained on for 30 s, a checkpoint a step.)
+    assert len(steps) <= len(before_kill) + 1, (before_kill, steps)
     assert sorted(os.listdir(save)) == written  # nothing of the run is left to write more
+
+
+def _steps_in(save) -> list[str]:
+    return sorted(name for name in os.listdir(save) if name.startswith("step_"))
 
 
 def _cmdline(pid: int) -> str:

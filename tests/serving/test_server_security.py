@@ -258,7 +258,8 @@ def test_resolve_api_key_rules(monkeypatch):
 # ---- servers the trainer starts --------------------------------------------------------------
 
 @pytest.mark.slow
-def test_trainer_started_server_takes_its_secret_from_the_environment_and_cleans_up_on_sigterm(tiny_checkpoints):
+def test_trainer_started_server_takes_its_secret_from_the_environment_and_cleans_up_on_sigterm(tiny_checkpoints,
+                                                                                             warm_engine_servers):
     import secrets
 
     from stacx.rollout.engines.launchers import CpuServerProcess

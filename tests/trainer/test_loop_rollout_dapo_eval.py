@@ -60,8 +60,8 @@ def _overlong_penalty_reference(length: int, max_length: int, buffer: int, facto
 
 
 @pytest.fixture
-def two_servers(files, attached_server_key):
-    """Two `stacx serve` processes of the initial policy (seeds 0 and 1), started side by side; their URLs."""
+def two_servers(files, attached_server_key, warm_engine_servers):
+    """Two `stacx serve` processes of the initial policy (seeds 0 and 1), started side by side (warm); their URLs."""
     from stacx.rollout.engines.launchers import CpuServerProcess
 
     servers: list = [None, None]
