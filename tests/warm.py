@@ -46,3 +46,11 @@ def warm_servers_of_in_process_drivers(monkeypatch) -> None:
     """For a test that runs a driver inside the pytest process: the `stacx serve` engines its launcher starts
     (`[sys.executable, "-m", "stacx", "serve", ...]`) start warm. Only `sys.executable` changes, for the test."""
     monkeypatch.setattr(sys, "executable", warm_python())
+
+
+
+def process_running(pid: int) -> int:
+    """The process that runs the command of process `pid`: for a warm client, the zygote's child (the client
+    waits for it and relays signals); `pid` itself otherwise."""
+    child = _warm.child_of(pid) if _warm is not None else None
+    return pid if child is None else child

@@ -13,7 +13,9 @@ Semantics a caller relies on, kept:
 - the child dies when its client dies (SIGKILL included: the child watches the client's pidfd), so
   killing the process the caller started ends the work, as it would for a cold process;
 - inside the child `sys.executable` is the client again, so what it starts (`stacx serve` beside a
-  driver, torchrun's ranks, a Ray cluster's workers) is warm too.
+  driver, torchrun's ranks, a Ray cluster's workers) is warm too;
+- the child is not below its client in the process tree (the zygote forked it): the zygote publishes each
+  running client's child (`WarmPython.child_of`), so a test can follow a process tree through clients.
 
 Anything the client does not recognise (an interpreter option other than -u/-B/-s/-W, a module or script
 outside the allowed prefixes, a `sitecustomize` on the child's `PYTHONPATH`, no zygote) runs cold with
@@ -46,9 +48,10 @@ child forked after it loaded would carry the zygote's: Ray is imported by each c
 DEFAULT_WARM_MODULES = ("stacx", "tests", "torch.distributed.run")
 """`-m` targets run warm (the module or a submodule of it); other modules run cold."""
 
-DEFAULT_WARM_SCRIPTS = ("ray/_private/workers/default_worker.py", "ray/_private/workers/setup_worker.py")
-"""Scripts run warm (absolute path suffixes): Ray's Python worker and its runtime-env wrapper; `write_client`
-adds the folders given as `warm_folders` (a test suite's own launcher scripts)."""
+DEFAULT_WARM_SCRIPTS = ("ray/_private/workers/default_worker.py", "ray/_private/workers/setup_worker.py", "/bin/ray")
+"""Scripts run warm (absolute path suffixes): Ray's Python worker and its runtime-env wrapper, and the `ray`
+command (a node `ray start` brings up then starts its Python workers warm); `write_client` adds the folders
+given as `warm_folders` (a test suite's own launcher scripts)."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -75,6 +78,9 @@ def serve(socket_path: str, client_path: str, preload: Sequence[str], owner_pid:
     owner = os.pidfd_open(owner_pid)
     children: dict[int, socket.socket] = {}
     departed: set[int] = set()  # children whose client has gone (killed; not yet reaped)
+    published = children_folder(socket_path)
+    os.makedirs(published, exist_ok=True)
+    client_of: dict[int, int] = {}  # child pid -> its client's pid (the name of its file in `published`)
     while True:
         try:
             clients = [connection for pid, connection in children.items() if pid not in departed]
@@ -85,7 +91,7 @@ def serve(socket_path: str, client_path: str, preload: Sequence[str], owner_pid:
             break
         if wake_read in readable:
             os.read(wake_read, 4096)
-            _reap(children, departed)
+            _reap(children, departed, published, client_of)
         _kill_children_whose_client_left(children, departed, readable)
         if listener in readable:
             connection, _ = listener.accept()
@@ -109,15 +115,39 @@ def serve(socket_path: str, client_path: str, preload: Sequence[str], owner_pid:
             for fd in fds:
                 os.close(fd)
             children[pid] = connection
+            client_of[pid] = int(request.get("client_pid", 0))
+            _publish(published, client_of[pid], pid)
             try:
                 send_message(connection, {"pid": pid})
             except OSError:
                 pass
-            _reap(children, departed)
+            _reap(children, departed, published, client_of)
     for connection in children.values():
         connection.close()
     try:
         os.unlink(socket_path)
+    except OSError:
+        pass
+
+
+def children_folder(socket_path: str) -> str:
+    """Where the zygote publishes, for each client, the pid of the child that runs its command: a file named
+    by the client's pid, holding the child's (`child_of`)."""
+    return os.path.join(os.path.dirname(socket_path), "children")
+
+
+def _publish(folder: str, client_pid: int, child_pid: int) -> None:
+    if client_pid <= 0:
+        return
+    temporary = os.path.join(folder, f".{client_pid}.tmp")
+    with open(temporary, "w") as handle:
+        handle.write(str(child_pid))
+    os.rename(temporary, os.path.join(folder, str(client_pid)))
+
+
+def _unpublish(folder: str, client_pid: int) -> None:
+    try:
+        os.unlink(os.path.join(folder, str(client_pid)))
     except OSError:
         pass
 
@@ -137,7 +167,7 @@ def _kill_children_whose_client_left(children: dict[int, socket.socket], departe
                     pass
 
 
-def _reap(children: dict[int, socket.socket], departed: set[int]) -> None:
+def _reap(children: dict[int, socket.socket], departed: set[int], published: str, client_of: dict[int, int]) -> None:
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -147,6 +177,7 @@ def _reap(children: dict[int, socket.socket], departed: set[int]) -> None:
             return
         connection = children.pop(pid, None)
         departed.discard(pid)
+        _unpublish(published, client_of.pop(pid, 0))
         if connection is None:
             continue
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
@@ -262,6 +293,14 @@ class WarmPython:
         self.process = process
         self.client = client
         self.socket_path = socket_path
+
+    def child_of(self, client_pid: int) -> int | None:
+        """The pid of the child running the command of the client `client_pid` (None: not a running client)."""
+        try:
+            with open(os.path.join(children_folder(self.socket_path), str(client_pid))) as handle:
+                return int(handle.read())
+        except (OSError, ValueError):
+            return None
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+from tests.warm import process_running, warm_python
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MARKER_ENV = "STACX_TEST_HANG_MARKER"
 SAMPLES_PER_STEP = 4  # rollout_batch_size 2 x n_samples_per_prompt 2
@@ -100,13 +102,15 @@ def checkpoint(tmp_path_factory) -> str:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoint, tmp_path, signum, request):
     """SIGTERM reaches a driver that started its own local Ray cluster; Ctrl-C one attached to a running
-    cluster with --ray-address (the shared test cluster)."""
+    cluster with --ray-address (the shared test cluster). The attached one runs warm (tests/warm.py), followed
+    through its client; the other cold, as the reaper finds its cluster's processes by their environment."""
     marker = tmp_path / "hanging"
     save = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update({MARKER_ENV: str(marker), "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0",
                 "PYTHONPATH": REPO})
-    command = [sys.executable, "-m", "stacx", "train", "--algorithm", "grpo", "--hf-checkpoint", checkpoint,
+    python = warm_python() if signum == signal.SIGINT else sys.executable
+    command = [python, "-m", "stacx", "train", "--algorithm", "grpo", "--hf-checkpoint", checkpoint,
                "--prompt-data", "builtin:addition", "--rollout-engine", "cpu", "--rollout-batch-size", "2",
                "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--num-steps", "5",
                "--max-tokens-per-micro-batch", "64", "--lr", "1e-4", "--num-cpus-per-rank", "1",
@@ -124,17 +128,19 @@ def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoi
             assert driver.poll() is None, f"the run ended before its reward hung:\n{''.join(output)[-4000:]}"
             assert time.monotonic() < deadline, f"the reward never hung:\n{''.join(output)[-4000:]}"
             time.sleep(0.5)
-        servers = [pid for pid, cmdline in _children(driver.pid) if " serve " in cmdline]
-        assert servers, f"no `stacx serve` child of the driver: {_children(driver.pid)}"
+        running = process_running(driver.pid)
+        servers = [pid for pid, cmdline in _children(running) if " serve " in cmdline]
+        assert servers, f"no `stacx serve` child of the driver: {_children(running)}"
+        servers += [process_running(pid) for pid in servers if process_running(pid) != pid]
         # The reaper of the cluster the driver started (none when attached): its token marks the cluster's processes.
-        tokens = [cmdline.split()[-2] for pid, cmdline in _children(driver.pid) if "reaper.py" in cmdline]
-        assert len(tokens) == (1 if signum == signal.SIGTERM else 0), _children(driver.pid)
+        tokens = [cmdline.split()[-2] for pid, cmdline in _children(running) if "reaper.py" in cmdline]
+        assert len(tokens) == (1 if signum == signal.SIGTERM else 0), _children(running)
         if tokens:  # Ray's own processes and the run's server carry the mark the reaper sweeps by
             from stacx.trainer.cluster.ray.reaper import processes_with_token
 
             marked = " ".join(_cmdline(pid) for pid in processes_with_token(tokens[0]))
             assert "raylet" in marked and "gcs_server" in marked and " serve " in marked, marked[:2000]
-        staged = _shm_files_mapped_by([driver.pid, *servers])
+        staged = _shm_files_mapped_by([running, *servers])
         assert staged, "the first step's weight push did not go through a shared-memory staging file"
         sent = time.monotonic()
         driver.send_signal(signum)

@@ -98,6 +98,21 @@ def test_a_sigkilled_client_takes_its_child_with_it(warm):
     _wait_gone(child_pid)
 
 
+def test_the_zygote_publishes_each_running_clients_child(warm):
+    """A test follows a process tree through a client (the child is the zygote's, not the client's)."""
+    zygote, program = warm
+    process = subprocess.Popen([zygote.client, program, "sleep"], stdout=subprocess.PIPE, text=True)
+    child_pid = int(process.stdout.readline().split()[1])
+    assert zygote.child_of(process.pid) == child_pid
+    assert zygote.child_of(os.getpid()) is None  # not a client
+    process.terminate()
+    process.wait(timeout=30)
+    deadline = time.monotonic() + 30  # unpublished once the zygote has reaped it
+    while zygote.child_of(process.pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert zygote.child_of(process.pid) is None
+
+
 def test_a_stopped_child_dies_with_its_sigkilled_client(warm):
     """SIGSTOP leaves the child unable to act (its own watch cannot run): the zygote, seeing the client's
     connection close, kills the child's group, as a hung cold process dies when it is killed."""

@@ -13,7 +13,7 @@ import torch
 from stacx.testing.listening_sockets import descendant_pids, listening_addresses
 from stacx.trainer.cluster.ray import connect as ray_cluster
 from stacx.trainer.cluster.ray.connect import LOOPBACK_ADDRESS, connect_ray, is_loopback_address, node_addresses
-from tests.warm import warm_python
+from tests.warm import warm_python, warm_servers_of_in_process_drivers
 
 pytestmark = pytest.mark.slow
 LOOPBACK_FORMS = {LOOPBACK_ADDRESS, "::ffff:127.0.0.1"}  # the second: an IPv4 listener on an IPv6 socket
@@ -41,11 +41,13 @@ def _worker_niceness() -> int:
     return os.nice(0)
 
 
-def test_a_local_cluster_reports_and_listens_on_loopback_only():
-    """The cluster's processes, then a 2-rank role world on it (one cluster start for both)."""
+def test_a_local_cluster_reports_and_listens_on_loopback_only(monkeypatch):
+    """The cluster's processes, then a 2-rank role world on it (one cluster start for both). Its Python workers
+    start warm (tests/warm.py)."""
     import ray
     from ray._private import ray_constants
 
+    warm_servers_of_in_process_drivers(monkeypatch)  # the raylet starts workers with this `sys.executable`
     switch_before = ray_constants.ENABLE_RAY_CLUSTER
     connection = connect_ray(num_cpus=2, object_store_memory_bytes=80 * 1024 * 1024, log_to_driver=False,
                              environ={})
@@ -62,7 +64,8 @@ def test_a_local_cluster_reports_and_listens_on_loopback_only():
         assert all(contiguous and torch.equal(a, b) and a.dtype == b.dtype for (a, contiguous), b in zip(arrived, sent))
         assert ray_constants.ENABLE_RAY_CLUSTER == switch_before  # the switch is restored after ray.init
         # What the kernel says, not what Ray says: the GCS, raylet, agents and workers (all started
-        # below this process) listen on loopback and never on 0.0.0.0 / ::.
+        # below this process; the warm workers below the zygote this process started) listen on loopback
+        # and never on 0.0.0.0 / ::.
         addresses = listening_addresses(pids=descendant_pids())
         assert addresses and addresses <= LOOPBACK_FORMS, addresses
         # Another driver attaches by the loopback address (as the tests' runs and `--ray-address` do);

@@ -168,7 +168,10 @@ def _two_node_cluster():
         exceed: that one failure is retried, on fresh ports, at most NODE_START_ATTEMPTS times."""
         for attempt in range(1, NODE_START_ATTEMPTS + 1):
             log_path = os.path.join(temp_dir, f"{name}-{attempt}.log")
-            process = subprocess.Popen([RAY, "start", "--block", *make_args()], env=env, start_new_session=True,
+            # Warm: the node's Python workers (the cluster check's ranks, the job's driver and role workers) are
+            # then warm too. SIGTERM to the client reaches `ray start`; SIGKILL ends the process group it leads.
+            process = subprocess.Popen([warm_python(), RAY, "start", "--block", *make_args()], env=env,
+                                       start_new_session=True,
                                        stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
             sessions.append(process)
             try:
@@ -291,6 +294,6 @@ def test_ray_job_submit_runs_a_stacx_entry_on_the_cluster(two_node_cluster, sort
     and its two data-parallel ranks train on workers of both nodes."""
     out = str(tmp_path / "submitted")
     _train_grpo_and_check_both_nodes(
-        [RAY, "job", "submit", f"--address={two_node_cluster['dashboard']}", "--",
+        [warm_python(), RAY, "job", "submit", f"--address={two_node_cluster['dashboard']}", "--",
          warm_python(), *_grpo_two_node_command(sorting_checkpoint, out)],
         two_node_cluster, out)
