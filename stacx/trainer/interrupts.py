@@ -37,7 +37,8 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 _received: list[int] = []
-"""The termination signals received while a `stop_on_termination_signals` block runs (nested blocks share it)."""
+"""The first termination signal received while a `stop_on_termination_signals` block runs (nested blocks share
+it; the block that opened first forgets it when it ends)."""
 _open_blocks = [0]
 
 
