@@ -5,7 +5,7 @@ weight update with per-token versions."""
 
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 import torch
@@ -126,27 +126,35 @@ def test_fp32_log_probs_agree_with_the_trainer(vllm_engine, vllm_checkpoints):
     assert worst < FP32_TOLERANCE
 
 
-def _running_requests(url: str) -> float:
-    import requests
+def test_partial_rollout_continues_across_a_weight_update(vllm_engine, vllm_checkpoints, monkeypatch):
+    """The request is frozen mid-answer (vLLM's `/pause?mode=keep`, sent by the stream's reader as soon as the first
+    tokens arrive) and aborted while frozen, so its partial answer never depends on how fast the server decodes.
+    (Before: the test polled `/metrics` for a running request, and on a quiet machine the 240 tokens were done
+    between two polls.)"""
+    from stacx.rollout.engines import vllm as vllm_module
 
-    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("vllm:num_requests_running"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def test_partial_rollout_continues_across_a_weight_update(vllm_engine, vllm_checkpoints):
     served, update = vllm_checkpoints
     old = push_checkpoint(vllm_engine, served)
+    frozen = threading.Event()
+    extend = vllm_module.extend_from_chunk
+
+    def extend_then_freeze(output, request, chunk, **kwargs):
+        finished = extend(output, request, chunk, **kwargs)
+        if request.rid == "partial-1" and output.output_ids and not frozen.is_set():
+            vllm_engine.transport.post_json("/pause?mode=keep", {}, summary="pause (keep)")
+            frozen.set()
+        return finished
+
+    monkeypatch.setattr(vllm_module, "extend_from_chunk", extend_then_freeze)
     request = GenerateRequest(input_ids=PROMPTS[0], rid="partial-1",
                               sampling=SamplingParams(max_new_tokens=240, temperature=1.0, seed=5, ignore_eos=True))
     future = vllm_engine.submit(request)
-    deadline = time.monotonic() + 60
-    while _running_requests(vllm_engine.url) < 1:  # the request is decoding on the server
-        assert time.monotonic() < deadline and not future.done(), "the request never started decoding"
-        time.sleep(0.02)
-    vllm_engine.abort(["partial-1"])
-    partial = future.result(timeout=60)
+    try:
+        assert frozen.wait(timeout=120), "the request streamed no token"
+        vllm_engine.abort(["partial-1"])
+        partial = future.result(timeout=60)
+    finally:
+        vllm_engine.resume()
     assert partial.finish_reason == "abort" and 0 < len(partial.output_ids) < 240
     assert partial.output_token_versions == [old] * len(partial.output_ids)
     new = push_checkpoint(vllm_engine, update)
