@@ -78,18 +78,7 @@ def hold_save_folder(save: str | os.PathLike | None, *, wait_s: float = 0.0, pol
         yield
         return
     created = not os.path.isdir(save)
-    os.makedirs(save, exist_ok=True)
-    fd = os.open(lock_path(save), os.O_RDWR | os.O_CREAT, 0o644)
-    with os.fdopen(fd, "r+", encoding="utf-8") as handle:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise _in_use_error(save, handle) from None
-                time.sleep(poll_s)
+    with _lock_the_current_file(save, wait_s, poll_s) as handle:
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
@@ -101,6 +90,47 @@ def hold_save_folder(save: str | os.PathLike | None, *, wait_s: float = 0.0, pol
             handle.truncate()
             handle.flush()
             if created and os.listdir(save) == [LOCK_NAME]:  # a run that saved nothing leaves no folder behind
-                os.unlink(lock_path(save))
-                os.rmdir(save)
+                os.unlink(lock_path(save))  # a waiter that opened it finds it replaced, and locks the new one
+                try:
+                    os.rmdir(save)
+                except OSError:  # a waiter made its own lock file there meanwhile: the folder is its now
+                    pass
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _lock_the_current_file(save, wait_s: float, poll_s: float):
+    """The open lock file of `save`, exclusively locked, and still the one at `lock_path(save)`. A holder that
+    created the folder and saved nothing removes file and folder as it releases them: a waiter may have opened
+    the removed file (its lock would guard nothing) or find the folder gone as it creates it; it tries again."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            os.makedirs(save, exist_ok=True)
+            fd = os.open(lock_path(save), os.O_RDWR | os.O_CREAT, 0o644)
+        except (FileExistsError, FileNotFoundError):
+            if os.path.lexists(save) and not os.path.isdir(save):
+                raise
+            continue  # the folder went between the two calls: make it again
+        handle = os.fdopen(fd, "r+", encoding="utf-8")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                error = _in_use_error(save, handle)
+                handle.close()
+                raise error from None
+            handle.close()
+            time.sleep(poll_s)
+            continue
+        if _is_the_file_at(handle, lock_path(save)):
+            return handle
+        handle.close()  # removed by the holder that released it: lock the file now there
+
+
+def _is_the_file_at(handle, path: Path) -> bool:
+    try:
+        here = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(handle.fileno())
+    return (held.st_dev, held.st_ino) == (here.st_dev, here.st_ino)

@@ -267,6 +267,58 @@ def test_a_restarted_rank_0_takes_the_save_lock_once_the_dead_one_has_dropped_it
         holder.join(30)
 
 
+def test_a_waiter_that_opened_the_lock_file_before_the_holder_removed_it_holds_the_folders_lock(tmp_path, monkeypatch):
+    """A holder that created the folder and saved nothing removes lock file and folder as it releases them. A
+    waiter that had already opened the old file used to lock that removed file (guarding nothing: a third run
+    then took the folder too), or failed making the folder it saw vanish (FileExistsError, seen once in
+    `make test-fast`). It now locks the file that is at the lock's path. The release is made to fall between the
+    waiter's open and its lock (its first lock attempt waits for it)."""
+    import fcntl
+    import threading
+    import types
+
+    from stacx.trainer import save_lock
+    from stacx.trainer.save_lock import SaveFolderInUse, hold_save_folder, lock_path
+
+    save = str(tmp_path / "ckpt")
+    release_now, released = threading.Event(), threading.Event()
+    waiter_holds, waiter_may_end = threading.Event(), threading.Event()
+    errors = []
+
+    def flock_after_the_release(handle, operation):
+        if threading.current_thread().name == "waiter" and operation & fcntl.LOCK_EX and not release_now.is_set():
+            release_now.set()  # the waiter has the old file open: the holder releases it now
+            assert released.wait(60)
+        return fcntl.flock(handle, operation)
+
+    monkeypatch.setattr(save_lock, "fcntl", types.SimpleNamespace(**{name: getattr(fcntl, name) for name in (
+        "LOCK_EX", "LOCK_NB", "LOCK_SH", "LOCK_UN")}, flock=flock_after_the_release))
+
+    def waiter():
+        try:
+            with hold_save_folder(save, wait_s=60, poll_s=0.05):
+                waiter_holds.set()
+                waiter_may_end.wait(60)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+            waiter_holds.set()
+
+    thread = threading.Thread(target=waiter, name="waiter", daemon=True)
+    with hold_save_folder(save):  # creates the folder; saves nothing into it
+        thread.start()
+        assert release_now.wait(60)
+    released.set()
+    try:
+        assert waiter_holds.wait(60) and not errors, errors
+        assert os.path.isdir(save) and lock_path(save).exists()
+        with pytest.raises(SaveFolderInUse), hold_save_folder(save):  # the folder is the waiter's now
+            pass
+    finally:
+        waiter_may_end.set()
+        thread.join(60)
+    assert not errors, errors
+
+
 def test_stacx_torchrun_hands_the_runs_max_restarts_to_torch_elastic():
     from stacx.launch.commands.torchrun import with_elastic_restarts
 
