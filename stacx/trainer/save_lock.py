@@ -9,7 +9,9 @@ The lock is `fcntl.flock` on `<save>/.stacx-run.lock`, whose text names the hold
 time). The kernel drops it when the holding process ends however it ends (SIGKILL included), so a
 crashed run never leaves the folder locked; a run whose launcher died but whose rank 0 lives on still
 holds it (and is named). The file itself stays (removing a lock file races with a process opening it),
-except in a folder the run created and saved nothing into: that folder goes, as if the run never had it.
+except in a folder the run created and saved nothing into: that folder goes, as if the run never had it. A
+waiter that had opened the removed file finds it replaced after taking its lock, and locks the file now at
+the path (`_lock_the_current_file`).
 """
 
 from __future__ import annotations
