@@ -131,7 +131,7 @@ def test_a_signalled_driver_stops_within_30_s_and_leaves_nothing_behind(checkpoi
         running = process_running(driver.pid)
         servers = [pid for pid, cmdline in _children(running) if " serve " in cmdline]
         assert servers, f"no `stacx serve` child of the driver: {_children(running)}"
-        servers += [process_running(pid) for pid in servers if process_running(pid) != pid]
+        servers = sorted({*servers, *map(process_running, servers)})  # a warm server's client and its process
         # The reaper of the cluster the driver started (none when attached): its token marks the cluster's processes.
         tokens = [cmdline.split()[-2] for pid, cmdline in _children(running) if "reaper.py" in cmdline]
         assert len(tokens) == (1 if signum == signal.SIGTERM else 0), _children(running)
