@@ -48,7 +48,6 @@ def warm_servers_of_in_process_drivers(monkeypatch) -> None:
     monkeypatch.setattr(sys, "executable", warm_python())
 
 
-
 def process_running(pid: int) -> int:
     """The process that runs the command of process `pid`: for a warm client, the zygote's child (the client
     waits for it and relays signals); `pid` itself otherwise."""
